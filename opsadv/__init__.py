@@ -1,0 +1,45 @@
+"""opsadv: fused LLM operators behind one operator IR, dispatched at run time to the best kernel
+of a backend plugin, with an answer to "which kernel ran, and why".
+
+    import opsadv
+    opsadv.use_backend("auto")
+    o = opsadv.ops.flash_attention(q, k, v, causal=True)
+    print(opsadv.explain("flash_attention", q, k, v, causal=True))
+"""
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from . import errors, ops  # noqa: E402  (registers the torch.library ops)
+from .core.dispatch import Trace as _Trace  # noqa: E402
+from .core.env import EnvInfo, detect  # noqa: E402
+from .core.explain import explain  # noqa: E402
+from .core.info import info  # noqa: E402
+from .core.kernel import CallSpec, KernelImpl, Profile, ResolveContext  # noqa: E402
+from .core.layout import SparseLayout  # noqa: E402
+from .core.policy import Backend, current_policy, use_backend  # noqa: E402
+from .core.precision import PrecisionPolicy  # noqa: E402
+
+
+def trace() -> _Trace:
+    """`with opsadv.trace() as t:` counts op calls per impl; print(t) or t.counts."""
+    return _Trace()
+
+
+def __getattr__(name: str):
+    # Heavier, optional parts load on first use so `import opsadv` stays light.
+    if name in ("convert_model", "Optimizer", "load"):
+        from . import convert
+        return getattr(convert, name)
+    if name == "runtime":
+        import importlib
+        return importlib.import_module("opsadv.runtime")
+    if name == "layouts":
+        import importlib
+        return importlib.import_module("opsadv.core.layout")
+    raise AttributeError(f"module 'opsadv' has no attribute {name!r}")
+
+
+__all__ = ["use_backend", "ops", "explain", "info", "detect", "trace", "EnvInfo", "KernelImpl", "Profile",
+           "CallSpec", "ResolveContext", "SparseLayout", "Backend", "PrecisionPolicy", "current_policy",
+           "errors", "convert_model", "Optimizer", "load", "__version__"]

@@ -1,0 +1,204 @@
+"""Plain-torch kernels: the numerical oracle.  Half inputs compute in float32, float64 stays
+float64; outputs come back in the input dtype.  Written for clarity, not speed."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from opsadv.core.layout import dense_mask
+
+
+def _acc(t: Tensor | None) -> Tensor | None:
+    if t is None:
+        return None
+    return t if t.dtype == torch.float64 else t.float()
+
+
+def _lse_dtype(t: Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+# ---- attention ---------------------------------------------------------------------------------
+def _scores(q, k, attn_mask, causal, scale):
+    """float scores with -inf where masked (bool mask False, causal, or additive -inf)."""
+    rep = q.shape[1] // k.shape[1]
+    kf = _acc(k).repeat_interleave(rep, dim=1)
+    s = (_acc(q) @ kf.transpose(-1, -2)) * scale
+    sq, sk = q.shape[2], k.shape[2]
+    if causal:
+        i = torch.arange(sq, device=q.device)[:, None]
+        j = torch.arange(sk, device=q.device)[None, :]
+        s = s.masked_fill(j > i + (sk - sq), float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            s = s.masked_fill(~attn_mask, float("-inf"))
+        else:
+            s = s + _acc(attn_mask)
+    return s
+
+
+def _probs(s):
+    lse = torch.logsumexp(s, dim=-1)
+    # fully masked rows: lse = -inf, probabilities 0 (not NaN)
+    p = torch.exp(s - lse.masked_fill(torch.isinf(lse), 0.0)[..., None])
+    p = p.masked_fill(torch.isinf(lse)[..., None], 0.0)
+    return p, lse
+
+
+def attention_fwd(ctx, q, k, v, attn_mask, causal, scale):
+    s = _scores(q, k, attn_mask, causal, scale)
+    p, lse = _probs(s)
+    rep = q.shape[1] // k.shape[1]
+    out = p @ _acc(v).repeat_interleave(rep, dim=1)
+    return out.to(q.dtype), lse.to(_lse_dtype(q))
+
+
+def attention_bwd(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale):
+    rep = q.shape[1] // k.shape[1]
+    s = _scores(q, k, attn_mask, causal, scale)
+    l = _acc(lse)
+    p = torch.exp(s - l.masked_fill(torch.isinf(l), 0.0)[..., None]).masked_fill(torch.isinf(l)[..., None], 0.0)
+    do, vf, kf = _acc(dout), _acc(v).repeat_interleave(rep, dim=1), _acc(k).repeat_interleave(rep, dim=1)
+    dp = do @ vf.transpose(-1, -2)
+    delta = (do * _acc(out)).sum(-1, keepdim=True)
+    ds = p * (dp - delta)
+    dq = (ds @ kf) * scale
+    dk = (ds.transpose(-1, -2) @ _acc(q)) * scale
+    dv = p.transpose(-1, -2) @ do
+    b, hkv = k.shape[0], k.shape[1]
+    dk = dk.reshape(b, hkv, rep, *dk.shape[2:]).sum(2)   # GQA: sum over the query heads sharing a kv head
+    dv = dv.reshape(b, hkv, rep, *dv.shape[2:]).sum(2)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+# ---- sparse attention (dense masking) ------------------------------------------------------------
+def _sparse_mask(q, k, block_mask, kpm, cu, bs, causal, wl, wr, ng):
+    window = (wl, wr) if wl >= 0 else None
+    return dense_mask(q.shape[2], k.shape[2], bs, block_mask, causal, window, ng, kpm, cu, device=q.device)
+
+
+def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale):
+    mask = _sparse_mask(q, k, block_mask, kpm, cu, bs, causal, wl, wr, ng)
+    return attention_fwd(ctx, q, k, v, mask, False, scale)
+
+
+def sparse_bwd(ctx, dout, q, k, v, out, lse, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale):
+    mask = _sparse_mask(q, k, block_mask, kpm, cu, bs, causal, wl, wr, ng)
+    return attention_bwd(ctx, dout, q, k, v, out, lse, mask, False, scale)
+
+
+# ---- gemm ----------------------------------------------------------------------------------------
+ACT = {"none": lambda z: z, "relu": F.relu, "gelu": F.gelu,
+       "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"), "silu": F.silu}
+_SQRT_2_OVER_PI = 0.7978845608028654
+
+
+def act_grad(activation: str, z: Tensor) -> Tensor:
+    """d activation / dz, written out: autograd is off inside a custom op's kernel."""
+    if activation == "none":
+        return torch.ones_like(z)
+    if activation == "relu":
+        return (z > 0).to(z.dtype)
+    if activation == "silu":
+        s = torch.sigmoid(z)
+        return s * (1 + z * (1 - s))
+    if activation == "gelu":
+        return 0.5 * (1 + torch.erf(z * 0.7071067811865476)) + z * torch.exp(-0.5 * z * z) * 0.3989422804014327
+    if activation == "gelu_tanh":
+        t = torch.tanh(_SQRT_2_OVER_PI * (z + 0.044715 * z ** 3))
+        return 0.5 * (1 + t) + 0.5 * z * (1 - t * t) * _SQRT_2_OVER_PI * (1 + 3 * 0.044715 * z * z)
+    raise ValueError(activation)
+
+
+def gemm_fwd(ctx, a, b, bias, activation, residual, alpha):
+    z = alpha * (_acc(a) @ _acc(b))
+    if bias is not None:
+        z = z + _acc(bias)
+    y = ACT[activation](z)
+    if residual is not None:
+        y = y + _acc(residual)
+    return y.to(a.dtype)
+
+
+def gemm_bwd(ctx, grad, a, b, bias, activation, alpha):
+    af, bf, g = _acc(a), _acc(b), _acc(grad)
+    z = alpha * (af @ bf) + (_acc(bias) if bias is not None else 0)
+    dz = g * act_grad(activation, z)
+    k, n = b.shape
+    a2, dz2 = af.reshape(-1, k), dz.reshape(-1, n)
+    da = alpha * (dz @ bf.t())
+    db = alpha * (a2.t() @ dz2)
+    dbias = dz2.sum(0).to(bias.dtype) if bias is not None else a.new_empty((0,))
+    return da.to(a.dtype), db.to(b.dtype), dbias
+
+
+def swiglu_fwd(ctx, x, w, bias):
+    gu = _acc(x) @ _acc(w) + (_acc(bias) if bias is not None else 0)
+    g, u = gu.chunk(2, dim=-1)
+    return (F.silu(g) * u).to(x.dtype)
+
+
+def swiglu_bwd(ctx, grad, x, w, bias):
+    xf, wf = _acc(x), _acc(w)
+    gu = xf @ wf + (_acc(bias) if bias is not None else 0)
+    g, u = gu.chunk(2, dim=-1)
+    go = _acc(grad)
+    dgu = torch.cat([go * u * act_grad("silu", g), go * F.silu(g)], dim=-1)
+    k, n2 = w.shape
+    dx = dgu @ wf.t()
+    dw = xf.reshape(-1, k).t() @ dgu.reshape(-1, n2)
+    dbias = dgu.reshape(-1, n2).sum(0).to(bias.dtype) if bias is not None else x.new_empty((0,))
+    return dx.to(x.dtype), dw.to(w.dtype), dbias
+
+
+# ---- norms ---------------------------------------------------------------------------------------
+def layer_norm_fwd(ctx, x, weight, bias, eps, residual):
+    s = _acc(x) + _acc(residual) if residual is not None else _acc(x)
+    mean = s.mean(-1)
+    var = ((s - mean[..., None]) ** 2).mean(-1)
+    rstd = torch.rsqrt(var + eps)
+    y = (s - mean[..., None]) * rstd[..., None]
+    if weight is not None:
+        y = y * _acc(weight)
+    if bias is not None:
+        y = y + _acc(bias)
+    xsum = s.to(x.dtype) if residual is not None else x.new_empty((0,))
+    sd = _lse_dtype(x)
+    return y.to(x.dtype), xsum, mean.to(sd), rstd.to(sd)
+
+
+def layer_norm_bwd(ctx, dy, dsum, xin, weight, bias, mean, rstd):
+    n = xin.shape[-1]
+    xhat = (_acc(xin) - _acc(mean)[..., None]) * _acc(rstd)[..., None]
+    g = _acc(dy)
+    dxhat = g * _acc(weight) if weight is not None else g
+    dx = _acc(rstd)[..., None] * (dxhat - dxhat.mean(-1, keepdim=True) - xhat * (dxhat * xhat).mean(-1, keepdim=True))
+    if dsum.numel():
+        dx = dx + _acc(dsum)
+    dw = (g * xhat).reshape(-1, n).sum(0).to(weight.dtype) if weight is not None else xin.new_empty((0,))
+    db = g.reshape(-1, n).sum(0).to(bias.dtype) if bias is not None else xin.new_empty((0,))
+    return dx.to(xin.dtype), dw, db
+
+
+def rms_norm_fwd(ctx, x, weight, eps, residual, offset):
+    s = _acc(x) + _acc(residual) if residual is not None else _acc(x)
+    rstd = torch.rsqrt((s * s).mean(-1) + eps)
+    y = s * rstd[..., None]
+    if weight is not None:
+        y = y * (offset + _acc(weight))
+    xsum = s.to(x.dtype) if residual is not None else x.new_empty((0,))
+    return y.to(x.dtype), xsum, rstd.to(_lse_dtype(x))
+
+
+def rms_norm_bwd(ctx, dy, dsum, xin, weight, rstd, offset):
+    n = xin.shape[-1]
+    r = _acc(rstd)[..., None]
+    xhat = _acc(xin) * r
+    g = _acc(dy)
+    dxhat = g * (offset + _acc(weight)) if weight is not None else g
+    dx = r * (dxhat - xhat * (dxhat * xhat).mean(-1, keepdim=True))
+    if dsum.numel():
+        dx = dx + _acc(dsum)
+    dw = (g * xhat).reshape(-1, n).sum(0).to(weight.dtype) if weight is not None else xin.new_empty((0,))
+    return dx.to(xin.dtype), dw

@@ -1,0 +1,1 @@
+"""opsadv.core: op IR, dispatch, capability detection, policy, errors.  Imports no backend."""

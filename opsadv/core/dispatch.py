@@ -1,0 +1,235 @@
+"""Resolution: pick the kernel impl for a call, with reasons; memoized per
+(policy, op, direction, shape bucket) so the hot path is one dict lookup."""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .env import EnvInfo
+from .errors import BackendUnavailableError, InvalidArgumentError, NoKernelError
+from .kernel import CallSpec, KernelImpl, Profile, ResolveContext
+from .policy import Policy, current_policy
+
+log = logging.getLogger("opsadv.dispatch")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    impl: KernelImpl
+    accepted: bool
+    reasons: tuple[str, ...]
+    chosen: bool = False
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """Every candidate impl for one call, with accept/reject reasons.  Printable as a table."""
+
+    op: str
+    spec: CallSpec
+    policy: str
+    candidates: tuple[Candidate, ...]
+    chosen: str | None
+    why: str
+
+    def __str__(self) -> str:
+        head = (f"opsadv.{self.op} [{self.spec.device_type} {str(self.spec.dtype).replace('torch.', '')}"
+                f" bucket={self.spec.bucket} features={sorted(self.spec.features)}"
+                f"{' backward' if self.spec.backward else ''}] under {self.policy}")
+        rows = [head, f"  {'':2} {'impl':42} {'prio':>5}  verdict"]
+        for c in self.candidates:
+            mark = "->" if c.chosen else "  "
+            verdict = "accepted" if c.accepted else "rejected: " + "; ".join(c.reasons)
+            if c.accepted and c.reasons:
+                verdict += " (" + "; ".join(c.reasons) + ")"
+            rows.append(f"  {mark} {c.impl.id:42} {c.impl.priority:>5}  {verdict}")
+        rows.append(f"  chosen: {self.chosen or 'none'} -- {self.why}")
+        return "\n".join(rows)
+
+    def _repr_markdown_(self) -> str:  # notebooks
+        return "```\n" + str(self) + "\n```"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"op": self.op, "policy": self.policy, "chosen": self.chosen, "why": self.why,
+                "candidates": [{"impl": c.impl.id, "backend": c.impl.backend, "priority": c.impl.priority,
+                                "accepted": c.accepted, "chosen": c.chosen, "reasons": list(c.reasons)}
+                               for c in self.candidates]}
+
+
+@dataclass(frozen=True)
+class Resolved:
+    impl: KernelImpl
+    ctx: ResolveContext
+    run: Callable[..., Any]         # impl.fn or impl.backward
+
+
+_memo: dict[tuple, Resolved] = {}
+_memo_lock = threading.Lock()
+_logged_fallback: set[str] = set()
+_tracers: list["Trace"] = []
+
+
+def clear_cache() -> None:
+    with _memo_lock:
+        _memo.clear()
+
+
+def select_profile(backend, policy: Policy) -> Profile | None:
+    """The backend's profile under this policy: the forced one, else the best match."""
+    profiles = backend.profiles
+    if policy.profile is not None and (policy.backend == backend.name or policy.backend == "auto"):
+        for p in profiles:
+            if p.name == policy.profile:
+                return p
+        raise InvalidArgumentError("use_backend", "profile",
+                                   f"a profile of backend {backend.name!r}: {[p.name for p in profiles]}",
+                                   repr(policy.profile))
+    from ..registry import get_registry
+    env = get_registry().env
+    matching = [p for p in profiles if p.matches is None or p.matches(env)]
+    matching.sort(key=lambda p: (-p.priority, p.name))
+    return matching[0] if matching else None
+
+
+def _selected_backends(policy: Policy, spec: CallSpec):
+    from ..registry import get_registry
+    reg = get_registry()
+    if policy.backend == "auto":
+        return reg, [b for b in reg.available()]
+    rec = reg.backends.get(policy.backend)
+    if rec is None or not rec.available:
+        raise BackendUnavailableError(policy.backend, list(rec.probe.reasons) if rec else ["not registered"])
+    return reg, [rec]
+
+
+def explain_spec(spec: CallSpec, policy: Policy | None = None) -> tuple[Explanation, Resolved | None]:
+    """Full resolution (no memo): every registered impl of the op with its verdict."""
+    policy = policy or current_policy()
+    reg, selected = _selected_backends(policy, spec)
+    names = {b.name for b in selected}
+    env: EnvInfo = reg.env
+    cands: list[Candidate] = []
+    for impl in reg.impls_by_op.get(spec.op, []):
+        if impl.backend not in names:
+            cands.append(Candidate(impl, False, (f"backend {impl.backend!r} not selected by policy",)))
+            continue
+        if policy.backend == "auto" and policy.strict and impl.backend == "reference" and len(names) > 1:
+            cands.append(Candidate(impl, False, ("strict policy: no reference fallback",)))
+            continue
+        why = impl.rejection_reasons(spec, env, experimental_ok=policy.experimental,
+                                     deterministic=policy.deterministic)
+        cands.append(Candidate(impl, not why, tuple(why)))
+    accepted = sorted((c for c in cands if c.accepted), key=lambda c: (-c.impl.priority, c.impl.id))
+    chosen: KernelImpl | None = None
+    why = ""
+    if accepted:
+        chosen = accepted[0].impl
+        why = f"highest priority ({chosen.priority}) of {len(accepted)} accepted"
+        from . import tuning
+        measured = tuning.lookup(spec, [c.impl.id for c in accepted], env)
+        if measured is not None:
+            chosen = next(c.impl for c in accepted if c.impl.id == measured.winner)
+            why = measured.describe()
+    cands.sort(key=lambda c: (not c.accepted, -c.impl.priority, c.impl.id))
+    cands = [Candidate(c.impl, c.accepted, c.reasons, chosen is not None and c.impl.id == chosen.id)
+             for c in cands]
+    exp = Explanation(spec.op, spec, policy.describe(), tuple(cands), chosen.id if chosen else None, why)
+    if chosen is None:
+        return exp, None
+    backend = reg.backends[chosen.backend]
+    profile = select_profile(backend, policy) if backend.profiles else None
+    options = policy.option_dict if policy.backend in (chosen.backend, "auto") else {}
+    ctx = ResolveContext(env=env, profile=profile, options={**options, "precision": policy.precision,
+                                                             "deterministic": policy.deterministic}, spec=spec)
+    run = chosen.backward if spec.backward else chosen.fn
+    return exp, Resolved(chosen, ctx, run)
+
+
+def resolve(key: tuple, make_spec: Callable[[], CallSpec], args: tuple | None = None) -> Resolved:
+    """The hot path: one dict lookup; on a miss, full resolution + one log line."""
+    policy = current_policy()
+    mkey = (policy.serial, key)
+    r = _memo.get(mkey)
+    if r is not None:
+        return r
+    spec = make_spec()
+    exp, r = explain_spec(spec, policy)
+    if r is None:
+        reasons = {c.impl.id: list(c.reasons) for c in exp.candidates}
+        raise NoKernelError(spec.op + (" (backward)" if spec.backward else ""), policy.describe(), reasons)
+    if policy.autotune and args is not None:
+        from . import tuning
+        r = tuning.autotune(exp, r, args) or r
+    _announce(exp, r, policy)
+    with _memo_lock:
+        _memo[mkey] = r
+    return r
+
+
+def _announce(exp: Explanation, r: Resolved, policy: Policy) -> None:
+    line = (f"opsadv: {exp.op}{' backward' if exp.spec.backward else ''} {exp.spec.device_type} "
+            f"{str(exp.spec.dtype).replace('torch.', '')} bucket={exp.spec.bucket} -> {r.impl.id} ({exp.why})")
+    if os.environ.get("OPSADV_LOG_DISPATCH", "0") not in ("", "0"):
+        print(line, file=sys.stderr)
+    log.info(line)
+    if r.impl.backend == "reference" and policy.backend == "auto":
+        from ..registry import get_registry
+        device_backends = [b.name for b in get_registry().available()
+                           if b.name != "reference" and exp.spec.device_type in b.info.device_types]
+        if device_backends and exp.op not in _logged_fallback:
+            _logged_fallback.add(exp.op)
+            rej = "; ".join(f"{c.impl.id}: {', '.join(c.reasons)}" for c in exp.candidates
+                            if not c.accepted and c.impl.backend in device_backends)
+            warnings.warn(f"opsadv: {exp.op} falls back to the reference backend although {device_backends} "
+                          f"is available ({rej}). opsadv.explain() shows why.", RuntimeWarning, stacklevel=4)
+
+
+class Trace:
+    """`with opsadv.trace() as t:` counts op calls per impl (t.counts, str(t))."""
+
+    def __init__(self):
+        self.counts: Counter[str] = Counter()
+
+    def __enter__(self) -> "Trace":
+        _tracers.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _tracers.remove(self)
+
+    def __str__(self) -> str:
+        return "\n".join(f"{n:8d}  {impl}" for impl, n in self.counts.most_common()) or "(no opsadv calls)"
+
+
+def record(impl_id: str) -> None:
+    for t in _tracers:
+        t.counts[impl_id] += 1
+
+
+def call(key: tuple, make_spec: Callable[[], CallSpec], args: tuple) -> Any:
+    """Resolve (memoized) and run.  `args` are the op's positional arguments."""
+    policy = _scoped_or_global()
+    r = _memo.get((policy.serial, key))
+    if r is None:
+        r = resolve(key, make_spec, args)
+    if _tracers:
+        record(r.impl.id)
+    return r.run(r.ctx, *args)
+
+
+from .policy import current_policy as _scoped_or_global  # noqa: E402  (hot-path alias)
+
+
+def _after_fork() -> None:
+    global _memo_lock
+    _memo_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)

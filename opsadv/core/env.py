@@ -1,0 +1,193 @@
+"""Capability detection.  `detect()` is cheap and never raises: it reads files and device
+properties but creates no tensors on a device and never imports torch_npu."""
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import importlib.util
+import os
+import platform
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class EnvInfo:
+    """What this process can run on.  Plain data: printable, comparable, JSON-able."""
+
+    device_type: str = "cpu"                     # "cuda", "npu" or "cpu": the best accelerator seen
+    device_name: str | None = None
+    device_count: int = 0
+    compute_capability: tuple[int, int] | None = None
+    sm_count: int | None = None
+    total_memory: int | None = None              # bytes of device memory
+    shared_memory_per_block_optin: int | None = None
+    l2_cache_size: int | None = None
+    integrated: bool = False                     # integrated GPU (memory shared with the CPU)
+    unified_memory: bool = False
+    tegra_release: str | None = None             # first line of /etc/nv_tegra_release
+    device_tree_model: str | None = None
+    device_tree_compatible: tuple[str, ...] = ()
+    mem_available: int | None = None             # bytes, /proc/meminfo MemAvailable
+    npu_installed: bool = False                  # torch_npu importable (not imported here)
+    npu_soc_version: int | None = None           # only when torch_npu was already loaded
+    npu_device_name: str | None = None
+    triton_interpret: bool = False               # TRITON_INTERPRET=1: Triton kernels run on CPU
+    torch_version: str = ""
+    cuda_version: str | None = None
+    triton_version: str | None = None
+    torch_npu_version: str | None = None
+    cann_version: str | None = None
+    python_version: str = ""
+    machine: str = ""
+    errors: tuple[str, ...] = ()                 # what could not be read, and why
+
+    @property
+    def is_jetson(self) -> bool:
+        """Jetson needs a Tegra marker; an integrated GPU alone (e.g. DGX Spark) is not one."""
+        compat = " ".join(self.device_tree_compatible)
+        tegra_marker = bool(self.tegra_release) or "tegra" in compat or "nvidia,jetson" in compat
+        return tegra_marker and (self.integrated or self.compute_capability in {(7, 2), (8, 7), (11, 0)}
+                                 or self.device_type == "cpu")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["is_jetson"] = self.is_jetson
+        return d
+
+    def __str__(self) -> str:
+        rows = [f"{k:32s} {v}" for k, v in self.to_dict().items() if v not in (None, (), "", False)]
+        return "EnvInfo\n  " + "\n  ".join(rows)
+
+
+def _read_first_line(path: Path) -> str | None:
+    try:
+        text = path.read_bytes().decode(errors="replace").replace("\x00", "\n").strip()
+        return text.splitlines()[0].strip() if text else None
+    except OSError:
+        return None
+
+
+def _read_compatible(path: Path) -> tuple[str, ...]:
+    try:
+        return tuple(s for s in path.read_bytes().decode(errors="replace").split("\x00") if s)
+    except OSError:
+        return ()
+
+
+def _mem_available(path: Path) -> int | None:
+    try:
+        for line in path.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _cuda_properties(errors: list[str]) -> dict[str, Any]:
+    """Device 0's properties, read without allocating anything on the device."""
+    import torch
+
+    try:
+        if not torch.cuda.is_available():
+            return {}
+        p = torch.cuda.get_device_properties(0)
+        return dict(
+            device_type="cuda",
+            device_name=p.name,
+            device_count=torch.cuda.device_count(),
+            compute_capability=(p.major, p.minor),
+            sm_count=p.multi_processor_count,
+            total_memory=p.total_memory,
+            shared_memory_per_block_optin=getattr(p, "shared_memory_per_block_optin", None),
+            l2_cache_size=getattr(p, "L2_cache_size", None),
+            integrated=bool(getattr(p, "is_integrated", False)),
+            unified_memory=bool(getattr(p, "is_integrated", False)),
+        )
+    except Exception as e:  # a broken driver must not break detection
+        errors.append(f"cuda properties: {type(e).__name__}: {e}")
+        return {}
+
+
+def _npu_properties(errors: list[str]) -> dict[str, Any]:
+    """Read the NPU only if torch_npu is already loaded (e.g. by torch's autoload):
+    detection itself never imports it."""
+    mod = sys.modules.get("torch_npu")
+    if mod is None:
+        return {}
+    try:
+        import torch
+
+        if not torch.npu.is_available():  # type: ignore[attr-defined]
+            return {}
+        return dict(device_type="npu", device_count=torch.npu.device_count(),  # type: ignore[attr-defined]
+                    npu_device_name=mod.npu.get_device_name(),
+                    npu_soc_version=int(mod.npu.get_soc_version()))
+    except Exception as e:
+        errors.append(f"npu properties: {type(e).__name__}: {e}")
+        return {}
+
+
+def detect(*, root: str | os.PathLike = "/", cuda_properties: Callable[[list[str]], dict] | None = None,
+           environ: dict[str, str] | None = None) -> EnvInfo:
+    """Describe this machine.  `root`, `cuda_properties` and `environ` exist so tests can fake
+    a Jetson or a GPU; normal callers pass nothing."""
+    import torch
+
+    env = os.environ if environ is None else environ
+    root = Path(root)
+    errors: list[str] = []
+    info: dict[str, Any] = dict(
+        torch_version=torch.__version__,
+        cuda_version=torch.version.cuda,
+        triton_version=_version("triton"),
+        torch_npu_version=_version("torch-npu") or _version("torch_npu"),
+        cann_version=env.get("ASCEND_TOOLKIT_VERSION") or _read_first_line(
+            Path(env.get("ASCEND_TOOLKIT_HOME", "/usr/local/Ascend/ascend-toolkit/latest")) / "version.cfg"),
+        python_version=platform.python_version(),
+        machine=platform.machine(),
+        triton_interpret=env.get("TRITON_INTERPRET", "0") not in ("", "0"),
+        tegra_release=_read_first_line(root / "etc/nv_tegra_release"),
+        device_tree_model=_read_first_line(root / "proc/device-tree/model"),
+        device_tree_compatible=_read_compatible(root / "proc/device-tree/compatible"),
+        mem_available=_mem_available(root / "proc/meminfo"),
+    )
+    try:
+        info["npu_installed"] = importlib.util.find_spec("torch_npu") is not None
+    except (ImportError, ValueError):
+        info["npu_installed"] = False
+    info.update((cuda_properties or _cuda_properties)(errors))
+    if info.get("device_type") != "cuda":
+        info.update(_npu_properties(errors))
+    info["errors"] = tuple(errors)
+    return EnvInfo(**info)
+
+
+_cached: EnvInfo | None = None
+
+
+def current_env() -> EnvInfo:
+    """detect() once per process (cheap after the first call)."""
+    global _cached
+    if _cached is None:
+        _cached = detect()
+    return _cached
+
+
+def _reset_after_fork() -> None:
+    global _cached
+    _cached = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_after_fork)

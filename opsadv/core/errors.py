@@ -1,0 +1,48 @@
+"""Exceptions raised by opsadv.  Every message names the op, the argument, what was
+expected and what was given, so a user can fix the call without reading our source."""
+from __future__ import annotations
+
+
+class OpsadvError(Exception):
+    """Base class of every opsadv error."""
+
+
+class InvalidArgumentError(OpsadvError, ValueError):
+    """A call's argument is wrong (rank, shape, dtype, device, layout, option)."""
+
+    def __init__(self, op: str, arg: str, expected: str, given: object):
+        self.op, self.arg, self.expected, self.given = op, arg, expected, given
+        super().__init__(f"opsadv.{op}: argument '{arg}' must be {expected}; got {given}")
+
+
+class UnknownOptionError(InvalidArgumentError):
+    """An option name or value that opsadv does not know."""
+
+
+class NoKernelError(OpsadvError, RuntimeError):
+    """No kernel impl could serve a call under the current policy.  `reasons` maps each
+    candidate impl id to the reasons it was rejected."""
+
+    def __init__(self, op: str, policy: str, reasons: dict[str, list[str]], detail: str = ""):
+        self.op, self.policy, self.reasons = op, policy, reasons
+        lines = [f"opsadv.{op}: no kernel can serve this call under {policy}{detail}."]
+        if not reasons:
+            lines.append("  (no impl of this op is registered by the selected backend(s))")
+        for impl_id, why in reasons.items():
+            lines.append(f"  {impl_id}: " + "; ".join(why))
+        super().__init__("\n".join(lines))
+
+
+class BackendUnavailableError(OpsadvError, RuntimeError):
+    """An explicitly chosen backend is missing or its probe says it cannot run here."""
+
+    def __init__(self, backend: str, reasons: list[str]):
+        self.backend, self.reasons = backend, list(reasons)
+        msg = f"opsadv backend '{backend}' is not available here"
+        if reasons:
+            msg += ":\n" + "\n".join(f"  - {r}" for r in reasons)
+        super().__init__(msg)
+
+
+class PluginError(OpsadvError, RuntimeError):
+    """A backend plugin failed to load or register (raised only in strict mode)."""

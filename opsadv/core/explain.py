@@ -1,0 +1,51 @@
+"""opsadv.explain(op, *args, **kwargs): why a kernel was (or would be) chosen for a call."""
+from __future__ import annotations
+
+from typing import Any
+
+from . import dispatch
+from .errors import InvalidArgumentError
+from .kernel import OPS
+from .ops import attention, gemm, norm, sparse
+
+
+def _spec_for(op: str, args: tuple, kwargs: dict[str, Any], backward: bool):
+    def get(i, name, default=None):
+        return args[i] if len(args) > i else kwargs.get(name, default)
+
+    if op == "flash_attention":
+        q, k, v = get(0, "q"), get(1, "k"), get(2, "v")
+        mask, causal, scale = kwargs.get("attn_mask"), kwargs.get("causal", False), kwargs.get("scale")
+        attention.validate(q, k, v, mask, causal, scale)
+        return attention._spec(q, k, mask, causal, backward)
+    if op == "sparse_attention":
+        q, k, v, layout = get(0, "q"), get(1, "k"), get(2, "v"), get(3, "layout")
+        sparse.validate(q, k, v, layout, kwargs.get("scale"))
+        return sparse._spec(q, k, layout.key_padding_mask, layout.cu_seqlens, layout.block_size, layout.causal,
+                            layout.window_left, layout.num_global, backward)
+    if op == "gemm":
+        a, b = get(0, "a"), get(1, "b")
+        bias, act, res, alpha = (kwargs.get("bias"), kwargs.get("activation", "none"), kwargs.get("residual"),
+                                 kwargs.get("alpha", 1.0))
+        gemm.validate_gemm(a, b, bias, act, res, alpha)
+        return gemm._gemm_spec(a, b, bias, act, res, alpha, backward)
+    if op == "swiglu_gemm":
+        x, w = get(0, "x"), get(1, "w_gate_up")
+        gemm.validate_swiglu(x, w, kwargs.get("bias"))
+        return gemm._swiglu_spec(x, w, kwargs.get("bias"), backward)
+    if op in ("layer_norm", "rms_norm"):
+        x, w = get(0, "x"), get(1, "weight")
+        bias = get(2, "bias") if op == "layer_norm" else None
+        eps = get(3 if op == "layer_norm" else 2, "eps", 1e-5)
+        res, offset = kwargs.get("residual"), kwargs.get("offset", 0.0)
+        norm.validate(op, x, w, bias, eps, res, offset)
+        return norm._spec(op, x, w, bias, res, backward, offset)
+    raise InvalidArgumentError("explain", "op", f"one of {list(OPS)}", repr(op))
+
+
+def explain(op: str, *args: Any, backward: bool = False, **kwargs: Any) -> dispatch.Explanation:
+    """Every candidate impl for this call under the current policy, accepted or rejected, with
+    reasons, and the one that would run.  Takes the op's own arguments."""
+    spec = _spec_for(op, args, kwargs, backward)
+    exp, _ = dispatch.explain_spec(spec)
+    return exp

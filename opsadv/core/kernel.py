@@ -1,0 +1,130 @@
+"""What a kernel impl declares, what a call asks for, and the context an impl runs in.
+
+A backend plugin describes each kernel with a `KernelImpl`; the resolver compares the
+impl's declaration with the `CallSpec` that the op's schema builds from the arguments and
+collects a reason for every mismatch (xformers-style: the dispatcher, not the kernel, decides)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+
+from .env import EnvInfo
+
+OPS = ("flash_attention", "sparse_attention", "gemm", "swiglu_gemm", "layer_norm", "rms_norm")
+
+# Conventional priority levels; spaced so a third party can slot between them.
+PRIORITY_VENDOR = 300
+PRIORITY_TRITON = 200
+PRIORITY_GENERIC = 100
+PRIORITY_REFERENCE = 0
+
+
+@dataclass(frozen=True)
+class CallSpec:
+    """What one call needs, built by the op's schema.  Hashable parts form the shape bucket."""
+
+    op: str
+    device_type: str
+    dtype: torch.dtype
+    features: frozenset[str]          # e.g. {"causal", "gqa", "attn_mask", "cross_length", "residual"}
+    bucket: tuple                     # shape bucket: calls in one bucket resolve alike
+    head_dim: int | None = None
+    shapes: tuple = ()                # exact shapes, for impls' dynamic checks
+    backward: bool = False
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Tuning data for a backend on a class of hardware.  Profiles are data, not code."""
+
+    name: str
+    backend: str
+    description: str = ""
+    tiles: Mapping[str, Any] = field(default_factory=dict)          # per-op tile choices
+    num_stages: int = 2
+    num_warps: int = 4
+    autotune: bool = True                                           # run autotune sweeps at all
+    autotune_space: Mapping[str, Any] = field(default_factory=dict)
+    workspace_cap_bytes: int | None = None
+    memory_policy: str = "balanced"                                  # conservative|balanced|aggressive
+    priority: int = 0                                                # among matching profiles
+    matches: Callable[[EnvInfo], bool] | None = None                 # which hardware it is for
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ResolveContext:
+    """Handed to every impl call as the first argument: the environment, the backend's active
+    profile and the policy options.  Built once per resolution, never per call."""
+
+    env: EnvInfo
+    profile: Profile | None
+    options: Mapping[str, Any]
+    spec: CallSpec
+
+
+@dataclass(frozen=True)
+class KernelImpl:
+    """One kernel for one op.  `fn(ctx, *op_args)` returns what the op returns; `backward`
+    (optional) takes `(ctx, *backward_args)` as the op's backward schema lists them."""
+
+    id: str                                   # unique, dotted: "cuda.triton.flash_attention"
+    op: str
+    backend: str
+    fn: Callable[..., Any]
+    backward: Callable[..., Any] | None = None
+    priority: int = PRIORITY_GENERIC
+    device_types: tuple[str, ...] = ("cuda",)
+    dtypes: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
+    head_dims: tuple[int, ...] | None = None  # exact supported head dims (None: any)
+    max_head_dim: int | None = None
+    min_cc: tuple[int, int] | None = None
+    max_cc: tuple[int, int] | None = None
+    features: frozenset[str] = frozenset()    # features the impl supports
+    deterministic: bool = False
+    supports_compile: bool = True
+    supports_export: bool = True
+    experimental: bool = False                # gated behind policy experimental=True
+    requires_interpret_or_cuda: bool = False  # Triton: CUDA tensors, or CPU tensors under TRITON_INTERPRET=1
+    check: Callable[[CallSpec, EnvInfo], list[str]] | None = None   # dynamic limits -> reasons
+    description: str = ""
+
+    def rejection_reasons(self, spec: CallSpec, env: EnvInfo, *, experimental_ok: bool,
+                          deterministic: bool) -> list[str]:
+        """Every reason this impl cannot serve `spec` (empty: it can)."""
+        why: list[str] = []
+        if spec.device_type not in self.device_types:
+            why.append(f"device '{spec.device_type}' not in {list(self.device_types)}")
+        if spec.dtype not in self.dtypes:
+            why.append(f"dtype {str(spec.dtype).replace('torch.', '')} not in "
+                       f"{[str(d).replace('torch.', '') for d in self.dtypes]}")
+        if spec.head_dim is not None:
+            if self.head_dims is not None and spec.head_dim not in self.head_dims:
+                why.append(f"head_dim {spec.head_dim} not in {list(self.head_dims)}")
+            if self.max_head_dim is not None and spec.head_dim > self.max_head_dim:
+                why.append(f"head_dim {spec.head_dim} > {self.max_head_dim}")
+        missing = spec.features - self.features
+        if missing:
+            why.append("does not support " + ", ".join(sorted(missing)))
+        if spec.backward and self.backward is None:
+            why.append("has no backward")
+        if spec.device_type == "cuda" and (self.min_cc or self.max_cc):
+            cc = env.compute_capability
+            if cc is None:
+                why.append("compute capability unknown")
+            elif self.min_cc and cc < self.min_cc:
+                why.append(f"needs compute capability >= {self.min_cc[0]}.{self.min_cc[1]}, device has {cc[0]}.{cc[1]}")
+            elif self.max_cc and cc > self.max_cc:
+                why.append(f"needs compute capability <= {self.max_cc[0]}.{self.max_cc[1]}, device has {cc[0]}.{cc[1]}")
+        if self.experimental and not experimental_ok:
+            why.append("experimental (enable with use_backend(..., experimental=True))")
+        if deterministic and not self.deterministic:
+            why.append("not deterministic (policy asks for deterministic kernels)")
+        if self.check is not None and not why:
+            try:
+                why.extend(self.check(spec, env))
+            except Exception as e:  # a buggy check rejects, it does not crash dispatch
+                why.append(f"check() raised {type(e).__name__}: {e}")
+        return why

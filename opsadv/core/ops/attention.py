@@ -1,0 +1,143 @@
+"""flash_attention: schema, validation, torch.library op, fake kernel and autograd.
+
+Layout (batch, heads, seq, head_dim).  GQA/MQA when q heads are a multiple of kv heads.
+q and kv lengths may differ; causal is aligned bottom-right (query i sees keys
+j <= i + s_k - s_q, as when decoding with a KV cache).  `attn_mask` is a bool mask
+(True = attend, SDPA's convention) or an additive float mask, broadcastable to
+(b, h_q, s_q, s_k).  A fully masked row yields zeros and lse = -inf (never NaN).
+
+Impl contract:  fn(ctx, q, k, v, attn_mask, causal, scale: float) -> (out, lse)
+                backward(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale) -> (dq, dk, dv)
+lse is (b, h_q, s_q), float32 (float64 for float64 inputs), natural log."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import dispatch
+from ..errors import InvalidArgumentError
+from ..kernel import CallSpec
+from ._common import check_same, check_scale, check_tensor, dt, len_bucket
+
+OP = "flash_attention"
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def validate(q, k, v, attn_mask, causal, scale) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(OP, name, t, ndim=4)
+    check_same(OP, "q", q, k=k, v=v)
+    b, hq, sq, d = q.shape
+    if k.shape[0] != b or v.shape[0] != b:
+        raise InvalidArgumentError(OP, "k/v", f"batch {b} (same as q)", f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if k.shape[-1] != d:
+        raise InvalidArgumentError(OP, "k", f"head_dim {d} (same as q)", f"head_dim {k.shape[-1]}")
+    if v.shape[:3] != k.shape[:3]:
+        raise InvalidArgumentError(OP, "v", f"(batch, heads, seq) = {tuple(k.shape[:3])} (same as k)", tuple(v.shape))
+    if v.shape[-1] != d:
+        raise InvalidArgumentError(OP, "v", f"head_dim {d} (same as q)", f"head_dim {v.shape[-1]}")
+    hkv = k.shape[1]
+    if hq % hkv:
+        raise InvalidArgumentError(OP, "k", f"a number of heads dividing q's {hq} (GQA/MQA)", f"{hkv} heads")
+    if not isinstance(causal, bool):
+        raise InvalidArgumentError(OP, "causal", "a bool", repr(causal))
+    check_scale(OP, scale)
+    if attn_mask is not None:
+        if not isinstance(attn_mask, Tensor):
+            raise InvalidArgumentError(OP, "attn_mask", "None or a tensor", type(attn_mask).__name__)
+        if attn_mask.dtype != torch.bool and attn_mask.dtype != q.dtype:
+            raise InvalidArgumentError(OP, "attn_mask", f"dtype bool or {dt(q.dtype)} (additive)", dt(attn_mask.dtype))
+        if attn_mask.device != q.device:
+            raise InvalidArgumentError(OP, "attn_mask", f"on device {q.device}", str(attn_mask.device))
+        try:
+            torch.broadcast_shapes(attn_mask.shape, (b, hq, sq, k.shape[2]))
+            ok = attn_mask.dim() <= 4
+        except RuntimeError:
+            ok = False
+        if not ok:
+            raise InvalidArgumentError(OP, "attn_mask", f"broadcastable to (b, h_q, s_q, s_k) = {(b, hq, sq, k.shape[2])}",
+                                       tuple(attn_mask.shape))
+
+
+def features(q, k, attn_mask, causal) -> frozenset[str]:
+    f = set()
+    if causal:
+        f.add("causal")
+    if attn_mask is not None:
+        f.add("attn_mask_bool" if attn_mask.dtype == torch.bool else "attn_mask_float")
+    if q.shape[1] != k.shape[1]:
+        f.add("gqa")
+    if q.shape[2] != k.shape[2]:
+        f.add("cross_length")
+    return frozenset(f)
+
+
+def _key(q, k, attn_mask, causal, backward: bool) -> tuple:
+    # Everything the verdict of any impl may depend on, cheaply (no allocation).
+    return (OP, backward, q.device.type, q.dtype, q.shape[-1], causal,
+            None if attn_mask is None else attn_mask.dtype, q.shape[1] // k.shape[1], q.shape[2] != k.shape[2],
+            len_bucket(q.shape[2]), len_bucket(k.shape[2]), len_bucket(q.shape[0] * q.shape[1]))
+
+
+def _spec(q, k, attn_mask, causal, backward: bool) -> CallSpec:
+    return CallSpec(op=OP, device_type=q.device.type, dtype=q.dtype, features=features(q, k, attn_mask, causal),
+                    bucket=(len_bucket(q.shape[2]), len_bucket(k.shape[2]), len_bucket(q.shape[0] * q.shape[1])),
+                    head_dim=q.shape[-1], shapes=(tuple(q.shape), tuple(k.shape)), backward=backward)
+
+
+@torch.library.custom_op("opsadv::flash_attention", mutates_args=())
+def _flash_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], causal: bool,
+                     scale: Optional[float]) -> tuple[Tensor, Tensor]:
+    s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return dispatch.call(_key(q, k, attn_mask, causal, False), lambda: _spec(q, k, attn_mask, causal, False),
+                         (q, k, v, attn_mask, causal, s))
+
+
+@_flash_attention.register_fake
+def _(q, k, v, attn_mask, causal, scale):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=lse_dtype(q.dtype))
+
+
+@torch.library.custom_op("opsadv::flash_attention_backward", mutates_args=())
+def _flash_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                              attn_mask: Optional[Tensor], causal: bool,
+                              scale: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
+    s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return dispatch.call(_key(q, k, attn_mask, causal, True), lambda: _spec(q, k, attn_mask, causal, True),
+                         (dout, q, k, v, out, lse, attn_mask, causal, s))
+
+
+@_flash_attention_backward.register_fake
+def _(dout, q, k, v, out, lse, attn_mask, causal, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, attn_mask, causal, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask)
+    ctx.causal, ctx.scale = causal, scale
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, attn_mask = ctx.saved_tensors
+    dq, dk, dv = torch.ops.opsadv.flash_attention_backward(dout, q, k, v, out, lse, attn_mask, ctx.causal, ctx.scale)
+    return dq, dk, dv, None, None, None
+
+
+_flash_attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: float | None = None,
+                    attn_mask: Tensor | None = None, return_lse: bool = False):
+    """Fused softmax(q kᵀ · scale [+ mask]) v.  Returns out (b, h_q, s_q, d), or (out, lse) with
+    return_lse=True (lse is not differentiable).  Gradients flow to q, k, v (not the mask)."""
+    validate(q, k, v, attn_mask, causal, scale)
+    out, lse = torch.ops.opsadv.flash_attention(q, k, v, attn_mask, causal, scale)
+    return (out, lse.detach()) if return_lse else out

@@ -1,0 +1,179 @@
+"""gemm and swiglu_gemm: schema, validation, torch.library ops, fake kernels and autograd.
+
+gemm:         out = activation(alpha · (a @ b) + bias) + residual
+              a (..., K), b (K, N), bias (N,), residual (..., N)
+swiglu_gemm:  out = silu(x @ W_g + b_g) * (x @ W_u + b_u), one GEMM over w_gate_up = [W_g | W_u] (K, 2N)
+
+Impl contract:
+  gemm         fn(ctx, a, b, bias, activation, residual, alpha) -> out
+               backward(ctx, grad, a, b, bias, activation, alpha) -> (da, db, dbias or 0-element tensor)
+  swiglu_gemm  fn(ctx, x, w_gate_up, bias) -> out
+               backward(ctx, grad, x, w_gate_up, bias) -> (dx, dw, dbias or 0-element tensor)
+(the residual's gradient is the output gradient itself; core handles it)."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import dispatch
+from ..errors import InvalidArgumentError
+from ..kernel import CallSpec
+from ._common import check_choice, check_same, check_tensor, len_bucket, none_if_empty
+
+ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
+
+
+def validate_gemm(a, b, bias, activation, residual, alpha) -> None:
+    op = "gemm"
+    check_tensor(op, "a", a, min_ndim=1)
+    check_tensor(op, "b", b, ndim=2)
+    check_same(op, "a", a, b=b, bias=bias, residual=residual)
+    if a.shape[-1] != b.shape[0]:
+        raise InvalidArgumentError(op, "b", f"shape (K, N) with K = {a.shape[-1]} (a's last dim)", tuple(b.shape))
+    n = b.shape[1]
+    if bias is not None:
+        check_tensor(op, "bias", bias, ndim=1)
+        if bias.shape[0] != n:
+            raise InvalidArgumentError(op, "bias", f"shape ({n},)", tuple(bias.shape))
+    check_choice(op, "activation", activation, ACTIVATIONS)
+    if residual is not None:
+        check_tensor(op, "residual", residual)
+        want = tuple(a.shape[:-1]) + (n,)
+        if tuple(residual.shape) != want:
+            raise InvalidArgumentError(op, "residual", f"shape {want} (the output's)", tuple(residual.shape))
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise InvalidArgumentError(op, "alpha", "a finite float", repr(alpha))
+
+
+def validate_swiglu(x, w, bias) -> None:
+    op = "swiglu_gemm"
+    check_tensor(op, "x", x, min_ndim=1)
+    check_tensor(op, "w_gate_up", w, ndim=2)
+    check_same(op, "x", x, w_gate_up=w, bias=bias)
+    if w.shape[0] != x.shape[-1] or w.shape[1] % 2:
+        raise InvalidArgumentError(op, "w_gate_up", f"shape (K, 2N) with K = {x.shape[-1]} and an even second dim",
+                                   tuple(w.shape))
+    if bias is not None:
+        check_tensor(op, "bias", bias, ndim=1)
+        if bias.shape[0] != w.shape[1]:
+            raise InvalidArgumentError(op, "bias", f"shape ({w.shape[1]},) (gate|up)", tuple(bias.shape))
+
+
+def _rows(a: Tensor) -> int:
+    return a.numel() // a.shape[-1] if a.shape[-1] else 0
+
+
+def _gemm_key(a, b, bias, activation, residual, alpha, backward):
+    return ("gemm", backward, a.device.type, a.dtype, activation, bias is not None, residual is not None,
+            alpha != 1.0, len_bucket(_rows(a)), b.shape[0], b.shape[1])
+
+
+def _gemm_spec(a, b, bias, activation, residual, alpha, backward) -> CallSpec:
+    f = {f"act_{activation}"} if activation != "none" else set()
+    f |= {n for n, on in (("bias", bias is not None), ("residual", residual is not None), ("alpha", alpha != 1.0),
+                          ("batched", a.dim() > 2)) if on}
+    return CallSpec("gemm", a.device.type, a.dtype, frozenset(f), (len_bucket(_rows(a)), b.shape[0], b.shape[1]),
+                    shapes=(tuple(a.shape), tuple(b.shape)), backward=backward)
+
+
+@torch.library.custom_op("opsadv::gemm", mutates_args=())
+def _gemm(a: Tensor, b: Tensor, bias: Optional[Tensor], activation: str, residual: Optional[Tensor],
+          alpha: float) -> Tensor:
+    args = (a, b, bias, activation, residual, alpha)
+    return dispatch.call(_gemm_key(*args, False), lambda: _gemm_spec(*args, False), args)
+
+
+@_gemm.register_fake
+def _(a, b, bias, activation, residual, alpha):
+    return a.new_empty(tuple(a.shape[:-1]) + (b.shape[1],))
+
+
+@torch.library.custom_op("opsadv::gemm_backward", mutates_args=())
+def _gemm_backward(grad: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor], activation: str,
+                   alpha: float) -> tuple[Tensor, Tensor, Tensor]:
+    key = _gemm_key(a, b, bias, activation, None, alpha, True)
+    return dispatch.call(key, lambda: _gemm_spec(a, b, bias, activation, None, alpha, True),
+                         (grad, a, b, bias, activation, alpha))
+
+
+@_gemm_backward.register_fake
+def _(grad, a, b, bias, activation, alpha):
+    return torch.empty_like(a), torch.empty_like(b), (torch.empty_like(bias) if bias is not None else a.new_empty((0,)))
+
+
+def _gemm_setup(ctx, inputs, output):
+    a, b, bias, activation, residual, alpha = inputs
+    ctx.save_for_backward(a, b, bias)
+    ctx.activation, ctx.alpha, ctx.has_residual = activation, alpha, residual is not None
+
+
+def _gemm_bwd(ctx, grad):
+    a, b, bias = ctx.saved_tensors
+    da, db, dbias = torch.ops.opsadv.gemm_backward(grad, a, b, bias, ctx.activation, ctx.alpha)
+    return da, db, none_if_empty(dbias) if bias is not None else None, None, (grad if ctx.has_residual else None), None
+
+
+_gemm.register_autograd(_gemm_bwd, setup_context=_gemm_setup)
+
+
+def _swiglu_key(x, w, bias, backward):
+    return ("swiglu_gemm", backward, x.device.type, x.dtype, bias is not None, len_bucket(_rows(x)), w.shape[0], w.shape[1])
+
+
+def _swiglu_spec(x, w, bias, backward) -> CallSpec:
+    f = frozenset(n for n, on in (("bias", bias is not None), ("batched", x.dim() > 2)) if on)
+    return CallSpec("swiglu_gemm", x.device.type, x.dtype, f, (len_bucket(_rows(x)), w.shape[0], w.shape[1]),
+                    shapes=(tuple(x.shape), tuple(w.shape)), backward=backward)
+
+
+@torch.library.custom_op("opsadv::swiglu_gemm", mutates_args=())
+def _swiglu_gemm(x: Tensor, w_gate_up: Tensor, bias: Optional[Tensor]) -> Tensor:
+    return dispatch.call(_swiglu_key(x, w_gate_up, bias, False), lambda: _swiglu_spec(x, w_gate_up, bias, False),
+                         (x, w_gate_up, bias))
+
+
+@_swiglu_gemm.register_fake
+def _(x, w_gate_up, bias):
+    return x.new_empty(tuple(x.shape[:-1]) + (w_gate_up.shape[1] // 2,))
+
+
+@torch.library.custom_op("opsadv::swiglu_gemm_backward", mutates_args=())
+def _swiglu_gemm_backward(grad: Tensor, x: Tensor, w_gate_up: Tensor,
+                          bias: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    return dispatch.call(_swiglu_key(x, w_gate_up, bias, True), lambda: _swiglu_spec(x, w_gate_up, bias, True),
+                         (grad, x, w_gate_up, bias))
+
+
+@_swiglu_gemm_backward.register_fake
+def _(grad, x, w_gate_up, bias):
+    return torch.empty_like(x), torch.empty_like(w_gate_up), (torch.empty_like(bias) if bias is not None else x.new_empty((0,)))
+
+
+def _swiglu_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _swiglu_bwd(ctx, grad):
+    x, w, bias = ctx.saved_tensors
+    dx, dw, dbias = torch.ops.opsadv.swiglu_gemm_backward(grad, x, w, bias)
+    return dx, dw, (dbias if bias is not None else None)
+
+
+_swiglu_gemm.register_autograd(_swiglu_bwd, setup_context=_swiglu_setup)
+
+
+def gemm(a: Tensor, b: Tensor, *, bias: Tensor | None = None, activation: str = "none",
+         residual: Tensor | None = None, alpha: float = 1.0) -> Tensor:
+    """activation(alpha · (a @ b) + bias) + residual in one fused kernel where the backend has one.
+    a (..., K), b (K, N) — for an nn.Linear weight W (N, K) pass W.t()."""
+    validate_gemm(a, b, bias, activation, residual, alpha)
+    return torch.ops.opsadv.gemm(a, b, bias, activation, residual, float(alpha))
+
+
+def swiglu_gemm(x: Tensor, w_gate_up: Tensor, *, bias: Tensor | None = None) -> Tensor:
+    """silu(x @ W_g + b_g) * (x @ W_u + b_u) from one concatenated weight [W_g | W_u] of shape (K, 2N)."""
+    validate_swiglu(x, w_gate_up, bias)
+    return torch.ops.opsadv.swiglu_gemm(x, w_gate_up, bias)

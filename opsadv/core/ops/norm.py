@@ -1,0 +1,184 @@
+"""layer_norm and rms_norm (optionally fused with a residual add): schema, validation,
+torch.library ops, fake kernels and autograd.  Statistics are float32 (float64 for float64).
+
+With residual: s = x + residual; returns (norm(s), s) — one pass over memory in fused impls.
+rms_norm:  y = s · rsqrt(mean(s²) + eps) · (offset + weight)   (offset=1 gives Gemma's (1 + w))
+
+Impl contract (xsum is a 0-element tensor without residual; mean/rstd have shape x.shape[:-1]):
+  layer_norm  fn(ctx, x, weight, bias, eps, residual) -> (y, xsum, mean, rstd)
+              backward(ctx, dy, dsum, xin, weight, bias, mean, rstd) -> (dx, dweight, dbias)
+  rms_norm    fn(ctx, x, weight, eps, residual, offset) -> (y, xsum, rstd)
+              backward(ctx, dy, dsum, xin, weight, rstd, offset) -> (dx, dweight)
+where xin is the normalized input (xsum with a residual, else x), dsum the gradient of xsum
+(0-element when absent) and absent weight/bias gradients are 0-element tensors."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import dispatch
+from ..errors import InvalidArgumentError
+from ..kernel import CallSpec
+from ._common import check_same, check_tensor, len_bucket, none_if_empty
+
+
+def stat_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def validate(op, x, weight, bias, eps, residual, offset=0.0) -> None:
+    check_tensor(op, "x", x, min_ndim=1)
+    check_same(op, "x", x, weight=weight, bias=bias, residual=residual)
+    n = x.shape[-1]
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None:
+            check_tensor(op, name, t, ndim=1)
+            if t.shape[0] != n:
+                raise InvalidArgumentError(op, name, f"shape ({n},) (x's last dim)", tuple(t.shape))
+    if residual is not None:
+        check_tensor(op, "residual", residual)
+        if residual.shape != x.shape:
+            raise InvalidArgumentError(op, "residual", f"shape {tuple(x.shape)} (same as x)", tuple(residual.shape))
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not (eps >= 0 and math.isfinite(eps)):
+        raise InvalidArgumentError(op, "eps", "a finite float >= 0", repr(eps))
+    if not isinstance(offset, (int, float)) or isinstance(offset, bool) or not math.isfinite(offset):
+        raise InvalidArgumentError(op, "offset", "a finite float", repr(offset))
+
+
+def _rows(x: Tensor) -> int:
+    return x.numel() // x.shape[-1]
+
+
+def _key(op, x, weight, bias, residual, backward):
+    return (op, backward, x.device.type, x.dtype, x.shape[-1], weight is not None, bias is not None,
+            residual is not None, len_bucket(_rows(x)))
+
+
+def _spec(op, x, weight, bias, residual, backward, offset=0.0) -> CallSpec:
+    f = frozenset(n for n, on in (("weight", weight is not None), ("bias", bias is not None),
+                                  ("residual", residual is not None), ("offset", offset != 0.0)) if on)
+    return CallSpec(op, x.device.type, x.dtype, f, (x.shape[-1], len_bucket(_rows(x))),
+                    shapes=(tuple(x.shape),), backward=backward)
+
+
+# ---- layer_norm ----------------------------------------------------------------------------
+@torch.library.custom_op("opsadv::layer_norm", mutates_args=())
+def _layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
+                residual: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return dispatch.call(_key("layer_norm", x, weight, bias, residual, False),
+                         lambda: _spec("layer_norm", x, weight, bias, residual, False),
+                         (x, weight, bias, eps, residual))
+
+
+@_layer_norm.register_fake
+def _(x, weight, bias, eps, residual):
+    st = x.new_empty(x.shape[:-1], dtype=stat_dtype(x.dtype))
+    return torch.empty_like(x), (torch.empty_like(x) if residual is not None else x.new_empty((0,))), st, st.clone()
+
+
+@torch.library.custom_op("opsadv::layer_norm_backward", mutates_args=())
+def _layer_norm_backward(dy: Tensor, dsum: Tensor, xin: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
+                         mean: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    has_res = dsum.numel() > 0
+    return dispatch.call(_key("layer_norm", xin, weight, bias, has_res or None, True),
+                         lambda: _spec("layer_norm", xin, weight, bias, has_res or None, True),
+                         (dy, dsum, xin, weight, bias, mean, rstd))
+
+
+@_layer_norm_backward.register_fake
+def _(dy, dsum, xin, weight, bias, mean, rstd):
+    return (torch.empty_like(xin), torch.empty_like(weight) if weight is not None else xin.new_empty((0,)),
+            torch.empty_like(bias) if bias is not None else xin.new_empty((0,)))
+
+
+def _ln_setup(ctx, inputs, output):
+    x, weight, bias, eps, residual = inputs
+    y, xsum, mean, rstd = output
+    ctx.has_residual = residual is not None
+    ctx.save_for_backward(xsum if ctx.has_residual else x, weight, bias, mean, rstd)
+
+
+def _ln_bwd(ctx, dy, dsum, dmean, drstd):
+    xin, weight, bias, mean, rstd = ctx.saved_tensors
+    if ctx.has_residual and dsum is None:
+        dsum = torch.zeros_like(xin)
+    dsum = dsum if ctx.has_residual else xin.new_empty((0,))
+    if dy is None:
+        dy = torch.zeros_like(xin)
+    dx, dw, db = torch.ops.opsadv.layer_norm_backward(dy, dsum, xin, weight, bias, mean, rstd)
+    return (dx, dw if weight is not None else None, db if bias is not None else None, None,
+            dx if ctx.has_residual else None)
+
+
+_layer_norm.register_autograd(_ln_bwd, setup_context=_ln_setup)
+
+
+# ---- rms_norm ------------------------------------------------------------------------------
+@torch.library.custom_op("opsadv::rms_norm", mutates_args=())
+def _rms_norm(x: Tensor, weight: Optional[Tensor], eps: float, residual: Optional[Tensor],
+              offset: float) -> tuple[Tensor, Tensor, Tensor]:
+    return dispatch.call(_key("rms_norm", x, weight, None, residual, False) + (offset != 0.0,),
+                         lambda: _spec("rms_norm", x, weight, None, residual, False, offset),
+                         (x, weight, eps, residual, offset))
+
+
+@_rms_norm.register_fake
+def _(x, weight, eps, residual, offset):
+    return (torch.empty_like(x), torch.empty_like(x) if residual is not None else x.new_empty((0,)),
+            x.new_empty(x.shape[:-1], dtype=stat_dtype(x.dtype)))
+
+
+@torch.library.custom_op("opsadv::rms_norm_backward", mutates_args=())
+def _rms_norm_backward(dy: Tensor, dsum: Tensor, xin: Tensor, weight: Optional[Tensor], rstd: Tensor,
+                       offset: float) -> tuple[Tensor, Tensor]:
+    has_res = dsum.numel() > 0
+    return dispatch.call(_key("rms_norm", xin, weight, None, has_res or None, True) + (offset != 0.0,),
+                         lambda: _spec("rms_norm", xin, weight, None, has_res or None, True, offset),
+                         (dy, dsum, xin, weight, rstd, offset))
+
+
+@_rms_norm_backward.register_fake
+def _(dy, dsum, xin, weight, rstd, offset):
+    return torch.empty_like(xin), (torch.empty_like(weight) if weight is not None else xin.new_empty((0,)))
+
+
+def _rms_setup(ctx, inputs, output):
+    x, weight, eps, residual, offset = inputs
+    y, xsum, rstd = output
+    ctx.has_residual, ctx.offset = residual is not None, offset
+    ctx.save_for_backward(xsum if ctx.has_residual else x, weight, rstd)
+
+
+def _rms_bwd(ctx, dy, dsum, drstd):
+    xin, weight, rstd = ctx.saved_tensors
+    if ctx.has_residual and dsum is None:
+        dsum = torch.zeros_like(xin)
+    dsum = dsum if ctx.has_residual else xin.new_empty((0,))
+    if dy is None:
+        dy = torch.zeros_like(xin)
+    dx, dw = torch.ops.opsadv.rms_norm_backward(dy, dsum, xin, weight, rstd, ctx.offset)
+    return dx, (dw if weight is not None else None), None, (dx if ctx.has_residual else None), None
+
+
+_rms_norm.register_autograd(_rms_bwd, setup_context=_rms_setup)
+
+
+# ---- public ----------------------------------------------------------------------------------
+def layer_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None, eps: float = 1e-5, *,
+               residual: Tensor | None = None):
+    """LayerNorm over the last dim.  With residual: returns (layer_norm(x + residual), x + residual)."""
+    validate("layer_norm", x, weight, bias, eps, residual)
+    y, xsum, _, _ = torch.ops.opsadv.layer_norm(x, weight, bias, float(eps), residual)
+    return (y, xsum) if residual is not None else y
+
+
+def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6, *, residual: Tensor | None = None,
+             offset: float = 0.0):
+    """RMSNorm over the last dim, y = x·rsqrt(mean(x²)+eps)·(offset + weight).  With residual:
+    returns (rms_norm(x + residual), x + residual)."""
+    validate("rms_norm", x, weight, None, eps, residual, offset)
+    y, xsum, _ = torch.ops.opsadv.rms_norm(x, weight, float(eps), residual, float(offset))
+    return (y, xsum) if residual is not None else y

@@ -1,0 +1,131 @@
+"""sparse_attention: attention restricted by a SparseLayout (see opsadv.core.layout).
+
+Impl contract:  fn(ctx, q, k, v, block_mask, key_padding_mask, cu_seqlens, block_size, causal,
+                   window_left, window_right, num_global, scale: float) -> (out, lse)
+                backward(ctx, dout, q, k, v, out, lse, block_mask, key_padding_mask, cu_seqlens,
+                         block_size, causal, window_left, window_right, num_global, scale) -> (dq, dk, dv)
+window_left/right are -1 without a window."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import dispatch
+from ..errors import InvalidArgumentError
+from ..kernel import CallSpec
+from ..layout import SparseLayout
+from ._common import check_same, check_scale, check_tensor, len_bucket
+from .attention import lse_dtype
+
+OP = "sparse_attention"
+
+
+def validate(q, k, v, layout, scale) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(OP, name, t, ndim=4)
+    check_same(OP, "q", q, k=k, v=v)
+    if not isinstance(layout, SparseLayout):
+        raise InvalidArgumentError(OP, "layout", "an opsadv.SparseLayout", type(layout).__name__)
+    b, hq, sq, d = q.shape
+    if k.shape[0] != b or v.shape[:3] != k.shape[:3] or k.shape[-1] != d or v.shape[-1] != d:
+        raise InvalidArgumentError(OP, "k/v", f"(b={b}, h_kv, s_k, d={d}) with v shaped like k",
+                                   f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if hq % k.shape[1]:
+        raise InvalidArgumentError(OP, "k", f"a number of heads dividing q's {hq}", k.shape[1])
+    if (layout.seq_q, layout.seq_k) != (sq, k.shape[2]):
+        raise InvalidArgumentError(OP, "layout", f"built for s_q={sq}, s_k={k.shape[2]}", (layout.seq_q, layout.seq_k))
+    bm = layout.block_mask
+    if bm.shape[0] not in (1, b) or bm.shape[1] not in (1, hq):
+        raise InvalidArgumentError(OP, "layout.block_mask", f"batch dim 1 or {b}, head dim 1 or {hq}", tuple(bm.shape))
+    if layout.key_padding_mask is not None and layout.key_padding_mask.shape[0] != b:
+        raise InvalidArgumentError(OP, "layout.key_padding_mask", f"batch {b}", tuple(layout.key_padding_mask.shape))
+    if layout.cu_seqlens is not None and b != 1:
+        raise InvalidArgumentError(OP, "q", "batch 1 for a packed (cu_seqlens) layout", f"batch {b}")
+    for name, t in (("block_mask", bm), ("key_padding_mask", layout.key_padding_mask), ("cu_seqlens", layout.cu_seqlens)):
+        if t is not None and t.device != q.device:
+            raise InvalidArgumentError(OP, f"layout.{name}", f"on device {q.device}", str(t.device))
+    check_scale(OP, scale)
+
+
+def _features(q, k, kpm, cu, causal, wl, ng) -> frozenset[str]:
+    f = {"causal"} if causal else set()
+    f |= {n for n, on in (("gqa", q.shape[1] != k.shape[1]), ("key_padding", kpm is not None),
+                          ("varlen", cu is not None), ("window", wl >= 0), ("global", ng > 0),
+                          ("cross_length", q.shape[2] != k.shape[2])) if on}
+    return frozenset(f)
+
+
+def _key(q, k, kpm, cu, bs, causal, wl, ng, backward):
+    return (OP, backward, q.device.type, q.dtype, q.shape[-1], bs, causal, wl >= 0, ng > 0, kpm is not None,
+            cu is not None, q.shape[1] // k.shape[1], len_bucket(q.shape[2]), len_bucket(k.shape[2]))
+
+
+def _spec(q, k, kpm, cu, bs, causal, wl, ng, backward) -> CallSpec:
+    return CallSpec(OP, q.device.type, q.dtype, _features(q, k, kpm, cu, causal, wl, ng),
+                    (bs, len_bucket(q.shape[2]), len_bucket(k.shape[2])), head_dim=q.shape[-1],
+                    shapes=(tuple(q.shape), tuple(k.shape)), backward=backward)
+
+
+@torch.library.custom_op("opsadv::sparse_attention", mutates_args=())
+def _sparse_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: Tensor, key_padding_mask: Optional[Tensor],
+                      cu_seqlens: Optional[Tensor], block_size: int, causal: bool, window_left: int,
+                      window_right: int, num_global: int, scale: Optional[float]) -> tuple[Tensor, Tensor]:
+    s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return dispatch.call(
+        _key(q, k, key_padding_mask, cu_seqlens, block_size, causal, window_left, num_global, False),
+        lambda: _spec(q, k, key_padding_mask, cu_seqlens, block_size, causal, window_left, num_global, False),
+        (q, k, v, block_mask, key_padding_mask, cu_seqlens, block_size, causal, window_left, window_right,
+         num_global, s))
+
+
+@_sparse_attention.register_fake
+def _(q, k, v, block_mask, key_padding_mask, cu_seqlens, block_size, causal, window_left, window_right,
+      num_global, scale):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=lse_dtype(q.dtype))
+
+
+@torch.library.custom_op("opsadv::sparse_attention_backward", mutates_args=())
+def _sparse_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                               block_mask: Tensor, key_padding_mask: Optional[Tensor], cu_seqlens: Optional[Tensor],
+                               block_size: int, causal: bool, window_left: int, window_right: int,
+                               num_global: int, scale: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
+    s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return dispatch.call(
+        _key(q, k, key_padding_mask, cu_seqlens, block_size, causal, window_left, num_global, True),
+        lambda: _spec(q, k, key_padding_mask, cu_seqlens, block_size, causal, window_left, num_global, True),
+        (dout, q, k, v, out, lse, block_mask, key_padding_mask, cu_seqlens, block_size, causal, window_left,
+         window_right, num_global, s))
+
+
+@_sparse_attention_backward.register_fake
+def _(dout, q, k, v, out, lse, *rest):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, bm, kpm, cu, bs, causal, wl, wr, ng, scale = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], bm, kpm, cu)
+    ctx.rest = (bs, causal, wl, wr, ng, scale)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, bm, kpm, cu = ctx.saved_tensors
+    dq, dk, dv = torch.ops.opsadv.sparse_attention_backward(dout, q, k, v, out, lse, bm, kpm, cu, *ctx.rest)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+
+
+_sparse_attention.register_autograd(_backward, setup_context=_setup)
+
+
+def sparse_attention(q: Tensor, k: Tensor, v: Tensor, layout: SparseLayout, *, scale: float | None = None,
+                     return_lse: bool = False):
+    """Attention restricted to `layout` (block-sparse pattern and/or packed variable-length batch).
+    Rows with no allowed key give zeros."""
+    validate(q, k, v, layout, scale)
+    out, lse = torch.ops.opsadv.sparse_attention(
+        q, k, v, layout.block_mask, layout.key_padding_mask, layout.cu_seqlens, layout.block_size, layout.causal,
+        layout.window_left, layout.window_right, layout.num_global, scale)
+    return (out, lse.detach()) if return_lse else out

@@ -1,0 +1,129 @@
+"""The dispatch policy: which backend(s), strictness, profile, options.
+
+`use_backend(...)` sets the process default.  Used as a context manager it is scoped to the
+current thread / async context instead, and restores what was there before."""
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import BackendUnavailableError, InvalidArgumentError
+from .precision import PrecisionPolicy
+
+_serial = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class Policy:
+    backend: str = "auto"                 # "auto" or a backend name
+    strict: bool = False                  # strict: no reference fallback even under "auto"
+    profile: str | None = None            # force a profile of the primary backend
+    experimental: bool = False            # allow impls marked experimental
+    deterministic: bool = False           # only impls that declare determinism
+    autotune: bool = False                # measure candidates on first call of a bucket
+    precision: PrecisionPolicy = field(default_factory=PrecisionPolicy)
+    options: tuple[tuple[str, Any], ...] = ()   # backend-specific (aoe_mode, memory_budget, ...)
+    serial: int = field(default_factory=lambda: next(_serial), compare=False)
+
+    def describe(self) -> str:
+        extra = [f"profile={self.profile}"] if self.profile else []
+        extra += [k for k in ("strict", "experimental", "deterministic", "autotune") if getattr(self, k)]
+        return f"backend={self.backend!r}" + (" (" + ", ".join(extra) + ")" if extra else "")
+
+    @property
+    def option_dict(self) -> dict[str, Any]:
+        return dict(self.options)
+
+
+def _default_policy() -> Policy:
+    return Policy(backend=os.environ.get("OPSADV_BACKEND", "auto") or "auto")
+
+
+_global_lock = threading.Lock()
+_global: Policy = _default_policy()
+_scoped: ContextVar[Policy | None] = ContextVar("opsadv_policy", default=None)
+
+
+def current_policy() -> Policy:
+    """The policy in force here (a `with use_backend(...)` scope, else the process default)."""
+    return _scoped.get() or _global
+
+
+def _set_global(p: Policy) -> Policy:
+    global _global
+    with _global_lock:
+        prev, _global = _global, p
+    return prev
+
+
+class Backend:
+    """What `use_backend` returns: printable, and a context manager for scoped use."""
+
+    def __init__(self, policy: Policy, name: str, profile: str | None, prev: Policy):
+        self.policy, self.name, self.profile, self._prev = policy, name, profile, prev
+        self._token = None
+
+    def __repr__(self) -> str:
+        prof = f", profile={self.profile!r}" if self.profile else ""
+        req = "" if self.policy.backend == self.name else f", requested={self.policy.backend!r}"
+        return f"Backend({self.name!r}{prof}{req})"
+
+    def __enter__(self) -> "Backend":
+        # Scoped use: undo the process-wide change made by use_backend(), apply it to this context only.
+        _set_global(self._prev)
+        self._token = _scoped.set(self.policy)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _scoped.reset(self._token)
+
+
+_POLICY_KEYS = {"strict", "profile", "experimental", "deterministic", "autotune", "precision"}
+
+
+def use_backend(name: str = "auto", **kwargs: Any) -> Backend:
+    """Select the backend for opsadv ops: "auto" or a backend name ("reference", "cuda",
+    "ascend", "jetson", or a plugin's).  Keyword options: strict, profile, experimental,
+    deterministic, autotune, precision, plus backend-specific options validated by the
+    backend itself (e.g. aoe_mode for ascend, memory_budget for jetson)."""
+    from ..registry import get_registry
+    from . import dispatch
+
+    if not isinstance(name, str):
+        raise InvalidArgumentError("use_backend", "name", "a backend name string or 'auto'", repr(name))
+    reg = get_registry()
+    known = sorted(reg.backends)
+    if name != "auto" and name not in reg.backends:
+        failed = [f for f in reg.failures if f.name == name]
+        reasons = [f"no backend named {name!r}; known backends: {known}"] + [str(f) for f in failed]
+        raise BackendUnavailableError(name, reasons)
+    policy_kw = {k: v for k, v in kwargs.items() if k in _POLICY_KEYS}
+    backend_opts = {k: v for k, v in kwargs.items() if k not in _POLICY_KEYS}
+    policy_kw["precision"] = PrecisionPolicy.from_string(policy_kw.get("precision"))
+    primary = reg.auto_backend() if name == "auto" else reg.backends[name]
+    if not primary.available:
+        raise BackendUnavailableError(primary.name, list(primary.probe.reasons))
+    if backend_opts or hasattr(primary.plugin, "opsadv_activate"):
+        normalized = primary.call("opsadv_activate", options=dict(backend_opts), env=reg.env)
+        if normalized is None and backend_opts:
+            raise InvalidArgumentError("use_backend", next(iter(backend_opts)),
+                                       f"an option of backend {primary.name!r} (it takes none; policy options are "
+                                       f"{sorted(_POLICY_KEYS)})", repr(backend_opts))
+        backend_opts = dict(normalized or {})
+    policy = Policy(backend=name, options=tuple(sorted(backend_opts.items())), **policy_kw)
+    profile = dispatch.select_profile(primary, policy)   # validates a forced profile name
+    prev = _set_global(policy)
+    return Backend(policy, primary.name, profile.name if profile else None, prev)
+
+
+def _reset_lock_after_fork() -> None:
+    global _global_lock
+    _global_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_lock_after_fork)

@@ -1,0 +1,131 @@
+"""Measured impl choice per shape bucket, persisted as JSON so a second process pays nothing.
+
+The cache file lives in $OPSADV_CACHE_DIR (default ~/.cache/opsadv) and is keyed by device
+name and library versions: a new driver stack or GPU never reuses stale measurements."""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .env import EnvInfo
+from .kernel import CallSpec
+
+_lock = threading.Lock()
+_loaded: dict[str, dict[str, Any]] | None = None
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("OPSADV_CACHE_DIR") or Path.home() / ".cache" / "opsadv")
+
+
+def _device_key(env: EnvInfo) -> str:
+    return f"{env.device_name or env.device_type}|torch {env.torch_version}|triton {env.triton_version}"
+
+
+def spec_key(spec: CallSpec) -> str:
+    return (f"{spec.op}|{'bwd' if spec.backward else 'fwd'}|{str(spec.dtype).replace('torch.', '')}|"
+            f"{spec.device_type}|{spec.bucket}|{','.join(sorted(spec.features))}")
+
+
+def _path() -> Path:
+    return cache_dir() / "tuning.json"
+
+
+def _load() -> dict[str, dict[str, Any]]:
+    global _loaded
+    if _loaded is None:
+        try:
+            _loaded = json.loads(_path().read_text())
+        except (OSError, ValueError):
+            _loaded = {}
+    return _loaded
+
+
+def reload() -> None:
+    global _loaded
+    with _lock:
+        _loaded = None
+
+
+@dataclass(frozen=True)
+class Measured:
+    winner: str
+    times_ms: dict[str, float]
+
+    def describe(self) -> str:
+        others = ", ".join(f"{k} {v:.4g} ms" for k, v in sorted(self.times_ms.items(), key=lambda kv: kv[1]))
+        return f"measured fastest ({others})"
+
+
+def lookup(spec: CallSpec, accepted: list[str], env: EnvInfo) -> Measured | None:
+    if len(accepted) < 2:
+        return None
+    entry = _load().get(_device_key(env), {}).get(spec_key(spec))
+    if not entry or entry.get("winner") not in accepted:
+        return None
+    return Measured(entry["winner"], dict(entry.get("times_ms", {})))
+
+
+def store(spec: CallSpec, env: EnvInfo, measured: Measured) -> None:
+    with _lock:
+        data = _load()
+        data.setdefault(_device_key(env), {})[spec_key(spec)] = {
+            "winner": measured.winner, "times_ms": measured.times_ms, "date": time.strftime("%Y-%m-%d")}
+        path = _path()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+            os.replace(tmp, path)     # atomic: concurrent processes never see a torn file
+        except OSError:
+            pass                      # a read-only home must not break dispatch
+
+
+def time_fn(fn, device_type: str, reps: int = 10) -> float:
+    """Median milliseconds of fn() (CUDA events on GPUs, perf_counter elsewhere)."""
+    import torch
+
+    if device_type == "cuda":
+        try:
+            from triton.testing import do_bench
+            return float(do_bench(fn, warmup=10, rep=40, return_mode="median"))
+        except ImportError:
+            pass
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        if device_type == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def autotune(exp, resolved, args: tuple):
+    """Time every accepted impl on the real arguments; persist and return the winner."""
+    from .dispatch import Resolved
+
+    accepted = [c.impl for c in exp.candidates if c.accepted]
+    if len(accepted) < 2 or exp.why.startswith("measured"):
+        return None
+    times: dict[str, float] = {}
+    for impl in accepted:
+        run = impl.backward if exp.spec.backward else impl.fn
+        try:
+            times[impl.id] = time_fn(lambda: run(resolved.ctx, *args), exp.spec.device_type)
+        except Exception as e:  # an impl that fails on the real data is not a candidate
+            times[impl.id] = float("inf")
+            import logging
+            logging.getLogger("opsadv.tuning").warning("autotune: %s failed: %s", impl.id, e)
+    winner = min(times, key=times.get)
+    measured = Measured(winner, {k: v for k, v in times.items() if v != float("inf")})
+    store(exp.spec, resolved.ctx.env, measured)
+    impl = next(i for i in accepted if i.id == winner)
+    return Resolved(impl, resolved.ctx, impl.backward if exp.spec.backward else impl.fn)

@@ -1,0 +1,9 @@
+"""Public home of opsadv's exceptions (see opsadv.core.errors)."""
+from opsadv.core.errors import (  # noqa: F401
+    BackendUnavailableError,
+    InvalidArgumentError,
+    NoKernelError,
+    OpsadvError,
+    PluginError,
+    UnknownOptionError,
+)

@@ -1,0 +1,224 @@
+"""Loads backend plugins one by one, isolating failures, and collects their kernel impls.
+
+Built-in backends are loaded from a fixed module list (so a checkout on PYTHONPATH works);
+third-party backends from the "opsadv.backends" entry-point group.  Nothing else differs."""
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import logging
+import os
+import threading
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import pluggy
+
+from ..core.env import EnvInfo, current_env
+from ..core.errors import PluginError
+from ..core.kernel import OPS, KernelImpl, Profile
+from . import hookspecs
+from .hookspecs import API_VERSION, BackendInfo, ProbeResult
+
+log = logging.getLogger("opsadv.registry")
+
+BUILTIN_BACKENDS = (
+    "opsadv.backends.reference",
+    "opsadv.backends.cuda",
+    "opsadv.backends.jetson",
+    "opsadv.backends.ascend",
+)
+ENTRY_POINT_GROUP = "opsadv.backends"
+
+
+@dataclass
+class PluginFailure:
+    name: str
+    version: str
+    stage: str          # "import", "info", "probe", "register", "profiles"
+    error: str
+    detail: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.name} {self.version} failed at {self.stage}: {self.error}"
+
+
+@dataclass
+class BackendRecord:
+    name: str
+    info: BackendInfo
+    probe: ProbeResult
+    source: str                       # "builtin" or "entry point <dist>"
+    plugin: Any
+    impls: list[KernelImpl] = field(default_factory=list)
+    profiles: list[Profile] = field(default_factory=list)
+
+    @property
+    def available(self) -> bool:
+        return self.probe.available
+
+    def call(self, hook: str, **kwargs) -> Any:
+        """Call one optional hook on this backend only; None if it does not implement it."""
+        fn = getattr(self.plugin, hook, None)
+        return None if fn is None else fn(**kwargs)
+
+
+class _ImplSink:
+    """What `opsadv_register_kernels` receives: collects impls of one backend and checks them."""
+
+    def __init__(self, backend: str, taken: set[str]):
+        self.backend, self._taken, self.impls = backend, taken, []
+
+    def add(self, impl: KernelImpl) -> None:
+        if not isinstance(impl, KernelImpl):
+            raise TypeError(f"registry.add expects a KernelImpl, got {type(impl).__name__}")
+        if impl.op not in OPS:
+            raise ValueError(f"impl {impl.id!r}: unknown op {impl.op!r}; ops are {list(OPS)}")
+        if impl.backend != self.backend:
+            raise ValueError(f"impl {impl.id!r} says backend {impl.backend!r} but is registered by {self.backend!r}")
+        if impl.id in self._taken:
+            raise ValueError(f"impl id {impl.id!r} is registered twice")
+        self._taken.add(impl.id)
+        self.impls.append(impl)
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "0").strip().lower() not in ("", "0", "false", "no")
+
+
+class Registry:
+    """All backends seen in this process.  Built lazily, once; `reset_registry()` rebuilds."""
+
+    def __init__(self, env: EnvInfo | None = None):
+        self.env = env or current_env()
+        self.backends: dict[str, BackendRecord] = {}
+        self.failures: list[PluginFailure] = []
+        self.impls_by_op: dict[str, list[KernelImpl]] = {op: [] for op in OPS}
+        self._ids: set[str] = set()
+        self.strict = _env_flag("OPSADV_STRICT_PLUGINS")
+
+    # -- loading -------------------------------------------------------------------------
+    def load_all(self) -> None:
+        for module in BUILTIN_BACKENDS:
+            if importlib.util.find_spec(module) is None:
+                continue
+            self._load(module, "builtin", "", lambda m=module: importlib.import_module(m))
+        if _env_flag("OPSADV_DISABLE_PLUGIN_AUTOLOAD"):
+            return
+        allow = os.environ.get("OPSADV_PLUGINS")
+        allowed = None if allow is None else {s.strip() for s in allow.split(",") if s.strip()}
+        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            if allowed is not None and ep.name not in allowed:
+                log.info("plugin %s skipped: not in OPSADV_PLUGINS", ep.name)
+                continue
+            dist = getattr(ep, "dist", None)
+            version = getattr(dist, "version", "") if dist else ""
+            self._load(ep.name, f"entry point {getattr(dist, 'name', ep.value)}", version, ep.load)
+
+    def _fail(self, name: str, version: str, stage: str, exc: BaseException) -> None:
+        failure = PluginFailure(name, version, stage, f"{type(exc).__name__}: {exc}",
+                                "".join(traceback.format_exception(exc)))
+        if self.strict:
+            raise PluginError(f"opsadv plugin {failure} (OPSADV_STRICT_PLUGINS=1)") from exc
+        self.failures.append(failure)
+        warnings.warn(f"opsadv: skipping plugin {failure}", RuntimeWarning, stacklevel=3)
+
+    def _load(self, name: str, source: str, version: str, loader) -> None:
+        try:
+            plugin = loader()
+        except Exception as e:
+            return self._fail(name, version, "import", e)
+        self.register_plugin(plugin, name=name, source=source, version=version)
+
+    def register_plugin(self, plugin: Any, *, name: str | None = None, source: str = "manual",
+                        version: str = "") -> BackendRecord | None:
+        """Check one plugin's hooks and add it.  Public so tests and apps can register a
+        backend object without packaging it."""
+        name = name or getattr(plugin, "__name__", type(plugin).__name__)
+        pm = pluggy.PluginManager(hookspecs.PROJECT)   # validates hook names and signatures
+        pm.add_hookspecs(hookspecs.BackendSpec)
+        stage = "info"
+        try:
+            pm.register(plugin, name=name)
+            pm.check_pending()
+            info = plugin.opsadv_backend_info()
+            if not isinstance(info, BackendInfo):
+                raise TypeError(f"opsadv_backend_info must return BackendInfo, got {type(info).__name__}")
+            version = info.version or version
+            if info.api_version.split(".")[0] != API_VERSION.split(".")[0]:
+                raise RuntimeError(f"written for opsadv plugin API {info.api_version}, this opsadv speaks {API_VERSION}")
+            if info.name in self.backends:
+                raise RuntimeError(f"backend name {info.name!r} already registered by {self.backends[info.name].source}")
+            stage = "probe"
+            probe = plugin.opsadv_probe(env=self.env)
+            if not isinstance(probe, ProbeResult):
+                raise TypeError(f"opsadv_probe must return ProbeResult, got {type(probe).__name__}")
+            record = BackendRecord(info.name, info, probe, source, plugin)
+            stage = "profiles"
+            if hasattr(plugin, "opsadv_profiles"):
+                record.profiles = list(plugin.opsadv_profiles() or [])
+            if probe.available:
+                stage = "register"
+                sink = _ImplSink(info.name, set(self._ids))
+                plugin.opsadv_register_kernels(registry=sink, env=self.env)
+                record.impls = sink.impls
+        except Exception as e:
+            self._fail(name, version, stage, e)
+            return None
+        self.backends[info.name] = record
+        for impl in record.impls:
+            self._ids.add(impl.id)
+            self.impls_by_op[impl.op].append(impl)
+        return record
+
+    # -- queries ---------------------------------------------------------------------------
+    def available(self) -> list[BackendRecord]:
+        return [b for b in self.backends.values() if b.available]
+
+    def auto_backend(self, device_type: str | None = None) -> BackendRecord:
+        """The backend "auto" names as primary: the available one with the highest
+        auto_priority (ties by name), reference when nothing else is available."""
+        cands = [b for b in self.available() if device_type is None or device_type in b.info.device_types]
+        cands.sort(key=lambda b: (-b.info.auto_priority, b.name))
+        return cands[0] if cands else self.backends["reference"]
+
+
+_lock = threading.RLock()
+_registry: Registry | None = None
+
+
+def get_registry() -> Registry:
+    global _registry
+    reg = _registry
+    if reg is not None:
+        return reg
+    with _lock:
+        if _registry is None:
+            reg = Registry()
+            reg.load_all()
+            _registry = reg
+        return _registry
+
+
+def reset_registry(env: EnvInfo | None = None) -> Registry:
+    """Rediscover plugins (after installing one, or with a faked EnvInfo in tests)."""
+    global _registry
+    with _lock:
+        reg = Registry(env)
+        reg.load_all()
+        _registry = reg
+    from ..core import dispatch
+    dispatch.clear_cache()
+    return reg
+
+
+def _after_fork() -> None:
+    global _lock
+    _lock = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
