@@ -1,0 +1,23 @@
+"""The contract between bench suites and the runner.
+
+A suite module `opsadv/bench/suite_<name>.py` exposes `cases(quick: bool) -> Iterable[BenchCase]`.
+The runner warms up, verifies opsadv's output against the best peer's (rel_err), times each
+callable with triton.testing.do_bench (median), and writes the BENCHMARKS.md JSON schema."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+@dataclass
+class BenchCase:
+    suite: str                                  # "attention", "sparse", "gemm", "norm", "e2e"
+    case: str                                   # "fwd bf16 b4 h32 s4096 d128 causal"
+    opsadv: Callable[[], Any]                   # runs opsadv's op (through the dispatcher)
+    peers: dict[str, Callable[[], Any]]         # peer key (BENCHMARKS.md) -> callable
+    work: float                                 # FLOPs or bytes of one call
+    unit: str = "TFLOP/s"                       # or "TB/s"
+    impl: Callable[[], str] | None = None       # which impl the dispatcher chose (after a call)
+    compare: Callable[[Any, Any], float] | None = None   # rel err of (opsadv_out, peer_out); default: norm ratio
+    extra: dict[str, Any] = field(default_factory=dict)  # e.g. peak_act_mib, launches_per_layer
+    setup: Callable[[], None] | None = None     # called once before timing (e.g. autotune)
