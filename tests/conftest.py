@@ -1,0 +1,41 @@
+"""Shared test set-up.  The Triton interpreter is switched on for the whole session (before
+triton is imported) so the cuda backend's kernels run on CPU tensors; each test gets the
+policy it started with restored afterwards."""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("OPSADV_CACHE_DIR", os.path.join(os.path.dirname(__file__), ".cache-opsadv"))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import opsadv  # noqa: E402
+from opsadv.core import policy as _policy  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+requires_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+
+
+@pytest.fixture(autouse=True)
+def _restore_policy():
+    before = _policy._global
+    yield
+    _policy._set_global(before)
+
+
+@pytest.fixture
+def reference_backend():
+    """Run the test under the reference backend (no interpreter kernels)."""
+    with opsadv.use_backend("reference") as b:
+        yield b
+
+
+@pytest.fixture
+def seed():
+    torch.manual_seed(1234)
+    return 1234
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
