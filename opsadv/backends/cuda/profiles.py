@@ -13,28 +13,74 @@ def _smem(env) -> int:
     return env.shared_memory_per_block_optin or 0
 
 
+def _t(bm, bn, w, s, tma=False, ws=False) -> dict:
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s, "TMA": tma, "WS": ws}
+
+
+# flash attention tiles per pass ("fwd", "bwd_kv", "bwd_q") and head-dim class (64: d <= 64,
+# 128: d <= 128, 256): the first config is the default, the list the autotune space.
+# bwd_kv: BLOCK_N is the kv block a program owns, BLOCK_M the q block it loops over.
+ATTN_TILES = {
+    "h100": {
+        "fwd": {64: [_t(128, 128, 8, 3, True), _t(128, 64, 4, 3, True), _t(128, 128, 8, 3), _t(128, 64, 4, 4),
+                     _t(128, 128, 4, 3, True, True), _t(128, 64, 4, 3, True, True), _t(64, 64, 4, 3)],
+                128: [_t(128, 128, 8, 3, True), _t(128, 64, 8, 3, True), _t(128, 128, 8, 3), _t(128, 64, 4, 3),
+                      _t(128, 128, 8, 2, True), _t(128, 128, 4, 3, True, True), _t(128, 64, 4, 3, True, True),
+                      _t(64, 64, 4, 3)],
+                256: [_t(128, 64, 8, 2, True), _t(64, 64, 4, 2), _t(64, 32, 4, 2), _t(128, 64, 8, 2)]},
+        "bwd_kv": {64: [_t(64, 128, 8, 3), _t(32, 128, 4, 3), _t(64, 128, 4, 3), _t(64, 64, 4, 3)],
+                   128: [_t(64, 128, 8, 2), _t(32, 128, 8, 3), _t(64, 128, 8, 3), _t(64, 64, 4, 2)],
+                   256: [_t(32, 64, 4, 2), _t(64, 64, 8, 1), _t(32, 64, 8, 2)]},
+        "bwd_q": {64: [_t(128, 64, 8, 3), _t(128, 32, 4, 3), _t(64, 64, 4, 3), _t(128, 64, 4, 3)],
+                  128: [_t(128, 64, 8, 2), _t(128, 32, 4, 3), _t(64, 64, 4, 2), _t(128, 64, 8, 3)],
+                  256: [_t(64, 32, 4, 2), _t(64, 64, 8, 1), _t(32, 64, 4, 2)]},
+    },
+    "a100": {
+        "fwd": {64: [_t(128, 64, 4, 3), _t(128, 128, 8, 3), _t(64, 64, 4, 3)],
+                128: [_t(128, 64, 4, 3), _t(128, 128, 8, 2), _t(64, 64, 4, 3)],
+                256: [_t(64, 64, 4, 2), _t(64, 32, 4, 2)]},
+        "bwd_kv": {64: [_t(64, 128, 8, 2), _t(32, 128, 4, 2)], 128: [_t(64, 128, 8, 2), _t(32, 64, 4, 2)],
+                   256: [_t(32, 64, 4, 1), _t(32, 32, 4, 2)]},
+        "bwd_q": {64: [_t(128, 64, 8, 2), _t(64, 64, 4, 2)], 128: [_t(128, 64, 8, 2), _t(64, 32, 4, 2)],
+                  256: [_t(64, 32, 4, 1), _t(32, 32, 4, 2)]},
+    },
+    "rtx": {   # ~99 KB shared memory per block
+        "fwd": {64: [_t(128, 64, 4, 2), _t(64, 64, 4, 2)], 128: [_t(64, 64, 4, 2), _t(128, 32, 4, 2)],
+                256: [_t(64, 32, 4, 1)]},
+        "bwd_kv": {64: [_t(32, 64, 4, 2)], 128: [_t(32, 64, 4, 1)], 256: [_t(16, 32, 4, 1)]},
+        "bwd_q": {64: [_t(64, 32, 4, 2)], 128: [_t(64, 32, 4, 1)], 256: [_t(32, 16, 4, 1)]},
+    },
+    "interpreter": {p: {c: [_t(16, 16, 4, 1)] for c in (64, 128, 256)} for p in ("fwd", "bwd_kv", "bwd_q")},
+    "jetson": {   # tiles <= 64x64, <= 2 stages, fixed
+        "fwd": {64: [_t(64, 64, 4, 2)], 128: [_t(64, 32, 4, 2)], 256: [_t(32, 32, 4, 1)]},
+        "bwd_kv": {64: [_t(32, 64, 4, 2)], 128: [_t(32, 32, 4, 1)], 256: [_t(16, 32, 4, 1)]},
+        "bwd_q": {64: [_t(64, 32, 4, 2)], 128: [_t(32, 32, 4, 1)], 256: [_t(32, 16, 4, 1)]},
+    },
+}
+
+
 H100 = Profile(
-    name="h100", backend="cuda", description="Hopper (cc 9.x, ~227 KB smem/block): TMA, wgmma, deep pipelines",
+    name="h100", backend="cuda", tiles={"flash_attention": ATTN_TILES["h100"]}, description="Hopper (cc 9.x, ~227 KB smem/block): TMA, wgmma, deep pipelines",
     num_stages=3, num_warps=8, priority=30,
     matches=lambda env: env.device_type == "cuda" and _cc(env)[0] == 9 and _smem(env) >= 200 * 1024,
 )
 A100 = Profile(
-    name="a100", backend="cuda", description="Ampere datacenter (cc 8.0, ~163 KB smem/block)",
+    name="a100", backend="cuda", tiles={"flash_attention": ATTN_TILES["a100"]}, description="Ampere datacenter (cc 8.0, ~163 KB smem/block)",
     num_stages=3, num_warps=4, priority=20,
     matches=lambda env: env.device_type == "cuda" and _cc(env) == (8, 0) and _smem(env) >= 160 * 1024,
 )
 RTX = Profile(
-    name="rtx", backend="cuda", description="consumer / workstation parts (cc 8.6/8.9, ~99 KB smem/block)",
+    name="rtx", backend="cuda", tiles={"flash_attention": ATTN_TILES["rtx"]}, description="consumer / workstation parts (cc 8.6/8.9, ~99 KB smem/block)",
     num_stages=2, num_warps=4, priority=10,
     matches=lambda env: env.device_type == "cuda" and _cc(env) >= (7, 5),
 )
 INTERPRETER = Profile(
-    name="interpreter", backend="cuda", description="TRITON_INTERPRET=1 on CPU: small fixed tiles, no autotune",
+    name="interpreter", backend="cuda", tiles={"flash_attention": ATTN_TILES["interpreter"]}, description="TRITON_INTERPRET=1 on CPU: small fixed tiles, no autotune",
     num_stages=1, num_warps=4, autotune=False, priority=5,
     matches=lambda env: env.device_type != "cuda" and env.triton_interpret,
 )
 JETSON = Profile(
-    name="jetson", backend="cuda", description="memory-frugal: tiles <= 64x64, <= 2 stages, fixed configs, bounded workspace",
+    name="jetson", backend="cuda", tiles={"flash_attention": ATTN_TILES["jetson"]}, description="memory-frugal: tiles <= 64x64, <= 2 stages, fixed configs, bounded workspace",
     num_stages=2, num_warps=4, autotune=False, workspace_cap_bytes=64 << 20, memory_policy="conservative",
     priority=0, matches=lambda env: False,   # only when forced (use_backend("cuda", profile="jetson")) or by the jetson backend
 )

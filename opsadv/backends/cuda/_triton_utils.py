@@ -1,0 +1,95 @@
+"""Helpers shared by the cuda backend's Triton kernel modules: masked tile loads/stores and a
+small per-shape-bucket config autotuner (GPU only; the interpreter always takes the profile's
+first config)."""
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+import triton
+import triton.language as tl
+
+log = logging.getLogger("opsadv.cuda.autotune")
+
+
+@triton.jit
+def load_tile(ptrs, offs_r, n_r, offs_c, n_c, MASK_R: tl.constexpr, MASK_C: tl.constexpr):
+    """Load a 2-D tile, masking rows >= n_r and/or columns >= n_c (zeros there)."""
+    if MASK_R and MASK_C:
+        x = tl.load(ptrs, mask=(offs_r[:, None] < n_r) & (offs_c[None, :] < n_c), other=0.0)
+    elif MASK_R:
+        x = tl.load(ptrs, mask=offs_r[:, None] < n_r, other=0.0)
+    elif MASK_C:
+        x = tl.load(ptrs, mask=offs_c[None, :] < n_c, other=0.0)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def store_tile(ptrs, x, offs_r, n_r, offs_c, n_c, MASK_R: tl.constexpr, MASK_C: tl.constexpr):
+    """Store a 2-D tile, skipping rows >= n_r and/or columns >= n_c."""
+    if MASK_R and MASK_C:
+        tl.store(ptrs, x, mask=(offs_r[:, None] < n_r) & (offs_c[None, :] < n_c))
+    elif MASK_R:
+        tl.store(ptrs, x, mask=offs_r[:, None] < n_r)
+    elif MASK_C:
+        tl.store(ptrs, x, mask=offs_c[None, :] < n_c)
+    else:
+        tl.store(ptrs, x)
+
+
+def bucket(n: int) -> int:
+    """Next power of two (min 16): lengths in one bucket share a tuned config."""
+    return 16 if n <= 16 else 1 << (n - 1).bit_length()
+
+
+class ConfigTuner:
+    """Picks one config per key among `configs` by timing `launch(cfg)` with do_bench.
+
+    `configs[0]` is the profile's default: taken without timing when autotuning is off
+    (interpreter, jetson, CUDA-graph capture).  A config that fails to compile or launch is
+    dropped with a log line; if all fail, the last error is raised (never a silent fallback)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.best: dict[tuple, dict] = {}
+        self.times: dict[tuple, dict[int, float]] = {}
+        self._lock = threading.Lock()
+
+    def pick(self, key: tuple, configs: list[dict], launch, autotune: bool) -> dict:
+        cfg = self.best.get(key)
+        if cfg is not None:
+            return cfg
+        if not autotune or len(configs) == 1 or torch.cuda.is_current_stream_capturing():
+            return configs[0]
+        from triton.testing import do_bench
+        times: dict[int, float] = {}
+        err: Exception | None = None
+        for i, c in enumerate(configs):
+            try:
+                times[i] = float(do_bench(lambda: launch(c), warmup=5, rep=20, return_mode="median"))
+            except Exception as e:  # e.g. out of shared memory for this tile shape
+                err = e
+                log.info("%s: config %s failed: %s", self.name, c, str(e).splitlines()[0] if str(e) else e)
+        if not times:
+            raise err  # type: ignore[misc]
+        best = configs[min(times, key=times.get)]
+        with self._lock:
+            self.best[key] = best
+            self.times[key] = times
+        log.info("%s %s -> %s", self.name, key, best)
+        return best
+
+
+def poison_enabled() -> bool:
+    """OPSADV_POISON_OUTPUTS=1 (tests): output buffers start as NaN so an unwritten element shows."""
+    import os
+    return os.environ.get("OPSADV_POISON_OUTPUTS", "0") not in ("", "0")
+
+
+def new_output(shape, dtype, device) -> torch.Tensor:
+    if poison_enabled():
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)

@@ -1,0 +1,448 @@
+"""Triton flash attention (FlashAttention-2 scheme) for op "flash_attention".
+
+Forward: one program per (q block, batch*q head); online softmax over kv blocks in two loops,
+first the kv blocks every row of the q block sees in full (no masking work), then the few
+boundary blocks (causal diagonal, kv tail) with masks.  GQA/MQA read kv head h // group: K/V
+are never repeated in memory.  Causal is bottom-right aligned (query i sees keys
+j <= i + s_k - s_q); a row that sees no key gets zeros and lse = -inf.
+On Hopper, full kv blocks can come through TMA tensor descriptors (config flag TMA).
+
+Backward (deterministic, no atomics): a preprocess kernel (delta = rowsum(dO * O), lse in
+log2 units), a dK/dV kernel (one program per kv block and kv head, looping over the q blocks
+of every q head of its group, so GQA's sum over the group happens in registers) and a dQ
+kernel (one program per q block, looping over kv blocks).
+
+Tiles come from ctx.profile.tiles["flash_attention"][pass][head-dim class]: the first config
+is the default, the list is the autotune space (GPU only, when profile.autotune)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from opsadv.core.kernel import PRIORITY_TRITON, KernelImpl
+
+from . import triton_device_types
+from ._triton_utils import ConfigTuner, bucket, load_tile, new_output, store_tile
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+HEAD_DIMS = (32, 64, 96, 128, 256)
+FEATURES = frozenset({"causal", "gqa", "cross_length"})
+
+try:  # host-side TMA descriptors (Triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover
+    TensorDescriptor = None
+
+
+# ---------------------------------------------------------------------------------------------
+# forward
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, kv_row0, s_kn, s_vn,
+               offs_m, offs_d, lo, hi, SK, OFFSET, qk_scale,
+               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAD_D: tl.constexpr,
+               CAUSAL: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        if TMA:  # bulk copy of a full block; rows are this head's (never the tail)
+            k = desc_k.load([kv_row0 + start_n, 0])
+        else:
+            k = load_tile(k_base + offs_n[:, None] * s_kn + offs_d[None, :], offs_n, SK, offs_d, HEAD_DIM,
+                          MASKED, PAD_D)
+        qk = tl.dot(q, tl.trans(k))
+        if MASKED:
+            keep = offs_n[None, :] < SK
+            if CAUSAL:  # bottom-right aligned: query i sees keys j <= i + OFFSET
+                keep = keep & (offs_n[None, :] <= offs_m[:, None] + OFFSET)
+            qk = tl.where(keep, qk * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            p = tl.math.exp2(qk - m_new[:, None])
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)          # rescale what was accumulated under the old max
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if TMA:
+            v = desc_v.load([kv_row0 + start_n, 0])
+        else:
+            v = load_tile(v_base + offs_n[:, None] * s_vn + offs_d[None, :], offs_n, SK, offs_d, HEAD_DIM,
+                          MASKED, PAD_D)
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, O, LSE, desc_k, desc_v,
+                s_qb, s_qh, s_qm, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_ob, s_oh, s_om,
+                H, GROUP, SQ, SK, OFFSET, qk_scale,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
+    PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)   # longest (causal) q blocks start first
+    pid_bh = tl.program_id(1)
+    off_b = pid_bh // H
+    off_h = pid_bh % H
+    off_hk = off_h // GROUP                                # GQA: the kv head this q head reads
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_ptrs = Q + off_b.to(tl.int64) * s_qb + off_h.to(tl.int64) * s_qh + offs_m[:, None] * s_qm + offs_d[None, :]
+    q = load_tile(q_ptrs, offs_m, SQ, offs_d, HEAD_DIM, not EVEN_M, PAD_D)
+    k_base = K + off_b.to(tl.int64) * s_kb + off_hk.to(tl.int64) * s_kh
+    v_base = V + off_b.to(tl.int64) * s_vb + off_hk.to(tl.int64) * s_vh
+    kv_row0 = (off_b * (H // GROUP) + off_hk) * SK         # this head's first row in the (b*hkv*sk, d) TMA view
+    if CAUSAL:
+        hi = tl.maximum(tl.minimum(SK, m0 + BLOCK_M + OFFSET), 0)        # last key any row of the block sees
+        n_full = tl.maximum(tl.minimum(SK, m0 + OFFSET + 1), 0)          # keys every row of the block sees
+    else:
+        hi = SK
+        n_full = SK
+    n_full = (n_full // BLOCK_N) * BLOCK_N                                # whole, unmasked kv blocks
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)          # finite: a fully masked block gives p = 0, not NaN
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, kv_row0, s_kn, s_vn,
+                               offs_m, offs_d, 0, n_full, SK, OFFSET, qk_scale,
+                               HEAD_DIM, BLOCK_N, PAD_D, CAUSAL, False, TMA, WS)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, kv_row0, s_kn, s_vn,
+                               offs_m, offs_d, n_full, hi, SK, OFFSET, qk_scale,
+                               HEAD_DIM, BLOCK_N, PAD_D, CAUSAL, True, False, False)
+    empty = l_i == 0.0                                     # row saw no key (causal with s_q > s_k)
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)  # log2 -> ln
+    o_ptrs = O + off_b.to(tl.int64) * s_ob + off_h.to(tl.int64) * s_oh + offs_m[:, None] * s_om + offs_d[None, :]
+    store_tile(o_ptrs, out.to(O.dtype.element_ty), offs_m, SQ, offs_d, HEAD_DIM, not EVEN_M, PAD_D)
+    lse_ptrs = LSE + pid_bh.to(tl.int64) * SQ + offs_m
+    if EVEN_M:
+        tl.store(lse_ptrs, lse)
+    else:
+        tl.store(lse_ptrs, lse, mask=offs_m < SQ)
+
+
+# ---------------------------------------------------------------------------------------------
+# backward
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _bwd_pre_kernel(O, DO, LSE, DELTA, LSE2, s_ob, s_oh, s_om, s_db, s_dh, s_dm, H, SQ,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    pid_bh = tl.program_id(1)
+    off_b = pid_bh // H
+    off_h = pid_bh % H
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    o = load_tile(O + off_b.to(tl.int64) * s_ob + off_h.to(tl.int64) * s_oh + offs_m[:, None] * s_om + offs_d[None, :],
+                  offs_m, SQ, offs_d, HEAD_DIM, True, BLOCK_D != HEAD_DIM)
+    do = load_tile(DO + off_b.to(tl.int64) * s_db + off_h.to(tl.int64) * s_dh + offs_m[:, None] * s_dm + offs_d[None, :],
+                   offs_m, SQ, offs_d, HEAD_DIM, True, BLOCK_D != HEAD_DIM)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    row = pid_bh.to(tl.int64) * SQ + offs_m
+    lse = tl.load(LSE + row, mask=offs_m < SQ, other=0.0)
+    # log2 units; an empty row (lse = -inf) becomes +inf so that every p = exp2(s - lse2) is 0
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    tl.store(DELTA + row, delta, mask=offs_m < SQ)
+    tl.store(LSE2 + row, lse2, mask=offs_m < SQ)
+
+
+@triton.jit
+def _bwd_kv_inner(dk, dv, k, v, q_base, do_base, L, D, s_qm, s_dm, offs_n, offs_d, lo, hi, SQ, OFFSET, qk_scale,
+                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, PAD_D: tl.constexpr,
+                  MASKED: tl.constexpr, EVEN_M: tl.constexpr):
+    for start_m in range(lo, hi, BLOCK_M):
+        start_m = tl.multiple_of(start_m, BLOCK_M)
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        q = load_tile(q_base + offs_m[:, None] * s_qm + offs_d[None, :], offs_m, SQ, offs_d, HEAD_DIM, not EVEN_M, PAD_D)
+        do = load_tile(do_base + offs_m[:, None] * s_dm + offs_d[None, :], offs_m, SQ, offs_d, HEAD_DIM,
+                       not EVEN_M, PAD_D)
+        if EVEN_M:
+            lse2 = tl.load(L + offs_m)
+            delta = tl.load(D + offs_m)
+        else:  # rows past s_q: lse2 = +inf makes their p exactly 0
+            lse2 = tl.load(L + offs_m, mask=offs_m < SQ, other=float("inf"))
+            delta = tl.load(D + offs_m, mask=offs_m < SQ, other=0.0)
+        p_t = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :])    # P^T: (BLOCK_N, BLOCK_M)
+        if MASKED:  # causal diagonal band: key j visible to query i iff j <= i + OFFSET
+            p_t = tl.where(offs_n[:, None] <= offs_m[None, :] + OFFSET, p_t, 0.0)
+        dv += tl.dot(p_t.to(do.dtype), do)
+        dp_t = tl.dot(v, tl.trans(do))
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += tl.dot(ds_t.to(q.dtype), q)
+    return dk, dv
+
+
+@triton.jit
+def _bwd_kv_kernel(Q, K, V, DO, DK, DV, LSE2, DELTA,
+                   s_qb, s_qh, s_qm, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_db, s_dh, s_dm,
+                   s_dkb, s_dkh, s_dkn, s_dvb, s_dvh, s_dvn,
+                   H, GROUP, SQ, SK, OFFSET, qk_scale, scale,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
+    PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
+    pid_n = tl.program_id(0)
+    pid_bhk = tl.program_id(1)
+    HKV = H // GROUP
+    off_b = pid_bhk // HKV
+    off_hk = pid_bhk % HKV
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    k = load_tile(K + off_b.to(tl.int64) * s_kb + off_hk.to(tl.int64) * s_kh + offs_n[:, None] * s_kn + offs_d[None, :],
+                  offs_n, SK, offs_d, HEAD_DIM, not EVEN_N, PAD_D)
+    v = load_tile(V + off_b.to(tl.int64) * s_vb + off_hk.to(tl.int64) * s_vh + offs_n[:, None] * s_vn + offs_d[None, :],
+                  offs_n, SK, offs_d, HEAD_DIM, not EVEN_N, PAD_D)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    sq_pad = tl.cdiv(SQ, BLOCK_M) * BLOCK_M
+    if CAUSAL:
+        m_lo = tl.minimum((tl.maximum(n0 - OFFSET, 0) // BLOCK_M) * BLOCK_M, sq_pad)   # first row seeing key n0
+        m_mid = tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - OFFSET, 0), BLOCK_M) * BLOCK_M   # rows from here see all keys
+        m_mid = tl.minimum(tl.maximum(m_mid, m_lo), sq_pad)
+    else:
+        m_lo = 0
+        m_mid = 0
+    for g in range(GROUP):                                  # GQA: the q heads sharing this kv head
+        off_h = off_hk * GROUP + g
+        q_base = Q + off_b.to(tl.int64) * s_qb + off_h.to(tl.int64) * s_qh
+        do_base = DO + off_b.to(tl.int64) * s_db + off_h.to(tl.int64) * s_dh
+        row0 = (off_b * H + off_h).to(tl.int64) * SQ
+        dk, dv = _bwd_kv_inner(dk, dv, k, v, q_base, do_base, LSE2 + row0, DELTA + row0, s_qm, s_dm, offs_n, offs_d,
+                               m_lo, m_mid, SQ, OFFSET, qk_scale, HEAD_DIM, BLOCK_M, PAD_D, True, EVEN_M)
+        dk, dv = _bwd_kv_inner(dk, dv, k, v, q_base, do_base, LSE2 + row0, DELTA + row0, s_qm, s_dm, offs_n, offs_d,
+                               m_mid, sq_pad, SQ, OFFSET, qk_scale, HEAD_DIM, BLOCK_M, PAD_D, False, EVEN_M)
+    dk = dk * scale
+    store_tile(DK + off_b.to(tl.int64) * s_dkb + off_hk.to(tl.int64) * s_dkh + offs_n[:, None] * s_dkn + offs_d[None, :],
+               dk.to(DK.dtype.element_ty), offs_n, SK, offs_d, HEAD_DIM, not EVEN_N, PAD_D)
+    store_tile(DV + off_b.to(tl.int64) * s_dvb + off_hk.to(tl.int64) * s_dvh + offs_n[:, None] * s_dvn + offs_d[None, :],
+               dv.to(DV.dtype.element_ty), offs_n, SK, offs_d, HEAD_DIM, not EVEN_N, PAD_D)
+
+
+@triton.jit
+def _bwd_q_inner(dq, q, do, lse2, delta, k_base, v_base, s_kn, s_vn, offs_m, offs_d, lo, hi, SK, OFFSET, qk_scale,
+                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAD_D: tl.constexpr,
+                 CAUSAL: tl.constexpr, MASKED: tl.constexpr):
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = load_tile(k_base + offs_n[:, None] * s_kn + offs_d[None, :], offs_n, SK, offs_d, HEAD_DIM, MASKED, PAD_D)
+        v = load_tile(v_base + offs_n[:, None] * s_vn + offs_d[None, :], offs_n, SK, offs_d, HEAD_DIM, MASKED, PAD_D)
+        p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None])
+        if MASKED:
+            keep = offs_n[None, :] < SK
+            if CAUSAL:
+                keep = keep & (offs_n[None, :] <= offs_m[:, None] + OFFSET)
+            p = tl.where(keep, p, 0.0)
+        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq)
+    return dq
+
+
+@triton.jit
+def _bwd_q_kernel(Q, K, V, DO, DQ, LSE2, DELTA,
+                  s_qb, s_qh, s_qm, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_db, s_dh, s_dm, s_dqb, s_dqh, s_dqm,
+                  H, GROUP, SQ, SK, OFFSET, qk_scale, scale,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  CAUSAL: tl.constexpr, EVEN_M: tl.constexpr):
+    PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = pid_bh // H
+    off_h = pid_bh % H
+    off_hk = off_h // GROUP
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = load_tile(Q + off_b.to(tl.int64) * s_qb + off_h.to(tl.int64) * s_qh + offs_m[:, None] * s_qm + offs_d[None, :],
+                  offs_m, SQ, offs_d, HEAD_DIM, not EVEN_M, PAD_D)
+    do = load_tile(DO + off_b.to(tl.int64) * s_db + off_h.to(tl.int64) * s_dh + offs_m[:, None] * s_dm + offs_d[None, :],
+                   offs_m, SQ, offs_d, HEAD_DIM, not EVEN_M, PAD_D)
+    row = pid_bh.to(tl.int64) * SQ + offs_m
+    lse2 = tl.load(LSE2 + row, mask=offs_m < SQ, other=float("inf"))
+    delta = tl.load(DELTA + row, mask=offs_m < SQ, other=0.0)
+    k_base = K + off_b.to(tl.int64) * s_kb + off_hk.to(tl.int64) * s_kh
+    v_base = V + off_b.to(tl.int64) * s_vb + off_hk.to(tl.int64) * s_vh
+    if CAUSAL:
+        hi = tl.maximum(tl.minimum(SK, m0 + BLOCK_M + OFFSET), 0)
+        n_full = tl.maximum(tl.minimum(SK, m0 + OFFSET + 1), 0)
+    else:
+        hi = SK
+        n_full = SK
+    n_full = (n_full // BLOCK_N) * BLOCK_N
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    dq = _bwd_q_inner(dq, q, do, lse2, delta, k_base, v_base, s_kn, s_vn, offs_m, offs_d, 0, n_full, SK, OFFSET,
+                      qk_scale, HEAD_DIM, BLOCK_N, PAD_D, CAUSAL, False)
+    dq = _bwd_q_inner(dq, q, do, lse2, delta, k_base, v_base, s_kn, s_vn, offs_m, offs_d, n_full, hi, SK, OFFSET,
+                      qk_scale, HEAD_DIM, BLOCK_N, PAD_D, CAUSAL, True)
+    dq = dq * scale
+    store_tile(DQ + off_b.to(tl.int64) * s_dqb + off_h.to(tl.int64) * s_dqh + offs_m[:, None] * s_dqm + offs_d[None, :],
+               dq.to(DQ.dtype.element_ty), offs_m, SQ, offs_d, HEAD_DIM, not EVEN_M, PAD_D)
+
+
+# ---------------------------------------------------------------------------------------------
+# host side
+# ---------------------------------------------------------------------------------------------
+_FWD = ConfigTuner("flash_attention.fwd")
+_BWD_KV = ConfigTuner("flash_attention.bwd_kv")
+_BWD_Q = ConfigTuner("flash_attention.bwd_q")
+
+# Used when the profile names no attention tiles (a third-party or future profile).
+_DEFAULT_TILE = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+
+
+def _dclass(d: int) -> int:
+    return 64 if d <= 64 else (128 if d <= 128 else 256)
+
+
+def _configs(ctx, which: str, d: int, tma_ok: bool) -> list[dict]:
+    """The profile's configs for this pass and head-dim class; TMA ones dropped when not usable."""
+    tiles = (ctx.profile.tiles.get("flash_attention", {}) if ctx.profile is not None else {})
+    cfgs = [dict(c) for c in tiles.get(which, {}).get(_dclass(d), [])] or [dict(_DEFAULT_TILE)]
+    out: list[dict] = []
+    for c in cfgs:
+        c.setdefault("TMA", False)
+        c.setdefault("WS", False)
+        if c["TMA"] and not tma_ok:
+            c["TMA"], c["WS"] = False, False
+        if c not in out:
+            out.append(c)
+    return out
+
+
+def _autotune(ctx, device: torch.device) -> bool:
+    return device.type == "cuda" and ctx.profile is not None and ctx.profile.autotune
+
+
+def _compute_dtype(ctx, dtype: torch.dtype) -> torch.dtype:
+    """fp16/bf16 run as is; fp32 runs in the precision policy's attention dtype (check() has
+    already rejected fp32 when that policy keeps fp32)."""
+    if dtype in (torch.float16, torch.bfloat16):
+        return dtype
+    prec = ctx.options.get("precision")
+    return torch.bfloat16 if getattr(prec, "attention", "fp32") == "bf16" else torch.float16
+
+
+def _prep(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    t = t.to(dtype)
+    return t if t.stride(-1) == 1 else t.contiguous()    # kernels assume unit stride along head_dim
+
+
+def _launch_args(cfg: dict) -> dict:
+    return {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")}
+
+
+def flash_fwd(ctx, q, k, v, attn_mask, causal, scale):
+    in_dtype = q.dtype
+    cdt = _compute_dtype(ctx, in_dtype)
+    q, k, v = _prep(q, cdt), _prep(k, cdt), _prep(v, cdt)
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    out = new_output((b, hq, sq, d), cdt, q.device)
+    lse = new_output((b, hq, sq), torch.float32, q.device)
+    block_d = max(16, triton.next_power_of_2(d))
+    tma_ok = (TensorDescriptor is not None and q.device.type == "cuda" and block_d == d
+              and k.is_contiguous() and v.is_contiguous())
+    qk_scale = scale * LOG2E
+
+    def launch(cfg):
+        bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+        dk_ = dv_ = None
+        if cfg["TMA"]:
+            dk_ = TensorDescriptor(k, [b * hkv * sk, d], [d, 1], [bn, d])
+            dv_ = TensorDescriptor(v, [b * hkv * sk, d], [d, 1], [bn, d])
+        grid = (triton.cdiv(sq, bm), b * hq)
+        _fwd_kernel[grid](q, k, v, out, lse, dk_, dv_,
+                          q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                          v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+                          hq, hq // hkv, sq, sk, sk - sq, qk_scale,
+                          HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=causal, EVEN_M=sq % bm == 0,
+                          TMA=cfg["TMA"], WS=cfg["WS"], **_launch_args(cfg))
+
+    cfgs = _configs(ctx, "fwd", d, tma_ok)
+    key = (str(cdt), d, causal, hq // hkv, bucket(sq), bucket(sk), bucket(b * hq), tma_ok)
+    cfg = _FWD.pick(key, cfgs, launch, _autotune(ctx, q.device))
+    launch(cfg)
+    if out.dtype != in_dtype:
+        out = out.to(in_dtype)
+    return out, lse
+
+
+def flash_bwd(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale):
+    in_dtype = q.dtype
+    cdt = _compute_dtype(ctx, in_dtype)
+    q, k, v, out, dout = (_prep(t, cdt) for t in (q, k, v, out, dout))
+    lse = lse.float().contiguous()
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    group = hq // hkv
+    block_d = max(16, triton.next_power_of_2(d))
+    delta = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
+    lse2 = torch.empty_like(delta)
+    pre_bm = 64
+    _bwd_pre_kernel[(triton.cdiv(sq, pre_bm), b * hq)](
+        out, dout, lse, delta, lse2, out.stride(0), out.stride(1), out.stride(2),
+        dout.stride(0), dout.stride(1), dout.stride(2), hq, sq, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_bm)
+    dq = new_output((b, hq, sq, d), cdt, q.device)
+    dk = new_output((b, hkv, sk, d), cdt, q.device)
+    dv = new_output((b, hkv, sk, d), cdt, q.device)
+    qk_scale = scale * LOG2E
+    common = (hq, group, sq, sk, sk - sq, qk_scale, scale)
+
+    def launch_kv(cfg):
+        bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+        _bwd_kv_kernel[(triton.cdiv(sk, bn), b * hkv)](
+            q, k, v, dout, dk, dv, lse2, delta,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+            dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), *common,
+            HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=causal, EVEN_M=sq % bm == 0, EVEN_N=sk % bn == 0,
+            **_launch_args(cfg))
+
+    def launch_q(cfg):
+        bm = cfg["BLOCK_M"]
+        _bwd_q_kernel[(triton.cdiv(sq, bm), b * hq)](
+            q, k, v, dout, dq, lse2, delta,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+            dq.stride(0), dq.stride(1), dq.stride(2), *common,
+            HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=causal, EVEN_M=sq % bm == 0, **_launch_args(cfg))
+
+    key = (str(cdt), d, causal, group, bucket(sq), bucket(sk), bucket(b * hq))
+    tune = _autotune(ctx, q.device)
+    launch_kv(_BWD_KV.pick(key, _configs(ctx, "bwd_kv", d, False), launch_kv, tune))
+    launch_q(_BWD_Q.pick(key, _configs(ctx, "bwd_q", d, False), launch_q, tune))
+    if in_dtype != cdt:
+        dq, dk, dv = dq.to(in_dtype), dk.to(in_dtype), dv.to(in_dtype)
+    return dq, dk, dv
+
+
+def _check(spec, env) -> list[str]:
+    """Dynamic limits: fp32 needs a half-precision attention policy; the interpreter's bf16 dot is wrong."""
+    from opsadv.core.policy import current_policy
+    why = []
+    cdt = spec.dtype
+    if spec.dtype == torch.float32:
+        prec = current_policy().precision.attention
+        if prec not in ("fp16", "bf16"):
+            why.append("float32 inputs need precision attention 'fp16' or 'bf16' "
+                       "(use_backend(..., precision='bf16')); this kernel computes in half precision")
+        cdt = torch.bfloat16 if prec == "bf16" else torch.float16
+    if spec.device_type == "cpu" and cdt == torch.bfloat16:
+        why.append("bfloat16 is not exact in the Triton interpreter (its bf16 dot is wrong); use fp16 on CPU")
+    return why
+
+
+def impls(env) -> list[KernelImpl]:
+    return [KernelImpl(
+        id="cuda.triton.flash_attention", op="flash_attention", backend="cuda", fn=flash_fwd, backward=flash_bwd,
+        priority=PRIORITY_TRITON, device_types=triton_device_types(env),
+        dtypes=(torch.float16, torch.bfloat16, torch.float32), head_dims=HEAD_DIMS, min_cc=(8, 0),
+        features=FEATURES, deterministic=True, requires_interpret_or_cuda=True, check=_check,
+        description="Triton FlashAttention-2 forward/backward (online softmax, GQA by index, bottom-right causal; "
+                    "TMA on Hopper; deterministic backward without atomics)")]
+
+
+__all__ = ["impls", "flash_fwd", "flash_bwd", "HEAD_DIMS"]
