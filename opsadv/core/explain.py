@@ -4,9 +4,16 @@ from __future__ import annotations
 from typing import Any
 
 from . import dispatch
+from . import ops as _ops  # noqa: F401  (registers the ops first)
 from .errors import InvalidArgumentError
 from .kernel import OPS
-from .ops import attention, gemm, norm, sparse
+import importlib
+
+# modules, not the same-named op functions that opsadv.core.ops re-exports
+attention = importlib.import_module("opsadv.core.ops.attention")
+gemm = importlib.import_module("opsadv.core.ops.gemm")
+norm = importlib.import_module("opsadv.core.ops.norm")
+sparse = importlib.import_module("opsadv.core.ops.sparse")
 
 
 def _spec_for(op: str, args: tuple, kwargs: dict[str, Any], backward: bool):

@@ -63,3 +63,23 @@ def empty_like_none(ref: torch.Tensor) -> torch.Tensor:
 
 def none_if_empty(t: torch.Tensor | None):
     return None if t is None or t.numel() == 0 else t
+
+
+_Plain = (torch.Tensor, torch.nn.Parameter)
+
+
+def eager_fast_path(*tensors) -> bool:
+    """True when the op may skip torch.library's dispatcher and call the router directly:
+    plain eager tensors, no autograd needed, no compile/export tracing, no dispatch or
+    torch-function mode, no functorch transform.  Anything else takes the full torch.ops
+    path (fake kernels, autograd), so semantics are identical either way."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() \
+            or torch._C._is_torch_function_mode_enabled() or torch._C._functorch.peek_interpreter_stack() is not None:
+        return False
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t is None:
+            continue
+        if type(t) not in _Plain or (grad and t.requires_grad):
+            return False
+    return True

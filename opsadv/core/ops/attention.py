@@ -20,7 +20,7 @@ from torch import Tensor
 from .. import dispatch
 from ..errors import InvalidArgumentError
 from ..kernel import CallSpec
-from ._common import check_same, check_scale, check_tensor, dt, len_bucket
+from ._common import check_same, check_scale, check_tensor, dt, eager_fast_path, len_bucket
 
 OP = "flash_attention"
 
@@ -91,12 +91,16 @@ def _spec(q, k, attn_mask, causal, backward: bool) -> CallSpec:
                     head_dim=q.shape[-1], shapes=(tuple(q.shape), tuple(k.shape)), backward=backward)
 
 
-@torch.library.custom_op("opsadv::flash_attention", mutates_args=())
-def _flash_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], causal: bool,
-                     scale: Optional[float]) -> tuple[Tensor, Tensor]:
+def _route(q, k, v, attn_mask, causal, scale):
     s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     return dispatch.call(_key(q, k, attn_mask, causal, False), lambda: _spec(q, k, attn_mask, causal, False),
                          (q, k, v, attn_mask, causal, s))
+
+
+@torch.library.custom_op("opsadv::flash_attention", mutates_args=())
+def _flash_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], causal: bool,
+                     scale: Optional[float]) -> tuple[Tensor, Tensor]:
+    return _route(q, k, v, attn_mask, causal, scale)
 
 
 @_flash_attention.register_fake
@@ -139,5 +143,8 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, sc
     """Fused softmax(q kᵀ · scale [+ mask]) v.  Returns out (b, h_q, s_q, d), or (out, lse) with
     return_lse=True (lse is not differentiable).  Gradients flow to q, k, v (not the mask)."""
     validate(q, k, v, attn_mask, causal, scale)
-    out, lse = torch.ops.opsadv.flash_attention(q, k, v, attn_mask, causal, scale)
+    if eager_fast_path(q, k, v, attn_mask):
+        out, lse = _route(q, k, v, attn_mask, causal, scale)
+    else:
+        out, lse = torch.ops.opsadv.flash_attention(q, k, v, attn_mask, causal, scale)
     return (out, lse.detach()) if return_lse else out

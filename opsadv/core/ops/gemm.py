@@ -21,7 +21,7 @@ from torch import Tensor
 from .. import dispatch
 from ..errors import InvalidArgumentError
 from ..kernel import CallSpec
-from ._common import check_choice, check_same, check_tensor, len_bucket, none_if_empty
+from ._common import check_choice, check_same, check_tensor, eager_fast_path, len_bucket, none_if_empty
 
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
 
@@ -170,10 +170,16 @@ def gemm(a: Tensor, b: Tensor, *, bias: Tensor | None = None, activation: str = 
     """activation(alpha · (a @ b) + bias) + residual in one fused kernel where the backend has one.
     a (..., K), b (K, N) — for an nn.Linear weight W (N, K) pass W.t()."""
     validate_gemm(a, b, bias, activation, residual, alpha)
+    if eager_fast_path(a, b, bias, residual):
+        args = (a, b, bias, activation, residual, float(alpha))
+        return dispatch.call(_gemm_key(*args, False), lambda: _gemm_spec(*args, False), args)
     return torch.ops.opsadv.gemm(a, b, bias, activation, residual, float(alpha))
 
 
 def swiglu_gemm(x: Tensor, w_gate_up: Tensor, *, bias: Tensor | None = None) -> Tensor:
     """silu(x @ W_g + b_g) * (x @ W_u + b_u) from one concatenated weight [W_g | W_u] of shape (K, 2N)."""
     validate_swiglu(x, w_gate_up, bias)
+    if eager_fast_path(x, w_gate_up, bias):
+        return dispatch.call(_swiglu_key(x, w_gate_up, bias, False), lambda: _swiglu_spec(x, w_gate_up, bias, False),
+                             (x, w_gate_up, bias))
     return torch.ops.opsadv.swiglu_gemm(x, w_gate_up, bias)

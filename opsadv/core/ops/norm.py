@@ -22,7 +22,7 @@ from torch import Tensor
 from .. import dispatch
 from ..errors import InvalidArgumentError
 from ..kernel import CallSpec
-from ._common import check_same, check_tensor, len_bucket, none_if_empty
+from ._common import check_same, check_tensor, eager_fast_path, len_bucket, none_if_empty
 
 
 def stat_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -65,12 +65,16 @@ def _spec(op, x, weight, bias, residual, backward, offset=0.0) -> CallSpec:
 
 
 # ---- layer_norm ----------------------------------------------------------------------------
-@torch.library.custom_op("opsadv::layer_norm", mutates_args=())
-def _layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
-                residual: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _layer_norm_route(x, weight, bias, eps, residual):
     return dispatch.call(_key("layer_norm", x, weight, bias, residual, False),
                          lambda: _spec("layer_norm", x, weight, bias, residual, False),
                          (x, weight, bias, eps, residual))
+
+
+@torch.library.custom_op("opsadv::layer_norm", mutates_args=())
+def _layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
+                residual: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _layer_norm_route(x, weight, bias, eps, residual)
 
 
 @_layer_norm.register_fake
@@ -117,12 +121,16 @@ _layer_norm.register_autograd(_ln_bwd, setup_context=_ln_setup)
 
 
 # ---- rms_norm ------------------------------------------------------------------------------
-@torch.library.custom_op("opsadv::rms_norm", mutates_args=())
-def _rms_norm(x: Tensor, weight: Optional[Tensor], eps: float, residual: Optional[Tensor],
-              offset: float) -> tuple[Tensor, Tensor, Tensor]:
+def _rms_norm_route(x, weight, eps, residual, offset):
     return dispatch.call(_key("rms_norm", x, weight, None, residual, False) + (offset != 0.0,),
                          lambda: _spec("rms_norm", x, weight, None, residual, False, offset),
                          (x, weight, eps, residual, offset))
+
+
+@torch.library.custom_op("opsadv::rms_norm", mutates_args=())
+def _rms_norm(x: Tensor, weight: Optional[Tensor], eps: float, residual: Optional[Tensor],
+              offset: float) -> tuple[Tensor, Tensor, Tensor]:
+    return _rms_norm_route(x, weight, eps, residual, offset)
 
 
 @_rms_norm.register_fake
@@ -171,7 +179,8 @@ def layer_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = No
                residual: Tensor | None = None):
     """LayerNorm over the last dim.  With residual: returns (layer_norm(x + residual), x + residual)."""
     validate("layer_norm", x, weight, bias, eps, residual)
-    y, xsum, _, _ = torch.ops.opsadv.layer_norm(x, weight, bias, float(eps), residual)
+    op = torch.ops.opsadv.layer_norm if not eager_fast_path(x, weight, bias, residual) else _layer_norm_route
+    y, xsum, _, _ = op(x, weight, bias, float(eps), residual)
     return (y, xsum) if residual is not None else y
 
 
@@ -180,5 +189,6 @@ def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6, *, resi
     """RMSNorm over the last dim, y = x·rsqrt(mean(x²)+eps)·(offset + weight).  With residual:
     returns (rms_norm(x + residual), x + residual)."""
     validate("rms_norm", x, weight, None, eps, residual, offset)
-    y, xsum, _ = torch.ops.opsadv.rms_norm(x, weight, float(eps), residual, float(offset))
+    op = torch.ops.opsadv.rms_norm if not eager_fast_path(x, weight, residual) else _rms_norm_route
+    y, xsum, _ = op(x, weight, float(eps), residual, float(offset))
     return (y, xsum) if residual is not None else y

@@ -1,0 +1,118 @@
+"""The `opsadv` command: info | demo | conformance | bench | optimize | tune."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+
+def _cmd_info(args) -> int:
+    import opsadv
+    if args.backend:
+        opsadv.use_backend(args.backend)
+    inf = opsadv.info()
+    print(json.dumps(inf.to_dict(), indent=1, default=str) if args.json else inf)
+    return 0
+
+
+def _cmd_demo(args) -> int:
+    from .demo import run_demo
+    return run_demo(backend=args.backend, device=args.device)
+
+
+def _cmd_conformance(args) -> int:
+    import opsadv
+    from opsadv.testing import default_device, run_conformance
+    from opsadv.testing.report import summary, write
+
+    if args.aoe_mode is not None:
+        opsadv.use_backend(args.backend, aoe_mode=args.aoe_mode)
+    device = args.device or default_device(args.backend)
+    ops = args.ops.split(",") if args.ops else None
+
+    def progress(r):
+        if args.verbose or r.status == "fail":
+            print(f"  {r.status:4s} {r.op}/{r.shape_class} {r.dtype} {r.impl or ''} {r.reason[:200]}", flush=True)
+
+    print(f"opsadv conformance: backend {args.backend} on {device} ({'quick' if args.quick else 'full'} catalogue)",
+          flush=True)
+    results = run_conformance(args.backend, quick=args.quick, device=device, ops=ops, progress=progress)
+    write(results, backend=args.backend, device=device, quick=args.quick, json_path=args.json,
+          markdown_path=args.markdown, note=args.note or "")
+    s = summary(results)
+    print(f"{s['pass']} passed, {s['fail']} failed, {s['skip']} skipped")
+    return 1 if s["fail"] else 0
+
+
+def _cmd_bench(args) -> int:
+    try:
+        from .bench.runner import run_bench
+    except ImportError as e:
+        print(f"opsadv bench: the benchmark runner is not available ({e})", file=sys.stderr)
+        return 2
+    import opsadv
+    if args.use_experimental_kernels:
+        opsadv.use_backend("auto", experimental=True)
+    suites = ["attention", "sparse", "gemm", "norm", "e2e"] if args.suite == "all" else [args.suite]
+    return run_bench(suites, quick=args.quick, json_path=args.json, plot_path=args.plot)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="opsadv", description="fused LLM operators with an answer to 'which kernel ran, and why'")
+    p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="logging level (INFO prints each first resolution of a shape bucket)")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("info", help="hardware, backends, probe results, plugin failures, profile")
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--backend", default=None, help="show the policy with this backend selected")
+    s.set_defaults(func=_cmd_info)
+
+    s = sub.add_parser("demo", help="run every op through the selected backend on random data and check it")
+    s.add_argument("--backend", default="auto")
+    s.add_argument("--device", default=None, help="default: cuda if present, else cpu")
+    s.set_defaults(func=_cmd_demo)
+
+    s = sub.add_parser("conformance", help="compare a backend with the reference on the case catalogue")
+    s.add_argument("--backend", required=True)
+    s.add_argument("--quick", action="store_true")
+    s.add_argument("--json", default=None, metavar="PATH")
+    s.add_argument("--markdown", default=None, metavar="PATH")
+    s.add_argument("--device", default=None)
+    s.add_argument("--ops", default=None, help="comma-separated op names (default: all)")
+    s.add_argument("--note", default=None, help="a line to put in the report")
+    s.add_argument("--aoe-mode", type=int, default=None, help="Ascend AOE tuning mode (ascend backend only)")
+    s.add_argument("-v", "--verbose", action="store_true")
+    s.set_defaults(func=_cmd_conformance)
+
+    s = sub.add_parser("bench", help="speed against peers on a GPU (BENCHMARKS.md)")
+    s.add_argument("--suite", default="all", choices=["attention", "sparse", "gemm", "norm", "e2e", "all"])
+    s.add_argument("--quick", action="store_true")
+    s.add_argument("--json", default=None, metavar="PATH")
+    s.add_argument("--plot", default=None, metavar="PATH")
+    s.add_argument("--use-experimental-kernels", action="store_true")
+    s.set_defaults(func=_cmd_bench)
+
+    try:
+        from .convert.cli import add_subcommands
+    except ImportError:
+        pass
+    else:
+        add_subcommands(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level), format="%(levelname)s %(name)s: %(message)s")
+    from .core.errors import OpsadvError
+    try:
+        return int(args.func(args) or 0)
+    except OpsadvError as e:
+        print(f"opsadv: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

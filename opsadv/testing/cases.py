@@ -1,0 +1,208 @@
+"""The conformance case catalogue: per op, shape classes (odd sizes 1, 3, 127, non-powers of
+two; causal, GQA, cross-length, masks ...) and a tolerance row per dtype.
+
+A case builds fresh random inputs from a seed, calls the public op, and names the inputs that
+receive gradients.  The runner compares every impl with the reference backend in float64."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+import opsadv
+from opsadv.core.layout import SparseLayout
+
+# relative-norm error allowed per input dtype (forward, backward); float32 allows tf32 dots on GPUs
+TOLERANCE = {
+    torch.float64: (1e-9, 1e-8),
+    torch.float32: (3e-3, 5e-3),
+    torch.float16: (5e-3, 1e-2),
+    torch.bfloat16: (3e-2, 5e-2),
+}
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class Case:
+    op: str
+    shape_class: str
+    build: Callable[[torch.dtype, str, torch.Generator], tuple[tuple, dict]]   # -> (args, kwargs)
+    grad_args: tuple[int, ...]                    # positional args that get gradients
+    quick: bool = True                            # part of --quick
+    multi_output: bool = False                    # op returns (y, sum) (norms with residual)
+    tags: frozenset[str] = field(default_factory=frozenset)
+
+    @property
+    def name(self) -> str:
+        return f"{self.op}/{self.shape_class}"
+
+
+def _r(shape, dtype, device, g, scale=1.0):
+    return (torch.randn(shape, generator=g, dtype=torch.float64) * scale).to(dtype=dtype, device=device)
+
+
+# ---- attention ---------------------------------------------------------------------------------
+def _attn(b, hq, hkv, sq, sk, d, causal=False, mask=None):
+    def build(dtype, device, g):
+        q, k, v = _r((b, hq, sq, d), dtype, device, g), _r((b, hkv, sk, d), dtype, device, g), _r((b, hkv, sk, d), dtype, device, g)
+        kw: dict[str, Any] = {"causal": causal}
+        if mask == "bool":
+            m = torch.rand((b, 1, sq, sk), generator=g) > 0.3
+            m[:, :, 0, :] = False                 # one fully masked row: must give zeros, not NaN
+            kw["attn_mask"] = m.to(device)
+        elif mask == "float":
+            kw["attn_mask"] = _r((1, hq, sq, sk), dtype, device, g)
+        return (q, k, v), kw
+    return build
+
+
+ATTENTION = [
+    Case("flash_attention", "tiny", _attn(1, 1, 1, 1, 1, 32), (0, 1, 2)),
+    Case("flash_attention", "odd", _attn(2, 3, 3, 127, 127, 64), (0, 1, 2)),
+    Case("flash_attention", "causal", _attn(1, 2, 2, 67, 67, 64, causal=True), (0, 1, 2)),
+    Case("flash_attention", "gqa", _attn(2, 4, 2, 37, 37, 64), (0, 1, 2)),
+    Case("flash_attention", "mqa_causal", _attn(1, 4, 1, 45, 45, 32, causal=True), (0, 1, 2)),
+    Case("flash_attention", "cross", _attn(1, 2, 2, 3, 130, 64), (0, 1, 2)),
+    Case("flash_attention", "cross_causal", _attn(1, 2, 2, 17, 83, 64, causal=True), (0, 1, 2)),
+    Case("flash_attention", "decode", _attn(2, 4, 2, 1, 77, 64, causal=True), (0, 1, 2)),
+    Case("flash_attention", "q_longer_causal", _attn(1, 2, 2, 40, 19, 32, causal=True), (0, 1, 2)),
+    Case("flash_attention", "mask_bool", _attn(1, 2, 2, 33, 47, 64, mask="bool"), (0, 1, 2)),
+    Case("flash_attention", "mask_float", _attn(1, 2, 2, 29, 29, 64, mask="float"), (0, 1, 2), quick=False),
+    Case("flash_attention", "d128", _attn(1, 2, 2, 65, 65, 128, causal=True), (0, 1, 2), quick=False),
+    Case("flash_attention", "d96", _attn(1, 2, 1, 33, 33, 96), (0, 1, 2), quick=False),
+    Case("flash_attention", "d256", _attn(1, 1, 1, 31, 31, 256, causal=True), (0, 1, 2), quick=False),
+]
+
+
+# ---- sparse attention ----------------------------------------------------------------------------
+def _sparse(b, hq, hkv, s, d, bs, make_layout):
+    def build(dtype, device, g):
+        q, k, v = _r((b, hq, s, d), dtype, device, g), _r((b, hkv, s, d), dtype, device, g), _r((b, hkv, s, d), dtype, device, g)
+        return (q, k, v, make_layout(device, g)), {}
+    return build
+
+
+def _blocks(s, bs, device, value=False):
+    n = -(-s // bs)
+    return torch.full((1, 1, n, n), value, dtype=torch.bool, device=device)
+
+
+def _window(s, bs, causal, w):
+    return lambda device, g: SparseLayout(s, s, bs, _blocks(s, bs, device), causal=causal,
+                                          window=(w, 0 if causal else w))
+
+
+def _global_window(s, bs):
+    return lambda device, g: SparseLayout(s, s, bs, _blocks(s, bs, device), window=(9, 9), num_global=3)
+
+
+def _random_blocks(b, h, s, bs):
+    def make(device, g):
+        n = -(-s // bs)
+        bm = torch.rand((b, h, n, n), generator=g) > 0.6
+        bm[..., 0, :] = False                      # a q block with no blocks: rows give zeros
+        return SparseLayout(s, s, bs, bm.to(device))
+    return make
+
+
+def _padding(b, s, bs):
+    def make(device, g):
+        lens = torch.randint(1, s + 1, (b,), generator=g)
+        kpm = torch.arange(s)[None, :] < lens[:, None]
+        return SparseLayout(s, s, bs, _blocks(s, bs, device, True), causal=True, key_padding_mask=kpm.to(device))
+    return make
+
+
+def _varlen(lens, bs):
+    def make(device, g):
+        cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=device)
+        s = int(cu[-1])
+        return SparseLayout(s, s, bs, _blocks(s, bs, device, True), causal=True, cu_seqlens=cu)
+    return make
+
+
+SPARSE = [
+    Case("sparse_attention", "window_causal", _sparse(1, 2, 2, 130, 64, 32, _window(130, 32, True, 40)), (0, 1, 2)),
+    Case("sparse_attention", "window_bidir", _sparse(1, 2, 1, 97, 32, 32, _window(97, 32, False, 20)), (0, 1, 2)),
+    Case("sparse_attention", "global_window", _sparse(1, 2, 2, 77, 64, 16, _global_window(77, 16)), (0, 1, 2)),
+    Case("sparse_attention", "block_mask", _sparse(2, 2, 2, 96, 64, 32, _random_blocks(2, 2, 96, 32)), (0, 1, 2)),
+    Case("sparse_attention", "padding", _sparse(3, 2, 2, 50, 64, 16, _padding(3, 50, 16)), (0, 1, 2)),
+    Case("sparse_attention", "varlen", _sparse(1, 2, 2, 1 + 37 + 64, 64, 16, _varlen([1, 37, 64], 16)), (0, 1, 2)),
+]
+
+
+# ---- gemm ----------------------------------------------------------------------------------------
+def _gemm(m, k, n, activation="none", bias=False, residual=False, alpha=1.0, batch=None, transposed_b=False):
+    def build(dtype, device, g):
+        lead = (batch, m) if batch else (m,)
+        a = _r(lead + (k,), dtype, device, g)
+        b = _r((n, k), dtype, device, g, k ** -0.5).t() if transposed_b else _r((k, n), dtype, device, g, k ** -0.5)
+        kw: dict[str, Any] = {"activation": activation, "alpha": alpha}
+        if bias:
+            kw["bias"] = _r((n,), dtype, device, g)
+        if residual:
+            kw["residual"] = _r(lead + (n,), dtype, device, g)
+        return (a, b), kw
+    return build
+
+
+GEMM = [
+    Case("gemm", "decode_m1", _gemm(1, 64, 32), (0, 1)),
+    Case("gemm", "odd_bias_gelu_tanh", _gemm(3, 100, 48, "gelu_tanh", bias=True), (0, 1)),
+    Case("gemm", "odd_silu_residual", _gemm(127, 96, 130, "silu", bias=True, residual=True), (0, 1)),
+    Case("gemm", "relu_alpha", _gemm(17, 64, 64, "relu", alpha=0.5), (0, 1), quick=False),
+    Case("gemm", "gelu_batched", _gemm(5, 64, 80, "gelu", bias=True, batch=2), (0, 1)),
+    Case("gemm", "linear_weight_t", _gemm(33, 64, 40, "none", bias=True, transposed_b=True), (0, 1), quick=False),
+]
+
+
+def _swiglu(m, k, n, bias=False, batch=None):
+    def build(dtype, device, g):
+        lead = (batch, m) if batch else (m,)
+        kw = {"bias": _r((2 * n,), dtype, device, g)} if bias else {}
+        return (_r(lead + (k,), dtype, device, g), _r((k, 2 * n), dtype, device, g, k ** -0.5)), kw
+    return build
+
+
+SWIGLU = [
+    Case("swiglu_gemm", "decode_m1", _swiglu(1, 64, 48), (0, 1)),
+    Case("swiglu_gemm", "odd", _swiglu(127, 96, 65), (0, 1)),
+    Case("swiglu_gemm", "batched_bias", _swiglu(3, 64, 40, bias=True, batch=2), (0, 1), quick=False),
+]
+
+
+# ---- norms ---------------------------------------------------------------------------------------
+def _norm(op, shape, weight=True, bias=True, residual=False, offset=0.0, noncontig=False):
+    def build(dtype, device, g):
+        n = shape[-1]
+        x = _r(shape, dtype, device, g)
+        if noncontig:
+            x = _r(shape[:-1] + (2 * n,), dtype, device, g)[..., ::2]
+        w = _r((n,), dtype, device, g) if weight else None
+        kw: dict[str, Any] = {"residual": _r(shape, dtype, device, g)} if residual else {}
+        if op == "layer_norm":
+            return (x, w, _r((n,), dtype, device, g) if bias else None, 1e-5), kw
+        if offset:
+            kw["offset"] = offset
+        return (x, w, 1e-6), kw
+    return build
+
+
+NORMS = []
+for _op in ("layer_norm", "rms_norm"):
+    NORMS += [
+        Case(_op, "row1", _norm(_op, (1, 64)), (0, 1)),
+        Case(_op, "odd", _norm(_op, (3, 100)), (0, 1)),
+        Case(_op, "wide127", _norm(_op, (127, 257)), (0, 1)),
+        Case(_op, "residual", _norm(_op, (2, 3, 96), residual=True), (0, 1), multi_output=True),
+        Case(_op, "no_weight", _norm(_op, (5, 64), weight=False, bias=False), (0,), quick=False),
+        Case(_op, "noncontig", _norm(_op, (4, 80), noncontig=True), (0, 1), quick=False),
+    ]
+NORMS.append(Case("rms_norm", "offset", _norm("rms_norm", (7, 128), offset=1.0), (0, 1)))
+
+CATALOGUE: list[Case] = ATTENTION + SPARSE + GEMM + SWIGLU + NORMS
+
+
+def call(case: Case, args: tuple, kwargs: dict):
+    return getattr(opsadv.ops, case.op)(*args, **kwargs)
