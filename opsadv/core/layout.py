@@ -16,8 +16,9 @@ with i' = i + (s_k - s_q) (bottom-right alignment):
 A row with no allowed key yields zeros (and lse = -inf).
 
 Terms combine as: block_mask / window / globals say which pairs MAY attend (their union);
-causal, key padding and segments RESTRICT (their intersection).  `combine` follows the same
-rule, so `window.combine(padding)` is a sliding window over the real tokens only.
+causal, key padding and segments RESTRICT (their intersection).  `combine(other)` intersects
+(a sliding window over the real tokens only: `window.combine(padding)`), `combine(other, "or")`
+unites the patterns.
 
 Constructors are cheap, vectorized and cached on their (hashable) parameters, so calling one
 per layer returns the same object, whose kernel metadata (`tile_index`) is then computed once."""
@@ -159,12 +160,20 @@ class SparseLayout:
             raise InvalidArgumentError(OP, "with_", f"field names of SparseLayout", sorted(bad))
         return dataclasses.replace(self, **changes)
 
-    def combine(self, other: "SparseLayout") -> "SparseLayout":
-        """Union of the allowing terms (block masks, windows, globals) and intersection of the
-        restricting ones (causal, key padding, segments).  Both must share lengths; the block
-        sizes must divide one another (the result takes the smaller)."""
+    def combine(self, other: "SparseLayout", how: str = "and") -> "SparseLayout":
+        """Combine two layouts of the same lengths.
+        how="and" (default): pairs allowed by both, e.g. `sliding_window(...).combine(from_padding_mask(m))`
+            or a window over a packed batch.  One side must allow every pair before its restrictions
+            (block mask all True: dense, key padding, plain varlen layouts), since a general
+            intersection of two patterns is not a block mask + window + globals.  Global tokens of a
+            packed result count per sequence.
+        how="or": union of the allowing terms (block masks, windows, globals; bands containing the
+            diagonal unite into one band), intersection of the restrictions (causal, padding, segments).
+        Block sizes must divide one another; the result takes the smaller."""
         if not isinstance(other, SparseLayout):
             raise InvalidArgumentError(OP, "combine(other)", "a SparseLayout", type(other).__name__)
+        if how not in ("and", "or"):
+            raise InvalidArgumentError(OP, "combine(how)", "'and' or 'or'", repr(how))
         if (self.seq_q, self.seq_k) != (other.seq_q, other.seq_k):
             raise InvalidArgumentError(OP, "combine(other)", f"lengths (s_q, s_k) = {(self.seq_q, self.seq_k)}",
                                        (other.seq_q, other.seq_k))
@@ -174,19 +183,30 @@ class SparseLayout:
         if max(self.block_size, other.block_size) % bs:
             raise InvalidArgumentError(OP, "combine(other)", f"a block size dividing or divided by {self.block_size}",
                                        other.block_size)
-        bm = _refine(self.block_mask, self.block_size, bs, self.seq_q, self.seq_k) \
-            | _refine(other.block_mask, other.block_size, bs, self.seq_q, self.seq_k)
-        if self.window is None or other.window is None:
-            window = self.window or other.window
-        else:   # both bands contain the diagonal, so their union is one band
-            window = (max(self.window[0], other.window[0]), max(self.window[1], other.window[1]))
+        refine = lambda l: _refine(l.block_mask, l.block_size, bs, self.seq_q, self.seq_k)  # noqa: E731
+        if how == "or":
+            bm = refine(self) | refine(other)
+            if self.window is None or other.window is None:
+                window = self.window or other.window
+            else:   # both bands contain the diagonal, so their union is one band
+                window = (max(self.window[0], other.window[0]), max(self.window[1], other.window[1]))
+            ng = max(self.num_global, other.num_global)
+        else:
+            if bool(self.block_mask.all()):
+                pattern = other
+            elif bool(other.block_mask.all()):
+                pattern = self
+            else:
+                raise InvalidArgumentError(OP, "combine(other, how='and')",
+                                           "one layout whose block mask allows every block (dense / padding / varlen)",
+                                           f"{self!r} and {other!r}")
+            bm, window, ng = refine(pattern), pattern.window, pattern.num_global
         kpm = _and_opt(self.key_padding_mask, other.key_padding_mask)
         cu = self.cu_seqlens if other.cu_seqlens is None else other.cu_seqlens
         if self.cu_seqlens is not None and other.cu_seqlens is not None \
                 and not torch.equal(self.cu_seqlens.long(), other.cu_seqlens.long()):
             raise InvalidArgumentError(OP, "combine(other)", "the same cu_seqlens (or none)", other.cu_seqlens.tolist())
-        return SparseLayout(self.seq_q, self.seq_k, bs, bm, self.causal or other.causal, window,
-                            max(self.num_global, other.num_global), kpm, cu)
+        return SparseLayout(self.seq_q, self.seq_k, bs, bm.contiguous(), self.causal or other.causal, window, ng, kpm, cu)
 
     # ---- constructors -----------------------------------------------------------------------------
     @classmethod
