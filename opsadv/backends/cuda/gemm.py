@@ -1,0 +1,312 @@
+"""gemm and swiglu_gemm for the cuda backend.
+
+Impls (priority; the dispatcher's measured choice per bucket overrides it under autotune=True):
+  cuda.cublas.gemm           300  torch.addmm / _addmm_activation: plain GEMM (+bias, alpha)
+  cuda.triton.gemm_tma       210  Triton, TMA descriptors, Hopper+, 16-byte aligned K and N; fused epilogue
+  cuda.triton.gemm           200  Triton, pointer loads, any strides; fused epilogue
+  cuda.cublas.gemm_epilogue  150  cuBLAS GEMM then torch activation / residual (unfused)
+  and the same for swiglu_gemm (cuda.triton.swiglu_gemm[_tma] 210/200, cuda.cublas.swiglu_gemm 150).
+
+Backward (Triton impls): one fused kernel recomputes the pre-activation tile and writes
+dz = grad * act'(z) (for SwiGLU: [dgate | dup]); then da = dz @ b^T and db = a^T @ dz run as cuBLAS
+GEMMs, dbias = sum(dz) in float32.  With activation "none" dz is the gradient itself.
+
+fp32 inputs run on tensor cores as tf32, so the Triton impls accept them only under
+precision matmul="tf32"."""
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+
+from opsadv.core.kernel import PRIORITY_TRITON, PRIORITY_VENDOR, KernelImpl
+from opsadv.core.ops._common import len_bucket
+from opsadv.core.policy import current_policy
+
+from . import triton_device_types
+
+HALF = (torch.float16, torch.bfloat16)
+ALL = (torch.float16, torch.bfloat16, torch.float32)
+ACT_FEATURES = frozenset({"act_relu", "act_gelu", "act_gelu_tanh", "act_silu"})
+GEMM_FEATURES = ACT_FEATURES | {"bias", "residual", "alpha", "batched"}
+_TF32_REASON = "float32 inputs need use_backend(..., precision='tf32') (tensor cores round them to tf32)"
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) per profile; "small" serves M <= 64 (decode).
+CONFIGS = {
+    "h100": {"gemm": [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (256, 128, 64, 8, 3),
+                      (128, 64, 64, 4, 4)],
+             "swiglu": [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4)],
+             "small": [(16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (32, 64, 128, 4, 4), (64, 64, 64, 4, 4)]},
+    "a100": {"gemm": [(128, 256, 32, 8, 3), (128, 128, 32, 4, 4), (128, 128, 64, 4, 3), (64, 128, 32, 4, 4)],
+             "swiglu": [(128, 128, 32, 8, 3), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4)],
+             "small": [(16, 64, 128, 4, 4), (16, 128, 64, 4, 4), (32, 64, 64, 4, 4)]},
+    "rtx": {"gemm": [(128, 128, 32, 4, 3), (64, 128, 32, 4, 4), (128, 64, 32, 4, 4), (64, 64, 32, 4, 4)],
+            "swiglu": [(64, 128, 32, 4, 3), (128, 64, 32, 4, 3), (64, 64, 32, 4, 4)],
+            "small": [(16, 64, 64, 4, 3), (16, 128, 64, 4, 3), (32, 64, 64, 4, 3)]},
+}
+GROUP_M = 8
+
+
+def _fixed_config(profile_name: str, kind: str, m: int, n: int) -> tuple:
+    """One config without autotuning: the profile's first choice, bounded for jetson/interpreter."""
+    if profile_name == "interpreter":                 # tiny tiles: the interpreter's cost is per element
+        return (16 if m <= 16 else 32, 32, 32, 4, 1)
+    if profile_name == "jetson":                      # tiles <= 64, <= 2 stages (small smem, no autotune)
+        return (16 if m <= 16 else 64, 64 if n > 32 else 32, 32, 4, 2)
+    table = CONFIGS.get(profile_name, CONFIGS["rtx"])
+    return table["small" if m <= 64 else kind][0]
+
+
+def _pname(ctx) -> str:
+    return ctx.profile.name if ctx.profile is not None else "rtx"
+
+
+def _poisoned(shape, like: torch.Tensor) -> torch.Tensor:
+    """Output buffer; on CPU (interpreter mode, tests) pre-filled with NaN so an unwritten element shows."""
+    if like.device.type == "cpu":
+        return torch.full(shape, float("nan"), dtype=like.dtype, device=like.device)
+    return torch.empty(shape, dtype=like.dtype, device=like.device)
+
+
+def _check_precision(ctx, dtype) -> None:
+    prec = ctx.options.get("precision")
+    if dtype == torch.float32 and (prec is None or prec.matmul != "tf32"):
+        from opsadv.core.errors import InvalidArgumentError
+        raise InvalidArgumentError(ctx.spec.op, "a", "float16/bfloat16, or float32 under precision='tf32'",
+                                   "float32 with precision matmul=" + (prec.matmul if prec else "fp32"))
+
+
+def _tf32_check(spec, env) -> list[str]:
+    if spec.dtype == torch.float32 and current_policy().precision.matmul != "tf32":
+        return [_TF32_REASON]
+    return []
+
+
+def _tma_check(spec, env) -> list[str]:
+    why = _tf32_check(spec, env)
+    (a_shape, b_shape) = spec.shapes
+    per16 = 16 // (2 if spec.dtype in HALF else 4)          # elements per 16 bytes: TMA row alignment
+    if a_shape[-1] % per16 or b_shape[1] % per16:
+        why.append(f"TMA needs K and N multiples of {per16} (16-byte rows), got K={a_shape[-1]} N={b_shape[1]}")
+    return why
+
+
+# ---- launching the Triton kernels ----------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _autotuned(tma: bool, profile_name: str, kind: str):
+    import triton
+    from . import _gemm_triton as K
+    hook = _set_tma_blocks if tma else None
+    cfgs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": GROUP_M},
+                          num_warps=w, num_stages=s, pre_hook=hook)
+            for bm, bn, bk, w, s in CONFIGS.get(profile_name, CONFIGS["rtx"])[kind]]
+    return triton.autotune(cfgs, key=["M_BUCKET", "N", "K"])(K._gemm_tma_kernel if tma else K._gemm_kernel)
+
+
+def _set_tma_blocks(nargs) -> None:
+    """Autotune pre-hook: the descriptors' block shapes follow the config being tried."""
+    bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
+    nargs["a_desc"].block_shape = [bm, bk]
+    nargs["b_desc"].block_shape = [bn, bk] if nargs["B_NK"] else [bk, bn]
+
+
+def _tma_ready(t: torch.Tensor) -> bool:
+    es = t.element_size()
+    return t.stride(1) == 1 and (t.stride(0) * es) % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+def _launch(ctx, a2, b, out, bias, res2, grad2, act: str, alpha: float, swiglu: bool, bwd: bool, tma: bool):
+    """out (M, N[*2 for swiglu backward]) <- the fused GEMM; a2 (M, K), b (K, N or 2N)."""
+    import triton
+    from . import _gemm_triton as K_
+    m, k = a2.shape
+    n = b.shape[1] // 2 if swiglu else b.shape[1]
+    kind = "swiglu" if swiglu else "gemm"
+    prof = ctx.profile
+    pname = _pname(ctx)
+    tune = prof is not None and prof.autotune and a2.device.type == "cuda"
+    dummy = out                                         # never read when its flag is off
+    r = res2 if res2 is not None else dummy
+    g = grad2 if grad2 is not None else dummy
+    flags = dict(ACT=K_.ACT_IDS[act], HAS_BIAS=bias is not None, HAS_RES=res2 is not None, SWIGLU=swiglu, BWD=bwd)
+    tail = (out.stride(0), out.stride(1), r.stride(0), r.stride(1), g.stride(0), g.stride(1), float(alpha))
+    bias_ = bias if bias is not None else dummy
+    if not tune:
+        bm, bn, bk, w, s = _fixed_config(pname, kind, m, n)
+        flags.update(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=GROUP_M, num_warps=w, num_stages=s)
+    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+    if not tma:
+        kern = _autotuned(False, pname, "small" if m <= 64 else kind) if tune else K_._gemm_kernel
+        kern[grid](a2, b, out, bias_, r, g, m, n, k, len_bucket(m),
+                   a2.stride(0), a2.stride(1), b.stride(0), b.stride(1), *tail, **flags)
+        return out
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    if not _tma_ready(a2):
+        a2 = a2.contiguous()                            # e.g. a sliced / transposed a: TMA needs unit-stride rows
+    b_nk = not _tma_ready(b) and _tma_ready(b.t())      # nn.Linear weight.t(): read it as (N, K) rows
+    bt = b.t() if b_nk else (b if _tma_ready(b) else b.contiguous())
+    bm, bn, bk = (flags["BLOCK_M"], flags["BLOCK_N"], flags["BLOCK_K"]) if not tune else (16, 16, 16)
+    a_desc = TensorDescriptor.from_tensor(a2, [bm, bk])
+    b_desc = TensorDescriptor.from_tensor(bt, [bn, bk] if b_nk else [bk, bn])
+    kern = _autotuned(True, pname, "small" if m <= 64 else kind) if tune else K_._gemm_tma_kernel
+    kern[grid](a_desc, b_desc, out, bias_, r, g, m, n, k, len_bucket(m), *tail, B_NK=b_nk, **flags)
+    return out
+
+
+# ---- impl functions ----------------------------------------------------------------------------
+def _triton_gemm(ctx, a, b, bias, activation, residual, alpha, *, tma=False):
+    _check_precision(ctx, a.dtype)
+    k, n = b.shape
+    a2 = a.reshape(-1, k)
+    out = _poisoned((a2.shape[0], n), a)
+    res2 = residual.reshape(-1, n) if residual is not None else None
+    _launch(ctx, a2, b, out, bias, res2, None, activation, alpha, False, False, tma)
+    return out.reshape(*a.shape[:-1], n)
+
+
+def _grads_from_dz(a2, b, dz, alpha, bias, a_shape):
+    """da = alpha dz b^T, db = alpha a^T dz (cuBLAS), dbias = sum dz (float32 accumulation)."""
+    da = dz @ b.t()
+    db = a2.t() @ dz
+    if alpha != 1.0:
+        da.mul_(alpha)
+        db.mul_(alpha)
+    dbias = dz.sum(0, dtype=torch.float32).to(bias.dtype) if bias is not None else a2.new_empty((0,))
+    return da.reshape(a_shape), db, dbias
+
+
+def _triton_gemm_bwd(ctx, grad, a, b, bias, activation, alpha, *, tma=False):
+    _check_precision(ctx, a.dtype)
+    k, n = b.shape
+    a2, g2 = a.reshape(-1, k), grad.reshape(-1, n)
+    if activation == "none":
+        dz = g2                                         # the pre-activation's gradient is grad itself
+    else:
+        dz = _launch(ctx, a2, b, _poisoned(g2.shape, a), bias, None, g2, activation, alpha, False, True, tma)
+    return _grads_from_dz(a2, b, dz, alpha, bias, a.shape)
+
+
+def _triton_swiglu(ctx, x, w, bias, *, tma=False):
+    _check_precision(ctx, x.dtype)
+    k, n2 = w.shape
+    x2 = x.reshape(-1, k)
+    out = _poisoned((x2.shape[0], n2 // 2), x)
+    _launch(ctx, x2, w, out, bias, None, None, "none", 1.0, True, False, tma)
+    return out.reshape(*x.shape[:-1], n2 // 2)
+
+
+def _triton_swiglu_bwd(ctx, grad, x, w, bias, *, tma=False):
+    _check_precision(ctx, x.dtype)
+    k, n2 = w.shape
+    x2, g2 = x.reshape(-1, k), grad.reshape(-1, n2 // 2)
+    dgu = _launch(ctx, x2, w, _poisoned((x2.shape[0], n2), x), bias, None, g2, "none", 1.0, True, True, tma)
+    return _grads_from_dz(x2, w, dgu, 1.0, bias, x.shape)
+
+
+# ---- cuBLAS through torch ------------------------------------------------------------------------
+def _torch_act(y: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "relu":
+        return y.relu_()
+    if activation == "gelu":
+        return F.gelu(y)
+    if activation == "gelu_tanh":
+        return F.gelu(y, approximate="tanh")
+    if activation == "silu":
+        return F.silu(y, inplace=True)
+    return y
+
+
+def _torch_act_grad(activation: str, z: torch.Tensor) -> torch.Tensor:
+    """d act / dz (float32), written out: autograd is off inside a custom op's kernel."""
+    if activation == "relu":
+        return (z > 0).to(z.dtype)
+    if activation == "silu":
+        s = torch.sigmoid(z)
+        return s * (1 + z * (1 - s))
+    if activation == "gelu":
+        return 0.5 * (1 + torch.erf(z * 0.7071067811865476)) + z * torch.exp(-0.5 * z * z) * 0.3989422804014327
+    t = torch.tanh(0.7978845608028654 * (z + 0.044715 * z ** 3))
+    return 0.5 * (1 + t) + 0.5 * z * (1 - t * t) * 0.7978845608028654 * (1 + 3 * 0.044715 * z * z)
+
+
+def _cublas_gemm(ctx, a, b, bias, activation, residual, alpha):
+    k, n = b.shape
+    a2 = a.reshape(-1, k)
+    if bias is not None and activation in ("relu", "gelu_tanh"):    # cublasLt epilogue
+        y = torch._addmm_activation(bias, a2, b, alpha=alpha, use_gelu=activation == "gelu_tanh")
+        activation = "none"
+    elif bias is not None:
+        y = torch.addmm(bias, a2, b, alpha=alpha)
+    elif residual is not None and activation == "none":
+        y = torch.addmm(residual.reshape(-1, n), a2, b, alpha=alpha)   # beta=1 adds the residual
+        residual = None
+    else:
+        y = torch.mm(a2, b)
+        if alpha != 1.0:
+            y.mul_(alpha)
+    y = _torch_act(y, activation)
+    if residual is not None:
+        y.add_(residual.reshape(-1, n))
+    return y.reshape(*a.shape[:-1], n)
+
+
+def _cublas_gemm_bwd(ctx, grad, a, b, bias, activation, alpha):
+    k, n = b.shape
+    a2, g2 = a.reshape(-1, k), grad.reshape(-1, n)
+    if activation == "none":
+        dz = g2
+    else:
+        z = torch.addmm(bias, a2, b, alpha=alpha) if bias is not None else torch.mm(a2, b).mul_(alpha)
+        dz = (g2.float() * _torch_act_grad(activation, z.float())).to(a.dtype)
+    return _grads_from_dz(a2, b, dz, alpha, bias, a.shape)
+
+
+def _cublas_swiglu(ctx, x, w, bias):
+    k, n2 = w.shape
+    x2 = x.reshape(-1, k)
+    gu = torch.addmm(bias, x2, w) if bias is not None else torch.mm(x2, w)
+    g, u = gu.chunk(2, dim=-1)
+    return (F.silu(g) * u).reshape(*x.shape[:-1], n2 // 2)
+
+
+def _cublas_swiglu_bwd(ctx, grad, x, w, bias):
+    k, n2 = w.shape
+    x2, g2 = x.reshape(-1, k), grad.reshape(-1, n2 // 2).float()
+    gu = (torch.addmm(bias, x2, w) if bias is not None else torch.mm(x2, w)).float()
+    g, u = gu.chunk(2, dim=-1)
+    dgu = torch.cat([g2 * u * _torch_act_grad("silu", g), g2 * F.silu(g)], dim=-1).to(x.dtype)
+    return _grads_from_dz(x2, w, dgu, 1.0, bias, x.shape)
+
+
+def impls(env) -> list[KernelImpl]:
+    out = [
+        KernelImpl("cuda.cublas.gemm", "gemm", "cuda", _cublas_gemm, _cublas_gemm_bwd, priority=PRIORITY_VENDOR,
+                   dtypes=ALL, features=frozenset({"bias", "alpha", "batched"}), supports_export=True,
+                   description="cuBLAS through torch.addmm (plain GEMM, +bias, alpha)"),
+        KernelImpl("cuda.cublas.gemm_epilogue", "gemm", "cuda", _cublas_gemm, _cublas_gemm_bwd, priority=150,
+                   dtypes=ALL, features=GEMM_FEATURES,
+                   description="cuBLAS (torch._addmm_activation for bias+relu/gelu_tanh) then torch epilogue"),
+        KernelImpl("cuda.cublas.swiglu_gemm", "swiglu_gemm", "cuda", _cublas_swiglu, _cublas_swiglu_bwd, priority=150,
+                   dtypes=ALL, features=frozenset({"bias", "batched"}),
+                   description="one cuBLAS GEMM over [W_g | W_u], then silu(g) * u in torch"),
+    ]
+    if importlib.util.find_spec("triton") is None:
+        return out
+    dev = triton_device_types(env)
+    for tma in (False, True):
+        sfx, prio = ("_tma", PRIORITY_TRITON + 10) if tma else ("", PRIORITY_TRITON)
+        extra = dict(min_cc=(9, 0), check=_tma_check) if tma else dict(check=_tf32_check)
+        what = "TMA descriptors (Hopper+)" if tma else "pointer loads, any strides"
+        out += [
+            KernelImpl(f"cuda.triton.gemm{sfx}", "gemm", "cuda", functools.partial(_triton_gemm, tma=tma),
+                       functools.partial(_triton_gemm_bwd, tma=tma), priority=prio, device_types=dev, dtypes=ALL,
+                       features=GEMM_FEATURES, requires_interpret_or_cuda=True, **extra,
+                       description=f"Triton GEMM, fused bias/activation/residual/alpha epilogue, {what}"),
+            KernelImpl(f"cuda.triton.swiglu_gemm{sfx}", "swiglu_gemm", "cuda", functools.partial(_triton_swiglu, tma=tma),
+                       functools.partial(_triton_swiglu_bwd, tma=tma), priority=prio, device_types=dev, dtypes=ALL,
+                       features=frozenset({"bias", "batched"}), requires_interpret_or_cuda=True, **extra,
+                       description=f"Triton GEMM over [W_g | W_u], two accumulators, silu(g)*u epilogue, {what}"),
+        ]
+    return out

@@ -1,0 +1,143 @@
+"""layer_norm and rms_norm (optionally fused with the residual add) for the cuda backend.
+
+cuda.triton.layer_norm / cuda.triton.rms_norm (priority 200): one program per row, or several rows
+per program when the hidden size is small; whole rows in registers (hidden up to 65536, any size),
+float32 statistics; with a residual the sum is written in the same pass.  Backward: dx (+ dsum)
+per row and a two-stage dweight/dbias reduction (float32 partial sums per program, then a sum).
+fp16 / bf16 / fp32 inputs, any leading dims; rows need unit stride in the last dim (others are
+copied once with .contiguous())."""
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from opsadv.core.kernel import PRIORITY_TRITON, KernelImpl
+
+from . import triton_device_types
+
+MAX_HIDDEN = 65536
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def fwd_config(n: int) -> tuple[int, int, int]:
+    """(BLOCK_N, ROWS, num_warps): ~4K elements per program, ~16 per thread (two 16-byte bf16 vectors)."""
+    block = _next_pow2(n)
+    rows = max(1, min(4096 // block, 32))
+    return block, rows, min(max(rows * block // 512, 4), 16)
+
+
+def bwd_config(n: int) -> tuple[int, int, int]:
+    block = _next_pow2(n)
+    rows = max(1, min(2048 // block, 16))          # backward keeps x, dy, xhat, dx live: fewer rows
+    return block, rows, min(max(rows * block // 512, 4), 16)
+
+
+def _check(spec, env) -> list[str]:
+    n = spec.bucket[0]
+    return [f"hidden size {n} > {MAX_HIDDEN} (whole rows are kept in registers)"] if n > MAX_HIDDEN else []
+
+
+def _rows2d(t: torch.Tensor, n: int) -> torch.Tensor:
+    """(rows, n) view with unit stride in the last dim (copies only when it cannot be viewed)."""
+    t2 = t.reshape(-1, n)
+    return t2 if t2.stride(1) == 1 or t2.shape[0] == 0 else t2.contiguous()
+
+
+def _poisoned(shape, dtype, device) -> torch.Tensor:
+    """Output buffer; NaN-filled on CPU (interpreter mode) so an element the kernel misses shows up."""
+    if device.type == "cpu":
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _forward(rms, x, weight, bias, eps, residual, offset):
+    from ._norm_triton import _norm_fwd_kernel
+    n = x.shape[-1]
+    x2 = _rows2d(x, n)
+    m = x2.shape[0]
+    r2 = _rows2d(residual, n) if residual is not None else x2
+    y = _poisoned((m, n), x.dtype, x.device)
+    s = _poisoned((m, n), x.dtype, x.device) if residual is not None else x.new_empty((0,))
+    s_ = s if residual is not None else y                     # never written without a residual
+    mean = _poisoned((m,), torch.float32, x.device) if not rms else y
+    rstd = _poisoned((m,), torch.float32, x.device)
+    block, rows, warps = fwd_config(n)
+    _norm_fwd_kernel[(triton_cdiv(m, rows),)](
+        x2, r2, weight if weight is not None else x2, bias if bias is not None else x2, y, s_, mean, rstd,
+        m, n, x2.stride(0), r2.stride(0), y.stride(0), s_.stride(0), float(eps), float(offset),
+        RMS=rms, HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None,
+        ROWS=rows, BLOCK_N=block, num_warps=warps)
+    lead = x.shape[:-1]
+    s = s.reshape(x.shape) if residual is not None else s
+    return y.reshape(x.shape), s, (None if rms else mean.reshape(lead)), rstd.reshape(lead)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _backward(ctx, rms, dy, dsum, xin, weight, has_db, mean, rstd, offset):
+    from ._norm_triton import _norm_bwd_kernel
+    n = xin.shape[-1]
+    x2, dy2 = _rows2d(xin, n), _rows2d(dy, n)
+    m = x2.shape[0]
+    ds2 = _rows2d(dsum, n) if dsum.numel() else dy2
+    block, rows, warps = bwd_config(n)
+    sms = ctx.env.sm_count if xin.device.type == "cuda" and ctx.env.sm_count else 2
+    progs = min(triton_cdiv(m, rows), 4 * sms)                 # enough programs to fill the GPU
+    per_prog = triton_cdiv(triton_cdiv(m, progs), rows) * rows   # contiguous rows per program, multiple of ROWS
+    progs = triton_cdiv(m, per_prog)
+    dx = _poisoned((m, n), xin.dtype, xin.device)
+    dw_part = _poisoned((progs, n), torch.float32, xin.device) if weight is not None else dx
+    db_part = _poisoned((progs, n), torch.float32, xin.device) if has_db else dx
+    rstd1 = rstd.reshape(-1).float().contiguous()
+    mean1 = rstd1 if rms else mean.reshape(-1).float().contiguous()
+    _norm_bwd_kernel[(progs,)](
+        dy2, ds2, x2, weight if weight is not None else x2, mean1, rstd1, dx, dw_part, db_part,
+        m, n, dy2.stride(0), ds2.stride(0), x2.stride(0), dx.stride(0), float(offset), per_prog,
+        RMS=rms, HAS_DSUM=dsum.numel() > 0, HAS_W=weight is not None, HAS_DB=has_db,
+        ROWS=rows, BLOCK_N=block, num_warps=warps)
+    empty = xin.new_empty((0,))
+    dw = dw_part.sum(0).to(weight.dtype) if weight is not None else empty     # stage 2
+    db = db_part.sum(0).to(xin.dtype) if has_db else empty
+    return dx.reshape(xin.shape), dw, db
+
+
+def _ln_fwd(ctx, x, weight, bias, eps, residual):
+    y, s, mean, rstd = _forward(False, x, weight, bias, eps, residual, 0.0)
+    return y, s, mean, rstd
+
+
+def _ln_bwd(ctx, dy, dsum, xin, weight, bias, mean, rstd):
+    return _backward(ctx, False, dy, dsum, xin, weight, bias is not None, mean, rstd, 0.0)
+
+
+def _rms_fwd(ctx, x, weight, eps, residual, offset):
+    y, s, _, rstd = _forward(True, x, weight, None, eps, residual, offset)
+    return y, s, rstd
+
+
+def _rms_bwd(ctx, dy, dsum, xin, weight, rstd, offset):
+    dx, dw, _ = _backward(ctx, True, dy, dsum, xin, weight, False, None, rstd, offset)
+    return dx, dw
+
+
+def impls(env) -> list[KernelImpl]:
+    if importlib.util.find_spec("triton") is None:
+        return []
+    dev = triton_device_types(env)
+    common = dict(priority=PRIORITY_TRITON, device_types=dev, dtypes=DTYPES, requires_interpret_or_cuda=True,
+                  check=_check)
+    return [
+        KernelImpl("cuda.triton.layer_norm", "layer_norm", "cuda", _ln_fwd, _ln_bwd,
+                   features=frozenset({"weight", "bias", "residual"}), **common,
+                   description="Triton LayerNorm, rows in registers, fp32 stats, fused residual add"),
+        KernelImpl("cuda.triton.rms_norm", "rms_norm", "cuda", _rms_fwd, _rms_bwd,
+                   features=frozenset({"weight", "residual", "offset"}), **common,
+                   description="Triton RMSNorm, rows in registers, fp32 stats, fused residual add, (offset + w)"),
+    ]
