@@ -1,0 +1,1 @@
+raise ImportError("libmissing.so: cannot open shared object file (deliberate test failure)")
