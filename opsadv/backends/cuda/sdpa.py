@@ -1,0 +1,143 @@
+"""Vendor flash attention impls: PyTorch's SDPA kernels (cuDNN, FlashAttention-2, memory-efficient)
+called through the aten ops that return the log-sum-exp, so the op contract's (out, lse) and a
+backward without recomputation come straight from the vendor kernels.
+
+  cuDNN      aten._scaled_dot_product_cudnn_attention      lse (b, h, s_q, 1) float32, natural log
+  flash      aten._scaled_dot_product_flash_attention      lse (b, h, s_q) float32
+  efficient  aten._scaled_dot_product_efficient_attention  lse (b, h, ceil(s_q/32)*32) float32
+
+SDPA's is_causal is aligned TOP-LEFT when s_q != s_k, opsadv's causal bottom-right: causal with
+different lengths is rejected (the Triton or reference impl serves it).  GQA: flash reads the kv
+head natively; cuDNN and efficient get K/V expanded to the q heads (and dK/dV summed back).
+Dropout is never used, so the philox seed/offset placeholders passed to the backward ops are unread."""
+from __future__ import annotations
+
+import torch
+
+from opsadv.core.kernel import PRIORITY_VENDOR, KernelImpl
+
+BASE_FEATURES = frozenset({"causal", "gqa", "cross_length"})
+MASK_FEATURES = frozenset({"attn_mask_bool", "attn_mask_float"})
+
+
+def _expand(t: torch.Tensor, group: int) -> torch.Tensor:
+    return t if group == 1 else t.repeat_interleave(group, dim=1)
+
+
+def _reduce(t: torch.Tensor, group: int) -> torch.Tensor:
+    if group == 1:
+        return t
+    b, h, s, d = t.shape
+    return t.view(b, h // group, group, s, d).sum(2)
+
+
+def _philox(device) -> tuple[torch.Tensor, torch.Tensor]:
+    z = torch.zeros((), dtype=torch.int64, device=device)
+    return z, z
+
+
+def _causal_rule(spec, env) -> list[str]:
+    if "causal" in spec.features and "cross_length" in spec.features:
+        return ["causal with s_q != s_k: SDPA's is_causal is top-left aligned, opsadv's bottom-right"]
+    return []
+
+
+def _mult8(spec, env) -> list[str]:
+    why = _causal_rule(spec, env)
+    if spec.head_dim is not None and spec.head_dim % 8:
+        why.append(f"head_dim {spec.head_dim} is not a multiple of 8")
+    return why
+
+
+# ---- cuDNN ---------------------------------------------------------------------------------------
+def cudnn_fwd(ctx, q, k, v, attn_mask, causal, scale):
+    group = q.shape[1] // k.shape[1]
+    r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, _expand(k, group), _expand(v, group), None, True,
+                                                           0.0, causal, False, scale=scale)
+    b, h, sq, _ = q.shape
+    return r[0], r[1].reshape(b, h, sq)
+
+
+def cudnn_bwd(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale):
+    group = q.shape[1] // k.shape[1]
+    seed, offset = _philox(q.device)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        dout.contiguous(), q, _expand(k, group), _expand(v, group), out, lse.float().unsqueeze(-1).contiguous(),
+        seed, offset, None, None, None, q.shape[2], k.shape[2], 0.0, causal, scale=scale)
+    return dq, _reduce(dk, group), _reduce(dv, group)
+
+
+# ---- FlashAttention-2 ----------------------------------------------------------------------------
+def flash_fwd(ctx, q, k, v, attn_mask, causal, scale):
+    r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+    return r[0], r[1]
+
+
+def flash_bwd(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale):
+    seed, offset = _philox(q.device)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout.contiguous(), q, k, v, out, lse.float().contiguous(), None, None, q.shape[2], k.shape[2], 0.0, causal,
+        seed, offset, scale=scale)
+    return dq, dk, dv
+
+
+# ---- memory-efficient (takes masks) ----------------------------------------------------------------
+def _bias(attn_mask, q, sk):
+    """Additive bias (b, h, s_q, s_k) with a 16-aligned row stride, as the kernel requires."""
+    if attn_mask is None:
+        return None
+    b, h, sq, _ = q.shape
+    m = attn_mask
+    if m.dtype == torch.bool:
+        m = torch.zeros(m.shape, dtype=q.dtype, device=q.device).masked_fill_(~m, float("-inf"))
+    pad = (-sk) % 16
+    if pad or m.stride(-1) != 1:
+        full = torch.zeros((b, h, sq, sk + pad), dtype=q.dtype, device=q.device)
+        full[..., :sk] = m
+        return full[..., :sk]
+    return m.expand(b, h, sq, sk)
+
+
+def efficient_fwd(ctx, q, k, v, attn_mask, causal, scale):
+    group = q.shape[1] // k.shape[1]
+    sq, sk = q.shape[2], k.shape[2]
+    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, _expand(k, group), _expand(v, group), _bias(attn_mask, q, sk), True, 0.0, causal, scale=scale)
+    lse = lse[:, :, :sq]
+    if attn_mask is not None:  # a row the mask empties: zeros and lse = -inf (the contract), never NaN
+        empty = ~torch.isfinite(lse) | torch.isnan(out).any(-1)
+        out = out.masked_fill(empty[..., None], 0.0)
+        lse = lse.masked_fill(empty, float("-inf"))
+    return out, lse.contiguous()
+
+
+def efficient_bwd(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale):
+    group = q.shape[1] // k.shape[1]
+    b, h, sq, _ = q.shape
+    sk = k.shape[2]
+    padded = torch.zeros((b, h, -(-sq // 32) * 32), dtype=torch.float32, device=q.device)
+    # an empty row (lse = -inf) gets +inf so its probabilities, hence its gradients, are 0
+    padded[:, :, :sq] = lse.float().masked_fill(torch.isneginf(lse), float("inf"))
+    seed, offset = _philox(q.device)
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout.contiguous(), q, _expand(k, group), _expand(v, group), _bias(attn_mask, q, sk), out, padded,
+        seed, offset, 0.0, [True, True, True, False], causal, scale=scale)
+    return dq, _reduce(dk, group), _reduce(dv, group)
+
+
+def impls(env) -> list[KernelImpl]:
+    half = (torch.float16, torch.bfloat16)
+    return [
+        KernelImpl(id="cuda.sdpa.cudnn", op="flash_attention", backend="cuda", fn=cudnn_fwd, backward=cudnn_bwd,
+                   priority=PRIORITY_VENDOR, dtypes=half, max_head_dim=128, min_cc=(8, 0), features=BASE_FEATURES,
+                   check=_mult8, description="cuDNN fused attention through aten (GQA by expanding K/V)"),
+        KernelImpl(id="cuda.sdpa.flash", op="flash_attention", backend="cuda", fn=flash_fwd, backward=flash_bwd,
+                   priority=PRIORITY_VENDOR - 10, dtypes=half, max_head_dim=256, min_cc=(8, 0),
+                   features=BASE_FEATURES, check=_mult8,
+                   description="PyTorch's FlashAttention-2 through aten (native GQA)"),
+        KernelImpl(id="cuda.sdpa.efficient", op="flash_attention", backend="cuda", fn=efficient_fwd,
+                   backward=efficient_bwd, priority=PRIORITY_VENDOR - 20,
+                   dtypes=(torch.float16, torch.bfloat16, torch.float32), min_cc=(5, 0),
+                   features=BASE_FEATURES | MASK_FEATURES, check=_mult8,
+                   description="memory-efficient attention (xformers/cutlass) through aten; bool/additive masks"),
+    ]
