@@ -496,6 +496,8 @@ class TileIndex(NamedTuple):
     seg: Tensor | None
     pos: Tensor | None
     bm_mode: int
+    bm8: Tensor         # the block mask as int8 (kernels cannot load torch.bool)
+    kpm8: Tensor | None
     tiles: int          # visited tiles (all b, h of the index)
     total_tiles: int    # Bb * Hb * n_row_tiles * n_col_tiles
 
@@ -607,4 +609,5 @@ def _build_tile_index(bm, kpm, cu, bs, causal, wl, wr, ng, sq, sk, M, N) -> Tile
     full = full.expand(Bb, *any_.shape[1:]).contiguous()
     rows, cols = _lists(any_, full)
     t_rows, t_cols = _lists(any_.transpose(-1, -2), full.transpose(-1, -2))
-    return TileIndex(rows, cols, t_rows, t_cols, seg, pos, bm_mode, int(any_.sum()), any_.numel())
+    return TileIndex(rows, cols, t_rows, t_cols, seg, pos, bm_mode, bm.to(torch.int8).contiguous(),
+                     None if kpm is None else kpm.to(torch.int8).contiguous(), int(any_.sum()), any_.numel())

@@ -1,0 +1,459 @@
+"""Block-sparse / variable-length attention (opsadv::sparse_attention) as Triton kernels.
+
+Each program visits only the tiles the layout's `tile_index` lists for its row tile (partial
+tiles first, with element masks for window edges, causal diagonal, padding, segment
+boundaries and the block mask; then full tiles, unmasked).  Packed varlen batches are one
+(1, h, total, d) sequence whose segments the tile lists and element masks keep apart, so the
+work is proportional to the real tokens.  GQA by head index arithmetic; a row with no allowed
+key gives zeros and lse = -inf.  Backward: a dK/dV kernel (per kv tile, over the transposed
+lists and every query head of its group) and a dQ kernel, both without atomics.
+
+Tiles come from ctx.profile.tiles["sparse_attention"] when the profile sets them, else from
+TILES below by profile name."""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from opsadv.core.kernel import PRIORITY_TRITON, CallSpec, KernelImpl
+from opsadv.core.layout import tile_index
+
+from . import triton_device_types
+
+OP = "sparse_attention"
+LOG2E = 1.4426950408889634
+HEAD_DIMS = (16, 32, 64, 96, 128, 256)
+FEATURES = frozenset({"causal", "gqa", "key_padding", "varlen", "window", "global", "cross_length"})
+MAX_REFINE_CELLS = 1 << 26      # tile classification grid (gcd of block size and tile) cap
+
+# (fwd BLOCK_M, BLOCK_N, warps, stages), (dq BLOCK_M, BLOCK_N, warps, stages), (dkdv BLOCK_M, BLOCK_N, warps, stages)
+# keyed by profile name, then head-dim class ("small" <= 128 < "large").
+TILES = {
+    "h100": {"small": ((128, 64, 8, 3), (128, 64, 8, 2), (64, 128, 8, 2)),
+             "large": ((64, 64, 4, 2), (64, 32, 4, 2), (32, 64, 4, 2))},
+    "a100": {"small": ((128, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 2)),
+             "large": ((64, 32, 4, 2), (64, 32, 4, 2), (32, 64, 4, 2))},
+    "rtx": {"small": ((64, 64, 4, 2), (64, 64, 4, 2), (64, 64, 4, 2)),
+            "large": ((64, 32, 4, 2), (32, 32, 4, 1), (32, 32, 4, 1))},
+    "jetson": {"small": ((64, 64, 4, 2), (64, 32, 4, 2), (32, 64, 4, 2)),
+               "large": ((32, 32, 4, 1), (32, 32, 4, 1), (32, 32, 4, 1))},
+    "interpreter": {"small": ((32, 16, 4, 1), (16, 32, 4, 1), (32, 16, 4, 1)),
+                    "large": ((32, 16, 4, 1), (16, 32, 4, 1), (32, 16, 4, 1))},
+}
+
+
+def tiles_for(profile, head_dim: int):
+    """((fwd), (dq), (dkdv)) tile configs: the profile's own, else TILES by name."""
+    own = getattr(profile, "tiles", {}).get(OP) if profile is not None else None
+    cls = "small" if head_dim <= 128 else "large"
+    if own is not None:
+        return own[cls] if isinstance(own, dict) else own
+    return TILES.get(getattr(profile, "name", None), TILES["rtx"])[cls]
+
+
+# ---- element mask of one (BLOCK_M x BLOCK_N) tile ---------------------------------------------------
+@triton.jit
+def _allowed(offs_m, offs_n, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, seg_ptr, pos_ptr, SQ, SK, OFF, WL, WR, NG, BS,
+             CAUSAL: tl.constexpr, HAS_WIN: tl.constexpr, HAS_GLOBAL: tl.constexpr, BM_MODE: tl.constexpr,
+             HAS_KPM: tl.constexpr, HAS_SEG: tl.constexpr):
+    """allowed(i, j) as opsadv.core.layout defines it, for rows offs_m and columns offs_n."""
+    i = offs_m[:, None]
+    j = offs_n[None, :]
+    ip = i + OFF                                     # bottom-right aligned query position
+    inb = (i < SQ) & (j < SK)
+    if BM_MODE == 2:                                 # mixed block mask: gather its bit per element
+        ok = tl.load(bm_ptr + (i // BS) * s_bm_q + (j // BS) * s_bm_k, mask=inb, other=0) != 0
+    else:
+        ok = inb & (BM_MODE == 1)
+    if HAS_WIN:
+        ok = ok | ((j >= ip - WL) & (j <= ip + WR))
+    if HAS_GLOBAL:
+        if HAS_SEG:                                  # globals count from each packed sequence's start
+            pi = tl.load(pos_ptr + offs_m, mask=offs_m < SQ, other=NG)
+            pj = tl.load(pos_ptr + offs_n, mask=offs_n < SK, other=NG)
+            ok = ok | (pi[:, None] < NG) | (pj[None, :] < NG)
+        else:
+            ok = ok | (i < NG) | (j < NG)
+    if CAUSAL:
+        ok = ok & (j <= ip)
+    if HAS_SEG:
+        si = tl.load(seg_ptr + offs_m, mask=offs_m < SQ, other=-1)
+        sj = tl.load(seg_ptr + offs_n, mask=offs_n < SK, other=-2)
+        ok = ok & (si[:, None] == sj[None, :])
+    if HAS_KPM:
+        ok = ok & (tl.load(kpm_ptr + offs_n, mask=offs_n < SK, other=0) != 0)[None, :]
+    return ok & inb
+
+
+# ---- forward -------------------------------------------------------------------------------------------
+@triton.jit
+def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, s_kn, s_vn, kt, offs_m, offs_d, D, qk_scale,
+              bm_ptr, s_bm_q, s_bm_k, kpm_ptr, seg_ptr, pos_ptr, SQ, SK, OFF, WL, WR, NG, BS,
+              BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr,
+              CAUSAL: tl.constexpr, HAS_WIN: tl.constexpr, HAS_GLOBAL: tl.constexpr, BM_MODE: tl.constexpr,
+              HAS_KPM: tl.constexpr, HAS_SEG: tl.constexpr):
+    """One online-softmax step over key tile kt (MASKED: a partial tile, else a full in-bounds one)."""
+    offs_n = kt * BLOCK_N + tl.arange(0, BLOCK_N)
+    kv_mask = (offs_n[:, None] < SK) & (offs_d[None, :] < D)
+    if MASKED or not EVEN_D:
+        k = tl.load(k_base + offs_n[:, None] * s_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * s_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+    else:
+        k = tl.load(k_base + offs_n[:, None] * s_kn + offs_d[None, :])
+        v = tl.load(v_base + offs_n[:, None] * s_vn + offs_d[None, :])
+    s = tl.dot(q, tl.trans(k)) * qk_scale           # log2-domain scores
+    if MASKED:
+        ok = _allowed(offs_m, offs_n, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, seg_ptr, pos_ptr, SQ, SK, OFF, WL, WR, NG,
+                      BS, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, HAS_SEG)
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)   # a row masked so far: keep exp2 finite
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = m_new
+    p = tl.math.exp2(s - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)                # rescale of the running sums (0 when m_i = -inf)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _sparse_fwd(Q, K, V, O, LSE, ROWS, COLS, BM, KPM, SEG, POS,
+                s_qb, s_qh, s_qm, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_ob, s_oh, s_om,
+                s_rb, s_rh, s_rr, s_cb, s_ch, s_cr, s_bmb, s_bmh, s_bm_q, s_bm_k, s_kpmb,
+                H, GROUP, SQ, SK, OFF, D, qk_scale, WL, WR, NG, BS,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, EVEN_D: tl.constexpr,
+                CAUSAL: tl.constexpr, HAS_WIN: tl.constexpr, HAS_GLOBAL: tl.constexpr, BM_MODE: tl.constexpr,
+                HAS_KPM: tl.constexpr, HAS_SEG: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // GROUP                                   # GQA: the kv head this query head reads
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_D)
+    q = tl.load(Q + b * s_qb + h * s_qh + offs_m[:, None] * s_qm + offs_d[None, :],
+                mask=(offs_m[:, None] < SQ) & (offs_d[None, :] < D), other=0.0)
+    k_base = K + b * s_kb + hk * s_kh
+    v_base = V + b * s_vb + hk * s_vh
+    bm_ptr = BM + b * s_bmb + h * s_bmh               # strides are 0 on broadcast dims
+    kpm_ptr = KPM + b * s_kpmb
+    row = ROWS + b * s_rb + h * s_rh + pid_m * s_rr
+    n_part = tl.load(row)
+    n_all = tl.load(row + 1)
+    cols = COLS + b * s_cb + h * s_ch + pid_m * s_cr
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
+    for t in range(0, n_part):                        # partial tiles: element masks
+        kt = tl.load(cols + t)
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, s_kn, s_vn, kt, offs_m, offs_d, D, qk_scale,
+                                  bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL, WR, NG, BS,
+                                  BLOCK_N, EVEN_D, True, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, HAS_SEG)
+    for t in range(n_part, n_all):                    # full tiles: no masks at all
+        kt = tl.load(cols + t)
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, s_kn, s_vn, kt, offs_m, offs_d, D, qk_scale,
+                                  bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL, WR, NG, BS,
+                                  BLOCK_N, EVEN_D, False, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, HAS_SEG)
+    empty = l_i == 0.0                                # fully masked row: zeros, lse = -inf
+    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) / 1.4426950408889634)
+    tl.store(O + b * s_ob + h * s_oh + offs_m[:, None] * s_om + offs_d[None, :], o.to(O.dtype.element_ty),
+             mask=(offs_m[:, None] < SQ) & (offs_d[None, :] < D))
+    tl.store(LSE + bh * SQ + offs_m, lse, mask=offs_m < SQ)
+
+
+# ---- backward ------------------------------------------------------------------------------------------
+@triton.jit
+def _bwd_delta(O, DO, DELTA, s_ob, s_oh, s_om, s_db, s_dh, s_dm, H, SQ, D,
+               BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr):
+    """delta = rowsum(out * dout) in fp32."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_D)
+    mask = (offs_m[:, None] < SQ) & (offs_d[None, :] < D)
+    o = tl.load(O + b * s_ob + h * s_oh + offs_m[:, None] * s_om + offs_d[None, :], mask=mask, other=0.0)
+    do = tl.load(DO + b * s_db + h * s_dh + offs_m[:, None] * s_dm + offs_d[None, :], mask=mask, other=0.0)
+    tl.store(DELTA + bh * SQ + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=offs_m < SQ)
+
+
+@triton.jit
+def _dkdv_tile(dk, dv, k, v, q_base, do_base, s_qm, s_dom, lse_base, delta_base, qt, offs_n, offs_d, D, qk_scale,
+               bm_ptr, s_bm_q, s_bm_k, kpm_ptr, seg_ptr, pos_ptr, SQ, SK, OFF, WL, WR, NG, BS,
+               BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr,
+               CAUSAL: tl.constexpr, HAS_WIN: tl.constexpr, HAS_GLOBAL: tl.constexpr, BM_MODE: tl.constexpr,
+               HAS_KPM: tl.constexpr, HAS_SEG: tl.constexpr):
+    """Accumulate dK, dV of one key tile from query tile qt (transposed: rows are keys)."""
+    offs_m = qt * BLOCK_M + tl.arange(0, BLOCK_M)
+    q_mask = (offs_m[:, None] < SQ) & (offs_d[None, :] < D)
+    if MASKED or not EVEN_D:
+        q = tl.load(q_base + offs_m[:, None] * s_qm + offs_d[None, :], mask=q_mask, other=0.0)
+        do = tl.load(do_base + offs_m[:, None] * s_dom + offs_d[None, :], mask=q_mask, other=0.0)
+    else:
+        q = tl.load(q_base + offs_m[:, None] * s_qm + offs_d[None, :])
+        do = tl.load(do_base + offs_m[:, None] * s_dom + offs_d[None, :])
+    if MASKED:
+        lse = tl.load(lse_base + offs_m, mask=offs_m < SQ, other=float("inf"))
+        delta = tl.load(delta_base + offs_m, mask=offs_m < SQ, other=0.0)
+        lse = tl.where(lse == float("-inf"), float("inf"), lse)      # fully masked rows: p = 0
+    else:
+        lse = tl.load(lse_base + offs_m)
+        delta = tl.load(delta_base + offs_m)
+    st = tl.dot(k, tl.trans(q)) * qk_scale            # (keys, queries), log2 domain
+    pt = tl.math.exp2(st - (lse * 1.4426950408889634)[None, :])
+    if MASKED:
+        ok = _allowed(offs_m, offs_n, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, seg_ptr, pos_ptr, SQ, SK, OFF, WL, WR, NG,
+                      BS, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, HAS_SEG)
+        pt = tl.where(tl.trans(ok), pt, 0.0)
+    dv += tl.dot(pt.to(do.dtype), do)
+    dpt = tl.dot(v, tl.trans(do))                     # (keys, queries)
+    dst = pt * (dpt - delta[None, :])
+    dk += tl.dot(dst.to(q.dtype), q)
+    return dk, dv
+
+
+@triton.jit
+def _sparse_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, TROWS, TCOLS, BM, KPM, SEG, POS,
+                 s_qb, s_qh, s_qm, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_db, s_dh, s_dm,
+                 s_dkb, s_dkh, s_dkn, s_dvb, s_dvh, s_dvn,
+                 s_rb, s_rh, s_rr, s_cb, s_ch, s_cr, s_bmb, s_bmh, s_bm_q, s_bm_k, s_kpmb,
+                 H, HK, GROUP, SQ, SK, OFF, D, qk_scale, sm_scale, WL, WR, NG, BS,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, EVEN_D: tl.constexpr,
+                 CAUSAL: tl.constexpr, HAS_WIN: tl.constexpr, HAS_GLOBAL: tl.constexpr, BM_MODE: tl.constexpr,
+                 HAS_KPM: tl.constexpr, HAS_SEG: tl.constexpr):
+    pid_n = tl.program_id(0)
+    bhk = tl.program_id(1)
+    b = bhk // HK
+    hk = bhk % HK
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_D)
+    kv_mask = (offs_n[:, None] < SK) & (offs_d[None, :] < D)
+    k = tl.load(K + b * s_kb + hk * s_kh + offs_n[:, None] * s_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V + b * s_vb + hk * s_vh + offs_n[:, None] * s_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_D], tl.float32)
+    kpm_ptr = KPM + b * s_kpmb
+    for g in range(0, GROUP):                         # every query head sharing this kv head
+        h = hk * GROUP + g
+        q_base = Q + b * s_qb + h * s_qh
+        do_base = DO + b * s_db + h * s_dh
+        lse_base = LSE + (b * H + h) * SQ
+        delta_base = DELTA + (b * H + h) * SQ
+        bm_ptr = BM + b * s_bmb + h * s_bmh
+        row = TROWS + b * s_rb + h * s_rh + pid_n * s_rr
+        n_part = tl.load(row)
+        n_all = tl.load(row + 1)
+        cols = TCOLS + b * s_cb + h * s_ch + pid_n * s_cr
+        for t in range(0, n_part):
+            qt = tl.load(cols + t)
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, s_qm, s_dm, lse_base, delta_base, qt, offs_n, offs_d,
+                                D, qk_scale, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL, WR, NG, BS,
+                                BLOCK_M, EVEN_D, True, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, HAS_SEG)
+        for t in range(n_part, n_all):
+            qt = tl.load(cols + t)
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, s_qm, s_dm, lse_base, delta_base, qt, offs_n, offs_d,
+                                D, qk_scale, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL, WR, NG, BS,
+                                BLOCK_M, EVEN_D, False, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, HAS_SEG)
+    tl.store(DK + b * s_dkb + hk * s_dkh + offs_n[:, None] * s_dkn + offs_d[None, :],
+             (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + b * s_dvb + hk * s_dvh + offs_n[:, None] * s_dvn + offs_d[None, :], dv.to(DV.dtype.element_ty),
+             mask=kv_mask)
+
+
+@triton.jit
+def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, s_kn, s_vn, kt, offs_m, offs_d, D, qk_scale,
+             bm_ptr, s_bm_q, s_bm_k, kpm_ptr, seg_ptr, pos_ptr, SQ, SK, OFF, WL, WR, NG, BS,
+             BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr,
+             CAUSAL: tl.constexpr, HAS_WIN: tl.constexpr, HAS_GLOBAL: tl.constexpr, BM_MODE: tl.constexpr,
+             HAS_KPM: tl.constexpr, HAS_SEG: tl.constexpr):
+    """Accumulate dQ of one query tile from key tile kt."""
+    offs_n = kt * BLOCK_N + tl.arange(0, BLOCK_N)
+    kv_mask = (offs_n[:, None] < SK) & (offs_d[None, :] < D)
+    if MASKED or not EVEN_D:
+        k = tl.load(k_base + offs_n[:, None] * s_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * s_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+    else:
+        k = tl.load(k_base + offs_n[:, None] * s_kn + offs_d[None, :])
+        v = tl.load(v_base + offs_n[:, None] * s_vn + offs_d[None, :])
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    p = tl.math.exp2(s - lse2[:, None])
+    if MASKED:
+        ok = _allowed(offs_m, offs_n, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, seg_ptr, pos_ptr, SQ, SK, OFF, WL, WR, NG,
+                      BS, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, HAS_SEG)
+        p = tl.where(ok, p, 0.0)
+    dp = tl.dot(do, tl.trans(v))
+    ds = p * (dp - delta[:, None])
+    dq += tl.dot(ds.to(k.dtype), k)
+    return dq
+
+
+@triton.jit
+def _sparse_dq(Q, K, V, DO, LSE, DELTA, DQ, ROWS, COLS, BM, KPM, SEG, POS,
+               s_qb, s_qh, s_qm, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_db, s_dh, s_dm, s_dqb, s_dqh, s_dqm,
+               s_rb, s_rh, s_rr, s_cb, s_ch, s_cr, s_bmb, s_bmh, s_bm_q, s_bm_k, s_kpmb,
+               H, GROUP, SQ, SK, OFF, D, qk_scale, sm_scale, WL, WR, NG, BS,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, EVEN_D: tl.constexpr,
+               CAUSAL: tl.constexpr, HAS_WIN: tl.constexpr, HAS_GLOBAL: tl.constexpr, BM_MODE: tl.constexpr,
+               HAS_KPM: tl.constexpr, HAS_SEG: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // GROUP
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_D)
+    q_mask = (offs_m[:, None] < SQ) & (offs_d[None, :] < D)
+    q = tl.load(Q + b * s_qb + h * s_qh + offs_m[:, None] * s_qm + offs_d[None, :], mask=q_mask, other=0.0)
+    do = tl.load(DO + b * s_db + h * s_dh + offs_m[:, None] * s_dm + offs_d[None, :], mask=q_mask, other=0.0)
+    lse = tl.load(LSE + bh * SQ + offs_m, mask=offs_m < SQ, other=float("inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634   # masked rows: p = 0
+    delta = tl.load(DELTA + bh * SQ + offs_m, mask=offs_m < SQ, other=0.0)
+    k_base = K + b * s_kb + hk * s_kh
+    v_base = V + b * s_vb + hk * s_vh
+    bm_ptr = BM + b * s_bmb + h * s_bmh
+    kpm_ptr = KPM + b * s_kpmb
+    row = ROWS + b * s_rb + h * s_rh + pid_m * s_rr
+    n_part = tl.load(row)
+    n_all = tl.load(row + 1)
+    cols = COLS + b * s_cb + h * s_ch + pid_m * s_cr
+    dq = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
+    for t in range(0, n_part):
+        kt = tl.load(cols + t)
+        dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, s_kn, s_vn, kt, offs_m, offs_d, D, qk_scale,
+                      bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL, WR, NG, BS,
+                      BLOCK_N, EVEN_D, True, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, HAS_SEG)
+    for t in range(n_part, n_all):
+        kt = tl.load(cols + t)
+        dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, s_kn, s_vn, kt, offs_m, offs_d, D, qk_scale,
+                      bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL, WR, NG, BS,
+                      BLOCK_N, EVEN_D, False, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, HAS_SEG)
+    tl.store(DQ + b * s_dqb + h * s_dqh + offs_m[:, None] * s_dqm + offs_d[None, :],
+             (dq * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
+
+
+# ---- host side -----------------------------------------------------------------------------------------
+def _new(shape, dtype, device) -> torch.Tensor:
+    """Output buffers (tests poison them to prove the kernels write every element)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _compute_dtype(ctx, dtype: torch.dtype) -> torch.dtype:
+    if dtype != torch.float32:
+        return dtype
+    return {"fp16": torch.float16, "bf16": torch.bfloat16}[ctx.options["precision"].attention]
+
+
+def _s4(t: torch.Tensor) -> tuple[int, int, int]:
+    """(batch, head, row) strides of a (B|1, H|1, R, ...) index tensor; 0 on broadcast dims."""
+    return (t.stride(0) if t.shape[0] > 1 else 0, t.stride(1) if t.shape[1] > 1 else 0, t.stride(2))
+
+
+def _layout_args(ti, bm, kpm, q):
+    """Pointer + stride arguments for the block mask / key padding / segment tables."""
+    bm8, dummy = ti.bm8, ti.rows
+    bm_s = (bm8.stride(0) if bm8.shape[0] > 1 else 0, bm8.stride(1) if bm8.shape[1] > 1 else 0,
+            bm8.stride(2), bm8.stride(3))
+    kpm8 = ti.kpm8 if ti.kpm8 is not None else dummy
+    seg = ti.seg if ti.seg is not None else dummy
+    pos = ti.pos if ti.pos is not None else dummy
+    return (bm8, kpm8, seg, pos), (*bm_s, kpm8.stride(0) if ti.kpm8 is not None else 0)
+
+
+def _flags(ti, causal, wl, ng, cu, kpm):
+    return dict(CAUSAL=causal, HAS_WIN=wl >= 0, HAS_GLOBAL=ng > 0, BM_MODE=ti.bm_mode,
+                HAS_KPM=kpm is not None, HAS_SEG=cu is not None)
+
+
+def _prep(ctx, *ts):
+    cd = _compute_dtype(ctx, ts[0].dtype)
+    return [t.to(cd) if t.stride(-1) == 1 else t.to(cd).contiguous() for t in ts]
+
+
+def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale):
+    in_dtype = q.dtype
+    q, k, v = _prep(ctx, q, k, v)
+    b, hq, sq, d = q.shape
+    hk, sk = k.shape[1], k.shape[2]
+    (bm_m, bn_f, warps, stages), _, _ = tiles_for(ctx.profile, d)
+    ti = tile_index(block_mask, kpm, cu, bs, causal, wl, wr, ng, sq, sk, bm_m, bn_f)
+    out = _new(q.shape, q.dtype, q.device)
+    lse = _new((b, hq, sq), torch.float32, q.device)
+    ptrs, strides = _layout_args(ti, block_mask, kpm, q)
+    hd = max(16, triton.next_power_of_2(d))
+    grid = (triton.cdiv(sq, bm_m), b * hq)
+    _sparse_fwd[grid](q, k, v, out, lse, ti.rows, ti.cols, *ptrs,
+                      *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+                      *_s4(ti.rows), *_s4(ti.cols), *strides,
+                      hq, hq // hk, sq, sk, sk - sq, d, scale * LOG2E, wl, wr, ng, bs,
+                      BLOCK_M=bm_m, BLOCK_N=bn_f, HEAD_D=hd, EVEN_D=hd == d, **_flags(ti, causal, wl, ng, cu, kpm),
+                      num_warps=warps, num_stages=stages)
+    return out.to(in_dtype), lse
+
+
+def sparse_bwd(ctx, dout, q, k, v, out, lse, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale):
+    in_dtypes = (q.dtype, k.dtype, v.dtype)
+    q, k, v, out, dout = _prep(ctx, q, k, v, out, dout)
+    lse = lse.to(torch.float32).contiguous()
+    b, hq, sq, d = q.shape
+    hk, sk = k.shape[1], k.shape[2]
+    _, (qm, qn, qw, qs), (km, kn, kw, ks) = tiles_for(ctx.profile, d)
+    hd = max(16, triton.next_power_of_2(d))
+    delta = _new((b, hq, sq), torch.float32, q.device)
+    _bwd_delta[(triton.cdiv(sq, 64), b * hq)](out, dout, delta, *out.stride()[:3], *dout.stride()[:3], hq, sq, d,
+                                              BLOCK_M=64, HEAD_D=hd)
+    common = dict(HEAD_D=hd, EVEN_D=hd == d)
+    dk = _new(k.shape, k.dtype, k.device)
+    dv = _new(v.shape, v.dtype, v.device)
+    ti = tile_index(block_mask, kpm, cu, bs, causal, wl, wr, ng, sq, sk, km, kn)
+    ptrs, strides = _layout_args(ti, block_mask, kpm, q)
+    _sparse_dkdv[(triton.cdiv(sk, kn), b * hk)](
+        q, k, v, dout, lse, delta, dk, dv, ti.t_rows, ti.t_cols, *ptrs,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
+        *_s4(ti.t_rows), *_s4(ti.t_cols), *strides,
+        hq, hk, hq // hk, sq, sk, sk - sq, d, scale * LOG2E, scale, wl, wr, ng, bs,
+        BLOCK_M=km, BLOCK_N=kn, **common, **_flags(ti, causal, wl, ng, cu, kpm), num_warps=kw, num_stages=ks)
+    dq = _new(q.shape, q.dtype, q.device)
+    ti = tile_index(block_mask, kpm, cu, bs, causal, wl, wr, ng, sq, sk, qm, qn)
+    ptrs, strides = _layout_args(ti, block_mask, kpm, q)
+    _sparse_dq[(triton.cdiv(sq, qm), b * hq)](
+        q, k, v, dout, lse, delta, dq, ti.rows, ti.cols, *ptrs,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dq.stride()[:3],
+        *_s4(ti.rows), *_s4(ti.cols), *strides,
+        hq, hq // hk, sq, sk, sk - sq, d, scale * LOG2E, scale, wl, wr, ng, bs,
+        BLOCK_M=qm, BLOCK_N=qn, **common, **_flags(ti, causal, wl, ng, cu, kpm), num_warps=qw, num_stages=qs)
+    return dq.to(in_dtypes[0]), dk.to(in_dtypes[1]), dv.to(in_dtypes[2])
+
+
+def _check(spec: CallSpec, env) -> list[str]:
+    why = []
+    if spec.dtype == torch.float32:
+        from opsadv.core.policy import current_policy
+        if current_policy().precision.attention not in ("fp16", "bf16"):
+            why.append("float32 inputs need precision policy attention='fp16' or 'bf16' (tensor-core kernel)")
+    bs = spec.bucket[0]
+    (q_shape, k_shape) = spec.shapes[:2]
+    sq, sk = q_shape[2], k_shape[2]
+    # the tile classifier refines the block mask to gcd(block_size, tile) cells
+    g = math.gcd(bs, 16)
+    cells = -(-sq // g) * -(-sk // g)
+    if cells > MAX_REFINE_CELLS:
+        why.append(f"layout block_size {bs} is not a multiple of 16: classifying {sq}x{sk} at granularity {g} "
+                   f"needs {cells} cells (> {MAX_REFINE_CELLS}); use a block size that is a multiple of 16")
+    return why
+
+
+def impls(env) -> list[KernelImpl]:
+    return [KernelImpl(
+        id="cuda.triton.sparse_attention", op=OP, backend="cuda", fn=sparse_fwd, backward=sparse_bwd,
+        priority=PRIORITY_TRITON, device_types=triton_device_types(env),
+        dtypes=(torch.float16, torch.bfloat16, torch.float32), head_dims=HEAD_DIMS, features=FEATURES,
+        deterministic=True, requires_interpret_or_cuda=True, check=_check,
+        description="Triton block-sparse flash attention: visits only the layout's non-empty tiles "
+                    "(partial tiles element-masked), packed varlen, GQA; dK/dV and dQ kernels without atomics")]
