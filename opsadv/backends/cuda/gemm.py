@@ -234,7 +234,8 @@ def _torch_act_grad(activation: str, z: torch.Tensor) -> torch.Tensor:
 def _cublas_gemm(ctx, a, b, bias, activation, residual, alpha):
     k, n = b.shape
     a2 = a.reshape(-1, k)
-    if bias is not None and activation in ("relu", "gelu_tanh"):    # cublasLt epilogue
+    # cublasLt epilogue; on CUDA its GELU is the tanh approximation (the CPU kernel's is exact erf)
+    if bias is not None and (activation == "relu" or (activation == "gelu_tanh" and a.is_cuda)):
         y = torch._addmm_activation(bias, a2, b, alpha=alpha, use_gelu=activation == "gelu_tanh")
         activation = "none"
     elif bias is not None:

@@ -102,9 +102,8 @@ def _backward(ctx, rms, dy, dsum, xin, weight, has_db, mean, rstd, offset):
         m, n, dy2.stride(0), ds2.stride(0), x2.stride(0), dx.stride(0), float(offset), per_prog,
         RMS=rms, HAS_DSUM=dsum.numel() > 0, HAS_W=weight is not None, HAS_DB=has_db,
         ROWS=rows, BLOCK_N=block, num_warps=warps)
-    empty = xin.new_empty((0,))
-    dw = dw_part.sum(0).to(weight.dtype) if weight is not None else empty     # stage 2
-    db = db_part.sum(0).to(xin.dtype) if has_db else empty
+    dw = dw_part.sum(0).to(weight.dtype) if weight is not None else xin.new_empty((0,))     # stage 2
+    db = db_part.sum(0).to(xin.dtype) if has_db else xin.new_empty((0,))        # (distinct: outputs never alias)
     return dx.reshape(xin.shape), dw, db
 
 

@@ -1,0 +1,223 @@
+"""cuda backend gemm / swiglu_gemm: the Triton kernels under the interpreter (fp32 under tf32
+policy, fp16) and the cuBLAS impls' torch code, against the reference backend in float64,
+forward and backward; bf16 and the dispatcher on a real GPU with requires_gpu."""
+import pytest
+import torch
+
+import opsadv
+from opsadv.core import dispatch
+from opsadv.core.kernel import ResolveContext
+from opsadv.core.ops.gemm import _gemm_spec, _swiglu_spec
+from opsadv.errors import NoKernelError
+from opsadv.registry import get_registry
+
+from conftest import HAS_CUDA, rel_err, requires_gpu
+
+ACTS = ("none", "relu", "gelu", "gelu_tanh", "silu")
+TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+DEV = "cuda" if HAS_CUDA else "cpu"
+
+
+def _impl(impl_id):
+    return next(i for op in ("gemm", "swiglu_gemm") for i in get_registry().impls_by_op[op] if i.id == impl_id)
+
+
+def _ctx(spec):
+    """The context the dispatcher would hand an impl of the cuda backend under precision tf32."""
+    with opsadv.use_backend("cuda", precision="tf32", strict=True):
+        exp, r = dispatch.explain_spec(spec)
+    assert r is not None, str(exp)
+    return ResolveContext(env=r.ctx.env, profile=r.ctx.profile, options=r.ctx.options, spec=spec)
+
+
+def _ref_gemm(a, b, bias, act, res, alpha):
+    with opsadv.use_backend("reference"):
+        d = lambda t: None if t is None else t.detach().double()  # noqa: E731
+        return opsadv.ops.gemm(d(a), d(b), bias=d(bias), activation=act, residual=d(res), alpha=alpha)
+
+
+def _inputs(m, k, n, dtype, *, lead=(), transposed=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g).to(dtype).to(DEV)  # noqa: E731
+    a = r(*lead, m, k)
+    b = r(n, k).t() if transposed else r(k, n)                    # nn.Linear weight.t() is the common case
+    return a, b, r(n), r(*lead, m, n)
+
+
+@pytest.mark.parametrize("impl_id,shapes", [
+    ("cuda.triton.gemm", [(1, 37, 23), (3, 70, 33), (17, 130, 65)]),          # K, N not multiples of the tile
+    ("cuda.triton.gemm_tma", [(1, 40, 24), (3, 64, 48), (17, 72, 40)]),       # TMA needs 16-byte rows
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gemm_forward_epilogues(impl_id, shapes, dtype):
+    impl = _impl(impl_id)
+    for i, (m, k, n) in enumerate(shapes):
+        a, b, bias, res = _inputs(m, k, n, dtype, transposed=i % 2 == 0, seed=i)
+        for j, act in enumerate(ACTS):
+            use_bias, use_res, alpha = j % 2 == 0, j % 3 != 1, (1.0 if j % 2 else 0.5)
+            bb, rr = (bias if use_bias else None), (res if use_res else None)
+            ctx = _ctx(_gemm_spec(a, b, bb, act, rr, alpha, False))
+            out = impl.fn(ctx, a, b, bb, act, rr, alpha)
+            want = _ref_gemm(a, b, bb, act, rr, alpha)
+            assert out.shape == want.shape and out.dtype == dtype
+            assert rel_err(out, want) < TOL[dtype], (m, k, n, act, use_bias, use_res, alpha)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gemm_dispatch_batched_noncontiguous(dtype):
+    a, b, bias, res = _inputs(5, 48, 40, dtype, lead=(2, 3))
+    a_nc = torch.randn(2, 3, 5, 96, dtype=dtype, device=DEV)[..., ::2]          # non-unit stride in K
+    with opsadv.use_backend("cuda", precision="tf32"):
+        out = opsadv.ops.gemm(a, b, bias=bias, activation="gelu_tanh", residual=res, alpha=2.0)
+        out_nc = opsadv.ops.gemm(a_nc, b, activation="silu")
+        chosen = opsadv.explain("gemm", a, b, bias=bias, activation="gelu_tanh", residual=res, alpha=2.0).chosen
+    assert chosen.startswith("cuda.triton.gemm")
+    assert out.shape == (2, 3, 5, 40)
+    assert rel_err(out, _ref_gemm(a, b, bias, "gelu_tanh", res, 2.0)) < TOL[dtype]
+    assert rel_err(out_nc, _ref_gemm(a_nc, b, None, "silu", None, 1.0)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("act", ACTS)
+def test_gemm_backward_autograd(act):
+    a, b, bias, res = _inputs(17, 40, 24, torch.float32, lead=(2,), seed=3)
+    a, b, bias, res = (t.requires_grad_() for t in (a, b, bias, res))
+    go = torch.randn(2, 17, 24, dtype=torch.float32, device=DEV)
+    with opsadv.use_backend("cuda", precision="tf32"):
+        out = opsadv.ops.gemm(a, b, bias=bias, activation=act, residual=res, alpha=0.7)
+        grads = torch.autograd.grad(out, (a, b, bias, res), go)
+    ref_in = [t.detach().double().requires_grad_() for t in (a, b, bias, res)]
+    with opsadv.use_backend("reference"):
+        ref = opsadv.ops.gemm(ref_in[0], ref_in[1], bias=ref_in[2], activation=act, residual=ref_in[3], alpha=0.7)
+        ref_grads = torch.autograd.grad(ref, ref_in, go.double())
+    for name, g, r in zip("a b bias residual".split(), grads, ref_grads):
+        assert rel_err(g, r) < 1e-5, (act, name)
+
+
+@pytest.mark.parametrize("impl_id", ["cuda.triton.gemm", "cuda.triton.gemm_tma", "cuda.cublas.gemm_epilogue"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gemm_backward_impls(impl_id, dtype):
+    impl = _impl(impl_id)
+    a, b, bias, _ = _inputs(3, 64, 40, dtype, lead=(2,), seed=5)
+    go = torch.randn(2, 3, 40, device=DEV).to(dtype)
+    for act in ("none", "gelu_tanh", "silu"):
+        ctx = _ctx(_gemm_spec(a, b, bias, act, None, 1.5, True))
+        da, db, dbias = impl.backward(ctx, go, a, b, bias, act, 1.5)
+        with opsadv.use_backend("reference"):
+            ref = _impl_ref("gemm").backward(ctx, go.double(), a.double(), b.double(), bias.double(), act, 1.5)
+        for g, r in zip((da, db, dbias), ref):
+            assert g.dtype == dtype and g.shape == r.shape
+            assert rel_err(g, r) < 5 * TOL[dtype], (impl_id, act)
+
+
+def _impl_ref(op):
+    return next(i for i in get_registry().impls_by_op[op] if i.backend == "reference")
+
+
+@pytest.mark.parametrize("impl_id", ["cuda.triton.swiglu_gemm", "cuda.triton.swiglu_gemm_tma",
+                                     "cuda.cublas.swiglu_gemm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_swiglu_forward_backward(impl_id, dtype):
+    impl = _impl(impl_id)
+    shapes = [(1, 40, 24), (17, 64, 40)] if "tma" in impl_id else [(1, 37, 23), (17, 70, 33)]
+    for i, (m, k, n) in enumerate(shapes):
+        g = torch.Generator().manual_seed(i)
+        x = torch.randn(2, m, k, generator=g).to(dtype).to(DEV)
+        w = torch.randn(k, 2 * n, generator=g).to(dtype).to(DEV)
+        if i % 2:
+            w = torch.randn(2 * n, k, generator=g).to(dtype).to(DEV).t()        # transposed [W_g | W_u]
+        bias = torch.randn(2 * n, generator=g).to(dtype).to(DEV) if i % 2 == 0 else None
+        go = torch.randn(2, m, n, generator=g).to(dtype).to(DEV)
+        ctx = _ctx(_swiglu_spec(x, w, bias, False))
+        out = impl.fn(ctx, x, w, bias)
+        grads = impl.backward(ctx, go, x, w, bias)
+        ref = _impl_ref("swiglu_gemm")
+        d = lambda t: None if t is None else t.double()  # noqa: E731
+        want = ref.fn(ctx, d(x), d(w), d(bias))
+        want_grads = ref.backward(ctx, d(go), d(x), d(w), d(bias))
+        assert out.shape == (2, m, n) and rel_err(out, want) < TOL[dtype]
+        for got, r in zip(grads, want_grads):
+            if r.numel():
+                assert rel_err(got, r) < 5 * TOL[dtype], impl_id
+            else:
+                assert got.numel() == 0
+
+
+def test_swiglu_autograd_dispatch():
+    x = torch.randn(3, 24, device=DEV, requires_grad=True)
+    w = torch.randn(24, 32, device=DEV, requires_grad=True)
+    with opsadv.use_backend("cuda", precision="tf32"):
+        y = opsadv.ops.swiglu_gemm(x, w)
+        dx, dw = torch.autograd.grad(y.sum(), (x, w))
+    xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    g, u = (xd @ wd).chunk(2, -1)
+    yr = torch.nn.functional.silu(g) * u
+    dxr, dwr = torch.autograd.grad(yr.sum(), (xd, wd))
+    assert rel_err(y, yr) < 1e-5 and rel_err(dx, dxr) < 1e-5 and rel_err(dw, dwr) < 1e-5
+
+
+@pytest.mark.parametrize("impl_id", ["cuda.cublas.gemm", "cuda.cublas.gemm_epilogue"])
+def test_cublas_impls_torch_code(impl_id):
+    """The vendor impls' torch code (addmm, _addmm_activation) runs on CPU tensors too."""
+    impl = _impl(impl_id)
+    a, b, bias, res = _inputs(17, 40, 24, torch.float32, lead=(2,))
+    combos = [("none", bias, None), ("none", None, None)]
+    if impl_id.endswith("epilogue"):
+        combos += [(act, bias, res) for act in ACTS] + [("relu", None, res), ("gelu_tanh", bias, None)]
+    for act, bb, rr in combos:
+        ctx = _ctx(_gemm_spec(a, b, bb, act, rr, 0.5, False))
+        assert rel_err(impl.fn(ctx, a, b, bb, act, rr, 0.5), _ref_gemm(a, b, bb, act, rr, 0.5)) < 1e-5, act
+
+
+def test_fp32_needs_tf32_policy():
+    a, b, _, _ = _inputs(3, 16, 8, torch.float32)
+    with opsadv.use_backend("cuda"):
+        exp = opsadv.explain("gemm", a, b)
+        trit = [c for c in exp.candidates if c.impl.id.startswith("cuda.triton")]
+        assert trit and all(not c.accepted and any("tf32" in r for r in c.reasons) for c in trit)
+        if not HAS_CUDA:
+            with pytest.raises(NoKernelError):
+                opsadv.ops.gemm(a, b)
+
+
+def test_tma_rejects_unaligned_rows():
+    a, b, _, _ = _inputs(3, 37, 24, torch.float16)
+    with opsadv.use_backend("cuda"):
+        exp = opsadv.explain("gemm", a, b, activation="relu")
+    tma = next(c for c in exp.candidates if c.impl.id == "cuda.triton.gemm_tma")
+    assert not tma.accepted and any("16-byte" in r for r in tma.reasons)
+    assert exp.chosen == "cuda.triton.gemm"
+
+
+@pytest.mark.parametrize("profile", ["jetson", "interpreter"])
+def test_profiles_fixed_tiles(profile):
+    from opsadv.backends.cuda.gemm import _fixed_config
+    bm, bn, bk, w, s = _fixed_config(profile, "gemm", 4096, 4096)
+    if profile == "jetson":
+        assert max(bm, bn, bk) <= 64 and s <= 2
+    a, b, bias, _ = _inputs(17, 40, 24, torch.float16)
+    with opsadv.use_backend("cuda", profile=profile):
+        out = opsadv.ops.gemm(a, b, bias=bias, activation="silu")
+    assert rel_err(out, _ref_gemm(a, b, bias, "silu", None, 1.0)) < TOL[torch.float16]
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 16, 300])
+def test_gpu_gemm_impls(dtype, m):
+    a, b, bias, res = _inputs(m, 512, 384, dtype, lead=(2,))
+    for impl_id in ("cuda.triton.gemm", "cuda.triton.gemm_tma", "cuda.cublas.gemm_epilogue"):
+        impl = _impl(impl_id)
+        if impl_id.endswith("tma") and torch.cuda.get_device_capability() < (9, 0):
+            continue
+        for act in ACTS:
+            ctx = _ctx(_gemm_spec(a, b, bias, act, res, 0.5, False))
+            out = impl.fn(ctx, a, b, bias, act, res, 0.5)
+            assert rel_err(out, _ref_gemm(a, b, bias, act, res, 0.5)) < TOL[dtype], (impl_id, act)
+            da, db, dbias = impl.backward(ctx, res, a, b, bias, act, 0.5)
+            ref = _impl_ref("gemm").backward(ctx, res.double(), a.double(), b.double(), bias.double(), act, 0.5)
+            for g, r in zip((da, db, dbias), ref):
+                assert rel_err(g, r) < 3 * TOL[dtype], (impl_id, act)
+    w = torch.randn(512, 768, device="cuda").to(dtype)
+    ref = _impl_ref("swiglu_gemm").fn(None, a.double(), w.double(), None)
+    with opsadv.use_backend("cuda"):
+        assert rel_err(opsadv.ops.swiglu_gemm(a, w), ref) < TOL[dtype]

@@ -1,0 +1,108 @@
+"""cuda backend layer_norm / rms_norm: the Triton kernels under the interpreter (fp32, fp16) against
+the reference backend in float64, forward and backward, with residual, offset, missing weight/bias,
+non-contiguous inputs and leading dims; bf16 on a real GPU with requires_gpu."""
+import pytest
+import torch
+
+import opsadv
+from opsadv.backends.cuda.norm import MAX_HIDDEN
+
+from conftest import HAS_CUDA, rel_err, requires_gpu
+
+DEV = "cuda" if HAS_CUDA else "cpu"
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
+
+
+def _run(op, x, w, b, res, offset, go, gs):
+    """Forward, then grads of sum(y*go) (+ sum(xsum*gs)) w.r.t. every tensor input."""
+    if op == "layer_norm":
+        out = opsadv.ops.layer_norm(x, w, b, 1e-5, residual=res)
+    else:
+        out = opsadv.ops.rms_norm(x, w, 1e-6, residual=res, offset=offset)
+    y, s = out if res is not None else (out, None)
+    loss = (y * go).sum() + ((s * gs).sum() if s is not None else 0)
+    ins = [t for t in (x, w, b, res) if t is not None and t.requires_grad]
+    return y, s, torch.autograd.grad(loss, ins)
+
+
+def _check(op, shape, dtype, *, residual, weight=True, bias=True, offset=0.0, noncontig=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n = shape[-1]
+    r = lambda *s: torch.randn(*s, generator=g).to(dtype).to(DEV)  # noqa: E731
+    if noncontig:                       # a strided view (inner stride 2, rows permuted) is the op's input
+        base = (r(*shape[:-1], 2 * n) if len(shape) > 2 else r(n, shape[0])).requires_grad_()
+        x = base[..., ::2].transpose(0, -2) if len(shape) > 2 else base.t()
+        assert not x.is_contiguous()
+    else:
+        x = r(*shape).requires_grad_()
+    w = r(n).requires_grad_() if weight else None
+    b = r(n).requires_grad_() if (bias and op == "layer_norm") else None
+    res = r(*x.shape).requires_grad_() if residual else None
+    go, gs = r(*x.shape), r(*x.shape)
+    leaves = [x, w, b, res]
+    with opsadv.use_backend("cuda"):
+        y, s, grads = _run(op, *leaves, offset, go, gs)
+        chosen = opsadv.explain(op, leaves[0], leaves[1], *( [leaves[2]] if op == "layer_norm" else []),
+                                residual=leaves[3], **({"offset": offset} if op == "rms_norm" else {})).chosen
+    assert chosen == f"cuda.triton.{op}"
+    ref_leaves = [t.detach().double().requires_grad_() if t is not None else None for t in leaves]
+    with opsadv.use_backend("reference"):
+        yr, sr, ref_grads = _run(op, *ref_leaves, offset, go.double(), gs.double())
+    assert y.dtype == dtype and y.shape == x.shape
+    assert rel_err(y, yr) < TOL[dtype]
+    if residual:
+        assert rel_err(s, sr) < TOL[dtype]
+    for got, want in zip(grads, ref_grads):
+        assert got.shape == want.shape and rel_err(got, want) < 2 * TOL[dtype]
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n", [64, 100, 257])
+@pytest.mark.parametrize("residual", [False, True])
+def test_norm_fwd_bwd(op, dtype, n, residual):
+    _check(op, (3, 17, n), dtype, residual=residual, offset=1.0 if op == "rms_norm" and n == 100 else 0.0, seed=n)
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_norm_without_weight_or_bias(op):
+    _check(op, (5, 130), torch.float32, residual=True, weight=False, bias=False)
+    if op == "layer_norm":
+        _check(op, (5, 130), torch.float32, residual=False, weight=True, bias=False, seed=1)
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_norm_noncontiguous_input(op):
+    _check(op, (4, 3, 96), torch.float32, residual=True, noncontig=True, offset=1.0 if op == "rms_norm" else 0.0)
+    _check(op, (7, 64), torch.float16, residual=False, noncontig=True, seed=2)
+
+
+def test_norm_rows_and_stats_layout():
+    x = torch.randn(2, 3, 257, device=DEV)
+    with opsadv.use_backend("cuda"):
+        y, s, mean, rstd = torch.ops.opsadv.layer_norm(x, None, None, 1e-5, None)
+        y2, s2, rstd2 = torch.ops.opsadv.rms_norm(x, None, 1e-6, None, 0.0)
+    assert s.numel() == 0 and s2.numel() == 0
+    assert mean.shape == (2, 3) and rstd.dtype == torch.float32 and rstd2.shape == (2, 3)
+    torch.testing.assert_close(mean, x.mean(-1))
+    torch.testing.assert_close(rstd, torch.rsqrt(x.var(-1, unbiased=False) + 1e-5))
+
+
+def test_norm_rejects_huge_hidden():
+    x = torch.randn(1, MAX_HIDDEN + 1)
+    with opsadv.use_backend("cuda"):
+        exp = opsadv.explain("rms_norm", x, None)
+    c = next(c for c in exp.candidates if c.impl.id == "cuda.triton.rms_norm")
+    assert not c.accepted and any("hidden size" in r for r in c.reasons)
+
+
+def test_norm_wide_row_single_program():
+    _check("rms_norm", (2, 3000), torch.float32, residual=True, offset=1.0)
+
+
+@requires_gpu
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("n", [64, 1000, 4096, 12288])
+def test_gpu_norm_bf16(op, n):
+    _check(op, (3, 129, n), torch.bfloat16, residual=True, offset=1.0 if op == "rms_norm" else 0.0)
+    _check(op, (257, n), torch.bfloat16, residual=False, noncontig=True, seed=1)
