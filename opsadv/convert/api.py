@@ -1,0 +1,197 @@
+"""opsadv.convert_model: rewrite a model to run opsadv ops, validate it against the original,
+and attach `.opsadv_report` and `.tune_for_hardware()`."""
+from __future__ import annotations
+
+import time
+import warnings
+
+import torch
+from torch import nn
+
+from opsadv.core.errors import InvalidArgumentError
+from opsadv.core.policy import Policy, use_backend
+from opsadv.core.precision import PrecisionPolicy
+
+from . import hf_attention, passes, validate as _val
+from .report import ConversionReport
+from .state import RuntimeState
+
+_CAST = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "tf32": torch.float32}
+
+
+def _check_int(arg: str, value, lo: int, hi: int, allow_none: bool = True) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        raise InvalidArgumentError("convert_model", arg, f"an int in [{lo}, {hi}]" + (" or None" if allow_none else ""),
+                                   repr(value))
+
+
+def check_seed_args(opt_level, tile_size, max_streams, mem_opt, use_fp16=None, validate=True) -> None:
+    _check_int("opt_level", opt_level, 0, 3, allow_none=False)
+    _check_int("tile_size", tile_size, 32, 256)
+    if tile_size is not None and tile_size & (tile_size - 1):
+        raise InvalidArgumentError("convert_model", "tile_size", "a power of two in [32, 256]", repr(tile_size))
+    _check_int("max_streams", max_streams, 1, 8)
+    _check_int("mem_opt", mem_opt, 0, 3)
+    if use_fp16 is not None and not isinstance(use_fp16, bool):
+        raise InvalidArgumentError("convert_model", "use_fp16", "a bool or None", repr(use_fp16))
+    if validate not in (True, False, "warn"):
+        raise InvalidArgumentError("convert_model", "validate", "True, False or 'warn'", repr(validate))
+
+
+def resolve_precision(precision, use_fp16) -> tuple[PrecisionPolicy, torch.dtype | None, str]:
+    """(policy, dtype to cast the model to or None, label)."""
+    if use_fp16 and precision is not None and precision not in ("fp16", torch.float16):
+        raise InvalidArgumentError("convert_model", "use_fp16", f"consistent with precision={precision!r}", "True")
+    if precision is None and use_fp16:
+        precision = "fp16"
+    if precision is None:
+        return PrecisionPolicy(), None, "model dtype"
+    if isinstance(precision, torch.dtype):
+        names = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+        if precision not in names:
+            raise InvalidArgumentError("convert_model", "precision", "fp16, bf16 or fp32", str(precision))
+        precision = names[precision]
+    if isinstance(precision, PrecisionPolicy):
+        return precision, None, str(precision)
+    if isinstance(precision, str) and precision.lower() in ("float16", "half", "bfloat16", "float32"):
+        precision = {"float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float32": "fp32"}[precision.lower()]
+    pol = PrecisionPolicy.from_string(precision)   # raises InvalidArgumentError for anything else
+    return pol, _CAST[precision.lower()], precision.lower()
+
+
+def build_policy(backend, precision: PrecisionPolicy, opt_level, tile_size, max_streams, mem_opt) -> Policy | None:
+    """The policy the converted model's ops run under; None = the policy in force at call time."""
+    if not isinstance(backend, str):
+        raise InvalidArgumentError("convert_model", "backend", "a backend name or 'auto'", repr(backend))
+    opts = {k: v for k, v in (("tile_size", tile_size), ("max_streams", max_streams), ("mem_opt", mem_opt))
+            if v is not None}
+    if backend == "auto" and not opts and precision == PrecisionPolicy() and opt_level < 3:
+        return None
+    with use_backend(backend):                     # validates the name and availability; no global change
+        pass
+    return Policy(backend=backend, experimental=opt_level >= 3, precision=precision,
+                  options=tuple(sorted(opts.items())))
+
+
+def _model_name(model) -> str:
+    cfg = getattr(model, "config", None)
+    return type(model).__name__ + (f" ({cfg.model_type})" if getattr(cfg, "model_type", None) else "")
+
+
+class _Tuner:
+    """`model.tune_for_hardware(...)`, attached per instance (the model keeps its class)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, device="cuda:0", batch_size: int = 8, seq_len: int | None = None, **kw):
+        if self.model is None:
+            raise RuntimeError("this model was unpickled: run opsadv.convert_model on it again to tune it")
+        from .tune import tune_for_hardware
+        return tune_for_hardware(self.model, device=device, batch_size=batch_size, seq_len=seq_len, **kw)
+
+    def __deepcopy__(self, memo):
+        import copy
+        return _Tuner(copy.deepcopy(self.model, memo))
+
+    def __getstate__(self):
+        return {"model": None}                     # never pickle the model twice (or recursively)
+
+
+def _eval_mode(model):
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    return modes
+
+
+def _restore_modes(modes) -> None:
+    for m, t in modes.items():
+        m.training = t
+
+
+def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, opt_level: int = 2,
+                  tile_size: int | None = None, use_fp16: bool | None = None, max_streams: int | None = None,
+                  mem_opt: int | None = None, validate=True, example_inputs=None) -> nn.Module:
+    """Rewrite `model` in place to run opsadv ops and return it (same object, same class).
+
+    opt_level 0: nothing; 1: attention and norms; 2: + fused QKV GEMM, dense+residual+norm, MLP GEMM
+    epilogues (SwiGLU, GELU); 3: + impls marked experimental.  The result is validated against the
+    original on `example_inputs` (a dict of kwargs, a tuple of args or a tensor; generated for
+    transformers models); beyond the limits (see opsadv.convert.validate) the conversion is undone
+    and ValidationError raised with the numbers, unless validate="warn" (kept, flagged in the
+    report) or False.  `precision` ("fp16"/"bf16"/"fp32") casts the model first; the seed
+    parameters tile_size/max_streams/mem_opt are validated and handed to the kernels as options."""
+    check_seed_args(opt_level, tile_size, max_streams, mem_opt, use_fp16, validate)
+    if not isinstance(model, nn.Module):
+        raise InvalidArgumentError("convert_model", "model", "a torch.nn.Module", type(model).__name__)
+    t0 = time.perf_counter()
+    pp, cast, label = resolve_precision(precision, use_fp16)
+    policy = build_policy(backend, pp, opt_level, tile_size, max_streams, mem_opt)
+    prev_state = getattr(model, "_opsadv_state", None)
+    if prev_state is not None:
+        raise InvalidArgumentError("convert_model", "model", "a model not converted yet", "an opsadv-converted model")
+    if cast is not None:
+        model.to(cast)
+    state = RuntimeState(policy)
+    report = ConversionReport(_model_name(model), opt_level, backend, label)
+    if opt_level >= 3:
+        report.notes.append("opt_level 3: experimental kernels allowed")
+    is_hf = hf_attention.is_transformers_model(model)
+    inputs = example_inputs
+    if inputs is None and is_hf:
+        inputs = _val.hf_validation_inputs(model)
+    if validate and opt_level > 0 and inputs is None:
+        raise InvalidArgumentError("convert_model", "example_inputs",
+                                   "validation inputs (kwargs dict, args tuple or tensor) for a model that is not a "
+                                   "transformers model, or validate=False", None)
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    modes = _eval_mode(model)
+    try:
+        ref = _val.run(model, inputs) if validate and opt_level > 0 else None
+    finally:
+        _restore_modes(modes)
+    undo = passes.Undo()
+    root = model
+    try:
+        if opt_level >= 1:
+            if is_hf:
+                hf_attention.attention_pass(model, report, undo, state)
+            passes.norm_pass(model, report, undo, state)
+        if opt_level >= 2:
+            passes.residual_norm_pass(model, report, undo, state)
+            passes.mlp_pass(model, report, undo, state)
+            passes.qkv_pass(model, report, undo, state)
+        if opt_level >= 1 and not is_hf:
+            from . import fx_rewrite
+            root = fx_rewrite.fx_pass(model, report, undo, state, opt_level)
+    except Exception:
+        undo.revert()
+        raise
+    if ref is not None:
+        modes = _eval_mode(root)
+        try:
+            new = _val.run(root, inputs)
+        except Exception:
+            undo.revert()
+            raise
+        finally:
+            _restore_modes(modes)
+        metrics = _val.compare(ref, new, inputs, dtype)
+        report.validation = metrics
+        if not metrics["passed"]:
+            if validate is True:
+                undo.revert()
+                raise _val.ValidationError(report.model, metrics)
+            report.status = "converted (validation FAILED; kept because validate='warn')"
+            warnings.warn(f"opsadv.convert_model: {report.model} differs from the original beyond the limits: "
+                          f"{metrics}", RuntimeWarning, stacklevel=2)
+    elif opt_level > 0:
+        report.notes.append("not validated (validate=False)")
+    report.seconds = time.perf_counter() - t0
+    root._opsadv_state = state
+    root._opsadv_example_inputs = inputs
+    root.opsadv_report = report
+    root.tune_for_hardware = _Tuner(root)
+    return root

@@ -1,0 +1,97 @@
+"""Optimizer: convert with a device/precision/opt-level preset, and export to a torch.export
+program (.pt2) whose graph calls opsadv::* ops.  `load` reads it back with torch.export.load
+(no pickled code runs) in any process that can `import opsadv` (which registers the ops)."""
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from opsadv.core.errors import InvalidArgumentError
+from opsadv.core.precision import PrecisionPolicy
+
+from .api import _check_int, convert_model
+
+
+class Optimizer:
+    """`Optimizer(device="cuda", precision="bf16", opt_level=2).compile(model)`; `.export(model, path,
+    example_inputs)` writes a .pt2."""
+
+    def __init__(self, device=None, precision="fp32", opt_level: int = 2, backend: str = "auto", **seeds):
+        _check_int("opt_level", opt_level, 0, 3, allow_none=False)
+        if not (precision is None or isinstance(precision, PrecisionPolicy)
+                or (isinstance(precision, str) and precision.lower() in ("fp16", "bf16", "fp32", "tf32"))):
+            raise InvalidArgumentError("Optimizer", "precision", "'fp16', 'bf16', 'fp32' or a PrecisionPolicy",
+                                       repr(precision))
+        self.device = torch.device(device) if device is not None else None
+        self.precision, self.opt_level, self.backend, self.seeds = precision, opt_level, backend, seeds
+
+    def __repr__(self) -> str:
+        return (f"Optimizer(device={self.device}, precision={self.precision!r}, opt_level={self.opt_level}, "
+                f"backend={self.backend!r})")
+
+    def compile(self, model: nn.Module, example_inputs=None, validate=True) -> nn.Module:
+        if getattr(model, "_opsadv_state", None) is not None:
+            return model                          # already converted
+        if self.device is not None:
+            model.to(self.device)
+        if example_inputs is not None and self.device is not None:
+            from .tune import _to
+            example_inputs = _to(example_inputs, self.device)
+        return convert_model(model, backend=self.backend, precision=self.precision, opt_level=self.opt_level,
+                             validate=validate, example_inputs=example_inputs, **self.seeds)
+
+    def export(self, model: nn.Module, path, example_inputs, validate=True) -> torch.export.ExportedProgram:
+        """Convert (if needed), torch.export the model on `example_inputs` (kwargs dict, args tuple or a
+        tensor) and save the program to `path` (.pt2).  Returns the ExportedProgram."""
+        from .tune import _to
+        compiled = self.compile(model, example_inputs=example_inputs, validate=validate)
+        dev = next(compiled.parameters()).device
+        inputs = _to(example_inputs, dev)
+        if isinstance(inputs, dict):
+            args, kwargs = (), dict(inputs)
+        else:
+            args, kwargs = (tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)), {}
+        try:
+            if "use_cache" in inspect.signature(compiled.forward).parameters and "use_cache" not in kwargs:
+                kwargs["use_cache"] = False       # a KV cache object is no program output
+        except (TypeError, ValueError):
+            pass
+        was = compiled.training
+        compiled.eval()
+        try:
+            with torch.no_grad():
+                ep = torch.export.export(compiled, args, kwargs, strict=False)
+        finally:
+            compiled.train(was)
+        n_ops = sum(1 for n in ep.graph.nodes if n.op == "call_function" and "opsadv" in str(n.target))
+        if n_ops == 0:
+            raise InvalidArgumentError("Optimizer.export", "model", "a model whose conversion replaced something",
+                                       "an exported graph without opsadv ops")
+        torch.export.save(ep, str(Path(path)))
+        report = getattr(compiled, "opsadv_report", None)
+        if report is not None:
+            report.notes.append(f"exported to {path}: {n_ops} opsadv op calls in the graph")
+        return ep
+
+
+def load(path):
+    """Load a .pt2 written by Optimizer.export.  Returns a callable module (ExportedProgram.module())
+    with the program as `.exported_program`."""
+    import opsadv.ops  # noqa: F401  (registers the opsadv::* ops the program calls)
+    ep = torch.export.load(str(path))
+    mod = ep.module()
+    mod.exported_program = ep
+    return mod
+
+
+def opsadv_op_counts(ep) -> dict[str, int]:
+    """opsadv op name -> number of calls in an exported program's graph."""
+    counts: dict[str, int] = {}
+    for n in ep.graph.nodes:
+        if n.op == "call_function" and "opsadv" in str(n.target):
+            k = str(n.target)
+            counts[k] = counts.get(k, 0) + 1
+    return counts

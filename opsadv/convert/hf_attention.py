@@ -1,0 +1,149 @@
+"""transformers' own seams: an attention function registered as "opsadv" in AttentionInterface
+(and a mask function under the same name in AttentionMaskInterface), selected per model with
+`set_attn_implementation("opsadv")`.  No modeling code is edited or copied.
+
+The mask function keeps transformers' sdpa masks, except for a plain bidirectional padding mask
+(BERT-style encoders), which it hands over as a stride-0 expanded view of the 2-D padding mask,
+so the attention function can see it is key padding only and take the varlen/sparse path."""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from opsadv import ops
+from opsadv.core.layout import SparseLayout
+
+from .state import scope_of
+
+NAME = "opsadv"
+_registered = False
+
+
+def key_padding_of(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The (B, s_k) key padding mask when `mask` is one broadcast over queries (our mask fn's form)."""
+    if mask is None or mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1:
+        return None
+    if mask.shape[2] > 1 and mask.stride(2) != 0:
+        return None
+    return mask[:, 0, 0, :]
+
+
+def _varlen_layout(kpm: torch.Tensor, s_q: int):
+    make = getattr(SparseLayout, "from_padding_mask", None)
+    if make is None or s_q != kpm.shape[1]:
+        return None
+    return make(kpm)
+
+
+def opsadv_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
+                             scaling: float | None = None, is_causal: bool | None = None,
+                             position_bias=None, **kwargs):
+    """Same contract as transformers' sdpa_attention_forward: (b, h, s, d) inputs, returns
+    ((b, s, h, d) output, None)."""
+    st = getattr(module, "_opsadv_state", None)
+    if dropout and dropout > 0 or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        # Attention dropout (training) / softcapping / sinks have no opsadv kernel: use transformers' sdpa,
+        # said once and counted in the model's state (visible in the report), never silently.
+        why = "dropout" if dropout else "softcap/sinks"
+        if st is not None:
+            st.note_fallback(f"attention {why} -> sdpa")
+        _warn_once(why)
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, position_bias=position_bias, **kwargs)
+    s_q = query.shape[2]
+    causal_flag = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    mask = attention_mask
+    if position_bias is not None:
+        from transformers.integrations.sdpa_attention import create_position_bias_mask
+        mask = create_position_bias_mask(position_bias, mask, bool(causal_flag) and s_q > 1, query, key)
+        causal = False
+    elif mask is None:
+        causal = bool(causal_flag) and s_q > 1
+        if causal and key.shape[2] > s_q:         # empty static-cache slots: transformers' sdpa crops them too
+            key, value = key[:, :, :s_q], value[:, :, :s_q]
+    else:
+        causal = False
+    if mask is not None and mask.dtype != torch.bool and mask.dtype != query.dtype:
+        mask = mask.to(query.dtype)
+    with scope_of(module):
+        kpm = key_padding_of(mask)
+        layout = _varlen_layout(kpm, s_q) if kpm is not None else None
+        if layout is not None:
+            out = ops.sparse_attention(query, key, value, layout, scale=scaling)
+        else:
+            if kpm is not None:
+                mask = kpm[:, None, None, :]      # (B, 1, 1, s_k): broadcast, never materialized
+            out = ops.flash_attention(query, key, value, causal=causal, scale=scaling, attn_mask=mask)
+    return out.transpose(1, 2).contiguous(), None
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(why: str) -> None:
+    if why not in _warned:
+        _warned.add(why)
+        warnings.warn(f"opsadv attention: {why} has no opsadv kernel; these calls use transformers' sdpa "
+                      "(see model.opsadv_report / state fallbacks)", RuntimeWarning, stacklevel=3)
+
+
+def opsadv_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None,
+                local_size=None, allow_is_causal_skip=True, allow_is_bidirectional_skip=False, use_vmap=False,
+                device="cpu", **kwargs):
+    from transformers import masking_utils as mu
+    if mask_function is None:
+        mask_function = mu.causal_mask_function
+    pad = attention_mask
+    if (mask_function is getattr(mu, "bidirectional_mask_function", None) and pad is not None and pad.dim() == 2
+            and pad.shape[-1] == kv_length and q_offset == 0 and kv_offset == 0 and local_size is None):
+        pad = pad.to(device=device, dtype=torch.bool)
+        skip = getattr(mu, "_ignore_bidirectional_mask_sdpa", None)
+        if allow_is_bidirectional_skip and skip is not None and skip(pad, kv_length, local_size):
+            return None
+        return pad[:, None, None, :].expand(batch_size, 1, q_length, kv_length)
+    return mu.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                        kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+                        local_size=local_size, allow_is_causal_skip=allow_is_causal_skip,
+                        allow_is_bidirectional_skip=allow_is_bidirectional_skip, use_vmap=use_vmap, device=device,
+                        **kwargs)
+
+
+def register() -> None:
+    global _registered
+    if _registered:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+    AttentionInterface.register(NAME, opsadv_attention_forward)
+    AttentionMaskInterface.register(NAME, opsadv_mask)
+    _registered = True
+
+
+def is_transformers_model(model) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return False
+    return isinstance(model, PreTrainedModel)
+
+
+def attention_pass(model, report, undo, state) -> bool:
+    """Point the model (and its sub-models) at the "opsadv" attention function."""
+    register()
+    before = model.config._attn_implementation
+    if hasattr(model, "_can_set_attn_implementation") and not model._can_set_attn_implementation():
+        report.add("skipped", "", f"{type(model).__name__} attention",
+                   "the model does not use transformers' AttentionInterface")
+        return False
+    model.set_attn_implementation(NAME)
+    n = 0
+    for path, m in model.named_modules():
+        if hasattr(m, "is_causal") and any(hasattr(m, a) for a in ("q_proj", "query", "c_attn", "qkv_proj")):
+            m._opsadv_state = state
+            n += 1
+    undo.attn.append((model, before))
+    report.add("attention", "", f"{type(model).__name__}: attention implementation {before!r} -> 'opsadv' "
+               f"(opsadv.flash_attention; padded encoders -> varlen sparse_attention when available; {n} layers)")
+    return True

@@ -1,0 +1,188 @@
+"""Drop-in modules that run opsadv ops.  Each keeps the parameter names of the module it
+replaces (state_dict keys, save_pretrained and from_pretrained are unaffected) and runs its ops
+under the converted model's policy (see state.py).
+
+Fused weights ([W_q|W_k|W_v], [W_gate|W_up]) live in one buffer whose row blocks *are* the
+original parameters (their .data are views of it): no second copy, and optimizer steps or
+load_state_dict (in-place) stay visible.  With gradients enabled the concatenation is rebuilt
+differentiably each call so training updates the original parameters."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from opsadv import ops
+
+from .state import scope_of
+
+
+def _exporting() -> bool:
+    comp = getattr(torch, "compiler", None)
+    return bool(comp and (comp.is_compiling() or getattr(comp, "is_exporting", lambda: False)()))
+
+
+class FusedRows:
+    """Row-concatenation of 2-D parameters (and of 1-D biases) kept as one buffer."""
+
+    def __init__(self, params: list[nn.Parameter]):
+        self.params = params
+        self.buf: torch.Tensor | None = None
+
+    def get(self) -> torch.Tensor:
+        ps = self.params
+        if (torch.is_grad_enabled() and any(p.requires_grad for p in ps)) or _exporting():
+            return torch.cat(list(ps), 0)          # differentiable / traceable: gradients reach each parameter
+        if self.buf is None or not self._aliased():
+            self._rebuild()
+        return self.buf
+
+    def _aliased(self) -> bool:
+        buf, ps = self.buf, self.params
+        if any(p.device != buf.device or p.dtype != buf.dtype for p in ps):
+            return False
+        addr, step = buf.data_ptr(), buf.element_size()
+        for p in ps:                              # each parameter must still be its row block of buf
+            if p.data_ptr() != addr or not p.is_contiguous():
+                return False
+            addr += p.numel() * step
+        return True
+
+    @torch.no_grad()
+    def _rebuild(self) -> None:
+        # (after .to(), deepcopy or a fresh load the views are gone: fuse again, re-point the params)
+        buf = torch.cat([p.detach() for p in self.params], 0).contiguous()
+        row = 0
+        for p in self.params:
+            n = p.shape[0]
+            p.data = buf[row:row + n]             # the parameter becomes a view of its rows of buf
+            row += n
+        self.buf = buf
+
+
+class OpsadvNorm(nn.Module):
+    """LayerNorm / RMSNorm over the last dim via opsadv.ops.layer_norm / rms_norm."""
+
+    def __init__(self, kind: str, weight, bias, eps: float, offset: float = 0.0, eps_attr: str = "eps"):
+        super().__init__()
+        self.kind, self.eps, self.offset = kind, float(eps), float(offset)
+        self.weight = weight
+        self.bias = bias
+        if eps_attr != "eps":
+            setattr(self, eps_attr, float(eps))   # code that reads e.g. .variance_epsilon keeps working
+
+    def extra_repr(self) -> str:
+        return f"{self.kind}, {tuple(self.weight.shape) if self.weight is not None else None}, eps={self.eps}"
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        w, b = self.weight, self.bias
+        if w is not None and w.dtype != x.dtype:   # e.g. fp32 residual stream, bf16 weight: promote like torch does
+            dt = torch.promote_types(w.dtype, x.dtype)
+            x, w, b = x.to(dt), w.to(dt), (b.to(dt) if b is not None else None)
+            residual = residual.to(dt) if residual is not None else None
+        with scope_of(self):
+            if self.kind == "rms":
+                return ops.rms_norm(x, w, self.eps, residual=residual, offset=self.offset)
+            return ops.layer_norm(x, w, b, self.eps, residual=residual)
+
+
+class QKVProjection(nn.Module):
+    """One of q/k/v.  The q projection runs one GEMM over [W_q|W_k|W_v] and leaves k and v for
+    the next two calls made on the *same* input tensor; any other input (cross-attention, an
+    unexpected call order) gets its own plain projection, so results never depend on order."""
+
+    def __init__(self, linear: nn.Linear, role: int, group: "QKVGroup"):
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.role, self.group = role, group
+
+    def extra_repr(self) -> str:
+        return f"{'qkv'[self.role]} of fused qkv, in={self.in_features}, out={self.out_features}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = self.group
+        if self.role == 0:
+            with scope_of(self):
+                w = g.weight.get()
+                full = ops.gemm(x, w.t(), bias=g.bias.get() if g.bias is not None else None)
+            g.stash = (x, full)
+            return full[..., :g.splits[0]]
+        if g.stash is not None and g.stash[0] is x:
+            full = g.stash[1]
+            lo = g.splits[0] if self.role == 1 else g.splits[0] + g.splits[1]
+            if self.role == 2:
+                g.stash = None                     # release the activation
+            return full[..., lo:lo + self.out_features]
+        return F.linear(x, self.weight, self.bias)
+
+
+class QKVGroup:
+    def __init__(self, q: nn.Linear, k: nn.Linear, v: nn.Linear):
+        self.splits = (q.out_features, k.out_features, v.out_features)
+        self.weight = FusedRows([q.weight, k.weight, v.weight])
+        self.bias = FusedRows([q.bias, k.bias, v.bias]) if q.bias is not None else None
+        self.stash = None
+
+
+class SwiGLUMLP(nn.Module):
+    """down_proj(silu(gate_proj(x)) * up_proj(x)) as swiglu_gemm over [W_gate|W_up], then down_proj."""
+
+    def __init__(self, gate_proj: nn.Linear, up_proj: nn.Linear, down_proj: nn.Module):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+        self._w = FusedRows([gate_proj.weight, up_proj.weight])
+        self._b = FusedRows([gate_proj.bias, up_proj.bias]) if gate_proj.bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with scope_of(self):
+            h = ops.swiglu_gemm(x, self._w.get().t(), bias=self._b.get() if self._b is not None else None)
+        return self.down_proj(h)
+
+
+class LinearAct(nn.Module):
+    """activation(x @ W + b) in one gemm with an epilogue.  `conv1d` weights are (in, out) (GPT-2's
+    Conv1D); nn.Linear weights are (out, in).  Optional `down` projection and dropout after it
+    (GPT-2's MLP); the child names of the replaced module are kept."""
+
+    def __init__(self, names: dict[str, nn.Module], up: str, activation: str, conv1d: bool,
+                 down: str | None = None, dropout: str | None = None):
+        super().__init__()
+        for n, m in names.items():
+            self.add_module(n, m)
+        self._up, self._down, self._drop = up, down, dropout
+        self.activation, self.conv1d = activation, conv1d
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        up = getattr(self, self._up)
+        w = up.weight if self.conv1d else up.weight.t()
+        with scope_of(self):
+            h = ops.gemm(x, w, bias=up.bias, activation=self.activation)
+        if self._down is not None:
+            h = getattr(self, self._down)(h)
+        if self._drop is not None:
+            h = getattr(self, self._drop)(h)
+        return h
+
+
+class DenseResidualNorm(nn.Module):
+    """LayerNorm(dropout(dense(h)) + input) (BERT's SelfOutput/Output): gemm with bias, then the
+    residual add fused into layer_norm."""
+
+    def __init__(self, dense: nn.Linear, norm: nn.Module, dropout: nn.Module, norm_name: str = "LayerNorm"):
+        super().__init__()
+        self.dense, self.dropout = dense, dropout
+        self.add_module(norm_name, norm)
+        self._norm = norm_name
+
+    def forward(self, hidden_states: torch.Tensor, input_tensor: torch.Tensor) -> torch.Tensor:
+        norm = getattr(self, self._norm)
+        with scope_of(self):
+            h = ops.gemm(hidden_states, self.dense.weight.t(), bias=self.dense.bias)
+        h = self.dropout(h)
+        if isinstance(norm, OpsadvNorm):
+            return norm(h, residual=input_tensor)[0]
+        return norm(h + input_tensor)

@@ -1,0 +1,292 @@
+"""Structural module passes: find norms, MLPs, q/k/v triples and dense+residual+norm blocks by
+what they are (attributes, then a numerical behaviour probe), swap in opsadv modules, and keep
+an undo log so a refused conversion leaves the model as it was."""
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .modules import DenseResidualNorm, FusedRows, LinearAct, OpsadvNorm, QKVGroup, QKVProjection, SwiGLUMLP
+from .report import ConversionReport
+
+_EPS_ATTRS = ("variance_epsilon", "eps", "epsilon", "layer_norm_eps")
+_ACTS = {"relu": F.relu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "silu": F.silu}
+
+
+class Undo:
+    """Everything a pass changed, in order; `revert()` restores the original modules."""
+
+    def __init__(self):
+        self.swaps: list[tuple[nn.Module, str, nn.Module]] = []
+        self.fused: list[FusedRows] = []
+        self.attn: list[tuple[nn.Module, str]] = []     # (model, attention implementation before)
+
+    def swap(self, parent: nn.Module, name: str, new: nn.Module) -> None:
+        self.swaps.append((parent, name, getattr(parent, name)))
+        setattr(parent, name, new)
+
+    def revert(self) -> None:
+        for parent, name, old in reversed(self.swaps):
+            setattr(parent, name, old)
+        with torch.no_grad():
+            for f in self.fused:                  # parameters stop being views of the fused buffer
+                for p in f.params:
+                    if p is not None:
+                        p.data = p.data.clone()
+        for model, before in reversed(self.attn):
+            model.set_attn_implementation(before)
+        self.swaps.clear()
+        self.fused.clear()
+        self.attn.clear()
+
+
+def _tol(dtype: torch.dtype) -> float:
+    return 2e-4 if dtype in (torch.float32, torch.float64) else 4e-2
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _eval_call(mods, fn):
+    """Run fn with the given modules in eval mode and without grad (dropout off), restore modes."""
+    modes = [m.training for m in mods]
+    try:
+        for m in mods:
+            m.eval()
+        with torch.no_grad():
+            return fn()
+    finally:
+        for m, t in zip(mods, modes):
+            m.train(t)
+
+
+def probe_activation(act) -> str | None:
+    """Which of opsadv's epilogue activations `act` computes (checked in float64), else None."""
+    if not callable(act):
+        return None
+    t = torch.linspace(-8, 8, 1601, dtype=torch.float64)
+    try:
+        y = act(t)
+    except Exception:
+        return None
+    if not isinstance(y, torch.Tensor) or y.shape != t.shape:
+        return None
+    for name, f in _ACTS.items():
+        if torch.allclose(y, f(t), rtol=1e-6, atol=1e-7):
+            return name
+    return None
+
+
+def _param_tensor(m, name, ndim):
+    t = getattr(m, name, None)
+    return t if isinstance(t, nn.Parameter) and t.dim() == ndim else None
+
+
+def probe_norm(m: nn.Module):
+    """(kind, offset, eps, eps_attr) when m is a last-dim LayerNorm/RMSNorm, else None.
+    Attributes select candidates (1-D weight, an eps-like number, no children); a numerical probe
+    with the module's own weights decides what it computes."""
+    if any(True for _ in m.children()):
+        return None
+    if isinstance(m, nn.LayerNorm) and len(m.normalized_shape) != 1:
+        return None
+    w = _param_tensor(m, "weight", 1)
+    if w is None:
+        return None
+    eps_attr = next((a for a in _EPS_ATTRS if isinstance(getattr(m, a, None), (int, float))
+                     and not isinstance(getattr(m, a), bool)), None)
+    if eps_attr is None:
+        if isinstance(m, getattr(nn, "RMSNorm", ())) and getattr(m, "eps", 0) is None:
+            eps_attr, eps = "eps", torch.finfo(w.dtype).eps
+        else:
+            return None
+    else:
+        eps = float(getattr(m, eps_attr))
+    b = _param_tensor(m, "bias", 1)
+    n = w.shape[0]
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(2, 3, n, generator=gen, dtype=torch.float32) * 1.5 + 0.7).to(device=w.device, dtype=w.dtype)
+    try:
+        y = _eval_call([m], lambda: m(x))
+    except Exception:
+        return None
+    if not isinstance(y, torch.Tensor) or y.shape != x.shape:
+        return None
+    xf, wf = x.double(), w.detach().double()
+    cands = [("layer", 0.0, F.layer_norm(xf, (n,), wf, b.detach().double() if b is not None else None, eps))]
+    if b is None:
+        rs = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        cands += [("rms", 0.0, rs * wf), ("rms", 1.0, rs * (1.0 + wf))]
+    for kind, off, ref in cands:
+        if _rel(y, ref) < _tol(w.dtype):
+            return kind, off, eps, eps_attr
+    return None
+
+
+def _named_parents(model: nn.Module):
+    for pname, parent in list(model.named_modules()):
+        for cname, child in list(parent.named_children()):
+            yield (f"{pname}.{cname}" if pname else cname), parent, cname, child
+
+
+def norm_pass(model, report: ConversionReport, undo: Undo, state) -> None:
+    seen = {}
+    for path, parent, name, child in _named_parents(model):
+        if isinstance(child, OpsadvNorm):
+            continue
+        if id(child) in seen:                       # a shared module: reuse its replacement
+            if seen[id(child)] is not None:
+                undo.swap(parent, name, seen[id(child)])
+            continue
+        found = probe_norm(child)
+        if found is None:
+            seen[id(child)] = None
+            if _param_tensor(child, "weight", 1) is not None and "norm" in type(child).__name__.lower():
+                report.add("skipped", path, type(child).__name__, "looks like a norm but computes neither "
+                           "LayerNorm nor RMSNorm over the last dim")
+            continue
+        kind, off, eps, eps_attr = found
+        new = OpsadvNorm(kind, child.weight, getattr(child, "bias", None) if kind == "layer" else None, eps, off,
+                         eps_attr)
+        new._opsadv_state = state
+        new.train(child.training)
+        seen[id(child)] = new
+        undo.swap(parent, name, new)
+        what = "rms_norm" + (f" (offset {off:g})" if off else "") if kind == "rms" else "layer_norm"
+        report.add("replaced", path, f"{type(child).__name__} -> opsadv.{what}")
+
+
+def _check_equivalent(orig, new, make_inputs, dtype) -> tuple[bool, float]:
+    inputs = make_inputs()
+    try:
+        a = _eval_call([orig], lambda: orig(*inputs))
+        b = _eval_call([new], lambda: new(*inputs))
+    except Exception as e:  # a structure that does not run like the original is not a match
+        return False, float("nan") if not str(e) else float("inf")
+    err = _rel(b, a)
+    return err < _tol(dtype), err
+
+
+def _linear(m) -> bool:
+    return isinstance(m, nn.Linear)
+
+
+def _conv1d(m) -> bool:
+    w = getattr(m, "weight", None)
+    return type(m).__name__ == "Conv1D" and isinstance(w, nn.Parameter) and w.dim() == 2
+
+
+def _rand(w: torch.Tensor, *shape):
+    gen = torch.Generator().manual_seed(1)
+    return torch.randn(*shape, generator=gen, dtype=torch.float32).to(device=w.device, dtype=w.dtype)
+
+
+def _mlp_candidate(m):
+    """(new module, description) for a supported MLP structure, else (None, reason or None)."""
+    kids = dict(m.named_children())
+    if all(_linear(kids.get(n)) for n in ("gate_proj", "up_proj", "down_proj")) and hasattr(m, "act_fn"):
+        act = probe_activation(m.act_fn)
+        g, u = kids["gate_proj"], kids["up_proj"]
+        if act != "silu":
+            return None, f"gated MLP with activation {type(m.act_fn).__name__} (only SiLU/SwiGLU has a fused kernel)"
+        if g.weight.shape != u.weight.shape or (g.bias is None) != (u.bias is None):
+            return None, "gate_proj and up_proj differ in shape or bias"
+        return SwiGLUMLP(g, u, kids["down_proj"]), "SwiGLU MLP -> opsadv.swiglu_gemm([W_gate|W_up]) + down_proj"
+    if _linear(kids.get("dense")) and hasattr(m, "intermediate_act_fn") and \
+            set(kids) <= {"dense", "intermediate_act_fn"}:
+        act = probe_activation(m.intermediate_act_fn)
+        if act is None:
+            return None, f"activation {type(m.intermediate_act_fn).__name__} has no gemm epilogue"
+        return LinearAct({"dense": kids["dense"]}, "dense", act, conv1d=False), f"dense+{act} -> opsadv.gemm(activation={act!r})"
+    if _conv1d(kids.get("c_fc")) and _conv1d(kids.get("c_proj")) and hasattr(m, "act"):
+        act = probe_activation(m.act)
+        if act is None:
+            return None, f"activation {type(m.act).__name__} has no gemm epilogue"
+        names = {"c_fc": kids["c_fc"], "c_proj": kids["c_proj"]}
+        drop = "dropout" if isinstance(kids.get("dropout"), nn.Dropout) else None
+        if drop:
+            names["dropout"] = kids["dropout"]
+        return (LinearAct(names, "c_fc", act, conv1d=True, down="c_proj", dropout=drop),
+                f"Conv1D c_fc+{act} -> opsadv.gemm(activation={act!r}) + c_proj")
+    return None, None
+
+
+def mlp_pass(model, report, undo: Undo, state) -> None:
+    for path, parent, name, child in _named_parents(model):
+        new, desc = _mlp_candidate(child)
+        if new is None:
+            if desc:
+                report.add("skipped", path, type(child).__name__, desc)
+            continue
+        w = next(child.parameters())
+        k_in = (child.gate_proj.in_features if isinstance(new, SwiGLUMLP) else
+                (child.dense.in_features if hasattr(child, "dense") else child.c_fc.weight.shape[0]))
+        new._opsadv_state = state
+        new.train(child.training)
+        ok, err = _check_equivalent(child, new, lambda: (_rand(w, 2, 5, k_in),), w.dtype)
+        if not ok:
+            report.add("skipped", path, type(child).__name__, f"rewrite differs from the module (rel err {err:.3g})")
+            continue
+        if isinstance(new, SwiGLUMLP):
+            undo.fused += [new._w] + ([new._b] if new._b is not None else [])
+        undo.swap(parent, name, new)
+        report.add("fused", path, f"{type(child).__name__}: {desc}")
+
+
+def qkv_pass(model, report, undo: Undo, state) -> None:
+    for path, m in list(model.named_modules()):
+        for names in (("q_proj", "k_proj", "v_proj"), ("query", "key", "value")):
+            lins = [getattr(m, n, None) for n in names]
+            if not all(_linear(x) for x in lins):
+                continue
+            q, k, v = lins
+            if len({x.in_features for x in lins}) != 1 or len({x.bias is None for x in lins}) != 1 \
+                    or len({(x.weight.dtype, x.weight.device) for x in lins}) != 1:
+                report.add("skipped", path, "q/k/v projections", "different inputs, dtypes or bias settings")
+                continue
+            group = QKVGroup(q, k, v)
+            undo.fused += [group.weight] + ([group.bias] if group.bias is not None else [])
+            for role, (n, lin) in enumerate(zip(names, lins)):
+                new = QKVProjection(lin, role, group)
+                new._opsadv_state = state
+                new.train(lin.training)
+                undo.swap(m, n, new)
+            report.add("fused", path, f"{type(m).__name__}: {'|'.join(names)} -> one opsadv.gemm over [W_q|W_k|W_v]")
+
+
+def residual_norm_pass(model, report, undo: Undo, state) -> None:
+    for path, parent, name, child in _named_parents(model):
+        kids = dict(child.named_children())
+        norm_name = next((n for n in ("LayerNorm", "layer_norm", "norm") if n in kids), None)
+        if set(kids) != {"dense", "dropout", norm_name} or not _linear(kids["dense"]) \
+                or not isinstance(kids["dropout"], nn.Dropout):
+            continue
+        try:
+            params = list(inspect.signature(child.forward).parameters)
+        except (TypeError, ValueError):
+            continue
+        if len(params) != 2:
+            continue
+        norm = kids[norm_name]
+        if not isinstance(norm, OpsadvNorm) or norm.kind != "layer":
+            continue
+        new = DenseResidualNorm(kids["dense"], norm, kids["dropout"], norm_name)
+        new._opsadv_state = state
+        new.train(child.training)
+        w = kids["dense"].weight
+        d_in, d_out = kids["dense"].in_features, kids["dense"].out_features
+        ok, err = _check_equivalent(child, new, lambda: (_rand(w, 2, 5, d_in), _rand(w, 2, 5, d_out) * 0.5), w.dtype)
+        if not ok:
+            report.add("skipped", path, type(child).__name__, f"dense+residual+norm rewrite differs (rel err {err:.3g})")
+            continue
+        undo.swap(parent, name, new)
+        report.add("fused", path, f"{type(child).__name__}: dense -> opsadv.gemm(bias), residual add -> "
+                   "opsadv.layer_norm(residual=)")
+
+
+__all__ = ["Undo", "norm_pass", "mlp_pass", "qkv_pass", "residual_norm_pass", "probe_norm", "probe_activation"]

@@ -1,0 +1,113 @@
+"""tune_for_hardware: run the converted model's real shapes with autotuning on, so every op's
+shape bucket gets its measured winner persisted (core/tuning.py), and report which kernels ran."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+import opsadv
+from opsadv.core import dispatch
+from opsadv.core.errors import InvalidArgumentError
+from opsadv.core.policy import Policy, current_policy
+
+
+@dataclass
+class TuneReport:
+    device: str
+    shapes: list[str]
+    calls_per_impl: dict[str, int]
+    seconds: float
+    steps: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        rows = [f"opsadv tune_for_hardware on {self.device}: {len(self.steps)} steps, {self.seconds:.2f} s "
+                f"(shapes {', '.join(self.shapes)})", "  chosen kernels (calls per impl):"]
+        rows += [f"  {n:8d}  {impl}" for impl, n in sorted(self.calls_per_impl.items(), key=lambda kv: -kv[1])]
+        return "\n".join(rows)
+
+
+def _tuning_policy(base: Policy) -> Policy:
+    return Policy(backend=base.backend, strict=base.strict, profile=base.profile, experimental=base.experimental,
+                  deterministic=base.deterministic, autotune=True, precision=base.precision, options=base.options)
+
+
+def _hf_steps(model, device, batch_size, seq_len):
+    cfg = model.config
+    maxpos = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 1024
+    s = int(seq_len or min(int(maxpos), 1024))
+    vocab = int(getattr(cfg, "vocab_size", 1000))
+    ids = torch.randint(0, vocab, (batch_size, s), device=device)
+    am = torch.ones(batch_size, s, dtype=torch.long, device=device)
+    steps = [(f"forward b{batch_size} s{s}", lambda: model(input_ids=ids, attention_mask=am))]
+    padded = am.clone()
+    padded[batch_size // 2:, s - s // 3:] = 0     # a padded batch exercises the masked / varlen kernels
+    steps.append((f"forward padded b{batch_size} s{s}", lambda: model(input_ids=ids, attention_mask=padded)))
+    can_gen = getattr(model, "can_generate", lambda: False)()
+    if can_gen:
+        def decode():
+            out = model(input_ids=ids, attention_mask=am, use_cache=True)
+            nxt = out.logits[:, -1:].argmax(-1)
+            am2 = torch.cat([am, am[:, :1]], 1)
+            return model(input_ids=nxt, attention_mask=am2, past_key_values=out.past_key_values, use_cache=True)
+        steps.append((f"decode step b{batch_size} cache {s}", decode))
+    return steps, [f"b{batch_size}xs{s}"]
+
+
+def tune_for_hardware(model, device="cuda:0", batch_size: int = 8, seq_len: int | None = None,
+                      example_inputs=None, progress: bool = True) -> TuneReport:
+    """Autotune every op of the converted model at its real shapes on `device` (the model is moved
+    there).  On CPU it runs through the same path (reference / interpreter impls)."""
+    from tqdm.auto import tqdm
+
+    from . import hf_attention, validate as _val
+
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise InvalidArgumentError("tune_for_hardware", "batch_size", "an int >= 1", repr(batch_size))
+    if seq_len is not None and (not isinstance(seq_len, int) or seq_len < 1):
+        raise InvalidArgumentError("tune_for_hardware", "seq_len", "None or an int >= 1", repr(seq_len))
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidArgumentError("tune_for_hardware", "device", "an available device (no CUDA here)", str(device))
+    state = getattr(model, "_opsadv_state", None)
+    if state is None:
+        raise InvalidArgumentError("tune_for_hardware", "model", "a model returned by opsadv.convert_model", "")
+    p = next(model.parameters(), None)
+    if p is not None and p.device != dev:
+        model.to(dev)
+    t0 = time.perf_counter()
+    if hf_attention.is_transformers_model(model) and example_inputs is None:
+        steps, shapes = _hf_steps(model, dev, batch_size, seq_len)
+    else:
+        inputs = example_inputs if example_inputs is not None else getattr(model, "_opsadv_example_inputs", None)
+        if inputs is None:
+            raise InvalidArgumentError("tune_for_hardware", "example_inputs", "inputs for a non-transformers model",
+                                       None)
+        inputs = _to(inputs, dev)
+        steps, shapes = [("forward example inputs", lambda: _val.run(model, inputs))], ["example inputs"]
+    prev = state.policy
+    state.policy = _tuning_policy(prev or current_policy())
+    was_training = model.training
+    model.eval()
+    names = []
+    try:
+        with opsadv.trace() as t, torch.no_grad():
+            for name, fn in tqdm(steps, desc="opsadv tune", disable=not progress):
+                fn()
+                names.append(name)
+    finally:
+        state.policy = prev
+        model.train(was_training)
+        dispatch.clear_cache()        # later resolutions pick up the persisted measured winners
+    return TuneReport(str(dev), shapes, dict(t.counts), time.perf_counter() - t0, names)
+
+
+def _to(x, dev):
+    if isinstance(x, torch.Tensor):
+        return x.to(dev)
+    if isinstance(x, dict):
+        return {k: _to(v, dev) for k, v in x.items()}
+    if isinstance(x, (tuple, list)):
+        return type(x)(_to(v, dev) for v in x)
+    return x
