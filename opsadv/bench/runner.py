@@ -1,0 +1,270 @@
+"""`opsadv bench`: run bench suites side by side with their peers, print a table, write JSON/PNG.
+
+For each case (opsadv/bench/case.py): setup, one warm-up call of opsadv and of every peer
+(compilation, autotuning and cuDNN plan selection stay out of the numbers), timing with
+triton.testing.do_bench (median; CUDA events), then verification of opsadv's output against the
+fastest peer's (rel_err), so a fast wrong kernel never counts.  The JSON (schema in
+docs/performance.md) is merged by case name into an existing file, so suites run separately
+accumulate."""
+from __future__ import annotations
+
+import gc
+import importlib
+import importlib.util
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+SUITES = ("attention", "sparse", "gemm", "norm", "e2e")
+MISMATCH = 5e-2          # rel_err above this marks a case wrong (and the run fails)
+
+
+def _sync() -> None:
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def time_ms(fn) -> float:
+    """Median ms: do_bench (CUDA events) on a GPU; perf_counter where there is none."""
+    import torch
+    if torch.cuda.is_available():
+        from triton.testing import do_bench
+        return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def _tensors(x) -> list:
+    import torch
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return [t for y in x for t in _tensors(y)]
+    if isinstance(x, dict):
+        return [t for y in x.values() for t in _tensors(y)]
+    return [t for t in (getattr(x, "logits", None), getattr(x, "last_hidden_state", None)) if t is not None]
+
+
+def rel_err(a, b) -> float:
+    """max over paired tensors of ||a - b|| / ||b|| (in float64); NaN anywhere -> inf."""
+    import torch
+    ta, tb = _tensors(a), _tensors(b)
+    if not ta or len(ta) != len(tb):
+        return float("nan")
+    worst = 0.0
+    for x, y in zip(ta, tb):
+        x, y = x.detach().double(), y.detach().double()
+        if x.shape != y.shape or not bool(torch.isfinite(x).all()):
+            return float("inf")
+        worst = max(worst, ((x - y).norm() / y.norm().clamp_min(1e-30)).item())
+    return worst
+
+
+def _commit() -> str:
+    if os.environ.get("OPSADV_COMMIT"):
+        return os.environ["OPSADV_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                              cwd=Path(__file__).resolve().parent).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _header() -> dict[str, Any]:
+    import torch
+    try:
+        import triton
+        tv = triton.__version__
+    except ImportError:
+        tv = None
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"device": dev, "torch": torch.__version__, "triton": tv, "commit": _commit(),
+            "date": time.strftime("%Y-%m-%d")}
+
+
+def _chosen(case) -> str:
+    """Impl ids the dispatcher ran for one opsadv call (opsadv.trace), or the case's own answer."""
+    import opsadv
+    if case.impl is not None:
+        try:
+            return case.impl()
+        except Exception:
+            pass
+    with opsadv.trace() as t:
+        case.opsadv()
+    _sync()
+    return " + ".join(sorted(t.counts)) or "?"
+
+
+def run_case(case) -> list[dict[str, Any]]:
+    """Measure one case; returns its JSON rows (the case, plus an "[own]" row when the
+    dispatcher chose a vendor kernel and the case offers the library's own kernel)."""
+    row: dict[str, Any] = {"suite": case.suite, "case": case.case, "unit": case.unit}
+    if case.setup is not None:
+        case.setup()
+    try:
+        out = case.opsadv()
+        _sync()
+        row["opsadv_impl"] = _chosen(case)
+    except Exception as e:
+        row["error"] = f"opsadv: {type(e).__name__}: {str(e)[:300]}"
+        return [row]
+    peers: dict[str, float] = {}
+    errors: dict[str, str] = {}
+    for name, fn in case.peers.items():
+        try:
+            fn()
+            _sync()
+            peers[name] = time_ms(fn)
+        except Exception as e:
+            errors[name] = f"{type(e).__name__}: {str(e)[:200]}"
+    ms = time_ms(case.opsadv)
+    row.update(opsadv_ms=round(ms, 5), peers={k: round(v, 5) for k, v in peers.items()},
+               opsadv_rate=round(case.work / ms / 1e9, 2))
+    if errors:
+        row["peer_errors"] = errors
+    if peers:
+        best = min(peers, key=peers.get)
+        ref = case.peers[best]()
+        cmp = case.compare or rel_err
+        row["rel_err"] = float(f"{cmp(out, ref):.3g}")
+        row["best_peer"] = best
+        row["speedup"] = round(peers[best] / ms, 3)
+        del ref
+    row.update({k: v for k, v in case.extra.items() if not callable(v) and k != "own_prefix"})
+    rows = [row]
+    own, prefix = case.extra.get("own"), case.extra.get("own_prefix")
+    if own is not None and prefix and not all(i.strip().startswith(prefix) for i in row["opsadv_impl"].split("+")):
+        orow = {"suite": case.suite, "case": case.case + " [own]", "unit": case.unit,
+                "opsadv_impl": case.extra.get("own_impl", prefix + "*")}
+        try:
+            oout = own()
+            _sync()
+            oms = time_ms(own)
+            orow.update(opsadv_ms=round(oms, 5), peers=row["peers"], opsadv_rate=round(case.work / oms / 1e9, 2))
+            if peers:
+                orow["rel_err"] = float(f"{(case.compare or rel_err)(oout, case.peers[row['best_peer']]()):.3g}")
+                orow["best_peer"] = row["best_peer"]
+                orow["speedup"] = round(peers[row["best_peer"]] / oms, 3)
+            del oout
+        except Exception as e:
+            orow["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        rows.append(orow)
+    del out
+    return rows
+
+
+def _print_rows(rows: list[dict[str, Any]], peer_names: list[str]) -> None:
+    head = f"{'case':58} {'opsadv ms':>10} " + " ".join(f"{p:>14}" for p in peer_names) + \
+           f" {'speedup':>8} {'rate':>12} {'rel_err':>9}  impl"
+    print(head)
+    for r in rows:
+        if "error" in r:
+            print(f"{r['case']:58} ERROR {r['error']}")
+            continue
+        cells = " ".join(f"{r['peers'][p]:>14.4f}" if p in r.get("peers", {}) else f"{'-':>14}" for p in peer_names)
+        print(f"{r['case']:58} {r['opsadv_ms']:>10.4f} {cells} {r.get('speedup', float('nan')):>8.3f} "
+              f"{r['opsadv_rate']:>8.1f} {r['unit']:<4}{r.get('rel_err', float('nan')):>9.2g}  {r['opsadv_impl']}")
+
+
+def write_json(path: str, header: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    """Merge rows into the file by case name (new rows replace old ones of the same name)."""
+    p = Path(path)
+    data: dict[str, Any] = {}
+    if p.exists():
+        try:
+            data = json.loads(p.read_text())
+        except ValueError:
+            data = {}
+    cases = {c["case"]: c for c in data.get("cases", [])}
+    for r in rows:
+        cases[r["case"]] = r
+    data.update(header)
+    data["cases"] = list(cases.values())
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(data, indent=1) + "\n")
+
+
+def write_plot(path: str, rows: list[dict[str, Any]], title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [r for r in rows if "speedup" in r]
+    fig, ax = plt.subplots(figsize=(10, 0.32 * len(rows) + 1.5))
+    names = [r["case"] for r in rows]
+    vals = [r["speedup"] for r in rows]
+    ax.barh(range(len(rows)), vals, color=["tab:green" if v >= 1 else "tab:red" for v in vals])
+    ax.set_yticks(range(len(rows)), names, fontsize=7)
+    ax.invert_yaxis()
+    ax.axvline(1.0, color="black", lw=0.8)
+    ax.set_xlabel("speedup over the best peer (higher is better)")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_bench(suites: list[str], quick: bool, json_path: str | None, plot_path: str | None,
+              autotune: bool = True) -> int:
+    """Run the named suites ("all" = every suite); returns the process exit code (0: every
+    case ran and matched its peers)."""
+    import torch
+
+    import opsadv
+
+    names: list[str] = []
+    for s in suites:
+        for n in (SUITES if s == "all" else (s,)):
+            if n not in names:
+                names.append(n)
+    header = _header()
+    print(f"opsadv bench on {header['device']} (torch {header['torch']}, triton {header['triton']}, "
+          f"commit {header['commit']}){' quick' if quick else ''}")
+    rows: list[dict[str, Any]] = []
+    failed = False
+    with opsadv.use_backend("auto", autotune=autotune):
+        for name in names:
+            mod = f"opsadv.bench.suite_{name}"
+            if importlib.util.find_spec(mod) is None:
+                print(f"suite {name!r}: skipped ({mod} does not exist yet)")
+                continue
+            suite_rows: list[dict[str, Any]] = []
+            peer_names: list[str] = []
+            for case in importlib.import_module(mod).cases(quick):
+                for p in case.peers:
+                    if p not in peer_names:
+                        peer_names.append(p)
+                case_rows = run_case(case)
+                del case
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                for r in case_rows:
+                    bad = "error" in r or not (r.get("rel_err", 0.0) <= MISMATCH)
+                    if bad and not r["case"].endswith("[own]"):
+                        failed = True
+                    if bad and "error" not in r:
+                        r["mismatch"] = True
+                    print(f"  {r['case']}: " + (r.get("error") or
+                          f"{r['opsadv_ms']:.4f} ms, speedup {r.get('speedup', float('nan')):.3f}, "
+                          f"rel_err {r.get('rel_err', float('nan')):.2g}, {r['opsadv_impl']}"), flush=True)
+                suite_rows += case_rows
+            print(f"\nsuite {name}:")
+            _print_rows(suite_rows, peer_names)
+            rows += suite_rows
+    if json_path:
+        write_json(json_path, header, rows)
+        print(f"wrote {json_path}")
+    if plot_path and rows:
+        write_plot(plot_path, rows, f"opsadv vs best peer, {header['device']}, commit {header['commit']}")
+        print(f"wrote {plot_path}")
+    return 1 if failed else 0
