@@ -1,0 +1,205 @@
+"""Bounded workspace: ops whose transient memory would exceed the per-op cap run in chunks.
+
+attention  over query chunks.  Causal attention is bottom-right aligned (query i sees keys
+           j <= i + s_k - s_q), so chunk [a, e) of the queries needs only the keys [0, e + s_k - s_q)
+           and, with those keys, keeps the same alignment (i - a <= j - (e + s_k - s_q) + (e - a)).
+           lse is per row, so the backward reuses each chunk's rows of out and lse; dK and dV are
+           summed over chunks in float32.
+gemm       over row chunks of a (..., K); db and dbias are summed over chunks in float32.
+
+The per-op cap is the profile's workspace_cap_bytes, lowered to a quarter of the memory budget
+(use_backend("jetson", memory_budget=...)) when that is smaller.  How much transient memory an
+impl needs per query row / output row is declared per underlying impl (fused Triton kernels: none,
+so they never chunk; unfused vendor paths: their float32 temporaries)."""
+from __future__ import annotations
+
+import torch
+
+DEFAULT_CAP = 64 << 20
+MIN_ROWS = 64            # a chunk is at least one 64-row tile (unless the op is smaller)
+
+# bytes of transient memory per (query row x key) for attention, per underlying impl id
+ATTN_BYTES_PER_SCORE = {"cuda.triton.flash_attention": 0}
+ATTN_DEFAULT_BYTES_PER_SCORE = 8          # unknown impls: a float32 score and probability matrix
+# multiples of (rows x N x 4 bytes) of temporaries, per underlying impl id (forward)
+GEMM_TEMP_FACTOR = {"cuda.cublas.gemm": 0, "cuda.cublas.gemm_epilogue": 2, "cuda.cublas.swiglu_gemm": 3,
+                    "cuda.triton.gemm": 0, "cuda.triton.gemm_tma": 0,
+                    "cuda.triton.swiglu_gemm": 0, "cuda.triton.swiglu_gemm_tma": 0}
+GEMM_DEFAULT_FACTOR = 1
+BWD_EXTRA_FACTOR = 2     # backward: dz plus float32 copies
+
+
+def workspace_cap(ctx) -> int:
+    caps = []
+    prof = ctx.profile
+    if prof is not None and prof.workspace_cap_bytes:
+        caps.append(prof.workspace_cap_bytes)
+    budget = ctx.options.get("memory_budget")
+    if isinstance(budget, int) and budget > 0:
+        caps.append(budget // 4)
+    return min(caps) if caps else DEFAULT_CAP
+
+
+def chunk_rows(total_rows: int, bytes_per_row: float, cap: int) -> int:
+    """Rows per chunk: all of them when they fit, else the most that fit (at least MIN_ROWS, a
+    multiple of MIN_ROWS so chunk edges fall on tile edges)."""
+    if bytes_per_row <= 0 or total_rows * bytes_per_row <= cap:
+        return total_rows
+    rows = int(cap // bytes_per_row)
+    rows = max(MIN_ROWS, rows - rows % MIN_ROWS)
+    return min(rows, total_rows)
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ---- attention ------------------------------------------------------------------------------------
+def _chunk_inputs(k, v, attn_mask, causal, sq, a, e):
+    """Keys, values and mask for query rows [a, e); sk_c <= 0 means every row is masked."""
+    sk = k.shape[2]
+    sk_c = min(sk, e + sk - sq) if causal else sk
+    if sk_c <= 0:
+        return None, None, None, sk_c
+    kc, vc = (k, v) if sk_c == sk else (k[:, :, :sk_c], v[:, :, :sk_c])
+    m = attn_mask
+    if m is not None:
+        if m.dim() >= 2 and m.shape[-2] == sq and sq > 1:
+            m = m[..., a:e, :]
+        if m.shape[-1] == sk and sk_c != sk:
+            m = m[..., :sk_c]
+    return kc, vc, m, sk_c
+
+
+def attention_rows(ctx, q, k, bytes_per_score: float) -> int:
+    b, hq, sq, _ = q.shape
+    return chunk_rows(sq, b * hq * k.shape[2] * bytes_per_score, workspace_cap(ctx))
+
+
+def chunked_attention_fwd(fn, bytes_per_score, ctx, q, k, v, attn_mask, causal, scale):
+    """fn(ctx, q, k, v, attn_mask, causal, scale) -> (out, lse), run over query chunks."""
+    sq = q.shape[2]
+    rows = attention_rows(ctx, q, k, bytes_per_score)
+    if rows >= sq:
+        return fn(ctx, q, k, v, attn_mask, causal, scale)
+    out = torch.empty_like(q)
+    lse = q.new_empty(q.shape[:-1], dtype=_acc(q.dtype))
+    for a in range(0, sq, rows):
+        e = min(sq, a + rows)
+        kc, vc, mc, sk_c = _chunk_inputs(k, v, attn_mask, causal, sq, a, e)
+        if sk_c <= 0:                    # no key visible to any row of this chunk
+            out[:, :, a:e] = 0
+            lse[:, :, a:e] = float("-inf")
+            continue
+        o, l_ = fn(ctx, q[:, :, a:e], kc, vc, mc, causal, scale)
+        out[:, :, a:e] = o
+        lse[:, :, a:e] = l_
+    return out, lse
+
+
+def chunked_attention_bwd(bwd, bytes_per_score, ctx, dout, q, k, v, out, lse, attn_mask, causal, scale):
+    """bwd(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale) -> (dq, dk, dv), over query chunks."""
+    sq = q.shape[2]
+    rows = attention_rows(ctx, q, k, bytes_per_score)
+    if rows >= sq:
+        return bwd(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale)
+    acc = _acc(q.dtype)
+    dq = torch.empty_like(q)
+    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+    for a in range(0, sq, rows):
+        e = min(sq, a + rows)
+        kc, vc, mc, sk_c = _chunk_inputs(k, v, attn_mask, causal, sq, a, e)
+        if sk_c <= 0:
+            dq[:, :, a:e] = 0
+            continue
+        dq_c, dk_c, dv_c = bwd(ctx, dout[:, :, a:e], q[:, :, a:e], kc, vc, out[:, :, a:e], lse[:, :, a:e], mc,
+                               causal, scale)
+        dq[:, :, a:e] = dq_c
+        dk[:, :, :sk_c] += dk_c
+        dv[:, :, :sk_c] += dv_c
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
+# ---- gemm / swiglu_gemm ---------------------------------------------------------------------------
+def _rows(x) -> int:
+    return x.numel() // x.shape[-1]
+
+
+def chunked_gemm_fwd(fn, factor, ctx, a, b, bias, activation, residual, alpha):
+    n, kdim = b.shape[1], a.shape[-1]
+    m = _rows(a)
+    rows = chunk_rows(m, factor * n * 4, workspace_cap(ctx))
+    if rows >= m:
+        return fn(ctx, a, b, bias, activation, residual, alpha)
+    a2 = a.reshape(m, kdim)
+    r2 = residual.reshape(m, n) if residual is not None else None
+    out = a.new_empty((m, n))
+    for r0 in range(0, m, rows):
+        r1 = min(m, r0 + rows)
+        out[r0:r1] = fn(ctx, a2[r0:r1], b, bias, activation, r2[r0:r1] if r2 is not None else None, alpha)
+    return out.reshape(*a.shape[:-1], n)
+
+
+def chunked_gemm_bwd(bwd, factor, ctx, grad, a, b, bias, activation, alpha):
+    n, kdim = b.shape[1], a.shape[-1]
+    m = _rows(a)
+    rows = chunk_rows(m, (factor + BWD_EXTRA_FACTOR) * n * 4, workspace_cap(ctx))
+    if rows >= m:
+        return bwd(ctx, grad, a, b, bias, activation, alpha)
+    return _rowwise_bwd(lambda g, x: bwd(ctx, g, x, b, bias, activation, alpha), grad.reshape(m, n),
+                        a.reshape(m, kdim), a.shape, b, bias, rows)
+
+
+def chunked_swiglu_fwd(fn, factor, ctx, x, w, bias):
+    n, kdim = w.shape[1] // 2, x.shape[-1]
+    m = _rows(x)
+    rows = chunk_rows(m, factor * n * 4, workspace_cap(ctx))
+    if rows >= m:
+        return fn(ctx, x, w, bias)
+    x2 = x.reshape(m, kdim)
+    out = x.new_empty((m, n))
+    for r0 in range(0, m, rows):
+        r1 = min(m, r0 + rows)
+        out[r0:r1] = fn(ctx, x2[r0:r1], w, bias)
+    return out.reshape(*x.shape[:-1], n)
+
+
+def chunked_swiglu_bwd(bwd, factor, ctx, grad, x, w, bias):
+    n, kdim = w.shape[1] // 2, x.shape[-1]
+    m = _rows(x)
+    rows = chunk_rows(m, (factor + BWD_EXTRA_FACTOR) * 2 * n * 4, workspace_cap(ctx))
+    if rows >= m:
+        return bwd(ctx, grad, x, w, bias)
+    return _rowwise_bwd(lambda g, x_: bwd(ctx, g, x_, w, bias), grad.reshape(m, n), x.reshape(m, kdim), x.shape,
+                        w, bias, rows)
+
+
+def _rowwise_bwd(call, g2, x2, x_shape, w, bias, rows):
+    """d_input per row chunk; d_weight and d_bias summed over chunks in float32."""
+    m = x2.shape[0]
+    acc = _acc(w.dtype)
+    dx = x2.new_empty(x2.shape)
+    dw = torch.zeros(w.shape, dtype=acc, device=w.device)
+    db = torch.zeros(bias.shape, dtype=acc, device=w.device) if bias is not None else None
+    for r0 in range(0, m, rows):
+        r1 = min(m, r0 + rows)
+        dx_c, dw_c, db_c = call(g2[r0:r1], x2[r0:r1])
+        dx[r0:r1] = dx_c
+        dw += dw_c
+        if db is not None and db_c.numel():
+            db += db_c
+    dbias = db.to(bias.dtype) if db is not None else x2.new_empty((0,))
+    return dx.reshape(x_shape), dw.to(w.dtype), dbias
+
+
+def gemm_factor(impl_id: str) -> int:
+    return GEMM_TEMP_FACTOR.get(impl_id, GEMM_DEFAULT_FACTOR)
+
+
+def attn_bytes_per_score(impl_id: str) -> float:
+    return ATTN_BYTES_PER_SCORE.get(impl_id, ATTN_DEFAULT_BYTES_PER_SCORE)
+
+
+__all__ = ["chunked_attention_fwd", "chunked_attention_bwd", "chunked_gemm_fwd", "chunked_gemm_bwd",
+           "chunked_swiglu_fwd", "chunked_swiglu_bwd", "workspace_cap", "chunk_rows"]

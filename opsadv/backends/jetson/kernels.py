@@ -1,0 +1,93 @@
+"""The jetson backend's kernels: the cuda backend's kernel modules re-registered under backend
+"jetson" (ids "jetson.<...>"), wrapped to bound their workspace (chunking.py), plus the chunked
+math attention (attention.py).  The kernels read ctx.profile, which is the "jetson" profile here."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import importlib.util
+import warnings
+
+import torch
+
+from opsadv.core.kernel import PRIORITY_GENERIC, KernelImpl
+
+from . import attention as math_attention
+from . import chunking as C
+from .detect import BF16_MIN_CC, has_bf16
+
+CUDA_PACKAGE = "opsadv.backends.cuda"
+ATTN_FEATURES = frozenset({"causal", "gqa", "cross_length", "attn_mask_bool", "attn_mask_float"})
+
+
+def jetson_id(impl_id: str) -> str:
+    return "jetson." + (impl_id.split(".", 1)[1] if impl_id.startswith("cuda.") else impl_id)
+
+
+def _with_bf16_check(check):
+    """Reject bf16 on parts without it (Xavier, cc 7.2) with a reason that says what to use."""
+    def jetson_check(spec, env):
+        why = []
+        if spec.dtype == torch.bfloat16 and spec.device_type == "cuda" and not has_bf16(env):
+            cc = env.compute_capability
+            why.append(f"bfloat16 needs compute capability >= {BF16_MIN_CC[0]}.{BF16_MIN_CC[1]} "
+                       f"(this Jetson is {cc[0]}.{cc[1]}): run the model in float16")
+        return why + (list(check(spec, env)) if check is not None and not why else [])
+    return jetson_check
+
+
+def _wrap(impl: KernelImpl) -> KernelImpl:
+    fn, bwd, note = impl.fn, impl.backward, "no chunking needed (fused)"
+    if impl.op == "flash_attention":
+        per = C.attn_bytes_per_score(impl.id)
+        if per and "cross_length" in impl.features:
+            fn = functools.partial(C.chunked_attention_fwd, impl.fn, per)
+            bwd = functools.partial(C.chunked_attention_bwd, impl.backward, per) if impl.backward else None
+            note = "query-chunked above the workspace cap"
+        elif per:
+            note = "not chunkable (the kernel does not take s_q != s_k)"
+    elif impl.op in ("gemm", "swiglu_gemm"):
+        factor = C.gemm_factor(impl.id)
+        if factor:
+            f_fwd, f_bwd = ((C.chunked_gemm_fwd, C.chunked_gemm_bwd) if impl.op == "gemm"
+                            else (C.chunked_swiglu_fwd, C.chunked_swiglu_bwd))
+            fn = functools.partial(f_fwd, impl.fn, factor)
+            bwd = functools.partial(f_bwd, impl.backward, factor) if impl.backward else None
+            note = "row-chunked above the workspace cap"
+    return dataclasses.replace(impl, id=jetson_id(impl.id), backend="jetson", fn=fn, backward=bwd,
+                               check=_with_bf16_check(impl.check),
+                               description=f"{impl.description} [jetson profile; {note}]")
+
+
+def cuda_impls(env) -> list[KernelImpl]:
+    from opsadv.backends.cuda import KERNEL_MODULES
+    out = []
+    for name in KERNEL_MODULES:
+        modname = f"{CUDA_PACKAGE}.{name}"
+        if importlib.util.find_spec(modname) is None:
+            continue
+        try:
+            mod = importlib.import_module(modname)
+        except Exception as e:   # one broken kernel module must not take the others down
+            warnings.warn(f"opsadv jetson: cuda kernel module {name} not loaded: {type(e).__name__}: {e}",
+                          RuntimeWarning, stacklevel=2)
+            continue
+        out += [_wrap(impl) for impl in mod.impls(env)]
+    return out
+
+
+def own_impls(env) -> list[KernelImpl]:
+    from opsadv.backends.cuda import triton_device_types
+    devices = triton_device_types(env)   # plain torch, but CPU only in interpreter mode (tests), like the rest
+    return [KernelImpl(
+        id="jetson.chunked_math_attention", op="flash_attention", backend="jetson", fn=math_attention.fwd,
+        backward=math_attention.bwd, priority=PRIORITY_GENERIC, device_types=devices,
+        dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64), features=ATTN_FEATURES,
+        deterministic=True, check=_with_bf16_check(None),
+        description="torch math attention over query chunks (score matrix bounded by the workspace cap); "
+                    "any head dim, masks, cc 7.2")]
+
+
+def impls(env) -> list[KernelImpl]:
+    return cuda_impls(env) + own_impls(env)
