@@ -1,0 +1,134 @@
+"""Conformance of the cuda backend's Triton sparse attention kernels (run by the Triton
+interpreter on CPU here) against the reference backend: every layout pattern, odd lengths,
+GQA, forward and backward, poisoned output buffers, fully masked rows."""
+import pytest
+import torch
+
+import opsadv
+from opsadv import SparseLayout
+from opsadv.core import dispatch
+
+from conftest import rel_err
+
+sparse_mod = pytest.importorskip("opsadv.backends.cuda.sparse")
+
+PAD = torch.tensor([[1] * 50 + [0] * 17, [0] * 20 + [1] * 47])
+PATTERNS = {   # name -> (layout factory, batch[, query heads])
+    "window_causal": (lambda: SparseLayout.sliding_window(97, 21, causal=True, block_size=16), 1),
+    "window_cross": (lambda: SparseLayout.sliding_window(45, (7, 11), causal=False, seq_k=83, block_size=32), 1),
+    "global_window": (lambda: SparseLayout.global_tokens(83, 5, window=9, block_size=16), 1),
+    "dilated": (lambda: SparseLayout.dilated(71, block_size=16, dilation=2, causal=True), 1),
+    "bigbird_heads": (lambda: SparseLayout.bigbird(77, block_size=16, heads=4, random_blocks=1, causal=False), 1, 4),
+    "block_mask_batch": (lambda: SparseLayout.from_block_mask(torch.rand(2, 1, 3, 5, generator=torch.Generator()
+                                                                         .manual_seed(3)) < 0.5,
+                                                              block_size=24, seq_q=65, seq_k=103), 2),
+    "padding_causal": (lambda: SparseLayout.from_padding_mask(PAD, causal=True, block_size=16), 2),
+    "window_padding": (lambda: SparseLayout.sliding_window(67, 9, causal=False, block_size=16).combine(
+        SparseLayout.from_padding_mask(PAD, block_size=16)), 2),
+    "varlen": (lambda: SparseLayout.varlen([31, 0, 45, 1, 20], block_size=16), 1),
+    "varlen_causal_global": (lambda: SparseLayout.varlen([30, 47, 3, 17], causal=True, num_global=2, block_size=32), 1),
+    "varlen_window": (lambda: SparseLayout.varlen([40, 57], window=(5, 3), block_size=16), 1),
+}
+
+
+@pytest.fixture
+def poison(monkeypatch):
+    """Every output buffer starts as NaN: the kernels must write each element."""
+    def _new(shape, dtype, device):
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    monkeypatch.setattr(sparse_mod, "_new", _new)
+
+
+def _run(backend, layout, q, k, v, dout):
+    with opsadv.use_backend(backend):
+        qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        with opsadv.trace() as tr:
+            out, lse = opsadv.ops.sparse_attention(qq, kk, vv, layout, return_lse=True)
+            out.backward(dout)
+    return (out, lse, qq.grad, kk.grad, vv.grad), tr.counts
+
+
+def _check(layout, b, hq, hk, d, dtype=torch.float16, tol=2e-2):
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(b, hq, layout.seq_q, d, generator=g).to(dtype)
+    k = torch.randn(b, hk, layout.seq_k, d, generator=g).to(dtype)
+    v = torch.randn(b, hk, layout.seq_k, d, generator=g).to(dtype)
+    dout = torch.randn(b, hq, layout.seq_q, d, generator=g).to(dtype)
+    got, counts = _run("cuda", layout, q, k, v, dout)
+    assert any("cuda.triton.sparse_attention" in c for c in counts), counts
+    # the oracle in float32 on the same (half-rounded) inputs
+    ref, _ = _run("reference", layout, q.float(), k.float(), v.float(), dout.float())
+    names = ("out", "lse", "dq", "dk", "dv")
+    for name, x, y in zip(names, got, ref):
+        assert x.shape == y.shape and not torch.isnan(x).any(), f"{name}: NaN"
+        if name == "lse":
+            assert torch.equal(torch.isneginf(x), torch.isneginf(y)), "lse = -inf exactly on fully masked rows"
+            x, y = x[torch.isfinite(y)], y[torch.isfinite(y)]
+        small = x.numel() == 0 or (x.double() - y.double()).abs().max() < 1e-3   # e.g. dq of a one-key row is 0
+        assert rel_err(x, y) < tol or small, f"{name}: rel err {rel_err(x, y):.2e}"
+    return got, ref
+
+
+@pytest.mark.parametrize("name", sorted(PATTERNS))
+def test_patterns_fwd_bwd(name, poison):
+    make, b, *heads = PATTERNS[name]
+    hq = heads[0] if heads else 2
+    _check(make(), b, hq=hq, hk=hq // 2, d=32)          # GQA 2:1 throughout
+
+
+@pytest.mark.parametrize("hq, hk, d", [(4, 1, 64), (3, 3, 16)])
+def test_head_dims_and_groups(hq, hk, d, poison):
+    _check(SparseLayout.sliding_window(49, 13, causal=True, block_size=16), 1, hq, hk, d)
+
+
+def test_head_dim_96_padded(poison):
+    _check(SparseLayout.varlen([19, 22], causal=True, block_size=16), 1, 1, 1, 96)
+
+
+def test_single_token_and_fully_masked_rows(poison):
+    lay = SparseLayout.from_padding_mask(torch.tensor([[0, 0, 0], [1, 0, 1]]), block_size=16)
+    got, _ = _check(lay, 2, 2, 2, 16)
+    assert torch.equal(got[0][0], torch.zeros_like(got[0][0])) and bool(torch.isneginf(got[1][0]).all())
+    assert torch.equal(got[2][0], torch.zeros_like(got[2][0]))
+    _check(SparseLayout.dense(1, causal=True, block_size=16), 1, 1, 1, 16)
+
+
+def test_fp32_via_precision_policy(poison):
+    lay = SparseLayout.sliding_window(33, 7, causal=True, block_size=16)
+    q = torch.randn(1, 2, 33, 32)
+    with opsadv.use_backend("cuda"):
+        with pytest.raises(opsadv.errors.NoKernelError, match="precision policy"):
+            opsadv.ops.sparse_attention(q, q, q, lay)
+    with opsadv.use_backend("cuda", precision="fp16"):
+        out = opsadv.ops.sparse_attention(q, q, q, lay)
+    with opsadv.use_backend("reference"):
+        ref = opsadv.ops.sparse_attention(q, q, q, lay)
+    assert out.dtype == torch.float32 and rel_err(out, ref) < 2e-2
+
+
+def test_noncontiguous_inputs(poison):
+    lay = SparseLayout.sliding_window(40, 9, causal=True, block_size=16)
+    x = torch.randn(1, 40, 6, 32, dtype=torch.float16)           # (b, s, 3 * h, d) -> views
+    q, k, v = (t.transpose(1, 2) for t in x.split(2, dim=2))
+    with opsadv.use_backend("cuda"):
+        out = opsadv.ops.sparse_attention(q, k, v, lay)
+    with opsadv.use_backend("reference"):
+        ref = opsadv.ops.sparse_attention(q.float(), k.float(), v.float(), lay)
+    assert rel_err(out, ref) < 2e-2
+
+
+def test_explain_names_the_kernel():
+    lay = SparseLayout.varlen([10, 20], block_size=16)
+    q = torch.randn(1, 2, 30, 32, dtype=torch.float16)
+    with opsadv.use_backend("cuda"):
+        exp = opsadv.explain("sparse_attention", q, q, q, lay)
+    assert exp.chosen == "cuda.triton.sparse_attention", str(exp)
+    dispatch.clear_cache()
+
+
+def test_odd_block_size_rejected_with_reason():
+    from opsadv.core.kernel import CallSpec
+    spec = CallSpec("sparse_attention", "cpu", torch.float16, frozenset(), (7, 16384, 16384), head_dim=64,
+                    shapes=((1, 1, 16384, 64), (1, 1, 16384, 64)))
+    why = sparse_mod._check(spec, None)
+    assert why and "multiple of 16" in why[0]
