@@ -119,7 +119,7 @@ def _flash_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out
 
 @_flash_attention_backward.register_fake
 def _(dout, q, k, v, out, lse, attn_mask, causal, scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):

@@ -101,7 +101,7 @@ def _gemm_backward(grad: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor], a
 
 @_gemm_backward.register_fake
 def _(grad, a, b, bias, activation, alpha):
-    return torch.empty_like(a), torch.empty_like(b), (torch.empty_like(bias) if bias is not None else a.new_empty((0,)))
+    return a.new_empty(a.shape), b.new_empty(b.shape), (bias.new_empty(bias.shape) if bias is not None else a.new_empty((0,)))
 
 
 def _gemm_setup(ctx, inputs, output):
@@ -149,7 +149,7 @@ def _swiglu_gemm_backward(grad: Tensor, x: Tensor, w_gate_up: Tensor,
 
 @_swiglu_gemm_backward.register_fake
 def _(grad, x, w_gate_up, bias):
-    return torch.empty_like(x), torch.empty_like(w_gate_up), (torch.empty_like(bias) if bias is not None else x.new_empty((0,)))
+    return x.new_empty(x.shape), w_gate_up.new_empty(w_gate_up.shape), (bias.new_empty(bias.shape) if bias is not None else x.new_empty((0,)))
 
 
 def _swiglu_setup(ctx, inputs, output):

@@ -80,7 +80,7 @@ def _layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps
 @_layer_norm.register_fake
 def _(x, weight, bias, eps, residual):
     st = x.new_empty(x.shape[:-1], dtype=stat_dtype(x.dtype))
-    return torch.empty_like(x), (torch.empty_like(x) if residual is not None else x.new_empty((0,))), st, st.clone()
+    return x.new_empty(x.shape), (x.new_empty(x.shape) if residual is not None else x.new_empty((0,))), st, st.clone()
 
 
 @torch.library.custom_op("opsadv::layer_norm_backward", mutates_args=())
@@ -94,8 +94,8 @@ def _layer_norm_backward(dy: Tensor, dsum: Tensor, xin: Tensor, weight: Optional
 
 @_layer_norm_backward.register_fake
 def _(dy, dsum, xin, weight, bias, mean, rstd):
-    return (torch.empty_like(xin), torch.empty_like(weight) if weight is not None else xin.new_empty((0,)),
-            torch.empty_like(bias) if bias is not None else xin.new_empty((0,)))
+    return (xin.new_empty(xin.shape), weight.new_empty(weight.shape) if weight is not None else xin.new_empty((0,)),
+            bias.new_empty(bias.shape) if bias is not None else xin.new_empty((0,)))
 
 
 def _ln_setup(ctx, inputs, output):
@@ -135,7 +135,7 @@ def _rms_norm(x: Tensor, weight: Optional[Tensor], eps: float, residual: Optiona
 
 @_rms_norm.register_fake
 def _(x, weight, eps, residual, offset):
-    return (torch.empty_like(x), torch.empty_like(x) if residual is not None else x.new_empty((0,)),
+    return (x.new_empty(x.shape), x.new_empty(x.shape) if residual is not None else x.new_empty((0,)),
             x.new_empty(x.shape[:-1], dtype=stat_dtype(x.dtype)))
 
 
@@ -150,7 +150,7 @@ def _rms_norm_backward(dy: Tensor, dsum: Tensor, xin: Tensor, weight: Optional[T
 
 @_rms_norm_backward.register_fake
 def _(dy, dsum, xin, weight, rstd, offset):
-    return torch.empty_like(xin), (torch.empty_like(weight) if weight is not None else xin.new_empty((0,)))
+    return xin.new_empty(xin.shape), (weight.new_empty(weight.shape) if weight is not None else xin.new_empty((0,)))
 
 
 def _rms_setup(ctx, inputs, output):

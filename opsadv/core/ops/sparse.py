@@ -102,7 +102,7 @@ def _sparse_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, ou
 
 @_sparse_attention_backward.register_fake
 def _(dout, q, k, v, out, lse, *rest):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup(ctx, inputs, output):

@@ -1,0 +1,149 @@
+"""Resolution with reasons, explain, trace, policy scoping, strictness and fallback warnings."""
+import logging
+import threading
+import warnings
+
+import pytest
+import torch
+
+import opsadv
+from opsadv import KernelImpl
+from opsadv.core import dispatch
+from opsadv.errors import NoKernelError
+from opsadv.registry import BackendInfo, ProbeResult, hookimpl
+
+
+class Widget:
+    """A device-less test backend: fp16-only rms_norm at a priority above the reference."""
+
+    calls = 0
+
+    @hookimpl
+    def opsadv_backend_info(self):
+        return BackendInfo(name="widget", device_types=("cpu",), auto_priority=50)
+
+    @hookimpl
+    def opsadv_probe(self, env):
+        return ProbeResult(True)
+
+    @staticmethod
+    def rms(ctx, x, weight, eps, residual, offset):
+        Widget.calls += 1
+        from opsadv.backends.reference.kernels import rms_norm_fwd
+        return rms_norm_fwd(ctx, x, weight, eps, residual, offset)
+
+    @hookimpl
+    def opsadv_register_kernels(self, registry, env):
+        registry.add(KernelImpl(id="widget.rms_norm", op="rms_norm", backend="widget", fn=self.rms,
+                                priority=150, device_types=("cpu",), dtypes=(torch.float16,),
+                                features=frozenset({"weight"}),
+                                check=lambda spec, env: ["hidden > 64"] if spec.shapes[0][-1] > 64 else []))
+
+
+@pytest.fixture
+def widget():
+    """A fresh registry without the interpreter (so only reference + widget serve CPU tensors)."""
+    import dataclasses
+
+    from opsadv.registry import reset_registry
+    reg = reset_registry(dataclasses.replace(opsadv.detect(), triton_interpret=False))
+    rec = reg.register_plugin(Widget(), name="widget")
+    yield rec
+    reset_registry()
+
+
+def test_explain_lists_every_candidate_with_reasons(widget):
+    x, w = torch.randn(4, 32, dtype=torch.float16), torch.randn(32, dtype=torch.float16)
+    with opsadv.use_backend("auto"):
+        exp = opsadv.explain("rms_norm", x, w, 1e-6)
+        assert exp.chosen == "widget.rms_norm"
+        exp = opsadv.explain("rms_norm", x.float(), w.float(), 1e-6)
+        assert exp.chosen == "reference.rms_norm"
+        rej = next(c for c in exp.candidates if c.impl.id == "widget.rms_norm")
+        assert not rej.accepted and "dtype float32 not in ['float16']" in rej.reasons[0]
+        exp = opsadv.explain("rms_norm", torch.randn(4, 100, dtype=torch.float16), None, 1e-6,
+                             residual=torch.randn(4, 100, dtype=torch.float16))
+        rej = next(c for c in exp.candidates if c.impl.id == "widget.rms_norm")
+        assert "does not support residual" in rej.reasons[0]
+        text = str(exp)
+        assert "-> reference.rms_norm" in text and "rejected" in text
+
+
+def test_dynamic_check_reasons(widget):
+    x = torch.randn(2, 100, dtype=torch.float16)
+    exp = opsadv.explain("rms_norm", x, torch.randn(100, dtype=torch.float16), 1e-6)
+    assert next(c for c in exp.candidates if c.impl.id == "widget.rms_norm").reasons == ("hidden > 64",)
+
+
+def test_trace_counts_and_routes(widget):
+    x, w = torch.randn(4, 32, dtype=torch.float16), torch.randn(32, dtype=torch.float16)
+    before = Widget.calls
+    with opsadv.trace() as t:
+        for _ in range(3):
+            opsadv.ops.rms_norm(x, w)
+        opsadv.ops.rms_norm(x.float(), w.float())
+    assert t.counts == {"widget.rms_norm": 3, "reference.rms_norm": 1}
+    assert Widget.calls - before == 3 and "widget.rms_norm" in str(t)
+
+
+def test_explicit_backend_never_falls_back(widget):
+    with opsadv.use_backend("widget"):
+        with pytest.raises(NoKernelError) as ei:
+            opsadv.ops.rms_norm(torch.randn(4, 32), torch.randn(32))
+    msg = str(ei.value)
+    assert "widget.rms_norm: dtype float32 not in ['float16']" in msg
+    assert "reference.rms_norm: backend 'reference' not selected by policy" in msg
+
+
+def test_fallback_to_reference_warns_once_while_device_backend_present(widget):
+    dispatch._logged_fallback.discard("rms_norm")
+    with opsadv.use_backend("auto"):
+        with pytest.warns(RuntimeWarning, match="falls back to the reference backend"):
+            opsadv.ops.rms_norm(torch.randn(3, 33), torch.randn(33))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            opsadv.ops.rms_norm(torch.randn(3, 34), torch.randn(34))   # same op: no second warning
+
+
+def test_first_resolution_logs_one_line(caplog):
+    dispatch.clear_cache()
+    with opsadv.use_backend("reference"), caplog.at_level(logging.INFO, logger="opsadv.dispatch"):
+        opsadv.ops.layer_norm(torch.randn(5, 24))
+        opsadv.ops.layer_norm(torch.randn(5, 24))
+    lines = [r.message for r in caplog.records if "layer_norm" in r.message]
+    assert len(lines) == 1 and "-> reference.layer_norm" in lines[0]
+
+
+def test_scoped_policy_is_per_thread():
+    seen = {}
+    opsadv.use_backend("reference")
+    with opsadv.use_backend("auto", strict=True):
+        t = threading.Thread(target=lambda: seen.setdefault("other", opsadv.current_policy().describe()))
+        t.start(); t.join()
+        inside = opsadv.current_policy().describe()
+    assert "strict" in inside and seen["other"] == "backend='reference'"
+    assert opsadv.current_policy().describe() == "backend='reference'"
+
+
+def test_use_backend_repr_and_global_default():
+    b = opsadv.use_backend("reference")
+    assert repr(b) == "Backend('reference')"
+    assert opsadv.current_policy().backend == "reference"
+
+
+def test_memo_hot_path_is_a_dict_hit():
+    with opsadv.use_backend("reference"):
+        x = torch.randn(8, 16)
+        opsadv.ops.rms_norm(x)
+        n = len(dispatch._memo)
+        for _ in range(5):
+            opsadv.ops.rms_norm(torch.randn(8, 16))
+        assert len(dispatch._memo) == n
+
+
+def test_fully_masked_rows_give_zeros():
+    q = torch.randn(1, 2, 6, 8)
+    k = torch.randn(1, 2, 3, 8)
+    with opsadv.use_backend("reference"):
+        out, lse = opsadv.ops.flash_attention(q, k, k, causal=True, return_lse=True)   # sq > sk: first 3 rows see nothing
+    assert torch.isfinite(out).all() and (out[:, :, :3] == 0).all() and torch.isinf(lse[:, :, :3]).all()
