@@ -165,7 +165,8 @@ class _Double:
             masked = _masked_out(sparse_mode, atten_mask, q.shape[1], k.shape[1], pre_tockens, next_tockens,
                                  q.device, idx if input_layout != "TND" else None)
             s = _scores(q, k, scale, masked)
-            mx = s.amax(-1, keepdim=True)             # -inf on fully masked rows -> NaN below (unspecified)
+            mx = (s.amax(-1, keepdim=True) if s.shape[-1] else      # -inf on fully masked rows -> NaN below
+                  s.new_full((*s.shape[:-1], 1), float("-inf")))      # (unspecified by the docs)
             e = torch.exp(s - mx)
             sm = e.sum(-1, keepdim=True)
             rep = q.shape[0] // k.shape[0]
@@ -198,6 +199,9 @@ class _Double:
         for (idx, q, k, v, put), (_, g, _, _, _), (_, o, _, _, _), (mx, sm) in parts:
             masked = _masked_out(sparse_mode, atten_mask, q.shape[1], k.shape[1], pre_tockens, next_tockens,
                                  q.device, idx if input_layout != "TND" else None)
+            if q.shape[1] == 0:                       # an empty packed sequence: nothing attends its keys
+                put(dq, q.new_zeros(q.shape), dk, k.new_zeros(k.shape), dv, v.new_zeros(v.shape))
+                continue
             s = _scores(q, k, scale_value, masked)
             p = torch.exp(s - mx.double()[..., None]) / sm.double()[..., None]
             rep = q.shape[0] // k.shape[0]

@@ -49,6 +49,18 @@ def _stat(t, shape):
     return t.reshape(shape).float()
 
 
+_native_stat_dtypes: dict[tuple[str, torch.dtype], torch.dtype] = {}
+
+
+def _native_stat_dtype(x) -> torch.dtype:
+    """The dtype the native layer norm's mean/rstd come in for x (float32 on NPU/CUDA for half
+    inputs, the input dtype on CPU): its backward wants them back in that dtype.  Read once."""
+    key = (x.device.type, x.dtype)
+    if key not in _native_stat_dtypes:
+        _native_stat_dtypes[key] = torch.native_layer_norm(x.new_zeros(1, 1), [1], None, None, 1e-5)[1].dtype
+    return _native_stat_dtypes[key]
+
+
 def ln_fwd(ctx, x, weight, bias, eps, residual):
     s = x + residual if residual is not None else x.contiguous()
     y, mean, rstd = torch.native_layer_norm(s, [x.shape[-1]], weight, bias, eps)
@@ -58,9 +70,9 @@ def ln_fwd(ctx, x, weight, bias, eps, residual):
 
 def ln_bwd(ctx, dy, dsum, xin, weight, bias, mean, rstd):
     n = xin.shape[-1]
-    shape = (*xin.shape[:-1], 1)
+    shape, sd = (*xin.shape[:-1], 1), _native_stat_dtype(xin)
     dx, dw, db = torch.ops.aten.native_layer_norm_backward(
-        dy.contiguous(), xin.contiguous(), [n], mean.reshape(shape), rstd.reshape(shape), weight, bias,
+        dy.contiguous(), xin.contiguous(), [n], mean.reshape(shape).to(sd), rstd.reshape(shape).to(sd), weight, bias,
         [True, weight is not None, bias is not None])
     if dsum.numel():
         dx = dx + dsum
