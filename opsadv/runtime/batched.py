@@ -265,7 +265,8 @@ def run_batched(fn_or_model: Callable, inputs, *, memory_budget=None, max_stream
         n = 1 if bytes_per_sample is None else max(1, min(batch, model.largest(share) or 1))
     else:
         n = batch                      # nothing to predict with: one chunk, still retried on OOM
-    ceiling = batch                    # never go back above a size that ran out of memory
+    predict = budget is not None and (on_cuda or bytes_per_sample is not None)
+    ceiling = batch if predict else n  # after an OOM at n: never above n // 2 (nor above the size asked for)
     merger: _Merger | None = None
     chunks: list[int] = []
     retries, peak_abs, warned, pos, i = 0, base, False, 0, 0
@@ -306,26 +307,27 @@ def run_batched(fn_or_model: Callable, inputs, *, memory_budget=None, max_stream
                 torch.cuda.synchronize(device)
                 torch.cuda.empty_cache()
             retries += 1
-            ceiling = n - 1
-            n = max(1, n // 2)
+            n = ceiling = max(1, n // 2)
             continue
         chunks.append(n)
         pos += n
         i += 1
         if empty_cache:
             torch.cuda.empty_cache()
-        if share is not None and (on_cuda or bytes_per_sample is not None):
+        fit = None
+        if predict:
             used = (torch.cuda.memory_allocated(device) - base) if on_cuda else 0
             fit = model.largest(share - used / nstreams)
-            if fit is not None:
-                if fit < 1 and not warned:
-                    warned = True
-                    fixed, per = model.coef()
-                    warnings.warn(f"opsadv.run_batched: even one sample is predicted to need "
-                                  f"{format_bytes(fixed + per)} of the {format_bytes(share)} budget"
-                                  f"{' per stream' if streams else ''}; running one sample at a time",
-                                  RuntimeWarning, stacklevel=2)
-                n = max(1, fit)
+        if fit is None:
+            n = min(ceiling, 2 * n)    # nothing to predict with: back up to the ceiling
+            continue
+        if fit < 1 and not warned:
+            warned = True
+            fixed, per = model.coef()
+            warnings.warn(f"opsadv.run_batched: even one sample is predicted to need {format_bytes(fixed + per)} "
+                          f"of the {format_bytes(share)} budget{' per stream' if streams else ''}; running one "
+                          "sample at a time", RuntimeWarning, stacklevel=2)
+        n = max(1, fit)
     if streams:
         for s in streams:
             main.wait_stream(s)
