@@ -479,3 +479,43 @@ def test_aoe_options_validation(npu, aoe_env, tmp_path):
 
 def test_state_is_the_double(npu):
     assert _npu.STATE.test_double and _npu.device_types() == ("npu", "cpu")
+
+
+# ---- the inference path ---------------------------------------------------------------------------
+def _oracle(q, k, v, **kw):
+    with opsadv.use_backend("reference"):
+        return opsadv.ops.flash_attention(q.double(), k.double(), v.double(), return_lse=True, **kw)
+
+
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(), dict(attn_mask="b1ss")])
+def test_inference_uses_fused_infer_attention(npu, kw):
+    torch.manual_seed(13)
+    q, k, v = (t.detach() for t in _qkv(2, 4, 2, 9, 6, 16, torch.float16))
+    if kw.get("attn_mask") == "b1ss":
+        kw = dict(attn_mask=torch.rand(2, 1, 9, 6) > 0.3)
+    with torch.no_grad(), opsadv.use_backend("ascend"):
+        out, lse = opsadv.ops.flash_attention(q, k, v, return_lse=True, **kw)
+    ro, rl = _oracle(q, k, v, **kw)
+    assert [c.name for c in npu.calls if "attention" in c.name] == ["npu_fused_infer_attention_score"]
+    sent = npu.calls[-1].kwargs
+    assert sent["num_heads"] == 4 and sent["num_key_value_heads"] == 2 and sent["softmax_lse_flag"]
+    assert sent["scale"] == pytest.approx(0.25) and sent["input_layout"] == "BNSD"
+    assert rel(out, ro) < TOL[torch.float16]
+    fin = torch.isfinite(rl)
+    assert torch.equal(torch.isfinite(lse), fin) and (lse[fin].double() - rl[fin]).abs().max() < 1e-2
+    assert torch.all(out[~fin] == 0)
+
+
+def test_inference_path_limits(npu):
+    """head_dim 520 (> 512) and per-head masks stay on npu_fusion_attention; inputs that need
+    grad always do."""
+    torch.manual_seed(14)
+    q, k, v = (t.detach() for t in _qkv(1, 2, 2, 3, 3, 520, torch.float16))
+    with torch.no_grad(), opsadv.use_backend("ascend"):
+        opsadv.ops.flash_attention(q, k, v)
+        q, k, v = (t.detach() for t in _qkv(1, 2, 2, 3, 3, 16, torch.float16))
+        opsadv.ops.flash_attention(q, k, v, attn_mask=torch.rand(2, 3, 3) > 0.2)
+    q, k, v = _qkv(1, 2, 2, 3, 3, 16, torch.float16)
+    with opsadv.use_backend("ascend"):
+        opsadv.ops.flash_attention(q, k, v)
+    assert [c.name for c in npu.calls if "attention" in c.name] == ["npu_fusion_attention"] * 3

@@ -12,6 +12,8 @@ torch_npu documentation, not the hardware's numerics:
   softmax_out, seed, offset, numels) with softmax_max/sum (B, N, S_q, 8) float32 ((T, N, 8) for
   TND), each row's value replicated over the last dim.  A row with every key masked is not
   specified by the docs: the double returns NaN there, so a caller must handle such rows itself.
+- npu_fused_infer_attention_score: the same masking (spelled pre_tokens/next_tokens), GQA by
+  num_key_value_heads, softmax_lse (B, N, S_q, 1) when softmax_lse_flag=True.
 - npu_fusion_attention_grad: recomputes p = exp(s - softmax_max) / softmax_sum from the given
   statistics and uses attention_in for the softmax backward; dk/dv summed over a GQA group.
 - npu_rms_norm / npu_rms_norm_backward / npu_add_rms_norm / npu_gelu / npu_swiglu, and
@@ -217,6 +219,36 @@ class _Double:
             put(dq, gq.to(query.dtype), dk, gk.to(key.dtype), dv, gv.to(value.dtype))
         return dq, dk, dv, query.new_empty((0,))
 
+    # npu_fused_infer_attention_score (A2/A3 inference) --------------------------------------------
+    def npu_fused_infer_attention_score(self, query, key, value, *, pse_shift=None, atten_mask=None,
+                                        actual_seq_lengths=None, actual_seq_lengths_kv=None, num_heads=1, scale=1.0,
+                                        pre_tokens=FULL, next_tokens=FULL, input_layout="BSH", num_key_value_heads=0,
+                                        sparse_mode=0, inner_precise=0, block_size=0, antiquant_mode=0,
+                                        softmax_lse_flag=False, **quant_and_paged):
+        """Same masking semantics as npu_fusion_attention (pre_tokens/next_tokens spelled so here);
+        GQA by num_key_value_heads (0 = num_heads); softmax_lse (B, N, S_q, 1) float32 only with
+        softmax_lse_flag=True, else a 0-element tensor."""
+        kw = dict(atten_mask=atten_mask, num_heads=num_heads, scale=scale, pre_tokens=pre_tokens,
+                  next_tokens=next_tokens, input_layout=input_layout, num_key_value_heads=num_key_value_heads,
+                  sparse_mode=sparse_mode, softmax_lse_flag=softmax_lse_flag)
+        self._log("npu_fused_infer_attention_score", (query, key, value), kw)
+        if any(v is not None for v in quant_and_paged.values()) or pse_shift is not None:
+            raise NotImplementedError("the double does not model quantized, paged or pse inputs")
+        if self.state.soc_version not in range(220, 226) and self.state.soc_version not in range(250, 257):
+            raise RuntimeError(f"npu_fused_infer_attention_score: SoC {self.state.soc_version} is not Atlas A2/A3")
+        if input_layout not in ("BNSD", "BSND", "BSH") or query.shape[-1] > 512:
+            raise RuntimeError("the double models BNSD/BSND/BSH with head_dim <= 512")
+        n2 = num_key_value_heads or num_heads
+        if _kv_heads(key, input_layout, num_heads, query) != n2:
+            raise RuntimeError(f"num_key_value_heads {n2} does not match key")
+        state_calls = len(self.state.calls)
+        out, smax, ssum = self.npu_fusion_attention(query, key, value, num_heads, input_layout, atten_mask=atten_mask,
+                                                    scale=scale, pre_tockens=pre_tokens, next_tockens=next_tokens,
+                                                    sparse_mode=sparse_mode)[:3]
+        del self.state.calls[state_calls:]          # record only the op the caller called
+        lse = (smax[..., :1] + torch.log(ssum[..., :1])) if softmax_lse_flag else query.new_empty((0,), dtype=torch.float32)
+        return out, lse
+
     # helpers ---------------------------------------------------------------------------------------
     @staticmethod
     def _check(q, k, v, layout, pse, keep_prob, soc):
@@ -320,7 +352,7 @@ def make_module(state: FakeNPU | None = None) -> types.ModuleType:
     mod.__version__ = "0.0.0+opsadv.testdouble"
     mod.OPSADV_TEST_DOUBLE = True
     mod.state = state
-    for name in ("npu_fusion_attention", "npu_fusion_attention_grad", "npu_rms_norm", "npu_add_rms_norm",
+    for name in ("npu_fusion_attention", "npu_fusion_attention_grad", "npu_fused_infer_attention_score", "npu_rms_norm", "npu_add_rms_norm",
                  "npu_rms_norm_backward", "npu_gelu", "npu_swiglu"):
         setattr(mod, name, getattr(dbl, name))
     npu = types.SimpleNamespace()

@@ -9,6 +9,10 @@ Mapping onto the NPU op (see docs/backends/ascend.md):
 - window: sparse_mode 4 (band, bottom-right origin) with pre_tockens/next_tockens (that spelling);
 - rows with no allowed key: the NPU's result there is unspecified, so they are set to 0 / lse -inf here;
 - lse from (softmax_max, softmax_sum): `lse_from_softmax_stats`;
+- inference: when no input requires grad (torch.no_grad / inference_mode / detached inputs) and
+  head_dim <= 512 on Atlas A2/A3, the forward runs npu_fused_infer_attention_score (spelled
+  pre_tokens/next_tokens, num_key_value_heads for GQA, softmax_lse_flag=True).  Either forward
+  gives the same (out, lse), and the backward needs only those, so the choice is always safe;
 - backward: npu_fusion_attention_grad with softmax_max = lse, softmax_sum = 1 (the documented
   recomputation p = exp(s - max) / sum then equals exp(s - lse)) and attention_in = out."""
 from __future__ import annotations
@@ -24,7 +28,8 @@ from opsadv.core.kernel import PRIORITY_VENDOR, KernelImpl
 from . import _npu
 
 NAME = "ascend"
-MAX_HEAD_DIM = 768                  # npu_fusion_attention (the inference ops stop at 512)
+MAX_HEAD_DIM = 768                  # npu_fusion_attention
+INFER_MAX_HEAD_DIM = 512            # npu_fused_infer_attention_score
 FULL = 2147483647                   # the op's "no limit" for pre_tockens / next_tockens
 COMPRESSED = 2048                   # side of the compressed causal mask of sparse_modes 2/3/4
 STAT_LANES = 8                      # softmax_max / softmax_sum replicate each row value over 8 lanes
@@ -129,10 +134,28 @@ def flash_bwd(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale):
     return _run_bwd(dout, q, k, v, out, lse, plan, scale)
 
 
+def _use_infer(q, k, v, plan: Plan) -> bool:
+    soc = _npu.STATE.soc
+    return (soc is not None and soc.infer_attention and plan.layout == "BNSD" and q.shape[-1] <= INFER_MAX_HEAD_DIM
+            and not (q.requires_grad or k.requires_grad or v.requires_grad)
+            and (plan.atten_mask is None or plan.atten_mask.dim() == 2 or plan.atten_mask.shape[1] == 1))
+
+
+def _run_infer(npu, q, k, v, plan: Plan, scale: float):
+    """npu_fused_infer_attention_score: its softmax_lse is (B, N, S_q, 1) float32, already the lse."""
+    out, lse = npu.npu_fused_infer_attention_score(
+        q.contiguous(), k.contiguous(), v.contiguous(), atten_mask=plan.atten_mask, num_heads=q.shape[1],
+        num_key_value_heads=k.shape[1], input_layout="BNSD", scale=float(scale), pre_tokens=plan.pre_tockens,
+        next_tokens=plan.next_tockens, sparse_mode=plan.sparse_mode, softmax_lse_flag=True)[:2]
+    return _fix_dead(out, lse[..., 0].float(), plan.dead)
+
+
 def _run_fwd(q, k, v, plan: Plan, scale: float):
     if plan.nothing:
         return torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
     npu = _npu.torch_npu()
+    if _use_infer(q, k, v, plan):
+        return _run_infer(npu, q, k, v, plan, scale)
     qn, kn, vn = (_to_layout(t, plan.layout) for t in (q, k, v))
     res = npu.npu_fusion_attention(qn, kn, vn, q.shape[1], plan.layout, scale=float(scale), keep_prob=1.0,
                                    **plan.kwargs())
@@ -218,7 +241,8 @@ def impls(soc) -> list[KernelImpl]:
         KernelImpl(id="ascend.npu_fusion_attention", op="flash_attention", fn=flash_fwd, backward=flash_bwd,
                    features=frozenset({"causal", "gqa", "cross_length", "attn_mask_bool"}),
                    check=_check(soc, "flash_attention"),
-                   description="torch_npu.npu_fusion_attention, BNSD, sparse_mode 3 for causal; backward "
+                   description="torch_npu.npu_fusion_attention, BNSD, sparse_mode 3 for causal (inputs without "
+                               "grad, head_dim <= 512, A2/A3: npu_fused_infer_attention_score); backward "
                                "npu_fusion_attention_grad", **common),
         KernelImpl(id="ascend.npu_fusion_attention.sparse", op="sparse_attention", fn=sparse_fwd, backward=sparse_bwd,
                    features=frozenset({"causal", "gqa", "cross_length", "window", "varlen"}),

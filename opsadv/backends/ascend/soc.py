@@ -21,6 +21,11 @@ class SocInfo:
     reason: str = ""                 # why unsupported, or a note
 
     @property
+    def infer_attention(self) -> bool:
+        """npu_fused_infer_attention_score (Atlas A2/A3; not confirmed for 950)."""
+        return self.family in ("A2", "A3")
+
+    @property
     def tag(self) -> str:
         """Directory-safe name used for per-SoC caches (AOE dump / tune bank)."""
         return f"{self.family.lower()}-{self.code}"
