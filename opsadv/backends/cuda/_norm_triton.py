@@ -69,7 +69,9 @@ def _norm_bwd_kernel(dy_ptr, ds_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, d
         else:
             mean = tl.load(mean_ptr + rows, mask=rmask, other=0.0)
             xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
-        wdy = dy * w[None, :] if HAS_W else dy
+        wdy = dy
+        if HAS_W:
+            wdy = dy * w[None, :]                            # gradient w.r.t. xhat
         c1 = tl.sum(xhat * wdy, axis=1) / N                  # mean(xhat * dxhat)
         if RMS:
             dx = (wdy - xhat * c1[:, None]) * rstd[:, None]

@@ -1,0 +1,120 @@
+"""Bench suite "gemm": opsadv.ops.gemm / swiglu_gemm against cuBLAS through torch (matmul/addmm +
+activation, torch._addmm_activation) and torch.compile of the same expression.
+Grid (BENCHMARKS.md): bf16, (m, n, k) = (8192,8192,8192), (16384,12288,4096), (16384,11008,4096),
+(16384,4096,11008); epilogues none, bias+gelu_tanh, bias+silu, SwiGLU (n is the intermediate size:
+one GEMM over [W_g | W_u] of shape (k, 2n)).  The weight is an nn.Linear-style (n, k) tensor passed
+as weight.t().  FLOPs 2*m*n*k (SwiGLU 4*m*n*k); forward+backward 3x.  When the dispatcher picks
+cuBLAS, an "[own]" row times the library's Triton kernel too."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+
+import opsadv
+
+from .case import BenchCase
+
+SHAPES = ((8192, 8192, 8192), (16384, 12288, 4096), (16384, 11008, 4096), (16384, 4096, 11008))
+EPILOGUES = ("none", "gelu_tanh", "silu", "swiglu")
+_COMPILED: dict = {}
+
+
+def _grid(quick: bool):
+    """(m, n, k, epilogue, backward)"""
+    if quick:
+        return [(8192, 8192, 8192, "none", False), (16384, 12288, 4096, "gelu_tanh", False),
+                (16384, 11008, 4096, "silu", False), (16384, 11008, 4096, "swiglu", False)]
+    g = [(m, n, k, ep, False) for m, n, k in SHAPES for ep in EPILOGUES]
+    return g + [(16384, 12288, 4096, "gelu_tanh", True), (16384, 11008, 4096, "swiglu", True)]
+
+
+def own_impl(op: str, spec):
+    """(impl, ctx) of the library's own Triton kernel for this call (TMA variant where it serves)."""
+    from opsadv.core import dispatch
+    from opsadv.core.policy import current_policy
+    from opsadv.registry import get_registry
+
+    reg = get_registry()
+    if "cuda" not in reg.backends or not reg.backends["cuda"].available:
+        return None
+    pol = dataclasses.replace(current_policy(), backend="cuda", autotune=False)
+    exp, r = dispatch.explain_spec(spec, pol)
+    if r is None:
+        return None
+    ok = [c.impl for c in exp.candidates if c.accepted and c.impl.id.startswith("cuda.triton.")]
+    if not ok:
+        return None
+    best = max(ok, key=lambda i: (i.priority, i.id))
+    return best, dataclasses.replace(r.ctx, spec=spec)
+
+
+def _eager(ep):
+    def act(y):
+        return F.gelu(y, approximate="tanh") if ep == "gelu_tanh" else F.silu(y) if ep == "silu" else y
+
+    def fn(a, wt, bias):
+        if ep == "swiglu":
+            g, u = (a @ wt).chunk(2, dim=-1)
+            return F.silu(g) * u
+        return act(torch.addmm(bias, a, wt)) if bias is not None else a @ wt
+    return fn
+
+
+def _compiled(ep):
+    if ep not in _COMPILED:
+        _COMPILED[ep] = torch.compile(_eager(ep), dynamic=False)
+    return _COMPILED[ep]
+
+
+def cases(quick: bool) -> Iterator[BenchCase]:
+    from opsadv.core.ops.gemm import _gemm_spec, _swiglu_spec
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16
+    for m, n, k, ep, bwd in _grid(quick):
+        torch.manual_seed(0)
+        nout = 2 * n if ep == "swiglu" else n
+        a = torch.randn(m, k, device=dev, dtype=dtype)
+        wt = (torch.randn(nout, k, device=dev, dtype=dtype) * k ** -0.5).t()     # nn.Linear weight.t()
+        bias = torch.randn(n, device=dev, dtype=dtype) if ep in ("gelu_tanh", "silu") else None
+        go = torch.randn(m, n, device=dev, dtype=dtype) if bwd else None
+        ins = [t.clone().requires_grad_(bwd) if t is not None else None for t in (a, wt, bias)]
+
+        def run(fn, ins=ins, go=go, bwd=bwd):
+            if not bwd:
+                with torch.no_grad():
+                    return fn(*ins)
+            return torch.autograd.grad(fn(*ins), [t for t in ins if t is not None], go)
+
+        if ep == "swiglu":
+            def mine(a_, w_, b_):
+                return opsadv.ops.swiglu_gemm(a_, w_)
+        else:
+            def mine(a_, w_, b_, ep=ep):
+                return opsadv.ops.gemm(a_, w_, bias=b_, activation=ep)
+        peers = {"torch_eager": (lambda fn=_eager(ep): run(fn))}
+        if ep == "gelu_tanh" and dev == "cuda":
+            peers["addmm_activation"] = (lambda: run(lambda a_, w_, b_: torch._addmm_activation(b_, a_, w_, use_gelu=True)))
+        if dev == "cuda":
+            peers["torch_compile"] = (lambda fn=_compiled(ep): run(fn))
+        act = "none" if ep == "swiglu" else ep
+        spec = (_swiglu_spec(a, wt, None, bwd) if ep == "swiglu" else _gemm_spec(a, wt, bias, act, None, 1.0, bwd))
+        own = own_impl("swiglu_gemm" if ep == "swiglu" else "gemm", spec)
+        extra = {}
+        if own is not None:
+            impl, ctx = own
+            args = (a, wt, None) if ep == "swiglu" else (a, wt, bias, act, None, 1.0)
+            bargs = (go, a, wt, None) if ep == "swiglu" else (go, a, wt, bias, act, 1.0)
+
+            def own_fn(impl=impl, ctx=ctx, args=args, bargs=bargs, bwd=bwd):
+                out = impl.fn(ctx, *args)
+                return tuple(t for t in impl.backward(ctx, *bargs) if t.numel()) if bwd else out
+            extra = {"own": own_fn, "own_prefix": "cuda.triton.", "own_impl": impl.id}
+        flops = 2.0 * m * nout * k * (3 if bwd else 1)
+        words = ["fwd+bwd" if bwd else "fwd", "bf16", f"m{m}", f"n{n}", f"k{k}"] + \
+                ({"none": [], "gelu_tanh": ["bias", "gelu_tanh"], "silu": ["bias", "silu"], "swiglu": ["swiglu"]}[ep])
+        yield BenchCase(suite="gemm", case=" ".join(words), opsadv=(lambda fn=mine: run(fn)), peers=peers,
+                        work=flops, unit="TFLOP/s", extra=extra)
