@@ -13,6 +13,24 @@ from opsadv.core.errors import InvalidArgumentError
 from opsadv.core.precision import PrecisionPolicy
 
 from .api import _check_int, convert_model
+from .modules import unalias_fused
+
+
+class _PlainOutputs(nn.Module):
+    """Exports return plain tensors / dicts of tensors: a program must load without transformers'
+    output classes being registered with pytree in the loading process."""
+
+    def __init__(self, model: nn.Module, fixed: dict):
+        super().__init__()
+        self.model, self.fixed = model, fixed
+
+    def forward(self, *args, **kwargs):
+        out = self.model(*args, **kwargs, **self.fixed)
+        if isinstance(out, (torch.Tensor, tuple, list)):
+            return out
+        if isinstance(out, dict):                 # transformers ModelOutput is an OrderedDict
+            return {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
+        return out
 
 
 class Optimizer:
@@ -54,16 +72,18 @@ class Optimizer:
             args, kwargs = (), dict(inputs)
         else:
             args, kwargs = (tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)), {}
+        fixed = {}
         try:
             if "use_cache" in inspect.signature(compiled.forward).parameters and "use_cache" not in kwargs:
-                kwargs["use_cache"] = False       # a KV cache object is no program output
+                fixed["use_cache"] = False        # a KV cache object is no program output
         except (TypeError, ValueError):
             pass
         was = compiled.training
         compiled.eval()
+        unalias_fused(compiled)
         try:
             with torch.no_grad():
-                ep = torch.export.export(compiled, args, kwargs, strict=False)
+                ep = torch.export.export(_PlainOutputs(compiled, fixed), args, kwargs, strict=False)
         finally:
             compiled.train(was)
         n_ops = sum(1 for n in ep.graph.nodes if n.op == "call_function" and "opsadv" in str(n.target))

@@ -60,6 +60,22 @@ class FusedRows:
         self.buf = buf
 
 
+def unalias_fused(model: nn.Module) -> None:
+    """Give every fused parameter its own storage again (serializers that group tensors by storage,
+    e.g. torch.export.save, want that); the next eager call re-fuses."""
+    seen = set()
+    for m in model.modules():
+        rows = [m._w, m._b] if isinstance(m, SwiGLUMLP) else \
+            [m.group.weight, m.group.bias] if isinstance(m, QKVProjection) else []
+        for f in rows:
+            if f is not None and id(f) not in seen:
+                seen.add(id(f))
+                with torch.no_grad():
+                    for p in f.params:
+                        p.data = p.data.clone()
+                f.buf = None
+
+
 class OpsadvNorm(nn.Module):
     """LayerNorm / RMSNorm over the last dim via opsadv.ops.layer_norm / rms_norm."""
 

@@ -46,11 +46,15 @@ def _hf_steps(model, device, batch_size, seq_len):
     steps.append((f"forward padded b{batch_size} s{s}", lambda: model(input_ids=ids, attention_mask=padded)))
     can_gen = getattr(model, "can_generate", lambda: False)()
     if can_gen:
+        import inspect
+        # transformers >= 5.2x names the KV cache `cache`; earlier versions `past_key_values`
+        key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
         def decode():
             out = model(input_ids=ids, attention_mask=am, use_cache=True)
             nxt = out.logits[:, -1:].argmax(-1)
             am2 = torch.cat([am, am[:, :1]], 1)
-            return model(input_ids=nxt, attention_mask=am2, past_key_values=out.past_key_values, use_cache=True)
+            return model(input_ids=nxt, attention_mask=am2, use_cache=True, **{key: getattr(out, key)})
         steps.append((f"decode step b{batch_size} cache {s}", decode))
     return steps, [f"b{batch_size}xs{s}"]
 

@@ -1,0 +1,185 @@
+"""convert_model on transformers models (tiny random configs): attention through the
+AttentionInterface seam, norms/MLPs/QKV by structure, validation, generate, save_pretrained,
+training, tune_for_hardware, refusal.  Reference backend (CPU) unless the test says otherwise."""
+import copy
+
+import pytest
+import torch
+
+import opsadv
+from opsadv.convert import ValidationError, validate as _val
+from opsadv.convert.modules import OpsadvNorm, QKVProjection, SwiGLUMLP, LinearAct, DenseResidualNorm
+
+transformers = pytest.importorskip("transformers")
+from transformers import (BertConfig, BertModel, GPT2Config, GPT2LMHeadModel, LlamaConfig,  # noqa: E402
+                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                          RobertaConfig, RobertaModel)
+
+DEC = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+           vocab_size=128, max_position_embeddings=128)
+ENC = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, vocab_size=128,
+           max_position_embeddings=130)
+
+
+def make(arch):
+    torch.manual_seed(0)
+    if arch == "llama":
+        m = LlamaForCausalLM(LlamaConfig(**DEC))
+    elif arch == "mistral":
+        m = MistralForCausalLM(MistralConfig(**DEC, sliding_window=8))
+    elif arch == "qwen2":
+        m = Qwen2ForCausalLM(Qwen2Config(**DEC))
+    elif arch == "bert":
+        m = BertModel(BertConfig(**ENC))
+    elif arch == "roberta":
+        m = RobertaModel(RobertaConfig(**ENC, pad_token_id=1))
+    else:
+        m = GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=128))
+    return m.eval()
+
+
+def inputs(batch=2, seq=19, pad=5, vocab=128):
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(2, vocab, (batch, seq), generator=g)
+    am = torch.ones(batch, seq, dtype=torch.long)
+    am[-1, seq - pad:] = 0
+    return {"input_ids": ids, "attention_mask": am}
+
+
+def primary(out):
+    return out.logits if hasattr(out, "logits") and out.logits is not None else out.last_hidden_state
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "bert", "roberta", "gpt2"])
+def test_convert_matches_original(arch):
+    orig = make(arch)
+    model = copy.deepcopy(orig)
+    conv = opsadv.convert_model(model, backend="reference")
+    assert conv is model and type(conv) is type(orig)               # same object, same class
+    rep = conv.opsadv_report
+    assert rep.validation["passed"] and rep.validation["rel_err"] < 1e-5, str(rep)
+    assert "opsadv" in str(rep) and rep.count("attention") == 1
+    assert conv.config._attn_implementation == "opsadv"
+    kinds = {type(m) for m in conv.modules()}
+    assert OpsadvNorm in kinds
+    if arch in ("llama", "mistral", "qwen2"):
+        assert {SwiGLUMLP, QKVProjection} <= kinds
+    if arch in ("bert", "roberta"):
+        assert {LinearAct, DenseResidualNorm, QKVProjection} <= kinds
+    if arch == "gpt2":
+        assert LinearAct in kinds
+    assert sorted(conv.state_dict()) == sorted(orig.state_dict())  # parameter names unchanged
+    x = inputs(seq=23, pad=7)
+    with opsadv.trace() as t, torch.no_grad():
+        a, b = primary(orig(**x)), primary(conv(**x))
+    keep = x["attention_mask"].bool()
+    assert torch.allclose(a[keep], b[keep], rtol=1e-4, atol=1e-5)
+    assert any("flash_attention" in k or "sparse_attention" in k for k in t.counts), t.counts
+
+
+def test_opt_levels():
+    m0 = opsadv.convert_model(make("llama"), backend="reference", opt_level=0)
+    assert m0.opsadv_report.changes == [] and m0.config._attn_implementation != "opsadv"
+    m1 = opsadv.convert_model(make("llama"), backend="reference", opt_level=1)
+    kinds = {type(m) for m in m1.modules()}
+    assert OpsadvNorm in kinds and SwiGLUMLP not in kinds and QKVProjection not in kinds
+    m3 = opsadv.convert_model(make("llama"), backend="reference", opt_level=3)
+    assert m3._opsadv_state.policy.experimental
+    assert SwiGLUMLP in {type(m) for m in m3.modules()}
+
+
+def test_generate_and_decode_with_cache():
+    orig = make("llama")
+    conv = opsadv.convert_model(copy.deepcopy(orig), backend="reference")
+    ids = inputs(batch=1, seq=7, pad=0)["input_ids"]
+    ga = orig.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    gb = conv.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(ga, gb)
+
+
+def test_save_pretrained_roundtrip(tmp_path):
+    orig = make("qwen2")
+    conv = opsadv.convert_model(copy.deepcopy(orig), backend="reference")
+    conv.save_pretrained(tmp_path)
+    back = Qwen2ForCausalLM.from_pretrained(tmp_path).eval()      # a plain transformers model again
+    x = inputs()
+    with torch.no_grad():
+        assert torch.allclose(back(**x).logits, orig(**x).logits, atol=1e-6)
+
+
+def test_training_gradients_reach_original_parameters():
+    orig = make("llama").train()
+    conv = opsadv.convert_model(copy.deepcopy(orig), backend="reference").train()
+    x = inputs()
+    labels = x["input_ids"].clone()
+    orig(**x, labels=labels).loss.backward()
+    conv(**x, labels=labels).loss.backward()
+    po, pc = dict(orig.named_parameters()), dict(conv.named_parameters())
+    for name in ("model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.up_proj.weight",
+                 "model.layers.0.input_layernorm.weight", "model.embed_tokens.weight"):
+        assert pc[name].grad is not None, name
+        err = (pc[name].grad - po[name].grad).norm() / po[name].grad.norm()
+        assert err < 1e-4, (name, err)
+    # an optimizer step (in place) is seen by the fused inference path
+    opt = torch.optim.SGD(conv.parameters(), lr=0.1)
+    opt.step()
+    with torch.no_grad():
+        conv.eval()
+        ref = copy.deepcopy(orig)
+        for (n, p) in ref.named_parameters():
+            p.copy_(pc[n])
+        ref.eval()
+        assert torch.allclose(conv(**x).logits, ref(**x).logits, atol=1e-5)
+
+
+def test_refused_with_numbers_and_model_restored(monkeypatch):
+    monkeypatch.setitem(_val.REL_LIMIT, torch.float32, 1e-14)
+    model = make("llama")
+    with pytest.raises(ValidationError) as ei:
+        opsadv.convert_model(model, backend="reference")
+    assert "rel_err=" in str(ei.value) and ei.value.metrics["rel_err"] > 1e-14
+    assert model.config._attn_implementation != "opsadv"
+    assert not any(type(m).__module__.startswith("opsadv") for m in model.modules())
+    assert not hasattr(model, "opsadv_report")
+    with pytest.warns(RuntimeWarning, match="beyond the limits"):
+        kept = opsadv.convert_model(model, backend="reference", validate="warn")
+    assert "FAILED" in kept.opsadv_report.status and kept.config._attn_implementation == "opsadv"
+
+
+@pytest.mark.parametrize("arg,value", [("opt_level", 4), ("opt_level", -1), ("tile_size", 16), ("tile_size", 512),
+                                       ("tile_size", 96), ("max_streams", 0), ("max_streams", 9), ("mem_opt", 4),
+                                       ("mem_opt", -1), ("validate", "yes"), ("precision", "int8")])
+def test_seed_arguments_validated(arg, value):
+    with pytest.raises(opsadv.errors.InvalidArgumentError, match=arg if arg != "precision" else "precision"):
+        opsadv.convert_model(make("gpt2"), backend="reference", **{arg: value})
+
+
+def test_seed_arguments_reach_the_policy():
+    m = opsadv.convert_model(make("gpt2"), backend="reference", tile_size=64, max_streams=2, mem_opt=1)
+    assert dict(m._opsadv_state.policy.options) == {"tile_size": 64, "max_streams": 2, "mem_opt": 1}
+
+
+def test_tune_for_hardware_on_cpu():
+    conv = opsadv.convert_model(make("llama"), backend="reference")
+    rep = conv.tune_for_hardware(device="cpu", batch_size=2, seq_len=16)
+    assert rep.calls_per_impl and all(k.startswith("reference") for k in rep.calls_per_impl)
+    assert len(rep.steps) == 3 and "chosen kernels" in str(rep)
+    assert not conv._opsadv_state.policy.autotune
+
+
+def test_padded_encoder_uses_key_padding_form():
+    from opsadv.convert.hf_attention import key_padding_of, opsadv_mask
+    pad = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    from transformers.masking_utils import bidirectional_mask_function
+    m = opsadv_mask(2, 4, 4, mask_function=bidirectional_mask_function, attention_mask=pad)
+    assert m.shape == (2, 1, 4, 4) and m.stride(2) == 0
+    assert torch.equal(key_padding_of(m), pad.bool())
+
+
+def test_interpreter_backend_auto():
+    """One small conversion through 'auto' (the cuda backend's kernels in the Triton interpreter)."""
+    torch.manual_seed(0)
+    m = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=1, vocab_size=64)).eval()
+    conv = opsadv.convert_model(m, example_inputs=inputs(batch=2, seq=9, pad=3, vocab=64))
+    assert conv.opsadv_report.validation["passed"], str(conv.opsadv_report)
