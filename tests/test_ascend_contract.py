@@ -308,15 +308,41 @@ def test_dense_block_mask_is_plain_attention(npu):
 def test_sparse_rejections_give_reasons(npu):
     q, k, v = _qkv(1, 2, 2, 8, 8, 16, torch.float16)
     with opsadv.use_backend("ascend"):
-        kpm = torch.ones(1, 8, dtype=torch.bool)
-        exp = opsadv.explain("sparse_attention", q, k, v, _layout(8, 8, fill=True, kpm=kpm))
-        assert exp.chosen is None and "key_padding" in str(exp)
         exp = opsadv.explain("sparse_attention", q, k, v, _layout(8, 8, fill=False, window=(1, 1), num_global=1))
         assert exp.chosen is None and "global" in str(exp)
         bm = torch.tensor([[[[True, False], [False, True]]]])
         pattern = opsadv.SparseLayout(8, 8, 4, bm)
         with pytest.raises(NoKernelError, match="block-sparse"):
             opsadv.ops.sparse_attention(q, k, v, pattern)
+
+
+@pytest.mark.parametrize("fill,causal,window", [(True, False, None), (True, True, None), (False, False, (2, 3)),
+                                                (False, True, (3, 0))])
+def test_key_padding_is_an_explicit_b1ss_mask(npu, fill, causal, window):
+    torch.manual_seed(15)
+    q, k, v = _qkv(2, 2, 1, 9, 11, 16, torch.float16)
+    kpm = torch.ones(2, 11, dtype=torch.bool)
+    kpm[0, 7:] = False
+    kpm[1, :] = False                                              # batch 1: every key is padding
+    lay = _layout(9, 11, fill=fill, causal=causal, window=window, kpm=kpm)
+    out, lse = _compare_attention(_sparse(lay), q, k, v, TOL[torch.float16])
+    sent = npu.named("npu_fusion_attention")[-1].kwargs
+    assert sent["sparse_mode"] == 0 and tuple(sent["atten_mask"].shape) == (2, 1, 9, 11)
+    assert torch.equal(sent["atten_mask"], ~lay.dense_mask())
+    assert torch.all(out[1] == 0) and torch.isneginf(lse[1]).all()
+
+
+def test_window_band_in_inference(npu):
+    torch.manual_seed(16)
+    q, k, v = (t.detach() for t in _qkv(1, 4, 2, 12, 12, 16, torch.float16))
+    lay = _layout(12, 12, fill=False, window=(2, 1), causal=True)
+    with torch.no_grad(), opsadv.use_backend("ascend"):
+        out = opsadv.ops.sparse_attention(q, k, v, lay)
+    sent = npu.named("npu_fused_infer_attention_score")[-1].kwargs
+    assert (sent["sparse_mode"], sent["pre_tokens"], sent["next_tokens"]) == (4, 2, 0)
+    with opsadv.use_backend("reference"):
+        ref = opsadv.ops.sparse_attention(q.double(), k.double(), v.double(), lay)
+    assert rel(out, ref) < TOL[torch.float16]
 
 
 # ---- norms and gemm ---------------------------------------------------------------------------------

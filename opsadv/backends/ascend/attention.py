@@ -7,6 +7,8 @@ Mapping onto the NPU op (see docs/backends/ascend.md):
 - causal: sparse_mode 3 (bottom-right, as opsadv's contract; for s_q == s_k it equals mode 2) with the
   compressed 2048x2048 upper-triangular mask, cached per device;
 - window: sparse_mode 4 (band, bottom-right origin) with pre_tockens/next_tockens (that spelling);
+- packed varlen: TND with actual_seq_qlen/kvlen as cumulative lengths; key padding: an explicit
+  (B, 1, S_q, S_kv) mask with sparse_mode 0; block-sparse patterns and globals are not mapped;
 - rows with no allowed key: the NPU's result there is unspecified, so they are set to 0 / lse -inf here;
 - lse from (softmax_max, softmax_sum): `lse_from_softmax_stats`;
 - inference: when no input requires grad (torch.no_grad / inference_mode / detached inputs) and
@@ -24,6 +26,7 @@ from torch import Tensor
 
 from opsadv.core.errors import NoKernelError
 from opsadv.core.kernel import PRIORITY_VENDOR, KernelImpl
+from opsadv.core.layout import dense_mask
 
 from . import _npu
 
@@ -190,22 +193,32 @@ SPARSE_UNSUPPORTED = ("block-sparse patterns (a block_mask that is neither all T
                       "npu_fusion_attention sparse_mode; only dense, causal, sliding-window and packed varlen layouts map")
 
 
-def _sparse_plan(q, k, block_mask, cu, causal, wl, wr) -> Plan:
+def _reject(reason: str):
+    raise NoKernelError("sparse_attention", "backend='ascend'", {"ascend.npu_fusion_attention.sparse": [reason]})
+
+
+def _sparse_plan(q, k, block_mask, kpm, cu, bs, causal, wl, wr) -> Plan:
     sq, sk = q.shape[2], k.shape[2]
     every, some = bool(block_mask.all()), bool(block_mask.any())
+    if some and not every:
+        _reject(SPARSE_UNSUPPORTED)
+    if not some and wl < 0:      # nothing allowed at all: every row is empty
+        return Plan(nothing=True)
+    if kpm is not None:          # key padding: an explicit (B, 1, S_q, S_kv) mask, sparse_mode 0
+        if cu is not None:
+            _reject("key padding together with a packed (cu_seqlens) batch is not mapped")
+        window = None if every else (wl, wr)
+        allowed = dense_mask(sq, sk, bs, block_mask, causal, window, 0, kpm, None, device=q.device)
+        return _dense_plan(q, k, allowed, False)
     if every:            # the block rule allows everything: dense (causal) attention, window irrelevant
         plan = _dense_plan(q, k, None, causal) if cu is None else (
             Plan(atten_mask=compressed_causal_mask(q.device), sparse_mode=SPARSE_MODE_CAUSAL_BR) if causal else Plan())
-    elif not some and wl >= 0:   # window only: a band, bottom-right origin like opsadv's window
+    else:                # window only: a band, bottom-right origin like opsadv's window
         nxt = min(wr, 0) if causal else wr
         plan = Plan(atten_mask=compressed_causal_mask(q.device), sparse_mode=SPARSE_MODE_BAND, pre_tockens=wl,
                     next_tockens=nxt)
         if cu is None:   # packed segments are self-attention and the band holds the diagonal: no dead rows
             plan.dead = _band_dead_rows(sq, sk, wl, nxt, q.device)
-    elif not some:       # nothing allowed at all: every row is empty
-        return Plan(nothing=True)
-    else:
-        raise NoKernelError("sparse_attention", "backend='ascend'", {"ascend.npu_fusion_attention.sparse": [SPARSE_UNSUPPORTED]})
     if cu is not None:   # packed varlen: TND with cumulative lengths
         plan.layout = "TND"
         plan.seqlens = [int(x) for x in cu[1:].tolist()]
@@ -213,11 +226,11 @@ def _sparse_plan(q, k, block_mask, cu, causal, wl, wr) -> Plan:
 
 
 def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale):
-    return _run_fwd(q, k, v, _sparse_plan(q, k, block_mask, cu, causal, wl, wr), scale)
+    return _run_fwd(q, k, v, _sparse_plan(q, k, block_mask, kpm, cu, bs, causal, wl, wr), scale)
 
 
 def sparse_bwd(ctx, dout, q, k, v, out, lse, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale):
-    return _run_bwd(dout, q, k, v, out, lse, _sparse_plan(q, k, block_mask, cu, causal, wl, wr), scale)
+    return _run_bwd(dout, q, k, v, out, lse, _sparse_plan(q, k, block_mask, kpm, cu, bs, causal, wl, wr), scale)
 
 
 # ---- registration ------------------------------------------------------------------------------------
@@ -245,9 +258,10 @@ def impls(soc) -> list[KernelImpl]:
                                "grad, head_dim <= 512, A2/A3: npu_fused_infer_attention_score); backward "
                                "npu_fusion_attention_grad", **common),
         KernelImpl(id="ascend.npu_fusion_attention.sparse", op="sparse_attention", fn=sparse_fwd, backward=sparse_bwd,
-                   features=frozenset({"causal", "gqa", "cross_length", "window", "varlen"}),
+                   features=frozenset({"causal", "gqa", "cross_length", "window", "varlen", "key_padding"}),
                    check=_check(soc, "sparse_attention"),
                    description="npu_fusion_attention: window -> sparse_mode 4 band, cu_seqlens -> TND with "
-                               "cumulative actual_seq_qlen/kvlen; block-sparse patterns rejected at call time",
+                               "cumulative actual_seq_qlen/kvlen, key padding -> explicit (B,1,S,S) mask; block-sparse "
+                               "patterns rejected at call time",
                    **common),
     ]
