@@ -2,7 +2,7 @@
 vendors) against the reference in float32/64, then timing of key cases against SDPA cuDNN/flash.
 
   PYTHONPATH=. python benchmarks/attention_probe.py correct PART NPARTS OUT.json
-  PYTHONPATH=. python benchmarks/attention_probe.py time OUT.json [quick]
+  PYTHONPATH=. python benchmarks/attention_probe.py time OUT.json [PART NPARTS]
 Results are appended to the JSON file after every case (a killed run keeps what it had)."""
 from __future__ import annotations
 
@@ -126,17 +126,18 @@ def bench(fn):
 
 TIME = [  # (dtype, b, hq, hkv, s, d, causal)
     ("bf16", 4, 32, 32, 4096, 128, False), ("bf16", 4, 32, 32, 4096, 128, True),
-    ("bf16", 16, 32, 32, 1024, 64, False), ("bf16", 1, 32, 8, 16384, 128, True),
-    ("bf16", 16, 32, 32, 1024, 128, True), ("fp16", 4, 32, 32, 4096, 64, True),
+    ("bf16", 1, 32, 8, 16384, 128, True), ("bf16", 1, 32, 32, 16384, 128, False),
+    ("bf16", 16, 32, 32, 1024, 64, False), ("bf16", 4, 32, 32, 4096, 64, True),
+    ("bf16", 16, 32, 32, 1024, 128, True), ("fp16", 4, 32, 32, 4096, 128, False),
 ]
 
 
-def timing(out, quick=False):
+def timing(out, part=0, nparts=1):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from opsadv.backends.cuda import attention as TA
     I = impls()
     tri = I["cuda.triton.flash_attention"]
-    for dt, b, hq, hkv, s, d, causal in (TIME[:2] if quick else TIME):
+    for dt, b, hq, hkv, s, d, causal in TIME[part::nparts]:
         torch.manual_seed(0)
         dtype = DT[dt]
         q = torch.randn(b, hq, s, d, device="cuda", dtype=dtype, requires_grad=True)
@@ -176,6 +177,8 @@ def timing(out, quick=False):
                     rec[f"{nm}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
             rec["triton_fwdbwd_ms"] = rec["triton_fwd_ms"] + rec["triton_bwd_ms"]
             for key in list(rec):
+                if key.startswith("cfg"):
+                    continue
                 if key.endswith("fwd_ms"):
                     rec[key.replace("_ms", "_tflops")] = round(flops / rec[key] / 1e9, 1)
                 elif key.endswith("fwdbwd_ms"):
@@ -189,4 +192,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "correct":
         correct(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
     else:
-        timing(sys.argv[2], quick=len(sys.argv) > 3)
+        timing(sys.argv[2], *(int(a) for a in sys.argv[3:5]))

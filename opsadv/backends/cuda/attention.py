@@ -43,8 +43,8 @@ except ImportError:  # pragma: no cover
 def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, kv_row0, s_kn, s_vn,
                offs_m, offs_d, lo, hi, SK, OFFSET, qk_scale,
                HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAD_D: tl.constexpr,
-               CAUSAL: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
-    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
+               CAUSAL: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr):
+    for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if TMA:  # bulk copy of a full block; rows are this head's (never the tail)
@@ -81,7 +81,7 @@ def _fwd_kernel(Q, K, V, O, LSE, desc_k, desc_v,
                 s_qb, s_qh, s_qm, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_ob, s_oh, s_om,
                 H, GROUP, SQ, SK, OFFSET, qk_scale,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
+                CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, TMA: tl.constexpr):
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)   # longest (causal) q blocks start first
     pid_bh = tl.program_id(1)
@@ -108,10 +108,10 @@ def _fwd_kernel(Q, K, V, O, LSE, desc_k, desc_v,
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, kv_row0, s_kn, s_vn,
                                offs_m, offs_d, 0, n_full, SK, OFFSET, qk_scale,
-                               HEAD_DIM, BLOCK_N, PAD_D, CAUSAL, False, TMA, WS)
+                               HEAD_DIM, BLOCK_N, PAD_D, CAUSAL, False, TMA)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, kv_row0, s_kn, s_vn,
                                offs_m, offs_d, n_full, hi, SK, OFFSET, qk_scale,
-                               HEAD_DIM, BLOCK_N, PAD_D, CAUSAL, True, False, False)
+                               HEAD_DIM, BLOCK_N, PAD_D, CAUSAL, True, False)
     empty = l_i == 0.0                                     # row saw no key (causal with s_q > s_k)
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -304,9 +304,8 @@ def _configs(ctx, which: str, d: int, tma_ok: bool) -> list[dict]:
     out: list[dict] = []
     for c in cfgs:
         c.setdefault("TMA", False)
-        c.setdefault("WS", False)
         if c["TMA"] and not tma_ok:
-            c["TMA"], c["WS"] = False, False
+            c["TMA"] = False
         if c not in out:
             out.append(c)
     return out
@@ -359,7 +358,7 @@ def flash_fwd(ctx, q, k, v, attn_mask, causal, scale):
                           v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
                           hq, hq // hkv, sq, sk, sk - sq, qk_scale,
                           HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=causal, EVEN_M=sq % bm == 0,
-                          TMA=cfg["TMA"], WS=cfg["WS"], **_launch_args(cfg))
+                          TMA=cfg["TMA"], **_launch_args(cfg))
 
     cfgs = _configs(ctx, "fwd", d, tma_ok)
     key = (str(cdt), d, causal, hq // hkv, bucket(sq), bucket(sk), bucket(b * hq), tma_ok)

@@ -1,0 +1,44 @@
+"""`opsadv bench` runner: the JSON schema of BENCHMARKS.md, merging by case name, the plot and
+skipping of suites that do not exist yet (on CPU: the attention suite shrunk to one tiny case,
+run through the interpreter; speed is never asserted)."""
+import json
+
+import pytest
+import torch
+
+from opsadv.bench import runner
+
+
+def test_write_json_merges_by_case_name(tmp_path):
+    path = tmp_path / "r.json"
+    head = {"device": "X", "torch": "t", "triton": "3", "commit": "abc", "date": "2026-01-01"}
+    runner.write_json(str(path), head, [{"suite": "gemm", "case": "a", "opsadv_ms": 1.0}])
+    runner.write_json(str(path), {**head, "commit": "def"}, [{"suite": "attention", "case": "b", "opsadv_ms": 2.0},
+                                                            {"suite": "gemm", "case": "a", "opsadv_ms": 0.5}])
+    data = json.loads(path.read_text())
+    assert data["commit"] == "def"
+    assert {c["case"]: c["opsadv_ms"] for c in data["cases"]} == {"a": 0.5, "b": 2.0}
+
+
+def test_rel_err_pairs_tensors_and_flags_nan():
+    a = (torch.ones(3), torch.ones(2))
+    assert runner.rel_err(a, (torch.ones(3), torch.ones(2))) == 0.0
+    assert runner.rel_err((torch.tensor([float("nan")]),), (torch.ones(1),)) == float("inf")
+
+
+def test_run_bench_attention_tiny_on_cpu(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("matplotlib")
+    import opsadv.bench.suite_attention as S
+    monkeypatch.setattr(S, "_grid", lambda quick: [("fp16", 1, 2, 1, 24, 32, True, False)])
+    path, png = tmp_path / "b.json", tmp_path / "b.png"
+    rc = runner.run_bench(["attention", "nosuchsuite"], True, str(path), str(png), autotune=False)
+    out = capsys.readouterr().out
+    assert "suite 'nosuchsuite': skipped" in out
+    data = json.loads(path.read_text())
+    assert {"device", "torch", "triton", "commit", "date", "cases"} <= set(data)
+    case = data["cases"][0]
+    assert case["case"] == "fwd fp16 b1 h2 kv1 s24 d32 causal gqa"
+    assert {"suite", "opsadv_impl", "opsadv_ms", "peers", "unit", "opsadv_rate"} <= set(case)
+    if case["peers"]:                  # SDPA's CPU kernels serve some forced backends
+        assert case["rel_err"] < 5e-3 and rc == 0
+    assert png.stat().st_size > 0

@@ -1,0 +1,170 @@
+"""The cuda backend's flash attention: the Triton kernels under the interpreter on CPU tensors
+(fp16, and fp32 under a half-precision policy), against the reference in float64, forward and
+backward; declared limits; and, on a GPU, bf16/fp16 plus the SDPA vendor impls and the measured
+choice per bucket."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import opsadv
+from opsadv.backends.reference import kernels as R
+from opsadv.errors import NoKernelError
+
+from conftest import rel_err, requires_gpu
+
+TRITON_ID = "cuda.triton.flash_attention"
+
+
+def _ref(q, k, v, do, causal, scale):
+    q64, k64, v64 = q.double(), k.double(), v.double()
+    out, lse = R.attention_fwd(None, q64, k64, v64, None, causal, scale)
+    grads = R.attention_bwd(None, do.double(), q64, k64, v64, out, lse, None, causal, scale)
+    return out, lse, grads
+
+
+def _check(b, hq, hkv, sq, sk, d, causal, dtype=torch.float16, device="cpu", tol=2e-3, lse_tol=1e-5, **policy):
+    q = torch.randn(b, hq, sq, d, dtype=dtype, device=device, requires_grad=True)
+    k = torch.randn(b, hkv, sk, d, dtype=dtype, device=device, requires_grad=True)
+    v = torch.randn(b, hkv, sk, d, dtype=dtype, device=device, requires_grad=True)
+    scale = 0.7 / math.sqrt(d)
+    with opsadv.use_backend("cuda", **policy), opsadv.trace() as t:
+        out, lse = opsadv.ops.flash_attention(q, k, v, causal=causal, scale=scale, return_lse=True)
+        do = torch.randn_like(out)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), do)
+    ro, rl, (rq, rk, rv) = _ref(q.detach(), k.detach(), v.detach(), do, causal, scale)
+    assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (b, hq, sq)
+    for name, x in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
+        assert not torch.isnan(x).any(), name
+    empty = torch.isneginf(rl)
+    assert torch.equal(torch.isneginf(lse), empty), "rows with no visible key: lse must be -inf exactly there"
+    assert (out[empty] == 0).all()
+    assert rel_err(lse[~empty], rl[~empty]) < lse_tol
+    for name, x, r in (("out", out, ro), ("dq", dq, rq), ("dk", dk, rk), ("dv", dv, rv)):
+        assert rel_err(x, r) < tol, (name, rel_err(x, r))
+    return t
+
+
+CASES = [  # b, hq, hkv, sq, sk, d, causal
+    (1, 2, 2, 17, 17, 64, False),        # odd length, one partial block
+    (2, 2, 2, 67, 67, 32, True),         # causal, several blocks + tail
+    (1, 2, 1, 1, 37, 64, True),          # decode: s_q = 1 sees every key (bottom-right)
+    (1, 4, 2, 3, 130, 32, True),         # s_q < s_k, GQA 2
+    (1, 2, 2, 45, 20, 64, True),         # s_q > s_k: the first 25 rows see nothing
+    (2, 4, 1, 33, 33, 32, False),        # MQA
+    (1, 2, 2, 40, 40, 96, True),         # head dim 96 (padded to 128 in registers)
+]
+
+
+@pytest.mark.parametrize("b,hq,hkv,sq,sk,d,causal", CASES)
+def test_triton_matches_reference_fp16(b, hq, hkv, sq, sk, d, causal, seed, monkeypatch):
+    monkeypatch.setenv("OPSADV_POISON_OUTPUTS", "1")   # outputs start as NaN: an unwritten element fails
+    t = _check(b, hq, hkv, sq, sk, d, causal)
+    assert t.counts[TRITON_ID] == 2                      # forward + backward both ran the Triton kernels
+
+
+def test_fp32_inputs_run_in_half_under_precision_policy(seed, monkeypatch):
+    monkeypatch.setenv("OPSADV_POISON_OUTPUTS", "1")
+    _check(1, 2, 1, 19, 27, 32, True, dtype=torch.float32, tol=2e-3, lse_tol=3e-4, precision="fp16")  # inputs rounded to fp16
+
+
+def test_fp32_without_half_policy_is_rejected_with_reason():
+    q = torch.randn(1, 2, 8, 32)
+    with opsadv.use_backend("cuda"):
+        exp = opsadv.explain("flash_attention", q, q, q)
+        with pytest.raises(NoKernelError):
+            opsadv.ops.flash_attention(q, q, q)
+    reasons = {c["impl"]: c["reasons"] for c in exp.to_dict()["candidates"]}
+    assert any("precision" in r for r in reasons[TRITON_ID])
+
+
+@pytest.mark.parametrize("what,kw,needle", [
+    ("head_dim", dict(d=48), "head_dim 48 not in"),
+    ("bf16", dict(dtype=torch.bfloat16), "interpreter"),
+    ("mask", dict(mask=True), "attn_mask_bool"),
+])
+def test_declared_limits(what, kw, needle):
+    d = kw.get("d", 32)
+    q = torch.randn(1, 2, 8, d, dtype=kw.get("dtype", torch.float16))
+    mask = torch.ones(8, 8, dtype=torch.bool) if kw.get("mask") else None
+    with opsadv.use_backend("cuda"):
+        exp = opsadv.explain("flash_attention", q, q, q, attn_mask=mask)
+    reasons = {c["impl"]: c["reasons"] for c in exp.to_dict()["candidates"]}
+    assert any(needle in r for r in reasons[TRITON_ID]), reasons[TRITON_ID]
+
+
+def test_non_contiguous_inputs_and_deterministic_policy(seed):
+    # (b, s, h, d) storage viewed as (b, h, s, d), as transformers hands it over
+    x = torch.randn(1, 21, 2, 32, dtype=torch.float16).transpose(1, 2)
+    kv = torch.randn(1, 29, 1, 32, dtype=torch.float16).transpose(1, 2)
+    with opsadv.use_backend("cuda", deterministic=True), opsadv.trace() as t:
+        out = opsadv.ops.flash_attention(x, kv, kv, causal=True)
+    ro, _ = R.attention_fwd(None, x.double(), kv.double(), kv.double(), None, True, 32 ** -0.5)
+    assert t.counts[TRITON_ID] == 1
+    assert rel_err(out, ro) < 2e-3
+
+
+def test_profiles_carry_attention_tiles_and_interpreter_does_not_autotune():
+    from opsadv.backends.cuda import attention as A
+    from opsadv.backends.cuda.profiles import PROFILES
+    for p in PROFILES:
+        tiles = p.tiles["flash_attention"]
+        for which in ("fwd", "bwd_kv", "bwd_q"):
+            for dclass in (64, 128, 256):
+                assert tiles[which][dclass], (p.name, which, dclass)
+    interp = next(p for p in PROFILES if p.name == "interpreter")
+    assert not interp.autotune
+
+    class Ctx:
+        profile = interp
+    assert len(A._configs(Ctx, "fwd", 64, tma_ok=False)) == 1
+    assert not A._autotune(Ctx, torch.device("cpu"))
+
+
+# ---- GPU ------------------------------------------------------------------------------------------
+@requires_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("b,hq,hkv,sq,sk,d,causal", [
+    (2, 8, 2, 1000, 1000, 128, True), (1, 4, 4, 333, 200, 128, True), (1, 4, 4, 1, 1000, 64, False),
+    (1, 4, 2, 300, 300, 256, True), (1, 4, 2, 257, 257, 96, False)])
+def test_gpu_triton(b, hq, hkv, sq, sk, d, causal, dtype, seed, monkeypatch):
+    monkeypatch.setenv("OPSADV_POISON_OUTPUTS", "1")
+    tol = 1.5e-2 if dtype == torch.bfloat16 else 3e-3
+    t = _check(b, hq, hkv, sq, sk, d, causal, dtype=dtype, device="cuda", tol=tol, deterministic=True)
+    assert t.counts[TRITON_ID] == 2
+
+
+@requires_gpu
+@pytest.mark.parametrize("impl_id", ["cuda.sdpa.cudnn", "cuda.sdpa.flash", "cuda.sdpa.efficient"])
+def test_gpu_vendor_impls(impl_id, seed):
+    from opsadv.core import dispatch
+    from opsadv.core.ops import attention as A
+    from opsadv.registry import get_registry
+    impl = next(i for i in get_registry().impls_by_op["flash_attention"] if i.id == impl_id)
+    q = torch.randn(2, 8, 300, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 2, 300, 64, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    do = torch.randn_like(q)
+    with opsadv.use_backend("cuda"):
+        _, r = dispatch.explain_spec(A._spec(q, k, None, True, False))
+    o, lse = impl.fn(r.ctx, q, k, v, None, True, 0.125)
+    dq, dk, dv = impl.backward(r.ctx, do, q, k, v, o, lse, None, True, 0.125)
+    ro, rl, (rq, rk, rv) = _ref(q, k, v, do, True, 0.125)
+    assert lse.shape == (2, 8, 300) and rel_err(lse, rl) < 1e-5
+    for x, ref in ((o, ro), (dq, rq), (dk, rk), (dv, rv)):
+        assert rel_err(x, ref) < 1.5e-2
+
+
+@requires_gpu
+def test_gpu_choice_per_bucket_is_measured(tmp_path, monkeypatch, seed):
+    from opsadv.core import tuning
+    monkeypatch.setenv("OPSADV_CACHE_DIR", str(tmp_path))
+    tuning.reload()
+    q = torch.randn(2, 8, 1024, 64, device="cuda", dtype=torch.bfloat16)
+    with opsadv.use_backend("cuda", autotune=True):
+        opsadv.ops.flash_attention(q, q, q, causal=True)
+        exp = opsadv.explain("flash_attention", q, q, q, causal=True)
+    assert exp.why.startswith("measured fastest"), exp.why
+    tuning.reload()
