@@ -168,3 +168,53 @@ def test_run_batched_hf_model_and_batch_encoding(seed):
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got.hidden_states, want.hidden_states))
     with torch.no_grad(), pytest.raises(InvalidArgumentError, match="use_cache=False"):
         run_batched(model, dict(enc), chunk_size=2)
+
+
+class FakeMeter:
+    """Simulated device memory: fn declares the transient bytes a chunk needs; above capacity: OOM."""
+
+    def __init__(self, capacity):
+        self.alloc, self.top, self.capacity, self.seen = 0, 0, capacity, []
+
+    def allocated(self):
+        return self.alloc
+
+    def reset_peak(self):
+        self.top = self.alloc
+
+    def peak(self):
+        return self.top
+
+    def use(self, nbytes):
+        if self.alloc + nbytes > self.capacity:
+            raise torch.OutOfMemoryError("simulated")
+        self.top = max(self.top, self.alloc + nbytes)
+        self.seen.append(nbytes)
+
+    def after_oom(self):
+        pass
+
+    def empty_cache(self):
+        pass
+
+
+@pytest.mark.parametrize("capacity,chunks,retries", [
+    (10 ** 9, [1, 6, 17, 17, 17, 2], 0),   # probe 1 sample (150 B), fit 1 point, then 2 points: 100 + 50 n
+    (700, [1, 6, 8, 8, 8, 8, 8, 8, 5], 1),  # the device holds less than the budget: 17 fails, 8 from then on
+])
+def test_run_batched_predicts_chunks_from_measured_peaks(monkeypatch, seed, capacity, chunks, retries):
+    from opsadv.runtime import batched
+    meter = FakeMeter(capacity)
+    monkeypatch.setattr(batched, "meter_for", lambda device: meter)
+    x = torch.randn(60, 3)
+
+    def fn(t):
+        meter.use(100 + 50 * t.shape[0])       # fixed 100 bytes + 50 per sample
+        return t * 2
+
+    st = {}
+    out = run_batched(fn, x, memory_budget=1000, stats=st)
+    assert torch.equal(out, x * 2)
+    assert st["chunks"] == chunks and st["retries"] == retries
+    assert max(meter.seen) <= 1000 and st["peak_bytes"] <= 1000          # within the budget
+    assert st["bytes_per_sample"] == 50 and st["fixed_bytes"] == 100

@@ -230,6 +230,34 @@ def default_budget(device: torch.device) -> tuple[int | None, str]:
     return int((free + cached) * 0.9), "90% of free device memory (cudaMemGetInfo + allocator cache)"
 
 
+class CudaMeter:
+    """Allocated-memory accounting of one CUDA device (what run_batched measures chunks with)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def after_oom(self) -> None:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
+
+def meter_for(device: torch.device):
+    """The meter for the inputs' device: CudaMeter on a GPU, None (nothing measured) on CPU."""
+    return CudaMeter(device) if device.type == "cuda" and torch.cuda.is_available() else None
+
+
 def run_batched(fn_or_model: Callable, inputs, *, memory_budget=None, max_streams: int = 1,
                 bytes_per_sample: int | None = None, chunk_size: int | None = None,
                 stats: dict | None = None):
@@ -246,26 +274,27 @@ def run_batched(fn_or_model: Callable, inputs, *, memory_budget=None, max_stream
     _validate(fn_or_model, max_streams, chunk_size, bytes_per_sample)
     kind, batch = _batch_size(inputs)
     device = _input_device(inputs, kind)
-    on_cuda = device.type == "cuda" and torch.cuda.is_available()
+    meter = meter_for(device)
     if memory_budget is not None:
         budget, source = parse_bytes(memory_budget, op=OP), "memory_budget argument"
     else:
         budget, source = default_budget(device)
     model = _Model(bytes_per_sample)
+    on_cuda = device.type == "cuda" and torch.cuda.is_available()
     streams = [torch.cuda.Stream(device) for _ in range(max_streams)] if on_cuda and max_streams > 1 else None
     nstreams = len(streams) if streams else 1
     share = None if budget is None else budget / nstreams          # each stream's in-flight chunk
-    main = torch.cuda.current_stream(device) if on_cuda else None
-    base = torch.cuda.memory_allocated(device) if on_cuda else 0
-    empty_cache = on_cuda and bool(getattr(current_memory_policy(), "empty_cache_between_chunks", False))
+    main = torch.cuda.current_stream(device) if streams else None
+    base = meter.allocated() if meter else 0
+    empty_cache = meter is not None and bool(getattr(current_memory_policy(), "empty_cache_between_chunks", False))
+    predict = budget is not None and (meter is not None or bytes_per_sample is not None)
 
     if chunk_size is not None:
         n = min(chunk_size, batch)
-    elif budget is not None and (on_cuda or bytes_per_sample is not None):
+    elif predict:                      # a GPU probe run on one sample, or what bytes_per_sample allows
         n = 1 if bytes_per_sample is None else max(1, min(batch, model.largest(share) or 1))
     else:
         n = batch                      # nothing to predict with: one chunk, still retried on OOM
-    predict = budget is not None and (on_cuda or bytes_per_sample is not None)
     ceiling = batch if predict else n  # after an OOM at n: never above n // 2 (nor above the size asked for)
     merger: _Merger | None = None
     chunks: list[int] = []
@@ -278,23 +307,23 @@ def run_batched(fn_or_model: Callable, inputs, *, memory_budget=None, max_stream
         stream = streams[i % nstreams] if streams else None
         oom = False
         try:
-            if on_cuda:
-                torch.cuda.reset_peak_memory_stats(device)
-                before = torch.cuda.memory_allocated(device)
+            if meter:
+                meter.reset_peak()
+                before = meter.allocated()
             with torch.cuda.stream(stream) if stream is not None else _nullctx():
                 out = _call_chunk(fn_or_model, inputs, kind, batch, pos, pos + n)
-            if on_cuda:
-                transient = torch.cuda.max_memory_allocated(device) - before
+            if meter:
+                transient = meter.peak() - before
             if merger is None:
-                merger = _Merger(out, n, batch, main if streams else None)
+                merger = _Merger(out, n, batch, main)
                 if streams:
                     for s in streams:
                         s.wait_stream(main)   # the output buffers exist before side streams write them
             with torch.cuda.stream(stream) if stream is not None else _nullctx():
                 merger.commit(out, pos, pos + n)
             del out
-            if on_cuda:
-                peak_abs = max(peak_abs, torch.cuda.max_memory_allocated(device))
+            if meter:
+                peak_abs = max(peak_abs, meter.peak())
                 model.add(n, transient)
         except torch.OutOfMemoryError:
             if n == 1:
@@ -303,9 +332,8 @@ def run_batched(fn_or_model: Callable, inputs, *, memory_budget=None, max_stream
         if oom:                        # outside the except block: the traceback no longer pins tensors
             out = None
             gc.collect()
-            if on_cuda:
-                torch.cuda.synchronize(device)
-                torch.cuda.empty_cache()
+            if meter:
+                meter.after_oom()
             retries += 1
             n = ceiling = max(1, n // 2)
             continue
@@ -313,10 +341,10 @@ def run_batched(fn_or_model: Callable, inputs, *, memory_budget=None, max_stream
         pos += n
         i += 1
         if empty_cache:
-            torch.cuda.empty_cache()
+            meter.empty_cache()
         fit = None
         if predict:
-            used = (torch.cuda.memory_allocated(device) - base) if on_cuda else 0
+            used = (meter.allocated() - base) if meter else 0
             fit = model.largest(share - used / nstreams)
         if fit is None:
             n = min(ceiling, 2 * n)    # nothing to predict with: back up to the ceiling
@@ -337,5 +365,5 @@ def run_batched(fn_or_model: Callable, inputs, *, memory_budget=None, max_stream
                      budget_bytes=budget, budget_source=source,
                      fixed_bytes=None if coef is None else coef[0],
                      bytes_per_sample=None if coef is None else coef[1],
-                     peak_bytes=(peak_abs - base) if on_cuda else None)
+                     peak_bytes=(peak_abs - base) if meter else None)
     return merger.result()
