@@ -84,7 +84,7 @@ def test_opt_levels():
     kinds = {type(m) for m in m1.modules()}
     assert OpsadvNorm in kinds and SwiGLUMLP not in kinds and QKVProjection not in kinds
     m3 = opsadv.convert_model(make("llama"), backend="reference", opt_level=3)
-    assert m3._opsadv_state.policy.experimental
+    assert m3._opsadv_state.effective().experimental
     assert SwiGLUMLP in {type(m) for m in m3.modules()}
 
 

@@ -61,18 +61,25 @@ def resolve_precision(precision, use_fp16) -> tuple[PrecisionPolicy, torch.dtype
     return pol, _CAST[precision.lower()], precision.lower()
 
 
-def build_policy(backend, precision: PrecisionPolicy, opt_level, tile_size, max_streams, mem_opt) -> Policy | None:
-    """The policy the converted model's ops run under; None = the policy in force at call time."""
+def build_policy(backend, precision: PrecisionPolicy, opt_level, tile_size, max_streams, mem_opt) -> RuntimeState:
+    """The state that decides the policy the converted model's ops run under (see state.py)."""
     if not isinstance(backend, str):
         raise InvalidArgumentError("convert_model", "backend", "a backend name or 'auto'", repr(backend))
     opts = {k: v for k, v in (("tile_size", tile_size), ("max_streams", max_streams), ("mem_opt", mem_opt))
             if v is not None}
-    if backend == "auto" and not opts and precision == PrecisionPolicy() and opt_level < 3:
-        return None
+    overrides = {}
+    if opts:
+        overrides["options"] = opts
+    if precision != PrecisionPolicy():
+        overrides["precision"] = precision
+    if opt_level >= 3:
+        overrides["experimental"] = True
+    if backend == "auto":
+        return RuntimeState(None, overrides)
     with use_backend(backend):                     # validates the name and availability; no global change
         pass
-    return Policy(backend=backend, experimental=opt_level >= 3, precision=precision,
-                  options=tuple(sorted(opts.items())))
+    return RuntimeState(Policy(backend=backend, experimental=opt_level >= 3, precision=precision,
+                               options=tuple(sorted(opts.items()))))
 
 
 def _model_name(model) -> str:
@@ -128,13 +135,12 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
         raise InvalidArgumentError("convert_model", "model", "a torch.nn.Module", type(model).__name__)
     t0 = time.perf_counter()
     pp, cast, label = resolve_precision(precision, use_fp16)
-    policy = build_policy(backend, pp, opt_level, tile_size, max_streams, mem_opt)
+    state = build_policy(backend, pp, opt_level, tile_size, max_streams, mem_opt)
     prev_state = getattr(model, "_opsadv_state", None)
     if prev_state is not None:
         raise InvalidArgumentError("convert_model", "model", "a model not converted yet", "an opsadv-converted model")
     if cast is not None:
         model.to(cast)
-    state = RuntimeState(policy)
     report = ConversionReport(_model_name(model), opt_level, backend, label)
     if opt_level >= 3:
         report.notes.append("opt_level 3: experimental kernels allowed")

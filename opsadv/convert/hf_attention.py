@@ -122,10 +122,10 @@ def register() -> None:
 
 
 def is_transformers_model(model) -> bool:
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:
+    import sys
+    if "transformers" not in sys.modules:         # nothing of it is loaded: cannot be one (and stay light)
         return False
+    from transformers import PreTrainedModel
     return isinstance(model, PreTrainedModel)
 
 

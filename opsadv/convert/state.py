@@ -1,5 +1,10 @@
 """Per-model runtime state shared by every rewritten module of one converted model: the
-dispatch policy its opsadv ops run under (None = whatever policy is in force at call time)."""
+dispatch policy its opsadv ops run under.
+
+- an explicit backend at conversion: that policy, always;
+- backend "auto": the policy in force at call time (`use_backend` still steers the model), with
+  the conversion's overrides (precision, experimental, seed options) applied on top; the derived
+  policy is cached per ambient policy so dispatch memoization keeps hitting."""
 from __future__ import annotations
 
 from contextlib import nullcontext
@@ -23,12 +28,33 @@ class _Scope:
 class RuntimeState:
     """`with state.scope():` runs opsadv ops under the model's policy (a ContextVar set/reset)."""
 
-    def __init__(self, policy=None):
+    def __init__(self, policy=None, overrides: dict | None = None):
         self.policy = policy
+        self.overrides = overrides or None
         self.fallbacks: dict[str, int] = {}
+        self._derived: dict[int, _policy.Policy] = {}
+
+    def effective(self) -> "_policy.Policy":
+        if self.policy is not None:
+            return self.policy
+        amb = _policy.current_policy()
+        if not self.overrides:
+            return amb
+        p = self._derived.get(amb.serial)
+        if p is None:
+            ov = self.overrides
+            p = _policy.Policy(backend=amb.backend, strict=amb.strict, profile=amb.profile,
+                               experimental=amb.experimental or ov.get("experimental", False),
+                               deterministic=amb.deterministic, autotune=amb.autotune,
+                               precision=ov.get("precision", amb.precision),
+                               options=tuple(sorted({**dict(amb.options), **ov.get("options", {})}.items())))
+            self._derived[amb.serial] = p
+        return p
 
     def scope(self):
-        return nullcontext() if self.policy is None else _Scope(self.policy)
+        if self.policy is None and not self.overrides:
+            return nullcontext()
+        return _Scope(self.effective())
 
     def note_fallback(self, what: str) -> None:
         self.fallbacks[what] = self.fallbacks.get(what, 0) + 1

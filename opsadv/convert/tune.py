@@ -10,7 +10,7 @@ import torch
 import opsadv
 from opsadv.core import dispatch
 from opsadv.core.errors import InvalidArgumentError
-from opsadv.core.policy import Policy, current_policy
+from opsadv.core.policy import Policy
 
 
 @dataclass
@@ -91,7 +91,7 @@ def tune_for_hardware(model, device="cuda:0", batch_size: int = 8, seq_len: int 
         inputs = _to(inputs, dev)
         steps, shapes = [("forward example inputs", lambda: _val.run(model, inputs))], ["example inputs"]
     prev = state.policy
-    state.policy = _tuning_policy(prev or current_policy())
+    state.policy = _tuning_policy(state.effective())
     was_training = model.training
     model.eval()
     names = []
