@@ -32,7 +32,7 @@ MAX_REFINE_CELLS = 1 << 26      # tile classification grid (gcd of block size an
 # (fwd BLOCK_M, BLOCK_N, warps, stages), (dq BLOCK_M, BLOCK_N, warps, stages), (dkdv BLOCK_M, BLOCK_N, warps, stages)
 # keyed by profile name, then head-dim class ("small" <= 128 < "large").
 TILES = {
-    "h100": {"small": ((128, 64, 8, 3), (128, 64, 8, 2), (64, 128, 8, 2)),
+    "h100": {"small": ((64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 2)),
              "large": ((64, 64, 4, 2), (64, 32, 4, 2), (32, 64, 4, 2))},
     "a100": {"small": ((128, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 2)),
              "large": ((64, 32, 4, 2), (64, 32, 4, 2), (32, 64, 4, 2))},
@@ -104,17 +104,17 @@ def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, s_kn, s_vn, kt, offs_m, offs_d, 
     else:
         k = tl.load(k_base + offs_n[:, None] * s_kn + offs_d[None, :])
         v = tl.load(v_base + offs_n[:, None] * s_vn + offs_d[None, :])
-    s = tl.dot(q, tl.trans(k)) * qk_scale           # log2-domain scores
+    s = tl.dot(q, tl.trans(k))                      # raw scores; qk_scale (log2 domain) is applied in one FMA
     if MASKED:
         ok = _allowed(offs_m, offs_n, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, seg_ptr, pos_ptr, SQ, SK, OFF, WL, WR, NG,
                       BS, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, HAS_SEG)
         s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)   # a row masked so far: keep exp2 finite
     else:
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         m_use = m_new
-    p = tl.math.exp2(s - m_use[:, None])
+    p = tl.math.exp2(s * qk_scale - m_use[:, None])
     alpha = tl.math.exp2(m_i - m_use)                # rescale of the running sums (0 when m_i = -inf)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
@@ -397,7 +397,8 @@ def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale)
     return out.to(in_dtype), lse
 
 
-def sparse_bwd(ctx, dout, q, k, v, out, lse, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale):
+def sparse_bwd(ctx, dout, q, k, v, out, lse, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale, only=None):
+    """dq, dk, dv.  `only` ("dkdv" / "dq"; benchmarks) launches just one of the two main kernels."""
     in_dtypes = (q.dtype, k.dtype, v.dtype)
     q, k, v, out, dout = _prep(ctx, q, k, v, out, dout)
     lse = lse.to(torch.float32).contiguous()
@@ -409,25 +410,27 @@ def sparse_bwd(ctx, dout, q, k, v, out, lse, block_mask, kpm, cu, bs, causal, wl
     _bwd_delta[(triton.cdiv(sq, 64), b * hq)](out, dout, delta, *out.stride()[:3], *dout.stride()[:3], hq, sq, d,
                                               BLOCK_M=64, HEAD_D=hd)
     common = dict(HEAD_D=hd, EVEN_D=hd == d)
+    dq = _new(q.shape, q.dtype, q.device)
     dk = _new(k.shape, k.dtype, k.device)
     dv = _new(v.shape, v.dtype, v.device)
-    ti = tile_index(block_mask, kpm, cu, bs, causal, wl, wr, ng, sq, sk, km, kn)
-    ptrs, strides = _layout_args(ti, block_mask, kpm, q)
-    _sparse_dkdv[(triton.cdiv(sk, kn), b * hk)](
-        q, k, v, dout, lse, delta, dk, dv, ti.t_rows, ti.t_cols, *ptrs,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
-        *_s4(ti.t_rows), *_s4(ti.t_cols), *strides,
-        hq, hk, hq // hk, sq, sk, sk - sq, d, scale * LOG2E, scale, wl, wr, ng, bs,
-        BLOCK_M=km, BLOCK_N=kn, **common, **_flags(ti, causal, wl, ng, cu, kpm), num_warps=kw, num_stages=ks)
-    dq = _new(q.shape, q.dtype, q.device)
-    ti = tile_index(block_mask, kpm, cu, bs, causal, wl, wr, ng, sq, sk, qm, qn)
-    ptrs, strides = _layout_args(ti, block_mask, kpm, q)
-    _sparse_dq[(triton.cdiv(sq, qm), b * hq)](
-        q, k, v, dout, lse, delta, dq, ti.rows, ti.cols, *ptrs,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dq.stride()[:3],
-        *_s4(ti.rows), *_s4(ti.cols), *strides,
-        hq, hq // hk, sq, sk, sk - sq, d, scale * LOG2E, scale, wl, wr, ng, bs,
-        BLOCK_M=qm, BLOCK_N=qn, **common, **_flags(ti, causal, wl, ng, cu, kpm), num_warps=qw, num_stages=qs)
+    if only != "dq":
+        ti = tile_index(block_mask, kpm, cu, bs, causal, wl, wr, ng, sq, sk, km, kn)
+        ptrs, strides = _layout_args(ti, block_mask, kpm, q)
+        _sparse_dkdv[(triton.cdiv(sk, kn), b * hk)](
+            q, k, v, dout, lse, delta, dk, dv, ti.t_rows, ti.t_cols, *ptrs,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dk.stride()[:3],
+            *dv.stride()[:3], *_s4(ti.t_rows), *_s4(ti.t_cols), *strides,
+            hq, hk, hq // hk, sq, sk, sk - sq, d, scale * LOG2E, scale, wl, wr, ng, bs,
+            BLOCK_M=km, BLOCK_N=kn, **common, **_flags(ti, causal, wl, ng, cu, kpm), num_warps=kw, num_stages=ks)
+    if only != "dkdv":
+        ti = tile_index(block_mask, kpm, cu, bs, causal, wl, wr, ng, sq, sk, qm, qn)
+        ptrs, strides = _layout_args(ti, block_mask, kpm, q)
+        _sparse_dq[(triton.cdiv(sq, qm), b * hq)](
+            q, k, v, dout, lse, delta, dq, ti.rows, ti.cols, *ptrs,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dq.stride()[:3],
+            *_s4(ti.rows), *_s4(ti.cols), *strides,
+            hq, hq // hk, sq, sk, sk - sq, d, scale * LOG2E, scale, wl, wr, ng, bs,
+            BLOCK_M=qm, BLOCK_N=qn, **common, **_flags(ti, causal, wl, ng, cu, kpm), num_warps=qw, num_stages=qs)
     return dq.to(in_dtypes[0]), dk.to(in_dtypes[1]), dv.to(in_dtypes[2])
 
 

@@ -1,0 +1,188 @@
+"""Bench suite "sparse": opsadv.ops.sparse_attention against compiled FlexAttention with the same
+mask (`flex`), SDPA with the dense boolean mask (`sdpa_masked`, where memory allows) and, for
+packed variable-length batches, dense flash attention over the padded batch (`padded_dense`).
+
+Cases (BENCHMARKS.md): s=16384 sliding window 1024 causal; global tokens + window (Longformer);
+a packed varlen batch with ~30% padding; plus a window-size series (extra field `density`: the
+fraction of (query, key) tiles computed) for the time-vs-density plot.  Work counts computed
+tiles only: 4*b*h*s_q*s_k*d * (visited tiles / all tiles) of the forward kernel's tile grid,
+forward+backward 3.5x."""
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+
+import opsadv
+from opsadv import SparseLayout
+
+from .case import BenchCase
+
+DENSE_MASK_MAX_BYTES = 4 << 30      # sdpa_masked only where the (s_q, s_k) bool mask stays below this
+
+
+def _flex():
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError:
+        return None, None
+    return torch.compile(flex_attention), create_block_mask
+
+
+_FLEX = None
+
+
+def flex_peer():
+    global _FLEX
+    if _FLEX is None:
+        _FLEX = _flex()
+    return _FLEX
+
+
+def fwd_tiles(layout: SparseLayout, d: int) -> tuple[int, int]:
+    """(visited, total) tiles of the forward kernel's grid for this layout (for work counting)."""
+    from opsadv.backends.cuda import sparse as SP
+    from opsadv.core.dispatch import select_profile
+    from opsadv.core.policy import current_policy
+    from opsadv.registry import get_registry
+    prof = None
+    rec = get_registry().backends.get("cuda")
+    if rec is not None and rec.available:
+        prof = select_profile(rec, current_policy())
+    (m, n, _, _), _, _ = SP.tiles_for(prof, d)
+    ti = layout.tile_index(m, n)
+    return ti.tiles, ti.total_tiles
+
+
+def _run(fn, q, k, v, do, bwd):
+    if not bwd:
+        with torch.no_grad():
+            return fn(q, k, v)
+    return torch.autograd.grad(fn(q, k, v), (q, k, v), do)
+
+
+def _inputs(b, h, hkv, sq, sk, d, dtype, dev, bwd, seed=0):
+    g = torch.Generator(device=dev).manual_seed(seed)
+    q = torch.randn(b, h, sq, d, device=dev, dtype=dtype, generator=g).requires_grad_(bwd)
+    k = torch.randn(b, hkv, sk, d, device=dev, dtype=dtype, generator=g).requires_grad_(bwd)
+    v = torch.randn(b, hkv, sk, d, device=dev, dtype=dtype, generator=g).requires_grad_(bwd)
+    do = torch.randn(b, h, sq, d, device=dev, dtype=dtype, generator=g) if bwd else None
+    return q, k, v, do
+
+
+def pattern_case(name: str, layout: SparseLayout, mask_mod, *, b=1, h=32, d=128, dtype=torch.bfloat16, bwd=False,
+                 extra_words=(), dev="cuda") -> BenchCase:
+    """A block-sparse pattern over (b, h, s, d): opsadv vs flex (same mask) vs sdpa_masked."""
+    s = layout.seq_q
+    q, k, v, do = _inputs(b, h, h, s, layout.seq_k, d, dtype, dev, bwd)
+    peers = {}
+    flex, make_mask = flex_peer()
+    if flex is not None and dev == "cuda":
+        bm = make_mask(mask_mod, None, None, s, layout.seq_k, device=dev)
+        peers["flex"] = lambda: _run(lambda q_, k_, v_: flex(q_, k_, v_, block_mask=bm), q, k, v, do, bwd)
+    if s * layout.seq_k <= DENSE_MASK_MAX_BYTES:
+        dense = layout.dense_mask(device=dev)
+        peers["sdpa_masked"] = lambda: _run(
+            lambda q_, k_, v_: F.scaled_dot_product_attention(q_, k_, v_, attn_mask=dense), q, k, v, do, bwd)
+    visited, total = fwd_tiles(layout, d)
+    frac = visited / total
+    work = 4.0 * b * h * s * layout.seq_k * d * frac * (3.5 if bwd else 1.0)
+    words = ["fwd+bwd" if bwd else "fwd", {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype], f"b{b}", f"h{h}",
+             f"s{s}", f"d{d}", name, *extra_words]
+    return BenchCase(suite="sparse", case=" ".join(words),
+                     opsadv=lambda: _run(lambda q_, k_, v_: opsadv.ops.sparse_attention(q_, k_, v_, layout),
+                                         q, k, v, do, bwd),
+                     peers=peers, work=work, extra={"density": round(frac, 4)})
+
+
+def window_case(s=16384, w=1024, causal=True, **kw) -> BenchCase:
+    lay = SparseLayout.sliding_window(s, w, causal=causal, block_size=128, device="cuda")
+    if causal:
+        def mm(b, h, i, j):
+            return (i >= j) & (i - j <= w)
+    else:
+        def mm(b, h, i, j):
+            return (i - j <= w) & (j - i <= w)
+    return pattern_case(f"sliding{w}" + (" causal" if causal else ""), lay, mm, **kw)
+
+
+def global_window_case(s=16384, w=256, g=128, **kw) -> BenchCase:
+    lay = SparseLayout.global_tokens(s, g, window=w, causal=False, block_size=128, device="cuda")
+
+    def mm(b, h, i, j):
+        return ((i - j <= w) & (j - i <= w)) | (i < g) | (j < g)
+    return pattern_case(f"sliding{w} global{g}", lay, mm, **kw)
+
+
+def varlen_lengths(n: int, max_len: int, seed: int = 0) -> list[int]:
+    """n lengths uniform in [0.4, 1.0] * max_len (about 30% padding), the longest = max_len."""
+    g = torch.Generator().manual_seed(seed)
+    lens = (max_len * (0.4 + 0.6 * torch.rand(n, generator=g))).long().clamp(1, max_len)
+    lens[0] = max_len
+    return lens.tolist()
+
+
+def varlen_case(n=8, max_len=4096, h=16, d=128, causal=False, dtype=torch.bfloat16, bwd=False, dev="cuda") -> BenchCase:
+    """Packed (1, h, total, d) varlen vs dense flash over the padded (n, h, max_len, d) batch."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    lens = varlen_lengths(n, max_len)
+    total = sum(lens)
+    lay = SparseLayout.varlen(lens, causal=causal, block_size=128, device=dev)
+    q, k, v, do = _inputs(1, h, h, total, total, d, dtype, dev, bwd)
+    am = torch.zeros(n, max_len, dtype=torch.long, device=dev)
+    for i, L in enumerate(lens):
+        am[i, :L] = 1
+    _, info = SparseLayout.unpad(torch.zeros(n, 1, max_len, 1, device=dev), am)
+    qp, kp, vp = (SparseLayout.pad(t.detach(), info).requires_grad_(bwd) for t in (q, k, v))
+    dop = SparseLayout.pad(do, info) if bwd else None
+
+    def padded(q_, k_, v_):
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            return F.scaled_dot_product_attention(q_, k_, v_, is_causal=causal)
+    peers = {"padded_dense": lambda: _run(padded, qp, kp, vp, dop, bwd)}
+    flex, make_mask = flex_peer()
+    if flex is not None and dev == "cuda":
+        seg = torch.repeat_interleave(torch.arange(n, device=dev), torch.tensor(lens, device=dev))
+
+        def doc(b, hh, i, j):
+            ok = seg[i] == seg[j]
+            return (ok & (i >= j)) if causal else ok
+        bm = make_mask(doc, None, None, total, total, device=dev)
+        peers["flex"] = lambda: _run(lambda q_, k_, v_: flex(q_, k_, v_, block_mask=bm), q, k, v, do, bwd)
+
+    def compare(mine, _peer):
+        """The padded peer attends to padding (no mask in flash), so verify against flex, or
+        against per-sequence SDPA when flex is absent."""
+        from .runner import rel_err
+        if "flex" in peers:
+            return rel_err(mine, peers["flex"]())
+        outs, start = [], 0
+        for L in lens:
+            sl = slice(start, start + L)
+            outs.append(F.scaled_dot_product_attention(q[:, :, sl], k[:, :, sl], v[:, :, sl], is_causal=causal))
+            start += L
+        return rel_err(mine if not bwd else mine[0], torch.cat(outs, 2)) if not bwd else float("nan")
+    visited, all_tiles = fwd_tiles(lay, d)
+    frac = visited / all_tiles
+    work = 4.0 * h * total * total * d * frac * (3.5 if bwd else 1.0)
+    padding = 1 - total / (n * max_len)
+    words = ["fwd+bwd" if bwd else "fwd", {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype], f"n{n}", f"h{h}",
+             f"s{max_len}", f"d{d}", "varlen", f"pad{round(100 * padding)}"] + (["causal"] if causal else [])
+    return BenchCase(suite="sparse", case=" ".join(words),
+                     opsadv=lambda: _run(lambda q_, k_, v_: opsadv.ops.sparse_attention(q_, k_, v_, lay),
+                                         q, k, v, do, bwd),
+                     peers=peers, work=work, compare=compare,
+                     extra={"density": round(frac, 4), "padding": round(padding, 3), "tokens": total})
+
+
+def cases(quick: bool) -> Iterator[BenchCase]:
+    for bwd in (False, True):
+        yield window_case(bwd=bwd)
+        yield varlen_case(bwd=bwd)
+        if not quick:
+            yield global_window_case(bwd=bwd)
+            yield varlen_case(bwd=bwd, causal=True)
+    if not quick:
+        for w in (128, 256, 512, 2048, 4096, 8192):       # time vs density series (window 1024 above)
+            yield window_case(w=w)
