@@ -81,7 +81,8 @@ class Plan:
     pre_tockens: int = FULL
     next_tockens: int = FULL
     seqlens: list[int] | None = None   # TND: cumulative lengths, e.g. [2, 4, 6] for three of 2
-    dead: Tensor | None = None         # rows with no allowed key (broadcastable to (b, h, s_q))
+    dead: Tensor | None = None         # explicit mask: rows with no allowed key (broadcastable to (b, h, s_q))
+    dead_prefix: int = 0               # causal / band: the first rows see no key (s_q > s_k)
     nothing: bool = False              # no key allowed anywhere: zeros without calling the NPU
 
     def kwargs(self) -> dict:
@@ -92,11 +93,10 @@ class Plan:
         return kw
 
 
-def _band_dead_rows(sq: int, sk: int, pre: int, nxt: int, device) -> Tensor | None:
-    """Rows i whose key range [i' - pre, i' + nxt] (i' = i + sk - sq) misses [0, sk)."""
-    ip = torch.arange(sq, device=device) + (sk - sq)
-    dead = (ip + nxt < 0) | (ip - pre > sk - 1) | torch.tensor(pre + nxt < 0, device=device)
-    return dead if sq > 0 and bool(dead.any()) else None
+def _band_dead_prefix(sq: int, sk: int, nxt: int) -> int:
+    """Rows i whose key range [i' - pre, i' + nxt] (i' = i + sk - sq, pre, nxt >= 0) misses [0, sk):
+    exactly those with i' + nxt < 0, a prefix of the rows (computed on the host: no device sync)."""
+    return max(0, min(sq, sq - sk - nxt))
 
 
 def _dense_plan(q: Tensor, k: Tensor, attn_mask: Tensor | None, causal: bool) -> Plan:
@@ -106,7 +106,7 @@ def _dense_plan(q: Tensor, k: Tensor, attn_mask: Tensor | None, causal: bool) ->
         if not causal:
             return Plan()
         return Plan(atten_mask=compressed_causal_mask(q.device), sparse_mode=SPARSE_MODE_CAUSAL_BR,
-                    dead=_band_dead_rows(sq, sk, FULL, 0, q.device))
+                    dead_prefix=_band_dead_prefix(sq, sk, 0))
     allowed = attn_mask
     while allowed.dim() < 4:
         allowed = allowed.unsqueeze(0)
@@ -116,14 +116,18 @@ def _dense_plan(q: Tensor, k: Tensor, attn_mask: Tensor | None, causal: bool) ->
         allowed = allowed & (j <= i + (sk - sq))
     mb = b if allowed.shape[0] != 1 or allowed.shape[1] != 1 else 1   # NPU shapes: BNSS, B1SS, 11SS
     allowed = allowed.expand(mb, allowed.shape[1], sq, sk)
-    dead = ~allowed.any(-1)
-    return Plan(atten_mask=(~allowed).contiguous(), dead=dead if bool(dead.any()) else None)
+    return Plan(atten_mask=(~allowed).contiguous(), dead=~allowed.any(-1))   # applied without a host sync
 
 
-def _fix_dead(out: Tensor, lse: Tensor, dead: Tensor | None) -> tuple[Tensor, Tensor]:
-    if dead is None:
-        return out, lse
-    return out.masked_fill(dead[..., None], 0), lse.masked_fill(dead, float("-inf"))
+def _fix_dead(out: Tensor, lse: Tensor, plan: Plan) -> tuple[Tensor, Tensor]:
+    """Rows with no allowed key: 0 and lse = -inf (the NPU leaves them unspecified).  `out` and
+    `lse` are this call's own fresh tensors, so the prefix case writes in place."""
+    if plan.dead is not None:
+        out, lse = out.masked_fill(plan.dead[..., None], 0), lse.masked_fill(plan.dead, float("-inf"))
+    if plan.dead_prefix:
+        out[..., :plan.dead_prefix, :] = 0
+        lse[..., :plan.dead_prefix] = float("-inf")
+    return out, lse
 
 
 # ---- flash_attention -------------------------------------------------------------------------------
@@ -150,7 +154,7 @@ def _run_infer(npu, q, k, v, plan: Plan, scale: float):
         q.contiguous(), k.contiguous(), v.contiguous(), atten_mask=plan.atten_mask, num_heads=q.shape[1],
         num_key_value_heads=k.shape[1], input_layout="BNSD", scale=float(scale), pre_tokens=plan.pre_tockens,
         next_tokens=plan.next_tockens, sparse_mode=plan.sparse_mode, softmax_lse_flag=True)[:2]
-    return _fix_dead(out, lse[..., 0].float(), plan.dead)
+    return _fix_dead(out, lse[..., 0].float().contiguous(), plan)
 
 
 def _run_fwd(q, k, v, plan: Plan, scale: float):
@@ -164,7 +168,7 @@ def _run_fwd(q, k, v, plan: Plan, scale: float):
                                    **plan.kwargs())
     out, smax, ssum = res[0], res[1], res[2]
     lse = lse_from_softmax_stats(smax, ssum, plan.layout)
-    return _fix_dead(_from_layout(out, plan.layout), lse, plan.dead)
+    return _fix_dead(_from_layout(out, plan.layout), lse, plan)
 
 
 def _run_bwd(dout, q, k, v, out, lse, plan: Plan, scale: float):
@@ -199,7 +203,7 @@ def _reject(reason: str):
 
 def _sparse_plan(q, k, block_mask, kpm, cu, bs, causal, wl, wr) -> Plan:
     sq, sk = q.shape[2], k.shape[2]
-    every, some = bool(block_mask.all()), bool(block_mask.any())
+    every, some = torch.stack([block_mask.all(), block_mask.any()]).tolist()   # one host sync
     if some and not every:
         _reject(SPARSE_UNSUPPORTED)
     if not some and wl < 0:      # nothing allowed at all: every row is empty
@@ -218,7 +222,7 @@ def _sparse_plan(q, k, block_mask, kpm, cu, bs, causal, wl, wr) -> Plan:
         plan = Plan(atten_mask=compressed_causal_mask(q.device), sparse_mode=SPARSE_MODE_BAND, pre_tockens=wl,
                     next_tockens=nxt)
         if cu is None:   # packed segments are self-attention and the band holds the diagonal: no dead rows
-            plan.dead = _band_dead_rows(sq, sk, wl, nxt, q.device)
+            plan.dead_prefix = _band_dead_prefix(sq, sk, nxt)
     if cu is not None:   # packed varlen: TND with cumulative lengths
         plan.layout = "TND"
         plan.seqlens = [int(x) for x in cu[1:].tolist()]
@@ -234,7 +238,7 @@ def sparse_bwd(ctx, dout, q, k, v, out, lse, block_mask, kpm, cu, bs, causal, wl
 
 
 # ---- registration ------------------------------------------------------------------------------------
-def _check(soc, op: str):
+def _check(soc):
     def check(spec, env) -> list[str]:
         why = []
         if not soc.fusion_attention:
@@ -253,13 +257,13 @@ def impls(soc) -> list[KernelImpl]:
     return [
         KernelImpl(id="ascend.npu_fusion_attention", op="flash_attention", fn=flash_fwd, backward=flash_bwd,
                    features=frozenset({"causal", "gqa", "cross_length", "attn_mask_bool"}),
-                   check=_check(soc, "flash_attention"),
+                   check=_check(soc),
                    description="torch_npu.npu_fusion_attention, BNSD, sparse_mode 3 for causal (inputs without "
                                "grad, head_dim <= 512, A2/A3: npu_fused_infer_attention_score); backward "
                                "npu_fusion_attention_grad", **common),
         KernelImpl(id="ascend.npu_fusion_attention.sparse", op="sparse_attention", fn=sparse_fwd, backward=sparse_bwd,
                    features=frozenset({"causal", "gqa", "cross_length", "window", "varlen", "key_padding"}),
-                   check=_check(soc, "sparse_attention"),
+                   check=_check(soc),
                    description="npu_fusion_attention: window -> sparse_mode 4 band, cu_seqlens -> TND with "
                                "cumulative actual_seq_qlen/kvlen, key padding -> explicit (B,1,S,S) mask; block-sparse "
                                "patterns rejected at call time",
