@@ -274,6 +274,16 @@ def density_series():
               "speedup": round(fl / ms, 3)})
 
 
+def suite_smoke():
+    if TINY:
+        return
+    from opsadv.bench.runner import run_case
+    opsadv.use_backend("auto")
+    for row in run_case(next(iter(SS.cases(quick=True)))):
+        save({"section": "suite_smoke", **row})
+    opsadv.use_backend("cuda")
+
+
 if __name__ == "__main__":
     opsadv.use_backend("cuda")
     save({"section": "start", "profile": getattr(ctx_for(*tensors(1, 1, 64, 64, torch.float16)[:2],
@@ -282,5 +292,6 @@ if __name__ == "__main__":
     guarded("window", window_timing, 40)
     guarded("varlen", varlen_timing, 20)
     guarded("correct", correctness, 15)
+    guarded("suite_smoke", suite_smoke, 20)
     guarded("density", density_series, 25)
     save({"section": "done"})
