@@ -37,9 +37,13 @@ def _cmd_conformance(args) -> int:
 
     print(f"opsadv conformance: backend {args.backend} on {device} ({'quick' if args.quick else 'full'} catalogue)",
           flush=True)
-    results = run_conformance(args.backend, quick=args.quick, device=device, ops=ops, progress=progress)
+    results = run_conformance(args.backend, quick=args.quick, device=device, ops=ops, progress=progress,
+                              precision=args.precision)
+    note = args.note or ""
+    if args.precision:
+        note = (note + " " if note else "") + f"Run under precision policy {args.precision!r} (float32 cells computed in it)."
     write(results, backend=args.backend, device=device, quick=args.quick, json_path=args.json,
-          markdown_path=args.markdown, note=args.note or "")
+          markdown_path=args.markdown, note=note)
     s = summary(results)
     print(f"{s['pass']} passed, {s['fail']} failed, {s['skip']} skipped")
     return 1 if s["fail"] else 0
@@ -83,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ops", default=None, help="comma-separated op names (default: all)")
     s.add_argument("--note", default=None, help="a line to put in the report")
     s.add_argument("--aoe-mode", type=int, default=None, help="Ascend AOE tuning mode (ascend backend only)")
+    s.add_argument("--precision", default=None, choices=["fp16", "bf16", "tf32", "fp32"],
+                   help="precision policy for the run (float32 inputs computed in it)")
     s.add_argument("-v", "--verbose", action="store_true")
     s.set_defaults(func=_cmd_conformance)
 

@@ -82,18 +82,38 @@ def _explain(case: Case, args, kwargs, backward: bool):
     return opsadv.explain(case.op, *args, backward=backward, **kwargs)
 
 
-def _interpreter_bf16(backend: str, device: str, dtype: torch.dtype) -> bool:
+_DOT_OPS = {"flash_attention", "sparse_attention", "gemm", "swiglu_gemm"}
+
+
+def _interpreter_bf16(op: str, backend: str, device: str, dtype: torch.dtype) -> bool:
+    """triton 3.6's interpreter computes bf16 tl.dot wrongly: those cells belong on a GPU."""
     env = get_registry().env
-    return backend != "reference" and device == "cpu" and env.triton_interpret and dtype == torch.bfloat16
+    return (backend != "reference" and device == "cpu" and env.triton_interpret and dtype == torch.bfloat16
+            and op in _DOT_OPS)
+
+
+def _tolerance(dtype: torch.dtype, op: str, precision) -> tuple[float, float]:
+    """float32 inputs computed in a lower precision (policy) are held to that precision's row."""
+    if dtype == torch.float32 and precision is not None:
+        from opsadv.core.precision import PrecisionPolicy, parse_dtype
+        pol = PrecisionPolicy.from_string(precision)
+        cls = pol.attention if op in ("flash_attention", "sparse_attention") else pol.matmul if op in (
+            "gemm", "swiglu_gemm") else "fp32"
+        if cls in ("fp16", "bf16"):
+            return TOLERANCE[parse_dtype(cls)]
+    return TOLERANCE[dtype]
 
 
 def run_case(case: Case, backend: str, dtype: torch.dtype, device: str, *, seed: int | None = None,
-             check_determinism: bool = True) -> Result:
+             check_determinism: bool = True, precision=None) -> Result:
+    """One cell.  `precision` ("fp16", "bf16", "tf32" or a PrecisionPolicy) is the policy under which
+    the backend runs; float32 cells are then held to the compute precision's tolerance."""
     seed = seed if seed is not None else int.from_bytes(os.urandom(4), "little")
-    res = Result(backend, case.op, DT[dtype], case.shape_class, "pass", seed=seed, tol=TOLERANCE[dtype])
+    tol = _tolerance(dtype, case.op, precision)
+    res = Result(backend, case.op, DT[dtype], case.shape_class, "pass", seed=seed, tol=tol)
     t0 = time.perf_counter()
     try:
-        _run(case, res, backend, dtype, device, seed, check_determinism)
+        _run(case, res, backend, dtype, device, seed, check_determinism, precision, tol)
     except NoKernelError as e:
         res.status, res.reason = "skip", "no impl serves this case: " + "; ".join(
             f"{k}: {', '.join(v)}" for k, v in e.reasons.items() if k.startswith(backend + ".") or True)
@@ -103,13 +123,14 @@ def run_case(case: Case, backend: str, dtype: torch.dtype, device: str, *, seed:
     return res
 
 
-def _run(case, res, backend, dtype, device, seed, check_determinism):
-    if _interpreter_bf16(backend, device, dtype):
+def _run(case, res, backend, dtype, device, seed, check_determinism, precision, tol):
+    pol = {"strict": True} if precision is None else {"strict": True, "precision": precision}
+    if _interpreter_bf16(case.op, backend, device, dtype):
         res.status, res.reason = "skip", "bf16 tl.dot is wrong in the Triton interpreter (triton 3.6): run on a GPU"
         return
     g = torch.Generator().manual_seed(seed)
     args, kwargs = case.build(dtype, device, g)
-    with opsadv.use_backend(backend, strict=True):
+    with opsadv.use_backend(backend, **pol):
         exp = _explain(case, args, kwargs, backward=False)
         if exp.chosen is None:
             raise NoKernelError(case.op, exp.policy, {c.impl.id: list(c.reasons) for c in exp.candidates})
@@ -117,7 +138,7 @@ def _run(case, res, backend, dtype, device, seed, check_determinism):
         impl = next(c.impl for c in exp.candidates if c.chosen)
         gargs = [a.detach().clone().requires_grad_(True) if i in case.grad_args else a for i, a in enumerate(args)]
         outs = _outputs(call(case, tuple(gargs), kwargs))
-    fwd_tol, bwd_tol = TOLERANCE[dtype]
+    fwd_tol, bwd_tol = tol
     with opsadv.use_backend("reference"):
         rargs = [_to64(a) for a in args]
         rargs = [a.requires_grad_(True) if i in case.grad_args else a for i, a in enumerate(rargs)]
@@ -130,7 +151,7 @@ def _run(case, res, backend, dtype, device, seed, check_determinism):
     # backward: same random output gradients for both
     grads_out = [torch.randn(r.shape, generator=g, dtype=torch.float64) for r in routs]
     try:
-        with opsadv.use_backend(backend, strict=True):
+        with opsadv.use_backend(backend, **pol):
             bexp = _explain(case, args, kwargs, backward=True)
             res.backward_impl = bexp.chosen
             if bexp.chosen is None:
@@ -149,7 +170,7 @@ def _run(case, res, backend, dtype, device, seed, check_determinism):
         return
     res.checks.append("backward")
     if check_determinism and impl.deterministic and backend != "reference":
-        with opsadv.use_backend(backend, strict=True):
+        with opsadv.use_backend(backend, **pol):
             again = _outputs(call(case, tuple(gargs), kwargs))
             got2 = torch.autograd.grad(again, [gargs[i] for i in case.grad_args],
                                        [go.to(dtype=o.dtype, device=o.device) for go, o in zip(grads_out, again)])
@@ -220,7 +241,7 @@ def iter_cases(quick: bool, ops: Iterable[str] | None = None) -> list[Case]:
 
 
 def run_conformance(backend: str, *, quick: bool = False, device: str | None = None, ops=None,
-                    dtypes=None, graph_checks: bool = True, progress=None) -> list[Result]:
+                    dtypes=None, graph_checks: bool = True, progress=None, precision=None) -> list[Result]:
     """Every case x dtype for `backend`; returns the results (the matrix's cells)."""
     from opsadv.registry import get_registry
     reg = get_registry()
@@ -234,7 +255,7 @@ def run_conformance(backend: str, *, quick: bool = False, device: str | None = N
     cases = iter_cases(quick, ops)
     for case in cases:
         for dtype in dtypes:
-            results.append(run_case(case, backend, dtype, device))
+            results.append(run_case(case, backend, dtype, device, precision=precision))
             if progress:
                 progress(results[-1])
     if graph_checks:
