@@ -155,17 +155,32 @@ def test_swiglu_autograd_dispatch():
     assert rel_err(y, yr) < 1e-5 and rel_err(dx, dxr) < 1e-5 and rel_err(dw, dwr) < 1e-5
 
 
-@pytest.mark.parametrize("impl_id", ["cuda.cublas.gemm", "cuda.cublas.gemm_epilogue"])
+@pytest.mark.parametrize("impl_id", ["cuda.cublas.gemm", "cuda.cublas.gemm_epilogue", "cuda.cublas.gemm_small_m"])
 def test_cublas_impls_torch_code(impl_id):
     """The vendor impls' torch code (addmm, _addmm_activation) runs on CPU tensors too."""
     impl = _impl(impl_id)
     a, b, bias, res = _inputs(17, 40, 24, torch.float32, lead=(2,))
-    combos = [("none", bias, None), ("none", None, None)]
-    if impl_id.endswith("epilogue"):
+    combos = [("none", bias, None), ("none", None, None), ("relu", bias, None)]
+    if not impl_id.endswith("cublas.gemm"):
         combos += [(act, bias, res) for act in ACTS] + [("relu", None, res), ("gelu_tanh", bias, None)]
     for act, bb, rr in combos:
         ctx = _ctx(_gemm_spec(a, b, bb, act, rr, 0.5, False))
         assert rel_err(impl.fn(ctx, a, b, bb, act, rr, 0.5), _ref_gemm(a, b, bb, act, rr, 0.5)) < 1e-5, act
+
+
+def test_cublas_impl_declarations():
+    """Static priorities follow the H200 measurements: cuBLASLt's fused bias+gelu_tanh and cuBLAS at
+    decode sizes win by default; each cuBLAS impl declares what it cannot serve."""
+    fused = _impl("cuda.cublas.gemm")
+    a, b, bias, _ = _inputs(17, 40, 24, torch.float16)
+    env = get_registry().env
+    ok = _gemm_spec(a, b, bias, "gelu_tanh", None, 1.0, False)
+    no_bias = _gemm_spec(a, b, None, "gelu_tanh", None, 1.0, False)
+    assert "only together with a bias" in " ".join(fused.check(no_bias, env))
+    assert fused.check(ok, env) == []
+    small = _impl("cuda.cublas.gemm_small_m")
+    big = _gemm_spec(torch.empty(300, 40, dtype=torch.float16), b, bias, "silu", None, 1.0, False)
+    assert small.check(ok, env) == [] and "M <= 64" in " ".join(small.check(big, env))
 
 
 def test_fp32_needs_tf32_policy():

@@ -8,6 +8,7 @@ fp16 / bf16 / fp32 inputs, any leading dims; rows need unit stride in the last d
 copied once with .contiguous())."""
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
@@ -24,6 +25,7 @@ def _next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+@functools.lru_cache(maxsize=None)
 def fwd_config(n: int) -> tuple[int, int, int]:
     """(BLOCK_N, ROWS, num_warps): ~4K elements per program, ~16 per thread (two 16-byte bf16 vectors)."""
     block = _next_pow2(n)
@@ -31,6 +33,7 @@ def fwd_config(n: int) -> tuple[int, int, int]:
     return block, rows, min(max(rows * block // 512, 4), 16)
 
 
+@functools.lru_cache(maxsize=None)
 def bwd_config(n: int) -> tuple[int, int, int]:
     block = _next_pow2(n)
     rows = max(1, min(2048 // block, 16))          # backward keeps x, dy, xhat, dx live: fewer rows
