@@ -163,6 +163,25 @@ def timing(out, part=0, nparts=1):
             b_t = lambda: tri.backward(ctx, do, q.detach(), k.detach(), v.detach(), o, l, None, causal, sc)
             rec["triton_fwd_ms"] = bench(f_t)
             rec["triton_bwd_ms"] = bench(b_t)
+            try:
+                tria = I["cuda.triton.flash_attention.atomic_dq"]
+                ga = tria.backward(ctx, do, q.detach(), k.detach(), v.detach(), o, l, None, causal, sc)
+                gd = b_t()
+                rec["atomic_vs_det_rel"] = max(rel(x, y) for x, y in zip(ga, gd))
+                rec["triton_bwd_atomic_ms"] = bench(
+                    lambda: tria.backward(ctx, do, q.detach(), k.detach(), v.detach(), o, l, None, causal, sc))
+                for key, best in TA._BWD_KVA.best.items():
+                    if key[1] == d and key[2] == causal and key[4] == TA.bucket(s) and key[0] == str(dtype):
+                        rec["cfg_bwd_kva"] = best
+                        rec["cfg_bwd_kva_ms"] = {str(i): round(t, 4) for i, t in TA._BWD_KVA.times[key].items()}
+            except Exception:
+                rec["atomic_tb"] = traceback.format_exc()[-1500:]
+            if (dt, s, d, causal) == ("bf16", 4096, 128, False):   # clock drift check: alternate cuDNN and Triton
+                from torch.nn.attention import SDPBackend as _B, sdpa_kernel as _k
+                def cud():
+                    with _k([_B.CUDNN_ATTENTION]), torch.no_grad():
+                        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hkv != hq)
+                rec["drift"] = [round(bench(fn), 4) for fn in (cud, f_t, cud, f_t, cud, f_t)]
             ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hkv != hq)
             rec["triton_rel_err"] = rel(o, ref)
             for nm, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
@@ -176,8 +195,10 @@ def timing(out, part=0, nparts=1):
                 except Exception as e:
                     rec[f"{nm}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
             rec["triton_fwdbwd_ms"] = rec["triton_fwd_ms"] + rec["triton_bwd_ms"]
+            if "triton_bwd_atomic_ms" in rec:
+                rec["triton_atomic_fwdbwd_ms"] = rec["triton_fwd_ms"] + rec["triton_bwd_atomic_ms"]
             for key in list(rec):
-                if key.startswith("cfg"):
+                if key.startswith("cfg") or not isinstance(rec[key], float):
                     continue
                 if key.endswith("fwd_ms"):
                     rec[key.replace("_ms", "_tflops")] = round(flops / rec[key] / 1e9, 1)

@@ -29,6 +29,7 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 HEAD_DIMS = (32, 64, 96, 128, 256)
 FEATURES = frozenset({"causal", "gqa", "cross_length"})
+ATOMIC_DQ_PRIORITY_DELTA = 5      # set from H200 measurements (benchmarks/attention_probe.py)
 
 try:  # host-side TMA descriptors (Triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -150,9 +151,9 @@ def _bwd_pre_kernel(O, DO, LSE, DELTA, LSE2, s_ob, s_oh, s_om, s_db, s_dh, s_dm,
 
 
 @triton.jit
-def _bwd_kv_inner(dk, dv, k, v, q_base, do_base, L, D, s_qm, s_dm, offs_n, offs_d, lo, hi, SQ, OFFSET, qk_scale,
-                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, PAD_D: tl.constexpr,
-                  MASKED: tl.constexpr, EVEN_M: tl.constexpr):
+def _bwd_kv_inner(dk, dv, k, v, q_base, do_base, L, D, DQA, s_qm, s_dm, offs_n, offs_d, lo, hi, SQ, SK, OFFSET,
+                  qk_scale, scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, PAD_D: tl.constexpr,
+                  MASKED: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, ATOMIC_DQ: tl.constexpr):
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -172,16 +173,26 @@ def _bwd_kv_inner(dk, dv, k, v, q_base, do_base, L, D, s_qm, s_dm, offs_n, offs_
         dp_t = tl.dot(v, tl.trans(do))
         ds_t = p_t * (dp_t - delta[None, :])
         dk += tl.dot(ds_t.to(q.dtype), q)
+        if ATOMIC_DQ:  # this kv block's share of dQ, reduced across kv blocks in fp32 (order varies: not deterministic)
+            if not EVEN_N:  # keys past s_k: k is 0 there, but p could be inf, and inf * 0 is NaN
+                ds_t = tl.where(offs_n[:, None] < SK, ds_t, 0.0)
+            dq_part = tl.dot(tl.trans(ds_t.to(k.dtype)), k) * scale
+            dqa_ptrs = DQA + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+            if EVEN_M and not PAD_D:
+                tl.atomic_add(dqa_ptrs, dq_part, sem="relaxed")
+            else:
+                tl.atomic_add(dqa_ptrs, dq_part, sem="relaxed",
+                              mask=(offs_m[:, None] < SQ) & (offs_d[None, :] < HEAD_DIM))
     return dk, dv
 
 
 @triton.jit
-def _bwd_kv_kernel(Q, K, V, DO, DK, DV, LSE2, DELTA,
+def _bwd_kv_kernel(Q, K, V, DO, DK, DV, LSE2, DELTA, DQA,
                    s_qb, s_qh, s_qm, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_db, s_dh, s_dm,
                    s_dkb, s_dkh, s_dkn, s_dvb, s_dvh, s_dvn,
                    H, GROUP, SQ, SK, OFFSET, qk_scale, scale,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
+                   CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, ATOMIC_DQ: tl.constexpr):
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     pid_n = tl.program_id(0)
     pid_bhk = tl.program_id(1)
@@ -210,10 +221,13 @@ def _bwd_kv_kernel(Q, K, V, DO, DK, DV, LSE2, DELTA,
         q_base = Q + off_b.to(tl.int64) * s_qb + off_h.to(tl.int64) * s_qh
         do_base = DO + off_b.to(tl.int64) * s_db + off_h.to(tl.int64) * s_dh
         row0 = (off_b * H + off_h).to(tl.int64) * SQ
-        dk, dv = _bwd_kv_inner(dk, dv, k, v, q_base, do_base, LSE2 + row0, DELTA + row0, s_qm, s_dm, offs_n, offs_d,
-                               m_lo, m_mid, SQ, OFFSET, qk_scale, HEAD_DIM, BLOCK_M, PAD_D, True, EVEN_M)
-        dk, dv = _bwd_kv_inner(dk, dv, k, v, q_base, do_base, LSE2 + row0, DELTA + row0, s_qm, s_dm, offs_n, offs_d,
-                               m_mid, sq_pad, SQ, OFFSET, qk_scale, HEAD_DIM, BLOCK_M, PAD_D, False, EVEN_M)
+        dqa = DQA + row0 * HEAD_DIM                         # fp32 dQ accumulator (b, h_q, s_q, d), contiguous
+        dk, dv = _bwd_kv_inner(dk, dv, k, v, q_base, do_base, LSE2 + row0, DELTA + row0, dqa, s_qm, s_dm, offs_n,
+                               offs_d, m_lo, m_mid, SQ, SK, OFFSET, qk_scale, scale, HEAD_DIM, BLOCK_M, PAD_D, True,
+                               EVEN_M, EVEN_N, ATOMIC_DQ)
+        dk, dv = _bwd_kv_inner(dk, dv, k, v, q_base, do_base, LSE2 + row0, DELTA + row0, dqa, s_qm, s_dm, offs_n,
+                               offs_d, m_mid, sq_pad, SQ, SK, OFFSET, qk_scale, scale, HEAD_DIM, BLOCK_M, PAD_D, False,
+                               EVEN_M, EVEN_N, ATOMIC_DQ)
     dk = dk * scale
     store_tile(DK + off_b.to(tl.int64) * s_dkb + off_hk.to(tl.int64) * s_dkh + offs_n[:, None] * s_dkn + offs_d[None, :],
                dk.to(DK.dtype.element_ty), offs_n, SK, offs_d, HEAD_DIM, not EVEN_N, PAD_D)
@@ -288,6 +302,7 @@ def _bwd_q_kernel(Q, K, V, DO, DQ, LSE2, DELTA,
 _FWD = ConfigTuner("flash_attention.fwd")
 _BWD_KV = ConfigTuner("flash_attention.bwd_kv")
 _BWD_Q = ConfigTuner("flash_attention.bwd_q")
+_BWD_KVA = ConfigTuner("flash_attention.bwd_kv_atomic_dq")
 
 # Used when the profile names no attention tiles (a third-party or future profile).
 _DEFAULT_TILE = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
@@ -370,6 +385,17 @@ def flash_fwd(ctx, q, k, v, attn_mask, causal, scale):
 
 
 def flash_bwd(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale):
+    """Deterministic backward: dK/dV kernel + separate dQ kernel (no atomics)."""
+    return _bwd(ctx, dout, q, k, v, out, lse, causal, scale, atomic_dq=False)
+
+
+def flash_bwd_atomic(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale):
+    """dQ accumulated with fp32 atomics inside the dK/dV kernel: no QK^T/dP recomputation for dQ,
+    but the summation order varies between runs (not deterministic)."""
+    return _bwd(ctx, dout, q, k, v, out, lse, causal, scale, atomic_dq=True)
+
+
+def _bwd(ctx, dout, q, k, v, out, lse, causal, scale, atomic_dq: bool):
     in_dtype = q.dtype
     cdt = _compute_dtype(ctx, in_dtype)
     q, k, v, out, dout = (_prep(t, cdt) for t in (q, k, v, out, dout))
@@ -385,6 +411,7 @@ def flash_bwd(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale):
         out, dout, lse, delta, lse2, out.stride(0), out.stride(1), out.stride(2),
         dout.stride(0), dout.stride(1), dout.stride(2), hq, sq, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_bm)
     dq = new_output((b, hq, sq, d), cdt, q.device)
+    dqa = torch.zeros((b, hq, sq, d), dtype=torch.float32, device=q.device) if atomic_dq else dq
     dk = new_output((b, hkv, sk, d), cdt, q.device)
     dv = new_output((b, hkv, sk, d), cdt, q.device)
     qk_scale = scale * LOG2E
@@ -392,13 +419,15 @@ def flash_bwd(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale):
 
     def launch_kv(cfg):
         bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+        if atomic_dq:
+            dqa.zero_()                                     # the tuner may launch this more than once
         _bwd_kv_kernel[(triton.cdiv(sk, bn), b * hkv)](
-            q, k, v, dout, dk, dv, lse2, delta,
+            q, k, v, dout, dk, dv, lse2, delta, dqa,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), *common,
             HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=causal, EVEN_M=sq % bm == 0, EVEN_N=sk % bn == 0,
-            **_launch_args(cfg))
+            ATOMIC_DQ=atomic_dq, **_launch_args(cfg))
 
     def launch_q(cfg):
         bm = cfg["BLOCK_M"]
@@ -411,8 +440,12 @@ def flash_bwd(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale):
 
     key = (str(cdt), d, causal, group, bucket(sq), bucket(sk), bucket(b * hq))
     tune = _autotune(ctx, q.device)
-    launch_kv(_BWD_KV.pick(key, _configs(ctx, "bwd_kv", d, False), launch_kv, tune))
-    launch_q(_BWD_Q.pick(key, _configs(ctx, "bwd_q", d, False), launch_q, tune))
+    if atomic_dq:
+        launch_kv(_BWD_KVA.pick(key, _configs(ctx, "bwd_kv", d, False), launch_kv, tune))
+        dq.copy_(dqa)                                       # fp32 accumulator -> q's dtype
+    else:
+        launch_kv(_BWD_KV.pick(key, _configs(ctx, "bwd_kv", d, False), launch_kv, tune))
+        launch_q(_BWD_Q.pick(key, _configs(ctx, "bwd_q", d, False), launch_q, tune))
     if in_dtype != cdt:
         dq, dk, dv = dq.to(in_dtype), dk.to(in_dtype), dv.to(in_dtype)
     return dq, dk, dv
@@ -441,7 +474,14 @@ def impls(env) -> list[KernelImpl]:
         dtypes=(torch.float16, torch.bfloat16, torch.float32), head_dims=HEAD_DIMS, min_cc=(8, 0),
         features=FEATURES, deterministic=True, requires_interpret_or_cuda=True, check=_check,
         description="Triton FlashAttention-2 forward/backward (online softmax, GQA by index, bottom-right causal; "
-                    "TMA on Hopper; deterministic backward without atomics)")]
+                    "TMA on Hopper; deterministic backward without atomics)"),
+        KernelImpl(
+        id="cuda.triton.flash_attention.atomic_dq", op="flash_attention", backend="cuda", fn=flash_fwd,
+        backward=flash_bwd_atomic, priority=PRIORITY_TRITON + ATOMIC_DQ_PRIORITY_DELTA,
+        device_types=triton_device_types(env), dtypes=(torch.float16, torch.bfloat16, torch.float32),
+        head_dims=HEAD_DIMS, min_cc=(8, 0), features=FEATURES, deterministic=False, requires_interpret_or_cuda=True,
+        check=_check, description="the same forward; backward accumulates dQ with fp32 atomics in the dK/dV kernel "
+                                  "(one kernel fewer, no recomputation for dQ; not deterministic)")]
 
 
-__all__ = ["impls", "flash_fwd", "flash_bwd", "HEAD_DIMS"]
+__all__ = ["impls", "flash_fwd", "flash_bwd", "flash_bwd_atomic", "HEAD_DIMS"]
