@@ -111,3 +111,29 @@ print("ROUND TRIP OK")
 """
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert "ROUND TRIP OK" in p.stdout, p.stderr
+
+
+def test_eager_paths_agree_with_torch_ops_path():
+    """The DIRECT / autograd.Function fast paths give exactly what the torch.library path gives."""
+    from opsadv.core.ops import _common
+    args = _block_args()
+    fast_args = [a.clone().requires_grad_(True) for a in args]
+    slow_args = [a.clone().requires_grad_(True) for a in args]
+    out_fast = _block(*fast_args)
+    orig = _common.eager_mode
+    import opsadv.core.ops.attention as A, opsadv.core.ops.gemm as G, opsadv.core.ops.norm as N
+    try:
+        for mod in (A, G, N):
+            mod.eager_mode = lambda *t: _common.TORCH_OPS
+        out_slow = _block(*slow_args)
+    finally:
+        for mod in (A, G, N):
+            mod.eager_mode = orig
+    assert torch.equal(out_fast, out_slow)
+    g = torch.randn_like(out_fast)
+    out_fast.backward(g)
+    out_slow.backward(g)
+    for a, b in zip(fast_args, slow_args):
+        assert torch.equal(a.grad, b.grad)
+    with torch.no_grad():
+        assert torch.equal(_block(*args), out_fast)

@@ -68,18 +68,42 @@ def none_if_empty(t: torch.Tensor | None):
 _Plain = (torch.Tensor, torch.nn.Parameter)
 
 
-def eager_fast_path(*tensors) -> bool:
-    """True when the op may skip torch.library's dispatcher and call the router directly:
-    plain eager tensors, no autograd needed, no compile/export tracing, no dispatch or
-    torch-function mode, no functorch transform.  Anything else takes the full torch.ops
-    path (fake kernels, autograd), so semantics are identical either way."""
+TORCH_OPS, DIRECT, AUTOGRAD_FN = 0, 1, 2
+
+
+def eager_mode(*tensors) -> int:
+    """How a public op call runs.  Plain eager tensors outside compile/export tracing, dispatch or
+    torch-function modes and functorch transforms skip torch.library's dispatcher (tens of µs per
+    call): DIRECT calls the router when no gradient is needed, AUTOGRAD_FN wraps the same router
+    and backward in a torch.autograd.Function when one is.  Everything else takes TORCH_OPS, the
+    torch.ops path with fake kernels and registered autograd.  Results are identical either way."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() \
             or torch._C._is_torch_function_mode_enabled() or torch._C._functorch.peek_interpreter_stack() is not None:
-        return False
+        return TORCH_OPS
+    mode = DIRECT
     grad = torch.is_grad_enabled()
     for t in tensors:
         if t is None:
             continue
-        if type(t) not in _Plain or (grad and t.requires_grad):
-            return False
-    return True
+        if type(t) not in _Plain:
+            return TORCH_OPS
+        if grad and t.requires_grad:
+            mode = AUTOGRAD_FN
+    return mode
+
+
+def eager_fast_path(*tensors) -> bool:
+    return eager_mode(*tensors) == DIRECT
+
+
+def autograd_function(name: str, route, setup_context, backward):
+    """A torch.autograd.Function running `route` forward and the op's registered backward
+    function: the eager-training twin of torch.library's register_autograd."""
+    def forward(ctx, *inputs):
+        out = route(*inputs)
+        setup_context(ctx, inputs, out)
+        return out
+
+    fn = type(name, (torch.autograd.Function,), {"forward": staticmethod(forward),
+                                                 "backward": staticmethod(backward)})
+    return fn.apply

@@ -20,7 +20,7 @@ from torch import Tensor
 from .. import dispatch
 from ..errors import InvalidArgumentError
 from ..kernel import CallSpec
-from ._common import check_same, check_scale, check_tensor, dt, eager_fast_path, len_bucket
+from ._common import AUTOGRAD_FN, DIRECT, autograd_function, check_same, check_scale, check_tensor, dt, eager_mode, len_bucket
 
 OP = "flash_attention"
 
@@ -136,6 +136,7 @@ def _backward(ctx, dout, dlse):
 
 
 _flash_attention.register_autograd(_backward, setup_context=_setup_context)
+_eager_autograd = autograd_function("FlashAttentionFn", _route, _setup_context, _backward)
 
 
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: float | None = None,
@@ -143,8 +144,11 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, sc
     """Fused softmax(q kᵀ · scale [+ mask]) v.  Returns out (b, h_q, s_q, d), or (out, lse) with
     return_lse=True (lse is not differentiable).  Gradients flow to q, k, v (not the mask)."""
     validate(q, k, v, attn_mask, causal, scale)
-    if eager_fast_path(q, k, v, attn_mask):
+    mode = eager_mode(q, k, v, attn_mask)
+    if mode == DIRECT:
         out, lse = _route(q, k, v, attn_mask, causal, scale)
+    elif mode == AUTOGRAD_FN:
+        out, lse = _eager_autograd(q, k, v, attn_mask, causal, scale)
     else:
         out, lse = torch.ops.opsadv.flash_attention(q, k, v, attn_mask, causal, scale)
     return (out, lse.detach()) if return_lse else out

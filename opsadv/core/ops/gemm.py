@@ -21,7 +21,7 @@ from torch import Tensor
 from .. import dispatch
 from ..errors import InvalidArgumentError
 from ..kernel import CallSpec
-from ._common import check_choice, check_same, check_tensor, eager_fast_path, len_bucket, none_if_empty
+from ._common import AUTOGRAD_FN, DIRECT, autograd_function, check_choice, check_same, check_tensor, eager_mode, len_bucket, none_if_empty
 
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
 
@@ -79,11 +79,15 @@ def _gemm_spec(a, b, bias, activation, residual, alpha, backward) -> CallSpec:
                     shapes=(tuple(a.shape), tuple(b.shape)), backward=backward)
 
 
+def _gemm_route(a, b, bias, activation, residual, alpha):
+    args = (a, b, bias, activation, residual, alpha)
+    return dispatch.call(_gemm_key(*args, False), lambda: _gemm_spec(*args, False), args)
+
+
 @torch.library.custom_op("opsadv::gemm", mutates_args=())
 def _gemm(a: Tensor, b: Tensor, bias: Optional[Tensor], activation: str, residual: Optional[Tensor],
           alpha: float) -> Tensor:
-    args = (a, b, bias, activation, residual, alpha)
-    return dispatch.call(_gemm_key(*args, False), lambda: _gemm_spec(*args, False), args)
+    return _gemm_route(a, b, bias, activation, residual, alpha)
 
 
 @_gemm.register_fake
@@ -117,6 +121,7 @@ def _gemm_bwd(ctx, grad):
 
 
 _gemm.register_autograd(_gemm_bwd, setup_context=_gemm_setup)
+_gemm_eager_autograd = autograd_function("GemmFn", _gemm_route, _gemm_setup, _gemm_bwd)
 
 
 def _swiglu_key(x, w, bias, backward):
@@ -129,10 +134,14 @@ def _swiglu_spec(x, w, bias, backward) -> CallSpec:
                     shapes=(tuple(x.shape), tuple(w.shape)), backward=backward)
 
 
-@torch.library.custom_op("opsadv::swiglu_gemm", mutates_args=())
-def _swiglu_gemm(x: Tensor, w_gate_up: Tensor, bias: Optional[Tensor]) -> Tensor:
+def _swiglu_route(x, w_gate_up, bias):
     return dispatch.call(_swiglu_key(x, w_gate_up, bias, False), lambda: _swiglu_spec(x, w_gate_up, bias, False),
                          (x, w_gate_up, bias))
+
+
+@torch.library.custom_op("opsadv::swiglu_gemm", mutates_args=())
+def _swiglu_gemm(x: Tensor, w_gate_up: Tensor, bias: Optional[Tensor]) -> Tensor:
+    return _swiglu_route(x, w_gate_up, bias)
 
 
 @_swiglu_gemm.register_fake
@@ -163,6 +172,7 @@ def _swiglu_bwd(ctx, grad):
 
 
 _swiglu_gemm.register_autograd(_swiglu_bwd, setup_context=_swiglu_setup)
+_swiglu_eager_autograd = autograd_function("SwigluGemmFn", _swiglu_route, _swiglu_setup, _swiglu_bwd)
 
 
 def gemm(a: Tensor, b: Tensor, *, bias: Tensor | None = None, activation: str = "none",
@@ -170,16 +180,14 @@ def gemm(a: Tensor, b: Tensor, *, bias: Tensor | None = None, activation: str = 
     """activation(alpha · (a @ b) + bias) + residual in one fused kernel where the backend has one.
     a (..., K), b (K, N) — for an nn.Linear weight W (N, K) pass W.t()."""
     validate_gemm(a, b, bias, activation, residual, alpha)
-    if eager_fast_path(a, b, bias, residual):
-        args = (a, b, bias, activation, residual, float(alpha))
-        return dispatch.call(_gemm_key(*args, False), lambda: _gemm_spec(*args, False), args)
-    return torch.ops.opsadv.gemm(a, b, bias, activation, residual, float(alpha))
+    mode = eager_mode(a, b, bias, residual)
+    op = _gemm_route if mode == DIRECT else _gemm_eager_autograd if mode == AUTOGRAD_FN else torch.ops.opsadv.gemm
+    return op(a, b, bias, activation, residual, float(alpha))
 
 
 def swiglu_gemm(x: Tensor, w_gate_up: Tensor, *, bias: Tensor | None = None) -> Tensor:
     """silu(x @ W_g + b_g) * (x @ W_u + b_u) from one concatenated weight [W_g | W_u] of shape (K, 2N)."""
     validate_swiglu(x, w_gate_up, bias)
-    if eager_fast_path(x, w_gate_up, bias):
-        return dispatch.call(_swiglu_key(x, w_gate_up, bias, False), lambda: _swiglu_spec(x, w_gate_up, bias, False),
-                             (x, w_gate_up, bias))
-    return torch.ops.opsadv.swiglu_gemm(x, w_gate_up, bias)
+    mode = eager_mode(x, w_gate_up, bias)
+    op = _swiglu_route if mode == DIRECT else _swiglu_eager_autograd if mode == AUTOGRAD_FN else torch.ops.opsadv.swiglu_gemm
+    return op(x, w_gate_up, bias)

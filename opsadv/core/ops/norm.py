@@ -22,7 +22,7 @@ from torch import Tensor
 from .. import dispatch
 from ..errors import InvalidArgumentError
 from ..kernel import CallSpec
-from ._common import check_same, check_tensor, eager_fast_path, len_bucket, none_if_empty
+from ._common import AUTOGRAD_FN, DIRECT, autograd_function, check_same, check_tensor, eager_mode, len_bucket, none_if_empty
 
 
 def stat_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -118,6 +118,7 @@ def _ln_bwd(ctx, dy, dsum, dmean, drstd):
 
 
 _layer_norm.register_autograd(_ln_bwd, setup_context=_ln_setup)
+_ln_eager_autograd = autograd_function("LayerNormFn", _layer_norm_route, _ln_setup, _ln_bwd)
 
 
 # ---- rms_norm ------------------------------------------------------------------------------
@@ -172,6 +173,7 @@ def _rms_bwd(ctx, dy, dsum, drstd):
 
 
 _rms_norm.register_autograd(_rms_bwd, setup_context=_rms_setup)
+_rms_eager_autograd = autograd_function("RmsNormFn", _rms_norm_route, _rms_setup, _rms_bwd)
 
 
 # ---- public ----------------------------------------------------------------------------------
@@ -179,7 +181,8 @@ def layer_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = No
                residual: Tensor | None = None):
     """LayerNorm over the last dim.  With residual: returns (layer_norm(x + residual), x + residual)."""
     validate("layer_norm", x, weight, bias, eps, residual)
-    op = torch.ops.opsadv.layer_norm if not eager_fast_path(x, weight, bias, residual) else _layer_norm_route
+    mode = eager_mode(x, weight, bias, residual)
+    op = _layer_norm_route if mode == DIRECT else _ln_eager_autograd if mode == AUTOGRAD_FN else torch.ops.opsadv.layer_norm
     y, xsum, _, _ = op(x, weight, bias, float(eps), residual)
     return (y, xsum) if residual is not None else y
 
@@ -189,6 +192,7 @@ def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6, *, resi
     """RMSNorm over the last dim, y = x·rsqrt(mean(x²)+eps)·(offset + weight).  With residual:
     returns (rms_norm(x + residual), x + residual)."""
     validate("rms_norm", x, weight, None, eps, residual, offset)
-    op = torch.ops.opsadv.rms_norm if not eager_fast_path(x, weight, residual) else _rms_norm_route
+    mode = eager_mode(x, weight, residual)
+    op = _rms_norm_route if mode == DIRECT else _rms_eager_autograd if mode == AUTOGRAD_FN else torch.ops.opsadv.rms_norm
     y, xsum, _ = op(x, weight, float(eps), residual, float(offset))
     return (y, xsum) if residual is not None else y
