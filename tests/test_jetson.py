@@ -194,7 +194,7 @@ def test_flash_attention_jetson_matches_reference(orin, seed):
         v = torch.randn(b, hkv, sk, d, dtype=torch.float16, requires_grad=True)
         with opsadv.trace() as t:
             o = opsadv.ops.flash_attention(q, k, v, causal=causal)
-        assert set(t.counts) == {"jetson.triton.flash_attention"}
+        assert t.counts and all(i.startswith("jetson.triton.flash_attention") for i in t.counts), t.counts
         want, _ = REF.attention_fwd(None, q.double(), k.double(), v.double(), None, causal, d ** -0.5)
         assert rel_err(o, want) < 2e-3
         g = torch.randn_like(o)
@@ -333,3 +333,37 @@ def test_chunk_rows():
     assert C.chunk_rows(1000, 10, 2000) == 192          # multiple of the 64-row tile
     assert C.chunk_rows(1000, 10**9, 1) == 64          # never below one tile
     assert C.chunk_rows(1000, 0, 1) == 1000            # fused kernels declare no workspace
+
+
+def test_conformance_kit_passes_on_a_faked_orin(tmp_path, registry_with):
+    """The project's conformance matrix for flash_attention and the norms (quick set) against the
+    reference: float32 cells exercise the chunked math attention, float16 the Triton kernels."""
+    from opsadv.testing.runner import run_conformance
+    registry_with(fake_env(tmp_path, "orin", ORIN))
+    res = run_conformance("jetson", quick=True, graph_checks=False, ops=["flash_attention", "rms_norm"],
+                          dtypes=(torch.float32, torch.float16))
+    assert not [r for r in res if r.status == "fail"], [(r.op, r.dtype, r.shape_class, r.reason) for r in res
+                                                        if r.status == "fail"]
+    impls = {r.impl for r in res if r.status == "pass"}
+    assert "jetson.chunked_math_attention" in impls
+    if importlib.util.find_spec("opsadv.backends.cuda.attention") is not None:
+        assert any(i.startswith("jetson.triton.flash_attention") for i in impls)
+
+
+def test_gqa_kv_expanding_impls_refused_above_the_cap(tmp_path, registry_with):
+    env = dataclasses.replace(fake_env(tmp_path, "orin", ORIN), triton_interpret=False)
+    reg = registry_with(env)
+    jet = {i.id: i for i in reg.backends["jetson"].impls}
+    if "jetson.sdpa.cudnn" not in jet:
+        pytest.skip("opsadv.backends.cuda.sdpa is not written yet")
+
+    def spec(s):
+        return CallSpec("flash_attention", "cuda", torch.float16, frozenset({"causal", "gqa"}), (s, s, 32),
+                        head_dim=128, shapes=((1, 32, s, 128), (1, 4, s, 128)))
+    with opsadv.use_backend("jetson", memory_budget="1GiB"):     # cap: min(64 MiB, 1 GiB / 4)
+        big = jet["jetson.sdpa.cudnn"].rejection_reasons(spec(8192), env, experimental_ok=False, deterministic=False)
+        assert any("expands K/V" in r and "128 MiB > the 64 MiB" in r for r in big), big
+        assert not jet["jetson.sdpa.flash"].rejection_reasons(spec(8192), env, experimental_ok=False,
+                                                              deterministic=False)   # native GQA
+        assert not jet["jetson.sdpa.cudnn"].rejection_reasons(spec(1024), env, experimental_ok=False,
+                                                              deterministic=False)

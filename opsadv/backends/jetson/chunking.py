@@ -18,13 +18,17 @@ import torch
 DEFAULT_CAP = 64 << 20
 MIN_ROWS = 64            # a chunk is at least one 64-row tile (unless the op is smaller)
 
-# bytes of transient memory per (query row x key) for attention, per underlying impl id
-ATTN_BYTES_PER_SCORE = {"cuda.triton.flash_attention": 0}
-ATTN_DEFAULT_BYTES_PER_SCORE = 8          # unknown impls: a float32 score and probability matrix
-# multiples of (rows x N x 4 bytes) of temporaries, per underlying impl id (forward)
-GEMM_TEMP_FACTOR = {"cuda.cublas.gemm": 0, "cuda.cublas.gemm_epilogue": 2, "cuda.cublas.swiglu_gemm": 3,
-                    "cuda.triton.gemm": 0, "cuda.triton.gemm_tma": 0,
-                    "cuda.triton.swiglu_gemm": 0, "cuda.triton.swiglu_gemm_tma": 0}
+# Bytes of transient memory per (query row x key) for attention: fused kernels (Triton, SDPA's
+# cuDNN / flash / memory-efficient) never hold a score matrix; an impl we do not know is assumed
+# to hold a float32 score and probability matrix.
+FUSED_ATTENTION_PREFIXES = ("cuda.triton.", "cuda.sdpa.")
+ATTN_DEFAULT_BYTES_PER_SCORE = 8
+# Impls that expand K/V to the query heads for GQA (a full-size copy of K and V per call).
+KV_EXPANDING = ("cuda.sdpa.cudnn", "cuda.sdpa.efficient")
+# Multiples of (rows x N x 4 bytes) of temporaries per impl (forward): fused epilogues none, the
+# unfused cuBLAS paths their activation / residual / gate temporaries.
+GEMM_TEMP_FACTOR = {"cuda.cublas.gemm": 0, "cuda.cublas.gemm_epilogue": 2, "cuda.cublas.swiglu_gemm": 3}
+FUSED_GEMM_PREFIXES = ("cuda.triton.",)
 GEMM_DEFAULT_FACTOR = 1
 BWD_EXTRA_FACTOR = 2     # backward: dz plus float32 copies
 
@@ -194,11 +198,36 @@ def _rowwise_bwd(call, g2, x2, x_shape, w, bias, rows):
 
 
 def gemm_factor(impl_id: str) -> int:
-    return GEMM_TEMP_FACTOR.get(impl_id, GEMM_DEFAULT_FACTOR)
+    if impl_id in GEMM_TEMP_FACTOR:
+        return GEMM_TEMP_FACTOR[impl_id]
+    return 0 if impl_id.startswith(FUSED_GEMM_PREFIXES) else GEMM_DEFAULT_FACTOR
 
 
 def attn_bytes_per_score(impl_id: str) -> float:
-    return ATTN_BYTES_PER_SCORE.get(impl_id, ATTN_DEFAULT_BYTES_PER_SCORE)
+    return 0 if impl_id.startswith(FUSED_ATTENTION_PREFIXES) else ATTN_DEFAULT_BYTES_PER_SCORE
+
+
+def policy_cap() -> int:
+    """The workspace cap under the policy in force (for check(), which sees no ResolveContext)."""
+    from opsadv.backends.cuda.profiles import JETSON
+    from opsadv.core.policy import current_policy
+
+    budget = current_policy().option_dict.get("memory_budget")
+    cap = JETSON.workspace_cap_bytes or DEFAULT_CAP
+    return min(cap, budget // 4) if isinstance(budget, int) and budget > 0 else cap
+
+
+def kv_expand_check(spec, env) -> list[str]:
+    """Impls that copy K/V to every query head (GQA) are refused when the copies exceed the cap."""
+    if "gqa" not in spec.features or len(spec.shapes) < 2:
+        return []
+    (b, hq, _sq, d), (_b, _hkv, sk, _d) = spec.shapes[0], spec.shapes[1]
+    need = 2 * b * hq * sk * d * spec.dtype.itemsize * (2 if spec.backward else 1)
+    cap = policy_cap()
+    if need > cap:
+        return [f"expands K/V to {hq} heads for GQA: {need / 2 ** 20:.0f} MiB > the {cap / 2 ** 20:.0f} MiB "
+                "workspace cap (jetson profile)"]
+    return []
 
 
 __all__ = ["chunked_attention_fwd", "chunked_attention_bwd", "chunked_gemm_fwd", "chunked_gemm_bwd",

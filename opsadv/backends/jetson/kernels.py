@@ -25,20 +25,25 @@ def jetson_id(impl_id: str) -> str:
     return "jetson." + (impl_id.split(".", 1)[1] if impl_id.startswith("cuda.") else impl_id)
 
 
-def _with_bf16_check(check):
-    """Reject bf16 on parts without it (Xavier, cc 7.2) with a reason that says what to use."""
+def _with_bf16_check(check, *more):
+    """Reject bf16 on parts without it (Xavier, cc 7.2) with a reason that says what to use; then
+    the jetson-specific checks in `more`, then the underlying impl's own check."""
     def jetson_check(spec, env):
         why = []
         if spec.dtype == torch.bfloat16 and spec.device_type == "cuda" and not has_bf16(env):
             cc = env.compute_capability
             why.append(f"bfloat16 needs compute capability >= {BF16_MIN_CC[0]}.{BF16_MIN_CC[1]} "
                        f"(this Jetson is {cc[0]}.{cc[1]}): run the model in float16")
+        for extra in more:
+            why += [] if why else extra(spec, env)
         return why + (list(check(spec, env)) if check is not None and not why else [])
     return jetson_check
 
 
 def _wrap(impl: KernelImpl) -> KernelImpl:
-    fn, bwd, note = impl.fn, impl.backward, "no chunking needed (fused)"
+    fn, bwd, note, checks = impl.fn, impl.backward, "no chunking needed (fused)", ()
+    if impl.id in C.KV_EXPANDING:
+        checks, note = (C.kv_expand_check,), "refused when its GQA K/V expansion exceeds the workspace cap"
     if impl.op == "flash_attention":
         per = C.attn_bytes_per_score(impl.id)
         if per and "cross_length" in impl.features:
@@ -56,7 +61,7 @@ def _wrap(impl: KernelImpl) -> KernelImpl:
             bwd = functools.partial(f_bwd, impl.backward, factor) if impl.backward else None
             note = "row-chunked above the workspace cap"
     return dataclasses.replace(impl, id=jetson_id(impl.id), backend="jetson", fn=fn, backward=bwd,
-                               check=_with_bf16_check(impl.check),
+                               check=_with_bf16_check(impl.check, *checks),
                                description=f"{impl.description} [jetson profile; {note}]")
 
 
