@@ -132,3 +132,27 @@ def test_odd_block_size_rejected_with_reason():
                     shapes=((1, 1, 16384, 64), (1, 1, 16384, 64)))
     why = sparse_mod._check(spec, None)
     assert why and "multiple of 16" in why[0]
+
+
+def test_backward_keeps_the_forward_policy_on_another_thread(poison):
+    """Autograd runs CUDA backward on a worker thread that does not see `with use_backend` scopes:
+    the op must carry the forward's policy into its backward."""
+    import threading
+    lay = SparseLayout.sliding_window(20, 5, causal=True, block_size=16)
+    q = torch.randn(1, 1, 20, 16, requires_grad=True)
+    opsadv.use_backend("cuda")               # process default: fp32 has no kernel there (no precision policy)
+    with opsadv.use_backend("reference"):
+        out = opsadv.ops.sparse_attention(q, q, q, lay)
+        errors = []
+        t = threading.Thread(target=lambda: _try(lambda: out.sum().backward(), errors))
+        t.start()
+        t.join()
+    assert not errors, errors
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def _try(fn, errors):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        errors.append(e)

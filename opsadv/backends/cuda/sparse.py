@@ -30,7 +30,8 @@ FEATURES = frozenset({"causal", "gqa", "key_padding", "varlen", "window", "globa
 MAX_REFINE_CELLS = 1 << 26      # tile classification grid (gcd of block size and tile) cap
 
 # (fwd BLOCK_M, BLOCK_N, warps, stages), (dq BLOCK_M, BLOCK_N, warps, stages), (dkdv BLOCK_M, BLOCK_N, warps, stages)
-# keyed by profile name, then head-dim class ("small" <= 128 < "large").
+# keyed by profile name, then head-dim class ("small" <= 128 < "large").  h100 "small": the best of a sweep
+# on an H200 (benchmarks/sparse_probe.py, s=16384 window 1024 causal d128 bf16; results/sparse_probe_h200.json).
 TILES = {
     "h100": {"small": ((64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 2)),
              "large": ((64, 64, 4, 2), (64, 32, 4, 2), (32, 64, 4, 2))},

@@ -17,6 +17,7 @@ from .. import dispatch
 from ..errors import InvalidArgumentError
 from ..kernel import CallSpec
 from ..layout import SparseLayout
+from ..policy import _scoped, current_policy
 from ._common import check_same, check_scale, check_tensor, len_bucket
 from .attention import lse_dtype
 
@@ -109,11 +110,16 @@ def _setup(ctx, inputs, output):
     q, k, v, bm, kpm, cu, bs, causal, wl, wr, ng, scale = inputs
     ctx.save_for_backward(q, k, v, output[0], output[1], bm, kpm, cu)
     ctx.rest = (bs, causal, wl, wr, ng, scale)
+    ctx.policy = current_policy()     # autograd runs CUDA backward on its own thread, outside `with use_backend`
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, bm, kpm, cu = ctx.saved_tensors
-    dq, dk, dv = torch.ops.opsadv.sparse_attention_backward(dout, q, k, v, out, lse, bm, kpm, cu, *ctx.rest)
+    token = _scoped.set(ctx.policy)
+    try:
+        dq, dk, dv = torch.ops.opsadv.sparse_attention_backward(dout, q, k, v, out, lse, bm, kpm, cu, *ctx.rest)
+    finally:
+        _scoped.reset(token)
     return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
