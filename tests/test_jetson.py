@@ -367,3 +367,29 @@ def test_gqa_kv_expanding_impls_refused_above_the_cap(tmp_path, registry_with):
                                                               deterministic=False)   # native GQA
         assert not jet["jetson.sdpa.cudnn"].rejection_reasons(spec(1024), env, experimental_ok=False,
                                                               deterministic=False)
+
+
+def test_chunking_respects_the_underlying_check(seed):
+    """An impl whose check() refuses causal attention with s_q != s_k (SDPA's top-left rule) is
+    never handed causal query chunks: it runs unchunked."""
+    from opsadv.core.kernel import KernelImpl
+    seen = []
+
+    def fn(ctx, q, k, v, m, causal, scale):
+        seen.append((q.shape[2], k.shape[2]))
+        return REF.attention_fwd(ctx, q, k, v, m, causal, scale)
+
+    def top_left_only(spec, env):
+        return ["causal needs s_q == s_k"] if {"causal", "cross_length"} <= spec.features else []
+
+    impl = KernelImpl("x.top_left", "flash_attention", "x", fn, check=top_left_only, features=frozenset({"causal"}))
+    q = torch.randn(1, 2, 130, 16, dtype=torch.float64)
+    ctx = _ctx(64 * 2 * 130 * 8)
+    ctx.spec = CallSpec("flash_attention", "cpu", torch.float64, frozenset({"causal"}), (), head_dim=16,
+                        shapes=(tuple(q.shape), tuple(q.shape)))
+    o, _ = C.chunked_attention_fwd(fn, 8, ctx, q, q, q, None, True, 0.25, impl=impl)
+    assert seen == [(130, 130)] and torch.allclose(o, REF.attention_fwd(None, q, q, q, None, True, 0.25)[0])
+    seen.clear()
+    ctx.spec = dataclasses.replace(ctx.spec, features=frozenset())
+    C.chunked_attention_fwd(fn, 8, ctx, q, q, q, None, False, 0.25, impl=impl)   # non-causal chunks are fine
+    assert seen == [(64, 130), (64, 130), (2, 130)]

@@ -13,6 +13,8 @@ impl needs per query row / output row is declared per underlying impl (fused Tri
 so they never chunk; unfused vendor paths: their float32 temporaries)."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 DEFAULT_CAP = 64 << 20
@@ -80,11 +82,24 @@ def attention_rows(ctx, q, k, bytes_per_score: float) -> int:
     return chunk_rows(sq, b * hq * k.shape[2] * bytes_per_score, workspace_cap(ctx))
 
 
-def chunked_attention_fwd(fn, bytes_per_score, ctx, q, k, v, attn_mask, causal, scale):
-    """fn(ctx, q, k, v, attn_mask, causal, scale) -> (out, lse), run over query chunks."""
+def chunk_accepted(impl, ctx, q, k, rows: int, causal: bool) -> bool:
+    """Does `impl` (if given) also accept the chunk shapes (s_q != s_k), by its own check()?"""
+    if impl is None or impl.check is None or ctx.spec is None:
+        return True
+    sq, sk = q.shape[2], k.shape[2]
+    shape_q = (q.shape[0], q.shape[1], rows, q.shape[3])
+    sk_c = min(sk, rows + sk - sq) if causal else sk
+    spec = dataclasses.replace(ctx.spec, features=ctx.spec.features | {"cross_length"},
+                               shapes=(shape_q, (k.shape[0], k.shape[1], max(1, sk_c), k.shape[3])))
+    return not impl.check(spec, ctx.env)
+
+
+def chunked_attention_fwd(fn, bytes_per_score, ctx, q, k, v, attn_mask, causal, scale, *, impl=None):
+    """fn(ctx, q, k, v, attn_mask, causal, scale) -> (out, lse), run over query chunks (if `impl`'s
+    check() accepts chunk shapes; else unchunked)."""
     sq = q.shape[2]
     rows = attention_rows(ctx, q, k, bytes_per_score)
-    if rows >= sq:
+    if rows >= sq or not chunk_accepted(impl, ctx, q, k, rows, causal):
         return fn(ctx, q, k, v, attn_mask, causal, scale)
     out = torch.empty_like(q)
     lse = q.new_empty(q.shape[:-1], dtype=_acc(q.dtype))
@@ -101,11 +116,12 @@ def chunked_attention_fwd(fn, bytes_per_score, ctx, q, k, v, attn_mask, causal, 
     return out, lse
 
 
-def chunked_attention_bwd(bwd, bytes_per_score, ctx, dout, q, k, v, out, lse, attn_mask, causal, scale):
+def chunked_attention_bwd(bwd, bytes_per_score, ctx, dout, q, k, v, out, lse, attn_mask, causal, scale, *,
+                          impl=None):
     """bwd(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale) -> (dq, dk, dv), over query chunks."""
     sq = q.shape[2]
     rows = attention_rows(ctx, q, k, bytes_per_score)
-    if rows >= sq:
+    if rows >= sq or not chunk_accepted(impl, ctx, q, k, rows, causal):
         return bwd(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale)
     acc = _acc(q.dtype)
     dq = torch.empty_like(q)

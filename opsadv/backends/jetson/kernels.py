@@ -47,8 +47,8 @@ def _wrap(impl: KernelImpl) -> KernelImpl:
     if impl.op == "flash_attention":
         per = C.attn_bytes_per_score(impl.id)
         if per and "cross_length" in impl.features:
-            fn = functools.partial(C.chunked_attention_fwd, impl.fn, per)
-            bwd = functools.partial(C.chunked_attention_bwd, impl.backward, per) if impl.backward else None
+            fn = functools.partial(C.chunked_attention_fwd, impl.fn, per, impl=impl)
+            bwd = functools.partial(C.chunked_attention_bwd, impl.backward, per, impl=impl) if impl.backward else None
             note = "query-chunked above the workspace cap"
         elif per:
             note = "not chunkable (the kernel does not take s_q != s_k)"
