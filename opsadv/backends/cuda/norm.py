@@ -45,10 +45,17 @@ def _check(spec, env) -> list[str]:
     return [f"hidden size {n} > {MAX_HIDDEN} (whole rows are kept in registers)"] if n > MAX_HIDDEN else []
 
 
-def _rows2d(t: torch.Tensor, n: int) -> torch.Tensor:
-    """(rows, n) view with unit stride in the last dim (copies only when it cannot be viewed)."""
+def _rows(t: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
+    """(tensor, row stride) such that row i starts at element i * stride with unit stride inside a row;
+    copies only when no such view exists.  Cheap on the common contiguous path (no reshape)."""
+    if t.is_contiguous():
+        return t, n
+    if t.dim() == 2 and t.stride(1) == 1:
+        return t, t.stride(0)
     t2 = t.reshape(-1, n)
-    return t2 if t2.stride(1) == 1 or t2.shape[0] == 0 else t2.contiguous()
+    if t2.stride(1) != 1:
+        t2 = t2.contiguous()
+    return t2, t2.stride(0)
 
 
 def _poisoned(shape, dtype, device) -> torch.Tensor:
@@ -58,26 +65,40 @@ def _poisoned(shape, dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def _stats(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
+
+
+_K: dict = {}
+
+
+def _kernels():
+    """The Triton kernels, imported on first use (keeps triton out of `import opsadv`)."""
+    if not _K:
+        from ._norm_triton import _norm_bwd_kernel, _norm_fwd_kernel
+        _K.update(fwd=_norm_fwd_kernel, bwd=_norm_bwd_kernel)
+    return _K
+
+
 def _forward(rms, x, weight, bias, eps, residual, offset):
-    from ._norm_triton import _norm_fwd_kernel
     n = x.shape[-1]
-    x2 = _rows2d(x, n)
-    m = x2.shape[0]
-    r2 = _rows2d(residual, n) if residual is not None else x2
-    y = _poisoned((m, n), x.dtype, x.device)
-    s = _poisoned((m, n), x.dtype, x.device) if residual is not None else x.new_empty((0,))
-    s_ = s if residual is not None else y                     # never written without a residual
-    mean = _poisoned((m,), torch.float32, x.device) if not rms else y
-    rstd = _poisoned((m,), torch.float32, x.device)
+    m = x.numel() // n
+    x2, sx = _rows(x, n)
+    r2, sr = _rows(residual, n) if residual is not None else (x2, sx)
+    dev = x.device
+    y = _poisoned(x.shape, x.dtype, dev)                     # outputs: contiguous, row stride n
+    s = _poisoned(x.shape, x.dtype, dev) if residual is not None else x.new_empty((0,))
+    lead = x.shape[:-1]
+    mean = _poisoned(lead, torch.float32, dev) if not rms else None
+    rstd = _poisoned(lead, torch.float32, dev)
     block, rows, warps = fwd_config(n)
-    _norm_fwd_kernel[(triton_cdiv(m, rows),)](
-        x2, r2, weight if weight is not None else x2, bias if bias is not None else x2, y, s_, mean, rstd,
-        m, n, x2.stride(0), r2.stride(0), y.stride(0), s_.stride(0), float(eps), float(offset),
+    _kernels()["fwd"][(triton_cdiv(m, rows),)](
+        x2, r2, weight if weight is not None else x2, bias if bias is not None else x2, y,
+        s if residual is not None else y, mean if mean is not None else rstd, rstd,
+        m, n, sx, sr, n, n, float(eps), float(offset),
         RMS=rms, HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None,
         ROWS=rows, BLOCK_N=block, num_warps=warps)
-    lead = x.shape[:-1]
-    s = s.reshape(x.shape) if residual is not None else s
-    return y.reshape(x.shape), s, (None if rms else mean.reshape(lead)), rstd.reshape(lead)
+    return y, s, mean, rstd
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -85,29 +106,29 @@ def triton_cdiv(a: int, b: int) -> int:
 
 
 def _backward(ctx, rms, dy, dsum, xin, weight, has_db, mean, rstd, offset):
-    from ._norm_triton import _norm_bwd_kernel
     n = xin.shape[-1]
-    x2, dy2 = _rows2d(xin, n), _rows2d(dy, n)
-    m = x2.shape[0]
-    ds2 = _rows2d(dsum, n) if dsum.numel() else dy2
+    m = xin.numel() // n
+    x2, sx = _rows(xin, n)
+    dy2, sdy = _rows(dy, n)
+    ds2, sds = _rows(dsum, n) if dsum.numel() else (dy2, sdy)
     block, rows, warps = bwd_config(n)
     sms = ctx.env.sm_count if xin.device.type == "cuda" and ctx.env.sm_count else 2
     progs = min(triton_cdiv(m, rows), 4 * sms)                 # enough programs to fill the GPU
     per_prog = triton_cdiv(triton_cdiv(m, progs), rows) * rows   # contiguous rows per program, multiple of ROWS
     progs = triton_cdiv(m, per_prog)
-    dx = _poisoned((m, n), xin.dtype, xin.device)
+    dx = _poisoned(xin.shape, xin.dtype, xin.device)
     dw_part = _poisoned((progs, n), torch.float32, xin.device) if weight is not None else dx
     db_part = _poisoned((progs, n), torch.float32, xin.device) if has_db else dx
-    rstd1 = rstd.reshape(-1).float().contiguous()
-    mean1 = rstd1 if rms else mean.reshape(-1).float().contiguous()
-    _norm_bwd_kernel[(progs,)](
+    rstd1 = _stats(rstd)
+    mean1 = rstd1 if rms else _stats(mean)
+    _kernels()["bwd"][(progs,)](
         dy2, ds2, x2, weight if weight is not None else x2, mean1, rstd1, dx, dw_part, db_part,
-        m, n, dy2.stride(0), ds2.stride(0), x2.stride(0), dx.stride(0), float(offset), per_prog,
+        m, n, sdy, sds, sx, n, float(offset), per_prog,
         RMS=rms, HAS_DSUM=dsum.numel() > 0, HAS_W=weight is not None, HAS_DB=has_db,
         ROWS=rows, BLOCK_N=block, num_warps=warps)
     dw = dw_part.sum(0).to(weight.dtype) if weight is not None else xin.new_empty((0,))     # stage 2
     db = db_part.sum(0).to(xin.dtype) if has_db else xin.new_empty((0,))        # (distinct: outputs never alias)
-    return dx.reshape(xin.shape), dw, db
+    return dx, dw, db
 
 
 def _ln_fwd(ctx, x, weight, bias, eps, residual):
