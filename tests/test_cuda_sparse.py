@@ -76,7 +76,7 @@ def test_patterns_fwd_bwd(name, poison):
     _check(make(), b, hq=hq, hk=hq // 2, d=32)          # GQA 2:1 throughout
 
 
-@pytest.mark.parametrize("hq, hk, d", [(4, 1, 64), (3, 3, 16)])
+@pytest.mark.parametrize("hq, hk, d", [(4, 1, 64), (3, 3, 16), (1, 1, 256)])
 def test_head_dims_and_groups(hq, hk, d, poison):
     _check(SparseLayout.sliding_window(49, 13, causal=True, block_size=16), 1, hq, hk, d)
 

@@ -157,7 +157,7 @@ class SparseLayout:
         """A copy with some fields replaced (validated), e.g. `.with_(key_padding_mask=m)`."""
         bad = set(changes) - {f.name for f in dataclasses.fields(self)}
         if bad:
-            raise InvalidArgumentError(OP, "with_", f"field names of SparseLayout", sorted(bad))
+            raise InvalidArgumentError(OP, "with_", "field names of SparseLayout", sorted(bad))
         return dataclasses.replace(self, **changes)
 
     def combine(self, other: "SparseLayout", how: str = "and") -> "SparseLayout":

@@ -34,7 +34,7 @@ MAX_REFINE_CELLS = 1 << 26      # tile classification grid (gcd of block size an
 # on an H200 (benchmarks/sparse_probe.py, s=16384 window 1024 causal d128 bf16; results/sparse_probe_h200.json).
 TILES = {
     "h100": {"small": ((64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 2)),
-             "large": ((64, 64, 4, 2), (64, 32, 4, 2), (32, 64, 4, 2))},
+             "large": ((64, 32, 8, 2), (32, 32, 4, 2), (32, 32, 8, 1))},   # d=256: fp32 accumulators fit registers
     "a100": {"small": ((128, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 2)),
              "large": ((64, 32, 4, 2), (64, 32, 4, 2), (32, 64, 4, 2))},
     "rtx": {"small": ((64, 64, 4, 2), (64, 64, 4, 2), (64, 64, 4, 2)),
