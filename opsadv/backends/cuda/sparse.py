@@ -118,7 +118,7 @@ def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, s_kn, s_vn, kt, offs_m, offs_d, 
     p = tl.math.exp2(s * qk_scale - m_use[:, None])
     alpha = tl.math.exp2(m_i - m_use)                # rescale of the running sums (0 when m_i = -inf)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])   # accumulate in the MMA
     return acc, l_i, m_new
 
 
@@ -213,10 +213,10 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, s_qm, s_dom, lse_base, delta_base,
         ok = _allowed(offs_m, offs_n, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, seg_ptr, pos_ptr, SQ, SK, OFF, WL, WR, NG,
                       BS, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, HAS_SEG)
         pt = tl.where(tl.trans(ok), pt, 0.0)
-    dv += tl.dot(pt.to(do.dtype), do)
+    dv = tl.dot(pt.to(do.dtype), do, dv)
     dpt = tl.dot(v, tl.trans(do))                     # (keys, queries)
     dst = pt * (dpt - delta[None, :])
-    dk += tl.dot(dst.to(q.dtype), q)
+    dk = tl.dot(dst.to(q.dtype), q, dk)
     return dk, dv
 
 
@@ -291,7 +291,7 @@ def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, s_kn, s_vn, kt, offs_m, off
         p = tl.where(ok, p, 0.0)
     dp = tl.dot(do, tl.trans(v))
     ds = p * (dp - delta[:, None])
-    dq += tl.dot(ds.to(k.dtype), k)
+    dq = tl.dot(ds.to(k.dtype), k, dq)
     return dq
 
 
