@@ -106,3 +106,14 @@ def test_norm_wide_row_single_program():
 def test_gpu_norm_bf16(op, n):
     _check(op, (3, 129, n), torch.bfloat16, residual=True, offset=1.0 if op == "rms_norm" else 0.0)
     _check(op, (257, n), torch.bfloat16, residual=False, noncontig=True, seed=1)
+
+
+def test_backward_pipeline_depth_fits_shared_memory():
+    from opsadv.backends.cuda.norm import _bwd_stages, bwd_config
+    assert _bwd_stages(4096 * 2 * 3, "cpu", 227 << 10) == 1                 # interpreter: no pipelining
+    for n in (64, 1000, 4096, 8192, 16384, 65536):
+        block, rows, _ = bwd_config(n)
+        for smem in (227 << 10, 99 << 10, 48 << 10):
+            stage = rows * block * 2 * 3                                      # bf16 x, dy, dsum
+            st = _bwd_stages(stage, "cuda", smem)
+            assert st == 1 or (st - 1) * stage <= smem // 2, (n, smem, st)

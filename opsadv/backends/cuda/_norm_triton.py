@@ -3,7 +3,8 @@
 Forward: a program normalizes ROWS whole rows held in registers ([ROWS, BLOCK_N] tile), float32
 statistics, optional fused residual add (the sum is written in the same pass).
 Backward: a program walks a contiguous run of rows, writes dx (+ dsum) per row and keeps float32
-partial sums of dweight / dbias in registers; the host sums the per-program partials (stage 2)."""
+partial sums of dweight / dbias in registers; the host sums the per-program partials (stage 2).
+The row loop is software-pipelined (tl.range num_stages) so loads overlap the row reductions."""
 from __future__ import annotations
 
 import triton
@@ -47,7 +48,7 @@ def _norm_fwd_kernel(x_ptr, r_ptr, w_ptr, b_ptr, y_ptr, s_ptr, mean_ptr, rstd_pt
 def _norm_bwd_kernel(dy_ptr, ds_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr,
                      M, N, s_dym, s_dsm, s_xm, s_dxm, offset, rows_per_prog,
                      RMS: tl.constexpr, HAS_DSUM: tl.constexpr, HAS_W: tl.constexpr, HAS_DB: tl.constexpr,
-                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
@@ -56,7 +57,8 @@ def _norm_bwd_kernel(dy_ptr, ds_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, d
     dw_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     db_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     first = pid * rows_per_prog                              # this program's contiguous run of rows
-    for i in range(0, rows_per_prog, ROWS):
+    # NUM_STAGES > 1: the next rows' loads are issued (cp.async) while the current rows reduce
+    for i in tl.range(0, rows_per_prog, ROWS, num_stages=NUM_STAGES):
         rows = first + i + tl.arange(0, ROWS)
         rmask = rows < M
         mask = rmask[:, None] & cmask[None, :]

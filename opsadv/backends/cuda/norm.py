@@ -40,6 +40,19 @@ def bwd_config(n: int) -> tuple[int, int, int]:
     return block, rows, min(max(rows * block // 512, 4), 16)
 
 
+def _bwd_stages(stage_bytes: int, device_type: str, smem_optin: int | None = None) -> int:
+    """Software-pipelining depth of the backward's row loop (cp.async prefetch of the next rows'
+    x / dy / dsum into shared memory while the current rows reduce): 3 stages keep two row sets in
+    flight when they fit in 64 KB, 2 keep one when it fits in half the device's shared memory per
+    block (so two programs share an SM), else none."""
+    if device_type != "cuda":
+        return 1
+    budget = (smem_optin or 96 * 1024) // 2
+    if 2 * stage_bytes <= min(64 * 1024, budget):
+        return 3
+    return 2 if stage_bytes <= budget else 1
+
+
 def _check(spec, env) -> list[str]:
     n = spec.bucket[0]
     return [f"hidden size {n} > {MAX_HIDDEN} (whole rows are kept in registers)"] if n > MAX_HIDDEN else []
@@ -112,6 +125,8 @@ def _backward(ctx, rms, dy, dsum, xin, weight, has_db, mean, rstd, offset):
     dy2, sdy = _rows(dy, n)
     ds2, sds = _rows(dsum, n) if dsum.numel() else (dy2, sdy)
     block, rows, warps = bwd_config(n)
+    stages = _bwd_stages(rows * block * xin.element_size() * (3 if dsum.numel() else 2), xin.device.type,
+                         ctx.env.shared_memory_per_block_optin)
     sms = ctx.env.sm_count if xin.device.type == "cuda" and ctx.env.sm_count else 2
     progs = min(triton_cdiv(m, rows), 4 * sms)                 # enough programs to fill the GPU
     per_prog = triton_cdiv(triton_cdiv(m, progs), rows) * rows   # contiguous rows per program, multiple of ROWS
@@ -125,7 +140,7 @@ def _backward(ctx, rms, dy, dsum, xin, weight, has_db, mean, rstd, offset):
         dy2, ds2, x2, weight if weight is not None else x2, mean1, rstd1, dx, dw_part, db_part,
         m, n, sdy, sds, sx, n, float(offset), per_prog,
         RMS=rms, HAS_DSUM=dsum.numel() > 0, HAS_W=weight is not None, HAS_DB=has_db,
-        ROWS=rows, BLOCK_N=block, num_warps=warps)
+        ROWS=rows, BLOCK_N=block, NUM_STAGES=stages, num_warps=warps)
     dw = dw_part.sum(0).to(weight.dtype) if weight is not None else xin.new_empty((0,))     # stage 2
     db = db_part.sum(0).to(xin.dtype) if has_db else xin.new_empty((0,))        # (distinct: outputs never alias)
     return dx, dw, db
