@@ -183,3 +183,22 @@ def test_interpreter_backend_auto():
                                      num_attention_heads=2, num_key_value_heads=1, vocab_size=64)).eval()
     conv = opsadv.convert_model(m, example_inputs=inputs(batch=2, seq=9, pad=3, vocab=64))
     assert conv.opsadv_report.validation["passed"], str(conv.opsadv_report)
+
+
+def test_dtype_move_and_deepcopy_after_conversion():
+    orig = make("llama")
+    conv = opsadv.convert_model(copy.deepcopy(orig), backend="reference")
+    x = inputs()
+    twin = copy.deepcopy(conv)                                   # independent copy, still converted
+    conv.to(torch.float64)                                       # fused buffers follow the parameters
+    with torch.no_grad():
+        a = conv(**x).logits
+        b = copy.deepcopy(orig).to(torch.float64)(**x).logits
+        c = twin(**x).logits
+    assert a.dtype == torch.float64 and torch.allclose(a, b, atol=1e-6)   # (HF norms compute in fp32)
+    assert torch.allclose(c, orig(**x).logits, atol=1e-5)
+    with torch.no_grad():
+        twin.model.layers[0].mlp.gate_proj.weight.mul_(0)        # in-place edits reach the fused weight
+        orig2 = copy.deepcopy(orig)
+        orig2.model.layers[0].mlp.gate_proj.weight.mul_(0)
+        assert torch.allclose(twin(**x).logits, orig2(**x).logits, atol=1e-5)
