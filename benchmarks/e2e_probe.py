@@ -89,7 +89,6 @@ def correctness(arch: str):
             ga = orig.generate(p, max_new_tokens=16, do_sample=False, pad_token_id=0)
             gb = conv.generate(p, max_new_tokens=16, do_sample=False, pad_token_id=0)
         rec["greedy_tokens_equal_frac"] = (ga == gb).float().mean().item()
-        x = torch.randn(2, 33, orig.config.hidden_size, device=DEV, dtype=torch.bfloat16, requires_grad=True)
         conv.train()
         loss = conv(input_ids=ids[:2, :64], labels=ids[:2, :64]).loss
         loss.backward()
@@ -97,7 +96,6 @@ def correctness(arch: str):
         gq = conv.model.layers[0].self_attn.q_proj.weight.grad
         rec["train_step_loss"] = loss.item()
         rec["train_grad_q_proj_finite"] = bool(gq is not None and torch.isfinite(gq).all())
-        del x
     save(rec)
 
 

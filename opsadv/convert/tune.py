@@ -21,10 +21,21 @@ class TuneReport:
     seconds: float
     steps: list[str] = field(default_factory=list)
 
+    @property
+    def per_op(self) -> dict[str, dict[str, int]]:
+        """op -> {impl id: calls}: the kernels chosen for each op."""
+        from opsadv.registry import get_registry
+        op_of = {i.id: op for op, impls in get_registry().impls_by_op.items() for i in impls}
+        out: dict[str, dict[str, int]] = {}
+        for impl, n in self.calls_per_impl.items():
+            out.setdefault(op_of.get(impl, "?"), {})[impl] = n
+        return out
+
     def __str__(self) -> str:
         rows = [f"opsadv tune_for_hardware on {self.device}: {len(self.steps)} steps, {self.seconds:.2f} s "
-                f"(shapes {', '.join(self.shapes)})", "  chosen kernels (calls per impl):"]
-        rows += [f"  {n:8d}  {impl}" for impl, n in sorted(self.calls_per_impl.items(), key=lambda kv: -kv[1])]
+                f"(shapes {', '.join(self.shapes)})", "  chosen kernels per op (calls per impl):"]
+        for op, impls in sorted(self.per_op.items()):
+            rows.append(f"    {op:18} " + ", ".join(f"{i} x{n}" for i, n in sorted(impls.items(), key=lambda kv: -kv[1])))
         return "\n".join(rows)
 
 
