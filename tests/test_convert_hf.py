@@ -172,7 +172,8 @@ def test_padded_encoder_uses_key_padding_form():
     from opsadv.convert.hf_attention import key_padding_of, opsadv_mask
     pad = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
     from transformers.masking_utils import bidirectional_mask_function
-    m = opsadv_mask(2, 4, 4, mask_function=bidirectional_mask_function, attention_mask=pad)
+    m = opsadv_mask(batch_size=2, q_length=4, kv_length=4, mask_function=bidirectional_mask_function,
+                    attention_mask=pad)
     assert m.shape == (2, 1, 4, 4) and m.stride(2) == 0
     assert torch.equal(key_padding_of(m), pad.bool())
 
@@ -203,3 +204,14 @@ def test_dtype_move_and_deepcopy_after_conversion():
         orig2 = copy.deepcopy(orig)
         orig2.model.layers[0].mlp.gate_proj.weight.mul_(0)
         assert torch.allclose(twin(**x).logits, orig2(**x).logits, atol=1e-5)
+
+
+def test_inference_mode_then_training():
+    conv = opsadv.convert_model(make("llama"), backend="reference")
+    conv.to(torch.float64).to(torch.float32)                     # drop the fused buffers: rebuilt below
+    x = inputs()
+    with torch.inference_mode():
+        conv(**x)                                                # fuses inside inference mode
+    conv.train()
+    conv(**x, labels=x["input_ids"]).loss.backward()             # parameters are still normal tensors
+    assert conv.model.layers[0].self_attn.q_proj.weight.grad is not None

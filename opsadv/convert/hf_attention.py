@@ -89,25 +89,31 @@ def _warn_once(why: str) -> None:
                       "(see model.opsadv_report / state fallbacks)", RuntimeWarning, stacklevel=3)
 
 
-def opsadv_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None,
-                local_size=None, allow_is_causal_skip=True, allow_is_bidirectional_skip=False, use_vmap=False,
-                device="cpu", **kwargs):
+def opsadv_mask(*args, **kwargs):
+    """transformers' sdpa mask, except a plain bidirectional padding mask, returned as a stride-0
+    expansion of the 2-D padding mask (same values, recognizable as key padding).  Takes whatever
+    arguments this transformers version passes and forwards them unchanged."""
     from transformers import masking_utils as mu
-    if mask_function is None:
-        mask_function = mu.causal_mask_function
-    pad = attention_mask
-    if (mask_function is getattr(mu, "bidirectional_mask_function", None) and pad is not None and pad.dim() == 2
-            and pad.shape[-1] == kv_length and q_offset == 0 and kv_offset == 0 and local_size is None):
-        pad = pad.to(device=device, dtype=torch.bool)
-        skip = getattr(mu, "_ignore_bidirectional_mask_sdpa", None)
-        if allow_is_bidirectional_skip and skip is not None and skip(pad, kv_length, local_size):
-            return None
-        return pad[:, None, None, :].expand(batch_size, 1, q_length, kv_length)
-    return mu.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-                        kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
-                        local_size=local_size, allow_is_causal_skip=allow_is_causal_skip,
-                        allow_is_bidirectional_skip=allow_is_bidirectional_skip, use_vmap=use_vmap, device=device,
-                        **kwargs)
+    pad = kwargs.get("attention_mask")
+    kv_length = kwargs.get("kv_length")
+    q_length = kwargs.get("q_length")
+    if q_length is None and kwargs.get("cache_position") is not None:
+        q_length = kwargs["cache_position"].shape[0]
+    plain = (not args and kwargs.get("mask_function") is getattr(mu, "bidirectional_mask_function", None)
+             and isinstance(pad, torch.Tensor) and pad.dim() == 2 and kv_length is not None and q_length is not None
+             and pad.shape[-1] == kv_length and not kwargs.get("q_offset") and not kwargs.get("kv_offset")
+             and kwargs.get("local_size") is None)
+    if not plain:
+        return mu.sdpa_mask(*args, **kwargs)
+    pad = pad.to(device=kwargs.get("device", pad.device), dtype=torch.bool)
+    skip = getattr(mu, "_ignore_bidirectional_mask_sdpa", None)
+    if kwargs.get("allow_is_bidirectional_skip") and skip is not None:
+        try:
+            if skip(pad, kv_length, None):
+                return None
+        except TypeError:                          # another transformers version's helper: just do not skip
+            pass
+    return pad[:, None, None, :].expand(kwargs["batch_size"], 1, q_length, kv_length)
 
 
 def register() -> None:

@@ -48,15 +48,16 @@ class FusedRows:
             addr += p.numel() * step
         return True
 
-    @torch.no_grad()
     def _rebuild(self) -> None:
-        # (after .to(), deepcopy or a fresh load the views are gone: fuse again, re-point the params)
-        buf = torch.cat([p.detach() for p in self.params], 0).contiguous()
-        row = 0
-        for p in self.params:
-            n = p.shape[0]
-            p.data = buf[row:row + n]             # the parameter becomes a view of its rows of buf
-            row += n
+        # (after .to(), deepcopy or a fresh load the views are gone: fuse again, re-point the params).
+        # Never inside inference mode: parameters must not become inference tensors.
+        with torch.inference_mode(False), torch.no_grad():
+            buf = torch.cat([p.detach() for p in self.params], 0).contiguous()
+            row = 0
+            for p in self.params:
+                n = p.shape[0]
+                p.data = buf[row:row + n]         # the parameter becomes a view of its rows of buf
+                row += n
         self.buf = buf
 
 
