@@ -254,3 +254,23 @@ def test_gpu_choice_per_bucket_is_measured(tmp_path, monkeypatch, seed):
         exp = opsadv.explain("flash_attention", q, q, q, causal=True)
     assert exp.why.startswith("measured fastest"), exp.why
     tuning.reload()
+
+
+def test_backward_keeps_the_forward_policy_on_another_thread():
+    """CUDA autograd runs backward on its own thread, outside `with use_backend(...)`: the
+    backward must still resolve under the forward's policy."""
+    import threading
+    opsadv.use_backend("reference")                       # process default differs from the scoped policy
+    q = torch.randn(1, 2, 20, 32, dtype=torch.float16, requires_grad=True)
+    with opsadv.use_backend("cuda", deterministic=True):
+        out = opsadv.ops.flash_attention(q, q, q, causal=True)
+    seen = {}
+
+    def backward():
+        with opsadv.trace() as t:
+            out.sum().backward()
+        seen.update(t.counts)
+    th = threading.Thread(target=backward)
+    th.start()
+    th.join()
+    assert seen == {TRITON_ID: 1}

@@ -20,6 +20,7 @@ from torch import Tensor
 from .. import dispatch
 from ..errors import InvalidArgumentError
 from ..kernel import CallSpec
+from ..policy import _scoped, current_policy
 from ._common import AUTOGRAD_FN, DIRECT, autograd_function, check_same, check_scale, check_tensor, dt, eager_mode, len_bucket
 
 OP = "flash_attention"
@@ -127,11 +128,17 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, attn_mask)
     ctx.causal, ctx.scale = causal, scale
+    ctx.policy = current_policy()     # autograd runs CUDA backward on its own thread, outside `with use_backend`
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, attn_mask = ctx.saved_tensors
-    dq, dk, dv = torch.ops.opsadv.flash_attention_backward(dout, q, k, v, out, lse, attn_mask, ctx.causal, ctx.scale)
+    token = _scoped.set(ctx.policy)
+    try:
+        dq, dk, dv = torch.ops.opsadv.flash_attention_backward(dout, q, k, v, out, lse, attn_mask, ctx.causal,
+                                                               ctx.scale)
+    finally:
+        _scoped.reset(token)
     return dq, dk, dv, None, None, None
 
 
