@@ -231,7 +231,11 @@ def run_bench(suites: list[str], quick: bool, json_path: str | None, plot_path: 
           f"commit {header['commit']}){' quick' if quick else ''}")
     rows: list[dict[str, Any]] = []
     failed = False
-    with opsadv.use_backend("auto", autotune=autotune):
+    from opsadv.core.policy import current_policy
+    cur = current_policy()   # keep what the caller set (backend, experimental, ...); add measured choice
+    with opsadv.use_backend(cur.backend, strict=cur.strict, profile=cur.profile, experimental=cur.experimental,
+                            deterministic=cur.deterministic, precision=cur.precision, autotune=autotune,
+                            **dict(cur.options)):
         for name in names:
             mod = f"opsadv.bench.suite_{name}"
             if importlib.util.find_spec(mod) is None:
