@@ -111,6 +111,15 @@ def test_from_block_mask(nq, nk, bs, b, h, causal, data):
             assert torch.equal(got[bi, hi], exp)
 
 
+def test_from_padding_mask_cached_by_content():
+    m = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    a = SparseLayout.from_padding_mask(m, block_size=2)
+    assert SparseLayout.from_padding_mask(m.clone().bool(), block_size=2) is a
+    m[0, 2] = 1                                   # a changed mask is a new layout; the old one is unaffected
+    b = SparseLayout.from_padding_mask(m, block_size=2)
+    assert b is not a and bool(b.key_padding_mask[0, 2]) and not bool(a.key_padding_mask[0, 2])
+
+
 @SETTINGS
 @given(b=st.integers(1, 3), s=lengths, causal=st.booleans(), data=st.data())
 def test_from_padding_mask(b, s, causal, data):

@@ -290,8 +290,17 @@ class SparseLayout:
         kpm = key_padding_mask.to(torch.bool)
         sk = kpm.shape[1]
         sq = sk if seq_q is None else seq_q
+        # cached on the mask's content, so a model's layers (and steps) share one layout and its tile index
+        key = (str(kpm.device), tuple(kpm.shape), sq, causal, block_size, kpm.cpu().numpy().tobytes())
+        hit = _padding_cache.get(key)
+        if hit is not None:
+            return hit
         base = _dense(sq, sk, causal, block_size, kpm.device)
-        return dataclasses.replace(base, key_padding_mask=kpm.contiguous())
+        lay = dataclasses.replace(base, key_padding_mask=kpm.clone().contiguous())
+        if len(_padding_cache) >= 64:
+            _padding_cache.pop(next(iter(_padding_cache)))
+        _padding_cache[key] = lay
+        return lay
 
     @classmethod
     def from_padding_mask(cls, attention_mask: Tensor, *, causal: bool = False, block_size: int = 128) -> "SparseLayout":
@@ -377,6 +386,8 @@ class PackInfo(NamedTuple):
 
 
 # ---- cached builders (hashable parameters only) --------------------------------------------------
+_padding_cache: dict[tuple, SparseLayout] = {}      # key padding layouts by mask content (FIFO, 64 entries)
+
 def _check_bs(bs) -> int:
     return _check_int("block_size", bs, 1)
 
