@@ -147,3 +147,28 @@ def test_fully_masked_rows_give_zeros():
     with opsadv.use_backend("reference"):
         out, lse = opsadv.ops.flash_attention(q, k, k, causal=True, return_lse=True)   # sq > sk: first 3 rows see nothing
     assert torch.isfinite(out).all() and (out[:, :, :3] == 0).all() and torch.isinf(lse[:, :, :3]).all()
+
+
+def test_backward_resolves_under_forward_policy_on_another_thread():
+    """Autograd may run backward on another thread (CUDA does): it must use the forward's policy."""
+    from opsadv.core.ops.norm import _rms_bwd, _rms_setup
+
+    class Ctx:
+        def save_for_backward(self, *t):
+            self.saved_tensors = t
+
+    x, w = torch.randn(3, 16), torch.randn(16)
+    ctx = Ctx()
+    with opsadv.use_backend("reference", deterministic=True):
+        y, xsum, rstd = torch.ops.opsadv.rms_norm(x, w, 1e-6, None, 0.0)
+        _rms_setup(ctx, (x, w, 1e-6, None, 0.0), (y, xsum, rstd))
+    seen = {}
+
+    def run():
+        with opsadv.trace() as t:
+            _rms_bwd(ctx, torch.ones_like(y), None, None)
+        seen["policy"] = ctx.opsadv_policy.deterministic
+        seen["calls"] = dict(t.counts)
+    th = threading.Thread(target=run)
+    th.start(); th.join()
+    assert seen == {"policy": True, "calls": {"reference.rms_norm": 1}}

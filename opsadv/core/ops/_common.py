@@ -107,3 +107,23 @@ def autograd_function(name: str, route, setup_context, backward):
     fn = type(name, (torch.autograd.Function,), {"forward": staticmethod(forward),
                                                  "backward": staticmethod(backward)})
     return fn.apply
+
+
+def carry_policy(setup_context, backward):
+    """Wrap an op's (setup_context, backward) so the backward resolves under the forward's policy:
+    autograd runs CUDA backwards on its own thread, where a `with use_backend(...)` scope of the
+    caller's thread is not visible."""
+    from ..policy import _scoped, current_policy
+
+    def setup(ctx, inputs, output):
+        setup_context(ctx, inputs, output)
+        ctx.opsadv_policy = current_policy()
+
+    def bwd(ctx, *grads):
+        token = _scoped.set(ctx.opsadv_policy)
+        try:
+            return backward(ctx, *grads)
+        finally:
+            _scoped.reset(token)
+
+    return setup, bwd

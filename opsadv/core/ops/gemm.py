@@ -21,7 +21,7 @@ from torch import Tensor
 from .. import dispatch
 from ..errors import InvalidArgumentError
 from ..kernel import CallSpec
-from ._common import AUTOGRAD_FN, DIRECT, autograd_function, check_choice, check_same, check_tensor, eager_mode, len_bucket, none_if_empty
+from ._common import AUTOGRAD_FN, DIRECT, autograd_function, carry_policy, check_choice, check_same, check_tensor, eager_mode, len_bucket, none_if_empty
 
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
 
@@ -120,6 +120,7 @@ def _gemm_bwd(ctx, grad):
     return da, db, none_if_empty(dbias) if bias is not None else None, None, (grad if ctx.has_residual else None), None
 
 
+_gemm_setup, _gemm_bwd = carry_policy(_gemm_setup, _gemm_bwd)
 _gemm.register_autograd(_gemm_bwd, setup_context=_gemm_setup)
 _gemm_eager_autograd = autograd_function("GemmFn", _gemm_route, _gemm_setup, _gemm_bwd)
 
@@ -171,6 +172,7 @@ def _swiglu_bwd(ctx, grad):
     return dx, dw, (dbias if bias is not None else None)
 
 
+_swiglu_setup, _swiglu_bwd = carry_policy(_swiglu_setup, _swiglu_bwd)
 _swiglu_gemm.register_autograd(_swiglu_bwd, setup_context=_swiglu_setup)
 _swiglu_eager_autograd = autograd_function("SwigluGemmFn", _swiglu_route, _swiglu_setup, _swiglu_bwd)
 

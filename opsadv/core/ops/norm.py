@@ -22,7 +22,7 @@ from torch import Tensor
 from .. import dispatch
 from ..errors import InvalidArgumentError
 from ..kernel import CallSpec
-from ._common import AUTOGRAD_FN, DIRECT, autograd_function, check_same, check_tensor, eager_mode, len_bucket, none_if_empty
+from ._common import AUTOGRAD_FN, DIRECT, autograd_function, carry_policy, check_same, check_tensor, eager_mode, len_bucket, none_if_empty
 
 
 def stat_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -117,6 +117,7 @@ def _ln_bwd(ctx, dy, dsum, dmean, drstd):
             dx if ctx.has_residual else None)
 
 
+_ln_setup, _ln_bwd = carry_policy(_ln_setup, _ln_bwd)
 _layer_norm.register_autograd(_ln_bwd, setup_context=_ln_setup)
 _ln_eager_autograd = autograd_function("LayerNormFn", _layer_norm_route, _ln_setup, _ln_bwd)
 
@@ -172,6 +173,7 @@ def _rms_bwd(ctx, dy, dsum, drstd):
     return dx, (dw if weight is not None else None), None, (dx if ctx.has_residual else None), None
 
 
+_rms_setup, _rms_bwd = carry_policy(_rms_setup, _rms_bwd)
 _rms_norm.register_autograd(_rms_bwd, setup_context=_rms_setup)
 _rms_eager_autograd = autograd_function("RmsNormFn", _rms_norm_route, _rms_setup, _rms_bwd)
 
