@@ -218,3 +218,17 @@ def test_run_batched_predicts_chunks_from_measured_peaks(monkeypatch, seed, capa
     assert st["chunks"] == chunks and st["retries"] == retries
     assert max(meter.seen) <= 1000 and st["peak_bytes"] <= 1000          # within the budget
     assert st["bytes_per_sample"] == 50 and st["fixed_bytes"] == 100
+
+
+def test_default_budget_follows_the_jetson_option(tmp_path):
+    from opsadv.registry import reset_registry
+    from opsadv.runtime import default_budget
+    from test_jetson import ORIN, fake_env
+    try:
+        reset_registry(fake_env(tmp_path, "orin", ORIN))
+        with opsadv.use_backend("jetson", memory_budget="1GiB"):
+            assert default_budget(torch.device("cpu")) == (GIB, "use_backend(memory_budget=...)")
+        with opsadv.use_backend("jetson"):           # the MemAvailable snapshot is not a user budget
+            assert default_budget(torch.device("cpu"))[0] is None
+    finally:
+        reset_registry()

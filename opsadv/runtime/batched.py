@@ -214,9 +214,10 @@ def default_budget(device: torch.device) -> tuple[int | None, str]:
     from ..core.env import current_env
     from ..core.policy import current_policy
 
-    opt = current_policy().option_dict.get("memory_budget")
-    if isinstance(opt, int):
-        return opt, "use_backend(memory_budget=...)"
+    opts = current_policy().option_dict
+    opt = opts.get("memory_budget")
+    if isinstance(opt, int) and "use_backend" in str(opts.get("memory_budget_source", "use_backend")):
+        return opt, "use_backend(memory_budget=...)"      # given by the user (not the MemAvailable snapshot)
     if device.type != "cuda":
         return None, "no prediction on CPU without bytes_per_sample"
     env = current_env()
