@@ -13,7 +13,6 @@ end).  run_batched resets CUDA peak-memory statistics per chunk; `stats` reports
 from __future__ import annotations
 
 import gc
-import math
 import warnings
 from collections.abc import Mapping
 from typing import Any, Callable

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 
-from opsadv.core.errors import InvalidArgumentError, UnknownOptionError
+from opsadv.core.errors import UnknownOptionError
 from opsadv.registry import BackendInfo, ProbeResult, hookimpl
 
 from .detect import compute_dtype, generation, has_bf16, l4t_version, not_jetson_reasons
