@@ -14,6 +14,7 @@ import torch
 from opsadv import ops
 from opsadv.core.layout import SparseLayout
 
+from .modules import _exporting
 from .state import scope_of
 
 NAME = "opsadv"
@@ -29,11 +30,23 @@ def key_padding_of(mask: torch.Tensor | None) -> torch.Tensor | None:
     return mask[:, 0, 0, :]
 
 
-def _varlen_layout(kpm: torch.Tensor, s_q: int):
+_last: tuple = (None, None)      # (mask tensor, its layout): all layers of one forward share the mask object
+
+
+def _varlen_layout(mask: torch.Tensor, kpm: torch.Tensor, s_q: int):
+    """SparseLayout for a key-padding mask, built once per forward (layers share the mask object).
+    None while tracing for export/compile (the layout is built from the mask's values); the dense
+    kernel with the same key padding mask serves then."""
+    global _last
     make = getattr(SparseLayout, "from_padding_mask", None)
-    if make is None or s_q != kpm.shape[1]:
+    if make is None or s_q != kpm.shape[1] or _exporting():
         return None
-    return make(kpm)
+    m, lay = _last
+    if m is mask:
+        return lay
+    lay = make(kpm)
+    _last = (mask, lay)
+    return lay
 
 
 def opsadv_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
@@ -69,7 +82,7 @@ def opsadv_attention_forward(module, query, key, value, attention_mask, dropout:
         mask = mask.to(query.dtype)
     with scope_of(module):
         kpm = key_padding_of(mask)
-        layout = _varlen_layout(kpm, s_q) if kpm is not None else None
+        layout = _varlen_layout(mask, kpm, s_q) if kpm is not None else None
         if layout is not None:
             out = ops.sparse_attention(query, key, value, layout, scale=scaling)
         else:
