@@ -216,3 +216,18 @@ def test_inference_mode_then_training(reference_backend):
     conv.train()
     conv(**x, labels=x["input_ids"]).loss.backward()             # parameters are still normal tensors
     assert conv.model.layers[0].self_attn.q_proj.weight.grad is not None
+
+
+def test_pickle_roundtrip_keeps_conversion(tmp_path):
+    import io
+    orig = make("gpt2")
+    conv = opsadv.convert_model(copy.deepcopy(orig), backend="reference")
+    buf = io.BytesIO()
+    torch.save(conv, buf)
+    buf.seek(0)
+    back = torch.load(buf, weights_only=False)
+    assert back.tune_for_hardware.model is back and back.config._attn_implementation == "opsadv"
+    x = inputs()
+    with torch.no_grad():
+        keep = x["attention_mask"].bool()
+        assert torch.allclose(back(**x).logits[keep], orig(**x).logits[keep], atol=1e-5)

@@ -94,17 +94,12 @@ class _Tuner:
         self.model = model
 
     def __call__(self, device="cuda:0", batch_size: int = 8, seq_len: int | None = None, **kw):
-        if self.model is None:
-            raise RuntimeError("this model was unpickled: run opsadv.convert_model on it again to tune it")
         from .tune import tune_for_hardware
         return tune_for_hardware(self.model, device=device, batch_size=batch_size, seq_len=seq_len, **kw)
 
-    def __deepcopy__(self, memo):
-        import copy
-        return _Tuner(copy.deepcopy(self.model, memo))
-
-    def __getstate__(self):
-        return {"model": None}                     # never pickle the model twice (or recursively)
+    def __reduce__(self):
+        # pickle / deepcopy memoize the model before its state, so this is a back-reference, not a copy
+        return (_Tuner, (self.model,))
 
 
 def _eval_mode(model):
