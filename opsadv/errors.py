@@ -6,4 +6,5 @@ from opsadv.core.errors import (  # noqa: F401
     OpsadvError,
     PluginError,
     UnknownOptionError,
+    ValidationError,
 )

@@ -18,17 +18,7 @@ KL_LIMIT = 0.01
 TOP1_LIMIT = 0.999
 
 
-class ValidationError(OpsadvError, RuntimeError):
-    """A conversion whose outputs differ from the original's beyond the limits (the numbers are in
-    `.metrics`, and in the message).  The model was restored to its original modules."""
-
-    def __init__(self, model: str, metrics: dict[str, Any]):
-        self.metrics = metrics
-        nums = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()
-                         if k not in ("limits", "passed"))
-        super().__init__(f"opsadv.convert_model: refused to convert {model}: the converted model's outputs differ "
-                         f"from the original's beyond the limits {metrics.get('limits')}: {nums}. "
-                         "The model was left unconverted; pass validate='warn' to keep the conversion anyway.")
+from opsadv.core.errors import ValidationError  # noqa: E402,F401  (public in opsadv.errors)
 
 
 def primary_output(out) -> tuple[torch.Tensor | None, str]:

@@ -2,6 +2,8 @@
 expected and what was given, so a user can fix the call without reading our source."""
 from __future__ import annotations
 
+from typing import Any
+
 
 class OpsadvError(Exception):
     """Base class of every opsadv error."""
@@ -46,3 +48,16 @@ class BackendUnavailableError(OpsadvError, RuntimeError):
 
 class PluginError(OpsadvError, RuntimeError):
     """A backend plugin failed to load or register (raised only in strict mode)."""
+
+
+class ValidationError(OpsadvError, RuntimeError):
+    """A conversion whose outputs differ from the original's beyond the limits (the numbers are in
+    `.metrics`, and in the message).  The model was restored to its original modules."""
+
+    def __init__(self, model: str, metrics: dict[str, Any]):
+        self.metrics = metrics
+        nums = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()
+                         if k not in ("limits", "passed"))
+        super().__init__(f"opsadv.convert_model: refused to convert {model}: the converted model's outputs differ "
+                         f"from the original's beyond the limits {metrics.get('limits')}: {nums}. "
+                         "The model was left unconverted; pass validate='warn' to keep the conversion anyway.")
