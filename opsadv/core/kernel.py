@@ -88,7 +88,9 @@ class KernelImpl:
     supports_export: bool = True
     experimental: bool = False                # gated behind policy experimental=True
     requires_interpret_or_cuda: bool = False  # Triton: CUDA tensors, or CPU tensors under TRITON_INTERPRET=1
-    check: Callable[[CallSpec, EnvInfo], list[str]] | None = None   # dynamic limits -> reasons
+    # dynamic limits -> reasons.  The verdict is memoized per shape bucket (the op's key), so a check
+    # may only depend on what the key distinguishes (dtype, features, head dim, length buckets, ...).
+    check: Callable[[CallSpec, EnvInfo], list[str]] | None = None
     description: str = ""
 
     def rejection_reasons(self, spec: CallSpec, env: EnvInfo, *, experimental_ok: bool,

@@ -49,6 +49,14 @@ def _mult8(spec, env) -> list[str]:
     return why
 
 
+def _cudnn_rule(spec, env) -> list[str]:
+    why = _mult8(spec, env)
+    q_shape, k_shape = spec.shapes[0], spec.shapes[1]
+    if q_shape[2] == 1 and k_shape[2] == 1:
+        why.append("cuDNN frontend rejects s_q = s_kv = 1")
+    return why
+
+
 # ---- cuDNN ---------------------------------------------------------------------------------------
 def cudnn_fwd(ctx, q, k, v, attn_mask, causal, scale):
     group = q.shape[1] // k.shape[1]
@@ -83,19 +91,28 @@ def flash_bwd(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale):
 
 # ---- memory-efficient (takes masks) ----------------------------------------------------------------
 def _bias(attn_mask, q, sk):
-    """Additive bias (b, h, s_q, s_k) with a 16-aligned row stride, as the kernel requires."""
+    """Additive bias (b, h, s_q, s_k) with a 16-aligned row stride, as the kernel requires.  A row
+    the mask empties entirely gets a zero bias (the kernel turns an all -inf row into NaN in its
+    backward); such rows are zeroed in the output and get lse = -inf / +inf around the kernel."""
     if attn_mask is None:
         return None
     b, h, sq, _ = q.shape
     m = attn_mask
     if m.dtype == torch.bool:
         m = torch.zeros(m.shape, dtype=q.dtype, device=q.device).masked_fill_(~m, float("-inf"))
+    m = m.masked_fill(torch.isneginf(m).all(-1, keepdim=True), 0.0)   # no host sync: a device-side fill
     pad = (-sk) % 16
     if pad or m.stride(-1) != 1:
         full = torch.zeros((b, h, sq, sk + pad), dtype=q.dtype, device=q.device)
         full[..., :sk] = m
         return full[..., :sk]
     return m.expand(b, h, sq, sk)
+
+
+def _empty_rows(attn_mask, shape):
+    """(b, h, s_q) bool: rows in which the mask allows no key."""
+    dead = ~attn_mask.any(-1) if attn_mask.dtype == torch.bool else torch.isneginf(attn_mask).all(-1)
+    return dead.expand(shape[:3])
 
 
 def efficient_fwd(ctx, q, k, v, attn_mask, causal, scale):
@@ -105,7 +122,7 @@ def efficient_fwd(ctx, q, k, v, attn_mask, causal, scale):
         q, _expand(k, group), _expand(v, group), _bias(attn_mask, q, sk), True, 0.0, causal, scale=scale)
     lse = lse[:, :, :sq]
     if attn_mask is not None:  # a row the mask empties: zeros and lse = -inf (the contract), never NaN
-        empty = ~torch.isfinite(lse) | torch.isnan(out).any(-1)
+        empty = _empty_rows(attn_mask, q.shape) | ~torch.isfinite(lse)
         out = out.masked_fill(empty[..., None], 0.0)
         lse = lse.masked_fill(empty, float("-inf"))
     return out, lse.contiguous()
@@ -130,7 +147,7 @@ def impls(env) -> list[KernelImpl]:
     return [
         KernelImpl(id="cuda.sdpa.cudnn", op="flash_attention", backend="cuda", fn=cudnn_fwd, backward=cudnn_bwd,
                    priority=PRIORITY_VENDOR, dtypes=half, max_head_dim=128, min_cc=(8, 0), features=BASE_FEATURES,
-                   check=_mult8, description="cuDNN fused attention through aten (GQA by expanding K/V)"),
+                   check=_cudnn_rule, description="cuDNN fused attention through aten (GQA by expanding K/V)"),
         KernelImpl(id="cuda.sdpa.flash", op="flash_attention", backend="cuda", fn=flash_fwd, backward=flash_bwd,
                    priority=PRIORITY_VENDOR - 10, dtypes=half, max_head_dim=256, min_cc=(8, 0),
                    features=BASE_FEATURES, check=_mult8,

@@ -83,7 +83,8 @@ def _key(q, k, attn_mask, causal, backward: bool) -> tuple:
     # Everything the verdict of any impl may depend on, cheaply (no allocation).
     return (OP, backward, q.device.type, q.dtype, q.shape[-1], causal,
             None if attn_mask is None else attn_mask.dtype, q.shape[1] // k.shape[1], q.shape[2] != k.shape[2],
-            len_bucket(q.shape[2]), len_bucket(k.shape[2]), len_bucket(q.shape[0] * q.shape[1]))
+            len_bucket(q.shape[2]), len_bucket(k.shape[2]), len_bucket(q.shape[0] * q.shape[1]),
+            q.shape[2] == 1, k.shape[2] == 1)   # single-token q/kv: some vendor kernels refuse them
 
 
 def _spec(q, k, attn_mask, causal, backward: bool) -> CallSpec:
