@@ -20,8 +20,7 @@ from torch import Tensor
 from .. import dispatch
 from ..errors import InvalidArgumentError
 from ..kernel import CallSpec
-from ..policy import _scoped, current_policy
-from ._common import AUTOGRAD_FN, DIRECT, autograd_function, check_same, check_scale, check_tensor, dt, eager_mode, len_bucket
+from ._common import AUTOGRAD_FN, DIRECT, autograd_function, carry_policy, check_same, check_scale, check_tensor, dt, eager_mode, len_bucket
 
 OP = "flash_attention"
 
@@ -129,20 +128,15 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, attn_mask)
     ctx.causal, ctx.scale = causal, scale
-    ctx.policy = current_policy()     # autograd runs CUDA backward on its own thread, outside `with use_backend`
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, attn_mask = ctx.saved_tensors
-    token = _scoped.set(ctx.policy)
-    try:
-        dq, dk, dv = torch.ops.opsadv.flash_attention_backward(dout, q, k, v, out, lse, attn_mask, ctx.causal,
-                                                               ctx.scale)
-    finally:
-        _scoped.reset(token)
+    dq, dk, dv = torch.ops.opsadv.flash_attention_backward(dout, q, k, v, out, lse, attn_mask, ctx.causal, ctx.scale)
     return dq, dk, dv, None, None, None
 
 
+_setup_context, _backward = carry_policy(_setup_context, _backward)   # backward resolves under the forward's policy
 _flash_attention.register_autograd(_backward, setup_context=_setup_context)
 _eager_autograd = autograd_function("FlashAttentionFn", _route, _setup_context, _backward)
 

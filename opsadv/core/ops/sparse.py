@@ -17,8 +17,8 @@ from .. import dispatch
 from ..errors import InvalidArgumentError
 from ..kernel import CallSpec
 from ..layout import SparseLayout
-from ..policy import _scoped, current_policy
-from ._common import check_same, check_scale, check_tensor, len_bucket
+from ._common import (AUTOGRAD_FN, DIRECT, autograd_function, carry_policy, check_same, check_scale, check_tensor,
+                      eager_mode, len_bucket)
 from .attention import lse_dtype
 
 OP = "sparse_attention"
@@ -70,16 +70,22 @@ def _spec(q, k, kpm, cu, bs, causal, wl, ng, backward) -> CallSpec:
                     shapes=(tuple(q.shape), tuple(k.shape)), backward=backward)
 
 
-@torch.library.custom_op("opsadv::sparse_attention", mutates_args=())
-def _sparse_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: Tensor, key_padding_mask: Optional[Tensor],
-                      cu_seqlens: Optional[Tensor], block_size: int, causal: bool, window_left: int,
-                      window_right: int, num_global: int, scale: Optional[float]) -> tuple[Tensor, Tensor]:
+def _route(q, k, v, block_mask, key_padding_mask, cu_seqlens, block_size, causal, window_left, window_right,
+           num_global, scale):
     s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     return dispatch.call(
         _key(q, k, key_padding_mask, cu_seqlens, block_size, causal, window_left, num_global, False),
         lambda: _spec(q, k, key_padding_mask, cu_seqlens, block_size, causal, window_left, num_global, False),
         (q, k, v, block_mask, key_padding_mask, cu_seqlens, block_size, causal, window_left, window_right,
          num_global, s))
+
+
+@torch.library.custom_op("opsadv::sparse_attention", mutates_args=())
+def _sparse_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: Tensor, key_padding_mask: Optional[Tensor],
+                      cu_seqlens: Optional[Tensor], block_size: int, causal: bool, window_left: int,
+                      window_right: int, num_global: int, scale: Optional[float]) -> tuple[Tensor, Tensor]:
+    return _route(q, k, v, block_mask, key_padding_mask, cu_seqlens, block_size, causal, window_left, window_right,
+                  num_global, scale)
 
 
 @_sparse_attention.register_fake
@@ -110,20 +116,17 @@ def _setup(ctx, inputs, output):
     q, k, v, bm, kpm, cu, bs, causal, wl, wr, ng, scale = inputs
     ctx.save_for_backward(q, k, v, output[0], output[1], bm, kpm, cu)
     ctx.rest = (bs, causal, wl, wr, ng, scale)
-    ctx.policy = current_policy()     # autograd runs CUDA backward on its own thread, outside `with use_backend`
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, bm, kpm, cu = ctx.saved_tensors
-    token = _scoped.set(ctx.policy)
-    try:
-        dq, dk, dv = torch.ops.opsadv.sparse_attention_backward(dout, q, k, v, out, lse, bm, kpm, cu, *ctx.rest)
-    finally:
-        _scoped.reset(token)
+    dq, dk, dv = torch.ops.opsadv.sparse_attention_backward(dout, q, k, v, out, lse, bm, kpm, cu, *ctx.rest)
     return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
+_setup, _backward = carry_policy(_setup, _backward)   # backward resolves under the forward's policy
 _sparse_attention.register_autograd(_backward, setup_context=_setup)
+_eager_autograd = autograd_function("SparseAttentionFn", _route, _setup, _backward)
 
 
 def sparse_attention(q: Tensor, k: Tensor, v: Tensor, layout: SparseLayout, *, scale: float | None = None,
@@ -131,7 +134,8 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, layout: SparseLayout, *, s
     """Attention restricted to `layout` (block-sparse pattern and/or packed variable-length batch).
     Rows with no allowed key give zeros."""
     validate(q, k, v, layout, scale)
-    out, lse = torch.ops.opsadv.sparse_attention(
-        q, k, v, layout.block_mask, layout.key_padding_mask, layout.cu_seqlens, layout.block_size, layout.causal,
-        layout.window_left, layout.window_right, layout.num_global, scale)
+    mode = eager_mode(q, k, v, layout.block_mask, layout.key_padding_mask, layout.cu_seqlens)
+    op = _route if mode == DIRECT else _eager_autograd if mode == AUTOGRAD_FN else torch.ops.opsadv.sparse_attention
+    out, lse = op(q, k, v, layout.block_mask, layout.key_padding_mask, layout.cu_seqlens, layout.block_size,
+                  layout.causal, layout.window_left, layout.window_right, layout.num_global, scale)
     return (out, lse.detach()) if return_lse else out
