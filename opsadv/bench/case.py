@@ -5,6 +5,7 @@ The runner warms up, verifies opsadv's output against the best peer's (rel_err),
 callable with triton.testing.do_bench (median), and writes the BENCHMARKS.md JSON schema."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -21,3 +22,15 @@ class BenchCase:
     compare: Callable[[Any, Any], float] | None = None   # rel err of (opsadv_out, peer_out); default: norm ratio
     extra: dict[str, Any] = field(default_factory=dict)  # e.g. peak_act_mib, launches_per_layer
     setup: Callable[[], None] | None = None     # called once before timing (e.g. autotune)
+
+
+@functools.lru_cache(maxsize=1)
+def flex_peer():
+    """(compiled flex_attention, create_block_mask), or (None, None) where FlexAttention is missing.
+    Compiled once per process and shared by the suites that use it as a peer."""
+    try:
+        import torch
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError:
+        return None, None
+    return torch.compile(flex_attention), create_block_mask

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import opsadv
 
-from .case import BenchCase
+from .case import BenchCase, flex_peer
 
 OWN = "cuda.triton.flash_attention"
 SHAPES = ((16, 32, 1024), (4, 32, 4096), (1, 32, 16384))
@@ -57,24 +57,12 @@ def _own(q, k, causal, backward):
     return impl, r.ctx
 
 
-def _flex():
-    try:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    except ImportError:
-        return None, None
-    return torch.compile(flex_attention), create_block_mask
-
-
-_FLEX = None
 
 
 def cases(quick: bool) -> Iterator[BenchCase]:
-    global _FLEX
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    if _FLEX is None:
-        _FLEX = _flex()
-    flex, make_mask = _FLEX
+    flex, make_mask = flex_peer()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     for dt, b, h, hkv, s, d, causal, bwd in _grid(quick):
         torch.manual_seed(0)

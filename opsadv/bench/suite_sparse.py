@@ -17,27 +17,9 @@ import torch.nn.functional as F
 import opsadv
 from opsadv import SparseLayout
 
-from .case import BenchCase
+from .case import BenchCase, flex_peer
 
 DENSE_MASK_MAX_BYTES = 4 << 30      # sdpa_masked only where the (s_q, s_k) bool mask stays below this
-
-
-def _flex():
-    try:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    except ImportError:
-        return None, None
-    return torch.compile(flex_attention), create_block_mask
-
-
-_FLEX = None
-
-
-def flex_peer():
-    global _FLEX
-    if _FLEX is None:
-        _FLEX = _flex()
-    return _FLEX
 
 
 def fwd_tiles(layout: SparseLayout, d: int) -> tuple[int, int]:

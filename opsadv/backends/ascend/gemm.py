@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from opsadv.core.activations import act_grad
 from opsadv.core.kernel import PRIORITY_VENDOR, KernelImpl
 
 from . import _npu
@@ -13,7 +14,6 @@ from .norm import _bf16_check
 
 NAME = "ascend"
 GEMM_FEATURES = frozenset({"bias", "residual", "alpha", "batched", "act_relu", "act_gelu", "act_gelu_tanh", "act_silu"})
-_SQRT_2_OVER_PI = 0.7978845608028654
 
 
 def _mm(a, b, bias, alpha: float):
@@ -33,21 +33,6 @@ def _act(activation: str, z):
         return F.silu(z)
     npu = _npu.torch_npu()
     return npu.npu_gelu(z, approximate="tanh" if activation == "gelu_tanh" else "none")
-
-
-def act_grad(activation: str, z):
-    """d activation / dz (float32 in, float32 out)."""
-    if activation == "none":
-        return torch.ones_like(z)
-    if activation == "relu":
-        return (z > 0).to(z.dtype)
-    if activation == "silu":
-        s = torch.sigmoid(z)
-        return s * (1 + z * (1 - s))
-    if activation == "gelu":
-        return 0.5 * (1 + torch.erf(z * 0.7071067811865476)) + z * torch.exp(-0.5 * z * z) * 0.3989422804014327
-    t = torch.tanh(_SQRT_2_OVER_PI * (z + 0.044715 * z ** 3))   # gelu_tanh
-    return 0.5 * (1 + t) + 0.5 * z * (1 - t * t) * _SQRT_2_OVER_PI * (1 + 3 * 0.044715 * z * z)
 
 
 def gemm_fwd(ctx, a, b, bias, activation, residual, alpha):

@@ -28,6 +28,7 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
+from opsadv.core.activations import act_grad
 from opsadv.core.kernel import PRIORITY_TRITON, PRIORITY_VENDOR, KernelImpl
 from opsadv.core.ops._common import len_bucket
 from opsadv.core.policy import current_policy
@@ -239,19 +240,6 @@ def _torch_act(y: torch.Tensor, activation: str) -> torch.Tensor:
     return y
 
 
-def _torch_act_grad(activation: str, z: torch.Tensor) -> torch.Tensor:
-    """d act / dz (float32), written out: autograd is off inside a custom op's kernel."""
-    if activation == "relu":
-        return (z > 0).to(z.dtype)
-    if activation == "silu":
-        s = torch.sigmoid(z)
-        return s * (1 + z * (1 - s))
-    if activation == "gelu":
-        return 0.5 * (1 + torch.erf(z * 0.7071067811865476)) + z * torch.exp(-0.5 * z * z) * 0.3989422804014327
-    t = torch.tanh(0.7978845608028654 * (z + 0.044715 * z ** 3))
-    return 0.5 * (1 + t) + 0.5 * z * (1 - t * t) * 0.7978845608028654 * (1 + 3 * 0.044715 * z * z)
-
-
 def _cublas_gemm(ctx, a, b, bias, activation, residual, alpha):
     k, n = b.shape
     a2 = a.reshape(-1, k)
@@ -281,7 +269,7 @@ def _cublas_gemm_bwd(ctx, grad, a, b, bias, activation, alpha):
         dz = g2
     else:
         z = torch.addmm(bias, a2, b, alpha=alpha) if bias is not None else torch.mm(a2, b).mul_(alpha)
-        dz = (g2.float() * _torch_act_grad(activation, z.float())).to(a.dtype)
+        dz = (g2.float() * act_grad(activation, z.float())).to(a.dtype)
     return _grads_from_dz(a2, b, dz, alpha, bias, a.shape)
 
 
@@ -298,7 +286,7 @@ def _cublas_swiglu_bwd(ctx, grad, x, w, bias):
     x2, g2 = x.reshape(-1, k), grad.reshape(-1, n2 // 2).float()
     gu = (torch.addmm(bias, x2, w) if bias is not None else torch.mm(x2, w)).float()
     g, u = gu.chunk(2, dim=-1)
-    dgu = torch.cat([g2 * u * _torch_act_grad("silu", g), g2 * F.silu(g)], dim=-1).to(x.dtype)
+    dgu = torch.cat([g2 * u * act_grad("silu", g), g2 * F.silu(g)], dim=-1).to(x.dtype)
     return _grads_from_dz(x2, w, dgu, 1.0, bias, x.shape)
 
 

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from opsadv.core.activations import ACT, act_grad
 from opsadv.core.layout import dense_mask
 
 
@@ -89,28 +90,6 @@ def sparse_bwd(ctx, dout, q, k, v, out, lse, block_mask, kpm, cu, bs, causal, wl
 
 
 # ---- gemm ----------------------------------------------------------------------------------------
-ACT = {"none": lambda z: z, "relu": F.relu, "gelu": F.gelu,
-       "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"), "silu": F.silu}
-_SQRT_2_OVER_PI = 0.7978845608028654
-
-
-def act_grad(activation: str, z: Tensor) -> Tensor:
-    """d activation / dz, written out: autograd is off inside a custom op's kernel."""
-    if activation == "none":
-        return torch.ones_like(z)
-    if activation == "relu":
-        return (z > 0).to(z.dtype)
-    if activation == "silu":
-        s = torch.sigmoid(z)
-        return s * (1 + z * (1 - s))
-    if activation == "gelu":
-        return 0.5 * (1 + torch.erf(z * 0.7071067811865476)) + z * torch.exp(-0.5 * z * z) * 0.3989422804014327
-    if activation == "gelu_tanh":
-        t = torch.tanh(_SQRT_2_OVER_PI * (z + 0.044715 * z ** 3))
-        return 0.5 * (1 + t) + 0.5 * z * (1 - t * t) * _SQRT_2_OVER_PI * (1 + 3 * 0.044715 * z * z)
-    raise ValueError(activation)
-
-
 def gemm_fwd(ctx, a, b, bias, activation, residual, alpha):
     z = alpha * (_acc(a) @ _acc(b))
     if bias is not None:
