@@ -231,3 +231,34 @@ def test_pickle_roundtrip_keeps_conversion(tmp_path):
     with torch.no_grad():
         keep = x["attention_mask"].bool()
         assert torch.allclose(back(**x).logits[keep], orig(**x).logits[keep], atol=1e-5)
+
+
+def test_mem_opt_runs_mlps_over_row_chunks(monkeypatch):
+    """mem_opt >= 2 bounds the MLP intermediate by running it over row chunks: same outputs and
+    gradients; the report says so."""
+    from opsadv.convert import modules, passes
+    monkeypatch.setitem(passes.MLP_CHUNK_BYTES, 3, 7 * 96 * 4)        # 7 rows of the 96-wide fp32 intermediate
+    monkeypatch.setattr(modules, "MIN_CHUNK_ROWS", 1)
+    orig = make("llama")
+    plain = opsadv.convert_model(copy.deepcopy(orig), backend="reference")
+    chunked = opsadv.convert_model(copy.deepcopy(orig), backend="reference", mem_opt=3)
+    mlps = [m for m in chunked.modules() if isinstance(m, SwiGLUMLP)]
+    assert mlps and all(m.row_chunk_bytes == 7 * 96 * 4 for m in mlps)
+    assert any(c.kind == "memory" for c in chunked.opsadv_report.changes)
+    calls = []
+    orig_mlp = SwiGLUMLP._mlp
+    monkeypatch.setattr(SwiGLUMLP, "_mlp", lambda self, x: calls.append(x.shape[0]) or orig_mlp(self, x))
+    batch = inputs()
+    with torch.no_grad():
+        a, b = primary(plain(**batch)), primary(chunked(**batch))
+    calls.clear()
+    with torch.no_grad():
+        chunked(**batch)
+    assert max(calls) == 7 and sum(calls) == 2 * 2 * 19             # 2 layers x 38 rows, in chunks of 7
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    with opsadv.use_backend("reference"):
+        primary(plain(**batch)).square().mean().backward()
+        primary(chunked(**batch)).square().mean().backward()
+    for (n, p), (_, q) in zip(plain.named_parameters(), chunked.named_parameters()):
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=n)

@@ -164,6 +164,7 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
             passes.residual_norm_pass(model, report, undo, state)
             passes.mlp_pass(model, report, undo, state)
             passes.qkv_pass(model, report, undo, state)
+        passes.memory_pass(model, report, mem_opt)
         if opt_level >= 1 and not is_hf:
             from . import fx_rewrite
             root = fx_rewrite.fx_pass(model, report, undo, state, opt_level)

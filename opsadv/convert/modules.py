@@ -142,6 +142,9 @@ class QKVGroup:
         self.stash = None
 
 
+MIN_CHUNK_ROWS = 64          # row chunks below this make the GEMMs inefficient
+
+
 class SwiGLUMLP(nn.Module):
     """down_proj(silu(gate_proj(x)) * up_proj(x)) as swiglu_gemm over [W_gate|W_up], then down_proj."""
 
@@ -151,10 +154,32 @@ class SwiGLUMLP(nn.Module):
         self._w = FusedRows([gate_proj.weight, up_proj.weight])
         self._b = FusedRows([gate_proj.bias, up_proj.bias]) if gate_proj.bias is not None else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    # mem_opt >= 2 sets this: the (rows, intermediate) activation never exceeds it; the MLP runs over
+    # row chunks (swiglu_gemm + down_proj per chunk), so its intermediate is never whole in memory
+    row_chunk_bytes: int | None = None
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         with scope_of(self):
             h = ops.swiglu_gemm(x, self._w.get().t(), bias=self._b.get() if self._b is not None else None)
         return self.down_proj(h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        limit = self.row_chunk_bytes
+        n_ff = self.gate_proj.out_features
+        rows = x.numel() // x.shape[-1]
+        if not limit or rows * n_ff * x.element_size() <= limit:
+            return self._mlp(x)
+        step = max(MIN_CHUNK_ROWS, limit // (n_ff * x.element_size()))
+        x2 = x.reshape(rows, x.shape[-1])
+        if torch.is_grad_enabled() and (x.requires_grad or self.gate_proj.weight.requires_grad):
+            out = torch.cat([self._mlp(x2[i:i + step]) for i in range(0, rows, step)])
+        else:                                     # no graph to keep: write each chunk into one output
+            first = self._mlp(x2[:step])
+            out = first.new_empty((rows, first.shape[-1]))
+            out[:step] = first
+            for i in range(step, rows, step):
+                out[i:i + step] = self._mlp(x2[i:i + step])
+        return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 class LinearAct(nn.Module):

@@ -290,3 +290,26 @@ def residual_norm_pass(model, report, undo: Undo, state) -> None:
 
 
 __all__ = ["Undo", "norm_pass", "mlp_pass", "qkv_pass", "residual_norm_pass", "probe_norm", "probe_activation"]
+
+
+# bytes the MLP intermediate may take at once, per mem_opt level (None: no chunking)
+MLP_CHUNK_BYTES = {0: None, 1: None, 2: 64 << 20, 3: 16 << 20}
+
+
+def memory_pass(model, report, mem_opt: int | None) -> None:
+    """mem_opt >= 2: SwiGLU MLPs run over row chunks bounded by MLP_CHUNK_BYTES; on CUDA the
+    runtime's memory policy of that level is applied (allocator cap, see opsadv.runtime)."""
+    if mem_opt is None:
+        return
+    limit = MLP_CHUNK_BYTES[mem_opt]
+    mlps = [m for m in model.modules() if isinstance(m, SwiGLUMLP)]
+    if limit and mlps:
+        for m in mlps:
+            m.row_chunk_bytes = limit
+        report.add("memory", "<mlp>", f"SwiGLU MLPs run over row chunks of <= {limit >> 20} MiB intermediate "
+                   f"(mem_opt={mem_opt}) [{len(mlps)}x]")
+    dev = next((p.device for p in model.parameters()), None)
+    if dev is not None and dev.type == "cuda":
+        from opsadv.runtime import apply_memory_policy
+        pol = apply_memory_policy(mem_opt, dev)
+        report.add("memory", "<runtime>", f"memory policy level {mem_opt} applied: {pol}")
