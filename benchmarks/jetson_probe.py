@@ -160,11 +160,11 @@ def case_prefill(model, cfg):
         if not hasattr(opsadv, "convert_model"):
             raise AttributeError("opsadv.convert_model does not exist")
         try:
-            model = opsadv.convert_model(model)
+            model = opsadv.convert_model(model, mem_opt=3)
         except Exception as e:   # e.g. no kernel for the padded validation batch's mask: validate unpadded
             print(f"convert_model with padded validation inputs failed: {type(e).__name__}: {e}", file=sys.stderr)
             how += " (validated on unpadded inputs)"
-            model = opsadv.convert_model(model, example_inputs={"input_ids": ids[:, :64].repeat(2, 1)})
+            model = opsadv.convert_model(model, mem_opt=3, example_inputs={"input_ids": ids[:, :64].repeat(2, 1)})
         report = str(getattr(model, "opsadv_report", ""))
     except Exception as e:
         traceback.print_exc()
