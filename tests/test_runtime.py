@@ -102,7 +102,7 @@ def test_run_batched_bytes_per_sample_prediction():
     x = torch.randn(10, 3)
     out = run_batched(fn, x, memory_budget=1000, bytes_per_sample=300, stats=st)
     assert _equal(out, Recorder()(x))
-    assert fn.sizes == [3, 3, 3, 1]                 # 0.95 * 1000 // 300 = 3 samples per chunk
+    assert fn.sizes == [2, 2, 2, 2, 2]              # 0.85 * 1000 // 300 = 2 samples per chunk
 
 
 def test_run_batched_plain_tensor_and_namedtuple_outputs(seed):
@@ -199,8 +199,8 @@ class FakeMeter:
 
 
 @pytest.mark.parametrize("capacity,chunks,retries", [
-    (10 ** 9, [1, 6, 17, 17, 17, 2], 0),   # probe 1 sample (150 B), fit 1 point, then 2 points: 100 + 50 n
-    (700, [1, 6, 8, 8, 8, 8, 8, 8, 5], 1),  # the device holds less than the budget: 17 fails, 8 from then on
+    (10 ** 9, [1, 5, 15, 15, 15, 9], 0),   # probe 1 sample (150 B), fit 1 point, then 2 points: 100 + 50 n
+    (700, [1, 5, 7, 7, 7, 7, 7, 7, 7, 5], 1),  # the device holds less than the budget: 15 fails, 7 from then on
 ])
 def test_run_batched_predicts_chunks_from_measured_peaks(monkeypatch, seed, capacity, chunks, retries):
     from opsadv.runtime import batched
