@@ -64,7 +64,14 @@ def _cmd_bench(args) -> int:
     if args.use_experimental_kernels:
         opsadv.use_backend("auto", experimental=True)
     suites = ["attention", "sparse", "gemm", "norm", "e2e"] if args.suite == "all" else [args.suite]
-    return run_bench(suites, quick=args.quick, json_path=args.json, plot_path=args.plot)
+    try:
+        i, n = (int(x) for x in args.part.split("/"))
+        assert 1 <= i <= n
+    except (ValueError, AssertionError):
+        from .core.errors import InvalidArgumentError
+        raise InvalidArgumentError("bench", "--part", "I/N with 1 <= I <= N, e.g. 2/4", repr(args.part))
+    return run_bench(suites, quick=args.quick, json_path=args.json, plot_path=args.plot, case_filter=args.filter,
+                     part=(i, n))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", default=None, metavar="PATH")
     s.add_argument("--plot", default=None, metavar="PATH")
     s.add_argument("--use-experimental-kernels", action="store_true")
+    s.add_argument("--filter", default=None, metavar="REGEX", help="only cases whose name matches")
+    s.add_argument("--part", default="1/1", metavar="I/N", help="every N-th case from the I-th (split long grids)")
     s.set_defaults(func=_cmd_bench)
 
     try:

@@ -42,3 +42,20 @@ def test_run_bench_attention_tiny_on_cpu(tmp_path, monkeypatch, capsys):
     if case["peers"]:                  # SDPA's CPU kernels serve some forced backends
         assert case["rel_err"] < 5e-3 and rc == 0
     assert png.stat().st_size > 0
+
+
+def test_run_bench_filter_and_parts(tmp_path, monkeypatch):
+    """--filter / --part select cases; each finished case is in the JSON (with its commit)."""
+    import opsadv.bench.suite_attention as S
+    grid = [("fp16", 1, 2, 1, 24, 32, c, False) for c in (False, True)] + [("fp16", 1, 2, 2, 16, 32, False, False)]
+    monkeypatch.setattr(S, "_grid", lambda quick: grid)
+    monkeypatch.setenv("OPSADV_COMMIT", "abc1234")
+    path = tmp_path / "b.json"
+    runner.run_bench(["attention"], True, str(path), None, autotune=False, case_filter="gqa")
+    names = [c["case"] for c in json.loads(path.read_text())["cases"] if not c["case"].endswith("[own]")]
+    assert names == ["fwd fp16 b1 h2 kv1 s24 d32 gqa", "fwd fp16 b1 h2 kv1 s24 d32 causal gqa"]
+    path2 = tmp_path / "c.json"
+    runner.run_bench(["attention"], True, str(path2), None, autotune=False, part=(2, 2))
+    cases = [c for c in json.loads(path2.read_text())["cases"] if not c["case"].endswith("[own]")]
+    assert [c["case"] for c in cases] == ["fwd fp16 b1 h2 kv1 s24 d32 causal gqa"]
+    assert cases[0]["commit"] == "abc1234"

@@ -186,7 +186,7 @@ def write_json(path: str, header: dict[str, Any], rows: list[dict[str, Any]]) ->
             data = {}
     cases = {c["case"]: c for c in data.get("cases", [])}
     for r in rows:
-        cases[r["case"]] = r
+        cases[r["case"]] = {**r, "commit": r.get("commit", header.get("commit"))}   # provenance per case
     data.update(header)
     data["cases"] = list(cases.values())
     p.parent.mkdir(parents=True, exist_ok=True)
@@ -214,9 +214,16 @@ def write_plot(path: str, rows: list[dict[str, Any]], title: str) -> None:
 
 
 def run_bench(suites: list[str], quick: bool, json_path: str | None, plot_path: str | None,
-              autotune: bool = True) -> int:
+              autotune: bool = True, case_filter: str | None = None, part: tuple[int, int] = (1, 1)) -> int:
     """Run the named suites ("all" = every suite); returns the process exit code (0: every
-    case ran and matched its peers)."""
+    case ran and matched its peers).  `case_filter` (a regex) keeps the matching case names;
+    `part=(i, n)` keeps every n-th case starting at the i-th, so a long grid splits over several
+    time-limited runs.  The JSON is rewritten after every case: a run stopped by a time limit
+    keeps what finished."""
+    import re
+
+    pattern = re.compile(case_filter) if case_filter else None
+    index = 0
     import torch
 
     import opsadv
@@ -244,6 +251,11 @@ def run_bench(suites: list[str], quick: bool, json_path: str | None, plot_path: 
             suite_rows: list[dict[str, Any]] = []
             peer_names: list[str] = []
             for case in importlib.import_module(mod).cases(quick):
+                if pattern is not None and not pattern.search(case.case):
+                    continue
+                index += 1
+                if (index - part[0]) % part[1]:
+                    continue
                 for p in case.peers:
                     if p not in peer_names:
                         peer_names.append(p)
@@ -262,11 +274,12 @@ def run_bench(suites: list[str], quick: bool, json_path: str | None, plot_path: 
                           f"{r['opsadv_ms']:.4f} ms, speedup {r.get('speedup', float('nan')):.3f}, "
                           f"rel_err {r.get('rel_err', float('nan')):.2g}, {r['opsadv_impl']}"), flush=True)
                 suite_rows += case_rows
+                if json_path:
+                    write_json(json_path, header, case_rows)
             print(f"\nsuite {name}:")
             _print_rows(suite_rows, peer_names)
             rows += suite_rows
     if json_path:
-        write_json(json_path, header, rows)
         print(f"wrote {json_path}")
     if plot_path and rows:
         write_plot(plot_path, rows, f"opsadv vs best peer, {header['device']}, commit {header['commit']}")
