@@ -172,3 +172,22 @@ def test_backward_resolves_under_forward_policy_on_another_thread():
     th = threading.Thread(target=run)
     th.start(); th.join()
     assert seen == {"policy": True, "calls": {"reference.rms_norm": 1}}
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+def test_fork_safe():
+    """A forked child (e.g. a DataLoader worker) can switch backends and run ops: locks are re-made."""
+    import os
+    opsadv.use_backend("reference")
+    opsadv.ops.rms_norm(torch.randn(2, 8))
+    pid = os.fork()
+    if pid == 0:                                   # child: never return into pytest
+        code = 1
+        try:
+            with opsadv.use_backend("reference", deterministic=True):
+                y = opsadv.ops.rms_norm(torch.ones(2, 8))
+            code = 0 if torch.allclose(y, torch.ones(2, 8)) else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0
