@@ -50,7 +50,9 @@ class ConfigTuner:
 
     `configs[0]` is the profile's default: taken without timing when autotuning is off
     (interpreter, jetson, CUDA-graph capture).  A config that fails to compile or launch is
-    dropped with a log line; if all fail, the last error is raised (never a silent fallback)."""
+    dropped with a log line; if all fail, the last error is raised (never a silent fallback).
+    Winners persist in $OPSADV_CACHE_DIR/kernel_configs.json, keyed by device and library
+    versions, so a second process pays no tuning."""
 
     def __init__(self, name: str):
         self.name = name
@@ -58,12 +60,20 @@ class ConfigTuner:
         self.times: dict[tuple, dict[int, float]] = {}
         self._lock = threading.Lock()
 
+    def _disk_key(self, key: tuple) -> str:
+        return f"{self.name}|{key!r}"
+
     def pick(self, key: tuple, configs: list[dict], launch, autotune: bool) -> dict:
         cfg = self.best.get(key)
         if cfg is not None:
             return cfg
         if not autotune or len(configs) == 1 or torch.cuda.is_current_stream_capturing():
             return configs[0]
+        stored = _disk_load().get(self._disk_key(key))
+        if stored is not None and stored in configs:        # a config the current profile still offers
+            with self._lock:
+                self.best[key] = stored
+            return stored
         from triton.testing import do_bench
         times: dict[int, float] = {}
         err: Exception | None = None
@@ -79,8 +89,52 @@ class ConfigTuner:
         with self._lock:
             self.best[key] = best
             self.times[key] = times
+        _disk_store(self._disk_key(key), best)
         log.info("%s %s -> %s", self.name, key, best)
         return best
+
+
+_disk: dict | None = None
+_disk_lock = threading.Lock()
+
+
+def _disk_path():
+    from opsadv.core.tuning import cache_dir
+    return cache_dir() / "kernel_configs.json"
+
+
+def _device_section() -> str:
+    from opsadv.core.env import current_env
+    from opsadv.core.tuning import _device_key
+    return _device_key(current_env())
+
+
+def _disk_load() -> dict:
+    """This device's stored winners (loaded once per process)."""
+    global _disk
+    if _disk is None:
+        import json
+        try:
+            _disk = json.loads(_disk_path().read_text())
+        except (OSError, ValueError):
+            _disk = {}
+    return _disk.get(_device_section(), {})
+
+
+def _disk_store(key: str, cfg: dict) -> None:
+    import json
+    import os
+    with _disk_lock:
+        _disk_load()
+        _disk.setdefault(_device_section(), {})[key] = cfg
+        path = _disk_path()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(_disk, indent=1, sort_keys=True))
+            os.replace(tmp, path)               # atomic: a concurrent process never reads a torn file
+        except OSError:
+            pass                                # a read-only cache dir must not break a kernel launch
 
 
 def poison_enabled() -> bool:

@@ -124,7 +124,9 @@ def _autotuned(tma: bool, profile_name: str, kind: str):
     cfgs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": GROUP_M},
                           num_warps=w, num_stages=s, pre_hook=hook)
             for bm, bn, bk, w, s in CONFIGS.get(profile_name, CONFIGS["rtx"])[kind]]
-    return triton.autotune(cfgs, key=["M_BUCKET", "N", "K"])(K._gemm_tma_kernel if tma else K._gemm_kernel)
+    # cache_results: Triton keeps the timings in its on-disk cache, so a second process does not re-tune
+    return triton.autotune(cfgs, key=["M_BUCKET", "N", "K"], cache_results=True)(
+        K._gemm_tma_kernel if tma else K._gemm_kernel)
 
 
 def _set_tma_blocks(nargs) -> None:
