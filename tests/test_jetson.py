@@ -354,19 +354,20 @@ def test_gqa_kv_expanding_impls_refused_above_the_cap(tmp_path, registry_with):
     env = dataclasses.replace(fake_env(tmp_path, "orin", ORIN), triton_interpret=False)
     reg = registry_with(env)
     jet = {i.id: i for i in reg.backends["jetson"].impls}
-    if "jetson.sdpa.cudnn" not in jet:
+    if "jetson.sdpa.efficient" not in jet:
         pytest.skip("opsadv.backends.cuda.sdpa is not written yet")
 
     def spec(s):
         return CallSpec("flash_attention", "cuda", torch.float16, frozenset({"causal", "gqa"}), (s, s, 32),
                         head_dim=128, shapes=((1, 32, s, 128), (1, 4, s, 128)))
     with opsadv.use_backend("jetson", memory_budget="1GiB"):     # cap: min(64 MiB, 1 GiB / 4)
-        big = jet["jetson.sdpa.cudnn"].rejection_reasons(spec(8192), env, experimental_ok=False, deterministic=False)
+        big = jet["jetson.sdpa.efficient"].rejection_reasons(spec(8192), env, experimental_ok=False,
+                                                             deterministic=False)
         assert any("expands K/V" in r and "128 MiB > the 64 MiB" in r for r in big), big
-        assert not jet["jetson.sdpa.flash"].rejection_reasons(spec(8192), env, experimental_ok=False,
-                                                              deterministic=False)   # native GQA
-        assert not jet["jetson.sdpa.cudnn"].rejection_reasons(spec(1024), env, experimental_ok=False,
-                                                              deterministic=False)
+        for native in ("jetson.sdpa.flash", "jetson.sdpa.cudnn"):               # native GQA
+            assert not jet[native].rejection_reasons(spec(8192), env, experimental_ok=False, deterministic=False)
+        assert not jet["jetson.sdpa.efficient"].rejection_reasons(spec(1024), env, experimental_ok=False,
+                                                                  deterministic=False)
 
 
 def test_chunking_respects_the_underlying_check(seed):

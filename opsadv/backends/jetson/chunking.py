@@ -25,8 +25,9 @@ MIN_ROWS = 64            # a chunk is at least one 64-row tile (unless the op is
 # to hold a float32 score and probability matrix.
 FUSED_ATTENTION_PREFIXES = ("cuda.triton.", "cuda.sdpa.")
 ATTN_DEFAULT_BYTES_PER_SCORE = 8
-# Impls that expand K/V to the query heads for GQA (a full-size copy of K and V per call).
-KV_EXPANDING = ("cuda.sdpa.cudnn", "cuda.sdpa.efficient")
+# Impls that expand K/V to the query heads for GQA (a full-size copy of K and V per call); cuDNN and
+# flash read the kv heads natively.
+KV_EXPANDING = ("cuda.sdpa.efficient",)
 # Multiples of (rows x N x 4 bytes) of temporaries per impl (forward): fused epilogues none, the
 # unfused cuBLAS paths their activation / residual / gate temporaries.
 GEMM_TEMP_FACTOR = {"cuda.cublas.gemm": 0, "cuda.cublas.gemm_epilogue": 2, "cuda.cublas.swiglu_gemm": 3}
