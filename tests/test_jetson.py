@@ -137,8 +137,11 @@ def test_memory_budget_option(tmp_path, registry_with):
     for bad in ("3 parsecs", "-1GiB", 0, 1.5, True, "0MiB", "150%"):
         with pytest.raises(InvalidArgumentError, match="memory_budget"):
             opsadv.use_backend("jetson", memory_budget=bad)
-    with pytest.raises(UnknownOptionError, match="tile_size"):
-        opsadv.use_backend("jetson", tile_size=64)
+    with pytest.raises(UnknownOptionError, match="tile_sizes"):
+        opsadv.use_backend("jetson", tile_sizes=64)
+    assert dict(opsadv.use_backend("jetson", tile_size=32).policy.options)["tile_size"] == 32   # the seed option
+    with pytest.raises(InvalidArgumentError, match="tile_size"):
+        opsadv.use_backend("jetson", tile_size=24)
     opts = dict(opsadv.use_backend("jetson", mem_opt="balanced").policy.options)
     assert opts["mem_opt"] == 2
     with pytest.raises(InvalidArgumentError, match="mem_opt"):

@@ -80,6 +80,19 @@ def clear_cache() -> None:
         _memo.clear()
 
 
+_capped_profiles: dict[tuple[int, int], Profile] = {}
+
+
+def _capped(profile: Profile, tile_size: int) -> Profile:
+    """The profile under the seed's tile_size option (built once per profile and size)."""
+    key = (id(profile), tile_size)
+    p = _capped_profiles.get(key)
+    if p is None:
+        from .kernel import profile_with_tile_cap
+        p = _capped_profiles[key] = profile_with_tile_cap(profile, tile_size)
+    return p
+
+
 def select_profile(backend, policy: Policy) -> Profile | None:
     """The backend's profile under this policy: the forced one, else the best match."""
     profiles = backend.profiles
@@ -145,6 +158,8 @@ def explain_spec(spec: CallSpec, policy: Policy | None = None) -> tuple[Explanat
     backend = reg.backends[chosen.backend]
     profile = select_profile(backend, policy) if backend.profiles else None
     options = policy.option_dict if policy.backend in (chosen.backend, "auto") else {}
+    if profile is not None and options.get("tile_size"):
+        profile = _capped(profile, options["tile_size"])
     ctx = ResolveContext(env=env, profile=profile, options={**options, "precision": policy.precision,
                                                              "deterministic": policy.deterministic}, spec=spec)
     run = chosen.backward if spec.backward else chosen.fn

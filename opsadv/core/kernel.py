@@ -54,6 +54,38 @@ class Profile:
     extra: Mapping[str, Any] = field(default_factory=dict)
 
 
+def cap_tiles(configs, tile_size: int):
+    """The seed's `tile_size`: keep the tile configs whose BLOCK_M and BLOCK_N are both <= tile_size;
+    when none is, the first one with its blocks clipped to tile_size.  Works on a list of dicts
+    (profile tiles) or of tuples whose first two entries are (BLOCK_M, BLOCK_N)."""
+    def dims(c):
+        return (c["BLOCK_M"], c["BLOCK_N"]) if isinstance(c, Mapping) else (c[0], c[1])
+
+    kept = [c for c in configs if max(dims(c)) <= tile_size]
+    if kept or not configs:
+        return kept
+    c = configs[0]
+    if isinstance(c, Mapping):
+        return [{**c, "BLOCK_M": min(c["BLOCK_M"], tile_size), "BLOCK_N": min(c["BLOCK_N"], tile_size)}]
+    return [(min(c[0], tile_size), min(c[1], tile_size), *c[2:])]
+
+
+def _cap_tree(node, tile_size: int):
+    if isinstance(node, Mapping):
+        return {k: _cap_tree(v, tile_size) for k, v in node.items()}
+    if isinstance(node, (list, tuple)) and node and all(isinstance(c, Mapping) and "BLOCK_M" in c for c in node):
+        return cap_tiles(node, tile_size)
+    return node
+
+
+def profile_with_tile_cap(profile: Profile, tile_size: int) -> Profile:
+    """A copy of `profile` whose tile lists (every op, pass and class) are capped by `cap_tiles`;
+    `extra["tile_size"]` tells kernels that keep config tables of their own (GEMM)."""
+    from dataclasses import replace
+    return replace(profile, name=f"{profile.name}[tile<={tile_size}]", tiles=_cap_tree(profile.tiles, tile_size),
+                   extra={**profile.extra, "tile_size": tile_size})
+
+
 @dataclass(frozen=True)
 class ResolveContext:
     """Handed to every impl call as the first argument: the environment, the backend's active

@@ -259,7 +259,19 @@ def meter_for(device: torch.device):
     return CudaMeter(device) if device.type == "cuda" and torch.cuda.is_available() else None
 
 
-def run_batched(fn_or_model: Callable, inputs, *, memory_budget=None, max_streams: int = 1,
+def _default_streams(fn_or_model) -> int:
+    """max_streams when not given: the converted model's seed option (convert_model(max_streams=)),
+    else the current policy's option (use_backend(..., max_streams=)), else 1."""
+    st = getattr(fn_or_model, "_opsadv_state", None)
+    pol = st.effective() if st is not None else None
+    from opsadv.core.policy import current_policy
+    for p in (pol, current_policy()):
+        if p is not None and p.option_dict.get("max_streams"):
+            return int(p.option_dict["max_streams"])
+    return 1
+
+
+def run_batched(fn_or_model: Callable, inputs, *, memory_budget=None, max_streams: int | None = None,
                 bytes_per_sample: int | None = None, chunk_size: int | None = None,
                 stats: dict | None = None):
     """Call `fn_or_model` on `inputs` in batch chunks so that peak memory stays within
@@ -268,10 +280,13 @@ def run_batched(fn_or_model: Callable, inputs, *, memory_budget=None, max_stream
 
     inputs          a tensor (fn(x)), a tuple/list (fn(*args)) or a dict (fn(**kwargs)); every tensor whose
                     dim 0 is the batch size is split, everything else is passed whole.
-    max_streams     1-8: chunks run round-robin on that many CUDA streams (budget split between them).
+    max_streams     1-8: chunks run round-robin on that many CUDA streams (budget split between them);
+                    None: the converted model's / current policy's max_streams option, else 1.
     bytes_per_sample  the memory one sample needs, when it is known (the only prediction on CPU).
     chunk_size      the first chunk's size (default 1 on a GPU with a budget: the probe run).
     stats           a dict to fill with chunk sizes, retries, fitted model and measured peak."""
+    if max_streams is None:
+        max_streams = _default_streams(fn_or_model)
     _validate(fn_or_model, max_streams, chunk_size, bytes_per_sample)
     kind, batch = _batch_size(inputs)
     device = _input_device(inputs, kind)

@@ -69,3 +69,42 @@ def opsadv_register_kernels(registry, env):
 def opsadv_profiles():
     from .profiles import PROFILES
     return list(PROFILES)
+
+
+OPTIONS = ("tile_size", "max_streams", "mem_opt")
+
+
+def check_seed_options(options: dict, backend: str) -> dict:
+    """The seed's options as use_backend takes them: tile_size (power of two 32-256: caps the
+    Triton tiles of the profile), max_streams (1-8: the default of opsadv.runtime.run_batched),
+    mem_opt (0-3 or a level name: the memory policy, applied to the allocator now)."""
+    from opsadv.core.errors import InvalidArgumentError, UnknownOptionError
+    from opsadv.runtime.memory import parse_level
+
+    out: dict = {}
+    for name, value in options.items():
+        if value is None:
+            continue
+        if name == "tile_size":
+            if (isinstance(value, bool) or not isinstance(value, int) or not 32 <= value <= 256
+                    or value & (value - 1)):
+                raise InvalidArgumentError("use_backend", "tile_size", "a power of two in [32, 256]", repr(value))
+        elif name == "max_streams":
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 8:
+                raise InvalidArgumentError("use_backend", "max_streams", "an int in [1, 8]", repr(value))
+        elif name == "mem_opt":
+            value = parse_level(value, op="use_backend", arg="mem_opt")
+        else:
+            raise UnknownOptionError("use_backend", name, f"an option of backend {backend!r}: {list(OPTIONS)} "
+                                     "(or a policy option)", repr(value))
+        out[name] = value
+    return out
+
+
+@hookimpl
+def opsadv_activate(options, env):
+    out = check_seed_options(dict(options), NAME)
+    if out.get("mem_opt") is not None and env.device_type == "cuda":
+        from opsadv.runtime.memory import apply_memory_policy
+        apply_memory_policy(out["mem_opt"])
+    return out

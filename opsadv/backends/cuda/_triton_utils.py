@@ -65,7 +65,7 @@ class ConfigTuner:
 
     def pick(self, key: tuple, configs: list[dict], launch, autotune: bool) -> dict:
         cfg = self.best.get(key)
-        if cfg is not None:
+        if cfg is not None and cfg in configs:      # the space may have been capped since (tile_size)
             return cfg
         if not autotune or len(configs) == 1 or torch.cuda.is_current_stream_capturing():
             return configs[0]

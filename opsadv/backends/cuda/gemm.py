@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from opsadv.core.activations import act_grad
-from opsadv.core.kernel import PRIORITY_TRITON, PRIORITY_VENDOR, KernelImpl
+from opsadv.core.kernel import PRIORITY_TRITON, PRIORITY_VENDOR, KernelImpl, cap_tiles
 from opsadv.core.ops._common import len_bucket
 from opsadv.core.policy import current_policy
 
@@ -57,14 +57,25 @@ CONFIGS = {
 GROUP_M = 8
 
 
-def _fixed_config(profile_name: str, kind: str, m: int, n: int) -> tuple:
+def _configs(profile_name: str, kind: str, tile_cap: int | None) -> list[tuple]:
+    """The autotune space of a profile, capped by the seed's tile_size (use_backend(tile_size=))."""
+    table = CONFIGS.get(profile_name, CONFIGS["rtx"])[kind]
+    return cap_tiles(table, tile_cap) if tile_cap else list(table)
+
+
+def _fixed_config(profile_name: str, kind: str, m: int, n: int, tile_cap: int | None = None) -> tuple:
     """One config without autotuning: the profile's first choice, bounded for jetson/interpreter."""
     if profile_name == "interpreter":                 # tiny tiles: the interpreter's cost is per element
-        return (16 if m <= 16 else 32, 32, 32, 4, 1)
-    if profile_name == "jetson":                      # tiles <= 64, <= 2 stages (small smem, no autotune)
-        return (16 if m <= 16 else 64, 64 if n > 32 else 32, 32, 4, 2)
-    table = CONFIGS.get(profile_name, CONFIGS["rtx"])
-    return table["small" if m <= 64 else kind][0]
+        cfg = (16 if m <= 16 else 32, 32, 32, 4, 1)
+    elif profile_name == "jetson":                    # tiles <= 64, <= 2 stages (small smem, no autotune)
+        cfg = (16 if m <= 16 else 64, 64 if n > 32 else 32, 32, 4, 2)
+    else:
+        return _configs(profile_name, "small" if m <= 64 else kind, tile_cap)[0]
+    return cap_tiles([cfg], tile_cap)[0] if tile_cap else cfg
+
+
+def _tile_cap(ctx) -> int | None:
+    return ctx.profile.extra.get("tile_size") if ctx.profile is not None else None
 
 
 def _pname(ctx) -> str:
@@ -117,13 +128,13 @@ def _tma_check(spec, env) -> list[str]:
 
 # ---- launching the Triton kernels ----------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
-def _autotuned(tma: bool, profile_name: str, kind: str):
+def _autotuned(tma: bool, profile_name: str, kind: str, tile_cap: int | None = None):
     import triton
     from . import _gemm_triton as K
     hook = _set_tma_blocks if tma else None
     cfgs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": GROUP_M},
                           num_warps=w, num_stages=s, pre_hook=hook)
-            for bm, bn, bk, w, s in CONFIGS.get(profile_name, CONFIGS["rtx"])[kind]]
+            for bm, bn, bk, w, s in _configs(profile_name, kind, tile_cap)]
     # cache_results: Triton keeps the timings in its on-disk cache, so a second process does not re-tune
     return triton.autotune(cfgs, key=["M_BUCKET", "N", "K"], cache_results=True)(
         K._gemm_tma_kernel if tma else K._gemm_kernel)
@@ -157,12 +168,13 @@ def _launch(ctx, a2, b, out, bias, res2, grad2, act: str, alpha: float, swiglu: 
     flags = dict(ACT=K_.ACT_IDS[act], HAS_BIAS=bias is not None, HAS_RES=res2 is not None, SWIGLU=swiglu, BWD=bwd)
     tail = (out.stride(0), out.stride(1), r.stride(0), r.stride(1), g.stride(0), g.stride(1), float(alpha))
     bias_ = bias if bias is not None else dummy
+    cap = _tile_cap(ctx)
     if not tune:
-        bm, bn, bk, w, s = _fixed_config(pname, kind, m, n)
+        bm, bn, bk, w, s = _fixed_config(pname, kind, m, n, cap)
         flags.update(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=GROUP_M, num_warps=w, num_stages=s)
     grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
     if not tma:
-        kern = _autotuned(False, pname, "small" if m <= 64 else kind) if tune else K_._gemm_kernel
+        kern = _autotuned(False, pname, "small" if m <= 64 else kind, cap) if tune else K_._gemm_kernel
         kern[grid](a2, b, out, bias_, r, g, m, n, k, len_bucket(m),
                    a2.stride(0), a2.stride(1), b.stride(0), b.stride(1), *tail, **flags)
         return out
@@ -174,7 +186,7 @@ def _launch(ctx, a2, b, out, bias, res2, grad2, act: str, alpha: float, swiglu: 
     bm, bn, bk = (flags["BLOCK_M"], flags["BLOCK_N"], flags["BLOCK_K"]) if not tune else (16, 16, 16)
     a_desc = TensorDescriptor.from_tensor(a2, [bm, bk])
     b_desc = TensorDescriptor.from_tensor(bt, [bn, bk] if b_nk else [bk, bn])
-    kern = _autotuned(True, pname, "small" if m <= 64 else kind) if tune else K_._gemm_tma_kernel
+    kern = _autotuned(True, pname, "small" if m <= 64 else kind, cap) if tune else K_._gemm_tma_kernel
     kern[grid](a_desc, b_desc, out, bias_, r, g, m, n, k, len_bucket(m), *tail, B_NK=b_nk, **flags)
     return out
 

@@ -20,7 +20,7 @@ from .detect import compute_dtype, generation, has_bf16, l4t_version, not_jetson
 
 NAME = "jetson"
 VERSION = "0.1.0"
-OPTIONS = ("memory_budget", "mem_opt")
+OPTIONS = ("memory_budget", "mem_opt", "tile_size", "max_streams")
 
 
 @hookimpl
@@ -87,6 +87,8 @@ def opsadv_activate(options, env):
         out.update(memory_budget=budget, memory_budget_source="use_backend(memory_budget=...)")
     elif env.mem_available is not None:
         out.update(memory_budget=env.mem_available, memory_budget_source="/proc/meminfo MemAvailable")
+    from opsadv.backends.cuda import check_seed_options
+    out.update(check_seed_options({k: options.get(k) for k in ("tile_size", "max_streams")}, NAME))
     if options.get("mem_opt") is not None:
         level = parse_level(options["mem_opt"], op="use_backend", arg="mem_opt")
         out["mem_opt"] = level
