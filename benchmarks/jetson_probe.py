@@ -10,7 +10,7 @@ Cases (Llama architecture ~1.1B, random weights, bf16, last-token logits, use_ca
   3. the same with many small chunks (b32 s256), where a single stream leaves the GPU idle between
      launches, to give streams their best chance.
 
-  PYTHONPATH=. python3 benchmarks/jetson_probe.py [--json PATH] [--tiny]
+  PYTHONPATH=. python3 benchmarks/jetson_probe.py [--json PATH] [--tiny] [--prefill-only] [--seq N]
 --tiny: a 2-layer model on CPU under TRITON_INTERPRET=1 (fp16), to exercise the code paths without a
 GPU (no memory figures there).  Rows are written to the JSON after every case (default
 $OUT/jetson_probe.json, else benchmarks/results/jetson_probe.json)."""
@@ -30,6 +30,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--json", default=None)
 ap.add_argument("--tiny", action="store_true")
 ap.add_argument("--seq", type=int, default=8192)
+ap.add_argument("--prefill-only", action="store_true", help="only case 1 (the peak-activation case)")
 ARGS = ap.parse_args()
 if ARGS.tiny:
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -221,6 +222,8 @@ def case_batched(model, cfg, batch, seq, budget_frac, streams_list, tag):
 def main():
     model, cfg = build_model()
     model = case_prefill(model, cfg)
+    if ARGS.prefill_only:
+        return
     if ARGS.tiny:
         case_batched(model, cfg, 6, 32, 0.5, (1, 2), "tiny")
         return
