@@ -4,7 +4,7 @@ Forward: a program normalizes ROWS whole rows held in registers ([ROWS, BLOCK_N]
 statistics, optional fused residual add (the sum is written in the same pass).
 Backward: a program walks a contiguous run of rows, writes dx (+ dsum) per row and keeps float32
 partial sums of dweight / dbias in registers; the host sums the per-program partials (stage 2).
-The row loop is software-pipelined (tl.range num_stages) so loads overlap the row reductions."""
+The next tile's loads are issued before the current tile reduces (register double buffering)."""
 from __future__ import annotations
 
 import triton
@@ -45,31 +45,56 @@ def _norm_fwd_kernel(x_ptr, r_ptr, w_ptr, b_ptr, y_ptr, s_ptr, mean_ptr, rstd_pt
 
 
 @triton.jit
+def _bwd_rows(x_ptr, dy_ptr, mean_ptr, rstd_ptr, rows, rmask, cols, cmask, s_xm, s_dym, RMS: tl.constexpr):
+    """Loads one [ROWS, BLOCK_N] tile of x and dy (input dtype) and the rows' saved statistics."""
+    mask = rmask[:, None] & cmask[None, :]
+    rows64 = rows.to(tl.int64)[:, None]                      # element offsets can pass 2**31
+    x = tl.load(x_ptr + rows64 * s_xm + cols[None, :], mask=mask, other=0.0)
+    dy = tl.load(dy_ptr + rows64 * s_dym + cols[None, :], mask=mask, other=0.0)
+    rstd = tl.load(rstd_ptr + rows, mask=rmask, other=0.0)
+    mean = rstd
+    if not RMS:
+        mean = tl.load(mean_ptr + rows, mask=rmask, other=0.0)
+    return x, dy, mean, rstd
+
+
+@triton.jit(do_not_specialize=["M", "rows_per_prog"])
 def _norm_bwd_kernel(dy_ptr, ds_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr,
                      M, N, s_dym, s_dsm, s_xm, s_dxm, offset, rows_per_prog,
                      RMS: tl.constexpr, HAS_DSUM: tl.constexpr, HAS_W: tl.constexpr, HAS_DB: tl.constexpr,
-                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
+                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
     if HAS_W:
         w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32) + offset
-    dw_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    db_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    # [ROWS, BLOCK_N] accumulators: the sum over the tile's rows waits for the end (no per-row
+    # cross-warp reduction)
+    dw_acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    db_acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     first = pid * rows_per_prog                              # this program's contiguous run of rows
-    # NUM_STAGES > 1: the next rows' loads are issued (cp.async) while the current rows reduce
-    for i in tl.range(0, rows_per_prog, ROWS, num_stages=NUM_STAGES):
-        rows = first + i + tl.arange(0, ROWS)
-        rmask = rows < M
+    last = tl.minimum(first + rows_per_prog, M)
+    rows = first + tl.arange(0, ROWS)
+    # the next tile's loads are issued before the current tile reduces, so each program keeps a
+    # tile of reads in flight through its reductions and stores (register double buffering)
+    x_nx, dy_nx, mean_nx, rstd_nx = _bwd_rows(x_ptr, dy_ptr, mean_ptr, rstd_ptr, rows, rows < last, cols, cmask,
+                                              s_xm, s_dym, RMS)
+    for start in range(first, last, ROWS):
+        rows = start + tl.arange(0, ROWS)
+        rmask = rows < last
         mask = rmask[:, None] & cmask[None, :]
         rows64 = rows.to(tl.int64)[:, None]
-        x = tl.load(x_ptr + rows64 * s_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + rows64 * s_dym + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(rstd_ptr + rows, mask=rmask, other=0.0)
+        x, dy, mean, rstd = x_nx, dy_nx, mean_nx, rstd_nx
+        nxt = rows + ROWS
+        x_nx, dy_nx, mean_nx, rstd_nx = _bwd_rows(x_ptr, dy_ptr, mean_ptr, rstd_ptr, nxt, nxt < last, cols, cmask,
+                                                  s_xm, s_dym, RMS)
+        if HAS_DSUM:                                         # gradient flowing into the residual sum
+            ds = tl.load(ds_ptr + rows64 * s_dsm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = x.to(tl.float32)
+        dy = dy.to(tl.float32)
         if RMS:
             xhat = x * rstd[:, None]
         else:
-            mean = tl.load(mean_ptr + rows, mask=rmask, other=0.0)
             xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
         wdy = dy
         if HAS_W:
@@ -80,14 +105,14 @@ def _norm_bwd_kernel(dy_ptr, ds_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, d
         else:
             c2 = tl.sum(wdy, axis=1) / N                     # mean(dxhat)
             dx = (wdy - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
-        if HAS_DSUM:                                         # gradient flowing into the residual sum
-            dx += tl.load(ds_ptr + rows64 * s_dsm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_DSUM:
+            dx += ds
         tl.store(dx_ptr + rows64 * s_dxm + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
         if HAS_W:
-            dw_acc += tl.sum(dy * xhat, axis=0)
+            dw_acc += dy * xhat
         if HAS_DB:
-            db_acc += tl.sum(dy, axis=0)
-    if HAS_W:
-        tl.store(dw_ptr + pid * N + cols, dw_acc, mask=cmask)   # stage 1: per-program partial sums
+            db_acc += dy
+    if HAS_W:                                                # stage 1: per-program partial sums
+        tl.store(dw_ptr + pid * N + cols, tl.sum(dw_acc, axis=0), mask=cmask)
     if HAS_DB:
-        tl.store(db_ptr + pid * N + cols, db_acc, mask=cmask)
+        tl.store(db_ptr + pid * N + cols, tl.sum(db_acc, axis=0), mask=cmask)

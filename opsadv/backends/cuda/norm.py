@@ -3,7 +3,9 @@
 cuda.triton.layer_norm / cuda.triton.rms_norm (priority 200): one program per row, or several rows
 per program when the hidden size is small; whole rows in registers (hidden up to 65536, any size),
 float32 statistics; with a residual the sum is written in the same pass.  Backward: dx (+ dsum)
-per row and a two-stage dweight/dbias reduction (float32 partial sums per program, then a sum).
+per row from a persistent grid (one wave; each program walks a contiguous run of rows with the next
+tile's loads in flight) and a two-stage dweight/dbias reduction (float32 partial sums per program
+kept in registers, then a fixed-order sum).
 fp16 / bf16 / fp32 inputs, any leading dims; rows need unit stride in the last dim (others are
 copied once with .contiguous())."""
 from __future__ import annotations
@@ -34,23 +36,14 @@ def fwd_config(n: int) -> tuple[int, int, int]:
 
 
 @functools.lru_cache(maxsize=None)
-def bwd_config(n: int) -> tuple[int, int, int]:
+def bwd_config(n: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, ROWS, num_warps, programs per SM) of the persistent backward.  A tile of ~16
+    elements per thread: the backward keeps x, dy, the prefetched next tile and the fp32 dweight
+    (dbias) accumulators live, so programs per SM is what the register file holds (64K registers)."""
     block = _next_pow2(n)
-    rows = max(1, min(2048 // block, 16))          # backward keeps x, dy, xhat, dx live: fewer rows
-    return block, rows, min(max(rows * block // 512, 4), 16)
-
-
-def _bwd_stages(stage_bytes: int, device_type: str, smem_optin: int | None = None) -> int:
-    """Software-pipelining depth of the backward's row loop (cp.async prefetch of the next rows'
-    x / dy / dsum into shared memory while the current rows reduce): 3 stages keep two row sets in
-    flight when they fit in 64 KB, 2 keep one when it fits in half the device's shared memory per
-    block (so two programs share an SM), else none."""
-    if device_type != "cuda":
-        return 1
-    budget = (smem_optin or 96 * 1024) // 2
-    if 2 * stage_bytes <= min(64 * 1024, budget):
-        return 3
-    return 2 if stage_bytes <= budget else 1
+    rows = max(1, min(1024 // block, 32))
+    warps = min(max(rows * block // 512, 4), 16)
+    return block, rows, warps, max(1, 16 // warps)         # ~128 registers per thread
 
 
 def _check(spec, env) -> list[str]:
@@ -118,18 +111,17 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _backward(ctx, rms, dy, dsum, xin, weight, has_db, mean, rstd, offset):
+def _backward(ctx, rms, dy, dsum, xin, weight, has_db, mean, rstd, offset, cfg=None):
     n = xin.shape[-1]
     m = xin.numel() // n
     x2, sx = _rows(xin, n)
     dy2, sdy = _rows(dy, n)
     ds2, sds = _rows(dsum, n) if dsum.numel() else (dy2, sdy)
-    block, rows, warps = bwd_config(n)
-    stages = _bwd_stages(rows * block * xin.element_size() * (3 if dsum.numel() else 2), xin.device.type,
-                         ctx.env.shared_memory_per_block_optin)
+    block, rows, warps, per_sm = cfg or bwd_config(n)
     sms = ctx.env.sm_count if xin.device.type == "cuda" and ctx.env.sm_count else 2
-    progs = min(triton_cdiv(m, rows), 4 * sms)                 # enough programs to fill the GPU
-    per_prog = triton_cdiv(triton_cdiv(m, progs), rows) * rows   # contiguous rows per program, multiple of ROWS
+    # persistent grid: one wave of programs, each walking a contiguous run of rows (a multiple of ROWS)
+    progs = min(triton_cdiv(m, rows), per_sm * sms)
+    per_prog = triton_cdiv(triton_cdiv(m, progs), rows) * rows
     progs = triton_cdiv(m, per_prog)
     dx = _poisoned(xin.shape, xin.dtype, xin.device)
     dw_part = _poisoned((progs, n), torch.float32, xin.device) if weight is not None else dx
@@ -140,8 +132,9 @@ def _backward(ctx, rms, dy, dsum, xin, weight, has_db, mean, rstd, offset):
         dy2, ds2, x2, weight if weight is not None else x2, mean1, rstd1, dx, dw_part, db_part,
         m, n, sdy, sds, sx, n, float(offset), per_prog,
         RMS=rms, HAS_DSUM=dsum.numel() > 0, HAS_W=weight is not None, HAS_DB=has_db,
-        ROWS=rows, BLOCK_N=block, NUM_STAGES=stages, num_warps=warps)
-    dw = dw_part.sum(0).to(weight.dtype) if weight is not None else xin.new_empty((0,))     # stage 2
+        ROWS=rows, BLOCK_N=block, num_warps=warps)
+    # stage 2: a fixed-order sum of the per-program partials (deterministic)
+    dw = dw_part.sum(0).to(weight.dtype) if weight is not None else xin.new_empty((0,))
     db = db_part.sum(0).to(xin.dtype) if has_db else xin.new_empty((0,))        # (distinct: outputs never alias)
     return dx, dw, db
 
