@@ -156,3 +156,18 @@ def _try(fn, errors):
         fn()
     except Exception as e:  # noqa: BLE001
         errors.append(e)
+
+
+@pytest.mark.parametrize("threshold", [8.0, 0.5])
+@pytest.mark.parametrize("name", ["window_causal", "padding_causal", "varlen_causal_global", "bigbird_heads"])
+def test_conditional_rescale_variant(name, threshold, poison, monkeypatch):
+    """A profile's forward tile may carry a rescale threshold (5th element): same function."""
+    base = sparse_mod.tiles_for
+
+    def with_flag(profile, head_dim):
+        fwd, dq, dkdv = base(profile, head_dim)
+        return (*fwd[:4], threshold), dq, dkdv
+    monkeypatch.setattr(sparse_mod, "tiles_for", with_flag)
+    make, b, *heads = PATTERNS[name]
+    hq = heads[0] if heads else 2
+    _check(make(), b, hq=hq, hk=hq // 2, d=32)

@@ -44,39 +44,87 @@ except ImportError:  # pragma: no cover
 # forward
 # ---------------------------------------------------------------------------------------------
 @triton.jit
+def _softmax_pv(acc, l_i, m_i, qk, v, offs_m, offs_n, SK, OFFSET, qk_scale,
+                CAUSAL: tl.constexpr, MASKED: tl.constexpr, RESCALE: tl.constexpr):
+    """One online-softmax step: fold the raw scores qk of one kv block and its V into (acc, l_i, m_i).
+    m_i is the reference max (log2 units) that acc and l_i are scaled to.  RESCALE > 0: a row keeps
+    its old reference unless its max grew by more than RESCALE (p stays <= 2^RESCALE), and acc is
+    multiplied only when some row's reference moved (FA4's conditional rescaling)."""
+    if MASKED:
+        keep = offs_n[None, :] < SK
+        if CAUSAL:  # bottom-right aligned: query i sees keys j <= i + OFFSET
+            keep = keep & (offs_n[None, :] <= offs_m[:, None] + OFFSET)
+        qk = tl.where(keep, qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+    else:
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    if RESCALE > 0:
+        m_new = tl.where(m_new - m_i > RESCALE, m_new, m_i)
+    if MASKED:
+        p = tl.math.exp2(qk - m_new[:, None])
+    else:
+        p = tl.math.exp2(qk * qk_scale - m_new[:, None])   # scale and shift in one FMA
+    alpha = tl.math.exp2(m_i - m_new)              # rescale what was accumulated under the old max
+    if RESCALE > 0:
+        if tl.max((m_new > m_i).to(tl.int32), 0) > 0:
+            acc = acc * alpha[:, None]
+    else:
+        acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _kv_tile(base, desc, kv_row0, start_n, s_n, offs_d, SK, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+             PAD_D: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr):
+    """A (BLOCK_N, BLOCK_D) K or V tile starting at key start_n."""
+    if TMA:  # bulk copy of a full block; rows are this head's (never the tail)
+        x = desc.load([kv_row0 + start_n, 0])
+    else:
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        x = load_tile(base + offs_n[:, None] * s_n + offs_d[None, :], offs_n, SK, offs_d, HEAD_DIM, MASKED, PAD_D)
+    return x
+
+
+@triton.jit
 def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, kv_row0, s_kn, s_vn,
                offs_m, offs_d, lo, hi, SK, OFFSET, qk_scale,
                HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAD_D: tl.constexpr,
-               CAUSAL: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr):
-    for start_n in range(lo, hi, BLOCK_N):
+               CAUSAL: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr, RESCALE: tl.constexpr,
+               WS: tl.constexpr):
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        if TMA:  # bulk copy of a full block; rows are this head's (never the tail)
-            k = desc_k.load([kv_row0 + start_n, 0])
-        else:
-            k = load_tile(k_base + offs_n[:, None] * s_kn + offs_d[None, :], offs_n, SK, offs_d, HEAD_DIM,
-                          MASKED, PAD_D)
+        k = _kv_tile(k_base, desc_k, kv_row0, start_n, s_kn, offs_d, SK, HEAD_DIM, BLOCK_N, PAD_D, MASKED, TMA)
         qk = tl.dot(q, tl.trans(k))
-        if MASKED:
-            keep = offs_n[None, :] < SK
-            if CAUSAL:  # bottom-right aligned: query i sees keys j <= i + OFFSET
-                keep = keep & (offs_n[None, :] <= offs_m[:, None] + OFFSET)
-            qk = tl.where(keep, qk * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            p = tl.math.exp2(qk - m_new[:, None])
-        else:
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)          # rescale what was accumulated under the old max
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        if TMA:
-            v = desc_v.load([kv_row0 + start_n, 0])
-        else:
-            v = load_tile(v_base + offs_n[:, None] * s_vn + offs_d[None, :], offs_n, SK, offs_d, HEAD_DIM,
-                          MASKED, PAD_D)
-        acc = tl.dot(p.to(v.dtype), v, acc)
-        m_i = m_new
+        v = _kv_tile(v_base, desc_v, kv_row0, start_n, s_vn, offs_d, SK, HEAD_DIM, BLOCK_N, PAD_D, MASKED, TMA)
+        acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, qk, v, offs_m, start_n + tl.arange(0, BLOCK_N), SK, OFFSET,
+                                    qk_scale, CAUSAL, MASKED, RESCALE)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _fwd_inner_pipe(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, kv_row0, s_kn, s_vn,
+                    offs_m, offs_d, lo, hi, SK, OFFSET, qk_scale,
+                    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAD_D: tl.constexpr,
+                    TMA: tl.constexpr, RESCALE: tl.constexpr):
+    """Full (unmasked) kv blocks with QK^T of block j+1 issued before the softmax of block j, so the
+    tensor cores work on it while the softmax runs (FA3's intra-warpgroup overlap, in source)."""
+    if lo < hi:
+        k = _kv_tile(k_base, desc_k, kv_row0, lo, s_kn, offs_d, SK, HEAD_DIM, BLOCK_N, PAD_D, False, TMA)
+        qk = tl.dot(q, tl.trans(k))
+        for start_n in range(lo, hi - BLOCK_N, BLOCK_N):
+            start_n = tl.multiple_of(start_n, BLOCK_N)
+            k = _kv_tile(k_base, desc_k, kv_row0, start_n + BLOCK_N, s_kn, offs_d, SK, HEAD_DIM, BLOCK_N, PAD_D,
+                         False, TMA)
+            qk_next = tl.dot(q, tl.trans(k))
+            v = _kv_tile(v_base, desc_v, kv_row0, start_n, s_vn, offs_d, SK, HEAD_DIM, BLOCK_N, PAD_D, False, TMA)
+            acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, qk, v, offs_m, start_n + tl.arange(0, BLOCK_N), SK,
+                                        OFFSET, qk_scale, False, False, RESCALE)
+            qk = qk_next
+        v = _kv_tile(v_base, desc_v, kv_row0, hi - BLOCK_N, s_vn, offs_d, SK, HEAD_DIM, BLOCK_N, PAD_D, False, TMA)
+        acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, qk, v, offs_m, hi - BLOCK_N + tl.arange(0, BLOCK_N), SK,
+                                    OFFSET, qk_scale, False, False, RESCALE)
     return acc, l_i, m_i
 
 
@@ -85,7 +133,8 @@ def _fwd_kernel(Q, K, V, O, LSE, desc_k, desc_v,
                 s_qb, s_qh, s_qm, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_ob, s_oh, s_om,
                 H, GROUP, SQ, SK, OFFSET, qk_scale,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, TMA: tl.constexpr):
+                CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, TMA: tl.constexpr, RESCALE: tl.constexpr,
+                PIPE: tl.constexpr, WS: tl.constexpr):
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)   # longest (causal) q blocks start first
     pid_bh = tl.program_id(1)
@@ -110,12 +159,17 @@ def _fwd_kernel(Q, K, V, O, LSE, desc_k, desc_v,
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)          # finite: a fully masked block gives p = 0, not NaN
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, kv_row0, s_kn, s_vn,
-                               offs_m, offs_d, 0, n_full, SK, OFFSET, qk_scale,
-                               HEAD_DIM, BLOCK_N, PAD_D, CAUSAL, False, TMA)
+    if PIPE:
+        acc, l_i, m_i = _fwd_inner_pipe(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, kv_row0, s_kn, s_vn,
+                                        offs_m, offs_d, 0, n_full, SK, OFFSET, qk_scale,
+                                        HEAD_DIM, BLOCK_N, PAD_D, TMA, RESCALE)
+    else:
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, kv_row0, s_kn, s_vn,
+                                   offs_m, offs_d, 0, n_full, SK, OFFSET, qk_scale,
+                                   HEAD_DIM, BLOCK_N, PAD_D, CAUSAL, False, TMA, RESCALE, WS)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, kv_row0, s_kn, s_vn,
                                offs_m, offs_d, n_full, hi, SK, OFFSET, qk_scale,
-                               HEAD_DIM, BLOCK_N, PAD_D, CAUSAL, True, False)
+                               HEAD_DIM, BLOCK_N, PAD_D, CAUSAL, True, False, RESCALE, False)
     empty = l_i == 0.0                                     # row saw no key (causal with s_q > s_k)
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -307,6 +361,11 @@ _BWD_KV = ConfigTuner("flash_attention.bwd_kv")
 _BWD_Q = ConfigTuner("flash_attention.bwd_q")
 _BWD_KVA = ConfigTuner("flash_attention.bwd_kv_atomic_dq")
 
+# Forward-only kernel variants a config may switch on (profile data; absent = off): TMA descriptor loads,
+# conditional rescaling threshold (log2 units, 0 = rescale every block), QK^T of the next block issued
+# before the softmax (PIPE), Triton warp specialization of the kv loop (WS).
+_FWD_FLAGS = {"TMA": False, "RESCALE": 0.0, "PIPE": False, "WS": False}
+
 # Used when the profile names no attention tiles (a third-party or future profile).
 _DEFAULT_TILE = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 
@@ -321,7 +380,8 @@ def _configs(ctx, which: str, d: int, tma_ok: bool) -> list[dict]:
     cfgs = [dict(c) for c in tiles.get(which, {}).get(_dclass(d), [])] or [dict(_DEFAULT_TILE)]
     out: list[dict] = []
     for c in cfgs:
-        c.setdefault("TMA", False)
+        for flag, off in _FWD_FLAGS.items():
+            c.setdefault(flag, off)
         if c["TMA"] and not tma_ok:
             c["TMA"] = False
         if c not in out:
@@ -376,7 +436,8 @@ def flash_fwd(ctx, q, k, v, attn_mask, causal, scale):
                           v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
                           hq, hq // hkv, sq, sk, sk - sq, qk_scale,
                           HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=causal, EVEN_M=sq % bm == 0,
-                          TMA=cfg["TMA"], **_launch_args(cfg))
+                          TMA=cfg["TMA"], RESCALE=float(cfg["RESCALE"]), PIPE=cfg["PIPE"], WS=cfg["WS"],
+                          **_launch_args(cfg))
 
     cfgs = _configs(ctx, "fwd", d, tma_ok)
     key = (str(cdt), d, causal, hq // hkv, bucket(sq), bucket(sk), bucket(b * hq), tma_ok)

@@ -29,7 +29,7 @@ HEAD_DIMS = (16, 32, 64, 96, 128, 256)
 FEATURES = frozenset({"causal", "gqa", "key_padding", "varlen", "window", "global", "cross_length"})
 MAX_REFINE_CELLS = 1 << 26      # tile classification grid (gcd of block size and tile) cap
 
-# (fwd BLOCK_M, BLOCK_N, warps, stages), (dq BLOCK_M, BLOCK_N, warps, stages), (dkdv BLOCK_M, BLOCK_N, warps, stages)
+# (fwd BLOCK_M, BLOCK_N, warps, stages[, rescale threshold]), (dq BLOCK_M, BLOCK_N, warps, stages), (dkdv BLOCK_M, BLOCK_N, warps, stages)
 # keyed by profile name, then head-dim class ("small" <= 128 < "large").  h100 "small": the best of a sweep
 # on an H200 (benchmarks/sparse_probe.py, s=16384 window 1024 causal d128 bf16; results/sparse_probe_h200.json).
 TILES = {
@@ -95,7 +95,7 @@ def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, s_kn, s_vn, kt, offs_m, offs_d, 
               bm_ptr, s_bm_q, s_bm_k, kpm_ptr, seg_ptr, pos_ptr, SQ, SK, OFF, WL, WR, NG, BS,
               BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr,
               CAUSAL: tl.constexpr, HAS_WIN: tl.constexpr, HAS_GLOBAL: tl.constexpr, BM_MODE: tl.constexpr,
-              HAS_KPM: tl.constexpr, HAS_SEG: tl.constexpr):
+              HAS_KPM: tl.constexpr, HAS_SEG: tl.constexpr, RESCALE: tl.constexpr):
     """One online-softmax step over key tile kt (MASKED: a partial tile, else a full in-bounds one)."""
     offs_n = kt * BLOCK_N + tl.arange(0, BLOCK_N)
     kv_mask = (offs_n[:, None] < SK) & (offs_d[None, :] < D)
@@ -110,15 +110,22 @@ def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, s_kn, s_vn, kt, offs_m, offs_d, 
         ok = _allowed(offs_m, offs_n, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, seg_ptr, pos_ptr, SQ, SK, OFF, WL, WR, NG,
                       BS, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, HAS_SEG)
         s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    if RESCALE > 0:  # keep the old reference max unless it grew by more than RESCALE (p <= 2^RESCALE)
+        m_new = tl.where(m_new - m_i > RESCALE, m_new, m_i)      # both -inf: NaN > x is false, keeps -inf
+    if MASKED:
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)   # a row masked so far: keep exp2 finite
     else:
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         m_use = m_new
     p = tl.math.exp2(s * qk_scale - m_use[:, None])
     alpha = tl.math.exp2(m_i - m_use)                # rescale of the running sums (0 when m_i = -inf)
+    if RESCALE > 0:
+        if tl.max((m_new > m_i).to(tl.int32), 0) > 0:   # only when some row's reference moved
+            acc = acc * alpha[:, None]
+    else:
+        acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc)              # accumulate in the MMA
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])   # accumulate in the MMA
     return acc, l_i, m_new
 
 
@@ -129,7 +136,7 @@ def _sparse_fwd(Q, K, V, O, LSE, ROWS, COLS, BM, KPM, SEG, POS,
                 H, GROUP, SQ, SK, OFF, D, qk_scale, WL, WR, NG, BS,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, EVEN_D: tl.constexpr,
                 CAUSAL: tl.constexpr, HAS_WIN: tl.constexpr, HAS_GLOBAL: tl.constexpr, BM_MODE: tl.constexpr,
-                HAS_KPM: tl.constexpr, HAS_SEG: tl.constexpr):
+                HAS_KPM: tl.constexpr, HAS_SEG: tl.constexpr, RESCALE: tl.constexpr):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -154,12 +161,14 @@ def _sparse_fwd(Q, K, V, O, LSE, ROWS, COLS, BM, KPM, SEG, POS,
         kt = tl.load(cols + t)
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, s_kn, s_vn, kt, offs_m, offs_d, D, qk_scale,
                                   bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL, WR, NG, BS,
-                                  BLOCK_N, EVEN_D, True, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, HAS_SEG)
+                                  BLOCK_N, EVEN_D, True, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, HAS_SEG,
+                                  RESCALE)
     for t in range(n_part, n_all):                    # full tiles: no masks at all
         kt = tl.load(cols + t)
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, s_kn, s_vn, kt, offs_m, offs_d, D, qk_scale,
                                   bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL, WR, NG, BS,
-                                  BLOCK_N, EVEN_D, False, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, HAS_SEG)
+                                  BLOCK_N, EVEN_D, False, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, HAS_SEG,
+                                  RESCALE)
     empty = l_i == 0.0                                # fully masked row: zeros, lse = -inf
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) / 1.4426950408889634)
@@ -382,7 +391,7 @@ def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale)
     q, k, v = _prep(ctx, q, k, v)
     b, hq, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
-    (bm_m, bn_f, warps, stages), _, _ = tiles_for(ctx.profile, d)
+    (bm_m, bn_f, warps, stages, *fwd_flags), _, _ = tiles_for(ctx.profile, d)
     ti = tile_index(block_mask, kpm, cu, bs, causal, wl, wr, ng, sq, sk, bm_m, bn_f)
     out = _new(q.shape, q.dtype, q.device)
     lse = _new((b, hq, sq), torch.float32, q.device)
@@ -394,7 +403,7 @@ def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale)
                       *_s4(ti.rows), *_s4(ti.cols), *strides,
                       hq, hq // hk, sq, sk, sk - sq, d, scale * LOG2E, wl, wr, ng, bs,
                       BLOCK_M=bm_m, BLOCK_N=bn_f, HEAD_D=hd, EVEN_D=hd == d, **_flags(ti, causal, wl, ng, cu, kpm),
-                      num_warps=warps, num_stages=stages)
+                      RESCALE=float(fwd_flags[0]) if fwd_flags else 0.0, num_warps=warps, num_stages=stages)
     return out.to(in_dtype), lse
 
 
