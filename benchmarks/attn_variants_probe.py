@@ -341,7 +341,9 @@ def sweep(out_dir, only):
     LAYOUTS = _sp_layouts()
     if "dense" in only and DEV == "cuda":
         peers(path)
-    for v in vs:
+    order = {"fwd128": 0, "sp_fwd": 1, "bwd_kv": 2, "bwd_q": 3, "fwd64": 4, "sp_dq": 5, "sp_dkdv": 6}
+    rank = lambda v: (order.get(v["kind"] + (str(v["d"]) if v["kind"] == "fwd" else ""), 9), v["id"])  # noqa: E731
+    for v in sorted(vs, key=rank):     # most important first: a call stopped at its limit keeps those
         if v["id"] in failed:
             continue
         run_variant(v, path)
