@@ -38,20 +38,40 @@ def _cmd_conformance(args) -> int:
     print(f"opsadv conformance: backend {args.backend} on {device} ({'quick' if args.quick else 'full'} catalogue)",
           flush=True)
     from opsadv.core.kernel import OPS
+    pins = _impl_pins(args.impl)
+    if pins and not ops:
+        ops = list(pins)
     note = args.note or ""
+    if pins:
+        note = (note + " " if note else "") + "Pinned impls: " + ", ".join(f"{o} -> {i}" for o, i in pins.items()) + "."
     if args.precision:
         note = (note + " " if note else "") + f"Run under precision policy {args.precision!r} (float32 cells computed in it)."
     results = []
     todo = ops or list(OPS)
     for i, op in enumerate(todo):   # one op at a time; the matrix on disk grows as each op finishes
         results += run_conformance(args.backend, quick=args.quick, device=device, ops=[op], progress=progress,
-                                   precision=args.precision)
+                                   precision=args.precision, impls=pins or None)
         left = todo[i + 1:]
         write(results, backend=args.backend, device=device, quick=args.quick, json_path=args.json,
               markdown_path=args.markdown, note=note + (f" PARTIAL: not yet run: {left}." if left else ""))
     s = summary(results)
     print(f"{s['pass']} passed, {s['fail']} failed, {s['skip']} skipped")
     return 1 if s["fail"] else 0
+
+
+def _impl_pins(ids) -> dict:
+    """--impl IDs -> {op: impl id} (each id's op looked up in the registry)."""
+    if not ids:
+        return {}
+    from opsadv.core.errors import InvalidArgumentError
+    from opsadv.registry import get_registry
+    by_id = {i.id: i for impls in get_registry().impls_by_op.values() for i in impls}
+    pins: dict = {}
+    for i in ids:
+        if i not in by_id:
+            raise InvalidArgumentError("conformance", "--impl", f"a registered impl id: {sorted(by_id)}", repr(i))
+        pins[by_id[i].op] = i
+    return pins
 
 
 def _cmd_bench(args) -> int:
@@ -101,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--aoe-mode", type=int, default=None, help="Ascend AOE tuning mode (ascend backend only)")
     s.add_argument("--precision", default=None, choices=["fp16", "bf16", "tf32", "fp32"],
                    help="precision policy for the run (float32 inputs computed in it)")
+    s.add_argument("--impl", action="append", default=None, metavar="ID",
+                   help="test this impl only (repeatable; e.g. cuda.triton.flash_attention): its op's cells run it "
+                        "pinned, cells it cannot serve are skipped with its reasons")
     s.add_argument("-v", "--verbose", action="store_true")
     s.set_defaults(func=_cmd_conformance)
 

@@ -128,7 +128,11 @@ def explain_spec(spec: CallSpec, policy: Policy | None = None) -> tuple[Explanat
     names = {b.name for b in selected}
     env: EnvInfo = reg.env
     cands: list[Candidate] = []
+    pinned = dict(policy.impls).get(spec.op)
     for impl in reg.impls_by_op.get(spec.op, []):
+        if pinned is not None and impl.id != pinned:
+            cands.append(Candidate(impl, False, (f"policy pins {spec.op} to {pinned!r}",)))
+            continue
         if impl.backend not in names:
             cands.append(Candidate(impl, False, (f"backend {impl.backend!r} not selected by policy",)))
             continue

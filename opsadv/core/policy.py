@@ -27,11 +27,13 @@ class Policy:
     autotune: bool = False                # measure candidates on first call of a bucket
     precision: PrecisionPolicy = field(default_factory=PrecisionPolicy)
     options: tuple[tuple[str, Any], ...] = ()   # backend-specific (aoe_mode, memory_budget, ...)
+    impls: tuple[tuple[str, str], ...] = ()     # pinned impl per op: ((op, impl id), ...)
     serial: int = field(default_factory=lambda: next(_serial), compare=False)
 
     def describe(self) -> str:
         extra = [f"profile={self.profile}"] if self.profile else []
         extra += [k for k in ("strict", "experimental", "deterministic", "autotune") if getattr(self, k)]
+        extra += [f"{op} pinned to {impl}" for op, impl in self.impls]
         return f"backend={self.backend!r}" + (" (" + ", ".join(extra) + ")" if extra else "")
 
     @property
@@ -82,13 +84,32 @@ class Backend:
         _scoped.reset(self._token)
 
 
-_POLICY_KEYS = {"strict", "profile", "experimental", "deterministic", "autotune", "precision"}
+_POLICY_KEYS = {"strict", "profile", "experimental", "deterministic", "autotune", "precision", "impls"}
+
+
+def _check_impls(impls, reg) -> tuple[tuple[str, str], ...]:
+    """impls={op: impl id}: each op runs only that impl (conformance of one kernel, A/B tests);
+    a call the pinned impl cannot serve raises NoKernelError with its reasons."""
+    if impls is None:
+        return ()
+    if not isinstance(impls, dict):
+        raise InvalidArgumentError("use_backend", "impls", "a dict {op name: impl id}", repr(impls))
+    from .kernel import OPS
+    out = []
+    for op, impl in impls.items():
+        if op not in OPS:
+            raise InvalidArgumentError("use_backend", "impls", f"op names in {list(OPS)}", repr(op))
+        known = [i.id for i in reg.impls_by_op.get(op, [])]
+        if impl not in known:
+            raise InvalidArgumentError("use_backend", "impls", f"an impl id registered for {op}: {known}", repr(impl))
+        out.append((op, impl))
+    return tuple(sorted(out))
 
 
 def use_backend(name: str = "auto", **kwargs: Any) -> Backend:
     """Select the backend for opsadv ops: "auto" or a backend name ("reference", "cuda",
     "ascend", "jetson", or a plugin's).  Keyword options: strict, profile, experimental,
-    deterministic, autotune, precision, plus backend-specific options validated by the
+    deterministic, autotune, precision, impls ({op: impl id} pins), plus backend-specific options validated by the
     backend itself (e.g. aoe_mode for ascend, memory_budget for jetson)."""
     from ..registry import get_registry
     from . import dispatch
@@ -104,6 +125,7 @@ def use_backend(name: str = "auto", **kwargs: Any) -> Backend:
     policy_kw = {k: v for k, v in kwargs.items() if k in _POLICY_KEYS}
     backend_opts = {k: v for k, v in kwargs.items() if k not in _POLICY_KEYS}
     policy_kw["precision"] = PrecisionPolicy.from_string(policy_kw.get("precision"))
+    policy_kw["impls"] = _check_impls(policy_kw.get("impls"), reg)
     primary = reg.auto_backend() if name == "auto" else reg.backends[name]
     if not primary.available:
         raise BackendUnavailableError(primary.name, list(primary.probe.reasons))

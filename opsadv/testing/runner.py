@@ -105,7 +105,7 @@ def _tolerance(dtype: torch.dtype, op: str, precision) -> tuple[float, float]:
 
 
 def run_case(case: Case, backend: str, dtype: torch.dtype, device: str, *, seed: int | None = None,
-             check_determinism: bool = True, precision=None) -> Result:
+             check_determinism: bool = True, precision=None, impls: dict | None = None) -> Result:
     """One cell.  `precision` ("fp16", "bf16", "tf32" or a PrecisionPolicy) is the policy under which
     the backend runs; float32 cells are then held to the compute precision's tolerance."""
     seed = seed if seed is not None else int.from_bytes(os.urandom(4), "little")
@@ -113,7 +113,7 @@ def run_case(case: Case, backend: str, dtype: torch.dtype, device: str, *, seed:
     res = Result(backend, case.op, DT[dtype], case.shape_class, "pass", seed=seed, tol=tol)
     t0 = time.perf_counter()
     try:
-        _run(case, res, backend, dtype, device, seed, check_determinism, precision, tol)
+        _run(case, res, backend, dtype, device, seed, check_determinism, precision, tol, impls)
     except NoKernelError as e:
         res.status, res.reason = "skip", "no impl serves this case: " + "; ".join(
             f"{k}: {', '.join(v)}" for k, v in e.reasons.items() if k.startswith(backend + ".") or True)
@@ -123,8 +123,12 @@ def run_case(case: Case, backend: str, dtype: torch.dtype, device: str, *, seed:
     return res
 
 
-def _run(case, res, backend, dtype, device, seed, check_determinism, precision, tol):
-    pol = {"strict": True} if precision is None else {"strict": True, "precision": precision}
+def _run(case, res, backend, dtype, device, seed, check_determinism, precision, tol, impls=None):
+    pol: dict = {"strict": True}
+    if precision is not None:
+        pol["precision"] = precision
+    if impls:
+        pol["impls"] = impls
     if _interpreter_bf16(case.op, backend, device, dtype):
         res.status, res.reason = "skip", "bf16 tl.dot is wrong in the Triton interpreter (triton 3.6): run on a GPU"
         return
@@ -241,8 +245,10 @@ def iter_cases(quick: bool, ops: Iterable[str] | None = None) -> list[Case]:
 
 
 def run_conformance(backend: str, *, quick: bool = False, device: str | None = None, ops=None,
-                    dtypes=None, graph_checks: bool = True, progress=None, precision=None) -> list[Result]:
-    """Every case x dtype for `backend`; returns the results (the matrix's cells)."""
+                    dtypes=None, graph_checks: bool = True, progress=None, precision=None,
+                    impls: dict | None = None) -> list[Result]:
+    """Every case x dtype for `backend`; returns the results (the matrix's cells).  `impls`
+    ({op: impl id}) pins the kernel under test; cells it cannot serve are skipped with its reasons."""
     from opsadv.registry import get_registry
     reg = get_registry()
     if backend not in reg.backends or not reg.backends[backend].available:
@@ -255,7 +261,7 @@ def run_conformance(backend: str, *, quick: bool = False, device: str | None = N
     cases = iter_cases(quick, ops)
     for case in cases:
         for dtype in dtypes:
-            results.append(run_case(case, backend, dtype, device, precision=precision))
+            results.append(run_case(case, backend, dtype, device, precision=precision, impls=impls))
             if progress:
                 progress(results[-1])
     if graph_checks:
