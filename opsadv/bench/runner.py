@@ -2,7 +2,7 @@
 
 For each case (opsadv/bench/case.py): setup, one warm-up call of opsadv and of every peer
 (compilation, autotuning and cuDNN plan selection stay out of the numbers), timing with
-triton.testing.do_bench (median; CUDA events), then verification of opsadv's output against the
+triton.testing.do_bench (median; CUDA events) in interleaved rounds (time_interleaved), then verification of opsadv's output against the
 fastest peer's (rel_err), so a fast wrong kernel never counts.  The JSON (schema in
 docs/performance.md) is merged by case name into an existing file, so suites run separately
 accumulate."""
@@ -40,6 +40,26 @@ def time_ms(fn) -> float:
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
     return sorted(times)[len(times) // 2]
+
+
+ROUNDS = 3               # interleaved timing rounds per case (see time_interleaved)
+
+
+def time_interleaved(fns: dict, rounds: int = ROUNDS) -> dict:
+    """Median ms of each fn, measured in `rounds` interleaved rounds (each round times every fn
+    once with do_bench, the order rotated per round) and the median over rounds taken: clock
+    ramps, thermal drift and order effects fall on every contender alike, not on whoever runs
+    first or last.  Off a GPU: time_ms once each."""
+    import torch
+    names = list(fns)
+    if not torch.cuda.is_available():
+        return {n: time_ms(fns[n]) for n in names}
+    from triton.testing import do_bench
+    seen: dict = {n: [] for n in names}
+    for r in range(rounds):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            seen[n].append(float(do_bench(fns[n], warmup=10, rep=40, return_mode="median")))
+    return {n: sorted(v)[len(v) // 2] for n, v in seen.items()}
 
 
 def _tensors(x) -> list:
@@ -117,16 +137,32 @@ def run_case(case) -> list[dict[str, Any]]:
     except Exception as e:
         row["error"] = f"opsadv: {type(e).__name__}: {str(e)[:300]}"
         return [row]
-    peers: dict[str, float] = {}
     errors: dict[str, str] = {}
+    ok: dict = {}
     for name, fn in case.peers.items():
         try:
-            fn()
+            fn()                                 # warm-up: compilation, autotuning, plan selection
             _sync()
-            peers[name] = time_ms(fn)
+            ok[name] = fn
         except Exception as e:
             errors[name] = f"{type(e).__name__}: {str(e)[:200]}"
-    ms = time_ms(case.opsadv)
+    own, prefix = case.extra.get("own"), case.extra.get("own_prefix")
+    want_own = own is not None and prefix and not all(i.strip().startswith(prefix)
+                                                      for i in row["opsadv_impl"].split("+"))
+    oout = own_err = None
+    if want_own:
+        try:
+            oout = own()
+            _sync()
+        except Exception as e:
+            own_err = f"{type(e).__name__}: {str(e)[:300]}"
+    contenders = {"\0opsadv": case.opsadv, **ok}
+    if want_own and own_err is None:
+        contenders["\0own"] = own
+    times = time_interleaved(contenders)
+    ms = times.pop("\0opsadv")
+    oms = times.pop("\0own", None)
+    peers: dict[str, float] = times
     row.update(opsadv_ms=round(ms, 5), peers={k: round(v, 5) for k, v in peers.items()},
                opsadv_rate=round(case.work / ms / 1e9, 2))
     if errors:
@@ -141,22 +177,18 @@ def run_case(case) -> list[dict[str, Any]]:
         del ref
     row.update({k: v for k, v in case.extra.items() if not callable(v) and k != "own_prefix"})
     rows = [row]
-    own, prefix = case.extra.get("own"), case.extra.get("own_prefix")
-    if own is not None and prefix and not all(i.strip().startswith(prefix) for i in row["opsadv_impl"].split("+")):
+    if want_own:
         orow = {"suite": case.suite, "case": case.case + " [own]", "unit": case.unit,
                 "opsadv_impl": case.extra.get("own_impl", prefix + "*")}
-        try:
-            oout = own()
-            _sync()
-            oms = time_ms(own)
+        if own_err is not None:
+            orow["error"] = own_err
+        else:
             orow.update(opsadv_ms=round(oms, 5), peers=row["peers"], opsadv_rate=round(case.work / oms / 1e9, 2))
             if peers:
                 orow["rel_err"] = float(f"{(case.compare or rel_err)(oout, case.peers[row['best_peer']]()):.3g}")
                 orow["best_peer"] = row["best_peer"]
                 orow["speedup"] = round(peers[row["best_peer"]] / oms, 3)
-            del oout
-        except Exception as e:
-            orow["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        del oout
         rows.append(orow)
     del out
     return rows
