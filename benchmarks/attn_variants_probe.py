@@ -69,6 +69,12 @@ def variants() -> list[dict]:
         v.append({"kind": "sp_dq", "d": 128, "cfg": c})
     for c in ((64, 64, 4, 2), (64, 128, 8, 2), (32, 64, 4, 3), (64, 64, 4, 3), (32, 128, 4, 3)):
         v.append({"kind": "sp_dkdv", "d": 128, "cfg": c})
+    # round 2 (after the first sweep): warp specialization around the winner, 3 CTAs per SM (BLOCK_N 32)
+    for c in (_t(128, 128, 8, 2, WS=True), _t(128, 64, 8, 3, WS=True), _t(128, 128, 8, 3, WS=True, RESCALE=8.0),
+              _t(64, 64, 4, 3, WS=True)):
+        v.append({"kind": "fwd", "d": 128, "cfg": c, "isolated": True})
+    for c in (_t(64, 32, 4, 3), _t(64, 32, 4, 4)):
+        v.append({"kind": "fwd", "d": 128, "cfg": c})
     for i, x in enumerate(v):
         x["id"] = i
     return v
@@ -347,6 +353,8 @@ def sweep(out_dir, only):
         if v["id"] in failed:
             continue
         run_variant(v, path)
+    if "dense" in only and DEV == "cuda":
+        peers(path)                    # again after the variants: clock drift shows as a change
     summary(path)
 
 

@@ -13,8 +13,9 @@ def _smem(env) -> int:
     return env.shared_memory_per_block_optin or 0
 
 
-def _t(bm, bn, w, s, tma=False) -> dict:
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s, "TMA": tma}
+def _t(bm, bn, w, s, tma=False, **flags) -> dict:
+    """One tile config; flags switch on forward kernel variants (attention._FWD_FLAGS, e.g. WS=True)."""
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s, "TMA": tma, **flags}
 
 
 # flash attention tiles per pass ("fwd", "bwd_kv", "bwd_q") and head-dim class (64: d <= 64,
@@ -22,15 +23,18 @@ def _t(bm, bn, w, s, tma=False) -> dict:
 # bwd_kv: BLOCK_N is the kv block a program owns, BLOCK_M the q block it loops over.
 ATTN_TILES = {
     "h100": {   # pruned to the winners measured on an H200 (benchmarks/attention_probe.py, 2026-11-29);
-                # warp specialization (tl.range(..., warp_specialize=True)) did not compile for this kernel in Triton 3.6
+                # 2026-11-29 variant sweep (benchmarks/attn_variants_probe.py, results/attn_variants_h200.json):
+                # warp specialization (WS) compiles at 128x128/8 warps (not 128x64/4) and is within a few % of
+                # the plain kernel, so it is only in the autotune space; bwd_q 128x64/8/3 first (-5% bwd, d128)
         "fwd": {64: [_t(64, 64, 4, 3), _t(128, 64, 4, 3), _t(64, 64, 4, 4), _t(128, 64, 4, 4)],
-                128: [_t(64, 64, 4, 3), _t(128, 128, 8, 3), _t(128, 64, 8, 3), _t(128, 128, 8, 3, True)],
+                128: [_t(64, 64, 4, 3), _t(128, 128, 8, 3), _t(128, 64, 8, 3), _t(128, 128, 8, 3, True),
+                      _t(128, 128, 8, 3, WS=True), _t(128, 128, 8, 3, True, WS=True)],
                 256: [_t(64, 64, 4, 2), _t(128, 64, 8, 2, True), _t(64, 32, 4, 2), _t(128, 64, 8, 2)]},
         "bwd_kv": {64: [_t(64, 64, 4, 3), _t(32, 64, 4, 3), _t(32, 128, 4, 5), _t(64, 64, 4, 2)],
                    128: [_t(64, 64, 4, 2), _t(32, 64, 4, 3), _t(64, 128, 8, 2), _t(64, 64, 4, 3)],
                    256: [_t(32, 64, 4, 2), _t(64, 64, 8, 1), _t(32, 64, 8, 2)]},
         "bwd_q": {64: [_t(128, 64, 8, 3), _t(64, 64, 4, 3), _t(64, 64, 4, 2)],
-                  128: [_t(64, 64, 4, 2), _t(128, 64, 8, 3), _t(64, 32, 4, 3), _t(128, 64, 8, 2)],
+                  128: [_t(128, 64, 8, 3), _t(64, 64, 4, 2), _t(64, 32, 4, 3), _t(128, 64, 8, 2)],
                   256: [_t(64, 32, 4, 2), _t(64, 64, 8, 1), _t(32, 64, 4, 2)]},
     },
     "a100": {
