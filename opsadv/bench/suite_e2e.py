@@ -5,7 +5,8 @@ same model with attn_implementation="sdpa" (eager, `hf_sdpa`) and torch.compile 
   prefill llama: ~1.1B Llama (hidden 2048, 22 layers, 32 heads / 4 kv heads, intermediate 5632,
                  vocab 32000), b=8 s=2048, last-token logits (logits_to_keep=1)
   decode llama:  one decode step, b=8, 2047 cached tokens (the cache is cropped back after each call)
-  bert:          BERT-base b=32 s=512 with ~30% padding (varlen path), compared on real tokens only
+  bert:          BERT-base b=32 s=512 with ~30% padding, compared on real tokens only; converted with
+                 cuda_graphs=True on CUDA (packed real tokens, varlen attention, one graph replay)
 Extra fields: conversion_s and tune_s (wall time of convert_model and tune_for_hardware),
 launches_per_layer / hf_sdpa_launches_per_layer (CUDA kernels of one forward / layers, counted
 with torch.profiler), validation numbers of the conversion.  Models are built lazily in each
@@ -72,10 +73,13 @@ def _build(kind: str, dev: str):
     return m.to(torch.bfloat16).eval()
 
 
-def _convert(base, extra: dict, tune_kw: dict | None):
-    """Deep-copy and convert (validated; kept with a warning flag if beyond limits), then tune."""
+def _convert(base, extra: dict, tune_kw: dict | None, **options):
+    """Deep-copy and convert (validated; kept with a warning flag if beyond limits), then tune.
+    `options`: convert_model options a user would pass (recorded in extra["conversion_options"])."""
     t0 = time.perf_counter()
-    conv = opsadv.convert_model(copy.deepcopy(base), validate="warn")
+    if options:
+        extra["conversion_options"] = dict(options)
+    conv = opsadv.convert_model(copy.deepcopy(base), validate="warn", **options)
     _sync()
     extra["conversion_s"] = round(time.perf_counter() - t0, 2)
     v = conv.opsadv_report.validation or {}
@@ -179,7 +183,13 @@ def _bert(quick: bool, dev: str) -> BenchCase:
         am = (torch.arange(s)[None, :] < lens[:, None]).long().to(dev)
         extra["padding_fraction"] = round(1 - am.float().mean().item(), 3)
         ids = torch.randint(0, BERT["vocab_size"], (b, s), device=dev)
-        conv = _convert(base, extra, None if quick else {"device": dev, "batch_size": b, "seq_len": s})
+        # inference serving options: CUDA graphs (one replay per forward; padded batches packed to their
+        # real tokens, graphs keyed by the real-token bucket); tuning first, then graphs capture the tuned path
+        graphed = dev == "cuda"
+        conv = _convert(base, extra, None if quick else {"device": dev, "batch_size": b, "seq_len": s},
+                        **({"cuda_graphs": True} if graphed and quick else {}))
+        if graphed and not quick:
+            conv = _convert(base, extra, None, cuda_graphs=True)
         st.update(base=base, conv=conv, ids=ids, am=am, compiled=torch.compile(base))
         _live["bert"] = st
         n = BERT["num_hidden_layers"]

@@ -12,7 +12,7 @@ from opsadv.core.errors import InvalidArgumentError
 from opsadv.core.policy import Policy, use_backend
 from opsadv.core.precision import PrecisionPolicy
 
-from . import hf_attention, passes, validate as _val
+from . import hf_attention, packing, passes, validate as _val
 from .report import ConversionReport
 from .state import RuntimeState
 
@@ -115,7 +115,8 @@ def _restore_modes(modes) -> None:
 
 def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, opt_level: int = 2,
                   tile_size: int | None = None, use_fp16: bool | None = None, max_streams: int | None = None,
-                  mem_opt: int | None = None, validate=True, example_inputs=None) -> nn.Module:
+                  mem_opt: int | None = None, validate=True, example_inputs=None, pack_padding: bool | None = None,
+                  cuda_graphs: bool = False, max_graphs: int = 8) -> nn.Module:
     """Rewrite `model` in place to run opsadv ops and return it (same object, same class).
 
     opt_level 0: nothing; 1: attention and norms; 2: + fused QKV GEMM, dense+residual+norm, MLP GEMM
@@ -124,8 +125,15 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
     transformers models); beyond the limits (see opsadv.convert.validate) the conversion is undone
     and ValidationError raised with the numbers, unless validate="warn" (kept, flagged in the
     report) or False.  `precision` ("fp16"/"bf16"/"fp32") casts the model first; the seed
-    parameters tile_size/max_streams/mem_opt are validated and handed to the kernels as options."""
+    parameters tile_size/max_streams/mem_opt are validated and handed to the kernels as options.
+
+    pack_padding (None = on at opt_level >= 2): BERT-style encoders run padded batches on their real
+    tokens only (opsadv.convert.packing; outputs at padded positions are 0).
+    cuda_graphs: the forward replays CUDA graphs, one per input signature (at most `max_graphs`,
+    least recently used dropped; see opsadv.runtime.graphs).  Inference only: a call with gradients
+    enabled or a module in training mode raises InvalidArgumentError.  Outputs are fresh tensors."""
     check_seed_args(opt_level, tile_size, max_streams, mem_opt, use_fp16, validate)
+    check_graph_args(model, pack_padding, cuda_graphs, max_graphs)
     if not isinstance(model, nn.Module):
         raise InvalidArgumentError("convert_model", "model", "a torch.nn.Module", type(model).__name__)
     t0 = time.perf_counter()
@@ -164,10 +172,13 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
             passes.residual_norm_pass(model, report, undo, state)
             passes.mlp_pass(model, report, undo, state)
             passes.qkv_pass(model, report, undo, state)
+        if is_hf and opt_level >= 1 and (pack_padding or (pack_padding is None and opt_level >= 2)):
+            packing.packing_pass(model, report, undo)
         passes.memory_pass(model, report, mem_opt)
         if opt_level >= 1 and not is_hf:
             from . import fx_rewrite
             root = fx_rewrite.fx_pass(model, report, undo, state, opt_level)
+        runner = _install_graphs(root, report, undo, max_graphs) if cuda_graphs else None
     except Exception:
         undo.revert()
         raise
@@ -196,4 +207,32 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
     root._opsadv_example_inputs = inputs
     root.opsadv_report = report
     root.tune_for_hardware = _Tuner(root)
+    if runner is not None:
+        root.opsadv_graphs = runner
     return root
+
+
+def check_graph_args(model, pack_padding, cuda_graphs, max_graphs) -> None:
+    if pack_padding is not None and not isinstance(pack_padding, bool):
+        raise InvalidArgumentError("convert_model", "pack_padding", "a bool or None", repr(pack_padding))
+    if not isinstance(cuda_graphs, bool):
+        raise InvalidArgumentError("convert_model", "cuda_graphs", "a bool", repr(cuda_graphs))
+    _check_int("max_graphs", max_graphs, 1, 64, allow_none=False)
+    if cuda_graphs and isinstance(model, nn.Module):
+        dev = next((p.device for p in model.parameters()), None)
+        if dev is None or dev.type != "cuda":
+            raise InvalidArgumentError("convert_model", "cuda_graphs", "a model on a CUDA device (CUDA graphs)",
+                                       f"a model on {dev}")
+
+
+def _install_graphs(root, report, undo, max_graphs):
+    from opsadv.runtime import graphs
+    hint = packing.graph_hint(root) if any(c.kind == "packed" for c in report.changes) else None
+    runner = graphs.install(root, max_graphs=max_graphs, hint=hint)
+    undo.instance_attrs.append((root, "forward"))
+    report.add("graphs", "", f"{type(root).__name__}.forward replays CUDA graphs (one per input signature, "
+               f"<= {max_graphs} kept; outputs are fresh tensors)" +
+               ("; padded batches keyed by their real-token bucket (one host read of the mask per call)"
+                if hint is not None else ""),
+               "inference only: gradients enabled or training mode raise")
+    return runner

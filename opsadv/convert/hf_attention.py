@@ -12,9 +12,10 @@ import warnings
 import torch
 
 from opsadv import ops
-from opsadv.core.layout import SparseLayout
+from opsadv.core.layout import SparseLayout, capturing
 
 from .modules import _exporting
+from .packing import pack_of
 from .state import scope_of
 
 NAME = "opsadv"
@@ -38,15 +39,28 @@ def _varlen_layout(mask: torch.Tensor, kpm: torch.Tensor, s_q: int):
     None while tracing for export/compile (the layout is built from the mask's values); the dense
     kernel with the same key padding mask serves then."""
     global _last
-    make = getattr(SparseLayout, "from_padding_mask", None)
-    if make is None or s_q != kpm.shape[1] or _exporting():
+    if s_q != kpm.shape[1] or _exporting():
         return None
     m, lay = _last
     if m is mask:
         return lay
-    lay = make(kpm)
+    if capturing(kpm):
+        # CUDA graph capture: no host read of the mask; the kernel's tile lists are computed on the
+        # device from it (recomputed on every replay), see layout._build_tile_index
+        lay = SparseLayout(s_q, s_q, BLOCK, _dense_block_mask(s_q, kpm.device), key_padding_mask=kpm.contiguous())
+    else:
+        lay = SparseLayout.from_padding_mask(kpm, block_size=BLOCK)
     _last = (mask, lay)
     return lay
+
+
+BLOCK = 128
+
+
+def _dense_block_mask(s: int, device) -> torch.Tensor:
+    # the same cached all-True block mask eager key-padding layouts use (the runner's eager warm-up
+    # creates it outside capture)
+    return SparseLayout.dense(s, block_size=BLOCK, device=device).block_mask
 
 
 def opsadv_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
@@ -81,6 +95,10 @@ def opsadv_attention_forward(module, query, key, value, attention_mask, dropout:
     if mask is not None and mask.dtype != torch.bool and mask.dtype != query.dtype:
         mask = mask.to(query.dtype)
     with scope_of(module):
+        pack = pack_of(attention_mask)
+        if pack is not None:                      # packed encoder rows (see packing.py): (1, h, N, d)
+            out = ops.sparse_attention(query, key, value, pack.layout, scale=scaling)
+            return out.transpose(1, 2).contiguous(), None
         kpm = key_padding_of(mask)
         layout = _varlen_layout(mask, kpm, s_q) if kpm is not None else None
         if layout is not None:

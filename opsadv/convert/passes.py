@@ -23,6 +23,7 @@ class Undo:
         self.swaps: list[tuple[nn.Module, str, nn.Module]] = []
         self.fused: list[FusedRows] = []
         self.attn: list[tuple[nn.Module, str]] = []     # (model, attention implementation before)
+        self.instance_attrs: list[tuple[object, str]] = []   # attributes set on an instance (e.g. forward)
 
     def swap(self, parent: nn.Module, name: str, new: nn.Module) -> None:
         self.swaps.append((parent, name, getattr(parent, name)))
@@ -31,6 +32,8 @@ class Undo:
     def revert(self) -> None:
         for parent, name, old in reversed(self.swaps):
             setattr(parent, name, old)
+        for obj, name in reversed(self.instance_attrs):
+            obj.__dict__.pop(name, None)          # the class attribute shows through again
         with torch.no_grad():
             for f in self.fused:                  # parameters stop being views of the fused buffer
                 for p in f.params:
@@ -41,6 +44,7 @@ class Undo:
         self.swaps.clear()
         self.fused.clear()
         self.attn.clear()
+        self.instance_attrs.clear()
 
 
 def _tol(dtype: torch.dtype) -> float:

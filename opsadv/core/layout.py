@@ -47,6 +47,12 @@ def _nblocks(n: int, bs: int) -> int:
     return -(-n // bs)
 
 
+def capturing(t: Tensor | None) -> bool:
+    """True while the current CUDA stream is being captured into a graph (t on CUDA): host reads of
+    device values are not allowed then."""
+    return t is not None and t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def _check_int(name: str, v, lo: int = 0) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < lo:
         raise InvalidArgumentError(OP, name, f"an int >= {lo}", repr(v))
@@ -97,8 +103,10 @@ class SparseLayout:
             cu = self.cu_seqlens
             if self.seq_q != self.seq_k:
                 raise InvalidArgumentError(OP, "layout.cu_seqlens", "a packed batch with s_q == s_k", (self.seq_q, self.seq_k))
+            # values are checked on the host, except while a CUDA graph is captured (no sync allowed there)
             if not isinstance(cu, Tensor) or cu.dim() != 1 or cu.dtype not in (torch.int32, torch.int64) \
-                    or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != self.seq_q or bool((cu[1:] < cu[:-1]).any()):
+                    or cu.numel() < 2 or (not capturing(cu) and (int(cu[0]) != 0 or int(cu[-1]) != self.seq_q
+                                                                 or bool((cu[1:] < cu[:-1]).any()))):
                 raise InvalidArgumentError(OP, "layout.cu_seqlens",
                                            f"int cumulative lengths from 0 to {self.seq_q}, non-decreasing",
                                            cu.tolist() if isinstance(cu, Tensor) else repr(cu))
@@ -509,7 +517,7 @@ class TileIndex(NamedTuple):
     bm_mode: int
     bm8: Tensor         # the block mask as int8 (kernels cannot load torch.bool)
     kpm8: Tensor | None
-    tiles: int          # visited tiles (all b, h of the index)
+    tiles: int          # visited tiles (all b, h of the index); -1 when built during CUDA graph capture
     total_tiles: int    # Bb * Hb * n_row_tiles * n_col_tiles
 
 
@@ -526,13 +534,14 @@ def _pool(x: Tensor, dim: int, n_tiles: int, tile: int, pad, op) -> Tensor:
     return op(x).movedim(-1, dim)
 
 
-def _lists(any_: Tensor, full: Tensor) -> tuple[Tensor, Tensor]:
-    """(counts, padded column ids with partial tiles first) from (..., n_rows, n_cols) bool tiles."""
+def _lists(any_: Tensor, full: Tensor, static: bool = False) -> tuple[Tensor, Tensor]:
+    """(counts, padded column ids with partial tiles first) from (..., n_rows, n_cols) bool tiles.
+    static: the lists are as wide as the tile grid (no host read of the widest row)."""
     partial = any_ & ~full
     key = torch.where(partial, 0, torch.where(full, 1, 2)).to(torch.int8)   # partial < full < empty
     order = torch.sort(key, dim=-1, stable=True).indices
     n_part, n_all = partial.sum(-1), any_.sum(-1)
-    width = max(1, int(n_all.max()))
+    width = max(1, any_.shape[-1] if static else int(n_all.max()))
     return (torch.stack([n_part, n_all], -1).to(torch.int32).contiguous(),
             order[..., :width].to(torch.int32).contiguous())
 
@@ -557,7 +566,11 @@ def tile_index(block_mask: Tensor, kpm: Tensor | None, cu: Tensor | None, bs: in
 
 
 def _build_tile_index(bm, kpm, cu, bs, causal, wl, wr, ng, sq, sk, M, N) -> TileIndex:
+    """Built from the layout's device tensors.  While a CUDA graph is captured it reads nothing back
+    to the host (lists as wide as the grid, block-mask mode from an earlier eager build or 2 =
+    gather, tiles = -1): replays then recompute it from the current mask / cu_seqlens values."""
     dev = bm.device
+    static = capturing(bm)
     nqt, nkt = _nblocks(sq, M), _nblocks(sk, N)
     off = sk - sq
     qlo = torch.arange(nqt, device=dev) * M
@@ -574,7 +587,7 @@ def _build_tile_index(bm, kpm, cu, bs, causal, wl, wr, ng, sq, sk, M, N) -> Tile
     fine = fine[:, :, :_nblocks(sq, gq), :_nblocks(sk, gk)]
     b_any = _pool(_pool(fine, 2, nqt, M // gq, False, lambda x: x.any(-1)), 3, nkt, N // gk, False, lambda x: x.any(-1))
     b_full = _pool(_pool(fine, 2, nqt, M // gq, True, lambda x: x.all(-1)), 3, nkt, N // gk, True, lambda x: x.all(-1))
-    bm_mode = 2 if bool(bm.any()) and not bool(bm.all()) else int(bool(bm.all()))
+    bm_mode = _bm_mode(bm, static)
     # window band (clipped by causal: the band's part above the diagonal is masked anyway)
     if wl >= 0:
         r = min(wr, 0) if causal else wr
@@ -618,7 +631,25 @@ def _build_tile_index(bm, kpm, cu, bs, causal, wl, wr, ng, sq, sk, M, N) -> Tile
     Bb = max(any_.shape[0], full.shape[0])
     any_ = any_.expand(Bb, *any_.shape[1:]).contiguous()
     full = full.expand(Bb, *any_.shape[1:]).contiguous()
-    rows, cols = _lists(any_, full)
-    t_rows, t_cols = _lists(any_.transpose(-1, -2), full.transpose(-1, -2))
+    rows, cols = _lists(any_, full, static)
+    t_rows, t_cols = _lists(any_.transpose(-1, -2), full.transpose(-1, -2), static)
     return TileIndex(rows, cols, t_rows, t_cols, seg, pos, bm_mode, bm.to(torch.int8).contiguous(),
-                     None if kpm is None else kpm.to(torch.int8).contiguous(), int(any_.sum()), any_.numel())
+                     None if kpm is None else kpm.to(torch.int8).contiguous(), -1 if static else int(any_.sum()),
+                     any_.numel())
+
+
+_bm_modes: dict[int, tuple] = {}      # id(block mask) -> (weakref, version, mode): read once on the host
+
+
+def _bm_mode(bm: Tensor, static: bool) -> int:
+    """0 block mask all False, 1 all True, 2 mixed; 2 (always correct) when it cannot be read now."""
+    hit = _bm_modes.get(id(bm))
+    if hit is not None and hit[0]() is bm and hit[1] == bm._version:
+        return hit[2]
+    if static:
+        return 2
+    mode = 2 if bool(bm.any()) and not bool(bm.all()) else int(bool(bm.all()))
+    if hit is None:
+        weakref.finalize(bm, _bm_modes.pop, id(bm), None)
+    _bm_modes[id(bm)] = (weakref.ref(bm), bm._version, mode)
+    return mode

@@ -1,0 +1,201 @@
+"""CUDA-graph replay of a (converted) model's forward for inference.
+
+A converted model spends most of an eager forward on the host (Python, dispatch, launches); a
+captured graph replays all of its kernels with one launch.  `CudaGraphRunner(fn)` keeps one graph
+per input signature: the pytree structure of (args, kwargs), each tensor's shape, strides, dtype
+and device, every non-tensor value, the dispatch policy in force, and an optional `hint` key
+(e.g. the bucket of real tokens of a padded batch, see opsadv.convert.packing).  A new signature
+is warmed up eagerly on a side stream (Triton compiles, tuners decide, caches fill), then
+captured; later calls copy their tensors into the graph's static inputs and replay.  At most
+`max_graphs` graphs are kept (least recently used evicted; each has its own memory pool).
+
+Outputs are fresh tensors (cloned from the graph's static outputs) unless `clone_outputs=False`:
+then they are the graph's own buffers, overwritten by the next replay of that graph (as
+torch.compile's "reduce-overhead" mode documents).
+
+Refused, with the reason (InvalidArgumentError), never silently run another way: gradients
+enabled (replay is inference only; use torch.no_grad() or torch.inference_mode()), a module in
+training mode, tensors on another device, non-tensor arguments that are not hashable constants.
+Whatever the forward does must be capturable: no host reads of device values (the converted
+attention and packing take device-only paths while a stream is captured)."""
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.utils import _pytree as pytree
+
+from opsadv.core.errors import InvalidArgumentError
+
+OP = "cuda_graphs"
+_CONST = (type(None), bool, int, float, str, torch.dtype, torch.device)
+
+
+def signature(leaves: list) -> tuple:
+    """Hashable description of flattened call arguments (what a graph is specialized on)."""
+    sig = []
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            sig.append(("T", tuple(x.shape), x.stride(), x.dtype, x.device, x.requires_grad))
+        elif isinstance(x, _CONST):
+            sig.append(("V", type(x), x))
+        else:
+            raise InvalidArgumentError(OP, "inputs", "tensors and constants (None, bool, int, float, str, dtype, "
+                                       "device) only: a graph is specialized on every non-tensor value",
+                                       type(x).__name__)
+    return tuple(sig)
+
+
+@dataclass
+class _Graph:
+    graph: Any                     # torch.cuda.CUDAGraph
+    inputs: list                   # static tensors, in the order of the tensor leaves
+    out_leaves: list
+    out_spec: Any
+    replays: int = 0
+
+
+@dataclass
+class GraphStats:
+    captures: int = 0
+    replays: int = 0
+    evictions: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.captures} captured, {self.replays} replays, {self.evictions} evicted"
+
+
+class CudaGraphRunner:
+    """Callable replacing `fn` (same arguments).  `module`: checked for training mode on each call.
+    `hint(args, kwargs) -> (key, context manager | None)`: an extra key part and a context the
+    warm-up and capture run under (for values the forward must know statically)."""
+
+    def __init__(self, fn: Callable, *, device: torch.device, module: torch.nn.Module | None = None,
+                 max_graphs: int = 8, warmup: int = 2, clone_outputs: bool = True,
+                 hint: Callable | None = None, name: str = "forward"):
+        if not isinstance(max_graphs, int) or isinstance(max_graphs, bool) or max_graphs < 1:
+            raise InvalidArgumentError(OP, "max_graphs", "an int >= 1", repr(max_graphs))
+        if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 1:
+            raise InvalidArgumentError(OP, "warmup", "an int >= 1 (Triton compiles and tuners must run before capture)",
+                                       repr(warmup))
+        device = torch.device(device)
+        if device.type != "cuda":
+            raise InvalidArgumentError(OP, "device", "a CUDA device (graphs are a CUDA feature)", str(device))
+        self.fn, self.module, self.device, self.name = fn, module, device, name
+        self.max_graphs, self.warmup, self.clone_outputs, self.hint = max_graphs, warmup, clone_outputs, hint
+        self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
+        self.stats = GraphStats()
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"CudaGraphRunner({self.name}, {len(self.graphs)}/{self.max_graphs} graphs, {self.stats})"
+
+    # ---- checks -------------------------------------------------------------------------------
+    def check_mode(self) -> None:
+        if torch.is_grad_enabled():
+            raise InvalidArgumentError(OP, "grad mode", "torch.no_grad() or torch.inference_mode(): CUDA graphs "
+                                       "replay inference only (convert without cuda_graphs to train)",
+                                       "gradients enabled")
+        if self.module is not None and any(m.training for m in self.module.modules()):
+            raise InvalidArgumentError(OP, "model", "eval mode (model.eval()): CUDA graphs replay inference only",
+                                       "a module in training mode")
+
+    def _check_devices(self, tensors: list) -> None:
+        for t in tensors:
+            if t.device != self.device:
+                raise InvalidArgumentError(OP, "inputs", f"tensors on {self.device} (the graphs' device)", str(t.device))
+
+    # ---- call ---------------------------------------------------------------------------------
+    def key(self, args: tuple, kwargs: dict) -> tuple[tuple, Any, list, Any]:
+        from opsadv.core.policy import current_policy
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        extra, ctx = self.hint(args, kwargs) if self.hint is not None else (None, None)
+        return (str(spec), signature(leaves), extra, current_policy().serial), ctx, leaves, spec
+
+    def __call__(self, *args, **kwargs):
+        self.check_mode()
+        key, ctx, leaves, spec = self.key(args, kwargs)
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        self._check_devices(tensors)
+        with self._lock:
+            g = self.graphs.get(key)
+            if g is None:
+                g = self._capture(key, leaves, spec, ctx)
+            else:
+                self.graphs.move_to_end(key)
+            for static, x in zip(g.inputs, tensors):
+                if static.data_ptr() != x.data_ptr():
+                    static.copy_(x)
+            g.graph.replay()
+            g.replays += 1
+            self.stats.replays += 1
+            outs = [t.clone() if self.clone_outputs and isinstance(t, torch.Tensor) else t for t in g.out_leaves]
+        return pytree.tree_unflatten(outs, g.out_spec)
+
+    def _capture(self, key, leaves, spec, ctx) -> _Graph:
+        static = [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in leaves]
+        args, kwargs = pytree.tree_unflatten(static, spec)
+        ctx = ctx if ctx is not None else contextlib.nullcontext()
+        cur = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(cur)
+        with ctx:
+            with torch.cuda.stream(side):
+                for _ in range(self.warmup):
+                    self.fn(*args, **kwargs)
+            cur.wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph):
+                    out = self.fn(*args, **kwargs)
+            except Exception as e:
+                raise InvalidArgumentError(OP, self.name, "a forward that CUDA graphs can capture (no host reads of "
+                                           "device values, no CPU tensors, no synchronization)",
+                                           f"{type(e).__name__}: {e}") from e
+        out_leaves, out_spec = pytree.tree_flatten(out)
+        g = _Graph(graph, [x for x in static if isinstance(x, torch.Tensor)], out_leaves, out_spec)
+        self.graphs[key] = g
+        self.stats.captures += 1
+        while len(self.graphs) > self.max_graphs:
+            self.graphs.popitem(last=False)
+            self.stats.evictions += 1
+        return g
+
+    def reset(self) -> None:
+        """Drop every graph (and its memory pool)."""
+        with self._lock:
+            self.graphs.clear()
+
+
+class GraphedForward:
+    """Installed as a module instance's `forward`: `module(...)` runs hooks as usual and replays
+    through the runner.  `del module.forward` (or Undo.revert) restores the eager forward."""
+
+    def __init__(self, runner: CudaGraphRunner):
+        self.runner = runner
+
+    def __call__(self, *args, **kwargs):
+        return self.runner(*args, **kwargs)
+
+    def __reduce__(self):          # deepcopy / pickle of the model: graphs are per process, not copied
+        raise TypeError("a model with CUDA graphs cannot be copied or pickled; convert a copy of the original")
+
+
+def install(module: torch.nn.Module, *, max_graphs: int = 8, clone_outputs: bool = True,
+            hint: Callable | None = None) -> CudaGraphRunner:
+    """Replace `module.forward` (on the instance) with a CUDA-graph runner over the eager forward."""
+    dev = next((p.device for p in module.parameters()), None)
+    if dev is None or dev.type != "cuda":
+        raise InvalidArgumentError(OP, "model", "a model on a CUDA device", str(dev))
+    eager = module.forward
+    runner = CudaGraphRunner(eager, device=dev, module=module, max_graphs=max_graphs, clone_outputs=clone_outputs,
+                             hint=hint, name=f"{type(module).__name__}.forward")
+    module.forward = GraphedForward(runner)
+    return runner
+
+
+__all__ = ["CudaGraphRunner", "GraphedForward", "GraphStats", "install", "signature"]
