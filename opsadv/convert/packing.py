@@ -99,8 +99,10 @@ class PackedEncoderForward:
 
     def __call__(self, hidden_states, attention_mask=None, *args, **kwargs):
         from .hf_attention import key_padding_of
+        from .modules import _exporting
         kpm = key_padding_of(attention_mask)
-        if (kpm is None or args or kwargs.get("encoder_hidden_states") is not None
+        # export / compile tracing: the row count depends on mask values, so the padded layers serve
+        if (kpm is None or _exporting() or args or kwargs.get("encoder_hidden_states") is not None
                 or kwargs.get("output_hidden_states") or kwargs.get("output_attentions")
                 or kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None
                 or (torch.is_grad_enabled() and hidden_states.requires_grad) or hidden_states.dim() != 3
