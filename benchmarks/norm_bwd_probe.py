@@ -19,6 +19,7 @@ import types
 ap = argparse.ArgumentParser()
 ap.add_argument("--tiny", action="store_true")
 ap.add_argument("--budget", type=float, default=100.0, help="seconds; later cases are skipped after it")
+ap.add_argument("--host", action="store_true", help="only the host-overhead diagnostic of the public ops' fwd+bwd")
 ARGS = ap.parse_args()
 if ARGS.tiny:
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -175,6 +176,51 @@ def fwd_1024():
               f"{o[best]['ms']:.4f} err {o[best]['err']:.1e}", flush=True)
 
 
+def host_overhead():
+    """Is fwd+bwd through the public op host-bound?  Host ms per call (no sync) against do_bench's
+    per-call GPU-event ms, and the GPU kernels of one call (torch.profiler)."""
+    import opsadv
+    for op, (t, h), res in (("layer_norm", SHAPES[0], False), ("rms_norm", SHAPES[1], True)):
+        dt = torch.bfloat16
+        x, r = (torch.randn(t, h, device=DEV, dtype=dt).requires_grad_() for _ in range(2))
+        w = (1 + 0.1 * torch.randn(h, device=DEV, dtype=dt)).requires_grad_()
+        b = (0.1 * torch.randn(h, device=DEV, dtype=dt)).requires_grad_() if op == "layer_norm" else None
+        gy, gs = torch.randn(t, h, device=DEV, dtype=dt), torch.randn(t, h, device=DEV, dtype=dt)
+
+        def step():
+            if op == "layer_norm":
+                y = opsadv.ops.layer_norm(x, w, b, 1e-5, residual=r if res else None)
+            else:
+                y = opsadv.ops.rms_norm(x, w, 1e-6, residual=r if res else None)
+            outs, grads = ((y[0], y[1]), (gy, gs)) if res else ((y,), (gy,))
+            return torch.autograd.grad(outs, [v for v in (x, r if res else None, w, b) if v is not None], grads)
+
+        sync = torch.cuda.synchronize if DEV == "cuda" else (lambda: None)
+        acts = [torch.profiler.ProfilerActivity.CUDA if DEV == "cuda" else torch.profiler.ProfilerActivity.CPU]
+        with opsadv.use_backend("cuda"):
+            for _ in range(5):
+                step()
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(50):
+                step()
+            host = (time.perf_counter() - t0) / 50 * 1e3
+            sync()
+            ms = bench(step)
+            with torch.profiler.profile(activities=acts) as prof:
+                step()
+                sync()
+        kern = {e.key[:60]: round(e.device_time_total / 1e3 / e.count, 4) for e in prof.key_averages()
+                if e.device_time_total > 0}
+        name = f"{op} t{t} h{h}" + (" residual" if res else "")
+        RES.setdefault("host", {})[name] = {"host_ms_per_call": host, "do_bench_ms": ms, "kernels_ms": kern}
+        save()
+        print(f"host {name}: host {host:.3f} ms/call, do_bench {ms:.3f} ms, kernels {kern}", flush=True)
+
+
+if ARGS.host:
+    host_overhead()
+    raise SystemExit(0)
 for t, h in SHAPES:
     for op, res in KINDS:
         if time.time() - T0 > ARGS.budget:

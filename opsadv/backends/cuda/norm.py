@@ -37,13 +37,16 @@ def fwd_config(n: int) -> tuple[int, int, int]:
 
 @functools.lru_cache(maxsize=None)
 def bwd_config(n: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, ROWS, num_warps, programs per SM) of the persistent backward.  A tile of ~16
-    elements per thread: the backward keeps x, dy, the prefetched next tile and the fp32 dweight
-    (dbias) accumulators live, so programs per SM is what the register file holds (64K registers)."""
+    """(BLOCK_N, ROWS, num_warps, programs per SM) of the persistent backward, from an H200 sweep
+    (benchmarks/norm_bwd_probe.py): tiles of 4K-8K elements, 16-32 per thread, one or two programs
+    per SM (x, dy, the prefetched next tile and the fp32 dweight/dbias accumulators fill the
+    registers; more resident programs spilled or lost to the larger tiles)."""
     block = _next_pow2(n)
-    rows = max(1, min(1024 // block, 32))
-    warps = min(max(rows * block // 512, 4), 16)
-    return block, rows, warps, max(1, 16 // warps)         # ~128 registers per thread
+    if block <= 1024:
+        return block, min(4096 // block, 32), 4, 2
+    if block <= 4096:
+        return block, 8192 // block, 8, 1
+    return block, 1, 16, 1
 
 
 def _check(spec, env) -> list[str]:

@@ -83,13 +83,17 @@ def _(x, weight, bias, eps, residual):
     return x.new_empty(x.shape), (x.new_empty(x.shape) if residual is not None else x.new_empty((0,))), st, st.clone()
 
 
-@torch.library.custom_op("opsadv::layer_norm_backward", mutates_args=())
-def _layer_norm_backward(dy: Tensor, dsum: Tensor, xin: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
-                         mean: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _layer_norm_backward_route(dy, dsum, xin, weight, bias, mean, rstd):
     has_res = dsum.numel() > 0
     return dispatch.call(_key("layer_norm", xin, weight, bias, has_res or None, True),
                          lambda: _spec("layer_norm", xin, weight, bias, has_res or None, True),
                          (dy, dsum, xin, weight, bias, mean, rstd))
+
+
+@torch.library.custom_op("opsadv::layer_norm_backward", mutates_args=())
+def _layer_norm_backward(dy: Tensor, dsum: Tensor, xin: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
+                         mean: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return _layer_norm_backward_route(dy, dsum, xin, weight, bias, mean, rstd)
 
 
 @_layer_norm_backward.register_fake
@@ -112,7 +116,10 @@ def _ln_bwd(ctx, dy, dsum, dmean, drstd):
     dsum = dsum if ctx.has_residual else xin.new_empty((0,))
     if dy is None:
         dy = torch.zeros_like(xin)
-    dx, dw, db = torch.ops.opsadv.layer_norm_backward(dy, dsum, xin, weight, bias, mean, rstd)
+    # eager backward (no tracing, no double backward): the router directly, as the forward does,
+    # skipping torch.library's dispatcher on the host's critical path between the two kernels
+    bwd = _layer_norm_backward_route if eager_mode(dy, xin, weight, bias) == DIRECT else torch.ops.opsadv.layer_norm_backward
+    dx, dw, db = bwd(dy, dsum, xin, weight, bias, mean, rstd)
     return (dx, dw if weight is not None else None, db if bias is not None else None, None,
             dx if ctx.has_residual else None)
 
@@ -141,13 +148,17 @@ def _(x, weight, eps, residual, offset):
             x.new_empty(x.shape[:-1], dtype=stat_dtype(x.dtype)))
 
 
-@torch.library.custom_op("opsadv::rms_norm_backward", mutates_args=())
-def _rms_norm_backward(dy: Tensor, dsum: Tensor, xin: Tensor, weight: Optional[Tensor], rstd: Tensor,
-                       offset: float) -> tuple[Tensor, Tensor]:
+def _rms_norm_backward_route(dy, dsum, xin, weight, rstd, offset):
     has_res = dsum.numel() > 0
     return dispatch.call(_key("rms_norm", xin, weight, None, has_res or None, True) + (offset != 0.0,),
                          lambda: _spec("rms_norm", xin, weight, None, has_res or None, True, offset),
                          (dy, dsum, xin, weight, rstd, offset))
+
+
+@torch.library.custom_op("opsadv::rms_norm_backward", mutates_args=())
+def _rms_norm_backward(dy: Tensor, dsum: Tensor, xin: Tensor, weight: Optional[Tensor], rstd: Tensor,
+                       offset: float) -> tuple[Tensor, Tensor]:
+    return _rms_norm_backward_route(dy, dsum, xin, weight, rstd, offset)
 
 
 @_rms_norm_backward.register_fake
@@ -169,7 +180,8 @@ def _rms_bwd(ctx, dy, dsum, drstd):
     dsum = dsum if ctx.has_residual else xin.new_empty((0,))
     if dy is None:
         dy = torch.zeros_like(xin)
-    dx, dw = torch.ops.opsadv.rms_norm_backward(dy, dsum, xin, weight, rstd, ctx.offset)
+    bwd = _rms_norm_backward_route if eager_mode(dy, xin, weight) == DIRECT else torch.ops.opsadv.rms_norm_backward
+    dx, dw = bwd(dy, dsum, xin, weight, rstd, ctx.offset)
     return dx, (dw if weight is not None else None), None, (dx if ctx.has_residual else None), None
 
 
