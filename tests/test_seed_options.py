@@ -37,7 +37,7 @@ def test_profile_with_tile_cap_caps_every_list():
     for passes in p.tiles["flash_attention"].values():
         for lst in passes.values():
             assert lst and all(c["BLOCK_M"] <= 64 and c["BLOCK_N"] <= 64 for c in lst)
-    assert H100.tiles["flash_attention"]["fwd"][128][1]["BLOCK_M"] == 128          # the original is untouched
+    assert max(c["BLOCK_M"] for c in H100.tiles["flash_attention"]["fwd"][128]) == 128   # the original is untouched
 
 
 @pytest.mark.parametrize("bad", [16, 48, 512, "64", True])
