@@ -147,3 +147,11 @@ def new_output(shape, dtype, device) -> torch.Tensor:
     if poison_enabled():
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+def new_output_like(like: torch.Tensor, dtype=None) -> torch.Tensor:
+    """A buffer laid out as the attention ops' contract says for an input `like`
+    (core.ops._common.layout_like_strides), NaN-filled under OPSADV_POISON_OUTPUTS=1."""
+    from opsadv.core.ops._common import empty_laid_out_like
+    out = empty_laid_out_like(like, dtype)
+    return out.fill_(float("nan")) if poison_enabled() else out

@@ -8,7 +8,11 @@ j <= i + s_k - s_q, as when decoding with a KV cache).  `attn_mask` is a bool ma
 
 Impl contract:  fn(ctx, q, k, v, attn_mask, causal, scale: float) -> (out, lse)
                 backward(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale) -> (dq, dk, dv)
-lse is (b, h_q, s_q), float32 (float64 for float64 inputs), natural log."""
+lse is (b, h_q, s_q), float32 (float64 for float64 inputs), natural log.
+Layout: out (dq, dk, dv) keep q's (k's, v's) strides when q is non-overlapping and dense (a
+transposed (b, s, h, d) view stays one, so the caller's transpose back is free), else are contiguous
+(`layout_like_strides`); an impl returning another layout is copied once (`match_layout`), impls
+that allocate with `empty_laid_out_like` avoid the copy.  The fake kernels promise the same."""
 from __future__ import annotations
 
 import math
@@ -20,7 +24,8 @@ from torch import Tensor
 from .. import dispatch
 from ..errors import InvalidArgumentError
 from ..kernel import CallSpec
-from ._common import AUTOGRAD_FN, DIRECT, autograd_function, carry_policy, check_same, check_scale, check_tensor, dt, eager_mode, len_bucket
+from ._common import (AUTOGRAD_FN, DIRECT, autograd_function, carry_policy, check_same, check_scale, check_tensor,
+                      EXACT_STRIDES, contiguous_lse, empty_laid_out_like, dt, eager_mode, len_bucket, match_layout)
 
 OP = "flash_attention"
 
@@ -94,11 +99,12 @@ def _spec(q, k, attn_mask, causal, backward: bool) -> CallSpec:
 
 def _route(q, k, v, attn_mask, causal, scale):
     s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return dispatch.call(_key(q, k, attn_mask, causal, False), lambda: _spec(q, k, attn_mask, causal, False),
-                         (q, k, v, attn_mask, causal, s))
+    out, lse = dispatch.call(_key(q, k, attn_mask, causal, False), lambda: _spec(q, k, attn_mask, causal, False),
+                             (q, k, v, attn_mask, causal, s))
+    return match_layout(out, q), contiguous_lse(lse)
 
 
-@torch.library.custom_op("opsadv::flash_attention", mutates_args=())
+@torch.library.custom_op("opsadv::flash_attention", mutates_args=(), tags=EXACT_STRIDES)
 def _flash_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], causal: bool,
                      scale: Optional[float]) -> tuple[Tensor, Tensor]:
     return _route(q, k, v, attn_mask, causal, scale)
@@ -106,21 +112,22 @@ def _flash_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor
 
 @_flash_attention.register_fake
 def _(q, k, v, attn_mask, causal, scale):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=lse_dtype(q.dtype))
+    return empty_laid_out_like(q), q.new_empty(q.shape[:-1], dtype=lse_dtype(q.dtype))
 
 
-@torch.library.custom_op("opsadv::flash_attention_backward", mutates_args=())
+@torch.library.custom_op("opsadv::flash_attention_backward", mutates_args=(), tags=EXACT_STRIDES)
 def _flash_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                               attn_mask: Optional[Tensor], causal: bool,
                               scale: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
     s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return dispatch.call(_key(q, k, attn_mask, causal, True), lambda: _spec(q, k, attn_mask, causal, True),
-                         (dout, q, k, v, out, lse, attn_mask, causal, s))
+    dq, dk, dv = dispatch.call(_key(q, k, attn_mask, causal, True), lambda: _spec(q, k, attn_mask, causal, True),
+                               (dout, q, k, v, out, lse, attn_mask, causal, s))
+    return match_layout(dq, q), match_layout(dk, k), match_layout(dv, v)
 
 
 @_flash_attention_backward.register_fake
 def _(dout, q, k, v, out, lse, attn_mask, causal, scale):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return empty_laid_out_like(q), empty_laid_out_like(k), empty_laid_out_like(v)
 
 
 def _setup_context(ctx, inputs, output):

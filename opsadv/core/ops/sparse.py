@@ -4,7 +4,8 @@ Impl contract:  fn(ctx, q, k, v, block_mask, key_padding_mask, cu_seqlens, block
                    window_left, window_right, num_global, scale: float) -> (out, lse)
                 backward(ctx, dout, q, k, v, out, lse, block_mask, key_padding_mask, cu_seqlens,
                          block_size, causal, window_left, window_right, num_global, scale) -> (dq, dk, dv)
-window_left/right are -1 without a window."""
+window_left/right are -1 without a window.  Layout of out (dq, dk, dv): as for flash_attention
+(q's strides when q is dense, else contiguous)."""
 from __future__ import annotations
 
 import math
@@ -18,7 +19,7 @@ from ..errors import InvalidArgumentError
 from ..kernel import CallSpec
 from ..layout import SparseLayout
 from ._common import (AUTOGRAD_FN, DIRECT, autograd_function, carry_policy, check_same, check_scale, check_tensor,
-                      eager_mode, len_bucket)
+                      EXACT_STRIDES, contiguous_lse, empty_laid_out_like, eager_mode, len_bucket, match_layout)
 from .attention import lse_dtype
 
 OP = "sparse_attention"
@@ -73,14 +74,15 @@ def _spec(q, k, kpm, cu, bs, causal, wl, ng, backward) -> CallSpec:
 def _route(q, k, v, block_mask, key_padding_mask, cu_seqlens, block_size, causal, window_left, window_right,
            num_global, scale):
     s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return dispatch.call(
+    out, lse = dispatch.call(
         _key(q, k, key_padding_mask, cu_seqlens, block_size, causal, window_left, num_global, False),
         lambda: _spec(q, k, key_padding_mask, cu_seqlens, block_size, causal, window_left, num_global, False),
         (q, k, v, block_mask, key_padding_mask, cu_seqlens, block_size, causal, window_left, window_right,
          num_global, s))
+    return match_layout(out, q), contiguous_lse(lse)
 
 
-@torch.library.custom_op("opsadv::sparse_attention", mutates_args=())
+@torch.library.custom_op("opsadv::sparse_attention", mutates_args=(), tags=EXACT_STRIDES)
 def _sparse_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: Tensor, key_padding_mask: Optional[Tensor],
                       cu_seqlens: Optional[Tensor], block_size: int, causal: bool, window_left: int,
                       window_right: int, num_global: int, scale: Optional[float]) -> tuple[Tensor, Tensor]:
@@ -91,25 +93,26 @@ def _sparse_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: Tensor, key_p
 @_sparse_attention.register_fake
 def _(q, k, v, block_mask, key_padding_mask, cu_seqlens, block_size, causal, window_left, window_right,
       num_global, scale):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=lse_dtype(q.dtype))
+    return empty_laid_out_like(q), q.new_empty(q.shape[:-1], dtype=lse_dtype(q.dtype))
 
 
-@torch.library.custom_op("opsadv::sparse_attention_backward", mutates_args=())
+@torch.library.custom_op("opsadv::sparse_attention_backward", mutates_args=(), tags=EXACT_STRIDES)
 def _sparse_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                                block_mask: Tensor, key_padding_mask: Optional[Tensor], cu_seqlens: Optional[Tensor],
                                block_size: int, causal: bool, window_left: int, window_right: int,
                                num_global: int, scale: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
     s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return dispatch.call(
+    dq, dk, dv = dispatch.call(
         _key(q, k, key_padding_mask, cu_seqlens, block_size, causal, window_left, num_global, True),
         lambda: _spec(q, k, key_padding_mask, cu_seqlens, block_size, causal, window_left, num_global, True),
         (dout, q, k, v, out, lse, block_mask, key_padding_mask, cu_seqlens, block_size, causal, window_left,
          window_right, num_global, s))
+    return match_layout(dq, q), match_layout(dk, k), match_layout(dv, v)
 
 
 @_sparse_attention_backward.register_fake
 def _(dout, q, k, v, out, lse, *rest):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return empty_laid_out_like(q), empty_laid_out_like(k), empty_laid_out_like(v)
 
 
 def _setup(ctx, inputs, output):
