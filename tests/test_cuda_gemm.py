@@ -236,3 +236,22 @@ def test_gpu_gemm_impls(dtype, m):
     ref = _impl_ref("swiglu_gemm").fn(None, a.double(), w.double(), None)
     with opsadv.use_backend("cuda"):
         assert rel_err(opsadv.ops.swiglu_gemm(a, w), ref) < TOL[dtype]
+
+
+def test_hopper_ranks_cublas_epilogue_above_triton():
+    """On cc >= 9.0 the unfused cuBLAS epilogue path outranks the Triton GEMM (measured there);
+    elsewhere Triton's fused epilogue keeps its rank.  SwiGLU keeps Triton everywhere."""
+    import dataclasses
+    from opsadv.backends.cuda import gemm as G
+    from opsadv.core.env import current_env
+    base = current_env()
+    rank = {}
+    for cc in ((9, 0), (8, 0)):
+        env = dataclasses.replace(base, device_type="cuda", compute_capability=cc)
+        rank[cc] = {i.id: i.priority for i in G.impls(env)}
+    h, a = rank[(9, 0)], rank[(8, 0)]
+    if "cuda.triton.gemm_tma" in h:
+        assert h["cuda.cublas.gemm_epilogue"] > h["cuda.triton.gemm_tma"] > h["cuda.triton.gemm"]
+        assert h["cuda.triton.swiglu_gemm_tma"] > h["cuda.cublas.swiglu_gemm"]
+    if "cuda.triton.gemm" in a:
+        assert a["cuda.cublas.gemm_epilogue"] < a["cuda.triton.gemm"]
