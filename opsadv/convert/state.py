@@ -46,7 +46,7 @@ class RuntimeState:
             p = _policy.Policy(backend=amb.backend, strict=amb.strict, profile=amb.profile,
                                experimental=amb.experimental or ov.get("experimental", False),
                                deterministic=amb.deterministic, autotune=amb.autotune,
-                               precision=ov.get("precision", amb.precision),
+                               precision=ov.get("precision", amb.precision), impls=amb.impls,
                                options=tuple(sorted({**dict(amb.options), **ov.get("options", {})}.items())))
             self._derived[amb.serial] = p
         return p
