@@ -149,9 +149,10 @@ def new_output(shape, dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def new_output_like(like: torch.Tensor, dtype=None) -> torch.Tensor:
-    """A buffer laid out as the attention ops' contract says for an input `like`
-    (core.ops._common.layout_like_strides), NaN-filled under OPSADV_POISON_OUTPUTS=1."""
-    from opsadv.core.ops._common import empty_laid_out_like
-    out = empty_laid_out_like(like, dtype)
+def new_output_bshd(shape, dtype, device) -> torch.Tensor:
+    """A (b, h, s, d) output over contiguous (b, s, h, d) memory: the layout the attention ops promise
+    at the torch.library boundary and transformers transposes back to for free; NaN-filled under
+    OPSADV_POISON_OUTPUTS=1."""
+    from opsadv.core.ops._common import empty_bshd
+    out = empty_bshd(shape, dtype, device)
     return out.fill_(float("nan")) if poison_enabled() else out

@@ -23,7 +23,7 @@ import triton.language as tl
 from opsadv.core.kernel import PRIORITY_TRITON, KernelImpl
 
 from . import triton_device_types
-from ._triton_utils import ConfigTuner, bucket, load_tile, new_output, new_output_like, store_tile
+from ._triton_utils import ConfigTuner, bucket, load_tile, new_output, new_output_bshd, store_tile
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -417,7 +417,7 @@ def flash_fwd(ctx, q, k, v, attn_mask, causal, scale):
     q, k, v = _prep(q, cdt), _prep(k, cdt), _prep(v, cdt)
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
-    out = new_output_like(q, cdt)                 # q's layout: (b, s, h, d) memory when q is a transposed view
+    out = new_output_bshd(q.shape, cdt, q.device)     # (b, s, h, d) memory: the ops' boundary layout
     lse = new_output((b, hq, sq), torch.float32, q.device)
     block_d = max(16, triton.next_power_of_2(d))
     tma_ok = (TensorDescriptor is not None and q.device.type == "cuda" and block_d == d
@@ -474,10 +474,10 @@ def _bwd(ctx, dout, q, k, v, out, lse, causal, scale, atomic_dq: bool):
     _bwd_pre_kernel[(triton.cdiv(sq, pre_bm), b * hq)](
         out, dout, lse, delta, lse2, out.stride(0), out.stride(1), out.stride(2),
         dout.stride(0), dout.stride(1), dout.stride(2), hq, sq, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_bm)
-    dq = new_output_like(q, cdt)                  # gradients laid out like their inputs (the op contract)
+    dq = new_output_bshd(q.shape, cdt, q.device)      # (b, s, h, d) memory, as the op boundary promises
     dqa = torch.zeros((b, hq, sq, d), dtype=torch.float32, device=q.device) if atomic_dq else dq
-    dk = new_output_like(k, cdt)
-    dv = new_output_like(v, cdt)
+    dk = new_output_bshd(k.shape, cdt, q.device)
+    dv = new_output_bshd(v.shape, cdt, q.device)
     qk_scale = scale * LOG2E
     common = (hq, group, sq, sk, sk - sq, qk_scale, scale)
 

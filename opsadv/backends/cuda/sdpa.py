@@ -126,7 +126,36 @@ def efficient_fwd(ctx, q, k, v, attn_mask, causal, scale):
     return out, lse.contiguous()
 
 
+def _masked_bwd_recompute(dout, q, k, v, attn_mask, causal, scale):
+    """Masked half-precision backward through aten's own autograd of the efficient kernel (forward
+    recomputed): calling the aten backward op directly gave wrong gradients with a bias in fp16/bf16
+    on the H200 (conformance mask_bool / mask_float, torch 2.11), fp32 was right.  A row the mask
+    (with causal) empties has zero output by contract: its bias row is zeroed (finite) and its dout
+    zeroed, so it contributes no gradient."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    group = q.shape[1] // k.shape[1]
+    b, h, sq, _ = q.shape
+    sk = k.shape[2]
+    m = attn_mask
+    if m.dtype == torch.bool:
+        m = torch.zeros(m.shape, dtype=q.dtype, device=q.device).masked_fill_(~m, float("-inf"))
+    m = m.expand(b, h, sq, sk)
+    if causal:                                            # equal lengths here (the impl refuses others)
+        keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril()
+        m = m.masked_fill(~keep, float("-inf"))
+    empty = torch.isneginf(m).all(-1, keepdim=True)
+    m = m.masked_fill(empty, 0.0)
+    dout = dout.masked_fill(empty, 0.0)
+    with torch.enable_grad(), sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        qq, kk, vv = (t.detach().requires_grad_() for t in (q, _expand(k, group), _expand(v, group)))
+        o = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, attn_mask=m, scale=scale)
+        dq, dk, dv = torch.autograd.grad(o, (qq, kk, vv), dout)
+    return dq, _reduce(dk, group), _reduce(dv, group)
+
+
 def efficient_bwd(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale):
+    if attn_mask is not None and q.dtype != torch.float32:
+        return _masked_bwd_recompute(dout, q, k, v, attn_mask, causal, scale)
     group = q.shape[1] // k.shape[1]
     b, h, sq, _ = q.shape
     sk = k.shape[2]

@@ -22,7 +22,7 @@ from opsadv.core.kernel import PRIORITY_TRITON, CallSpec, KernelImpl
 from opsadv.core.layout import tile_index
 
 from . import triton_device_types
-from ._triton_utils import new_output, new_output_like
+from ._triton_utils import new_output, new_output_bshd
 
 OP = "sparse_attention"
 LOG2E = 1.4426950408889634
@@ -350,10 +350,10 @@ def _sparse_dq(Q, K, V, DO, LSE, DELTA, DQ, ROWS, COLS, BM, KPM, SEG, POS,
 
 
 # ---- host side -----------------------------------------------------------------------------------------
-def _new(shape, dtype, device, like: torch.Tensor | None = None) -> torch.Tensor:
+def _new(shape, dtype, device, bshd: bool = False) -> torch.Tensor:
     """Output buffers, NaN-filled under OPSADV_POISON_OUTPUTS=1 (tests: the kernels must write every
-    element); `like`: laid out as the op contract says for out, dq, dk, dv (layout_like_strides)."""
-    return new_output_like(like) if like is not None else new_output(shape, dtype, device)
+    element); bshd: (b, h, s, d) over (b, s, h, d) memory, the ops' boundary layout (out, dq, dk, dv)."""
+    return new_output_bshd(shape, dtype, device) if bshd else new_output(shape, dtype, device)
 
 
 def _compute_dtype(ctx, dtype: torch.dtype) -> torch.dtype:
@@ -395,7 +395,7 @@ def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale)
     hk, sk = k.shape[1], k.shape[2]
     (bm_m, bn_f, warps, stages, *fwd_flags), _, _ = tiles_for(ctx.profile, d)
     ti = tile_index(block_mask, kpm, cu, bs, causal, wl, wr, ng, sq, sk, bm_m, bn_f)
-    out = _new(q.shape, q.dtype, q.device, like=q)      # q's layout: (b, s, h, d) memory for a transposed view
+    out = _new(q.shape, q.dtype, q.device, bshd=True)
     lse = _new((b, hq, sq), torch.float32, q.device)
     ptrs, strides = _layout_args(ti, block_mask, kpm, q)
     hd = max(16, triton.next_power_of_2(d))
@@ -422,9 +422,9 @@ def sparse_bwd(ctx, dout, q, k, v, out, lse, block_mask, kpm, cu, bs, causal, wl
     _bwd_delta[(triton.cdiv(sq, 64), b * hq)](out, dout, delta, *out.stride()[:3], *dout.stride()[:3], hq, sq, d,
                                               BLOCK_M=64, HEAD_D=hd)
     common = dict(HEAD_D=hd, EVEN_D=hd == d)
-    dq = _new(q.shape, q.dtype, q.device, like=q)
-    dk = _new(k.shape, k.dtype, k.device, like=k)
-    dv = _new(v.shape, v.dtype, v.device, like=v)
+    dq = _new(q.shape, q.dtype, q.device, bshd=True)
+    dk = _new(k.shape, k.dtype, k.device, bshd=True)
+    dv = _new(v.shape, v.dtype, v.device, bshd=True)
     if only != "dq":
         ti = tile_index(block_mask, kpm, cu, bs, causal, wl, wr, ng, sq, sk, km, kn)
         ptrs, strides = _layout_args(ti, block_mask, kpm, q)

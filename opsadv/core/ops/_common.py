@@ -51,101 +51,22 @@ def check_scale(op: str, scale) -> None:
         raise InvalidArgumentError(op, "scale", "None or a finite float > 0", repr(scale))
 
 
-# Attention ops return outputs laid out like q; under torch.compile their inputs must then keep
-# the exact strides seen while tracing (Inductor may otherwise re-lay q out, and the real output
-# would disagree with the fake one).
+# Attention ops at the torch.library boundary (what torch.compile / export see) return contiguous
+# out, dq, dk, dv, as their fake kernels say: Inductor was measured to expect contiguous outputs of
+# these ops in training graphs even when a fake kernel promised another layout.  Eager calls skip
+# the boundary and keep the impl's layout (the cuda Triton kernels write (b, s, h, d) memory, which
+# transformers transposes back to for free; cuDNN follows q's layout).
 EXACT_STRIDES = tuple(t for t in (getattr(torch.Tag, "needs_exact_strides", None),) if t is not None)
 
-_LIKE_STRIDES: dict[tuple, tuple] = {}
+
+def bshd_strides(shape) -> tuple:
+    """Strides of a (b, h, s, d) tensor stored as contiguous (b, s, h, d)."""
+    b, h, s, d = shape
+    return (s * h * d, d, h * d, 1)
 
 
-def layout_like_strides(like: torch.Tensor) -> tuple:
-    """The attention ops' output layout for an input `like`: like's own strides when it is
-    non-overlapping and dense (a transposed (b, s, h, d) view stays one), else contiguous.  The fake
-    kernels allocate with exactly these strides, so compiled graphs agree with the real outputs."""
-    shape, stride = tuple(like.shape), like.stride()
-    plain = all(isinstance(x, int) for x in shape + stride)     # SymInts (dynamic shapes) are not cached
-    st = _LIKE_STRIDES.get((shape, stride)) if plain else None
-    if st is None:
-        dense = _infer_dense_strides(shape, stride)
-        # non-overlapping and dense (e.g. a transposed (b, s, h, d) view): its own strides; anything
-        # else (a slice of a fused qkv, a broadcast): contiguous
-        same = all(a == b for a, b, n in zip(dense, stride, shape) if n > 1)
-        st = stride if same else _contiguous_strides(shape)
-        if plain:
-            _LIKE_STRIDES[(shape, stride)] = st
-    return st
-
-
-def empty_laid_out_like(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """An uninitialized tensor shaped like `like` with layout_like_strides(like) (the attention ops'
-    output contract; the same call in the fake kernels and in the real ones)."""
-    return torch.empty_strided(like.shape, layout_like_strides(like), dtype=dtype or like.dtype, device=like.device)
-
-
-def match_layout(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """`t` (shaped like `like`) with layout_like_strides(like): a copy only when an impl returned
-    another layout.  Real outputs then agree with the fake kernels, which torch.compile relies on;
-    and an output laid out like q (b, s, h, d in memory when q is a transposed view, as
-    transformers passes it) makes the caller's transpose back free."""
-    want = layout_like_strides(like)
-    if all(a == b or n <= 1 for a, b, n in zip(t.stride(), want, t.shape)):
-        return t
-    return empty_laid_out_like(like, t.dtype).copy_(t)
-
-
-def contiguous_lse(lse: torch.Tensor) -> torch.Tensor:
-    return lse if lse.is_contiguous() else lse.contiguous()
-
-
-def _contiguous_strides(sizes) -> tuple:
-    out, cur = [], 1
-    for n in reversed(sizes):
-        out.append(cur)
-        cur *= max(n, 1)
-    return tuple(reversed(out))
-
-
-def _infer_dense_strides(sizes, strides) -> tuple:
-    """ATen's infer_dense_strides (what empty_like does for a non-dense tensor; the meta device
-    returns contiguous strides instead): dense strides in the input's stride order."""
-    n = len(sizes)
-    perm = list(range(n - 1, -1, -1))                     # innermost first, as for a contiguous tensor
-
-    def should_swap(d0, d1) -> int:
-        s0, s1 = strides[d0], strides[d1]
-        if s0 == 0 or s1 == 0:
-            return 0
-        if s0 != s1:
-            return -1 if s0 < s1 else 1
-        return 1 if sizes[d0] > sizes[d1] else 0
-    for i in range(1, n):                                 # stable insertion sort, as ATen does
-        d1 = i
-        for d0 in range(i - 1, -1, -1):
-            c = should_swap(perm[d0], perm[d1])
-            if c > 0:
-                perm[d0], perm[d1] = perm[d1], perm[d0]
-                d1 = d0
-            elif c < 0:
-                break
-    out = [0] * n
-    cur = 1
-    for idx in perm:
-        out[idx] = cur
-        if sizes[idx] > 1:
-            cur *= sizes[idx]
-    return tuple(out)
-
-
-def match_layout(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """`t` (shaped like `like`) with the strides torch.empty_like(like) has: a copy only when an
-    impl returned another layout.  Real outputs then agree with the fake kernels, which
-    torch.compile relies on; and an output laid out like q (b, s, h, d in memory when q is a
-    transposed view, as transformers passes it) makes the caller's transpose back free."""
-    want = layout_like_strides(like)
-    if all(a == b or n <= 1 for a, b, n in zip(t.stride(), want, t.shape)):
-        return t
-    return torch.empty_like(like, dtype=t.dtype).copy_(t)
+def empty_bshd(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    return torch.empty_strided(tuple(shape), bshd_strides(shape), dtype=dtype, device=device)
 
 
 def contiguous_lse(lse: torch.Tensor) -> torch.Tensor:

@@ -9,10 +9,9 @@ j <= i + s_k - s_q, as when decoding with a KV cache).  `attn_mask` is a bool ma
 Impl contract:  fn(ctx, q, k, v, attn_mask, causal, scale: float) -> (out, lse)
                 backward(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale) -> (dq, dk, dv)
 lse is (b, h_q, s_q), float32 (float64 for float64 inputs), natural log.
-Layout: out (dq, dk, dv) keep q's (k's, v's) strides when q is non-overlapping and dense (a
-transposed (b, s, h, d) view stays one, so the caller's transpose back is free), else are contiguous
-(`layout_like_strides`); an impl returning another layout is copied once (`match_layout`), impls
-that allocate with `empty_laid_out_like` avoid the copy.  The fake kernels promise the same."""
+Layout: through torch.ops (compile, export) out, dq, dk, dv are contiguous, as the fake kernels
+say (an impl returning another layout is copied there); eager calls return the impl's layout as it
+is (the cuda Triton kernels write (b, s, h, d) memory, so a transformers transpose back is free)."""
 from __future__ import annotations
 
 import math
@@ -24,8 +23,8 @@ from torch import Tensor
 from .. import dispatch
 from ..errors import InvalidArgumentError
 from ..kernel import CallSpec
-from ._common import (AUTOGRAD_FN, DIRECT, autograd_function, carry_policy, check_same, check_scale, check_tensor,
-                      EXACT_STRIDES, contiguous_lse, empty_laid_out_like, dt, eager_mode, len_bucket, match_layout)
+from ._common import (AUTOGRAD_FN, DIRECT, TORCH_OPS, autograd_function, carry_policy, check_same, check_scale, check_tensor,
+                      EXACT_STRIDES, contiguous_lse, dt, eager_mode, len_bucket)
 
 OP = "flash_attention"
 
@@ -101,33 +100,38 @@ def _route(q, k, v, attn_mask, causal, scale):
     s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     out, lse = dispatch.call(_key(q, k, attn_mask, causal, False), lambda: _spec(q, k, attn_mask, causal, False),
                              (q, k, v, attn_mask, causal, s))
-    return match_layout(out, q), contiguous_lse(lse)
+    return out, contiguous_lse(lse)
+
+
+def _bwd_route(dout, q, k, v, out, lse, attn_mask, causal, scale):
+    s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return dispatch.call(_key(q, k, attn_mask, causal, True), lambda: _spec(q, k, attn_mask, causal, True),
+                         (dout, q, k, v, out, lse, attn_mask, causal, s))
 
 
 @torch.library.custom_op("opsadv::flash_attention", mutates_args=(), tags=EXACT_STRIDES)
 def _flash_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], causal: bool,
                      scale: Optional[float]) -> tuple[Tensor, Tensor]:
-    return _route(q, k, v, attn_mask, causal, scale)
+    out, lse = _route(q, k, v, attn_mask, causal, scale)
+    return out.contiguous(), lse
 
 
 @_flash_attention.register_fake
 def _(q, k, v, attn_mask, causal, scale):
-    return empty_laid_out_like(q), q.new_empty(q.shape[:-1], dtype=lse_dtype(q.dtype))
+    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=lse_dtype(q.dtype))
 
 
 @torch.library.custom_op("opsadv::flash_attention_backward", mutates_args=(), tags=EXACT_STRIDES)
 def _flash_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                               attn_mask: Optional[Tensor], causal: bool,
                               scale: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
-    s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    dq, dk, dv = dispatch.call(_key(q, k, attn_mask, causal, True), lambda: _spec(q, k, attn_mask, causal, True),
-                               (dout, q, k, v, out, lse, attn_mask, causal, s))
-    return match_layout(dq, q), match_layout(dk, k), match_layout(dv, v)
+    dq, dk, dv = _bwd_route(dout, q, k, v, out, lse, attn_mask, causal, scale)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @_flash_attention_backward.register_fake
 def _(dout, q, k, v, out, lse, attn_mask, causal, scale):
-    return empty_laid_out_like(q), empty_laid_out_like(k), empty_laid_out_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
@@ -139,7 +143,9 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, attn_mask = ctx.saved_tensors
-    dq, dk, dv = torch.ops.opsadv.flash_attention_backward(dout, q, k, v, out, lse, attn_mask, ctx.causal, ctx.scale)
+    # eager: the router directly (no torch.library boundary, no layout copy); traced: the op
+    bwd = _bwd_route if eager_mode(dout, q, k, v) != TORCH_OPS else torch.ops.opsadv.flash_attention_backward
+    dq, dk, dv = bwd(dout, q, k, v, out, lse, attn_mask, ctx.causal, ctx.scale)
     return dq, dk, dv, None, None, None
 
 

@@ -5,7 +5,7 @@ Impl contract:  fn(ctx, q, k, v, block_mask, key_padding_mask, cu_seqlens, block
                 backward(ctx, dout, q, k, v, out, lse, block_mask, key_padding_mask, cu_seqlens,
                          block_size, causal, window_left, window_right, num_global, scale) -> (dq, dk, dv)
 window_left/right are -1 without a window.  Layout of out (dq, dk, dv): as for flash_attention
-(q's strides when q is dense, else contiguous)."""
+(contiguous through torch.ops; the impl's own in eager calls)."""
 from __future__ import annotations
 
 import math
@@ -18,8 +18,8 @@ from .. import dispatch
 from ..errors import InvalidArgumentError
 from ..kernel import CallSpec
 from ..layout import SparseLayout
-from ._common import (AUTOGRAD_FN, DIRECT, autograd_function, carry_policy, check_same, check_scale, check_tensor,
-                      EXACT_STRIDES, contiguous_lse, empty_laid_out_like, eager_mode, len_bucket, match_layout)
+from ._common import (AUTOGRAD_FN, DIRECT, TORCH_OPS, autograd_function, carry_policy, check_same, check_scale, check_tensor,
+                      EXACT_STRIDES, contiguous_lse, eager_mode, len_bucket)
 from .attention import lse_dtype
 
 OP = "sparse_attention"
@@ -79,21 +79,32 @@ def _route(q, k, v, block_mask, key_padding_mask, cu_seqlens, block_size, causal
         lambda: _spec(q, k, key_padding_mask, cu_seqlens, block_size, causal, window_left, num_global, False),
         (q, k, v, block_mask, key_padding_mask, cu_seqlens, block_size, causal, window_left, window_right,
          num_global, s))
-    return match_layout(out, q), contiguous_lse(lse)
+    return out, contiguous_lse(lse)
+
+
+def _bwd_route(dout, q, k, v, out, lse, block_mask, key_padding_mask, cu_seqlens, block_size, causal, window_left,
+               window_right, num_global, scale):
+    s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return dispatch.call(
+        _key(q, k, key_padding_mask, cu_seqlens, block_size, causal, window_left, num_global, True),
+        lambda: _spec(q, k, key_padding_mask, cu_seqlens, block_size, causal, window_left, num_global, True),
+        (dout, q, k, v, out, lse, block_mask, key_padding_mask, cu_seqlens, block_size, causal, window_left,
+         window_right, num_global, s))
 
 
 @torch.library.custom_op("opsadv::sparse_attention", mutates_args=(), tags=EXACT_STRIDES)
 def _sparse_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: Tensor, key_padding_mask: Optional[Tensor],
                       cu_seqlens: Optional[Tensor], block_size: int, causal: bool, window_left: int,
                       window_right: int, num_global: int, scale: Optional[float]) -> tuple[Tensor, Tensor]:
-    return _route(q, k, v, block_mask, key_padding_mask, cu_seqlens, block_size, causal, window_left, window_right,
-                  num_global, scale)
+    out, lse = _route(q, k, v, block_mask, key_padding_mask, cu_seqlens, block_size, causal, window_left,
+                      window_right, num_global, scale)
+    return out.contiguous(), lse
 
 
 @_sparse_attention.register_fake
 def _(q, k, v, block_mask, key_padding_mask, cu_seqlens, block_size, causal, window_left, window_right,
       num_global, scale):
-    return empty_laid_out_like(q), q.new_empty(q.shape[:-1], dtype=lse_dtype(q.dtype))
+    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=lse_dtype(q.dtype))
 
 
 @torch.library.custom_op("opsadv::sparse_attention_backward", mutates_args=(), tags=EXACT_STRIDES)
@@ -101,18 +112,14 @@ def _sparse_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, ou
                                block_mask: Tensor, key_padding_mask: Optional[Tensor], cu_seqlens: Optional[Tensor],
                                block_size: int, causal: bool, window_left: int, window_right: int,
                                num_global: int, scale: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
-    s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    dq, dk, dv = dispatch.call(
-        _key(q, k, key_padding_mask, cu_seqlens, block_size, causal, window_left, num_global, True),
-        lambda: _spec(q, k, key_padding_mask, cu_seqlens, block_size, causal, window_left, num_global, True),
-        (dout, q, k, v, out, lse, block_mask, key_padding_mask, cu_seqlens, block_size, causal, window_left,
-         window_right, num_global, s))
-    return match_layout(dq, q), match_layout(dk, k), match_layout(dv, v)
+    dq, dk, dv = _bwd_route(dout, q, k, v, out, lse, block_mask, key_padding_mask, cu_seqlens, block_size, causal,
+                            window_left, window_right, num_global, scale)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @_sparse_attention_backward.register_fake
 def _(dout, q, k, v, out, lse, *rest):
-    return empty_laid_out_like(q), empty_laid_out_like(k), empty_laid_out_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup(ctx, inputs, output):
@@ -123,7 +130,9 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, bm, kpm, cu = ctx.saved_tensors
-    dq, dk, dv = torch.ops.opsadv.sparse_attention_backward(dout, q, k, v, out, lse, bm, kpm, cu, *ctx.rest)
+    # eager: the router directly (no torch.library boundary, no layout copy); traced: the op
+    bwd = _bwd_route if eager_mode(dout, q, k, v) != TORCH_OPS else torch.ops.opsadv.sparse_attention_backward
+    dq, dk, dv = bwd(dout, q, k, v, out, lse, bm, kpm, cu, *ctx.rest)
     return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
