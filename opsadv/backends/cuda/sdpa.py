@@ -66,10 +66,20 @@ def cudnn_fwd(ctx, q, k, v, attn_mask, causal, scale):
     return r[0], r[1].reshape(b, h, sq)
 
 
+def _like_q(t: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """t in the layout cuDNN's forward gave its output (that of torch.empty_like(q)).  Its backward
+    assumes out and dout share it: given out/dout in another layout (e.g. contiguous, as compiled
+    graphs pass them) it returned wrong gradients on the H200 (benchmarks/compile_layout_check.py)."""
+    ref = torch.empty_like(q, dtype=t.dtype)
+    if t.stride() == ref.stride():
+        return t
+    return ref.copy_(t)
+
+
 def cudnn_bwd(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale):
     seed, offset = _philox(q.device)
     return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        dout.contiguous(), q, k, v, out, lse.float().unsqueeze(-1).contiguous(),
+        _like_q(dout, q), q, k, v, _like_q(out, q), lse.float().unsqueeze(-1).contiguous(),
         seed, offset, None, None, None, q.shape[2], k.shape[2], 0.0, causal, scale=scale)
 
 
