@@ -49,10 +49,13 @@ OUT = ARGS.json or (os.path.join(os.environ["OUT"], "jetson_probe.json") if os.e
 
 
 def header() -> dict:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = ""
+    commit = os.environ.get("OPSADV_COMMIT", "")
+    if not commit:                  # the GPU host has no .git: OPSADV_COMMIT says what was measured
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                    text=True).stdout.strip()
+        except OSError:
+            commit = ""
     import transformers
     try:
         import triton
