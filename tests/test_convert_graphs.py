@@ -197,3 +197,43 @@ def test_graphed_bert_on_gpu():
     assert conv.opsadv_graphs.stats.replays >= 4
     with pytest.raises(InvalidArgumentError, match="no_grad"):
         conv(input_ids=ids, attention_mask=am)
+
+
+def test_replays_count_the_captured_impls_in_trace(monkeypatch):
+    """opsadv.trace() under graph replay reports the impls the captured forward ran (CUDA graph API
+    faked: capture runs the function, replay does nothing)."""
+    import contextlib
+
+    import opsadv
+    from opsadv.runtime import graphs
+
+    class FakeGraph:
+        def replay(self):
+            pass
+
+    class FakeStream:
+        def __init__(self, *a, **k):
+            pass
+
+        def wait_stream(self, other):
+            pass
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda g: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: FakeStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    w = torch.randn(8)
+
+    def fwd(x):
+        return opsadv.ops.rms_norm(x, w, 1e-6)
+    r = graphs.CudaGraphRunner(fwd, device="cuda")
+    monkeypatch.setattr(r, "_check_devices", lambda tensors: None)
+    x = torch.randn(3, 8)
+    with opsadv.use_backend("reference"), torch.no_grad():
+        with opsadv.trace() as t:
+            r(x)
+            r(x)
+    assert r.stats.captures == 1 and r.stats.replays == 2
+    assert t.counts["reference.rms_norm"] == 2 + 1 + 2   # two warm-ups, the capture, two replays
+    (g,) = r.graphs.values()
+    assert g.impls == {"reference.rms_norm": 1}

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -57,6 +57,7 @@ class _Graph:
     out_leaves: list
     out_spec: Any
     replays: int = 0
+    impls: dict = field(default_factory=dict)   # opsadv impl calls captured in the graph (each replay runs them)
 
 
 @dataclass
@@ -131,6 +132,7 @@ class CudaGraphRunner:
                 if static.data_ptr() != x.data_ptr():
                     static.copy_(x)
             g.graph.replay()
+            _record_replay(g.impls)
             g.replays += 1
             self.stats.replays += 1
             outs = [t.clone() if self.clone_outputs and isinstance(t, torch.Tensor) else t for t in g.out_leaves]
@@ -150,14 +152,16 @@ class CudaGraphRunner:
             cur.wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             try:
-                with torch.cuda.graph(graph):
+                from opsadv.core.dispatch import Trace
+                with torch.cuda.graph(graph), Trace() as captured:
                     out = self.fn(*args, **kwargs)
             except Exception as e:
                 raise InvalidArgumentError(OP, self.name, "a forward that CUDA graphs can capture (no host reads of "
                                            "device values, no CPU tensors, no synchronization)",
                                            f"{type(e).__name__}: {e}") from e
         out_leaves, out_spec = pytree.tree_flatten(out)
-        g = _Graph(graph, [x for x in static if isinstance(x, torch.Tensor)], out_leaves, out_spec)
+        g = _Graph(graph, [x for x in static if isinstance(x, torch.Tensor)], out_leaves, out_spec,
+                   impls=dict(captured.counts))
         self.graphs[key] = g
         self.stats.captures += 1
         while len(self.graphs) > self.max_graphs:
@@ -169,6 +173,16 @@ class CudaGraphRunner:
         """Drop every graph (and its memory pool)."""
         with self._lock:
             self.graphs.clear()
+
+
+def _record_replay(impls: dict) -> None:
+    """A replay runs the impls captured in the graph: opsadv.trace() counts them as if the eager
+    forward had run (which kernel ran stays answerable under graphs)."""
+    from opsadv.core import dispatch
+    if dispatch._tracers and impls:
+        for t in dispatch._tracers:
+            for impl, n in impls.items():
+                t.counts[impl] += n
 
 
 class GraphedForward:
