@@ -190,8 +190,8 @@ def _bert(quick: bool, dev: str) -> BenchCase:
                         **({"cuda_graphs": True} if graphed and quick else {}))
         if graphed and not quick:
             conv = _convert(base, extra, None, cuda_graphs=True)
-        if graphed:   # replays bypass the dispatcher, so the runner's opsadv.trace sees no op calls ("?")
-            extra["opsadv_impl_note"] = "CUDA graph replay: impls are those of the eager warm-up (opsadv.trace it)"
+        if graphed:   # opsadv.trace counts a replay's captured impls (runtime/graphs.py), so opsadv_impl is shown
+            extra["opsadv_impl_note"] = "CUDA graph replay: the impls captured in the graph"
         st.update(base=base, conv=conv, ids=ids, am=am, compiled=torch.compile(base))
         _live["bert"] = st
         n = BERT["num_hidden_layers"]
