@@ -59,3 +59,16 @@ def test_run_bench_filter_and_parts(tmp_path, monkeypatch):
     cases = [c for c in json.loads(path2.read_text())["cases"] if not c["case"].endswith("[own]")]
     assert [c["case"] for c in cases] == ["fwd fp16 b1 h2 kv1 s24 d32 causal gqa"]
     assert cases[0]["commit"] == "abc1234"
+
+
+def test_density_plot_written_for_sparse_rows(tmp_path):
+    from opsadv.bench.runner import write_plot
+    rows = [{"case": f"fwd bf16 b1 h32 s16384 d128 sliding{w} causal", "speedup": 1.1, "density": w / 16384,
+             "opsadv_ms": w / 1000, "peers": {"flex": w / 900}} for w in (256, 1024, 4096)]
+    rows.append({"case": "fwd bf16 n8 h16 s4096 d128 varlen pad28", "speedup": 1.2, "density": 0.7,
+                 "opsadv_ms": 1.0, "peers": {"padded_dense": 1.7}})
+    write_plot(str(tmp_path / "h.png"), rows, "t")
+    assert (tmp_path / "h.png").stat().st_size > 0
+    assert (tmp_path / "h_density.png").stat().st_size > 0
+    write_plot(str(tmp_path / "g.png"), rows[-1:], "t")          # no density series: no density plot
+    assert not (tmp_path / "g_density.png").exists()

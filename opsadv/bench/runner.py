@@ -243,6 +243,34 @@ def write_plot(path: str, rows: list[dict[str, Any]], title: str) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    dens = [r for r in rows if r.get("density") is not None and r["case"].startswith("fwd ")
+            and "varlen" not in r["case"] and not r["case"].endswith("[own]")]
+    if len(dens) >= 2:
+        write_density_plot(str(Path(path).with_name(Path(path).stem + "_density.png")), dens, title)
+
+
+def write_density_plot(path: str, rows: list[dict[str, Any]], title: str) -> None:
+    """Sparse suite: forward time vs the fraction of tiles computed, opsadv and each peer (the
+    issue's time-vs-density plot); written next to the speedup plot as <name>_density.png."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = sorted(rows, key=lambda r: r["density"])
+    x = [r["density"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    ax.plot(x, [r["opsadv_ms"] for r in rows], "o-", label="opsadv")
+    for peer in sorted({p for r in rows for p in r.get("peers", {})}):
+        pts = [(r["density"], r["peers"][peer]) for r in rows if peer in r.get("peers", {})]
+        ax.plot([a for a, _ in pts], [b for _, b in pts], "s--", label=peer)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("density (fraction of (query, key) tiles computed)")
+    ax.set_ylabel("forward ms")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def run_bench(suites: list[str], quick: bool, json_path: str | None, plot_path: str | None,
