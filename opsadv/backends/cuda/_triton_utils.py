@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from opsadv.core.ops._common import empty_bshd
+
 log = logging.getLogger("opsadv.cuda.autotune")
 
 
@@ -153,6 +155,5 @@ def new_output_bshd(shape, dtype, device) -> torch.Tensor:
     """A (b, h, s, d) output over contiguous (b, s, h, d) memory: the layout the attention ops promise
     at the torch.library boundary and transformers transposes back to for free; NaN-filled under
     OPSADV_POISON_OUTPUTS=1."""
-    from opsadv.core.ops._common import empty_bshd
     out = empty_bshd(shape, dtype, device)
     return out.fill_(float("nan")) if poison_enabled() else out

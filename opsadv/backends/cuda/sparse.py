@@ -22,7 +22,7 @@ from opsadv.core.kernel import PRIORITY_TRITON, CallSpec, KernelImpl
 from opsadv.core.layout import tile_index
 
 from . import triton_device_types
-from ._triton_utils import new_output, new_output_bshd
+from ._triton_utils import load_tile, new_output, new_output_bshd
 
 OP = "sparse_attention"
 LOG2E = 1.4426950408889634
@@ -99,13 +99,9 @@ def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, s_kn, s_vn, kt, offs_m, offs_d, 
               HAS_KPM: tl.constexpr, HAS_SEG: tl.constexpr, RESCALE: tl.constexpr):
     """One online-softmax step over key tile kt (MASKED: a partial tile, else a full in-bounds one)."""
     offs_n = kt * BLOCK_N + tl.arange(0, BLOCK_N)
-    kv_mask = (offs_n[:, None] < SK) & (offs_d[None, :] < D)
-    if MASKED or not EVEN_D:
-        k = tl.load(k_base + offs_n[:, None] * s_kn + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * s_vn + offs_d[None, :], mask=kv_mask, other=0.0)
-    else:
-        k = tl.load(k_base + offs_n[:, None] * s_kn + offs_d[None, :])
-        v = tl.load(v_base + offs_n[:, None] * s_vn + offs_d[None, :])
+    # rows masked in partial tiles (MASKED), head-dim columns when padded (not EVEN_D)
+    k = load_tile(k_base + offs_n[:, None] * s_kn + offs_d[None, :], offs_n, SK, offs_d, D, MASKED, not EVEN_D)
+    v = load_tile(v_base + offs_n[:, None] * s_vn + offs_d[None, :], offs_n, SK, offs_d, D, MASKED, not EVEN_D)
     s = tl.dot(q, tl.trans(k))                      # raw scores; qk_scale (log2 domain) is applied in one FMA
     if MASKED:
         ok = _allowed(offs_m, offs_n, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, seg_ptr, pos_ptr, SQ, SK, OFF, WL, WR, NG,
@@ -203,13 +199,8 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, s_qm, s_dom, lse_base, delta_base,
                HAS_KPM: tl.constexpr, HAS_SEG: tl.constexpr):
     """Accumulate dK, dV of one key tile from query tile qt (transposed: rows are keys)."""
     offs_m = qt * BLOCK_M + tl.arange(0, BLOCK_M)
-    q_mask = (offs_m[:, None] < SQ) & (offs_d[None, :] < D)
-    if MASKED or not EVEN_D:
-        q = tl.load(q_base + offs_m[:, None] * s_qm + offs_d[None, :], mask=q_mask, other=0.0)
-        do = tl.load(do_base + offs_m[:, None] * s_dom + offs_d[None, :], mask=q_mask, other=0.0)
-    else:
-        q = tl.load(q_base + offs_m[:, None] * s_qm + offs_d[None, :])
-        do = tl.load(do_base + offs_m[:, None] * s_dom + offs_d[None, :])
+    q = load_tile(q_base + offs_m[:, None] * s_qm + offs_d[None, :], offs_m, SQ, offs_d, D, MASKED, not EVEN_D)
+    do = load_tile(do_base + offs_m[:, None] * s_dom + offs_d[None, :], offs_m, SQ, offs_d, D, MASKED, not EVEN_D)
     if MASKED:
         lse = tl.load(lse_base + offs_m, mask=offs_m < SQ, other=float("inf"))
         delta = tl.load(delta_base + offs_m, mask=offs_m < SQ, other=0.0)
@@ -286,13 +277,9 @@ def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, s_kn, s_vn, kt, offs_m, off
              HAS_KPM: tl.constexpr, HAS_SEG: tl.constexpr):
     """Accumulate dQ of one query tile from key tile kt."""
     offs_n = kt * BLOCK_N + tl.arange(0, BLOCK_N)
-    kv_mask = (offs_n[:, None] < SK) & (offs_d[None, :] < D)
-    if MASKED or not EVEN_D:
-        k = tl.load(k_base + offs_n[:, None] * s_kn + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * s_vn + offs_d[None, :], mask=kv_mask, other=0.0)
-    else:
-        k = tl.load(k_base + offs_n[:, None] * s_kn + offs_d[None, :])
-        v = tl.load(v_base + offs_n[:, None] * s_vn + offs_d[None, :])
+    # rows masked in partial tiles (MASKED), head-dim columns when padded (not EVEN_D)
+    k = load_tile(k_base + offs_n[:, None] * s_kn + offs_d[None, :], offs_n, SK, offs_d, D, MASKED, not EVEN_D)
+    v = load_tile(v_base + offs_n[:, None] * s_vn + offs_d[None, :], offs_n, SK, offs_d, D, MASKED, not EVEN_D)
     s = tl.dot(q, tl.trans(k)) * qk_scale
     p = tl.math.exp2(s - lse2[:, None])
     if MASKED:

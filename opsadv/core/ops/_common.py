@@ -55,7 +55,9 @@ def check_scale(op: str, scale) -> None:
 # out, dq, dk, dv, as their fake kernels say: Inductor was measured to expect contiguous outputs of
 # these ops in training graphs even when a fake kernel promised another layout.  Eager calls skip
 # the boundary and keep the impl's layout (the cuda Triton kernels write (b, s, h, d) memory, which
-# transformers transposes back to for free; cuDNN follows q's layout).
+# transformers transposes back to for free; cuDNN follows q's layout).  The ops also take their
+# inputs with the strides seen while tracing (exact-strides tag), so a compiled graph hands cuDNN
+# the same q layout the eager call did (its backward assumes out/dout laid out like q).
 EXACT_STRIDES = tuple(t for t in (getattr(torch.Tag, "needs_exact_strides", None),) if t is not None)
 
 
