@@ -169,3 +169,25 @@ def cases(quick: bool) -> Iterator[BenchCase]:
     if not quick:
         for w in (128, 256, 512, 2048, 4096, 8192):       # time vs density series (window 1024 above)
             yield window_case(w=w)
+        yield dense_own_case()
+
+
+def dense_own_case(s=16384, h=32, d=128, dtype=torch.bfloat16, dev="cuda") -> BenchCase:
+    """Our dense Triton flash kernel (pinned) at the window series' shape, causal: the TFLOP/s that the
+    issue's "effective TFLOP/s >= 0.85x our dense kernel at density >= 1/16" compares against.
+    Work counts the causal half (4*h*s*s*d/2), as the attention suite does; peer: SDPA-cuDNN."""
+    q, k, v, _ = _inputs(1, h, h, s, s, d, dtype, dev, False)
+    pinned = {"impls": {"flash_attention": "cuda.triton.flash_attention"}}
+
+    def ours():
+        with opsadv.use_backend("cuda", **pinned), torch.no_grad():
+            return opsadv.ops.flash_attention(q, k, v, causal=True)
+
+    def cudnn():
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION), torch.no_grad():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    return BenchCase(suite="sparse", case=f"fwd bf16 b1 h{h} s{s} d{d} dense causal [own]", opsadv=ours,
+                     peers={"sdpa_cudnn": cudnn}, work=4.0 * h * s * s * d / 2,
+                     impl=lambda: "cuda.triton.flash_attention", extra={"dense_reference": True})

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Session 3's GPU calls (each fits one <= 10-minute device call), from the repo root on the GPU host, $OUT set:
+#   PART=a: host cost per call (benchmarks/host_cost.py), gemm suite (quick: Hopper epilogue ranking),
+#           norm fwd+bwd at hidden 1024, the sparse window/density series + our dense kernel (effective TFLOP/s).
+#   PART=b: e2e non-quick (tune_for_hardware wall time; Llama re-measured; BERT tuned then graphed).
+#   PART=c: the Triton flash kernel pinned over the full conformance catalogue (bf16 included).
+# OPSADV_COMMIT=<sha> PART=a bash benchmarks/h200_s3.sh
+set -u
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OPSADV_CACHE_DIR=/tmp/opsadv-cache OPSADV_COMMIT=${OPSADV_COMMIT:-unknown}
+case "${PART:-a}" in
+a)
+  timeout 80 python3 benchmarks/host_cost.py --json "$OUT/host_cost.json" --profile "$OUT/host_profile.txt" \
+    > "$OUT/host.log" 2>&1; echo "host rc $?"; tail -8 "$OUT/host.log"
+  timeout 150 python3 -m opsadv bench --suite gemm --quick --json "$OUT/h200_gemm.json" > "$OUT/bench.log" 2>&1
+  echo "gemm rc $?"
+  timeout 100 python3 -m opsadv bench --suite norm --filter "h1024" --json "$OUT/h200_norm.json" >> "$OUT/bench.log" 2>&1
+  echo "norm rc $?"; grep -E "speedup|^fwd|x " "$OUT/bench.log" | tail -24
+  timeout 230 python3 -m opsadv bench --suite sparse --filter "^fwd bf16 b1 .*(sliding|dense)" \
+    --json "$OUT/h200_sparse.json" --plot "$OUT/h200_sparse.png" > "$OUT/bench_sparse.log" 2>&1
+  echo "sparse rc $?"; tail -14 "$OUT/bench_sparse.log"
+  ;;
+b)
+  timeout 570 python3 -m opsadv bench --suite e2e --json "$OUT/h200_e2e.json" > "$OUT/bench_e2e.log" 2>&1
+  echo "e2e rc $?"; tail -10 "$OUT/bench_e2e.log"
+  ;;
+c)
+  timeout 300 python3 -m opsadv conformance --backend cuda -v --impl cuda.triton.flash_attention \
+    --json "$OUT/conf_triton_fa.json" > "$OUT/conformance.log" 2>&1; echo "conformance rc $?"; tail -3 "$OUT/conformance.log"
+  ;;
+esac

@@ -1,0 +1,157 @@
+"""Host (CPU) cost per call of opsadv ops vs their eager equivalents, on the GPU host: how long the
+Python side takes to enqueue one call while the GPU is kept busy (a long `torch.cuda._sleep` is queued
+first, so the host never waits on the GPU and the launch queue never fills).  Also the cost of a bare
+Triton launch, and a cProfile of the norm fwd+bwd path (the cases the norm bench found host-bound).
+
+    PYTHONPATH=. python3 benchmarks/host_cost.py [--json PATH] [--profile PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import platform
+import pstats
+import time
+
+import torch
+import torch.nn.functional as F
+
+import opsadv
+
+DEV = "cuda"
+N_CALLS = 40
+
+
+def host_us(fn, n=N_CALLS) -> float:
+    """Median over 5 rounds of the host time per call with the GPU busy ahead of the calls."""
+    fn()
+    torch.cuda.synchronize()
+    rounds = []
+    for _ in range(5):
+        torch.cuda._sleep(int(2e8))              # ~0.1 s of GPU spin: the calls below only enqueue
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        rounds.append((time.perf_counter() - t0) / n * 1e6)
+        torch.cuda.synchronize()
+    return sorted(rounds)[2]
+
+
+def cases():
+    dt = torch.bfloat16
+    t, h = 4096, 4096
+    x, r = (torch.randn(t, h, device=DEV, dtype=dt).requires_grad_() for _ in range(2))
+    w = torch.ones(h, device=DEV, dtype=dt).requires_grad_()
+    b = torch.zeros(h, device=DEV, dtype=dt).requires_grad_()
+    gy = torch.randn(t, h, device=DEV, dtype=dt)
+
+    def ln_ours():
+        y = opsadv.ops.layer_norm(x, w, b, 1e-5)
+        return torch.autograd.grad(y, (x, w, b), gy)
+
+    def ln_eager():
+        y = F.layer_norm(x, (h,), w, b, 1e-5)
+        return torch.autograd.grad(y, (x, w, b), gy)
+
+    def rms_res_ours():
+        y, s = opsadv.ops.rms_norm(x, w, 1e-6, residual=r)
+        return torch.autograd.grad((y, s), (x, r, w), (gy, gy))
+
+    def rms_res_eager():
+        s = x + r
+        y = F.rms_norm(s, (h,), w, 1e-6)
+        return torch.autograd.grad((y, s), (x, r, w), (gy, gy))
+
+    xn = x.detach()
+    wn, bn = w.detach(), b.detach()
+
+    def ln_fwd_ours():
+        with torch.no_grad():
+            return opsadv.ops.layer_norm(xn, wn, bn, 1e-5)
+
+    def ln_fwd_eager():
+        with torch.no_grad():
+            return F.layer_norm(xn, (h,), wn, bn, 1e-5)
+
+    a = torch.randn(256, 1024, device=DEV, dtype=dt)
+    wt = torch.randn(1024, 1024, device=DEV, dtype=dt)
+    bias = torch.randn(1024, device=DEV, dtype=dt)
+
+    def gemm_ours():
+        with torch.no_grad():
+            return opsadv.ops.gemm(a, wt, bias=bias, activation="gelu_tanh")
+
+    def gemm_eager():
+        with torch.no_grad():
+            return F.gelu(torch.addmm(bias, a, wt), approximate="tanh")
+
+    q, k, v = (torch.randn(1, 8, 256, 64, device=DEV, dtype=dt) for _ in range(3))
+
+    def attn_ours():
+        with torch.no_grad():
+            return opsadv.ops.flash_attention(q, k, v, causal=True)
+
+    def attn_eager():
+        with torch.no_grad():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    return {"layer_norm fwd+bwd t4096 h4096": (ln_ours, ln_eager),
+            "rms_norm+residual fwd+bwd t4096 h4096": (rms_res_ours, rms_res_eager),
+            "layer_norm fwd (no grad)": (ln_fwd_ours, ln_fwd_eager),
+            "gemm bias+gelu_tanh 256x1024x1024": (gemm_ours, gemm_eager),
+            "flash_attention causal b1 h8 s256 d64": (attn_ours, attn_eager)}, ln_ours
+
+
+def triton_launch_us() -> dict:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _noop(x_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n), mask=i < n)
+
+    buf = torch.zeros(1024, device=DEV)
+    return {"triton_noop_launch_us": host_us(lambda: _noop[(1,)](buf, 1024, BLOCK=1024), n=200),
+            "torch_empty_us": host_us(lambda: torch.empty(1024, device=DEV), n=200),
+            "torch_add_us": host_us(lambda: buf.add(1.0), n=200)}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--profile")
+    args = ap.parse_args()
+    res = {"meta": {"torch": torch.__version__, "python": platform.python_version(),
+                    "cpu": platform.processor() or platform.machine(), "gpu": torch.cuda.get_device_name()},
+           "rows": {}}
+    res["rows"].update(triton_launch_us())
+    table, prof_fn = cases()
+    with opsadv.use_backend("cuda"):
+        for name, (ours, eager) in table.items():
+            o, e = host_us(ours), host_us(eager)
+            res["rows"][name] = {"opsadv_host_us": round(o, 1), "eager_host_us": round(e, 1)}
+            print(f"{name:42s} opsadv {o:7.1f} us   eager {e:7.1f} us", flush=True)
+        impls = opsadv.trace() if hasattr(opsadv, "trace") else None
+        pr = cProfile.Profile()
+        torch.cuda._sleep(int(5e8))
+        pr.enable()
+        for _ in range(100):
+            prof_fn()
+        pr.disable()
+        torch.cuda.synchronize()
+    sio = io.StringIO()
+    pstats.Stats(pr, stream=sio).sort_stats("tottime").print_stats(35)
+    sio2 = io.StringIO()
+    pstats.Stats(pr, stream=sio2).sort_stats("cumulative").print_stats(40)
+    print({k: v for k, v in res["rows"].items() if k.endswith("_us")})
+    if args.profile:
+        open(args.profile, "w").write(sio.getvalue() + "\n\n" + sio2.getvalue())
+    if args.json:
+        json.dump(res, open(args.json, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
