@@ -3,7 +3,7 @@
 #   PART=a: host cost per call (benchmarks/host_cost.py), gemm suite (quick: Hopper epilogue ranking),
 #           norm fwd+bwd at hidden 1024, the sparse window/density series + our dense kernel (effective TFLOP/s).
 #   PART=b: e2e non-quick (tune_for_hardware wall time; Llama re-measured; BERT tuned then graphed).
-#   PART=c: the Triton flash kernel pinned over the full conformance catalogue (bf16 included).
+#   PART=c: host-cost partition of a LayerNorm call (host_cost.py --detail); the Triton flash kernel pinned over the full conformance catalogue (bf16 included).
 # OPSADV_COMMIT=<sha> PART=a bash benchmarks/h200_s3.sh
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OPSADV_CACHE_DIR=/tmp/opsadv-cache OPSADV_COMMIT=${OPSADV_COMMIT:-unknown}
@@ -24,6 +24,8 @@ b)
   echo "e2e rc $?"; tail -10 "$OUT/bench_e2e.log"
   ;;
 c)
+  timeout 90 python3 benchmarks/host_cost.py --detail --profile "$OUT/host_detail.txt" > "$OUT/host_detail.log" 2>&1
+  echo "host detail rc $?"; cat "$OUT/host_detail.log" | tail -12
   timeout 300 python3 -m opsadv conformance --backend cuda -v --impl cuda.triton.flash_attention \
     --json "$OUT/conf_triton_fa.json" > "$OUT/conformance.log" 2>&1; echo "conformance rc $?"; tail -3 "$OUT/conformance.log"
   ;;

@@ -119,11 +119,78 @@ def triton_launch_us() -> dict:
             "torch_add_us": host_us(lambda: buf.add(1.0), n=200)}
 
 
+def detail() -> list[str]:
+    """Where the host time of one LayerNorm fwd / fwd+bwd goes: each layer of the call timed alone."""
+    from opsadv.backends.cuda import norm as N
+    from opsadv.core import dispatch
+    from opsadv.core.ops import norm as ON
+    dt = torch.bfloat16 if DEV == "cuda" else torch.float32
+    t, h = (4096, 4096) if DEV == "cuda" else (8, 64)
+    x = torch.randn(t, h, device=DEV, dtype=dt)
+    w, b = torch.ones(h, device=DEV, dtype=dt), torch.zeros(h, device=DEV, dtype=dt)
+    xg, wg, bg = (v.clone().requires_grad_() for v in (x, w, b))
+    gy = torch.randn_like(x)
+    lines = []
+    with opsadv.use_backend("cuda"):
+        y, _, mean, rstd = ON._layer_norm_route(x, w, b, 1e-5, None)
+        ctx = dispatch._memo[next(k for k in dispatch._memo if k[1][:2] == ("layer_norm", False))].ctx
+        kern = N._kernels()["fwd"]
+        block, rows, warps = N.fwd_config(h)
+        yb, sb = torch.empty_like(x), torch.empty_like(x)
+        mb, rb = torch.empty(t, device=DEV), torch.empty(t, device=DEV)
+
+        def raw_launch():
+            kern[(N.triton_cdiv(t, rows),)](x, x, w, b, yb, yb, mb, rb, t, h, h, h, h, h, 1e-5, 0.0, RMS=False,
+                                           HAS_RES=False, HAS_W=True, HAS_B=True, ROWS=rows, BLOCK_N=block,
+                                           num_warps=warps)
+
+        class _F(torch.autograd.Function):
+            @staticmethod
+            def forward(c, a):
+                return a * 2
+
+            @staticmethod
+            def backward(c, g):
+                return g * 2
+
+        dsum = x.new_empty((0,))
+        rows_ = {
+            "raw Triton launch of _norm_fwd_kernel": raw_launch,
+            "impl _ln_fwd (3 empties + launch)": lambda: N._ln_fwd(ctx, x, w, b, 1e-5, None),
+            "route (dispatch.call + impl)": lambda: ON._layer_norm_route(x, w, b, 1e-5, None),
+            "public no-grad": lambda: opsadv.ops.layer_norm(x, w, b, 1e-5) if not torch.is_grad_enabled() else None,
+            "validate only": lambda: ON.validate("layer_norm", x, w, b, 1e-5, None),
+            "backward route alone": lambda: ON._layer_norm_backward_route(gy, dsum, x, w, b, mean, rstd),
+            "impl _ln_bwd alone": lambda: N._ln_bwd(ctx, gy, dsum, x, w, b, mean, rstd),
+            "public fwd with grad (no backward)": lambda: opsadv.ops.layer_norm(xg, wg, bg, 1e-5),
+            "public fwd+bwd (autograd.grad)": lambda: torch.autograd.grad(opsadv.ops.layer_norm(xg, wg, bg, 1e-5),
+                                                                          (xg, wg, bg), gy),
+            "trivial autograd.Function fwd+bwd": lambda: torch.autograd.grad(_F.apply(xg), (xg,), gy),
+            "eager F.layer_norm fwd+bwd": lambda: torch.autograd.grad(F.layer_norm(xg, (h,), wg, bg, 1e-5),
+                                                                      (xg, wg, bg), gy),
+        }
+        for name, fn in rows_.items():
+            if name == "public no-grad":
+                with torch.no_grad():
+                    us = host_us(fn)
+            else:
+                us = host_us(fn)
+            lines.append(f"{name:45s} {us:8.1f} us")
+            print(lines[-1], flush=True)
+    return lines
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--profile")
+    ap.add_argument("--detail", action="store_true", help="only the per-layer partition of a LayerNorm call")
     args = ap.parse_args()
+    if args.detail:
+        lines = detail()
+        if args.profile:
+            open(args.profile, "w").write("\n".join(lines) + "\n")
+        return
     res = {"meta": {"torch": torch.__version__, "python": platform.python_version(),
                     "cpu": platform.processor() or platform.machine(), "gpu": torch.cuda.get_device_name()},
            "rows": {}}
