@@ -30,3 +30,8 @@ c)
     --json "$OUT/conf_triton_fa.json" > "$OUT/conformance.log" 2>&1; echo "conformance rc $?"; tail -3 "$OUT/conformance.log"
   ;;
 esac
+# PART=d (diagnostic): fwd+bwd host split across autograd's threads + decode cProfile
+if [ "${PART:-a}" = d ]; then
+  timeout 200 python3 benchmarks/host_cost.py --split --decode --profile "$OUT/host_split_decode.txt" > "$OUT/host_d.log" 2>&1
+  echo "split/decode rc $?"; head -8 "$OUT/host_split_decode.txt"; tail -5 "$OUT/host_d.log"
+fi

@@ -180,12 +180,124 @@ def detail() -> list[str]:
     return lines
 
 
+def autograd_split() -> list[str]:
+    """Where the host time of a LayerNorm fwd+bwd goes between the caller's thread and autograd's
+    CUDA device thread: timestamps at the call, backward entry/exit (worker thread) and the return,
+    for opsadv's op, a hand-made autograd.Function over the same routes, and a trivial Function."""
+    import threading
+    from opsadv.core.ops import norm as ON
+    t, h = 4096, 4096
+    xg = torch.randn(t, h, device=DEV, dtype=torch.bfloat16).requires_grad_()
+    wg = torch.ones(h, device=DEV, dtype=torch.bfloat16).requires_grad_()
+    bg = torch.zeros(h, device=DEV, dtype=torch.bfloat16).requires_grad_()
+    gy = torch.randn_like(xg)
+    stamps: dict = {}
+    clock = time.perf_counter
+
+    class Routes(torch.autograd.Function):
+        @staticmethod
+        def forward(c, x, w, b):
+            y, _, mean, rstd = ON._layer_norm_route(x, w, b, 1e-5, None)
+            c.save_for_backward(x, w, b, mean, rstd)
+            return y
+
+        @staticmethod
+        def backward(c, dy):
+            stamps["b0"] = clock()
+            x, w, b, mean, rstd = c.saved_tensors
+            dx, dw, db = ON._layer_norm_backward_route(dy, x.new_empty((0,)), x, w, b, mean, rstd)
+            stamps["b1"] = clock()
+            return dx, dw, db
+
+    class Trivial(torch.autograd.Function):
+        @staticmethod
+        def forward(c, a):
+            return a * 2
+
+        @staticmethod
+        def backward(c, g):
+            stamps["b0"] = stamps["b1"] = clock()
+            return g * 2
+
+    def run(fwd, inputs):
+        for _ in range(10):
+            torch.autograd.grad(fwd(), inputs, gy)
+        torch.cuda.synchronize()
+        split = []
+        torch.cuda._sleep(int(2e8))
+        for _ in range(N_CALLS):
+            t0 = clock()
+            y = fwd()
+            t1 = clock()
+            torch.autograd.grad(y, inputs, gy)
+            t2 = clock()
+            split.append((t1 - t0, stamps.get("b0", t1) - t1, stamps.get("b1", t1) - stamps.get("b0", t1),
+                          t2 - stamps.get("b1", t2)))
+            stamps.clear()
+        torch.cuda.synchronize()
+        med = [sorted(c)[len(c) // 2] * 1e6 for c in zip(*split)]
+        return "fwd {:7.1f} | call->bwd entry {:7.1f} | bwd body {:7.1f} | bwd exit->return {:7.1f} us".format(*med)
+
+    lines = [f"python threads alive: {threading.active_count()} ({[th.name for th in threading.enumerate()]})"]
+    with opsadv.use_backend("cuda"):
+        lines.append("opsadv.ops.layer_norm  " + run(lambda: opsadv.ops.layer_norm(xg, wg, bg, 1e-5), (xg, wg, bg)))
+        lines.append("Routes Function        " + run(lambda: Routes.apply(xg, wg, bg), (xg, wg, bg)))
+        lines.append("trivial Function       " + run(lambda: Trivial.apply(xg), (xg,)))
+        lines.append("eager F.layer_norm     " + run(lambda: F.layer_norm(xg, (h,), wg, bg, 1e-5), (xg, wg, bg)))
+    for ln in lines:
+        print(ln, flush=True)
+    return lines
+
+
+def decode_profile() -> list[str]:
+    """cProfile of Llama-1.1B decode steps (b8, 2047 cached tokens; the e2e case), converted and
+    transformers sdpa, plus the host time per step with the GPU kept busy."""
+    from opsadv.bench import suite_e2e as E
+    case = E._llama_decode(False, DEV)
+    case.setup()
+    st = E._live["llama_decode"]
+    lines = []
+    for name in ("conv", "base"):
+        step = (case.opsadv if name == "conv" else case.peers["hf_sdpa"])
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            step()
+        torch.cuda.synchronize()
+        lines.append(f"{name}: {(time.perf_counter() - t0) / 10 * 1e3:.2f} ms per decode step (host-bound)")
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(10):
+            step()
+        pr.disable()
+        torch.cuda.synchronize()
+        sio = io.StringIO()
+        pstats.Stats(pr, stream=sio).sort_stats("tottime").print_stats(45 if name == "conv" else 20)
+        lines.append(sio.getvalue())
+        if name == "conv":
+            sio = io.StringIO()
+            pstats.Stats(pr, stream=sio).sort_stats("cumulative").print_stats(50)
+            lines.append(sio.getvalue())
+    del st
+    print(lines[0], lines[3] if len(lines) > 3 else "", flush=True)
+    return lines
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--profile")
+    ap.add_argument("--split", action="store_true", help="fwd+bwd host time split across autograd's threads")
+    ap.add_argument("--decode", action="store_true", help="cProfile of Llama-1.1B decode steps")
     ap.add_argument("--detail", action="store_true", help="only the per-layer partition of a LayerNorm call")
     args = ap.parse_args()
+    if args.split or args.decode:
+        lines = (autograd_split() if args.split else []) + (decode_profile() if args.decode else [])
+        if args.profile:
+            open(args.profile, "w").write("\n".join(lines) + "\n")
+        return
     if args.detail:
         lines = detail()
         if args.profile:

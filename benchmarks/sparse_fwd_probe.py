@@ -1,0 +1,280 @@
+"""GPU probe for the sparse attention FORWARD loop variants (opsadv/backends/cuda/sparse.py LOOP_IDS,
+program order, tile configs), one process, interleaved:
+
+  1. correctness of every variant on small odd patterns (bf16, through SP.sparse_fwd) against the
+     reference backend (float32), and at the timing shapes against SDPA with the dense boolean mask;
+  2. timing (do_bench median, two interleaved rounds) of b1 h32 s16384 d128 bf16 causal sliding windows
+     256/1024/4096/8192, a global+window pattern (full tiles not one run: "run" falls back to
+     "prefetch"), the packed varlen batch (~30% padding) vs dense flash over the padded batch, and the
+     peers: compiled FlexAttention (same mask) and our dense Triton flash kernel (causal, same shape).
+
+Work is counted on the 64x64 tile grid for every variant (visited tiles / all tiles * 4*b*h*s*s*d), so
+effective TFLOP/s compare like ms do, whatever tile a variant uses.
+
+  PYTHONPATH=. python benchmarks/sparse_fwd_probe.py OUT.json [budget_s]
+The JSON is rewritten after every record (a killed run keeps what it had).
+Dry run on CPU under the interpreter (tiny shapes, fp16, no flex): PROBE_TINY=1 TRITON_INTERPRET=1 ..."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+import traceback
+
+T0 = time.time()
+TINY = os.environ.get("PROBE_TINY") == "1"
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import opsadv  # noqa: E402
+from opsadv import SparseLayout  # noqa: E402
+from opsadv.backends.cuda import sparse as SP  # noqa: E402
+from opsadv.bench import suite_sparse as SS  # noqa: E402
+from opsadv.bench.case import flex_peer  # noqa: E402
+from opsadv.bench.runner import rel_err, time_ms  # noqa: E402
+from opsadv.core import dispatch  # noqa: E402
+from opsadv.core.ops import sparse as S  # noqa: E402
+
+OUT = sys.argv[1] if len(sys.argv) > 1 else "sparse_fwd_probe.json"
+BUDGET = float(sys.argv[2]) if len(sys.argv) > 2 else 200.0
+DEV = "cpu" if TINY else "cuda"
+DT = torch.float16 if TINY else torch.bfloat16      # the interpreter's bf16 dot is wrong
+R: dict = {"device": "cpu" if TINY else torch.cuda.get_device_name(), "torch": torch.__version__,
+           "triton": __import__("triton").__version__, "records": []}
+
+# name -> (fwd tile (BLOCK_M, BLOCK_N, warps, stages), variant)
+VARIANTS = {
+    "list_64": ((64, 64, 4, 3), {"loop": "list", "reverse": False}),       # the kernel as of 98a2d46
+    "prefetch_64": ((64, 64, 4, 3), {"loop": "prefetch", "reverse": False}),
+    "run_64": ((64, 64, 4, 3), {"loop": "run", "reverse": False}),
+    "fused_64": ((64, 64, 4, 3), {"loop": "fused", "reverse": False}),
+    "run_64_rev": ((64, 64, 4, 3), {"loop": "run", "reverse": True}),
+    "run_128x64_rev": ((128, 64, 8, 3), {"loop": "run", "reverse": True}),
+    "run_128x128_rev": ((128, 128, 8, 3), {"loop": "run", "reverse": True}),
+}
+# each variant is a separate compile per pattern's flags: fewer where the pattern adds little
+SMALL_VARIANTS = ("prefetch_64", "run_64", "fused_64")
+GLOBAL_VARIANTS = ("list_64", "prefetch_64", "fused_64")      # full tiles not one run: "run" = "prefetch"
+VARLEN_VARIANTS = ("list_64", "run_64", "fused_64", "run_64_rev", "run_128x64_rev")
+
+
+def save(rec):
+    rec["t"] = round(time.time() - T0, 1)
+    R["records"].append(rec)
+    json.dump(R, open(OUT, "w"), indent=1)
+    print(json.dumps(rec), flush=True)
+
+
+def left() -> float:
+    return BUDGET - (time.time() - T0)
+
+
+def guarded(name, fn, need=5.0):
+    if left() < need:
+        save({"section": name, "skipped": f"time budget ({left():.0f}s left)"})
+        return
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - recorded, the next section still runs
+        save({"section": name, "error": f"{type(e).__name__}: {str(e)[:400]}", "tb": traceback.format_exc()[-800:]})
+
+
+def bench(fn) -> float:
+    return time_ms(fn)          # do_bench median (warmup 25 ms, rep 100 ms) on a GPU
+
+
+_ctx_cache: dict = {}
+
+
+def ctx_for(q, k, layout, fwd_tile):
+    spec = S._spec(q, k, layout.key_padding_mask, layout.cu_seqlens, layout.block_size, layout.causal,
+                   layout.window_left, layout.num_global, False)
+    exp, r = dispatch.explain_spec(spec)
+    assert r is not None and r.impl.id == "cuda.triton.sparse_attention", str(exp)
+    base = SP.tiles_for(r.ctx.profile, q.shape[-1])
+    tiles = (fwd_tile, base[1], base[2])
+    return dataclasses.replace(r.ctx, profile=dataclasses.replace(r.ctx.profile, tiles={SP.OP: tiles}))
+
+
+def args_of(layout):
+    return (layout.block_mask, layout.key_padding_mask, layout.cu_seqlens, layout.block_size, layout.causal,
+            layout.window_left, layout.window_right, layout.num_global)
+
+
+def runner(q, k, v, layout, name):
+    tile, variant = VARIANTS[name]
+    ctx = ctx_for(q, k, layout, tile)
+    args = args_of(layout)
+    scale = q.shape[-1] ** -0.5
+    return lambda: SP.sparse_fwd(ctx, q, k, v, *args, scale, variant=variant)[0]
+
+
+def randn(*shape, dtype=DT, seed=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return torch.randn(*shape, device=DEV, dtype=dtype, generator=g)
+
+
+# ---- 1. small odd patterns vs the reference backend -----------------------------------------------------
+def small_correctness():
+    s = 150 if TINY else 1500
+    pad = (torch.arange(s, device=DEV)[None] < torch.tensor([[s - 37], [s // 2]], device=DEV)).long()
+    pats = {
+        "window_causal": (SparseLayout.sliding_window(s, s // 6, causal=True, block_size=128, device=DEV), 1),
+        "varlen_causal": (SparseLayout.varlen([s // 3, 7, s // 2, s - s // 3 - 7 - s // 2], causal=True,
+                                              block_size=128, device=DEV), 1),
+        "bigbird": (SparseLayout.bigbird(s, block_size=64, heads=4, random_blocks=2, device=DEV), 1),
+        "window_padding_global": (SparseLayout.global_tokens(s, 9, window=s // 8, block_size=64, device=DEV)
+                                  .combine(SparseLayout.from_padding_mask(pad, block_size=64)), 2),
+    }
+    for pname, (lay, b) in pats.items():
+        for d in ((128, 96) if pname == "varlen_causal" else (128,)):
+            q, k, v = (randn(b, 4 if i == 0 else 2, s, d, seed=i + 1) for i in range(3))     # GQA 2:1
+            with opsadv.use_backend("reference"):
+                ref = opsadv.ops.sparse_attention(q.float(), k.float(), v.float(), lay)
+            errs = {}
+            for name in SMALL_VARIANTS:
+                out = runner(q, k, v, lay, name)()
+                errs[name] = float(f"{rel_err(out, ref):.3g}")
+            save({"section": "correct_small", "pattern": pname, "d": d, "full_run": lay.tile_index(64, 64).full_run,
+                  "errs": errs, "ok": all(e < 2e-2 for e in errs.values())})
+
+
+# ---- 2. timing ---------------------------------------------------------------------------------------------
+def window_series():
+    b, h, s, d = (1, 2, 384, 32) if TINY else (1, 32, 16384, 128)
+    q, k, v = (randn(b, h, s, d, seed=i) for i in range(3))
+    flex, make_mask = (None, None) if TINY else flex_peer()
+    dense_own = SS.dense_own_case(s=s, h=h, d=d, dtype=DT, dev=DEV).opsadv
+    dense_own()
+    cases = []
+    for w in ((24, 100) if TINY else (256, 1024, 4096, 8192)):
+        lay = SparseLayout.sliding_window(s, w, causal=True, block_size=128, device=DEV)
+        cases.append((f"sliding{w} causal", lay, lambda b_, h_, i, j, w=w: (i >= j) & (i - j <= w)))
+    g, w = (16, 24) if TINY else (128, 256)
+    lay = SparseLayout.global_tokens(s, g, window=w, causal=False, block_size=128, device=DEV)
+    cases.append((f"sliding{w} global{g}", lay,
+                  lambda b_, h_, i, j: ((i - j <= w) & (j - i <= w)) | (i < g) | (j < g)))
+    prepared = []
+    for cname, lay, mm in cases:
+        if left() < 40:
+            break
+        ti = lay.tile_index(64, 64)
+        work = 4.0 * b * h * s * s * d * ti.tiles / ti.total_tiles
+        names = GLOBAL_VARIANTS if "global" in cname else VARIANTS
+        fns = {name: runner(q, k, v, lay, name) for name in names}
+        dm = lay.dense_mask(device=DEV)
+        with torch.no_grad():
+            ref = F.scaled_dot_product_attention(q, k, v, attn_mask=dm)
+        del dm
+        errs = {name: float(f"{rel_err(fn(), ref):.3g}") for name, fn in fns.items()}
+        peers = {}
+        if flex is not None:
+            bm = make_mask(mm, None, None, s, s, device=DEV)
+            peers["flex"] = (lambda bm=bm: flex(q, k, v, block_mask=bm))
+            errs["flex"] = float(f"{rel_err(peers['flex'](), ref):.3g}")
+        del ref
+        save({"section": "correct_timing_shape", "case": cname, "rel_err_vs_sdpa_masked": errs,
+              "density64": round(ti.tiles / ti.total_tiles, 4), "full_run": ti.full_run})
+        prepared.append((cname, work, fns, peers))
+    rounds = {}
+    for rnd in range(2):                        # interleaved: every variant of every case, twice
+        if rnd == 0:
+            rounds.setdefault("dense_own", []).append(bench(dense_own))
+        for cname, work, fns, peers in prepared:
+            if left() < 12:
+                break
+            for name, fn in {**fns, **peers}.items():
+                rounds.setdefault((cname, name), []).append(bench(fn))
+        if rnd == 1:
+            rounds["dense_own"].append(bench(dense_own))
+    dense_ms = min(rounds["dense_own"])
+    dense_tf = 4.0 * h * s * s * d / 2 / dense_ms / 1e9
+    save({"section": "dense_own", "case": f"fwd bf16 b1 h{h} s{s} d{d} dense causal [own]", "ms": rounds["dense_own"],
+          "tflops": round(dense_tf, 1)})
+    for cname, work, fns, peers in prepared:
+        flex_ms = min(rounds.get((cname, "flex"), [float("nan")]))
+        rec = {"section": "window_time", "case": cname, "flex_ms": round(flex_ms, 4), "variants": {}}
+        for name in fns:
+            ms_l = rounds.get((cname, name))
+            if not ms_l:
+                continue
+            ms = min(ms_l)
+            rec["variants"][name] = {"ms": [round(x, 4) for x in ms_l], "tflops64": round(work / ms / 1e9, 1),
+                                     "vs_dense_own": round(work / ms / 1e9 / dense_tf, 3),
+                                     "speedup_vs_flex": round(flex_ms / ms, 3)}
+        save(rec)
+
+
+def varlen():
+    n, max_len, h, d = (4, 160, 2, 32) if TINY else (8, 4096, 16, 128)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    lens = SS.varlen_lengths(n, max_len)
+    total = sum(lens)
+    res = {}
+    for causal in (False, True):
+        lay = SparseLayout.varlen(lens, causal=causal, block_size=128, device=DEV)
+        q, k, v = (randn(1, h, total, d, seed=i) for i in range(3))
+        am = torch.zeros(n, max_len, dtype=torch.long, device=DEV)
+        for i, L in enumerate(lens):
+            am[i, :L] = 1
+        _, info = SparseLayout.unpad(torch.zeros(n, 1, max_len, 1, device=DEV), am)
+        qp, kp, vp = (SparseLayout.pad(t, info) for t in (q, k, v))
+
+        def padded(qp=qp, kp=kp, vp=vp, causal=causal):
+            with sdpa_kernel([SDPBackend.MATH if TINY else SDPBackend.FLASH_ATTENTION]), torch.no_grad():
+                return F.scaled_dot_product_attention(qp, kp, vp, is_causal=causal)
+        starts = [0]
+        for L in lens:
+            starts.append(starts[-1] + L)
+        with torch.no_grad():
+            ref = torch.cat([F.scaled_dot_product_attention(q[:, :, a:b_], k[:, :, a:b_], v[:, :, a:b_],
+                                                            is_causal=causal) for a, b_ in zip(starts, starts[1:])], 2)
+        fns = {name: runner(q, k, v, lay, name) for name in VARLEN_VARIANTS}
+        errs = {name: float(f"{rel_err(fn(), ref):.3g}") for name, fn in fns.items()}
+        res[causal] = (lay, fns, padded, errs)
+    times = {}
+    for rnd in range(2):
+        for causal, (lay, fns, padded, errs) in res.items():
+            if left() < 8:
+                break
+            times.setdefault((causal, "padded_dense"), []).append(bench(padded))
+            for name, fn in fns.items():
+                times.setdefault((causal, name), []).append(bench(fn))
+    for causal, (lay, fns, padded, errs) in res.items():
+        pd = min(times.get((causal, "padded_dense"), [float("nan")]))
+        rec = {"section": "varlen_time", "case": f"fwd bf16 n{n} h{h} s{max_len} d{d} varlen pad"
+               f"{round(100 * (1 - total / (n * max_len)))}" + (" causal" if causal else ""),
+               "padded_dense_ms": round(pd, 4), "rel_err_vs_per_seq_sdpa": errs,
+               "full_run": lay.tile_index(64, 64).full_run, "variants": {}}
+        for name in fns:
+            ms_l = times.get((causal, name))
+            if ms_l:
+                rec["variants"][name] = {"ms": [round(x, 4) for x in ms_l],
+                                         "speedup_vs_padded_dense": round(pd / min(ms_l), 3)}
+        save(rec)
+
+
+def summary():
+    rows = []
+    for r in R["records"]:
+        if r.get("section") in ("window_time", "varlen_time"):
+            peer = r.get("flex_ms", r.get("padded_dense_ms"))
+            best = min(r["variants"].items(), key=lambda kv: min(kv[1]["ms"]))
+            base = r["variants"].get("list_64", {}).get("ms", [float("nan")])
+            rows.append(f"{r['case'][:44]:44s} peer {peer:7.3f}  list_64 {min(base):7.3f}  best {best[0]:14s} "
+                        f"{min(best[1]['ms']):7.3f}")
+            rows.append("    " + "  ".join(f"{k}={min(v['ms']):.3f}" for k, v in r["variants"].items()))
+        if r.get("section") == "dense_own":
+            rows.append(f"dense own causal: {min(r['ms']):.3f} ms {r['tflops']} TFLOP/s")
+    print("\n".join(rows), flush=True)
+
+
+if __name__ == "__main__":
+    guarded("correct_small", small_correctness, 20)
+    guarded("window_series", window_series, 60)
+    guarded("varlen", varlen, 15)
+    summary()
+    print(f"total {time.time() - T0:.0f}s", flush=True)
