@@ -169,3 +169,32 @@ def test_conditional_rescale_variant(name, threshold, poison, monkeypatch):
     make, b, *heads = PATTERNS[name]
     hq = heads[0] if heads else 2
     _check(make(), b, hq=hq, hk=hq // 2, d=32)
+
+
+LOOP_PATTERNS = {   # PATTERNS plus ones with several full tiles per row at the interpreter's 32x16 tile
+    **PATTERNS,
+    "window_wide": (lambda: SparseLayout.sliding_window(150, 70, causal=True, block_size=16), 1),
+    "dense_causal_cross": (lambda: SparseLayout.dense(70, causal=True, seq_k=101, block_size=16), 1),
+}
+
+
+@pytest.mark.parametrize("loop", ["list", "prefetch", "run", "fused"])
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("name", ["window_causal", "window_wide", "dense_causal_cross", "global_window",
+                                  "bigbird_heads", "block_mask_batch", "padding_causal", "varlen",
+                                  "varlen_causal_global"])
+def test_forward_loop_variants(name, loop, reverse, poison, monkeypatch):
+    """Every forward loop variant (sparse.LOOP_IDS; "run" falls back to "prefetch" when full tiles are
+    not one run per row) and program order computes the same function, fwd and bwd through the op."""
+    monkeypatch.setattr(sparse_mod, "FWD_DEFAULT", {"loop": loop, "reverse": reverse})
+    make, b, *heads = LOOP_PATTERNS[name]
+    hq = heads[0] if heads else 2
+    _check(make(), b, hq=hq, hk=hq // 2, d=32)
+
+
+@pytest.mark.parametrize("loop", ["run", "fused"])
+def test_forward_loop_variants_odd_head_dim_and_tail(loop, poison, monkeypatch):
+    """A key tail past s_k inside a partial tile (fused: clamped K/V rows) and a padded head dim."""
+    monkeypatch.setattr(sparse_mod, "FWD_DEFAULT", {"loop": loop, "reverse": False})
+    _check(SparseLayout.sliding_window(45, (7, 11), causal=False, seq_k=83, block_size=32), 1, 2, 1, 96)
+    _check(SparseLayout.dense(37, causal=True, block_size=16), 1, 3, 3, 16)

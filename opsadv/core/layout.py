@@ -519,6 +519,7 @@ class TileIndex(NamedTuple):
     kpm8: Tensor | None
     tiles: int          # visited tiles (all b, h of the index); -1 when built during CUDA graph capture
     total_tiles: int    # Bb * Hb * n_row_tiles * n_col_tiles
+    full_run: bool = False   # every row's full tiles are consecutive columns (kernels may walk them as a range)
 
 
 _tile_cache: dict[int, tuple] = {}
@@ -635,7 +636,18 @@ def _build_tile_index(bm, kpm, cu, bs, causal, wl, wr, ng, sq, sk, M, N) -> Tile
     t_rows, t_cols = _lists(any_.transpose(-1, -2), full.transpose(-1, -2), static)
     return TileIndex(rows, cols, t_rows, t_cols, seg, pos, bm_mode, bm.to(torch.int8).contiguous(),
                      None if kpm is None else kpm.to(torch.int8).contiguous(), -1 if static else int(any_.sum()),
-                     any_.numel())
+                     any_.numel(), False if static else _full_run(rows, cols))
+
+
+def _full_run(rows: Tensor, cols: Tensor) -> bool:
+    """True when each row's full tiles (listed after its partial ones, in ascending column order) are
+    consecutive columns: cols[n_all - 1] - cols[n_part] + 1 == n_all - n_part wherever a row has any."""
+    n_part, n_all = rows[..., 0].long(), rows[..., 1].long()
+    last_slot = cols.shape[-1] - 1
+    first = cols.gather(-1, n_part.clamp(max=last_slot).unsqueeze(-1)).squeeze(-1).long()
+    last = cols.gather(-1, (n_all - 1).clamp(0, last_slot).unsqueeze(-1)).squeeze(-1).long()
+    n_full = n_all - n_part
+    return bool(((n_full == 0) | (last - first + 1 == n_full)).all())
 
 
 _bm_modes: dict[int, tuple] = {}      # id(block mask) -> (weakref, version, mode): read once on the host

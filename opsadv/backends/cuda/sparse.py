@@ -91,6 +91,45 @@ def _allowed(offs_m, offs_n, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, seg_ptr, pos_ptr, 
 
 
 # ---- forward -------------------------------------------------------------------------------------------
+# Loop variants (constexpr LOOP), measured on an H200 by benchmarks/sparse_fwd_probe.py:
+#   0 "list":     partial tiles, then full tiles, each column id loaded from COLS inside the loop.  Triton's
+#                 pipeliner treats the K/V loads as indirect (address from a load in the same iteration) and
+#                 halves their latency budget: the full-tile loop got 2 buffers and waited for every copy at
+#                 the top of each iteration (TTGIR: async_wait num = 0), i.e. K/V loads were not overlapped.
+#   1 "prefetch": as 0, the next column id loaded one iteration ahead (a loop-carried scalar), so K/V loads
+#                 get the dense kernel's 3-buffer pipeline (async_wait num = 2); any layout.
+#   2 "run":      as 0, the full tiles walked as the contiguous range [cols[n_part], +n_full) (no index loads)
+#                 when the layout's tile index says every row's full tiles are one run (TileIndex.full_run:
+#                 windows, causal, varlen segments, padding); otherwise "prefetch".
+#   3 "fused":    one loop over all listed tiles (ids prefetched as in 1), the element mask applied in a
+#                 uniform branch for the first n_part (partial) tiles: one pipeline, no refill between loops.
+LOOP_IDS = {"list": 0, "prefetch": 1, "run": 2, "fused": 3}
+FWD_DEFAULT = {"loop": "list", "reverse": False}   # until measured
+
+
+@triton.jit
+def _softmax_step(acc, l_i, m_i, s, v, qk_scale, GUARD: tl.constexpr, RESCALE: tl.constexpr):
+    """Fold raw scores s (-inf where masked) and their V tile into the running (acc, l_i, m_i) (log2
+    domain).  GUARD: a row may have seen only masked keys so far (max -inf): keep exp2 finite."""
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    if RESCALE > 0:  # keep the old reference max unless it grew by more than RESCALE (p <= 2^RESCALE)
+        m_new = tl.where(m_new - m_i > RESCALE, m_new, m_i)      # both -inf: NaN > x is false, keeps -inf
+    if GUARD:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    p = tl.math.exp2(s * qk_scale - m_use[:, None])   # scale and shift in one FMA
+    alpha = tl.math.exp2(m_i - m_use)                # rescale of the running sums (0 when m_i = -inf)
+    if RESCALE > 0:
+        if tl.max((m_new > m_i).to(tl.int32), 0) > 0:   # only when some row's reference moved
+            acc = acc * alpha[:, None]
+    else:
+        acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc)              # accumulate in the MMA
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return acc, l_i, m_new
+
+
 @triton.jit
 def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, s_kn, s_vn, kt, offs_m, offs_d, D, qk_scale,
               bm_ptr, s_bm_q, s_bm_k, kpm_ptr, seg_ptr, pos_ptr, SQ, SK, OFF, WL, WR, NG, BS,
@@ -107,23 +146,7 @@ def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, s_kn, s_vn, kt, offs_m, offs_d, 
         ok = _allowed(offs_m, offs_n, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, seg_ptr, pos_ptr, SQ, SK, OFF, WL, WR, NG,
                       BS, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, HAS_SEG)
         s = tl.where(ok, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-    if RESCALE > 0:  # keep the old reference max unless it grew by more than RESCALE (p <= 2^RESCALE)
-        m_new = tl.where(m_new - m_i > RESCALE, m_new, m_i)      # both -inf: NaN > x is false, keeps -inf
-    if MASKED:
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)   # a row masked so far: keep exp2 finite
-    else:
-        m_use = m_new
-    p = tl.math.exp2(s * qk_scale - m_use[:, None])
-    alpha = tl.math.exp2(m_i - m_use)                # rescale of the running sums (0 when m_i = -inf)
-    if RESCALE > 0:
-        if tl.max((m_new > m_i).to(tl.int32), 0) > 0:   # only when some row's reference moved
-            acc = acc * alpha[:, None]
-    else:
-        acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc)              # accumulate in the MMA
-    l_i = l_i * alpha + tl.sum(p, 1)
-    return acc, l_i, m_new
+    return _softmax_step(acc, l_i, m_i, s, v, qk_scale, MASKED, RESCALE)
 
 
 @triton.jit
@@ -133,11 +156,15 @@ def _sparse_fwd(Q, K, V, O, LSE, ROWS, COLS, BM, KPM, SEG, POS,
                 H, GROUP, SQ, SK, OFF, D, qk_scale, WL, WR, NG, BS,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, EVEN_D: tl.constexpr,
                 CAUSAL: tl.constexpr, HAS_WIN: tl.constexpr, HAS_GLOBAL: tl.constexpr, BM_MODE: tl.constexpr,
-                HAS_KPM: tl.constexpr, HAS_SEG: tl.constexpr, RESCALE: tl.constexpr):
-    pid_m = tl.program_id(0)
+                HAS_KPM: tl.constexpr, HAS_SEG: tl.constexpr, RESCALE: tl.constexpr, LOOP: tl.constexpr,
+                REVERSE: tl.constexpr):
+    if REVERSE:                                       # last row tiles first (the longest ones when causal)
+        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        pid_m = tl.program_id(0)
     bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
+    b = (bh // H).to(tl.int64)                        # 64-bit offsets: b * s_qb can pass 2^31 elements
+    h = (bh % H).to(tl.int64)
     hk = h // GROUP                                   # GQA: the kv head this query head reads
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_D)
@@ -154,24 +181,60 @@ def _sparse_fwd(Q, K, V, O, LSE, ROWS, COLS, BM, KPM, SEG, POS,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
-    for t in range(0, n_part):                        # partial tiles: element masks
-        kt = tl.load(cols + t)
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, s_kn, s_vn, kt, offs_m, offs_d, D, qk_scale,
-                                  bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL, WR, NG, BS,
-                                  BLOCK_N, EVEN_D, True, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, HAS_SEG,
-                                  RESCALE)
-    for t in range(n_part, n_all):                    # full tiles: no masks at all
-        kt = tl.load(cols + t)
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, s_kn, s_vn, kt, offs_m, offs_d, D, qk_scale,
-                                  bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL, WR, NG, BS,
-                                  BLOCK_N, EVEN_D, False, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, HAS_SEG,
-                                  RESCALE)
+    if LOOP == 3:
+        kt = tl.load(cols, mask=n_all > 0, other=0)
+        for t in range(0, n_all):
+            kt_next = tl.load(cols + t + 1, mask=t + 1 < n_all, other=0)
+            offs_n = kt * BLOCK_N + tl.arange(0, BLOCK_N)
+            rows_kv = tl.minimum(offs_n, SK - 1)      # keys past s_k re-read the last one: no row mask, masked below
+            k = load_tile(k_base + rows_kv[:, None] * s_kn + offs_d[None, :], rows_kv, SK, offs_d, D, False,
+                          not EVEN_D)
+            v = load_tile(v_base + rows_kv[:, None] * s_vn + offs_d[None, :], rows_kv, SK, offs_d, D, False,
+                          not EVEN_D)
+            s = tl.dot(q, tl.trans(k))
+            if t < n_part:                            # partial tiles come first in the list
+                ok = _allowed(offs_m, offs_n, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL, WR, NG,
+                              BS, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, HAS_SEG)
+                s = tl.where(ok, s, float("-inf"))
+            acc, l_i, m_i = _softmax_step(acc, l_i, m_i, s, v, qk_scale, True, RESCALE)
+            kt = kt_next
+    else:
+        for t in range(0, n_part):                    # partial tiles: element masks
+            kt = tl.load(cols + t)
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, s_kn, s_vn, kt, offs_m, offs_d, D, qk_scale,
+                                      bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL, WR, NG, BS,
+                                      BLOCK_N, EVEN_D, True, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM,
+                                      HAS_SEG, RESCALE)
+        # full tiles: no masks at all
+        if LOOP == 2:
+            c0 = tl.load(cols + n_part, mask=n_part < n_all, other=0)
+            for kt in range(c0, c0 + n_all - n_part):
+                acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, s_kn, s_vn, kt, offs_m, offs_d, D,
+                                          qk_scale, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL, WR,
+                                          NG, BS, BLOCK_N, EVEN_D, False, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE,
+                                          HAS_KPM, HAS_SEG, RESCALE)
+        elif LOOP == 1:
+            kt = tl.load(cols + n_part, mask=n_part < n_all, other=0)
+            for t in range(n_part, n_all):
+                kt_next = tl.load(cols + t + 1, mask=t + 1 < n_all, other=0)
+                acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, s_kn, s_vn, kt, offs_m, offs_d, D,
+                                          qk_scale, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL, WR,
+                                          NG, BS, BLOCK_N, EVEN_D, False, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE,
+                                          HAS_KPM, HAS_SEG, RESCALE)
+                kt = kt_next
+        else:
+            for t in range(n_part, n_all):
+                kt = tl.load(cols + t)
+                acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, s_kn, s_vn, kt, offs_m, offs_d, D,
+                                          qk_scale, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL, WR,
+                                          NG, BS, BLOCK_N, EVEN_D, False, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE,
+                                          HAS_KPM, HAS_SEG, RESCALE)
     empty = l_i == 0.0                                # fully masked row: zeros, lse = -inf
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) / 1.4426950408889634)
     tl.store(O + b * s_ob + h * s_oh + offs_m[:, None] * s_om + offs_d[None, :], o.to(O.dtype.element_ty),
              mask=(offs_m[:, None] < SQ) & (offs_d[None, :] < D))
-    tl.store(LSE + bh * SQ + offs_m, lse, mask=offs_m < SQ)
+    tl.store(LSE + bh.to(tl.int64) * SQ + offs_m, lse, mask=offs_m < SQ)
 
 
 # ---- backward ------------------------------------------------------------------------------------------
@@ -375,13 +438,18 @@ def _prep(ctx, *ts):
     return [t.to(cd) if t.stride(-1) == 1 else t.to(cd).contiguous() for t in ts]
 
 
-def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale):
+def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale, *, variant=None):
+    """variant (benchmarks): {"loop": one of LOOP_IDS, "reverse": bool} instead of the defaults."""
     in_dtype = q.dtype
     q, k, v = _prep(ctx, q, k, v)
     b, hq, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
     (bm_m, bn_f, warps, stages, *fwd_flags), _, _ = tiles_for(ctx.profile, d)
     ti = tile_index(block_mask, kpm, cu, bs, causal, wl, wr, ng, sq, sk, bm_m, bn_f)
+    opts = {**FWD_DEFAULT, **(variant or {})}
+    loop = LOOP_IDS[opts["loop"]]
+    if loop == 2 and not ti.full_run:               # full tiles not one run per row: the general list path
+        loop = 1
     out = _new(q.shape, q.dtype, q.device, bshd=True)
     lse = _new((b, hq, sq), torch.float32, q.device)
     ptrs, strides = _layout_args(ti, block_mask, kpm, q)
@@ -392,7 +460,8 @@ def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale)
                       *_s4(ti.rows), *_s4(ti.cols), *strides,
                       hq, hq // hk, sq, sk, sk - sq, d, scale * LOG2E, wl, wr, ng, bs,
                       BLOCK_M=bm_m, BLOCK_N=bn_f, HEAD_D=hd, EVEN_D=hd == d, **_flags(ti, causal, wl, ng, cu, kpm),
-                      RESCALE=float(fwd_flags[0]) if fwd_flags else 0.0, num_warps=warps, num_stages=stages)
+                      RESCALE=float(fwd_flags[0]) if fwd_flags else 0.0, LOOP=loop, REVERSE=bool(opts["reverse"]),
+                      num_warps=warps, num_stages=stages)
     return out.to(in_dtype), lse
 
 
