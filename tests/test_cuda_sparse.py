@@ -178,7 +178,7 @@ LOOP_PATTERNS = {   # PATTERNS plus ones with several full tiles per row at the 
 }
 
 
-@pytest.mark.parametrize("loop", ["list", "prefetch", "run", "fused"])
+@pytest.mark.parametrize("loop", ["list", "prefetch", "run", "fused", "fused_run"])
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("name", ["window_causal", "window_wide", "dense_causal_cross", "global_window",
                                   "bigbird_heads", "block_mask_batch", "padding_causal", "varlen",
@@ -192,7 +192,7 @@ def test_forward_loop_variants(name, loop, reverse, poison, monkeypatch):
     _check(make(), b, hq=hq, hk=hq // 2, d=32)
 
 
-@pytest.mark.parametrize("loop", ["run", "fused"])
+@pytest.mark.parametrize("loop", ["run", "fused", "fused_run"])
 def test_forward_loop_variants_odd_head_dim_and_tail(loop, poison, monkeypatch):
     """A key tail past s_k inside a partial tile (fused: clamped K/V rows) and a padded head dim."""
     monkeypatch.setattr(sparse_mod, "FWD_DEFAULT", {"loop": loop, "reverse": False})

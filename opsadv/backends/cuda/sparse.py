@@ -103,7 +103,9 @@ def _allowed(offs_m, offs_n, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, seg_ptr, pos_ptr, 
 #                 windows, causal, varlen segments, padding); otherwise "prefetch".
 #   3 "fused":    one loop over all listed tiles (ids prefetched as in 1), the element mask applied in a
 #                 uniform branch for the first n_part (partial) tiles: one pipeline, no refill between loops.
-LOOP_IDS = {"list": 0, "prefetch": 1, "run": 2, "fused": 3}
+#   4 "fused_run": as 3 where full tiles are one run (else 3): ids loaded only for the partial tiles, full
+#                 tile t (t >= n_part) is column cols[n_part] + t - n_part.
+LOOP_IDS = {"list": 0, "prefetch": 1, "run": 2, "fused": 3, "fused_run": 4}
 FWD_DEFAULT = {"loop": "list", "reverse": False}   # until measured
 
 
@@ -181,10 +183,17 @@ def _sparse_fwd(Q, K, V, O, LSE, ROWS, COLS, BM, KPM, SEG, POS,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
-    if LOOP == 3:
-        kt = tl.load(cols, mask=n_all > 0, other=0)
+    if LOOP >= 3:
+        run0 = tl.load(cols + n_part, mask=n_part < n_all, other=0) - n_part   # LOOP 4: full tile t -> run0 + t
+        if LOOP == 4:
+            kt = tl.where(n_part > 0, tl.load(cols, mask=n_part > 0, other=0), run0)
+        else:
+            kt = tl.load(cols, mask=n_all > 0, other=0)
         for t in range(0, n_all):
-            kt_next = tl.load(cols + t + 1, mask=t + 1 < n_all, other=0)
+            if LOOP == 4:
+                kt_next = tl.where(t + 1 < n_part, tl.load(cols + t + 1, mask=t + 1 < n_part, other=0), run0 + t + 1)
+            else:
+                kt_next = tl.load(cols + t + 1, mask=t + 1 < n_all, other=0)
             offs_n = kt * BLOCK_N + tl.arange(0, BLOCK_N)
             rows_kv = tl.minimum(offs_n, SK - 1)      # keys past s_k re-read the last one: no row mask, masked below
             k = load_tile(k_base + rows_kv[:, None] * s_kn + offs_d[None, :], rows_kv, SK, offs_d, D, False,
@@ -448,8 +457,8 @@ def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale,
     ti = tile_index(block_mask, kpm, cu, bs, causal, wl, wr, ng, sq, sk, bm_m, bn_f)
     opts = {**FWD_DEFAULT, **(variant or {})}
     loop = LOOP_IDS[opts["loop"]]
-    if loop == 2 and not ti.full_run:               # full tiles not one run per row: the general list path
-        loop = 1
+    if loop in (2, 4) and not ti.full_run:          # full tiles not one run per row: the general list path
+        loop = {2: 1, 4: 3}[loop]
     out = _new(q.shape, q.dtype, q.device, bshd=True)
     lse = _new((b, hq, sq), torch.float32, q.device)
     ptrs, strides = _layout_args(ti, block_mask, kpm, q)
