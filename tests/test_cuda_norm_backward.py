@@ -64,3 +64,27 @@ def test_backward_kernel_without_weight_noncontiguous_fp16():
                            (256, 4, 4, 1))
     assert dw.numel() == 0 and db.numel() == 0
     assert rel_err(dx, ref[0]) < 2e-3
+
+
+@pytest.mark.parametrize("p,n", [(1, 5), (64, 32), (130, 37), (200, 1)])
+@pytest.mark.parametrize("parts", ["w", "b", "wb"])
+def test_stage2_reduce_kernel(p, n, parts):
+    """Stage 2 alone: column sums of (P, N) float32 partials over several BLOCK_P steps (P > 64 on a
+    GPU with many programs), ragged column strips, cast to the output dtype; outputs poisoned first."""
+    from opsadv.backends.cuda import norm as N
+    g = torch.Generator().manual_seed(p * 100 + n)
+    dw_part, db_part = torch.randn(p, n, generator=g), torch.randn(p, n, generator=g)
+    dw = torch.full((n,), float("nan"), dtype=torch.float16)
+    db = torch.full((n,), float("nan"), dtype=torch.float32)
+    has_w, has_b = "w" in parts, "b" in parts
+    N._kernels()["reduce"][(N.triton_cdiv(n, N.REDUCE_BLOCK_N),)](
+        dw_part, db_part, dw, db, p, n, HAS_W=has_w, HAS_DB=has_b,
+        BLOCK_P=N.REDUCE_BLOCK_P, BLOCK_N=N.REDUCE_BLOCK_N)
+    if has_w:
+        assert rel_err(dw.float(), dw_part.double().sum(0).half().float()) < 2e-3
+    else:
+        assert dw.isnan().all()
+    if has_b:
+        assert rel_err(db, db_part.double().sum(0).float()) < 1e-5
+    else:
+        assert db.isnan().all()

@@ -116,3 +116,27 @@ def _norm_bwd_kernel(dy_ptr, ds_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, d
         tl.store(dw_ptr + pid * N + cols, tl.sum(dw_acc, axis=0), mask=cmask)
     if HAS_DB:
         tl.store(db_ptr + pid * N + cols, tl.sum(db_acc, axis=0), mask=cmask)
+
+
+@triton.jit
+def _norm_bwd_reduce_kernel(dw_part_ptr, db_part_ptr, dw_ptr, db_ptr, P, N,
+                            HAS_W: tl.constexpr, HAS_DB: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Stage 2: dweight / dbias = column sums of the (P, N) float32 partials, cast to the output dtype.
+    One launch for both (the host cost of four torch ops was the backward's bottleneck); each program
+    sums a BLOCK_N-wide column strip over the partials in a fixed order, so the result is deterministic."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    acc_w = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    acc_b = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    for p0 in range(0, P, BLOCK_P):
+        rows = p0 + tl.arange(0, BLOCK_P)
+        mask = (rows[:, None] < P) & cmask[None, :]
+        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        if HAS_W:
+            acc_w += tl.load(dw_part_ptr + offs, mask=mask, other=0.0)
+        if HAS_DB:
+            acc_b += tl.load(db_part_ptr + offs, mask=mask, other=0.0)
+    if HAS_W:
+        tl.store(dw_ptr + cols, tl.sum(acc_w, axis=0).to(dw_ptr.dtype.element_ty), mask=cmask)
+    if HAS_DB:
+        tl.store(db_ptr + cols, tl.sum(acc_b, axis=0).to(db_ptr.dtype.element_ty), mask=cmask)

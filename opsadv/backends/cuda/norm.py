@@ -84,8 +84,8 @@ _K: dict = {}
 def _kernels():
     """The Triton kernels, imported on first use (keeps triton out of `import opsadv`)."""
     if not _K:
-        from ._norm_triton import _norm_bwd_kernel, _norm_fwd_kernel
-        _K.update(fwd=_norm_fwd_kernel, bwd=_norm_bwd_kernel)
+        from ._norm_triton import _norm_bwd_kernel, _norm_bwd_reduce_kernel, _norm_fwd_kernel
+        _K.update(fwd=_norm_fwd_kernel, bwd=_norm_bwd_kernel, reduce=_norm_bwd_reduce_kernel)
     return _K
 
 
@@ -110,6 +110,10 @@ def _forward(rms, x, weight, bias, eps, residual, offset):
     return y, s, mean, rstd
 
 
+# stage-2 tile: narrow column strips so even hidden 1024 gets 32 programs; 64 partial rows per step
+REDUCE_BLOCK_N, REDUCE_BLOCK_P = 32, 64
+
+
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -126,19 +130,28 @@ def _backward(ctx, rms, dy, dsum, xin, weight, has_db, mean, rstd, offset, cfg=N
     progs = min(triton_cdiv(m, rows), per_sm * sms)
     per_prog = triton_cdiv(triton_cdiv(m, progs), rows) * rows
     progs = triton_cdiv(m, per_prog)
-    dx = _poisoned(xin.shape, xin.dtype, xin.device)
-    dw_part = _poisoned((progs, n), torch.float32, xin.device) if weight is not None else dx
-    db_part = _poisoned((progs, n), torch.float32, xin.device) if has_db else dx
+    dev = xin.device
+    has_w = weight is not None
+    dx = _poisoned(xin.shape, xin.dtype, dev)
+    # the per-program float32 partials of dweight and dbias share one buffer (one allocation)
+    part = _poisoned((int(has_w) + int(has_db), progs, n), torch.float32, dev) if has_w or has_db else dx
+    dw_part = part[0] if has_w else dx
+    db_part = part[int(has_w)] if has_db else dx
     rstd1 = _stats(rstd)
     mean1 = rstd1 if rms else _stats(mean)
-    _kernels()["bwd"][(progs,)](
-        dy2, ds2, x2, weight if weight is not None else x2, mean1, rstd1, dx, dw_part, db_part,
+    k = _kernels()
+    k["bwd"][(progs,)](
+        dy2, ds2, x2, weight if has_w else x2, mean1, rstd1, dx, dw_part, db_part,
         m, n, sdy, sds, sx, n, float(offset), per_prog,
-        RMS=rms, HAS_DSUM=dsum.numel() > 0, HAS_W=weight is not None, HAS_DB=has_db,
+        RMS=rms, HAS_DSUM=dsum.numel() > 0, HAS_W=has_w, HAS_DB=has_db,
         ROWS=rows, BLOCK_N=block, num_warps=warps)
-    # stage 2: a fixed-order sum of the per-program partials (deterministic)
-    dw = dw_part.sum(0).to(weight.dtype) if weight is not None else xin.new_empty((0,))
-    db = db_part.sum(0).to(xin.dtype) if has_db else xin.new_empty((0,))        # (distinct: outputs never alias)
+    dw = _poisoned((n,), weight.dtype, dev) if has_w else xin.new_empty((0,))
+    db = _poisoned((n,), xin.dtype, dev) if has_db else xin.new_empty((0,))   # (distinct: outputs never alias)
+    if has_w or has_db:
+        # stage 2: a fixed-order column sum of the partials (deterministic), cast to the output dtype
+        k["reduce"][(triton_cdiv(n, REDUCE_BLOCK_N),)](
+            dw_part, db_part, dw if has_w else dx, db if has_db else dx, progs, n,
+            HAS_W=has_w, HAS_DB=has_db, BLOCK_P=REDUCE_BLOCK_P, BLOCK_N=REDUCE_BLOCK_N, num_warps=4)
     return dx, dw, db
 
 

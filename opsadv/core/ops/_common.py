@@ -120,12 +120,20 @@ def eager_fast_path(*tensors) -> bool:
     return eager_mode(*tensors) == DIRECT
 
 
-def autograd_function(name: str, route, setup_context, backward):
+def autograd_function(name: str, route, setup_context, backward, *, stats: tuple[int, ...] = ()):
     """A torch.autograd.Function running `route` forward and the op's registered backward
-    function: the eager-training twin of torch.library's register_autograd."""
+    function: the eager-training twin of torch.library's register_autograd.
+
+    `stats`: indices of outputs that carry no gradient (saved statistics such as mean / rstd).  They
+    are marked non-differentiable and, with `stats` given, grads are not materialized: the backward
+    gets None for unused outputs (it must handle None), which spares autograd's thread one
+    zero-filled tensor per unused output."""
     def forward(ctx, *inputs):
         out = route(*inputs)
         setup_context(ctx, inputs, out)
+        if stats:
+            ctx.set_materialize_grads(False)
+            ctx.mark_non_differentiable(*(out[i] for i in stats))
         return out
 
     fn = type(name, (torch.autograd.Function,), {"forward": staticmethod(forward),

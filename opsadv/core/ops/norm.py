@@ -111,9 +111,8 @@ def _ln_setup(ctx, inputs, output):
 
 def _ln_bwd(ctx, dy, dsum, dmean, drstd):
     xin, weight, bias, mean, rstd = ctx.saved_tensors
-    if ctx.has_residual and dsum is None:
-        dsum = torch.zeros_like(xin)
-    dsum = dsum if ctx.has_residual else xin.new_empty((0,))
+    # no gradient for the residual sum (None: unused, not materialized) -> the kernel skips that input
+    dsum = dsum if ctx.has_residual and dsum is not None else xin.new_empty((0,))
     if dy is None:
         dy = torch.zeros_like(xin)
     # eager backward (no tracing, no double backward): the router directly, as the forward does,
@@ -126,7 +125,7 @@ def _ln_bwd(ctx, dy, dsum, dmean, drstd):
 
 _ln_setup, _ln_bwd = carry_policy(_ln_setup, _ln_bwd)
 _layer_norm.register_autograd(_ln_bwd, setup_context=_ln_setup)
-_ln_eager_autograd = autograd_function("LayerNormFn", _layer_norm_route, _ln_setup, _ln_bwd)
+_ln_eager_autograd = autograd_function("LayerNormFn", _layer_norm_route, _ln_setup, _ln_bwd, stats=(2, 3))
 
 
 # ---- rms_norm ------------------------------------------------------------------------------
@@ -175,9 +174,8 @@ def _rms_setup(ctx, inputs, output):
 
 def _rms_bwd(ctx, dy, dsum, drstd):
     xin, weight, rstd = ctx.saved_tensors
-    if ctx.has_residual and dsum is None:
-        dsum = torch.zeros_like(xin)
-    dsum = dsum if ctx.has_residual else xin.new_empty((0,))
+    # no gradient for the residual sum (None: unused, not materialized) -> the kernel skips that input
+    dsum = dsum if ctx.has_residual and dsum is not None else xin.new_empty((0,))
     if dy is None:
         dy = torch.zeros_like(xin)
     bwd = _rms_norm_backward_route if eager_mode(dy, xin, weight) == DIRECT else torch.ops.opsadv.rms_norm_backward
@@ -187,7 +185,7 @@ def _rms_bwd(ctx, dy, dsum, drstd):
 
 _rms_setup, _rms_bwd = carry_policy(_rms_setup, _rms_bwd)
 _rms_norm.register_autograd(_rms_bwd, setup_context=_rms_setup)
-_rms_eager_autograd = autograd_function("RmsNormFn", _rms_norm_route, _rms_setup, _rms_bwd)
+_rms_eager_autograd = autograd_function("RmsNormFn", _rms_norm_route, _rms_setup, _rms_bwd, stats=(2,))
 
 
 # ---- public ----------------------------------------------------------------------------------
