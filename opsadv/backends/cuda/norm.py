@@ -85,7 +85,10 @@ def _kernels():
     """The Triton kernels, imported on first use (keeps triton out of `import opsadv`)."""
     if not _K:
         from ._norm_triton import _norm_bwd_kernel, _norm_bwd_reduce_kernel, _norm_fwd_kernel
-        _K.update(fwd=_norm_fwd_kernel, bwd=_norm_bwd_kernel, reduce=_norm_bwd_reduce_kernel)
+        from ._triton_utils import FastLaunch
+        # launched once or twice per norm call, many calls per step: the launch fast path pays here
+        _K.update(fwd=FastLaunch(_norm_fwd_kernel), bwd=FastLaunch(_norm_bwd_kernel),
+                  reduce=FastLaunch(_norm_bwd_reduce_kernel))
     return _K
 
 
