@@ -35,3 +35,17 @@ if [ "${PART:-a}" = d ]; then
   timeout 200 python3 benchmarks/host_cost.py --split --decode --profile "$OUT/host_split_decode.txt" > "$OUT/host_d.log" 2>&1
   echo "split/decode rc $?"; head -8 "$OUT/host_split_decode.txt"; tail -5 "$OUT/host_d.log"
 fi
+# PART=e: after the host-path work (norm backward stage 2 in one launch, FastLaunch, decode priority):
+# GPU test of the launch fast path, norm conformance (real kernels), host cost tables, norm fwd+bwd bench, e2e decode
+if [ "${PART:-a}" = e ]; then
+  TRITON_INTERPRET=0 timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_fast_launch.py > "$OUT/gpu_tests.log" 2>&1
+  echo "gpu tests rc $?"; tail -2 "$OUT/gpu_tests.log"
+  timeout 100 python3 -m opsadv conformance --backend cuda --ops layer_norm,rms_norm --json "$OUT/conf_norm.json" \
+    > "$OUT/conf_norm.log" 2>&1; echo "norm conformance rc $?"; tail -1 "$OUT/conf_norm.log"
+  timeout 100 python3 benchmarks/host_cost.py --detail --split --decode-impls --profile "$OUT/host_tables.txt" \
+    > /dev/null 2>&1; echo "host tables rc $?"; cat "$OUT/host_tables.txt"
+  timeout 100 python3 -m opsadv bench --suite norm --filter 'fwd\+bwd' --json "$OUT/norm_fb.json" > "$OUT/bench.log" 2>&1
+  echo "norm rc $?"
+  timeout 150 python3 -m opsadv bench --suite e2e --quick --filter decode --json "$OUT/e2e_decode.json" >> "$OUT/bench.log" 2>&1
+  echo "decode rc $?"; grep -E "^(fwd|decode)" "$OUT/bench.log" | tail -16
+fi

@@ -288,21 +288,76 @@ def decode_profile() -> list[str]:
     return lines
 
 
+def decode_impls() -> list[str]:
+    """Each impl of the ops in a Llama-1.1B decode step (b8, one new token, 2048 cached; pinned one
+    at a time): host µs per call (GPU kept busy), GPU ms (do_bench), and back-to-back wall µs per
+    call (200 calls, one sync): in a host-bound decode step the last one is what counts."""
+    from triton.testing import do_bench
+    dt = torch.bfloat16
+    b, h, hkv, d, ctx_len, hid, inter = 8, 32, 4, 64, 2048, 2048, 5632
+    q = torch.randn(b, h, 1, d, device=DEV, dtype=dt)
+    k, v = (torch.randn(b, hkv, ctx_len, d, device=DEV, dtype=dt) for _ in range(2))
+    x = torch.randn(b, 1, hid, device=DEV, dtype=dt)
+    wqkv = torch.randn(hid, hid + 2 * hkv * d, device=DEV, dtype=dt)
+    wgu = torch.randn(hid, 2 * inter, device=DEV, dtype=dt)
+    wn = torch.ones(hid, device=DEV, dtype=dt)
+    table = {
+        "flash_attention": (lambda: opsadv.ops.flash_attention(q, k, v),
+                            ["cuda.sdpa.cudnn", "cuda.sdpa.flash", "cuda.sdpa.efficient", "cuda.triton.flash_attention"],
+                            lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)),
+        "gemm": (lambda: opsadv.ops.gemm(x, wqkv), ["cuda.cublas.gemm_small_m", "cuda.cublas.gemm",
+                                                     "cuda.triton.gemm", "cuda.triton.gemm_tma"],
+                 lambda: torch.matmul(x, wqkv)),
+        "swiglu_gemm": (lambda: opsadv.ops.swiglu_gemm(x, wgu), ["cuda.cublas.swiglu_gemm_small_m",
+                                                                 "cuda.cublas.swiglu_gemm", "cuda.triton.swiglu_gemm",
+                                                                 "cuda.triton.swiglu_gemm_tma"],
+                        lambda: (lambda gu: F.silu(gu[..., :inter]) * gu[..., inter:])(x @ wgu)),
+        "rms_norm": (lambda: opsadv.ops.rms_norm(x, wn, 1e-6), ["cuda.triton.rms_norm"],
+                     lambda: F.rms_norm(x, (hid,), wn, 1e-6)),
+    }
+
+    def b2b(fn, n=200):
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / n * 1e6
+
+    lines = []
+    with torch.no_grad():
+        for op, (call, impls, eager) in table.items():
+            for impl in impls + ["(auto)", "(eager torch)"]:
+                try:
+                    if impl == "(eager torch)":
+                        fn = eager
+                        row = (host_us(fn), do_bench(fn, return_mode="median"), b2b(fn))
+                    else:
+                        pins = {} if impl == "(auto)" else {"impls": {op: impl}}
+                        with opsadv.use_backend("cuda", **pins):
+                            call()
+                            row = (host_us(call), do_bench(call, return_mode="median"), b2b(call))
+                    lines.append(f"{op:16s} {impl:34s} host {row[0]:7.1f} us  gpu {row[1] * 1e3:7.1f} us  "
+                                 f"back-to-back {row[2]:7.1f} us")
+                except Exception as e:  # noqa: BLE001 - an impl that refuses this shape says why
+                    lines.append(f"{op:16s} {impl:34s} n/a: {type(e).__name__}: {str(e)[:150]}")
+                print(lines[-1], flush=True)
+    return lines
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--profile")
     ap.add_argument("--split", action="store_true", help="fwd+bwd host time split across autograd's threads")
     ap.add_argument("--decode", action="store_true", help="cProfile of Llama-1.1B decode steps")
+    ap.add_argument("--decode-impls", action="store_true", help="host/GPU/back-to-back cost of each impl at decode shapes")
     ap.add_argument("--detail", action="store_true", help="only the per-layer partition of a LayerNorm call")
     args = ap.parse_args()
-    if args.split or args.decode:
-        lines = (autograd_split() if args.split else []) + (decode_profile() if args.decode else [])
-        if args.profile:
-            open(args.profile, "w").write("\n".join(lines) + "\n")
-        return
-    if args.detail:
-        lines = detail()
+    if args.split or args.decode or args.decode_impls or args.detail:
+        lines = ((detail() if args.detail else []) + (autograd_split() if args.split else [])
+                 + (decode_impls() if args.decode_impls else []) + (decode_profile() if args.decode else []))
         if args.profile:
             open(args.profile, "w").write("\n".join(lines) + "\n")
         return

@@ -1,6 +1,8 @@
 """Conformance of the cuda backend's Triton sparse attention kernels (run by the Triton
 interpreter on CPU here) against the reference backend: every layout pattern, odd lengths,
 GQA, forward and backward, poisoned output buffers, fully masked rows."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -198,3 +200,34 @@ def test_forward_loop_variants_odd_head_dim_and_tail(loop, poison, monkeypatch):
     monkeypatch.setattr(sparse_mod, "FWD_DEFAULT", {"loop": loop, "reverse": False})
     _check(SparseLayout.sliding_window(45, (7, 11), causal=False, seq_k=83, block_size=32), 1, 2, 1, 96)
     _check(SparseLayout.dense(37, causal=True, block_size=16), 1, 3, 3, 16)
+
+
+def test_long_row_tile_selection(monkeypatch):
+    """LONG_ROW_FWD applies only to long, contiguous rows without segments / padding / mixed block masks,
+    and never when the profile pins its own sparse tiles."""
+    monkeypatch.setattr(sparse_mod, "LONG_ROW_FWD", {"p": ((32, 32, 4, 1), 48)})
+    prof = SimpleNamespace(name="p", tiles={})
+    win = SparseLayout.sliding_window(300, 80, causal=True, block_size=16)
+    ti = win.tile_index(32, 16)
+    pick = lambda lay, ti_, p=prof: sparse_mod._long_row_tile(p, 32, ti_, 16, lay.cu_seqlens, lay.key_padding_mask)  # noqa: E731
+    assert pick(win, ti) == (32, 32, 4, 1)
+    short = SparseLayout.sliding_window(300, 20, causal=True, block_size=16)
+    assert pick(short, short.tile_index(32, 16)) is None
+    vl = SparseLayout.varlen([150, 150], causal=True, block_size=16)
+    assert pick(vl, vl.tile_index(32, 16)) is None
+    glob = SparseLayout.global_tokens(300, 16, window=80, block_size=16)        # full tiles not one run
+    assert pick(glob, glob.tile_index(32, 16)) is None
+    pinned = SimpleNamespace(name="p", tiles={"sparse_attention": ((32, 16, 4, 1),) * 3})
+    assert pick(win, ti, pinned) is None
+
+
+@pytest.mark.parametrize("name", ["window_wide", "dense_causal_cross", "window_cross"])
+def test_long_row_tile_path(name, poison, monkeypatch):
+    """The forward with the long-row tile switched on (a tile index rebuilt at another shape): same function."""
+    monkeypatch.setattr(sparse_mod, "LONG_ROW_FWD", {"interpreter": ((16, 32, 4, 1), 1)})
+    make, b, *heads = LOOP_PATTERNS[name]
+    lay = make()
+    ti = lay.tile_index(32, 16)
+    if name != "window_cross":
+        assert sparse_mod._long_row_tile(SimpleNamespace(name="interpreter", tiles={}), 32, ti, 16, None, None)
+    _check(lay, b, hq=2, hk=1, d=32)

@@ -9,7 +9,9 @@ key gives zeros and lse = -inf.  Backward: a dK/dV kernel (per kv tile, over the
 lists and every query head of its group) and a dQ kernel, both without atomics.
 
 Tiles come from ctx.profile.tiles["sparse_attention"] when the profile sets them, else from
-TILES below by profile name."""
+TILES below by profile name; the forward takes LONG_ROW_FWD's larger tile for long contiguous rows.
+Forward loop structure: LOOP_IDS / FWD_DEFAULT below (full tiles walked as a column range when they
+are one run per row, else column ids prefetched one iteration ahead, so K/V loads stay pipelined)."""
 from __future__ import annotations
 
 import math
@@ -45,6 +47,16 @@ TILES = {
     "interpreter": {"small": ((32, 16, 4, 1), (16, 32, 4, 1), (32, 16, 4, 1)),
                     "large": ((32, 16, 4, 1), (16, 32, 4, 1), (32, 16, 4, 1))},
 }
+
+
+# Forward tile for long rows, by profile: (tile, min mean keys per row).  H200 (benchmarks/sparse_fwd_probe.py,
+# results/sparse_fwd_probe_h200.json, causal windows, s16384 d128 bf16, "run" loop): 128x128/8/3 vs 64x64/4/3
+# w2048 1.236 vs 1.343 ms, w4096 2.111 vs 2.259, w8192 3.447 vs 3.689; but w1024 0.782 vs 0.727, w256 0.443
+# vs 0.312 and the packed varlen batch 1.693 vs 1.564 (segment edges: more masked work).  So only for
+# layouts whose full tiles are one run per row, without segments, key padding or a mixed block mask, and
+# rows that visit >= 1536 keys on average.  Shared memory at 128x128/3 stages: 229376 B of 232448 for every
+# flag combination allowed here (sm_90 compile, Triton 3.6); the excluded gather paths need more.
+LONG_ROW_FWD = {"h100": ((128, 128, 8, 3), 1536)}
 
 
 def tiles_for(profile, head_dim: int):
@@ -106,7 +118,11 @@ def _allowed(offs_m, offs_n, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, seg_ptr, pos_ptr, 
 #   4 "fused_run": as 3 where full tiles are one run (else 3): ids loaded only for the partial tiles, full
 #                 tile t (t >= n_part) is column cols[n_part] + t - n_part.
 LOOP_IDS = {"list": 0, "prefetch": 1, "run": 2, "fused": 3, "fused_run": 4}
-FWD_DEFAULT = {"loop": "list", "reverse": False}   # until measured
+# H200 (results/sparse_fwd_probe_h200.json, two runs, 64x64/4/3): "run" vs "list" w256 0.308 vs 0.332 ms,
+# w1024 0.726 vs 0.787, w4096 2.170 vs 2.461, w8192 3.615 vs 4.046, varlen 1.558 vs 1.771; global+window
+# ("prefetch", full tiles not one run) 0.749 vs 0.918.  "fused"/"fused_run" were ~3% faster at w256 and
+# 1-7% slower from w1024 up.  REVERSE: -2% on varlen, +3..5% on w4096/w8192: off.
+FWD_DEFAULT = {"loop": "run", "reverse": False}
 
 
 @triton.jit
@@ -447,14 +463,31 @@ def _prep(ctx, *ts):
     return [t.to(cd) if t.stride(-1) == 1 else t.to(cd).contiguous() for t in ts]
 
 
+def _long_row_tile(profile, d, ti, block_n, cu, kpm):
+    """LONG_ROW_FWD's tile when this layout qualifies (see there), else None.  Not when the profile
+    carries its own sparse tiles (benchmarks pin them) or during CUDA graph capture (ti.tiles = -1)."""
+    cfg = LONG_ROW_FWD.get(getattr(profile, "name", None))
+    if cfg is None or OP in (getattr(profile, "tiles", None) or {}) or d > 128:
+        return None
+    if cu is not None or kpm is not None or ti.bm_mode == 2 or not ti.full_run or ti.tiles < 0:
+        return None
+    tile, min_keys = cfg
+    n_rows = ti.rows.shape[0] * ti.rows.shape[1] * ti.rows.shape[2]
+    return tile if ti.tiles * block_n >= min_keys * n_rows else None
+
+
 def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale, *, variant=None):
-    """variant (benchmarks): {"loop": one of LOOP_IDS, "reverse": bool} instead of the defaults."""
+    """variant (benchmarks): {"loop": one of LOOP_IDS, "reverse": bool} instead of FWD_DEFAULT."""
     in_dtype = q.dtype
     q, k, v = _prep(ctx, q, k, v)
     b, hq, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
     (bm_m, bn_f, warps, stages, *fwd_flags), _, _ = tiles_for(ctx.profile, d)
     ti = tile_index(block_mask, kpm, cu, bs, causal, wl, wr, ng, sq, sk, bm_m, bn_f)
+    long = _long_row_tile(ctx.profile, d, ti, bn_f, cu, kpm)
+    if long is not None:
+        bm_m, bn_f, warps, stages = long
+        ti = tile_index(block_mask, kpm, cu, bs, causal, wl, wr, ng, sq, sk, bm_m, bn_f)
     opts = {**FWD_DEFAULT, **(variant or {})}
     loop = LOOP_IDS[opts["loop"]]
     if loop in (2, 4) and not ti.full_run:          # full tiles not one run per row: the general list path
