@@ -48,7 +48,7 @@ class Explanation:
             verdict = "accepted" if c.accepted else "rejected: " + "; ".join(c.reasons)
             if c.accepted and c.reasons:
                 verdict += " (" + "; ".join(c.reasons) + ")"
-            rows.append(f"  {mark} {c.impl.id:42} {c.impl.priority_for(self.spec):>5}  {verdict}")
+            rows.append(f"  {mark} {c.impl.id:42} {c.impl.priority:>5}  {verdict}")
         rows.append(f"  chosen: {self.chosen or 'none'} -- {self.why}")
         return "\n".join(rows)
 
@@ -57,7 +57,7 @@ class Explanation:
 
     def to_dict(self) -> dict[str, Any]:
         return {"op": self.op, "policy": self.policy, "chosen": self.chosen, "why": self.why,
-                "candidates": [{"impl": c.impl.id, "backend": c.impl.backend, "priority": c.impl.priority_for(self.spec),
+                "candidates": [{"impl": c.impl.id, "backend": c.impl.backend, "priority": c.impl.priority,
                                 "accepted": c.accepted, "chosen": c.chosen, "reasons": list(c.reasons)}
                                for c in self.candidates]}
 
@@ -142,19 +142,18 @@ def explain_spec(spec: CallSpec, policy: Policy | None = None) -> tuple[Explanat
         why = impl.rejection_reasons(spec, env, experimental_ok=policy.experimental,
                                      deterministic=policy.deterministic)
         cands.append(Candidate(impl, not why, tuple(why)))
-    accepted = sorted((c for c in cands if c.accepted), key=lambda c: (-c.impl.priority_for(spec), c.impl.id))
+    accepted = sorted((c for c in cands if c.accepted), key=lambda c: (-c.impl.priority, c.impl.id))
     chosen: KernelImpl | None = None
     why = ""
     if accepted:
         chosen = accepted[0].impl
-        prio = chosen.priority_for(spec)
-        why = (f"highest priority ({prio}{', decode' if prio != chosen.priority else ''}) of {len(accepted)} accepted")
+        why = f"highest priority ({chosen.priority}) of {len(accepted)} accepted"
         from . import tuning
         measured = tuning.lookup(spec, [c.impl.id for c in accepted], env)
         if measured is not None:
             chosen = next(c.impl for c in accepted if c.impl.id == measured.winner)
             why = measured.describe()
-    cands.sort(key=lambda c: (not c.accepted, -c.impl.priority_for(spec), c.impl.id))
+    cands.sort(key=lambda c: (not c.accepted, -c.impl.priority, c.impl.id))
     cands = [Candidate(c.impl, c.accepted, c.reasons, chosen is not None and c.impl.id == chosen.id)
              for c in cands]
     exp = Explanation(spec.op, spec, policy.describe(), tuple(cands), chosen.id if chosen else None, why)

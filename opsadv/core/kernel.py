@@ -108,8 +108,6 @@ class KernelImpl:
     fn: Callable[..., Any]
     backward: Callable[..., Any] | None = None
     priority: int = PRIORITY_GENERIC
-    # priority for single-token-query calls (decode steps), where host cost per call decides; None: `priority`
-    decode_priority: int | None = None
     device_types: tuple[str, ...] = ("cuda",)
     dtypes: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
     head_dims: tuple[int, ...] | None = None  # exact supported head dims (None: any)
@@ -126,12 +124,6 @@ class KernelImpl:
     # may only depend on what the key distinguishes (dtype, features, head dim, length buckets, ...).
     check: Callable[[CallSpec, EnvInfo], list[str]] | None = None
     description: str = ""
-
-    def priority_for(self, spec: CallSpec) -> int:
-        """`decode_priority` when the call's query has one token (shapes[0] is (..., s_q, d)), else `priority`."""
-        if self.decode_priority is not None and spec.shapes and len(spec.shapes[0]) >= 2 and spec.shapes[0][-2] == 1:
-            return self.decode_priority
-        return self.priority
 
     def rejection_reasons(self, spec: CallSpec, env: EnvInfo, *, experimental_ok: bool,
                           deterministic: bool) -> list[str]:

@@ -187,9 +187,6 @@ def impls(env) -> list[KernelImpl]:
                    check=_cudnn_rule, description="cuDNN fused attention through aten (native GQA)"),
         KernelImpl(id="cuda.sdpa.flash", op="flash_attention", backend="cuda", fn=flash_fwd, backward=flash_bwd,
                    priority=PRIORITY_VENDOR - 10, dtypes=half, max_head_dim=256, min_cc=(8, 0),
-                   # decode steps are host-bound: cuDNN's per-call graph lookup costs more host time than
-                   # flash's launch (benchmarks/host_cost.py --decode-impls)
-                   decode_priority=PRIORITY_VENDOR + 10,
                    features=BASE_FEATURES, check=_mult8,
                    description="PyTorch's FlashAttention-2 through aten (native GQA)"),
         KernelImpl(id="cuda.sdpa.efficient", op="flash_attention", backend="cuda", fn=efficient_fwd,
