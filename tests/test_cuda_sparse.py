@@ -205,7 +205,7 @@ def test_forward_loop_variants_odd_head_dim_and_tail(loop, poison, monkeypatch):
 def test_long_row_tile_selection(monkeypatch):
     """LONG_ROW_FWD applies only to long, contiguous rows without segments / padding / mixed block masks,
     and never when the profile pins its own sparse tiles."""
-    monkeypatch.setattr(sparse_mod, "LONG_ROW_FWD", {"p": ((32, 32, 4, 1), 48)})
+    monkeypatch.setattr(sparse_mod, "LONG_ROW_FWD", {"p": ((32, 32, 4, 1), 90)})
     prof = SimpleNamespace(name="p", tiles={})
     win = SparseLayout.sliding_window(300, 80, causal=True, block_size=16)
     ti = win.tile_index(32, 16)
