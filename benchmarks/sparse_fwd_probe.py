@@ -72,7 +72,7 @@ SETS = {
               small=("fused_run_64", "fused_run_128x128"), glob=(),
               varlen=("list_64", "run_64", "fused_run_64", "run_64_rev", "run_128x128")),
     # set 3: the new defaults through the public op (loop "run", LONG_ROW_FWD) next to the pinned 64x64 "run"
-    "3": dict(windows=(256, 1024, 2048, 8192), global_=False, window=("op_default", "run_64"),
+    "3": dict(windows=(1024, 2048, 8192), global_=False, window=("op_default", "run_64"),
               small=("op_default",), glob=(), varlen=("op_default", "list_64")),
 }
 SET = os.environ.get("PROBE_SET", "3")
