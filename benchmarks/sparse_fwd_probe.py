@@ -197,7 +197,7 @@ def window_series():
         cases.append((f"sliding{w} global{g}", lay, _global_mod(w, g)))
     prepared = []
     for cname, lay, mm in cases:
-        if left() < 40:
+        if left() < 15:
             break
         ti = lay.tile_index(64, 64)
         work = 4.0 * b * h * s * s * d * ti.tiles / ti.total_tiles
@@ -312,7 +312,7 @@ def summary():
 
 if __name__ == "__main__":
     guarded("correct_small", small_correctness, 20)
-    guarded("window_series", window_series, 60)
+    guarded("window_series", window_series, 20)
     guarded("varlen", varlen, 15)
     summary()
     print(f"total {time.time() - T0:.0f}s", flush=True)
