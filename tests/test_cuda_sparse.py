@@ -209,7 +209,9 @@ def test_long_row_tile_selection(monkeypatch):
     prof = SimpleNamespace(name="p", tiles={})
     win = SparseLayout.sliding_window(300, 80, causal=True, block_size=16)
     ti = win.tile_index(32, 16)
-    pick = lambda lay, ti_, p=prof: sparse_mod._long_row_tile(p, 32, ti_, 16, lay.cu_seqlens, lay.key_padding_mask)  # noqa: E731
+
+    def pick(lay, ti_, p=prof):
+        return sparse_mod._long_row_tile(p, 32, ti_, 16, lay.cu_seqlens, lay.key_padding_mask)
     assert pick(win, ti) == (32, 32, 4, 1)
     short = SparseLayout.sliding_window(300, 20, causal=True, block_size=16)
     assert pick(short, short.tile_index(32, 16)) is None
