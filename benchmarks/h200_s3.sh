@@ -49,3 +49,12 @@ if [ "${PART:-a}" = e ]; then
   timeout 150 python3 -m opsadv bench --suite e2e --quick --filter decode --json "$OUT/e2e_decode.json" >> "$OUT/bench.log" 2>&1
   echo "decode rc $?"; grep -E "^(fwd|decode)" "$OUT/bench.log" | tail -16
 fi
+# PART=f (last call of session 3): sparse with the new forward defaults (window 1024/2048/4096 fwd and
+# fwd+bwd, varlen, our dense kernel) + the fwd+bwd host-cost experiments (multithreading off, stubbed backward)
+if [ "${PART:-a}" = f ]; then
+  timeout 60 python3 benchmarks/host_cost.py --experiments --profile "$OUT/host_experiments.txt" > /dev/null 2>&1
+  echo "experiments rc $?"; cat "$OUT/host_experiments.txt"
+  timeout 150 python3 -m opsadv bench --suite sparse --filter 'sliding(1024|2048|4096) causal|dense causal|varlen' \
+    --json "$OUT/h200_sparse.json" > "$OUT/bench_sparse.log" 2>&1
+  echo "sparse rc $?"; grep -E "^(fwd|case)" "$OUT/bench_sparse.log" | tail -12
+fi

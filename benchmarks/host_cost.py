@@ -252,6 +252,83 @@ def autograd_split() -> list[str]:
     return lines
 
 
+def autograd_experiments() -> list[str]:
+    """Why a LayerNorm fwd+bwd costs ~4x eager's host time: the same call with autograd's
+    multithreading off (the backward on the caller's thread), and trivial Functions whose backward
+    adds one piece of ours at a time (a Triton launch; our backward's Python and allocations with
+    the kernels stubbed out)."""
+    import triton
+    import triton.language as tl
+    from opsadv.backends.cuda import norm as N
+    from opsadv.core.ops import norm as ON
+
+    @triton.jit
+    def _noop(x_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n), mask=i < n)
+
+    t, h = (4096, 4096) if DEV == "cuda" else (8, 64)
+    dt = torch.bfloat16 if DEV == "cuda" else torch.float32
+    xg = torch.randn(t, h, device=DEV, dtype=dt).requires_grad_()
+    wg = torch.ones(h, device=DEV, dtype=dt).requires_grad_()
+    bg = torch.zeros(h, device=DEV, dtype=dt).requires_grad_()
+    gy = torch.randn_like(xg)
+    buf = torch.zeros(1024, device=DEV)
+    from opsadv.backends.cuda._triton_utils import FastLaunch
+    noop = FastLaunch(_noop)
+
+    class OneLaunch(torch.autograd.Function):
+        @staticmethod
+        def forward(c, a):
+            return a * 2
+
+        @staticmethod
+        def backward(c, g):
+            noop[(1,)](buf, 1024, BLOCK=1024)
+            return g * 2
+
+    class Dummy:
+        def __getitem__(self, grid):
+            return lambda *a, **k: None
+
+    with opsadv.use_backend("cuda"):
+        _, _, mean, rstd = ON._layer_norm_route(xg.detach(), wg.detach(), bg.detach(), 1e-5, None)
+        ctx = next(r for k, r in __import__("opsadv.core.dispatch", fromlist=["_memo"])._memo.items()
+                   if k[1][:2] == ("layer_norm", False)).ctx
+
+    class StubbedBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(c, a):
+            return a * 2
+
+        @staticmethod
+        def backward(c, g):
+            real = dict(N._K)
+            N._K.update(bwd=Dummy(), reduce=Dummy())
+            try:
+                N._ln_bwd(ctx, g, g.new_empty((0,)), xg.detach(), wg.detach(), bg.detach(), mean, rstd)
+            finally:
+                N._K.update(real)
+            return g * 2
+
+    rows = {
+        "opsadv layer_norm fwd+bwd": lambda: torch.autograd.grad(opsadv.ops.layer_norm(xg, wg, bg, 1e-5), (xg, wg, bg), gy),
+        "eager F.layer_norm fwd+bwd": lambda: torch.autograd.grad(F.layer_norm(xg, (h,), wg, bg, 1e-5), (xg, wg, bg), gy),
+        "trivial Function + 1 Triton launch in bwd": lambda: torch.autograd.grad(OneLaunch.apply(xg), (xg,), gy),
+        "trivial Function + our bwd Python/allocs (kernels stubbed)": lambda: torch.autograd.grad(
+            StubbedBackward.apply(xg), (xg,), gy),
+    }
+    lines = []
+    with opsadv.use_backend("cuda"):
+        for name, fn in rows.items():
+            for mt in (True, False):
+                with torch.autograd.set_multithreading_enabled(mt):
+                    us = host_us(fn)
+                lines.append(f"{name:60s} multithreading={'on ' if mt else 'off'} {us:8.1f} us")
+                print(lines[-1], flush=True)
+    return lines
+
+
 def decode_profile() -> list[str]:
     """cProfile of Llama-1.1B decode steps (b8, 2047 cached tokens; the e2e case), converted and
     transformers sdpa, plus the host time per step with the GPU kept busy."""
@@ -352,11 +429,12 @@ def main():
     ap.add_argument("--profile")
     ap.add_argument("--split", action="store_true", help="fwd+bwd host time split across autograd's threads")
     ap.add_argument("--decode", action="store_true", help="cProfile of Llama-1.1B decode steps")
+    ap.add_argument("--experiments", action="store_true", help="fwd+bwd host cost: multithreading off, stubbed variants")
     ap.add_argument("--decode-impls", action="store_true", help="host/GPU/back-to-back cost of each impl at decode shapes")
     ap.add_argument("--detail", action="store_true", help="only the per-layer partition of a LayerNorm call")
     args = ap.parse_args()
-    if args.split or args.decode or args.decode_impls or args.detail:
-        lines = ((detail() if args.detail else []) + (autograd_split() if args.split else [])
+    if args.split or args.decode or args.decode_impls or args.detail or args.experiments:
+        lines = ((autograd_experiments() if args.experiments else []) + (detail() if args.detail else []) + (autograd_split() if args.split else [])
                  + (decode_impls() if args.decode_impls else []) + (decode_profile() if args.decode else []))
         if args.profile:
             open(args.profile, "w").write("\n".join(lines) + "\n")
