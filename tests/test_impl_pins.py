@@ -61,3 +61,20 @@ def test_conformance_cli_runs_one_impl(tmp_path):
     assert any(r["status"] == "pass" for r in cells)
     assert all(r["impl"] == "cuda.triton.rms_norm" for r in cells if r["status"] == "pass")
     assert "Pinned impls: rms_norm -> cuda.triton.rms_norm" in data.get("note", "")
+
+
+def test_graph_checks_run_under_the_pin(monkeypatch):
+    """compile/export cells compile the pinned kernel (they ignored --impl before: the export cell of
+    the pinned Triton flash run on the H200 exported cuda.sdpa.efficient)."""
+    from opsadv.testing import runner
+    seen = []
+    real = opsadv.use_backend
+
+    def spy(*a, **kw):
+        seen.append(kw.get("impls"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(runner.opsadv, "use_backend", spy)
+    res = runner.run_graph_checks("gemm", "reference", "cpu", impls={"gemm": "reference.gemm"})
+    assert seen and all(s == {"gemm": "reference.gemm"} for s in seen)
+    assert {r.impl for r in res if r.status == "pass"} == {"reference.gemm"}

@@ -185,14 +185,16 @@ def _run(case, res, backend, dtype, device, seed, check_determinism, precision, 
         res.checks.append("deterministic")
 
 
-def run_graph_checks(op: str, backend: str, device: str) -> list[Result]:
-    """torch.compile(fullgraph=True) and torch.export round trip, for impls that claim them."""
+def run_graph_checks(op: str, backend: str, device: str, impls: dict | None = None) -> list[Result]:
+    """torch.compile(fullgraph=True) and torch.export round trip, for impls that claim them; with
+    `impls` ({op: impl id}) the pinned kernel is the one compiled / exported."""
     case = next(c for c in CATALOGUE if c.op == op)
     out: list[Result] = []
+    pins = {"impls": impls} if impls else {}
     for dtype in (torch.float32, torch.float16):
         g = torch.Generator().manual_seed(0)
         args, kwargs = case.build(dtype, device, g)
-        with opsadv.use_backend(backend, strict=True):
+        with opsadv.use_backend(backend, strict=True, **pins):
             exp = _explain(case, args, kwargs, backward=False)
         if exp.chosen is not None:
             break
@@ -208,7 +210,7 @@ def run_graph_checks(op: str, backend: str, device: str) -> list[Result]:
             continue
         t0 = time.perf_counter()
         try:
-            with opsadv.use_backend(backend, strict=True):
+            with opsadv.use_backend(backend, strict=True, **pins):
                 eager = _outputs(call(case, args, kwargs))
                 if kind == "compile":
                     torch._dynamo.reset()
@@ -266,7 +268,7 @@ def run_conformance(backend: str, *, quick: bool = False, device: str | None = N
                 progress(results[-1])
     if graph_checks:
         for op in dict.fromkeys(c.op for c in cases):
-            results.extend(run_graph_checks(op, backend, device))
+            results.extend(run_graph_checks(op, backend, device, impls=impls))
             if progress:
                 progress(results[-1])
     return results
