@@ -24,6 +24,37 @@ DEV = "cuda"
 N_CALLS = 40
 
 
+def doubling_function(in_backward=None):
+    """A trivial autograd.Function (y = 2a), whose backward first runs `in_backward()`: the baseline
+    that isolates autograd's own cost, and the pieces of ours added to it one at a time."""
+    class Doubling(torch.autograd.Function):
+        @staticmethod
+        def forward(c, a):
+            return a * 2
+
+        @staticmethod
+        def backward(c, g):
+            if in_backward is not None:
+                in_backward()
+            return g * 2
+    return Doubling
+
+
+def profile_text(fn, n: int, top: int, sort: str = "tottime", busy_gpu: bool = False) -> str:
+    """cProfile of n calls of fn (optionally with the GPU kept busy ahead), the top rows sorted by `sort`."""
+    pr = cProfile.Profile()
+    if busy_gpu:
+        torch.cuda._sleep(int(5e8))
+    pr.enable()
+    for _ in range(n):
+        fn()
+    pr.disable()
+    torch.cuda.synchronize()
+    sio = io.StringIO()
+    pstats.Stats(pr, stream=sio).sort_stats(sort).print_stats(top)
+    return sio.getvalue()
+
+
 def host_us(fn, n=N_CALLS) -> float:
     """Median over 5 rounds of the host time per call with the GPU busy ahead of the calls."""
     fn()
@@ -146,15 +177,7 @@ def detail() -> list[str]:
                                             num_warps=warps)
             return go
 
-        class _F(torch.autograd.Function):
-            @staticmethod
-            def forward(c, a):
-                return a * 2
-
-            @staticmethod
-            def backward(c, g):
-                return g * 2
-
+        _F = doubling_function()
         dsum = x.new_empty((0,))
         rows_ = {
             "raw Triton launch of _norm_fwd_kernel": launcher(getattr(kern, "fn", kern)),
@@ -212,15 +235,10 @@ def autograd_split() -> list[str]:
             stamps["b1"] = clock()
             return dx, dw, db
 
-    class Trivial(torch.autograd.Function):
-        @staticmethod
-        def forward(c, a):
-            return a * 2
+    def _stamp():
+        stamps["b0"] = stamps["b1"] = clock()
 
-        @staticmethod
-        def backward(c, g):
-            stamps["b0"] = stamps["b1"] = clock()
-            return g * 2
+    Trivial = doubling_function(_stamp)
 
     def run(fwd, inputs):
         for _ in range(10):
@@ -277,15 +295,7 @@ def autograd_experiments() -> list[str]:
     from opsadv.backends.cuda._triton_utils import FastLaunch
     noop = FastLaunch(_noop)
 
-    class OneLaunch(torch.autograd.Function):
-        @staticmethod
-        def forward(c, a):
-            return a * 2
-
-        @staticmethod
-        def backward(c, g):
-            noop[(1,)](buf, 1024, BLOCK=1024)
-            return g * 2
+    OneLaunch = doubling_function(lambda: noop[(1,)](buf, 1024, BLOCK=1024))
 
     class Dummy:
         def __getitem__(self, grid):
@@ -296,20 +306,15 @@ def autograd_experiments() -> list[str]:
         ctx = next(r for k, r in __import__("opsadv.core.dispatch", fromlist=["_memo"])._memo.items()
                    if k[1][:2] == ("layer_norm", False)).ctx
 
-    class StubbedBackward(torch.autograd.Function):
-        @staticmethod
-        def forward(c, a):
-            return a * 2
+    def _stubbed_backward():
+        real = dict(N._K)
+        N._K.update(bwd=Dummy(), reduce=Dummy())
+        try:
+            N._ln_bwd(ctx, gy, gy.new_empty((0,)), xg.detach(), wg.detach(), bg.detach(), mean, rstd)
+        finally:
+            N._K.update(real)
 
-        @staticmethod
-        def backward(c, g):
-            real = dict(N._K)
-            N._K.update(bwd=Dummy(), reduce=Dummy())
-            try:
-                N._ln_bwd(ctx, g, g.new_empty((0,)), xg.detach(), wg.detach(), bg.detach(), mean, rstd)
-            finally:
-                N._K.update(real)
-            return g * 2
+    StubbedBackward = doubling_function(_stubbed_backward)
 
     rows = {
         "opsadv layer_norm fwd+bwd": lambda: torch.autograd.grad(opsadv.ops.layer_norm(xg, wg, bg, 1e-5), (xg, wg, bg), gy),
@@ -347,19 +352,9 @@ def decode_profile() -> list[str]:
             step()
         torch.cuda.synchronize()
         lines.append(f"{name}: {(time.perf_counter() - t0) / 10 * 1e3:.2f} ms per decode step (host-bound)")
-        pr = cProfile.Profile()
-        pr.enable()
-        for _ in range(10):
-            step()
-        pr.disable()
-        torch.cuda.synchronize()
-        sio = io.StringIO()
-        pstats.Stats(pr, stream=sio).sort_stats("tottime").print_stats(45 if name == "conv" else 20)
-        lines.append(sio.getvalue())
+        lines.append(profile_text(step, 10, 45 if name == "conv" else 20))
         if name == "conv":
-            sio = io.StringIO()
-            pstats.Stats(pr, stream=sio).sort_stats("cumulative").print_stats(50)
-            lines.append(sio.getvalue())
+            lines.append(profile_text(step, 10, 50, sort="cumulative"))
     del st
     print(lines[0], lines[3] if len(lines) > 3 else "", flush=True)
     return lines
@@ -449,21 +444,11 @@ def main():
             o, e = host_us(ours), host_us(eager)
             res["rows"][name] = {"opsadv_host_us": round(o, 1), "eager_host_us": round(e, 1)}
             print(f"{name:42s} opsadv {o:7.1f} us   eager {e:7.1f} us", flush=True)
-        impls = opsadv.trace() if hasattr(opsadv, "trace") else None
-        pr = cProfile.Profile()
-        torch.cuda._sleep(int(5e8))
-        pr.enable()
-        for _ in range(100):
-            prof_fn()
-        pr.disable()
-        torch.cuda.synchronize()
-    sio = io.StringIO()
-    pstats.Stats(pr, stream=sio).sort_stats("tottime").print_stats(35)
-    sio2 = io.StringIO()
-    pstats.Stats(pr, stream=sio2).sort_stats("cumulative").print_stats(40)
+        tottime = profile_text(prof_fn, 100, 35, busy_gpu=True)
+        cumulative = profile_text(prof_fn, 100, 40, sort="cumulative", busy_gpu=True)
     print({k: v for k, v in res["rows"].items() if k.endswith("_us")})
     if args.profile:
-        open(args.profile, "w").write(sio.getvalue() + "\n\n" + sio2.getvalue())
+        open(args.profile, "w").write(tottime + "\n\n" + cumulative)
     if args.json:
         json.dump(res, open(args.json, "w"), indent=1)
 
