@@ -42,6 +42,7 @@ class FakeJit:
 def fake(monkeypatch):
     monkeypatch.setattr(U, "_on_gpu", lambda t: isinstance(t, torch.Tensor))
     monkeypatch.setattr(U, "_raw_stream", lambda dev: 1234)
+    monkeypatch.setattr(U, "_current_device", lambda: 0)
     jit = FakeJit()
     return jit, U.FastLaunch(jit)
 
@@ -83,6 +84,15 @@ def test_runtime_param_by_keyword_is_never_cached(fake):
     x = torch.zeros(64, dtype=torch.float16)
     fl[(1,)](x, n=32, BLOCK=32)
     fl[(1,)](x, n=48, BLOCK=32)
+    assert [e[0] for e in jit.log] == ["triton", "triton"]
+
+
+def test_other_current_device_takes_tritons_path(fake, monkeypatch):
+    jit, fl = fake
+    x = torch.zeros(64, dtype=torch.float16)
+    fl[(1,)](x, 40, BLOCK=32)
+    monkeypatch.setattr(U, "_current_device", lambda: 1)
+    fl[(1,)](x, 40, BLOCK=32)
     assert [e[0] for e in jit.log] == ["triton", "triton"]
 
 

@@ -38,6 +38,10 @@ def _on_gpu(t) -> bool:
     return isinstance(t, torch.Tensor) and t.is_cuda
 
 
+def _current_device() -> int:
+    return torch._C._cuda_getDevice()         # what Triton's launch path keys and launches on
+
+
 def _raw_stream(device_index: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device_index)
 
@@ -71,7 +75,7 @@ class FastLaunch:
         if not _on_gpu(first) or knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls:
             return self.fn[grid](*args, **kw)
         parts = [_arg_key(a) for a in args]
-        dev = first.device.index
+        dev = _current_device()
         key = (dev, tuple(kw.items()), tuple(parts))
         hit = self._cache.get(key)
         if hit is None:
