@@ -233,3 +233,65 @@ def test_long_row_tile_path(name, poison, monkeypatch):
     if name != "window_cross":
         assert sparse_mod._long_row_tile(SimpleNamespace(name="interpreter", tiles={}), 32, ti, 16, None, None)
     _check(lay, b, hq=2, hk=1, d=32)
+
+
+class _LoopSpy:
+    """Stands in for a backward kernel: records the LOOP each launch got, then launches it."""
+    def __init__(self, kernel, seen):
+        self.kernel, self.seen = kernel, seen
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.seen.append(kw["LOOP"])
+            return self.kernel[grid](*args, **kw)
+        return launch
+
+
+BWD_PATTERNS = {   # LOOP_PATTERNS plus full-tile runs of 3-10 tiles at the interpreter's dQ / dK/dV tiles
+    **LOOP_PATTERNS,
+    "window_long": (lambda: SparseLayout.sliding_window(201, 120, causal=True, block_size=16), 1),
+    "window_long_bidir": (lambda: SparseLayout.sliding_window(151, (60, 50), causal=False, block_size=16), 1),
+    # global columns and the window band: full tiles in two runs, "run" falls back to "prefetch"
+    "global_wide": (lambda: SparseLayout.global_tokens(160, 32, window=40, block_size=16), 1),
+}
+BWD_CASES = {   # name -> (BWD_PATTERNS entry, query heads, kv heads, head dim)
+    **{name: (name, None, None, 32) for name in BWD_PATTERNS},
+    "window_causal_gqa4_d96": ("window_causal", 4, 1, 96),          # padded head dim, 4 heads per kv head
+}
+
+
+@pytest.mark.parametrize("case", sorted(BWD_CASES))
+def test_backward_loop_variants(case, poison, monkeypatch):
+    """Every backward loop variant (sparse.BWD_LOOP_IDS, for dQ and dK/dV together) gives the reference
+    backend's gradients (float64 oracle on the same fp16 inputs); "run" takes the range path exactly
+    where the tile index says full tiles are one run (dK/dV: by key tile)."""
+    name, hq, hk, d = BWD_CASES[case]
+    make, b, *heads = BWD_PATTERNS[name]
+    hq = hq or (heads[0] if heads else 2)
+    hk = hk or hq // 2
+    lay = make()
+    g = torch.Generator().manual_seed(11)
+    q, k, v, dout = (torch.randn(b, h, s, d, generator=g).half()
+                     for h, s in ((hq, lay.seq_q), (hk, lay.seq_k), (hk, lay.seq_k), (hq, lay.seq_q)))
+    with opsadv.use_backend("reference"):
+        q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+        ref = torch.autograd.grad(opsadv.ops.sparse_attention(q64, k64, v64, lay), (q64, k64, v64), dout.double())
+    with opsadv.use_backend("cuda"):
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        out = opsadv.ops.sparse_attention(qq, kk, vv, lay)
+    seen = []
+    monkeypatch.setattr(sparse_mod, "_sparse_dq", _LoopSpy(sparse_mod._sparse_dq, seen))
+    monkeypatch.setattr(sparse_mod, "_sparse_dkdv", _LoopSpy(sparse_mod._sparse_dkdv, seen))
+    for loop in sparse_mod.BWD_LOOP_IDS:
+        monkeypatch.setattr(sparse_mod, "BWD_DEFAULT", {"dq": loop, "dkdv": loop})
+        seen.clear()
+        grads = torch.autograd.grad(out, (qq, kk, vv), dout, retain_graph=True)
+        for gname, x, y in zip(("dq", "dk", "dv"), grads, ref):
+            assert not torch.isnan(x).any(), f"{loop} {gname}: NaN"
+            small = (x.double() - y).abs().max() < 1e-3
+            assert rel_err(x, y) < 2e-2 or small, f"{loop} {gname}: rel err {rel_err(x, y):.2e}"
+        tiles = sparse_mod.tiles_for(SimpleNamespace(name="interpreter", tiles={}), d)
+        ti_kv, ti_q = (lay.tile_index(*tiles[i][:2]) for i in (2, 1))
+        want = {"list": [0, 0], "prefetch": [1, 1],
+                "run": [2 if ti_kv.t_full_run else 1, 2 if ti_q.full_run else 1]}[loop]
+        assert seen == want, (loop, seen)           # launch order: dK/dV, then dQ

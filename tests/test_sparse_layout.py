@@ -239,18 +239,20 @@ def test_tile_index_covers_dense_mask(name, tile):
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 @pytest.mark.parametrize("tile", [(16, 16), (32, 16), (16, 64)])
-def test_full_run_flag_matches_the_lists(name, tile):
+@pytest.mark.parametrize("transposed", [False, True])
+def test_full_run_flag_matches_the_lists(name, tile, transposed):
     """full_run (kernels may walk full tiles as a column range) holds exactly when every row's full
-    tiles are consecutive columns."""
+    tiles are consecutive columns; t_full_run the same for the transposed lists (dK/dV)."""
     lay = LAYOUTS[name]()
     ti = lay.tile_index(*tile)
-    rows, cols = ti.rows.reshape(-1, 2), ti.cols.reshape(-1, ti.cols.shape[-1])
+    rows, cols = (ti.t_rows, ti.t_cols) if transposed else (ti.rows, ti.cols)
+    rows, cols = rows.reshape(-1, 2), cols.reshape(-1, cols.shape[-1])
     expect = True
     for (n_part, n_all), c in zip(rows.tolist(), cols.tolist()):
         full = c[n_part:n_all]
         if full and full != list(range(full[0], full[0] + len(full))):
             expect = False
-    assert ti.full_run == expect
+    assert (ti.t_full_run if transposed else ti.full_run) == expect
 
 
 def test_full_run_flag_examples():
@@ -258,6 +260,9 @@ def test_full_run_flag_examples():
     assert SparseLayout.varlen([50, 3, 90], causal=True, block_size=16).tile_index(16, 16).full_run
     # global key columns plus a window band far from them: two runs in later rows
     assert not SparseLayout.global_tokens(300, 16, window=20, block_size=16).tile_index(16, 16).full_run
+    assert SparseLayout.sliding_window(300, 70, causal=True, block_size=16).tile_index(32, 16).t_full_run
+    # by key tile: the global query rows and the band are two runs too
+    assert not SparseLayout.global_tokens(300, 16, window=20, block_size=16).tile_index(16, 16).t_full_run
 
 def test_varlen_work_is_proportional_to_tokens():
     lay = SparseLayout.varlen([64] * 8, block_size=64)

@@ -520,6 +520,7 @@ class TileIndex(NamedTuple):
     tiles: int          # visited tiles (all b, h of the index); -1 when built during CUDA graph capture
     total_tiles: int    # Bb * Hb * n_row_tiles * n_col_tiles
     full_run: bool = False   # every row's full tiles are consecutive columns (kernels may walk them as a range)
+    t_full_run: bool = False  # the same for t_rows / t_cols: every key tile's full query tiles are one run
 
 
 _tile_cache: dict[int, tuple] = {}
@@ -636,7 +637,8 @@ def _build_tile_index(bm, kpm, cu, bs, causal, wl, wr, ng, sq, sk, M, N) -> Tile
     t_rows, t_cols = _lists(any_.transpose(-1, -2), full.transpose(-1, -2), static)
     return TileIndex(rows, cols, t_rows, t_cols, seg, pos, bm_mode, bm.to(torch.int8).contiguous(),
                      None if kpm is None else kpm.to(torch.int8).contiguous(), -1 if static else int(any_.sum()),
-                     any_.numel(), False if static else _full_run(rows, cols))
+                     any_.numel(), False if static else _full_run(rows, cols),
+                     False if static else _full_run(t_rows, t_cols))
 
 
 def _full_run(rows: Tensor, cols: Tensor) -> bool:

@@ -11,7 +11,8 @@ lists and every query head of its group) and a dQ kernel, both without atomics.
 Tiles come from ctx.profile.tiles["sparse_attention"] when the profile sets them, else from
 TILES below by profile name; the forward takes LONG_ROW_FWD's larger tile for long contiguous rows.
 Forward loop structure: LOOP_IDS / FWD_DEFAULT below (full tiles walked as a column range when they
-are one run per row, else column ids prefetched one iteration ahead, so K/V loads stay pipelined)."""
+are one run per row, else column ids prefetched one iteration ahead, so K/V loads stay pipelined).
+Backward: the same choices as BWD_LOOP_IDS / BWD_DEFAULT (still the in-loop id load until measured)."""
 from __future__ import annotations
 
 import math
@@ -263,6 +264,21 @@ def _sparse_fwd(Q, K, V, O, LSE, ROWS, COLS, BM, KPM, SEG, POS,
 
 
 # ---- backward ------------------------------------------------------------------------------------------
+# Loop variants of _sparse_dq (over a query tile's key tiles) and _sparse_dkdv (over a key tile's query
+# tiles, the transposed lists), constexpr LOOP, as the forward's (see LOOP_IDS):
+#   0 "list":     each tile id loaded from the list inside the loop (the kernels before the variants; same TTGIR).
+#   1 "prefetch": the next id loaded one iteration ahead (partial and full loops); any layout.
+#   2 "run":      partial ids prefetched, full tiles walked as the range [cols[n_part], +n_full) when every
+#                 row (dK/dV: every key tile) has them as one run (TileIndex.full_run / t_full_run), else 1.
+# sm_90 TTGIR (benchmarks/sparse_bwd_ir.py, notes in benchmarks/sparse_bwd_notes.md): at the h100 profile's
+# 2 stages every variant gets 2 K/V (Q/dO) buffers with async_wait num=0 (prefetch distance 1 is all two
+# stages give); at 3 stages "list"'s full-tile loop keeps 2 buffers / wait 0 (the id load takes stage 0,
+# the forward's problem) while "prefetch"/"run" get 3 buffers.  Not measured on a GPU yet: the default
+# stays "list" until an H200 run of benchmarks/sparse_bwd_probe.py says otherwise.
+BWD_LOOP_IDS = {"list": 0, "prefetch": 1, "run": 2}
+BWD_DEFAULT = {"dq": "list", "dkdv": "list"}
+
+
 @triton.jit
 def _bwd_delta(O, DO, DELTA, s_ob, s_oh, s_om, s_db, s_dh, s_dm, H, SQ, D,
                BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr):
@@ -317,7 +333,7 @@ def _sparse_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, TROWS, TCOLS, BM, KPM, SEG, PO
                  H, HK, GROUP, SQ, SK, OFF, D, qk_scale, sm_scale, WL, WR, NG, BS,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, EVEN_D: tl.constexpr,
                  CAUSAL: tl.constexpr, HAS_WIN: tl.constexpr, HAS_GLOBAL: tl.constexpr, BM_MODE: tl.constexpr,
-                 HAS_KPM: tl.constexpr, HAS_SEG: tl.constexpr):
+                 HAS_KPM: tl.constexpr, HAS_SEG: tl.constexpr, LOOP: tl.constexpr):
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
     b = bhk // HK
@@ -341,16 +357,44 @@ def _sparse_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, TROWS, TCOLS, BM, KPM, SEG, PO
         n_part = tl.load(row)
         n_all = tl.load(row + 1)
         cols = TCOLS + b * s_cb + h * s_ch + pid_n * s_cr
-        for t in range(0, n_part):
-            qt = tl.load(cols + t)
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, s_qm, s_dm, lse_base, delta_base, qt, offs_n, offs_d,
-                                D, qk_scale, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL, WR, NG, BS,
-                                BLOCK_M, EVEN_D, True, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, HAS_SEG)
-        for t in range(n_part, n_all):
-            qt = tl.load(cols + t)
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, s_qm, s_dm, lse_base, delta_base, qt, offs_n, offs_d,
-                                D, qk_scale, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL, WR, NG, BS,
-                                BLOCK_M, EVEN_D, False, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, HAS_SEG)
+        # partial tiles (element masks); LOOP >= 1: each query tile id loaded one iteration ahead
+        if LOOP == 0:
+            for t in range(0, n_part):
+                qt = tl.load(cols + t)
+                dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, s_qm, s_dm, lse_base, delta_base, qt, offs_n,
+                                    offs_d, D, qk_scale, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL,
+                                    WR, NG, BS, BLOCK_M, EVEN_D, True, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM,
+                                    HAS_SEG)
+        else:
+            qt = tl.load(cols, mask=n_all > 0, other=0)
+            for t in range(0, n_part):
+                qt_next = tl.load(cols + t + 1, mask=t + 1 < n_all, other=0)
+                dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, s_qm, s_dm, lse_base, delta_base, qt, offs_n,
+                                    offs_d, D, qk_scale, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL,
+                                    WR, NG, BS, BLOCK_M, EVEN_D, True, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM,
+                                    HAS_SEG)
+                qt = qt_next
+        # full tiles: no masks (prefetched ids / the run [cols[n_part], +n_full) / ids loaded in the loop)
+        if LOOP == 1:
+            for t in range(n_part, n_all):
+                qt_next = tl.load(cols + t + 1, mask=t + 1 < n_all, other=0)
+                dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, s_qm, s_dm, lse_base, delta_base, qt, offs_n,
+                                    offs_d, D, qk_scale, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL,
+                                    WR, NG, BS, BLOCK_M, EVEN_D, False, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM,
+                                    HAS_SEG)
+                qt = qt_next
+        else:
+            if LOOP == 2:
+                run0 = tl.load(cols + n_part, mask=n_part < n_all, other=0) - n_part
+            for t in range(n_part, n_all):
+                if LOOP == 2:
+                    qt = run0 + t
+                else:
+                    qt = tl.load(cols + t)
+                dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, s_qm, s_dm, lse_base, delta_base, qt, offs_n,
+                                    offs_d, D, qk_scale, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL,
+                                    WR, NG, BS, BLOCK_M, EVEN_D, False, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM,
+                                    HAS_SEG)
     tl.store(DK + b * s_dkb + hk * s_dkh + offs_n[:, None] * s_dkn + offs_d[None, :],
              (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + b * s_dvb + hk * s_dvh + offs_n[:, None] * s_dvn + offs_d[None, :], dv.to(DV.dtype.element_ty),
@@ -387,7 +431,7 @@ def _sparse_dq(Q, K, V, DO, LSE, DELTA, DQ, ROWS, COLS, BM, KPM, SEG, POS,
                H, GROUP, SQ, SK, OFF, D, qk_scale, sm_scale, WL, WR, NG, BS,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, EVEN_D: tl.constexpr,
                CAUSAL: tl.constexpr, HAS_WIN: tl.constexpr, HAS_GLOBAL: tl.constexpr, BM_MODE: tl.constexpr,
-               HAS_KPM: tl.constexpr, HAS_SEG: tl.constexpr):
+               HAS_KPM: tl.constexpr, HAS_SEG: tl.constexpr, LOOP: tl.constexpr):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -410,16 +454,40 @@ def _sparse_dq(Q, K, V, DO, LSE, DELTA, DQ, ROWS, COLS, BM, KPM, SEG, POS,
     n_all = tl.load(row + 1)
     cols = COLS + b * s_cb + h * s_ch + pid_m * s_cr
     dq = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
-    for t in range(0, n_part):
-        kt = tl.load(cols + t)
-        dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, s_kn, s_vn, kt, offs_m, offs_d, D, qk_scale,
-                      bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL, WR, NG, BS,
-                      BLOCK_N, EVEN_D, True, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, HAS_SEG)
-    for t in range(n_part, n_all):
-        kt = tl.load(cols + t)
-        dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, s_kn, s_vn, kt, offs_m, offs_d, D, qk_scale,
-                      bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL, WR, NG, BS,
-                      BLOCK_N, EVEN_D, False, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, HAS_SEG)
+    # partial tiles (element masks); LOOP >= 1: each key tile id loaded one iteration ahead
+    if LOOP == 0:
+        for t in range(0, n_part):
+            kt = tl.load(cols + t)
+            dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, s_kn, s_vn, kt, offs_m, offs_d, D, qk_scale,
+                          bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL, WR, NG, BS,
+                          BLOCK_N, EVEN_D, True, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, HAS_SEG)
+    else:
+        kt = tl.load(cols, mask=n_all > 0, other=0)
+        for t in range(0, n_part):
+            kt_next = tl.load(cols + t + 1, mask=t + 1 < n_all, other=0)
+            dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, s_kn, s_vn, kt, offs_m, offs_d, D, qk_scale,
+                          bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL, WR, NG, BS,
+                          BLOCK_N, EVEN_D, True, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, HAS_SEG)
+            kt = kt_next
+    # full tiles: no masks (prefetched ids / the run [cols[n_part], +n_full) / ids loaded in the loop)
+    if LOOP == 1:
+        for t in range(n_part, n_all):
+            kt_next = tl.load(cols + t + 1, mask=t + 1 < n_all, other=0)
+            dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, s_kn, s_vn, kt, offs_m, offs_d, D, qk_scale,
+                          bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL, WR, NG, BS,
+                          BLOCK_N, EVEN_D, False, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, HAS_SEG)
+            kt = kt_next
+    else:
+        if LOOP == 2:
+            run0 = tl.load(cols + n_part, mask=n_part < n_all, other=0) - n_part
+        for t in range(n_part, n_all):
+            if LOOP == 2:
+                kt = run0 + t
+            else:
+                kt = tl.load(cols + t)
+            dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, s_kn, s_vn, kt, offs_m, offs_d, D, qk_scale,
+                          bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL, WR, NG, BS,
+                          BLOCK_N, EVEN_D, False, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, HAS_SEG)
     tl.store(DQ + b * s_dqb + h * s_dqh + offs_m[:, None] * s_dqm + offs_d[None, :],
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
 
@@ -507,8 +575,16 @@ def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale,
     return out.to(in_dtype), lse
 
 
-def sparse_bwd(ctx, dout, q, k, v, out, lse, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale, only=None):
-    """dq, dk, dv.  `only` ("dkdv" / "dq"; benchmarks) launches just one of the two main kernels."""
+def _bwd_loop(name: str, full_run: bool) -> int:
+    loop = BWD_LOOP_IDS[name]
+    return 1 if loop == 2 and not full_run else loop     # full tiles not one run: prefetched ids
+
+
+def sparse_bwd(ctx, dout, q, k, v, out, lse, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale, only=None,
+               variant=None):
+    """dq, dk, dv.  `only` ("dkdv" / "dq"; benchmarks) launches just one of the two main kernels;
+    variant (benchmarks): {"dq": name, "dkdv": name} of BWD_LOOP_IDS instead of BWD_DEFAULT."""
+    opts = {**BWD_DEFAULT, **(variant or {})}
     in_dtypes = (q.dtype, k.dtype, v.dtype)
     q, k, v, out, dout = _prep(ctx, q, k, v, out, dout)
     lse = lse.to(torch.float32).contiguous()
@@ -531,7 +607,8 @@ def sparse_bwd(ctx, dout, q, k, v, out, lse, block_mask, kpm, cu, bs, causal, wl
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dk.stride()[:3],
             *dv.stride()[:3], *_s4(ti.t_rows), *_s4(ti.t_cols), *strides,
             hq, hk, hq // hk, sq, sk, sk - sq, d, scale * LOG2E, scale, wl, wr, ng, bs,
-            BLOCK_M=km, BLOCK_N=kn, **common, **_flags(ti, causal, wl, ng, cu, kpm), num_warps=kw, num_stages=ks)
+            BLOCK_M=km, BLOCK_N=kn, **common, **_flags(ti, causal, wl, ng, cu, kpm),
+            LOOP=_bwd_loop(opts["dkdv"], ti.t_full_run), num_warps=kw, num_stages=ks)
     if only != "dkdv":
         ti = tile_index(block_mask, kpm, cu, bs, causal, wl, wr, ng, sq, sk, qm, qn)
         ptrs, strides = _layout_args(ti, block_mask, kpm, q)
@@ -540,7 +617,8 @@ def sparse_bwd(ctx, dout, q, k, v, out, lse, block_mask, kpm, cu, bs, causal, wl
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dq.stride()[:3],
             *_s4(ti.rows), *_s4(ti.cols), *strides,
             hq, hq // hk, sq, sk, sk - sq, d, scale * LOG2E, scale, wl, wr, ng, bs,
-            BLOCK_M=qm, BLOCK_N=qn, **common, **_flags(ti, causal, wl, ng, cu, kpm), num_warps=qw, num_stages=qs)
+            BLOCK_M=qm, BLOCK_N=qn, **common, **_flags(ti, causal, wl, ng, cu, kpm),
+            LOOP=_bwd_loop(opts["dq"], ti.full_run), num_warps=qw, num_stages=qs)
     return dq.to(in_dtypes[0]), dk.to(in_dtypes[1]), dv.to(in_dtypes[2])
 
 
