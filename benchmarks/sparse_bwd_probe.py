@@ -18,16 +18,13 @@ The JSON is rewritten after every record (a killed run keeps what it had).
 Dry run on CPU under the interpreter (tiny shapes, fp16, no flex): PROBE_TINY=1 TRITON_INTERPRET=1 ..."""
 from __future__ import annotations
 
-import json
-import os
-import sys
 import time
-import traceback
 
 T0 = time.time()
-TINY = os.environ.get("PROBE_TINY") == "1"
 
 import torch  # noqa: E402
+from _probe_log import ProbeLog, probe_setup  # noqa: E402  (benchmarks/ is sys.path[0] when run as a script)
+from _sparse_patterns import odd_patterns  # noqa: E402
 
 import opsadv  # noqa: E402
 from opsadv import SparseLayout  # noqa: E402
@@ -38,13 +35,7 @@ from opsadv.core.dispatch import select_profile  # noqa: E402
 from opsadv.core.policy import current_policy  # noqa: E402
 from opsadv.registry import get_registry  # noqa: E402
 
-OUT = sys.argv[1] if len(sys.argv) > 1 else "sparse_bwd_probe.json"
-BUDGET = float(sys.argv[2]) if len(sys.argv) > 2 else 420.0
-DEV = "cpu" if TINY else "cuda"
-DT = torch.float16 if TINY else torch.bfloat16      # the interpreter's bf16 dot is wrong
-R: dict = {"device": "cpu" if TINY else torch.cuda.get_device_name(), "torch": torch.__version__,
-           "triton": __import__("triton").__version__, "commit": os.environ.get("OPSADV_COMMIT", "?"),
-           "records": []}
+OUT, BUDGET, TINY, DEV, DT, R = probe_setup("sparse_bwd_probe.json", 420.0)
 
 PROFILE = select_profile(get_registry().backends["cuda"], current_policy())
 assert SP.OP not in (getattr(PROFILE, "tiles", None) or {}), "profile pins its own sparse tiles: TILES unused"
@@ -64,25 +55,8 @@ def use_variant(name):
         SP.TILES[PROFILE.name][cls] = (fwd, (*dq[:3], st), (*dkdv[:3], st))
 
 
-def save(rec):
-    rec["t"] = round(time.time() - T0, 1)
-    R["records"].append(rec)
-    json.dump(R, open(OUT, "w"), indent=1)
-    print(json.dumps(rec), flush=True)
-
-
-def left() -> float:
-    return BUDGET - (time.time() - T0)
-
-
-def guarded(name, fn, need=5.0):
-    if left() < need:
-        save({"section": name, "skipped": f"time budget ({left():.0f}s left)"})
-        return
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - recorded, the next section still runs
-        save({"section": name, "error": f"{type(e).__name__}: {str(e)[:400]}", "tb": traceback.format_exc()[-800:]})
+LOG = ProbeLog(OUT, BUDGET, R, T0)
+save, left, guarded = LOG.save, LOG.left, LOG.guarded
 
 
 def randn(*shape, seed=0):
@@ -99,16 +73,7 @@ def fwd_bwd(q, k, v, do, lay):
 # ---- 2. small odd patterns vs the reference backend -----------------------------------------------------
 def small_correctness():
     s = 150 if TINY else 1500
-    pad = (torch.arange(s, device=DEV)[None] < torch.tensor([[s - 37], [s // 2]], device=DEV)).long()
-    pats = {
-        "window_causal": (SparseLayout.sliding_window(s, s // 6, causal=True, block_size=128, device=DEV), 1),
-        "window_bidir": (SparseLayout.sliding_window(s, (s // 5, s // 7), causal=False, block_size=64, device=DEV), 1),
-        "varlen_causal": (SparseLayout.varlen([s // 3, 7, s // 2, s - s // 3 - 7 - s // 2], causal=True,
-                                              block_size=128, device=DEV), 1),
-        "bigbird": (SparseLayout.bigbird(s, block_size=64, heads=4, random_blocks=2, device=DEV), 1),
-        "window_padding_global": (SparseLayout.global_tokens(s, 9, window=s // 8, block_size=64, device=DEV)
-                                  .combine(SparseLayout.from_padding_mask(pad, block_size=64)), 2),
-    }
+    pats = odd_patterns(s, DEV, bidirectional=True)
     for pname, (lay, b) in pats.items():
         if left() < 25:
             save({"section": "correct_small", "pattern": pname, "skipped": f"time budget ({left():.0f}s left)"})
@@ -212,7 +177,7 @@ def summary():
             rows.append(f"{r['case'][:52]:52s} flex {r['flex_ms']:7.3f} ms  our fwd {r['our_fwd_ms']:7.3f} ms")
             rows.append("    " + "  ".join(f"{k}={min(v['ms']):.3f}({v['vs_baseline']:.3f}x)"
                                            for k, v in r["variants"].items()))
-        if r.get("section") == "correct_small":
+        if r.get("section") == "correct_small" and "pattern" in r:
             rows.append(f"small {r['pattern']:24s} ok={r['ok']}")
     print("\n".join(rows), flush=True)
 
@@ -220,5 +185,5 @@ def summary():
 if __name__ == "__main__":
     guarded("timing", timing, 60)                    # first: the numbers the default depends on
     guarded("correct_small", small_correctness, 30)
-    summary()
+    guarded("summary", summary, 0)                   # a partial run (budget) keeps its records either way
     print(f"total {time.time() - T0:.0f}s", flush=True)

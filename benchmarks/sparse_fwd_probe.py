@@ -17,16 +17,14 @@ Dry run on CPU under the interpreter (tiny shapes, fp16, no flex): PROBE_TINY=1 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import sys
 import time
-import traceback
 
 T0 = time.time()
-TINY = os.environ.get("PROBE_TINY") == "1"
 
 import torch  # noqa: E402
+from _probe_log import ProbeLog, probe_setup  # noqa: E402  (benchmarks/ is sys.path[0] when run as a script)
+from _sparse_patterns import odd_patterns  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import opsadv  # noqa: E402
@@ -38,12 +36,7 @@ from opsadv.bench.runner import rel_err, time_ms  # noqa: E402
 from opsadv.core import dispatch  # noqa: E402
 from opsadv.core.ops import sparse as S  # noqa: E402
 
-OUT = sys.argv[1] if len(sys.argv) > 1 else "sparse_fwd_probe.json"
-BUDGET = float(sys.argv[2]) if len(sys.argv) > 2 else 200.0
-DEV = "cpu" if TINY else "cuda"
-DT = torch.float16 if TINY else torch.bfloat16      # the interpreter's bf16 dot is wrong
-R: dict = {"device": "cpu" if TINY else torch.cuda.get_device_name(), "torch": torch.__version__,
-           "triton": __import__("triton").__version__, "records": []}
+OUT, BUDGET, TINY, DEV, DT, R = probe_setup("sparse_fwd_probe.json", 200.0)
 
 # name -> (fwd tile (BLOCK_M, BLOCK_N, warps, stages), variant)
 VARIANTS = {
@@ -80,25 +73,8 @@ R["probe_set"] = SET
 CFG = SETS[SET]
 
 
-def save(rec):
-    rec["t"] = round(time.time() - T0, 1)
-    R["records"].append(rec)
-    json.dump(R, open(OUT, "w"), indent=1)
-    print(json.dumps(rec), flush=True)
-
-
-def left() -> float:
-    return BUDGET - (time.time() - T0)
-
-
-def guarded(name, fn, need=5.0):
-    if left() < need:
-        save({"section": name, "skipped": f"time budget ({left():.0f}s left)"})
-        return
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - recorded, the next section still runs
-        save({"section": name, "error": f"{type(e).__name__}: {str(e)[:400]}", "tb": traceback.format_exc()[-800:]})
+LOG = ProbeLog(OUT, BUDGET, R, T0)
+save, left, guarded = LOG.save, LOG.left, LOG.guarded
 
 
 def bench(fn) -> float:
@@ -144,15 +120,7 @@ def randn(*shape, dtype=DT, seed=0):
 # ---- 1. small odd patterns vs the reference backend -----------------------------------------------------
 def small_correctness():
     s = 150 if TINY else 1500
-    pad = (torch.arange(s, device=DEV)[None] < torch.tensor([[s - 37], [s // 2]], device=DEV)).long()
-    pats = {
-        "window_causal": (SparseLayout.sliding_window(s, s // 6, causal=True, block_size=128, device=DEV), 1),
-        "varlen_causal": (SparseLayout.varlen([s // 3, 7, s // 2, s - s // 3 - 7 - s // 2], causal=True,
-                                              block_size=128, device=DEV), 1),
-        "bigbird": (SparseLayout.bigbird(s, block_size=64, heads=4, random_blocks=2, device=DEV), 1),
-        "window_padding_global": (SparseLayout.global_tokens(s, 9, window=s // 8, block_size=64, device=DEV)
-                                  .combine(SparseLayout.from_padding_mask(pad, block_size=64)), 2),
-    }
+    pats = odd_patterns(s, DEV)
     for pname, (lay, b) in pats.items():
         for d in ((128, 96) if pname == "varlen_causal" else (128,)):
             q, k, v = (randn(b, 4 if i == 0 else 2, s, d, seed=i + 1) for i in range(3))     # GQA 2:1
@@ -314,5 +282,5 @@ if __name__ == "__main__":
     guarded("correct_small", small_correctness, 20)
     guarded("window_series", window_series, 20)
     guarded("varlen", varlen, 15)
-    summary()
+    guarded("summary", summary, 0)
     print(f"total {time.time() - T0:.0f}s", flush=True)

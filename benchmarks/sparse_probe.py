@@ -9,16 +9,15 @@ The JSON is rewritten after every record, so a killed run keeps what it had."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 import time
-import traceback
 
 T0 = time.time()
 TINY = os.environ.get("PROBE_TINY") == "1"
 
 import torch  # noqa: E402
+from _probe_log import ProbeLog  # noqa: E402  (benchmarks/ is sys.path[0] when run as a script)
 import torch.nn.functional as F  # noqa: E402
 
 import opsadv  # noqa: E402
@@ -36,25 +35,8 @@ R: dict = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() e
            "torch": torch.__version__, "triton": __import__("triton").__version__, "records": []}
 
 
-def save(rec):
-    rec["t"] = round(time.time() - T0, 1)
-    R["records"].append(rec)
-    json.dump(R, open(OUT, "w"), indent=1)
-    print(json.dumps(rec), flush=True)
-
-
-def left() -> float:
-    return BUDGET - (time.time() - T0)
-
-
-def guarded(name, fn, need=5.0):
-    if left() < need:
-        save({"section": name, "skipped": f"time budget ({left():.0f}s left)"})
-        return
-    try:
-        fn()
-    except Exception as e:
-        save({"section": name, "error": f"{type(e).__name__}: {str(e)[:400]}", "tb": traceback.format_exc()[-800:]})
+LOG = ProbeLog(OUT, BUDGET, R, T0)
+save, left, guarded = LOG.save, LOG.left, LOG.guarded
 
 
 def ctx_for(q, k, layout, tiles=None):
