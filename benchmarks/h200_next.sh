@@ -1,28 +1,32 @@
 #!/usr/bin/env bash
 # What the next GPU session should measure first (each part fits one <= 10-minute device call):
-#   PART=a: gemm suite (Hopper epilogue ranking f8ede79 never benched), norm fwd+bwd at hidden 1024,
-#           the Triton flash kernel pinned over the full catalogue (bf16 included).
-#   PART=c: the sparse window (density) series with its time-vs-density plot (h200_sparse_density.png).
-#   PART=b: e2e non-quick (tune_for_hardware wall time; Llama re-measured with native-GQA cuDNN and the
-#           layout changes; BERT with tuning then graphs).
+#   PART=a: the sparse backward loop variants (benchmarks/sparse_bwd_probe.py: list/prefetch/run x 2/3 stages
+#           vs flex, gradients checked), then the sparse suite's window-1024 / varlen rows.
+#   PART=b: host cost after any norm-backward host-path change (host_cost.py --experiments --detail) and the
+#           norm fwd+bwd bench; the sparse conformance rows (the forward loop changed after 32a4d99).
+#   PART=c: e2e quick, BERT and decode, three times (the decode peer's time varies ~40% on that host).
 # OPSADV_COMMIT=<sha> PART=a bash benchmarks/h200_next.sh   (from the repo root on the GPU host, $OUT set)
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OPSADV_CACHE_DIR=/tmp/opsadv-cache OPSADV_COMMIT=${OPSADV_COMMIT:-unknown}
 case "${PART:-a}" in
 a)
-  timeout 150 python3 -m opsadv bench --suite gemm --quick --json "$OUT/h200_gemm.json" > "$OUT/bench.log" 2>&1
-  echo "gemm rc $?"
-  timeout 120 python3 -m opsadv bench --suite norm --filter "h1024" --json "$OUT/h200_norm.json" >> "$OUT/bench.log" 2>&1
-  echo "norm rc $?"; grep -E "speedup|^fwd" "$OUT/bench.log" | tail -20
-  timeout 240 python3 -m opsadv conformance --backend cuda -v --impl cuda.triton.flash_attention \
-    --json "$OUT/conf_triton_fa.json" > "$OUT/conformance.log" 2>&1; echo "conformance rc $?"; tail -1 "$OUT/conformance.log"
+  timeout 420 python3 benchmarks/sparse_bwd_probe.py "$OUT/sparse_bwd_probe_h200.json" 400 > "$OUT/probe.log" 2>&1
+  echo "probe rc $?"; tail -12 "$OUT/probe.log"
+  timeout 150 python3 -m opsadv bench --suite sparse --filter 'sliding1024 causal|varlen' \
+    --json "$OUT/h200_sparse.json" > "$OUT/bench_sparse.log" 2>&1; echo "sparse rc $?"; tail -8 "$OUT/bench_sparse.log"
   ;;
 b)
-  timeout 560 python3 -m opsadv bench --suite e2e --json "$OUT/h200_e2e.json" > "$OUT/bench_e2e.log" 2>&1
-  echo "e2e rc $?"; tail -8 "$OUT/bench_e2e.log"
+  timeout 90 python3 benchmarks/host_cost.py --experiments --detail --profile "$OUT/host.txt" > /dev/null 2>&1
+  echo "host rc $?"; cat "$OUT/host.txt"
+  timeout 120 python3 -m opsadv bench --suite norm --filter 'fwd\+bwd' --json "$OUT/norm_fb.json" > "$OUT/bench.log" 2>&1
+  echo "norm rc $?"; grep -E "^fwd" "$OUT/bench.log" | tail -12
+  timeout 240 python3 -m opsadv conformance --backend cuda --ops sparse_attention --json "$OUT/conf_sparse.json" \
+    > "$OUT/conf_sparse.log" 2>&1; echo "sparse conformance rc $?"; tail -1 "$OUT/conf_sparse.log"
   ;;
 c)
-  timeout 400 python3 -m opsadv bench --suite sparse --filter "^fwd bf16 b1 .*sliding" --json "$OUT/h200_sparse.json" \
-    --plot "$OUT/h200_sparse.png" > "$OUT/bench_sparse.log" 2>&1; echo "sparse rc $?"; tail -12 "$OUT/bench_sparse.log"
+  for i in 1 2 3; do
+    timeout 170 python3 -m opsadv bench --suite e2e --quick --filter 'bert|decode' --json "$OUT/e2e_$i.json" \
+      > "$OUT/e2e_$i.log" 2>&1; echo "e2e run $i rc $?"; grep -E "^(prefill|decode)" "$OUT/e2e_$i.log" | tail -2
+  done
   ;;
 esac
