@@ -11,7 +11,7 @@ from opsadv.backends.cuda import _triton_utils as U  # noqa: E402
 
 def test_winner_is_stored_and_reused(tmp_path, monkeypatch):
     monkeypatch.setenv("OPSADV_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(U, "_disk", None)
+    monkeypatch.setattr(U, "_CONFIGS", None)
     monkeypatch.setattr(U.torch.cuda, "is_current_stream_capturing", lambda: False)
     timed = []
     import triton.testing
@@ -22,7 +22,7 @@ def test_winner_is_stored_and_reused(tmp_path, monkeypatch):
     assert best == {"BLOCK_M": 32} and len(timed) == 3                       # the last timed is fastest here
     data = json.loads((tmp_path / "kernel_configs.json").read_text())
     assert list(data.values())[0] == {"t.fwd|('k', 1)": {"BLOCK_M": 32}}
-    monkeypatch.setattr(U, "_disk", None)                                   # "a new process"
+    monkeypatch.setattr(U, "_CONFIGS", None)                                # "a new process"
     again = U.ConfigTuner("t.fwd").pick(("k", 1), configs, lambda c: 1 / 0, autotune=True)
     assert again == {"BLOCK_M": 32} and len(timed) == 3                      # nothing timed or launched
     stale = U.ConfigTuner("t.fwd").pick(("k", 1), configs[:2], lambda c: None, autotune=True)

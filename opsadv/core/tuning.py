@@ -10,13 +10,10 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from .env import EnvInfo
 from .kernel import CallSpec
 
-_lock = threading.Lock()
-_loaded: dict[str, dict[str, Any]] | None = None
 
 
 def cache_dir() -> Path:
@@ -32,24 +29,49 @@ def spec_key(spec: CallSpec) -> str:
             f"{spec.device_type}|{spec.bucket}|{','.join(sorted(spec.features))}")
 
 
-def _path() -> Path:
-    return cache_dir() / "tuning.json"
+class JsonCache:
+    """One JSON file in cache_dir(): read once per process, rewritten atomically (a concurrent process
+    never reads a torn file); a read-only cache dir never breaks the caller.  Shared by the measured
+    impl choice (tuning.json) and the cuda kernels' config tuner (kernel_configs.json)."""
 
+    def __init__(self, name: str):
+        self.name = name
+        self.data: dict | None = None
+        self.lock = threading.Lock()
 
-def _load() -> dict[str, dict[str, Any]]:
-    global _loaded
-    if _loaded is None:
+    def path(self) -> Path:
+        return cache_dir() / self.name
+
+    def load(self) -> dict:
+        if self.data is None:
+            try:
+                self.data = json.loads(self.path().read_text())
+            except (OSError, ValueError):
+                self.data = {}
+        return self.data
+
+    def reset(self) -> None:
+        """Forget what was read (the next load reads the file again)."""
+        with self.lock:
+            self.data = None
+
+    def write(self) -> None:
+        """Persist `data` (call with `lock` held, after updating what load() returned)."""
+        path = self.path()
         try:
-            _loaded = json.loads(_path().read_text())
-        except (OSError, ValueError):
-            _loaded = {}
-    return _loaded
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(self.data, indent=1, sort_keys=True))
+            os.replace(tmp, path)
+        except OSError:
+            pass
+
+
+_TUNING = JsonCache("tuning.json")
 
 
 def reload() -> None:
-    global _loaded
-    with _lock:
-        _loaded = None
+    _TUNING.reset()
 
 
 @dataclass(frozen=True)
@@ -65,25 +87,17 @@ class Measured:
 def lookup(spec: CallSpec, accepted: list[str], env: EnvInfo) -> Measured | None:
     if len(accepted) < 2:
         return None
-    entry = _load().get(_device_key(env), {}).get(spec_key(spec))
+    entry = _TUNING.load().get(_device_key(env), {}).get(spec_key(spec))
     if not entry or entry.get("winner") not in accepted:
         return None
     return Measured(entry["winner"], dict(entry.get("times_ms", {})))
 
 
 def store(spec: CallSpec, env: EnvInfo, measured: Measured) -> None:
-    with _lock:
-        data = _load()
-        data.setdefault(_device_key(env), {})[spec_key(spec)] = {
+    with _TUNING.lock:
+        _TUNING.load().setdefault(_device_key(env), {})[spec_key(spec)] = {
             "winner": measured.winner, "times_ms": measured.times_ms, "date": time.strftime("%Y-%m-%d")}
-        path = _path()
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-            os.replace(tmp, path)     # atomic: concurrent processes never see a torn file
-        except OSError:
-            pass                      # a read-only home must not break dispatch
+        _TUNING.write()
 
 
 def time_fn(fn, device_type: str, reps: int = 10) -> float:

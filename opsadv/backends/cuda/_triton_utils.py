@@ -10,6 +10,7 @@ import threading
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
 
 from opsadv.core.ops._common import empty_bshd
 
@@ -70,7 +71,6 @@ class FastLaunch:
         return lambda *args, **kw: self.launch(grid, args, kw)
 
     def launch(self, grid, args: tuple, kw: dict):
-        from triton import knobs
         first = args[0]
         if not _on_gpu(first) or knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls:
             return self.fn[grid](*args, **kw)
@@ -177,13 +177,16 @@ class ConfigTuner:
         return best
 
 
-_disk: dict | None = None
-_disk_lock = threading.Lock()
+def _configs():
+    """The stored config winners (kernel_configs.json in the cache dir, read once per process)."""
+    from opsadv.core.tuning import JsonCache
+    global _CONFIGS
+    if _CONFIGS is None:
+        _CONFIGS = JsonCache("kernel_configs.json")
+    return _CONFIGS
 
 
-def _disk_path():
-    from opsadv.core.tuning import cache_dir
-    return cache_dir() / "kernel_configs.json"
+_CONFIGS = None
 
 
 def _device_section() -> str:
@@ -193,31 +196,15 @@ def _device_section() -> str:
 
 
 def _disk_load() -> dict:
-    """This device's stored winners (loaded once per process)."""
-    global _disk
-    if _disk is None:
-        import json
-        try:
-            _disk = json.loads(_disk_path().read_text())
-        except (OSError, ValueError):
-            _disk = {}
-    return _disk.get(_device_section(), {})
+    """This device's stored winners."""
+    return _configs().load().get(_device_section(), {})
 
 
 def _disk_store(key: str, cfg: dict) -> None:
-    import json
-    import os
-    with _disk_lock:
-        _disk_load()
-        _disk.setdefault(_device_section(), {})[key] = cfg
-        path = _disk_path()
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(_disk, indent=1, sort_keys=True))
-            os.replace(tmp, path)               # atomic: a concurrent process never reads a torn file
-        except OSError:
-            pass                                # a read-only cache dir must not break a kernel launch
+    store = _configs()
+    with store.lock:
+        store.load().setdefault(_device_section(), {})[key] = cfg
+        store.write()
 
 
 def poison_enabled() -> bool:
