@@ -262,3 +262,18 @@ def test_mem_opt_runs_mlps_over_row_chunks(monkeypatch):
     for (n, p), (_, q) in zip(plain.named_parameters(), chunked.named_parameters()):
         if p.grad is not None:
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_mem_opt_3_keeps_qkv_unfused():
+    """mem_opt=3 leaves q/k/v as three GEMMs (a fused output would keep the pre-rotary q alive as
+    one buffer); the report says why; outputs unchanged.  mem_opt 2 still fuses."""
+    orig = make("llama")
+    frugal = opsadv.convert_model(copy.deepcopy(orig), backend="reference", mem_opt=3)
+    fused = opsadv.convert_model(copy.deepcopy(orig), backend="reference", mem_opt=2)
+    assert not any(isinstance(m, QKVProjection) for m in frugal.modules())
+    assert any(isinstance(m, QKVProjection) for m in fused.modules())
+    why = [c.reason for c in frugal.opsadv_report.changes if c.kind == "skipped" and c.what == "q/k/v projections"]
+    assert why and all("mem_opt=3" in r for r in why)
+    batch = inputs()
+    with torch.no_grad():
+        torch.testing.assert_close(primary(frugal(**batch)), primary(orig(**batch)), rtol=1e-4, atol=1e-5)

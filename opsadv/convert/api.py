@@ -120,7 +120,9 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
     """Rewrite `model` in place to run opsadv ops and return it (same object, same class).
 
     opt_level 0: nothing; 1: attention and norms; 2: + fused QKV GEMM, dense+residual+norm, MLP GEMM
-    epilogues (SwiGLU, GELU); 3: + impls marked experimental.  The result is validated against the
+    epilogues (SwiGLU, GELU); 3: + impls marked experimental.  mem_opt (0-3, None = untouched): >= 2
+    runs SwiGLU MLPs over row chunks and applies the runtime memory policy; 3 also keeps q/k/v as
+    three GEMMs (lower activation peak than the fused QKV GEMM).  The result is validated against the
     original on `example_inputs` (a dict of kwargs, a tuple of args or a tensor; generated for
     transformers models); beyond the limits (see opsadv.convert.validate) the conversion is undone
     and ValidationError raised with the numbers, unless validate="warn" (kept, flagged in the
@@ -171,7 +173,7 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
         if opt_level >= 2:
             passes.residual_norm_pass(model, report, undo, state)
             passes.mlp_pass(model, report, undo, state)
-            passes.qkv_pass(model, report, undo, state)
+            passes.qkv_pass(model, report, undo, state, mem_opt)
         if is_hf and opt_level >= 1 and (pack_padding or (pack_padding is None and opt_level >= 2)):
             packing.packing_pass(model, report, undo)
         passes.memory_pass(model, report, mem_opt)

@@ -242,11 +242,22 @@ def mlp_pass(model, report, undo: Undo, state) -> None:
         report.add("fused", path, f"{type(child).__name__}: {desc}")
 
 
-def qkv_pass(model, report, undo: Undo, state) -> None:
+# mem_opt at which q/k/v stay three GEMMs: the fused output is one buffer, so the v view keeps the
+# pre-rotary q and k alive next to their rotated copies for the whole attention call (Llama-1.1B b1
+# s8192 on the H200: 40 MiB of the 238 MiB activation peak, benchmarks/results/memory_trace_probe_h200.json)
+QKV_UNFUSED_MEM_OPT = 3
+
+
+def qkv_pass(model, report, undo: Undo, state, mem_opt: int | None = None) -> None:
     for path, m in list(model.named_modules()):
         for names in (("q_proj", "k_proj", "v_proj"), ("query", "key", "value")):
             lins = [getattr(m, n, None) for n in names]
             if not all(_linear(x) for x in lins):
+                continue
+            if mem_opt is not None and mem_opt >= QKV_UNFUSED_MEM_OPT:
+                report.add("skipped", path, "q/k/v projections",
+                           f"mem_opt={mem_opt}: kept as three GEMMs (a fused q|k|v output stays alive as one "
+                           "buffer while q and k are rotated and attended: more peak memory)")
                 continue
             q, k, v = lins
             if len({x.in_features for x in lins}) != 1 or len({x.bias is None for x in lins}) != 1 \
