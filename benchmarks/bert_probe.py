@@ -3,7 +3,9 @@ conversions: packed encoder (default) eager, packed + CUDA graphs, padded + CUDA
 device-side key-padding attention path).  Times with do_bench (median), error on real tokens,
 kernels per layer and the top CUDA kernels of the graphed variants.
 
-    PYTHONPATH=. python3 benchmarks/bert_probe.py [OUT.json] [--compile]
+    PYTHONPATH=. python3 benchmarks/bert_probe.py [OUT.json] [--compile] [--ops]
+--ops: only the packed eager conversion, with the aten ops that launch GPU work (op, input shapes, GPU
+time, count): names the op behind each non-GEMM kernel of the graphed run.
 """
 from __future__ import annotations
 
@@ -29,6 +31,20 @@ def top_kernels(fn, n=8):
     rows = sorted(((e.key, e.device_time_total / 1e3, e.count) for e in prof.key_averages()), key=lambda r: -r[1])
     total = sum(r[1] for r in rows)
     return round(total, 3), [{"kernel": k[:80], "ms": round(ms, 3), "count": c} for k, ms, c in rows[:n]]
+
+
+def op_table(fn, n=16):
+    """aten ops with GPU time (their kernels' time), grouped by op and input shapes."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = [(e.key, str(e.input_shapes)[:120], e.self_device_time_total / 1e3, e.count)
+            for e in prof.key_averages(group_by_input_shape=True) if e.self_device_time_total > 0]
+    rows.sort(key=lambda r: -r[2])
+    return [{"op": k, "shapes": sh, "gpu_ms": round(ms, 3), "count": c} for k, sh, ms, c in rows[:n]]
 
 
 def main():
@@ -58,6 +74,8 @@ def main():
     out["hf_sdpa_launches_per_layer"] = round(E.launches(run(base)) / L, 1)
     variants = {"packed_eager": {}, "packed_graphs": {"cuda_graphs": True},
                 "padded_graphs": {"cuda_graphs": True, "pack_padding": False}}
+    if "--ops" in sys.argv:
+        variants = {"packed_eager": {}}
     for name, kw in variants.items():
         t0 = time.perf_counter()
         conv = opsadv.convert_model(copy.deepcopy(base), validate="warn", **kw)
@@ -68,6 +86,10 @@ def main():
         r["err"] = err(f())
         r["ms"] = do_bench(f, warmup=25, rep=200, return_mode="median")
         r["launches_per_layer"] = round(E.launches(f) / L, 1)
+        if "--ops" in sys.argv:
+            r["ops"] = op_table(f)
+            for row in r["ops"]:
+                print(f"  {row['gpu_ms']:8.3f} ms {row['count']:4d}x {row['op']:40s} {row['shapes']}", flush=True)
         if "graphs" in name:
             r["gpu_total_ms"], r["top"] = top_kernels(f)
             # a second mask (other lengths): a new bucket or a replay with new values, still exact
