@@ -123,10 +123,15 @@ def time_fn(fn, device_type: str, reps: int = 10) -> float:
 
 
 def autotune(exp, resolved, args: tuple):
-    """Time every accepted impl on the real arguments; persist and return the winner."""
+    """Time every accepted impl on the real arguments (on a device, not the reference backend's);
+    persist and return the winner."""
     from .dispatch import Resolved
 
     accepted = [c.impl for c in exp.candidates if c.accepted]
+    if exp.spec.device_type != "cpu" and any(i.backend != "reference" for i in accepted):
+        # the reference backend is the oracle (plain torch, e.g. dense masking for sparse attention):
+        # never the fastest on a device that has kernels, and timing it there can take tens of GiB
+        accepted = [i for i in accepted if i.backend != "reference"]
     if len(accepted) < 2 or exp.why.startswith("measured"):
         return None
     times: dict[str, float] = {}

@@ -1,0 +1,40 @@
+"""autotune times the accepted impls; on a device it leaves the reference backend (the oracle) out."""
+from types import SimpleNamespace
+
+import torch
+
+from opsadv.core import tuning
+from opsadv.core.kernel import CallSpec, KernelImpl
+
+
+def _impl(id_, backend):
+    calls = []
+    return KernelImpl(id_, "x", backend, lambda ctx, *a: calls.append(a) or id_, None), calls
+
+
+def _run(device_type, monkeypatch):
+    dev, dev_calls = _impl("cuda.triton.x", "cuda")
+    ven, ven_calls = _impl("cuda.vendor.x", "cuda")
+    ref, ref_calls = _impl("reference.x", "reference")
+    spec = CallSpec("x", device_type, torch.float16, frozenset(), (16,))
+    exp = SimpleNamespace(spec=spec, why="highest priority",
+                          candidates=[SimpleNamespace(impl=i, accepted=True) for i in (dev, ven, ref)])
+    stored = []
+    monkeypatch.setattr(tuning, "store", lambda spec, env, m: stored.append(m))
+    ms = {"cuda.triton.x": 2.0, "cuda.vendor.x": 1.0, "reference.x": 0.5}      # (the reference "wins" if timed)
+    monkeypatch.setattr(tuning, "time_fn", lambda fn, dt: ms[fn()])
+    resolved = SimpleNamespace(ctx=SimpleNamespace(env=None))
+    got = tuning.autotune(exp, resolved, (1,))
+    return got, stored, dev_calls, ven_calls, ref_calls
+
+
+def test_device_autotune_skips_reference(monkeypatch):
+    got, stored, dev_calls, ven_calls, ref_calls = _run("cuda", monkeypatch)
+    assert dev_calls and ven_calls and not ref_calls
+    assert set(stored[0].times_ms) == {"cuda.triton.x", "cuda.vendor.x"}
+    assert got.impl.id == "cuda.vendor.x"
+
+
+def test_cpu_autotune_times_reference_too(monkeypatch):
+    _, stored, _, _, ref_calls = _run("cpu", monkeypatch)
+    assert ref_calls and "reference.x" in stored[0].times_ms
