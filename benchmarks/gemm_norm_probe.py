@@ -352,7 +352,7 @@ def _best_config(iid, m, ep):
     from opsadv.backends.cuda import gemm as G
     tma = iid.endswith("_tma")
     kind = "small" if m <= 64 else ("swiglu" if ep == "swiglu" else "gemm")
-    tuner = G._autotuned(tma, "h100", kind)
+    tuner = G._autotuned("tma" if tma else "ptr", "h100", kind)
     return {str(k): str(v) for k, v in tuner.cache.items()}
 
 

@@ -47,6 +47,8 @@ def _inputs(m, k, n, dtype, *, lead=(), transposed=True, seed=0):
 @pytest.mark.parametrize("impl_id,shapes", [
     ("cuda.triton.gemm", [(1, 37, 23), (3, 70, 33), (17, 130, 65)]),          # K, N not multiples of the tile
     ("cuda.triton.gemm_tma", [(1, 40, 24), (3, 64, 48), (17, 72, 40)]),       # TMA needs 16-byte rows
+    # interpreter: 2 persistent programs walk 1..20 tiles of 32x32
+    ("cuda.triton.gemm_persistent", [(1, 40, 24), (3, 64, 48), (67, 72, 72), (127, 24, 136)]),
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_gemm_forward_epilogues(impl_id, shapes, dtype):
@@ -61,6 +63,27 @@ def test_gemm_forward_epilogues(impl_id, shapes, dtype):
             want = _ref_gemm(a, b, bb, act, rr, alpha)
             assert out.shape == want.shape and out.dtype == dtype
             assert rel_err(out, want) < TOL[dtype], (m, k, n, act, use_bias, use_res, alpha)
+
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, programs per "SM", EPI_SPLIT): whole-tile and half-tile TMA
+# stores, several programs, a tile wider than N, a K tile wider than K
+PERSISTENT_CONFIGS = [(32, 32, 32, 4, 1, 1, False), (32, 32, 32, 4, 1, 3, True), (16, 64, 64, 4, 1, 1, True)]
+
+
+@pytest.mark.parametrize("config", PERSISTENT_CONFIGS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_persistent_kernel_configs(config, dtype):
+    """The persistent kernel under explicit configs, every epilogue, into NaN-poisoned outputs:
+    odd M (1, 3, 127), K and N not multiples of the tiles, b as (K, N) and as nn.Linear (N, K)."""
+    from opsadv.backends.cuda.gemm import _launch
+    for i, (m, k, n) in enumerate([(1, 40, 24), (3, 200, 56), (127, 24, 136)]):
+        a, b, bias, res = _inputs(m, k, n, dtype, transposed=i % 2 == 0, seed=10 + i)
+        for j, act in enumerate(ACTS):
+            bb, rr, alpha = (bias if j % 2 == 0 else None), (res if j % 3 != 1 else None), (1.0 if j % 2 else 0.5)
+            ctx = _ctx(_gemm_spec(a, b, bb, act, rr, alpha, False))
+            out = torch.full((m, n), float("nan"), dtype=dtype, device=DEV)
+            _launch(ctx, a, b, out, bb, rr, None, act, alpha, False, False, "persistent", config=config)
+            assert rel_err(out, _ref_gemm(a, b, bb, act, rr, alpha)) < TOL[dtype], (config, m, k, n, act)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -93,7 +116,8 @@ def test_gemm_backward_autograd(act):
         assert rel_err(g, r) < 1e-5, (act, name)
 
 
-@pytest.mark.parametrize("impl_id", ["cuda.triton.gemm", "cuda.triton.gemm_tma", "cuda.cublas.gemm_epilogue"])
+@pytest.mark.parametrize("impl_id", ["cuda.triton.gemm", "cuda.triton.gemm_tma", "cuda.triton.gemm_persistent",
+                                     "cuda.cublas.gemm_epilogue"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_gemm_backward_impls(impl_id, dtype):
     impl = _impl(impl_id)
@@ -114,11 +138,11 @@ def _impl_ref(op):
 
 
 @pytest.mark.parametrize("impl_id", ["cuda.triton.swiglu_gemm", "cuda.triton.swiglu_gemm_tma",
-                                     "cuda.cublas.swiglu_gemm"])
+                                     "cuda.triton.swiglu_gemm_persistent", "cuda.cublas.swiglu_gemm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_swiglu_forward_backward(impl_id, dtype):
     impl = _impl(impl_id)
-    shapes = [(1, 40, 24), (17, 64, 40)] if "tma" in impl_id else [(1, 37, 23), (17, 70, 33)]
+    shapes = [(1, 40, 24), (17, 64, 40)] if "tma" in impl_id or "persistent" in impl_id else [(1, 37, 23), (17, 70, 33)]
     for i, (m, k, n) in enumerate(shapes):
         g = torch.Generator().manual_seed(i)
         x = torch.randn(2, m, k, generator=g).to(dtype).to(DEV)
@@ -201,6 +225,12 @@ def test_tma_rejects_unaligned_rows():
     tma = next(c for c in exp.candidates if c.impl.id == "cuda.triton.gemm_tma")
     assert not tma.accepted and any("16-byte" in r for r in tma.reasons)
     assert exp.chosen == "cuda.triton.gemm"
+    x, w = torch.randn(3, 32, dtype=torch.float16), torch.randn(32, 24, dtype=torch.float16)   # N = 12 halfs
+    with opsadv.use_backend("cuda"):
+        exp = opsadv.explain("swiglu_gemm", x, w)
+    for c in exp.candidates:
+        if c.impl.id.endswith(("_tma", "_persistent")):
+            assert not c.accepted and any("N=12" in r for r in c.reasons), c.impl.id
 
 
 @pytest.mark.parametrize("profile", ["jetson", "interpreter"])
@@ -220,9 +250,10 @@ def test_profiles_fixed_tiles(profile):
 @pytest.mark.parametrize("m", [1, 16, 300])
 def test_gpu_gemm_impls(dtype, m):
     a, b, bias, res = _inputs(m, 512, 384, dtype, lead=(2,))
-    for impl_id in ("cuda.triton.gemm", "cuda.triton.gemm_tma", "cuda.cublas.gemm_epilogue"):
+    for impl_id in ("cuda.triton.gemm", "cuda.triton.gemm_tma", "cuda.triton.gemm_persistent",
+                    "cuda.cublas.gemm_epilogue"):
         impl = _impl(impl_id)
-        if impl_id.endswith("tma") and torch.cuda.get_device_capability() < (9, 0):
+        if impl_id.endswith(("tma", "persistent")) and torch.cuda.get_device_capability() < (9, 0):
             continue
         for act in ACTS:
             ctx = _ctx(_gemm_spec(a, b, bias, act, res, 0.5, False))

@@ -5,10 +5,12 @@ Impls (priority; the dispatcher's measured choice per bucket overrides it under 
                                     bias+relu / bias+gelu_tanh fused in the cuBLASLt epilogue
   cuda.cublas.gemm_small_m     250  the same torch code for M <= 64 (decode): cuBLAS wins there
   cuda.triton.gemm_tma         210  Triton, TMA descriptors, Hopper+, 16-byte aligned K and N; fused epilogue
+  cuda.triton.gemm_persistent  205  the TMA kernel made persistent (one program per SM walks the tiles, the
+                                    next tile's loads overlap this tile's epilogue; TMA stores); Hopper+
   cuda.triton.gemm             200  Triton, pointer loads, any strides; fused epilogue
   cuda.cublas.gemm_epilogue    150  cuBLAS GEMM then torch activation / residual (unfused)
-  and for swiglu_gemm: cuda.cublas.swiglu_gemm_small_m 250, cuda.triton.swiglu_gemm[_tma] 210/200,
-  cuda.cublas.swiglu_gemm 150.
+  and for swiglu_gemm: cuda.cublas.swiglu_gemm_small_m 250, cuda.triton.swiglu_gemm[_tma|_persistent]
+  200/210/205, cuda.cublas.swiglu_gemm 150.
 Why (H200, bf16, torch 2.11, triton 3.6, benchmarks/gemm_norm_probe.py): the TMA kernel reaches
 0.88-0.96x cuBLAS on plain GEMMs, 0.91-0.98x torch._addmm_activation on bias+gelu_tanh, 1.01-1.08x
 addmm+silu on bias+silu and 1.07-1.22x eager on SwiGLU; at M = 8 cuBLAS is 2-5x faster.
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 
 import torch
 import torch.nn.functional as F
@@ -42,11 +45,15 @@ GEMM_FEATURES = ACT_FEATURES | {"bias", "residual", "alpha", "batched"}
 _TF32_REASON = "float32 inputs need use_backend(..., precision='tf32') (tensor cores round them to tf32)"
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) per profile; "small" serves M <= 64 (decode).
+# The persistent kernel's entries add (programs per SM, EPI_SPLIT: the epilogue in two column halves).
 CONFIGS = {
     "h100": {"gemm": [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4),
                       (256, 128, 64, 8, 3), (128, 64, 64, 4, 4)],
              "swiglu": [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4)],
-             "small": [(16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (32, 64, 128, 4, 4), (64, 64, 64, 4, 4)]},
+             "small": [(16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (32, 64, 128, 4, 4), (64, 64, 64, 4, 4)],
+             "persistent": [(128, 256, 64, 8, 3, 1, True), (128, 256, 64, 8, 4, 1, True),
+                            (128, 128, 64, 8, 4, 1, False), (128, 128, 64, 4, 3, 2, True)],
+             "persistent_swiglu": [(128, 128, 64, 8, 3, 1, True), (128, 128, 64, 8, 4, 1, True)]},
     "a100": {"gemm": [(128, 256, 32, 8, 3), (128, 128, 32, 4, 4), (128, 128, 64, 4, 3), (64, 128, 32, 4, 4)],
              "swiglu": [(128, 128, 32, 8, 3), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4)],
              "small": [(16, 64, 128, 4, 4), (16, 128, 64, 4, 4), (32, 64, 64, 4, 4)]},
@@ -59,7 +66,7 @@ GROUP_M = 8
 
 def _configs(profile_name: str, kind: str, tile_cap: int | None) -> list[tuple]:
     """The autotune space of a profile, capped by the seed's tile_size (use_backend(tile_size=))."""
-    table = CONFIGS.get(profile_name, CONFIGS["rtx"])[kind]
+    table = CONFIGS.get(profile_name, CONFIGS["rtx"]).get(kind) or CONFIGS["h100"][kind]   # persistent: Hopper only
     return cap_tiles(table, tile_cap) if tile_cap else list(table)
 
 
@@ -70,7 +77,10 @@ def _fixed_config(profile_name: str, kind: str, m: int, n: int, tile_cap: int | 
     elif profile_name == "jetson":                    # tiles <= 64, <= 2 stages (small smem, no autotune)
         cfg = (16 if m <= 16 else 64, 64 if n > 32 else 32, 32, 4, 2)
     else:
-        return _configs(profile_name, "small" if m <= 64 else kind, tile_cap)[0]
+        small = m <= 64 and not kind.startswith("persistent")     # the persistent kernel has one table
+        return _configs(profile_name, "small" if small else kind, tile_cap)[0]
+    if kind.startswith("persistent"):
+        cfg += (1, True)                              # one program per SM, epilogue in two halves
     return cap_tiles([cfg], tile_cap)[0] if tile_cap else cfg
 
 
@@ -83,8 +93,9 @@ def _pname(ctx) -> str:
 
 
 def _poisoned(shape, like: torch.Tensor) -> torch.Tensor:
-    """Output buffer; on CPU (interpreter mode, tests) pre-filled with NaN so an unwritten element shows."""
-    if like.device.type == "cpu":
+    """Output buffer; on CPU (interpreter mode, tests) and under OPSADV_POISON_OUTPUTS=1 (GPU probes)
+    pre-filled with NaN so an unwritten element shows."""
+    if like.device.type == "cpu" or os.environ.get("OPSADV_POISON_OUTPUTS", "0") not in ("", "0"):
         return torch.full(shape, float("nan"), dtype=like.dtype, device=like.device)
     return torch.empty(shape, dtype=like.dtype, device=like.device)
 
@@ -121,23 +132,39 @@ def _tma_check(spec, env) -> list[str]:
     why = _tf32_check(spec, env)
     (a_shape, b_shape) = spec.shapes
     per16 = 16 // (2 if spec.dtype in HALF else 4)          # elements per 16 bytes: TMA row alignment
-    if a_shape[-1] % per16 or b_shape[1] % per16:
-        why.append(f"TMA needs K and N multiples of {per16} (16-byte rows), got K={a_shape[-1]} N={b_shape[1]}")
+    # SwiGLU reads the up half at column N of [W_g | W_u]: a TMA box offset, 16-byte aligned too
+    n = b_shape[1] // 2 if spec.op == "swiglu_gemm" else b_shape[1]
+    if a_shape[-1] % per16 or n % per16:
+        why.append(f"TMA needs K and N multiples of {per16} (16-byte rows), got K={a_shape[-1]} N={n}")
     return why
 
 
 # ---- launching the Triton kernels ----------------------------------------------------------------
+KERNELS = ("ptr", "tma", "persistent")       # pointer loads / TMA loads / persistent TMA
+
+
+def _meta(cfg: tuple) -> dict:
+    """A config tuple as the kernel's block constexprs (+ the persistent kernel's PER_SM, EPI_SPLIT)."""
+    bm, bn, bk = cfg[:3]
+    meta = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": GROUP_M}
+    if len(cfg) > 5:
+        meta.update(PER_SM=cfg[5], EPI_SPLIT=cfg[6])
+    return meta
+
+
 @functools.lru_cache(maxsize=None)
-def _autotuned(tma: bool, profile_name: str, kind: str, tile_cap: int | None = None):
+def _autotuned(kernel: str, profile_name: str, kind: str, tile_cap: int | None = None):
     import triton
     from . import _gemm_triton as K
-    hook = _set_tma_blocks if tma else None
-    cfgs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": GROUP_M},
-                          num_warps=w, num_stages=s, pre_hook=hook)
-            for bm, bn, bk, w, s in _configs(profile_name, kind, tile_cap)]
+    hook = None if kernel == "ptr" else _set_tma_blocks
+    cfgs = [triton.Config(_meta(c), num_warps=c[3], num_stages=c[4], pre_hook=hook)
+            for c in _configs(profile_name, kind, tile_cap)]
+    fn = {"ptr": K._gemm_kernel, "tma": K._gemm_tma_kernel, "persistent": K._gemm_persistent_kernel}[kernel]
+    key = ["M_BUCKET", "N", "K"]
+    if kernel == "persistent":       # the epilogue's cost (erf GELU, TMA or pointer stores) moves the best tile
+        key += ["ACT", "SWIGLU", "BWD", "TMA_STORE"]
     # cache_results: Triton keeps the timings in its on-disk cache, so a second process does not re-tune
-    return triton.autotune(cfgs, key=["M_BUCKET", "N", "K"], cache_results=True)(
-        K._gemm_tma_kernel if tma else K._gemm_kernel)
+    return triton.autotune(cfgs, key=key, cache_results=True)(fn)
 
 
 def _set_tma_blocks(nargs) -> None:
@@ -145,6 +172,16 @@ def _set_tma_blocks(nargs) -> None:
     bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
     nargs["a_desc"].block_shape = [bm, bk]
     nargs["b_desc"].block_shape = [bn, bk] if nargs["B_NK"] else [bk, bn]
+    if nargs.get("c_desc") is not None:
+        nargs["c_desc"].block_shape = [bm, bn // 2 if nargs["EPI_SPLIT"] else bn]
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+INTERPRETER_PROGRAMS = 2     # on CPU (interpreter) 2 persistent programs: each walks several tiles
 
 
 def _tma_ready(t: torch.Tensor) -> bool:
@@ -152,13 +189,17 @@ def _tma_ready(t: torch.Tensor) -> bool:
     return t.stride(1) == 1 and (t.stride(0) * es) % 16 == 0 and t.data_ptr() % 16 == 0
 
 
-def _launch(ctx, a2, b, out, bias, res2, grad2, act: str, alpha: float, swiglu: bool, bwd: bool, tma: bool):
-    """out (M, N[*2 for swiglu backward]) <- the fused GEMM; a2 (M, K), b (K, N or 2N)."""
+def _launch(ctx, a2, b, out, bias, res2, grad2, act: str, alpha: float, swiglu: bool, bwd: bool, kernel: str,
+            config: tuple | None = None):
+    """out (M, N[*2 for swiglu backward]) <- the fused GEMM; a2 (M, K), b (K, N or 2N).
+    kernel: one of KERNELS; config: an explicit CONFIGS entry (probes, tests) instead of the
+    profile's fixed or autotuned one."""
     import triton
     from . import _gemm_triton as K_
     m, k = a2.shape
     n = b.shape[1] // 2 if swiglu else b.shape[1]
-    kind = "swiglu" if swiglu else "gemm"
+    persistent = kernel == "persistent"
+    kind = ("persistent_swiglu" if swiglu else "persistent") if persistent else "swiglu" if swiglu else "gemm"
     prof = ctx.profile
     pname = _pname(ctx)
     tune = prof is not None and prof.autotune and a2.device.type == "cuda"
@@ -169,12 +210,16 @@ def _launch(ctx, a2, b, out, bias, res2, grad2, act: str, alpha: float, swiglu: 
     tail = (out.stride(0), out.stride(1), r.stride(0), r.stride(1), g.stride(0), g.stride(1), float(alpha))
     bias_ = bias if bias is not None else dummy
     cap = _tile_cap(ctx)
-    if not tune:
-        bm, bn, bk, w, s = _fixed_config(pname, kind, m, n, cap)
-        flags.update(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=GROUP_M, num_warps=w, num_stages=s)
-    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-    if not tma:
-        kern = _autotuned(False, pname, "small" if m <= 64 else kind, cap) if tune else K_._gemm_kernel
+    if not persistent and m <= 64:
+        kind = "small"
+    if config is None and not tune:
+        config = _fixed_config(pname, kind, m, n, cap)
+    if config is not None:
+        flags.update(_meta(config), num_warps=config[3], num_stages=config[4])
+    kern = _autotuned(kernel, pname, kind, cap) if config is None else \
+        {"ptr": K_._gemm_kernel, "tma": K_._gemm_tma_kernel, "persistent": K_._gemm_persistent_kernel}[kernel]
+    if kernel == "ptr":
+        grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
         kern[grid](a2, b, out, bias_, r, g, m, n, k, len_bucket(m),
                    a2.stride(0), a2.stride(1), b.stride(0), b.stride(1), *tail, **flags)
         return out
@@ -183,22 +228,35 @@ def _launch(ctx, a2, b, out, bias, res2, grad2, act: str, alpha: float, swiglu: 
         a2 = a2.contiguous()                            # e.g. a sliced / transposed a: TMA needs unit-stride rows
     b_nk = not _tma_ready(b) and _tma_ready(b.t())      # nn.Linear weight.t(): read it as (N, K) rows
     bt = b.t() if b_nk else (b if _tma_ready(b) else b.contiguous())
-    bm, bn, bk = (flags["BLOCK_M"], flags["BLOCK_N"], flags["BLOCK_K"]) if not tune else (16, 16, 16)
+    bm, bn, bk = (flags["BLOCK_M"], flags["BLOCK_N"], flags["BLOCK_K"]) if config else (16, 16, 16)
     a_desc = TensorDescriptor.from_tensor(a2, [bm, bk])
     b_desc = TensorDescriptor.from_tensor(bt, [bn, bk] if b_nk else [bk, bn])
-    kern = _autotuned(True, pname, "small" if m <= 64 else kind, cap) if tune else K_._gemm_tma_kernel
-    kern[grid](a_desc, b_desc, out, bias_, r, g, m, n, k, len_bucket(m), *tail, B_NK=b_nk, **flags)
+    if not persistent:
+        grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+        kern[grid](a_desc, b_desc, out, bias_, r, g, m, n, k, len_bucket(m), *tail, B_NK=b_nk, **flags)
+        return out
+    tma_store = not bwd and _tma_ready(out)            # the forward's tile leaves through a TMA descriptor
+    c_desc = TensorDescriptor.from_tensor(out, [bm, bn]) if tma_store else None
+    if c_desc is not None and config:
+        c_desc.block_shape = [bm, bn // 2 if flags["EPI_SPLIT"] else bn]
+    progs = _num_sms(out.device.index or 0) if out.is_cuda else INTERPRETER_PROGRAMS
+
+    def grid(meta):
+        tiles = triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])
+        return (min(tiles, progs * meta["PER_SM"]),)
+    kern[grid](a_desc, b_desc, c_desc, out, bias_, r, g, m, n, k, len_bucket(m), *tail,
+               B_NK=b_nk, TMA_STORE=tma_store, **flags)
     return out
 
 
 # ---- impl functions ----------------------------------------------------------------------------
-def _triton_gemm(ctx, a, b, bias, activation, residual, alpha, *, tma=False):
+def _triton_gemm(ctx, a, b, bias, activation, residual, alpha, *, kernel="ptr"):
     _check_precision(ctx, a.dtype)
     k, n = b.shape
     a2 = a.reshape(-1, k)
     out = _poisoned((a2.shape[0], n), a)
     res2 = residual.reshape(-1, n) if residual is not None else None
-    _launch(ctx, a2, b, out, bias, res2, None, activation, alpha, False, False, tma)
+    _launch(ctx, a2, b, out, bias, res2, None, activation, alpha, False, False, kernel)
     return out.reshape(*a.shape[:-1], n)
 
 
@@ -213,31 +271,31 @@ def _grads_from_dz(a2, b, dz, alpha, bias, a_shape):
     return da.reshape(a_shape), db, dbias
 
 
-def _triton_gemm_bwd(ctx, grad, a, b, bias, activation, alpha, *, tma=False):
+def _triton_gemm_bwd(ctx, grad, a, b, bias, activation, alpha, *, kernel="ptr"):
     _check_precision(ctx, a.dtype)
     k, n = b.shape
     a2, g2 = a.reshape(-1, k), grad.reshape(-1, n)
     if activation == "none":
         dz = g2                                         # the pre-activation's gradient is grad itself
     else:
-        dz = _launch(ctx, a2, b, _poisoned(g2.shape, a), bias, None, g2, activation, alpha, False, True, tma)
+        dz = _launch(ctx, a2, b, _poisoned(g2.shape, a), bias, None, g2, activation, alpha, False, True, kernel)
     return _grads_from_dz(a2, b, dz, alpha, bias, a.shape)
 
 
-def _triton_swiglu(ctx, x, w, bias, *, tma=False):
+def _triton_swiglu(ctx, x, w, bias, *, kernel="ptr"):
     _check_precision(ctx, x.dtype)
     k, n2 = w.shape
     x2 = x.reshape(-1, k)
     out = _poisoned((x2.shape[0], n2 // 2), x)
-    _launch(ctx, x2, w, out, bias, None, None, "none", 1.0, True, False, tma)
+    _launch(ctx, x2, w, out, bias, None, None, "none", 1.0, True, False, kernel)
     return out.reshape(*x.shape[:-1], n2 // 2)
 
 
-def _triton_swiglu_bwd(ctx, grad, x, w, bias, *, tma=False):
+def _triton_swiglu_bwd(ctx, grad, x, w, bias, *, kernel="ptr"):
     _check_precision(ctx, x.dtype)
     k, n2 = w.shape
     x2, g2 = x.reshape(-1, k), grad.reshape(-1, n2 // 2)
-    dgu = _launch(ctx, x2, w, _poisoned((x2.shape[0], n2), x), bias, None, g2, "none", 1.0, True, True, tma)
+    dgu = _launch(ctx, x2, w, _poisoned((x2.shape[0], n2), x), bias, None, g2, "none", 1.0, True, True, kernel)
     return _grads_from_dz(x2, w, dgu, 1.0, bias, x.shape)
 
 
@@ -340,17 +398,19 @@ def impls(env) -> list[KernelImpl]:
     if importlib.util.find_spec("triton") is None:
         return out
     dev = triton_device_types(env)
-    for tma in (False, True):
-        sfx, prio = ("_tma", PRIORITY_TRITON + 10) if tma else ("", PRIORITY_TRITON)
-        extra = dict(min_cc=(9, 0), check=_tma_check) if tma else dict(check=_tf32_check)
-        what = "TMA descriptors (Hopper+)" if tma else "pointer loads, any strides"
+    variants = {"ptr": ("", PRIORITY_TRITON, dict(check=_tf32_check), "pointer loads, any strides"),
+                "tma": ("_tma", PRIORITY_TRITON + 10, dict(min_cc=(9, 0), check=_tma_check), "TMA descriptors (Hopper+)"),
+                "persistent": ("_persistent", PRIORITY_TRITON + 5, dict(min_cc=(9, 0), check=_tma_check),
+                               "persistent TMA kernel, one program per SM, TMA stores (Hopper+)")}
+    for kernel, (sfx, prio, extra, what) in variants.items():
         out += [
-            KernelImpl(f"cuda.triton.gemm{sfx}", "gemm", "cuda", functools.partial(_triton_gemm, tma=tma),
-                       functools.partial(_triton_gemm_bwd, tma=tma), priority=prio, device_types=dev, dtypes=ALL,
+            KernelImpl(f"cuda.triton.gemm{sfx}", "gemm", "cuda", functools.partial(_triton_gemm, kernel=kernel),
+                       functools.partial(_triton_gemm_bwd, kernel=kernel), priority=prio, device_types=dev, dtypes=ALL,
                        features=GEMM_FEATURES, requires_interpret_or_cuda=True, **extra,
                        description=f"Triton GEMM, fused bias/activation/residual/alpha epilogue, {what}"),
-            KernelImpl(f"cuda.triton.swiglu_gemm{sfx}", "swiglu_gemm", "cuda", functools.partial(_triton_swiglu, tma=tma),
-                       functools.partial(_triton_swiglu_bwd, tma=tma), priority=prio, device_types=dev, dtypes=ALL,
+            KernelImpl(f"cuda.triton.swiglu_gemm{sfx}", "swiglu_gemm", "cuda",
+                       functools.partial(_triton_swiglu, kernel=kernel),
+                       functools.partial(_triton_swiglu_bwd, kernel=kernel), priority=prio, device_types=dev, dtypes=ALL,
                        features=frozenset({"bias", "batched"}), requires_interpret_or_cuda=True, **extra,
                        description=f"Triton GEMM over [W_g | W_u], two accumulators, silu(g)*u epilogue, {what}"),
         ]
