@@ -14,7 +14,9 @@ Sections, each recorded as it finishes (benchmarks/_probe_log.py: a killed run k
   repeat       the FFN1 best variants timed a second time (the run's noise)
 
     PYTHONPATH=. python benchmarks/gemm_persistent_probe.py [OUT.json] [budget_s]
-CPU dry run: PROBE_TINY=1 TRITON_INTERPRET=1 (tiny shapes, fp16, no workers)."""
+PROBE_SECTIONS=odd,impl,... runs only those sections (precompile always); PROBE_SHAPES=bert_ffn1,... only
+those timing shapes; PROBE_CONFIGS=table times the profile's persistent table instead of the sweep.
+CPU dry run: PROBE_TINY=1 TRITON_INTERPRET=1 (tiny shapes, fp16)."""
 from __future__ import annotations
 
 import os
@@ -53,6 +55,13 @@ if TINY:
 ODD = [(1, 264, 200), (127, 200, 264), (1000, 776, 1544)]      # K, N = 8 mod 16 (TMA rows still 16-byte)
 if TINY:
     ODD = [(1, 24, 40), (37, 40, 56)]
+FFN1 = SHAPES[0]
+if os.environ.get("PROBE_SHAPES"):
+    SHAPES = [s for s in SHAPES if s[0] in os.environ["PROBE_SHAPES"].split(",")]
+if os.environ.get("PROBE_CONFIGS") == "table" and not TINY:
+    from opsadv.backends.cuda.gemm import CONFIGS as _C
+    PERSISTENT = list(_C["h100"]["persistent"])
+SECTIONS = os.environ.get("PROBE_SECTIONS", "timing,odd,impl,dispatch,repeat").split(",")
 TOL = 1e-2                                                       # bf16 output vs fp32 reference
 
 
@@ -133,10 +142,11 @@ def bench(fn, dev):
 def _compile_jobs():
     """(M, N, K, epilogue, kernel, config) of every explicit-config launch in the run."""
     from opsadv.backends.cuda.gemm import CONFIGS
-    jobs = [(m, n, k, ep, "persistent", c) for _, m, n, k, ep in SHAPES for c in PERSISTENT]
-    jobs += [(m, n, k, ep, "tma", c) for _, m, n, k, ep in SHAPES for c in TMA]
+    shapes = SHAPES if "timing" in SECTIONS else []
+    jobs = [(m, n, k, ep, "persistent", c) for _, m, n, k, ep in shapes for c in PERSISTENT]
+    jobs += [(m, n, k, ep, "tma", c) for _, m, n, k, ep in shapes for c in TMA]
     # the dispatcher's autotune at FFN1 tries the profile's tables of all three Triton kernels
-    m, n, k, ep = SHAPES[0][1:]
+    m, n, k, ep = FFN1[1:]
     for kern, table in (("ptr", "gemm"), ("tma", "gemm"), ("persistent", "persistent")):
         jobs += [(m, n, k, ep, kern, c) for c in CONFIGS["h100"][table]]
     seen, out = set(), []
@@ -153,7 +163,7 @@ def _compile_one(job):
     dev, dtype = ("cpu", torch.float16) if TINY else ("cuda", torch.bfloat16)
     try:
         if job[0] == "odd":
-            odd_case(job[1], dev, dtype)
+            odd_case(job[1], dev, dtype, only=job[2])
             return job, round(time.time() - t, 1), None
         m, n, k, ep, kernel, config = job
         a, wt, bias = inputs(m, n, k, ep, dev, dtype)
@@ -166,12 +176,13 @@ def _compile_one(job):
         return job, round(time.time() - t, 1), f"{type(e).__name__}: {str(e)[:200]}"
 
 
-def precompile(log: ProbeLog, timeout_s: float = 150.0):
+def precompile(log: ProbeLog, timeout_s: float = float(os.environ.get("PROBE_PRECOMPILE_S", 150))):
     """A worker that dies raises BrokenProcessPool (no hang); jobs left after timeout_s are dropped
     (the main process compiles what it still needs)."""
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor, as_completed
-    jobs = [("odd", i) for i in range(len(ODD))] + _compile_jobs()     # the long odd jobs first
+    odd_jobs = [("odd", i, c) for i in range(len(ODD)) for c in range(len(odd_configs()))] if "odd" in SECTIONS else []
+    jobs = odd_jobs + _compile_jobs()     # the long odd jobs first
     t = time.time()
     res, note = [], None
     ex = ProcessPoolExecutor(min(12, os.cpu_count() or 4, len(jobs)), mp_context=mp.get_context("spawn"))
@@ -218,7 +229,7 @@ def timing(log, dev, dtype, name, m, n, k, ep, table):
         if tma:
             rec["speedup_vs_best_tma"] = round(min(ok[v] for v in tma) / ok[bo], 3)
     rec["failed_rel_err"] = [v for v, e in rec["rel_err"].items() if not e < TOL and "tanh_approx" not in v]
-    if (name, m, n, k, ep) == SHAPES[0] and act != "none":
+    if (name, m, n, k, ep) == FFN1 and act != "none":
         # ablation: the same GEMM with the bias epilogue only (what the activation costs each kernel)
         no_act = {"addmm (bias only)": lambda: torch.addmm(bias, a, wt)}
         no_act.update({f"{kern} {c} (bias only)": triton_fn(kern, c, a, wt, bias, "none", out)
@@ -228,11 +239,18 @@ def timing(log, dev, dtype, name, m, n, k, ep, table):
     log.save(rec)
 
 
-def odd_case(i, dev, dtype) -> dict:
-    """ODD[i]: every epilogue through the persistent kernel (the default half-tile-store config and a
-    whole-tile one), SwiGLU and the gelu backward through the impls' functions; NaN-poisoned outputs."""
+def odd_configs():
+    """The profile's persistent table (both store widths, whole-tile and half-tile stores)."""
+    from opsadv.backends.cuda.gemm import CONFIGS
+    return CONFIGS["h100"]["persistent"][:3] if not TINY else PERSISTENT
+
+
+def odd_case(i, dev, dtype, only: int | None = None) -> dict:
+    """ODD[i]: every epilogue through the persistent kernel (odd_configs(), or only the one numbered
+    `only`), then (only in None or 0) SwiGLU and the gelu backward through the impls' functions;
+    NaN-poisoned outputs."""
     from opsadv.backends.cuda import gemm as G
-    cfgs = [G._fixed_config("h100", "persistent", 4096, 4096), PERSISTENT[-2]] if not TINY else PERSISTENT
+    cfgs = odd_configs() if only is None else [odd_configs()[only]]
     errs = {}
     m, k, n = ODD[i]
     g = torch.Generator(device=dev).manual_seed(100 + i)
@@ -248,13 +266,15 @@ def odd_case(i, dev, dtype) -> dict:
             out = torch.full((m, n), float("nan"), device=dev, dtype=dtype)
             G._launch(_ctx(), a, wt, out, bb, rr, None, act, alpha, False, False, "persistent", config=c)
             errs[f"m{m} k{k} n{n} {act} bias={bb is not None} res={rr is not None} alpha={alpha} {c}"] = rel(out, ref)
+    if only not in (None, 0):
+        return errs
     w = torch.randn(k, 2 * n, device=dev, generator=g).to(dtype)
     sb = torch.randn(2 * n, device=dev, generator=g).to(dtype)
     gu = a.float() @ w.float() + sb.float()
     errs[f"swiglu m{m} k{k} n{n}"] = rel(G._triton_swiglu(_ctx(), a, w, sb, kernel="persistent"),
                                          F.silu(gu[:, :n]) * gu[:, n:])
     go = torch.randn(m, n, device=dev, generator=g).to(dtype)
-    da, db, dbias = G._triton_gemm_bwd(_ctx(), go, a, wt, bias, "gelu", 1.0, kernel="persistent")
+    da, db, dbias = G._triton_gemm_bwd(_ctx(), go, a, wt, bias, "gelu", 1.0, kernel=G.BACKWARD_KERNEL["persistent"])
     af, wf = a.float().requires_grad_(), wt.float().requires_grad_()
     gra, grw = torch.autograd.grad(F.gelu(af @ wf + bias.float()), (af, wf), go.float())
     errs[f"bwd gelu m{m} k{k} n{n} da"] = rel(da, gra)
@@ -279,7 +299,7 @@ def impl_timing(log, dev, dtype):
     from opsadv.core import dispatch
     from opsadv.core.ops.gemm import _gemm_spec
     from opsadv.registry import get_registry
-    name, m, n, k, ep = SHAPES[0]
+    name, m, n, k, ep = FFN1
     a, wt, bias = inputs(m, n, k, ep, dev, dtype)
     act = EPILOGUES[ep][1]
     ref = reference(a, wt, bias, act)
@@ -297,6 +317,12 @@ def impl_timing(log, dev, dtype):
             rec["ms"][impl.id] = bench(fn, dev)
         except Exception as e:  # noqa: BLE001
             rec.setdefault("errors", {})[impl.id] = f"{type(e).__name__}: {str(e)[:160]}"
+    if dev == "cuda" and r.ctx.profile is not None:      # the config Triton's autotuner took per key
+        from opsadv.backends.cuda import gemm as G
+        at = G._autotuned("persistent", r.ctx.profile.name, "persistent", G._tile_cap(r.ctx))
+        rec["persistent_autotune"] = {str(kk): str(v) for kk, v in at.cache.items()}
+        rec["persistent_autotune_ms"] = {str(c): v for c, v in getattr(at, "configs_timings", {}).items()} \
+            if getattr(at, "configs_timings", None) else None
     log.save(rec)
 
 
@@ -306,7 +332,7 @@ def dispatch_choice(log, dev, dtype):
 
     import opsadv
     from opsadv.core import dispatch, tuning
-    name, m, n, k, ep = SHAPES[0]
+    name, m, n, k, ep = FFN1
     a, wt, bias = inputs(m, n, k, ep, dev, dtype, seed=1)
     os.environ["OPSADV_CACHE_DIR"] = tempfile.mkdtemp(prefix="opsadv-tune-")
     tuning.reload()
@@ -319,10 +345,10 @@ def dispatch_choice(log, dev, dtype):
 
 
 def repeat(log, dev, dtype, table):
-    rec0 = next((r for r in table if r["case"] == SHAPES[0][0]), None)
+    rec0 = next((r for r in table if r["case"] == FFN1[0]), None)
     if not rec0 or "best_persistent" not in rec0:
         return
-    name, m, n, k, ep = SHAPES[0]
+    name, m, n, k, ep = FFN1
     a, wt, bias = inputs(m, n, k, ep, dev, dtype)
     out = torch.empty(m, n, device=dev, dtype=dtype)
     fns = {**peers(ep, a, wt, bias), **variants(ep, a, wt, bias, out)}
@@ -338,13 +364,16 @@ def main():
     log = ProbeLog(out, budget, meta, t0=T0)
     log.guarded("precompile", lambda: precompile(log), need=60)
     table: list[dict] = []
-    for name, m, n, k, ep in SHAPES:
+    for name, m, n, k, ep in SHAPES if "timing" in SECTIONS else []:
         log.guarded("timing " + name, lambda a=(name, m, n, k, ep): timing(log, dev, dtype, *a, table), need=12)
-    log.guarded("odd", lambda: odd(log, dev, dtype), need=10)
-    log.guarded("impl", lambda: impl_timing(log, dev, dtype), need=15)
-    if dev == "cuda":
-        log.guarded("dispatch", lambda: dispatch_choice(log, dev, dtype), need=40)
-    log.guarded("repeat", lambda: repeat(log, dev, dtype, table), need=6)
+    if "odd" in SECTIONS:
+        log.guarded("odd", lambda: odd(log, dev, dtype), need=10)
+    if "impl" in SECTIONS:
+        log.guarded("impl", lambda: impl_timing(log, dev, dtype), need=8)
+    if dev == "cuda" and "dispatch" in SECTIONS:
+        log.guarded("dispatch", lambda: dispatch_choice(log, dev, dtype), need=8)
+    if "repeat" in SECTIONS:
+        log.guarded("repeat", lambda: repeat(log, dev, dtype, table), need=6)
     print(f"\n{'case':16s} {'variant':40s} {'ms':>9s} {'TFLOP/s':>8s} {'rel_err':>8s}")
     for r in table:
         fl = 2.0 * r["m"] * r["n"] * r["k"]

@@ -282,7 +282,9 @@ def test_hopper_ranks_cublas_epilogue_above_triton():
         rank[cc] = {i.id: i.priority for i in G.impls(env)}
     h, a = rank[(9, 0)], rank[(8, 0)]
     if "cuda.triton.gemm_tma" in h:
-        assert h["cuda.cublas.gemm_epilogue"] > h["cuda.triton.gemm_tma"] > h["cuda.triton.gemm"]
+        assert h["cuda.cublas.gemm_epilogue"] > h["cuda.triton.gemm_persistent"] > h["cuda.triton.gemm_tma"] \
+            > h["cuda.triton.gemm"]
+        assert h["cuda.triton.swiglu_gemm_tma"] > h["cuda.triton.swiglu_gemm_persistent"]   # SwiGLU unmeasured
         assert h["cuda.triton.swiglu_gemm_tma"] > h["cuda.cublas.swiglu_gemm"]
     if "cuda.triton.gemm" in a:
         assert a["cuda.cublas.gemm_epilogue"] < a["cuda.triton.gemm"]

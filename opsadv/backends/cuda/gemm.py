@@ -4,11 +4,11 @@ Impls (priority; the dispatcher's measured choice per bucket overrides it under 
   cuda.cublas.gemm             300  torch.addmm / torch._addmm_activation: plain GEMM (+bias, alpha), and
                                     bias+relu / bias+gelu_tanh fused in the cuBLASLt epilogue
   cuda.cublas.gemm_small_m     250  the same torch code for M <= 64 (decode): cuBLAS wins there
-  cuda.triton.gemm_tma         210  Triton, TMA descriptors, Hopper+, 16-byte aligned K and N; fused epilogue
-  cuda.triton.gemm_persistent  205  the TMA kernel made persistent (one program per SM walks the tiles, the
+  cuda.triton.gemm_persistent  212  the TMA kernel made persistent (one program per SM walks the tiles, the
                                     next tile's loads overlap this tile's epilogue; TMA stores); Hopper+
+  cuda.triton.gemm_tma         210  Triton, TMA descriptors, Hopper+, 16-byte aligned K and N; fused epilogue
   cuda.triton.gemm             200  Triton, pointer loads, any strides; fused epilogue
-  cuda.cublas.gemm_epilogue    150  cuBLAS GEMM then torch activation / residual (unfused)
+  cuda.cublas.gemm_epilogue    150  cuBLAS GEMM then torch activation / residual (unfused); 215 on Hopper
   and for swiglu_gemm: cuda.cublas.swiglu_gemm_small_m 250, cuda.triton.swiglu_gemm[_tma|_persistent]
   200/210/205, cuda.cublas.swiglu_gemm 150.
 Why (H200, bf16, torch 2.11, triton 3.6, benchmarks/gemm_norm_probe.py): the TMA kernel reaches
@@ -17,7 +17,8 @@ addmm+silu on bias+silu and 1.07-1.22x eager on SwiGLU; at M = 8 cuBLAS is 2-5x 
 
 Backward (Triton impls): one fused kernel recomputes the pre-activation tile and writes
 dz = grad * act'(z) (for SwiGLU: [dgate | dup]); then da = dz @ b^T and db = a^T @ dz run as cuBLAS
-GEMMs, dbias = sum(dz) in float32.  With activation "none" dz is the gradient itself.
+GEMMs, dbias = sum(dz) in float32.  With activation "none" dz is the gradient itself.  The persistent
+impls run that pass on the TMA kernel (BACKWARD_KERNEL).
 (Measured at 16384x12288x4096 bias+gelu_tanh: 7.49 ms vs 7.62 ms for eager autograd.)
 
 fp32 inputs run on tensor cores as tf32, so the Triton impls accept them only under
@@ -51,8 +52,11 @@ CONFIGS = {
                       (256, 128, 64, 8, 3), (128, 64, 64, 4, 4)],
              "swiglu": [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4)],
              "small": [(16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (32, 64, 128, 4, 4), (64, 64, 64, 4, 4)],
-             "persistent": [(128, 256, 64, 8, 3, 1, True), (128, 256, 64, 8, 4, 1, True),
-                            (128, 128, 64, 8, 4, 1, False), (128, 128, 64, 4, 3, 2, True)],
+             # the winners of benchmarks/gemm_persistent_probe.py (H200): 2 programs of 128x128/8 warps per SM
+             # at the BERT shapes (epilogue of one under the other's MMAs), 128x256 at 8192^3 and the
+             # gemm suite's shapes, whole-tile stores at 12288x768x768
+             "persistent": [(128, 128, 64, 8, 3, 2, True), (128, 256, 64, 8, 4, 1, True),
+                            (128, 256, 64, 8, 3, 1, True), (128, 128, 64, 8, 4, 1, False)],
              "persistent_swiglu": [(128, 128, 64, 8, 3, 1, True), (128, 128, 64, 8, 4, 1, True)]},
     "a100": {"gemm": [(128, 256, 32, 8, 3), (128, 128, 32, 4, 4), (128, 128, 64, 4, 3), (64, 128, 32, 4, 4)],
              "swiglu": [(128, 128, 32, 8, 3), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4)],
@@ -199,6 +203,8 @@ def _launch(ctx, a2, b, out, bias, res2, grad2, act: str, alpha: float, swiglu: 
     m, k = a2.shape
     n = b.shape[1] // 2 if swiglu else b.shape[1]
     persistent = kernel == "persistent"
+    if persistent and bwd:
+        raise ValueError("gemm: the backward's dz pass runs on the TMA kernel (BACKWARD_KERNEL), not the persistent one")
     kind = ("persistent_swiglu" if swiglu else "persistent") if persistent else "swiglu" if swiglu else "gemm"
     prof = ctx.profile
     pname = _pname(ctx)
@@ -368,6 +374,15 @@ def _cublas_swiglu_bwd(ctx, grad, x, w, bias):
 # plain): the unfused cuBLAS path ranks above Triton there.  Measured tuning (autotune=True /
 # tune_for_hardware) still picks per shape bucket.  SwiGLU keeps the Triton kernel (1.14x eager).
 EPILOGUE_PRIORITY_HOPPER = PRIORITY_TRITON + 15
+# The persistent kernel beat the TMA kernel at all 7 shapes of benchmarks/gemm_persistent_probe.py
+# (H200: 1.04-1.14x; results/gemm_persistent_probe_h200.json), so it ranks above it; below the cuBLAS
+# epilogue path, which it beats with an activation (BERT FFN1 bias+erf-GELU 1.07x addmm+gelu, bias+silu
+# 1.02x) but not on bias-only GEMMs (0.80-0.82x cuBLAS): measured tuning picks per bucket.  Its SwiGLU
+# is unmeasured and stays below the TMA kernel's.
+PERSISTENT_PRIORITY = PRIORITY_TRITON + 12
+# The backward's dz pass (pointer-store epilogue reading grad) runs on the TMA kernel: on the persistent
+# kernel at its 128x256 tile it needs 245784 B of shared memory (H200 limit 232448; the probe's odd run).
+BACKWARD_KERNEL = {"persistent": "tma"}
 
 
 def _epilogue_priority(env) -> int:
@@ -398,19 +413,23 @@ def impls(env) -> list[KernelImpl]:
     if importlib.util.find_spec("triton") is None:
         return out
     dev = triton_device_types(env)
-    variants = {"ptr": ("", PRIORITY_TRITON, dict(check=_tf32_check), "pointer loads, any strides"),
-                "tma": ("_tma", PRIORITY_TRITON + 10, dict(min_cc=(9, 0), check=_tma_check), "TMA descriptors (Hopper+)"),
-                "persistent": ("_persistent", PRIORITY_TRITON + 5, dict(min_cc=(9, 0), check=_tma_check),
+    # kernel: (id suffix, gemm priority, swiglu priority, dispatch checks, words)
+    variants = {"ptr": ("", PRIORITY_TRITON, PRIORITY_TRITON, dict(check=_tf32_check), "pointer loads, any strides"),
+                "tma": ("_tma", PRIORITY_TRITON + 10, PRIORITY_TRITON + 10, dict(min_cc=(9, 0), check=_tma_check),
+                        "TMA descriptors (Hopper+)"),
+                "persistent": ("_persistent", PERSISTENT_PRIORITY, PRIORITY_TRITON + 5,
+                               dict(min_cc=(9, 0), check=_tma_check),
                                "persistent TMA kernel, one program per SM, TMA stores (Hopper+)")}
-    for kernel, (sfx, prio, extra, what) in variants.items():
+    for kernel, (sfx, prio, sprio, extra, what) in variants.items():
+        bwd = BACKWARD_KERNEL.get(kernel, kernel)
         out += [
             KernelImpl(f"cuda.triton.gemm{sfx}", "gemm", "cuda", functools.partial(_triton_gemm, kernel=kernel),
-                       functools.partial(_triton_gemm_bwd, kernel=kernel), priority=prio, device_types=dev, dtypes=ALL,
+                       functools.partial(_triton_gemm_bwd, kernel=bwd), priority=prio, device_types=dev, dtypes=ALL,
                        features=GEMM_FEATURES, requires_interpret_or_cuda=True, **extra,
                        description=f"Triton GEMM, fused bias/activation/residual/alpha epilogue, {what}"),
             KernelImpl(f"cuda.triton.swiglu_gemm{sfx}", "swiglu_gemm", "cuda",
                        functools.partial(_triton_swiglu, kernel=kernel),
-                       functools.partial(_triton_swiglu_bwd, kernel=kernel), priority=prio, device_types=dev, dtypes=ALL,
+                       functools.partial(_triton_swiglu_bwd, kernel=bwd), priority=sprio, device_types=dev, dtypes=ALL,
                        features=frozenset({"bias", "batched"}), requires_interpret_or_cuda=True, **extra,
                        description=f"Triton GEMM over [W_g | W_u], two accumulators, silu(g)*u epilogue, {what}"),
         ]
