@@ -183,6 +183,7 @@ def detail() -> list[str]:
             "raw Triton launch of _norm_fwd_kernel": launcher(getattr(kern, "fn", kern)),
             "FastLaunch of _norm_fwd_kernel": launcher(kern),
             "impl _ln_fwd (3 empties + launch)": lambda: N._ln_fwd(ctx, x, w, b, 1e-5, None),
+            "impl _ln_infer (no stats: 1 empty + launch)": lambda: N._ln_infer(ctx, x, w, b, 1e-5, None),
             "route (dispatch.call + impl)": lambda: ON._layer_norm_route(x, w, b, 1e-5, None),
             "public no-grad": lambda: opsadv.ops.layer_norm(x, w, b, 1e-5) if not torch.is_grad_enabled() else None,
             "validate only": lambda: ON.validate("layer_norm", x, w, b, 1e-5, None),
@@ -384,7 +385,7 @@ def decode_impls() -> list[str]:
                                                                  "cuda.cublas.swiglu_gemm", "cuda.triton.swiglu_gemm",
                                                                  "cuda.triton.swiglu_gemm_tma"],
                         lambda: (lambda gu: F.silu(gu[..., :inter]) * gu[..., inter:])(x @ wgu)),
-        "rms_norm": (lambda: opsadv.ops.rms_norm(x, wn, 1e-6), ["cuda.triton.rms_norm"],
+        "rms_norm": (lambda: opsadv.ops.rms_norm(x, wn, 1e-6), ["cuda.triton.rms_norm", "cuda.aten.rms_norm"],
                      lambda: F.rms_norm(x, (hid,), wn, 1e-6)),
     }
 

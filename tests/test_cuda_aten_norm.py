@@ -32,7 +32,49 @@ def test_layer_norm_matches_reference(dtype, residual, shape):
         assert rel_err(a, e) < tol * 2
 
 
-def test_declared_below_triton():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("shape", [(1, 64), (3, 5, 100), (127, 257)])
+def test_rms_norm_matches_reference(dtype, residual, shape):
+    g = torch.Generator().manual_seed(hash((str(dtype), residual, shape, "rms")) % 2**31)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(dtype)  # noqa: E731
+    n = shape[-1]
+    x, w = r(*shape), r(n)
+    res = r(*shape) if residual else None
+    got, want = A.rms_fwd(None, x, w, 1e-6, res, 0.0), R.rms_norm_fwd(None, x, w, 1e-6, res, 0.0)
+    for a, e in zip(got, want):                       # rstd: x.shape[:-1], float32 (float64 for float64)
+        assert a.shape == e.shape and a.dtype == e.dtype
+        if a.numel():
+            assert rel_err(a, e) < 1e-5
+    y, s, rstd = A.rms_infer(None, x, w, 1e-6, res, 0.0)
+    assert rstd is None and torch.equal(y, got[0]) and (s is None if not residual else torch.equal(s, got[1]))
+    yl, sl, *stats = A.ln_infer(None, x, w, w, 1e-5, res)
+    assert stats == [None, None] and torch.equal(yl, A.ln_fwd(None, x, w, w, 1e-5, res)[0])
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_forward_stats_feed_the_triton_backward(residual):
+    """aten's RMSNorm forward has no backward impl: its rstd must be what the Triton backward reads."""
+    import types
+    from opsadv.backends.cuda.norm import _backward
+    g = torch.Generator().manual_seed(3)
+    x, w, dy = torch.randn(7, 33, generator=g), torch.randn(33, generator=g), torch.randn(7, 33, generator=g)
+    res = torch.randn(7, 33, generator=g) if residual else None
+    y, s, rstd = A.rms_fwd(None, x, w, 1e-6, res, 0.0)
+    xin = s if residual else x
+    ctx = types.SimpleNamespace(env=types.SimpleNamespace(sm_count=None))
+    dx, dw, _ = _backward(ctx, True, dy, torch.empty(0), xin, w, False, None, rstd, 0.0)
+    want = R.rms_norm_bwd(None, dy.double(), torch.empty(0), xin.double(), w.double(), rstd.double(), 0.0)
+    assert rel_err(dx, want[0]) < 1e-5 and rel_err(dw, want[1]) < 1e-5
+
+
+def test_declared_priorities():
     import opsadv
+    from opsadv.core.kernel import CallSpec
     impls = {i.id: i for i in A.impls(opsadv.detect())}
-    assert set(impls) == {"cuda.aten.layer_norm"} and impls["cuda.aten.layer_norm"].priority < 200
+    assert set(impls) == {"cuda.aten.layer_norm", "cuda.aten.rms_norm", "cuda.aten.rms_norm_small_rows"}
+    assert impls["cuda.aten.layer_norm"].priority < 200 and impls["cuda.aten.rms_norm"].priority < 200
+    small = impls["cuda.aten.rms_norm_small_rows"]
+    assert small.priority > 200 and small.backward is None and "offset" not in small.features
+    spec = lambda rows: CallSpec("rms_norm", "cuda", torch.bfloat16, frozenset(), (2048, rows))  # noqa: E731
+    assert small.check(spec(16), None) == [] and small.check(spec(32), None)

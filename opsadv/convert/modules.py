@@ -28,6 +28,7 @@ class FusedRows:
     def __init__(self, params: list[nn.Parameter]):
         self.params = params
         self.buf: torch.Tensor | None = None
+        self._layout: tuple = ()                  # per parameter: (byte offset in buf, numel), set by _rebuild
 
     def get(self) -> torch.Tensor:
         ps = self.params
@@ -38,14 +39,17 @@ class FusedRows:
         return self.buf
 
     def _aliased(self) -> bool:
-        buf, ps = self.buf, self.params
-        if any(p.device != buf.device or p.dtype != buf.dtype for p in ps):
+        """Each parameter is still its row block of buf (a decode step asks twice per layer, so this is
+        kept to a few C calls per parameter: address, size, layout, dtype, device index).  buf keeps its
+        storage alive, so no other tensor can start at those addresses."""
+        buf, layout = self.buf, getattr(self, "_layout", ())
+        if len(layout) != len(self.params):
             return False
-        addr, step = buf.data_ptr(), buf.element_size()
-        for p in ps:                              # each parameter must still be its row block of buf
-            if p.data_ptr() != addr or not p.is_contiguous():
+        base, dt, dev = buf.data_ptr(), buf.dtype, buf.get_device()
+        for p, (off, numel) in zip(self.params, layout):
+            if (p.data_ptr() != base + off or p.numel() != numel or p.dtype is not dt or p.get_device() != dev
+                    or not p.is_contiguous()):
                 return False
-            addr += p.numel() * step
         return True
 
     def _rebuild(self) -> None:
@@ -53,12 +57,13 @@ class FusedRows:
         # Never inside inference mode: parameters must not become inference tensors.
         with torch.inference_mode(False), torch.no_grad():
             buf = torch.cat([p.detach() for p in self.params], 0).contiguous()
-            row = 0
+            row, layout, step = 0, [], buf.stride(0) * buf.element_size()
             for p in self.params:
                 n = p.shape[0]
                 p.data = buf[row:row + n]         # the parameter becomes a view of its rows of buf
+                layout.append((row * step, p.numel()))
                 row += n
-        self.buf = buf
+        self.buf, self._layout = buf, tuple(layout)
 
 
 def unalias_fused(model: nn.Module) -> None:

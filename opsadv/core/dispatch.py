@@ -67,6 +67,12 @@ class Resolved:
     impl: KernelImpl
     ctx: ResolveContext
     run: Callable[..., Any]         # impl.fn or impl.backward
+    infer: Callable[..., Any] | None = None   # call_inference's function: impl.inference where run is impl.fn
+
+    def __post_init__(self):
+        if self.infer is None:
+            inf = self.impl.inference
+            object.__setattr__(self, "infer", inf if inf is not None and self.run is self.impl.fn else self.run)
 
 
 _memo: dict[tuple, Resolved] = {}
@@ -240,6 +246,18 @@ def call(key: tuple, make_spec: Callable[[], CallSpec], args: tuple) -> Any:
     if _tracers:
         record(r.impl.id)
     return r.run(r.ctx, *args)
+
+
+def call_inference(key: tuple, make_spec: Callable[[], CallSpec], args: tuple) -> Any:
+    """call() for an eager forward whose statistics outputs nobody can read (no grad, no tracing):
+    runs the impl's `inference` function where it has one (it may return None for those outputs)."""
+    policy = _scoped_or_global()
+    r = _memo.get((policy.serial, key))
+    if r is None:
+        r = resolve(key, make_spec, args)
+    if _tracers:
+        record(r.impl.id)
+    return r.infer(r.ctx, *args)
 
 
 from .policy import current_policy as _scoped_or_global  # noqa: E402  (hot-path alias)

@@ -124,6 +124,11 @@ class KernelImpl:
     # may only depend on what the key distinguishes (dtype, features, head dim, length buckets, ...).
     check: Callable[[CallSpec, EnvInfo], list[str]] | None = None
     description: str = ""
+    # optional forward for eager calls nothing can differentiate or trace (no grad, plain tensors):
+    # fn's arguments and output tuple, but outputs only the backward reads (saved statistics) and
+    # absent outputs may be None, so the impl can skip computing and allocating them.  Ops with such
+    # outputs (the norms) use it when the impl has one; fn serves every other call.
+    inference: Callable[..., Any] | None = None
 
     def rejection_reasons(self, spec: CallSpec, env: EnvInfo, *, experimental_ok: bool,
                           deterministic: bool) -> list[str]:

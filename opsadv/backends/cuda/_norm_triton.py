@@ -15,7 +15,8 @@ import triton.language as tl
 def _norm_fwd_kernel(x_ptr, r_ptr, w_ptr, b_ptr, y_ptr, s_ptr, mean_ptr, rstd_ptr,
                      M, N, s_xm, s_rm, s_ym, s_sm, eps, offset,
                      RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STATS: tl.constexpr = True):
+    # STATS=False: inference, nobody reads mean / rstd (their pointers are not written)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
     rmask = rows < M
@@ -34,8 +35,10 @@ def _norm_fwd_kernel(x_ptr, r_ptr, w_ptr, b_ptr, y_ptr, s_ptr, mean_ptr, rstd_pt
         xc = tl.where(mask, x - mean[:, None], 0.0)           # padding columns must not count in var
         rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / N + eps)
         xhat = xc * rstd[:, None]
-        tl.store(mean_ptr + rows, mean, mask=rmask)
-    tl.store(rstd_ptr + rows, rstd, mask=rmask)
+        if STATS:
+            tl.store(mean_ptr + rows, mean, mask=rmask)
+    if STATS:
+        tl.store(rstd_ptr + rows, rstd, mask=rmask)
     if HAS_W:
         w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
         xhat = xhat * (w + offset)[None, :]                  # offset: Gemma's (1 + w); 0 for LayerNorm

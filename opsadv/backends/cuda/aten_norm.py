@@ -1,11 +1,21 @@
-"""LayerNorm through PyTorch's own fused CUDA kernels (aten.native_layer_norm and its backward)
-as a vendor impl.  (RMSNorm's aten._fused_rms_norm_backward exists only for CUDA, so it could not
-be checked here and is not registered.)
+"""LayerNorm and RMSNorm forwards through PyTorch's own fused CUDA kernels as vendor impls.
 
-They sit below the Triton norms in priority, so without a measurement the Triton kernels serve;
-with `use_backend(..., autotune=True)` (or `tune_for_hardware`) the dispatcher times both per shape
-bucket and direction, so a bucket where aten's kernel wins — the backward at some shapes on the H200
-— is served by it.  The saved statistics have the contract's layout (mean/rstd of shape x.shape[:-1],
+cuda.aten.layer_norm    aten.native_layer_norm and its backward.
+cuda.aten.rms_norm      aten._fused_rms_norm, forward only: its backward op exists only for CUDA, so it
+                        could not be checked here and is not registered; a backward resolves to another
+                        impl (the Triton one), which reads the same statistics (rstd of shape
+                        x.shape[:-1], float32).  No `offset` (Gemma's (1 + w)): that would cost an op.
+cuda.aten.rms_norm_small_rows  the same code, ranked above the Triton RMSNorm for calls of <= 16 rows
+                        (decode), the bucket measured on the H200 (host_cost.py --decode-impls, 8 rows x
+                        2048, bf16): eager F.rms_norm, i.e. this kernel, took 15.9 us of host and 7.8 us
+                        of GPU time per call vs 70.4 / 24.1 us for the Triton kernel pinned
+                        (benchmarks/results/host_tables_h200.txt).  At 65536 rows the Triton kernel is
+                        faster (norm_h1024_h200.json), so larger buckets keep it.
+
+Eager no-grad calls (`inference`) go through torch.layer_norm / torch.rms_norm, eager PyTorch's own
+path (one call, no statistics handed back).  The other impls sit below the Triton norms in priority:
+with `use_backend(..., autotune=True)` (or `tune_for_hardware`) the dispatcher times them per shape
+bucket and direction.  Saved statistics have the contract's layout (mean/rstd of shape x.shape[:-1],
 float32), so a Triton forward and an aten backward (or the reverse) compose."""
 from __future__ import annotations
 
@@ -15,6 +25,8 @@ from opsadv.core.kernel import PRIORITY_GENERIC, KernelImpl
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 aten = torch.ops.aten
+SMALL_ROWS = 16            # row bucket (len_bucket: 16 = up to 16 rows) where the measurement above holds
+PRIORITY_SMALL_ROWS = 250  # above the Triton norms (200)
 
 
 def _stat(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -32,6 +44,11 @@ def ln_fwd(ctx, x, weight, bias, eps, residual):
     return y, (s if residual is not None else x.new_empty((0,))), _stat(mean, x), _stat(rstd, x)
 
 
+def ln_infer(ctx, x, weight, bias, eps, residual):
+    s = x + residual if residual is not None else x
+    return torch.layer_norm(s, (x.shape[-1],), weight, bias, eps), (s if residual is not None else None), None, None
+
+
 def ln_bwd(ctx, dy, dsum, xin, weight, bias, mean, rstd):
     n = xin.shape[-1]
     acc = torch.float64 if xin.dtype == torch.float64 else torch.float32
@@ -43,11 +60,39 @@ def ln_bwd(ctx, dy, dsum, xin, weight, bias, mean, rstd):
     return dx, _absent(xin, dw), _absent(xin, db)
 
 
+def rms_fwd(ctx, x, weight, eps, residual, offset):
+    s = x + residual if residual is not None else x
+    y, rstd = aten._fused_rms_norm(s, [x.shape[-1]], weight, eps)
+    return y, (s if residual is not None else x.new_empty((0,))), _stat(rstd, x)
+
+
+def rms_infer(ctx, x, weight, eps, residual, offset):
+    if residual is None:
+        return torch.rms_norm(x, (x.shape[-1],), weight, eps), None, None
+    s = x + residual
+    return torch.rms_norm(s, (x.shape[-1],), weight, eps), s, None
+
+
+def _small_rows(spec, env) -> list[str]:
+    rows = spec.bucket[1]
+    return [] if rows <= SMALL_ROWS else [f"ranked for <= {SMALL_ROWS} rows (decode); row bucket {rows}"]
+
+
 def impls(env) -> list[KernelImpl]:
     common = dict(backend="cuda", priority=PRIORITY_GENERIC + 50, device_types=("cuda",), dtypes=DTYPES,
                   deterministic=False)
-    return [
-        KernelImpl("cuda.aten.layer_norm", "layer_norm", fn=ln_fwd, backward=ln_bwd,
+    out = [
+        KernelImpl("cuda.aten.layer_norm", "layer_norm", fn=ln_fwd, backward=ln_bwd, inference=ln_infer,
                    features=frozenset({"weight", "bias", "residual"}), **common,
                    description="PyTorch's fused LayerNorm kernels (residual added separately)"),
     ]
+    if hasattr(aten, "_fused_rms_norm"):
+        rms = dict(common, fn=rms_fwd, inference=rms_infer, features=frozenset({"weight", "residual"}))
+        out += [
+            KernelImpl("cuda.aten.rms_norm", "rms_norm", **rms,
+                       description="PyTorch's fused RMSNorm forward (residual added separately; no backward)"),
+            KernelImpl("cuda.aten.rms_norm_small_rows", "rms_norm", **dict(rms, priority=PRIORITY_SMALL_ROWS),
+                       check=_small_rows,
+                       description="PyTorch's fused RMSNorm forward for <= 16 rows (decode), measured faster there"),
+        ]
+    return out

@@ -92,24 +92,30 @@ def _kernels():
     return _K
 
 
-def _forward(rms, x, weight, bias, eps, residual, offset):
-    n = x.shape[-1]
+def _forward(rms, x, weight, bias, eps, residual, offset, stats=True):
+    """(y, xsum, mean, rstd).  stats=False (inference): mean and rstd are neither computed into memory
+    nor allocated, and an absent xsum is None (the contract's 0-element tensor otherwise)."""
+    shape = x.shape
+    n = shape[-1]
     m = x.numel() // n
     x2, sx = _rows(x, n)
-    r2, sr = _rows(residual, n) if residual is not None else (x2, sx)
+    has_res = residual is not None
+    r2, sr = _rows(residual, n) if has_res else (x2, sx)
     dev = x.device
-    y = _poisoned(x.shape, x.dtype, dev)                     # outputs: contiguous, row stride n
-    s = _poisoned(x.shape, x.dtype, dev) if residual is not None else x.new_empty((0,))
-    lead = x.shape[:-1]
-    mean = _poisoned(lead, torch.float32, dev) if not rms else None
-    rstd = _poisoned(lead, torch.float32, dev)
+    y = _poisoned(shape, x.dtype, dev)                       # outputs: contiguous, row stride n
+    s = _poisoned(shape, x.dtype, dev) if has_res else (x.new_empty((0,)) if stats else None)
+    mean = rstd = None
+    if stats:
+        rstd = _poisoned(shape[:-1], torch.float32, dev)
+        mean = _poisoned(shape[:-1], torch.float32, dev) if not rms else None
     block, rows, warps = fwd_config(n)
+    st = rstd if stats else y                                # (never written without STATS)
     _kernels()["fwd"][(triton_cdiv(m, rows),)](
         x2, r2, weight if weight is not None else x2, bias if bias is not None else x2, y,
-        s if residual is not None else y, mean if mean is not None else rstd, rstd,
+        s if has_res else y, mean if mean is not None else st, st,
         m, n, sx, sr, n, n, float(eps), float(offset),
-        RMS=rms, HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None,
-        ROWS=rows, BLOCK_N=block, num_warps=warps)
+        RMS=rms, HAS_RES=has_res, HAS_W=weight is not None, HAS_B=bias is not None,
+        ROWS=rows, BLOCK_N=block, STATS=stats, num_warps=warps)
     return y, s, mean, rstd
 
 
@@ -121,46 +127,60 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@functools.lru_cache(maxsize=4096)
+def bwd_plan(n: int, m: int, sms: int, cfg: tuple | None = None) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_N, ROWS, num_warps, programs, rows per program, stage-2 programs) of a backward call,
+    worked out once per (hidden, rows, SM count): a persistent grid of one wave of programs, each
+    walking a contiguous run of rows (a multiple of ROWS)."""
+    block, rows, warps, per_sm = cfg or bwd_config(n)
+    progs = min(triton_cdiv(m, rows), per_sm * sms)
+    per_prog = triton_cdiv(triton_cdiv(m, progs), rows) * rows
+    return block, rows, warps, triton_cdiv(m, per_prog), per_prog, triton_cdiv(n, REDUCE_BLOCK_N)
+
+
 def _backward(ctx, rms, dy, dsum, xin, weight, has_db, mean, rstd, offset, cfg=None):
-    n = xin.shape[-1]
+    """(dx, dweight or None, dbias or None): absent gradients are None (the op makes them 0-element
+    tensors where it must return tensors)."""
+    shape = xin.shape
+    n = shape[-1]
     m = xin.numel() // n
     x2, sx = _rows(xin, n)
     dy2, sdy = _rows(dy, n)
-    ds2, sds = _rows(dsum, n) if dsum.numel() else (dy2, sdy)
-    block, rows, warps, per_sm = cfg or bwd_config(n)
-    sms = ctx.env.sm_count if xin.device.type == "cuda" and ctx.env.sm_count else 2
-    # persistent grid: one wave of programs, each walking a contiguous run of rows (a multiple of ROWS)
-    progs = min(triton_cdiv(m, rows), per_sm * sms)
-    per_prog = triton_cdiv(triton_cdiv(m, progs), rows) * rows
-    progs = triton_cdiv(m, per_prog)
+    has_ds = dsum.numel() > 0
+    ds2, sds = _rows(dsum, n) if has_ds else (dy2, sdy)
     dev = xin.device
+    sms = (ctx.env.sm_count or 2) if dev.type == "cuda" else 2
+    block, rows, warps, progs, per_prog, progs2 = bwd_plan(n, m, sms, cfg)
     has_w = weight is not None
-    dx = _poisoned(xin.shape, xin.dtype, dev)
+    dx = _poisoned(shape, xin.dtype, dev)
     # the per-program float32 partials of dweight and dbias share one buffer (one allocation)
     part = _poisoned((int(has_w) + int(has_db), progs, n), torch.float32, dev) if has_w or has_db else dx
     dw_part = part[0] if has_w else dx
     db_part = part[int(has_w)] if has_db else dx
     rstd1 = _stats(rstd)
-    mean1 = rstd1 if rms else _stats(mean)
     k = _kernels()
     k["bwd"][(progs,)](
-        dy2, ds2, x2, weight if has_w else x2, mean1, rstd1, dx, dw_part, db_part,
+        dy2, ds2, x2, weight if has_w else x2, rstd1 if rms else _stats(mean), rstd1, dx, dw_part, db_part,
         m, n, sdy, sds, sx, n, float(offset), per_prog,
-        RMS=rms, HAS_DSUM=dsum.numel() > 0, HAS_W=has_w, HAS_DB=has_db,
+        RMS=rms, HAS_DSUM=has_ds, HAS_W=has_w, HAS_DB=has_db,
         ROWS=rows, BLOCK_N=block, num_warps=warps)
-    dw = _poisoned((n,), weight.dtype, dev) if has_w else xin.new_empty((0,))
-    db = _poisoned((n,), xin.dtype, dev) if has_db else xin.new_empty((0,))   # (distinct: outputs never alias)
-    if has_w or has_db:
-        # stage 2: a fixed-order column sum of the partials (deterministic), cast to the output dtype
-        k["reduce"][(triton_cdiv(n, REDUCE_BLOCK_N),)](
-            dw_part, db_part, dw if has_w else dx, db if has_db else dx, progs, n,
-            HAS_W=has_w, HAS_DB=has_db, BLOCK_P=REDUCE_BLOCK_P, BLOCK_N=REDUCE_BLOCK_N, num_warps=4)
+    if not (has_w or has_db):
+        return dx, None, None
+    dw = _poisoned((n,), weight.dtype, dev) if has_w else None
+    db = _poisoned((n,), xin.dtype, dev) if has_db else None   # (distinct: outputs never alias)
+    # stage 2: a fixed-order column sum of the partials (deterministic), cast to the output dtype
+    k["reduce"][(progs2,)](
+        dw_part, db_part, dw if has_w else dx, db if has_db else dx, progs, n,
+        HAS_W=has_w, HAS_DB=has_db, BLOCK_P=REDUCE_BLOCK_P, BLOCK_N=REDUCE_BLOCK_N, num_warps=4)
     return dx, dw, db
 
 
 def _ln_fwd(ctx, x, weight, bias, eps, residual):
-    y, s, mean, rstd = _forward(False, x, weight, bias, eps, residual, 0.0)
-    return y, s, mean, rstd
+    return _forward(False, x, weight, bias, eps, residual, 0.0)
+
+
+def _ln_infer(ctx, x, weight, bias, eps, residual):
+    return _forward(False, x, weight, bias, eps, residual, 0.0, stats=False)
 
 
 def _ln_bwd(ctx, dy, dsum, xin, weight, bias, mean, rstd):
@@ -170,6 +190,11 @@ def _ln_bwd(ctx, dy, dsum, xin, weight, bias, mean, rstd):
 def _rms_fwd(ctx, x, weight, eps, residual, offset):
     y, s, _, rstd = _forward(True, x, weight, None, eps, residual, offset)
     return y, s, rstd
+
+
+def _rms_infer(ctx, x, weight, eps, residual, offset):
+    y, s, _, _ = _forward(True, x, weight, None, eps, residual, offset, stats=False)
+    return y, s, None
 
 
 def _rms_bwd(ctx, dy, dsum, xin, weight, rstd, offset):
@@ -184,10 +209,10 @@ def impls(env) -> list[KernelImpl]:
     common = dict(priority=PRIORITY_TRITON, device_types=dev, dtypes=DTYPES, requires_interpret_or_cuda=True,
                   check=_check)
     return [
-        KernelImpl("cuda.triton.layer_norm", "layer_norm", "cuda", _ln_fwd, _ln_bwd,
+        KernelImpl("cuda.triton.layer_norm", "layer_norm", "cuda", _ln_fwd, _ln_bwd, inference=_ln_infer,
                    features=frozenset({"weight", "bias", "residual"}), **common,
                    description="Triton LayerNorm, rows in registers, fp32 stats, fused residual add"),
-        KernelImpl("cuda.triton.rms_norm", "rms_norm", "cuda", _rms_fwd, _rms_bwd,
+        KernelImpl("cuda.triton.rms_norm", "rms_norm", "cuda", _rms_fwd, _rms_bwd, inference=_rms_infer,
                    features=frozenset({"weight", "residual", "offset"}), **common,
                    description="Triton RMSNorm, rows in registers, fp32 stats, fused residual add, (offset + w)"),
     ]

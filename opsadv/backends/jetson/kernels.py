@@ -61,6 +61,7 @@ def _wrap(impl: KernelImpl) -> KernelImpl:
             bwd = functools.partial(f_bwd, impl.backward, factor) if impl.backward else None
             note = "row-chunked above the workspace cap"
     return dataclasses.replace(impl, id=jetson_id(impl.id), backend="jetson", fn=fn, backward=bwd,
+                               inference=impl.inference if fn is impl.fn else None,   # (not around a wrapper)
                                check=_with_bf16_check(impl.check, *checks),
                                description=f"{impl.description} [jetson profile; {note}]")
 

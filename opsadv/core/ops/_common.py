@@ -85,6 +85,20 @@ def empty_like_none(ref: torch.Tensor) -> torch.Tensor:
     return ref.new_empty((0,))
 
 
+_shared_empties: dict = {}
+
+
+def shared_empty(ref: torch.Tensor) -> torch.Tensor:
+    """A cached 0-element tensor of ref's dtype and device: the stand-in for an absent tensor *input*
+    of an eager direct call (impls only read its numel).  Never for outputs or traced calls, where
+    the tensor would reach a caller or a graph."""
+    key = (ref.dtype, ref.device)
+    t = _shared_empties.get(key)
+    if t is None:
+        t = _shared_empties[key] = ref.new_empty((0,))
+    return t
+
+
 def none_if_empty(t: torch.Tensor | None):
     return None if t is None or t.numel() == 0 else t
 

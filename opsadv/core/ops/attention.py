@@ -23,8 +23,8 @@ from torch import Tensor
 from .. import dispatch
 from ..errors import InvalidArgumentError
 from ..kernel import CallSpec
-from ._common import (AUTOGRAD_FN, DIRECT, TORCH_OPS, autograd_function, carry_policy, check_same, check_scale, check_tensor,
-                      EXACT_STRIDES, contiguous_lse, dt, eager_mode, len_bucket)
+from ._common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, TORCH_OPS, autograd_function, carry_policy, check_same, check_scale,
+                      check_tensor, EXACT_STRIDES, contiguous_lse, dt, eager_mode, len_bucket)
 
 OP = "flash_attention"
 
@@ -33,7 +33,31 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+_INF = float("inf")
+
+
+def _well_formed(q, k, v, attn_mask, causal, scale) -> bool:
+    """The common call without a mask, in few operations (a subset of what validate() accepts;
+    anything else, masks included, takes the full checks, which name the problem)."""
+    if attn_mask is not None or type(causal) is not bool or not isinstance(q, Tensor):
+        return False
+    if scale is not None and not (type(scale) is float and 0.0 < scale < _INF):
+        return False
+    dtype, dev = q.dtype, q.device
+    if dtype not in FLOAT_DTYPES:
+        return False
+    for t in (k, v):
+        if not (isinstance(t, Tensor) and t.dtype is dtype and t.device == dev):
+            return False
+    qs, ks, vs = q.shape, k.shape, v.shape
+    if len(qs) != 4 or len(ks) != 4 or ks != vs or not q.numel() or not k.numel():
+        return False
+    return ks[0] == qs[0] and ks[3] == qs[3] and qs[1] % ks[1] == 0
+
+
 def validate(q, k, v, attn_mask, causal, scale) -> None:
+    if _well_formed(q, k, v, attn_mask, causal, scale):
+        return
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(OP, name, t, ndim=4)
     check_same(OP, "q", q, k=k, v=v)
@@ -84,10 +108,12 @@ def features(q, k, attn_mask, causal) -> frozenset[str]:
 
 def _key(q, k, attn_mask, causal, backward: bool) -> tuple:
     # Everything the verdict of any impl may depend on, cheaply (no allocation).
-    return (OP, backward, q.device.type, q.dtype, q.shape[-1], causal,
-            None if attn_mask is None else attn_mask.dtype, q.shape[1] // k.shape[1], q.shape[2] != k.shape[2],
-            len_bucket(q.shape[2]), len_bucket(k.shape[2]), len_bucket(q.shape[0] * q.shape[1]),
-            q.shape[2] == 1, k.shape[2] == 1)   # single-token q/kv: some vendor kernels refuse them
+    b, hq, sq, d = q.shape
+    hk, sk = k.shape[1], k.shape[2]
+    return (OP, backward, q.device.type, q.dtype, d, causal,
+            None if attn_mask is None else attn_mask.dtype, hq // hk, sq != sk,
+            len_bucket(sq), len_bucket(sk), len_bucket(b * hq),
+            sq == 1, sk == 1)   # single-token q/kv: some vendor kernels refuse them
 
 
 def _spec(q, k, attn_mask, causal, backward: bool) -> CallSpec:

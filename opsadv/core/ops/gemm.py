@@ -21,12 +21,38 @@ from torch import Tensor
 from .. import dispatch
 from ..errors import InvalidArgumentError
 from ..kernel import CallSpec
-from ._common import AUTOGRAD_FN, DIRECT, autograd_function, carry_policy, check_choice, check_same, check_tensor, eager_mode, len_bucket, none_if_empty
+from ._common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, autograd_function, carry_policy, check_choice, check_same,
+                      check_tensor, eager_mode, len_bucket, none_if_empty)
 
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
 
 
+_INF = float("inf")
+
+
+def _same(t, dt, dev) -> bool:
+    return isinstance(t, Tensor) and t.dtype is dt and t.device == dev
+
+
+def _gemm_well_formed(a, b, bias, activation, residual, alpha) -> bool:
+    """The common well-formed call in few operations (a subset of what validate_gemm accepts;
+    anything else takes the full checks, which name the problem)."""
+    if not isinstance(a, Tensor) or a.dtype not in FLOAT_DTYPES or not _same(b, a.dtype, a.device):
+        return False
+    sa, sb = a.shape, b.shape
+    if not sa or len(sb) != 2 or not a.numel() or not b.numel() or sb[0] != sa[-1]:
+        return False
+    n = sb[1]
+    if bias is not None and not (_same(bias, a.dtype, a.device) and bias.shape == (n,)):
+        return False
+    if residual is not None and not (_same(residual, a.dtype, a.device) and residual.shape == sa[:-1] + (n,)):
+        return False
+    return activation in ACTIVATIONS and type(alpha) is float and -_INF < alpha < _INF
+
+
 def validate_gemm(a, b, bias, activation, residual, alpha) -> None:
+    if _gemm_well_formed(a, b, bias, activation, residual, alpha):
+        return
     op = "gemm"
     check_tensor(op, "a", a, min_ndim=1)
     check_tensor(op, "b", b, ndim=2)
@@ -48,7 +74,19 @@ def validate_gemm(a, b, bias, activation, residual, alpha) -> None:
         raise InvalidArgumentError(op, "alpha", "a finite float", repr(alpha))
 
 
+def _swiglu_well_formed(x, w, bias) -> bool:
+    """As _gemm_well_formed, for swiglu_gemm."""
+    if not isinstance(x, Tensor) or x.dtype not in FLOAT_DTYPES or not _same(w, x.dtype, x.device):
+        return False
+    sx, sw = x.shape, w.shape
+    if not sx or len(sw) != 2 or not x.numel() or not w.numel() or sw[0] != sx[-1] or sw[1] % 2:
+        return False
+    return bias is None or (_same(bias, x.dtype, x.device) and bias.shape == (sw[1],))
+
+
 def validate_swiglu(x, w, bias) -> None:
+    if _swiglu_well_formed(x, w, bias):
+        return
     op = "swiglu_gemm"
     check_tensor(op, "x", x, min_ndim=1)
     check_tensor(op, "w_gate_up", w, ndim=2)
@@ -67,8 +105,9 @@ def _rows(a: Tensor) -> int:
 
 
 def _gemm_key(a, b, bias, activation, residual, alpha, backward):
+    k, n = b.shape
     return ("gemm", backward, a.device.type, a.dtype, activation, bias is not None, residual is not None,
-            alpha != 1.0, len_bucket(_rows(a)), b.shape[0], b.shape[1])
+            alpha != 1.0, len_bucket(a.numel() // k if k else 0), k, n)
 
 
 def _gemm_spec(a, b, bias, activation, residual, alpha, backward) -> CallSpec:
@@ -126,7 +165,9 @@ _gemm_eager_autograd = autograd_function("GemmFn", _gemm_route, _gemm_setup, _ge
 
 
 def _swiglu_key(x, w, bias, backward):
-    return ("swiglu_gemm", backward, x.device.type, x.dtype, bias is not None, len_bucket(_rows(x)), w.shape[0], w.shape[1])
+    k, n2 = w.shape
+    return ("swiglu_gemm", backward, x.device.type, x.dtype, bias is not None, len_bucket(x.numel() // k if k else 0),
+            k, n2)
 
 
 def _swiglu_spec(x, w, bias, backward) -> CallSpec:

@@ -10,7 +10,10 @@ Impl contract (xsum is a 0-element tensor without residual; mean/rstd have shape
   rms_norm    fn(ctx, x, weight, eps, residual, offset) -> (y, xsum, rstd)
               backward(ctx, dy, dsum, xin, weight, rstd, offset) -> (dx, dweight)
 where xin is the normalized input (xsum with a residual, else x), dsum the gradient of xsum
-(0-element when absent) and absent weight/bias gradients are 0-element tensors."""
+(0-element when absent) and absent weight/bias gradients are 0-element tensors or None.
+An impl may also declare `inference` (same arguments as fn): the forward of eager no-grad calls,
+which read only y (and xsum with a residual), so it may return None for mean/rstd (and for an
+absent xsum) and skip computing and allocating them."""
 from __future__ import annotations
 
 import math
@@ -22,14 +25,38 @@ from torch import Tensor
 from .. import dispatch
 from ..errors import InvalidArgumentError
 from ..kernel import CallSpec
-from ._common import AUTOGRAD_FN, DIRECT, autograd_function, carry_policy, check_same, check_tensor, eager_mode, len_bucket, none_if_empty
+from ._common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, autograd_function, carry_policy, check_same, check_tensor,
+                      eager_mode, len_bucket, shared_empty)
 
 
 def stat_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+_INF = float("inf")
+
+
+def _well_formed(x, weight, bias, eps, residual, offset) -> bool:
+    """The common well-formed call, recognized in few operations (a subset of what validate()
+    accepts: anything else, e.g. an int eps, takes the full checks, which name the problem)."""
+    if not isinstance(x, Tensor):
+        return False
+    dt, shape = x.dtype, x.shape
+    if dt not in FLOAT_DTYPES or not shape or not x.numel():
+        return False
+    dev, n = x.device, shape[-1]
+    for t in (weight, bias):
+        if t is not None and not (isinstance(t, Tensor) and t.dtype is dt and t.shape == (n,) and t.device == dev):
+            return False
+    if residual is not None and not (isinstance(residual, Tensor) and residual.dtype is dt
+                                     and residual.shape == shape and residual.device == dev):
+        return False
+    return type(eps) is float and 0.0 <= eps < _INF and type(offset) is float and -_INF < offset < _INF
+
+
 def validate(op, x, weight, bias, eps, residual, offset=0.0) -> None:
+    if _well_formed(x, weight, bias, eps, residual, offset):
+        return
     check_tensor(op, "x", x, min_ndim=1)
     check_same(op, "x", x, weight=weight, bias=bias, residual=residual)
     n = x.shape[-1]
@@ -52,9 +79,10 @@ def _rows(x: Tensor) -> int:
     return x.numel() // x.shape[-1]
 
 
-def _key(op, x, weight, bias, residual, backward):
-    return (op, backward, x.device.type, x.dtype, x.shape[-1], weight is not None, bias is not None,
-            residual is not None, len_bucket(_rows(x)))
+def _key(op, x, weight, bias, residual, backward, offset=0.0):
+    n = x.shape[-1]
+    return (op, backward, x.device.type, x.dtype, n, weight is not None, bias is not None,
+            residual is not None, len_bucket(x.numel() // n), offset != 0.0)
 
 
 def _spec(op, x, weight, bias, residual, backward, offset=0.0) -> CallSpec:
@@ -69,6 +97,13 @@ def _layer_norm_route(x, weight, bias, eps, residual):
     return dispatch.call(_key("layer_norm", x, weight, bias, residual, False),
                          lambda: _spec("layer_norm", x, weight, bias, residual, False),
                          (x, weight, bias, eps, residual))
+
+
+def _layer_norm_infer(x, weight, bias, eps, residual):
+    """Eager no-grad calls: mean / rstd (and an absent xsum) may come back None."""
+    return dispatch.call_inference(_key("layer_norm", x, weight, bias, residual, False),
+                                   lambda: _spec("layer_norm", x, weight, bias, residual, False),
+                                   (x, weight, bias, eps, residual))
 
 
 @torch.library.custom_op("opsadv::layer_norm", mutates_args=())
@@ -93,7 +128,9 @@ def _layer_norm_backward_route(dy, dsum, xin, weight, bias, mean, rstd):
 @torch.library.custom_op("opsadv::layer_norm_backward", mutates_args=())
 def _layer_norm_backward(dy: Tensor, dsum: Tensor, xin: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
                          mean: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    return _layer_norm_backward_route(dy, dsum, xin, weight, bias, mean, rstd)
+    dx, dw, db = _layer_norm_backward_route(dy, dsum, xin, weight, bias, mean, rstd)
+    # custom ops return tensors: an impl's None for an absent gradient becomes a 0-element tensor
+    return dx, (dw if dw is not None else xin.new_empty((0,))), (db if db is not None else xin.new_empty((0,)))
 
 
 @_layer_norm_backward.register_fake
@@ -111,13 +148,16 @@ def _ln_setup(ctx, inputs, output):
 
 def _ln_bwd(ctx, dy, dsum, dmean, drstd):
     xin, weight, bias, mean, rstd = ctx.saved_tensors
-    # no gradient for the residual sum (None: unused, not materialized) -> the kernel skips that input
-    dsum = dsum if ctx.has_residual and dsum is not None else xin.new_empty((0,))
     if dy is None:
         dy = torch.zeros_like(xin)
     # eager backward (no tracing, no double backward): the router directly, as the forward does,
     # skipping torch.library's dispatcher on the host's critical path between the two kernels
-    bwd = _layer_norm_backward_route if eager_mode(dy, xin, weight, bias) == DIRECT else torch.ops.opsadv.layer_norm_backward
+    direct = eager_mode(dy, xin, weight, bias) == DIRECT
+    # no gradient for the residual sum (None: unused, not materialized) -> the kernel skips that input;
+    # the eager direct call reads the 0-element stand-in only, so it can be a shared one (no allocation)
+    if not ctx.has_residual or dsum is None:
+        dsum = shared_empty(xin) if direct else xin.new_empty((0,))
+    bwd = _layer_norm_backward_route if direct else torch.ops.opsadv.layer_norm_backward
     dx, dw, db = bwd(dy, dsum, xin, weight, bias, mean, rstd)
     return (dx, dw if weight is not None else None, db if bias is not None else None, None,
             dx if ctx.has_residual else None)
@@ -130,9 +170,16 @@ _ln_eager_autograd = autograd_function("LayerNormFn", _layer_norm_route, _ln_set
 
 # ---- rms_norm ------------------------------------------------------------------------------
 def _rms_norm_route(x, weight, eps, residual, offset):
-    return dispatch.call(_key("rms_norm", x, weight, None, residual, False) + (offset != 0.0,),
+    return dispatch.call(_key("rms_norm", x, weight, None, residual, False, offset),
                          lambda: _spec("rms_norm", x, weight, None, residual, False, offset),
                          (x, weight, eps, residual, offset))
+
+
+def _rms_norm_infer(x, weight, eps, residual, offset):
+    """Eager no-grad calls: rstd (and an absent xsum) may come back None."""
+    return dispatch.call_inference(_key("rms_norm", x, weight, None, residual, False, offset),
+                                   lambda: _spec("rms_norm", x, weight, None, residual, False, offset),
+                                   (x, weight, eps, residual, offset))
 
 
 @torch.library.custom_op("opsadv::rms_norm", mutates_args=())
@@ -149,7 +196,7 @@ def _(x, weight, eps, residual, offset):
 
 def _rms_norm_backward_route(dy, dsum, xin, weight, rstd, offset):
     has_res = dsum.numel() > 0
-    return dispatch.call(_key("rms_norm", xin, weight, None, has_res or None, True) + (offset != 0.0,),
+    return dispatch.call(_key("rms_norm", xin, weight, None, has_res or None, True, offset),
                          lambda: _spec("rms_norm", xin, weight, None, has_res or None, True, offset),
                          (dy, dsum, xin, weight, rstd, offset))
 
@@ -157,7 +204,8 @@ def _rms_norm_backward_route(dy, dsum, xin, weight, rstd, offset):
 @torch.library.custom_op("opsadv::rms_norm_backward", mutates_args=())
 def _rms_norm_backward(dy: Tensor, dsum: Tensor, xin: Tensor, weight: Optional[Tensor], rstd: Tensor,
                        offset: float) -> tuple[Tensor, Tensor]:
-    return _rms_norm_backward_route(dy, dsum, xin, weight, rstd, offset)
+    dx, dw = _rms_norm_backward_route(dy, dsum, xin, weight, rstd, offset)
+    return dx, (dw if dw is not None else xin.new_empty((0,)))     # (an impl's None: absent gradient)
 
 
 @_rms_norm_backward.register_fake
@@ -174,11 +222,12 @@ def _rms_setup(ctx, inputs, output):
 
 def _rms_bwd(ctx, dy, dsum, drstd):
     xin, weight, rstd = ctx.saved_tensors
-    # no gradient for the residual sum (None: unused, not materialized) -> the kernel skips that input
-    dsum = dsum if ctx.has_residual and dsum is not None else xin.new_empty((0,))
     if dy is None:
         dy = torch.zeros_like(xin)
-    bwd = _rms_norm_backward_route if eager_mode(dy, xin, weight) == DIRECT else torch.ops.opsadv.rms_norm_backward
+    direct = eager_mode(dy, xin, weight) == DIRECT
+    if not ctx.has_residual or dsum is None:        # (as in _ln_bwd)
+        dsum = shared_empty(xin) if direct else xin.new_empty((0,))
+    bwd = _rms_norm_backward_route if direct else torch.ops.opsadv.rms_norm_backward
     dx, dw = bwd(dy, dsum, xin, weight, rstd, ctx.offset)
     return dx, (dw if weight is not None else None), None, (dx if ctx.has_residual else None), None
 
@@ -194,7 +243,8 @@ def layer_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = No
     """LayerNorm over the last dim.  With residual: returns (layer_norm(x + residual), x + residual)."""
     validate("layer_norm", x, weight, bias, eps, residual)
     mode = eager_mode(x, weight, bias, residual)
-    op = _layer_norm_route if mode == DIRECT else _ln_eager_autograd if mode == AUTOGRAD_FN else torch.ops.opsadv.layer_norm
+    # eager no-grad: nothing reads mean / rstd, so the impl need not produce them
+    op = _layer_norm_infer if mode == DIRECT else _ln_eager_autograd if mode == AUTOGRAD_FN else torch.ops.opsadv.layer_norm
     y, xsum, _, _ = op(x, weight, bias, float(eps), residual)
     return (y, xsum) if residual is not None else y
 
@@ -205,6 +255,6 @@ def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6, *, resi
     returns (rms_norm(x + residual), x + residual)."""
     validate("rms_norm", x, weight, None, eps, residual, offset)
     mode = eager_mode(x, weight, residual)
-    op = _rms_norm_route if mode == DIRECT else _rms_eager_autograd if mode == AUTOGRAD_FN else torch.ops.opsadv.rms_norm
+    op = _rms_norm_infer if mode == DIRECT else _rms_eager_autograd if mode == AUTOGRAD_FN else torch.ops.opsadv.rms_norm
     y, xsum, _ = op(x, weight, float(eps), residual, float(offset))
     return (y, xsum) if residual is not None else y
