@@ -45,17 +45,22 @@ def _stub_norm_kernels():
     N._K.update({k: _NoLaunch() for k in list(N._K)})
 
 
+def _has(impl_id) -> bool:
+    from opsadv.registry import get_registry
+    return any(i.id == impl_id for ops in get_registry().impls_by_op.values() for i in ops)
+
+
 def _impl(impl_id):
     from opsadv.registry import get_registry
     return next(i for ops in get_registry().impls_by_op.values() for i in ops if i.id == impl_id)
 
 
-def _serve(op: str, impl_id: str, run=None):
-    """Every memoized resolution of `op` (forward and backward) is served by `impl_id`'s host code
-    (or `run`): the CPU stand-in for what a CUDA call of that op resolves to."""
+def _serve(op: str, impl_id: str, run=None, hidden=None):
+    """Every memoized resolution of `op` (forward and backward; of one hidden size for the norms) is
+    served by `impl_id`'s host code (or `run`): the CPU stand-in for what a CUDA call resolves to."""
     impl = _impl(impl_id)
     for k, r in list(dispatch._memo.items()):
-        if k[1][0] == op:
+        if k[1][0] == op and (hidden is None or k[1][4] == hidden):
             fn = run or (impl.backward if r.ctx.spec.backward else impl.fn)
             dispatch._memo[k] = Resolved(impl, r.ctx, fn)
 
@@ -77,6 +82,7 @@ def cases():
     r = torch.randn(b, 1, hid, dtype=dt)
     wn = torch.ones(hid, dtype=dt)
     bn = torch.zeros(hid, dtype=dt)
+    xa, wa = torch.randn(b, 1, 1024, dtype=dt), torch.ones(1024, dtype=dt)   # (its own bucket: the aten case)
     xs = torch.randn(b, 1, 64, dtype=dt)               # GEMMs run for real on CPU: keep them tiny
     wq = torch.randn(96, 64, dtype=dt)                  # an nn.Linear weight (N, K), passed as .t()
     wgu = torch.randn(2 * inter, 64, dtype=dt)
@@ -98,6 +104,7 @@ def cases():
     return {
         "rms_norm no-grad (8x2048)": ng(lambda: ops.rms_norm(x, wn, 1e-6)),
         "rms_norm+residual no-grad": ng(lambda: ops.rms_norm(x, wn, 1e-6, residual=r)),
+        "rms_norm no-grad, aten impl (8x1024, real kernel)": ng(lambda: ops.rms_norm(xa, wa, 1e-6)),
         "layer_norm no-grad": ng(lambda: ops.layer_norm(x, wn, bn, 1e-5)),
         "rms_norm fwd+bwd (autograd.grad)": lambda: torch.autograd.grad(ops.rms_norm(xg, wg, 1e-6), (xg, wg), gy),
         "layer_norm fwd+bwd (autograd.grad)": lambda: torch.autograd.grad(ops.layer_norm(xg, wg, bg, 1e-5),
@@ -167,9 +174,12 @@ def main():
         import importlib
         G, A = (importlib.import_module(f"opsadv.core.ops.{m}") for m in ("gemm", "attention"))
         for name in ("rms_norm no-grad (8x2048)", "rms_norm+residual no-grad", "layer_norm no-grad",
+                     "rms_norm no-grad, aten impl (8x1024, real kernel)",
                      "rms_norm fwd+bwd (autograd.grad)", "layer_norm fwd+bwd (autograd.grad)"):
             table[name]()
         _resolve_only(G, A)
+        if _has("cuda.aten.rms_norm_small_rows"):
+            _serve("rms_norm", "cuda.aten.rms_norm_small_rows", hidden=1024)   # what a GPU decode call resolves to
         _serve("gemm", "cuda.cublas.gemm")
         _serve("swiglu_gemm", "cuda.cublas.swiglu_gemm_small_m")
         _serve("flash_attention", "cuda.sdpa.cudnn", run=_cudnn_like)
