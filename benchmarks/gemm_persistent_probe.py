@@ -263,9 +263,13 @@ def odd_case(i, dev, dtype, only: int | None = None) -> dict:
         bb, rr, alpha = (bias if j != 1 else None), (res if j % 2 == 0 else None), (0.5 if j == 3 else 1.0)
         ref = reference(a, wt, bb, act, alpha, rr)
         for c in cfgs:
+            key = f"m{m} k{k} n{n} {act} bias={bb is not None} res={rr is not None} alpha={alpha} {c}"
             out = torch.full((m, n), float("nan"), device=dev, dtype=dtype)
-            G._launch(_ctx(), a, wt, out, bb, rr, None, act, alpha, False, False, "persistent", config=c)
-            errs[f"m{m} k{k} n{n} {act} bias={bb is not None} res={rr is not None} alpha={alpha} {c}"] = rel(out, ref)
+            try:       # a config can exceed shared memory for one epilogue (the autotuner drops those)
+                G._launch(_ctx(), a, wt, out, bb, rr, None, act, alpha, False, False, "persistent", config=c)
+                errs[key] = rel(out, ref)
+            except Exception as e:  # noqa: BLE001 - recorded; the other cases still run
+                errs[key] = f"{type(e).__name__}: {str(e)[:100]}"
     if only not in (None, 0):
         return errs
     w = torch.randn(k, 2 * n, device=dev, generator=g).to(dtype)
@@ -288,8 +292,10 @@ def odd(log, dev, dtype):
         errs = {kk: e for i in range(len(ODD)) for kk, e in odd_case(i, dev, dtype).items()}
     finally:
         os.environ.pop("OPSADV_POISON_OUTPUTS", None)
-    log.save({"section": "odd", "rel_err": errs, "max_rel_err": max(errs.values()),
-              "failed": [kk for kk, e in errs.items() if not e < TOL]})
+    nums = [e for e in errs.values() if isinstance(e, float)]
+    log.save({"section": "odd", "rel_err": errs, "max_rel_err": max(nums, default=None),
+              "failed": [kk for kk, e in errs.items() if isinstance(e, float) and not e < TOL],
+              "launch_errors": [kk for kk, e in errs.items() if isinstance(e, str)]})
 
 
 def impl_timing(log, dev, dtype):
