@@ -167,6 +167,18 @@ def test_tune_for_hardware_on_cpu():
     assert len(rep.steps) == 3 and "chosen kernels" in str(rep)
     assert set(rep.per_op) == {"flash_attention", "gemm", "swiglu_gemm", "rms_norm"}, rep.per_op
     assert not conv._opsadv_state.policy.autotune
+    from opsadv.core.errors import InvalidArgumentError
+    with pytest.raises(InvalidArgumentError, match="timing"):
+        conv.tune_for_hardware(device="cpu", batch_size=2, seq_len=16, timing="gpu")
+    seen = []
+    from opsadv.convert import tune as T
+    orig = T._tuning_policy
+    T._tuning_policy = lambda base, timing=None: seen.append(orig(base, timing).timing) or orig(base, timing)
+    try:
+        conv.tune_for_hardware(device="cpu", batch_size=2, seq_len=16, timing="graph", progress=False)
+    finally:
+        T._tuning_policy = orig
+    assert seen == ["graph"] and conv._opsadv_state.policy.timing == "wall"      # restored after tuning
 
 
 def test_padded_encoder_uses_key_padding_form():

@@ -22,7 +22,7 @@ def _run(device_type, monkeypatch):
     stored = []
     monkeypatch.setattr(tuning, "store", lambda spec, env, m: stored.append(m))
     ms = {"cuda.triton.x": 2.0, "cuda.vendor.x": 1.0, "reference.x": 0.5}      # (the reference "wins" if timed)
-    monkeypatch.setattr(tuning, "time_fn", lambda fn, dt: ms[fn()])
+    monkeypatch.setattr(tuning, "time_fn", lambda fn, dt, timing="wall": ms[fn()])
     resolved = SimpleNamespace(ctx=SimpleNamespace(env=None))
     got = tuning.autotune(exp, resolved, (1,))
     return got, stored, dev_calls, ven_calls, ref_calls
@@ -38,3 +38,41 @@ def test_device_autotune_skips_reference(monkeypatch):
 def test_cpu_autotune_times_reference_too(monkeypatch):
     _, stored, _, _, ref_calls = _run("cpu", monkeypatch)
     assert ref_calls and "reference.x" in stored[0].times_ms
+
+
+def test_autotune_times_with_the_policy_timing(monkeypatch):
+    """timing="graph" reaches time_fn and keys the stored winner apart from wall-clock winners."""
+    seen = []
+    dev, _ = _impl("cuda.triton.x", "cuda")
+    ven, _ = _impl("cuda.vendor.x", "cuda")
+    spec = CallSpec("x", "cuda", torch.float16, frozenset(), (16,))
+    exp = SimpleNamespace(spec=spec, why="highest priority",
+                          candidates=[SimpleNamespace(impl=i, accepted=True) for i in (dev, ven)])
+    data = {}
+    monkeypatch.setattr(tuning._TUNING, "load", lambda: data)
+    monkeypatch.setattr(tuning._TUNING, "write", lambda: None)
+    monkeypatch.setattr(tuning, "_device_key", lambda env: "dev")
+    ms = {"cuda.triton.x": 1.0, "cuda.vendor.x": 2.0}
+    monkeypatch.setattr(tuning, "time_fn", lambda fn, dt, timing="wall": seen.append(timing) or ms[fn()])
+    got = tuning.autotune(exp, SimpleNamespace(ctx=SimpleNamespace(env=None)), (1,), timing="graph")
+    assert seen == ["graph", "graph"] and got.impl.id == "cuda.triton.x"
+    ids = ["cuda.triton.x", "cuda.vendor.x"]
+    assert tuning.lookup(spec, ids, None, "wall") is None            # a wall-clock resolution does not see it
+    m = tuning.lookup(spec, ids, None, "graph")
+    assert m.winner == "cuda.triton.x" and "CUDA-graph" in m.describe()
+
+
+def test_timing_option_validated_and_set_by_graphed_conversion():
+    import pytest
+    import opsadv
+    from opsadv.convert.api import build_policy
+    from opsadv.core.errors import InvalidArgumentError
+    from opsadv.core.precision import PrecisionPolicy
+    with pytest.raises(InvalidArgumentError, match="timing"):
+        opsadv.use_backend("reference", timing="gpu")
+    with opsadv.use_backend("reference", timing="graph") as b:
+        assert b.policy.timing == "graph" and "timing=graph" in b.policy.describe()
+    for backend in ("auto", "reference"):
+        assert build_policy(backend, PrecisionPolicy(), 2, None, None, None, cuda_graphs=True).effective().timing == "graph"
+        plain = build_policy(backend, PrecisionPolicy(), 2, None, None, None)
+        assert plain.effective().timing == "wall"

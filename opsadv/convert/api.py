@@ -61,8 +61,10 @@ def resolve_precision(precision, use_fp16) -> tuple[PrecisionPolicy, torch.dtype
     return pol, _CAST[precision.lower()], precision.lower()
 
 
-def build_policy(backend, precision: PrecisionPolicy, opt_level, tile_size, max_streams, mem_opt) -> RuntimeState:
-    """The state that decides the policy the converted model's ops run under (see state.py)."""
+def build_policy(backend, precision: PrecisionPolicy, opt_level, tile_size, max_streams, mem_opt,
+                 cuda_graphs: bool = False) -> RuntimeState:
+    """The state that decides the policy the converted model's ops run under (see state.py).  A model
+    that replays CUDA graphs resolves (and tune_for_hardware measures) on GPU time (Policy.timing)."""
     if not isinstance(backend, str):
         raise InvalidArgumentError("convert_model", "backend", "a backend name or 'auto'", repr(backend))
     opts = {k: v for k, v in (("tile_size", tile_size), ("max_streams", max_streams), ("mem_opt", mem_opt))
@@ -74,12 +76,15 @@ def build_policy(backend, precision: PrecisionPolicy, opt_level, tile_size, max_
         overrides["precision"] = precision
     if opt_level >= 3:
         overrides["experimental"] = True
+    timing = "graph" if cuda_graphs else "wall"
+    if cuda_graphs:
+        overrides["timing"] = timing
     if backend == "auto":
         return RuntimeState(None, overrides)
     with use_backend(backend):                     # validates the name and availability; no global change
         pass
     return RuntimeState(Policy(backend=backend, experimental=opt_level >= 3, precision=precision,
-                               options=tuple(sorted(opts.items()))))
+                               options=tuple(sorted(opts.items())), timing=timing))
 
 
 def _model_name(model) -> str:
@@ -140,7 +145,7 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
         raise InvalidArgumentError("convert_model", "model", "a torch.nn.Module", type(model).__name__)
     t0 = time.perf_counter()
     pp, cast, label = resolve_precision(precision, use_fp16)
-    state = build_policy(backend, pp, opt_level, tile_size, max_streams, mem_opt)
+    state = build_policy(backend, pp, opt_level, tile_size, max_streams, mem_opt, cuda_graphs)
     prev_state = getattr(model, "_opsadv_state", None)
     if prev_state is not None:
         raise InvalidArgumentError("convert_model", "model", "a model not converted yet", "an opsadv-converted model")

@@ -47,6 +47,7 @@ class RuntimeState:
                                experimental=amb.experimental or ov.get("experimental", False),
                                deterministic=amb.deterministic, autotune=amb.autotune,
                                precision=ov.get("precision", amb.precision), impls=amb.impls,
+                               timing=ov.get("timing", amb.timing),
                                options=tuple(sorted({**dict(amb.options), **ov.get("options", {})}.items())))
             self._derived[amb.serial] = p
         return p

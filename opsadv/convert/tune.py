@@ -2,6 +2,7 @@
 shape bucket gets its measured winner persisted (core/tuning.py), and report which kernels ran."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -10,7 +11,7 @@ import torch
 import opsadv
 from opsadv.core import dispatch
 from opsadv.core.errors import InvalidArgumentError
-from opsadv.core.policy import Policy
+from opsadv.core.policy import Policy, _serial as _policy_serial
 
 
 @dataclass
@@ -39,9 +40,9 @@ class TuneReport:
         return "\n".join(rows)
 
 
-def _tuning_policy(base: Policy) -> Policy:
-    return Policy(backend=base.backend, strict=base.strict, profile=base.profile, experimental=base.experimental,
-                  deterministic=base.deterministic, autotune=True, precision=base.precision, options=base.options)
+def _tuning_policy(base: Policy, timing: str | None = None) -> Policy:
+    # the model's policy with autotune on (pins, options kept; a graphed model is tuned on GPU time)
+    return dataclasses.replace(base, autotune=True, timing=timing or base.timing, serial=next(_policy_serial))
 
 
 def _hf_steps(model, device, batch_size, seq_len):
@@ -71,9 +72,12 @@ def _hf_steps(model, device, batch_size, seq_len):
 
 
 def tune_for_hardware(model, device="cuda:0", batch_size: int = 8, seq_len: int | None = None,
-                      example_inputs=None, progress: bool = True) -> TuneReport:
+                      example_inputs=None, progress: bool = True, timing: str | None = None) -> TuneReport:
     """Autotune every op of the converted model at its real shapes on `device` (the model is moved
-    there).  On CPU it runs through the same path (reference / interpreter impls)."""
+    there).  On CPU it runs through the same path (reference / interpreter impls).
+    timing: how candidates are timed (None: the model's policy: "graph" for convert_model(cuda_graphs=True),
+    else "wall"); "graph" tunes an eager copy for a model that will replay CUDA graphs (the measured winners
+    are kept per timing, see opsadv.core.policy.Policy.timing)."""
     from tqdm.auto import tqdm
 
     from . import hf_attention, validate as _val
@@ -82,6 +86,9 @@ def tune_for_hardware(model, device="cuda:0", batch_size: int = 8, seq_len: int 
         raise InvalidArgumentError("tune_for_hardware", "batch_size", "an int >= 1", repr(batch_size))
     if seq_len is not None and (not isinstance(seq_len, int) or seq_len < 1):
         raise InvalidArgumentError("tune_for_hardware", "seq_len", "None or an int >= 1", repr(seq_len))
+    from opsadv.core.policy import TIMINGS
+    if timing is not None and timing not in TIMINGS:
+        raise InvalidArgumentError("tune_for_hardware", "timing", f"None or one of {list(TIMINGS)}", repr(timing))
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise InvalidArgumentError("tune_for_hardware", "device", "an available device (no CUDA here)", str(device))
@@ -102,7 +109,7 @@ def tune_for_hardware(model, device="cuda:0", batch_size: int = 8, seq_len: int 
         inputs = _to(inputs, dev)
         steps, shapes = [("forward example inputs", lambda: _val.run(model, inputs))], ["example inputs"]
     prev = state.policy
-    state.policy = _tuning_policy(state.effective())
+    state.policy = _tuning_policy(state.effective(), timing)
     was_training = model.training
     model.eval()
     names = []

@@ -155,7 +155,7 @@ def explain_spec(spec: CallSpec, policy: Policy | None = None) -> tuple[Explanat
         chosen = accepted[0].impl
         why = f"highest priority ({chosen.priority}) of {len(accepted)} accepted"
         from . import tuning
-        measured = tuning.lookup(spec, [c.impl.id for c in accepted], env)
+        measured = tuning.lookup(spec, [c.impl.id for c in accepted], env, policy.timing)
         if measured is not None:
             chosen = next(c.impl for c in accepted if c.impl.id == measured.winner)
             why = measured.describe()
@@ -190,7 +190,7 @@ def resolve(key: tuple, make_spec: Callable[[], CallSpec], args: tuple | None = 
         raise NoKernelError(spec.op + (" (backward)" if spec.backward else ""), policy.describe(), reasons)
     if policy.autotune and args is not None:
         from . import tuning
-        r = tuning.autotune(exp, r, args) or r
+        r = tuning.autotune(exp, r, args, policy.timing) or r
     _announce(exp, r, policy)
     with _memo_lock:
         _memo[mkey] = r

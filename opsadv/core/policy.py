@@ -28,12 +28,17 @@ class Policy:
     precision: PrecisionPolicy = field(default_factory=PrecisionPolicy)
     options: tuple[tuple[str, Any], ...] = ()   # backend-specific (aoe_mode, memory_budget, ...)
     impls: tuple[tuple[str, str], ...] = ()     # pinned impl per op: ((op, impl id), ...)
+    # how autotune times candidates (and which measurements a resolution reads): "wall" = back-to-back
+    # eager calls (host cost counts where it dominates: eager code); "graph" = GPU time of CUDA-graph
+    # replays (code that runs under CUDA graphs, e.g. convert_model(cuda_graphs=True))
+    timing: str = "wall"
     serial: int = field(default_factory=lambda: next(_serial), compare=False)
 
     def describe(self) -> str:
         extra = [f"profile={self.profile}"] if self.profile else []
         extra += [k for k in ("strict", "experimental", "deterministic", "autotune") if getattr(self, k)]
         extra += [f"{op} pinned to {impl}" for op, impl in self.impls]
+        extra += [f"timing={self.timing}"] if self.timing != "wall" else []
         return f"backend={self.backend!r}" + (" (" + ", ".join(extra) + ")" if extra else "")
 
     @property
@@ -84,7 +89,8 @@ class Backend:
         _scoped.reset(self._token)
 
 
-_POLICY_KEYS = {"strict", "profile", "experimental", "deterministic", "autotune", "precision", "impls"}
+_POLICY_KEYS = {"strict", "profile", "experimental", "deterministic", "autotune", "precision", "impls", "timing"}
+TIMINGS = ("wall", "graph")
 
 
 def _check_impls(impls, reg) -> tuple[tuple[str, str], ...]:
@@ -109,7 +115,8 @@ def _check_impls(impls, reg) -> tuple[tuple[str, str], ...]:
 def use_backend(name: str = "auto", **kwargs: Any) -> Backend:
     """Select the backend for opsadv ops: "auto" or a backend name ("reference", "cuda",
     "ascend", "jetson", or a plugin's).  Keyword options: strict, profile, experimental,
-    deterministic, autotune, precision, impls ({op: impl id} pins), plus backend-specific options validated by the
+    deterministic, autotune, precision, impls ({op: impl id} pins), timing ("wall" | "graph": how autotune
+    times candidates, see Policy.timing), plus backend-specific options validated by the
     backend itself (e.g. aoe_mode for ascend, memory_budget for jetson)."""
     from ..registry import get_registry
     from . import dispatch
@@ -126,6 +133,8 @@ def use_backend(name: str = "auto", **kwargs: Any) -> Backend:
     backend_opts = {k: v for k, v in kwargs.items() if k not in _POLICY_KEYS}
     policy_kw["precision"] = PrecisionPolicy.from_string(policy_kw.get("precision"))
     policy_kw["impls"] = _check_impls(policy_kw.get("impls"), reg)
+    if policy_kw.get("timing", "wall") not in TIMINGS:
+        raise InvalidArgumentError("use_backend", "timing", f"one of {list(TIMINGS)}", repr(policy_kw["timing"]))
     primary = reg.auto_backend() if name == "auto" else reg.backends[name]
     if not primary.available:
         raise BackendUnavailableError(primary.name, list(primary.probe.reasons))

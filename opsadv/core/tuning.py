@@ -78,32 +78,44 @@ def reload() -> None:
 class Measured:
     winner: str
     times_ms: dict[str, float]
+    timing: str = "wall"
 
     def describe(self) -> str:
         others = ", ".join(f"{k} {v:.4g} ms" for k, v in sorted(self.times_ms.items(), key=lambda kv: kv[1]))
-        return f"measured fastest ({others})"
+        how = "GPU time of CUDA-graph replays: " if self.timing == "graph" else ""
+        return f"measured fastest ({how}{others})"
 
 
-def lookup(spec: CallSpec, accepted: list[str], env: EnvInfo) -> Measured | None:
+def _entry_key(spec: CallSpec, timing: str) -> str:
+    # graph-timed winners are kept apart: under graphs the host cost of a launch does not count
+    return spec_key(spec) if timing == "wall" else f"{spec_key(spec)} timing={timing}"
+
+
+def lookup(spec: CallSpec, accepted: list[str], env: EnvInfo, timing: str = "wall") -> Measured | None:
     if len(accepted) < 2:
         return None
-    entry = _TUNING.load().get(_device_key(env), {}).get(spec_key(spec))
+    entry = _TUNING.load().get(_device_key(env), {}).get(_entry_key(spec, timing))
     if not entry or entry.get("winner") not in accepted:
         return None
-    return Measured(entry["winner"], dict(entry.get("times_ms", {})))
+    return Measured(entry["winner"], dict(entry.get("times_ms", {})), timing)
 
 
 def store(spec: CallSpec, env: EnvInfo, measured: Measured) -> None:
     with _TUNING.lock:
-        _TUNING.load().setdefault(_device_key(env), {})[spec_key(spec)] = {
+        _TUNING.load().setdefault(_device_key(env), {})[_entry_key(spec, measured.timing)] = {
             "winner": measured.winner, "times_ms": measured.times_ms, "date": time.strftime("%Y-%m-%d")}
         _TUNING.write()
 
 
-def time_fn(fn, device_type: str, reps: int = 10) -> float:
-    """Median milliseconds of fn() (CUDA events on GPUs, perf_counter elsewhere)."""
+def time_fn(fn, device_type: str, reps: int = 10, timing: str = "wall") -> float:
+    """Median milliseconds of fn(): CUDA events around back-to-back calls on GPUs (timing="wall"), or
+    the GPU time of CUDA-graph replays (timing="graph": the host cost of launching is not counted,
+    as under graphs; a function that cannot be captured raises), perf_counter elsewhere."""
     import torch
 
+    if device_type == "cuda" and timing == "graph":
+        from triton.testing import do_bench_cudagraph
+        return float(do_bench_cudagraph(fn, rep=40, return_mode="median"))
     if device_type == "cuda":
         try:
             from triton.testing import do_bench
@@ -122,7 +134,7 @@ def time_fn(fn, device_type: str, reps: int = 10) -> float:
     return times[len(times) // 2]
 
 
-def autotune(exp, resolved, args: tuple):
+def autotune(exp, resolved, args: tuple, timing: str = "wall"):
     """Time every accepted impl on the real arguments (on a device, not the reference backend's);
     persist and return the winner."""
     from .dispatch import Resolved
@@ -138,13 +150,13 @@ def autotune(exp, resolved, args: tuple):
     for impl in accepted:
         run = impl.backward if exp.spec.backward else impl.fn
         try:
-            times[impl.id] = time_fn(lambda: run(resolved.ctx, *args), exp.spec.device_type)
+            times[impl.id] = time_fn(lambda: run(resolved.ctx, *args), exp.spec.device_type, timing=timing)
         except Exception as e:  # an impl that fails on the real data is not a candidate
             times[impl.id] = float("inf")
             import logging
             logging.getLogger("opsadv.tuning").warning("autotune: %s failed: %s", impl.id, e)
     winner = min(times, key=times.get)
-    measured = Measured(winner, {k: v for k, v in times.items() if v != float("inf")})
+    measured = Measured(winner, {k: v for k, v in times.items() if v != float("inf")}, timing)
     store(exp.spec, resolved.ctx.env, measured)
     impl = next(i for i in accepted if i.id == winner)
     return Resolved(impl, resolved.ctx, impl.backward if exp.spec.backward else impl.fn)
