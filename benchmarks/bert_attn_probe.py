@@ -7,7 +7,12 @@ This probe times the forward at that exact layout for several (BLOCK_M, BLOCK_N,
 PyTorch's FlashAttention-2 varlen kernel (aten._flash_attention_forward with cu_seqlens), and checks each
 against float32 attention per sequence.
 
+It also times opsadv.ops.sparse_attention with the FA2 varlen impl (cuda.sdpa.flash_varlen, pinned) and
+with the cuda backend's own choice, on the eager packed layout and on the CUDA-graph runner's layout
+(rows = bucket_rows(tokens), filler rows split into segments of <= s, max_seqlen = s).
+
   PYTHONPATH=. python3 benchmarks/bert_attn_probe.py OUT.json
+  PROBE_CONFIGS=default ...   only the profile's own sparse tile (skips the tile sweep's compiles)
 """
 from __future__ import annotations
 
@@ -67,8 +72,10 @@ def main() -> None:
 
     rows = []
     base = SP.TILES["h100"]["small"]
+    import os
+    configs = [base[0]] if os.environ.get("PROBE_CONFIGS") == "default" else CONFIGS
     with opsadv.use_backend("cuda"):
-        for cfg in CONFIGS:
+        for cfg in configs:
             SP.TILES["h100"]["small"] = (cfg, base[1], base[2])
             try:
                 fn = lambda: opsadv.ops.sparse_attention(q, k, v, lay)   # noqa: E731
@@ -97,14 +104,46 @@ def main() -> None:
     except Exception as ex:  # noqa: BLE001
         rows.append({"impl": "aten flash varlen (FA2)", "error": f"{type(ex).__name__}: {str(ex)[:300]}"})
     print(rows[-1], flush=True)
+    # the op itself: FA2 varlen impl pinned, and the cuda backend's own pick, on the eager layout and the
+    # graph runner's layout (filler rows after the real ones, in segments of <= S; outputs there unused)
+    from opsadv.convert import packing
+    rows_g = packing.bucket_rows(n, B * S)
+    kpm = torch.zeros(B, S, dtype=torch.bool, device=dev)
+    for i, L in enumerate(lens):
+        kpm[i, :L] = True
+    token = packing.static_rows.set(rows_g)
+    try:
+        lay_g = packing.build_pack(kpm).layout
+    finally:
+        packing.static_rows.reset(token)
+    qg, kg, vg = (torch.randn(1, rows_g, H, D, device=dev, dtype=dt).transpose(1, 2) for _ in range(3))
+    qg[:, :, :n], kg[:, :, :n], vg[:, :, :n] = q, k, v          # same real tokens: the same error check applies
+    pins = (("flash_varlen (pinned)", {"impls": {"sparse_attention": "cuda.sdpa.flash_varlen"}}),
+            ("triton sparse (pinned)", {"impls": {"sparse_attention": "cuda.triton.sparse_attention"}}),
+            ("cuda auto", {}))
+    for where, (lay_x, qkv) in (("eager layout", (lay, (q, k, v))),
+                                (f"graph layout rows={rows_g}", (lay_g, (qg, kg, vg)))):
+        for label, kw in pins:
+            name = f"op {label}, {where}"
+            try:
+                with opsadv.use_backend("cuda", **kw), opsadv.trace() as tr:
+                    fn = lambda: opsadv.ops.sparse_attention(*qkv, lay_x)   # noqa: E731
+                    o = fn()
+                    e = err(o[:, :, :n])
+                    ms = gpu_ms(fn)
+                    host = do_bench(fn, warmup=25, rep=200, return_mode="median")
+                rows.append({"impl": name, "chosen": sorted(tr.counts), "ms": round(ms, 4),
+                             "tflops": round(flops / ms / 1e9, 1), "eager_ms": round(host, 4), "rel_err": round(e, 5)})
+            except Exception as ex:  # noqa: BLE001
+                rows.append({"impl": name, "error": f"{type(ex).__name__}: {str(ex)[:300]}"})
+            print(rows[-1], flush=True)
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "lens": lens, "tokens": n,
            "shape": f"packed b{B} s{S} h{H} d{D} bf16, non-causal", "rows": rows}
-    import os
     res["commit"] = os.environ.get("OPSADV_COMMIT", "")
     with open(out_path, "w") as f:
         json.dump(res, f, indent=1)
     for r in rows:
-        print(f"{r['impl']:26s} {str(r.get('cfg', '')):18s} {r.get('ms', '-'):>8} ms {r.get('tflops', '-'):>7} TFLOP/s "
+        print(f"{r['impl'][:58]:58s} {str(r.get('cfg', '')):18s} {r.get('ms', '-'):>8} ms {r.get('tflops', '-'):>7} TFLOP/s "
               f"(eager {r.get('eager_ms', '-')} ms) err {r.get('rel_err', r.get('error', ''))}")
 
 

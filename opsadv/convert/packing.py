@@ -14,7 +14,9 @@ Row counts: eager calls pack exactly the real tokens (one host read of the mask,
 path needs anyway).  Under CUDA-graph capture nothing may be read back, so the graph runner
 sets `static_rows` (the bucket of the real-token count it keyed the graph on) and the gather /
 segment offsets are computed on the device for that many rows: the real tokens first, then
-padding rows as an extra segment that the output never keeps."""
+padding rows as extra segments of at most s rows each (a fixed count, trailing ones empty) that
+the output never keeps, so every segment is <= s and the layout's max_seqlen = s holds without a
+host read (FA2's varlen kernel needs that bound as a host int)."""
 from __future__ import annotations
 
 import contextvars
@@ -66,12 +68,20 @@ def build_pack(kpm: torch.Tensor) -> Pack:
     # device-only: real tokens first (stable: batch-major, in sequence order), then padding rows
     order = torch.sort((~flat).to(torch.uint8), stable=True).indices[:rows]
     n_real = lens.sum()
-    # offsets; the filler rows form their own last segment (built from device fills: no host copy)
-    cu = torch.cat([lens.new_zeros(1), torch.cumsum(lens, 0, dtype=torch.int32), lens.new_full((1,), rows)])
+    cu = torch.cat([lens.new_zeros(1), torch.cumsum(lens, 0, dtype=torch.int32), filler_offsets(n_real, rows, s)])
     valid = (torch.arange(rows, device=kpm.device) < n_real)[:, None]
     bm = _ones_block_mask(rows, kpm.device)
-    lay = SparseLayout(rows, rows, BLOCK, bm, cu_seqlens=cu)
+    lay = SparseLayout(rows, rows, BLOCK, bm, cu_seqlens=cu, dense_blocks=True, max_seqlen=min(s, rows))
     return Pack(order, valid, lay, b, s)
+
+
+def filler_offsets(n_real: torch.Tensor, rows: int, s: int) -> torch.Tensor:
+    """End offsets of the filler segments after n_real real rows (a device scalar): ceil(rows / s)
+    segments of <= s rows (the filler is at most `rows` rows), empty ones at the end; computed on the
+    device, no host copy.  The last offset is `rows`."""
+    n_fill = -(-rows // s)
+    steps = torch.arange(1, n_fill + 1, device=n_real.device, dtype=torch.int32) * s
+    return torch.clamp(n_real.to(torch.int32) + steps, max=rows)
 
 
 def _ones_block_mask(rows: int, device: torch.device) -> torch.Tensor:

@@ -28,8 +28,7 @@ def _spec_for(op: str, args: tuple, kwargs: dict[str, Any], backward: bool):
     if op == "sparse_attention":
         q, k, v, layout = get(0, "q"), get(1, "k"), get(2, "v"), get(3, "layout")
         sparse.validate(q, k, v, layout, kwargs.get("scale"))
-        return sparse._spec(q, k, layout.key_padding_mask, layout.cu_seqlens, layout.block_size, layout.causal,
-                            layout.window_left, layout.num_global, backward)
+        return sparse.layout_spec(q, k, layout, backward)
     if op == "gemm":
         a, b = get(0, "a"), get(1, "b")
         bias, act, res, alpha = (kwargs.get("bias"), kwargs.get("activation", "none"), kwargs.get("residual"),

@@ -20,6 +20,12 @@ PRIORITY_TRITON = 200
 PRIORITY_GENERIC = 100
 PRIORITY_REFERENCE = 0
 
+# Features that state a fact about a call rather than a need (sparse_attention's "dense_blocks": the
+# block mask is known all True; "max_seqlen_known": a host bound on packed segment lengths).  They are
+# part of the spec (hence the shape bucket and the tuning key), an impl may require them in check(),
+# but an impl that does not list them is not rejected for them.
+HINT_FEATURES = frozenset({"dense_blocks", "max_seqlen_known"})
+
 
 @dataclass(frozen=True)
 class CallSpec:
@@ -144,7 +150,7 @@ class KernelImpl:
                 why.append(f"head_dim {spec.head_dim} not in {list(self.head_dims)}")
             if self.max_head_dim is not None and spec.head_dim > self.max_head_dim:
                 why.append(f"head_dim {spec.head_dim} > {self.max_head_dim}")
-        missing = spec.features - self.features
+        missing = spec.features - self.features - HINT_FEATURES
         if missing:
             why.append("does not support " + ", ".join(sorted(missing)))
         if spec.backward and self.backward is None:

@@ -21,7 +21,12 @@ causal, key padding and segments RESTRICT (their intersection).  `combine(other)
 unites the patterns.
 
 Constructors are cheap, vectorized and cached on their (hashable) parameters, so calling one
-per layer returns the same object, whose kernel metadata (`tile_index`) is then computed once."""
+per layer returns the same object, whose kernel metadata (`tile_index`) is then computed once.
+
+Two host-side facts travel with a layout so that kernels need no device read (CUDA graphs):
+`dense_blocks` (the block mask is all True) and `max_seqlen` (a bound on the packed segments'
+lengths).  Constructors set them where they know them; `with_` / `combine` re-derive them, so a
+modified layout never keeps a stale one; they are verified whenever the tensors can be read."""
 from __future__ import annotations
 
 import dataclasses
@@ -70,6 +75,10 @@ class SparseLayout:
     num_global: int = 0
     key_padding_mask: Tensor | None = None  # bool (B, s_k), True = real token
     cu_seqlens: Tensor | None = None        # int32 (n_seq + 1,), packed batch (s_q == s_k)
+    # Host-side facts kernels need without reading the device (CUDA-graph capture), kept by the
+    # constructors that know them; a layout built by hand has them off unless it says otherwise.
+    dense_blocks: bool = False              # block_mask is known to be all True
+    max_seqlen: int | None = None           # an upper bound on the packed segments' lengths (with cu_seqlens)
 
     def __post_init__(self):
         bs = self.block_size
@@ -112,6 +121,27 @@ class SparseLayout:
                                            cu.tolist() if isinstance(cu, Tensor) else repr(cu))
             if cu.device != bm.device:
                 raise InvalidArgumentError(OP, "layout.cu_seqlens", f"on the block mask's device {bm.device}", str(cu.device))
+        self._check_facts()
+
+    def _check_facts(self) -> None:
+        """dense_blocks / max_seqlen are trusted by kernels (a wrong one gives wrong results), so they
+        are verified against the tensors whenever those can be read (not during graph capture)."""
+        if not isinstance(self.dense_blocks, bool):
+            raise InvalidArgumentError(OP, "layout.dense_blocks", "a bool", repr(self.dense_blocks))
+        if self.dense_blocks and not capturing(self.block_mask) and not bool(self.block_mask.all()):
+            raise InvalidArgumentError(OP, "layout.dense_blocks", "True only for an all-True block mask",
+                                       f"a block mask with {int((~self.block_mask).sum())} False blocks")
+        ms, cu = self.max_seqlen, self.cu_seqlens
+        if ms is None:
+            return
+        if cu is None:
+            raise InvalidArgumentError(OP, "layout.max_seqlen", "None without cu_seqlens (it bounds packed segments)",
+                                       repr(ms))
+        _check_int("layout.max_seqlen", ms)
+        if not capturing(cu):
+            longest = int((cu[1:] - cu[:-1]).max())
+            if ms < longest:
+                raise InvalidArgumentError(OP, "layout.max_seqlen", f">= the longest segment ({longest})", ms)
 
     # ---- views ------------------------------------------------------------------------------------
     @property
@@ -143,7 +173,8 @@ class SparseLayout:
         if self.key_padding_mask is not None:
             parts.append(f"key_padding_mask={tuple(self.key_padding_mask.shape)}")
         if self.cu_seqlens is not None:
-            parts.append(f"packed={self.cu_seqlens.numel() - 1} seqs")
+            parts.append(f"packed={self.cu_seqlens.numel() - 1} seqs"
+                         + ("" if self.max_seqlen is None else f" (<= {self.max_seqlen} tokens)"))
         return f"SparseLayout({', '.join(parts)})"
 
     def dense_mask(self, batch: int = 1, heads: int = 1, device=None) -> Tensor:
@@ -166,6 +197,11 @@ class SparseLayout:
         bad = set(changes) - {f.name for f in dataclasses.fields(self)}
         if bad:
             raise InvalidArgumentError(OP, "with_", "field names of SparseLayout", sorted(bad))
+        # facts about a replaced tensor are re-derived (when readable now) unless given: never stale
+        if "block_mask" in changes and "dense_blocks" not in changes:
+            changes["dense_blocks"] = _all_true(changes["block_mask"])
+        if "cu_seqlens" in changes and "max_seqlen" not in changes:
+            changes["max_seqlen"] = _longest(changes["cu_seqlens"])
         return dataclasses.replace(self, **changes)
 
     def combine(self, other: "SparseLayout", how: str = "and") -> "SparseLayout":
@@ -200,21 +236,25 @@ class SparseLayout:
                 window = (max(self.window[0], other.window[0]), max(self.window[1], other.window[1]))
             ng = max(self.num_global, other.num_global)
         else:
-            if bool(self.block_mask.all()):
+            if self.dense_blocks or bool(self.block_mask.all()):
                 pattern = other
-            elif bool(other.block_mask.all()):
+            elif other.dense_blocks or bool(other.block_mask.all()):
                 pattern = self
             else:
                 raise InvalidArgumentError(OP, "combine(other, how='and')",
                                            "one layout whose block mask allows every block (dense / padding / varlen)",
                                            f"{self!r} and {other!r}")
             bm, window, ng = refine(pattern), pattern.window, pattern.num_global
+        # all True after "or" if either side is; after "and" the result's blocks are the pattern's
+        dense = (self.dense_blocks or other.dense_blocks) if how == "or" else pattern.dense_blocks
         kpm = _and_opt(self.key_padding_mask, other.key_padding_mask)
         cu = self.cu_seqlens if other.cu_seqlens is None else other.cu_seqlens
         if self.cu_seqlens is not None and other.cu_seqlens is not None \
                 and not torch.equal(self.cu_seqlens.long(), other.cu_seqlens.long()):
             raise InvalidArgumentError(OP, "combine(other)", "the same cu_seqlens (or none)", other.cu_seqlens.tolist())
-        return SparseLayout(self.seq_q, self.seq_k, bs, bm.contiguous(), self.causal or other.causal, window, ng, kpm, cu)
+        bounds = [x.max_seqlen for x in (self, other) if x.max_seqlen is not None]
+        return SparseLayout(self.seq_q, self.seq_k, bs, bm.contiguous(), self.causal or other.causal, window, ng, kpm, cu,
+                            dense, min(bounds) if bounds and cu is not None else None)
 
     # ---- constructors -----------------------------------------------------------------------------
     @classmethod
@@ -287,7 +327,7 @@ class SparseLayout:
         _check_int("block_size", block_size, 1)
         sq = seq_q if seq_q is not None else bm.shape[2] * block_size
         sk = seq_k if seq_k is not None else bm.shape[3] * block_size
-        return cls(sq, sk, block_size, bm.contiguous(), causal)
+        return cls(sq, sk, block_size, bm.contiguous(), causal, dense_blocks=_all_true(bm))
 
     @classmethod
     def key_padding(cls, key_padding_mask: Tensor, *, seq_q: int | None = None, causal: bool = False,
@@ -405,7 +445,7 @@ def _dense(sq, sk, causal, bs, device) -> SparseLayout:
     _check_bs(bs)
     _check_int("seq_q", sq, 1), _check_int("seq_k", sk, 1)
     bm = torch.ones(1, 1, _nblocks(sq, bs), _nblocks(sk, bs), dtype=torch.bool, device=device)
-    return SparseLayout(sq, sk, bs, bm, causal)
+    return SparseLayout(sq, sk, bs, bm, causal, dense_blocks=True)
 
 
 @functools.lru_cache(maxsize=256)
@@ -451,8 +491,21 @@ def _varlen(seqlens, causal, window, ng, bs, device) -> SparseLayout:
     cu = torch.zeros(len(seqlens) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(seqlens, dtype=torch.int64), 0).to(torch.int32)
     n = _nblocks(total, bs)
-    bm = torch.full((1, 1, n, n), window is None and ng == 0, dtype=torch.bool, device=device)
-    return SparseLayout(total, total, bs, bm, causal, window, ng, None, cu.to(device))
+    dense = window is None and ng == 0           # plain varlen: every pair within a segment
+    bm = torch.full((1, 1, n, n), dense, dtype=torch.bool, device=device)
+    return SparseLayout(total, total, bs, bm, causal, window, ng, None, cu.to(device), dense, max(seqlens))
+
+
+def _all_true(bm: Tensor) -> bool:
+    """The dense_blocks fact of a block mask: read now, False (unknown) while a graph is captured."""
+    return not capturing(bm) and bool(bm.all())
+
+
+def _longest(cu: Tensor | None) -> int | None:
+    """The max_seqlen fact of cu_seqlens: read now, None (unknown) while a graph is captured."""
+    if cu is None or capturing(cu) or not isinstance(cu, Tensor) or cu.dim() != 1 or cu.numel() < 2:
+        return None
+    return int((cu[1:] - cu[:-1]).max())
 
 
 def _refine(bm: Tensor, bs: int, new_bs: int, sq: int, sk: int) -> Tensor:

@@ -122,6 +122,12 @@ def _varlen(lens, bs):
     return make
 
 
+def _plain_varlen(lens, bs, causal):
+    """A packed batch as SparseLayout.varlen builds it (dense_blocks / max_seqlen set: what vendor
+    varlen kernels such as FA2's serve); empty and one-token segments included."""
+    return lambda device, g: SparseLayout.varlen(lens, causal=causal, block_size=bs, device=device)
+
+
 SPARSE = [
     Case("sparse_attention", "window_causal", _sparse(1, 2, 2, 130, 64, 32, _window(130, 32, True, 40)), (0, 1, 2)),
     Case("sparse_attention", "window_bidir", _sparse(1, 2, 1, 97, 32, 32, _window(97, 32, False, 20)), (0, 1, 2)),
@@ -129,6 +135,10 @@ SPARSE = [
     Case("sparse_attention", "block_mask", _sparse(2, 2, 2, 96, 64, 32, _random_blocks(2, 2, 96, 32)), (0, 1, 2)),
     Case("sparse_attention", "padding", _sparse(3, 2, 2, 50, 64, 16, _padding(3, 50, 16)), (0, 1, 2)),
     Case("sparse_attention", "varlen", _sparse(1, 2, 2, 1 + 37 + 64, 64, 16, _varlen([1, 37, 64], 16)), (0, 1, 2)),
+    Case("sparse_attention", "varlen_plain", _sparse(1, 3, 3, 45 + 1 + 127, 64, 16, _plain_varlen([45, 0, 1, 127], 16,
+                                                                                                   False)), (0, 1, 2)),
+    Case("sparse_attention", "varlen_plain_gqa_causal", _sparse(1, 4, 2, 3 + 70 + 33, 32, 32,
+                                                                _plain_varlen([3, 70, 0, 33], 32, True)), (0, 1, 2)),
 ]
 
 

@@ -229,11 +229,13 @@ def _sparse_plan(q, k, block_mask, kpm, cu, bs, causal, wl, wr) -> Plan:
     return plan
 
 
-def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale):
+def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale, dense_blocks=False,
+               max_seqlen=-1):
     return _run_fwd(q, k, v, _sparse_plan(q, k, block_mask, kpm, cu, bs, causal, wl, wr), scale)
 
 
-def sparse_bwd(ctx, dout, q, k, v, out, lse, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale):
+def sparse_bwd(ctx, dout, q, k, v, out, lse, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale,
+               dense_blocks=False, max_seqlen=-1):
     return _run_bwd(dout, q, k, v, out, lse, _sparse_plan(q, k, block_mask, kpm, cu, bs, causal, wl, wr), scale)
 
 

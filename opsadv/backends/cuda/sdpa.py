@@ -11,7 +11,14 @@ different lengths is rejected (the Triton or reference impl serves it).  GQA: cu
 the kv heads natively (cuDNN's forward and backward take h_kv < h_q: checked on the H200 with torch
 2.11, benchmarks/gqa_cudnn_probe.py, 0.99 ms vs 1.24 ms when expanding, b4 h32/8 s4096 d128 causal);
 efficient gets K/V expanded to the q heads (and dK/dV summed back).
-Dropout is never used, so the philox seed/offset placeholders passed to the backward ops are unread."""
+Dropout is never used, so the philox seed/offset placeholders passed to the backward ops are unread.
+
+sparse_attention, packed batches: FlashAttention-2's varlen kernel (aten._flash_attention_forward /
+_backward with cu_seqlens) serves exactly a plain varlen layout: segments (s_q == s_k each, so FA2's
+causal alignment equals opsadv's), block mask all True (the layout's dense_blocks fact), no key padding,
+window or global tokens, max_seqlen known on the host (FA2's grid; no device read, so CUDA graphs
+capture it).  Inputs (1, h, N, d) are handed over as (N, h, d) views (no copy for the (1, N, h, d)
+memory transformers' projections give); its lse (h, N) float32 natural-log is the op's (1, h, N)."""
 from __future__ import annotations
 
 import torch
@@ -179,6 +186,64 @@ def efficient_bwd(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale):
     return dq, _reduce(dk, group), _reduce(dv, group)
 
 
+# ---- FlashAttention-2 varlen: sparse_attention over packed batches ------------------------------------
+VARLEN_FEATURES = frozenset({"causal", "gqa", "varlen"})   # the check also requires the hints below
+
+
+def _varlen_rule(spec, env) -> list[str]:
+    why = []
+    if "varlen" not in spec.features:
+        why.append("needs a packed layout (cu_seqlens): FA2's varlen kernel applies no other mask")
+    if "dense_blocks" not in spec.features:
+        why.append("the layout's block mask is not known to be all True (a block pattern, or a layout built "
+                   "by hand without dense_blocks=True)")
+    if "varlen" in spec.features and "max_seqlen_known" not in spec.features:
+        why.append("the layout carries no max_seqlen (FA2's grid size must be a host int; SparseLayout.varlen sets it)")
+    if spec.head_dim is not None and spec.head_dim % 8:
+        why.append(f"head_dim {spec.head_dim} is not a multiple of 8")
+    return why
+
+
+def _thd(t: torch.Tensor) -> torch.Tensor:
+    """(1, h, N, d) -> the (N, h, d) view FA2's varlen API takes (any row / head strides, unit d stride)."""
+    t = t[0].transpose(0, 1)
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _bhsd(t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(0, 1).unsqueeze(0)        # (N, h, d) -> (1, h, N, d), a view
+
+
+def _cu32(cu: torch.Tensor) -> torch.Tensor:
+    return cu if cu.dtype == torch.int32 and cu.is_contiguous() else cu.to(torch.int32).contiguous()
+
+
+def flash_varlen_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale, dense_blocks=False,
+                     max_seqlen=-1):
+    if max_seqlen < 0:       # the check requires the fact; a direct call without it is a caller bug
+        raise ValueError("cuda.sdpa.flash_varlen: max_seqlen (a host bound on the segment lengths) is required")
+    cu = _cu32(cu)
+    out, lse = torch.ops.aten._flash_attention_forward(_thd(q), _thd(k), _thd(v), cu, cu, max_seqlen, max_seqlen,
+                                                       0.0, causal, False, scale=scale)[:2]
+    h, n = q.shape[1], q.shape[2]
+    if tuple(lse.shape) != (h, n):
+        raise RuntimeError(f"cuda.sdpa.flash_varlen: FA2 returned lse {tuple(lse.shape)}, expected (heads, total) "
+                           f"= {(h, n)} (this torch's FA2 lays varlen lse out differently)")
+    return _bhsd(out), lse.unsqueeze(0)
+
+
+def flash_varlen_bwd(ctx, dout, q, k, v, out, lse, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale,
+                     dense_blocks=False, max_seqlen=-1):
+    if max_seqlen < 0:
+        raise ValueError("cuda.sdpa.flash_varlen: max_seqlen (a host bound on the segment lengths) is required")
+    cu = _cu32(cu)
+    seed, offset = _philox(q.device)
+    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+        _thd(dout), _thd(q), _thd(k), _thd(v), _thd(out), lse[0].float().contiguous(), cu, cu, max_seqlen,
+        max_seqlen, 0.0, causal, seed, offset, scale=scale)
+    return _bhsd(dq), _bhsd(dk), _bhsd(dv)
+
+
 def impls(env) -> list[KernelImpl]:
     half = (torch.float16, torch.bfloat16)
     return [
@@ -194,4 +259,9 @@ def impls(env) -> list[KernelImpl]:
                    dtypes=(torch.float16, torch.bfloat16, torch.float32), min_cc=(5, 0),
                    features=BASE_FEATURES | MASK_FEATURES, check=_mult8,
                    description="memory-efficient attention (xformers/cutlass) through aten; bool/additive masks"),
+        KernelImpl(id="cuda.sdpa.flash_varlen", op="sparse_attention", backend="cuda", fn=flash_varlen_fwd,
+                   backward=flash_varlen_bwd, priority=PRIORITY_VENDOR, dtypes=half, max_head_dim=256, min_cc=(8, 0),
+                   features=VARLEN_FEATURES, check=_varlen_rule,
+                   description="PyTorch's FlashAttention-2 varlen kernel through aten: packed batches with an "
+                               "all-True block mask (plain varlen layouts), causal or not, native GQA"),
     ]

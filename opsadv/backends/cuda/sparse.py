@@ -544,7 +544,8 @@ def _long_row_tile(profile, d, ti, block_n, cu, kpm):
     return tile if ti.tiles * block_n >= min_keys * n_rows else None
 
 
-def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale, *, variant=None):
+def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale, dense_blocks=False,
+               max_seqlen=-1, *, variant=None):
     """variant (benchmarks): {"loop": one of LOOP_IDS, "reverse": bool} instead of FWD_DEFAULT."""
     in_dtype = q.dtype
     q, k, v = _prep(ctx, q, k, v)
@@ -580,8 +581,8 @@ def _bwd_loop(name: str, full_run: bool) -> int:
     return 1 if loop == 2 and not full_run else loop     # full tiles not one run: prefetched ids
 
 
-def sparse_bwd(ctx, dout, q, k, v, out, lse, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale, only=None,
-               variant=None):
+def sparse_bwd(ctx, dout, q, k, v, out, lse, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale,
+               dense_blocks=False, max_seqlen=-1, *, only=None, variant=None):
     """dq, dk, dv.  `only` ("dkdv" / "dq"; benchmarks) launches just one of the two main kernels;
     variant (benchmarks): {"dq": name, "dkdv": name} of BWD_LOOP_IDS instead of BWD_DEFAULT."""
     opts = {**BWD_DEFAULT, **(variant or {})}

@@ -79,12 +79,14 @@ def _sparse_mask(q, k, block_mask, kpm, cu, bs, causal, wl, wr, ng):
     return dense_mask(q.shape[2], k.shape[2], bs, block_mask, causal, window, ng, kpm, cu, device=q.device)
 
 
-def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale):
+def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale, dense_blocks=False,
+               max_seqlen=-1):
     mask = _sparse_mask(q, k, block_mask, kpm, cu, bs, causal, wl, wr, ng)
     return attention_fwd(ctx, q, k, v, mask, False, scale)
 
 
-def sparse_bwd(ctx, dout, q, k, v, out, lse, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale):
+def sparse_bwd(ctx, dout, q, k, v, out, lse, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale,
+               dense_blocks=False, max_seqlen=-1):
     mask = _sparse_mask(q, k, block_mask, kpm, cu, bs, causal, wl, wr, ng)
     return attention_bwd(ctx, dout, q, k, v, out, lse, mask, False, scale)
 

@@ -1,10 +1,15 @@
 """sparse_attention: attention restricted by a SparseLayout (see opsadv.core.layout).
 
 Impl contract:  fn(ctx, q, k, v, block_mask, key_padding_mask, cu_seqlens, block_size, causal,
-                   window_left, window_right, num_global, scale: float) -> (out, lse)
+                   window_left, window_right, num_global, scale: float, dense_blocks: bool,
+                   max_seqlen: int) -> (out, lse)
                 backward(ctx, dout, q, k, v, out, lse, block_mask, key_padding_mask, cu_seqlens,
-                         block_size, causal, window_left, window_right, num_global, scale) -> (dq, dk, dv)
-window_left/right are -1 without a window.  Layout of out (dq, dk, dv): as for flash_attention
+                         block_size, causal, window_left, window_right, num_global, scale,
+                         dense_blocks, max_seqlen) -> (dq, dk, dv)
+window_left/right are -1 without a window.  dense_blocks / max_seqlen are the layout's host-side
+facts (block mask known all True; bound on the packed segments' lengths, -1 unknown or not packed);
+they also show as the hint features "dense_blocks" / "max_seqlen_known", which an impl may require
+in its check() but need not declare (kernel.HINT_FEATURES).  Layout of out (dq, dk, dv): as for flash_attention
 (contiguous through torch.ops; the impl's own in eager calls)."""
 from __future__ import annotations
 
@@ -52,58 +57,69 @@ def validate(q, k, v, layout, scale) -> None:
     check_scale(OP, scale)
 
 
-def _features(q, k, kpm, cu, causal, wl, ng) -> frozenset[str]:
+def _features(q, k, kpm, cu, causal, wl, ng, dense, ms) -> frozenset[str]:
     f = {"causal"} if causal else set()
     f |= {n for n, on in (("gqa", q.shape[1] != k.shape[1]), ("key_padding", kpm is not None),
                           ("varlen", cu is not None), ("window", wl >= 0), ("global", ng > 0),
-                          ("cross_length", q.shape[2] != k.shape[2])) if on}
+                          ("cross_length", q.shape[2] != k.shape[2]),
+                          ("dense_blocks", dense), ("max_seqlen_known", cu is not None and ms >= 0)) if on}
     return frozenset(f)
 
 
-def _key(q, k, kpm, cu, bs, causal, wl, ng, backward):
+def _key(q, k, kpm, cu, bs, causal, wl, ng, dense, ms, backward):
     return (OP, backward, q.device.type, q.dtype, q.shape[-1], bs, causal, wl >= 0, ng > 0, kpm is not None,
-            cu is not None, q.shape[1] // k.shape[1], len_bucket(q.shape[2]), len_bucket(k.shape[2]))
+            cu is not None, q.shape[1] // k.shape[1], len_bucket(q.shape[2]), len_bucket(k.shape[2]),
+            dense, ms >= 0)
 
 
-def _spec(q, k, kpm, cu, bs, causal, wl, ng, backward) -> CallSpec:
-    return CallSpec(OP, q.device.type, q.dtype, _features(q, k, kpm, cu, causal, wl, ng),
+def _spec(q, k, kpm, cu, bs, causal, wl, ng, dense, ms, backward) -> CallSpec:
+    return CallSpec(OP, q.device.type, q.dtype, _features(q, k, kpm, cu, causal, wl, ng, dense, ms),
                     (bs, len_bucket(q.shape[2]), len_bucket(k.shape[2])), head_dim=q.shape[-1],
                     shapes=(tuple(q.shape), tuple(k.shape)), backward=backward)
 
 
+def layout_spec(q, k, layout: SparseLayout, backward: bool) -> CallSpec:
+    """The CallSpec a call with this layout resolves by (explain, tests)."""
+    return _spec(q, k, layout.key_padding_mask, layout.cu_seqlens, layout.block_size, layout.causal,
+                 layout.window_left, layout.num_global, layout.dense_blocks,
+                 -1 if layout.max_seqlen is None else layout.max_seqlen, backward)
+
+
 def _route(q, k, v, block_mask, key_padding_mask, cu_seqlens, block_size, causal, window_left, window_right,
-           num_global, scale):
+           num_global, scale, dense_blocks=False, max_seqlen=-1):
     s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    kpm, cu, wl, ng = key_padding_mask, cu_seqlens, window_left, num_global
     out, lse = dispatch.call(
-        _key(q, k, key_padding_mask, cu_seqlens, block_size, causal, window_left, num_global, False),
-        lambda: _spec(q, k, key_padding_mask, cu_seqlens, block_size, causal, window_left, num_global, False),
-        (q, k, v, block_mask, key_padding_mask, cu_seqlens, block_size, causal, window_left, window_right,
-         num_global, s))
+        _key(q, k, kpm, cu, block_size, causal, wl, ng, dense_blocks, max_seqlen, False),
+        lambda: _spec(q, k, kpm, cu, block_size, causal, wl, ng, dense_blocks, max_seqlen, False),
+        (q, k, v, block_mask, kpm, cu, block_size, causal, wl, window_right, ng, s, dense_blocks, max_seqlen))
     return out, contiguous_lse(lse)
 
 
 def _bwd_route(dout, q, k, v, out, lse, block_mask, key_padding_mask, cu_seqlens, block_size, causal, window_left,
-               window_right, num_global, scale):
+               window_right, num_global, scale, dense_blocks=False, max_seqlen=-1):
     s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    kpm, cu, wl, ng = key_padding_mask, cu_seqlens, window_left, num_global
     return dispatch.call(
-        _key(q, k, key_padding_mask, cu_seqlens, block_size, causal, window_left, num_global, True),
-        lambda: _spec(q, k, key_padding_mask, cu_seqlens, block_size, causal, window_left, num_global, True),
-        (dout, q, k, v, out, lse, block_mask, key_padding_mask, cu_seqlens, block_size, causal, window_left,
-         window_right, num_global, s))
+        _key(q, k, kpm, cu, block_size, causal, wl, ng, dense_blocks, max_seqlen, True),
+        lambda: _spec(q, k, kpm, cu, block_size, causal, wl, ng, dense_blocks, max_seqlen, True),
+        (dout, q, k, v, out, lse, block_mask, kpm, cu, block_size, causal, wl, window_right, ng, s,
+         dense_blocks, max_seqlen))
 
 
 @torch.library.custom_op("opsadv::sparse_attention", mutates_args=(), tags=EXACT_STRIDES)
 def _sparse_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: Tensor, key_padding_mask: Optional[Tensor],
                       cu_seqlens: Optional[Tensor], block_size: int, causal: bool, window_left: int,
-                      window_right: int, num_global: int, scale: Optional[float]) -> tuple[Tensor, Tensor]:
+                      window_right: int, num_global: int, scale: Optional[float], dense_blocks: bool = False,
+                      max_seqlen: int = -1) -> tuple[Tensor, Tensor]:
     out, lse = _route(q, k, v, block_mask, key_padding_mask, cu_seqlens, block_size, causal, window_left,
-                      window_right, num_global, scale)
+                      window_right, num_global, scale, dense_blocks, max_seqlen)
     return out.contiguous(), lse
 
 
 @_sparse_attention.register_fake
 def _(q, k, v, block_mask, key_padding_mask, cu_seqlens, block_size, causal, window_left, window_right,
-      num_global, scale):
+      num_global, scale, dense_blocks=False, max_seqlen=-1):
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=lse_dtype(q.dtype))
 
 
@@ -111,9 +127,10 @@ def _(q, k, v, block_mask, key_padding_mask, cu_seqlens, block_size, causal, win
 def _sparse_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                                block_mask: Tensor, key_padding_mask: Optional[Tensor], cu_seqlens: Optional[Tensor],
                                block_size: int, causal: bool, window_left: int, window_right: int,
-                               num_global: int, scale: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
+                               num_global: int, scale: Optional[float], dense_blocks: bool = False,
+                               max_seqlen: int = -1) -> tuple[Tensor, Tensor, Tensor]:
     dq, dk, dv = _bwd_route(dout, q, k, v, out, lse, block_mask, key_padding_mask, cu_seqlens, block_size, causal,
-                            window_left, window_right, num_global, scale)
+                            window_left, window_right, num_global, scale, dense_blocks, max_seqlen)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
@@ -123,9 +140,9 @@ def _(dout, q, k, v, out, lse, *rest):
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, bm, kpm, cu, bs, causal, wl, wr, ng, scale = inputs
+    q, k, v, bm, kpm, cu, *rest = inputs          # rest: block_size ... max_seqlen (plain values)
     ctx.save_for_backward(q, k, v, output[0], output[1], bm, kpm, cu)
-    ctx.rest = (bs, causal, wl, wr, ng, scale)
+    ctx.rest = tuple(rest)
 
 
 def _backward(ctx, dout, dlse):
@@ -133,7 +150,7 @@ def _backward(ctx, dout, dlse):
     # eager: the router directly (no torch.library boundary, no layout copy); traced: the op
     bwd = _bwd_route if eager_mode(dout, q, k, v) != TORCH_OPS else torch.ops.opsadv.sparse_attention_backward
     dq, dk, dv = bwd(dout, q, k, v, out, lse, bm, kpm, cu, *ctx.rest)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+    return (dq, dk, dv) + (None,) * (3 + len(ctx.rest))   # block_mask, kpm, cu_seqlens, then the values
 
 
 _setup, _backward = carry_policy(_setup, _backward)   # backward resolves under the forward's policy
@@ -149,5 +166,6 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, layout: SparseLayout, *, s
     mode = eager_mode(q, k, v, layout.block_mask, layout.key_padding_mask, layout.cu_seqlens)
     op = _route if mode == DIRECT else _eager_autograd if mode == AUTOGRAD_FN else torch.ops.opsadv.sparse_attention
     out, lse = op(q, k, v, layout.block_mask, layout.key_padding_mask, layout.cu_seqlens, layout.block_size,
-                  layout.causal, layout.window_left, layout.window_right, layout.num_global, scale)
+                  layout.causal, layout.window_left, layout.window_right, layout.num_global, scale,
+                  layout.dense_blocks, -1 if layout.max_seqlen is None else layout.max_seqlen)
     return (out, lse.detach()) if return_lse else out
