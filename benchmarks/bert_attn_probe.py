@@ -74,7 +74,9 @@ def main() -> None:
     base = SP.TILES["h100"]["small"]
     import os
     configs = [base[0]] if os.environ.get("PROBE_CONFIGS") == "default" else CONFIGS
-    with opsadv.use_backend("cuda"):
+    # pinned: since cuda.sdpa.flash_varlen exists the backend's own pick for this layout is FA2 (at 3a3315c the
+    # unpinned "opsadv sparse" row, results/bert_attn_probe_flash_varlen_h200.json, timed FA2, not the sweep's tile)
+    with opsadv.use_backend("cuda", impls={"sparse_attention": "cuda.triton.sparse_attention"}):
         for cfg in configs:
             SP.TILES["h100"]["small"] = (cfg, base[1], base[2])
             try:
