@@ -237,26 +237,26 @@ def record(impl_id: str) -> None:
         t.counts[impl_id] += 1
 
 
-def call(key: tuple, make_spec: Callable[[], CallSpec], args: tuple) -> Any:
-    """Resolve (memoized) and run.  `args` are the op's positional arguments."""
-    policy = _scoped_or_global()
-    r = _memo.get((policy.serial, key))
+def _resolved(key: tuple, make_spec: Callable[[], CallSpec], args: tuple) -> Resolved:
+    """The memoized resolution of this call (resolved on a miss), counted by active traces."""
+    r = _memo.get((_scoped_or_global().serial, key))
     if r is None:
         r = resolve(key, make_spec, args)
     if _tracers:
         record(r.impl.id)
+    return r
+
+
+def call(key: tuple, make_spec: Callable[[], CallSpec], args: tuple) -> Any:
+    """Resolve (memoized) and run.  `args` are the op's positional arguments."""
+    r = _resolved(key, make_spec, args)
     return r.run(r.ctx, *args)
 
 
 def call_inference(key: tuple, make_spec: Callable[[], CallSpec], args: tuple) -> Any:
     """call() for an eager forward whose statistics outputs nobody can read (no grad, no tracing):
     runs the impl's `inference` function where it has one (it may return None for those outputs)."""
-    policy = _scoped_or_global()
-    r = _memo.get((policy.serial, key))
-    if r is None:
-        r = resolve(key, make_spec, args)
-    if _tracers:
-        record(r.impl.id)
+    r = _resolved(key, make_spec, args)
     return r.infer(r.ctx, *args)
 
 
