@@ -1,0 +1,130 @@
+"""Compile benchmarks/gluon_fa/fa_fwd_hopper.py for sm_90 on a CPU-only machine (no GPU, no driver).
+
+Builds the real launch arguments on CPU tensors (TensorDescriptors only need data_ptr/shape/stride),
+binds and specializes them like JITFunction.run, and compiles through Gluon's own AST source class
+(GluonASTSource: the kernel body is already TTGIR-level, so no layout inference pass) with
+triton.compile for GPUTarget("cuda", 90, 128).  Per variant it prints registers / spills (cuobjdump of
+the cubin), shared memory (compiler metadata), and the wgmma / wait / barrier sequence of the main loop
+from the PTX.
+
+  python benchmarks/gluon_fa/compile_sm90.py [OUT_DIR]     (OUT_DIR gets the .ttgir / .ptx per variant)
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import make_backend  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
+from triton.runtime.jit import create_function_from_signature  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import fa_fwd_hopper as FA  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 128)
+BACKEND = make_backend(TARGET)
+
+
+def compile_sm90(fn, args, kw):
+    """Bind + specialize like JITFunction.run, then compile (nothing launches)."""
+    binder = create_function_from_signature(fn.signature, fn.params, BACKEND)
+    kw = dict(kw)
+    kw.setdefault("debug", False)
+    bound, specialization, _ = binder(*args, **kw)
+    options, signature, constexprs, attrs = fn._pack_args(BACKEND, kw, bound, specialization, None)
+    src = GluonASTSource(fn, signature, constexprs, attrs)
+    return triton.compile(src, target=TARGET, options=options.__dict__)
+
+
+def cubin_resources(kernel) -> dict:
+    """Registers per thread, spill stores/loads and stack from the cubin; shared bytes from metadata."""
+    info = {"shared_bytes": kernel.metadata.shared}
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    for key, pat in (("regs", r"REG:(\d+)"), ("stack", r"STACK:(\d+)")):
+        m = re.search(pat, res)
+        if m:
+            info[key] = int(m.group(1))
+    return info
+
+
+def ptx_sequence(ptx: str) -> list[str]:
+    """The async-relevant instructions in program order, runs of identical ones collapsed (xN)."""
+    keep = re.compile(r"^\s*(wgmma\.mma_async\S*|wgmma\.commit_group\S*|wgmma\.wait_group\S*\s+\d+|"
+                      r"wgmma\.fence\S*|mbarrier\.try_wait\S*|mbarrier\.arrive\S*|"
+                      r"cp\.async\.bulk\.tensor\S*|setmaxnreg\S*|bar\.sync\s+\d+|barrier\.sync\S*|"
+                      r"bar\.arrive\S*|ex2\.approx\S*)")
+    seq = []
+    for line in ptx.splitlines():
+        m = keep.match(line)
+        if not m:
+            continue
+        op = re.sub(r"\s+", " ", m.group(1))
+        if seq and seq[-1][0] == op:
+            seq[-1][1] += 1
+        else:
+            seq.append([op, 1])
+    return [f"{op} x{n}" if n > 1 else op for op, n in seq]
+
+
+def ptx_stats(ptx: str, ttgir: str) -> dict:
+    return {
+        "wgmma_mma_async": len(re.findall(r"wgmma\.mma_async", ptx)),
+        "wgmma_wait_group": sorted(set(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx))),
+        "ttgir_warp_group_dot_isAsync": len(re.findall(r"ttng\.warp_group_dot .*isAsync = true", ttgir)),
+        "ttgir_warp_group_dot_wait": re.findall(r"ttng\.warp_group_dot_wait .*pendings = (\d+)", ttgir),
+        "tma_loads": len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::cluster\.global", ptx)),
+        "setmaxnreg": re.findall(r"setmaxnreg\.(\w+)\.sync\.aligned\.u32\s+(\d+)", ptx),
+        "local_spill_ld_st": len(re.findall(r"\b(?:ld|st)\.local", ptx)),
+    }
+
+
+def main():
+    out_dir = sys.argv[1] if len(sys.argv) > 1 else None
+    variants = [(d, dt, ws) for d in (128, 64) for dt in (torch.bfloat16, torch.float16) for ws in (True, False)]
+    summary = []
+    for d, dt, ws in variants:
+        b, h, s = 1, 2, 512
+        q, k, v = (torch.randn(b, h, s, d).to(dt) for _ in range(3))
+        grid, args, kw, _, _ = FA.launch_args(q, k, v, warp_spec=ws)
+        tag = f"d{d}_{str(dt).split('.')[-1]}_{'ws' if ws else 'inline'}_st{kw['STAGES']}"
+        try:
+            kern = compile_sm90(FA.fa_fwd_kernel, args, kw)
+        except Exception as e:   # report and continue: the point is to learn what compiles
+            msg = str(e).strip().splitlines()
+            print(f"{tag}: COMPILE FAILED: {type(e).__name__}: {' | '.join(msg[-6:])[:1500]}")
+            summary.append({"variant": tag, "compiled": False, "error": " | ".join(msg[-6:])[:1500]})
+            continue
+        ptx, ttgir = kern.asm["ptx"], kern.asm["ttgir"]
+        if out_dir:
+            os.makedirs(out_dir, exist_ok=True)
+            open(os.path.join(out_dir, tag + ".ttgir"), "w").write(ttgir)
+            open(os.path.join(out_dir, tag + ".ptx"), "w").write(ptx)
+        row = {"variant": tag, "compiled": True, "num_warps": kern.metadata.num_warps, **cubin_resources(kern),
+               **ptx_stats(ptx, ttgir), "ptx_async_sequence": ptx_sequence(ptx)}
+        summary.append(row)
+        print(f"{tag}: regs {row.get('regs')} stack {row.get('stack')} smem {row['shared_bytes']} "
+              f"wgmma {row['wgmma_mma_async']} wait_group {row['wgmma_wait_group']} "
+              f"ttgir async dots {row['ttgir_warp_group_dot_isAsync']} waits {row['ttgir_warp_group_dot_wait']} "
+              f"setmaxnreg {row['setmaxnreg']} local ld/st {row['local_spill_ld_st']}")
+        sys.stdout.flush()
+    if out_dir:
+        with open(os.path.join(out_dir, "summary.json"), "w") as f:
+            json.dump({"triton": triton.__version__, "target": "cuda sm_90", "results": summary}, f, indent=1)
+    return 0 if all(r["compiled"] for r in summary) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
