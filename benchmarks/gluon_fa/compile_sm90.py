@@ -122,7 +122,7 @@ def main():
         sys.stdout.flush()
     if out_dir:
         with open(os.path.join(out_dir, "summary.json"), "w") as f:
-            json.dump({"triton": triton.__version__, "target": "cuda sm_90", "results": summary}, f, indent=1)
+            json.dump({"commit": os.environ.get("OPSADV_COMMIT", "unknown"), "triton": triton.__version__, "target": "cuda sm_90", "results": summary}, f, indent=1)
     return 0 if all(r["compiled"] for r in summary) else 1
 
 
