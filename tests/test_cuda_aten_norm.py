@@ -1,4 +1,6 @@
 """The aten-backed norm impls follow the op contract (checked on CPU, where the same aten ops run)."""
+import zlib
+
 import pytest
 import torch
 
@@ -8,11 +10,22 @@ from opsadv.backends.reference import kernels as R
 from conftest import rel_err
 
 
+def _seed(*parts) -> int:
+    # stable across processes (hash() of a str is salted per process: the draw changed from run to run)
+    return zlib.crc32(repr(parts).encode())
+
+
+def _close(a, e, tol) -> bool:
+    """Relative-norm error under tol, or elementwise within tol: a one-row mean can sit near 0, where
+    float32 rounding alone gives a large relative error (seen at shape (1, 64))."""
+    return rel_err(a, e) < tol or torch.allclose(a.double(), e.double(), rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])   # (CPU aten keeps bf16 stats in bf16)
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("shape", [(1, 64), (3, 5, 100), (127, 257)])
 def test_layer_norm_matches_reference(dtype, residual, shape):
-    g = torch.Generator().manual_seed(hash((str(dtype), residual, shape)) % 2**31)
+    g = torch.Generator().manual_seed(_seed(dtype, residual, shape))
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(dtype)  # noqa: E731
     n = shape[-1]
     x, w, b = r(*shape), r(n), r(n)
@@ -22,21 +35,21 @@ def test_layer_norm_matches_reference(dtype, residual, shape):
     for a, e in zip(got, want):
         assert a.shape == e.shape and a.dtype == e.dtype
         if a.numel():
-            assert rel_err(a, e) < tol
+            assert _close(a, e, tol)
     dy = r(*shape)
     dsum = r(*shape) if residual else x.new_empty((0,))
     xin = want[1] if residual else x
     gb = A.ln_bwd(None, dy, dsum, xin, w, b, want[2], want[3])
     rb = R.layer_norm_bwd(None, dy, dsum, xin, w, b, want[2], want[3])
     for a, e in zip(gb, rb):
-        assert rel_err(a, e) < tol * 2
+        assert _close(a, e, tol * 2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("shape", [(1, 64), (3, 5, 100), (127, 257)])
 def test_rms_norm_matches_reference(dtype, residual, shape):
-    g = torch.Generator().manual_seed(hash((str(dtype), residual, shape, "rms")) % 2**31)
+    g = torch.Generator().manual_seed(_seed(dtype, residual, shape, "rms"))
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(dtype)  # noqa: E731
     n = shape[-1]
     x, w = r(*shape), r(n)
