@@ -5,6 +5,8 @@
 #   PART=b: e2e non-quick twice more (issue 6 is resolved on the median of three runs at one commit)
 #   PART=c: persistent GEMM odd shapes (PROBE_SECTIONS=odd) + norm fwd+bwd bench twice on one machine
 #           (separates host noise from change)
+#   PART=d: the Gluon FA3-style forward (benchmarks/gluon_fa/: compiles for sm_90 on CPU, never run): correctness
+#           against float32 attention, then TFLOP/s next to SDPA cuDNN / flash (issue 3)
 # OPSADV_COMMIT=<sha> PART=a bash benchmarks/h200_next.sh   (from the repo root on the GPU host, $OUT set)
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OPSADV_CACHE_DIR=/tmp/opsadv-cache OPSADV_COMMIT=${OPSADV_COMMIT:-unknown}
@@ -28,5 +30,9 @@ c)
     timeout 140 python3 -m opsadv bench --suite norm --filter 'fwd\+bwd' --json "$OUT/norm_$i.json" > "$OUT/norm_$i.log" 2>&1
     echo "norm run $i rc $?"; grep -E "^fwd" "$OUT/norm_$i.log" | tail -12
   done
+  ;;
+d)
+  timeout 300 python3 benchmarks/gluon_fa/probe.py "$OUT/gluon_fa_h200.json" > "$OUT/gluon_fa.log" 2>&1
+  echo "gluon fa rc $?"; tail -30 "$OUT/gluon_fa.log"
   ;;
 esac
