@@ -76,3 +76,27 @@ def test_timing_option_validated_and_set_by_graphed_conversion():
         assert build_policy(backend, PrecisionPolicy(), 2, None, None, None, cuda_graphs=True).effective().timing == "graph"
         plain = build_policy(backend, PrecisionPolicy(), 2, None, None, None)
         assert plain.effective().timing == "wall"
+
+
+def test_measurement_names_the_shapes_it_was_taken_at(monkeypatch):
+    """A bucket spans several shapes; explain says where its winner was measured and flags a call of
+    another shape (the BERT GEMM winners at 16384 rows did not hold at 12252)."""
+    dev, _ = _impl("cuda.triton.x", "cuda")
+    ven, _ = _impl("cuda.vendor.x", "cuda")
+    measured_at = CallSpec("x", "cuda", torch.float16, frozenset(), (16384,), shapes=((16384, 768), (768, 768)))
+    exp = SimpleNamespace(spec=measured_at, why="highest priority",
+                          candidates=[SimpleNamespace(impl=i, accepted=True) for i in (dev, ven)])
+    data = {}
+    monkeypatch.setattr(tuning._TUNING, "load", lambda: data)
+    monkeypatch.setattr(tuning._TUNING, "write", lambda: None)
+    monkeypatch.setattr(tuning, "_device_key", lambda env: "dev")
+    ms = {"cuda.triton.x": 1.0, "cuda.vendor.x": 2.0}
+    monkeypatch.setattr(tuning, "time_fn", lambda fn, dt, timing="wall": ms[fn()])
+    tuning.autotune(exp, SimpleNamespace(ctx=SimpleNamespace(env=None)), (1,))
+    ids = ["cuda.triton.x", "cuda.vendor.x"]
+    same = tuning.lookup(measured_at, ids, None)
+    assert same.shapes == ((16384, 768), (768, 768))
+    assert "at shapes (16384, 768), (768, 768)" in same.describe() and "another shape" not in same.describe()
+    other = CallSpec("x", "cuda", torch.float16, frozenset(), (16384,), shapes=((12252, 768), (768, 768)))
+    m = tuning.lookup(other, ids, None)
+    assert m.winner == "cuda.triton.x" and "another shape of this call's bucket" in m.describe()

@@ -79,11 +79,19 @@ class Measured:
     winner: str
     times_ms: dict[str, float]
     timing: str = "wall"
+    shapes: tuple = ()              # the exact shapes it was measured at (a bucket spans other shapes too)
+    call_shapes: tuple = ()         # the shapes of the call this measurement now decides (lookup)
 
     def describe(self) -> str:
         others = ", ".join(f"{k} {v:.4g} ms" for k, v in sorted(self.times_ms.items(), key=lambda kv: kv[1]))
         how = "GPU time of CUDA-graph replays: " if self.timing == "graph" else ""
-        return f"measured fastest ({how}{others})"
+        where = ""
+        if self.shapes:
+            where = " at shapes " + ", ".join(str(s) for s in self.shapes)
+            if self.call_shapes and tuple(self.call_shapes) != tuple(self.shapes):
+                # the winner can differ between shapes of one bucket (e.g. GEMM rows 12252 vs 16384)
+                where += " (another shape of this call's bucket: tune on representative inputs)"
+        return f"measured fastest{where} ({how}{others})"
 
 
 def _entry_key(spec: CallSpec, timing: str) -> str:
@@ -97,13 +105,15 @@ def lookup(spec: CallSpec, accepted: list[str], env: EnvInfo, timing: str = "wal
     entry = _TUNING.load().get(_device_key(env), {}).get(_entry_key(spec, timing))
     if not entry or entry.get("winner") not in accepted:
         return None
-    return Measured(entry["winner"], dict(entry.get("times_ms", {})), timing)
+    shapes = tuple(tuple(x) for x in entry.get("shapes", ()))
+    return Measured(entry["winner"], dict(entry.get("times_ms", {})), timing, shapes, tuple(spec.shapes))
 
 
 def store(spec: CallSpec, env: EnvInfo, measured: Measured) -> None:
     with _TUNING.lock:
         _TUNING.load().setdefault(_device_key(env), {})[_entry_key(spec, measured.timing)] = {
-            "winner": measured.winner, "times_ms": measured.times_ms, "date": time.strftime("%Y-%m-%d")}
+            "winner": measured.winner, "times_ms": measured.times_ms, "date": time.strftime("%Y-%m-%d"),
+            "shapes": [list(x) for x in measured.shapes]}
         _TUNING.write()
 
 
@@ -156,7 +166,8 @@ def autotune(exp, resolved, args: tuple, timing: str = "wall"):
             import logging
             logging.getLogger("opsadv.tuning").warning("autotune: %s failed: %s", impl.id, e)
     winner = min(times, key=times.get)
-    measured = Measured(winner, {k: v for k, v in times.items() if v != float("inf")}, timing)
+    measured = Measured(winner, {k: v for k, v in times.items() if v != float("inf")}, timing,
+                        tuple(tuple(x) for x in exp.spec.shapes))
     store(exp.spec, resolved.ctx.env, measured)
     impl = next(i for i in accepted if i.id == winner)
     return Resolved(impl, resolved.ctx, impl.backward if exp.spec.backward else impl.fn)
