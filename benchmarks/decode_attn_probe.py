@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -23,19 +22,12 @@ from triton.testing import do_bench_cudagraph
 
 import opsadv
 
+sys.path.insert(0, os.path.dirname(__file__))
+from host_cost import b2b as b2b_us  # noqa: E402  (back-to-back wall µs per call)
+
 B, H, HKV, D, CTX = 8, 32, 4, 64, 2048
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
-
-
-def b2b_us(fn, n=200) -> float:
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n * 1e6
 
 
 def main() -> None:

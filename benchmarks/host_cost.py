@@ -361,6 +361,17 @@ def decode_profile() -> list[str]:
     return lines
 
 
+def b2b(fn, n=200) -> float:
+    """Back-to-back wall µs per call: n calls, one sync (what a host-bound step pays per call)."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
 def decode_impls() -> list[str]:
     """Each impl of the ops in a Llama-1.1B decode step (b8, one new token, 2048 cached; pinned one
     at a time): host µs per call (GPU kept busy), GPU ms (do_bench), and back-to-back wall µs per
@@ -388,15 +399,6 @@ def decode_impls() -> list[str]:
         "rms_norm": (lambda: opsadv.ops.rms_norm(x, wn, 1e-6), ["cuda.triton.rms_norm", "cuda.aten.rms_norm"],
                      lambda: F.rms_norm(x, (hid,), wn, 1e-6)),
     }
-
-    def b2b(fn, n=200):
-        fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / n * 1e6
 
     lines = []
     with torch.no_grad():

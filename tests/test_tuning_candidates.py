@@ -40,23 +40,27 @@ def test_cpu_autotune_times_reference_too(monkeypatch):
     assert ref_calls and "reference.x" in stored[0].times_ms
 
 
-def test_autotune_times_with_the_policy_timing(monkeypatch):
-    """timing="graph" reaches time_fn and keys the stored winner apart from wall-clock winners."""
-    seen = []
-    dev, _ = _impl("cuda.triton.x", "cuda")
-    ven, _ = _impl("cuda.vendor.x", "cuda")
-    spec = CallSpec("x", "cuda", torch.float16, frozenset(), (16,))
+def _tune_two(monkeypatch, spec, seen, timing="wall"):
+    """Autotune two cuda impls (x 1 ms, vendor 2 ms) for spec into an in-memory tuning store."""
+    impls = [_impl("cuda.triton.x", "cuda")[0], _impl("cuda.vendor.x", "cuda")[0]]
     exp = SimpleNamespace(spec=spec, why="highest priority",
-                          candidates=[SimpleNamespace(impl=i, accepted=True) for i in (dev, ven)])
+                          candidates=[SimpleNamespace(impl=i, accepted=True) for i in impls])
     data = {}
     monkeypatch.setattr(tuning._TUNING, "load", lambda: data)
     monkeypatch.setattr(tuning._TUNING, "write", lambda: None)
     monkeypatch.setattr(tuning, "_device_key", lambda env: "dev")
     ms = {"cuda.triton.x": 1.0, "cuda.vendor.x": 2.0}
     monkeypatch.setattr(tuning, "time_fn", lambda fn, dt, timing="wall": seen.append(timing) or ms[fn()])
-    got = tuning.autotune(exp, SimpleNamespace(ctx=SimpleNamespace(env=None)), (1,), timing="graph")
+    got = tuning.autotune(exp, SimpleNamespace(ctx=SimpleNamespace(env=None)), (1,), timing=timing)
+    return got, [i.id for i in impls]
+
+
+def test_autotune_times_with_the_policy_timing(monkeypatch):
+    """timing="graph" reaches time_fn and keys the stored winner apart from wall-clock winners."""
+    seen = []
+    spec = CallSpec("x", "cuda", torch.float16, frozenset(), (16,))
+    got, ids = _tune_two(monkeypatch, spec, seen, timing="graph")
     assert seen == ["graph", "graph"] and got.impl.id == "cuda.triton.x"
-    ids = ["cuda.triton.x", "cuda.vendor.x"]
     assert tuning.lookup(spec, ids, None, "wall") is None            # a wall-clock resolution does not see it
     m = tuning.lookup(spec, ids, None, "graph")
     assert m.winner == "cuda.triton.x" and "CUDA-graph" in m.describe()
@@ -81,19 +85,8 @@ def test_timing_option_validated_and_set_by_graphed_conversion():
 def test_measurement_names_the_shapes_it_was_taken_at(monkeypatch):
     """A bucket spans several shapes; explain says where its winner was measured and flags a call of
     another shape (the BERT GEMM winners at 16384 rows did not hold at 12252)."""
-    dev, _ = _impl("cuda.triton.x", "cuda")
-    ven, _ = _impl("cuda.vendor.x", "cuda")
     measured_at = CallSpec("x", "cuda", torch.float16, frozenset(), (16384,), shapes=((16384, 768), (768, 768)))
-    exp = SimpleNamespace(spec=measured_at, why="highest priority",
-                          candidates=[SimpleNamespace(impl=i, accepted=True) for i in (dev, ven)])
-    data = {}
-    monkeypatch.setattr(tuning._TUNING, "load", lambda: data)
-    monkeypatch.setattr(tuning._TUNING, "write", lambda: None)
-    monkeypatch.setattr(tuning, "_device_key", lambda env: "dev")
-    ms = {"cuda.triton.x": 1.0, "cuda.vendor.x": 2.0}
-    monkeypatch.setattr(tuning, "time_fn", lambda fn, dt, timing="wall": ms[fn()])
-    tuning.autotune(exp, SimpleNamespace(ctx=SimpleNamespace(env=None)), (1,))
-    ids = ["cuda.triton.x", "cuda.vendor.x"]
+    _, ids = _tune_two(monkeypatch, measured_at, [])
     same = tuning.lookup(measured_at, ids, None)
     assert same.shapes == ((16384, 768), (768, 768))
     assert "at shapes (16384, 768), (768, 768)" in same.describe() and "another shape" not in same.describe()
