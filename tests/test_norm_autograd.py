@@ -2,6 +2,8 @@
 (grads are not materialized: the backward gets None for unused outputs): x, residual, weight and
 bias gradients against torch autograd of the float64 formula, on the reference backend and the
 cuda backend's Triton kernels (interpreter on CPU)."""
+import zlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,7 +17,7 @@ from conftest import rel_err
 @pytest.mark.parametrize("kind", ["layer_norm", "rms_norm"])
 @pytest.mark.parametrize("use", ["y", "sum", "both"])
 def test_residual_partial_outputs(backend, kind, use):
-    g = torch.Generator().manual_seed(hash((kind, use)) % 1000)
+    g = torch.Generator().manual_seed(zlib.crc32(f"{kind}/{use}".encode()))   # stable across processes
     t, n = 5, 67
     x, r = torch.randn(t, n, generator=g), torch.randn(t, n, generator=g)
     w, b = 1 + 0.1 * torch.randn(n, generator=g), 0.1 * torch.randn(n, generator=g)
