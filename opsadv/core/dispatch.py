@@ -67,7 +67,7 @@ class Resolved:
     impl: KernelImpl
     ctx: ResolveContext
     run: Callable[..., Any]         # impl.fn or impl.backward
-    infer: Callable[..., Any] | None = None   # call_inference's function: impl.inference where run is impl.fn
+    infer: Callable[..., Any] | None = None   # call(..., inference=True): impl.inference where run is impl.fn
 
     def __post_init__(self):
         if self.infer is None:
@@ -237,27 +237,16 @@ def record(impl_id: str) -> None:
         t.counts[impl_id] += 1
 
 
-def _resolved(key: tuple, make_spec: Callable[[], CallSpec], args: tuple) -> Resolved:
-    """The memoized resolution of this call (resolved on a miss), counted by active traces."""
+def call(key: tuple, make_spec: Callable[[], CallSpec], args: tuple, inference: bool = False) -> Any:
+    """Resolve (memoized) and run.  `args` are the op's positional arguments.  inference=True: an eager
+    forward whose statistics outputs nobody can read (no grad, no tracing) runs the impl's `inference`
+    function where it has one (it may return None for those outputs)."""
     r = _memo.get((_scoped_or_global().serial, key))
     if r is None:
         r = resolve(key, make_spec, args)
     if _tracers:
         record(r.impl.id)
-    return r
-
-
-def call(key: tuple, make_spec: Callable[[], CallSpec], args: tuple) -> Any:
-    """Resolve (memoized) and run.  `args` are the op's positional arguments."""
-    r = _resolved(key, make_spec, args)
-    return r.run(r.ctx, *args)
-
-
-def call_inference(key: tuple, make_spec: Callable[[], CallSpec], args: tuple) -> Any:
-    """call() for an eager forward whose statistics outputs nobody can read (no grad, no tracing):
-    runs the impl's `inference` function where it has one (it may return None for those outputs)."""
-    r = _resolved(key, make_spec, args)
-    return r.infer(r.ctx, *args)
+    return (r.infer if inference else r.run)(r.ctx, *args)
 
 
 from .policy import current_policy as _scoped_or_global  # noqa: E402  (hot-path alias)

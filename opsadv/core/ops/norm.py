@@ -101,9 +101,9 @@ def _layer_norm_route(x, weight, bias, eps, residual):
 
 def _layer_norm_infer(x, weight, bias, eps, residual):
     """Eager no-grad calls: mean / rstd (and an absent xsum) may come back None."""
-    return dispatch.call_inference(_key("layer_norm", x, weight, bias, residual, False),
-                                   lambda: _spec("layer_norm", x, weight, bias, residual, False),
-                                   (x, weight, bias, eps, residual))
+    return dispatch.call(_key("layer_norm", x, weight, bias, residual, False),
+                         lambda: _spec("layer_norm", x, weight, bias, residual, False),
+                         (x, weight, bias, eps, residual), inference=True)
 
 
 @torch.library.custom_op("opsadv::layer_norm", mutates_args=())
@@ -177,9 +177,9 @@ def _rms_norm_route(x, weight, eps, residual, offset):
 
 def _rms_norm_infer(x, weight, eps, residual, offset):
     """Eager no-grad calls: rstd (and an absent xsum) may come back None."""
-    return dispatch.call_inference(_key("rms_norm", x, weight, None, residual, False, offset),
-                                   lambda: _spec("rms_norm", x, weight, None, residual, False, offset),
-                                   (x, weight, eps, residual, offset))
+    return dispatch.call(_key("rms_norm", x, weight, None, residual, False, offset),
+                         lambda: _spec("rms_norm", x, weight, None, residual, False, offset),
+                         (x, weight, eps, residual, offset), inference=True)
 
 
 @torch.library.custom_op("opsadv::rms_norm", mutates_args=())
