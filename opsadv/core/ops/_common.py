@@ -40,6 +40,16 @@ def check_same(op: str, ref_name: str, ref: torch.Tensor, **others) -> None:
             raise InvalidArgumentError(op, name, f"on device {ref.device} (same as {ref_name})", str(t.device))
 
 
+# ---- the fast path of validation: the common well-formed call recognized in few operations (each op's
+# _well_formed accepts a subset of what its full checks accept; anything else takes the full checks)
+INF = float("inf")
+
+
+def same_kind(t, dtype: torch.dtype, device) -> bool:
+    """t is a tensor of this dtype on this device."""
+    return isinstance(t, torch.Tensor) and t.dtype is dtype and t.device == device
+
+
 def check_choice(op: str, name: str, value, choices) -> None:
     if value not in choices:
         raise InvalidArgumentError(op, name, f"one of {list(choices)}", repr(value))

@@ -23,8 +23,8 @@ from torch import Tensor
 from .. import dispatch
 from ..errors import InvalidArgumentError
 from ..kernel import CallSpec
-from ._common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, TORCH_OPS, autograd_function, carry_policy, check_same, check_scale,
-                      check_tensor, EXACT_STRIDES, contiguous_lse, dt, eager_mode, len_bucket)
+from ._common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, INF, TORCH_OPS, autograd_function, carry_policy, check_same, check_scale,
+                      check_tensor, EXACT_STRIDES, contiguous_lse, dt, eager_mode, len_bucket, same_kind)
 
 OP = "flash_attention"
 
@@ -33,21 +33,18 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-_INF = float("inf")
-
-
 def _well_formed(q, k, v, attn_mask, causal, scale) -> bool:
     """The common call without a mask, in few operations (a subset of what validate() accepts;
     anything else, masks included, takes the full checks, which name the problem)."""
     if attn_mask is not None or type(causal) is not bool or not isinstance(q, Tensor):
         return False
-    if scale is not None and not (type(scale) is float and 0.0 < scale < _INF):
+    if scale is not None and not (type(scale) is float and 0.0 < scale < INF):
         return False
     dtype, dev = q.dtype, q.device
     if dtype not in FLOAT_DTYPES:
         return False
     for t in (k, v):
-        if not (isinstance(t, Tensor) and t.dtype is dtype and t.device == dev):
+        if not same_kind(t, dtype, dev):
             return False
     qs, ks, vs = q.shape, k.shape, v.shape
     if len(qs) != 4 or len(ks) != 4 or ks != vs or not q.numel() or not k.numel():

@@ -21,33 +21,26 @@ from torch import Tensor
 from .. import dispatch
 from ..errors import InvalidArgumentError
 from ..kernel import CallSpec
-from ._common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, autograd_function, carry_policy, check_choice, check_same,
-                      check_tensor, eager_mode, len_bucket, none_if_empty)
+from ._common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, INF, autograd_function, carry_policy, check_choice,
+                      check_same, check_tensor, eager_mode, len_bucket, none_if_empty, same_kind)
 
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
-
-
-_INF = float("inf")
-
-
-def _same(t, dt, dev) -> bool:
-    return isinstance(t, Tensor) and t.dtype is dt and t.device == dev
 
 
 def _gemm_well_formed(a, b, bias, activation, residual, alpha) -> bool:
     """The common well-formed call in few operations (a subset of what validate_gemm accepts;
     anything else takes the full checks, which name the problem)."""
-    if not isinstance(a, Tensor) or a.dtype not in FLOAT_DTYPES or not _same(b, a.dtype, a.device):
+    if not isinstance(a, Tensor) or a.dtype not in FLOAT_DTYPES or not same_kind(b, a.dtype, a.device):
         return False
     sa, sb = a.shape, b.shape
     if not sa or len(sb) != 2 or not a.numel() or not b.numel() or sb[0] != sa[-1]:
         return False
     n = sb[1]
-    if bias is not None and not (_same(bias, a.dtype, a.device) and bias.shape == (n,)):
+    if bias is not None and not (same_kind(bias, a.dtype, a.device) and bias.shape == (n,)):
         return False
-    if residual is not None and not (_same(residual, a.dtype, a.device) and residual.shape == sa[:-1] + (n,)):
+    if residual is not None and not (same_kind(residual, a.dtype, a.device) and residual.shape == sa[:-1] + (n,)):
         return False
-    return activation in ACTIVATIONS and type(alpha) is float and -_INF < alpha < _INF
+    return activation in ACTIVATIONS and type(alpha) is float and -INF < alpha < INF
 
 
 def validate_gemm(a, b, bias, activation, residual, alpha) -> None:
@@ -76,12 +69,12 @@ def validate_gemm(a, b, bias, activation, residual, alpha) -> None:
 
 def _swiglu_well_formed(x, w, bias) -> bool:
     """As _gemm_well_formed, for swiglu_gemm."""
-    if not isinstance(x, Tensor) or x.dtype not in FLOAT_DTYPES or not _same(w, x.dtype, x.device):
+    if not isinstance(x, Tensor) or x.dtype not in FLOAT_DTYPES or not same_kind(w, x.dtype, x.device):
         return False
     sx, sw = x.shape, w.shape
     if not sx or len(sw) != 2 or not x.numel() or not w.numel() or sw[0] != sx[-1] or sw[1] % 2:
         return False
-    return bias is None or (_same(bias, x.dtype, x.device) and bias.shape == (sw[1],))
+    return bias is None or (same_kind(bias, x.dtype, x.device) and bias.shape == (sw[1],))
 
 
 def validate_swiglu(x, w, bias) -> None:

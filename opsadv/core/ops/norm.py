@@ -25,15 +25,12 @@ from torch import Tensor
 from .. import dispatch
 from ..errors import InvalidArgumentError
 from ..kernel import CallSpec
-from ._common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, autograd_function, carry_policy, check_same, check_tensor,
-                      eager_mode, len_bucket, shared_empty)
+from ._common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, INF, autograd_function, carry_policy, check_same,
+                      check_tensor, eager_mode, len_bucket, same_kind, shared_empty)
 
 
 def stat_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-_INF = float("inf")
 
 
 def _well_formed(x, weight, bias, eps, residual, offset) -> bool:
@@ -46,12 +43,11 @@ def _well_formed(x, weight, bias, eps, residual, offset) -> bool:
         return False
     dev, n = x.device, shape[-1]
     for t in (weight, bias):
-        if t is not None and not (isinstance(t, Tensor) and t.dtype is dt and t.shape == (n,) and t.device == dev):
+        if t is not None and not (same_kind(t, dt, dev) and t.shape == (n,)):
             return False
-    if residual is not None and not (isinstance(residual, Tensor) and residual.dtype is dt
-                                     and residual.shape == shape and residual.device == dev):
+    if residual is not None and not (same_kind(residual, dt, dev) and residual.shape == shape):
         return False
-    return type(eps) is float and 0.0 <= eps < _INF and type(offset) is float and -_INF < offset < _INF
+    return type(eps) is float and 0.0 <= eps < INF and type(offset) is float and -INF < offset < INF
 
 
 def validate(op, x, weight, bias, eps, residual, offset=0.0) -> None:
