@@ -1,0 +1,72 @@
+"""Host-side profile of one Llama decode step (the e2e suite's case: 1.1B, b8, 2047 cached tokens):
+converted vs transformers sdpa eager.  Per model: wall per step (synchronized), host enqueue time per
+step, then cProfile over 10 steps (tottime top 35; cumulative top 30 for the converted model).  Also
+torch.profiler's self-CPU table of one step per model, which separates aten dispatch from Python.
+
+    PYTHONPATH=. python3 benchmarks/decode_profile.py [OUT.txt]
+"""
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import sys
+import time
+
+import torch
+
+from opsadv.bench import suite_e2e as E
+
+
+def main():
+    b, cached = E.DECODE
+    base = E._build("llama", "cuda")
+    conv = E._convert(base, {}, None)
+    key = E._cache_key(base)
+    ids = torch.randint(0, E.LLAMA["vocab_size"], (b, cached), device="cuda")
+    tok = torch.randint(0, E.LLAMA["vocab_size"], (b, 1), device="cuda")
+    lines = []
+    for name, m in (("opsadv", conv), ("hf_sdpa", base)):
+        with torch.no_grad():
+            cache = getattr(m(input_ids=ids, use_cache=True), key)
+
+            def step():
+                m(input_ids=tok, use_cache=True, **{key: cache})
+                cache.crop(-1)
+            for _ in range(5):
+                step()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(20):
+                step()
+            host = (time.perf_counter() - t0) / 20
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - t0) / 20
+            lines.append(f"{name}: host {host * 1e3:.2f} ms/step (enqueue), wall {wall * 1e3:.2f} ms/step")
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(10):
+                step()
+            pr.disable()
+            torch.cuda.synchronize()
+            from torch.profiler import ProfilerActivity, profile
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                step()
+                torch.cuda.synchronize()
+        sio = io.StringIO()
+        pstats.Stats(pr, stream=sio).sort_stats("tottime").print_stats(35)
+        lines.append(sio.getvalue())
+        if name == "opsadv":
+            sio = io.StringIO()
+            pstats.Stats(pr, stream=sio).sort_stats("cumulative").print_stats(30)
+            lines.append(sio.getvalue())
+        lines.append(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+        lines.append(prof.key_averages().table(sort_by="self_device_time_total", row_limit=15))
+    text = "\n".join(lines)
+    print("\n".join(x for x in lines if x.startswith(("opsadv:", "hf_sdpa:"))))
+    if len(sys.argv) > 1:
+        open(sys.argv[1], "w").write(text)
+
+
+if __name__ == "__main__":
+    main()
