@@ -4,11 +4,14 @@ step, then cProfile over 10 steps (tottime top 35; cumulative top 30 for the con
 torch.profiler's self-CPU table of one step per model, which separates aten dispatch from Python.
 
     PYTHONPATH=. python3 benchmarks/decode_profile.py [OUT.txt]
+    DECODE_PRE=compile ...   first torch.compile the base model and run one b8 s2048 prefill through it
+                             (what the e2e suite's prefill case does before its decode case)
 """
 from __future__ import annotations
 
 import cProfile
 import io
+import os
 import pstats
 import sys
 import time
@@ -16,6 +19,16 @@ import time
 import torch
 
 from opsadv.bench import suite_e2e as E
+
+
+def _state() -> str:
+    """What decides our ops' eager fast path (opsadv.core.ops._common.eager_mode), and the threads alive."""
+    import threading
+    from opsadv.core.ops._common import eager_mode
+    x = torch.zeros(1, device="cuda")
+    return (f"torch_function_mode={torch._C._is_torch_function_mode_enabled()} "
+            f"dispatch_stack={torch._C._len_torch_dispatch_stack()} eager_mode={eager_mode(x)} "
+            f"threads={threading.active_count()} grad={torch.is_grad_enabled()}")
 
 
 def main():
@@ -26,6 +39,14 @@ def main():
     ids = torch.randint(0, E.LLAMA["vocab_size"], (b, cached), device="cuda")
     tok = torch.randint(0, E.LLAMA["vocab_size"], (b, 1), device="cuda")
     lines = []
+    if os.environ.get("DECODE_PRE") == "compile":
+        compiled = torch.compile(base)
+        with torch.no_grad():
+            compiled(input_ids=torch.randint(0, E.LLAMA["vocab_size"], E.PREFILL, device="cuda"),
+                     logits_to_keep=1, use_cache=False)
+        torch.cuda.synchronize()
+        lines.append("after torch.compile prefill: " + _state())
+    lines.append("state: " + _state())
     for name, m in (("opsadv", conv), ("hf_sdpa", base)):
         with torch.no_grad():
             cache = getattr(m(input_ids=ids, use_cache=True), key)
@@ -63,7 +84,7 @@ def main():
         lines.append(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
         lines.append(prof.key_averages().table(sort_by="self_device_time_total", row_limit=15))
     text = "\n".join(lines)
-    print("\n".join(x for x in lines if x.startswith(("opsadv:", "hf_sdpa:"))))
+    print("\n".join(x for x in lines if x.startswith(("opsadv:", "hf_sdpa:", "state", "after"))))
     if len(sys.argv) > 1:
         open(sys.argv[1], "w").write(text)
 
