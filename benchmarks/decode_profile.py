@@ -4,6 +4,8 @@ step, then cProfile over 10 steps (tottime top 35; cumulative top 30 for the con
 torch.profiler's self-CPU table of one step per model, which separates aten dispatch from Python.
 
     PYTHONPATH=. python3 benchmarks/decode_profile.py [OUT.txt]
+    DECODE_MODE=timing ...   only: loop vs the e2e suite's do_bench timing, before / after a torch.profiler
+                             launch count
     DECODE_PRE=compile ...   first torch.compile the base model and run one b8 s2048 prefill through it
                              (what the e2e suite's prefill case does before its decode case)
 """
@@ -31,6 +33,42 @@ def _state() -> str:
             f"threads={threading.active_count()} grad={torch.is_grad_enabled()}")
 
 
+def _timing_order(conv, base, key, ids, tok, lines):
+    """Does the way the e2e suite times (do_bench in interleaved rounds) or its torch.profiler launch
+    count before timing change the decode step's cost?  Loop and bench timings before and after it."""
+    from opsadv.bench.runner import time_interleaved
+    from opsadv.bench.suite_e2e import launches
+    steps = {}
+    with torch.no_grad():
+        for name, m in (("opsadv", conv), ("hf_sdpa", base)):
+            cache = getattr(m(input_ids=ids, use_cache=True), key)
+
+            def step(m=m, cache=cache):
+                with torch.no_grad():
+                    out = m(input_ids=tok, use_cache=True, **{key: cache}).logits
+                cache.crop(-1)
+                return out
+            steps[name] = step
+
+    def loop(fn, n=20):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / n * 1e3
+    for phase in ("before profiler", "after profiler"):
+        if phase == "after profiler":
+            for f in steps.values():
+                launches(f)
+        lp = {n: round(loop(f), 3) for n, f in steps.items()}
+        bench = {n: round(v, 3) for n, v in time_interleaved(steps).items()}
+        lines.append(f"{phase}: loop ms/step {lp} | time_interleaved {bench} | "
+                     f"speedup loop {lp['hf_sdpa'] / lp['opsadv']:.3f} bench {bench['hf_sdpa'] / bench['opsadv']:.3f}")
+
+
 def main():
     b, cached = E.DECODE
     base = E._build("llama", "cuda")
@@ -47,6 +85,12 @@ def main():
         torch.cuda.synchronize()
         lines.append("after torch.compile prefill: " + _state())
     lines.append("state: " + _state())
+    if os.environ.get("DECODE_MODE") == "timing":
+        _timing_order(conv, base, key, ids, tok, lines)
+        print("\n".join(lines))
+        if len(sys.argv) > 1:
+            open(sys.argv[1], "w").write("\n".join(lines))
+        return
     for name, m in (("opsadv", conv), ("hf_sdpa", base)):
         with torch.no_grad():
             cache = getattr(m(input_ids=ids, use_cache=True), key)
@@ -84,7 +128,7 @@ def main():
         lines.append(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
         lines.append(prof.key_averages().table(sort_by="self_device_time_total", row_limit=15))
     text = "\n".join(lines)
-    print("\n".join(x for x in lines if x.startswith(("opsadv:", "hf_sdpa:", "state", "after"))))
+    print("\n".join(x for x in lines if x.startswith(("opsadv:", "hf_sdpa:", "state", "after", "before"))))
     if len(sys.argv) > 1:
         open(sys.argv[1], "w").write(text)
 
