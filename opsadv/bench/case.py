@@ -22,6 +22,8 @@ class BenchCase:
     compare: Callable[[Any, Any], float] | None = None   # rel err of (opsadv_out, peer_out); default: norm ratio
     extra: dict[str, Any] = field(default_factory=dict)  # e.g. peak_act_mib, launches_per_layer
     setup: Callable[[], None] | None = None     # called once before timing (e.g. autotune)
+    rounds: int | None = None                   # interleaved timing rounds (None: the runner's ROUNDS);
+                                                # more for host-bound cases whose time moves between rounds
 
 
 @functools.lru_cache(maxsize=1)

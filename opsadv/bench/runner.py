@@ -159,7 +159,7 @@ def run_case(case) -> list[dict[str, Any]]:
     contenders = {"\0opsadv": case.opsadv, **ok}
     if want_own and own_err is None:
         contenders["\0own"] = own
-    times = time_interleaved(contenders)
+    times = time_interleaved(contenders, case.rounds or ROUNDS)
     ms = times.pop("\0opsadv")
     oms = times.pop("\0own", None)
     peers: dict[str, float] = times
