@@ -1,4 +1,5 @@
-"""Compile benchmarks/gluon_fa/fa_fwd_hopper.py for sm_90 on a CPU-only machine (no GPU, no driver).
+"""Compile the Gluon attention forward (opsadv/backends/cuda/_gluon_fa_kernel.py) for sm_90 on a CPU-only
+machine (no GPU, no driver): every schedule of gluon_attention.VARIANTS, d 128/64, bf16/fp16, causal or not.
 
 Builds the real launch arguments on CPU tensors (TensorDescriptors only need data_ptr/shape/stride),
 binds and specializes them like JITFunction.run, and compiles through Gluon's own AST source class
@@ -7,7 +8,7 @@ triton.compile for GPUTarget("cuda", 90, 128).  Per variant it prints registers 
 the cubin), shared memory (compiler metadata), and the wgmma / wait / barrier sequence of the main loop
 from the PTX.
 
-  python benchmarks/gluon_fa/compile_sm90.py [OUT_DIR]     (OUT_DIR gets the .ttgir / .ptx per variant)
+  PYTHONPATH=. python benchmarks/gluon_fa/compile_sm90.py [OUT_DIR]     (OUT_DIR gets the .ttgir / .ptx per variant)
 """
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ from triton.compiler import make_backend  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import fa_fwd_hopper as FA  # noqa: E402
+from opsadv.backends.cuda import _gluon_fa_kernel as K  # noqa: E402
+from opsadv.backends.cuda import gluon_attention as GA  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 128)
 BACKEND = make_backend(TARGET)
@@ -91,17 +92,38 @@ def ptx_stats(ptx: str, ttgir: str) -> dict:
     }
 
 
+def variants(dtypes=(torch.bfloat16, torch.float16)):
+    """(d, dtype, variant name, causal): every schedule the probe runs, 3 stages at d128 only inline."""
+    out = []
+    for d in (128, 64):
+        for dt in dtypes:
+            for name in GA.VARIANTS:
+                if name == "inline_st3" and d != 128:
+                    continue
+                for causal in (False, True):
+                    out.append((d, dt, name, causal))
+    return out
+
+
+def compile_variant(d, dt, name, causal):
+    """(tag, compiled kernel) of one variant, from the launch arguments of CPU tensors."""
+    b, hq, hkv, sq, sk = 1, 4, 2, 1000, 1000      # ragged + GQA: the general path
+    q = torch.randn(b, hq, sq, d).to(dt)
+    k, v = (torch.randn(b, hkv, sk, d).to(dt) for _ in range(2))
+    out, lse = torch.empty_like(q), torch.empty(b, hq, sq)
+    grid, args, kw = GA.launch_args(q, k, v, out, lse, causal, d ** -0.5, name)
+    stages = "" if name.endswith(f"st{kw['STAGES']}") else f"_st{kw['STAGES']}"
+    tag = f"d{d}_{str(dt).split('.')[-1]}_{name}{stages}{'_causal' if causal else ''}"
+    return tag, compile_sm90(K.fa_fwd_kernel, args, kw)
+
+
 def main():
     out_dir = sys.argv[1] if len(sys.argv) > 1 else None
-    variants = [(d, dt, ws) for d in (128, 64) for dt in (torch.bfloat16, torch.float16) for ws in (True, False)]
     summary = []
-    for d, dt, ws in variants:
-        b, h, s = 1, 2, 512
-        q, k, v = (torch.randn(b, h, s, d).to(dt) for _ in range(3))
-        grid, args, kw, _, _ = FA.launch_args(q, k, v, warp_spec=ws)
-        tag = f"d{d}_{str(dt).split('.')[-1]}_{'ws' if ws else 'inline'}_st{kw['STAGES']}"
+    for d, dt, name, causal in variants():
+        tag = f"d{d}_{str(dt).split('.')[-1]}_{name}{'_causal' if causal else ''}"
         try:
-            kern = compile_sm90(FA.fa_fwd_kernel, args, kw)
+            tag, kern = compile_variant(d, dt, name, causal)
         except Exception as e:   # report and continue: the point is to learn what compiles
             msg = str(e).strip().splitlines()
             print(f"{tag}: COMPILE FAILED: {type(e).__name__}: {' | '.join(msg[-6:])[:1500]}")

@@ -1,0 +1,135 @@
+"""Gluon FA3-style flash-attention forward for Hopper, impl "cuda.gluon.flash_attention" of op
+"flash_attention" (issue #3).
+
+Forward: the Gluon kernel in _gluon_fa_kernel.py (TMA + async wgmma, warp-specialized K/V loads,
+intra-warpgroup softmax/GEMM overlap).  Backward: the Triton FlashAttention-2 backward of
+attention.py from the saved out and lse, so training works.  Declared for sm_90 only (wgmma/TMA as
+written here; Blackwell has other instructions), bf16/fp16, head_dim 64 or 128, any s_q/s_k, causal
+(bottom-right), GQA/MQA; no attn_mask.  q/k/v may be any strided (b, h, s, d) view with unit stride
+along d and 16-byte aligned strides (contiguous and the (b, s, h, d) memory of transformers'
+projections both are); other views are made contiguous first (a copy).
+
+Experimental until the kernel passes conformance on an H200 (use_backend(..., experimental=True)).
+When triton.experimental.gluon does not import, the impl is still registered, rejecting every call
+with the import error as the reason (opsadv.explain shows it), and importing opsadv never fails."""
+from __future__ import annotations
+
+import torch
+
+from opsadv.core.kernel import PRIORITY_TRITON, KernelImpl
+
+try:
+    from . import _gluon_fa_kernel as _K
+    from triton.experimental.gluon import language as _gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _GluonTensorDescriptor
+    UNAVAILABLE = ""
+except Exception as e:  # ImportError, or an older Triton whose Gluon lacks a name used here
+    _K = _gl = _GluonTensorDescriptor = None
+    UNAVAILABLE = f"triton.experimental.gluon (Hopper) is not importable: {type(e).__name__}: {e}"
+
+IMPL_ID = "cuda.gluon.flash_attention"
+HEAD_DIMS = (64, 128)
+FEATURES = frozenset({"causal", "gqa", "cross_length"})
+LOG2E = 1.4426950408889634
+
+# Named kernel schedules (see _gluon_fa_kernel's docstring).  STAGES None: the deepest ring that fits
+# 227 KB of shared memory next to Q/O (d128: 2 stages = 160 KB, 3 = 224 KB; d64: 3 stages).
+VARIANTS = {
+    "ws": dict(WARP_SPEC=True, PINGPONG=False, STAGES=None),
+    "inline": dict(WARP_SPEC=False, PINGPONG=False, STAGES=None),
+    "inline_st3": dict(WARP_SPEC=False, PINGPONG=False, STAGES=3),
+    "pingpong": dict(WARP_SPEC=True, PINGPONG=True, STAGES=None),
+}
+# The schedule the impl launches, per head dim.  H200 at 28f3ef6 (non-causal, s4096/16384): ws and
+# inline_st3 within 1% of each other at d128, ws ahead at d64.
+DEFAULT_VARIANT = {64: "ws", 128: "ws"}
+CONSUMER_REGS = 240     # per thread, each ping-pong consumer warpgroup (setmaxnreg)
+PRODUCER_REGS = 24      # the TMA producer warp only issues copies
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def default_stages(d: int) -> int:
+    return 2 if d == 128 else 3
+
+
+def _tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """t itself when a TMA descriptor can address it (unit stride along d, 16-byte aligned base and
+    strides), else a contiguous copy."""
+    esize = t.element_size()
+    if (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all(st > 0 and (st * esize) % 16 == 0 for st in t.stride()[:-1])):
+        return t
+    return t.contiguous()
+
+
+def _desc(t: torch.Tensor, rows: int, gdt):
+    d = t.shape[-1]
+    layout = _gl.NVMMASharedLayout.get_default_for([1, 1, rows, d], gdt)
+    return _GluonTensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, d], layout)
+
+
+def launch_args(q, k, v, out, lse, causal: bool, scale: float, variant: str = "ws", stages: int | None = None):
+    """(grid, args, kwargs) of one fa_fwd_kernel launch writing out (b, h_q, s_q, d) and lse
+    (b, h_q, s_q) float32 contiguous.  q/k/v must already be TMA-ready (see _tma_ready)."""
+    if _K is None:
+        raise RuntimeError(f"{IMPL_ID}: {UNAVAILABLE}")
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    cfg = VARIANTS[variant]
+    gdt = _gl.bfloat16 if q.dtype == torch.bfloat16 else _gl.float16
+    bq = _K.BLOCK_M // 2 if cfg["PINGPONG"] else _K.BLOCK_M          # rows per consumer partition
+    descs = (_desc(q, bq, gdt), _desc(k, _K.BLOCK_N, gdt), _desc(v, _K.BLOCK_N, gdt), _desc(out, bq, gdt))
+    grid = (_cdiv(sq, _K.BLOCK_M), b * hq)
+    kw = dict(q_smem_layout=_gl.NVMMASharedLayout.get_default_for([bq, d], gdt),
+              kv_smem_layout=_gl.NVMMASharedLayout.get_default_for([_K.BLOCK_N, d], gdt),
+              CAUSAL=bool(causal), STAGES=stages or cfg["STAGES"] or default_stages(d),
+              WARP_SPEC=cfg["WARP_SPEC"], PINGPONG=cfg["PINGPONG"], CONSUMER_REGS=CONSUMER_REGS,
+              PRODUCER_REGS=PRODUCER_REGS, num_warps=4 if cfg["PINGPONG"] else _K.NUM_WARPS)
+    args = (*descs, lse, hq, hq // hkv, sq, sk, sk - sq, scale * LOG2E)
+    return grid, args, kw
+
+
+def attention_fwd(q, k, v, causal: bool = False, scale: float | None = None, variant: str | None = None,
+                  stages: int | None = None):
+    """out (b, h_q, s_q, d) over (b, s, h, d) memory, lse (b, h_q, s_q) float32 natural log."""
+    from ._triton_utils import new_output, new_output_bshd
+    q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
+    b, hq, sq, d = q.shape
+    scale = d ** -0.5 if scale is None else scale
+    out = new_output_bshd(q.shape, q.dtype, q.device)
+    lse = new_output((b, hq, sq), torch.float32, q.device)
+    grid, args, kw = launch_args(q, k, v, out, lse, causal, scale, variant or DEFAULT_VARIANT[d], stages)
+    _K.fa_fwd_kernel[grid](*args, **kw)
+    return out, lse
+
+
+def gluon_fwd(ctx, q, k, v, attn_mask, causal, scale):
+    return attention_fwd(q, k, v, causal, scale)
+
+
+def gluon_bwd(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale):
+    """The Triton FlashAttention-2 backward (deterministic, no atomics) from out and lse."""
+    from .attention import flash_bwd
+    return flash_bwd(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale)
+
+
+def _unavailable(spec, env) -> list[str]:
+    return [UNAVAILABLE]
+
+
+def impls(env) -> list[KernelImpl]:
+    return [KernelImpl(
+        id=IMPL_ID, op="flash_attention", backend="cuda", fn=gluon_fwd, backward=gluon_bwd,
+        # above the Triton impl so that, once enabled (experimental), it is the one picked on sm_90
+        priority=PRIORITY_TRITON + 10, device_types=("cuda",), dtypes=(torch.float16, torch.bfloat16),
+        head_dims=HEAD_DIMS, min_cc=(9, 0), max_cc=(9, 0), features=FEATURES, deterministic=True,
+        experimental=True, check=_unavailable if UNAVAILABLE else None,
+        description="Gluon FA3-style forward for Hopper (TMA, async wgmma, warp-specialized loads, "
+                    "softmax/GEMM overlap; ragged s, bottom-right causal, GQA by index); Triton backward "
+                    "from out + lse")]
+
+
+__all__ = ["impls", "attention_fwd", "launch_args", "VARIANTS", "DEFAULT_VARIANT", "UNAVAILABLE", "IMPL_ID"]
