@@ -139,8 +139,10 @@ def _consumer(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_smem, v_smem, q
     m_i = gl.full([BM], -1.0e30, gl.float32, row_s)     # finite: a fully masked tile gives p = 0, not NaN
     l_i = gl.zeros([BM], gl.float32, row_s)
     o = gl.zeros([BM, D], gl.float32, o_layout)
+    # Also when no K tile is visible (n_tiles == 0): O goes out through Q's slot, which the Q load
+    # must have finished writing first.
+    mbarrier.wait(q_bar, 0)
     if n_tiles > 0:
-        mbarrier.wait(q_bar, 0)
         # Prologue: S_0 and its softmax (no PV yet).
         s_acc = gl.zeros([BM, BN], gl.float32, s_layout)
         mbarrier.wait(k_ready.index(0), 0)

@@ -116,8 +116,12 @@ def gluon_bwd(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale):
     return flash_bwd(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale)
 
 
-def _unavailable(spec, env) -> list[str]:
-    return [UNAVAILABLE]
+def _check(spec, env) -> list[str]:
+    if UNAVAILABLE:
+        return [UNAVAILABLE]
+    if env.triton_interpret:
+        return ["Gluon kernels do not run under TRITON_INTERPRET=1 (the Triton interpreter)"]
+    return []
 
 
 def impls(env) -> list[KernelImpl]:
@@ -126,7 +130,7 @@ def impls(env) -> list[KernelImpl]:
         # above the Triton impl so that, once enabled (experimental), it is the one picked on sm_90
         priority=PRIORITY_TRITON + 10, device_types=("cuda",), dtypes=(torch.float16, torch.bfloat16),
         head_dims=HEAD_DIMS, min_cc=(9, 0), max_cc=(9, 0), features=FEATURES, deterministic=True,
-        experimental=True, check=_unavailable if UNAVAILABLE else None,
+        experimental=True, check=_check,
         description="Gluon FA3-style forward for Hopper (TMA, async wgmma, warp-specialized loads, "
                     "softmax/GEMM overlap; ragged s, bottom-right causal, GQA by index); Triton backward "
                     "from out + lse")]
