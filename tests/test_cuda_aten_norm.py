@@ -85,9 +85,35 @@ def test_declared_priorities():
     import opsadv
     from opsadv.core.kernel import CallSpec
     impls = {i.id: i for i in A.impls(opsadv.detect())}
-    assert set(impls) == {"cuda.aten.layer_norm", "cuda.aten.rms_norm", "cuda.aten.rms_norm_small_rows"}
+    assert set(impls) == {"cuda.aten.layer_norm", "cuda.aten.rms_norm", "cuda.aten.rms_norm_small_rows",
+                          "cuda.aten.layer_norm_autograd", "cuda.aten.rms_norm_autograd"}
     assert impls["cuda.aten.layer_norm"].priority < 200 and impls["cuda.aten.rms_norm"].priority < 200
     small = impls["cuda.aten.rms_norm_small_rows"]
     assert small.priority > 200 and small.backward is None and "offset" not in small.features
     spec = lambda rows: CallSpec("rms_norm", "cuda", torch.bfloat16, frozenset(), (2048, rows))  # noqa: E731
     assert small.check(spec(16), None) == [] and small.check(spec(32), None)
+
+
+def test_autograd_impls_serve_small_hidden_grad_calls_only():
+    """cuda.aten.*_autograd rank above the Triton norms only for eager grad-recording calls
+    (CallSpec.train) without residual at hidden <= 2048; their `train` forward records torch's own
+    autograd (checked numerically on CPU: the same functions serve eager no-grad calls)."""
+    import opsadv
+    from opsadv.core.kernel import CallSpec
+    impls = {i.id: i for i in A.impls(opsadv.detect())}
+    for op, iid in (("layer_norm", "cuda.aten.layer_norm_autograd"), ("rms_norm", "cuda.aten.rms_norm_autograd")):
+        impl = impls[iid]
+        assert impl.priority > 200 and impl.train is not None and "residual" not in impl.features
+        spec = lambda h, train: CallSpec(op, "cuda", torch.bfloat16, frozenset({"weight"}), (h, 65536),  # noqa: E731
+                                         train=train)
+        assert impl.check(spec(1024, True), None) == [] and impl.check(spec(2048, True), None) == []
+        assert "hidden 4096" in impl.check(spec(4096, True), None)[0]
+        assert "grad-recording" in impl.check(spec(1024, False), None)[0]
+    x = torch.randn(5, 33, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(33, dtype=torch.float64, requires_grad=True)
+    y, s, _ = impls["cuda.aten.rms_norm_autograd"].train(None, x, w, 1e-6, None, 0.0)
+    assert s is None and y.grad_fn is not None
+    gx, gw = torch.autograd.grad(y, (x, w), torch.ones_like(y))
+    xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_()
+    ref = torch.nn.functional.rms_norm(xr, (33,), wr, 1e-6)
+    torch.testing.assert_close((gx, gw), torch.autograd.grad(ref, (xr, wr), torch.ones_like(ref)))

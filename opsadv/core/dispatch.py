@@ -237,6 +237,12 @@ def record(impl_id: str) -> None:
         t.counts[impl_id] += 1
 
 
+def record_call(impl_id: str) -> None:
+    """For ops that run a resolved impl themselves (not through call()): count it in active traces."""
+    if _tracers:
+        record(impl_id)
+
+
 def call(key: tuple, make_spec: Callable[[], CallSpec], args: tuple, inference: bool = False) -> Any:
     """Resolve (memoized) and run.  `args` are the op's positional arguments.  inference=True: an eager
     forward whose statistics outputs nobody can read (no grad, no tracing) runs the impl's `inference`

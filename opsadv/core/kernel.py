@@ -39,6 +39,7 @@ class CallSpec:
     head_dim: int | None = None
     shapes: tuple = ()                # exact shapes, for impls' dynamic checks
     backward: bool = False
+    train: bool = False               # an eager forward that records gradients (see KernelImpl.train)
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,11 @@ class KernelImpl:
     # absent outputs may be None, so the impl can skip computing and allocating them.  Ops with such
     # outputs (the norms) use it when the impl has one; fn serves every other call.
     inference: Callable[..., Any] | None = None
+    # optional forward for eager calls that record gradients (CallSpec.train), built from PyTorch's
+    # differentiable ops: its outputs carry torch's own autograd history, so the op runs it outside
+    # opsadv's autograd Function and no opsadv backward is dispatched (vendor impls whose host cost in
+    # fwd+bwd beats the Function's Python backward; fn's outputs, statistics may be None).
+    train: Callable[..., Any] | None = None
 
     def rejection_reasons(self, spec: CallSpec, env: EnvInfo, *, experimental_ok: bool,
                           deterministic: bool) -> list[str]:

@@ -25,7 +25,7 @@ def _device_key(env: EnvInfo) -> str:
 
 
 def spec_key(spec: CallSpec) -> str:
-    return (f"{spec.op}|{'bwd' if spec.backward else 'fwd'}|{str(spec.dtype).replace('torch.', '')}|"
+    return (f"{spec.op}|{'bwd' if spec.backward else 'train' if spec.train else 'fwd'}|{str(spec.dtype).replace('torch.', '')}|"
             f"{spec.device_type}|{spec.bucket}|{','.join(sorted(spec.features))}")
 
 
@@ -160,7 +160,12 @@ def autotune(exp, resolved, args: tuple, timing: str = "wall"):
     for impl in accepted:
         run = impl.backward if exp.spec.backward else impl.fn
         try:
-            times[impl.id] = time_fn(lambda: run(resolved.ctx, *args), exp.spec.device_type, timing=timing)
+            if exp.spec.train:      # a grad-recording call: time forward + backward, as the caller pays
+                from .ops._common import train_step
+                step = train_step(exp.spec.op, impl, resolved.ctx, args)
+            else:
+                step = (lambda run=run: run(resolved.ctx, *args))
+            times[impl.id] = time_fn(step, exp.spec.device_type, timing=timing)
         except Exception as e:  # an impl that fails on the real data is not a candidate
             times[impl.id] = float("inf")
             import logging

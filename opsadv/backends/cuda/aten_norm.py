@@ -13,7 +13,15 @@ cuda.aten.rms_norm_small_rows  the same code, ranked above the Triton RMSNorm fo
                         faster (norm_h1024_h200.json), so larger buckets keep it.
 
 Eager no-grad calls (`inference`) go through torch.layer_norm / torch.rms_norm, eager PyTorch's own
-path (one call, no statistics handed back).  The other impls sit below the Triton norms in priority:
+path (one call, no statistics handed back).  Eager grad-recording calls (`train`) may take the same
+path under PyTorch's own autograd (C++ backward, no Python on autograd's thread):
+cuda.aten.layer_norm_autograd / cuda.aten.rms_norm_autograd  ranked above the Triton norms for those
+                        calls without residual at hidden <= 2048, the bucket measured on the H200
+                        (norm bench fwd+bwd, 65536 x 1024, ead87e0): eager 0.574 / 0.431 ms vs the
+                        Triton fwd + bwd through opsadv's Function 0.752 / 0.800 ms (host-bound:
+                        ~0.6 ms of host per call); with a residual the fused Triton kernels won
+                        (1.02-1.03x) and at hidden 4096-8192 the results were mixed (0.88-1.06x), so
+                        those buckets keep the priority order unless autotune measures otherwise.  The other impls sit below the Triton norms in priority:
 with `use_backend(..., autotune=True)` (or `tune_for_hardware`) the dispatcher times them per shape
 bucket and direction.  Saved statistics have the contract's layout (mean/rstd of shape x.shape[:-1],
 float32), so a Triton forward and an aten backward (or the reverse) compose."""
@@ -73,6 +81,17 @@ def rms_infer(ctx, x, weight, eps, residual, offset):
     return torch.rms_norm(s, (x.shape[-1],), weight, eps), s, None
 
 
+TRAIN_MAX_HIDDEN = 2048   # grad-recording calls up to this hidden size: torch's autograd first (above)
+
+
+def _train_small_hidden(spec, env) -> list[str]:
+    if not spec.train:
+        return ["serves eager grad-recording calls only (others: cuda.aten.* / the Triton norms)"]
+    if spec.bucket[0] > TRAIN_MAX_HIDDEN:
+        return [f"ranked for hidden <= {TRAIN_MAX_HIDDEN} (host-bound fwd+bwd); hidden {spec.bucket[0]}"]
+    return []
+
+
 def _small_rows(spec, env) -> list[str]:
     rows = spec.bucket[1]
     return [] if rows <= SMALL_ROWS else [f"ranked for <= {SMALL_ROWS} rows (decode); row bucket {rows}"]
@@ -83,16 +102,26 @@ def impls(env) -> list[KernelImpl]:
                   deterministic=False)
     out = [
         KernelImpl("cuda.aten.layer_norm", "layer_norm", fn=ln_fwd, backward=ln_bwd, inference=ln_infer,
-                   features=frozenset({"weight", "bias", "residual"}), **common,
+                   train=ln_infer, features=frozenset({"weight", "bias", "residual"}), **common,
                    description="PyTorch's fused LayerNorm kernels (residual added separately)"),
+        KernelImpl("cuda.aten.layer_norm_autograd", "layer_norm", fn=ln_fwd, backward=ln_bwd, inference=ln_infer,
+                   train=ln_infer, features=frozenset({"weight", "bias"}),
+                   **dict(common, priority=PRIORITY_SMALL_ROWS), check=_train_small_hidden,
+                   description="PyTorch's LayerNorm under PyTorch's autograd, for grad-recording calls "
+                               f"without residual at hidden <= {TRAIN_MAX_HIDDEN} (measured faster there)"),
     ]
     if hasattr(aten, "_fused_rms_norm"):
-        rms = dict(common, fn=rms_fwd, inference=rms_infer, features=frozenset({"weight", "residual"}))
+        rms = dict(common, fn=rms_fwd, inference=rms_infer, train=rms_infer, features=frozenset({"weight", "residual"}))
         out += [
             KernelImpl("cuda.aten.rms_norm", "rms_norm", **rms,
                        description="PyTorch's fused RMSNorm forward (residual added separately; no backward)"),
             KernelImpl("cuda.aten.rms_norm_small_rows", "rms_norm", **dict(rms, priority=PRIORITY_SMALL_ROWS),
                        check=_small_rows,
                        description="PyTorch's fused RMSNorm forward for <= 16 rows (decode), measured faster there"),
+            KernelImpl("cuda.aten.rms_norm_autograd", "rms_norm",
+                       **dict(rms, priority=PRIORITY_SMALL_ROWS, features=frozenset({"weight"})),
+                       check=_train_small_hidden,
+                       description="PyTorch's RMSNorm under PyTorch's autograd, for grad-recording calls "
+                                   f"without residual at hidden <= {TRAIN_MAX_HIDDEN} (measured faster there)"),
         ]
     return out

@@ -2,6 +2,8 @@
 the op, the argument, what was expected and what was given."""
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
 
 from ..errors import InvalidArgumentError
@@ -163,6 +165,34 @@ def autograd_function(name: str, route, setup_context, backward, *, stats: tuple
     fn = type(name, (torch.autograd.Function,), {"forward": staticmethod(forward),
                                                  "backward": staticmethod(backward)})
     return fn.apply
+
+
+_TRAIN_STEPS: dict[str, Callable] = {}
+
+
+def register_train_step(op: str, make: Callable) -> None:
+    """`make(impl, ctx, args)` returns a callable running one forward + backward of `op` through
+    `impl` (impl.train where it has one, else opsadv's autograd Function around impl.fn)."""
+    _TRAIN_STEPS[op] = make
+
+
+def train_step(op: str, impl, ctx, args: tuple) -> Callable[[], Any]:
+    """What autotune times for a CallSpec.train bucket: forward and backward together, the cost a
+    training step pays (a forward-only time would hide the backward's host and device cost)."""
+    return _TRAIN_STEPS[op](impl, ctx, args)
+
+
+def grad_step(forward: Callable[[], Any], args: tuple, n_out: int) -> Callable[[], Any]:
+    """forward() + torch.autograd.grad of its first n_out outputs w.r.t. the tensors in args that
+    require grad, with fixed random output gradients (drawn once, outside the timed step)."""
+    out = forward()
+    grads = [torch.randn_like(out[i]) for i in range(n_out)]
+    wrt = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+
+    def step():
+        o = forward()
+        return torch.autograd.grad([o[i] for i in range(n_out)], wrt, grads)
+    return step
 
 
 def carry_policy(setup_context, backward):

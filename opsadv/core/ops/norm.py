@@ -13,7 +13,10 @@ where xin is the normalized input (xsum with a residual, else x), dsum the gradi
 (0-element when absent) and absent weight/bias gradients are 0-element tensors or None.
 An impl may also declare `inference` (same arguments as fn): the forward of eager no-grad calls,
 which read only y (and xsum with a residual), so it may return None for mean/rstd (and for an
-absent xsum) and skip computing and allocating them."""
+absent xsum) and skip computing and allocating them.  And `train` (same arguments and outputs as
+inference): a forward of PyTorch's differentiable ops for eager grad-recording calls, which then run
+under torch's autograd, not opsadv's Function.  Those calls resolve in their own bucket
+(CallSpec.train), which autotune times forward + backward."""
 from __future__ import annotations
 
 import math
@@ -26,7 +29,8 @@ from .. import dispatch
 from ..errors import InvalidArgumentError
 from ..kernel import CallSpec
 from ._common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, INF, autograd_function, carry_policy, check_same,
-                      check_tensor, eager_mode, len_bucket, same_kind, shared_empty)
+                      check_tensor, eager_mode, grad_step, len_bucket, register_train_step, same_kind,
+                      shared_empty)
 
 
 def stat_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -75,17 +79,17 @@ def _rows(x: Tensor) -> int:
     return x.numel() // x.shape[-1]
 
 
-def _key(op, x, weight, bias, residual, backward, offset=0.0):
+def _key(op, x, weight, bias, residual, backward, offset=0.0, train=False):
     n = x.shape[-1]
-    return (op, backward, x.device.type, x.dtype, n, weight is not None, bias is not None,
+    return (op, "train" if train else backward, x.device.type, x.dtype, n, weight is not None, bias is not None,
             residual is not None, len_bucket(x.numel() // n), offset != 0.0)
 
 
-def _spec(op, x, weight, bias, residual, backward, offset=0.0) -> CallSpec:
+def _spec(op, x, weight, bias, residual, backward, offset=0.0, train=False) -> CallSpec:
     f = frozenset(n for n, on in (("weight", weight is not None), ("bias", bias is not None),
                                   ("residual", residual is not None), ("offset", offset != 0.0)) if on)
     return CallSpec(op, x.device.type, x.dtype, f, (x.shape[-1], len_bucket(_rows(x))),
-                    shapes=(tuple(x.shape),), backward=backward)
+                    shapes=(tuple(x.shape),), backward=backward, train=train)
 
 
 # ---- layer_norm ----------------------------------------------------------------------------
@@ -100,6 +104,21 @@ def _layer_norm_infer(x, weight, bias, eps, residual):
     return dispatch.call(_key("layer_norm", x, weight, bias, residual, False),
                          lambda: _spec("layer_norm", x, weight, bias, residual, False),
                          (x, weight, bias, eps, residual), inference=True)
+
+
+def _layer_norm_train_resolve(x, weight, bias, eps, residual):
+    """Eager grad-recording calls resolve in their own bucket (CallSpec.train): autotune times them
+    forward + backward, and an impl with `train` runs under torch's autograd instead of ours."""
+    return dispatch.resolve(_key("layer_norm", x, weight, bias, residual, False, train=True),
+                            lambda: _spec("layer_norm", x, weight, bias, residual, False, train=True),
+                            (x, weight, bias, eps, residual))
+
+
+def _layer_norm_train_route(x, weight, bias, eps, residual):
+    """The forward inside opsadv's autograd Function for grad-recording calls (same bucket as above)."""
+    return dispatch.call(_key("layer_norm", x, weight, bias, residual, False, train=True),
+                         lambda: _spec("layer_norm", x, weight, bias, residual, False, train=True),
+                         (x, weight, bias, eps, residual))
 
 
 @torch.library.custom_op("opsadv::layer_norm", mutates_args=())
@@ -161,7 +180,17 @@ def _ln_bwd(ctx, dy, dsum, dmean, drstd):
 
 _ln_setup, _ln_bwd = carry_policy(_ln_setup, _ln_bwd)
 _layer_norm.register_autograd(_ln_bwd, setup_context=_ln_setup)
-_ln_eager_autograd = autograd_function("LayerNormFn", _layer_norm_route, _ln_setup, _ln_bwd, stats=(2, 3))
+_ln_eager_autograd = autograd_function("LayerNormFn", _layer_norm_train_route, _ln_setup, _ln_bwd, stats=(2, 3))
+
+
+def _ln_train_step(impl, ctx, args):
+    fwd = impl.train if impl.train is not None else \
+        autograd_function("LayerNormPinned", lambda *a: impl.fn(ctx, *a), _ln_setup, _ln_bwd, stats=(2, 3))
+    return grad_step((lambda: fwd(ctx, *args)) if impl.train is not None else (lambda: fwd(*args)), args,
+                     2 if args[4] is not None else 1)
+
+
+register_train_step("layer_norm", _ln_train_step)
 
 
 # ---- rms_norm ------------------------------------------------------------------------------
@@ -176,6 +205,18 @@ def _rms_norm_infer(x, weight, eps, residual, offset):
     return dispatch.call(_key("rms_norm", x, weight, None, residual, False, offset),
                          lambda: _spec("rms_norm", x, weight, None, residual, False, offset),
                          (x, weight, eps, residual, offset), inference=True)
+
+
+def _rms_norm_train_resolve(x, weight, eps, residual, offset):
+    return dispatch.resolve(_key("rms_norm", x, weight, None, residual, False, offset, train=True),
+                            lambda: _spec("rms_norm", x, weight, None, residual, False, offset, train=True),
+                            (x, weight, eps, residual, offset))
+
+
+def _rms_norm_train_route(x, weight, eps, residual, offset):
+    return dispatch.call(_key("rms_norm", x, weight, None, residual, False, offset, train=True),
+                         lambda: _spec("rms_norm", x, weight, None, residual, False, offset, train=True),
+                         (x, weight, eps, residual, offset))
 
 
 @torch.library.custom_op("opsadv::rms_norm", mutates_args=())
@@ -230,7 +271,17 @@ def _rms_bwd(ctx, dy, dsum, drstd):
 
 _rms_setup, _rms_bwd = carry_policy(_rms_setup, _rms_bwd)
 _rms_norm.register_autograd(_rms_bwd, setup_context=_rms_setup)
-_rms_eager_autograd = autograd_function("RmsNormFn", _rms_norm_route, _rms_setup, _rms_bwd, stats=(2,))
+_rms_eager_autograd = autograd_function("RmsNormFn", _rms_norm_train_route, _rms_setup, _rms_bwd, stats=(2,))
+
+
+def _rms_train_step(impl, ctx, args):
+    fwd = impl.train if impl.train is not None else \
+        autograd_function("RmsNormPinned", lambda *a: impl.fn(ctx, *a), _rms_setup, _rms_bwd, stats=(2,))
+    return grad_step((lambda: fwd(ctx, *args)) if impl.train is not None else (lambda: fwd(*args)), args,
+                     2 if args[3] is not None else 1)
+
+
+register_train_step("rms_norm", _rms_train_step)
 
 
 # ---- public ----------------------------------------------------------------------------------
@@ -239,9 +290,18 @@ def layer_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = No
     """LayerNorm over the last dim.  With residual: returns (layer_norm(x + residual), x + residual)."""
     validate("layer_norm", x, weight, bias, eps, residual)
     mode = eager_mode(x, weight, bias, residual)
-    # eager no-grad: nothing reads mean / rstd, so the impl need not produce them
-    op = _layer_norm_infer if mode == DIRECT else _ln_eager_autograd if mode == AUTOGRAD_FN else torch.ops.opsadv.layer_norm
-    y, xsum, _, _ = op(x, weight, bias, float(eps), residual)
+    eps = float(eps)
+    if mode == DIRECT:          # eager no-grad: nothing reads mean / rstd, so the impl need not produce them
+        y, xsum, _, _ = _layer_norm_infer(x, weight, bias, eps, residual)
+    elif mode == AUTOGRAD_FN:
+        r = _layer_norm_train_resolve(x, weight, bias, eps, residual)
+        if r.impl.train is not None:
+            dispatch.record_call(r.impl.id)
+            y, xsum, _, _ = r.impl.train(r.ctx, x, weight, bias, eps, residual)
+        else:
+            y, xsum, _, _ = _ln_eager_autograd(x, weight, bias, eps, residual)
+    else:
+        y, xsum, _, _ = torch.ops.opsadv.layer_norm(x, weight, bias, eps, residual)
     return (y, xsum) if residual is not None else y
 
 
@@ -251,6 +311,16 @@ def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6, *, resi
     returns (rms_norm(x + residual), x + residual)."""
     validate("rms_norm", x, weight, None, eps, residual, offset)
     mode = eager_mode(x, weight, residual)
-    op = _rms_norm_infer if mode == DIRECT else _rms_eager_autograd if mode == AUTOGRAD_FN else torch.ops.opsadv.rms_norm
-    y, xsum, _ = op(x, weight, float(eps), residual, float(offset))
+    eps, offset = float(eps), float(offset)
+    if mode == DIRECT:
+        y, xsum, _ = _rms_norm_infer(x, weight, eps, residual, offset)
+    elif mode == AUTOGRAD_FN:
+        r = _rms_norm_train_resolve(x, weight, eps, residual, offset)
+        if r.impl.train is not None:
+            dispatch.record_call(r.impl.id)
+            y, xsum, _ = r.impl.train(r.ctx, x, weight, eps, residual, offset)
+        else:
+            y, xsum, _ = _rms_eager_autograd(x, weight, eps, residual, offset)
+    else:
+        y, xsum, _ = torch.ops.opsadv.rms_norm(x, weight, eps, residual, offset)
     return (y, xsum) if residual is not None else y
