@@ -15,7 +15,7 @@ from opsadv.registry import BackendInfo, ProbeResult, hookimpl
 
 NAME = "cuda"
 VERSION = "0.1.0"
-KERNEL_MODULES = ("attention", "gluon_attention", "sdpa", "gemm", "norm", "aten_norm", "sparse")
+KERNEL_MODULES = ("attention", "gluon_attention", "sdpa", "gemm", "norm", "aten_norm", "sparse", "gluon_sparse")
 
 
 def interpreter_mode(env) -> bool:

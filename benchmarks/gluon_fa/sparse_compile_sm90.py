@@ -1,0 +1,117 @@
+"""Compile the Gluon block-sparse forward (opsadv/backends/cuda/_gluon_sparse_kernel.py) for sm_90 on a
+CPU-only machine (no GPU): one launch per mask mode, from real launch arguments on CPU tensors.  Prints a
+JSON report per case: shared memory, spill instructions (STL/LDL) in all and inside the K/V tile loops.
+
+  PYTHONPATH=. python benchmarks/gluon_fa/sparse_compile_sm90.py [OUT_DIR]     (OUT_DIR gets .ptx/.sass)
+
+Run without TRITON_INTERPRET (under it gluon.jit functions are interpreter objects); tests/test_gluon_sparse.py
+runs it in a subprocess."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+
+def tile_loop_spills(sass: str) -> tuple[int, int, int]:
+    """(spill instructions in all, inside the K/V tile loops, number of tile loops).  A tile loop is a
+    predicated backward branch whose body issues exactly one S = Q K^T wgmma group (the first HGMMA of a
+    group reads the accumulator as zero: 'RZ, !UPT'); the persistent item loop around them holds several,
+    and the unconditional branches back from the out-of-line mbarrier wait paths are not loops."""
+    ins = []
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]+)\*/\s+(.*?);", line)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(2)))
+    spill_pc = [pc for pc, t in ins if re.search(r"\b(?:STL|LDL)\b", t)]
+    s_start = [pc for pc, t in ins if t.startswith("HGMMA") and "RZ, !UPT" in t]
+    loops = []
+    for pc, t in ins:
+        m = re.match(r"@!?U?P\d\s+BRA\s+(?:`\()?0x([0-9a-f]+)", t)
+        if m and int(m.group(1), 16) < pc:
+            lo = int(m.group(1), 16)
+            if sum(lo <= x <= pc for x in s_start) == 1:
+                loops.append((lo, pc))
+    inside = sum(any(lo <= x <= hi for lo, hi in loops) for x in spill_pc)
+    return len(spill_pc), inside, len(loops)
+
+
+def layouts():
+    """name -> (layout, batch, q heads, kv heads): one per mask mode / full-tile walk."""
+    import torch
+    from opsadv import SparseLayout
+    g = torch.Generator().manual_seed(5)
+    kpm = torch.rand(2, 300, generator=g) < 0.7
+    return {
+        "window_causal": (SparseLayout.sliding_window(700, 300, causal=True, block_size=128), 1, 2, 2),
+        "causal": (SparseLayout.dense(300, causal=True, block_size=128), 1, 4, 2),
+        "bigbird": (SparseLayout.bigbird(400, block_size=64, heads=2, random_blocks=1), 1, 2, 2),
+        "padding_causal": (SparseLayout.from_padding_mask(kpm, causal=True, block_size=128), 2, 2, 2),
+        "global_window": (SparseLayout.global_tokens(390, 20, window=70, block_size=16), 1, 2, 2),
+        "dilated_not_one_run": (SparseLayout.dilated(640, block_size=128, dilation=2, local_blocks=1), 1, 2, 2),
+    }
+
+
+CASES = [("window_causal", 128), ("window_causal", 64), ("causal", 128), ("bigbird", 128), ("padding_causal", 64),
+         ("global_window", 128), ("dilated_not_one_run", 128)]
+
+
+def compile_case(name, d, dtype=None):
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import create_function_from_signature
+    from opsadv.backends.cuda import _gluon_sparse_kernel as K, gluon_sparse as GS
+    dtype = dtype or torch.bfloat16
+    lay, b, hq, hkv = layouts()[name]
+    q = torch.randn(b, hq, lay.seq_q, d).to(dtype)
+    k, v = (torch.randn(b, hkv, lay.seq_k, d).to(dtype) for _ in range(2))
+    out, lse = torch.empty_like(q), torch.empty(b, hq, lay.seq_q)
+    ti = GS.layout_index(lay.block_mask, lay.key_padding_mask, None, lay.block_size, lay.causal, lay.window_left,
+                         lay.window_right, lay.num_global, lay.seq_q, lay.seq_k)
+    grid, args, kw = GS.launch_args(q, k, v, out, lse, ti, lay.key_padding_mask, lay.block_size, lay.causal,
+                                    lay.window_left, lay.window_right, lay.num_global, 0.1)
+    kw["debug"] = False
+    target = GPUTarget("cuda", 90, 128)
+    backend = make_backend(target)
+    fn = K.sparse_fwd_kernel
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, _ = binder(*args, **kw)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kw, bound, specialization, None)
+    kern = triton.compile(GluonASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kern.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    total, inside, loops = tile_loop_spills(sass)
+    regs = re.search(r"REG:(\d+)", res)
+    row = {"case": f"{name}-d{d}", "shared": kern.metadata.shared, "spills": total, "spills_in_tile_loops": inside,
+           "tile_loops": loops, "launch_regs": int(regs.group(1)) if regs else None,
+           "bm_mode": kw["BM_MODE"], "full_run": kw["FULL_RUN"], "stages": kw["STAGES"]}
+    return row, kern, sass
+
+
+def main(argv):
+    os.environ.pop("TRITON_INTERPRET", None)
+    out_dir = argv[1] if len(argv) > 1 else None
+    report = {"commit": os.environ.get("OPSADV_COMMIT", "unknown"), "target": "cuda sm_90", "results": []}
+    for name, d in CASES:
+        row, kern, sass = compile_case(name, d)
+        report["results"].append(row)
+        if out_dir:
+            os.makedirs(out_dir, exist_ok=True)
+            open(os.path.join(out_dir, f"{row['case']}.ptx"), "w").write(kern.asm["ptx"])
+            open(os.path.join(out_dir, f"{row['case']}.sass"), "w").write(sass)
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,365 @@
+"""Block-sparse flash-attention forward for Hopper (sm_90) in Gluon (triton.experimental.gluon, Triton 3.6).
+
+Imported only by gluon_sparse.py, and only when triton.experimental.gluon imports.  The dense FA3-style
+schedule of _gluon_fa_kernel.py (TMA K/V ring with ready/empty mbarriers, async wgmma, S_{j+1} issued
+before the softmax of S_j's successor, P in registers), driven by the layout's tile lists
+(opsadv.core.layout.TileIndex at 128 x 128) instead of a dense column range:
+
+  * A work item is one 128-row query tile of one (batch, head).  Its list holds n_part partial tiles
+    first (column ids in COLS), then n_all - n_part full ones.  With FULL_RUN (TileIndex.full_run:
+    windows, causal) the full tiles are the column run [COLS[n_part], +n_all - n_part) and need no
+    index loads; otherwise every id comes from COLS.
+  * Partial tiles get the element mask of sparse.py's `_allowed` (block-mask bit, window band,
+    global tokens, causal diagonal, key padding, bounds); full tiles run unmasked.
+  * Persistent: grid = min(items, SMs); CTA p takes items p, p + grid, ...  A 1-warp producer walks
+    the same item sequence and keeps loading across item boundaries, so the next item's Q (two Q
+    slots, q_ready/q_empty barriers) and first K/V tiles are in shared memory when the consumers
+    finish the current one.  Ring slots and phases follow a tile counter carried over all items.
+  * O leaves through its item's Q slot by TMA store (rows past s_q clipped); the slot is released to
+    the producer once the store has read it.  lse (natural log) by plain stores.
+
+Rows with no allowed key get out 0 and lse -inf (running max starts finite, at -1e30, so a fully
+masked tile yields p = 0, not NaN).  q/k/v/out are (b, h, s, d) strided views with unit stride along
+d and 16-byte aligned strides (4-D TMA descriptors, block (1, 1, 128, d): tiles never straddle heads,
+rows past s are zero on load).  GQA: q head h reads kv head h // GROUP."""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+
+BLOCK_M = 128       # query rows per work item
+BLOCK_N = 128       # key/value rows per ring stage (the tile lists' column tile)
+NUM_WARPS = 8       # consumer warps: 2 warpgroups of 64 rows, one instruction stream
+INTERVAL_MASK: gl.constexpr = gl.constexpr(False)
+
+
+@gluon.jit
+def _item(w, H, n_m, REVERSE: gl.constexpr):
+    """(batch, head, query tile) of work item w: items of one head are consecutive (K/V reuse in L2);
+    REVERSE: last query tiles first within a head (the longest rows when causal)."""
+    bh = w // n_m
+    mt = w % n_m
+    if REVERSE:
+        mt = n_m - 1 - mt
+    return bh // H, bh % H, mt, bh
+
+
+@gluon.jit
+def _issue_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, b, hk, row, stage, kv_view: gl.constexpr):
+    """TMA-load K and V rows [row, row + BLOCK_N) of head (b, hk) into ring slot `stage`, each on its own
+    barrier so S = Q K^T can start before V has landed.  Rows past s_k arrive as zeros."""
+    mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [b, hk, row, 0], k_ready.index(stage),
+                                    k_smem.index(stage)._reinterpret(k_desc.dtype, kv_view, k_desc.layout))
+    mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(v_desc, [b, hk, row, 0], v_ready.index(stage),
+                                    v_smem.index(stage)._reinterpret(v_desc.dtype, kv_view, v_desc.layout))
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
+              rows_ptr, cols_ptr, s_rb, s_rh, s_rr, s_cb, s_ch, s_cr, H, GROUP, n_m, n_items,
+              REVERSE: gl.constexpr, FULL_RUN: gl.constexpr, STAGES: gl.constexpr):
+    """1 warp: for each of this CTA's items, Q into slot qi % 2, then its listed K/V tiles into the ring
+    as fast as the consumers free slots."""
+    BQ: gl.constexpr = q_desc.block_type.shape[2]
+    BN: gl.constexpr = k_desc.block_type.shape[2]
+    q_view: gl.constexpr = q_desc.block_type.shape
+    kv_view: gl.constexpr = k_desc.block_type.shape
+    it = 0          # K/V tiles issued so far (all items): ring slot it % STAGES, lap it // STAGES
+    qi = 0          # items started so far: Q slot qi % 2
+    for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        b, h, mt, bh = _item(w, H, n_m, REVERSE)
+        hk = h // GROUP
+        row = rows_ptr + b * s_rb + h * s_rh + mt * s_rr
+        n_part = gl.load(row)
+        n_all = gl.load(row + 1)
+        cols = cols_ptr + b * s_cb + h * s_ch + mt * s_cr
+        qs = qi % 2
+        # Parity of the slot's previous release; on a fresh barrier parity 1 passes at once.
+        mbarrier.wait(q_empty.index(qs), ((qi // 2) & 1) ^ 1)
+        mbarrier.expect(q_ready.index(qs), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, h, mt * BQ, 0], q_ready.index(qs),
+                                        q_smem.index(qs)._reinterpret(q_desc.dtype, q_view, q_desc.layout))
+        for t in range(0, n_part):                  # partial tiles: ids from the list
+            kt = gl.load(cols + t)
+            stage = it % STAGES
+            mbarrier.wait(kv_empty.index(stage), ((it // STAGES) & 1) ^ 1)
+            _issue_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, b, hk, kt * BN, stage, kv_view)
+            it += 1
+        run0 = gl.load(cols + n_part, mask=n_part < n_all, other=0) - n_part
+        for t in range(n_part, n_all):              # full tiles: a column run, or ids from the list
+            if FULL_RUN:
+                kt = run0 + t
+            else:
+                kt = gl.load(cols + t)
+            stage = it % STAGES
+            mbarrier.wait(kv_empty.index(stage), ((it // STAGES) & 1) ^ 1)
+            _issue_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, b, hk, kt * BN, stage, kv_view)
+            it += 1
+        qi += 1
+
+
+@gluon.jit
+def _allowed(rows, cols, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SQ, SK, OFF, WL, WR, NG, BS,
+             CAUSAL: gl.constexpr, HAS_WIN: gl.constexpr, HAS_GLOBAL: gl.constexpr, BM_MODE: gl.constexpr,
+             HAS_KPM: gl.constexpr):
+    """allowed(i, j) as opsadv.core.layout defines it (sparse.py's _allowed without packed segments),
+    for query rows `rows` x key columns `cols` of one tile, in the score tile's layout."""
+    i = gl.expand_dims(rows, 1)
+    j = gl.expand_dims(cols, 0)
+    ip = i + OFF                                    # bottom-right aligned query position
+    inb = (i < SQ) & (j < SK)
+    if BM_MODE == 2:                                # mixed block mask: its bit per element
+        ok = gl.load(bm_ptr + (i // BS) * s_bm_q + (j // BS) * s_bm_k, mask=inb, other=0) != 0
+    elif BM_MODE == 1:
+        ok = inb
+    else:
+        ok = (i < 0) & (j < 0)                      # all False, tile-shaped
+    if HAS_WIN:
+        ok = ok | ((j >= ip - WL) & (j <= ip + WR))
+    if HAS_GLOBAL:
+        ok = ok | (i < NG) | (j < NG)
+    if CAUSAL:
+        ok = ok & (j <= ip)
+    if HAS_KPM:
+        kp = gl.load(kpm_ptr + cols, mask=cols < SK, other=0) != 0
+        ok = ok & gl.expand_dims(kp, 0)
+    return ok & inb
+
+
+@gluon.jit
+def _row_interval_mask(rows, kt, SQ, SK, OFF, WL, WR, CAUSAL: gl.constexpr, HAS_WIN: gl.constexpr,
+                       BM_MODE: gl.constexpr, BN: gl.constexpr, s_layout: gl.constexpr):
+    """allowed(i, j) when each row's allowed keys are one interval [lo_i, hi_i] (block mask all False
+    with a window, or all True; no globals, no key padding), compared against the column offset
+    within tile kt: two per-row bounds instead of per-element column arithmetic (registers)."""
+    ip = rows + OFF
+    if BM_MODE == 1:
+        lo = gl.zeros_like(ip)
+    elif HAS_WIN:
+        lo = ip - WL
+    else:
+        lo = gl.zeros_like(ip) + SK                 # block mask all False, no window: nothing
+    hi = gl.zeros_like(ip) + (SK - 1)
+    if BM_MODE == 0 and HAS_WIN:
+        hi = gl.minimum(hi, ip + WR)
+    if CAUSAL:
+        hi = gl.minimum(hi, ip)
+    hi = gl.where(rows < SQ, hi, -1)
+    c0 = kt * BN
+    c = gl.expand_dims(gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout)), 0)
+    return (c >= gl.expand_dims(lo - c0, 1)) & (c <= gl.expand_dims(hi - c0, 1))
+
+
+@gluon.jit
+def _softmax_masked(s, m_i, l_i, rows, kt, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SQ, SK, OFF, WL, WR, NG, BS, qk_scale,
+                    CAUSAL: gl.constexpr, HAS_WIN: gl.constexpr, HAS_GLOBAL: gl.constexpr, BM_MODE: gl.constexpr,
+                    HAS_KPM: gl.constexpr, s_layout: gl.constexpr):
+    """Online-softmax step of a partial tile (column tile kt): disallowed scores -inf first."""
+    BN: gl.constexpr = s.shape[1]
+    if INTERVAL_MASK and BM_MODE != 2 and not HAS_GLOBAL and not HAS_KPM:
+        ok = _row_interval_mask(rows, kt, SQ, SK, OFF, WL, WR, CAUSAL, HAS_WIN, BM_MODE, BN, s_layout)
+    else:
+        cols = kt * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
+        ok = _allowed(rows, cols, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SQ, SK, OFF, WL, WR, NG, BS,
+                      CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM)
+    s = gl.where(ok, s, float("-inf"))
+    # scale > 0 commutes with the max; m_i finite: a row masked so far stays at -1e30 and gets p = 0
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+    alpha = gl.exp2(m_i - m_new)
+    return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
+
+
+@gluon.jit
+def _softmax_full(s, m_i, l_i, qk_scale):
+    """Online-softmax step of a full tile: scale > 0, so the max commutes with it; one FMA + ex2 each."""
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+    alpha = gl.exp2(m_i - m_new)
+    return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
+
+
+@gluon.jit
+def _pipelined_step(q_tile, k_smem, v_smem, k_ready, v_ready, kv_empty, s_acc, p, m_i, l_i, o, g, col_ptr, rows,
+                    bmp, s_bm_q, s_bm_k, kpmp, SQ, SK, OFF, WL, WR, NG, BS, qk_scale, MASKED: gl.constexpr,
+                    CAUSAL: gl.constexpr, HAS_WIN: gl.constexpr, HAS_GLOBAL: gl.constexpr, BM_MODE: gl.constexpr,
+                    HAS_KPM: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """One steady-state iteration on ring tile g (the item's tile j; p holds its probabilities): issue
+    S_{j+1} = Q K_{j+1}^T and O += P_j V_j (async, in that order), wait for S_{j+1} only, fold it into
+    the softmax while P_j V_j runs (MASKED: tile j+1 is partial, its column id at col_ptr), then wait
+    for P_j V_j, rescale O and free tile j's slot.  Returns (p_{j+1}, m, l, o)."""
+    dtype: gl.constexpr = k_smem.dtype
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    cur = g % STAGES
+    nxt = (g + 1) % STAGES
+    if MASKED:
+        kt_next = gl.load(col_ptr)                  # issued early: its latency hides behind the waits
+    mbarrier.wait(k_ready.index(nxt), ((g + 1) // STAGES) & 1)
+    mbarrier.wait(v_ready.index(cur), (g // STAGES) & 1)
+    p_op = gl.convert_layout(p.to(dtype), p_layout)
+    s_tok = warpgroup_mma(q_tile, k_smem.index(nxt).permute((1, 0)), s_acc, use_acc=False, is_async=True)
+    o_tok = warpgroup_mma(p_op, v_smem.index(cur), o, is_async=True)
+    # Groups retire in issue order: 1 outstanding = the PV.
+    s = warpgroup_mma_wait(1, deps=(s_tok, ))
+    if MASKED:
+        p, m_i, l_i, alpha = _softmax_masked(s, m_i, l_i, rows, kt_next, bmp, s_bm_q, s_bm_k, kpmp, SQ, SK, OFF,
+                                             WL, WR, NG, BS, qk_scale, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE,
+                                             HAS_KPM, s_layout)
+    else:
+        p, m_i, l_i, alpha = _softmax_full(s, m_i, l_i, qk_scale)
+    # p_op stays alive until its wgmma retired (a register operand).
+    o = warpgroup_mma_wait(0, deps=(o_tok, p_op))[0]
+    o = o * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+    # Tile j is consumed by every warp (K_j by S_j earlier, V_j just now): free its slot.
+    gl.thread_barrier()
+    mbarrier.arrive(kv_empty.index(cur), count=1)
+    return p, m_i, l_i, o
+
+
+@gluon.jit
+def _consumer(q_desc, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
+              rows_ptr, cols_ptr, s_rb, s_rh, s_rr, s_cb, s_ch, s_cr,
+              bm_ptr, s_bmb, s_bmh, s_bm_q, s_bm_k, kpm_ptr, s_kpmb,
+              H, n_m, n_items, SQ, SK, OFF, WL, WR, NG, BS, qk_scale,
+              CAUSAL: gl.constexpr, HAS_WIN: gl.constexpr, HAS_GLOBAL: gl.constexpr, BM_MODE: gl.constexpr,
+              HAS_KPM: gl.constexpr, REVERSE: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """8 warps: each item's tiles in list order (partial, then full), FA3 intra-warpgroup overlap:
+    iteration j issues S_{j+1} and P_j V_j, runs the softmax of S_{j+1} while P_j V_j runs."""
+    BM: gl.constexpr = q_desc.block_type.shape[2]
+    D: gl.constexpr = q_desc.block_type.shape[3]
+    BN: gl.constexpr = k_smem.shape[1]
+    dtype: gl.constexpr = q_desc.dtype
+    q_view: gl.constexpr = q_desc.block_type.shape
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BN, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    s_acc = gl.zeros([BM, BN], gl.float32, s_layout)
+    it = 0          # K/V tiles consumed so far (all items), as the producer counts them
+    qi = 0
+    for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        b, h, mt, bh = _item(w, H, n_m, REVERSE)
+        row = rows_ptr + b * s_rb + h * s_rh + mt * s_rr
+        n_part = gl.load(row)
+        n_all = gl.load(row + 1)
+        cols = cols_ptr + b * s_cb + h * s_ch + mt * s_cr
+        bmp = bm_ptr + b * s_bmb + h * s_bmh        # strides are 0 on broadcast dims
+        kpmp = kpm_ptr + b * s_kpmb
+        rows = mt * BM + gl.arange(0, BM, layout=row_s)
+        qs = qi % 2
+        q_tile = q_smem.index(qs)
+        m_i = gl.full([BM], -1.0e30, gl.float32, row_s)
+        l_i = gl.zeros([BM], gl.float32, row_s)
+        o = gl.zeros([BM, D], gl.float32, o_layout)
+        mbarrier.wait(q_ready.index(qs), (qi // 2) & 1)
+        if n_all > 0:
+            # Prologue: S_0 and its softmax (no PV yet).
+            kt = gl.load(cols, mask=n_part > 0, other=0)
+            cur = it % STAGES
+            mbarrier.wait(k_ready.index(cur), (it // STAGES) & 1)
+            s_tok = warpgroup_mma(q_tile, k_smem.index(cur).permute((1, 0)), s_acc, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(0, deps=(s_tok, ))
+            if n_part > 0:
+                p, m_i, l_i, alpha = _softmax_masked(s, m_i, l_i, rows, kt, bmp, s_bm_q, s_bm_k, kpmp, SQ, SK, OFF,
+                                                     WL, WR, NG, BS, qk_scale, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE,
+                                                     HAS_KPM, s_layout)
+            else:
+                p, m_i, l_i, alpha = _softmax_full(s, m_i, l_i, qk_scale)
+            # Partial tiles come first in the list: iterations j < n_part - 1 fold a partial tile j + 1.
+            n_masked = gl.maximum(n_part - 1, 0)
+            for j in range(0, n_masked):
+                p, m_i, l_i, o = _pipelined_step(q_tile, k_smem, v_smem, k_ready, v_ready, kv_empty, s_acc, p, m_i,
+                                                 l_i, o, it + j, cols + j + 1, rows, bmp, s_bm_q, s_bm_k, kpmp, SQ,
+                                                 SK, OFF, WL, WR, NG, BS, qk_scale, True, CAUSAL, HAS_WIN,
+                                                 HAS_GLOBAL, BM_MODE, HAS_KPM, STAGES, s_layout, o_layout)
+            for j in range(n_masked, n_all - 1):
+                p, m_i, l_i, o = _pipelined_step(q_tile, k_smem, v_smem, k_ready, v_ready, kv_empty, s_acc, p, m_i,
+                                                 l_i, o, it + j, cols, rows, bmp, s_bm_q, s_bm_k, kpmp, SQ,
+                                                 SK, OFF, WL, WR, NG, BS, qk_scale, False, CAUSAL, HAS_WIN,
+                                                 HAS_GLOBAL, BM_MODE, HAS_KPM, STAGES, s_layout, o_layout)
+            # Epilogue: the last P V, then free the last slot too (the ring continues with the next item).
+            g = it + n_all - 1
+            last = g % STAGES
+            mbarrier.wait(v_ready.index(last), (g // STAGES) & 1)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            o_tok = warpgroup_mma(p_op, v_smem.index(last), o, is_async=True)
+            o = warpgroup_mma_wait(0, deps=(o_tok, p_op))[0]
+            gl.thread_barrier()
+            mbarrier.arrive(kv_empty.index(last), count=1)
+        it += n_all
+
+        # (b, h, tile) again from w rather than kept live across the tile loop (register pressure)
+        b, h, mt, bh = _item(w, H, n_m, REVERSE)
+        rows = mt * BM + gl.arange(0, BM, layout=row_s)
+        empty = l_i == 0.0                          # no allowed key in this row: out 0, lse -inf
+        l_safe = gl.where(empty, 1.0, l_i)
+        o = o / gl.expand_dims(gl.convert_layout(l_safe, row_o), 1)
+        lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)   # log2 -> ln
+        gl.store(lse_ptr + bh.to(gl.int64) * SQ + rows, lse, mask=rows < SQ)
+        # O out through this item's Q slot (every wgmma reading it has retired); TMA clips rows past s_q.
+        q_tile.store(o.to(dtype))
+        fence_async_shared()                        # generic-proxy smem writes before the TMA (async proxy) read
+        gl.thread_barrier()                         # every warp's part written before one thread issues the copy
+        tma.async_copy_shared_to_global(o_desc, [b, h, mt * BM, 0], q_tile._reinterpret(dtype, q_view, o_desc.layout))
+        tma.store_wait(0)                           # the copy has read the slot ...
+        gl.thread_barrier()                         # ... in the issuing thread; then release it to the producer
+        mbarrier.arrive(q_empty.index(qs), count=1)
+        qi += 1
+
+
+@gluon.jit
+def sparse_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, rows_ptr, cols_ptr, bm_ptr, kpm_ptr,
+                      s_rb, s_rh, s_rr, s_cb, s_ch, s_cr, s_bmb, s_bmh, s_bm_q, s_bm_k, s_kpmb,
+                      H, GROUP, n_m, n_items, SQ, SK, OFF, WL, WR, NG, BS, qk_scale,
+                      q_smem_layout: gl.constexpr, kv_smem_layout: gl.constexpr,
+                      CAUSAL: gl.constexpr, HAS_WIN: gl.constexpr, HAS_GLOBAL: gl.constexpr, BM_MODE: gl.constexpr,
+                      HAS_KPM: gl.constexpr, FULL_RUN: gl.constexpr, REVERSE: gl.constexpr, STAGES: gl.constexpr,
+                      PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """Grid (min(n_items, SMs) persistent, or n_items,).  n_items = n_m query tiles x b x H.
+    q/o descriptors: block (1, 1, 128, d); k/v: (1, 1, 128, d); *_smem_layout: the 2-D NVMMA layouts
+    of the same swizzle.  rows/cols: TileIndex.rows/cols at 128 x 128 with their (b, h, row) strides
+    (0 on broadcast dims); bm/kpm: the int8 block mask / key padding (or any tensor when unused)."""
+    BQ: gl.constexpr = q_desc.block_type.shape[2]
+    D: gl.constexpr = q_desc.block_type.shape[3]
+    BN: gl.constexpr = k_desc.block_type.shape[2]
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [2, BQ, D], q_smem_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, D], kv_smem_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, D], kv_smem_layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_ready.index(i), count=1)        # completed by the TMA transaction bytes
+        mbarrier.init(q_empty.index(i), count=1)        # one arrive from the consumer partition
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=1)
+    gl.warp_specialize([
+        (_consumer, (q_desc, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
+                     rows_ptr, cols_ptr, s_rb, s_rh, s_rr, s_cb, s_ch, s_cr,
+                     bm_ptr, s_bmb, s_bmh, s_bm_q, s_bm_k, kpm_ptr, s_kpmb,
+                     H, n_m, n_items, SQ, SK, OFF, WL, WR, NG, BS, qk_scale,
+                     CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, REVERSE, STAGES, num_warps)),
+        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
+                     rows_ptr, cols_ptr, s_rb, s_rh, s_rr, s_cb, s_ch, s_cr, H, GROUP, n_m, n_items,
+                     REVERSE, FULL_RUN, STAGES)),
+    ], [1], [PRODUCER_REGS])
+    for i in gl.static_range(2):
+        mbarrier.invalidate(q_ready.index(i))
+        mbarrier.invalidate(q_empty.index(i))
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(k_ready.index(i))
+        mbarrier.invalidate(v_ready.index(i))
+        mbarrier.invalidate(kv_empty.index(i))

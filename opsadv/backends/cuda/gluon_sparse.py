@@ -1,0 +1,177 @@
+"""Gluon block-sparse attention forward for Hopper, impl "cuda.gluon.sparse_attention" of op
+"sparse_attention" (issue #5).
+
+Forward: the persistent, warp-specialized Gluon kernel in _gluon_sparse_kernel.py (TMA K/V ring, async
+wgmma, softmax/GEMM overlap), walking the layout's 128 x 128 tile lists (partial tiles element-masked,
+full tiles unmasked, full runs without index loads).  Backward: the Triton sparse backward of sparse.py
+from the saved out and lse.  Declared for sm_90 only, bf16/fp16, head_dim 64 or 128; layouts: block
+masks (any block size whose refinement to the 128-tiles stays small), sliding windows, causal
+(bottom-right), global tokens, key padding, GQA/MQA, s_q != s_k.  Rejected with a reason: packed
+varlen batches (cu_seqlens; the kernel has no segment masks).  q/k/v may be any strided (b, h, s, d)
+view with unit stride along d and 16-byte aligned strides; other views are copied first.
+
+Experimental until it passes conformance on an H200 (use_backend(..., experimental=True)).  When
+triton.experimental.gluon does not import, the impl is still registered, rejecting every call with
+the import error as the reason, and importing opsadv never fails."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from opsadv.core.kernel import PRIORITY_TRITON, KernelImpl
+from opsadv.core.layout import tile_index
+
+try:
+    from . import _gluon_sparse_kernel as _K
+    from triton.experimental.gluon import language as _gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _GluonTensorDescriptor
+    UNAVAILABLE = ""
+except Exception as e:  # ImportError, or an older Triton whose Gluon lacks a name used here
+    _K = _gl = _GluonTensorDescriptor = None
+    UNAVAILABLE = f"triton.experimental.gluon (Hopper) is not importable: {type(e).__name__}: {e}"
+
+IMPL_ID = "cuda.gluon.sparse_attention"
+OP = "sparse_attention"
+HEAD_DIMS = (64, 128)
+# "varlen" is declared so that check() can say why it is refused instead of a bare "does not support".
+FEATURES = frozenset({"causal", "window", "global", "key_padding", "gqa", "cross_length", "varlen"})
+LOG2E = 1.4426950408889634
+TILE = 128                      # the kernel's query and key tile (BLOCK_M = BLOCK_N)
+MAX_REFINE_CELLS = 1 << 26      # tile classification grid cap (as sparse.py)
+# K/V ring depth per head dim: next to 2 Q slots (2 x 128 x d) it must fit 227 KB of shared memory.
+# d128: 2 x 32 KB + 2 stages x 64 KB = 192 KB (3 stages would need 256 KB); d64: 32 KB + 4 x 32 KB.
+STAGES = {128: 2, 64: 4}
+PRODUCER_REGS = 24              # the 1-warp TMA producer (setmaxnreg); consumers get the rest
+DEFAULT_VARIANT = {"persistent": True}
+
+_sm_counts: dict[int, int] = {}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _sm_count(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    n = _sm_counts.get(idx)
+    if n is None:
+        n = _sm_counts[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return n
+
+
+def _tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """t itself when a TMA descriptor can address it (unit stride along d, 16-byte aligned base and
+    strides), else a contiguous copy."""
+    esize = t.element_size()
+    if (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all(st > 0 and (st * esize) % 16 == 0 for st in t.stride()[:-1])):
+        return t
+    return t.contiguous()
+
+
+def _desc(t: torch.Tensor, rows: int, gdt):
+    d = t.shape[-1]
+    layout = _gl.NVMMASharedLayout.get_default_for([1, 1, rows, d], gdt)
+    return _GluonTensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, d], layout)
+
+
+def _s3(t: torch.Tensor) -> tuple[int, int, int]:
+    """(batch, head, row) strides of a (B|1, H|1, R, ...) index tensor; 0 on broadcast dims."""
+    return (t.stride(0) if t.shape[0] > 1 else 0, t.stride(1) if t.shape[1] > 1 else 0, t.stride(2))
+
+
+def layout_index(block_mask, kpm, cu, bs, causal, wl, wr, ng, sq, sk):
+    """The TileIndex the kernel walks (128 x 128 tiles; cached by core.layout)."""
+    return tile_index(block_mask, kpm, cu, bs, causal, wl, wr, ng, sq, sk, TILE, TILE)
+
+
+def launch_args(q, k, v, out, lse, ti, kpm, bs, causal, wl, wr, ng, scale, *, persistent=True, stages=None,
+                num_sms=132):
+    """(grid, args, kwargs) of one sparse_fwd_kernel launch writing out (b, h_q, s_q, d) and lse
+    (b, h_q, s_q) float32 contiguous.  q/k/v/out must be TMA-ready (see _tma_ready); ti: layout_index()."""
+    if _K is None:
+        raise RuntimeError(f"{IMPL_ID}: {UNAVAILABLE}")
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    gdt = _gl.bfloat16 if q.dtype == torch.bfloat16 else _gl.float16
+    n_m = _cdiv(sq, TILE)
+    n_items = n_m * b * hq
+    grid = (min(n_items, num_sms) if persistent else n_items,)
+    bm8 = ti.bm8
+    s_bm = (bm8.stride(0) if bm8.shape[0] > 1 else 0, bm8.stride(1) if bm8.shape[1] > 1 else 0,
+            bm8.stride(2), bm8.stride(3))
+    kpm8 = ti.kpm8 if ti.kpm8 is not None else ti.rows      # unused pointer when there is no key padding
+    s_kpm = ti.kpm8.stride(0) if ti.kpm8 is not None else 0
+    descs = (_desc(q, TILE, gdt), _desc(k, TILE, gdt), _desc(v, TILE, gdt), _desc(out, TILE, gdt))
+    kw = dict(q_smem_layout=_gl.NVMMASharedLayout.get_default_for([TILE, d], gdt),
+              kv_smem_layout=_gl.NVMMASharedLayout.get_default_for([TILE, d], gdt),
+              CAUSAL=bool(causal), HAS_WIN=wl >= 0, HAS_GLOBAL=ng > 0, BM_MODE=int(ti.bm_mode),
+              HAS_KPM=kpm is not None, FULL_RUN=bool(ti.full_run), REVERSE=bool(causal),
+              STAGES=stages or STAGES[d], PRODUCER_REGS=PRODUCER_REGS, num_warps=_K.NUM_WARPS)
+    args = (*descs, lse, ti.rows, ti.cols, bm8, kpm8, *_s3(ti.rows), *_s3(ti.cols), *s_bm, s_kpm,
+            hq, hq // hkv, n_m, n_items, sq, sk, sk - sq, wl, wr, ng, bs, scale * LOG2E)
+    return grid, args, kw
+
+
+def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale, dense_blocks=False,
+               max_seqlen=-1, *, variant=None):
+    """out (b, h_q, s_q, d) over (b, s, h, d) memory, lse (b, h_q, s_q) float32 natural log.
+    variant (benchmarks): {"persistent": bool, "stages": int} instead of DEFAULT_VARIANT."""
+    from ._triton_utils import new_output, new_output_bshd
+    if cu is not None:   # check() refuses these; a direct call must not get a silently wrong answer
+        raise NotImplementedError(f"{IMPL_ID}: packed varlen layouts (cu_seqlens) are not supported")
+    opts = {**DEFAULT_VARIANT, **(variant or {})}
+    q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
+    b, hq, sq, d = q.shape
+    sk = k.shape[2]
+    ti = layout_index(block_mask, kpm, cu, bs, causal, wl, wr, ng, sq, sk)
+    out = new_output_bshd(q.shape, q.dtype, q.device)
+    lse = new_output((b, hq, sq), torch.float32, q.device)
+    grid, args, kw = launch_args(q, k, v, out, lse, ti, kpm, bs, causal, wl, wr, ng, scale,
+                                 persistent=opts["persistent"], stages=opts.get("stages"),
+                                 num_sms=_sm_count(q.device))
+    _K.sparse_fwd_kernel[grid](*args, **kw)
+    return out, lse
+
+
+def sparse_bwd(ctx, dout, q, k, v, out, lse, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale,
+               dense_blocks=False, max_seqlen=-1):
+    """The Triton sparse backward (dK/dV and dQ kernels, no atomics) from out and lse."""
+    from .sparse import sparse_bwd as triton_sparse_bwd
+    return triton_sparse_bwd(ctx, dout, q, k, v, out, lse, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale,
+                             dense_blocks, max_seqlen)
+
+
+def _check(spec, env) -> list[str]:
+    if UNAVAILABLE:
+        return [UNAVAILABLE]
+    why = []
+    if env.triton_interpret:
+        why.append("TRITON_INTERPRET=1: Gluon kernels do not run under the Triton interpreter")
+    if "varlen" in spec.features:
+        why.append("packed varlen layouts (cu_seqlens) need segment masks the Gluon kernel does not have "
+                   "(cuda.triton.sparse_attention serves them)")
+    bs = spec.bucket[0]
+    sq, sk = spec.shapes[0][2], spec.shapes[1][2]
+    g = math.gcd(bs, TILE)
+    cells = _cdiv(sq, g) * _cdiv(sk, g)
+    if cells > MAX_REFINE_CELLS:
+        why.append(f"layout block_size {bs}: classifying {sq}x{sk} into {TILE}-tiles at granularity {g} needs "
+                   f"{cells} cells (> {MAX_REFINE_CELLS}); use a block size that is a multiple of 16")
+    return why
+
+
+def impls(env) -> list[KernelImpl]:
+    return [KernelImpl(
+        id=IMPL_ID, op=OP, backend="cuda", fn=sparse_fwd, backward=sparse_bwd,
+        # above the Triton impl so that, once enabled (experimental), it is the one picked on sm_90
+        priority=PRIORITY_TRITON + 10, device_types=("cuda",), dtypes=(torch.float16, torch.bfloat16),
+        head_dims=HEAD_DIMS, min_cc=(9, 0), max_cc=(9, 0), features=FEATURES, deterministic=True,
+        experimental=True, check=_check,
+        description="Gluon block-sparse forward for Hopper (persistent, TMA K/V ring across work items, "
+                    "async wgmma, softmax/GEMM overlap; 128x128 tile lists, partial tiles element-masked); "
+                    "Triton sparse backward from out + lse")]
+
+
+__all__ = ["impls", "sparse_fwd", "sparse_bwd", "launch_args", "layout_index", "UNAVAILABLE", "IMPL_ID", "STAGES"]

@@ -1,0 +1,400 @@
+"""The Gluon Hopper block-sparse attention forward (impl cuda.gluon.sparse_attention).
+
+CPU: the kernel compiles for sm_90 (ptxas, no GPU) for every mask mode, with no register spills inside the
+K/V tile loops; the impl's declaration and rejection reasons (also when Gluon does not import); the
+kernel's tile walk (work items, 128 x 128 tile lists with partial tiles first, full runs, element masks,
+finite running max, P in the input dtype, rescale after P V, empty rows) emulated in torch against a
+float64 reference for every layout class the impl accepts.
+GPU (sm_90 only): forward + backward through opsadv.ops.sparse_attention pinned to the impl against the
+float64 reference with NaN-poisoned outputs and odd lengths; both schedules (persistent or not)."""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+
+import opsadv
+from opsadv import SparseLayout
+from opsadv.core.kernel import CallSpec
+
+from conftest import rel_err
+
+GS = pytest.importorskip("opsadv.backends.cuda.gluon_sparse")
+IMPL_ID = GS.IMPL_ID
+needs_gluon = pytest.mark.skipif(bool(GS.UNAVAILABLE), reason=GS.UNAVAILABLE or "")
+HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")     # conftest sets it by default
+requires_sm90 = pytest.mark.skipif(not HAS_SM90 or bool(GS.UNAVAILABLE) or INTERPRET,
+                                   reason="needs an sm_90 GPU, Gluon, and TRITON_INTERPRET=0")
+
+
+def _layout_args(lay: SparseLayout):
+    return (lay.block_mask, lay.key_padding_mask, lay.cu_seqlens, lay.block_size, lay.causal, lay.window_left,
+            lay.window_right, lay.num_global)
+
+
+def _ref(q, k, v, lay, scale):
+    """float64 attention under the layout's dense mask (the semantics' oracle); empty rows 0 / lse -inf."""
+    g = q.shape[1] // k.shape[1]
+    kf, vf = k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)
+    mask = lay.dense_mask(device=q.device)
+    s = (q.double() @ kf.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - torch.where(torch.isneginf(lse), 0.0, lse)[..., None]).masked_fill(~mask, 0.0)
+    return p @ vf, lse
+
+
+# ---- layouts the impl accepts (CPU-built; the same on a GPU) -------------------------------------------
+def _layouts(device="cpu"):
+    g = torch.Generator().manual_seed(5)
+    kpm = torch.rand(2, 300, generator=g) < 0.7
+    kpm[1, 150:] = False
+    bm = torch.rand(2, 1, 6, 9, generator=g) < 0.4
+    return {   # name -> (layout, batch, q heads, kv heads)
+        "window_causal": (SparseLayout.sliding_window(333, 100, causal=True, block_size=16, device=device), 1, 2, 1),
+        "window_causal_long": (SparseLayout.sliding_window(700, 300, causal=True, block_size=128, device=device),
+                               1, 2, 2),
+        "causal": (SparseLayout.dense(300, causal=True, block_size=128, device=device), 1, 4, 2),
+        "causal_sq_gt_sk": (SparseLayout.dense(300, 100, causal=True, block_size=128, device=device), 1, 2, 2),
+        "window_cross": (SparseLayout.sliding_window(150, (7, 131), causal=False, seq_k=400, block_size=32,
+                                                     device=device), 1, 2, 2),
+        "bigbird": (SparseLayout.bigbird(400, block_size=64, heads=2, random_blocks=1, device=device), 1, 2, 2),
+        "block_mask_bs50": (SparseLayout.from_block_mask(bm.to(device), block_size=50, seq_q=277, seq_k=433), 2, 2, 1),
+        "padding_causal": (SparseLayout.from_padding_mask(kpm.to(device), causal=True, block_size=128), 2, 2, 2),
+        "global_window": (SparseLayout.global_tokens(390, 20, window=70, block_size=16, device=device), 1, 2, 2),
+        "dilated_not_one_run": (SparseLayout.dilated(640, block_size=128, dilation=2, local_blocks=1, causal=False,
+                                                     device=device), 1, 2, 2),
+    }
+
+
+# ---- compile for sm_90 on CPU ------------------------------------------------------------------------
+# benchmarks/gluon_fa/sparse_compile_sm90.py runs in a fresh interpreter without TRITON_INTERPRET (conftest
+# turns it on for this session; under it gluon.jit functions are interpreter objects that cannot compile).
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COMPILE_SCRIPT = os.path.join(ROOT, "benchmarks", "gluon_fa", "sparse_compile_sm90.py")
+
+
+def _compile_module():
+    spec = importlib.util.spec_from_file_location("_gluon_sparse_compile_sm90", COMPILE_SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def sm90_compile_report():
+    import json
+    try:
+        from triton import knobs
+        ptxas = getattr(knobs.nvidia.ptxas, "path", None)
+    except Exception as e:  # no NVIDIA backend in this Triton
+        pytest.skip(f"no ptxas: {type(e).__name__}: {e}")
+    if not ptxas or not os.path.exists(ptxas):
+        pytest.skip(f"ptxas not found ({ptxas})")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, COMPILE_SCRIPT], capture_output=True, text=True, env=env, cwd=ROOT,
+                         timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return {r["case"]: r for r in json.loads(res.stdout.strip().splitlines()[-1])["results"]}
+
+
+@needs_gluon
+def test_compiles_for_sm90_without_spills_in_tile_loops(sm90_compile_report):
+    """Every mask mode compiles; shared memory fits; no spill instruction inside the K/V tile loops (a few
+    per work item outside them at d128, loop-invariant values reloaded once per item: measured <= 10)."""
+    cases = {f"{n}-d{d}" for n, d in _compile_module().CASES}
+    assert set(sm90_compile_report) == cases
+    for case, r in sm90_compile_report.items():
+        assert r["shared"] <= 232448, r                      # the sm_90 opt-in limit (227 KB)
+        assert r["tile_loops"] == 2, r                        # partial-tile loop and full-tile loop
+        assert r["spills_in_tile_loops"] == 0, r
+        assert r["spills"] <= 16, r
+
+
+def test_tile_loop_spill_parser():
+    sass = "\n".join([
+        "  /*0010*/  STL [R1], R0 ;",
+        "  /*0020*/  HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT ;",
+        "  /*0030*/  LDL R2, [R1] ;",
+        "  /*0040*/  @P0 BRA 0x20 ;",
+        "  /*0050*/  HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT ;",
+        "  /*0060*/  @P0 BRA 0x10 ;",
+        "  /*0070*/  LDL R2, [R1] ;",
+        "  /*0080*/  BRA 0x30 ;",          # back from an out-of-line wait path: not a loop
+    ])
+    assert _compile_module().tile_loop_spills(sass) == (3, 1, 1)
+
+
+# ---- declaration and rejection reasons -------------------------------------------------------------------
+def _impl():
+    from opsadv.registry import get_registry
+    impls = {i.id: i for i in get_registry().impls_by_op["sparse_attention"]}
+    if IMPL_ID not in impls:    # the cuda backend is not available in this process (no GPU, no interpreter)
+        (impl,) = GS.impls(get_registry().env)
+        return impl
+    return impls[IMPL_ID]
+
+
+def _spec(dtype=torch.bfloat16, d=128, features=("causal", "window"), device="cuda", backward=False, bs=128,
+          sq=16384, sk=16384):
+    return CallSpec(op="sparse_attention", device_type=device, dtype=dtype, features=frozenset(features),
+                    bucket=(bs, sq, sk), head_dim=d, shapes=((1, 2, sq, d), (1, 2, sk, d)), backward=backward)
+
+
+def _env(cc=(9, 0), interpret=False):
+    from opsadv.registry import get_registry
+    return dataclasses.replace(get_registry().env, device_type="cuda", compute_capability=cc,
+                               triton_interpret=interpret)
+
+
+def _reasons(spec, env, experimental_ok=True):
+    return _impl().rejection_reasons(spec, env, experimental_ok=experimental_ok, deterministic=False)
+
+
+@needs_gluon
+def test_declared_support_accepts_the_layout_classes():
+    for dt in (torch.bfloat16, torch.float16):
+        for d in (64, 128):
+            for feats in ((), ("causal",), ("causal", "window"), ("window", "global"), ("causal", "key_padding"),
+                          ("gqa", "cross_length", "window"), ("dense_blocks", "causal")):
+                for bwd in (False, True):
+                    assert _reasons(_spec(dt, d, feats, backward=bwd), _env()) == [], (dt, d, feats)
+
+
+def test_rejection_reasons():
+    env = _env()
+    assert any("experimental" in r for r in _reasons(_spec(), env, experimental_ok=False))
+    assert any("dtype float32" in r for r in _reasons(_spec(torch.float32), env))
+    assert any("head_dim 96" in r for r in _reasons(_spec(d=96), env))
+    assert any("head_dim 256" in r for r in _reasons(_spec(d=256), env))
+    assert any("device 'cpu'" in r for r in _reasons(_spec(device="cpu"), env))
+    assert any(">= 9.0" in r for r in _reasons(_spec(), _env((8, 0))))
+    assert any("<= 9.0" in r for r in _reasons(_spec(), _env((10, 0))))
+    if not GS.UNAVAILABLE:
+        assert any("packed varlen" in r for r in _reasons(_spec(features=("varlen",)), env))
+        assert any("block_size 7" in r for r in _reasons(_spec(bs=7, sq=65536, sk=65536), env))
+        assert any("TRITON_INTERPRET" in r for r in _reasons(_spec(), _env(interpret=True)))
+
+
+def test_direct_call_refuses_varlen():
+    lay = SparseLayout.varlen([10, 20], block_size=16)
+    q = torch.randn(1, 1, 30, 64)
+    with pytest.raises(NotImplementedError, match="varlen"):
+        GS.sparse_fwd(None, q, q, q, *_layout_args(lay), 0.1)
+
+
+def test_unavailable_without_gluon(monkeypatch):
+    """With triton.experimental.gluon unimportable the module still imports and the impl rejects every
+    call, naming the import failure."""
+    for name in list(sys.modules):
+        if name.startswith("triton.experimental.gluon") or name.endswith("._gluon_sparse_kernel"):
+            monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "triton.experimental.gluon", None)     # import -> ImportError
+    spec = importlib.util.spec_from_file_location("opsadv.backends.cuda._gluon_sparse_nogluon", GS.__file__,
+                                                  submodule_search_locations=None)
+    mod = importlib.util.module_from_spec(spec)
+    mod.__package__ = "opsadv.backends.cuda"
+    spec.loader.exec_module(mod)
+    assert "triton.experimental.gluon" in mod.UNAVAILABLE
+    (impl,) = mod.impls(_env())
+    why = impl.rejection_reasons(_spec(), _env(), experimental_ok=True, deterministic=False)
+    assert why == [mod.UNAVAILABLE]
+    with pytest.raises(RuntimeError, match="not importable"):
+        mod.launch_args(*(torch.empty(1, 1, 1, 64),) * 5, None, None, 128, False, -1, -1, 0, 0.1)
+
+
+# ---- the kernel's tile walk, emulated --------------------------------------------------------------------
+def _allowed(rows, cols, lay, b, h):
+    """sparse.py's / the kernel's element mask for rows x cols (index tensors), batch b, head h."""
+    sq, sk, bs = lay.seq_q, lay.seq_k, lay.block_size
+    i, j = rows[:, None], cols[None, :]
+    ip = i + (sk - sq)
+    inb = (i < sq) & (j < sk)
+    bm = lay.block_mask[min(b, lay.block_mask.shape[0] - 1), min(h, lay.block_mask.shape[1] - 1)]
+    ok = bm[(i // bs).clamp(max=bm.shape[0] - 1), (j // bs).clamp(max=bm.shape[1] - 1)] & inb
+    if lay.window is not None:
+        ok = ok | ((j >= ip - lay.window[0]) & (j <= ip + lay.window[1]))
+    if lay.num_global:
+        ok = ok | (i < lay.num_global) | (j < lay.num_global)
+    if lay.causal:
+        ok = ok & (j <= ip)
+    if lay.key_padding_mask is not None:
+        ok = ok & lay.key_padding_mask[b][cols.clamp(max=sk - 1)][None, :]
+    return ok & inb
+
+
+def emulate(q, k, v, lay, scale):
+    """The kernel's forward step by step in float32, per work item (b, h, 128-row tile): the tile list's
+    partial tiles (ids from cols, element mask) then its full tiles (the run cols[n_part] + t when
+    full_run, else ids from cols; no mask), K/V rows past s_k zero (TMA fill), m starting at -1e30,
+    S_{j+1}'s softmax before O's rescale, P in the input dtype for P V; empty rows -> 0 / -inf."""
+    T = GS.TILE
+    b_, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    group = hq // hkv
+    ti = GS.layout_index(*_layout_args(lay), sq, sk)
+    pad_k = (-sk) % T
+    kf = torch.nn.functional.pad(k.float(), (0, 0, 0, pad_k))
+    vf = torch.nn.functional.pad(v.float(), (0, 0, 0, pad_k))
+    qf = torch.nn.functional.pad(q.float(), (0, 0, 0, (-sq) % T))
+    qk_scale = scale * 1.4426950408889634
+    out = torch.full((b_, hq, sq, d), float("nan"))
+    lse = torch.full((b_, hq, sq), float("nan"))
+    n_m = -(-sq // T)
+    for w in range(n_m * b_ * hq):                 # the kernel's item order (any order gives the same result)
+        bh, mt = divmod(w, n_m)
+        if lay.causal:
+            mt = n_m - 1 - mt
+        b, h = divmod(bh, hq)
+        rb, rh = min(b, ti.rows.shape[0] - 1), min(h, ti.rows.shape[1] - 1)
+        n_part, n_all = ti.rows[rb, rh, mt].tolist()
+        cols = ti.cols[min(b, ti.cols.shape[0] - 1), min(h, ti.cols.shape[1] - 1), mt]
+        if ti.full_run:
+            run0 = int(cols[n_part]) - n_part if n_part < n_all else 0
+            tiles = [int(cols[t]) for t in range(n_part)] + [run0 + t for t in range(n_part, n_all)]
+        else:
+            tiles = [int(cols[t]) for t in range(n_all)]
+        rows = torch.arange(mt * T, (mt + 1) * T)
+        qt = qf[b, h, mt * T:(mt + 1) * T]
+
+        def step(t, m, l):
+            kt = tiles[t]
+            s = qt @ kf[b, h // group, kt * T:(kt + 1) * T].T
+            if t < n_part:
+                ok = _allowed(rows, torch.arange(kt * T, (kt + 1) * T), lay, b, h)
+                s = torch.where(ok, s, float("-inf"))
+            m_new = torch.maximum(m, s.amax(-1) * qk_scale)
+            p = torch.exp2(s * qk_scale - m_new[:, None])
+            alpha = torch.exp2(m - m_new)
+            return p, m_new, l * alpha + p.sum(-1), alpha
+
+        m = torch.full((T,), -1.0e30)
+        l = torch.zeros(T)
+        o = torch.zeros(T, d)
+        if n_all > 0:
+            p, m, l, _ = step(0, m, l)
+            for j in range(n_all - 1):
+                kt = tiles[j]
+                pv = p.to(q.dtype).float() @ vf[b, h // group, kt * T:(kt + 1) * T]   # issued before softmax
+                p, m, l, alpha = step(j + 1, m, l)
+                o = (o + pv) * alpha[:, None]
+            kt = tiles[-1]
+            o = o + p.to(q.dtype).float() @ vf[b, h // group, kt * T:(kt + 1) * T]
+        empty = l == 0
+        l_safe = torch.where(empty, torch.ones_like(l), l)
+        n = min(T, sq - mt * T)
+        out[b, h, mt * T:mt * T + n] = (o / l_safe[:, None])[:n]
+        lse[b, h, mt * T:mt * T + n] = torch.where(empty, float("-inf"), (m + torch.log2(l_safe)) * math.log(2))[:n]
+    return out.to(q.dtype), lse
+
+
+@pytest.mark.parametrize("name", sorted(_layouts()))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_emulated_tile_walk_matches_float64(name, dtype, seed):
+    lay, b, hq, hkv = _layouts()[name]
+    d = 64
+    q = torch.randn(b, hq, lay.seq_q, d).to(dtype)
+    k, v = (torch.randn(b, hkv, lay.seq_k, d).to(dtype) for _ in range(2))
+    scale = 0.9 / math.sqrt(d)
+    out, lse = emulate(q, k, v, lay, scale)
+    ro, rl = _ref(q, k, v, lay, scale)
+    empty = torch.isneginf(rl)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()     # every row written
+    assert torch.equal(torch.isneginf(lse), empty)
+    assert (out[empty] == 0).all()
+    if (~empty).any():
+        assert (lse[~empty].double() - rl[~empty]).abs().max().item() < 1e-4
+    assert rel_err(out.float(), ro) < (8e-3 if dtype == torch.bfloat16 else 1.5e-3)
+
+
+def test_layout_classes_cover_the_kernel_paths():
+    """The emulated layouts reach every mask mode and both full-tile walks the kernel has."""
+    seen = set()
+    for lay, *_ in _layouts().values():
+        ti = GS.layout_index(*_layout_args(lay), lay.seq_q, lay.seq_k)
+        seen |= {f"bm{ti.bm_mode}", "run" if ti.full_run else "list"}
+        if bool((ti.rows[..., 0] > 0).any()):
+            seen.add("partial")
+    assert {"bm0", "bm1", "bm2", "run", "list", "partial"} <= seen, seen
+
+
+def test_emulation_detects_a_wrong_mask():
+    """The emulation is sensitive to its masks: treating the partial tiles as full (no element mask)
+    must fail the comparison."""
+    torch.manual_seed(0)
+    lay = SparseLayout.sliding_window(300, 50, causal=True, block_size=16)
+    q, k, v = (torch.randn(1, 2, 300, 64).to(torch.float16) for _ in range(3))
+    wide = SparseLayout.sliding_window(300, 300, causal=False, block_size=16)   # same tiles visited, no masks
+    out, _ = emulate(q, k, v, wide, 0.125)
+    ro, _ = _ref(q, k, v, lay, 0.125)
+    assert rel_err(out.float(), ro) > 0.05
+
+
+# ---- on an H100/H200 ------------------------------------------------------------------------------------
+def _gpu_check(name, d, dtype, bshd=False):
+    lay, b, hq, hkv = _layouts("cuda")[name]
+
+    def make(h, s):
+        if bshd:   # transformers' projections: (b, s, h, d) memory seen as (b, h, s, d)
+            return torch.randn(b, s, h, d, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()
+        return torch.randn(b, h, s, d, device="cuda", dtype=dtype, requires_grad=True)
+
+    q, k, v = make(hq, lay.seq_q), make(hkv, lay.seq_k), make(hkv, lay.seq_k)
+    scale = 0.8 / math.sqrt(d)
+    with opsadv.use_backend("cuda", experimental=True, autotune=False, impls={"sparse_attention": IMPL_ID}), \
+            opsadv.trace() as t:
+        out, lse = opsadv.ops.sparse_attention(q, k, v, lay, scale=scale, return_lse=True)
+        do = torch.randn_like(out)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), do)
+    assert t.counts[IMPL_ID] == 2
+    qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
+    with opsadv.use_backend("reference"):
+        ro, rl = opsadv.ops.sparse_attention(qd, kd, vd, lay, scale=scale, return_lse=True)
+        rq, rk, rv = torch.autograd.grad(ro, (qd, kd, vd), do.double())
+    empty = torch.isneginf(rl)
+    assert torch.equal(torch.isneginf(lse), empty)
+    assert (out[empty] == 0).all()
+    for n, x in (("out", out), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)):
+        assert not torch.isnan(x).any(), n
+    if (~empty).any():
+        assert (lse[~empty].double() - rl[~empty]).abs().max().item() < 2e-3
+    tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
+    for n, x, r in (("out", out, ro), ("dq", dq, rq), ("dk", dk, rk), ("dv", dv, rv)):
+        assert rel_err(x, r) < tol, (n, rel_err(x, r))
+
+
+@requires_sm90
+@pytest.mark.parametrize("name", sorted(_layouts()))
+@pytest.mark.parametrize("d,dtype", [(128, torch.bfloat16), (64, torch.float16)])
+def test_gpu_fwd_bwd_matches_reference(name, d, dtype, seed, monkeypatch):
+    monkeypatch.setenv("OPSADV_POISON_OUTPUTS", "1")
+    _gpu_check(name, d, dtype)
+
+
+@requires_sm90
+def test_gpu_bshd_inputs(seed, monkeypatch):
+    monkeypatch.setenv("OPSADV_POISON_OUTPUTS", "1")
+    _gpu_check("window_causal", 128, torch.bfloat16, bshd=True)
+
+
+@requires_sm90
+@pytest.mark.parametrize("persistent", [True, False])
+def test_gpu_both_schedules_forward(persistent, seed, monkeypatch):
+    monkeypatch.setenv("OPSADV_POISON_OUTPUTS", "1")
+    for name in ("window_causal_long", "bigbird", "causal_sq_gt_sk", "dilated_not_one_run"):
+        lay, b, hq, hkv = _layouts("cuda")[name]
+        q = torch.randn(b, hq, lay.seq_q, 128, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(b, hkv, lay.seq_k, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        out, lse = GS.sparse_fwd(None, q, k, v, *_layout_args(lay), 0.1, variant={"persistent": persistent})
+        ro, rl = _ref(q, k, v, lay, 0.1)
+        assert torch.equal(torch.isneginf(lse), torch.isneginf(rl)), name
+        assert not torch.isnan(out).any(), name
+        assert rel_err(out, ro) < 2e-2, (name, rel_err(out, ro))
