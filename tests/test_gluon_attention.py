@@ -78,8 +78,8 @@ print(json.dumps(report))
 """
 
 
-# The schedules the impl may launch must not spill.  "pingpong" (an experiment, not a default) is
-# compiled too but allowed a few spills outside its main loop: see benchmarks/gluon_fa/README.md.
+# No schedule may spill, except ping-pong at d128 (not the d128 default): 4 / 12 STL+LDL outside its
+# main loop at 2cfc9ce (benchmarks/gluon_fa/README.md).
 COMPILE_CASES = [(d, name, causal) for d in (128, 64) for name in GA.VARIANTS
                  if not (name == "inline_st3" and d != 128) for causal in (False, True)]
 
@@ -106,7 +106,8 @@ def sm90_compile_report():
 def test_compiles_for_sm90_without_spills(d, variant, causal, sm90_compile_report):
     r = sm90_compile_report[f"{d}-{variant}-{causal}"]
     assert r["shared"] <= 232448                     # the sm_90 opt-in limit (227 KB)
-    if variant == "pingpong":
+    assert GA.DEFAULT_VARIANT[d] != variant or r["spills"] == 0, "the default schedule spills"
+    if variant == "pingpong" and d == 128:
         assert r["spills"] <= 16, r
     else:
         assert r["spills"] == 0, f"{variant} d{d} causal={causal}: {r['spills']} spill instructions"

@@ -40,9 +40,11 @@ VARIANTS = {
     "inline_st3": dict(WARP_SPEC=False, PINGPONG=False, STAGES=3),
     "pingpong": dict(WARP_SPEC=True, PINGPONG=True, STAGES=None),
 }
-# The schedule the impl launches, per head dim.  H200 at 28f3ef6 (non-causal, s4096/16384): ws and
-# inline_st3 within 1% of each other at d128, ws ahead at d64.
-DEFAULT_VARIANT = {64: "ws", 128: "ws"}
+# The schedule the impl launches, per head dim: the fastest correct one on the H200 at 2cfc9ce
+# (benchmarks/results/gluon_fa_v2_h200.json, b4 h32 s4096 bf16, x SDPA cuDNN): d128 inline_st3 0.79
+# non-causal / 0.835 causal (ws 0.686 / 0.666, pingpong 0.747 / 0.741); d64 pingpong 0.902 / 0.86
+# (ws 0.741 / 0.746).
+DEFAULT_VARIANT = {64: "pingpong", 128: "inline_st3"}
 CONSUMER_REGS = 240     # per thread, each ping-pong consumer warpgroup (setmaxnreg)
 PRODUCER_REGS = 24      # the TMA producer warp only issues copies
 
