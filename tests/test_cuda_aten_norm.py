@@ -65,6 +65,11 @@ def test_rms_norm_matches_reference(dtype, residual, shape):
     assert stats == [None, None] and torch.equal(yl, A.ln_fwd(None, x, w, w, 1e-5, res)[0])
 
 
+FUSED_RMS = hasattr(torch.ops.aten, "_fused_rms_norm")
+needs_fused_rms = pytest.mark.skipif(not FUSED_RMS, reason="aten._fused_rms_norm missing (torch < 2.12)")
+
+
+@needs_fused_rms
 @pytest.mark.parametrize("residual", [False, True])
 def test_rms_forward_stats_feed_the_triton_backward(residual):
     """aten's RMSNorm forward has no backward impl: its rstd must be what the Triton backward reads."""
@@ -85,8 +90,10 @@ def test_declared_priorities():
     import opsadv
     from opsadv.core.kernel import CallSpec
     impls = {i.id: i for i in A.impls(opsadv.detect())}
-    assert set(impls) == {"cuda.aten.layer_norm", "cuda.aten.rms_norm", "cuda.aten.rms_norm_small_rows",
-                          "cuda.aten.layer_norm_autograd", "cuda.aten.rms_norm_autograd"}
+    always = {"cuda.aten.layer_norm", "cuda.aten.layer_norm_autograd", "cuda.aten.rms_norm_autograd"}
+    assert set(impls) == always | ({"cuda.aten.rms_norm", "cuda.aten.rms_norm_small_rows"} if FUSED_RMS else set())
+    if not FUSED_RMS:
+        return
     assert impls["cuda.aten.layer_norm"].priority < 200 and impls["cuda.aten.rms_norm"].priority < 200
     small = impls["cuda.aten.rms_norm_small_rows"]
     assert small.priority > 200 and small.backward is None and "offset" not in small.features
@@ -117,3 +124,20 @@ def test_autograd_impls_serve_small_hidden_grad_calls_only():
     xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_()
     ref = torch.nn.functional.rms_norm(xr, (33,), wr, 1e-6)
     torch.testing.assert_close((gx, gw), torch.autograd.grad(ref, (xr, wr), torch.ones_like(ref)))
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_unfused_rms_forward_matches_the_fused_contract(residual):
+    """Without aten._fused_rms_norm (torch < 2.12) rms_norm_autograd's fn computes rstd itself: same
+    outputs as the fused op (checked where it exists) and as float64 math."""
+    g = torch.Generator().manual_seed(21 + residual)
+    x, w = torch.randn(7, 127, generator=g), torch.randn(127, generator=g)
+    res = torch.randn(7, 127, generator=g) if residual else None
+    y, s, rstd = A.rms_fwd_unfused(None, x, w, 1e-6, res, 0.0)
+    xs = (x + res if residual else x).double()
+    want_rstd = torch.rsqrt(xs.pow(2).mean(-1) + 1e-6)
+    assert rel_err(rstd, want_rstd) < 1e-6 and rel_err(y, xs * want_rstd[:, None] * w.double()) < 1e-5
+    assert (s.numel() == 0) != residual
+    if FUSED_RMS:
+        yf, sf, rf = A.rms_fwd(None, x, w, 1e-6, res, 0.0)
+        assert rel_err(y, yf) < 1e-6 and rel_err(rstd, rf) < 1e-6

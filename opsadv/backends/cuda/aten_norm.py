@@ -74,6 +74,15 @@ def rms_fwd(ctx, x, weight, eps, residual, offset):
     return y, (s if residual is not None else x.new_empty((0,))), _stat(rstd, x)
 
 
+def rms_fwd_unfused(ctx, x, weight, eps, residual, offset):
+    """rms_fwd's outputs without aten._fused_rms_norm: torch.rms_norm and a separately computed rstd."""
+    s = x + residual if residual is not None else x
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    rstd = torch.rsqrt(s.to(acc).pow(2).mean(-1) + eps)
+    return (torch.rms_norm(s, (x.shape[-1],), weight, eps), (s if residual is not None else x.new_empty((0,))),
+            rstd)
+
+
 def rms_infer(ctx, x, weight, eps, residual, offset):
     if residual is None:
         return torch.rms_norm(x, (x.shape[-1],), weight, eps), None, None
@@ -110,18 +119,21 @@ def impls(env) -> list[KernelImpl]:
                    description="PyTorch's LayerNorm under PyTorch's autograd, for grad-recording calls "
                                f"without residual at hidden <= {TRAIN_MAX_HIDDEN} (measured faster there)"),
     ]
+    rms = dict(common, fn=rms_fwd if hasattr(aten, "_fused_rms_norm") else rms_fwd_unfused, inference=rms_infer,
+               train=rms_infer, features=frozenset({"weight", "residual"}))
     if hasattr(aten, "_fused_rms_norm"):
-        rms = dict(common, fn=rms_fwd, inference=rms_infer, train=rms_infer, features=frozenset({"weight", "residual"}))
         out += [
             KernelImpl("cuda.aten.rms_norm", "rms_norm", **rms,
                        description="PyTorch's fused RMSNorm forward (residual added separately; no backward)"),
             KernelImpl("cuda.aten.rms_norm_small_rows", "rms_norm", **dict(rms, priority=PRIORITY_SMALL_ROWS),
                        check=_small_rows,
                        description="PyTorch's fused RMSNorm forward for <= 16 rows (decode), measured faster there"),
-            KernelImpl("cuda.aten.rms_norm_autograd", "rms_norm",
-                       **dict(rms, priority=PRIORITY_SMALL_ROWS, features=frozenset({"weight"})),
-                       check=_train_small_hidden,
-                       description="PyTorch's RMSNorm under PyTorch's autograd, for grad-recording calls "
-                                   f"without residual at hidden <= {TRAIN_MAX_HIDDEN} (measured faster there)"),
         ]
+    # torch.rms_norm with torch's autograd needs no aten._fused_rms_norm (missing before torch 2.12; fn is
+    # never called here: the check admits grad-recording calls only, which run `train`)
+    out.append(KernelImpl("cuda.aten.rms_norm_autograd", "rms_norm",
+                          **dict(rms, priority=PRIORITY_SMALL_ROWS, features=frozenset({"weight"})),
+                          check=_train_small_hidden,
+                          description="PyTorch's RMSNorm under PyTorch's autograd, for grad-recording calls "
+                                      f"without residual at hidden <= {TRAIN_MAX_HIDDEN} (measured faster there)"))
     return out
