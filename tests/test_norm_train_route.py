@@ -162,3 +162,13 @@ def test_autotune_of_a_train_bucket_times_train_steps_and_stores_a_train_key(tra
     keys = [k for k in (tmp_path / "tuning.json").read_text().split('"') if k.startswith("rms_norm|")]
     assert any("|train|" in k for k in keys), keys
     tuning._TUNING.reset()
+
+
+def test_explain_shows_the_train_bucket_of_a_grad_recording_call(trainer):
+    x, w, _, _ = _inputs(3, 8, False, seed=7)
+    exp = opsadv.explain("rms_norm", x, w)
+    assert exp.spec.train and exp.chosen == "trainer.rms_norm" and "train (grad-recording" in str(exp)
+    with torch.no_grad():
+        exp = opsadv.explain("rms_norm", x, w)
+    assert not exp.spec.train and exp.chosen != "trainer.rms_norm"
+    assert not opsadv.explain("rms_norm", x, w, backward=True).spec.train

@@ -41,7 +41,8 @@ class Explanation:
     def __str__(self) -> str:
         head = (f"opsadv.{self.op} [{self.spec.device_type} {str(self.spec.dtype).replace('torch.', '')}"
                 f" bucket={self.spec.bucket} features={sorted(self.spec.features)}"
-                f"{' backward' if self.spec.backward else ''}] under {self.policy}")
+                f"{' backward' if self.spec.backward else ''}"
+                f"{' train (grad-recording forward: timed fwd+bwd)' if self.spec.train else ''}] under {self.policy}")
         rows = [head, f"  {'':2} {'impl':42} {'prio':>5}  verdict"]
         for c in self.candidates:
             mark = "->" if c.chosen else "  "

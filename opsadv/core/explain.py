@@ -45,7 +45,9 @@ def _spec_for(op: str, args: tuple, kwargs: dict[str, Any], backward: bool):
         eps = get(3 if op == "layer_norm" else 2, "eps", 1e-5)
         res, offset = kwargs.get("residual"), kwargs.get("offset", 0.0)
         norm.validate(op, x, w, bias, eps, res, offset)
-        return norm._spec(op, x, w, bias, res, backward, offset)
+        # an eager call that records gradients resolves in its own bucket (CallSpec.train)
+        train = not backward and _ops._common.eager_mode(x, w, bias, res) == _ops._common.AUTOGRAD_FN
+        return norm._spec(op, x, w, bias, res, backward, offset, train=train)
     raise InvalidArgumentError("explain", "op", f"one of {list(OPS)}", repr(op))
 
 
