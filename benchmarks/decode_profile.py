@@ -22,6 +22,9 @@ import torch
 
 from opsadv.bench import suite_e2e as E
 
+sys.path.insert(0, os.path.dirname(__file__))
+from host_cost import b2b as b2b_us  # noqa: E402  (back-to-back wall µs per call)
+
 
 def _state() -> str:
     """What decides our ops' eager fast path (opsadv.core.ops._common.eager_mode), and the threads alive."""
@@ -50,15 +53,8 @@ def _timing_order(conv, base, key, ids, tok, lines):
                 return out
             steps[name] = step
 
-    def loop(fn, n=20):
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / n * 1e3
+    def loop(fn):
+        return b2b_us(fn, n=20) / 1e3          # ms per step, back to back, one sync
     for phase in ("before profiler", "after profiler"):
         if phase == "after profiler":
             for f in steps.values():
