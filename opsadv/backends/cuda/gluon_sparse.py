@@ -23,20 +23,20 @@ triton.experimental.gluon does not import, the impl is still registered, rejecti
 the import error as the reason, and importing opsadv never fails."""
 from __future__ import annotations
 
-import math
-
 import torch
 
 from opsadv.core.kernel import PRIORITY_TRITON, KernelImpl
 from opsadv.core.layout import tile_index
 
+from .gluon_attention import _cdiv, _desc, _tma_ready  # (b, h, s, d) TMA descriptors shared with the dense kernel
+from .sparse import refinement_reasons
+
 try:
     from . import _gluon_sparse_kernel as _K
     from triton.experimental.gluon import language as _gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _GluonTensorDescriptor
     UNAVAILABLE = ""
 except Exception as e:  # ImportError, or an older Triton whose Gluon lacks a name used here
-    _K = _gl = _GluonTensorDescriptor = None
+    _K = _gl = None
     UNAVAILABLE = f"triton.experimental.gluon (Hopper) is not importable: {type(e).__name__}: {e}"
 
 IMPL_ID = "cuda.gluon.sparse_attention"
@@ -46,7 +46,6 @@ HEAD_DIMS = (64, 128)
 FEATURES = frozenset({"causal", "window", "global", "key_padding", "gqa", "cross_length", "varlen"})
 LOG2E = 1.4426950408889634
 TILE = 128                      # the kernel's query and key tile (BLOCK_M = BLOCK_N)
-MAX_REFINE_CELLS = 1 << 26      # tile classification grid cap (as sparse.py)
 # K/V ring depth per head dim: next to 2 Q slots (2 x 128 x d) it must fit 227 KB of shared memory.
 # d128: 2 x 32 KB + 2 stages x 64 KB = 192 KB (3 stages would need 256 KB); d64: 32 KB + 4 x 32 KB.
 STAGES = {128: 2, 64: 4}
@@ -56,32 +55,12 @@ DEFAULT_VARIANT = {"persistent": True}
 _sm_counts: dict[int, int] = {}
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _sm_count(device: torch.device) -> int:
     idx = device.index if device.index is not None else torch.cuda.current_device()
     n = _sm_counts.get(idx)
     if n is None:
         n = _sm_counts[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
     return n
-
-
-def _tma_ready(t: torch.Tensor) -> torch.Tensor:
-    """t itself when a TMA descriptor can address it (unit stride along d, 16-byte aligned base and
-    strides), else a contiguous copy."""
-    esize = t.element_size()
-    if (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-            and all(st > 0 and (st * esize) % 16 == 0 for st in t.stride()[:-1])):
-        return t
-    return t.contiguous()
-
-
-def _desc(t: torch.Tensor, rows: int, gdt):
-    d = t.shape[-1]
-    layout = _gl.NVMMASharedLayout.get_default_for([1, 1, rows, d], gdt)
-    return _GluonTensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, d], layout)
 
 
 def _s3(t: torch.Tensor) -> tuple[int, int, int]:
@@ -160,13 +139,7 @@ def _check(spec, env) -> list[str]:
     if "varlen" in spec.features:
         why.append("packed varlen layouts (cu_seqlens) need segment masks the Gluon kernel does not have "
                    "(cuda.triton.sparse_attention serves them)")
-    bs = spec.bucket[0]
-    sq, sk = spec.shapes[0][2], spec.shapes[1][2]
-    g = math.gcd(bs, TILE)
-    cells = _cdiv(sq, g) * _cdiv(sk, g)
-    if cells > MAX_REFINE_CELLS:
-        why.append(f"layout block_size {bs}: classifying {sq}x{sk} into {TILE}-tiles at granularity {g} needs "
-                   f"{cells} cells (> {MAX_REFINE_CELLS}); use a block size that is a multiple of 16")
+    why.extend(refinement_reasons(spec, TILE))
     return why
 
 

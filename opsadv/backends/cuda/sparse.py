@@ -629,16 +629,21 @@ def _check(spec: CallSpec, env) -> list[str]:
         from opsadv.core.policy import current_policy
         if current_policy().precision.attention not in ("fp16", "bf16"):
             why.append("float32 inputs need precision policy attention='fp16' or 'bf16' (tensor-core kernel)")
-    bs = spec.bucket[0]
-    (q_shape, k_shape) = spec.shapes[:2]
-    sq, sk = q_shape[2], k_shape[2]
-    # the tile classifier refines the block mask to gcd(block_size, tile) cells
-    g = math.gcd(bs, 16)
-    cells = -(-sq // g) * -(-sk // g)
-    if cells > MAX_REFINE_CELLS:
-        why.append(f"layout block_size {bs} is not a multiple of 16: classifying {sq}x{sk} at granularity {g} "
-                   f"needs {cells} cells (> {MAX_REFINE_CELLS}); use a block size that is a multiple of 16")
+    why.extend(refinement_reasons(spec, 16))
     return why
+
+
+def refinement_reasons(spec: CallSpec, tile: int) -> list[str]:
+    """The tile classifier refines the block mask to gcd(block_size, tile) cells: too many cells
+    (a block size that shares no large factor with the tile) is refused with the numbers."""
+    bs = spec.bucket[0]
+    sq, sk = spec.shapes[0][2], spec.shapes[1][2]
+    g = math.gcd(bs, tile)
+    cells = -(-sq // g) * -(-sk // g)
+    if cells <= MAX_REFINE_CELLS:
+        return []
+    return [f"layout block_size {bs}: classifying {sq}x{sk} into {tile}-tiles at granularity {g} needs "
+            f"{cells} cells (> {MAX_REFINE_CELLS}); use a block size that is a multiple of 16"]
 
 
 def impls(env) -> list[KernelImpl]:
