@@ -39,3 +39,21 @@ def seed():
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def load_without_gluon(monkeypatch, module, kernel_module_suffix: str):
+    """A fresh copy of `module` (a Gluon impl module) imported while triton.experimental.gluon cannot be
+    imported: what a machine without Gluon sees.  The kernel module is dropped from sys.modules so
+    the copy's guarded import of it runs again and fails."""
+    import importlib.util
+    import sys
+    for name in list(sys.modules):
+        if name.startswith("triton.experimental.gluon") or name.endswith(kernel_module_suffix):
+            monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "triton.experimental.gluon", None)     # import -> ImportError
+    spec = importlib.util.spec_from_file_location(module.__name__ + "_nogluon", module.__file__,
+                                                  submodule_search_locations=None)
+    mod = importlib.util.module_from_spec(spec)
+    mod.__package__ = "opsadv.backends.cuda"
+    spec.loader.exec_module(mod)
+    return mod

@@ -9,7 +9,6 @@ float64 reference, with NaN-poisoned outputs; every schedule's forward directly.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 import os
 import sys
@@ -21,7 +20,7 @@ import opsadv
 from opsadv.backends.reference import kernels as R
 from opsadv.core.kernel import CallSpec
 
-from conftest import rel_err
+from conftest import load_without_gluon, rel_err
 
 GA = pytest.importorskip("opsadv.backends.cuda.gluon_attention")
 IMPL_ID = GA.IMPL_ID
@@ -162,15 +161,7 @@ def test_rejection_reasons():
 def test_unavailable_without_gluon(monkeypatch):
     """With triton.experimental.gluon unimportable the module still imports and the impl rejects every
     call, naming the import failure."""
-    for name in list(sys.modules):
-        if name.startswith("triton.experimental.gluon") or name.endswith("._gluon_fa_kernel"):
-            monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setitem(sys.modules, "triton.experimental.gluon", None)     # import -> ImportError
-    spec = importlib.util.spec_from_file_location("opsadv.backends.cuda._gluon_attention_nogluon", GA.__file__,
-                                                  submodule_search_locations=None)
-    mod = importlib.util.module_from_spec(spec)
-    mod.__package__ = "opsadv.backends.cuda"
-    spec.loader.exec_module(mod)
+    mod = load_without_gluon(monkeypatch, GA, "._gluon_fa_kernel")
     assert "triton.experimental.gluon" in mod.UNAVAILABLE
     (impl,) = mod.impls(_env())
     why = impl.rejection_reasons(_spec(), _env(), experimental_ok=True, deterministic=False)

@@ -24,7 +24,7 @@ import opsadv
 from opsadv import SparseLayout
 from opsadv.core.kernel import CallSpec
 
-from conftest import rel_err
+from conftest import load_without_gluon, rel_err
 
 GS = pytest.importorskip("opsadv.backends.cuda.gluon_sparse")
 IMPL_ID = GS.IMPL_ID
@@ -194,15 +194,7 @@ def test_direct_call_refuses_varlen():
 def test_unavailable_without_gluon(monkeypatch):
     """With triton.experimental.gluon unimportable the module still imports and the impl rejects every
     call, naming the import failure."""
-    for name in list(sys.modules):
-        if name.startswith("triton.experimental.gluon") or name.endswith("._gluon_sparse_kernel"):
-            monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setitem(sys.modules, "triton.experimental.gluon", None)     # import -> ImportError
-    spec = importlib.util.spec_from_file_location("opsadv.backends.cuda._gluon_sparse_nogluon", GS.__file__,
-                                                  submodule_search_locations=None)
-    mod = importlib.util.module_from_spec(spec)
-    mod.__package__ = "opsadv.backends.cuda"
-    spec.loader.exec_module(mod)
+    mod = load_without_gluon(monkeypatch, GS, "._gluon_sparse_kernel")
     assert "triton.experimental.gluon" in mod.UNAVAILABLE
     (impl,) = mod.impls(_env())
     why = impl.rejection_reasons(_spec(), _env(), experimental_ok=True, deterministic=False)
