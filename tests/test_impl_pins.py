@@ -78,3 +78,43 @@ def test_graph_checks_run_under_the_pin(monkeypatch):
     res = runner.run_graph_checks("gemm", "reference", "cpu", impls={"gemm": "reference.gemm"})
     assert seen and all(s == {"gemm": "reference.gemm"} for s in seen)
     assert {r.impl for r in res if r.status == "pass"} == {"reference.gemm"}
+
+
+def test_conformance_pin_runs_an_experimental_impl():
+    """Pinning is the explicit opt-in: conformance of a pinned experimental impl runs its cells (how an
+    experimental kernel such as cuda.gluon.flash_attention earns its way out of the gate), it does not
+    skip them as 'experimental'."""
+    import dataclasses
+
+    from opsadv import KernelImpl
+    from opsadv.backends.reference import kernels as R
+    from opsadv.registry import BackendInfo, ProbeResult, hookimpl, reset_registry
+    from opsadv.testing.runner import run_conformance
+
+    class Lab:
+        @hookimpl
+        def opsadv_backend_info(self):
+            return BackendInfo(name="lab", device_types=("cpu",), auto_priority=50)
+
+        @hookimpl
+        def opsadv_probe(self, env):
+            return ProbeResult(True)
+
+        @hookimpl
+        def opsadv_register_kernels(self, registry, env):
+            registry.add(KernelImpl(id="lab.rms_norm", op="rms_norm", backend="lab", fn=R.rms_norm_fwd,
+                                    backward=R.rms_norm_bwd, device_types=("cpu",),
+                                    dtypes=(torch.float32, torch.float16, torch.bfloat16),
+                                    features=frozenset({"weight", "residual", "offset"}), experimental=True))
+
+    reg = reset_registry(dataclasses.replace(opsadv.detect(), triton_interpret=False))
+    try:
+        reg.register_plugin(Lab(), name="lab")
+        unpinned = run_conformance("lab", quick=True, device="cpu", ops=["rms_norm"])
+        pinned = run_conformance("lab", quick=True, device="cpu", ops=["rms_norm"], impls={"rms_norm": "lab.rms_norm"})
+    finally:
+        reset_registry()
+    cells = [r for r in pinned if r.shape_class not in ("compile", "export")]
+    assert cells and all(r.status == "pass" and r.impl == "lab.rms_norm" for r in cells), \
+        [(r.status, r.reason) for r in cells]
+    assert not any(r.status == "pass" and r.impl == "lab.rms_norm" for r in unpinned)

@@ -128,7 +128,8 @@ def _run(case, res, backend, dtype, device, seed, check_determinism, precision, 
     if precision is not None:
         pol["precision"] = precision
     if impls:
-        pol["impls"] = impls
+        # pinning is how an experimental impl earns conformance: the pin is the explicit opt-in
+        pol.update(impls=impls, experimental=True)
     if _interpreter_bf16(case.op, backend, device, dtype):
         res.status, res.reason = "skip", "bf16 tl.dot is wrong in the Triton interpreter (triton 3.6): run on a GPU"
         return
@@ -190,7 +191,7 @@ def run_graph_checks(op: str, backend: str, device: str, impls: dict | None = No
     `impls` ({op: impl id}) the pinned kernel is the one compiled / exported."""
     case = next(c for c in CATALOGUE if c.op == op)
     out: list[Result] = []
-    pins = {"impls": impls} if impls else {}
+    pins = {"impls": impls, "experimental": True} if impls else {}
     for dtype in (torch.float32, torch.float16):
         g = torch.Generator().manual_seed(0)
         args, kwargs = case.build(dtype, device, g)
