@@ -390,3 +390,21 @@ def test_gpu_both_schedules_forward(persistent, seed, monkeypatch):
         assert torch.equal(torch.isneginf(lse), torch.isneginf(rl)), name
         assert not torch.isnan(out).any(), name
         assert rel_err(out, ro) < 2e-2, (name, rel_err(out, ro))
+
+
+def test_schedule_persistent_for_short_rows_only():
+    """persistent_schedule: persistent grid up to PERSISTENT_MAX_TILES visited tiles per (b, h, query
+    tile) on average (the H200 crossover between window 2048 and 4096 at s16384), one item per CTA above;
+    an index built under graph capture (tiles = -1) keeps the persistent grid."""
+    s = 16384
+    n_m = s // GS.TILE
+
+    def tiles_per_row(window):
+        lay = SparseLayout.sliding_window(s, window, causal=True, block_size=128)
+        ti = GS.layout_index(*_layout_args(lay), s, s)
+        return ti, ti.tiles / (ti.rows.shape[0] * ti.rows.shape[1] * n_m)
+    for window, want in ((1024, True), (2048, True), (4096, False), (8192, False)):
+        ti, per_row = tiles_per_row(window)
+        assert GS.persistent_schedule(ti, n_m) is want, (window, per_row)
+        assert (per_row <= GS.PERSISTENT_MAX_TILES) is want
+    assert GS.persistent_schedule(ti._replace(tiles=-1), n_m) is True

@@ -16,7 +16,7 @@ windows, d128 bf16 b1 h32, ms Gluon persistent / Triton sparse / flex: w1024 0.6
 (1.22x flex, 0.79x the Triton dense causal TFLOP/s; targets 1.3x and 0.85x not met), w128 0.276 / 0.251,
 w256 0.326 / 0.305, w512 0.455 / 0.452, w2048 1.186 / 1.218, w4096 2.114 / 2.035, w8192 3.494 / 3.353.
 The persistent schedule wins on short rows (w1024 0.696 vs 0.744 one item per CTA) and loses on long
-ones (w8192 3.494 vs 3.379).
+ones (w8192 3.494 vs 3.379): persistent_schedule() picks per call from the layout's tile count.
 
 Experimental until it passes conformance on an H200 (use_backend(..., experimental=True)).  When
 triton.experimental.gluon does not import, the impl is still registered, rejecting every call with
@@ -50,7 +50,11 @@ TILE = 128                      # the kernel's query and key tile (BLOCK_M = BLO
 # d128: 2 x 32 KB + 2 stages x 64 KB = 192 KB (3 stages would need 256 KB); d64: 32 KB + 4 x 32 KB.
 STAGES = {128: 2, 64: 4}
 PRODUCER_REGS = 24              # the 1-warp TMA producer (setmaxnreg); consumers get the rest
-DEFAULT_VARIANT = {"persistent": True}
+DEFAULT_VARIANT: dict = {}           # {"persistent": bool, "stages": int}: absent keys are chosen per call
+# Persistent grid (<= one CTA per SM, the K/V ring kept across work items) for short rows, one work item
+# per CTA for long ones (H200, fc70817, s16384 d128 causal windows, ms persistent / one item per CTA:
+# ~8 tiles per row 0.696 / 0.744, ~16 1.186 / 1.203, ~32 2.114 / 2.088, ~64 3.494 / 3.379).
+PERSISTENT_MAX_TILES = 24          # mean visited tiles per (b, h, query tile) up to which persistent wins
 
 _sm_counts: dict[int, int] = {}
 
@@ -71,6 +75,15 @@ def _s3(t: torch.Tensor) -> tuple[int, int, int]:
 def layout_index(block_mask, kpm, cu, bs, causal, wl, wr, ng, sq, sk):
     """The TileIndex the kernel walks (128 x 128 tiles; cached by core.layout)."""
     return tile_index(block_mask, kpm, cu, bs, causal, wl, wr, ng, sq, sk, TILE, TILE)
+
+
+def persistent_schedule(ti, n_m: int) -> bool:
+    """The grid choice above from the layout's tile count (ti.tiles < 0, an index built during CUDA
+    graph capture without host reads: persistent, the schedule measured at the common window sizes)."""
+    if ti.tiles < 0:
+        return True
+    items = ti.rows.shape[0] * ti.rows.shape[1] * n_m       # (b|1) x (h|1) x query tiles of the index
+    return ti.tiles <= PERSISTENT_MAX_TILES * max(items, 1)
 
 
 def launch_args(q, k, v, out, lse, ti, kpm, bs, causal, wl, wr, ng, scale, *, persistent=True, stages=None,
@@ -115,8 +128,9 @@ def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale,
     ti = layout_index(block_mask, kpm, cu, bs, causal, wl, wr, ng, sq, sk)
     out = new_output_bshd(q.shape, q.dtype, q.device)
     lse = new_output((b, hq, sq), torch.float32, q.device)
+    persistent = opts["persistent"] if "persistent" in opts else persistent_schedule(ti, _cdiv(sq, TILE))
     grid, args, kw = launch_args(q, k, v, out, lse, ti, kpm, bs, causal, wl, wr, ng, scale,
-                                 persistent=opts["persistent"], stages=opts.get("stages"),
+                                 persistent=persistent, stages=opts.get("stages"),
                                  num_sms=_sm_count(q.device))
     _K.sparse_fwd_kernel[grid](*args, **kw)
     return out, lse
