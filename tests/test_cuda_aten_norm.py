@@ -90,10 +90,9 @@ def test_declared_priorities():
     import opsadv
     from opsadv.core.kernel import CallSpec
     impls = {i.id: i for i in A.impls(opsadv.detect())}
-    always = {"cuda.aten.layer_norm", "cuda.aten.layer_norm_autograd", "cuda.aten.rms_norm_autograd"}
-    assert set(impls) == always | ({"cuda.aten.rms_norm", "cuda.aten.rms_norm_small_rows"} if FUSED_RMS else set())
-    if not FUSED_RMS:
-        return
+    assert set(impls) == {"cuda.aten.layer_norm", "cuda.aten.layer_norm_autograd", "cuda.aten.rms_norm",
+                          "cuda.aten.rms_norm_small_rows", "cuda.aten.rms_norm_autograd"}
+    assert impls["cuda.aten.rms_norm"].fn is (A.rms_fwd if FUSED_RMS else A.rms_fwd_unfused)
     assert impls["cuda.aten.layer_norm"].priority < 200 and impls["cuda.aten.rms_norm"].priority < 200
     small = impls["cuda.aten.rms_norm_small_rows"]
     assert small.priority > 200 and small.backward is None and "offset" not in small.features

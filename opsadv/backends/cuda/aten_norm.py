@@ -5,6 +5,9 @@ cuda.aten.rms_norm      aten._fused_rms_norm, forward only: its backward op exis
                         could not be checked here and is not registered; a backward resolves to another
                         impl (the Triton one), which reads the same statistics (rstd of shape
                         x.shape[:-1], float32).  No `offset` (Gemma's (1 + w)): that would cost an op.
+                        Where a torch build lacks aten._fused_rms_norm, fn is torch.rms_norm plus a
+                        separately computed rstd (rms_fwd_unfused); eager no-grad and grad-recording
+                        calls use torch.rms_norm itself either way.
 cuda.aten.rms_norm_small_rows  the same code, ranked above the Triton RMSNorm for calls of <= 16 rows
                         (decode), the bucket measured on the H200 (host_cost.py --decode-impls, 8 rows x
                         2048, bf16): eager F.rms_norm, i.e. this kernel, took 15.9 us of host and 7.8 us
@@ -119,21 +122,20 @@ def impls(env) -> list[KernelImpl]:
                    description="PyTorch's LayerNorm under PyTorch's autograd, for grad-recording calls "
                                f"without residual at hidden <= {TRAIN_MAX_HIDDEN} (measured faster there)"),
     ]
+    # without aten._fused_rms_norm (older torch builds) fn computes rstd in a second expression; the
+    # no-grad (`inference`) and grad-recording (`train`) paths are torch.rms_norm either way
     rms = dict(common, fn=rms_fwd if hasattr(aten, "_fused_rms_norm") else rms_fwd_unfused, inference=rms_infer,
                train=rms_infer, features=frozenset({"weight", "residual"}))
-    if hasattr(aten, "_fused_rms_norm"):
-        out += [
-            KernelImpl("cuda.aten.rms_norm", "rms_norm", **rms,
-                       description="PyTorch's fused RMSNorm forward (residual added separately; no backward)"),
-            KernelImpl("cuda.aten.rms_norm_small_rows", "rms_norm", **dict(rms, priority=PRIORITY_SMALL_ROWS),
-                       check=_small_rows,
-                       description="PyTorch's fused RMSNorm forward for <= 16 rows (decode), measured faster there"),
-        ]
-    # torch.rms_norm with torch's autograd needs no aten._fused_rms_norm (missing before torch 2.12; fn is
-    # never called here: the check admits grad-recording calls only, which run `train`)
-    out.append(KernelImpl("cuda.aten.rms_norm_autograd", "rms_norm",
-                          **dict(rms, priority=PRIORITY_SMALL_ROWS, features=frozenset({"weight"})),
-                          check=_train_small_hidden,
-                          description="PyTorch's RMSNorm under PyTorch's autograd, for grad-recording calls "
-                                      f"without residual at hidden <= {TRAIN_MAX_HIDDEN} (measured faster there)"))
+    out += [
+        KernelImpl("cuda.aten.rms_norm", "rms_norm", **rms,
+                   description="PyTorch's fused RMSNorm forward (residual added separately; no backward)"),
+        KernelImpl("cuda.aten.rms_norm_small_rows", "rms_norm", **dict(rms, priority=PRIORITY_SMALL_ROWS),
+                   check=_small_rows,
+                   description="PyTorch's fused RMSNorm forward for <= 16 rows (decode), measured faster there"),
+        KernelImpl("cuda.aten.rms_norm_autograd", "rms_norm",
+                   **dict(rms, priority=PRIORITY_SMALL_ROWS, features=frozenset({"weight"})),
+                   check=_train_small_hidden,
+                   description="PyTorch's RMSNorm under PyTorch's autograd, for grad-recording calls "
+                               f"without residual at hidden <= {TRAIN_MAX_HIDDEN} (measured faster there)"),
+    ]
     return out
