@@ -57,3 +57,13 @@ def load_without_gluon(monkeypatch, module, kernel_module_suffix: str):
     mod.__package__ = "opsadv.backends.cuda"
     spec.loader.exec_module(mod)
     return mod
+
+
+def fake_cuda_env(cc=(9, 0), interpret=False):
+    """This machine's EnvInfo dressed as a CUDA device of compute capability `cc`: for support
+    declarations and rejection reasons of device-only impls, checked without the device."""
+    import dataclasses
+
+    from opsadv.registry import get_registry
+    return dataclasses.replace(get_registry().env, device_type="cuda", compute_capability=cc,
+                               triton_interpret=interpret)

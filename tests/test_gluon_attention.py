@@ -8,7 +8,6 @@ GPU (sm_90 only): forward + backward through opsadv.ops.flash_attention pinned t
 float64 reference, with NaN-poisoned outputs; every schedule's forward directly."""
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import sys
@@ -20,7 +19,7 @@ import opsadv
 from opsadv.backends.reference import kernels as R
 from opsadv.core.kernel import CallSpec
 
-from conftest import load_without_gluon, rel_err
+from conftest import fake_cuda_env, load_without_gluon, rel_err
 
 GA = pytest.importorskip("opsadv.backends.cuda.gluon_attention")
 IMPL_ID = GA.IMPL_ID
@@ -125,10 +124,7 @@ def _spec(dtype=torch.bfloat16, d=128, features=(), device="cuda", backward=Fals
                     bucket=(), head_dim=d, shapes=((1, 2, 100, d), (1, 2, 100, d)), backward=backward)
 
 
-def _env(cc=(9, 0), interpret=False):
-    from opsadv.registry import get_registry
-    return dataclasses.replace(get_registry().env, device_type="cuda", compute_capability=cc,
-                               triton_interpret=interpret)
+_env = fake_cuda_env
 
 
 def _reasons(spec, env, experimental_ok=True):

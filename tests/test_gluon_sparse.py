@@ -9,7 +9,6 @@ GPU (sm_90 only): forward + backward through opsadv.ops.sparse_attention pinned 
 float64 reference with NaN-poisoned outputs and odd lengths; both schedules (persistent or not)."""
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import math
 import os
@@ -24,7 +23,7 @@ import opsadv
 from opsadv import SparseLayout
 from opsadv.core.kernel import CallSpec
 
-from conftest import load_without_gluon, rel_err
+from conftest import fake_cuda_env, load_without_gluon, rel_err
 
 GS = pytest.importorskip("opsadv.backends.cuda.gluon_sparse")
 IMPL_ID = GS.IMPL_ID
@@ -149,10 +148,7 @@ def _spec(dtype=torch.bfloat16, d=128, features=("causal", "window"), device="cu
                     bucket=(bs, sq, sk), head_dim=d, shapes=((1, 2, sq, d), (1, 2, sk, d)), backward=backward)
 
 
-def _env(cc=(9, 0), interpret=False):
-    from opsadv.registry import get_registry
-    return dataclasses.replace(get_registry().env, device_type="cuda", compute_capability=cc,
-                               triton_interpret=interpret)
+_env = fake_cuda_env
 
 
 def _reasons(spec, env, experimental_ok=True):
