@@ -72,3 +72,16 @@ def test_density_plot_written_for_sparse_rows(tmp_path):
     assert (tmp_path / "h_density.png").stat().st_size > 0
     write_plot(str(tmp_path / "g.png"), rows[-1:], "t")          # no density series: no density plot
     assert not (tmp_path / "g_density.png").exists()
+
+
+def test_a_case_whose_setup_fails_gives_an_error_row():
+    """One case's setup error (e.g. a model that cannot be converted on this machine) is that case's
+    error row; it does not end the suite."""
+    from opsadv.bench.case import BenchCase
+
+    def boom():
+        raise RuntimeError("no such model here")
+    case = BenchCase("e2e", "broken case", lambda: torch.zeros(1), {"torch_eager": lambda: torch.zeros(1)}, 1.0,
+                     setup=boom)
+    (row,) = runner.run_case(case)
+    assert row["case"] == "broken case" and row["error"].startswith("setup: RuntimeError: no such model here")

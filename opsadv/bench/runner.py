@@ -128,8 +128,12 @@ def run_case(case) -> list[dict[str, Any]]:
     """Measure one case; returns its JSON rows (the case, plus an "[own]" row when the
     dispatcher chose a vendor kernel and the case offers the library's own kernel)."""
     row: dict[str, Any] = {"suite": case.suite, "case": case.case, "unit": case.unit}
-    if case.setup is not None:
-        case.setup()
+    try:
+        if case.setup is not None:
+            case.setup()
+    except Exception as e:       # the case's error row; the suite's other cases still run
+        row["error"] = f"setup: {type(e).__name__}: {str(e)[:300]}"
+        return [row]
     try:
         out = case.opsadv()
         _sync()

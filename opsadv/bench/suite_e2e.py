@@ -5,6 +5,8 @@ same model with attn_implementation="sdpa" (eager, `hf_sdpa`) and torch.compile 
   prefill llama: ~1.1B Llama (hidden 2048, 22 layers, 32 heads / 4 kv heads, intermediate 5632,
                  vocab 32000), b=8 s=2048, last-token logits (logits_to_keep=1)
   decode llama:  one decode step, b=8, 2047 cached tokens (the cache is cropped back after each call)
+  decode static: the same step over a transformers StaticCache, converted with cuda_graphs=True (one graph
+                 replay per step) vs transformers eager and torch.compile(mode="reduce-overhead") on it
   bert:          BERT-base b=32 s=512 with ~30% padding, compared on real tokens only; converted with
                  cuda_graphs=True on CUDA (packed real tokens, varlen attention, one graph replay)
 Extra fields: conversion_s and tune_s (wall time of convert_model and tune_for_hardware),
@@ -171,6 +173,61 @@ def _llama_decode(quick: bool, dev: str) -> BenchCase:
                      work, "TFLOP/s", extra=extra, setup=setup, rounds=DECODE_ROUNDS)
 
 
+STATIC_SLOTS = 512          # free StaticCache slots past the cached tokens; counters rewind when they run out
+
+
+def _rewind(cache, cached: int) -> None:
+    """Put a StaticCache's write position back to `cached` tokens (its in-place counters; the slots after
+    it are masked until rewritten), so timing loops of any length stay inside the preallocated cache."""
+    from opsadv.runtime.graphs import small_state
+    for t in small_state(cache):
+        t.fill_(cached)
+
+
+def _llama_decode_static(quick: bool, dev: str) -> BenchCase:
+    """One decode step over a transformers StaticCache: the converted model with cuda_graphs=True (the
+    step replays as one CUDA graph, the cache updated in place) against transformers eager on the same
+    kind of cache (`hf_sdpa`) and torch.compile(mode="reduce-overhead") of it (`torch_compile`,
+    transformers' documented fast decode: also CUDA graphs over a StaticCache)."""
+    b, cached = DECODE
+    extra: dict = {}
+    st: dict = {}
+
+    def setup():
+        import transformers as tf
+        _free()
+        base = _build("llama", dev)
+        conv = _convert(base, extra, None, cuda_graphs=True)
+        key = _cache_key(base)
+        ids = torch.randint(0, LLAMA["vocab_size"], (b, cached), device=dev)
+        tok = torch.randint(0, LLAMA["vocab_size"], (b, 1), device=dev)
+        compiled = torch.compile(base, mode="reduce-overhead")
+        with torch.no_grad():
+            for name, m in (("conv", conv), ("base", base), ("compiled", base)):
+                cache = tf.StaticCache(config=base.config, max_cache_len=cached + STATIC_SLOTS)
+                m(input_ids=ids, use_cache=True, logits_to_keep=1, **{key: cache})     # prefill (eager for peers)
+                st[name + "_cache"], st[name + "_steps"] = cache, 0
+        st.update(conv=conv, base=base, compiled=compiled, tok=tok, key=key)
+        _live["llama_decode_static"] = st
+        extra["cache"] = f"StaticCache, {cached} cached + {STATIC_SLOTS} slots (attention spans all of them, masked)"
+
+    def run(name):
+        def f():
+            cache = st[name + "_cache"]
+            with torch.no_grad():
+                out = st[name](input_ids=st["tok"], use_cache=True, **{st["key"]: cache}).logits
+            st[name + "_steps"] += 1
+            if st[name + "_steps"] % (STATIC_SLOTS - 1) == 0:
+                _rewind(cache, cached)
+            return out
+        return f
+
+    work = 2 * PARAMS * b + LLAMA["num_hidden_layers"] * 4 * b * LLAMA["num_attention_heads"] * cached * 64
+    return BenchCase("e2e", f"decode bf16 b{b} cache{cached} llama {extra_name()} static graphs", run("conv"),
+                     {"hf_sdpa": run("base"), "torch_compile": run("compiled")}, work, "TFLOP/s", extra=extra,
+                     setup=setup)
+
+
 def _bert(quick: bool, dev: str) -> BenchCase:
     b, s = BERT_SHAPE
     extra: dict = {}
@@ -231,5 +288,7 @@ def cases(quick: bool) -> Iterator[BenchCase]:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     yield _llama_prefill(quick, dev)
     yield _llama_decode(quick, dev)
+    if dev == "cuda":             # CUDA graphs
+        yield _llama_decode_static(quick, dev)
     yield _bert(quick, dev)
     _free()

@@ -13,9 +13,14 @@ Outputs are fresh tensors (cloned from the graph's static outputs) unless `clone
 then they are the graph's own buffers, overwritten by the next replay of that graph (as
 torch.compile's "reduce-overhead" mode documents).
 
+Static state: a transformers StaticCache (any argument declaring `is_compileable`) is keyed by
+identity and updated in place by each replay, so a decode step with a static KV cache replays as
+one graph (the warm-up's counter advances are undone before the first replay).
+
 Refused, with the reason (InvalidArgumentError), never silently run another way: gradients
 enabled (replay is inference only; use torch.no_grad() or torch.inference_mode()), a module in
-training mode, tensors on another device, non-tensor arguments that are not hashable constants.
+training mode, tensors on another device, a growing cache (DynamicCache: use a StaticCache or
+use_cache=False), other non-tensor arguments that are not hashable constants.
 Whatever the forward does must be capturable: no host reads of device values (the converted
 attention and packing take device-only paths while a stream is captured)."""
 from __future__ import annotations
@@ -35,6 +40,13 @@ OP = "cuda_graphs"
 _CONST = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
 
+def is_static_state(x) -> bool:
+    """A stateful argument whose tensors keep their storage across calls and are updated in place
+    (transformers' StaticCache and other caches that declare `is_compileable`): a graph can replay
+    it, keyed by the object's identity.  A DynamicCache grows (new tensors every step): it cannot."""
+    return getattr(x, "is_compileable", False) is True
+
+
 def signature(leaves: list) -> tuple:
     """Hashable description of flattened call arguments (what a graph is specialized on)."""
     sig = []
@@ -43,11 +55,47 @@ def signature(leaves: list) -> tuple:
             sig.append(("T", tuple(x.shape), x.stride(), x.dtype, x.device, x.requires_grad))
         elif isinstance(x, _CONST):
             sig.append(("V", type(x), x))
-        else:
-            raise InvalidArgumentError(OP, "inputs", "tensors and constants (None, bool, int, float, str, dtype, "
-                                       "device) only: a graph is specialized on every non-tensor value",
+        elif is_static_state(x):
+            sig.append(("I", type(x).__qualname__, id(x)))
+        elif hasattr(x, "get_seq_length"):        # a transformers Cache that is not static
+            raise InvalidArgumentError(OP, "cache", "a StaticCache (transformers.StaticCache(config=..., "
+                                       "max_cache_len=...)): its tensors stay in place, so a graph can replay the "
+                                       "step; this cache allocates new tensors as it grows (or pass use_cache=False)",
                                        type(x).__name__)
+        else:
+            raise InvalidArgumentError(OP, "inputs", "tensors, constants (None, bool, int, float, str, dtype, "
+                                       "device) and static caches only: a graph is specialized on every non-tensor "
+                                       "value", type(x).__name__)
     return tuple(sig)
+
+
+SMALL_STATE_NUMEL = 64       # counters (e.g. a StaticCache layer's cumulative_length), not the K/V buffers
+
+
+def small_state(obj, depth: int = 3) -> list[torch.Tensor]:
+    """The small tensors inside a static-state object (attributes, and lists / tuples / dicts of
+    objects, `depth` levels down): the counters its updates advance in place."""
+    out: list[torch.Tensor] = []
+    seen: set[int] = set()
+
+    def walk(x, d):
+        if id(x) in seen or d < 0:
+            return
+        seen.add(id(x))
+        if isinstance(x, torch.Tensor):
+            if x.numel() <= SMALL_STATE_NUMEL:
+                out.append(x)
+        elif isinstance(x, (list, tuple)):
+            for y in x:
+                walk(y, d - 1)
+        elif isinstance(x, dict):
+            for y in x.values():
+                walk(y, d - 1)
+        elif hasattr(x, "__dict__") and not isinstance(x, (type, torch.nn.Module)):
+            for y in vars(x).values():
+                walk(y, d - 1)
+    walk(obj, depth)
+    return out
 
 
 @dataclass
@@ -58,6 +106,7 @@ class _Graph:
     out_spec: Any
     replays: int = 0
     impls: dict = field(default_factory=dict)   # opsadv impl calls captured in the graph (each replay runs them)
+    states: list = field(default_factory=list)  # static-state arguments (held: their id is part of the key)
 
 
 @dataclass
@@ -142,6 +191,13 @@ class CudaGraphRunner:
         static = [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in leaves]
         args, kwargs = pytree.tree_unflatten(static, spec)
         ctx = ctx if ctx is not None else contextlib.nullcontext()
+        # static-state arguments (a StaticCache) are passed as themselves: the graph updates their tensors in
+        # place.  The warm-up calls advance their counters (a cache's write position) as real steps would:
+        # those are put back afterwards, so the first replay is the call's own step (what the warm-up wrote
+        # past the position stays masked until a later step overwrites it).
+        states = [x for x in leaves if is_static_state(x)]
+        counters = [t for st in states for t in small_state(st)]
+        saved = [t.clone() for t in counters]
         cur = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(cur)
@@ -159,9 +215,12 @@ class CudaGraphRunner:
                 raise InvalidArgumentError(OP, self.name, "a forward that CUDA graphs can capture (no host reads of "
                                            "device values, no CPU tensors, no synchronization)",
                                            f"{type(e).__name__}: {e}") from e
+        with torch.no_grad():
+            for t, v in zip(counters, saved):
+                t.copy_(v)
         out_leaves, out_spec = pytree.tree_flatten(out)
         g = _Graph(graph, [x for x in static if isinstance(x, torch.Tensor)], out_leaves, out_spec,
-                   impls=dict(captured.counts))
+                   impls=dict(captured.counts), states=states)
         self.graphs[key] = g
         self.stats.captures += 1
         while len(self.graphs) > self.max_graphs:
@@ -212,4 +271,5 @@ def install(module: torch.nn.Module, *, max_graphs: int = 8, clone_outputs: bool
     return runner
 
 
-__all__ = ["CudaGraphRunner", "GraphedForward", "GraphStats", "install", "signature"]
+__all__ = ["CudaGraphRunner", "GraphedForward", "GraphStats", "install", "is_static_state", "signature",
+           "small_state"]

@@ -1,0 +1,135 @@
+"""CUDA-graph replay of decode steps over a transformers StaticCache (opsadv.runtime.graphs): the
+cache is keyed by identity and updated in place by each replay; the warm-up's advances of its write
+position are undone; a growing DynamicCache is refused with the reason.  The CUDA graph API is
+emulated on CPU: capture records the call, replay re-runs it on the graph's static inputs and writes
+the results into the captured outputs (what a real replay does to device memory)."""
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+
+import pytest
+import torch
+from torch.utils import _pytree as pytree
+
+import opsadv
+from opsadv.core.errors import InvalidArgumentError
+from opsadv.runtime import graphs
+
+tf = pytest.importorskip("transformers")
+
+
+class FakeGraph:
+    active = None
+
+    def __init__(self):
+        self.call = None
+
+    def replay(self):
+        fn, args, kwargs, out = self.call
+        new = fn(*args, **kwargs)
+        for o, n in zip(pytree.tree_leaves(out), pytree.tree_leaves(new)):
+            if isinstance(o, torch.Tensor):
+                o.copy_(n)
+
+
+@contextlib.contextmanager
+def _fake_capture(g):
+    FakeGraph.active = g
+    try:
+        yield
+    finally:
+        FakeGraph.active = None
+
+
+class _FakeStream:
+    def __init__(self, *a, **k):
+        pass
+
+    def wait_stream(self, other):
+        pass
+
+
+def _recording(fn):
+    def call(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        if FakeGraph.active is not None:
+            FakeGraph.active.call = (fn, args, kwargs, out)
+        return out
+    return call
+
+
+@pytest.fixture
+def fake_cuda_graphs(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", _fake_capture)
+    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: _FakeStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+
+
+def _llama():
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=96, vocab_size=101, max_position_embeddings=64)
+    cfg._attn_implementation = "sdpa"
+    return tf.LlamaForCausalLM(cfg).eval(), cfg
+
+
+def _cache_kw(model) -> str:
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _runner(monkeypatch, model):
+    r = graphs.CudaGraphRunner(_recording(model.forward), device="cuda", module=model)
+    monkeypatch.setattr(r, "_check_devices", lambda tensors: None)
+    return r
+
+
+def test_decode_steps_replay_over_a_static_cache(fake_cuda_graphs, monkeypatch, reference_backend):
+    base, cfg = _llama()
+    conv = opsadv.convert_model(copy.deepcopy(base), validate=False)
+    key = _cache_kw(base)
+    caches = {n: tf.StaticCache(config=cfg, max_cache_len=24) for n in ("base", "conv")}
+    prompt = torch.randint(0, cfg.vocab_size, (2, 7), generator=torch.Generator().manual_seed(1))
+    r = _runner(monkeypatch, conv)
+    with torch.no_grad():
+        lb = base(input_ids=prompt, use_cache=True, **{key: caches["base"]}).logits[:, -1]
+        lc = conv(input_ids=prompt, use_cache=True, **{key: caches["conv"]}).logits[:, -1]
+        torch.testing.assert_close(lc, lb, rtol=1e-4, atol=1e-4)
+        for step in range(5):
+            tok = lb.argmax(-1, keepdim=True)                     # greedy: both follow the base model's tokens
+            lb = base(input_ids=tok, use_cache=True, **{key: caches["base"]}).logits[:, -1]
+            out = r(input_ids=tok, use_cache=True, **{key: caches["conv"]})
+            torch.testing.assert_close(out.logits[:, -1], lb, rtol=1e-4, atol=1e-4, msg=f"step {step}")
+            assert int(caches["conv"].get_seq_length()) == int(caches["base"].get_seq_length()) == 8 + step
+    assert r.stats.captures == 1 and r.stats.replays == 5       # one graph for every decode step
+    (g,) = r.graphs.values()
+    assert g.states == [caches["conv"]]
+
+
+def test_warmup_advances_of_the_cache_position_are_undone(fake_cuda_graphs, monkeypatch, reference_backend):
+    """Without the restore the first replay would write at position p + warm-ups + 1: the test fails
+    if _capture stops putting the counters back."""
+    base, cfg = _llama()
+    key = _cache_kw(base)
+    cache = tf.StaticCache(config=cfg, max_cache_len=16)
+    with torch.no_grad():
+        base(input_ids=torch.zeros(1, 3, dtype=torch.long), use_cache=True, **{key: cache})
+        r = _runner(monkeypatch, base)
+        r(input_ids=torch.ones(1, 1, dtype=torch.long), use_cache=True, **{key: cache})
+    assert int(cache.get_seq_length()) == 4
+    counters = graphs.small_state(cache)
+    assert counters and all(t.numel() <= graphs.SMALL_STATE_NUMEL for t in counters)
+
+
+def test_growing_cache_is_refused_with_the_reason(fake_cuda_graphs, monkeypatch):
+    base, cfg = _llama()
+    key = _cache_kw(base)
+    r = _runner(monkeypatch, base)
+    with torch.no_grad():
+        dyn = base(input_ids=torch.zeros(1, 3, dtype=torch.long), use_cache=True).past_key_values
+        with pytest.raises(InvalidArgumentError, match="StaticCache"):
+            r(input_ids=torch.ones(1, 1, dtype=torch.long), use_cache=True, **{key: dyn})
+    assert graphs.is_static_state(tf.StaticCache(config=cfg, max_cache_len=8)) and not graphs.is_static_state(dyn)
