@@ -5,14 +5,17 @@
 #   PART=b: H200 conformance of the experimental Gluon impls, pinned (cuda.gluon.flash_attention,
 #           cuda.gluon.sparse_attention): the gate comes off when they pass; + their GPU pytest files
 #   PART=c: Gluon probes (dense: schedules x shapes incl. causal / GQA / through the op; sparse: window sweep)
-#   PART=d: e2e non-quick once (after any change that touches the converted models' ops)
+#   PART=d: e2e non-quick once (after any change that touches the converted models' ops); includes the new
+#           "decode ... static graphs" case (StaticCache + cuda_graphs=True vs eager and torch.compile
+#           reduce-overhead; never run yet). PART=a's pytest runs tests/test_graph_static_cache.py's real-GPU test.
 # OPSADV_COMMIT=<sha> PART=a bash benchmarks/h200_next.sh   (from the repo root on the GPU host, $OUT set)
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OPSADV_CACHE_DIR=/tmp/opsadv-cache OPSADV_COMMIT=${OPSADV_COMMIT:-unknown}
 case "${PART:-a}" in
 a)
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_norm_train_route.py tests/test_cuda_aten_norm.py \
-    tests/test_norm_autograd.py tests/test_cuda_norm_backward.py > "$OUT/norm_pytest.log" 2>&1
+    tests/test_norm_autograd.py tests/test_cuda_norm_backward.py tests/test_graph_static_cache.py \
+    > "$OUT/norm_pytest.log" 2>&1
   echo "norm pytest rc $?"; tail -3 "$OUT/norm_pytest.log"
   timeout 300 python3 -m opsadv bench --suite norm --filter 'fwd\+bwd' --json "$OUT/norm_fwdbwd.json" \
     > "$OUT/norm_fwdbwd.log" 2>&1
