@@ -1,0 +1,217 @@
+"""FA3-style flash-attention backward for Hopper (sm_90) in Gluon (triton.experimental.gluon, Triton 3.6).
+
+Imported only by gluon_attention_bwd.py, and only when triton.experimental.gluon imports.  Same tensor
+conventions as the forward (_gluon_fa_kernel.py): 4-D TMA descriptors over (b, h, s, d) strided views
+with block (1, 1, rows, d); rows past a head's s are zero-filled on load and clipped on store; GQA by
+index (q head h reads kv head h // GROUP); causal is bottom-right aligned (query i sees keys
+j <= i + s_k - s_q).  Inputs from the host: lse2 = the forward's natural-log lse in log2 units with +inf
+for a row that saw no key (so every p of that row is exactly 0), and delta = rowsum(dO * O), both
+float32 (b, h_q, s_q) contiguous, made by attention._bwd_pre_kernel.
+
+One CTA per K/V tile (BLOCK_N = 128 keys) of one kv head, 8 warps (2 warpgroups).  K and V stay in
+shared memory, dK and dV accumulate in registers (float32), and the CTA walks every Q/dO tile (BLOCK_M = 64
+query rows) of every q head of its GQA group that sees at least one of its keys, so dK/dV are summed over
+the group in registers and K/V are never repeated.  Per Q/dO tile (every GEMM an async wgmma):
+    S  = Q K^T, dP = dO V^T   [64 q, 128 keys]; the warpgroups split the keys, so a query row's lse2 and
+                               delta cost 2 registers per thread (S^T would need 16 each: it spilled)
+    P  = exp2(S * scale*log2e - lse2)  (masked)      dS = P * (dP - delta)
+    P, dS -> shared memory (bf16/fp16), then
+    dV += P^T dO,  dK += dS^T Q   (A read transposed from shared memory) [128 keys, d]
+    dQ_part = dS K                [64 q, d] -> float32 atomic adds (pre-multiplied by the softmax scale)
+                                  into a zeroed (b, h_q, s_q, d) float32 buffer; the host casts it.
+dQ by atomics (FA2/FA3 style) rather than a separate dQ pass: the dQ pass would recompute S and dP,
+7 GEMMs per (Q tile, K tile) pair instead of 5 (+40% tensor-core work), while the atomics are
+fire-and-forget reductions (red.global.add.v2.f32 in the SASS) that do not stall the issuing warps.  The
+price: a non-deterministic float32 summation order across K tiles, a zeroed float32 buffer, one cast.
+
+Q/dO tiles stream through a STAGES-deep TMA ring (one "ready" mbarrier per slot each for Q and dO,
+expect-tx), loaded by the consumer warps themselves STAGES-1 tiles ahead; the slot being refilled was
+last read by the previous iteration, whose wgmmas every warp has waited for before the barrier at the top
+of the iteration.  Masks are applied only on tiles that can hold a masked element: with CAUSAL the q
+tiles below the diagonal band's end, and every tile of the CTA that holds the s_k tail (keys past s_k
+are zero rows of K, whose p would be exp2(-lse2) != 0, and inf * 0 could reach dQ)."""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+
+BLOCK_M = 64        # query rows per Q/dO tile
+BLOCK_N = 128       # keys per CTA
+NUM_WARPS = 8       # 2 consumer warpgroups, each owning 64 of the CTA's keys in every accumulator
+
+
+@gluon.jit
+def _issue_q_do(q_desc, do_desc, q_smem, do_smem, q_ready, do_ready, b, h, row, stage, view: gl.constexpr):
+    """TMA-load Q and dO rows [row, row + BLOCK_M) of q head (b, h) into ring slot `stage`, each on its
+    own barrier so S^T = K Q^T can start before dO has landed."""
+    mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [b, h, row, 0], q_ready.index(stage),
+                                    q_smem.index(stage)._reinterpret(q_desc.dtype, view, q_desc.layout))
+    mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(do_desc, [b, h, row, 0], do_ready.index(stage),
+                                    do_smem.index(stage)._reinterpret(do_desc.dtype, view, do_desc.layout))
+
+
+@gluon.jit
+def _tile_coords(t, n_m, m_lo, hk, GROUP):
+    """Flattened iteration t -> (q head, q tile index): the group's heads one after the other, each over
+    its q tiles m_lo .. m_lo + n_m - 1."""
+    g = t // n_m
+    return hk * GROUP + g, m_lo + (t - g * n_m)
+
+
+@gluon.jit
+def _opaque_zero(t):
+    """0, computed from the loop counter t in a way LLVM cannot see through.  Indexing the fixed shared
+    buffers (K, V, P, dS) with it keeps their wgmma smem descriptors (one 64-bit value per k-step and
+    operand) inside the loop: hoisted as loop invariants they held ~40 registers for the whole loop and
+    the d128 kernel spilled 72-95 STL/LDL; recomputed they cost a few integer adds per iteration."""
+    return gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [t], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def fa_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_ptr, lse2_ptr, delta_ptr,
+                  H, GROUP, SQ, SK, OFFSET, qk_scale, scale,
+                  kv_smem_layout: gl.constexpr, qd_smem_layout: gl.constexpr, ps_smem_layout: gl.constexpr,
+                  CAUSAL: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """Grid (cdiv(SK, BLOCK_N), b * H_kv).  q/do descriptors: block (1, 1, BLOCK_M, d) over (b, H, SQ, d);
+    k/v/dk/dv: block (1, 1, BLOCK_N, d) over (b, H_kv, SK, d).  dq_ptr: float32 (b, H, SQ, d) contiguous,
+    zeroed; receives scale * dS K by atomic adds.  lse2/delta: float32 (b, H, SQ) contiguous."""
+    BM: gl.constexpr = q_desc.block_type.shape[2]
+    BN: gl.constexpr = k_desc.block_type.shape[2]
+    D: gl.constexpr = q_desc.block_type.shape[3]
+    dtype: gl.constexpr = q_desc.dtype
+    qd_view: gl.constexpr = q_desc.block_type.shape
+    kv_view: gl.constexpr = k_desc.block_type.shape
+    # S, dP [BM, BN]: 64 query rows = one warpgroup's M, so the two warpgroups split the keys; a query
+    # row's lse2/delta then take 2 registers per thread (the transposed S^T would need 16 each).
+    sp_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
+                                                        instr_shape=[16, BN * 4 // num_warps, 16])
+    # dK, dV [BN, D]: warps stacked along the keys.
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                        instr_shape=[16, D, 16])
+    # dQ_part [BM, D]: the two warpgroups split d.
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
+                                                        instr_shape=[16, D * 4 // num_warps, 16])
+    row_sp: gl.constexpr = gl.SliceLayout(1, sp_layout)     # one value per query row
+    key_sp: gl.constexpr = gl.SliceLayout(0, sp_layout)     # one value per key
+
+    pid_n = gl.program_id(0)
+    bhk = gl.program_id(1)
+    HKV = H // GROUP
+    b = bhk // HKV
+    hk = bhk % HKV
+    n0 = pid_n * BN
+    n_qtiles = gl.cdiv(SQ, BM)
+    if CAUSAL:   # query i sees key j iff j <= i + OFFSET
+        m_lo = gl.minimum(gl.maximum(n0 - OFFSET, 0) // BM, n_qtiles)              # first tile seeing key n0
+        m_mid = gl.cdiv(gl.maximum(n0 + BN - 1 - OFFSET, 0), BM)                     # from here: all keys seen
+        m_mid = gl.minimum(gl.maximum(m_mid, m_lo), n_qtiles)
+    else:
+        m_lo = 0
+        m_mid = 0
+    if n0 + BN > SK:                          # this CTA holds the s_k tail: every tile takes the mask
+        m_mid = n_qtiles
+    n_m = n_qtiles - m_lo                     # q tiles per q head of the group
+    n_iter = n_m * GROUP
+
+    # K, V, P, dS: fixed buffers, allocated with a leading dim of 1 for _opaque_zero indexing.
+    k_smem1 = gl.allocate_shared_memory(dtype, [1, BN, D], kv_smem_layout)
+    v_smem1 = gl.allocate_shared_memory(dtype, [1, BN, D], kv_smem_layout)
+    k_smem = k_smem1.index(0)
+    v_smem = v_smem1.index(0)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BM, D], qd_smem_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BM, D], qd_smem_layout)
+    p_smem1 = gl.allocate_shared_memory(dtype, [1, BM, BN], ps_smem_layout)
+    ds_smem1 = gl.allocate_shared_memory(dtype, [1, BM, BN], ps_smem_layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(do_ready.index(i), count=1)
+
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [b, hk, n0, 0], kv_bar, k_smem._reinterpret(dtype, kv_view, k_desc.layout))
+    tma.async_copy_global_to_shared(v_desc, [b, hk, n0, 0], kv_bar, v_smem._reinterpret(dtype, kv_view, v_desc.layout))
+    for t in gl.static_range(STAGES - 1):
+        if t < n_iter:
+            h, mt = _tile_coords(t, n_m, m_lo, hk, GROUP)
+            _issue_q_do(q_desc, do_desc, q_smem, do_smem, q_ready, do_ready, b, h, mt * BM, t, qd_view)
+
+    keys = n0 + gl.arange(0, BN, layout=key_sp)
+    dk = gl.zeros([BN, D], gl.float32, kv_layout)
+    dv = gl.zeros([BN, D], gl.float32, kv_layout)
+    sp_zero = gl.zeros([BM, BN], gl.float32, sp_layout)
+    dq_zero = gl.zeros([BM, D], gl.float32, dq_layout)
+    dq_rows = gl.arange(0, BM, layout=gl.SliceLayout(1, dq_layout))
+    dq_cols = gl.arange(0, D, layout=gl.SliceLayout(0, dq_layout))
+    dq_offs = gl.expand_dims(dq_rows, 1) * D + gl.expand_dims(dq_cols, 0)             # within one tile
+    mbarrier.wait(kv_bar, 0)
+
+    for t in range(n_iter):
+        cur = t % STAGES
+        phase = (t // STAGES) & 1
+        h, mt = _tile_coords(t, n_m, m_lo, hk, GROUP)
+        # Every warp is past iteration t-1 (its wgmmas waited): slot (t-1) % STAGES, P and dS are free.
+        gl.thread_barrier()
+        t_load = t + STAGES - 1
+        if t_load < n_iter:
+            h_l, mt_l = _tile_coords(t_load, n_m, m_lo, hk, GROUP)
+            _issue_q_do(q_desc, do_desc, q_smem, do_smem, q_ready, do_ready, b, h_l, mt_l * BM,
+                        t_load % STAGES, qd_view)
+        z = _opaque_zero(t)
+        k_cur = k_smem1.index(z)
+        v_cur = v_smem1.index(z)
+        p_cur = p_smem1.index(z)
+        ds_cur = ds_smem1.index(z)
+        m0 = mt * BM
+        row0 = (b * H + h).to(gl.int64) * SQ
+        rows = m0 + gl.arange(0, BM, layout=row_sp)
+        # Rows past s_q: lse2 = +inf gives p = 0 and delta = 0 gives dS = 0 (Q/dO rows there are zeros).
+        lse2 = gl.load(lse2_ptr + row0 + rows, mask=rows < SQ, other=float("inf"))
+        delta = gl.load(delta_ptr + row0 + rows, mask=rows < SQ, other=0.0)
+
+        mbarrier.wait(q_ready.index(cur), phase)
+        s_tok = warpgroup_mma(q_smem.index(cur), k_cur.permute((1, 0)), sp_zero, use_acc=False, is_async=True)
+        mbarrier.wait(do_ready.index(cur), phase)
+        dp_tok = warpgroup_mma(do_smem.index(cur), v_cur.permute((1, 0)), sp_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s_tok, ))                   # S done; dP still running
+        p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
+        if mt < m_mid:
+            keep = gl.expand_dims(keys < SK, 0)
+            if CAUSAL:
+                keep = keep & (gl.expand_dims(keys, 0) <= gl.expand_dims(rows + OFFSET, 1))
+            p = gl.where(keep, p, 0.0)
+        p_cur.store(p.to(dtype))
+        dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
+        ds = p * (dp - gl.expand_dims(delta, 1))
+        ds_cur.store(ds.to(dtype))
+        # Every key's P and dS must be in shared memory (and visible to the async proxy) before any
+        # warpgroup's dV/dK/dQ wgmma reads them.
+        fence_async_shared()
+        gl.thread_barrier()
+        dv_tok = warpgroup_mma(p_cur.permute((1, 0)), do_smem.index(cur), dv, is_async=True)     # dV += P^T dO
+        dk_tok = warpgroup_mma(ds_cur.permute((1, 0)), q_smem.index(cur), dk, is_async=True)    # dK += dS^T Q
+        dq_tok = warpgroup_mma(ds_cur, k_cur, dq_zero, use_acc=False, is_async=True)          # dQ_part = dS K
+        dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok))
+        gl.atomic_add(dq_ptr + (row0 + m0) * D + dq_offs, dq * scale,
+                      mask=gl.expand_dims(dq_rows, 1) < SQ - m0, sem="relaxed")
+
+    # Epilogue: dK (scaled) and dV out through the K/V slots once every warp's last wgmma has read them;
+    # the TMA store clips rows past s_k.
+    gl.thread_barrier()
+    k_smem.store((dk * scale).to(dtype))
+    v_smem.store(dv.to(dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    tma.async_copy_shared_to_global(dk_desc, [b, hk, n0, 0], k_smem._reinterpret(dtype, kv_view, dk_desc.layout))
+    tma.async_copy_shared_to_global(dv_desc, [b, hk, n0, 0], v_smem._reinterpret(dtype, kv_view, dv_desc.layout))
+    tma.store_wait(0)
+    mbarrier.invalidate(kv_bar)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(q_ready.index(i))
+        mbarrier.invalidate(do_ready.index(i))

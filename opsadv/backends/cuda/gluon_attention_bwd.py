@@ -1,0 +1,102 @@
+"""Host side of the Gluon FA3-style attention backward for Hopper (_gluon_fa_bwd_kernel.py, issue #3).
+
+Status: compiled for sm_90 on CPU and checked by a torch emulation of its tile recurrence only; it has
+NEVER RUN ON A GPU.  It is therefore not the backward of impl cuda.gluon.flash_attention yet:
+`impl_backward` below is what that impl's backward= should become, and it calls the Gluon kernel only
+when USE_GLUON_BWD_IN_IMPL is True.  The next GPU session runs benchmarks/gluon_fa/bwd_probe.py and the
+GPU tests of tests/test_gluon_attention_bwd.py, then flips the constant and points
+gluon_attention.impls()'s backward= at impl_backward (see benchmarks/gluon_fa/README.md).
+
+attention_bwd(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv): bf16/fp16, d 64 or 128, any
+s_q/s_k, bottom-right causal, GQA/MQA; q/k/v/out/dout any (b, h, s, d) view a TMA descriptor can address
+(else a contiguous copy is made).  dq/dk/dv come back over (b, s, h, d) memory like the op's outputs."""
+from __future__ import annotations
+
+import torch
+
+try:
+    from . import _gluon_fa_bwd_kernel as _KB
+    from .gluon_attention import _desc, _tma_ready, _gl
+    UNAVAILABLE = "" if _gl is not None else "triton.experimental.gluon (Hopper) is not importable"
+except Exception as e:  # ImportError, or an older Triton whose Gluon lacks a name used here
+    _KB = _gl = None
+    UNAVAILABLE = f"triton.experimental.gluon (Hopper) is not importable: {type(e).__name__}: {e}"
+
+# Flip to True only after bwd_probe.py and the GPU tests passed on an H100/H200 (then wire impl_backward
+# into gluon_attention.impls()).  While False, impl_backward is the Triton FlashAttention-2 backward.
+USE_GLUON_BWD_IN_IMPL = False
+LOG2E = 1.4426950408889634
+# Q/dO ring depth: 2 stages = 32 KB x 2 next to K, V (64 KB) and dS (16 KB) at d128.
+DEFAULT_STAGES = 2
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def launch_args(q, k, v, dout, dq_acc, dk, dv, lse2, delta, causal: bool, scale: float,
+                stages: int = DEFAULT_STAGES):
+    """(grid, args, kwargs) of one fa_bwd_kernel launch.  q/k/v/dout/dk/dv TMA-ready (b, h, s, d) views;
+    dq_acc float32 (b, h_q, s_q, d) contiguous and zeroed; lse2/delta float32 (b, h_q, s_q) contiguous."""
+    if _KB is None:
+        raise RuntimeError(f"gluon attention backward: {UNAVAILABLE}")
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    gdt = _gl.bfloat16 if q.dtype == torch.bfloat16 else _gl.float16
+    bm, bn = _KB.BLOCK_M, _KB.BLOCK_N
+    descs = (_desc(q, bm, gdt), _desc(k, bn, gdt), _desc(v, bn, gdt), _desc(dout, bm, gdt),
+             _desc(dk, bn, gdt), _desc(dv, bn, gdt))
+    grid = (_cdiv(sk, bn), b * hkv)
+    kw = dict(kv_smem_layout=_gl.NVMMASharedLayout.get_default_for([bn, d], gdt),
+              qd_smem_layout=_gl.NVMMASharedLayout.get_default_for([bm, d], gdt),
+              ps_smem_layout=_gl.NVMMASharedLayout.get_default_for([bm, bn], gdt),
+              CAUSAL=bool(causal), STAGES=stages, num_warps=_KB.NUM_WARPS)
+    args = (*descs, dq_acc, lse2, delta, hq, hq // hkv, sq, sk, sk - sq, scale * LOG2E, scale)
+    return grid, args, kw
+
+
+def preprocess(out, dout, lse):
+    """(delta, lse2): rowsum(dO * O) and lse in log2 units (+inf for empty rows), float32 (b, h, s_q),
+    by the Triton backward's preprocess kernel."""
+    import triton
+    from .attention import _bwd_pre_kernel
+    b, hq, sq, d = out.shape
+    lse = lse.float().contiguous()
+    delta = torch.empty((b, hq, sq), dtype=torch.float32, device=out.device)
+    lse2 = torch.empty_like(delta)
+    pre_bm = 64
+    _bwd_pre_kernel[(triton.cdiv(sq, pre_bm), b * hq)](
+        out, dout, lse, delta, lse2, out.stride(0), out.stride(1), out.stride(2),
+        dout.stride(0), dout.stride(1), dout.stride(2), hq, sq, HEAD_DIM=d,
+        BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_M=pre_bm)
+    return delta, lse2
+
+
+def attention_bwd(dout, q, k, v, out, lse, causal: bool = False, scale: float | None = None,
+                  stages: int = DEFAULT_STAGES):
+    """(dq, dk, dv) of softmax attention from the forward's out and natural-log lse."""
+    from ._triton_utils import new_output_bshd
+    q, k, v, out, dout = (_tma_ready(t) for t in (q, k, v, out, dout))
+    b, hq, sq, d = q.shape
+    scale = d ** -0.5 if scale is None else scale
+    delta, lse2 = preprocess(out, dout, lse)
+    dq_acc = torch.zeros((b, hq, sq, d), dtype=torch.float32, device=q.device)
+    dk = new_output_bshd(k.shape, q.dtype, q.device)
+    dv = new_output_bshd(v.shape, q.dtype, q.device)
+    grid, args, kw = launch_args(q, k, v, dout, dq_acc, dk, dv, lse2, delta, causal, scale, stages)
+    _KB.fa_bwd_kernel[grid](*args, **kw)
+    dq = new_output_bshd(q.shape, q.dtype, q.device)
+    dq.copy_(dq_acc)                      # float32 accumulator (already scaled) -> q's dtype
+    return dq, dk, dv
+
+
+def impl_backward(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale):
+    """The backward for impl cuda.gluon.flash_attention: the Gluon kernel when USE_GLUON_BWD_IN_IMPL,
+    else the Triton FlashAttention-2 backward (today's behaviour)."""
+    if USE_GLUON_BWD_IN_IMPL:
+        return attention_bwd(dout, q, k, v, out, lse, causal, scale)
+    from .attention import flash_bwd
+    return flash_bwd(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale)
+
+
+__all__ = ["attention_bwd", "launch_args", "preprocess", "impl_backward", "USE_GLUON_BWD_IN_IMPL", "UNAVAILABLE"]
