@@ -142,7 +142,6 @@ def fa_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_ptr, lse
             h, mt = _tile_coords(t, n_m, m_lo, hk, GROUP)
             _issue_q_do(q_desc, do_desc, q_smem, do_smem, q_ready, do_ready, b, h, mt * BM, t, qd_view)
 
-    keys = n0 + gl.arange(0, BN, layout=key_sp)
     dk = gl.zeros([BN, D], gl.float32, kv_layout)
     dv = gl.zeros([BN, D], gl.float32, kv_layout)
     sp_zero = gl.zeros([BM, BN], gl.float32, sp_layout)
@@ -182,6 +181,9 @@ def fa_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_ptr, lse
         s = warpgroup_mma_wait(1, deps=(s_tok, ))                   # S done; dP still running
         p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
         if mt < m_mid:
+            # Built here (through z) rather than once before the loop: 16 loop-invariant registers
+            # per thread were the difference between 0 and 5-9 spills at d128.
+            keys = (n0 + z) + gl.arange(0, BN, layout=key_sp)
             keep = gl.expand_dims(keys < SK, 0)
             if CAUSAL:
                 keep = keep & (gl.expand_dims(keys, 0) <= gl.expand_dims(rows + OFFSET, 1))
