@@ -16,11 +16,13 @@ import torch
 
 try:
     from . import _gluon_fa_bwd_kernel as _KB
-    from .gluon_attention import _desc, _tma_ready, _gl
-    UNAVAILABLE = "" if _gl is not None else "triton.experimental.gluon (Hopper) is not importable"
+    from triton.experimental.gluon import language as _gl
+    UNAVAILABLE = ""
 except Exception as e:  # ImportError, or an older Triton whose Gluon lacks a name used here
     _KB = _gl = None
     UNAVAILABLE = f"triton.experimental.gluon (Hopper) is not importable: {type(e).__name__}: {e}"
+
+from .gluon_attention import _desc, _tma_ready      # shared host helpers (descriptor, TMA-ready view)
 
 # Flip to True only after bwd_probe.py and the GPU tests passed on an H100/H200 (then wire impl_backward
 # into gluon_attention.impls()).  While False, impl_backward is the Triton FlashAttention-2 backward.
