@@ -5,6 +5,9 @@
 #   PART=b: H200 conformance of the experimental Gluon impls, pinned (cuda.gluon.flash_attention,
 #           cuda.gluon.sparse_attention): the gate comes off when they pass; + their GPU pytest files
 #   PART=c: Gluon probes (dense: schedules x shapes incl. causal / GQA / through the op; sparse: window sweep)
+#   PART=e: the Gluon backward (never run: _gluon_fa_bwd_kernel.py; compiles with 0 spills, emulation matches
+#           float64): GPU correctness, then bwd and fwd+bwd timing vs Triton / cuDNN; wire it in if it wins
+#           (steps in benchmarks/gluon_fa/README.md)
 #   PART=d: e2e non-quick once (after any change that touches the converted models' ops); includes the new
 #           "decode ... static graphs" case (StaticCache + cuda_graphs=True vs eager and torch.compile
 #           reduce-overhead; never run yet). PART=a's pytest runs tests/test_graph_static_cache.py's real-GPU test.
@@ -36,6 +39,13 @@ c)
   echo "gluon fa rc $?"; tail -25 "$OUT/gluon_fa.log"
   timeout 200 python3 benchmarks/gluon_fa/sparse_probe.py "$OUT/gluon_sparse_h200.json" > "$OUT/gluon_sparse.log" 2>&1
   echo "gluon sparse rc $?"; tail -12 "$OUT/gluon_sparse.log"
+  ;;
+e)
+  timeout 300 python3 benchmarks/gluon_fa/bwd_probe.py "$OUT/gluon_fa_bwd_h200.json" > "$OUT/gluon_bwd.log" 2>&1
+  echo "gluon bwd probe rc $?"; tail -25 "$OUT/gluon_bwd.log"
+  TRITON_INTERPRET=0 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gluon_attention_bwd.py -k gpu \
+    > "$OUT/gluon_bwd_pytest.log" 2>&1
+  echo "gluon bwd pytest rc $?"; tail -3 "$OUT/gluon_bwd_pytest.log"
   ;;
 d)
   timeout 420 python3 -m opsadv bench --suite e2e --json "$OUT/e2e.json" > "$OUT/e2e.log" 2>&1
