@@ -67,3 +67,33 @@ def fake_cuda_env(cc=(9, 0), interpret=False):
     from opsadv.registry import get_registry
     return dataclasses.replace(get_registry().env, device_type="cuda", compute_capability=cc,
                                triton_interpret=interpret)
+
+
+# (b, hq, hkv, sq, sk, d, causal): the attention shapes the Gluon kernels are checked at on an H100/H200
+ATTENTION_GPU_CASES = [
+    (1, 2, 2, 1, 1, 64, False),
+    (1, 2, 2, 3, 3, 128, True),
+    (2, 3, 3, 127, 127, 64, False),
+    (2, 3, 3, 127, 127, 128, True),
+    (1, 4, 2, 1000, 1000, 128, True),       # GQA, ragged, several tiles
+    (1, 4, 1, 1000, 1000, 64, False),       # MQA
+    (2, 4, 2, 1, 1000, 128, True),          # decode
+    (1, 2, 2, 300, 1000, 128, True),        # s_q < s_k
+    (1, 2, 2, 1000, 300, 64, True),         # s_q > s_k: empty rows
+]
+
+
+def assert_attention_matches(dtype, got: dict, ref: dict, lse, ref_lse) -> None:
+    """A low-precision attention forward+backward against its float64 reference: rows with no key
+    (lse -inf) agree and give out 0, no NaN anywhere, lse within 2e-3, out/dq/dk/dv within 2e-2 (bf16)
+    or 4e-3 (fp16) norm-relative.  `got` / `ref`: {"out", "dq", "dk", "dv"} tensors."""
+    empty = torch.isneginf(ref_lse)
+    assert torch.equal(torch.isneginf(lse), empty)
+    assert (got["out"][empty] == 0).all()
+    for name, x in (("lse", lse), *got.items()):
+        assert not torch.isnan(x).any(), name
+    if (~empty).any():
+        assert (lse[~empty].double() - ref_lse[~empty]).abs().max().item() < 2e-3
+    tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
+    for name in ("out", "dq", "dk", "dv"):
+        assert rel_err(got[name], ref[name]) < tol, (name, rel_err(got[name], ref[name]))

@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from conftest import load_without_gluon
+from conftest import ATTENTION_GPU_CASES, load_without_gluon
 
 GB = pytest.importorskip("opsadv.backends.cuda.gluon_attention_bwd")
 needs_gluon = pytest.mark.skipif(bool(GB.UNAVAILABLE), reason=GB.UNAVAILABLE or "")
@@ -236,17 +236,7 @@ def test_impl_backward_follows_the_switch(monkeypatch):
 
 
 # ---- on an H100/H200 ------------------------------------------------------------------------------------
-GPU_CASES = [  # b, hq, hkv, sq, sk, d, causal
-    (1, 2, 2, 1, 1, 64, False),
-    (1, 2, 2, 3, 3, 128, True),
-    (2, 3, 3, 127, 127, 64, False),
-    (2, 3, 3, 127, 127, 128, True),
-    (1, 4, 2, 1000, 1000, 128, True),       # GQA, ragged, several K tiles
-    (1, 4, 1, 1000, 1000, 64, False),       # MQA
-    (2, 4, 2, 1, 1000, 128, True),          # decode
-    (1, 2, 2, 300, 1000, 128, True),        # s_q < s_k
-    (1, 2, 2, 1000, 300, 64, True),         # s_q > s_k: empty rows
-]
+GPU_CASES = ATTENTION_GPU_CASES
 
 
 def _gpu_check(b, hq, hkv, sq, sk, d, causal, dtype, bshd=False):
