@@ -109,6 +109,25 @@ def test_decode_steps_replay_over_a_static_cache(fake_cuda_graphs, monkeypatch, 
     assert g.states == [caches["conv"]]
 
 
+def test_generate_with_a_static_cache_replays_two_graphs(fake_cuda_graphs, monkeypatch, reference_backend):
+    """model.generate(..., cache_implementation="static") through the runner: the prefill (which also
+    initializes the cache lazily inside the warm-up) and every decode step (transformers passes a fixed-shape
+    4-D mask with a static cache) are two graphs; the tokens are the original model's.  A prompt + new
+    tokens that exactly fill the cache fail if warm-ups advanced the write position."""
+    base, cfg = _llama()
+    conv = opsadv.convert_model(copy.deepcopy(base), validate=False)
+    r = _runner(monkeypatch, conv)
+    monkeypatch.setattr(conv, "forward", graphs.GraphedForward(r))
+    prompt = torch.randint(0, cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(3))
+    kw = dict(max_new_tokens=6, do_sample=False, cache_implementation="static", attention_mask=torch.ones_like(prompt),
+              pad_token_id=0)
+    with torch.no_grad():
+        want = base.generate(prompt, **kw)
+        got = conv.generate(prompt, **kw)
+    assert torch.equal(got, want)
+    assert r.stats.captures == 2 and r.stats.replays == 6
+
+
 def test_warmup_advances_of_the_cache_position_are_undone(fake_cuda_graphs, monkeypatch, reference_backend):
     """Without the restore the first replay would write at position p + warm-ups + 1: the test fails
     if _capture stops putting the counters back."""

@@ -15,7 +15,8 @@ torch.compile's "reduce-overhead" mode documents).
 
 Static state: a transformers StaticCache (any argument declaring `is_compileable`) is keyed by
 identity and updated in place by each replay, so a decode step with a static KV cache replays as
-one graph (the warm-up's counter advances are undone before the first replay).
+one graph (each warm-up's counter advances are undone, so warm-ups repeat the same step and the first
+replay is the call's own); `generate(..., cache_implementation="static")` runs as two graphs.
 
 Refused, with the reason (InvalidArgumentError), never silently run another way: gradients
 enabled (replay is inference only; use torch.no_grad() or torch.inference_mode()), a module in
@@ -196,8 +197,14 @@ class CudaGraphRunner:
         # those are put back afterwards, so the first replay is the call's own step (what the warm-up wrote
         # past the position stays masked until a later step overwrites it).
         states = [x for x in leaves if is_static_state(x)]
-        counters = [t for st in states for t in small_state(st)]
-        saved = [t.clone() for t in counters]
+        saved = [t.clone() for st in states for t in small_state(st)]
+
+        def restore():
+            # collected again each time: a cache's first update may replace its counters (lazy
+            # initialization moves them to the device); the walk visits them in the same order
+            with torch.no_grad():
+                for t, v in zip([t for st in states for t in small_state(st)], saved):
+                    t.copy_(v)
         cur = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(cur)
@@ -205,6 +212,7 @@ class CudaGraphRunner:
             with torch.cuda.stream(side):
                 for _ in range(self.warmup):
                     self.fn(*args, **kwargs)
+                    restore()                   # each warm-up is the same step again, not the next one
             cur.wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             try:
@@ -215,9 +223,7 @@ class CudaGraphRunner:
                 raise InvalidArgumentError(OP, self.name, "a forward that CUDA graphs can capture (no host reads of "
                                            "device values, no CPU tensors, no synchronization)",
                                            f"{type(e).__name__}: {e}") from e
-        with torch.no_grad():
-            for t, v in zip(counters, saved):
-                t.copy_(v)
+        restore()
         out_leaves, out_spec = pytree.tree_flatten(out)
         g = _Graph(graph, [x for x in static if isinstance(x, torch.Tensor)], out_leaves, out_spec,
                    impls=dict(captured.counts), states=states)
