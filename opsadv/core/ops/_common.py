@@ -156,15 +156,36 @@ def autograd_function(name: str, route, setup_context, backward, *, stats: tuple
     zero-filled tensor per unused output."""
     def forward(ctx, *inputs):
         out = route(*inputs)
-        setup_context(ctx, inputs, out)
-        if stats:
-            ctx.set_materialize_grads(False)
-            ctx.mark_non_differentiable(*(out[i] for i in stats))
+        _after_forward(ctx, inputs, out, setup_context, stats)
         return out
 
     fn = type(name, (torch.autograd.Function,), {"forward": staticmethod(forward),
                                                  "backward": staticmethod(backward)})
     return fn.apply
+
+
+def resolved_autograd_function(name: str, setup_context, backward, *, stats: tuple[int, ...] = ()):
+    """autograd_function for an op that resolves its impl before it runs (the norms' grad-recording
+    calls, which choose between an impl's `train` forward and this Function from one resolution):
+    apply(r, *inputs) runs r.run(r.ctx, *inputs), where r is a dispatch.Resolved."""
+    def forward(ctx, r, *inputs):
+        out = r.run(r.ctx, *inputs)
+        _after_forward(ctx, inputs, out, setup_context, stats)
+        return out
+
+    def resolved_backward(ctx, *grads):
+        return (None, *backward(ctx, *grads))
+
+    fn = type(name, (torch.autograd.Function,), {"forward": staticmethod(forward),
+                                                 "backward": staticmethod(resolved_backward)})
+    return fn.apply
+
+
+def _after_forward(ctx, inputs, out, setup_context, stats) -> None:
+    setup_context(ctx, inputs, out)
+    if stats:
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(*(out[i] for i in stats))
 
 
 _TRAIN_STEPS: dict[str, Callable] = {}

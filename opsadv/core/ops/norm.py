@@ -28,8 +28,8 @@ from torch import Tensor
 from .. import dispatch
 from ..errors import InvalidArgumentError
 from ..kernel import CallSpec
-from ._common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, INF, autograd_function, carry_policy, check_same,
-                      check_tensor, eager_mode, grad_step, len_bucket, register_train_step, same_kind,
+from ._common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, INF, carry_policy, check_same, check_tensor, eager_mode,
+                      grad_step, len_bucket, register_train_step, resolved_autograd_function, same_kind,
                       shared_empty)
 
 
@@ -107,18 +107,11 @@ def _layer_norm_infer(x, weight, bias, eps, residual):
 
 
 def _layer_norm_train_resolve(x, weight, bias, eps, residual):
-    """Eager grad-recording calls resolve in their own bucket (CallSpec.train): autotune times them
-    forward + backward, and an impl with `train` runs under torch's autograd instead of ours."""
+    """Eager grad-recording calls resolve in their own bucket (CallSpec.train), once per call: autotune
+    times them forward + backward, and an impl with `train` runs under torch's autograd instead of ours."""
     return dispatch.resolve(_key("layer_norm", x, weight, bias, residual, False, train=True),
                             lambda: _spec("layer_norm", x, weight, bias, residual, False, train=True),
                             (x, weight, bias, eps, residual))
-
-
-def _layer_norm_train_route(x, weight, bias, eps, residual):
-    """The forward inside opsadv's autograd Function for grad-recording calls (same bucket as above)."""
-    return dispatch.call(_key("layer_norm", x, weight, bias, residual, False, train=True),
-                         lambda: _spec("layer_norm", x, weight, bias, residual, False, train=True),
-                         (x, weight, bias, eps, residual))
 
 
 @torch.library.custom_op("opsadv::layer_norm", mutates_args=())
@@ -180,14 +173,14 @@ def _ln_bwd(ctx, dy, dsum, dmean, drstd):
 
 _ln_setup, _ln_bwd = carry_policy(_ln_setup, _ln_bwd)
 _layer_norm.register_autograd(_ln_bwd, setup_context=_ln_setup)
-_ln_eager_autograd = autograd_function("LayerNormFn", _layer_norm_train_route, _ln_setup, _ln_bwd, stats=(2, 3))
+_ln_eager_autograd = resolved_autograd_function("LayerNormFn", _ln_setup, _ln_bwd, stats=(2, 3))
 
 
 def _ln_train_step(impl, ctx, args):
-    fwd = impl.train if impl.train is not None else \
-        autograd_function("LayerNormPinned", lambda *a: impl.fn(ctx, *a), _ln_setup, _ln_bwd, stats=(2, 3))
-    return grad_step((lambda: fwd(ctx, *args)) if impl.train is not None else (lambda: fwd(*args)), args,
-                     2 if args[4] is not None else 1)
+    if impl.train is not None:
+        return grad_step(lambda: impl.train(ctx, *args), args, 2 if args[4] is not None else 1)
+    r = dispatch.Resolved(impl, ctx, impl.fn)
+    return grad_step(lambda: _ln_eager_autograd(r, *args), args, 2 if args[4] is not None else 1)
 
 
 register_train_step("layer_norm", _ln_train_step)
@@ -211,12 +204,6 @@ def _rms_norm_train_resolve(x, weight, eps, residual, offset):
     return dispatch.resolve(_key("rms_norm", x, weight, None, residual, False, offset, train=True),
                             lambda: _spec("rms_norm", x, weight, None, residual, False, offset, train=True),
                             (x, weight, eps, residual, offset))
-
-
-def _rms_norm_train_route(x, weight, eps, residual, offset):
-    return dispatch.call(_key("rms_norm", x, weight, None, residual, False, offset, train=True),
-                         lambda: _spec("rms_norm", x, weight, None, residual, False, offset, train=True),
-                         (x, weight, eps, residual, offset))
 
 
 @torch.library.custom_op("opsadv::rms_norm", mutates_args=())
@@ -271,14 +258,14 @@ def _rms_bwd(ctx, dy, dsum, drstd):
 
 _rms_setup, _rms_bwd = carry_policy(_rms_setup, _rms_bwd)
 _rms_norm.register_autograd(_rms_bwd, setup_context=_rms_setup)
-_rms_eager_autograd = autograd_function("RmsNormFn", _rms_norm_train_route, _rms_setup, _rms_bwd, stats=(2,))
+_rms_eager_autograd = resolved_autograd_function("RmsNormFn", _rms_setup, _rms_bwd, stats=(2,))
 
 
 def _rms_train_step(impl, ctx, args):
-    fwd = impl.train if impl.train is not None else \
-        autograd_function("RmsNormPinned", lambda *a: impl.fn(ctx, *a), _rms_setup, _rms_bwd, stats=(2,))
-    return grad_step((lambda: fwd(ctx, *args)) if impl.train is not None else (lambda: fwd(*args)), args,
-                     2 if args[3] is not None else 1)
+    if impl.train is not None:
+        return grad_step(lambda: impl.train(ctx, *args), args, 2 if args[3] is not None else 1)
+    r = dispatch.Resolved(impl, ctx, impl.fn)
+    return grad_step(lambda: _rms_eager_autograd(r, *args), args, 2 if args[3] is not None else 1)
 
 
 register_train_step("rms_norm", _rms_train_step)
@@ -293,13 +280,11 @@ def layer_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = No
     eps = float(eps)
     if mode == DIRECT:          # eager no-grad: nothing reads mean / rstd, so the impl need not produce them
         y, xsum, _, _ = _layer_norm_infer(x, weight, bias, eps, residual)
-    elif mode == AUTOGRAD_FN:
+    elif mode == AUTOGRAD_FN:       # one resolution picks torch's autograd (impl.train) or ours
         r = _layer_norm_train_resolve(x, weight, bias, eps, residual)
-        if r.impl.train is not None:
-            dispatch.record_call(r.impl.id)
-            y, xsum, _, _ = r.impl.train(r.ctx, x, weight, bias, eps, residual)
-        else:
-            y, xsum, _, _ = _ln_eager_autograd(x, weight, bias, eps, residual)
+        dispatch.record_call(r.impl.id)
+        y, xsum, _, _ = (r.impl.train(r.ctx, x, weight, bias, eps, residual) if r.impl.train is not None
+                         else _ln_eager_autograd(r, x, weight, bias, eps, residual))
     else:
         y, xsum, _, _ = torch.ops.opsadv.layer_norm(x, weight, bias, eps, residual)
     return (y, xsum) if residual is not None else y
@@ -316,11 +301,9 @@ def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6, *, resi
         y, xsum, _ = _rms_norm_infer(x, weight, eps, residual, offset)
     elif mode == AUTOGRAD_FN:
         r = _rms_norm_train_resolve(x, weight, eps, residual, offset)
-        if r.impl.train is not None:
-            dispatch.record_call(r.impl.id)
-            y, xsum, _ = r.impl.train(r.ctx, x, weight, eps, residual, offset)
-        else:
-            y, xsum, _ = _rms_eager_autograd(x, weight, eps, residual, offset)
+        dispatch.record_call(r.impl.id)
+        y, xsum, _ = (r.impl.train(r.ctx, x, weight, eps, residual, offset) if r.impl.train is not None
+                      else _rms_eager_autograd(r, x, weight, eps, residual, offset))
     else:
         y, xsum, _ = torch.ops.opsadv.rms_norm(x, weight, eps, residual, offset)
     return (y, xsum) if residual is not None else y
