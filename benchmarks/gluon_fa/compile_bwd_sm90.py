@@ -10,9 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)
 
@@ -20,25 +18,17 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compile_sm90 import compile_sm90, cubin_resources, ptx_sequence  # noqa: E402
+from compile_sm90 import compile_sm90, cubin_resources, ptx_sequence, sass_instructions, sass_of  # noqa: E402
 
 from opsadv.backends.cuda import _gluon_fa_bwd_kernel as KB  # noqa: E402
 from opsadv.backends.cuda import gluon_attention_bwd as GB  # noqa: E402
-
-
-def sass_of(kernel) -> str:
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        return subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
 
 
 def spill_counts(sass: str) -> tuple[int, int]:
     """(STL/LDL in the whole kernel, STL/LDL inside the main loop).  The main loop is the widest
     conditional backward branch (@P BRA to a lower address) around an HGMMA; the unconditional ones
     are the jumps back from mbarrier try-wait retry blocks placed after the kernel's end."""
-    ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    ins = sass_instructions(sass)
     loops = []
     for addr, text in ins:
         m = re.search(r"^@!?U?P\d\s+BRA\s+(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))", text)

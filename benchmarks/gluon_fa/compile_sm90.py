@@ -46,14 +46,28 @@ def compile_sm90(fn, args, kw):
     return triton.compile(src, target=TARGET, options=options.__dict__)
 
 
-def cubin_resources(kernel) -> dict:
-    """Registers per thread, spill stores/loads and stack from the cubin; shared bytes from metadata."""
-    info = {"shared_bytes": kernel.metadata.shared}
+def cuobjdump(kernel, flag: str) -> str:
+    """`cuobjdump FLAG` (e.g. -sass, -res-usage) of a compiled kernel's cubin, with Triton's own tool."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
-        res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def sass_of(kernel) -> str:
+    return cuobjdump(kernel, "-sass")
+
+
+def sass_instructions(sass: str) -> list[tuple[int, str]]:
+    """(address, instruction text) of every SASS line."""
+    return [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+
+
+def cubin_resources(kernel) -> dict:
+    """Registers per thread, spill stores/loads and stack from the cubin; shared bytes from metadata."""
+    info = {"shared_bytes": kernel.metadata.shared}
+    res = cuobjdump(kernel, "-res-usage")
     for key, pat in (("regs", r"REG:(\d+)"), ("stack", r"STACK:(\d+)")):
         m = re.search(pat, res)
         if m:

@@ -11,9 +11,15 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
+
+
+def _compile_helpers():
+    """compile_sm90.py next to this file (imported when used: importing it compiles nothing, but it
+    imports Triton and drops TRITON_INTERPRET, which a test process that only parses SASS must keep)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import compile_sm90
+    return compile_sm90
 
 
 def tile_loop_spills(sass: str) -> tuple[int, int, int]:
@@ -21,7 +27,7 @@ def tile_loop_spills(sass: str) -> tuple[int, int, int]:
     predicated backward branch whose body issues exactly one S = Q K^T wgmma group (the first HGMMA of a
     group reads the accumulator as zero: 'RZ, !UPT'); the persistent item loop around them holds several,
     and the unconditional branches back from the out-of-line mbarrier wait paths are not loops."""
-    ins = []
+    ins = []          # (address, text) parsed here: a test process imports this module and must keep TRITON_INTERPRET
     for line in sass.splitlines():
         m = re.match(r"\s*/\*([0-9a-f]+)\*/\s+(.*?);", line)
         if m:
@@ -61,11 +67,6 @@ CASES = [("window_causal", 128), ("window_causal", 64), ("causal", 128), ("bigbi
 
 def compile_case(name, d, dtype=None):
     import torch
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import make_backend
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import create_function_from_signature
     from opsadv.backends.cuda import _gluon_sparse_kernel as K, gluon_sparse as GS
     dtype = dtype or torch.bfloat16
     lay, b, hq, hkv = layouts()[name]
@@ -76,24 +77,12 @@ def compile_case(name, d, dtype=None):
                          lay.window_right, lay.num_global, lay.seq_q, lay.seq_k)
     grid, args, kw = GS.launch_args(q, k, v, out, lse, ti, lay.key_padding_mask, lay.block_size, lay.causal,
                                     lay.window_left, lay.window_right, lay.num_global, 0.1)
-    kw["debug"] = False
-    target = GPUTarget("cuda", 90, 128)
-    backend = make_backend(target)
-    fn = K.sparse_fwd_kernel
-    binder = create_function_from_signature(fn.signature, fn.params, backend)
-    bound, specialization, _ = binder(*args, **kw)
-    options, signature, constexprs, attrs = fn._pack_args(backend, kw, bound, specialization, None)
-    kern = triton.compile(GluonASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kern.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-        res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    H = _compile_helpers()
+    kern = H.compile_sm90(K.sparse_fwd_kernel, args, kw)
+    sass = H.sass_of(kern)
     total, inside, loops = tile_loop_spills(sass)
-    regs = re.search(r"REG:(\d+)", res)
     row = {"case": f"{name}-d{d}", "shared": kern.metadata.shared, "spills": total, "spills_in_tile_loops": inside,
-           "tile_loops": loops, "launch_regs": int(regs.group(1)) if regs else None,
+           "tile_loops": loops, "launch_regs": H.cubin_resources(kern).get("regs"),
            "bm_mode": kw["BM_MODE"], "full_run": kw["FULL_RUN"], "stages": kw["STAGES"]}
     return row, kern, sass
 
