@@ -120,26 +120,26 @@ def _torch_call(func: tuple) -> bool:
     return func[0] == "~" and ("torch" in name or "TensorBase" in name)
 
 
-def count_calls(fn, n: int = 200) -> tuple[float, float]:
-    """(Python function calls, torch C calls) per call of fn, from cProfile."""
+def _profile(fn, n: int) -> dict:
+    """cProfile's raw stats over n calls of fn."""
     pr = cProfile.Profile()
     pr.enable()
     for _ in range(n):
         fn()
     pr.disable()
-    st = pstats.Stats(pr).stats
+    return pstats.Stats(pr).stats
+
+
+def count_calls(fn, n: int = 200) -> tuple[float, float]:
+    """(Python function calls, torch C calls) per call of fn, from cProfile."""
+    st = _profile(fn, n)
     total = sum(v[1] for v in st.values()) - 1        # primitive+recursive calls; minus the disable call
     torch_calls = sum(v[1] for f, v in st.items() if _torch_call(f))
     return total / n, torch_calls / n
 
 
 def torch_call_names(fn, n: int = 50) -> str:
-    pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(n):
-        fn()
-    pr.disable()
-    st = pstats.Stats(pr).stats
+    st = _profile(fn, n)
     rows = sorted(((v[1] / n, f[2]) for f, v in st.items() if _torch_call(f)), reverse=True)
     return ", ".join(f"{name.replace('built-in method ', '').replace(' of torch._C.TensorBase objects', '')}"
                      f" x{c:g}" for c, name in rows)
