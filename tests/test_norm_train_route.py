@@ -172,3 +172,24 @@ def test_explain_shows_the_train_bucket_of_a_grad_recording_call(trainer):
         exp = opsadv.explain("rms_norm", x, w)
     assert not exp.spec.train and exp.chosen != "trainer.rms_norm"
     assert not opsadv.explain("rms_norm", x, w, backward=True).spec.train
+
+
+def test_train_buckets_are_timed_on_wall_time_under_graph_timing(trainer, tmp_path, monkeypatch):
+    """A grad-recording call cannot run under CUDA graphs (its backward is not capturable, replay is
+    inference only): under timing="graph" its bucket is still timed, stored and found on wall time."""
+    monkeypatch.setenv("OPSADV_CACHE_DIR", str(tmp_path))
+    tuning._TUNING.reset()
+    seen = []
+
+    def fake_time(fn, device_type, reps=10, timing="wall"):
+        seen.append(timing)
+        fn()
+        return float(len(seen))
+    monkeypatch.setattr(tuning, "time_fn", fake_time)
+    x, w, _, _ = _inputs(6, 40, False, seed=9)
+    with opsadv.use_backend("auto", autotune=True, timing="graph"):
+        opsadv.ops.rms_norm(x, w).sum().backward()
+        exp = opsadv.explain("rms_norm", x, w)
+    assert seen and set(seen) == {"wall"}
+    assert exp.why.startswith("measured") and "CUDA-graph" not in exp.why
+    tuning._TUNING.reset()

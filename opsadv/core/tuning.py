@@ -99,9 +99,16 @@ def _entry_key(spec: CallSpec, timing: str) -> str:
     return spec_key(spec) if timing == "wall" else f"{spec_key(spec)} timing={timing}"
 
 
+def _timing_for(spec: CallSpec, timing: str) -> str:
+    # a grad-recording call is never replayed under CUDA graphs (graph replay is inference only) and its
+    # backward cannot be captured: it is timed, stored and looked up as back-to-back wall time
+    return "wall" if spec.train else timing
+
+
 def lookup(spec: CallSpec, accepted: list[str], env: EnvInfo, timing: str = "wall") -> Measured | None:
     if len(accepted) < 2:
         return None
+    timing = _timing_for(spec, timing)
     entry = _TUNING.load().get(_device_key(env), {}).get(_entry_key(spec, timing))
     if not entry or entry.get("winner") not in accepted:
         return None
@@ -156,6 +163,7 @@ def autotune(exp, resolved, args: tuple, timing: str = "wall"):
         accepted = [i for i in accepted if i.backend != "reference"]
     if len(accepted) < 2 or exp.why.startswith("measured"):
         return None
+    timing = _timing_for(exp.spec, timing)
     times: dict[str, float] = {}
     for impl in accepted:
         run = impl.backward if exp.spec.backward else impl.fn
