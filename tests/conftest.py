@@ -96,4 +96,8 @@ def assert_attention_matches(dtype, got: dict, ref: dict, lse, ref_lse) -> None:
         assert (lse[~empty].double() - ref_lse[~empty]).abs().max().item() < 2e-3
     tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
     for name in ("out", "dq", "dk", "dv"):
-        assert rel_err(got[name], ref[name]) < tol, (name, rel_err(got[name], ref[name]))
+        # s_q = s_k = 1 has dq = dk = 0 exactly: the denominator gets a floor of 1e-3 RMS per element, so
+        # rounding noise (~2e-7 RMS in fp16 on the H200) is not divided by ~0 (that case failed there)
+        x, r = got[name].double(), ref[name].double()
+        err = ((x - r).norm() / r.norm().clamp_min(1e-3 * r.numel() ** 0.5)).item()
+        assert err < tol, (name, err)
