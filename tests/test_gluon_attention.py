@@ -142,7 +142,10 @@ def test_declared_support_accepts_sm90_bf16_fp16_d64_d128():
 
 def test_rejection_reasons():
     env = _env()
-    assert any("experimental" in r for r in _reasons(_spec(), env, experimental_ok=False))
+    assert _reasons(_spec(), env, experimental_ok=False) == []
+    # passed the H200 conformance catalogue: no opt-in needed; above the Triton impl, below the vendor ones
+    from opsadv.core.kernel import PRIORITY_TRITON, PRIORITY_VENDOR
+    assert not _impl().experimental and PRIORITY_TRITON < _impl().priority < PRIORITY_VENDOR - 20
     assert any("dtype float32" in r for r in _reasons(_spec(torch.float32), env))
     assert any("head_dim 96" in r for r in _reasons(_spec(d=96), env))
     assert any("head_dim 256" in r for r in _reasons(_spec(d=256), env))

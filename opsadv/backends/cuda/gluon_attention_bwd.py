@@ -1,11 +1,13 @@
 """Host side of the Gluon FA3-style attention backward for Hopper (_gluon_fa_bwd_kernel.py, issue #3).
 
-Status: compiled for sm_90 on CPU and checked by a torch emulation of its tile recurrence only; it has
-NEVER RUN ON A GPU.  It is therefore not the backward of impl cuda.gluon.flash_attention yet:
-`impl_backward` below is what that impl's backward= should become, and it calls the Gluon kernel only
-when USE_GLUON_BWD_IN_IMPL is True.  The next GPU session runs benchmarks/gluon_fa/bwd_probe.py and the
-GPU tests of tests/test_gluon_attention_bwd.py, then flips the constant and points
-gluon_attention.impls()'s backward= at impl_backward (see benchmarks/gluon_fa/README.md).
+Status (H200, 6e8a381, results/gluon_fa_bwd_h200.json and gluon_fa_bwd_checks_h200.json): correct
+(every check of bwd_probe.py, bf16/fp16, causal, ragged, GQA/MQA, decode, s_q != s_k with empty rows;
+the GPU tests of tests/test_gluon_attention_bwd.py pass) but SLOWER than our Triton backward: b4 h32
+s4096 d128 7.04 ms vs 6.82 (cuDNN 5.55), causal 3.82 vs 3.33 (cuDNN 2.75), GQA 32/8 7.15 vs 7.13;
+3 ring stages change nothing, 1 stage is slower.  So it is not the backward of impl
+cuda.gluon.flash_attention: USE_GLUON_BWD_IN_IMPL stays False.  What it lacks against cuDNN/FA3 (~500
+TFLOP/s vs our ~390): a producer warp (the consumers issue TMA loads themselves), two consumer
+warpgroups over 64-row halves of the key tile, and dQ written by a separate warpgroup.
 
 attention_bwd(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv): bf16/fp16, d 64 or 128, any
 s_q/s_k, bottom-right causal, GQA/MQA; q/k/v/out/dout any (b, h, s, d) view a TMA descriptor can address
@@ -24,8 +26,9 @@ except Exception as e:  # ImportError, or an older Triton whose Gluon lacks a na
 
 from .gluon_attention import _desc, _tma_ready      # shared host helpers (descriptor, TMA-ready view)
 
-# Flip to True only after bwd_probe.py and the GPU tests passed on an H100/H200 (then wire impl_backward
-# into gluon_attention.impls()).  While False, impl_backward is the Triton FlashAttention-2 backward.
+# True only once the kernel beats the Triton backward on the H200 (then wire impl_backward into
+# gluon_attention.impls(); see benchmarks/gluon_fa/README.md).  While False, impl_backward is the Triton
+# FlashAttention-2 backward.
 USE_GLUON_BWD_IN_IMPL = False
 LOG2E = 1.4426950408889634
 # Q/dO ring depth: 2 stages = 32 KB x 2 next to K, V (64 KB) and dS (16 KB) at d128.
