@@ -12,7 +12,7 @@ from opsadv.core.errors import InvalidArgumentError
 from opsadv.core.policy import Policy, use_backend
 from opsadv.core.precision import PrecisionPolicy
 
-from . import hf_attention, packing, passes, validate as _val
+from . import hf_attention, packing, passes, release, validate as _val
 from .report import ConversionReport
 from .state import RuntimeState
 
@@ -127,7 +127,8 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
     opt_level 0: nothing; 1: attention and norms; 2: + fused QKV GEMM, dense+residual+norm, MLP GEMM
     epilogues (SwiGLU, GELU); 3: + impls marked experimental.  mem_opt (0-3, None = untouched): >= 2
     runs SwiGLU MLPs over row chunks and applies the runtime memory policy; 3 also keeps q/k/v as
-    three GEMMs (lower activation peak than the fused QKV GEMM).  The result is validated against the
+    three GEMMs (lower activation peak than the fused QKV GEMM) and frees each norm's output after
+    its last reader in no-grad calls (readers found by a probe forward; opsadv.convert.release).  The result is validated against the
     original on `example_inputs` (a dict of kwargs, a tuple of args or a tensor; generated for
     transformers models); beyond the limits (see opsadv.convert.validate) the conversion is undone
     and ValidationError raised with the numbers, unless validate="warn" (kept, flagged in the
@@ -182,6 +183,12 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
         if is_hf and opt_level >= 1 and (pack_padding or (pack_padding is None and opt_level >= 2)):
             packing.packing_pass(model, report, undo)
         passes.memory_pass(model, report, mem_opt)
+        if mem_opt is not None and mem_opt >= release.RELEASE_MEM_OPT and opt_level >= 1:
+            modes = _eval_mode(model)
+            try:
+                release.release_pass(model, report, undo, inputs, _val.run)
+            finally:
+                _restore_modes(modes)
         if opt_level >= 1 and not is_hf:
             from . import fx_rewrite
             root = fx_rewrite.fx_pass(model, report, undo, state, opt_level)

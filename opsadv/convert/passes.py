@@ -24,12 +24,15 @@ class Undo:
         self.fused: list[FusedRows] = []
         self.attn: list[tuple[nn.Module, str]] = []     # (model, attention implementation before)
         self.instance_attrs: list[tuple[object, str]] = []   # attributes set on an instance (e.g. forward)
+        self.hooks: list = []                                # module hook handles (release.py)
 
     def swap(self, parent: nn.Module, name: str, new: nn.Module) -> None:
         self.swaps.append((parent, name, getattr(parent, name)))
         setattr(parent, name, new)
 
     def revert(self) -> None:
+        for h in self.hooks:
+            h.remove()
         for parent, name, old in reversed(self.swaps):
             setattr(parent, name, old)
         for obj, name in reversed(self.instance_attrs):
@@ -45,6 +48,7 @@ class Undo:
         self.fused.clear()
         self.attn.clear()
         self.instance_attrs.clear()
+        self.hooks.clear()
 
 
 def _tol(dtype: torch.dtype) -> float:

@@ -1,0 +1,144 @@
+"""mem_opt=3 frees each norm's output after its last reader (opsadv.convert.release): the readers come
+from a probe forward; a norm whose output is read later by a function, or returned, is left alone; the
+release happens only in no-grad calls; outputs are unchanged."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import opsadv
+from opsadv.convert import release
+
+tf = pytest.importorskip("transformers")
+
+
+def _llama(layers=2):
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=96, vocab_size=101, max_position_embeddings=64)
+    cfg._attn_implementation = "sdpa"
+    return tf.LlamaForCausalLM(cfg).eval()
+
+
+def _releases(model) -> list:
+    """The installed release objects, found through the hooks on the norms."""
+    out = []
+    for m in model.modules():
+        for hook in m._forward_hooks.values():
+            owner = getattr(hook, "__self__", None)
+            if isinstance(owner, release._Release) and owner.norm is m:
+                out.append(owner)
+    return out
+
+
+def test_llama_norm_outputs_are_freed_after_their_last_reader(reference_backend):
+    base = _llama()
+    conv = opsadv.convert_model(copy.deepcopy(base), mem_opt=3)
+    rels = {(r.norm, r.reader) for r in _releases(conv)}
+    for layer in conv.model.layers:
+        assert (layer.input_layernorm, layer.self_attn.v_proj) in rels     # after q, k, v read it
+        assert (layer.post_attention_layernorm, layer.mlp) in rels
+    assert "norm outputs freed after their last reader" in str(conv.opsadv_report)
+    ids = torch.randint(0, 101, (2, 11), generator=torch.Generator().manual_seed(1))
+    before = sum(r.released for r in _releases(conv))
+    with torch.no_grad():
+        want, got = base(input_ids=ids).logits, conv(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert sum(r.released for r in _releases(conv)) - before == 2 * len(conv.model.layers) + 1
+
+
+def test_freed_output_is_empty_and_views_stay_valid(reference_backend):
+    """What a reader the probe did not foresee would meet: an empty tensor (a shape error), never freed
+    memory; a view taken before the release keeps its storage and its values."""
+    base = _llama(1)
+    conv = opsadv.convert_model(copy.deepcopy(base), mem_opt=3)
+    layer = conv.model.layers[0]
+    seen = {}
+
+    def keep(module, args, output):
+        seen["out"], seen["view"] = output, output.view(-1)
+        seen["copy"] = output.clone()
+    h = layer.input_layernorm.register_forward_hook(keep)
+    try:
+        with torch.no_grad():
+            conv(input_ids=torch.randint(0, 101, (1, 5)))
+    finally:
+        h.remove()
+    assert seen["out"].numel() == 0                       # released after v_proj
+    torch.testing.assert_close(seen["view"], seen["copy"].view(-1))
+    with pytest.raises(RuntimeError):
+        nn.functional.linear(seen["out"], layer.self_attn.q_proj.weight)
+
+
+def test_no_release_with_gradients(reference_backend):
+    base = _llama(1)
+    conv = opsadv.convert_model(copy.deepcopy(base), mem_opt=3)
+    ids = torch.randint(0, 101, (2, 7))
+    before = sum(r.released for r in _releases(conv))          # the validation forward released some
+    conv(input_ids=ids).logits.float().sum().backward()
+    assert sum(r.released for r in _releases(conv)) == before
+    assert conv.model.layers[0].self_attn.q_proj.weight.grad is not None
+
+
+def test_not_installed_below_mem_opt_3(reference_backend):
+    conv = opsadv.convert_model(_llama(1), mem_opt=2)
+    assert _releases(conv) == [] and "freed after their last reader" not in str(conv.opsadv_report)
+
+
+class _Parallel(nn.Module):
+    """A parallel block (GPT-J / Falcon style): the normed state is read by the projections and then by
+    an add outside any module."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.norm = tf.models.llama.modeling_llama.LlamaRMSNorm(d)
+        self.q, self.k = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return self.q(h) + self.k(h) + h
+
+
+class _Returns(nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        self.norm = tf.models.llama.modeling_llama.LlamaRMSNorm(d)
+        self.q = nn.Linear(d, d)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return self.q(h), h
+
+
+@pytest.mark.parametrize("cls,why", [(_Parallel, "last read outside a module"),
+                                     (_Returns, "part of the model's output")])
+def test_escaping_outputs_are_left_alone(cls, why, reference_backend):
+    torch.manual_seed(0)
+    model = cls().eval()
+    x = torch.randn(3, 5, 32)
+    with torch.no_grad():
+        want = model(x)
+    conv = opsadv.convert_model(copy.deepcopy(model), mem_opt=3, example_inputs=(x,))
+    assert _releases(conv) == []
+    assert why in str(conv.opsadv_report)
+    with torch.no_grad():
+        got = conv(x)
+    for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_revert_removes_the_hooks(reference_backend):
+    from opsadv.convert import passes
+    from opsadv.convert.report import ConversionReport
+    model = _llama(1)
+    opsadv.convert_model(model, mem_opt=2)             # norms converted, nothing released yet
+    undo = passes.Undo()
+    rels = release.release_pass(model, ConversionReport("m", 2, "auto", None), undo,
+                                {"input_ids": torch.randint(0, 101, (1, 6))}, __import__(
+                                    "opsadv.convert.validate", fromlist=["run"]).run)
+    assert rels and _releases(model)
+    undo.revert()
+    assert _releases(model) == []
