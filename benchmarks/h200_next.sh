@@ -11,6 +11,10 @@
 #   PART=d: e2e non-quick once (after any change that touches the converted models' ops); includes the new
 #           "decode ... static graphs" case (StaticCache + cuda_graphs=True vs eager and torch.compile
 #           reduce-overhead; never run yet). PART=a's pytest runs tests/test_graph_static_cache.py's real-GPU test.
+#   PART=j: the jetson prefill peak (issue 8) with mem_opt=3's release of norm / embedding outputs after their
+#           last reader (opsadv/convert/release.py, session 6; predicted ~170-200 MiB vs 234.1, target <= 213);
+#           the row's freed_outputs says how many outputs were emptied in the timed calls
+# Done in session 6 (results/*_s6*): a, b, e, d (the static-graph e2e row still needs a run with the compare fix)
 # OPSADV_COMMIT=<sha> PART=a bash benchmarks/h200_next.sh   (from the repo root on the GPU host, $OUT set)
 set -u
 # tests/conftest.py defaults TRITON_INTERPRET to 1 (CPU CI): every pytest here must say 0, and select the GPU tests
@@ -47,6 +51,10 @@ e)
   TRITON_INTERPRET=0 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gluon_attention_bwd.py -k gpu \
     > "$OUT/gluon_bwd_pytest.log" 2>&1
   echo "gluon bwd pytest rc $?"; tail -3 "$OUT/gluon_bwd_pytest.log"
+  ;;
+j)
+  timeout 400 python3 benchmarks/jetson_probe.py --prefill-only --json "$OUT/jetson_prefill.json" > "$OUT/jetson.log" 2>&1
+  echo "jetson rc $?"; tail -4 "$OUT/jetson.log" | cut -c1-400
   ;;
 d)
   timeout 420 python3 -m opsadv bench --suite e2e --json "$OUT/e2e.json" > "$OUT/e2e.log" 2>&1

@@ -178,14 +178,20 @@ def case_prefill(model, cfg):
     if CUDA:
         torch.cuda.empty_cache()
     resident = torch.cuda.memory_allocated() if CUDA else None
+    from opsadv.convert.release import releases
+    rels = releases(model)
+    before = [(r.released, r.kept) for r in rels]
     with opsadv.trace() as tr:
         got, peak, ms = measure(last_logits(model, input_ids=ids))
+    freed = {"released": sum(r.released - b[0] for r, b in zip(rels, before)),
+             "kept": sum(r.kept - b[1] for r, b in zip(rels, before)), "installed": len(rels)}
     attn = [k for k in tr.counts if "attention" in k]
     save({"suite": "e2e", "case": f"prefill {str(DT)[6:]} b1 s{seq} llama jetson", "profile": backend.profile,
           "opsadv_impl": attn[0] if attn else None, "impls": dict(tr.counts), "path": how,
           "opsadv_ms": round(ms, 2), "peers": {"hf_sdpa": round(hf_ms, 2)}, "unit": "ms",
           "rel_err": rel(got, ref), "peak_act_mib": mib(peak), "hf_sdpa_peak_act_mib": mib(hf_peak),
           "weights_mib": mib(weights), "resident_after_convert_mib": mib(resident),
+          "freed_outputs": freed,     # opsadv.convert.release over all timed calls
           "note": "peak_act = max_memory_allocated during the call minus memory allocated before it "
                   "(weights + inputs); use_cache=False; logits_to_keep=1", "report": report[-2000:]})
     return model

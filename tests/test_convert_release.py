@@ -1,6 +1,6 @@
-"""mem_opt=3 frees each norm's output after its last reader (opsadv.convert.release): the readers come
-from a probe forward; a norm whose output is read later by a function, or returned, is left alone; the
-release happens only in no-grad calls; outputs are unchanged."""
+"""mem_opt=3 frees norm and embedding outputs after their last reader (opsadv.convert.release): the
+readers come from a probe forward; an output read later by a function, or returned, is left alone; the
+release happens only in no-grad calls and when no extra reference holds the tensor; outputs unchanged."""
 from __future__ import annotations
 
 import copy
@@ -23,54 +23,85 @@ def _llama(layers=2):
     return tf.LlamaForCausalLM(cfg).eval()
 
 
-def _releases(model) -> list:
-    """The installed release objects, found through the hooks on the norms."""
-    out = []
-    for m in model.modules():
-        for hook in m._forward_hooks.values():
-            owner = getattr(hook, "__self__", None)
-            if isinstance(owner, release._Release) and owner.norm is m:
-                out.append(owner)
-    return out
+_releases = release.releases
 
 
-def test_llama_norm_outputs_are_freed_after_their_last_reader(reference_backend):
+def test_llama_outputs_are_freed_after_their_last_reader(reference_backend):
     base = _llama()
     conv = opsadv.convert_model(copy.deepcopy(base), mem_opt=3)
-    rels = {(r.norm, r.reader) for r in _releases(conv)}
+    rels = {(r.producer, r.reader) for r in _releases(conv)}
     for layer in conv.model.layers:
         assert (layer.input_layernorm, layer.self_attn.v_proj) in rels     # after q, k, v read it
         assert (layer.post_attention_layernorm, layer.mlp) in rels
-    assert "norm outputs freed after their last reader" in str(conv.opsadv_report)
+    assert (conv.model.embed_tokens, conv.model.layers[0]) in rels        # its residual add is the last read
+    assert "outputs freed after their last reader" in str(conv.opsadv_report)
     ids = torch.randint(0, 101, (2, 11), generator=torch.Generator().manual_seed(1))
     before = sum(r.released for r in _releases(conv))
     with torch.no_grad():
         want, got = base(input_ids=ids).logits, conv(input_ids=ids).logits
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    assert sum(r.released for r in _releases(conv)) - before == 2 * len(conv.model.layers) + 1
+    assert sum(r.released for r in _releases(conv)) - before == 2 * len(conv.model.layers) + 2
 
 
-def test_freed_output_is_empty_and_views_stay_valid(reference_backend):
+def test_an_extra_holder_keeps_the_output(reference_backend):
+    """output_hidden_states=True makes transformers keep the final norm's output (hidden_states[-1]):
+    one more reference than in the probe, so it is kept whole and the hidden states match the original."""
+    base = _llama()
+    conv = opsadv.convert_model(copy.deepcopy(base), mem_opt=3)
+    ids = torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = base(input_ids=ids, output_hidden_states=True).hidden_states
+        got = conv(input_ids=ids, output_hidden_states=True).hidden_states
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    final = next(r for r in _releases(conv) if r.producer is conv.model.norm)
+    assert final.kept >= 1
+
+def test_freed_output_is_empty(reference_backend):
     """What a reader the probe did not foresee would meet: an empty tensor (a shape error), never freed
-    memory; a view taken before the release keeps its storage and its values."""
+    memory."""
+    import weakref
+    base = _llama(1)
+    conv = opsadv.convert_model(copy.deepcopy(base), mem_opt=3)
+    layer = conv.model.layers[0]
+    seen = {}
+
+    def check(module, args):                 # o_proj runs after v_proj: the normed state is emptied by then
+        out = seen["out"]()
+        seen["numel"] = out.numel()
+        with pytest.raises(RuntimeError):
+            nn.functional.linear(out, layer.self_attn.q_proj.weight)
+    hs = [layer.input_layernorm.register_forward_hook(lambda m, a, out: seen.update(out=weakref.ref(out))),
+          layer.self_attn.o_proj.register_forward_pre_hook(check)]
+    try:
+        with torch.no_grad():
+            conv(input_ids=torch.randint(0, 101, (1, 5)))
+    finally:
+        for h in hs:
+            h.remove()
+    assert seen["numel"] == 0
+
+
+def test_a_held_view_keeps_its_values(reference_backend):
+    """A view taken of the output is one more holder: the output stays whole or, if emptied, the view
+    keeps the storage; either way the view's values are intact and the model's output unchanged."""
     base = _llama(1)
     conv = opsadv.convert_model(copy.deepcopy(base), mem_opt=3)
     layer = conv.model.layers[0]
     seen = {}
 
     def keep(module, args, output):
-        seen["out"], seen["view"] = output, output.view(-1)
-        seen["copy"] = output.clone()
+        seen["view"], seen["copy"] = output.view(-1), output.clone()
     h = layer.input_layernorm.register_forward_hook(keep)
+    ids = torch.randint(0, 101, (1, 5))
     try:
         with torch.no_grad():
-            conv(input_ids=torch.randint(0, 101, (1, 5)))
+            got, want = conv(input_ids=ids).logits, base(input_ids=ids).logits
     finally:
         h.remove()
-    assert seen["out"].numel() == 0                       # released after v_proj
     torch.testing.assert_close(seen["view"], seen["copy"].view(-1))
-    with pytest.raises(RuntimeError):
-        nn.functional.linear(seen["out"], layer.self_attn.q_proj.weight)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_no_release_with_gradients(reference_backend):
