@@ -26,6 +26,12 @@ def _llama(layers=2):
 _releases = release.releases
 
 
+@pytest.fixture(autouse=True)
+def _small_outputs_count(monkeypatch):
+    """These models' outputs are far below the 1 MiB floor of a real release; let them count."""
+    monkeypatch.setattr(release, "MIN_RELEASE_BYTES", 0)
+
+
 def test_llama_outputs_are_freed_after_their_last_reader(reference_backend):
     base = _llama()
     conv = opsadv.convert_model(copy.deepcopy(base), mem_opt=3)
@@ -173,3 +179,14 @@ def test_revert_removes_the_hooks(reference_backend):
     assert rels and _releases(model)
     undo.revert()
     assert _releases(model) == []
+
+
+def test_small_outputs_are_not_worth_a_release(reference_backend, monkeypatch):
+    """Below MIN_RELEASE_BYTES (a decode step's states) nothing is emptied; the hooks stay installed."""
+    monkeypatch.setattr(release, "MIN_RELEASE_BYTES", 1 << 20)
+    conv = opsadv.convert_model(_llama(1), mem_opt=3)
+    rels = _releases(conv)
+    assert rels and all(r.min_bytes == 1 << 20 for r in rels)
+    with torch.no_grad():
+        conv(input_ids=torch.randint(0, 101, (1, 5)))
+    assert sum(r.released for r in rels) == 0

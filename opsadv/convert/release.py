@@ -41,6 +41,9 @@ from .modules import OpsadvNorm, _exporting
 
 RELEASE_MEM_OPT = 3
 PRODUCERS = (OpsadvNorm, nn.Embedding)     # modules whose outputs may be released
+# smaller outputs are not worth the hook work (a decode step's (b, 1, hidden) states): their reader hook
+# returns at its first test
+MIN_RELEASE_BYTES = 1 << 20
 
 
 def _storage_keys(obj) -> set[int]:
@@ -128,11 +131,13 @@ class _Release:
         self.released = 0                        # outputs emptied (tests, benchmarks)
         self.kept = 0                            # reached the reader but held by more references
         self.hook_id: int | None = None          # the reader hook's key in reader._forward_hooks
+        self.min_bytes = MIN_RELEASE_BYTES
 
     def on_output(self, module, args, output):
         self.out = None
         if (isinstance(output, torch.Tensor) and output._base is None and not torch.is_grad_enabled()
-                and not _capturing() and not _exporting()):
+                and output.numel() * output.element_size() >= self.min_bytes and not _capturing()
+                and not _exporting()):
             self.out, self.key, self.seen = weakref.ref(output), output.untyped_storage().data_ptr(), 0
             # the reader's other forward hooks must run before the check (they may keep the tensor:
             # transformers' output_hidden_states hook on layer 0 stores its input), including hooks
@@ -213,8 +218,15 @@ def release_pass(model: nn.Module, report, undo, inputs, run) -> list[_Release]:
         candidates.append((where, paths.get(id(reader), type(reader).__name__), rel, hooks))
     del probe, result
     # calibration: the same forward with only these hooks, as at run time; each release learns how many
-    # references hold its tensor at its reader's exit on this path (the probe's own hooks add some)
-    run(model, inputs)
+    # references hold its tensor at its reader's exit on this path (the probe's own hooks add some).
+    # Example inputs are small: the size floor does not apply to this forward
+    for _, _, rel, _ in candidates:
+        rel.min_bytes = 0
+    try:
+        run(model, inputs)
+    finally:
+        for _, _, rel, _ in candidates:
+            rel.min_bytes = MIN_RELEASE_BYTES
     installed = []
     for where, reader_path, rel, hooks in candidates:
         if rel.max_refs is None:
