@@ -8,7 +8,11 @@ triton.compile for GPUTarget("cuda", 90, 128).  Per variant it prints registers 
 the cubin), shared memory (compiler metadata), and the wgmma / wait / barrier sequence of the main loop
 from the PTX.
 
-  PYTHONPATH=. python benchmarks/gluon_fa/compile_sm90.py [OUT_DIR]     (OUT_DIR gets the .ttgir / .ptx per variant)
+  PYTHONPATH=. python benchmarks/gluon_fa/compile_sm90.py [OUT_DIR] [--json=REPORT.json]
+      OUT_DIR gets the .ttgir / .ptx per variant and summary.json; --json writes the same summary elsewhere.
+
+Spills: "stack" (cuobjdump -res-usage) and "sass_stl_ldl" (STL/LDL in the SASS); the PTX never has them
+("local ld/st" only counts what the compiler put in local memory before ptxas).
 """
 from __future__ import annotations
 
@@ -64,6 +68,27 @@ def sass_instructions(sass: str) -> list[tuple[int, str]]:
     return [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
 
 
+def setmaxnreg_regions(sass: str) -> list[list[int]]:
+    """[setmaxnreg value, highest R register used] for each run of SASS that follows a USETMAXREG, in
+    address order (an approximation of the partitions' code; runs with no register use are left out).
+    An HGMMA destination counts as its whole accumulator (N/2 fp32 registers for 64xN)."""
+    out, limit, top = [], None, -1
+    for _, ins in sass_instructions(sass) + [(0, "USETMAXREG END")]:
+        if "USETMAXREG" in ins:
+            if limit is not None and top >= 0:
+                out.append([limit, top])
+            m = re.search(r"(0x[0-9a-f]+)\s*$", ins)
+            limit, top = (int(m.group(1), 16) if m else None), -1
+            continue
+        regs = [int(r) for r in re.findall(r"\bR(\d+)\b", ins)]
+        m = re.search(r"HGMMA\.64x(\d+)x\d+\.F32\S*\s+R(\d+)", ins)
+        if m:
+            regs.append(int(m.group(2)) + int(m.group(1)) // 2 - 1)
+        if regs:
+            top = max(top, *regs)
+    return out
+
+
 def cubin_resources(kernel) -> dict:
     """Registers per thread, spill stores/loads and stack from the cubin; shared bytes from metadata."""
     info = {"shared_bytes": kernel.metadata.shared}
@@ -107,13 +132,12 @@ def ptx_stats(ptx: str, ttgir: str) -> dict:
 
 
 def variants(dtypes=(torch.bfloat16, torch.float16)):
-    """(d, dtype, variant name, causal): every schedule the probe runs, 3 stages at d128 only inline."""
+    """(d, dtype, variant name, causal): every schedule the probe runs (GA.variants_for: the 3-stage
+    ones are d128 only)."""
     out = []
     for d in (128, 64):
         for dt in dtypes:
-            for name in GA.VARIANTS:
-                if name == "inline_st3" and d != 128:
-                    continue
+            for name in GA.variants_for(d):
                 for causal in (False, True):
                     out.append((d, dt, name, causal))
     return out
@@ -132,7 +156,9 @@ def compile_variant(d, dt, name, causal):
 
 
 def main():
-    out_dir = sys.argv[1] if len(sys.argv) > 1 else None
+    pos = [a for a in sys.argv[1:] if not a.startswith("--")]
+    out_dir = pos[0] if pos else None
+    json_path = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--json=")), None)
     summary = []
     for d, dt, name, causal in variants():
         tag = f"d{d}_{str(dt).split('.')[-1]}_{name}{'_causal' if causal else ''}"
@@ -143,22 +169,28 @@ def main():
             print(f"{tag}: COMPILE FAILED: {type(e).__name__}: {' | '.join(msg[-6:])[:1500]}")
             summary.append({"variant": tag, "compiled": False, "error": " | ".join(msg[-6:])[:1500]})
             continue
-        ptx, ttgir = kern.asm["ptx"], kern.asm["ttgir"]
+        ptx, ttgir, sass = kern.asm["ptx"], kern.asm["ttgir"], sass_of(kern)
         if out_dir:
             os.makedirs(out_dir, exist_ok=True)
             open(os.path.join(out_dir, tag + ".ttgir"), "w").write(ttgir)
             open(os.path.join(out_dir, tag + ".ptx"), "w").write(ptx)
         row = {"variant": tag, "compiled": True, "num_warps": kern.metadata.num_warps, **cubin_resources(kern),
+               "sass_stl_ldl": len(re.findall(r"\b(?:STL|LDL)\b", sass)),
+               "setmaxnreg_regions": setmaxnreg_regions(sass),
                **ptx_stats(ptx, ttgir), "ptx_async_sequence": ptx_sequence(ptx)}
         summary.append(row)
-        print(f"{tag}: regs {row.get('regs')} stack {row.get('stack')} smem {row['shared_bytes']} "
+        print(f"{tag}: regs {row.get('regs')} stack {row.get('stack')} STL/LDL {row['sass_stl_ldl']} "
+              f"smem {row['shared_bytes']} "
               f"wgmma {row['wgmma_mma_async']} wait_group {row['wgmma_wait_group']} "
               f"ttgir async dots {row['ttgir_warp_group_dot_isAsync']} waits {row['ttgir_warp_group_dot_wait']} "
-              f"setmaxnreg {row['setmaxnreg']} local ld/st {row['local_spill_ld_st']}")
+              f"setmaxnreg {row['setmaxnreg']} local ld/st {row['local_spill_ld_st']} "
+              f"[limit, top R] {[r for r in row['setmaxnreg_regions'] if r[0] and r[0] >= 128]}")
         sys.stdout.flush()
-    if out_dir:
-        with open(os.path.join(out_dir, "summary.json"), "w") as f:
-            json.dump({"commit": os.environ.get("OPSADV_COMMIT", "unknown"), "triton": triton.__version__, "target": "cuda sm_90", "results": summary}, f, indent=1)
+    report = {"commit": os.environ.get("OPSADV_COMMIT", "unknown"), "triton": triton.__version__,
+              "target": "cuda sm_90", "results": summary}
+    for path in ([os.path.join(out_dir, "summary.json")] if out_dir else []) + ([json_path] if json_path else []):
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
     return 0 if all(r["compiled"] for r in summary) else 1
 
 

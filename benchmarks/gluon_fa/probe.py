@@ -1,7 +1,11 @@
 """GPU probe for the Gluon Hopper flash-attention forward (opsadv/backends/cuda/_gluon_fa_kernel.py,
 impl cuda.gluon.flash_attention): correctness of each schedule, then timing next to SDPA cuDNN.
 
-  PYTHONPATH=. python benchmarks/gluon_fa/probe.py OUT.json [--variants ws,inline,...] [--no-impl]
+  PYTHONPATH=. python benchmarks/gluon_fa/probe.py OUT.json [--variants=ws,inline,...] [--no-impl]
+
+Variants: every gluon_attention.VARIANTS entry by default, each only at the head dims where it is a
+distinct kernel (gluon_attention.variants_for: the 3-stage ones, inline_st3 and pingpong_st3, are
+d128 only).  Exit status 1 when any schedule gave a wrong result (FAIL lines, 'check' rows).
 
 Correctness: out and lse of each schedule against float32 softmax attention from the same inputs
 (norm-relative error of out < 1e-2, max |lse error| < 1e-2 on rows that see a key, lse = -inf exactly
@@ -102,7 +106,7 @@ def main(out_path, variants, with_impl):
             scale = d ** -0.5
             ref_out, ref_lse = reference(q, k, v, scale, causal)
             for var in variants:
-                if var == "inline_st3" and d != 128:
+                if var not in GA.variants_for(d):
                     continue
                 row = {"shape": [b, hq, hkv, sq, sk, d], "causal": causal, "dtype": name, "variant": var}
                 try:
@@ -116,8 +120,8 @@ def main(out_path, variants, with_impl):
                     failed.add(var)
                     print(f"FAIL {row}", flush=True)
                 rec["check"].append(row)
+                save()
             del ref_out, ref_lse
-            save()
     print(f"checks done in {time.time() - t_start:.0f} s; failed variants: {sorted(failed)}", flush=True)
 
     for b, hq, hkv, s, d in TIME_SHAPES:
@@ -135,7 +139,7 @@ def main(out_path, variants, with_impl):
                 times["sdpa_cudnn"] = None
                 print(f"cudnn b{b} h{hq}/{hkv} s{s} d{d} causal={causal}: {type(e).__name__}: {e}", flush=True)
             for var in variants:
-                if var in failed or (var == "inline_st3" and d != 128):
+                if var in failed or var not in GA.variants_for(d):
                     continue
                 out = torch.empty_like(q)
                 lse = torch.empty(b, hq, s, device="cuda")
@@ -222,9 +226,13 @@ if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     if len(args) != 1:
         raise SystemExit(__doc__)
-    variants = ["ws", "inline", "inline_st3", "pingpong"]
+    from opsadv.backends.cuda import gluon_attention as GA
+    variants = list(GA.VARIANTS)
     with_impl = "--no-impl" not in sys.argv
     for a in sys.argv[1:]:
         if a.startswith("--variants="):
             variants = a.split("=", 1)[1].split(",")
+    unknown = sorted(set(variants) - set(GA.VARIANTS))
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; known: {sorted(GA.VARIANTS)}")
     sys.exit(main(args[0], variants, with_impl))

@@ -26,7 +26,10 @@ Schedules (constexpr):
   * PINGPONG (needs WARP_SPEC): each consumer warpgroup is its own partition owning 64 of the 128
     rows (own Q/O slot, own barrier), and the two take turns issuing their GEMMs through a pair of
     "turn" mbarriers, so one warpgroup's softmax runs while the other's GEMMs hold the tensor cores
-    (FA3 3.1).  The empty barrier then counts one arrive per warpgroup."""
+    (FA3 3.1).  The empty barrier then counts one arrive per warpgroup.  Registers (setmaxnreg):
+    240 per consumer warpgroup, 24 for the producer (2 x 240 + 24 = 504 of the 512 per thread that
+    3 warpgroups have).  The "inc 120" / "dec 120" in the PTX is the idle level of Triton's worker
+    switch loop (between partitions), not a partition's budget."""
 from __future__ import annotations
 
 from triton.experimental import gluon
@@ -89,6 +92,15 @@ def _softmax_step(s, m_i, l_i, rows, col0, SK, OFFSET, qk_scale,
 
 
 @gluon.jit
+def _sreg(dep, name: gl.constexpr):
+    """Special register `name` (e.g. "%ctaid.x") read by a non-pure asm, which LLVM can neither CSE with
+    an earlier read nor hoist: what is derived from it is computed where it is called.  `dep` is only
+    an operand (the asm needs one)."""
+    return gl.inline_asm_elementwise("mov.u32 $0, " + name + ";", "=r,r", [dep], dtype=gl.int32,
+                                     is_pure=False, pack=1)
+
+
+@gluon.jit
 def _turn_wait(turn, step, WG: gl.constexpr, PINGPONG: gl.constexpr):
     """Ping-pong: wait until it is warpgroup WG's turn to issue GEMMs for `step` (its step-th turn)."""
     if PINGPONG:
@@ -106,9 +118,11 @@ def _turn_pass(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
 def _consumer(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
               kv_empty, turn, b, h, hk, bh, m0, SQ, SK, OFFSET, n_tiles, first_masked, qk_scale,
               CAUSAL: gl.constexpr, STAGES: gl.constexpr, PRODUCE: gl.constexpr, PINGPONG: gl.constexpr,
-              WG: gl.constexpr, num_warps: gl.constexpr):
+              WG: gl.constexpr, H, REMAT: gl.constexpr, num_warps: gl.constexpr):
     """Rows [m0 + WG*BM, +BM) of head (b, h): BM = the Q block of q_desc (128, or 64 per warpgroup
-    with PINGPONG).  Every consumer partition walks the same n_tiles K/V tiles."""
+    with PINGPONG).  Every consumer partition walks the same n_tiles K/V tiles.  REMAT (PINGPONG only):
+    b, h, bh and the rows are recomputed from the CTA id after the K/V loop instead of being held
+    through it (H: heads per batch, only used then)."""
     BM: gl.constexpr = q_desc.block_type.shape[2]
     D: gl.constexpr = q_desc.block_type.shape[3]
     BN: gl.constexpr = k_desc.block_type.shape[2]
@@ -200,6 +214,18 @@ def _consumer(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_smem, v_smem, q
         _turn_pass(turn, WG, PINGPONG)
         o = warpgroup_mma_wait(0, deps=(o_tok, p_op))[0]
 
+    if REMAT:
+        # d128 ping-pong: the loop uses up to R237 of a consumer's 240 registers, and ptxas spilled the
+        # O store's coordinates and slot address (kept in uniform registers from the Q load on) around
+        # it: 8 B of stack, 24 B causal.  Same values as fa_fwd_kernel's, read again from the CTA id.
+        pid_m = _sreg(n_tiles, "%ctaid.x")
+        if CAUSAL:
+            pid_m = _sreg(n_tiles, "%nctaid.x") - 1 - pid_m
+        bh = _sreg(n_tiles, "%ctaid.y")
+        b = bh // H
+        h = bh % H
+        q_row = pid_m * (2 * BM) + WG * BM
+        rows = q_row + gl.arange(0, BM, layout=row_s)
     # A row that saw no key (causal, s_q > s_k): out 0, lse -inf.
     empty = l_i == 0.0
     l_safe = gl.where(empty, 1.0, l_i)
@@ -219,9 +245,10 @@ def fa_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, H, GROUP, SQ, SK, OFF
                   q_smem_layout: gl.constexpr, kv_smem_layout: gl.constexpr,
                   CAUSAL: gl.constexpr, STAGES: gl.constexpr, WARP_SPEC: gl.constexpr,
                   PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                  num_warps: gl.constexpr):
+                  REMAT: gl.constexpr, num_warps: gl.constexpr):
     """Grid (cdiv(SQ, 128), b * H).  q/o descriptors have block (1, 1, 128 or 64 with PINGPONG, d),
-    k/v (1, 1, 128, d); the *_smem_layout are the 2-D NVMMA layouts of the same swizzle."""
+    k/v (1, 1, 128, d); the *_smem_layout are the 2-D NVMMA layouts of the same swizzle.  REMAT: see
+    _consumer (the host sets it for ping-pong at d128)."""
     BQ: gl.constexpr = q_desc.block_type.shape[2]                    # rows per consumer partition
     D: gl.constexpr = q_desc.block_type.shape[3]
     BN: gl.constexpr = k_desc.block_type.shape[2]
@@ -265,10 +292,10 @@ def fa_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, H, GROUP, SQ, SK, OFF
         gl.warp_specialize([
             (_consumer, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem.index(0), k_smem, v_smem, q_bar.index(0),
                          k_ready, v_ready, kv_empty, turn, b, h, hk, bh, m0, SQ, SK, OFFSET, n_tiles, first_masked,
-                         qk_scale, CAUSAL, STAGES, False, True, 0, 4)),
+                         qk_scale, CAUSAL, STAGES, False, True, 0, H, REMAT, 4)),
             (_consumer, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem.index(1), k_smem, v_smem, q_bar.index(1),
                          k_ready, v_ready, kv_empty, turn, b, h, hk, bh, m0, SQ, SK, OFFSET, n_tiles, first_masked,
-                         qk_scale, CAUSAL, STAGES, False, True, 1, 4)),
+                         qk_scale, CAUSAL, STAGES, False, True, 1, H, REMAT, 4)),
             (_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, b, hk, n_tiles, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         for i in gl.static_range(2):
@@ -282,13 +309,13 @@ def fa_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, H, GROUP, SQ, SK, OFF
             gl.warp_specialize([
                 (_consumer, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready,
                              v_ready, kv_empty, q_bar, b, h, hk, bh, m0, SQ, SK, OFFSET, n_tiles, first_masked,
-                             qk_scale, CAUSAL, STAGES, False, False, 0, num_warps)),
+                             qk_scale, CAUSAL, STAGES, False, False, 0, H, False, num_warps)),
                 (_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, b, hk, n_tiles, STAGES)),
             ], [1], [PRODUCER_REGS])
         else:
             _consumer(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
                       kv_empty, q_bar, b, h, hk, bh, m0, SQ, SK, OFFSET, n_tiles, first_masked, qk_scale,
-                      CAUSAL, STAGES, True, False, 0, num_warps)
+                      CAUSAL, STAGES, True, False, 0, H, False, num_warps)
         mbarrier.invalidate(q_bar)
 
     for i in gl.static_range(STAGES):

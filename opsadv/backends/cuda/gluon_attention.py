@@ -41,7 +41,14 @@ VARIANTS = {
     "inline": dict(WARP_SPEC=False, PINGPONG=False, STAGES=None),
     "inline_st3": dict(WARP_SPEC=False, PINGPONG=False, STAGES=3),
     "pingpong": dict(WARP_SPEC=True, PINGPONG=True, STAGES=None),
+    # d128 only (at d64 it is "pingpong"): 2 x 64-row Q/O slots + 3 x (K + V) = 229,736 B of shared
+    # memory with the barriers (sm_90 limit 232,448).  Compiled with 0 spills, NOT yet run on a GPU.
+    "pingpong_st3": dict(WARP_SPEC=True, PINGPONG=True, STAGES=3),
 }
+# Ping-pong at d128 recomputes the O store's coordinates after the K/V loop (the kernel's REMAT):
+# held through the loop they spilled (8 B of stack, 24 B causal).  d64 did not spill; it stays
+# byte-identical to the schedule measured on the H200 (its default).
+REMAT_HEAD_DIMS = (128,)
 # The schedule the impl launches, per head dim: the fastest correct one on the H200 at 2cfc9ce
 # (benchmarks/results/gluon_fa_v2_h200.json, b4 h32 s4096 bf16, x SDPA cuDNN): d128 inline_st3 0.79
 # non-causal / 0.835 causal (ws 0.686 / 0.666, pingpong 0.747 / 0.741); d64 pingpong 0.902 / 0.86
@@ -57,6 +64,12 @@ def _cdiv(a: int, b: int) -> int:
 
 def default_stages(d: int) -> int:
     return 2 if d == 128 else 3
+
+
+def variants_for(d: int) -> list[str]:
+    """The distinct schedules at head dim d: a variant whose explicit ring depth is d's default depth
+    (3 stages at d64) is the same kernel as its base schedule, so it is left out."""
+    return [name for name, cfg in VARIANTS.items() if cfg["STAGES"] != default_stages(d)]
 
 
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:
@@ -91,7 +104,8 @@ def launch_args(q, k, v, out, lse, causal: bool, scale: float, variant: str = "w
               kv_smem_layout=_gl.NVMMASharedLayout.get_default_for([_K.BLOCK_N, d], gdt),
               CAUSAL=bool(causal), STAGES=stages or cfg["STAGES"] or default_stages(d),
               WARP_SPEC=cfg["WARP_SPEC"], PINGPONG=cfg["PINGPONG"], CONSUMER_REGS=CONSUMER_REGS,
-              PRODUCER_REGS=PRODUCER_REGS, num_warps=4 if cfg["PINGPONG"] else _K.NUM_WARPS)
+              PRODUCER_REGS=PRODUCER_REGS, REMAT=cfg["PINGPONG"] and d in REMAT_HEAD_DIMS,
+              num_warps=4 if cfg["PINGPONG"] else _K.NUM_WARPS)
     args = (*descs, lse, hq, hq // hkv, sq, sk, sk - sq, scale * LOG2E)
     return grid, args, kw
 
@@ -141,4 +155,5 @@ def impls(env) -> list[KernelImpl]:
                     "from out + lse")]
 
 
-__all__ = ["impls", "attention_fwd", "launch_args", "VARIANTS", "DEFAULT_VARIANT", "UNAVAILABLE", "IMPL_ID"]
+__all__ = ["impls", "attention_fwd", "launch_args", "variants_for", "VARIANTS", "DEFAULT_VARIANT", "UNAVAILABLE",
+           "IMPL_ID"]
