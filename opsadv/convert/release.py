@@ -215,6 +215,7 @@ def release_pass(model: nn.Module, report, undo, inputs, run) -> list[_Release]:
         hooks = [producer.register_forward_hook(rel.on_output),
                  reader.register_forward_hook(rel.on_reader, with_kwargs=True)]
         rel.hook_id = hooks[1].id
+        undo.hooks += hooks                      # a failing calibration forward is undone with the rest
         candidates.append((where, paths.get(id(reader), type(reader).__name__), rel, hooks))
     del probe, result
     # calibration: the same forward with only these hooks, as at run time; each release learns how many
@@ -233,8 +234,8 @@ def release_pass(model: nn.Module, report, undo, inputs, run) -> list[_Release]:
             refused.append((where, "its reader was not reached again in the calibration forward"))
             for h in hooks:
                 h.remove()
+                undo.hooks.remove(h)
             continue
-        undo.hooks += hooks
         installed.append((where, reader_path, rel))
     if installed:
         kinds = sorted({type(r.producer).__name__ for _, _, r in installed})
