@@ -14,6 +14,7 @@
 #   PART=j: the jetson prefill peak (issue 8) with mem_opt=3's release of norm / embedding outputs after their
 #           last reader (opsadv/convert/release.py, session 6; predicted ~170-200 MiB vs 234.1, target <= 213);
 #           the row's freed_outputs says how many outputs were emptied in the timed calls
+#   PART=s: the e2e static-graph decode case alone (its compare fix came after its only run, 5a4f399)
 # Done in session 6 (results/*_s6*): a, b, e, d (the static-graph e2e row still needs a run with the compare fix)
 # OPSADV_COMMIT=<sha> PART=a bash benchmarks/h200_next.sh   (from the repo root on the GPU host, $OUT set)
 set -u
@@ -51,6 +52,10 @@ e)
   TRITON_INTERPRET=0 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gluon_attention_bwd.py -k gpu \
     > "$OUT/gluon_bwd_pytest.log" 2>&1
   echo "gluon bwd pytest rc $?"; tail -3 "$OUT/gluon_bwd_pytest.log"
+  ;;
+s)
+  timeout 300 python3 -m opsadv bench --suite e2e --filter "static graphs" --json "$OUT/e2e_static.json" > "$OUT/e2e_static.log" 2>&1
+  echo "e2e static rc $?"; grep -E "static graphs" "$OUT/e2e_static.log" | tail -2 | cut -c1-300
   ;;
 j)
   timeout 400 python3 benchmarks/jetson_probe.py --prefill-only --json "$OUT/jetson_prefill.json" > "$OUT/jetson.log" 2>&1
