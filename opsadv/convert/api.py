@@ -183,15 +183,15 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
         if is_hf and opt_level >= 1 and (pack_padding or (pack_padding is None and opt_level >= 2)):
             packing.packing_pass(model, report, undo)
         passes.memory_pass(model, report, mem_opt)
-        if mem_opt is not None and mem_opt >= release.RELEASE_MEM_OPT and opt_level >= 1:
-            modes = _eval_mode(model)
-            try:
-                release.release_pass(model, report, undo, inputs, _val.run)
-            finally:
-                _restore_modes(modes)
         if opt_level >= 1 and not is_hf:
             from . import fx_rewrite
             root = fx_rewrite.fx_pass(model, report, undo, state, opt_level)
+        if mem_opt is not None and mem_opt >= release.RELEASE_MEM_OPT and opt_level >= 1:
+            modes = _eval_mode(root)             # probe the model as it will run (after the fx rewrite)
+            try:
+                release.release_pass(root, report, undo, inputs, _val.run)
+            finally:
+                _restore_modes(modes)
         runner = _install_graphs(root, report, undo, max_graphs) if cuda_graphs else None
     except Exception:
         undo.revert()
