@@ -114,7 +114,9 @@ def test_every_variant_is_compiled_and_d128_pingpong_in_fp16_too():
     depth, so those variants are d128-only), and the spill-prone d128 ping-pong in both dtypes."""
     assert {(d, n) for d, n, _, _ in COMPILE_CASES} == {(d, n) for d in (128, 64) for n in GA.variants_for(d)}
     assert "pingpong_st3" in GA.variants_for(128) and "pingpong_st3" not in GA.variants_for(64)
-    for name in ("pingpong", "pingpong_st3"):
+    pingpongs = [n for n in GA.variants_for(128) if n.startswith("pingpong")]
+    assert {"pingpong", "pingpong_st3", "pingpong_kv", "pingpong_kv_st3"} <= set(pingpongs)
+    for name in pingpongs:
         assert {(c, dt) for d, n, c, dt in COMPILE_CASES if d == 128 and n == name} == \
             {(c, dt) for c in (False, True) for dt in ("bfloat16", "float16")}
 
@@ -335,3 +337,152 @@ def test_gpu_every_schedule_forward(variant, causal, seed, monkeypatch):
         assert torch.equal(torch.isneginf(lse), empty), (variant, b, hq, sq, sk, d)
         assert not torch.isnan(out).any()
         assert rel_err(out, ro) < 2e-2, (variant, b, hq, sq, sk, d, rel_err(out, ro))
+
+
+# ---- the warp-specialized barrier protocol, emulated -----------------------------------------------------
+class _Bar:
+    """An mbarrier: `count` arrives complete a phase; wait(parity) passes once the phase of that parity
+    has completed (a fresh barrier passes parity 1 at once)."""
+    def __init__(self, count):
+        self.count, self.pending, self.phases = count, count, 0
+
+    def arrive(self):
+        self.pending -= 1
+        assert self.pending >= 0
+        if self.pending == 0:
+            self.phases, self.pending = self.phases + 1, self.count
+
+    def done(self, parity):
+        return (self.phases & 1) != parity
+
+
+def emulate_pipeline(n_tiles, stages, split, seed, n_wg=2, release_k_early=False):
+    """The K/V ring protocol of fa_fwd_kernel with a producer warp (ping-pong: n_wg = 2 consumer
+    partitions taking GEMM turns), run under a random interleaving of the partitions and of the TMA
+    completions.  Asserts that a load never overwrites a slot whose previous tile a consumer has not
+    finished reading, that every read finds its tile landed, and that nothing deadlocks.
+    release_k_early: a deliberately wrong consumer (frees the K slot before its S has retired)."""
+    import random
+    rnd = random.Random(seed)
+    cnt = n_wg
+    k_ready, v_ready = [_Bar(1) for _ in range(stages)], [_Bar(1) for _ in range(stages)]
+    kv_empty = [_Bar(cnt) for _ in range(stages)]
+    k_empty = [_Bar(cnt) for _ in range(stages)] if split else kv_empty
+    turn = [_Bar(1), _Bar(1)]
+    turn[0].arrive()                                   # warpgroup 0 issues first
+    slot = {"k": [None] * stages, "v": [None] * stages}        # tile held (landed or in flight)
+    landed = {"k": [False] * stages, "v": [False] * stages}
+    readers = {"k": [set() for _ in range(stages)], "v": [set() for _ in range(stages)]}
+    done_reading = {"k": {}, "v": {}}                  # tile -> set of warpgroups that finished it
+    tma = []                                           # loads in flight: (kind, stage)
+
+    def load(kind, t):
+        st = t % stages
+        old = slot[kind][st]
+        assert not readers[kind][st], f"{kind} slot {st} overwritten by tile {t} while read"
+        assert old is None or done_reading[kind].get(old, set()) == set(range(n_wg)), \
+            f"{kind} tile {old} in slot {st} overwritten by tile {t} before every warpgroup read it"
+        slot[kind][st], landed[kind][st] = t, False
+        tma.append((kind, st))
+
+    def start_read(kind, t, wg):
+        st = t % stages
+        assert slot[kind][st] == t and landed[kind][st], f"wg{wg} reads {kind} tile {t}: slot has {slot[kind][st]}"
+        readers[kind][st].add(wg)
+
+    def end_read(kind, t, wg):
+        readers[kind][t % stages].discard(wg)
+        done_reading[kind].setdefault(t, set()).add(wg)
+
+    def producer():
+        if split:
+            if n_tiles > 0:
+                yield k_empty[0], 1
+                load("k", 0)
+            for j in range(n_tiles):
+                if j + 1 < n_tiles:
+                    yield k_empty[(j + 1) % stages], (((j + 1) // stages) & 1) ^ 1
+                    load("k", j + 1)
+                yield kv_empty[j % stages], ((j // stages) & 1) ^ 1
+                load("v", j)
+        else:
+            for j in range(n_tiles):
+                yield kv_empty[j % stages], ((j // stages) & 1) ^ 1
+                load("k", j)
+                load("v", j)
+
+    def consumer(wg):
+        def take_turn(step):
+            if n_wg == 2:
+                yield turn[wg], step & 1
+
+        def pass_turn():
+            if n_wg == 2:
+                turn[1 - wg].arrive()
+        if n_tiles == 0:
+            return
+        yield k_ready[0], 0
+        yield from take_turn(0)
+        start_read("k", 0, wg)
+        pass_turn()
+        end_read("k", 0, wg)
+        if split:
+            k_empty[0].arrive()
+        for j in range(n_tiles - 1):
+            cur, nxt = j % stages, (j + 1) % stages
+            yield k_ready[nxt], ((j + 1) // stages) & 1
+            yield v_ready[cur], (j // stages) & 1
+            yield from take_turn(j + 1)
+            start_read("k", j + 1, wg)
+            start_read("v", j, wg)
+            pass_turn()
+            if split and release_k_early:
+                k_empty[nxt].arrive()
+            yield None, None                           # the other partitions run while S is in flight
+            end_read("k", j + 1, wg)
+            if split and not release_k_early:
+                k_empty[nxt].arrive()
+            yield None, None                           # ... and while P V is
+            end_read("v", j, wg)
+            kv_empty[cur].arrive()
+        yield v_ready[(n_tiles - 1) % stages], ((n_tiles - 1) // stages) & 1
+        yield from take_turn(n_tiles)
+        start_read("v", n_tiles - 1, wg)
+        pass_turn()
+        end_read("v", n_tiles - 1, wg)
+
+    agents = {"producer": producer(), **{f"wg{w}": consumer(w) for w in range(n_wg)}}
+    blocked = {name: (None, None) for name in agents}
+    while agents or tma:
+        runnable = [n for n in agents if blocked[n][0] is None or blocked[n][0].done(blocked[n][1])]
+        choices = runnable + (["tma"] if tma else [])
+        assert choices, f"deadlock: {blocked}"
+        who = rnd.choice(choices)
+        if who == "tma":
+            kind, st = tma.pop(rnd.randrange(len(tma)))
+            landed[kind][st] = True
+            (k_ready if kind == "k" else v_ready)[st].arrive()
+            continue
+        try:
+            blocked[who] = next(agents[who])
+        except StopIteration:
+            del agents[who]
+    for kind in ("k", "v"):
+        assert all(done_reading[kind].get(t) == set(range(n_wg)) for t in range(n_tiles)), kind
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("stages", [2, 3])
+def test_emulated_pingpong_pipeline_protocol(stages, split):
+    for n_tiles in (0, 1, 2, 3, 4, 7):
+        for seed in range(40):
+            emulate_pipeline(n_tiles, stages, split, seed)
+    emulate_pipeline(5, stages, split, 0, n_wg=1)      # the ws schedule's single consumer partition
+
+
+def test_emulated_pipeline_detects_an_early_k_release():
+    """The protocol check can fail: freeing K_{j+1}'s slot before its S has retired lets the producer
+    overwrite it under the read."""
+    with pytest.raises(AssertionError, match="overwritten"):
+        for seed in range(200):
+            emulate_pipeline(7, 2, True, seed, release_k_early=True)

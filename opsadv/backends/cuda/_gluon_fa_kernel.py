@@ -55,17 +55,41 @@ def _issue_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, b, hk, row, stag
 
 
 @gluon.jit
-def _producer(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, b, hk, n_tiles,
-              STAGES: gl.constexpr):
-    """Warp-specialized loader (1 warp): fills the ring as fast as the consumers free slots."""
+def _issue_one(desc, smem, ready, b, hk, row, stage, kv_view: gl.constexpr):
+    """TMA-load rows [row, row + BLOCK_N) of head (b, hk) of one of K / V into ring slot `stage`."""
+    mbarrier.expect(ready.index(stage), desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc, [b, hk, row, 0], ready.index(stage),
+                                    smem.index(stage)._reinterpret(desc.dtype, kv_view, desc.layout))
+
+
+@gluon.jit
+def _producer(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty, b, hk, n_tiles,
+              STAGES: gl.constexpr, SPLIT_EMPTY: gl.constexpr):
+    """Warp-specialized loader (1 warp): fills the ring as fast as the consumers free slots.
+    SPLIT_EMPTY: k_empty frees a K slot (its S has retired), kv_empty only the V slot (its P V has)."""
     BN: gl.constexpr = k_desc.block_type.shape[2]
     kv_view: gl.constexpr = k_desc.block_type.shape
-    for j in range(n_tiles):
-        stage = j % STAGES
-        # Parity of the slot's previous use; on the first lap waiting on parity 1 of a fresh barrier
-        # returns at once, so the first STAGES loads go out without waiting.
-        mbarrier.wait(kv_empty.index(stage), ((j // STAGES) & 1) ^ 1)
-        _issue_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, b, hk, j * BN, stage, kv_view)
+    if SPLIT_EMPTY:
+        # The consumers free K_{t+1} (its S retires in iteration t) before V_t (end of iteration t), and
+        # iteration j reads K_{j+1} and V_j: load in that order, K_{j+1} before V_j.  Parities as below.
+        if n_tiles > 0:
+            mbarrier.wait(k_empty.index(0), 1)
+            _issue_one(k_desc, k_smem, k_ready, b, hk, 0, 0, kv_view)
+        for j in range(n_tiles):
+            if j + 1 < n_tiles:
+                kst = (j + 1) % STAGES
+                mbarrier.wait(k_empty.index(kst), (((j + 1) // STAGES) & 1) ^ 1)
+                _issue_one(k_desc, k_smem, k_ready, b, hk, (j + 1) * BN, kst, kv_view)
+            stage = j % STAGES
+            mbarrier.wait(kv_empty.index(stage), ((j // STAGES) & 1) ^ 1)
+            _issue_one(v_desc, v_smem, v_ready, b, hk, j * BN, stage, kv_view)
+    else:
+        for j in range(n_tiles):
+            stage = j % STAGES
+            # Parity of the slot's previous use; on the first lap waiting on parity 1 of a fresh barrier
+            # returns at once, so the first STAGES loads go out without waiting.
+            mbarrier.wait(kv_empty.index(stage), ((j // STAGES) & 1) ^ 1)
+            _issue_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, b, hk, j * BN, stage, kv_view)
 
 
 @gluon.jit
@@ -101,6 +125,13 @@ def _sreg(dep, name: gl.constexpr):
 
 
 @gluon.jit
+def _release(bar):
+    """Every warp of this partition is done with the buffer that bar guards: one arrive."""
+    gl.thread_barrier()
+    mbarrier.arrive(bar, count=1)
+
+
+@gluon.jit
 def _turn_wait(turn, step, WG: gl.constexpr, PINGPONG: gl.constexpr):
     """Ping-pong: wait until it is warpgroup WG's turn to issue GEMMs for `step` (its step-th turn)."""
     if PINGPONG:
@@ -118,11 +149,13 @@ def _turn_pass(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
 def _consumer(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
               kv_empty, turn, b, h, hk, bh, m0, SQ, SK, OFFSET, n_tiles, first_masked, qk_scale,
               CAUSAL: gl.constexpr, STAGES: gl.constexpr, PRODUCE: gl.constexpr, PINGPONG: gl.constexpr,
-              WG: gl.constexpr, H, REMAT: gl.constexpr, num_warps: gl.constexpr):
+              WG: gl.constexpr, H, REMAT: gl.constexpr, k_empty, SPLIT_EMPTY: gl.constexpr,
+              num_warps: gl.constexpr):
     """Rows [m0 + WG*BM, +BM) of head (b, h): BM = the Q block of q_desc (128, or 64 per warpgroup
     with PINGPONG).  Every consumer partition walks the same n_tiles K/V tiles.  REMAT (PINGPONG only):
     b, h, bh and the rows are recomputed from the CTA id after the K/V loop instead of being held
-    through it (H: heads per batch, only used then)."""
+    through it (H: heads per batch, only used then).  SPLIT_EMPTY (with a producer): each K slot is
+    freed on k_empty as soon as its S has retired, the V slot on kv_empty after its P V."""
     BM: gl.constexpr = q_desc.block_type.shape[2]
     D: gl.constexpr = q_desc.block_type.shape[3]
     BN: gl.constexpr = k_desc.block_type.shape[2]
@@ -164,6 +197,8 @@ def _consumer(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_smem, v_smem, q
         s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_acc, use_acc=False, is_async=True)
         _turn_pass(turn, WG, PINGPONG)
         s = warpgroup_mma_wait(0, deps=(s_tok, ))
+        if SPLIT_EMPTY:
+            _release(k_empty.index(0))
         if first_masked == 0:
             p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, rows, 0, SK, OFFSET, qk_scale, CAUSAL, True, s_layout)
         else:
@@ -190,6 +225,8 @@ def _consumer(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_smem, v_smem, q
             _turn_pass(turn, WG, PINGPONG)
             # 3) Wait for S_{j+1} only: groups retire in issue order, so 1 outstanding = the PV.
             s = warpgroup_mma_wait(1, deps=(s_tok, ))
+            if SPLIT_EMPTY:     # K_{j+1} is read: the producer may refill its slot under the softmax
+                _release(k_empty.index(nxt))
             # 4) Online softmax of S_{j+1} while P_j V_j runs; the mask only where a column can be masked.
             if j + 1 >= first_masked:
                 p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, rows, (j + 1) * BN, SK, OFFSET, qk_scale,
@@ -201,9 +238,9 @@ def _consumer(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_smem, v_smem, q
             o = warpgroup_mma_wait(0, deps=(o_tok, p_op))[0]
             o = o * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             if not PRODUCE:
-                # Tile j is fully consumed by every warp of this partition; only then free its slot.
-                gl.thread_barrier()
-                mbarrier.arrive(kv_empty.index(cur), count=1)
+                # Tile j (with SPLIT_EMPTY: V_j) is fully consumed by every warp of this partition; only
+                # then free its slot.
+                _release(kv_empty.index(cur))
 
         # Epilogue: the last P V.
         last = (n_tiles - 1) % STAGES
@@ -245,10 +282,11 @@ def fa_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, H, GROUP, SQ, SK, OFF
                   q_smem_layout: gl.constexpr, kv_smem_layout: gl.constexpr,
                   CAUSAL: gl.constexpr, STAGES: gl.constexpr, WARP_SPEC: gl.constexpr,
                   PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                  REMAT: gl.constexpr, num_warps: gl.constexpr):
+                  REMAT: gl.constexpr, SPLIT_EMPTY: gl.constexpr, num_warps: gl.constexpr):
     """Grid (cdiv(SQ, 128), b * H).  q/o descriptors have block (1, 1, 128 or 64 with PINGPONG, d),
     k/v (1, 1, 128, d); the *_smem_layout are the 2-D NVMMA layouts of the same swizzle.  REMAT: see
-    _consumer (the host sets it for ping-pong at d128)."""
+    _consumer (the host sets it for ping-pong at d128).  SPLIT_EMPTY (needs WARP_SPEC): separate "empty"
+    barriers for the K and V slots (FA3's K and V pipelines), see _producer."""
     BQ: gl.constexpr = q_desc.block_type.shape[2]                    # rows per consumer partition
     D: gl.constexpr = q_desc.block_type.shape[3]
     BN: gl.constexpr = k_desc.block_type.shape[2]
@@ -280,6 +318,12 @@ def fa_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, H, GROUP, SQ, SK, OFF
         mbarrier.init(k_ready.index(i), count=1)        # completed by the TMA transaction bytes
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=2 if PINGPONG else 1)   # one arrive per consumer partition
+    if SPLIT_EMPTY:
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_empty.index(i), count=2 if PINGPONG else 1)
+    else:
+        k_empty = kv_empty                          # not used
 
     if PINGPONG:
         q_smem = gl.allocate_shared_memory(dtype, [2, BQ, D], q_smem_layout)
@@ -292,11 +336,12 @@ def fa_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, H, GROUP, SQ, SK, OFF
         gl.warp_specialize([
             (_consumer, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem.index(0), k_smem, v_smem, q_bar.index(0),
                          k_ready, v_ready, kv_empty, turn, b, h, hk, bh, m0, SQ, SK, OFFSET, n_tiles, first_masked,
-                         qk_scale, CAUSAL, STAGES, False, True, 0, H, REMAT, 4)),
+                         qk_scale, CAUSAL, STAGES, False, True, 0, H, REMAT, k_empty, SPLIT_EMPTY, 4)),
             (_consumer, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem.index(1), k_smem, v_smem, q_bar.index(1),
                          k_ready, v_ready, kv_empty, turn, b, h, hk, bh, m0, SQ, SK, OFFSET, n_tiles, first_masked,
-                         qk_scale, CAUSAL, STAGES, False, True, 1, H, REMAT, 4)),
-            (_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, b, hk, n_tiles, STAGES)),
+                         qk_scale, CAUSAL, STAGES, False, True, 1, H, REMAT, k_empty, SPLIT_EMPTY, 4)),
+            (_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty, b, hk, n_tiles,
+                         STAGES, SPLIT_EMPTY)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         for i in gl.static_range(2):
             mbarrier.invalidate(q_bar.index(i))
@@ -309,16 +354,19 @@ def fa_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, H, GROUP, SQ, SK, OFF
             gl.warp_specialize([
                 (_consumer, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready,
                              v_ready, kv_empty, q_bar, b, h, hk, bh, m0, SQ, SK, OFFSET, n_tiles, first_masked,
-                             qk_scale, CAUSAL, STAGES, False, False, 0, H, False, num_warps)),
-                (_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, b, hk, n_tiles, STAGES)),
+                             qk_scale, CAUSAL, STAGES, False, False, 0, H, False, k_empty, SPLIT_EMPTY, num_warps)),
+                (_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty, b, hk, n_tiles,
+                             STAGES, SPLIT_EMPTY)),
             ], [1], [PRODUCER_REGS])
         else:
             _consumer(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
                       kv_empty, q_bar, b, h, hk, bh, m0, SQ, SK, OFFSET, n_tiles, first_masked, qk_scale,
-                      CAUSAL, STAGES, True, False, 0, H, False, num_warps)
+                      CAUSAL, STAGES, True, False, 0, H, False, kv_empty, False, num_warps)
         mbarrier.invalidate(q_bar)
 
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(k_ready.index(i))
         mbarrier.invalidate(v_ready.index(i))
         mbarrier.invalidate(kv_empty.index(i))
+        if SPLIT_EMPTY:
+            mbarrier.invalidate(k_empty.index(i))

@@ -44,6 +44,10 @@ VARIANTS = {
     # d128 only (at d64 it is "pingpong"): 2 x 64-row Q/O slots + 3 x (K + V) = 229,736 B of shared
     # memory with the barriers (sm_90 limit 232,448).  Compiled with 0 spills, NOT yet run on a GPU.
     "pingpong_st3": dict(WARP_SPEC=True, PINGPONG=True, STAGES=3),
+    # FA3's separate K and V pipelines: a K slot is refilled once its S has retired, without waiting
+    # for the P V of the same tile (the kernel's SPLIT_EMPTY).  Compiled with 0 spills, NOT yet run on a GPU.
+    "pingpong_kv": dict(WARP_SPEC=True, PINGPONG=True, STAGES=None, SPLIT_EMPTY=True),
+    "pingpong_kv_st3": dict(WARP_SPEC=True, PINGPONG=True, STAGES=3, SPLIT_EMPTY=True),
 }
 # Ping-pong at d128 recomputes the O store's coordinates after the K/V loop (the kernel's REMAT):
 # held through the loop they spilled (8 B of stack, 24 B causal).  d64 did not spill; it stays
@@ -105,6 +109,7 @@ def launch_args(q, k, v, out, lse, causal: bool, scale: float, variant: str = "w
               CAUSAL=bool(causal), STAGES=stages or cfg["STAGES"] or default_stages(d),
               WARP_SPEC=cfg["WARP_SPEC"], PINGPONG=cfg["PINGPONG"], CONSUMER_REGS=CONSUMER_REGS,
               PRODUCER_REGS=PRODUCER_REGS, REMAT=cfg["PINGPONG"] and d in REMAT_HEAD_DIMS,
+              SPLIT_EMPTY=cfg.get("SPLIT_EMPTY", False),
               num_warps=4 if cfg["PINGPONG"] else _K.NUM_WARPS)
     args = (*descs, lse, hq, hq // hkv, sq, sk, sk - sq, scale * LOG2E)
     return grid, args, kw
