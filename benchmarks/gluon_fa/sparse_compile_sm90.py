@@ -2,7 +2,11 @@
 CPU-only machine (no GPU): one launch per mask mode, from real launch arguments on CPU tensors.  Prints a
 JSON report per case: shared memory, spill instructions (STL/LDL) in all and inside the K/V tile loops.
 
-  PYTHONPATH=. python benchmarks/gluon_fa/sparse_compile_sm90.py [OUT_DIR]     (OUT_DIR gets .ptx/.sass)
+  PYTHONPATH=. python benchmarks/gluon_fa/sparse_compile_sm90.py [OUT_DIR] [--masked]   (OUT_DIR gets .ptx/.sass)
+
+Cases: every mask mode with the default schedule, then the new schedules of gluon_sparse.VARIANTS on the
+timed layouts (--masked: also on block-mask / global-token layouts).  "stack" and "setmaxnreg" (the
+per-partition register counts) come from the cubin / SASS.
 
 Run without TRITON_INTERPRET (under it gluon.jit functions are interpreter objects); tests/test_gluon_sparse.py
 runs it in a subprocess."""
@@ -45,6 +49,11 @@ def tile_loop_spills(sass: str) -> tuple[int, int, int]:
     return len(spill_pc), inside, len(loops)
 
 
+def setmaxnreg_values(sass: str) -> list[int]:
+    """The register counts the partitions set (USETMAXREG) in the SASS, sorted."""
+    return sorted({int(x, 16) for x in re.findall(r"USETMAXREG\S*\s+(?:UP\d+,\s*)?(0x[0-9a-f]+)", sass)})
+
+
 def layouts():
     """name -> (layout, batch, q heads, kv heads): one per mask mode / full-tile walk."""
     import torch
@@ -63,9 +72,18 @@ def layouts():
 
 CASES = [("window_causal", 128), ("window_causal", 64), ("causal", 128), ("bigbird", 128), ("padding_causal", 64),
          ("global_window", 128), ("dilated_not_one_run", 128)]
+# The schedules added for issue #5 (gluon_sparse.VARIANTS, not run on a GPU yet), on the layouts the probe
+# times (causal sliding windows; dense causal) where each must compile with 0 spills (tests assert it).
+# Masked modes (block masks, global tokens) with them: see MASKED_VARIANT_CASES.
+VARIANT_CASES = [("window_causal", 128, "pingpong"), ("causal", 128, "pingpong"), ("window_causal", 64, "pingpong"),
+                 ("window_causal", 128, "st3"), ("causal", 128, "st3"), ("window_causal", 128, "pingpong_st3"),
+                 ("causal", 128, "pingpong_st3"), ("window_causal", 128, "q1")]
+# Reported with --masked only (they spill: outside the loops, and for global tokens inside them).
+MASKED_VARIANT_CASES = [(n, 128, v) for v in ("pingpong", "st3", "pingpong_st3")
+                        for n in ("bigbird", "global_window", "dilated_not_one_run")]
 
 
-def compile_case(name, d, dtype=None):
+def compile_case(name, d, dtype=None, variant="default"):
     import torch
     from opsadv.backends.cuda import _gluon_sparse_kernel as K, gluon_sparse as GS
     dtype = dtype or torch.bfloat16
@@ -76,23 +94,30 @@ def compile_case(name, d, dtype=None):
     ti = GS.layout_index(lay.block_mask, lay.key_padding_mask, None, lay.block_size, lay.causal, lay.window_left,
                          lay.window_right, lay.num_global, lay.seq_q, lay.seq_k)
     grid, args, kw = GS.launch_args(q, k, v, out, lse, ti, lay.key_padding_mask, lay.block_size, lay.causal,
-                                    lay.window_left, lay.window_right, lay.num_global, 0.1)
+                                    lay.window_left, lay.window_right, lay.num_global, 0.1, **GS.VARIANTS[variant])
     H = _compile_helpers()
     kern = H.compile_sm90(K.sparse_fwd_kernel, args, kw)
     sass = H.sass_of(kern)
     total, inside, loops = tile_loop_spills(sass)
-    row = {"case": f"{name}-d{d}", "shared": kern.metadata.shared, "spills": total, "spills_in_tile_loops": inside,
-           "tile_loops": loops, "launch_regs": H.cubin_resources(kern).get("regs"),
-           "bm_mode": kw["BM_MODE"], "full_run": kw["FULL_RUN"], "stages": kw["STAGES"]}
+    res = H.cubin_resources(kern)
+    tag = "" if variant == "default" else f"-{variant}"
+    row = {"case": f"{name}-d{d}{tag}", "variant": variant, "shared": kern.metadata.shared, "spills": total,
+           "spills_in_tile_loops": inside, "tile_loops": loops, "launch_regs": res.get("regs"),
+           "stack": res.get("stack"), "setmaxnreg": setmaxnreg_values(sass),
+           "bm_mode": kw["BM_MODE"], "full_run": kw["FULL_RUN"], "stages": kw["STAGES"],
+           "q_slots": kw["Q_SLOTS"], "pingpong": kw["PINGPONG"]}
     return row, kern, sass
 
 
 def main(argv):
     os.environ.pop("TRITON_INTERPRET", None)
+    masked = "--masked" in argv
+    argv = [a for a in argv if not a.startswith("--")]
     out_dir = argv[1] if len(argv) > 1 else None
     report = {"commit": os.environ.get("OPSADV_COMMIT", "unknown"), "target": "cuda sm_90", "results": []}
-    for name, d in CASES:
-        row, kern, sass = compile_case(name, d)
+    cases = [(n, d, "default") for n, d in CASES] + VARIANT_CASES + (MASKED_VARIANT_CASES if masked else [])
+    for name, d, variant in cases:
+        row, kern, sass = compile_case(name, d, variant=variant)
         report["results"].append(row)
         if out_dir:
             os.makedirs(out_dir, exist_ok=True)

@@ -1,17 +1,22 @@
 """GPU check + timing of the Gluon block-sparse forward (impl cuda.gluon.sparse_attention, issue #5).
 
-  PYTHONPATH=. python benchmarks/gluon_fa/sparse_probe.py OUT.json [--quick]
+  PYTHONPATH=. python benchmarks/gluon_fa/sparse_probe.py OUT.json [--quick] [--variants=default,pingpong,...]
 
 1. Checks (NaN-poisoned outputs): out and lse of the Gluon forward against float32 masked softmax
    attention of the layout's dense mask (small shapes), and against the Triton sparse forward at the
    bench shape; forward + backward through opsadv.ops.sparse_attention pinned to the impl (the backward
-   is the Triton one from out + lse).  Both schedules (persistent / one item per CTA).
+   is the Triton one from out + lse).  Every kernel schedule of gluon_sparse.VARIANTS ("default" = the
+   measured one; "pingpong", "st3", "pingpong_st3", "q1": added for issue #5, never run on a GPU
+   before this probe), each with both grids (persistent / one item per CTA).
 2. Timing (do_bench median, launch only): s=16384 causal sliding window 1024 d128 bf16 b1 h32: Gluon
-   (both schedules), the Triton sparse impl, compiled FlexAttention with the same block mask; a
-   density sweep (windows 128 .. 8192) Gluon vs Triton; the dense references (Triton flash causal,
-   the suite's "[own]" case, and SDPA cuDNN).  Work as the bench suite counts it: computed tiles of
-   the Triton forward's tile grid (also reported at the Gluon kernel's 128 x 128 grid).
-A variant that fails a check is not timed.  Exit 1 when any check failed."""
+   (every variant that passed its checks, both grids; "gluon" / "gluon_nonpersistent" are the default
+   schedule, "gluon_<variant>[_nonpersistent]" the others), the Triton sparse impl, compiled
+   FlexAttention with the same block mask; a density sweep (windows 128 .. 8192); the dense references
+   (Triton flash causal, the suite's "[own]" case, and SDPA cuDNN).  Work as the bench suite counts it:
+   computed tiles of the Triton forward's tile grid (also reported at the Gluon kernel's 128 x 128 grid).
+A variant that fails a check is not timed; a timed output that differs from the Triton one (rel err
+>= 2e-2) is a failure too (logged FAIL, not timed).  The JSON is saved after every check block and
+every timing row.  Exit 1 when any check failed."""
 from __future__ import annotations
 
 import json
@@ -62,10 +67,19 @@ def ref_fwd(q, k, v, layout, scale):
     return p @ vf, lse
 
 
-def gluon_fwd(q, k, v, layout, scale, persistent=True):
+def gluon_fwd(q, k, v, layout, scale, persistent=True, variant="default"):
     return GS.sparse_fwd(None, q, k, v, layout.block_mask, layout.key_padding_mask, layout.cu_seqlens,
                          layout.block_size, layout.causal, layout.window_left, layout.window_right,
-                         layout.num_global, scale, variant={"persistent": persistent})
+                         layout.num_global, scale, variant={**GS.VARIANTS[variant], "persistent": persistent})
+
+
+def tag(variant, persistent):
+    """Timing key: "gluon" / "gluon_nonpersistent" for the default schedule (the names of earlier runs)."""
+    base = "gluon" if variant == "default" else f"gluon_{variant}"
+    return base if persistent else f"{base}_nonpersistent"
+
+
+VARIANTS = list(GS.VARIANTS)
 
 
 def check_lse(lse, rl):
@@ -117,17 +131,18 @@ def make_qkv(b, hq, hkv, sq, sk, d, dtype, bshd, grad=False):
     return one(hq, sq), one(hkv, sk), one(hkv, sk)
 
 
-def run_checks(results):
+def run_checks(results, variant_ok):
+    """variant_ok: variant -> bool, set False by any failed check of that variant."""
     ok_all = True
     for name, lay, b, hq, hkv, d, dt, bshd in layouts():
         q, k, v = make_qkv(b, hq, hkv, lay.seq_q, lay.seq_k, d, dt, bshd)
         scale = 0.9 / math.sqrt(d)
         ro, rl = ref_fwd(q, k, v, lay, scale)
-        for persistent in (True, False):
-            row = {"check": name, "persistent": persistent, "shape": [b, hq, hkv, lay.seq_q, lay.seq_k, d],
-                   "dtype": str(dt).split(".")[-1]}
+        for variant, persistent in [(vn, p) for vn in VARIANTS for p in (True, False)]:
+            row = {"check": name, "variant": variant, "persistent": persistent,
+                   "shape": [b, hq, hkv, lay.seq_q, lay.seq_k, d], "dtype": str(dt).split(".")[-1]}
             try:
-                out, lse = gluon_fwd(q, k, v, lay, scale, persistent)
+                out, lse = gluon_fwd(q, k, v, lay, scale, persistent, variant)
                 torch.cuda.synchronize()
                 same_empty, lerr = check_lse(lse, rl)
                 row.update(rel_err=rel(out, ro), lse_max_err=lerr, nan=bool(torch.isnan(out).any()
@@ -138,9 +153,11 @@ def run_checks(results):
                 row.update(ok=False, error=f"{type(e).__name__}: {e}"[:800])
                 traceback.print_exc()
             ok_all &= row["ok"]
+            variant_ok[variant] = variant_ok.get(variant, True) and row["ok"]
             results.append(row)
-            log(f"check {name} persistent={persistent}: {'ok' if row['ok'] else 'FAIL'} "
+            log(f"check {name} {variant} persistent={persistent}: {'ok' if row['ok'] else 'FAIL'} "
                 f"{ {k_: row.get(k_) for k_ in ('rel_err', 'lse_max_err', 'nan', 'empty_rows_match', 'error')} }")
+        SAVE_PARTIAL()
     # forward + backward through the op, pinned to the impl (backward: Triton sparse from out + lse)
     for name, lay, b, hq, hkv, d, dt, bshd in layouts()[:3] + layouts()[5:6]:
         row = {"check": f"op_fwd_bwd {name}"}
@@ -164,8 +181,10 @@ def run_checks(results):
             row.update(ok=False, error=f"{type(e).__name__}: {e}"[:800])
             traceback.print_exc()
         ok_all &= row["ok"]
+        variant_ok["default"] = variant_ok.get("default", True) and row["ok"]     # the impl runs the default
         results.append(row)
         log(f"{row['check']}: {'ok' if row['ok'] else 'FAIL'} { {k_: row.get(k_) for k_ in ('out', 'dq', 'dk', 'dv', 'error')} }")
+        SAVE_PARTIAL()
     return ok_all
 
 
@@ -179,7 +198,8 @@ def triton_tiles(lay, d):
     return fwd_tiles(lay, d)
 
 
-def run_timing(results, check_ok, windows):
+def run_timing(results, variant_ok, windows):
+    """variant_ok: the variants whose checks passed (only those are timed)."""
     from opsadv.bench.case import flex_peer
     b, h, s, d, dt = 1, 32, 16384, 128, torch.bfloat16
     q, k, v = make_qkv(b, h, h, s, s, d, dt, False)
@@ -200,12 +220,23 @@ def run_timing(results, check_ok, windows):
             with opsadv.use_backend("cuda", autotune=False, impls={"sparse_attention": TRITON_ID}):
                 ref_out = opsadv.ops.sparse_attention(q, k, v, lay)
                 row["ms"]["triton"] = bench(lambda: opsadv.ops.sparse_attention(q, k, v, lay))
-            if check_ok:
+            for variant in VARIANTS:
+                if not variant_ok.get(variant):
+                    continue
                 for persistent in (True, False):
-                    tag = "gluon" if persistent else "gluon_nonpersistent"
-                    out, _ = gluon_fwd(q, k, v, lay, scale, persistent)
-                    row[f"rel_err_{tag}_vs_triton"] = rel(out, ref_out)
-                    row["ms"][tag] = bench(lambda: gluon_fwd(q, k, v, lay, scale, persistent))
+                    t = tag(variant, persistent)
+                    try:
+                        out, _ = gluon_fwd(q, k, v, lay, scale, persistent, variant)
+                        err = row[f"rel_err_{t}_vs_triton"] = rel(out, ref_out)
+                        if not err < 2e-2:      # also NaN
+                            raise AssertionError(f"rel err {err} vs the Triton sparse forward")
+                        row["ms"][t] = bench(lambda: gluon_fwd(q, k, v, lay, scale, persistent, variant))
+                    except Exception as e:
+                        traceback.print_exc()
+                        row.setdefault("failures", {})[t] = f"{type(e).__name__}: {e}"[:500]
+                        results["timing_checks_ok"] = False
+                        log(f"FAIL {t} at window {w}: {row['failures'][t]}")
+            if variant_ok.get("default"):
                 with opsadv.use_backend("cuda", experimental=True, autotune=False,
                                         impls={"sparse_attention": GS.IMPL_ID}):
                     row["ms"]["gluon_op"] = bench(lambda: opsadv.ops.sparse_attention(q, k, v, lay))
@@ -220,6 +251,9 @@ def run_timing(results, check_ok, windows):
             row["vs_flex"] = {n: row["ms"]["flex"] / ms for n, ms in row["ms"].items() if n != "flex"}
         if "gluon" in row["ms"]:
             row["gluon_vs_triton"] = row["ms"]["triton"] / row["ms"]["gluon"]
+            # the new schedules against the measured default (> 1: faster than it)
+            row["vs_default_gluon"] = {n: row["ms"]["gluon"] / ms for n, ms in row["ms"].items()
+                                       if n.startswith("gluon_") and n != "gluon_op"}
         rows.append(row)
         results["timing"] = rows
         SAVE(results)
@@ -251,24 +285,41 @@ def SAVE(res):
 
 
 OUT_PATH = "gluon_sparse_h200.json"
+RESULTS: dict = {}
+
+
+def SAVE_PARTIAL():
+    SAVE(RESULTS)
 
 
 def main():
-    global OUT_PATH
-    OUT_PATH = out_path = sys.argv[1] if len(sys.argv) > 1 else OUT_PATH
+    global OUT_PATH, VARIANTS
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    OUT_PATH = out_path = args[0] if args else OUT_PATH
     quick = "--quick" in sys.argv
-    res = {"commit": os.environ.get("OPSADV_COMMIT", "unknown"), "device": torch.cuda.get_device_name(),
-           "torch": torch.__version__, "triton": __import__("triton").__version__, "checks": []}
+    for a in sys.argv[1:]:
+        if a.startswith("--variants="):
+            VARIANTS = [v for v in a.split("=", 1)[1].split(",") if v]
+            unknown = set(VARIANTS) - set(GS.VARIANTS)
+            if unknown:
+                raise SystemExit(f"unknown variants {sorted(unknown)}; known: {sorted(GS.VARIANTS)}")
+    res = RESULTS
+    res.update({"commit": os.environ.get("OPSADV_COMMIT", "unknown"), "device": torch.cuda.get_device_name(),
+                "torch": torch.__version__, "triton": __import__("triton").__version__, "variants": VARIANTS,
+                "checks": []})
     ok = False
+    variant_ok: dict = {}
     try:
-        ok = run_checks(res["checks"])
+        ok = run_checks(res["checks"], variant_ok)
     except Exception:
         traceback.print_exc()
+        variant_ok = {}             # a check block that crashed: time nothing
     res["checks_ok"] = ok
-    log(f"checks ok: {ok}")
+    res["variant_checks_ok"] = variant_ok
+    log(f"checks ok: {ok} {variant_ok}")
     SAVE(res)
     try:
-        run_timing(res, ok, [1024] if quick else [1024, 128, 256, 512, 2048, 4096, 8192])
+        run_timing(res, variant_ok, [1024] if quick else [1024, 128, 256, 512, 2048, 4096, 8192])
     except Exception as e:
         traceback.print_exc()
         res["timing_error"] = f"{type(e).__name__}: {e}"[:1500]
@@ -278,6 +329,9 @@ def main():
     for row in res.get("timing", []):
         print(row["case"], {n: round(x, 4) for n, x in row["ms"].items()}, "vs_flex", row.get("vs_flex"),
               "eff vs dense", {n: round(x, 3) for n, x in row["vs_dense_triton_tflops"].items()})
+    ok = ok and res.get("timing_checks_ok", True)
+    if not ok:
+        print("FAILED: see the rows with ok=False / 'failures' in", out_path, file=sys.stderr)
     return 0 if ok else 1
 
 

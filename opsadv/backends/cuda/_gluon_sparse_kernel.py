@@ -17,6 +17,18 @@ before the softmax of S_j's successor, P in registers), driven by the layout's t
     finish the current one.  Ring slots and phases follow a tile counter carried over all items.
   * O leaves through its item's Q slot by TMA store (rows past s_q clipped); the slot is released to
     the producer once the store has read it.  lse (natural log) by plain stores.
+  * O_REGS (every schedule added for issue #5; the measured default keeps the TMA store): O goes out
+    from registers by plain masked stores, and each Q slot is released as soon as the item's last
+    S = Q K^T has retired (before the last P V), so the producer loads the next item's Q under the
+    last P V and the epilogue.  Needed with Q_SLOTS == 1, what a 3-stage K/V ring at d128 leaves
+    room for (1 x 32 KB of Q + 3 x 64 KB of K/V).  (With ping-pong the TMA store through the slot
+    compiled with spills; the register store and the opaque per-item values of _item/_pid compile
+    with none.)
+  * PINGPONG (FA3 3.1, as in _gluon_fa_kernel.py): each consumer warpgroup is its own partition owning
+    64 of the item's 128 rows, with its own Q slot(s) and barriers; both walk the same items and
+    tiles.  They take turns issuing their GEMMs through a pair of "turn" mbarriers (warpgroup 0
+    pre-armed, a turn counter carried across items), so one warpgroup's softmax runs while the
+    other's GEMMs hold the tensor cores.  kv_empty counts one arrive per warpgroup.
 
 Rows with no allowed key get out 0 and lse -inf (running max starts finite, at -1e30, so a fully
 masked tile yields p = 0, not NaN).  q/k/v/out are (b, h, s, d) strided views with unit stride along
@@ -32,17 +44,45 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 BLOCK_M = 128       # query rows per work item
 BLOCK_N = 128       # key/value rows per ring stage (the tile lists' column tile)
 NUM_WARPS = 8       # consumer warps: 2 warpgroups of 64 rows, one instruction stream
+PINGPONG_WARPS = 4  # with PINGPONG: one warpgroup per consumer partition (the default partition is one of them)
 INTERVAL_MASK: gl.constexpr = gl.constexpr(False)
 
 
 @gluon.jit
-def _item(w, H, n_m, REVERSE: gl.constexpr):
+def _opaque(x):
+    """x, through an inline-asm mov LLVM cannot see through or hoist: values derived from it are
+    recomputed where used instead of held in a register across the tile loops (per-item values
+    hoisted out of the persistent item loop were what spilled)."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _pid(OPAQUE: gl.constexpr):
+    """gl.program_id(0); OPAQUE: read where it is used (LLVM hoisted the shared read to the kernel entry
+    and the ping-pong build spilled it there for every partition)."""
+    if OPAQUE:
+        return gl.inline_asm_elementwise("mov.u32 $0, %ctaid.x;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+    else:
+        return gl.program_id(0)
+
+
+@gluon.jit
+def _maybe_opaque(x, OPAQUE: gl.constexpr):
+    if OPAQUE:
+        return _opaque(x)
+    else:
+        return x
+
+
+@gluon.jit
+def _item(w, H, n_m, REVERSE: gl.constexpr, OPAQUE: gl.constexpr):
     """(batch, head, query tile) of work item w: items of one head are consecutive (K/V reuse in L2);
-    REVERSE: last query tiles first within a head (the longest rows when causal)."""
+    REVERSE: last query tiles first within a head (the longest rows when causal).  OPAQUE (the new
+    schedules; the measured default keeps its code): n_m - 1 is not hoisted (it was spilled)."""
     bh = w // n_m
     mt = w % n_m
     if REVERSE:
-        mt = n_m - 1 - mt
+        mt = _maybe_opaque(n_m, OPAQUE) - 1 - mt
     return bh // H, bh % H, mt, bh
 
 
@@ -61,28 +101,31 @@ def _issue_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, b, hk, row, stag
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
               rows_ptr, cols_ptr, s_rb, s_rh, s_rr, s_cb, s_ch, s_cr, H, GROUP, n_m, n_items,
-              REVERSE: gl.constexpr, FULL_RUN: gl.constexpr, STAGES: gl.constexpr):
-    """1 warp: for each of this CTA's items, Q into slot qi % 2, then its listed K/V tiles into the ring
-    as fast as the consumers free slots."""
-    BQ: gl.constexpr = q_desc.block_type.shape[2]
+              REVERSE: gl.constexpr, FULL_RUN: gl.constexpr, STAGES: gl.constexpr, Q_SLOTS: gl.constexpr,
+              NWG: gl.constexpr, OPAQUE: gl.constexpr):
+    """1 warp: for each of this CTA's items, Q into slot qi % Q_SLOTS (one 128 / NWG-row part per consumer
+    partition, each on its own barriers), then its listed K/V tiles into the ring as fast as the
+    consumers free slots."""
+    BQ: gl.constexpr = q_desc.block_type.shape[2]      # rows per consumer partition
     BN: gl.constexpr = k_desc.block_type.shape[2]
     q_view: gl.constexpr = q_desc.block_type.shape
     kv_view: gl.constexpr = k_desc.block_type.shape
     it = 0          # K/V tiles issued so far (all items): ring slot it % STAGES, lap it // STAGES
-    qi = 0          # items started so far: Q slot qi % 2
-    for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        b, h, mt, bh = _item(w, H, n_m, REVERSE)
+    qi = 0          # items started so far: Q slot qi % Q_SLOTS
+    for w in range(_pid(OPAQUE), n_items, gl.num_programs(0)):
+        b, h, mt, bh = _item(w, H, n_m, REVERSE, OPAQUE)
         hk = h // GROUP
         row = rows_ptr + b * s_rb + h * s_rh + mt * s_rr
         n_part = gl.load(row)
         n_all = gl.load(row + 1)
         cols = cols_ptr + b * s_cb + h * s_ch + mt * s_cr
-        qs = qi % 2
-        # Parity of the slot's previous release; on a fresh barrier parity 1 passes at once.
-        mbarrier.wait(q_empty.index(qs), ((qi // 2) & 1) ^ 1)
-        mbarrier.expect(q_ready.index(qs), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b, h, mt * BQ, 0], q_ready.index(qs),
-                                        q_smem.index(qs)._reinterpret(q_desc.dtype, q_view, q_desc.layout))
+        for wg in gl.static_range(NWG):
+            qs = (qi % Q_SLOTS) * NWG + wg
+            # Parity of the slot's previous release; on a fresh barrier parity 1 passes at once.
+            mbarrier.wait(q_empty.index(qs), ((qi // Q_SLOTS) & 1) ^ 1)
+            mbarrier.expect(q_ready.index(qs), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [b, h, (mt * NWG + wg) * BQ, 0], q_ready.index(qs),
+                                            q_smem.index(qs)._reinterpret(q_desc.dtype, q_view, q_desc.layout))
         for t in range(0, n_part):                  # partial tiles: ids from the list
             kt = gl.load(cols + t)
             stage = it % STAGES
@@ -184,14 +227,37 @@ def _softmax_full(s, m_i, l_i, qk_scale):
 
 
 @gluon.jit
-def _pipelined_step(q_tile, k_smem, v_smem, k_ready, v_ready, kv_empty, s_acc, p, m_i, l_i, o, g, col_ptr, rows,
-                    bmp, s_bm_q, s_bm_k, kpmp, SQ, SK, OFF, WL, WR, NG, BS, qk_scale, MASKED: gl.constexpr,
+def _turn_wait(turn, step, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong: wait until it is warpgroup WG's turn to issue GEMMs for `step` (its step-th turn)."""
+    if PINGPONG:
+        mbarrier.wait(turn.index(WG), step & 1)
+
+
+@gluon.jit
+def _turn_pass(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong: this warpgroup's GEMMs are issued; the other warpgroup may issue its own."""
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - WG), count=1)
+
+
+@gluon.jit
+def _release(bar):
+    """Every warp of this partition is done with the buffer guarded by bar: one arrive."""
+    gl.thread_barrier()
+    mbarrier.arrive(bar, count=1)
+
+
+@gluon.jit
+def _pipelined_step(q_tile, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, tc, s_acc, p, m_i, l_i, o, g, col_ptr,
+                    rows, bmp, s_bm_q, s_bm_k, kpmp, SQ, SK, OFF, WL, WR, NG, BS, qk_scale, MASKED: gl.constexpr,
                     CAUSAL: gl.constexpr, HAS_WIN: gl.constexpr, HAS_GLOBAL: gl.constexpr, BM_MODE: gl.constexpr,
-                    HAS_KPM: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+                    HAS_KPM: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr,
+                    s_layout: gl.constexpr, o_layout: gl.constexpr):
     """One steady-state iteration on ring tile g (the item's tile j; p holds its probabilities): issue
     S_{j+1} = Q K_{j+1}^T and O += P_j V_j (async, in that order), wait for S_{j+1} only, fold it into
     the softmax while P_j V_j runs (MASKED: tile j+1 is partial, its column id at col_ptr), then wait
-    for P_j V_j, rescale O and free tile j's slot.  Returns (p_{j+1}, m, l, o)."""
+    for P_j V_j, rescale O and free tile j's slot.  PINGPONG: both GEMMs are issued in this warpgroup's
+    turn tc.  Returns (p_{j+1}, m, l, o)."""
     dtype: gl.constexpr = k_smem.dtype
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -202,8 +268,10 @@ def _pipelined_step(q_tile, k_smem, v_smem, k_ready, v_ready, kv_empty, s_acc, p
     mbarrier.wait(k_ready.index(nxt), ((g + 1) // STAGES) & 1)
     mbarrier.wait(v_ready.index(cur), (g // STAGES) & 1)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
+    _turn_wait(turn, tc, WG, PINGPONG)
     s_tok = warpgroup_mma(q_tile, k_smem.index(nxt).permute((1, 0)), s_acc, use_acc=False, is_async=True)
     o_tok = warpgroup_mma(p_op, v_smem.index(cur), o, is_async=True)
+    _turn_pass(turn, WG, PINGPONG)
     # Groups retire in issue order: 1 outstanding = the PV.
     s = warpgroup_mma_wait(1, deps=(s_tok, ))
     if MASKED:
@@ -216,23 +284,27 @@ def _pipelined_step(q_tile, k_smem, v_smem, k_ready, v_ready, kv_empty, s_acc, p
     o = warpgroup_mma_wait(0, deps=(o_tok, p_op))[0]
     o = o * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
     # Tile j is consumed by every warp (K_j by S_j earlier, V_j just now): free its slot.
-    gl.thread_barrier()
-    mbarrier.arrive(kv_empty.index(cur), count=1)
+    _release(kv_empty.index(cur))
     return p, m_i, l_i, o
 
 
 @gluon.jit
-def _consumer(q_desc, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-              rows_ptr, cols_ptr, s_rb, s_rh, s_rr, s_cb, s_ch, s_cr,
+def _consumer(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+              v_ready, kv_empty, turn, rows_ptr, cols_ptr, s_rb, s_rh, s_rr, s_cb, s_ch, s_cr,
               bm_ptr, s_bmb, s_bmh, s_bm_q, s_bm_k, kpm_ptr, s_kpmb,
               H, n_m, n_items, SQ, SK, OFF, WL, WR, NG, BS, qk_scale,
               CAUSAL: gl.constexpr, HAS_WIN: gl.constexpr, HAS_GLOBAL: gl.constexpr, BM_MODE: gl.constexpr,
-              HAS_KPM: gl.constexpr, REVERSE: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
-    """8 warps: each item's tiles in list order (partial, then full), FA3 intra-warpgroup overlap:
-    iteration j issues S_{j+1} and P_j V_j, runs the softmax of S_{j+1} while P_j V_j runs."""
+              HAS_KPM: gl.constexpr, REVERSE: gl.constexpr, STAGES: gl.constexpr, Q_SLOTS: gl.constexpr,
+              PINGPONG: gl.constexpr, O_REGS: gl.constexpr, WG: gl.constexpr, num_warps: gl.constexpr):
+    """One consumer partition: rows [WG * BM, +BM) of every item (BM = the Q block: 128 with 8 warps, or
+    64 per warpgroup with PINGPONG), each item's tiles in list order (partial, then full), FA3
+    intra-warpgroup overlap: iteration j issues S_{j+1} and P_j V_j, runs the softmax of S_{j+1} while
+    P_j V_j runs."""
     BM: gl.constexpr = q_desc.block_type.shape[2]
     D: gl.constexpr = q_desc.block_type.shape[3]
     BN: gl.constexpr = k_smem.shape[1]
+    NWG: gl.constexpr = 2 if PINGPONG else 1
+    OPAQUE: gl.constexpr = O_REGS                   # the new schedules only (see _item)
     dtype: gl.constexpr = q_desc.dtype
     q_view: gl.constexpr = q_desc.block_type.shape
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -245,27 +317,32 @@ def _consumer(q_desc, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty,
     s_acc = gl.zeros([BM, BN], gl.float32, s_layout)
     it = 0          # K/V tiles consumed so far (all items), as the producer counts them
     qi = 0
-    for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        b, h, mt, bh = _item(w, H, n_m, REVERSE)
+    for w in range(_pid(OPAQUE), n_items, gl.num_programs(0)):
+        b, h, mt, bh = _item(w, H, n_m, REVERSE, OPAQUE)
         row = rows_ptr + b * s_rb + h * s_rh + mt * s_rr
         n_part = gl.load(row)
         n_all = gl.load(row + 1)
         cols = cols_ptr + b * s_cb + h * s_ch + mt * s_cr
         bmp = bm_ptr + b * s_bmb + h * s_bmh        # strides are 0 on broadcast dims
         kpmp = kpm_ptr + b * s_kpmb
-        rows = mt * BM + gl.arange(0, BM, layout=row_s)
-        qs = qi % 2
+        rows = (mt * NWG + WG) * BM + gl.arange(0, BM, layout=row_s)
+        qs = (qi % Q_SLOTS) * NWG + WG
         q_tile = q_smem.index(qs)
         m_i = gl.full([BM], -1.0e30, gl.float32, row_s)
         l_i = gl.zeros([BM], gl.float32, row_s)
         o = gl.zeros([BM, D], gl.float32, o_layout)
-        mbarrier.wait(q_ready.index(qs), (qi // 2) & 1)
+        mbarrier.wait(q_ready.index(qs), (qi // Q_SLOTS) & 1)
+        # Ping-pong: every item takes n_all + 1 GEMM turns (an empty item one idle turn), so the turn
+        # counter is it + qi and needs no register of its own across the tile loops.
+        tc = it + qi
         if n_all > 0:
             # Prologue: S_0 and its softmax (no PV yet).
             kt = gl.load(cols, mask=n_part > 0, other=0)
             cur = it % STAGES
             mbarrier.wait(k_ready.index(cur), (it // STAGES) & 1)
+            _turn_wait(turn, tc, WG, PINGPONG)
             s_tok = warpgroup_mma(q_tile, k_smem.index(cur).permute((1, 0)), s_acc, use_acc=False, is_async=True)
+            _turn_pass(turn, WG, PINGPONG)
             s = warpgroup_mma_wait(0, deps=(s_tok, ))
             if n_part > 0:
                 p, m_i, l_i, alpha = _softmax_masked(s, m_i, l_i, rows, kt, bmp, s_bm_q, s_bm_k, kpmp, SQ, SK, OFF,
@@ -276,90 +353,148 @@ def _consumer(q_desc, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty,
             # Partial tiles come first in the list: iterations j < n_part - 1 fold a partial tile j + 1.
             n_masked = gl.maximum(n_part - 1, 0)
             for j in range(0, n_masked):
-                p, m_i, l_i, o = _pipelined_step(q_tile, k_smem, v_smem, k_ready, v_ready, kv_empty, s_acc, p, m_i,
-                                                 l_i, o, it + j, cols + j + 1, rows, bmp, s_bm_q, s_bm_k, kpmp, SQ,
-                                                 SK, OFF, WL, WR, NG, BS, qk_scale, True, CAUSAL, HAS_WIN,
-                                                 HAS_GLOBAL, BM_MODE, HAS_KPM, STAGES, s_layout, o_layout)
+                p, m_i, l_i, o = _pipelined_step(q_tile, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, tc + j + 1,
+                                                 s_acc, p, m_i, l_i, o, it + j, cols + j + 1, rows, bmp, s_bm_q,
+                                                 s_bm_k, kpmp, SQ, SK, OFF, WL, WR, NG, BS, qk_scale, True, CAUSAL,
+                                                 HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, STAGES, PINGPONG, WG,
+                                                 s_layout, o_layout)
             for j in range(n_masked, n_all - 1):
-                p, m_i, l_i, o = _pipelined_step(q_tile, k_smem, v_smem, k_ready, v_ready, kv_empty, s_acc, p, m_i,
-                                                 l_i, o, it + j, cols, rows, bmp, s_bm_q, s_bm_k, kpmp, SQ,
-                                                 SK, OFF, WL, WR, NG, BS, qk_scale, False, CAUSAL, HAS_WIN,
-                                                 HAS_GLOBAL, BM_MODE, HAS_KPM, STAGES, s_layout, o_layout)
+                p, m_i, l_i, o = _pipelined_step(q_tile, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, tc + j + 1,
+                                                 s_acc, p, m_i, l_i, o, it + j, cols, rows, bmp, s_bm_q,
+                                                 s_bm_k, kpmp, SQ, SK, OFF, WL, WR, NG, BS, qk_scale, False, CAUSAL,
+                                                 HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, STAGES, PINGPONG, WG,
+                                                 s_layout, o_layout)
+            if O_REGS:
+                # Every S = Q K^T of the item has retired: the producer may load the next item's Q now.
+                _release(q_empty.index(qs))
             # Epilogue: the last P V, then free the last slot too (the ring continues with the next item).
             g = it + n_all - 1
             last = g % STAGES
             mbarrier.wait(v_ready.index(last), (g // STAGES) & 1)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
+            _turn_wait(turn, tc + n_all, WG, PINGPONG)
             o_tok = warpgroup_mma(p_op, v_smem.index(last), o, is_async=True)
+            _turn_pass(turn, WG, PINGPONG)
             o = warpgroup_mma_wait(0, deps=(o_tok, p_op))[0]
-            gl.thread_barrier()
-            mbarrier.arrive(kv_empty.index(last), count=1)
+            _release(kv_empty.index(last))
+        else:
+            _turn_wait(turn, tc, WG, PINGPONG)      # the empty item's idle turn (see tc above)
+            _turn_pass(turn, WG, PINGPONG)
+            if O_REGS:
+                _release(q_empty.index(qs))         # no tile: the slot was only waited for (phase bookkeeping)
         it += n_all
 
-        # (b, h, tile) again from w rather than kept live across the tile loop (register pressure)
-        b, h, mt, bh = _item(w, H, n_m, REVERSE)
-        rows = mt * BM + gl.arange(0, BM, layout=row_s)
+        # (b, h, tile) again from w rather than kept live across the tile loop (register pressure; with
+        # OPAQUE an opaque copy of w keeps LLVM from merging this with the computation above)
+        b, h, mt, bh = _item(_maybe_opaque(w, OPAQUE), H, n_m, REVERSE, OPAQUE)
+        rows = (mt * NWG + WG) * BM + gl.arange(0, BM, layout=row_s)
         empty = l_i == 0.0                          # no allowed key in this row: out 0, lse -inf
         l_safe = gl.where(empty, 1.0, l_i)
         o = o / gl.expand_dims(gl.convert_layout(l_safe, row_o), 1)
         lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)   # log2 -> ln
-        gl.store(lse_ptr + bh.to(gl.int64) * SQ + rows, lse, mask=rows < SQ)
-        # O out through this item's Q slot (every wgmma reading it has retired); TMA clips rows past s_q.
-        q_tile.store(o.to(dtype))
-        fence_async_shared()                        # generic-proxy smem writes before the TMA (async proxy) read
-        gl.thread_barrier()                         # every warp's part written before one thread issues the copy
-        tma.async_copy_shared_to_global(o_desc, [b, h, mt * BM, 0], q_tile._reinterpret(dtype, q_view, o_desc.layout))
-        tma.store_wait(0)                           # the copy has read the slot ...
-        gl.thread_barrier()                         # ... in the issuing thread; then release it to the producer
-        mbarrier.arrive(q_empty.index(qs), count=1)
+        # (OPAQUE: SQ widened here; a hoisted 64-bit SQ was held, and spilled, across the loops)
+        gl.store(lse_ptr + bh.to(gl.int64) * _maybe_opaque(SQ, OPAQUE).to(gl.int64) + rows, lse, mask=rows < SQ)
+        if O_REGS:
+            # The slot may already hold the next item's Q: O goes out from registers.  Row offsets are
+            # 32-bit (the host checks s_q x row stride < 2^31; 64-bit ones or an item base cost spills).
+            r_o = gl.expand_dims(gl.convert_layout(rows, row_o), 1)
+            c_o = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, o_layout)), 0)
+            optr = o_ptr + (b.to(gl.int64) * s_ob + h.to(gl.int64) * s_oh) + r_o * s_os + c_o
+            gl.store(optr, o.to(dtype), mask=r_o < SQ)
+        else:
+            # O out through this item's Q slot (every wgmma reading it has retired); TMA clips rows past s_q.
+            q_tile.store(o.to(dtype))
+            fence_async_shared()                    # generic-proxy smem writes before the TMA (async proxy) read
+            gl.thread_barrier()                     # every warp's part written before one thread issues the copy
+            tma.async_copy_shared_to_global(o_desc, [b, h, (mt * NWG + WG) * BM, 0],
+                                            q_tile._reinterpret(dtype, q_view, o_desc.layout))
+            tma.store_wait(0)                       # the copy has read the slot ...
+            _release(q_empty.index(qs))             # ... in the issuing thread; then release it to the producer
         qi += 1
 
 
 @gluon.jit
-def sparse_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, rows_ptr, cols_ptr, bm_ptr, kpm_ptr,
-                      s_rb, s_rh, s_rr, s_cb, s_ch, s_cr, s_bmb, s_bmh, s_bm_q, s_bm_k, s_kpmb,
+def sparse_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, o_ptr, rows_ptr, cols_ptr, bm_ptr, kpm_ptr,
+                      s_ob, s_oh, s_os, s_rb, s_rh, s_rr, s_cb, s_ch, s_cr, s_bmb, s_bmh, s_bm_q, s_bm_k, s_kpmb,
                       H, GROUP, n_m, n_items, SQ, SK, OFF, WL, WR, NG, BS, qk_scale,
                       q_smem_layout: gl.constexpr, kv_smem_layout: gl.constexpr,
                       CAUSAL: gl.constexpr, HAS_WIN: gl.constexpr, HAS_GLOBAL: gl.constexpr, BM_MODE: gl.constexpr,
                       HAS_KPM: gl.constexpr, FULL_RUN: gl.constexpr, REVERSE: gl.constexpr, STAGES: gl.constexpr,
+                      Q_SLOTS: gl.constexpr, PINGPONG: gl.constexpr, O_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                       PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """Grid (min(n_items, SMs) persistent, or n_items,).  n_items = n_m query tiles x b x H.
-    q/o descriptors: block (1, 1, 128, d); k/v: (1, 1, 128, d); *_smem_layout: the 2-D NVMMA layouts
-    of the same swizzle.  rows/cols: TileIndex.rows/cols at 128 x 128 with their (b, h, row) strides
-    (0 on broadcast dims); bm/kpm: the int8 block mask / key padding (or any tensor when unused)."""
-    BQ: gl.constexpr = q_desc.block_type.shape[2]
+    q/o descriptors: block (1, 1, 128, d), or (1, 1, 64, d) with PINGPONG (then num_warps = 4, one
+    warpgroup per consumer partition); k/v: (1, 1, 128, d); *_smem_layout: the 2-D NVMMA layouts of
+    the same swizzle.  o_ptr/s_o*: out and its (b, h, s) strides, for the O_REGS register store.
+    rows/cols: TileIndex.rows/cols at 128 x 128 with their (b, h, row) strides (0 on broadcast dims);
+    bm/kpm: the int8 block mask / key padding (or any tensor when unused)."""
+    BQ: gl.constexpr = q_desc.block_type.shape[2]                    # rows per consumer partition
     D: gl.constexpr = q_desc.block_type.shape[3]
     BN: gl.constexpr = k_desc.block_type.shape[2]
+    NWG: gl.constexpr = 2 if PINGPONG else 1                         # consumer partitions
+    NQ: gl.constexpr = Q_SLOTS * NWG
+    gl.static_assert(O_REGS or Q_SLOTS == 2, "one Q slot per partition needs O stored from registers")
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [2, BQ, D], q_smem_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [NQ, BQ, D], q_smem_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, D], kv_smem_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, D], kv_smem_layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [NQ, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [NQ, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
+    if PINGPONG:
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(turn.index(i), count=1)
+    else:
+        turn = kv_empty                                 # never used without PINGPONG
+    for i in gl.static_range(NQ):
         mbarrier.init(q_ready.index(i), count=1)        # completed by the TMA transaction bytes
-        mbarrier.init(q_empty.index(i), count=1)        # one arrive from the consumer partition
+        mbarrier.init(q_empty.index(i), count=1)        # one arrive from the slot's consumer partition
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=1)
-    gl.warp_specialize([
-        (_consumer, (q_desc, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-                     rows_ptr, cols_ptr, s_rb, s_rh, s_rr, s_cb, s_ch, s_cr,
-                     bm_ptr, s_bmb, s_bmh, s_bm_q, s_bm_k, kpm_ptr, s_kpmb,
-                     H, n_m, n_items, SQ, SK, OFF, WL, WR, NG, BS, qk_scale,
-                     CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, REVERSE, STAGES, num_warps)),
-        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-                     rows_ptr, cols_ptr, s_rb, s_rh, s_rr, s_cb, s_ch, s_cr, H, GROUP, n_m, n_items,
-                     REVERSE, FULL_RUN, STAGES)),
-    ], [1], [PRODUCER_REGS])
-    for i in gl.static_range(2):
+        mbarrier.init(kv_empty.index(i), count=NWG)     # one arrive per consumer partition
+    # (the argument lists are written out: a JIT tuple cannot hold the partition functions)
+    if PINGPONG:
+        mbarrier.arrive(turn.index(0), count=1)         # warpgroup 0 issues first
+        gl.warp_specialize([
+            (_consumer, (q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, v_smem, q_ready, q_empty,
+                         k_ready, v_ready, kv_empty, turn, rows_ptr, cols_ptr, s_rb, s_rh, s_rr, s_cb, s_ch, s_cr,
+                         bm_ptr, s_bmb, s_bmh, s_bm_q, s_bm_k, kpm_ptr, s_kpmb,
+                         H, n_m, n_items, SQ, SK, OFF, WL, WR, NG, BS, qk_scale,
+                         CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, REVERSE, STAGES, Q_SLOTS, PINGPONG, O_REGS,
+                         0, 4)),
+            (_consumer, (q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, v_smem, q_ready, q_empty,
+                         k_ready, v_ready, kv_empty, turn, rows_ptr, cols_ptr, s_rb, s_rh, s_rr, s_cb, s_ch, s_cr,
+                         bm_ptr, s_bmb, s_bmh, s_bm_q, s_bm_k, kpm_ptr, s_kpmb,
+                         H, n_m, n_items, SQ, SK, OFF, WL, WR, NG, BS, qk_scale,
+                         CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, REVERSE, STAGES, Q_SLOTS, PINGPONG, O_REGS,
+                         1, 4)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
+                         rows_ptr, cols_ptr, s_rb, s_rh, s_rr, s_cb, s_ch, s_cr, H, GROUP, n_m, n_items,
+                         REVERSE, FULL_RUN, STAGES, Q_SLOTS, NWG, O_REGS)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, v_smem, q_ready, q_empty,
+                         k_ready, v_ready, kv_empty, turn, rows_ptr, cols_ptr, s_rb, s_rh, s_rr, s_cb, s_ch, s_cr,
+                         bm_ptr, s_bmb, s_bmh, s_bm_q, s_bm_k, kpm_ptr, s_kpmb,
+                         H, n_m, n_items, SQ, SK, OFF, WL, WR, NG, BS, qk_scale,
+                         CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, REVERSE, STAGES, Q_SLOTS, PINGPONG, O_REGS, 0,
+                         num_warps)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
+                         rows_ptr, cols_ptr, s_rb, s_rh, s_rr, s_cb, s_ch, s_cr, H, GROUP, n_m, n_items,
+                         REVERSE, FULL_RUN, STAGES, Q_SLOTS, NWG, O_REGS)),
+        ], [1], [PRODUCER_REGS])
+    for i in gl.static_range(NQ):
         mbarrier.invalidate(q_ready.index(i))
         mbarrier.invalidate(q_empty.index(i))
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(k_ready.index(i))
         mbarrier.invalidate(v_ready.index(i))
         mbarrier.invalidate(kv_empty.index(i))
+    if PINGPONG:
+        for i in gl.static_range(2):
+            mbarrier.invalidate(turn.index(i))

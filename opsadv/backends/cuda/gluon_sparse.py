@@ -18,6 +18,20 @@ w256 0.326 / 0.305, w512 0.455 / 0.452, w2048 1.186 / 1.218, w4096 2.114 / 2.035
 The persistent schedule wins on short rows (w1024 0.696 vs 0.744 one item per CTA) and loses on long
 ones (w8192 3.494 vs 3.379): persistent_schedule() picks per call from the layout's tile count.
 
+Schedules added for issue #5 (session 6; VARIANTS, opt-in through sparse_fwd(variant=...), NOT RUN ON A
+GPU, DEFAULT_VARIANT unchanged): "pingpong" (the dense kernel's FA3 ping-pong: two consumer warpgroups of 64
+rows as separate partitions, each with its own Q slots and barriers, alternating their GEMM issues through
+two "turn" mbarriers; kv_empty counts 2 arrives; 240 / 240 / 24 registers), "st3" (d128 3-stage K/V ring
+with one Q slot), "pingpong_st3", and "q1" (1 Q slot at 2 stages: the control that separates st3's ring
+depth from its one-slot Q).  All four store O from registers and free each Q slot after the item's last
+S = Q K^T.  CPU sm_90 compile (benchmarks/gluon_fa/sparse_compile_sm90.py), causal window d128 bf16:
+pingpong 0 spills / 0 stack, 197,032 B smem; st3 0 / 0, 229,724 B; pingpong_st3 0 / 0, 229,816 B; q1 0 / 0,
+164,140 B (default: 6 STL/LDL outside the loops, 196,916 B; unchanged).  Dense causal d128 and causal
+window d64 (pingpong): 0 spills too.  Masked modes (--masked): ping-pong spills outside the loops with
+block masks (bigbird 12, dilated 8 STL/LDL), and all three spill 4 inside the loops with global tokens
+(st3 is clean with block masks): candidates for windows and causal layouts only.  The H200 probe
+(benchmarks/gluon_fa/sparse_probe.py, which checks every variant before timing it) decides.
+
 Passed the H200 conformance catalogue (0802806), so not experimental; it ranks below the Triton
 sparse impl and serves where a measurement found it faster (or when pinned).  When
 triton.experimental.gluon does not import, the impl is still registered, rejecting every call with
@@ -50,8 +64,21 @@ TILE = 128                      # the kernel's query and key tile (BLOCK_M = BLO
 # K/V ring depth per head dim: next to 2 Q slots (2 x 128 x d) it must fit 227 KB of shared memory.
 # d128: 2 x 32 KB + 2 stages x 64 KB = 192 KB (3 stages would need 256 KB); d64: 32 KB + 4 x 32 KB.
 STAGES = {128: 2, 64: 4}
+SMEM_LIMIT = 232448             # sm_90 opt-in shared memory per block (227 KB)
+SMEM_SLACK = 1024               # barriers and the layout-conversion scratch (measured: 308 B at d128)
 PRODUCER_REGS = 24              # the 1-warp TMA producer (setmaxnreg); consumers get the rest
-DEFAULT_VARIANT: dict = {}           # {"persistent": bool, "stages": int}: absent keys are chosen per call
+CONSUMER_REGS = 240             # each ping-pong consumer warpgroup (2 x 240 + 24 <= 512 per thread x 128)
+DEFAULT_VARIANT: dict = {}           # {"persistent": bool, "stages": int, ...}: absent keys are chosen per call
+# Named schedules for the benchmarks and tests (see _gluon_sparse_kernel's docstring).  Only "default" has
+# been measured on a GPU; the others are compiled (0 spills, see the docstring below), NOT run on a GPU,
+# and must not become DEFAULT_VARIANT without an H200 measurement (benchmarks/gluon_fa/sparse_probe.py).
+VARIANTS = {
+    "default": {},                                  # 8 consumer warps, 2 Q slots, STAGES[d]
+    "pingpong": {"pingpong": True},                 # 2 consumer warpgroups taking GEMM turns, STAGES[d]
+    "st3": {"stages": 3},                           # d128: 3-stage ring, 1 Q slot, O stored from registers
+    "pingpong_st3": {"pingpong": True, "stages": 3},
+    "q1": {"q_slots": 1},                           # control for st3: 1 Q slot / register O store, STAGES[d]
+}
 # Persistent grid (<= one CTA per SM, the K/V ring kept across work items) for short rows, one work item
 # per CTA for long ones (H200, fc70817, s16384 d128 causal windows, ms persistent / one item per CTA:
 # ~8 tiles per row 0.696 / 0.744, ~16 1.186 / 1.203, ~32 2.114 / 2.088, ~64 3.494 / 3.379).
@@ -87,8 +114,27 @@ def persistent_schedule(ti, n_m: int) -> bool:
     return ti.tiles <= PERSISTENT_MAX_TILES * max(items, 1)
 
 
+def smem_bytes(d: int, stages: int, q_slots: int, esize: int = 2) -> int:
+    """Q slots (128 rows each, split between the ping-pong warpgroups) plus the K and V rings."""
+    return (q_slots * TILE + 2 * stages * TILE) * d * esize
+
+
+def resolve_schedule(d: int, stages=None, q_slots=None, pingpong=False) -> dict:
+    """Kernel constexprs of a variant: STAGES (default STAGES[d]), Q_SLOTS (2 when it fits next to the
+    ring, else 1), PINGPONG, and O_REGS: O stored from registers and the Q slot released after the
+    item's last S (every new schedule; needed with 1 Q slot; the ping-pong TMA store through the slot
+    spilled).  ValueError when the ring does not fit even with one Q slot."""
+    stages = stages or STAGES[d]
+    if q_slots is None:
+        q_slots = 2 if smem_bytes(d, stages, 2) + SMEM_SLACK <= SMEM_LIMIT else 1
+    if q_slots not in (1, 2) or smem_bytes(d, stages, q_slots) + SMEM_SLACK > SMEM_LIMIT:
+        raise ValueError(f"{IMPL_ID}: d{d} with {stages} K/V stages and {q_slots} Q slots needs "
+                         f"{smem_bytes(d, stages, q_slots)} B of shared memory (limit {SMEM_LIMIT})")
+    return dict(STAGES=stages, Q_SLOTS=q_slots, PINGPONG=bool(pingpong), O_REGS=bool(pingpong) or q_slots == 1)
+
+
 def launch_args(q, k, v, out, lse, ti, kpm, bs, causal, wl, wr, ng, scale, *, persistent=True, stages=None,
-                num_sms=132):
+                q_slots=None, pingpong=False, num_sms=132):
     """(grid, args, kwargs) of one sparse_fwd_kernel launch writing out (b, h_q, s_q, d) and lse
     (b, h_q, s_q) float32 contiguous.  q/k/v/out must be TMA-ready (see _tma_ready); ti: layout_index()."""
     if _K is None:
@@ -96,6 +142,11 @@ def launch_args(q, k, v, out, lse, ti, kpm, bs, causal, wl, wr, ng, scale, *, pe
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     gdt = _gl.bfloat16 if q.dtype == torch.bfloat16 else _gl.float16
+    sched = resolve_schedule(d, stages, q_slots, pingpong)
+    if sched["O_REGS"] and (sq + TILE) * out.stride(2) >= 2 ** 31:
+        raise ValueError(f"{IMPL_ID}: the register O store of this schedule uses 32-bit row offsets "
+                         f"(s_q {sq} x row stride {out.stride(2)}); use the default schedule")
+    bq = TILE // 2 if sched["PINGPONG"] else TILE           # Q/O rows per consumer partition
     n_m = _cdiv(sq, TILE)
     n_items = n_m * b * hq
     grid = (min(n_items, num_sms) if persistent else n_items,)
@@ -104,25 +155,27 @@ def launch_args(q, k, v, out, lse, ti, kpm, bs, causal, wl, wr, ng, scale, *, pe
             bm8.stride(2), bm8.stride(3))
     kpm8 = ti.kpm8 if ti.kpm8 is not None else ti.rows      # unused pointer when there is no key padding
     s_kpm = ti.kpm8.stride(0) if ti.kpm8 is not None else 0
-    descs = (_desc(q, TILE, gdt), _desc(k, TILE, gdt), _desc(v, TILE, gdt), _desc(out, TILE, gdt))
-    kw = dict(q_smem_layout=_gl.NVMMASharedLayout.get_default_for([TILE, d], gdt),
+    descs = (_desc(q, bq, gdt), _desc(k, TILE, gdt), _desc(v, TILE, gdt), _desc(out, bq, gdt))
+    kw = dict(q_smem_layout=_gl.NVMMASharedLayout.get_default_for([bq, d], gdt),
               kv_smem_layout=_gl.NVMMASharedLayout.get_default_for([TILE, d], gdt),
               CAUSAL=bool(causal), HAS_WIN=wl >= 0, HAS_GLOBAL=ng > 0, BM_MODE=int(ti.bm_mode),
-              HAS_KPM=kpm is not None, FULL_RUN=bool(ti.full_run), REVERSE=bool(causal),
-              STAGES=stages or STAGES[d], PRODUCER_REGS=PRODUCER_REGS, num_warps=_K.NUM_WARPS)
-    args = (*descs, lse, ti.rows, ti.cols, bm8, kpm8, *_s3(ti.rows), *_s3(ti.cols), *s_bm, s_kpm,
-            hq, hq // hkv, n_m, n_items, sq, sk, sk - sq, wl, wr, ng, bs, scale * LOG2E)
+              HAS_KPM=kpm is not None, FULL_RUN=bool(ti.full_run), REVERSE=bool(causal), **sched,
+              CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+              num_warps=_K.PINGPONG_WARPS if sched["PINGPONG"] else _K.NUM_WARPS)
+    args = (*descs, lse, out, ti.rows, ti.cols, bm8, kpm8, *out.stride()[:3], *_s3(ti.rows), *_s3(ti.cols), *s_bm,
+            s_kpm, hq, hq // hkv, n_m, n_items, sq, sk, sk - sq, wl, wr, ng, bs, scale * LOG2E)
     return grid, args, kw
 
 
 def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale, dense_blocks=False,
                max_seqlen=-1, *, variant=None):
     """out (b, h_q, s_q, d) over (b, s, h, d) memory, lse (b, h_q, s_q) float32 natural log.
-    variant (benchmarks): {"persistent": bool, "stages": int} instead of DEFAULT_VARIANT."""
+    variant (benchmarks): {"persistent": bool, "stages": int, "q_slots": 1 | 2, "pingpong": bool} (or a
+    VARIANTS name) over DEFAULT_VARIANT."""
     from ._triton_utils import new_output, new_output_bshd
     if cu is not None:   # check() refuses these; a direct call must not get a silently wrong answer
         raise NotImplementedError(f"{IMPL_ID}: packed varlen layouts (cu_seqlens) are not supported")
-    opts = {**DEFAULT_VARIANT, **(variant or {})}
+    opts = {**DEFAULT_VARIANT, **(VARIANTS[variant] if isinstance(variant, str) else variant or {})}
     q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
     b, hq, sq, d = q.shape
     sk = k.shape[2]
@@ -131,8 +184,8 @@ def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale,
     lse = new_output((b, hq, sq), torch.float32, q.device)
     persistent = opts["persistent"] if "persistent" in opts else persistent_schedule(ti, _cdiv(sq, TILE))
     grid, args, kw = launch_args(q, k, v, out, lse, ti, kpm, bs, causal, wl, wr, ng, scale,
-                                 persistent=persistent, stages=opts.get("stages"),
-                                 num_sms=_sm_count(q.device))
+                                 persistent=persistent, stages=opts.get("stages"), q_slots=opts.get("q_slots"),
+                                 pingpong=opts.get("pingpong", False), num_sms=_sm_count(q.device))
     _K.sparse_fwd_kernel[grid](*args, **kw)
     return out, lse
 
@@ -172,4 +225,5 @@ def impls(env) -> list[KernelImpl]:
                     "Triton sparse backward from out + lse")]
 
 
-__all__ = ["impls", "sparse_fwd", "sparse_bwd", "launch_args", "layout_index", "UNAVAILABLE", "IMPL_ID", "STAGES"]
+__all__ = ["impls", "sparse_fwd", "sparse_bwd", "launch_args", "layout_index", "resolve_schedule", "UNAVAILABLE",
+           "IMPL_ID", "STAGES", "VARIANTS", "DEFAULT_VARIANT"]
