@@ -127,7 +127,8 @@ def test_compiles_for_sm90_without_spills_in_tile_loops(sm90_compile_report):
 
 @needs_gluon
 def test_new_schedules_compile_without_any_spill(sm90_compile_report):
-    """The schedules added for issue #5 (ping-pong, 3-stage ring, 1 Q slot) on the layouts the probe times:
+    """The schedules added for issue #5 (ping-pong, 3-stage ring, 1 Q slot, split K/V "empty" barriers) on the
+    layouts the probe times:
     0 STL/LDL anywhere (a spilling variant fails here), shared memory within 227 KB, the ring depth and Q
     slots the host asked for, and the per-partition register split: ping-pong = 2 consumer warpgroups
     (240 registers each) + the producer (24); the one-consumer schedules 240 + 24."""
@@ -139,6 +140,7 @@ def test_new_schedules_compile_without_any_spill(sm90_compile_report):
         assert r["spills"] == 0 and r["stack"] == 0, r
         assert r["shared"] <= 232448, r
         assert r["stages"] == v.get("stages", GS.STAGES[d]) and r["pingpong"] == v.get("pingpong", False), r
+        assert r["split_empty"] == v.get("split_empty", False), r
         assert r["shared"] >= GS.smem_bytes(d, r["stages"], r["q_slots"]), r
         assert r["tile_loops"] == (4 if r["pingpong"] else 2), r     # 2 loops per consumer partition
         assert {GS.PRODUCER_REGS, GS.CONSUMER_REGS} <= set(r["setmaxnreg"]), r
@@ -223,11 +225,13 @@ def test_resolve_schedule():
     """Ring depth / Q slots / register O store per variant, from the shared memory budget (227 KB)."""
     assert GS.DEFAULT_VARIANT == {}                  # nothing new is the default without a GPU measurement
     r = GS.resolve_schedule
-    assert r(128) == dict(STAGES=2, Q_SLOTS=2, PINGPONG=False, O_REGS=False)       # the measured schedule
-    assert r(64) == dict(STAGES=4, Q_SLOTS=2, PINGPONG=False, O_REGS=False)
-    assert r(128, pingpong=True) == dict(STAGES=2, Q_SLOTS=2, PINGPONG=True, O_REGS=True)
+    base = dict(PINGPONG=False, O_REGS=False, SPLIT_EMPTY=False)
+    assert r(128) == dict(base, STAGES=2, Q_SLOTS=2)                  # the measured schedule
+    assert r(64) == dict(base, STAGES=4, Q_SLOTS=2)
+    assert r(128, pingpong=True) == dict(base, STAGES=2, Q_SLOTS=2, PINGPONG=True, O_REGS=True)
+    assert r(128, pingpong=True, split_empty=True)["SPLIT_EMPTY"] is True
     # d128, 3 stages: 2 x 32 KB of Q next to 192 KB of K/V does not fit; one Q slot (32 KB) does
-    assert r(128, 3) == dict(STAGES=3, Q_SLOTS=1, PINGPONG=False, O_REGS=True)
+    assert r(128, 3) == dict(base, STAGES=3, Q_SLOTS=1, O_REGS=True)
     assert r(128, 3, pingpong=True)["Q_SLOTS"] == 1
     assert r(128, q_slots=1)["O_REGS"] is True                  # one slot: O cannot leave through it
     assert r(64, 3)["Q_SLOTS"] == 2
@@ -236,7 +240,7 @@ def test_resolve_schedule():
         with pytest.raises(ValueError, match="shared memory"):
             r(128, **bad)
     for name, v in GS.VARIANTS.items():                          # every named variant resolves at d128
-        assert r(128, v.get("stages"), v.get("q_slots"), v.get("pingpong", False))
+        assert r(128, v.get("stages"), v.get("q_slots"), v.get("pingpong", False), v.get("split_empty", False))
 
 
 @needs_gluon
@@ -429,7 +433,8 @@ class _Bar:
         return self.done % 2 != parity
 
 
-def simulate_protocol(n_alls, stages, q_slots, pingpong, o_regs, rng, idle_turn=True, early_q_release=False):
+def simulate_protocol(n_alls, stages, q_slots, pingpong, o_regs, rng, idle_turn=True, early_q_release=False,
+                      split_empty=False, early_k_release=False):
     """Run the producer and consumer partitions of one CTA as the kernel writes them (_producer, _consumer:
     the same slot / phase / turn arithmetic) under a random interleaving, with TMA copies landing at random
     later times.  n_alls: the visited tile count of each of the CTA's work items (0 = an empty item).
@@ -440,7 +445,8 @@ def simulate_protocol(n_alls, stages, q_slots, pingpong, o_regs, rng, idle_turn=
     q_ready = [_Bar(1) for _ in range(q_slots * nwg)]
     q_empty = [_Bar(1) for _ in range(q_slots * nwg)]
     k_ready, v_ready = [_Bar(1) for _ in range(stages)], [_Bar(1) for _ in range(stages)]
-    kv_empty = [_Bar(nwg) for _ in range(stages)]
+    kv_empty = [_Bar(nwg) for _ in range(stages)]         # split_empty: V slots only
+    k_empty = [_Bar(nwg) for _ in range(stages)] if split_empty else kv_empty
     turn = [_Bar(1), _Bar(1)]
     turn[0].arrive()                                # warpgroup 0 pre-armed
     mem, readers, in_flight, gemms = {}, {}, [], []
@@ -463,6 +469,19 @@ def simulate_protocol(n_alls, stages, q_slots, pingpong, o_regs, rng, idle_turn=
                 qs = (qi % q_slots) * nwg + wg
                 yield q_empty[qs], ((qi // q_slots) & 1) ^ 1
                 tma(("q", qs), q_ready[qs], (qi, wg))
+            if split_empty:                     # K_{t+1} before V_t
+                if n_all > 0:
+                    yield k_empty[it % stages], ((it // stages) & 1) ^ 1
+                    tma(("k", it % stages), k_ready[it % stages], (qi, 0))
+                for t in range(n_all):
+                    g = it + t
+                    if t + 1 < n_all:
+                        yield k_empty[(g + 1) % stages], (((g + 1) // stages) & 1) ^ 1
+                        tma(("k", (g + 1) % stages), k_ready[(g + 1) % stages], (qi, t + 1))
+                    yield kv_empty[g % stages], ((g // stages) & 1) ^ 1
+                    tma(("v", g % stages), v_ready[g % stages], (qi, t))
+                it += n_all
+                continue
             for t in range(n_all):
                 st = it % stages
                 yield kv_empty[st], ((it // stages) & 1) ^ 1
@@ -484,36 +503,48 @@ def simulate_protocol(n_alls, stages, q_slots, pingpong, o_regs, rng, idle_turn=
             if pingpong:
                 turn[1 - wg].arrive()
 
+        # A wgmma reads its smem operands from its issue until its wait: read() at the issue, done_reading()
+        # at the wait; the releases (arrives) sit where the kernel has them, so a release before the wait
+        # lets the producer's next copy land on a buffer still being read.
         for qi, n_all in enumerate(n_alls):
             qs = (qi % q_slots) * nwg + wg
             yield q_ready[qs], (qi // q_slots) & 1
-            read(("q", qs), (qi, wg), who)
             tc = it + qi
             if n_all > 0:
                 cur = it % stages
                 yield k_ready[cur], (it // stages) & 1
                 yield from turn_wait(tc)
-                read(("k", cur), (qi, 0), who)       # S_0 (waited at once)
+                read(("q", qs), (qi, wg), who)           # S_0
+                read(("k", cur), (qi, 0), who)
                 turn_pass()
-                if early_q_release:                  # the bug this guards against: Q freed while S still reads it
-                    done_reading(("q", qs), who)
+                if early_q_release:                      # the bug this guards against: Q freed before its S
                     q_empty[qs].arrive()
+                yield None
+                done_reading(("q", qs), who)             # S_0 waited at once
+                done_reading(("k", cur), who)
+                if split_empty:
+                    k_empty[cur].arrive()
                 for j in range(n_all - 1):
                     g = it + j
                     cur, nxt = g % stages, (g + 1) % stages
                     yield k_ready[nxt], ((g + 1) // stages) & 1
                     yield v_ready[cur], (g // stages) & 1
                     yield from turn_wait(tc + j + 1)
-                    read(("k", nxt), (qi, j + 1), who)        # S_{j+1}
-                    read(("v", cur), (qi, j), who)            # P_j V_j
-                    read(("q", qs), (qi, wg), who)
+                    read(("q", qs), (qi, wg), who)        # S_{j+1}
+                    read(("k", nxt), (qi, j + 1), who)
+                    read(("v", cur), (qi, j), who)        # P_j V_j
                     turn_pass()
-                    yield None                                # both wgmmas in flight: let others run
-                    done_reading(("k", cur), who)             # K_j (S_j retired last step) and V_j
-                    done_reading(("v", cur), who)
-                    kv_empty[cur].arrive()
-                if o_regs and not early_q_release:            # every S retired: Q slot free
-                    done_reading(("q", qs), who)
+                    if early_k_release:                   # the bug: K_{j+1} freed before S_{j+1} retired
+                        k_empty[nxt].arrive()
+                    yield None                            # both wgmmas in flight
+                    done_reading(("q", qs), who)          # wait(1): S_{j+1} retired
+                    done_reading(("k", nxt), who)
+                    if split_empty and not early_k_release:
+                        k_empty[nxt].arrive()
+                    yield None                            # the softmax, P_j V_j in flight
+                    done_reading(("v", cur), who)         # wait(0)
+                    kv_empty[cur].arrive()                # (one barrier: K_j retired in the step before)
+                if o_regs and not early_q_release:        # every S retired: Q slot free
                     q_empty[qs].arrive()
                 g = it + n_all - 1
                 last = g % stages
@@ -522,7 +553,6 @@ def simulate_protocol(n_alls, stages, q_slots, pingpong, o_regs, rng, idle_turn=
                 read(("v", last), (qi, n_all - 1), who)
                 turn_pass()
                 yield None
-                done_reading(("k", last), who)
                 done_reading(("v", last), who)
                 kv_empty[last].arrive()
             else:
@@ -530,7 +560,6 @@ def simulate_protocol(n_alls, stages, q_slots, pingpong, o_regs, rng, idle_turn=
                     yield from turn_wait(tc)
                     turn_pass()
                 if o_regs:
-                    done_reading(("q", qs), who)
                     q_empty[qs].arrive()
             it += n_all
             if not o_regs:                                    # O out through the Q slot, then release it
@@ -564,19 +593,20 @@ def simulate_protocol(n_alls, stages, q_slots, pingpong, o_regs, rng, idle_turn=
 _PROTOCOL_ITEMS = [[3, 1, 0, 5, 2, 0, 0, 4], [1], [0, 0, 2], [7, 7, 7], [2, 0, 9, 1, 1]]
 
 
-@pytest.mark.parametrize("variant", ["default", "pingpong", "st3", "pingpong_st3", "q1"])
+@pytest.mark.parametrize("variant", sorted(GS.VARIANTS))
 def test_barrier_protocol_simulation(variant):
     """Every schedule's producer/consumer protocol over persistent item sequences with empty items, ragged
     tile counts and ring wrap-around, under many random interleavings: no deadlock, every read sees its
     own (item, tile), no copy lands in a buffer being read, ping-pong GEMM turns alternate."""
     import random
     v = GS.VARIANTS[variant]
-    sched = GS.resolve_schedule(128, v.get("stages"), v.get("q_slots"), v.get("pingpong", False))
+    sched = GS.resolve_schedule(128, v.get("stages"), v.get("q_slots"), v.get("pingpong", False),
+                                v.get("split_empty", False))
     for seed_ in range(40):
         rng = random.Random(seed_)
         for items in _PROTOCOL_ITEMS:
             gemms = simulate_protocol(items, sched["STAGES"], sched["Q_SLOTS"], sched["PINGPONG"], sched["O_REGS"],
-                                      rng)
+                                      rng, split_empty=sched["SPLIT_EMPTY"])
             if sched["PINGPONG"]:
                 turns = sum(n + 1 for n in items)     # n_all + 1 per item, one idle turn per empty item
                 assert gemms == [0, 1] * turns, gemms
@@ -584,10 +614,12 @@ def test_barrier_protocol_simulation(variant):
 
 def test_barrier_protocol_simulation_detects_broken_protocols():
     """The simulation can fail: ping-pong without the idle turn of an empty item (the turn counter it + qi
-    then no longer matches the barrier phases), and a Q slot released before the item's last S = Q K^T."""
+    then no longer matches the barrier phases), a Q slot released before the item's last S = Q K^T, and
+    (split K/V barriers) a K slot released before its S retired."""
     import random
     for kwargs in (dict(idle_turn=False, pingpong=True, q_slots=2, o_regs=True),
-                   dict(early_q_release=True, pingpong=False, q_slots=1, o_regs=True)):
+                   dict(early_q_release=True, pingpong=False, q_slots=1, o_regs=True),
+                   dict(early_k_release=True, split_empty=True, pingpong=True, q_slots=2, o_regs=True)):
         failed = 0
         for seed_ in range(20):
             try:

@@ -77,9 +77,10 @@ CASES = [("window_causal", 128), ("window_causal", 64), ("causal", 128), ("bigbi
 # Masked modes (block masks, global tokens) with them: see MASKED_VARIANT_CASES.
 VARIANT_CASES = [("window_causal", 128, "pingpong"), ("causal", 128, "pingpong"), ("window_causal", 64, "pingpong"),
                  ("window_causal", 128, "st3"), ("causal", 128, "st3"), ("window_causal", 128, "pingpong_st3"),
-                 ("causal", 128, "pingpong_st3"), ("window_causal", 128, "q1")]
+                 ("causal", 128, "pingpong_st3"), ("window_causal", 128, "q1"), ("window_causal", 128, "pingpong_kv"),
+                 ("causal", 128, "pingpong_kv"), ("window_causal", 64, "pingpong_kv")]
 # Reported with --masked only (they spill: outside the loops, and for global tokens inside them).
-MASKED_VARIANT_CASES = [(n, 128, v) for v in ("pingpong", "st3", "pingpong_st3")
+MASKED_VARIANT_CASES = [(n, 128, v) for v in ("pingpong", "st3", "pingpong_st3", "pingpong_kv")
                         for n in ("bigbird", "global_window", "dilated_not_one_run")]
 
 
@@ -105,7 +106,7 @@ def compile_case(name, d, dtype=None, variant="default"):
            "spills_in_tile_loops": inside, "tile_loops": loops, "launch_regs": res.get("regs"),
            "stack": res.get("stack"), "setmaxnreg": setmaxnreg_values(sass),
            "bm_mode": kw["BM_MODE"], "full_run": kw["FULL_RUN"], "stages": kw["STAGES"],
-           "q_slots": kw["Q_SLOTS"], "pingpong": kw["PINGPONG"]}
+           "q_slots": kw["Q_SLOTS"], "pingpong": kw["PINGPONG"], "split_empty": kw["SPLIT_EMPTY"]}
     return row, kern, sass
 
 

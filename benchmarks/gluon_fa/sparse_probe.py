@@ -6,17 +6,18 @@
    attention of the layout's dense mask (small shapes), and against the Triton sparse forward at the
    bench shape; forward + backward through opsadv.ops.sparse_attention pinned to the impl (the backward
    is the Triton one from out + lse).  Every kernel schedule of gluon_sparse.VARIANTS ("default" = the
-   measured one; "pingpong", "st3", "pingpong_st3", "q1": added for issue #5, never run on a GPU
-   before this probe), each with both grids (persistent / one item per CTA).
+   measured one; "pingpong", "pingpong_kv", "st3", "pingpong_st3", "q1": added for issue #5, never
+   run on a GPU before this probe), each with both grids (persistent / one item per CTA).
 2. Timing (do_bench median, launch only): s=16384 causal sliding window 1024 d128 bf16 b1 h32: Gluon
    (every variant that passed its checks, both grids; "gluon" / "gluon_nonpersistent" are the default
    schedule, "gluon_<variant>[_nonpersistent]" the others), the Triton sparse impl, compiled
    FlexAttention with the same block mask; a density sweep (windows 128 .. 8192); the dense references
    (Triton flash causal, the suite's "[own]" case, and SDPA cuDNN).  Work as the bench suite counts it:
    computed tiles of the Triton forward's tile grid (also reported at the Gluon kernel's 128 x 128 grid).
-The st3 variants are checked at d128 only (at d64 they would only shorten the 4-stage ring).  About 45
-kernel compiles for all 5 variants: when one call risks a 10-minute limit, split it, e.g.
---variants=default,pingpong,q1 then --variants=st3,pingpong_st3 (each JSON is complete on its own).
+The st3 variants are checked at d128 only (at d64 they would only shorten the 4-stage ring).  About 50
+kernel compiles for all 6 variants: when one call risks a 10-minute limit, split it, e.g.
+--variants=default,pingpong,pingpong_kv then --variants=st3,pingpong_st3,q1 (each JSON is complete on
+its own).
 A variant that fails a check is not timed; a timed output that differs from the Triton one (rel err
 >= 2e-2) is a failure too (logged FAIL, not timed).  The JSON is saved after every check block and
 every timing row.  Exit 1 when any check failed."""

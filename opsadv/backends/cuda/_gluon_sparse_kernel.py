@@ -29,6 +29,10 @@ before the softmax of S_j's successor, P in registers), driven by the layout's t
     tiles.  They take turns issuing their GEMMs through a pair of "turn" mbarriers (warpgroup 0
     pre-armed, a turn counter carried across items), so one warpgroup's softmax runs while the
     other's GEMMs hold the tensor cores.  kv_empty counts one arrive per warpgroup.
+  * SPLIT_EMPTY (FA3's separate K and V pipelines, as the dense kernel's pingpong_kv): a K slot is
+    freed on k_empty as soon as its S has retired, a V slot on kv_empty after its P V, and the
+    producer loads K_{t+1} before V_t.  With one shared barrier and ping-pong, tile j+STAGES waits for
+    warpgroup 1's P V of tile j, half an iteration behind warpgroup 0.
 
 Rows with no allowed key get out 0 and lse -inf (running max starts finite, at -1e30, so a fully
 masked tile yields p = 0, not NaN).  q/k/v/out are (b, h, s, d) strided views with unit stride along
@@ -99,13 +103,35 @@ def _issue_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, b, hk, row, stag
 
 
 @gluon.jit
+def _issue_one(desc, smem, ready, b, hk, row, stage, kv_view: gl.constexpr):
+    """TMA-load rows [row, row + BLOCK_N) of head (b, hk) of one of K / V into ring slot `stage`."""
+    mbarrier.expect(ready.index(stage), desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc, [b, hk, row, 0], ready.index(stage),
+                                    smem.index(stage)._reinterpret(desc.dtype, kv_view, desc.layout))
+
+
+@gluon.jit
+def _tile_col(cols, t, n_part, run0, FULL_RUN: gl.constexpr):
+    """Column tile of an item's t-th listed tile: from the list, or (FULL_RUN, t >= n_part) the run."""
+    if FULL_RUN:
+        if t < n_part:
+            kt = gl.load(cols + t)
+        else:
+            kt = run0 + t
+    else:
+        kt = gl.load(cols + t)
+    return kt
+
+
+@gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
               rows_ptr, cols_ptr, s_rb, s_rh, s_rr, s_cb, s_ch, s_cr, H, GROUP, n_m, n_items,
               REVERSE: gl.constexpr, FULL_RUN: gl.constexpr, STAGES: gl.constexpr, Q_SLOTS: gl.constexpr,
-              NWG: gl.constexpr, OPAQUE: gl.constexpr):
+              NWG: gl.constexpr, OPAQUE: gl.constexpr, k_empty, SPLIT_EMPTY: gl.constexpr):
     """1 warp: for each of this CTA's items, Q into slot qi % Q_SLOTS (one 128 / NWG-row part per consumer
     partition, each on its own barriers), then its listed K/V tiles into the ring as fast as the
-    consumers free slots."""
+    consumers free slots.  SPLIT_EMPTY: a K slot is free once its S has retired (k_empty), a V slot
+    after its P V (kv_empty); K_{t+1} is loaded before V_t, the order the consumers free them in."""
     BQ: gl.constexpr = q_desc.block_type.shape[2]      # rows per consumer partition
     BN: gl.constexpr = k_desc.block_type.shape[2]
     q_view: gl.constexpr = q_desc.block_type.shape
@@ -126,22 +152,39 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
             mbarrier.expect(q_ready.index(qs), q_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [b, h, (mt * NWG + wg) * BQ, 0], q_ready.index(qs),
                                             q_smem.index(qs)._reinterpret(q_desc.dtype, q_view, q_desc.layout))
-        for t in range(0, n_part):                  # partial tiles: ids from the list
-            kt = gl.load(cols + t)
-            stage = it % STAGES
-            mbarrier.wait(kv_empty.index(stage), ((it // STAGES) & 1) ^ 1)
-            _issue_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, b, hk, kt * BN, stage, kv_view)
-            it += 1
-        run0 = gl.load(cols + n_part, mask=n_part < n_all, other=0) - n_part
-        for t in range(n_part, n_all):              # full tiles: a column run, or ids from the list
-            if FULL_RUN:
-                kt = run0 + t
-            else:
+        if SPLIT_EMPTY:
+            run0 = gl.load(cols + n_part, mask=n_part < n_all, other=0) - n_part
+            if n_all > 0:
+                mbarrier.wait(k_empty.index(it % STAGES), ((it // STAGES) & 1) ^ 1)
+                kt = _tile_col(cols, 0, n_part, run0, FULL_RUN)
+                _issue_one(k_desc, k_smem, k_ready, b, hk, kt * BN, it % STAGES, kv_view)
+            for t in range(0, n_all):
+                g = it + t
+                if t + 1 < n_all:
+                    mbarrier.wait(k_empty.index((g + 1) % STAGES), (((g + 1) // STAGES) & 1) ^ 1)
+                    kt = _tile_col(cols, t + 1, n_part, run0, FULL_RUN)
+                    _issue_one(k_desc, k_smem, k_ready, b, hk, kt * BN, (g + 1) % STAGES, kv_view)
+                mbarrier.wait(kv_empty.index(g % STAGES), ((g // STAGES) & 1) ^ 1)
+                kt = _tile_col(cols, t, n_part, run0, FULL_RUN)       # reloaded (L1) rather than kept
+                _issue_one(v_desc, v_smem, v_ready, b, hk, kt * BN, g % STAGES, kv_view)
+            it += n_all
+        else:
+            for t in range(0, n_part):                  # partial tiles: ids from the list
                 kt = gl.load(cols + t)
-            stage = it % STAGES
-            mbarrier.wait(kv_empty.index(stage), ((it // STAGES) & 1) ^ 1)
-            _issue_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, b, hk, kt * BN, stage, kv_view)
-            it += 1
+                stage = it % STAGES
+                mbarrier.wait(kv_empty.index(stage), ((it // STAGES) & 1) ^ 1)
+                _issue_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, b, hk, kt * BN, stage, kv_view)
+                it += 1
+            run0 = gl.load(cols + n_part, mask=n_part < n_all, other=0) - n_part
+            for t in range(n_part, n_all):              # full tiles: a column run, or ids from the list
+                if FULL_RUN:
+                    kt = run0 + t
+                else:
+                    kt = gl.load(cols + t)
+                stage = it % STAGES
+                mbarrier.wait(kv_empty.index(stage), ((it // STAGES) & 1) ^ 1)
+                _issue_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, b, hk, kt * BN, stage, kv_view)
+                it += 1
         qi += 1
 
 
@@ -248,16 +291,17 @@ def _release(bar):
 
 
 @gluon.jit
-def _pipelined_step(q_tile, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, tc, s_acc, p, m_i, l_i, o, g, col_ptr,
-                    rows, bmp, s_bm_q, s_bm_k, kpmp, SQ, SK, OFF, WL, WR, NG, BS, qk_scale, MASKED: gl.constexpr,
-                    CAUSAL: gl.constexpr, HAS_WIN: gl.constexpr, HAS_GLOBAL: gl.constexpr, BM_MODE: gl.constexpr,
-                    HAS_KPM: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr,
-                    s_layout: gl.constexpr, o_layout: gl.constexpr):
+def _pipelined_step(q_tile, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty, turn, tc, s_acc, p, m_i, l_i, o, g,
+                    col_ptr, rows, bmp, s_bm_q, s_bm_k, kpmp, SQ, SK, OFF, WL, WR, NG, BS, qk_scale,
+                    MASKED: gl.constexpr, CAUSAL: gl.constexpr, HAS_WIN: gl.constexpr, HAS_GLOBAL: gl.constexpr,
+                    BM_MODE: gl.constexpr, HAS_KPM: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+                    WG: gl.constexpr, SPLIT_EMPTY: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
     """One steady-state iteration on ring tile g (the item's tile j; p holds its probabilities): issue
     S_{j+1} = Q K_{j+1}^T and O += P_j V_j (async, in that order), wait for S_{j+1} only, fold it into
     the softmax while P_j V_j runs (MASKED: tile j+1 is partial, its column id at col_ptr), then wait
     for P_j V_j, rescale O and free tile j's slot.  PINGPONG: both GEMMs are issued in this warpgroup's
-    turn tc.  Returns (p_{j+1}, m, l, o)."""
+    turn tc.  SPLIT_EMPTY: K_{j+1}'s slot is freed as soon as S_{j+1} has retired, V_j's after P V.
+    Returns (p_{j+1}, m, l, o)."""
     dtype: gl.constexpr = k_smem.dtype
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -274,6 +318,8 @@ def _pipelined_step(q_tile, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, tc
     _turn_pass(turn, WG, PINGPONG)
     # Groups retire in issue order: 1 outstanding = the PV.
     s = warpgroup_mma_wait(1, deps=(s_tok, ))
+    if SPLIT_EMPTY:
+        _release(k_empty.index(nxt))               # K_{j+1} is read: refilled under this softmax
     if MASKED:
         p, m_i, l_i, alpha = _softmax_masked(s, m_i, l_i, rows, kt_next, bmp, s_bm_q, s_bm_k, kpmp, SQ, SK, OFF,
                                              WL, WR, NG, BS, qk_scale, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE,
@@ -283,19 +329,20 @@ def _pipelined_step(q_tile, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, tc
     # p_op stays alive until its wgmma retired (a register operand).
     o = warpgroup_mma_wait(0, deps=(o_tok, p_op))[0]
     o = o * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-    # Tile j is consumed by every warp (K_j by S_j earlier, V_j just now): free its slot.
+    # Tile j (SPLIT_EMPTY: V_j) is consumed by every warp (K_j by S_j earlier, V_j just now): free its slot.
     _release(kv_empty.index(cur))
     return p, m_i, l_i, o
 
 
 @gluon.jit
 def _consumer(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-              v_ready, kv_empty, turn, rows_ptr, cols_ptr, s_rb, s_rh, s_rr, s_cb, s_ch, s_cr,
+              v_ready, kv_empty, k_empty, turn, rows_ptr, cols_ptr, s_rb, s_rh, s_rr, s_cb, s_ch, s_cr,
               bm_ptr, s_bmb, s_bmh, s_bm_q, s_bm_k, kpm_ptr, s_kpmb,
               H, n_m, n_items, SQ, SK, OFF, WL, WR, NG, BS, qk_scale,
               CAUSAL: gl.constexpr, HAS_WIN: gl.constexpr, HAS_GLOBAL: gl.constexpr, BM_MODE: gl.constexpr,
               HAS_KPM: gl.constexpr, REVERSE: gl.constexpr, STAGES: gl.constexpr, Q_SLOTS: gl.constexpr,
-              PINGPONG: gl.constexpr, O_REGS: gl.constexpr, WG: gl.constexpr, num_warps: gl.constexpr):
+              PINGPONG: gl.constexpr, O_REGS: gl.constexpr, SPLIT_EMPTY: gl.constexpr, WG: gl.constexpr,
+              num_warps: gl.constexpr):
     """One consumer partition: rows [WG * BM, +BM) of every item (BM = the Q block: 128 with 8 warps, or
     64 per warpgroup with PINGPONG), each item's tiles in list order (partial, then full), FA3
     intra-warpgroup overlap: iteration j issues S_{j+1} and P_j V_j, runs the softmax of S_{j+1} while
@@ -344,6 +391,8 @@ def _consumer(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, 
             s_tok = warpgroup_mma(q_tile, k_smem.index(cur).permute((1, 0)), s_acc, use_acc=False, is_async=True)
             _turn_pass(turn, WG, PINGPONG)
             s = warpgroup_mma_wait(0, deps=(s_tok, ))
+            if SPLIT_EMPTY:
+                _release(k_empty.index(cur))
             if n_part > 0:
                 p, m_i, l_i, alpha = _softmax_masked(s, m_i, l_i, rows, kt, bmp, s_bm_q, s_bm_k, kpmp, SQ, SK, OFF,
                                                      WL, WR, NG, BS, qk_scale, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE,
@@ -353,17 +402,17 @@ def _consumer(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, 
             # Partial tiles come first in the list: iterations j < n_part - 1 fold a partial tile j + 1.
             n_masked = gl.maximum(n_part - 1, 0)
             for j in range(0, n_masked):
-                p, m_i, l_i, o = _pipelined_step(q_tile, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, tc + j + 1,
-                                                 s_acc, p, m_i, l_i, o, it + j, cols + j + 1, rows, bmp, s_bm_q,
-                                                 s_bm_k, kpmp, SQ, SK, OFF, WL, WR, NG, BS, qk_scale, True, CAUSAL,
-                                                 HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, STAGES, PINGPONG, WG,
-                                                 s_layout, o_layout)
+                p, m_i, l_i, o = _pipelined_step(q_tile, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty, turn,
+                                                 tc + j + 1, s_acc, p, m_i, l_i, o, it + j, cols + j + 1, rows, bmp,
+                                                 s_bm_q, s_bm_k, kpmp, SQ, SK, OFF, WL, WR, NG, BS, qk_scale, True,
+                                                 CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, STAGES, PINGPONG, WG,
+                                                 SPLIT_EMPTY, s_layout, o_layout)
             for j in range(n_masked, n_all - 1):
-                p, m_i, l_i, o = _pipelined_step(q_tile, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, tc + j + 1,
-                                                 s_acc, p, m_i, l_i, o, it + j, cols, rows, bmp, s_bm_q,
+                p, m_i, l_i, o = _pipelined_step(q_tile, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty, turn,
+                                                 tc + j + 1, s_acc, p, m_i, l_i, o, it + j, cols, rows, bmp, s_bm_q,
                                                  s_bm_k, kpmp, SQ, SK, OFF, WL, WR, NG, BS, qk_scale, False, CAUSAL,
                                                  HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, STAGES, PINGPONG, WG,
-                                                 s_layout, o_layout)
+                                                 SPLIT_EMPTY, s_layout, o_layout)
             if O_REGS:
                 # Every S = Q K^T of the item has retired: the producer may load the next item's Q now.
                 _release(q_empty.index(qs))
@@ -399,7 +448,9 @@ def _consumer(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, 
             # 32-bit (the host checks s_q x row stride < 2^31; 64-bit ones or an item base cost spills).
             r_o = gl.expand_dims(gl.convert_layout(rows, row_o), 1)
             c_o = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, o_layout)), 0)
-            optr = o_ptr + (b.to(gl.int64) * s_ob + h.to(gl.int64) * s_oh) + r_o * s_os + c_o
+            # (opaque strides: their hoisted 64-bit sign extensions were spilled across the loops)
+            item = b.to(gl.int64) * _opaque(s_ob).to(gl.int64) + h.to(gl.int64) * _opaque(s_oh).to(gl.int64)
+            optr = o_ptr + item + r_o * s_os + c_o
             gl.store(optr, o.to(dtype), mask=r_o < SQ)
         else:
             # O out through this item's Q slot (every wgmma reading it has retired); TMA clips rows past s_q.
@@ -420,8 +471,8 @@ def sparse_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, o_ptr, rows_ptr, 
                       q_smem_layout: gl.constexpr, kv_smem_layout: gl.constexpr,
                       CAUSAL: gl.constexpr, HAS_WIN: gl.constexpr, HAS_GLOBAL: gl.constexpr, BM_MODE: gl.constexpr,
                       HAS_KPM: gl.constexpr, FULL_RUN: gl.constexpr, REVERSE: gl.constexpr, STAGES: gl.constexpr,
-                      Q_SLOTS: gl.constexpr, PINGPONG: gl.constexpr, O_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                      PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                      Q_SLOTS: gl.constexpr, PINGPONG: gl.constexpr, O_REGS: gl.constexpr, SPLIT_EMPTY: gl.constexpr,
+                      CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """Grid (min(n_items, SMs) persistent, or n_items,).  n_items = n_m query tiles x b x H.
     q/o descriptors: block (1, 1, 128, d), or (1, 1, 64, d) with PINGPONG (then num_warps = 4, one
     warpgroup per consumer partition); k/v: (1, 1, 128, d); *_smem_layout: the 2-D NVMMA layouts of
@@ -449,6 +500,12 @@ def sparse_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, o_ptr, rows_ptr, 
             mbarrier.init(turn.index(i), count=1)
     else:
         turn = kv_empty                                 # never used without PINGPONG
+    if SPLIT_EMPTY:                                     # K slots freed apart from V slots (kv_empty: V only)
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_empty.index(i), count=NWG)
+    else:
+        k_empty = kv_empty                              # never used without SPLIT_EMPTY
     for i in gl.static_range(NQ):
         mbarrier.init(q_ready.index(i), count=1)        # completed by the TMA transaction bytes
         mbarrier.init(q_empty.index(i), count=1)        # one arrive from the slot's consumer partition
@@ -461,32 +518,32 @@ def sparse_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, o_ptr, rows_ptr, 
         mbarrier.arrive(turn.index(0), count=1)         # warpgroup 0 issues first
         gl.warp_specialize([
             (_consumer, (q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, v_smem, q_ready, q_empty,
-                         k_ready, v_ready, kv_empty, turn, rows_ptr, cols_ptr, s_rb, s_rh, s_rr, s_cb, s_ch, s_cr,
-                         bm_ptr, s_bmb, s_bmh, s_bm_q, s_bm_k, kpm_ptr, s_kpmb,
+                         k_ready, v_ready, kv_empty, k_empty, turn, rows_ptr, cols_ptr, s_rb, s_rh, s_rr, s_cb, s_ch,
+                         s_cr, bm_ptr, s_bmb, s_bmh, s_bm_q, s_bm_k, kpm_ptr, s_kpmb,
                          H, n_m, n_items, SQ, SK, OFF, WL, WR, NG, BS, qk_scale,
                          CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, REVERSE, STAGES, Q_SLOTS, PINGPONG, O_REGS,
-                         0, 4)),
+                         SPLIT_EMPTY, 0, 4)),
             (_consumer, (q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, v_smem, q_ready, q_empty,
-                         k_ready, v_ready, kv_empty, turn, rows_ptr, cols_ptr, s_rb, s_rh, s_rr, s_cb, s_ch, s_cr,
-                         bm_ptr, s_bmb, s_bmh, s_bm_q, s_bm_k, kpm_ptr, s_kpmb,
+                         k_ready, v_ready, kv_empty, k_empty, turn, rows_ptr, cols_ptr, s_rb, s_rh, s_rr, s_cb, s_ch,
+                         s_cr, bm_ptr, s_bmb, s_bmh, s_bm_q, s_bm_k, kpm_ptr, s_kpmb,
                          H, n_m, n_items, SQ, SK, OFF, WL, WR, NG, BS, qk_scale,
                          CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, REVERSE, STAGES, Q_SLOTS, PINGPONG, O_REGS,
-                         1, 4)),
+                         SPLIT_EMPTY, 1, 4)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                          rows_ptr, cols_ptr, s_rb, s_rh, s_rr, s_cb, s_ch, s_cr, H, GROUP, n_m, n_items,
-                         REVERSE, FULL_RUN, STAGES, Q_SLOTS, NWG, O_REGS)),
+                         REVERSE, FULL_RUN, STAGES, Q_SLOTS, NWG, O_REGS, k_empty, SPLIT_EMPTY)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, v_smem, q_ready, q_empty,
-                         k_ready, v_ready, kv_empty, turn, rows_ptr, cols_ptr, s_rb, s_rh, s_rr, s_cb, s_ch, s_cr,
-                         bm_ptr, s_bmb, s_bmh, s_bm_q, s_bm_k, kpm_ptr, s_kpmb,
+                         k_ready, v_ready, kv_empty, k_empty, turn, rows_ptr, cols_ptr, s_rb, s_rh, s_rr, s_cb, s_ch,
+                         s_cr, bm_ptr, s_bmb, s_bmh, s_bm_q, s_bm_k, kpm_ptr, s_kpmb,
                          H, n_m, n_items, SQ, SK, OFF, WL, WR, NG, BS, qk_scale,
-                         CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, REVERSE, STAGES, Q_SLOTS, PINGPONG, O_REGS, 0,
-                         num_warps)),
+                         CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, REVERSE, STAGES, Q_SLOTS, PINGPONG, O_REGS,
+                         SPLIT_EMPTY, 0, num_warps)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                          rows_ptr, cols_ptr, s_rb, s_rh, s_rr, s_cb, s_ch, s_cr, H, GROUP, n_m, n_items,
-                         REVERSE, FULL_RUN, STAGES, Q_SLOTS, NWG, O_REGS)),
+                         REVERSE, FULL_RUN, STAGES, Q_SLOTS, NWG, O_REGS, k_empty, SPLIT_EMPTY)),
         ], [1], [PRODUCER_REGS])
     for i in gl.static_range(NQ):
         mbarrier.invalidate(q_ready.index(i))
@@ -498,3 +555,6 @@ def sparse_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, o_ptr, rows_ptr, 
     if PINGPONG:
         for i in gl.static_range(2):
             mbarrier.invalidate(turn.index(i))
+    if SPLIT_EMPTY:
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(k_empty.index(i))

@@ -19,18 +19,24 @@ The persistent schedule wins on short rows (w1024 0.696 vs 0.744 one item per CT
 ones (w8192 3.494 vs 3.379): persistent_schedule() picks per call from the layout's tile count.
 
 Schedules added for issue #5 (session 6; VARIANTS, opt-in through sparse_fwd(variant=...), NOT RUN ON A
-GPU, DEFAULT_VARIANT unchanged): "pingpong" (the dense kernel's FA3 ping-pong: two consumer warpgroups of 64
-rows as separate partitions, each with its own Q slots and barriers, alternating their GEMM issues through
-two "turn" mbarriers; kv_empty counts 2 arrives; 240 / 240 / 24 registers), "st3" (d128 3-stage K/V ring
-with one Q slot), "pingpong_st3", and "q1" (1 Q slot at 2 stages: the control that separates st3's ring
-depth from its one-slot Q).  All four store O from registers and free each Q slot after the item's last
-S = Q K^T.  CPU sm_90 compile (benchmarks/gluon_fa/sparse_compile_sm90.py), causal window d128 bf16:
-pingpong 0 spills / 0 stack, 197,032 B smem; st3 0 / 0, 229,724 B; pingpong_st3 0 / 0, 229,816 B; q1 0 / 0,
-164,140 B (default: 6 STL/LDL outside the loops, 196,916 B; unchanged).  Dense causal d128 and causal
-window d64 (pingpong): 0 spills too.  Masked modes (--masked): ping-pong spills outside the loops with
-block masks (bigbird 12, dilated 8 STL/LDL), and all three spill 4 inside the loops with global tokens
-(st3 is clean with block masks): candidates for windows and causal layouts only.  The H200 probe
-(benchmarks/gluon_fa/sparse_probe.py, which checks every variant before timing it) decides.
+GPU, DEFAULT_VARIANT unchanged):
+  * "pingpong": the dense kernel's FA3 ping-pong.  Two consumer warpgroups of 64 rows run as separate
+    partitions, each with its own Q slots and barriers, and alternate their GEMM issues through two "turn"
+    mbarriers.  kv_empty counts 2 arrives.  Registers 240 / 240 / 24.
+  * "pingpong_kv": "pingpong" plus separate K and V "empty" barriers (FA3's K/V pipelines; the producer
+    loads K_{t+1} before V_t).  With one shared barrier at 2 stages, K_{j+1}'s slot waits for warpgroup 1's
+    P V of tile j-1.
+  * "st3": d128 3-stage K/V ring with one Q slot.  "pingpong_st3": both.
+  * "q1": 1 Q slot at 2 stages, the control that separates st3's ring depth from its one-slot Q.
+  All five store O from registers and free each Q slot after the item's last S = Q K^T (O_REGS).
+CPU sm_90 compile (benchmarks/gluon_fa/sparse_compile_sm90.py), causal window d128 bf16, STL/LDL / stack /
+smem: default 6 (outside the loops) / 16 / 196,916 B (unchanged); pingpong 0 / 0 / 197,032; pingpong_kv
+0 / 0 / 197,064; st3 0 / 0 / 229,724; pingpong_st3 0 / 0 / 229,816; q1 0 / 0 / 164,140.  Dense causal d128
+and causal window d64: 0 as well.  Masked modes (--masked), d128: with global tokens every new schedule
+spills 4 inside the masked loop (the default: 10 outside); with block masks the ping-pong ones spill
+outside the loops (bigbird: pingpong 6, pingpong_st3 2, pingpong_kv 10; st3 0).  So they are candidates
+for windows and causal layouts.  The H200 probe decides (benchmarks/gluon_fa/sparse_probe.py checks every
+variant before timing it).
 
 Passed the H200 conformance catalogue (0802806), so not experimental; it ranks below the Triton
 sparse impl and serves where a measurement found it faster (or when pinned).  When
@@ -78,6 +84,7 @@ VARIANTS = {
     "st3": {"stages": 3},                           # d128: 3-stage ring, 1 Q slot, O stored from registers
     "pingpong_st3": {"pingpong": True, "stages": 3},
     "q1": {"q_slots": 1},                           # control for st3: 1 Q slot / register O store, STAGES[d]
+    "pingpong_kv": {"pingpong": True, "split_empty": True},    # + separate K / V "empty" barriers
 }
 # Persistent grid (<= one CTA per SM, the K/V ring kept across work items) for short rows, one work item
 # per CTA for long ones (H200, fc70817, s16384 d128 causal windows, ms persistent / one item per CTA:
@@ -119,22 +126,24 @@ def smem_bytes(d: int, stages: int, q_slots: int, esize: int = 2) -> int:
     return (q_slots * TILE + 2 * stages * TILE) * d * esize
 
 
-def resolve_schedule(d: int, stages=None, q_slots=None, pingpong=False) -> dict:
+def resolve_schedule(d: int, stages=None, q_slots=None, pingpong=False, split_empty=False) -> dict:
     """Kernel constexprs of a variant: STAGES (default STAGES[d]), Q_SLOTS (2 when it fits next to the
     ring, else 1), PINGPONG, and O_REGS: O stored from registers and the Q slot released after the
     item's last S (every new schedule; needed with 1 Q slot; the ping-pong TMA store through the slot
-    spilled).  ValueError when the ring does not fit even with one Q slot."""
+    spilled), SPLIT_EMPTY (K and V slots freed apart).  ValueError when the ring does not fit even with one
+    Q slot."""
     stages = stages or STAGES[d]
     if q_slots is None:
         q_slots = 2 if smem_bytes(d, stages, 2) + SMEM_SLACK <= SMEM_LIMIT else 1
     if q_slots not in (1, 2) or smem_bytes(d, stages, q_slots) + SMEM_SLACK > SMEM_LIMIT:
         raise ValueError(f"{IMPL_ID}: d{d} with {stages} K/V stages and {q_slots} Q slots needs "
                          f"{smem_bytes(d, stages, q_slots)} B of shared memory (limit {SMEM_LIMIT})")
-    return dict(STAGES=stages, Q_SLOTS=q_slots, PINGPONG=bool(pingpong), O_REGS=bool(pingpong) or q_slots == 1)
+    return dict(STAGES=stages, Q_SLOTS=q_slots, PINGPONG=bool(pingpong), O_REGS=bool(pingpong) or q_slots == 1,
+                SPLIT_EMPTY=bool(split_empty))
 
 
 def launch_args(q, k, v, out, lse, ti, kpm, bs, causal, wl, wr, ng, scale, *, persistent=True, stages=None,
-                q_slots=None, pingpong=False, num_sms=132):
+                q_slots=None, pingpong=False, split_empty=False, num_sms=132):
     """(grid, args, kwargs) of one sparse_fwd_kernel launch writing out (b, h_q, s_q, d) and lse
     (b, h_q, s_q) float32 contiguous.  q/k/v/out must be TMA-ready (see _tma_ready); ti: layout_index()."""
     if _K is None:
@@ -142,7 +151,7 @@ def launch_args(q, k, v, out, lse, ti, kpm, bs, causal, wl, wr, ng, scale, *, pe
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     gdt = _gl.bfloat16 if q.dtype == torch.bfloat16 else _gl.float16
-    sched = resolve_schedule(d, stages, q_slots, pingpong)
+    sched = resolve_schedule(d, stages, q_slots, pingpong, split_empty)
     if sched["O_REGS"] and (sq + TILE) * out.stride(2) >= 2 ** 31:
         raise ValueError(f"{IMPL_ID}: the register O store of this schedule uses 32-bit row offsets "
                          f"(s_q {sq} x row stride {out.stride(2)}); use the default schedule")
@@ -170,8 +179,8 @@ def launch_args(q, k, v, out, lse, ti, kpm, bs, causal, wl, wr, ng, scale, *, pe
 def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale, dense_blocks=False,
                max_seqlen=-1, *, variant=None):
     """out (b, h_q, s_q, d) over (b, s, h, d) memory, lse (b, h_q, s_q) float32 natural log.
-    variant (benchmarks): {"persistent": bool, "stages": int, "q_slots": 1 | 2, "pingpong": bool} (or a
-    VARIANTS name) over DEFAULT_VARIANT."""
+    variant (benchmarks): {"persistent": bool, "stages": int, "q_slots": 1 | 2, "pingpong": bool,
+    "split_empty": bool} (or a VARIANTS name) over DEFAULT_VARIANT."""
     from ._triton_utils import new_output, new_output_bshd
     if cu is not None:   # check() refuses these; a direct call must not get a silently wrong answer
         raise NotImplementedError(f"{IMPL_ID}: packed varlen layouts (cu_seqlens) are not supported")
@@ -185,7 +194,8 @@ def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale,
     persistent = opts["persistent"] if "persistent" in opts else persistent_schedule(ti, _cdiv(sq, TILE))
     grid, args, kw = launch_args(q, k, v, out, lse, ti, kpm, bs, causal, wl, wr, ng, scale,
                                  persistent=persistent, stages=opts.get("stages"), q_slots=opts.get("q_slots"),
-                                 pingpong=opts.get("pingpong", False), num_sms=_sm_count(q.device))
+                                 pingpong=opts.get("pingpong", False), split_empty=opts.get("split_empty", False),
+                                 num_sms=_sm_count(q.device))
     _K.sparse_fwd_kernel[grid](*args, **kw)
     return out, lse
 
