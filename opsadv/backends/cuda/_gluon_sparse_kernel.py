@@ -45,6 +45,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
+# the dense kernel's ping-pong turn and buffer-release steps, shared (inlined the same in both kernels)
+from ._gluon_fa_kernel import _release, _turn_pass, _turn_wait  # noqa: F401
+
 BLOCK_M = 128       # query rows per work item
 BLOCK_N = 128       # key/value rows per ring stage (the tile lists' column tile)
 NUM_WARPS = 8       # consumer warps: 2 warpgroups of 64 rows, one instruction stream
@@ -267,27 +270,6 @@ def _softmax_full(s, m_i, l_i, qk_scale):
     p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
     alpha = gl.exp2(m_i - m_new)
     return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
-
-
-@gluon.jit
-def _turn_wait(turn, step, WG: gl.constexpr, PINGPONG: gl.constexpr):
-    """Ping-pong: wait until it is warpgroup WG's turn to issue GEMMs for `step` (its step-th turn)."""
-    if PINGPONG:
-        mbarrier.wait(turn.index(WG), step & 1)
-
-
-@gluon.jit
-def _turn_pass(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
-    """Ping-pong: this warpgroup's GEMMs are issued; the other warpgroup may issue its own."""
-    if PINGPONG:
-        mbarrier.arrive(turn.index(1 - WG), count=1)
-
-
-@gluon.jit
-def _release(bar):
-    """Every warp of this partition is done with the buffer guarded by bar: one arrive."""
-    gl.thread_barrier()
-    mbarrier.arrive(bar, count=1)
 
 
 @gluon.jit
