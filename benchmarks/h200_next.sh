@@ -14,6 +14,9 @@
 #   PART=j: the jetson prefill peak (issue 8) with mem_opt=3's release of norm / embedding outputs after their
 #           last reader (opsadv/convert/release.py, session 6; predicted ~170-200 MiB vs 234.1, target <= 213);
 #           the row's freed_outputs says how many outputs were emptied in the timed calls
+#   PART=c / c2: the new Gluon schedules (dense: d128 pingpong now spill-free, pingpong_st3, pingpong_kv[_st3];
+#           sparse: pingpong, pingpong_kv, st3, pingpong_st3, q1), checked then timed; a schedule becomes a
+#           DEFAULT_VARIANT only if it passes every check and beats the current default at the timed shapes
 #   PART=s: the e2e static-graph decode case alone (its compare fix came after its only run, 5a4f399)
 # Done in session 6 (results/*_s6*): a, b, e, d (the static-graph e2e row still needs a run with the compare fix)
 # OPSADV_COMMIT=<sha> PART=a bash benchmarks/h200_next.sh   (from the repo root on the GPU host, $OUT set)
@@ -40,11 +43,21 @@ b)
     > "$OUT/gluon_pytest.log" 2>&1
   echo "gluon pytest rc $?"; tail -3 "$OUT/gluon_pytest.log"
   ;;
-c)
-  timeout 300 python3 benchmarks/gluon_fa/probe.py "$OUT/gluon_fa_h200.json" > "$OUT/gluon_fa.log" 2>&1
+c)   # dense Gluon schedules of session 6 (d128 ping-pong without spills, 3-stage / split K-V barriers) vs inline_st3
+  timeout 420 python3 benchmarks/gluon_fa/probe.py "$OUT/gluon_fa_h200.json" \
+    --variants=inline_st3,pingpong,pingpong_st3,pingpong_kv,pingpong_kv_st3 --no-impl > "$OUT/gluon_fa.log" 2>&1
   echo "gluon fa rc $?"; tail -25 "$OUT/gluon_fa.log"
-  timeout 200 python3 benchmarks/gluon_fa/sparse_probe.py "$OUT/gluon_sparse_h200.json" > "$OUT/gluon_sparse.log" 2>&1
-  echo "gluon sparse rc $?"; tail -12 "$OUT/gluon_sparse.log"
+  TRITON_INTERPRET=0 timeout 150 python3 -m pytest -q -p no:cacheprovider -k gpu_every_schedule tests/test_gluon_attention.py \
+    > "$OUT/gluon_fa_pytest.log" 2>&1
+  echo "gluon fa pytest rc $?"; tail -2 "$OUT/gluon_fa_pytest.log"
+  ;;
+c2)  # sparse Gluon schedules of session 6, in two halves (about 50 compiles in all)
+  timeout 280 python3 benchmarks/gluon_fa/sparse_probe.py "$OUT/gluon_sparse_a_h200.json" \
+    --variants=default,pingpong,pingpong_kv > "$OUT/gluon_sparse_a.log" 2>&1
+  echo "gluon sparse a rc $?"; tail -12 "$OUT/gluon_sparse_a.log"
+  timeout 280 python3 benchmarks/gluon_fa/sparse_probe.py "$OUT/gluon_sparse_b_h200.json" \
+    --variants=st3,pingpong_st3,q1 > "$OUT/gluon_sparse_b.log" 2>&1
+  echo "gluon sparse b rc $?"; tail -12 "$OUT/gluon_sparse_b.log"
   ;;
 e)
   timeout 300 python3 benchmarks/gluon_fa/bwd_probe.py "$OUT/gluon_fa_bwd_h200.json" ${BWD_PROBE_ARGS:-} > "$OUT/gluon_bwd.log" 2>&1
