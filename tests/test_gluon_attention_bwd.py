@@ -1,12 +1,15 @@
 """The Gluon Hopper flash-attention backward (_gluon_fa_bwd_kernel.py, host side gluon_attention_bwd.py).
 
-CPU: the kernel compiles for sm_90 with no STL/LDL at all (ptxas, no GPU), for d 64/128, bf16/fp16,
-causal or not; the kernel's tile recurrence (K/V tile per CTA, q tiles from m_lo over every q head of
+CPU: every schedule of VARIANTS compiles for sm_90 with no STL/LDL at all (ptxas, no GPU), for d 64/128,
+bf16/fp16, causal or not; the warp-specialized schedules' barrier protocol (producer warp, Q/dO ring,
+consumer releases) holds under random interleavings and the check fails on a missing barrier or a wrong
+parity; the kernel's tile recurrence (K/V tile per CTA, q tiles from m_lo over every q head of
 the GQA group, which tiles are masked, lse2 / delta conventions, P and dS rounded to the input dtype
 before their GEMMs, dQ accumulated in float32 per K tile and scaled before the add, dK scaled at the
 end) emulated in torch against float64 autograd of softmax attention, for fp32 and fp16 inputs, causal
 and not, odd lengths, GQA/MQA, s_q != s_k and empty rows; the emulation fails on a wrong mask.
-GPU (sm_90 only, TRITON_INTERPRET=0): the real kernel against float64, with NaN-poisoned outputs."""
+GPU (sm_90 only, TRITON_INTERPRET=0): the real kernel against float64, with NaN-poisoned outputs, the
+default schedule on every shape and every schedule on three."""
 from __future__ import annotations
 
 import json
@@ -184,11 +187,189 @@ def test_tile_constants_match_the_kernel():
     assert (KB.BLOCK_M, KB.BLOCK_N) == (BLOCK_M, BLOCK_N)
 
 
+# ---- the warp-specialized (ws) barrier protocol, emulated ---------------------------------------------
+class _Bar:
+    """An mbarrier (or, with count = number of warpgroups, a thread barrier): `count` arrives complete a
+    phase; wait(parity) passes once the phase of that parity has completed (a fresh barrier passes
+    parity 1 at once)."""
+    def __init__(self, count):
+        self.count, self.pending, self.phases = count, count, 0
+
+    def arrive(self):
+        self.pending -= 1
+        assert self.pending >= 0
+        if self.pending == 0:
+            self.phases, self.pending = self.phases + 1, self.count
+
+    def done(self, parity):
+        return (self.phases & 1) != parity
+
+
+def emulate_ws_protocol(n_iter, stages, seed, bug=None, dq_writer=False):
+    """fa_bwd_kernel's WARP_SPEC protocol under a random interleaving of the producer warp, the two
+    consumer warpgroups (one partition: its gl.thread_barrier waits for both) and the TMA completions.
+    Producer: K/V on kv_bar, then Q_t and dO_t into slot t % stages after waiting qd_empty.  Each
+    warpgroup per tile: wait q_ready (S reads Q), wait do_ready (dP reads dO), write its keys' half of P
+    and dS, barrier, GEMMs reading all of P/dS (dQ = dS K) and the Q/dO slot, then _release: barrier and
+    one arrive on qd_empty.  dq_writer (DQ_WRITER): each warpgroup also writes its half of dQ_part into the
+    one dq buffer after waiting dq_empty, the release arrives on dq_full too, and the producer drains tile
+    t - stages (wait dq_full, read, arrive dq_empty) after loading tile t, the rest after its loop.
+    Asserts that no load overwrites a slot still being read or not yet read, that every read finds its
+    tile landed, that nobody writes P/dS while the other warpgroup reads them, that the writer reads whole
+    dQ tiles in order and nobody overwrites one it has not read, and that nothing deadlocks.  bug: "no_barrier" (the release's thread barrier left out: the first
+    warpgroup to finish arrives for both), "parity" (the producer waits on the slot's phase parity
+    without the ^1: it blocks on the first lap), "early_dq_full" (dq_full arrived by the first warpgroup
+    done, before the release's barrier)."""
+    import random
+    rnd = random.Random(seed)
+    n_wg = 2
+    kv_bar = _Bar(1)
+    q_ready, do_ready = [_Bar(1) for _ in range(stages)], [_Bar(1) for _ in range(stages)]
+    qd_empty = [_Bar(1) for _ in range(stages)]
+    cta = _Bar(n_wg)                                   # the consumer partition's thread barrier
+    n_cta = [0] * n_wg                                 # thread barriers passed, per warpgroup
+    slot = {"q": [None] * stages, "do": [None] * stages}
+    landed = {"q": [False] * stages, "do": [False] * stages}
+    readers = {"q": [set() for _ in range(stages)], "do": [set() for _ in range(stages)]}
+    read_by = {"q": {}, "do": {}}                      # tile -> warpgroups that finished reading it
+    ps_readers, ps_tile = set(), [None] * n_wg         # who reads P/dS now; tile of each half
+    kv_landed = [False]
+    tma = []
+    dq_full, dq_empty = _Bar(1), _Bar(1)
+    dq_buf = [None] * n_wg                             # tile whose dQ_part each warpgroup's half holds
+    dq_drained = []                                    # tiles the writer added to global memory
+
+    def load(kind, t):
+        st = t % stages
+        old = slot[kind][st]
+        assert not readers[kind][st], f"{kind} slot {st} overwritten by tile {t} while read"
+        assert old is None or read_by[kind].get(old, set()) == set(range(n_wg)), \
+            f"{kind} tile {old} in slot {st} overwritten by tile {t} before every warpgroup read it"
+        slot[kind][st], landed[kind][st] = t, False
+        tma.append((kind, st))
+
+    def start_read(kind, t, wg):
+        st = t % stages
+        assert slot[kind][st] == t and landed[kind][st], f"wg{wg} reads {kind} tile {t}: slot has {slot[kind][st]}"
+        readers[kind][st].add(wg)
+
+    def end_read(kind, t, wg):
+        readers[kind][t % stages].discard(wg)
+        read_by[kind].setdefault(t, set()).add(wg)
+
+    def barrier(wg):
+        cta.arrive()
+        yield cta, n_cta[wg] & 1
+        n_cta[wg] += 1
+
+    def drain(j):
+        yield dq_full, j & 1
+        assert dq_buf == [j] * n_wg, f"the writer reads dQ tile {j}: the buffer holds {dq_buf}"
+        yield None, None                               # the warp's shared loads and atomics
+        assert dq_buf == [j] * n_wg, f"dQ tile {j} overwritten ({dq_buf}) while the writer reads it"
+        dq_drained.append(j)
+        dq_empty.arrive()
+
+    def producer():
+        tma.append(("kv", 0))
+        for t in range(n_iter):
+            st = t % stages
+            parity = (t // stages) & 1
+            yield qd_empty[st], parity if bug == "parity" else parity ^ 1
+            load("q", t)
+            load("do", t)
+            if dq_writer and t >= stages:
+                yield from drain(t - stages)
+        if dq_writer:
+            for j in range(max(n_iter - stages, 0), n_iter):
+                yield from drain(j)
+
+    def consumer(wg):
+        yield kv_bar, 0
+        assert kv_landed[0]
+        for t in range(n_iter):
+            cur, ph = t % stages, (t // stages) & 1
+            yield q_ready[cur], ph
+            start_read("q", t, wg)                     # S = Q K^T
+            yield do_ready[cur], ph
+            start_read("do", t, wg)                    # dP = dO V^T
+            yield None, None                           # others run while S / dP are in flight
+            assert not ps_readers - {wg}, f"wg{wg} writes P/dS of tile {t} while {ps_readers} read them"
+            ps_tile[wg] = t                            # this warpgroup's keys of P and dS
+            yield from barrier(wg)                     # fence + thread barrier: every key's P/dS stored
+            assert ps_tile == [t] * n_wg, f"wg{wg} reads P/dS {ps_tile} for tile {t}"
+            ps_readers.add(wg)                         # dV, dK, dQ wgmmas
+            yield None, None
+            if dq_writer:                              # dQ_part retired: into the dq buffer
+                yield dq_empty, (t & 1) ^ 1
+                dq_buf[wg] = t
+                if bug == "early_dq_full" and wg == 0:
+                    dq_full.arrive()
+            ps_readers.discard(wg)                     # warpgroup_mma_wait(0)
+            end_read("q", t, wg)
+            end_read("do", t, wg)
+            if bug == "no_barrier":
+                if wg == 0:
+                    qd_empty[cur].arrive()
+            else:
+                yield from barrier(wg)                 # _release: every warp's wgmmas retired ...
+                if wg == 0:
+                    qd_empty[cur].arrive()             # ... then one arrive
+                    if dq_writer and bug != "early_dq_full":
+                        dq_full.arrive()
+        yield from barrier(wg)                         # epilogue
+
+    agents = {"producer": producer(), **{f"wg{w}": consumer(w) for w in range(n_wg)}}
+    blocked = {name: (None, None) for name in agents}
+    while agents or tma:
+        runnable = [n for n in agents if blocked[n][0] is None or blocked[n][0].done(blocked[n][1])]
+        choices = runnable + (["tma"] if tma else [])
+        assert choices, f"deadlock: {blocked}"
+        who = rnd.choice(choices)
+        if who == "tma":
+            kind, st = tma.pop(rnd.randrange(len(tma)))
+            if kind == "kv":
+                kv_landed[0] = True
+                kv_bar.arrive()
+            else:
+                landed[kind][st] = True
+                (q_ready if kind == "q" else do_ready)[st].arrive()
+            continue
+        try:
+            blocked[who] = next(agents[who])
+        except StopIteration:
+            del agents[who]
+    for kind in ("q", "do"):
+        assert all(read_by[kind].get(t) == set(range(n_wg)) for t in range(n_iter)), kind
+    assert dq_drained == (list(range(n_iter)) if dq_writer else []), dq_drained
+
+
+@pytest.mark.parametrize("dq_writer", [False, True])
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_emulated_ws_protocol(stages, dq_writer):
+    for n_iter in (0, 1, 2, 3, 5, 8):
+        for seed in range(40):
+            emulate_ws_protocol(n_iter, stages, seed, dq_writer=dq_writer)
+
+
+def test_emulated_ws_protocol_detects_bugs():
+    """The protocol check can fail: a release without the partition's thread barrier lets the producer
+    (or the faster warpgroup's next P/dS) overwrite what the slower one still reads; the producer waiting
+    on the wrong parity deadlocks."""
+    with pytest.raises(AssertionError, match="overwritten|writes P/dS|reads P/dS"):
+        for seed in range(300):
+            emulate_ws_protocol(6, 2, seed, bug="no_barrier")
+    with pytest.raises(AssertionError, match="deadlock"):
+        emulate_ws_protocol(3, 2, 0, bug="parity")
+    with pytest.raises(AssertionError, match="the writer reads dQ"):
+        for seed in range(300):
+            emulate_ws_protocol(6, 2, seed, bug="early_dq_full", dq_writer=True)
+
+
 # ---- compile for sm_90 on CPU ------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def bwd_compile_report(tmp_path_factory):
+def _compile_report(tmp_path_factory, *flags):
     """benchmarks/gluon_fa/compile_bwd_sm90.py in a fresh interpreter without TRITON_INTERPRET (under it
-    gluon.jit functions cannot be compiled): every variant, registers and SASS spill counts."""
+    gluon.jit functions cannot be compiled): registers and SASS spill counts per compiled kernel."""
     from triton import knobs
     ptxas = getattr(knobs.nvidia.ptxas, "path", None)
     if not ptxas or not os.path.exists(ptxas):
@@ -197,20 +378,54 @@ def bwd_compile_report(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gluon_fa", "compile_bwd_sm90.py"),
-                          str(out_dir)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+                          str(out_dir), *flags], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
     with open(out_dir / "summary.json") as f:
         return {r["variant"]: r for r in json.load(f)["results"]}
 
 
+@pytest.fixture(scope="module")
+def bwd_compile_report(tmp_path_factory):
+    """Every schedule of VARIANTS at the default ring depth."""
+    return _compile_report(tmp_path_factory)
+
+
 @needs_gluon
 def test_bwd_compiles_for_sm90_without_spills(bwd_compile_report):
-    assert len(bwd_compile_report) == 8                     # d 128/64 x bf16/fp16 x causal or not
+    # every schedule of VARIANTS x d 128/64 x bf16/fp16 x causal or not
+    assert len(bwd_compile_report) == 8 * len(GB.VARIANTS)
+    assert {r["schedule"] for r in bwd_compile_report.values()} == set(GB.VARIANTS)
     for tag, r in bwd_compile_report.items():
         assert r["compiled"], (tag, r.get("error"))
         assert r["shared_bytes"] <= 232448, tag             # the sm_90 opt-in limit (227 KB)
         assert r["sass_spills"] == 0, f"{tag}: {r['sass_spills']} STL/LDL ({r['main_loop_spills']} in the main loop)"
+        assert r.get("stack") == 0, (tag, r.get("stack"))
         assert r["atomics"] > 0, tag                        # dQ leaves by float32 reductions
+        if GB.VARIANTS[r["schedule"]]["WARP_SPEC"]:
+            # the GEMM warps get 240 registers, the producer PRODUCER_REGS (setmaxnreg in the PTX)
+            levels = {int(n) for _, n in r["setmaxnreg"]}
+            assert {240, GB.PRODUCER_REGS} <= levels, (tag, r["setmaxnreg"])
+        else:
+            assert not r["setmaxnreg"], tag
+
+
+@needs_gluon
+def test_ws_schedules_compile_with_three_stages(tmp_path_factory):
+    """bwd_probe.py also times the warp-specialized schedules with a 3-stage Q/dO ring."""
+    names = [n for n, cfg in GB.VARIANTS.items() if cfg["WARP_SPEC"]]
+    report = _compile_report(tmp_path_factory, "--stages=3", "--variants=" + ",".join(names))
+    assert len(report) == 8 * len(names)
+    for tag, r in report.items():
+        assert r["compiled"], (tag, r.get("error"))
+        assert r["shared_bytes"] <= 232448, tag
+        assert r["sass_spills"] == 0 and r.get("stack") == 0, (tag, r["sass_spills"], r.get("stack"))
+
+
+@needs_gluon
+def test_default_variant_is_the_gpu_measured_schedule():
+    """Only a schedule timed on the H200 may be the default: "inline" (the others are compiled only)."""
+    assert GB.DEFAULT_VARIANT == "inline"
+    assert GB.VARIANTS["inline"] == dict(WARP_SPEC=False, DQ_FIRST=False)
 
 
 # ---- host side without a GPU -----------------------------------------------------------------------------
@@ -239,7 +454,7 @@ def test_impl_backward_follows_the_switch(monkeypatch):
 GPU_CASES = ATTENTION_GPU_CASES
 
 
-def _gpu_check(b, hq, hkv, sq, sk, d, causal, dtype, bshd=False):
+def _gpu_check(b, hq, hkv, sq, sk, d, causal, dtype, bshd=False, variant=None):
     from opsadv.backends.cuda import gluon_attention as GA
 
     def make(h, s):
@@ -250,7 +465,7 @@ def _gpu_check(b, hq, hkv, sq, sk, d, causal, dtype, bshd=False):
     q, k, v, do = make(hq, sq), make(hkv, sk), make(hkv, sk), make(hq, sq)
     scale = 0.8 / math.sqrt(d)
     out, lse = GA.attention_fwd(q, k, v, causal, scale)
-    dq, dk, dv = GB.attention_bwd(do, q, k, v, out, lse, causal, scale)
+    dq, dk, dv = GB.attention_bwd(do, q, k, v, out, lse, causal, scale, variant=variant or GB.DEFAULT_VARIANT)
     torch.cuda.synchronize()
     _, rl, rq, rk, rv = reference(q.cpu(), k.cpu(), v.cpu(), do.cpu(), causal, scale)
     for name, x in (("dq", dq), ("dk", dk), ("dv", dv)):
@@ -274,3 +489,12 @@ def test_gpu_bwd_matches_float64(b, hq, hkv, sq, sk, d, causal, dtype, seed, mon
 def test_gpu_bshd_inputs(causal, seed, monkeypatch):
     monkeypatch.setenv("OPSADV_POISON_OUTPUTS", "1")
     _gpu_check(2, 4, 2, 333, 333, 128, causal, torch.bfloat16, bshd=True)
+
+
+@requires_sm90
+@pytest.mark.parametrize("variant", sorted(GB.VARIANTS))
+@pytest.mark.parametrize("b,hq,hkv,sq,sk,d,causal", [(2, 4, 2, 1000, 1000, 128, True), (1, 4, 4, 2000, 700, 64, True),
+                                                     (1, 4, 1, 777, 129, 128, False)])
+def test_gpu_every_variant(variant, b, hq, hkv, sq, sk, d, causal, seed, monkeypatch):
+    monkeypatch.setenv("OPSADV_POISON_OUTPUTS", "1")
+    _gpu_check(b, hq, hkv, sq, sk, d, causal, torch.bfloat16, variant=variant)

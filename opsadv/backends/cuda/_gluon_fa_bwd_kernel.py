@@ -29,13 +29,30 @@ expect-tx), loaded by the consumer warps themselves STAGES-1 tiles ahead; the sl
 last read by the previous iteration, whose wgmmas every warp has waited for before the barrier at the top
 of the iteration.  Masks are applied only on tiles that can hold a masked element: with CAUSAL the q
 tiles below the diagonal band's end, and every tile of the CTA that holds the s_k tail (keys past s_k
-are zero rows of K, whose p would be exp2(-lse2) != 0, and inf * 0 could reach dQ)."""
+are zero rows of K, whose p would be exp2(-lse2) != 0, and inf * 0 could reach dQ).
+
+Schedules (constexpr; the host's gluon_attention_bwd.VARIANTS names them).  The 8 GEMM warps already
+split the key rows FA3's way: each warpgroup holds 64 of the 128 keys of dK and dV (64 x d float32),
+S/dP split along the keys and dQ_part along d, so they exchange P and dS through shared memory.
+  * default ("inline"): as above, the GEMM warps issue their own TMA loads.
+  * WARP_SPEC: gl.warp_specialize with the 8 GEMM warps as the default partition (240 registers,
+    setmaxnreg) and a 1-warp producer (PRODUCER_REGS) that loads K/V and fills the Q/dO ring, waiting
+    on one "empty" mbarrier per slot; the GEMM warps free a slot after the tile's last wgmma retired
+    (thread barrier + one arrive, which also guards P/dS for the next tile).
+  * DQ_FIRST: dQ_part = dS K is issued before dV and dK and waited for alone, so its atomics are issued
+    while dV/dK still run on the tensor cores.
+  * DQ_WRITER (with WARP_SPEC, DQ_FIRST): dQ_part goes into a float32 shared buffer (rows padded by
+    32 B against bank conflicts) instead of atomics from the GEMM warps; the producer warp adds it to
+    global memory (red.global.add.v4.f32, a few rows at a time) STAGES tiles behind its loads, between
+    a dq_full and a dq_empty mbarrier.  FA3 does this with a TMA reduce-add, which Gluon 3.6 lacks."""
 from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+
+from ._gluon_fa_kernel import _release, _sreg     # partition barrier + arrive; a CTA-id read LLVM cannot hoist
 
 BLOCK_M = 64        # query rows per Q/dO tile
 BLOCK_N = 128       # keys per CTA
@@ -72,13 +89,152 @@ def _opaque_zero(t):
 
 
 @gluon.jit
-def fa_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_ptr, lse2_ptr, delta_ptr,
-                  H, GROUP, SQ, SK, OFFSET, qk_scale, scale,
-                  kv_smem_layout: gl.constexpr, qd_smem_layout: gl.constexpr, ps_smem_layout: gl.constexpr,
-                  CAUSAL: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
-    """Grid (cdiv(SK, BLOCK_N), b * H_kv).  q/do descriptors: block (1, 1, BLOCK_M, d) over (b, H, SQ, d);
-    k/v/dk/dv: block (1, 1, BLOCK_N, d) over (b, H_kv, SK, d).  dq_ptr: float32 (b, H, SQ, d) contiguous,
-    zeroed; receives scale * dS K by atomic adds.  lse2/delta: float32 (b, H, SQ) contiguous."""
+def _drain_dq(j, dq_smem, dq_full, dq_empty, dq_ptr, b, H, hk, GROUP, n_m, m_lo, SQ):
+    """DQ_WRITER: wait for tile j's dQ_part (float32, already scaled) in dq_smem, add it to dq_ptr with
+    float32 reductions from this one warp (ROWS rows of 4 floats per lane at a time, so a few registers
+    suffice), then free the buffer."""
+    BM: gl.constexpr = dq_smem.shape[0]
+    D: gl.constexpr = dq_smem.shape[1]
+    ROWS: gl.constexpr = 128 // D
+    blk: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[ROWS, D // 4],
+                                         warps_per_cta=[1, 1], order=[1, 0])
+    h, mt = _tile_coords(j, n_m, m_lo, hk, GROUP)
+    m0 = mt * BM
+    base = dq_ptr + ((b * H + h).to(gl.int64) * SQ + m0) * D
+    r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, blk))
+    c = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
+    offs = gl.expand_dims(r, 1) * D + gl.expand_dims(c, 0)
+    rows_left = SQ - m0
+    # The same bytes seen as BM // ROWS chunks of ROWS rows, walked by a runtime loop: unrolled, LLVM
+    # hoisted every chunk's shared load ahead of the atomics and the d64 kernel spilled 140 STL/LDL.
+    chunks = dq_smem._reinterpret(gl.float32, [BM // ROWS, ROWS, D], gl.PaddedSharedLayout.with_identity_for(
+        [[D, 8]], [ROWS, D], [1, 0]))
+    mbarrier.wait(dq_full, j & 1)
+    for i in range(BM // ROWS):
+        vals = chunks.index(i).load(blk)
+        gl.atomic_add(base + i * (ROWS * D) + offs, vals, mask=gl.expand_dims(r, 1) < rows_left - i * ROWS,
+                      sem="relaxed")
+    _release(dq_empty)
+
+
+@gluon.jit
+def _bwd_producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready,
+                  qd_empty, b, hk, n0, n_m, m_lo, GROUP, n_iter, STAGES: gl.constexpr,
+                  DQ_WRITER: gl.constexpr, dq_smem, dq_full, dq_empty, dq_ptr, H, SQ):
+    """WARP_SPEC loader (1 warp): K/V once, then every Q/dO tile of the CTA into the ring as soon as the
+    consumers free a slot (qd_empty: one arrive per use, after the last wgmma reading the slot retired).
+    DQ_WRITER: the same warp also adds each tile's dQ_part to global memory, STAGES tiles behind the
+    loads: the wait for the slot of tile t returns once tile t - STAGES is done, dQ included."""
+    BM: gl.constexpr = q_desc.block_type.shape[2]
+    dtype: gl.constexpr = q_desc.dtype
+    qd_view: gl.constexpr = q_desc.block_type.shape
+    kv_view: gl.constexpr = k_desc.block_type.shape
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [b, hk, n0, 0], kv_bar, k_smem._reinterpret(dtype, kv_view, k_desc.layout))
+    tma.async_copy_global_to_shared(v_desc, [b, hk, n0, 0], kv_bar, v_smem._reinterpret(dtype, kv_view, v_desc.layout))
+    for t in range(n_iter):
+        stage = t % STAGES
+        # Parity of the slot's previous use; on the first lap a fresh barrier's parity 1 returns at once.
+        mbarrier.wait(qd_empty.index(stage), ((t // STAGES) & 1) ^ 1)
+        h, mt = _tile_coords(t, n_m, m_lo, hk, GROUP)
+        _issue_q_do(q_desc, do_desc, q_smem, do_smem, q_ready, do_ready, b, h, mt * BM, stage, qd_view)
+        if DQ_WRITER:
+            if t >= STAGES:
+                _drain_dq(t - STAGES, dq_smem, dq_full, dq_empty, dq_ptr, b, H, hk, GROUP, n_m, m_lo, SQ)
+    if DQ_WRITER:
+        for j in range(gl.maximum(n_iter - STAGES, 0), n_iter):
+            _drain_dq(j, dq_smem, dq_full, dq_empty, dq_ptr, b, H, hk, GROUP, n_m, m_lo, SQ)
+
+
+@gluon.jit
+def _bwd_step(t, h, mt, dk, dv, q_smem, do_smem, q_ready, do_ready, k_smem1, v_smem1, p_smem1, ds_smem1, sp_zero, dq_zero,
+              dq_rows, dq_offs, dq_ptr, lse2_ptr, delta_ptr, b, H, hk, GROUP, n_m, m_lo, m_mid, n0, SQ, SK,
+              OFFSET, qk_scale, scale, sp_layout: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+              DQ_FIRST: gl.constexpr, DQ_WRITER: gl.constexpr, dq_smem, dq_empty):
+    """One Q/dO tile (iteration t: q head h, q tile mt) against the CTA's K/V tile: returns the updated
+    (dk, dv) with every wgmma retired.  The caller guarantees P/dS are free (no warp still reads the
+    previous tile's)."""
+    BM: gl.constexpr = q_smem.shape[1]
+    BN: gl.constexpr = p_smem1.shape[2]
+    D: gl.constexpr = q_smem.shape[2]
+    dtype: gl.constexpr = q_smem.dtype
+    row_sp: gl.constexpr = gl.SliceLayout(1, sp_layout)     # one value per query row
+    key_sp: gl.constexpr = gl.SliceLayout(0, sp_layout)     # one value per key
+    cur = t % STAGES
+    phase = (t // STAGES) & 1
+    z = _opaque_zero(t)
+    k_cur = k_smem1.index(z)
+    v_cur = v_smem1.index(z)
+    p_cur = p_smem1.index(z)
+    ds_cur = ds_smem1.index(z)
+    m0 = mt * BM
+    row0 = (b * H + h).to(gl.int64) * SQ
+    rows = m0 + gl.arange(0, BM, layout=row_sp)
+    # Rows past s_q: lse2 = +inf gives p = 0 and delta = 0 gives dS = 0 (Q/dO rows there are zeros).
+    lse2 = gl.load(lse2_ptr + row0 + rows, mask=rows < SQ, other=float("inf"))
+    delta = gl.load(delta_ptr + row0 + rows, mask=rows < SQ, other=0.0)
+
+    mbarrier.wait(q_ready.index(cur), phase)
+    s_tok = warpgroup_mma(q_smem.index(cur), k_cur.permute((1, 0)), sp_zero, use_acc=False, is_async=True)
+    mbarrier.wait(do_ready.index(cur), phase)
+    dp_tok = warpgroup_mma(do_smem.index(cur), v_cur.permute((1, 0)), sp_zero, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(1, deps=(s_tok, ))                   # S done; dP still running
+    p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
+    if mt < m_mid:
+        # Built here (through z) rather than once before the loop: 16 loop-invariant registers
+        # per thread were the difference between 0 and 5-9 spills at d128.
+        keys = (n0 + z) + gl.arange(0, BN, layout=key_sp)
+        keep = gl.expand_dims(keys < SK, 0)
+        if CAUSAL:
+            keep = keep & (gl.expand_dims(keys, 0) <= gl.expand_dims(rows + OFFSET, 1))
+        p = gl.where(keep, p, 0.0)
+    p_cur.store(p.to(dtype))
+    dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
+    ds = p * (dp - gl.expand_dims(delta, 1))
+    ds_cur.store(ds.to(dtype))
+    # Every key's P and dS must be in shared memory (and visible to the async proxy) before any
+    # warpgroup's dV/dK/dQ wgmma reads them.
+    fence_async_shared()
+    gl.thread_barrier()
+    if DQ_WRITER:
+        # dQ_part first, then into dq_smem (once the writer warp has drained the previous tile's) under
+        # dV and dK; the caller publishes it on dq_full after its thread barrier.
+        dq_tok = warpgroup_mma(ds_cur, k_cur, dq_zero, use_acc=False, is_async=True)          # dQ_part = dS K
+        dv_tok = warpgroup_mma(p_cur.permute((1, 0)), do_smem.index(cur), dv, is_async=True)     # dV += P^T dO
+        dk_tok = warpgroup_mma(ds_cur.permute((1, 0)), q_smem.index(cur), dk, is_async=True)    # dK += dS^T Q
+        dq = warpgroup_mma_wait(2, deps=(dq_tok, ))
+        mbarrier.wait(dq_empty, (t & 1) ^ 1)
+        dq_smem.store(dq * scale)
+        dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
+    elif DQ_FIRST:
+        # dQ_part first: its atomics (scale, address math, 16 red.v2 per thread at d128) are issued
+        # while dV and dK, queued behind it, still run on the tensor cores.
+        dq_tok = warpgroup_mma(ds_cur, k_cur, dq_zero, use_acc=False, is_async=True)          # dQ_part = dS K
+        dv_tok = warpgroup_mma(p_cur.permute((1, 0)), do_smem.index(cur), dv, is_async=True)     # dV += P^T dO
+        dk_tok = warpgroup_mma(ds_cur.permute((1, 0)), q_smem.index(cur), dk, is_async=True)    # dK += dS^T Q
+        dq = warpgroup_mma_wait(2, deps=(dq_tok, ))
+        gl.atomic_add(dq_ptr + (row0 + m0) * D + dq_offs, dq * scale,
+                      mask=gl.expand_dims(dq_rows, 1) < SQ - m0, sem="relaxed")
+        dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
+    else:
+        dv_tok = warpgroup_mma(p_cur.permute((1, 0)), do_smem.index(cur), dv, is_async=True)     # dV += P^T dO
+        dk_tok = warpgroup_mma(ds_cur.permute((1, 0)), q_smem.index(cur), dk, is_async=True)    # dK += dS^T Q
+        dq_tok = warpgroup_mma(ds_cur, k_cur, dq_zero, use_acc=False, is_async=True)          # dQ_part = dS K
+        dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok))
+        gl.atomic_add(dq_ptr + (row0 + m0) * D + dq_offs, dq * scale,
+                      mask=gl.expand_dims(dq_rows, 1) < SQ - m0, sem="relaxed")
+    return dk, dv
+
+
+@gluon.jit
+def _bwd_consumer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_ptr, lse2_ptr, delta_ptr,
+                  k_smem1, v_smem1, q_smem, do_smem, p_smem1, ds_smem1, kv_bar, q_ready, do_ready, qd_empty,
+                  b, H, hk, GROUP, n0, n_m, m_lo, m_mid, n_iter, SQ, SK, OFFSET, qk_scale, scale,
+                  CAUSAL: gl.constexpr, STAGES: gl.constexpr, PRODUCE: gl.constexpr, DQ_FIRST: gl.constexpr,
+                  DQ_WRITER: gl.constexpr, dq_smem, dq_full, dq_empty, num_warps: gl.constexpr):
+    """The 8 GEMM warps: every Q/dO tile of the CTA, then the dK/dV epilogue.  PRODUCE: no producer warp,
+    these warps issue the K/V load and the Q/dO ring loads (STAGES-1 tiles ahead) themselves; else
+    they free each ring slot on qd_empty once its last wgmma has retired."""
     BM: gl.constexpr = q_desc.block_type.shape[2]
     BN: gl.constexpr = k_desc.block_type.shape[2]
     D: gl.constexpr = q_desc.block_type.shape[3]
@@ -95,8 +251,83 @@ def fa_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_ptr, lse
     # dQ_part [BM, D]: the two warpgroups split d.
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
                                                         instr_shape=[16, D * 4 // num_warps, 16])
-    row_sp: gl.constexpr = gl.SliceLayout(1, sp_layout)     # one value per query row
-    key_sp: gl.constexpr = gl.SliceLayout(0, sp_layout)     # one value per key
+    k_smem = k_smem1.index(0)
+    v_smem = v_smem1.index(0)
+    if PRODUCE:
+        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b, hk, n0, 0], kv_bar, k_smem._reinterpret(dtype, kv_view, k_desc.layout))
+        tma.async_copy_global_to_shared(v_desc, [b, hk, n0, 0], kv_bar, v_smem._reinterpret(dtype, kv_view, v_desc.layout))
+        for t in gl.static_range(STAGES - 1):
+            if t < n_iter:
+                h, mt = _tile_coords(t, n_m, m_lo, hk, GROUP)
+                _issue_q_do(q_desc, do_desc, q_smem, do_smem, q_ready, do_ready, b, h, mt * BM, t, qd_view)
+
+    dk = gl.zeros([BN, D], gl.float32, kv_layout)
+    dv = gl.zeros([BN, D], gl.float32, kv_layout)
+    sp_zero = gl.zeros([BM, BN], gl.float32, sp_layout)
+    dq_zero = gl.zeros([BM, D], gl.float32, dq_layout)
+    dq_rows = gl.arange(0, BM, layout=gl.SliceLayout(1, dq_layout))
+    dq_cols = gl.arange(0, D, layout=gl.SliceLayout(0, dq_layout))
+    dq_offs = gl.expand_dims(dq_rows, 1) * D + gl.expand_dims(dq_cols, 0)             # within one tile
+    mbarrier.wait(kv_bar, 0)
+
+    for t in range(n_iter):
+        h, mt = _tile_coords(t, n_m, m_lo, hk, GROUP)
+        if PRODUCE:
+            # Every warp is past iteration t-1 (its wgmmas waited): slot (t-1) % STAGES, P and dS are free.
+            gl.thread_barrier()
+            t_load = t + STAGES - 1
+            if t_load < n_iter:
+                h_l, mt_l = _tile_coords(t_load, n_m, m_lo, hk, GROUP)
+                _issue_q_do(q_desc, do_desc, q_smem, do_smem, q_ready, do_ready, b, h_l, mt_l * BM,
+                            t_load % STAGES, qd_view)
+        dk, dv = _bwd_step(t, h, mt, dk, dv, q_smem, do_smem, q_ready, do_ready, k_smem1, v_smem1, p_smem1, ds_smem1,
+                           sp_zero, dq_zero, dq_rows, dq_offs, dq_ptr, lse2_ptr, delta_ptr, b, H, hk, GROUP, n_m,
+                           m_lo, m_mid, n0, SQ, SK, OFFSET, qk_scale, scale, sp_layout, CAUSAL, STAGES, DQ_FIRST,
+                           DQ_WRITER, dq_smem, dq_empty)
+        if not PRODUCE:
+            # Every warp's wgmmas of tile t retired (the barrier in _release): the producer may refill
+            # its Q/dO slot, and the next iteration may overwrite P and dS.
+            _release(qd_empty.index(t % STAGES))
+            if DQ_WRITER:
+                mbarrier.arrive(dq_full, count=1)      # every warp's dQ_part is in dq_smem (same barrier)
+
+    if not PRODUCE:
+        # Under the consumer partition's 240 registers (setmaxnreg), the store's coordinates held through
+        # the loop were spilled at d128 (14 STL/LDL, 24 B of stack): read them again from the CTA id.
+        bhk = _sreg(n_iter, "%ctaid.y")
+        b = bhk // (H // GROUP)
+        hk = bhk % (H // GROUP)
+        n0 = _sreg(n_iter, "%ctaid.x") * BN
+    # Epilogue: dK (scaled) and dV out through the K/V slots once every warp's last wgmma has read them;
+    # the TMA store clips rows past s_k.
+    gl.thread_barrier()
+    k_smem.store((dk * scale).to(dtype))
+    v_smem.store(dv.to(dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    tma.async_copy_shared_to_global(dk_desc, [b, hk, n0, 0], k_smem._reinterpret(dtype, kv_view, dk_desc.layout))
+    tma.async_copy_shared_to_global(dv_desc, [b, hk, n0, 0], v_smem._reinterpret(dtype, kv_view, dv_desc.layout))
+    tma.store_wait(0)
+
+
+@gluon.jit
+def fa_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_ptr, lse2_ptr, delta_ptr,
+                  H, GROUP, SQ, SK, OFFSET, qk_scale, scale,
+                  kv_smem_layout: gl.constexpr, qd_smem_layout: gl.constexpr, ps_smem_layout: gl.constexpr,
+                  CAUSAL: gl.constexpr, STAGES: gl.constexpr, WARP_SPEC: gl.constexpr, DQ_FIRST: gl.constexpr,
+                  DQ_WRITER: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """Grid (cdiv(SK, BLOCK_N), b * H_kv).  q/do descriptors: block (1, 1, BLOCK_M, d) over (b, H, SQ, d);
+    k/v/dk/dv: block (1, 1, BLOCK_N, d) over (b, H_kv, SK, d).  dq_ptr: float32 (b, H, SQ, d) contiguous,
+    zeroed; receives scale * dS K by atomic adds.  lse2/delta: float32 (b, H, SQ) contiguous.
+    WARP_SPEC: a 1-warp producer partition issues every TMA load (PRODUCER_REGS registers, setmaxnreg);
+    DQ_FIRST: the dQ wgmma is issued before dV/dK and its atomics run under them (see _bwd_step).
+    DQ_WRITER (needs WARP_SPEC): the GEMM warps leave dQ_part (float32) in shared memory and the producer
+    warp issues its atomics (see _drain_dq)."""
+    BM: gl.constexpr = q_desc.block_type.shape[2]
+    BN: gl.constexpr = k_desc.block_type.shape[2]
+    D: gl.constexpr = q_desc.block_type.shape[3]
+    dtype: gl.constexpr = q_desc.dtype
 
     pid_n = gl.program_id(0)
     bhk = gl.program_id(1)
@@ -120,8 +351,6 @@ def fa_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_ptr, lse
     # K, V, P, dS: fixed buffers, allocated with a leading dim of 1 for _opaque_zero indexing.
     k_smem1 = gl.allocate_shared_memory(dtype, [1, BN, D], kv_smem_layout)
     v_smem1 = gl.allocate_shared_memory(dtype, [1, BN, D], kv_smem_layout)
-    k_smem = k_smem1.index(0)
-    v_smem = v_smem1.index(0)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BM, D], qd_smem_layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BM, D], qd_smem_layout)
     p_smem1 = gl.allocate_shared_memory(dtype, [1, BM, BN], ps_smem_layout)
@@ -133,86 +362,39 @@ def fa_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_ptr, lse
     for i in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(do_ready.index(i), count=1)
-
-    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [b, hk, n0, 0], kv_bar, k_smem._reinterpret(dtype, kv_view, k_desc.layout))
-    tma.async_copy_global_to_shared(v_desc, [b, hk, n0, 0], kv_bar, v_smem._reinterpret(dtype, kv_view, v_desc.layout))
-    for t in gl.static_range(STAGES - 1):
-        if t < n_iter:
-            h, mt = _tile_coords(t, n_m, m_lo, hk, GROUP)
-            _issue_q_do(q_desc, do_desc, q_smem, do_smem, q_ready, do_ready, b, h, mt * BM, t, qd_view)
-
-    dk = gl.zeros([BN, D], gl.float32, kv_layout)
-    dv = gl.zeros([BN, D], gl.float32, kv_layout)
-    sp_zero = gl.zeros([BM, BN], gl.float32, sp_layout)
-    dq_zero = gl.zeros([BM, D], gl.float32, dq_layout)
-    dq_rows = gl.arange(0, BM, layout=gl.SliceLayout(1, dq_layout))
-    dq_cols = gl.arange(0, D, layout=gl.SliceLayout(0, dq_layout))
-    dq_offs = gl.expand_dims(dq_rows, 1) * D + gl.expand_dims(dq_cols, 0)             # within one tile
-    mbarrier.wait(kv_bar, 0)
-
-    for t in range(n_iter):
-        cur = t % STAGES
-        phase = (t // STAGES) & 1
-        h, mt = _tile_coords(t, n_m, m_lo, hk, GROUP)
-        # Every warp is past iteration t-1 (its wgmmas waited): slot (t-1) % STAGES, P and dS are free.
-        gl.thread_barrier()
-        t_load = t + STAGES - 1
-        if t_load < n_iter:
-            h_l, mt_l = _tile_coords(t_load, n_m, m_lo, hk, GROUP)
-            _issue_q_do(q_desc, do_desc, q_smem, do_smem, q_ready, do_ready, b, h_l, mt_l * BM,
-                        t_load % STAGES, qd_view)
-        z = _opaque_zero(t)
-        k_cur = k_smem1.index(z)
-        v_cur = v_smem1.index(z)
-        p_cur = p_smem1.index(z)
-        ds_cur = ds_smem1.index(z)
-        m0 = mt * BM
-        row0 = (b * H + h).to(gl.int64) * SQ
-        rows = m0 + gl.arange(0, BM, layout=row_sp)
-        # Rows past s_q: lse2 = +inf gives p = 0 and delta = 0 gives dS = 0 (Q/dO rows there are zeros).
-        lse2 = gl.load(lse2_ptr + row0 + rows, mask=rows < SQ, other=float("inf"))
-        delta = gl.load(delta_ptr + row0 + rows, mask=rows < SQ, other=0.0)
-
-        mbarrier.wait(q_ready.index(cur), phase)
-        s_tok = warpgroup_mma(q_smem.index(cur), k_cur.permute((1, 0)), sp_zero, use_acc=False, is_async=True)
-        mbarrier.wait(do_ready.index(cur), phase)
-        dp_tok = warpgroup_mma(do_smem.index(cur), v_cur.permute((1, 0)), sp_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(1, deps=(s_tok, ))                   # S done; dP still running
-        p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
-        if mt < m_mid:
-            # Built here (through z) rather than once before the loop: 16 loop-invariant registers
-            # per thread were the difference between 0 and 5-9 spills at d128.
-            keys = (n0 + z) + gl.arange(0, BN, layout=key_sp)
-            keep = gl.expand_dims(keys < SK, 0)
-            if CAUSAL:
-                keep = keep & (gl.expand_dims(keys, 0) <= gl.expand_dims(rows + OFFSET, 1))
-            p = gl.where(keep, p, 0.0)
-        p_cur.store(p.to(dtype))
-        dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
-        ds = p * (dp - gl.expand_dims(delta, 1))
-        ds_cur.store(ds.to(dtype))
-        # Every key's P and dS must be in shared memory (and visible to the async proxy) before any
-        # warpgroup's dV/dK/dQ wgmma reads them.
-        fence_async_shared()
-        gl.thread_barrier()
-        dv_tok = warpgroup_mma(p_cur.permute((1, 0)), do_smem.index(cur), dv, is_async=True)     # dV += P^T dO
-        dk_tok = warpgroup_mma(ds_cur.permute((1, 0)), q_smem.index(cur), dk, is_async=True)    # dK += dS^T Q
-        dq_tok = warpgroup_mma(ds_cur, k_cur, dq_zero, use_acc=False, is_async=True)          # dQ_part = dS K
-        dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok))
-        gl.atomic_add(dq_ptr + (row0 + m0) * D + dq_offs, dq * scale,
-                      mask=gl.expand_dims(dq_rows, 1) < SQ - m0, sem="relaxed")
-
-    # Epilogue: dK (scaled) and dV out through the K/V slots once every warp's last wgmma has read them;
-    # the TMA store clips rows past s_k.
-    gl.thread_barrier()
-    k_smem.store((dk * scale).to(dtype))
-    v_smem.store(dv.to(dtype))
-    fence_async_shared()
-    gl.thread_barrier()
-    tma.async_copy_shared_to_global(dk_desc, [b, hk, n0, 0], k_smem._reinterpret(dtype, kv_view, dk_desc.layout))
-    tma.async_copy_shared_to_global(dv_desc, [b, hk, n0, 0], v_smem._reinterpret(dtype, kv_view, dv_desc.layout))
-    tma.store_wait(0)
+    if WARP_SPEC:
+        qd_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(qd_empty.index(i), count=1)      # one arrive: the consumer partition's
+        dq_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(dq_bars.index(0), count=1)           # dq_full: arrived by the consumer partition
+        mbarrier.init(dq_bars.index(1), count=1)           # dq_empty: arrived by the writer warp
+        if DQ_WRITER:
+            # fp32 dQ_part, each row padded by 32 bytes: the accumulator layout stores 8 rows at a time,
+            # which unpadded (rows 512 B apart at d128) would all hit the same banks
+            dq_smem = gl.allocate_shared_memory(gl.float32, [BM, D], gl.PaddedSharedLayout.with_identity_for(
+                [[D, 8]], [BM, D], [1, 0]))
+        else:
+            dq_smem = p_smem1                               # not used
+        gl.warp_specialize([
+            (_bwd_consumer, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_ptr, lse2_ptr, delta_ptr,
+                             k_smem1, v_smem1, q_smem, do_smem, p_smem1, ds_smem1, kv_bar, q_ready, do_ready,
+                             qd_empty, b, H, hk, GROUP, n0, n_m, m_lo, m_mid, n_iter, SQ, SK, OFFSET, qk_scale,
+                             scale, CAUSAL, STAGES, False, DQ_FIRST, DQ_WRITER, dq_smem, dq_bars.index(0),
+                             dq_bars.index(1), num_warps)),
+            (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, k_smem1.index(0), v_smem1.index(0), q_smem, do_smem,
+                             kv_bar, q_ready, do_ready, qd_empty, b, hk, n0, n_m, m_lo, GROUP, n_iter, STAGES,
+                             DQ_WRITER, dq_smem, dq_bars.index(0), dq_bars.index(1), dq_ptr, H, SQ)),
+        ], [1], [PRODUCER_REGS])
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(qd_empty.index(i))
+        mbarrier.invalidate(dq_bars.index(0))
+        mbarrier.invalidate(dq_bars.index(1))
+    else:
+        _bwd_consumer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_ptr, lse2_ptr, delta_ptr,
+                      k_smem1, v_smem1, q_smem, do_smem, p_smem1, ds_smem1, kv_bar, q_ready, do_ready, kv_bar,
+                      b, H, hk, GROUP, n0, n_m, m_lo, m_mid, n_iter, SQ, SK, OFFSET, qk_scale, scale,
+                      CAUSAL, STAGES, True, DQ_FIRST, False, p_smem1, kv_bar, kv_bar, num_warps)
     mbarrier.invalidate(kv_bar)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(q_ready.index(i))

@@ -5,9 +5,25 @@ Status (H200, 6e8a381, results/gluon_fa_bwd_h200.json and gluon_fa_bwd_checks_h2
 the GPU tests of tests/test_gluon_attention_bwd.py pass) but SLOWER than our Triton backward: b4 h32
 s4096 d128 7.04 ms vs 6.82 (cuDNN 5.55), causal 3.82 vs 3.33 (cuDNN 2.75), GQA 32/8 7.15 vs 7.13;
 3 ring stages change nothing, 1 stage is slower.  So it is not the backward of impl
-cuda.gluon.flash_attention: USE_GLUON_BWD_IN_IMPL stays False.  What it lacks against cuDNN/FA3 (~500
-TFLOP/s vs our ~390): a producer warp (the consumers issue TMA loads themselves), two consumer
-warpgroups over 64-row halves of the key tile, and dQ written by a separate warpgroup.
+cuda.gluon.flash_attention: USE_GLUON_BWD_IN_IMPL stays False.  What it lacked against cuDNN/FA3 (~500
+TFLOP/s vs our ~390): a producer warp (the consumers issue TMA loads themselves) and dQ handed to
+another warp instead of atomics from the GEMM warps.  (The key rows are already split FA3's way: each
+of the two GEMM warpgroups holds 64 of the 128 keys of dK/dV.)
+
+Session 6 schedules, VARIANTS (compiled for sm_90 on CPU, 0 STL/LDL and 0 stack at d64/d128, bf16/fp16,
+causal or not; NOT run on a GPU, so DEFAULT_VARIANT stays "inline", the measured schedule, whose SASS
+is unchanged by the refactor):
+  * ws: a 1-warp TMA producer partition (24 registers) feeding the Q/dO ring through "empty" barriers;
+    the 8 GEMM warps run under setmaxnreg 240 (up to R237 used at d128; "inline" uses 255 without a
+    producer).  The epilogue's coordinates are re-read from the CTA id (held, they spilled 14 STL/LDL).
+    smem 164,108 B at d128 (3 stages: 196,924).
+  * dqfirst / ws_dqfirst: the dQ wgmma first, its atomics issued while dV/dK run.
+  * ws_dqw: ws + dqfirst, and dQ_part goes through a 32 KB float32 shared buffer to the producer warp,
+    which issues the atomics (red.global.add.v4.f32): the GEMM warps only do 16 st.shared.v2 per tile.
+    smem 198,988 B at d128 (3 stages: 231,804 of 232,448).
+bwd_probe.py checks every schedule (NaN-poisoned, against float32 autograd) before timing it next to
+"inline", Triton and cuDNN; a schedule becomes DEFAULT_VARIANT only if it passes every check and beats
+"inline" causal and not.
 
 attention_bwd(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv): bf16/fp16, d 64 or 128, any
 s_q/s_k, bottom-right causal, GQA/MQA; q/k/v/out/dout any (b, h, s, d) view a TMA descriptor can address
@@ -33,6 +49,19 @@ USE_GLUON_BWD_IN_IMPL = False
 LOG2E = 1.4426950408889634
 # Q/dO ring depth: 2 stages = 32 KB x 2 next to K, V (64 KB) and dS (16 KB) at d128.
 DEFAULT_STAGES = 2
+# Named kernel schedules (the kernel's constexprs; see _gluon_fa_bwd_kernel's docstring).  Only "inline"
+# has run on a GPU; the others are compiled (0 spills) and NOT yet run on a GPU: bwd_probe.py checks and
+# times them next to "inline", and one becomes DEFAULT_VARIANT only if it is correct and faster there.
+VARIANTS = {
+    "inline": dict(WARP_SPEC=False, DQ_FIRST=False),      # the consumers issue their own TMA loads
+    "ws": dict(WARP_SPEC=True, DQ_FIRST=False),           # 1-warp TMA producer partition, setmaxnreg
+    "dqfirst": dict(WARP_SPEC=False, DQ_FIRST=True),      # dQ wgmma first, its atomics under dV/dK
+    "ws_dqfirst": dict(WARP_SPEC=True, DQ_FIRST=True),
+    # ws + dQ_part through shared memory (32 KB fp32 at d128), its atomics issued by the producer warp
+    "ws_dqw": dict(WARP_SPEC=True, DQ_FIRST=True, DQ_WRITER=True),
+}
+DEFAULT_VARIANT = "inline"
+PRODUCER_REGS = 24      # the producer warp only issues copies; the 8 GEMM warps get 240 (setmaxnreg)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -40,11 +69,12 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def launch_args(q, k, v, dout, dq_acc, dk, dv, lse2, delta, causal: bool, scale: float,
-                stages: int = DEFAULT_STAGES):
+                stages: int = DEFAULT_STAGES, variant: str = DEFAULT_VARIANT):
     """(grid, args, kwargs) of one fa_bwd_kernel launch.  q/k/v/dout/dk/dv TMA-ready (b, h, s, d) views;
     dq_acc float32 (b, h_q, s_q, d) contiguous and zeroed; lse2/delta float32 (b, h_q, s_q) contiguous."""
     if _KB is None:
         raise RuntimeError(f"gluon attention backward: {UNAVAILABLE}")
+    cfg = VARIANTS[variant]
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     gdt = _gl.bfloat16 if q.dtype == torch.bfloat16 else _gl.float16
@@ -55,7 +85,9 @@ def launch_args(q, k, v, dout, dq_acc, dk, dv, lse2, delta, causal: bool, scale:
     kw = dict(kv_smem_layout=_gl.NVMMASharedLayout.get_default_for([bn, d], gdt),
               qd_smem_layout=_gl.NVMMASharedLayout.get_default_for([bm, d], gdt),
               ps_smem_layout=_gl.NVMMASharedLayout.get_default_for([bm, bn], gdt),
-              CAUSAL=bool(causal), STAGES=stages, num_warps=_KB.NUM_WARPS)
+              CAUSAL=bool(causal), STAGES=stages, WARP_SPEC=cfg["WARP_SPEC"], DQ_FIRST=cfg["DQ_FIRST"],
+              DQ_WRITER=cfg.get("DQ_WRITER", False),
+              PRODUCER_REGS=PRODUCER_REGS, num_warps=_KB.NUM_WARPS)
     args = (*descs, dq_acc, lse2, delta, hq, hq // hkv, sq, sk, sk - sq, scale * LOG2E, scale)
     return grid, args, kw
 
@@ -78,7 +110,7 @@ def preprocess(out, dout, lse):
 
 
 def attention_bwd(dout, q, k, v, out, lse, causal: bool = False, scale: float | None = None,
-                  stages: int = DEFAULT_STAGES):
+                  stages: int = DEFAULT_STAGES, variant: str = DEFAULT_VARIANT):
     """(dq, dk, dv) of softmax attention from the forward's out and natural-log lse."""
     from ._triton_utils import new_output_bshd
     q, k, v, out, dout = (_tma_ready(t) for t in (q, k, v, out, dout))
@@ -88,7 +120,8 @@ def attention_bwd(dout, q, k, v, out, lse, causal: bool = False, scale: float | 
     dq_acc = torch.zeros((b, hq, sq, d), dtype=torch.float32, device=q.device)
     dk = new_output_bshd(k.shape, q.dtype, q.device)
     dv = new_output_bshd(v.shape, q.dtype, q.device)
-    grid, args, kw = launch_args(q, k, v, dout, dq_acc, dk, dv, lse2, delta, causal, scale, stages)
+    grid, args, kw = launch_args(q, k, v, dout, dq_acc, dk, dv, lse2, delta, causal, scale, stages,
+                                 variant)
     _KB.fa_bwd_kernel[grid](*args, **kw)
     dq = new_output_bshd(q.shape, q.dtype, q.device)
     dq.copy_(dq_acc)                      # float32 accumulator (already scaled) -> q's dtype
@@ -104,4 +137,5 @@ def impl_backward(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale):
     return flash_bwd(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale)
 
 
-__all__ = ["attention_bwd", "launch_args", "preprocess", "impl_backward", "USE_GLUON_BWD_IN_IMPL", "UNAVAILABLE"]
+__all__ = ["attention_bwd", "launch_args", "preprocess", "impl_backward", "USE_GLUON_BWD_IN_IMPL", "UNAVAILABLE",
+           "VARIANTS", "DEFAULT_VARIANT"]
