@@ -2,7 +2,7 @@
 gluon_attention_bwd.py): correctness first, then timing of forward + backward next to SDPA cuDNN.
 
   PYTHONPATH=. python benchmarks/gluon_fa/bwd_probe.py OUT.json [--no-timing] [--quick-checks]
-      [--variants=inline,ws,dqfirst,ws_dqfirst]
+      [--variants=inline,ws,dqfirst,ws_dqfirst,ws_dqw]
 
 --variants: the schedules of gluon_attention_bwd.VARIANTS to check and time (default: all of them).
 Every schedule is checked on every check shape; a schedule that fails any check is not timed, and the
@@ -15,7 +15,7 @@ Correctness (bf16 and fp16): out/lse from the Gluon forward, then dq/dk/dv from 
 NaN-poisoned outputs, against float32 autograd of softmax attention on the same inputs, one head at a time
 (norm-relative error < 2e-2 bf16 / 5e-3 fp16, no NaN, dq = 0 on rows that see no key); the Triton backward's
 errors on the same inputs are recorded next to it.  Causal / not, ragged, GQA/MQA, decode, s_q != s_k with
-empty rows, and the timed shapes.  If any check fails, nothing is timed (the kernel is not trusted).
+empty rows, and the timed shapes.  A schedule that fails any check is not timed (it is not trusted).
 Timing (bf16, triton.testing.do_bench median, ms) at b4 h32 s4096 d128 and GQA 32/8, causal and not:
   * backward alone: gluon (preprocess + zeroed dq buffer + kernel + cast), one key per schedule
     (bwd_gluon_<variant>; bwd_gluon is the default schedule, bwd_gluon_<variant>_st3 a 3-stage ring),
