@@ -57,6 +57,7 @@ from ._gluon_fa_kernel import _release, _sreg     # partition barrier + arrive; 
 BLOCK_M = 64        # query rows per Q/dO tile
 BLOCK_N = 128       # keys per CTA
 NUM_WARPS = 8       # 2 consumer warpgroups, each owning 64 of the CTA's keys in every accumulator
+DQ_PAD = gl.constexpr(8)   # DQ_WRITER: float32 padding after each row of the dQ_part buffer (32 B)
 
 
 @gluon.jit
@@ -108,7 +109,7 @@ def _drain_dq(j, dq_smem, dq_full, dq_empty, dq_ptr, b, H, hk, GROUP, n_m, m_lo,
     # The same bytes seen as BM // ROWS chunks of ROWS rows, walked by a runtime loop: unrolled, LLVM
     # hoisted every chunk's shared load ahead of the atomics and the d64 kernel spilled 140 STL/LDL.
     chunks = dq_smem._reinterpret(gl.float32, [BM // ROWS, ROWS, D], gl.PaddedSharedLayout.with_identity_for(
-        [[D, 8]], [ROWS, D], [1, 0]))
+        [[D, DQ_PAD]], [ROWS, D], [1, 0]))
     mbarrier.wait(dq_full, j & 1)
     for i in range(BM // ROWS):
         vals = chunks.index(i).load(blk)
@@ -373,7 +374,7 @@ def fa_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_ptr, lse
             # fp32 dQ_part, each row padded by 32 bytes: the accumulator layout stores 8 rows at a time,
             # which unpadded (rows 512 B apart at d128) would all hit the same banks
             dq_smem = gl.allocate_shared_memory(gl.float32, [BM, D], gl.PaddedSharedLayout.with_identity_for(
-                [[D, 8]], [BM, D], [1, 0]))
+                [[D, DQ_PAD]], [BM, D], [1, 0]))
         else:
             dq_smem = p_smem1                               # not used
         gl.warp_specialize([
