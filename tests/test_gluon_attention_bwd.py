@@ -212,14 +212,16 @@ def emulate_ws_protocol(n_iter, stages, seed, bug=None, dq_writer=False):
     warpgroup per tile: wait q_ready (S reads Q), wait do_ready (dP reads dO), write its keys' half of P
     and dS, barrier, GEMMs reading all of P/dS (dQ = dS K) and the Q/dO slot, then _release: barrier and
     one arrive on qd_empty.  dq_writer (DQ_WRITER): each warpgroup also writes its half of dQ_part into the
-    one dq buffer after waiting dq_empty, the release arrives on dq_full too, and the producer drains tile
-    t - stages (wait dq_full, read, arrive dq_empty) after loading tile t, the rest after its loop.
+    one dq buffer after waiting dq_empty and before the release; the producer drains tile t - stages
+    (read, arrive dq_empty) after loading tile t, trusting its wait on qd_empty for tile t to mean that
+    tile t - stages was released, and drains the last tiles after its loop, each after waiting for that
+    tile's release on qd_empty.
     Asserts that no load overwrites a slot still being read or not yet read, that every read finds its
     tile landed, that nobody writes P/dS while the other warpgroup reads them, that the writer reads whole
     dQ tiles in order and nobody overwrites one it has not read, and that nothing deadlocks.  bug: "no_barrier" (the release's thread barrier left out: the first
     warpgroup to finish arrives for both), "parity" (the producer waits on the slot's phase parity
-    without the ^1: it blocks on the first lap), "early_dq_full" (dq_full arrived by the first warpgroup
-    done, before the release's barrier)."""
+    without the ^1: it blocks on the first lap), "late_dq_store" (a warpgroup stores its dQ_part half
+    after the release)."""
     import random
     rnd = random.Random(seed)
     n_wg = 2
@@ -235,7 +237,7 @@ def emulate_ws_protocol(n_iter, stages, seed, bug=None, dq_writer=False):
     ps_readers, ps_tile = set(), [None] * n_wg         # who reads P/dS now; tile of each half
     kv_landed = [False]
     tma = []
-    dq_full, dq_empty = _Bar(1), _Bar(1)
+    dq_empty = _Bar(1)
     dq_buf = [None] * n_wg                             # tile whose dQ_part each warpgroup's half holds
     dq_drained = []                                    # tiles the writer added to global memory
 
@@ -263,7 +265,6 @@ def emulate_ws_protocol(n_iter, stages, seed, bug=None, dq_writer=False):
         n_cta[wg] += 1
 
     def drain(j):
-        yield dq_full, j & 1
         assert dq_buf == [j] * n_wg, f"the writer reads dQ tile {j}: the buffer holds {dq_buf}"
         yield None, None                               # the warp's shared loads and atomics
         assert dq_buf == [j] * n_wg, f"dQ tile {j} overwritten ({dq_buf}) while the writer reads it"
@@ -282,6 +283,7 @@ def emulate_ws_protocol(n_iter, stages, seed, bug=None, dq_writer=False):
                 yield from drain(t - stages)
         if dq_writer:
             for j in range(max(n_iter - stages, 0), n_iter):
+                yield qd_empty[j % stages], (j // stages) & 1
                 yield from drain(j)
 
     def consumer(wg):
@@ -302,9 +304,8 @@ def emulate_ws_protocol(n_iter, stages, seed, bug=None, dq_writer=False):
             yield None, None
             if dq_writer:                              # dQ_part retired: into the dq buffer
                 yield dq_empty, (t & 1) ^ 1
-                dq_buf[wg] = t
-                if bug == "early_dq_full" and wg == 0:
-                    dq_full.arrive()
+                if bug != "late_dq_store":
+                    dq_buf[wg] = t
             ps_readers.discard(wg)                     # warpgroup_mma_wait(0)
             end_read("q", t, wg)
             end_read("do", t, wg)
@@ -315,8 +316,9 @@ def emulate_ws_protocol(n_iter, stages, seed, bug=None, dq_writer=False):
                 yield from barrier(wg)                 # _release: every warp's wgmmas retired ...
                 if wg == 0:
                     qd_empty[cur].arrive()             # ... then one arrive
-                    if dq_writer and bug != "early_dq_full":
-                        dq_full.arrive()
+                if dq_writer and bug == "late_dq_store":
+                    yield None, None
+                    dq_buf[wg] = t
         yield from barrier(wg)                         # epilogue
 
     agents = {"producer": producer(), **{f"wg{w}": consumer(w) for w in range(n_wg)}}
@@ -361,9 +363,9 @@ def test_emulated_ws_protocol_detects_bugs():
             emulate_ws_protocol(6, 2, seed, bug="no_barrier")
     with pytest.raises(AssertionError, match="deadlock"):
         emulate_ws_protocol(3, 2, 0, bug="parity")
-    with pytest.raises(AssertionError, match="the writer reads dQ"):
+    with pytest.raises(AssertionError, match="the writer reads dQ|overwritten"):
         for seed in range(300):
-            emulate_ws_protocol(6, 2, seed, bug="early_dq_full", dq_writer=True)
+            emulate_ws_protocol(6, 2, seed, bug="late_dq_store", dq_writer=True)
 
 
 # ---- compile for sm_90 on CPU ------------------------------------------------------------------------

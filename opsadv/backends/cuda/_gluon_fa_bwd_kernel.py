@@ -44,7 +44,8 @@ S/dP split along the keys and dQ_part along d, so they exchange P and dS through
   * DQ_WRITER (with WARP_SPEC, DQ_FIRST): dQ_part goes into a float32 shared buffer (rows padded by
     32 B against bank conflicts) instead of atomics from the GEMM warps; the producer warp adds it to
     global memory (red.global.add.v4.f32, a few rows at a time) STAGES tiles behind its loads, between
-    a dq_full and a dq_empty mbarrier.  FA3 does this with a TMA reduce-add, which Gluon 3.6 lacks."""
+    the tile's release (qd_empty) and a dq_empty mbarrier.  FA3 does this with a TMA reduce-add, which
+    Gluon 3.6 lacks."""
 from __future__ import annotations
 
 from triton.experimental import gluon
@@ -90,10 +91,10 @@ def _opaque_zero(t):
 
 
 @gluon.jit
-def _drain_dq(j, dq_smem, dq_full, dq_empty, dq_ptr, b, H, hk, GROUP, n_m, m_lo, SQ):
-    """DQ_WRITER: wait for tile j's dQ_part (float32, already scaled) in dq_smem, add it to dq_ptr with
-    float32 reductions from this one warp (ROWS rows of 4 floats per lane at a time, so a few registers
-    suffice), then free the buffer."""
+def _drain_dq(j, dq_smem, dq_empty, dq_ptr, b, H, hk, GROUP, n_m, m_lo, SQ):
+    """DQ_WRITER: add tile j's dQ_part (float32, already scaled; the caller has seen tile j's release)
+    in dq_smem to dq_ptr with float32 reductions from this one warp (ROWS rows of 4 floats per lane at a
+    time, so a few registers suffice), then free the buffer."""
     BM: gl.constexpr = dq_smem.shape[0]
     D: gl.constexpr = dq_smem.shape[1]
     ROWS: gl.constexpr = 128 // D
@@ -110,7 +111,6 @@ def _drain_dq(j, dq_smem, dq_full, dq_empty, dq_ptr, b, H, hk, GROUP, n_m, m_lo,
     # hoisted every chunk's shared load ahead of the atomics and the d64 kernel spilled 140 STL/LDL.
     chunks = dq_smem._reinterpret(gl.float32, [BM // ROWS, ROWS, D], gl.PaddedSharedLayout.with_identity_for(
         [[D, DQ_PAD]], [ROWS, D], [1, 0]))
-    mbarrier.wait(dq_full, j & 1)
     for i in range(BM // ROWS):
         vals = chunks.index(i).load(blk)
         gl.atomic_add(base + i * (ROWS * D) + offs, vals, mask=gl.expand_dims(r, 1) < rows_left - i * ROWS,
@@ -121,11 +121,12 @@ def _drain_dq(j, dq_smem, dq_full, dq_empty, dq_ptr, b, H, hk, GROUP, n_m, m_lo,
 @gluon.jit
 def _bwd_producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready,
                   qd_empty, b, hk, n0, n_m, m_lo, GROUP, n_iter, STAGES: gl.constexpr,
-                  DQ_WRITER: gl.constexpr, dq_smem, dq_full, dq_empty, dq_ptr, H, SQ):
+                  DQ_WRITER: gl.constexpr, dq_smem, dq_empty, dq_ptr, H, SQ):
     """WARP_SPEC loader (1 warp): K/V once, then every Q/dO tile of the CTA into the ring as soon as the
     consumers free a slot (qd_empty: one arrive per use, after the last wgmma reading the slot retired).
     DQ_WRITER: the same warp also adds each tile's dQ_part to global memory, STAGES tiles behind the
-    loads: the wait for the slot of tile t returns once tile t - STAGES is done, dQ included."""
+    loads: the wait for the slot of tile t returns once tile t - STAGES is released, and the GEMM warps
+    store a tile's dQ_part before that release, so qd_empty doubles as "dQ ready"."""
     BM: gl.constexpr = q_desc.block_type.shape[2]
     dtype: gl.constexpr = q_desc.dtype
     qd_view: gl.constexpr = q_desc.block_type.shape
@@ -141,10 +142,13 @@ def _bwd_producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_sm
         _issue_q_do(q_desc, do_desc, q_smem, do_smem, q_ready, do_ready, b, h, mt * BM, stage, qd_view)
         if DQ_WRITER:
             if t >= STAGES:
-                _drain_dq(t - STAGES, dq_smem, dq_full, dq_empty, dq_ptr, b, H, hk, GROUP, n_m, m_lo, SQ)
+                _drain_dq(t - STAGES, dq_smem, dq_empty, dq_ptr, b, H, hk, GROUP, n_m, m_lo, SQ)
     if DQ_WRITER:
         for j in range(gl.maximum(n_iter - STAGES, 0), n_iter):
-            _drain_dq(j, dq_smem, dq_full, dq_empty, dq_ptr, b, H, hk, GROUP, n_m, m_lo, SQ)
+            # The last tiles: wait for their release (the phase tile j completes; no later tile uses
+            # the slot, so the barrier stays there).
+            mbarrier.wait(qd_empty.index(j % STAGES), (j // STAGES) & 1)
+            _drain_dq(j, dq_smem, dq_empty, dq_ptr, b, H, hk, GROUP, n_m, m_lo, SQ)
 
 
 @gluon.jit
@@ -199,7 +203,7 @@ def _bwd_step(t, h, mt, dk, dv, q_smem, do_smem, q_ready, do_ready, k_smem1, v_s
     gl.thread_barrier()
     if DQ_WRITER:
         # dQ_part first, then into dq_smem (once the writer warp has drained the previous tile's) under
-        # dV and dK; the caller publishes it on dq_full after its thread barrier.
+        # dV and dK; the caller's release (after its thread barrier) publishes it to the writer.
         dq_tok = warpgroup_mma(ds_cur, k_cur, dq_zero, use_acc=False, is_async=True)          # dQ_part = dS K
         dv_tok = warpgroup_mma(p_cur.permute((1, 0)), do_smem.index(cur), dv, is_async=True)     # dV += P^T dO
         dk_tok = warpgroup_mma(ds_cur.permute((1, 0)), q_smem.index(cur), dk, is_async=True)    # dK += dS^T Q
@@ -232,7 +236,7 @@ def _bwd_consumer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_ptr, lse
                   k_smem1, v_smem1, q_smem, do_smem, p_smem1, ds_smem1, kv_bar, q_ready, do_ready, qd_empty,
                   b, H, hk, GROUP, n0, n_m, m_lo, m_mid, n_iter, SQ, SK, OFFSET, qk_scale, scale,
                   CAUSAL: gl.constexpr, STAGES: gl.constexpr, PRODUCE: gl.constexpr, DQ_FIRST: gl.constexpr,
-                  DQ_WRITER: gl.constexpr, dq_smem, dq_full, dq_empty, num_warps: gl.constexpr):
+                  DQ_WRITER: gl.constexpr, dq_smem, dq_empty, num_warps: gl.constexpr):
     """The 8 GEMM warps: every Q/dO tile of the CTA, then the dK/dV epilogue.  PRODUCE: no producer warp,
     these warps issue the K/V load and the Q/dO ring loads (STAGES-1 tiles ahead) themselves; else
     they free each ring slot on qd_empty once its last wgmma has retired."""
@@ -289,9 +293,10 @@ def _bwd_consumer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_ptr, lse
         if not PRODUCE:
             # Every warp's wgmmas of tile t retired (the barrier in _release): the producer may refill
             # its Q/dO slot, and the next iteration may overwrite P and dS.
+            # Every warp's wgmmas of tile t retired (the barrier in _release): the producer may refill
+            # its Q/dO slot, and the next iteration may overwrite P and dS.  With DQ_WRITER the same
+            # arrive tells the writer that tile t's dQ_part is in dq_smem (stored before the barrier).
             _release(qd_empty.index(t % STAGES))
-            if DQ_WRITER:
-                mbarrier.arrive(dq_full, count=1)      # every warp's dQ_part is in dq_smem (same barrier)
 
     if not PRODUCE:
         # Under the consumer partition's 240 registers (setmaxnreg), the store's coordinates held through
@@ -367,9 +372,10 @@ def fa_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_ptr, lse
         qd_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(qd_empty.index(i), count=1)      # one arrive: the consumer partition's
-        dq_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(dq_bars.index(0), count=1)           # dq_full: arrived by the consumer partition
-        mbarrier.init(dq_bars.index(1), count=1)           # dq_empty: arrived by the writer warp
+        # "dQ ready" is qd_empty (see _bwd_producer): a separate "full" barrier's arrive cost a second
+        # bar.sync per iteration (Triton put one between the two consecutive arrives).
+        dq_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(dq_empty, count=1)                   # arrived by the writer warp
         if DQ_WRITER:
             # fp32 dQ_part, each row padded by 32 bytes: the accumulator layout stores 8 rows at a time,
             # which unpadded (rows 512 B apart at d128) would all hit the same banks
@@ -381,21 +387,19 @@ def fa_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_ptr, lse
             (_bwd_consumer, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_ptr, lse2_ptr, delta_ptr,
                              k_smem1, v_smem1, q_smem, do_smem, p_smem1, ds_smem1, kv_bar, q_ready, do_ready,
                              qd_empty, b, H, hk, GROUP, n0, n_m, m_lo, m_mid, n_iter, SQ, SK, OFFSET, qk_scale,
-                             scale, CAUSAL, STAGES, False, DQ_FIRST, DQ_WRITER, dq_smem, dq_bars.index(0),
-                             dq_bars.index(1), num_warps)),
+                             scale, CAUSAL, STAGES, False, DQ_FIRST, DQ_WRITER, dq_smem, dq_empty, num_warps)),
             (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, k_smem1.index(0), v_smem1.index(0), q_smem, do_smem,
                              kv_bar, q_ready, do_ready, qd_empty, b, hk, n0, n_m, m_lo, GROUP, n_iter, STAGES,
-                             DQ_WRITER, dq_smem, dq_bars.index(0), dq_bars.index(1), dq_ptr, H, SQ)),
+                             DQ_WRITER, dq_smem, dq_empty, dq_ptr, H, SQ)),
         ], [1], [PRODUCER_REGS])
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(qd_empty.index(i))
-        mbarrier.invalidate(dq_bars.index(0))
-        mbarrier.invalidate(dq_bars.index(1))
+        mbarrier.invalidate(dq_empty)
     else:
         _bwd_consumer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_ptr, lse2_ptr, delta_ptr,
                       k_smem1, v_smem1, q_smem, do_smem, p_smem1, ds_smem1, kv_bar, q_ready, do_ready, kv_bar,
                       b, H, hk, GROUP, n0, n_m, m_lo, m_mid, n_iter, SQ, SK, OFFSET, qk_scale, scale,
-                      CAUSAL, STAGES, True, DQ_FIRST, False, p_smem1, kv_bar, kv_bar, num_warps)
+                      CAUSAL, STAGES, True, DQ_FIRST, False, p_smem1, kv_bar, num_warps)
     mbarrier.invalidate(kv_bar)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(q_ready.index(i))

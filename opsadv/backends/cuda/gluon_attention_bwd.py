@@ -20,7 +20,7 @@ is unchanged by the refactor):
   * dqfirst / ws_dqfirst: the dQ wgmma first, its atomics issued while dV/dK run.
   * ws_dqw: ws + dqfirst, and dQ_part goes through a 32 KB float32 shared buffer to the producer warp,
     which issues the atomics (red.global.add.v4.f32): the GEMM warps only do 16 st.shared.v2 per tile.
-    smem 198,988 B at d128 (3 stages: 231,804 of 232,448).
+    smem 198,972 B at d128 (3 stages: 231,788 of 232,448).
 bwd_probe.py checks every schedule (NaN-poisoned, against float32 autograd) before timing it next to
 "inline", Triton and cuDNN; a schedule becomes DEFAULT_VARIANT only if it passes every check and beats
 "inline" causal and not.
