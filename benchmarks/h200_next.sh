@@ -17,6 +17,9 @@
 #   PART=c / c2: the new Gluon schedules (dense: d128 pingpong now spill-free, pingpong_st3, pingpong_kv[_st3];
 #           sparse: pingpong, pingpong_kv, st3, pingpong_st3, q1), checked then timed; a schedule becomes a
 #           DEFAULT_VARIANT only if it passes every check and beats the current default at the timed shapes
+#   PART=e / e2: the session-6 Gluon backward schedules (ws, ws_dqw; then dqfirst, ws_dqfirst), checked then timed
+#           vs the default, Triton (6.82 / 3.33 ms) and cuDNN; USE_GLUON_BWD_IN_IMPL only if one beats Triton
+#   Order for session 7: j, b, c, e, c2, s, e2 (j can close issue 8; b takes the sparse Gluon gate off)
 #   PART=s: the e2e static-graph decode case alone (its compare fix came after its only run, 5a4f399)
 # Done in session 6 (results/*_s6*): a, b, e, d (the static-graph e2e row still needs a run with the compare fix)
 # OPSADV_COMMIT=<sha> PART=a bash benchmarks/h200_next.sh   (from the repo root on the GPU host, $OUT set)
@@ -59,12 +62,18 @@ c2)  # sparse Gluon schedules of session 6, in two halves (about 50 compiles in 
     --variants=st3,pingpong_st3,q1 > "$OUT/gluon_sparse_b.log" 2>&1
   echo "gluon sparse b rc $?"; tail -12 "$OUT/gluon_sparse_b.log"
   ;;
-e)
-  timeout 300 python3 benchmarks/gluon_fa/bwd_probe.py "$OUT/gluon_fa_bwd_h200.json" ${BWD_PROBE_ARGS:-} > "$OUT/gluon_bwd.log" 2>&1
+e)   # Gluon backward schedules of session 6 (ws = producer warp, ws_dqw = + dQ through smem, atomics by the producer)
+  timeout 420 python3 benchmarks/gluon_fa/bwd_probe.py "$OUT/gluon_fa_bwd_h200.json" \
+    ${BWD_PROBE_ARGS:---quick-checks --variants=inline,ws,ws_dqw} > "$OUT/gluon_bwd.log" 2>&1
   echo "gluon bwd probe rc $?"; tail -25 "$OUT/gluon_bwd.log"
-  TRITON_INTERPRET=0 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gluon_attention_bwd.py -k gpu \
+  TRITON_INTERPRET=0 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gluon_attention_bwd.py -k gpu \
     > "$OUT/gluon_bwd_pytest.log" 2>&1
   echo "gluon bwd pytest rc $?"; tail -3 "$OUT/gluon_bwd_pytest.log"
+  ;;
+e2)  # the other two backward schedules
+  timeout 420 python3 benchmarks/gluon_fa/bwd_probe.py "$OUT/gluon_fa_bwd2_h200.json" \
+    --quick-checks --variants=dqfirst,ws_dqfirst > "$OUT/gluon_bwd2.log" 2>&1
+  echo "gluon bwd probe 2 rc $?"; tail -25 "$OUT/gluon_bwd2.log"
   ;;
 s)
   timeout 300 python3 -m opsadv bench --suite e2e --filter "static graphs" --json "$OUT/e2e_static.json" > "$OUT/e2e_static.log" 2>&1
