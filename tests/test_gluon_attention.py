@@ -19,6 +19,7 @@ import opsadv
 from opsadv.backends.reference import kernels as R
 from opsadv.core.kernel import CallSpec
 
+from barrier_sim import Bar, Ring, run
 from conftest import ATTENTION_GPU_CASES, assert_attention_matches, fake_cuda_env, load_without_gluon, rel_err
 
 GA = pytest.importorskip("opsadv.backends.cuda.gluon_attention")
@@ -340,22 +341,6 @@ def test_gpu_every_schedule_forward(variant, causal, seed, monkeypatch):
 
 
 # ---- the warp-specialized barrier protocol, emulated -----------------------------------------------------
-class _Bar:
-    """An mbarrier: `count` arrives complete a phase; wait(parity) passes once the phase of that parity
-    has completed (a fresh barrier passes parity 1 at once)."""
-    def __init__(self, count):
-        self.count, self.pending, self.phases = count, count, 0
-
-    def arrive(self):
-        self.pending -= 1
-        assert self.pending >= 0
-        if self.pending == 0:
-            self.phases, self.pending = self.phases + 1, self.count
-
-    def done(self, parity):
-        return (self.phases & 1) != parity
-
-
 def emulate_pipeline(n_tiles, stages, split, seed, n_wg=2, release_k_early=False):
     """The K/V ring protocol of fa_fwd_kernel with a producer warp (ping-pong: n_wg = 2 consumer
     partitions taking GEMM turns), run under a random interleaving of the partitions and of the TMA
@@ -365,34 +350,13 @@ def emulate_pipeline(n_tiles, stages, split, seed, n_wg=2, release_k_early=False
     import random
     rnd = random.Random(seed)
     cnt = n_wg
-    k_ready, v_ready = [_Bar(1) for _ in range(stages)], [_Bar(1) for _ in range(stages)]
-    kv_empty = [_Bar(cnt) for _ in range(stages)]
-    k_empty = [_Bar(cnt) for _ in range(stages)] if split else kv_empty
-    turn = [_Bar(1), _Bar(1)]
+    k_ready, v_ready = [Bar(1) for _ in range(stages)], [Bar(1) for _ in range(stages)]
+    kv_empty = [Bar(cnt) for _ in range(stages)]
+    k_empty = [Bar(cnt) for _ in range(stages)] if split else kv_empty
+    turn = [Bar(1), Bar(1)]
     turn[0].arrive()                                   # warpgroup 0 issues first
-    slot = {"k": [None] * stages, "v": [None] * stages}        # tile held (landed or in flight)
-    landed = {"k": [False] * stages, "v": [False] * stages}
-    readers = {"k": [set() for _ in range(stages)], "v": [set() for _ in range(stages)]}
-    done_reading = {"k": {}, "v": {}}                  # tile -> set of warpgroups that finished it
-    tma = []                                           # loads in flight: (kind, stage)
-
-    def load(kind, t):
-        st = t % stages
-        old = slot[kind][st]
-        assert not readers[kind][st], f"{kind} slot {st} overwritten by tile {t} while read"
-        assert old is None or done_reading[kind].get(old, set()) == set(range(n_wg)), \
-            f"{kind} tile {old} in slot {st} overwritten by tile {t} before every warpgroup read it"
-        slot[kind][st], landed[kind][st] = t, False
-        tma.append((kind, st))
-
-    def start_read(kind, t, wg):
-        st = t % stages
-        assert slot[kind][st] == t and landed[kind][st], f"wg{wg} reads {kind} tile {t}: slot has {slot[kind][st]}"
-        readers[kind][st].add(wg)
-
-    def end_read(kind, t, wg):
-        readers[kind][t % stages].discard(wg)
-        done_reading[kind].setdefault(t, set()).add(wg)
+    ring = Ring(("k", "v"), stages, n_wg)
+    load, start_read, end_read = ring.load, ring.start_read, ring.end_read
 
     def producer():
         if split:
@@ -451,24 +415,14 @@ def emulate_pipeline(n_tiles, stages, split, seed, n_wg=2, release_k_early=False
         pass_turn()
         end_read("v", n_tiles - 1, wg)
 
-    agents = {"producer": producer(), **{f"wg{w}": consumer(w) for w in range(n_wg)}}
-    blocked = {name: (None, None) for name in agents}
-    while agents or tma:
-        runnable = [n for n in agents if blocked[n][0] is None or blocked[n][0].done(blocked[n][1])]
-        choices = runnable + (["tma"] if tma else [])
-        assert choices, f"deadlock: {blocked}"
-        who = rnd.choice(choices)
-        if who == "tma":
-            kind, st = tma.pop(rnd.randrange(len(tma)))
-            landed[kind][st] = True
-            (k_ready if kind == "k" else v_ready)[st].arrive()
-            continue
-        try:
-            blocked[who] = next(agents[who])
-        except StopIteration:
-            del agents[who]
+    def land(item):
+        kind, st = item
+        ring.land(kind, st)
+        (k_ready if kind == "k" else v_ready)[st].arrive()
+
+    run({"producer": producer(), **{f"wg{w}": consumer(w) for w in range(n_wg)}}, ring.in_flight, land, rnd)
     for kind in ("k", "v"):
-        assert all(done_reading[kind].get(t) == set(range(n_wg)) for t in range(n_tiles)), kind
+        assert ring.all_read(kind, n_tiles), kind
 
 
 @pytest.mark.parametrize("split", [False, True])

@@ -21,6 +21,7 @@ import sys
 import pytest
 import torch
 
+from barrier_sim import Bar, Ring, run
 from conftest import ATTENTION_GPU_CASES, load_without_gluon
 
 GB = pytest.importorskip("opsadv.backends.cuda.gluon_attention_bwd")
@@ -188,23 +189,6 @@ def test_tile_constants_match_the_kernel():
 
 
 # ---- the warp-specialized (ws) barrier protocol, emulated ---------------------------------------------
-class _Bar:
-    """An mbarrier (or, with count = number of warpgroups, a thread barrier): `count` arrives complete a
-    phase; wait(parity) passes once the phase of that parity has completed (a fresh barrier passes
-    parity 1 at once)."""
-    def __init__(self, count):
-        self.count, self.pending, self.phases = count, count, 0
-
-    def arrive(self):
-        self.pending -= 1
-        assert self.pending >= 0
-        if self.pending == 0:
-            self.phases, self.pending = self.phases + 1, self.count
-
-    def done(self, parity):
-        return (self.phases & 1) != parity
-
-
 def emulate_ws_protocol(n_iter, stages, seed, bug=None, dq_writer=False):
     """fa_bwd_kernel's WARP_SPEC protocol under a random interleaving of the producer warp, the two
     consumer warpgroups (one partition: its gl.thread_barrier waits for both) and the TMA completions.
@@ -225,39 +209,19 @@ def emulate_ws_protocol(n_iter, stages, seed, bug=None, dq_writer=False):
     import random
     rnd = random.Random(seed)
     n_wg = 2
-    kv_bar = _Bar(1)
-    q_ready, do_ready = [_Bar(1) for _ in range(stages)], [_Bar(1) for _ in range(stages)]
-    qd_empty = [_Bar(1) for _ in range(stages)]
-    cta = _Bar(n_wg)                                   # the consumer partition's thread barrier
+    kv_bar = Bar(1)
+    q_ready, do_ready = [Bar(1) for _ in range(stages)], [Bar(1) for _ in range(stages)]
+    qd_empty = [Bar(1) for _ in range(stages)]
+    cta = Bar(n_wg)                                   # the consumer partition's thread barrier
     n_cta = [0] * n_wg                                 # thread barriers passed, per warpgroup
-    slot = {"q": [None] * stages, "do": [None] * stages}
-    landed = {"q": [False] * stages, "do": [False] * stages}
-    readers = {"q": [set() for _ in range(stages)], "do": [set() for _ in range(stages)]}
-    read_by = {"q": {}, "do": {}}                      # tile -> warpgroups that finished reading it
     ps_readers, ps_tile = set(), [None] * n_wg         # who reads P/dS now; tile of each half
     kv_landed = [False]
-    tma = []
-    dq_empty = _Bar(1)
+    ring = Ring(("q", "do"), stages, n_wg)
+    load, start_read, end_read = ring.load, ring.start_read, ring.end_read
+    tma = ring.in_flight                               # the K/V load ("kv", 0) goes there too
+    dq_empty = Bar(1)
     dq_buf = [None] * n_wg                             # tile whose dQ_part each warpgroup's half holds
     dq_drained = []                                    # tiles the writer added to global memory
-
-    def load(kind, t):
-        st = t % stages
-        old = slot[kind][st]
-        assert not readers[kind][st], f"{kind} slot {st} overwritten by tile {t} while read"
-        assert old is None or read_by[kind].get(old, set()) == set(range(n_wg)), \
-            f"{kind} tile {old} in slot {st} overwritten by tile {t} before every warpgroup read it"
-        slot[kind][st], landed[kind][st] = t, False
-        tma.append((kind, st))
-
-    def start_read(kind, t, wg):
-        st = t % stages
-        assert slot[kind][st] == t and landed[kind][st], f"wg{wg} reads {kind} tile {t}: slot has {slot[kind][st]}"
-        readers[kind][st].add(wg)
-
-    def end_read(kind, t, wg):
-        readers[kind][t % stages].discard(wg)
-        read_by[kind].setdefault(t, set()).add(wg)
 
     def barrier(wg):
         cta.arrive()
@@ -321,28 +285,18 @@ def emulate_ws_protocol(n_iter, stages, seed, bug=None, dq_writer=False):
                     dq_buf[wg] = t
         yield from barrier(wg)                         # epilogue
 
-    agents = {"producer": producer(), **{f"wg{w}": consumer(w) for w in range(n_wg)}}
-    blocked = {name: (None, None) for name in agents}
-    while agents or tma:
-        runnable = [n for n in agents if blocked[n][0] is None or blocked[n][0].done(blocked[n][1])]
-        choices = runnable + (["tma"] if tma else [])
-        assert choices, f"deadlock: {blocked}"
-        who = rnd.choice(choices)
-        if who == "tma":
-            kind, st = tma.pop(rnd.randrange(len(tma)))
-            if kind == "kv":
-                kv_landed[0] = True
-                kv_bar.arrive()
-            else:
-                landed[kind][st] = True
-                (q_ready if kind == "q" else do_ready)[st].arrive()
-            continue
-        try:
-            blocked[who] = next(agents[who])
-        except StopIteration:
-            del agents[who]
+    def land(item):
+        kind, st = item
+        if kind == "kv":
+            kv_landed[0] = True
+            kv_bar.arrive()
+        else:
+            ring.land(kind, st)
+            (q_ready if kind == "q" else do_ready)[st].arrive()
+
+    run({"producer": producer(), **{f"wg{w}": consumer(w) for w in range(n_wg)}}, tma, land, rnd)
     for kind in ("q", "do"):
-        assert all(read_by[kind].get(t) == set(range(n_wg)) for t in range(n_iter)), kind
+        assert ring.all_read(kind, n_iter), kind
     assert dq_drained == (list(range(n_iter)) if dq_writer else []), dq_drained
 
 
