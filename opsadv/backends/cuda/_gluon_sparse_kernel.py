@@ -45,8 +45,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-# the dense kernel's ping-pong turn and buffer-release steps, shared (inlined the same in both kernels)
-from ._gluon_fa_kernel import _release, _turn_pass, _turn_wait  # noqa: F401
+# the dense kernel's K/V TMA issue, ping-pong turn and buffer-release steps, shared (inlined the same in both)
+from ._gluon_fa_kernel import _issue_kv, _issue_one, _release, _turn_pass, _turn_wait  # noqa: F401
 
 BLOCK_M = 128       # query rows per work item
 BLOCK_N = 128       # key/value rows per ring stage (the tile lists' column tile)
@@ -91,26 +91,6 @@ def _item(w, H, n_m, REVERSE: gl.constexpr, OPAQUE: gl.constexpr):
     if REVERSE:
         mt = _maybe_opaque(n_m, OPAQUE) - 1 - mt
     return bh // H, bh % H, mt, bh
-
-
-@gluon.jit
-def _issue_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, b, hk, row, stage, kv_view: gl.constexpr):
-    """TMA-load K and V rows [row, row + BLOCK_N) of head (b, hk) into ring slot `stage`, each on its own
-    barrier so S = Q K^T can start before V has landed.  Rows past s_k arrive as zeros."""
-    mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [b, hk, row, 0], k_ready.index(stage),
-                                    k_smem.index(stage)._reinterpret(k_desc.dtype, kv_view, k_desc.layout))
-    mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(v_desc, [b, hk, row, 0], v_ready.index(stage),
-                                    v_smem.index(stage)._reinterpret(v_desc.dtype, kv_view, v_desc.layout))
-
-
-@gluon.jit
-def _issue_one(desc, smem, ready, b, hk, row, stage, kv_view: gl.constexpr):
-    """TMA-load rows [row, row + BLOCK_N) of head (b, hk) of one of K / V into ring slot `stage`."""
-    mbarrier.expect(ready.index(stage), desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc, [b, hk, row, 0], ready.index(stage),
-                                    smem.index(stage)._reinterpret(desc.dtype, kv_view, desc.layout))
 
 
 @gluon.jit
