@@ -190,3 +190,21 @@ def test_small_outputs_are_not_worth_a_release(reference_backend, monkeypatch):
     with torch.no_grad():
         conv(input_ids=torch.randint(0, 101, (1, 5)))
     assert sum(r.released for r in rels) == 0
+
+
+def test_generate_and_inference_mode_match_the_original(reference_backend):
+    """The paths users take: generate() (prefill + cached decode steps, other kwargs than the probe's) and
+    inference_mode; the releases happen there and the tokens / logits are the original model's."""
+    base = _llama()
+    conv = opsadv.convert_model(copy.deepcopy(base), mem_opt=3)
+    ids = torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(3))
+    rels = _releases(conv)
+    before = sum(r.released for r in rels)
+    with torch.inference_mode():
+        torch.testing.assert_close(conv(input_ids=ids).logits, base(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        am = torch.ones_like(ids)
+        out = conv.generate(ids, attention_mask=am, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        ref = base.generate(ids, attention_mask=am, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, ref)
+    assert sum(r.released for r in rels) - before >= 2 * (2 * len(conv.model.layers) + 2)
