@@ -54,23 +54,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from ._gluon_fa_kernel import _release, _sreg     # partition barrier + arrive; a CTA-id read LLVM cannot hoist
+# the forward's two-descriptor TMA issue (each tile on its own barrier), here for Q and dO rows of q head
+# (b, h): S^T = K Q^T can start before dO has landed
+from ._gluon_fa_kernel import _issue_kv as _issue_q_do
 
 BLOCK_M = 64        # query rows per Q/dO tile
 BLOCK_N = 128       # keys per CTA
 NUM_WARPS = 8       # 2 consumer warpgroups, each owning 64 of the CTA's keys in every accumulator
 DQ_PAD = gl.constexpr(8)   # DQ_WRITER: float32 padding after each row of the dQ_part buffer (32 B)
-
-
-@gluon.jit
-def _issue_q_do(q_desc, do_desc, q_smem, do_smem, q_ready, do_ready, b, h, row, stage, view: gl.constexpr):
-    """TMA-load Q and dO rows [row, row + BLOCK_M) of q head (b, h) into ring slot `stage`, each on its
-    own barrier so S^T = K Q^T can start before dO has landed."""
-    mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [b, h, row, 0], q_ready.index(stage),
-                                    q_smem.index(stage)._reinterpret(q_desc.dtype, view, q_desc.layout))
-    mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(do_desc, [b, h, row, 0], do_ready.index(stage),
-                                    do_smem.index(stage)._reinterpret(do_desc.dtype, view, do_desc.layout))
 
 
 @gluon.jit
