@@ -176,14 +176,19 @@ _layer_norm.register_autograd(_ln_bwd, setup_context=_ln_setup)
 _ln_eager_autograd = resolved_autograd_function("LayerNormFn", _ln_setup, _ln_bwd, stats=(2, 3))
 
 
-def _ln_train_step(impl, ctx, args):
-    if impl.train is not None:
-        return grad_step(lambda: impl.train(ctx, *args), args, 2 if args[4] is not None else 1)
-    r = dispatch.Resolved(impl, ctx, impl.fn)
-    return grad_step(lambda: _ln_eager_autograd(r, *args), args, 2 if args[4] is not None else 1)
+def _train_step(eager_autograd, residual_at: int):
+    """autotune's forward+backward step of a norm impl: its `train` forward under torch's autograd, else
+    the opsadv Function running that impl; two outputs (y, sum) when args[residual_at] is given."""
+    def step(impl, ctx, args):
+        outs = 2 if args[residual_at] is not None else 1
+        if impl.train is not None:
+            return grad_step(lambda: impl.train(ctx, *args), args, outs)
+        r = dispatch.Resolved(impl, ctx, impl.fn)
+        return grad_step(lambda: eager_autograd(r, *args), args, outs)
+    return step
 
 
-register_train_step("layer_norm", _ln_train_step)
+register_train_step("layer_norm", _train_step(_ln_eager_autograd, 4))
 
 
 # ---- rms_norm ------------------------------------------------------------------------------
@@ -261,14 +266,7 @@ _rms_norm.register_autograd(_rms_bwd, setup_context=_rms_setup)
 _rms_eager_autograd = resolved_autograd_function("RmsNormFn", _rms_setup, _rms_bwd, stats=(2,))
 
 
-def _rms_train_step(impl, ctx, args):
-    if impl.train is not None:
-        return grad_step(lambda: impl.train(ctx, *args), args, 2 if args[3] is not None else 1)
-    r = dispatch.Resolved(impl, ctx, impl.fn)
-    return grad_step(lambda: _rms_eager_autograd(r, *args), args, 2 if args[3] is not None else 1)
-
-
-register_train_step("rms_norm", _rms_train_step)
+register_train_step("rms_norm", _train_step(_rms_eager_autograd, 3))
 
 
 # ---- public ----------------------------------------------------------------------------------
