@@ -139,6 +139,11 @@ def _llama_prefill(quick: bool, dev: str) -> BenchCase:
                      extra=extra, setup=setup)
 
 
+def _decode_flops(b: int, cached: int) -> float:
+    """One decode step: the weights' GEMMs plus attention over the cached tokens (head dim 64)."""
+    return 2 * PARAMS * b + LLAMA["num_hidden_layers"] * 4 * b * LLAMA["num_attention_heads"] * cached * 64
+
+
 def _llama_decode(quick: bool, dev: str) -> BenchCase:
     b, cached = DECODE
     extra: dict = {}
@@ -169,7 +174,7 @@ def _llama_decode(quick: bool, dev: str) -> BenchCase:
             return out
         return f
 
-    work = 2 * PARAMS * b + LLAMA["num_hidden_layers"] * 4 * b * LLAMA["num_attention_heads"] * cached * 64
+    work = _decode_flops(b, cached)
     return BenchCase("e2e", f"decode bf16 b{b} cache{cached} llama {extra_name()}", run("conv"), {"hf_sdpa": run("base")},
                      work, "TFLOP/s", extra=extra, setup=setup, rounds=DECODE_ROUNDS)
 
@@ -242,7 +247,7 @@ def _llama_decode_static(quick: bool, dev: str) -> BenchCase:
             outs[name] = run(name)()
         return rel_err(outs["conv"], outs["base"])
 
-    work = 2 * PARAMS * b + LLAMA["num_hidden_layers"] * 4 * b * LLAMA["num_attention_heads"] * cached * 64
+    work = _decode_flops(b, cached)
     return BenchCase("e2e", f"decode bf16 b{b} cache{cached} llama {extra_name()} static graphs", run("conv"),
                      {"hf_sdpa": run("base"), **({"torch_compile": run("compiled")} if COMPILE_STATIC else {})},
                      work, "TFLOP/s", compare=compare, extra=extra, setup=setup)
