@@ -22,6 +22,10 @@
 #   Order for session 7: j, b, c, e, c2, s, e2 (j can close issue 8; b takes the sparse Gluon gate off)
 #   PART=s: the e2e static-graph decode case alone (its compare fix came after its only run, 5a4f399)
 # Done in session 6 (results/*_s6*): a, b, e, d (the static-graph e2e row still needs a run with the compare fix)
+# Done in session 7 at b82d17a (results/*_s7*): j, b, c, e, c2.  Then d128 pingpong_st3 became the dense Gluon
+# default and auto_schedule() picks the sparse one:
+#   PART=v: pinned conformance of both Gluon impls at the new default paths, the sparse auto-schedule GPU test,
+#           bench attention --quick + the s16384 d128 cases, bench sparse fwd window series (autotuned dispatch)
 # OPSADV_COMMIT=<sha> PART=a bash benchmarks/h200_next.sh   (from the repo root on the GPU host, $OUT set)
 set -u
 # tests/conftest.py defaults TRITON_INTERPRET to 1 (CPU CI): every pytest here must say 0, and select the GPU tests
@@ -74,6 +78,22 @@ e2)  # the other two backward schedules
   timeout 420 python3 benchmarks/gluon_fa/bwd_probe.py "$OUT/gluon_fa_bwd2_h200.json" \
     --quick-checks --variants=dqfirst,ws_dqfirst > "$OUT/gluon_bwd2.log" 2>&1
   echo "gluon bwd probe 2 rc $?"; tail -25 "$OUT/gluon_bwd2.log"
+  ;;
+v)
+  for impl in cuda.gluon.flash_attention cuda.gluon.sparse_attention; do
+    timeout 150 python3 -m opsadv conformance --backend cuda --impl "$impl" --json "$OUT/conf_$impl.json" \
+      --markdown "$OUT/conf_$impl.md" > "$OUT/conf_$impl.log" 2>&1
+    echo "conformance $impl rc $?"; tail -1 "$OUT/conf_$impl.log"
+  done
+  TRITON_INTERPRET=0 timeout 60 python3 -m pytest -q -p no:cacheprovider -k "gpu_auto or gpu_fwd_bwd" tests/test_gluon_sparse.py \
+    > "$OUT/gluon_sparse_pytest.log" 2>&1
+  echo "gluon sparse pytest rc $?"; tail -2 "$OUT/gluon_sparse_pytest.log"
+  timeout 170 python3 -m opsadv bench --suite attention --quick --json "$OUT/attn_quick.json" > "$OUT/attn.log" 2>&1
+  echo "attention quick rc $?"
+  timeout 130 python3 -m opsadv bench --suite attention --filter "^fwd bf16 b1 h32 s16384 d128" --json "$OUT/attn_s16k.json" >> "$OUT/attn.log" 2>&1
+  echo "attention s16k rc $?"; grep -E "^fwd" "$OUT/attn.log" | cut -c1-160
+  timeout 150 python3 -m opsadv bench --suite sparse --filter "^fwd bf16 b1 h32 s16384 d128 sliding" --json "$OUT/sparse_fwd.json" > "$OUT/sparse.log" 2>&1
+  echo "sparse rc $?"; grep -E "^fwd" "$OUT/sparse.log" | cut -c1-160
   ;;
 s)
   timeout 300 python3 -m opsadv bench --suite e2e --filter "static graphs" --json "$OUT/e2e_static.json" > "$OUT/e2e_static.log" 2>&1

@@ -42,10 +42,11 @@ VARIANTS = {
     "inline_st3": dict(WARP_SPEC=False, PINGPONG=False, STAGES=3),
     "pingpong": dict(WARP_SPEC=True, PINGPONG=True, STAGES=None),
     # d128 only (at d64 it is "pingpong"): 2 x 64-row Q/O slots + 3 x (K + V) = 229,736 B of shared
-    # memory with the barriers (sm_90 limit 232,448).  Compiled with 0 spills, NOT yet run on a GPU.
+    # memory with the barriers (sm_90 limit 232,448).  0 spills; the d128 default since b82d17a.
     "pingpong_st3": dict(WARP_SPEC=True, PINGPONG=True, STAGES=3),
     # FA3's separate K and V pipelines: a K slot is refilled once its S has retired, without waiting
-    # for the P V of the same tile (the kernel's SPLIT_EMPTY).  Compiled with 0 spills, NOT yet run on a GPU.
+    # for the P V of the same tile (the kernel's SPLIT_EMPTY).  0 spills; H200: best non-causal MHA d128,
+    # behind pingpong_st3 causal (results/gluon_fa_sched_s7_h200.json).
     "pingpong_kv": dict(WARP_SPEC=True, PINGPONG=True, STAGES=None, SPLIT_EMPTY=True),
     "pingpong_kv_st3": dict(WARP_SPEC=True, PINGPONG=True, STAGES=3, SPLIT_EMPTY=True),
 }
@@ -53,11 +54,13 @@ VARIANTS = {
 # held through the loop they spilled (8 B of stack, 24 B causal).  d64 did not spill; it stays
 # byte-identical to the schedule measured on the H200 (its default).
 REMAT_HEAD_DIMS = (128,)
-# The schedule the impl launches, per head dim: the fastest correct one on the H200 at 2cfc9ce
-# (benchmarks/results/gluon_fa_v2_h200.json, b4 h32 s4096 bf16, x SDPA cuDNN): d128 inline_st3 0.79
-# non-causal / 0.835 causal (ws 0.686 / 0.666, pingpong 0.747 / 0.741); d64 pingpong 0.902 / 0.86
-# (ws 0.741 / 0.746).
-DEFAULT_VARIANT = {64: "pingpong", 128: "inline_st3"}
+# The schedule the impl launches, per head dim: the fastest correct one on the H200 at b82d17a
+# (benchmarks/results/gluon_fa_sched_s7_h200.json, bf16, x SDPA cuDNN in the same run; every schedule
+# passed every check).  d128 pingpong_st3, non-causal / causal: b4 h32 s4096 1.016 / 1.001, b1 s16384
+# 1.015 / 1.219, GQA 32/8 b4 s4096 1.010 / 1.069 (inline_st3, the default before: 0.83 / 0.75, 0.83 / 0.91,
+# 0.80 / 0.87; pingpong_kv 1.052 / 0.900, 1.038 / 1.014, 0.996 / 0.996).  d64 pingpong 0.962 / 0.869 at
+# b4 s4096, 0.940 / 0.976 at s16384 (pingpong_kv within 1%).
+DEFAULT_VARIANT = {64: "pingpong", 128: "pingpong_st3"}
 CONSUMER_REGS = 240     # per thread, each ping-pong consumer warpgroup (setmaxnreg)
 PRODUCER_REGS = 24      # the TMA producer warp only issues copies
 

@@ -18,30 +18,30 @@ w256 0.326 / 0.305, w512 0.455 / 0.452, w2048 1.186 / 1.218, w4096 2.114 / 2.035
 The persistent schedule wins on short rows (w1024 0.696 vs 0.744 one item per CTA) and loses on long
 ones (w8192 3.494 vs 3.379): persistent_schedule() picks per call from the layout's tile count.
 
-Schedules added for issue #5 (session 6; VARIANTS, opt-in through sparse_fwd(variant=...), NOT RUN ON A
-GPU, DEFAULT_VARIANT unchanged):
+Schedules (VARIANTS; _gluon_sparse_kernel's docstring):
   * "pingpong": the dense kernel's FA3 ping-pong.  Two consumer warpgroups of 64 rows run as separate
     partitions, each with its own Q slots and barriers, and alternate their GEMM issues through two "turn"
     mbarriers.  kv_empty counts 2 arrives.  Registers 240 / 240 / 24.
   * "pingpong_kv": "pingpong" plus separate K and V "empty" barriers (FA3's K/V pipelines; the producer
-    loads K_{t+1} before V_t).  With one shared barrier at 2 stages, K_{j+1}'s slot waits for warpgroup 1's
-    P V of tile j-1.
+    loads K_{t+1} before V_t).
   * "st3": d128 3-stage K/V ring with one Q slot.  "pingpong_st3": both.
   * "q1": 1 Q slot at 2 stages, the control that separates st3's ring depth from its one-slot Q.
   All five store O from registers and free each Q slot after the item's last S = Q K^T (O_REGS).
-CPU sm_90 compile (benchmarks/gluon_fa/sparse_compile_sm90.py), causal window d128 bf16, STL/LDL / stack /
-smem: default 6 (outside the loops) / 16 / 196,916 B (unchanged); pingpong 0 / 0 / 197,032; pingpong_kv
-0 / 0 / 197,064; st3 0 / 0 / 229,724; pingpong_st3 0 / 0 / 229,816; q1 0 / 0 / 164,140.  Dense causal d128
-and causal window d64: 0 as well.  Masked modes (--masked), d128: with global tokens every new schedule
-spills 4 inside the masked loop (the default: 10 outside); with block masks the ping-pong ones spill
-outside the loops (bigbird: pingpong 6, pingpong_st3 2, pingpong_kv 10; st3 0).  So they are candidates
-for windows and causal layouts.  The H200 probe decides (benchmarks/gluon_fa/sparse_probe.py checks every
-variant before timing it).
+CPU sm_90 compile, causal window d128 bf16, STL/LDL / stack / smem: default 6 (outside the loops) / 16 /
+196,916 B; pingpong 0 / 0 / 197,032; pingpong_kv 0 / 0 / 197,064; st3 0 / 0 / 229,724; pingpong_st3 0 / 0 /
+229,816; q1 0 / 0 / 164,140.  Masked modes spill in the ping-pong schedules (global tokens: 4 inside the
+masked loop; block masks: outside the loops), so they serve windows and causal layouts only.
+H200 at b82d17a (results/gluon_sparse_sched_s7_h200.json: every schedule passed every probe check, both
+grids), s16384 causal windows d128 bf16 b1 h32, ms default / pingpong_st3 (persistent, one item per CTA) /
+Triton sparse / flex: w1024 0.703 / 0.698, 0.772 / 0.691 / 0.847; w2048 ~1.26 / 1.091, 1.169 / 1.233 / 1.414;
+w4096 2.08 / 1.887, 1.966 / 2.089 / 2.444; w8192 3.50 / 3.219, 2.991 / 3.385 / 4.077; w128-w512 the
+default (pingpong_st3 0.379 / 0.423 / 0.506 vs 0.26-0.45).  So auto_schedule() takes pingpong_st3 on d128
+window/causal layouts from SCHEDULE_PINGPONG_MIN_TILES visited tiles per row, its persistent grid up to
+PINGPONG_PERSISTENT_MAX_TILES, and the default schedule elsewhere.
 
-Experimental again: it passed the H200 conformance catalogue at 0802806, but session 6's schedules
-changed the default schedule's code too (new kernel arguments; its sm_90 SASS is no longer the one that
-was checked), so the gate stays until benchmarks/h200_next.sh PART=b passes at the new commit.  It ranks
-below the Triton sparse impl and serves, once enabled, where a measurement found it faster (or pinned).  When
+Passed the pinned H200 conformance catalogue at 0802806 and again at b82d17a (10 pass / 0 fail;
+docs/conformance/cuda-h200-gluon-sparse.md), so not experimental.  It ranks below the Triton sparse impl
+and serves where a measurement (autotune / the tuning cache) found it faster, or when pinned.  When
 triton.experimental.gluon does not import, the impl is still registered, rejecting every call with
 the import error as the reason, and importing opsadv never fails."""
 from __future__ import annotations
@@ -76,10 +76,9 @@ SMEM_LIMIT = 232448             # sm_90 opt-in shared memory per block (227 KB)
 SMEM_SLACK = 1024               # barriers and the layout-conversion scratch (measured: 308 B at d128)
 PRODUCER_REGS = 24              # the 1-warp TMA producer (setmaxnreg); consumers get the rest
 CONSUMER_REGS = 240             # each ping-pong consumer warpgroup (2 x 240 + 24 <= 512 per thread x 128)
-DEFAULT_VARIANT: dict = {}           # {"persistent": bool, "stages": int, ...}: absent keys are chosen per call
-# Named schedules for the benchmarks and tests (see _gluon_sparse_kernel's docstring).  Only "default" has
-# been measured on a GPU; the others are compiled (0 spills, see the docstring below), NOT run on a GPU,
-# and must not become DEFAULT_VARIANT without an H200 measurement (benchmarks/gluon_fa/sparse_probe.py).
+DEFAULT_VARIANT: dict = {}           # {"persistent": bool, "stages": int, ...}: overrides auto_schedule()
+# Named schedules for the benchmarks and tests (see _gluon_sparse_kernel's docstring); all checked and timed
+# on the H200 (benchmarks/gluon_fa/sparse_probe.py).
 VARIANTS = {
     "default": {},                                  # 8 consumer warps, 2 Q slots, STAGES[d]
     "pingpong": {"pingpong": True},                 # 2 consumer warpgroups taking GEMM turns, STAGES[d]
@@ -92,6 +91,11 @@ VARIANTS = {
 # per CTA for long ones (H200, fc70817, s16384 d128 causal windows, ms persistent / one item per CTA:
 # ~8 tiles per row 0.696 / 0.744, ~16 1.186 / 1.203, ~32 2.114 / 2.088, ~64 3.494 / 3.379).
 PERSISTENT_MAX_TILES = 24          # mean visited tiles per (b, h, query tile) up to which persistent wins
+# pingpong_st3 (module docstring, b82d17a): faster than the default from ~17 tiles per row (w2048: 1.09 vs
+# 1.26 ms), a tie at ~9 (w1024), slower below; its persistent grid wins at ~33 (w4096: 1.887 vs 1.966) and
+# loses at ~65 (w8192: 3.219 vs 2.991).  Thresholds sit between the measured points.
+SCHEDULE_PINGPONG_MIN_TILES = 12
+PINGPONG_PERSISTENT_MAX_TILES = 48
 
 _sm_counts: dict[int, int] = {}
 
@@ -114,13 +118,32 @@ def layout_index(block_mask, kpm, cu, bs, causal, wl, wr, ng, sq, sk):
     return tile_index(block_mask, kpm, cu, bs, causal, wl, wr, ng, sq, sk, TILE, TILE)
 
 
-def persistent_schedule(ti, n_m: int) -> bool:
-    """The grid choice above from the layout's tile count (ti.tiles < 0, an index built during CUDA
-    graph capture without host reads: persistent, the schedule measured at the common window sizes)."""
+def tiles_per_row(ti, n_m: int) -> float:
+    """Mean visited tiles per (b, h, query tile) of the index; -1 for an index built during CUDA graph
+    capture without host reads (ti.tiles < 0)."""
     if ti.tiles < 0:
-        return True
+        return -1.0
     items = ti.rows.shape[0] * ti.rows.shape[1] * n_m       # (b|1) x (h|1) x query tiles of the index
-    return ti.tiles <= PERSISTENT_MAX_TILES * max(items, 1)
+    return ti.tiles / max(items, 1)
+
+
+def persistent_schedule(ti, n_m: int, max_tiles: int = PERSISTENT_MAX_TILES) -> bool:
+    """The grid choice above from the layout's tile count (an index without a host tile count, built
+    under graph capture: persistent, the schedule measured at the common window sizes)."""
+    per_row = tiles_per_row(ti, n_m)
+    return per_row < 0 or per_row <= max_tiles
+
+
+def auto_schedule(d: int, ti, n_m: int, kpm, ng: int) -> dict:
+    """The schedule a call without an explicit variant runs (module docstring): pingpong_st3 for d128
+    windows / causal layouts (no mixed block mask, key padding or global tokens: those spill in the
+    ping-pong schedules) with long rows, else the default; the grid from the schedule's persistent
+    crossover."""
+    per_row = tiles_per_row(ti, n_m)
+    plain = ti.bm_mode != 2 and kpm is None and not ng      # bm_mode 2: a mixed block mask is gathered
+    if d == 128 and plain and per_row >= SCHEDULE_PINGPONG_MIN_TILES:
+        return {**VARIANTS["pingpong_st3"], "persistent": per_row <= PINGPONG_PERSISTENT_MAX_TILES}
+    return {"persistent": persistent_schedule(ti, n_m)}
 
 
 def smem_bytes(d: int, stages: int, q_slots: int, esize: int = 2) -> int:
@@ -182,18 +205,22 @@ def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale,
                max_seqlen=-1, *, variant=None):
     """out (b, h_q, s_q, d) over (b, s, h, d) memory, lse (b, h_q, s_q) float32 natural log.
     variant (benchmarks): {"persistent": bool, "stages": int, "q_slots": 1 | 2, "pingpong": bool,
-    "split_empty": bool} (or a VARIANTS name) over DEFAULT_VARIANT."""
+    "split_empty": bool} (or a VARIANTS name) over DEFAULT_VARIANT; None: auto_schedule()."""
     from ._triton_utils import new_output, new_output_bshd
     if cu is not None:   # check() refuses these; a direct call must not get a silently wrong answer
         raise NotImplementedError(f"{IMPL_ID}: packed varlen layouts (cu_seqlens) are not supported")
-    opts = {**DEFAULT_VARIANT, **(VARIANTS[variant] if isinstance(variant, str) else variant or {})}
     q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
     b, hq, sq, d = q.shape
     sk = k.shape[2]
     ti = layout_index(block_mask, kpm, cu, bs, causal, wl, wr, ng, sq, sk)
     out = new_output_bshd(q.shape, q.dtype, q.device)
     lse = new_output((b, hq, sq), torch.float32, q.device)
-    persistent = opts["persistent"] if "persistent" in opts else persistent_schedule(ti, _cdiv(sq, TILE))
+    n_m = _cdiv(sq, TILE)
+    if variant is None:
+        opts = {**auto_schedule(d, ti, n_m, kpm, ng), **DEFAULT_VARIANT}
+    else:
+        opts = {**DEFAULT_VARIANT, **(VARIANTS[variant] if isinstance(variant, str) else variant)}
+    persistent = opts["persistent"] if "persistent" in opts else persistent_schedule(ti, n_m)
     grid, args, kw = launch_args(q, k, v, out, lse, ti, kpm, bs, causal, wl, wr, ng, scale,
                                  persistent=persistent, stages=opts.get("stages"), q_slots=opts.get("q_slots"),
                                  pingpong=opts.get("pingpong", False), split_empty=opts.get("split_empty", False),
@@ -231,11 +258,11 @@ def impls(env) -> list[KernelImpl]:
         # the tuning cache) found it faster, or when pinned
         priority=PRIORITY_TRITON - 10, device_types=("cuda",), dtypes=(torch.float16, torch.bfloat16),
         head_dims=HEAD_DIMS, min_cc=(9, 0), max_cc=(9, 0), features=FEATURES, deterministic=True,
-        experimental=True, check=_check,   # until the changed default path passes H200 conformance again
+        check=_check,
         description="Gluon block-sparse forward for Hopper (persistent, TMA K/V ring across work items, "
                     "async wgmma, softmax/GEMM overlap; 128x128 tile lists, partial tiles element-masked); "
                     "Triton sparse backward from out + lse")]
 
 
-__all__ = ["impls", "sparse_fwd", "sparse_bwd", "launch_args", "layout_index", "resolve_schedule", "UNAVAILABLE",
-           "IMPL_ID", "STAGES", "VARIANTS", "DEFAULT_VARIANT"]
+__all__ = ["impls", "sparse_fwd", "sparse_bwd", "launch_args", "layout_index", "resolve_schedule", "auto_schedule",
+           "UNAVAILABLE", "IMPL_ID", "STAGES", "VARIANTS", "DEFAULT_VARIANT"]
