@@ -90,10 +90,11 @@ v)
   echo "gluon sparse pytest rc $?"; tail -2 "$OUT/gluon_sparse_pytest.log"
   timeout 170 python3 -m opsadv bench --suite attention --quick --json "$OUT/attn_quick.json" > "$OUT/attn.log" 2>&1
   echo "attention quick rc $?"
-  timeout 130 python3 -m opsadv bench --suite attention --filter "^fwd bf16 b1 h32 s16384 d128" --json "$OUT/attn_s16k.json" >> "$OUT/attn.log" 2>&1
-  echo "attention s16k rc $?"; grep -E "^fwd" "$OUT/attn.log" | cut -c1-160
+  grep -E "^(fwd|bwd)" "$OUT/attn.log" | cut -c1-160
   timeout 150 python3 -m opsadv bench --suite sparse --filter "^fwd bf16 b1 h32 s16384 d128 sliding" --json "$OUT/sparse_fwd.json" > "$OUT/sparse.log" 2>&1
   echo "sparse rc $?"; grep -E "^fwd" "$OUT/sparse.log" | cut -c1-160
+  timeout 130 python3 -m opsadv bench --suite attention --filter "^fwd bf16 b1 h32 s16384 d128" --json "$OUT/attn_s16k.json" > "$OUT/attn16k.log" 2>&1
+  echo "attention s16k rc $?"; grep -E "^fwd" "$OUT/attn16k.log" | cut -c1-160
   ;;
 s)
   timeout 300 python3 -m opsadv bench --suite e2e --filter "static graphs" --json "$OUT/e2e_static.json" > "$OUT/e2e_static.log" 2>&1
