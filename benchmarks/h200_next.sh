@@ -25,7 +25,8 @@
 # Done in session 7 at b82d17a (results/*_s7*): j, b, c, e, c2.  Then d128 pingpong_st3 became the dense Gluon
 # default and auto_schedule() picks the sparse one:
 #   PART=v: pinned conformance of both Gluon impls at the new default paths, the sparse auto-schedule GPU test,
-#           bench attention --quick + the s16384 d128 cases, bench sparse fwd window series (autotuned dispatch)
+#           bench attention --quick + the s16384 d128 cases, bench sparse fwd window series (autotuned dispatch);
+#           logs under /tmp (8 files come back: the JSONs, the conformance matrices, the pytest log)
 # OPSADV_COMMIT=<sha> PART=a bash benchmarks/h200_next.sh   (from the repo root on the GPU host, $OUT set)
 set -u
 # tests/conftest.py defaults TRITON_INTERPRET to 1 (CPU CI): every pytest here must say 0, and select the GPU tests
@@ -82,19 +83,19 @@ e2)  # the other two backward schedules
 v)
   for impl in cuda.gluon.flash_attention cuda.gluon.sparse_attention; do
     timeout 150 python3 -m opsadv conformance --backend cuda --impl "$impl" --json "$OUT/conf_$impl.json" \
-      --markdown "$OUT/conf_$impl.md" > "$OUT/conf_$impl.log" 2>&1
-    echo "conformance $impl rc $?"; tail -1 "$OUT/conf_$impl.log"
+      --markdown "$OUT/conf_$impl.md" > "/tmp/conf_$impl.log" 2>&1
+    echo "conformance $impl rc $?"; tail -1 "/tmp/conf_$impl.log"
   done
   TRITON_INTERPRET=0 timeout 60 python3 -m pytest -q -p no:cacheprovider -k "gpu_auto or gpu_fwd_bwd" tests/test_gluon_sparse.py \
-    > "$OUT/gluon_sparse_pytest.log" 2>&1
-  echo "gluon sparse pytest rc $?"; tail -2 "$OUT/gluon_sparse_pytest.log"
-  timeout 170 python3 -m opsadv bench --suite attention --quick --json "$OUT/attn_quick.json" > "$OUT/attn.log" 2>&1
+    > "/tmp/gluon_sparse_pytest.log" 2>&1
+  echo "gluon sparse pytest rc $?"; tail -2 "/tmp/gluon_sparse_pytest.log"; cp /tmp/gluon_sparse_pytest.log "$OUT/"
+  timeout 170 python3 -m opsadv bench --suite attention --quick --json "$OUT/attn_quick.json" > "/tmp/attn.log" 2>&1
   echo "attention quick rc $?"
-  grep -E "^(fwd|bwd)" "$OUT/attn.log" | cut -c1-160
-  timeout 150 python3 -m opsadv bench --suite sparse --filter "^fwd bf16 b1 h32 s16384 d128 sliding" --json "$OUT/sparse_fwd.json" > "$OUT/sparse.log" 2>&1
-  echo "sparse rc $?"; grep -E "^fwd" "$OUT/sparse.log" | cut -c1-160
-  timeout 130 python3 -m opsadv bench --suite attention --filter "^fwd bf16 b1 h32 s16384 d128" --json "$OUT/attn_s16k.json" > "$OUT/attn16k.log" 2>&1
-  echo "attention s16k rc $?"; grep -E "^fwd" "$OUT/attn16k.log" | cut -c1-160
+  grep -E "^(fwd|bwd)" "/tmp/attn.log" | cut -c1-160
+  timeout 150 python3 -m opsadv bench --suite sparse --filter "^fwd bf16 b1 h32 s16384 d128 sliding" --json "$OUT/sparse_fwd.json" > "/tmp/sparse.log" 2>&1
+  echo "sparse rc $?"; grep -E "^fwd" "/tmp/sparse.log" | cut -c1-160
+  timeout 130 python3 -m opsadv bench --suite attention --filter "^fwd bf16 b1 h32 s16384 d128" --json "$OUT/attn_s16k.json" > "/tmp/attn16k.log" 2>&1
+  echo "attention s16k rc $?"; grep -E "^fwd" "/tmp/attn16k.log" | cut -c1-160
   ;;
 s)
   timeout 300 python3 -m opsadv bench --suite e2e --filter "static graphs" --json "$OUT/e2e_static.json" > "$OUT/e2e_static.log" 2>&1
