@@ -673,7 +673,7 @@ def test_gpu_auto_pingpong_st3_through_the_op(seed, monkeypatch):
     through the op against float64 (the conformance catalogue's shapes are too short to reach it)."""
     monkeypatch.setenv("OPSADV_POISON_OUTPUTS", "1")
     s, w = 5000, 2000
-    lay = SparseLayout.sliding_window(s, w, causal=True, block_size=128)
+    lay = SparseLayout.sliding_window(s, w, causal=True, block_size=128, device="cuda")
     ti = GS.layout_index(*_layout_args(lay), s, s)
     assert "pingpong" in GS.auto_schedule(128, ti, GS._cdiv(s, GS.TILE), None, 0)
     q, k, v = (torch.randn(1, 2, s, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
