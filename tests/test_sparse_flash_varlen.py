@@ -115,7 +115,7 @@ def test_features_carry_the_facts():
     assert "varlen" in f and not f & {"dense_blocks", "max_seqlen_known"}
     assert "max_seqlen_known" not in sparse_op.layout_spec(q, k, SparseLayout.dense(23), False).features
     # the facts split the resolution bucket: one key never serves both
-    keys = {sparse_op._key(q, k, None, lay.cu_seqlens, 16, False, -1, 0, lay.dense_blocks,
+    keys = {sparse_op._key(q, k, None, lay.cu_seqlens, 16, False, -1, -1, 0, lay.dense_blocks,
                            -1 if lay.max_seqlen is None else lay.max_seqlen, False)
             for lay in (hand, SparseLayout.varlen([20, 3], block_size=16))}
     assert len(keys) == 2
@@ -415,3 +415,17 @@ def test_gpu_is_chosen_by_auto_and_captures_in_a_cuda_graph():
             r = F.scaled_dot_product_attention(*(t[:, :, a:a + L].float() for t in (q, k, v)))
             assert rel_err(out[:, :, a:a + L], r) < 5e-2
         a += L
+
+
+def test_windows_of_different_spans_resolve_apart():
+    """The window's span is part of the bucket (and so of the tuning key): a measured choice at window 1024
+    must not serve window 2048 (on the H200 the fastest kernel differs between them)."""
+    q = torch.randn(1, 2, 4096, 64)
+    k = torch.randn(1, 2, 4096, 64)
+    specs = {w: sparse_op.layout_spec(q, k, SparseLayout.sliding_window(4096, w, causal=True), False)
+             for w in (600, 1000, 2000)}
+    assert specs[600].bucket == specs[1000].bucket           # spans 601 and 1001: one power-of-two bucket
+    assert specs[1000].bucket != specs[2000].bucket
+    bidir = sparse_op.layout_spec(q, k, SparseLayout.sliding_window(4096, 1000, causal=False), False)
+    assert bidir.bucket != specs[1000].bucket                 # 2001 keys per row vs 1001
+    assert sparse_op.layout_spec(q, k, SparseLayout.dense(4096), False).bucket[-1] == 0

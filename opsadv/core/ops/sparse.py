@@ -66,22 +66,29 @@ def _features(q, k, kpm, cu, causal, wl, ng, dense, ms) -> frozenset[str]:
     return frozenset(f)
 
 
-def _key(q, k, kpm, cu, bs, causal, wl, ng, dense, ms, backward):
-    return (OP, backward, q.device.type, q.dtype, q.shape[-1], bs, causal, wl >= 0, ng > 0, kpm is not None,
-            cu is not None, q.shape[1] // k.shape[1], len_bucket(q.shape[2]), len_bucket(k.shape[2]),
-            dense, ms >= 0)
+def _window_bucket(wl: int, wr: int) -> int:
+    """A window's span (left + right + 1 keys) bucketed like lengths, 0 without a window: the work per row
+    differs by window, and so does the fastest kernel (H200: Triton sparse at w1024, the Gluon ping-pong
+    schedule 12% faster at w2048), so windows must not share one measured choice."""
+    return len_bucket(wl + max(wr, 0) + 1) if wl >= 0 else 0
 
 
-def _spec(q, k, kpm, cu, bs, causal, wl, ng, dense, ms, backward) -> CallSpec:
+def _key(q, k, kpm, cu, bs, causal, wl, wr, ng, dense, ms, backward):
+    return (OP, backward, q.device.type, q.dtype, q.shape[-1], bs, causal, _window_bucket(wl, wr), ng > 0,
+            kpm is not None, cu is not None, q.shape[1] // k.shape[1], len_bucket(q.shape[2]),
+            len_bucket(k.shape[2]), dense, ms >= 0)
+
+
+def _spec(q, k, kpm, cu, bs, causal, wl, wr, ng, dense, ms, backward) -> CallSpec:
     return CallSpec(OP, q.device.type, q.dtype, _features(q, k, kpm, cu, causal, wl, ng, dense, ms),
-                    (bs, len_bucket(q.shape[2]), len_bucket(k.shape[2])), head_dim=q.shape[-1],
-                    shapes=(tuple(q.shape), tuple(k.shape)), backward=backward)
+                    (bs, len_bucket(q.shape[2]), len_bucket(k.shape[2]), _window_bucket(wl, wr)),
+                    head_dim=q.shape[-1], shapes=(tuple(q.shape), tuple(k.shape)), backward=backward)
 
 
 def layout_spec(q, k, layout: SparseLayout, backward: bool) -> CallSpec:
     """The CallSpec a call with this layout resolves by (explain, tests)."""
     return _spec(q, k, layout.key_padding_mask, layout.cu_seqlens, layout.block_size, layout.causal,
-                 layout.window_left, layout.num_global, layout.dense_blocks,
+                 layout.window_left, layout.window_right, layout.num_global, layout.dense_blocks,
                  -1 if layout.max_seqlen is None else layout.max_seqlen, backward)
 
 
@@ -90,8 +97,8 @@ def _route(q, k, v, block_mask, key_padding_mask, cu_seqlens, block_size, causal
     s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     kpm, cu, wl, ng = key_padding_mask, cu_seqlens, window_left, num_global
     out, lse = dispatch.call(
-        _key(q, k, kpm, cu, block_size, causal, wl, ng, dense_blocks, max_seqlen, False),
-        lambda: _spec(q, k, kpm, cu, block_size, causal, wl, ng, dense_blocks, max_seqlen, False),
+        _key(q, k, kpm, cu, block_size, causal, wl, window_right, ng, dense_blocks, max_seqlen, False),
+        lambda: _spec(q, k, kpm, cu, block_size, causal, wl, window_right, ng, dense_blocks, max_seqlen, False),
         (q, k, v, block_mask, kpm, cu, block_size, causal, wl, window_right, ng, s, dense_blocks, max_seqlen))
     return out, contiguous_lse(lse)
 
@@ -101,8 +108,8 @@ def _bwd_route(dout, q, k, v, out, lse, block_mask, key_padding_mask, cu_seqlens
     s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     kpm, cu, wl, ng = key_padding_mask, cu_seqlens, window_left, num_global
     return dispatch.call(
-        _key(q, k, kpm, cu, block_size, causal, wl, ng, dense_blocks, max_seqlen, True),
-        lambda: _spec(q, k, kpm, cu, block_size, causal, wl, ng, dense_blocks, max_seqlen, True),
+        _key(q, k, kpm, cu, block_size, causal, wl, window_right, ng, dense_blocks, max_seqlen, True),
+        lambda: _spec(q, k, kpm, cu, block_size, causal, wl, window_right, ng, dense_blocks, max_seqlen, True),
         (dout, q, k, v, out, lse, block_mask, kpm, cu, block_size, causal, wl, window_right, ng, s,
          dense_blocks, max_seqlen))
 
