@@ -9,8 +9,12 @@ written here; Blackwell has other instructions), bf16/fp16, head_dim 64 or 128, 
 along d and 16-byte aligned strides (contiguous and the (b, s, h, d) memory of transformers'
 projections both are); other views are made contiguous first (a copy).
 
-Passed the H200 conformance catalogue (docs/conformance/cuda-h200.md, 0802806), so not experimental;
-it ranks above the Triton impl and below the vendor (cuDNN / flash) impls.  The Gluon backward of
+Passed the H200 conformance catalogue at 0802806, b82d17a and, with d128's pingpong_st3 default, f1b9ea8
+(14 pass / 0 fail; docs/conformance/cuda-h200-gluon-flash.md), so not experimental.  It ranks above the
+Triton impl and below the vendor (cuDNN / flash) impls; measurement decides between them (autotune / the
+tuning cache): `opsadv bench --suite attention` at 26cb27c chose it at b1 h32 s16384 d128, 1.035x cuDNN
+non-causal and 1.135x causal (results/attn_s16k_s7b_h200.json); at b4 s4096 the two are within 1% and the
+measured choice goes either way.  The Gluon backward of
 gluon_attention_bwd.py is correct on the H200 but slower than the Triton one, so it is not used.
 When triton.experimental.gluon does not import, the impl is still registered, rejecting every call
 with the import error as the reason (opsadv.explain shows it), and importing opsadv never fails."""

@@ -11,8 +11,12 @@ another warp instead of atomics from the GEMM warps.  (The key rows are already 
 of the two GEMM warpgroups holds 64 of the 128 keys of dK/dV.)
 
 Session 6 schedules, VARIANTS (compiled for sm_90 on CPU, 0 STL/LDL and 0 stack at d64/d128, bf16/fp16,
-causal or not; NOT run on a GPU, so DEFAULT_VARIANT stays "inline", the measured schedule, whose SASS
-is unchanged by the refactor):
+causal or not).  H200 at b82d17a (results/gluon_fa_bwd_sched_s7_h200.json): ws and ws_dqw pass every
+check, and none wins: b4 h32 s4096 d128 bf16, ms inline / ws / ws st3 / ws_dqw / Triton / cuDNN:
+non-causal 7.05 / 6.99 / 7.01 / 7.37 / 6.76 / 5.46, causal 3.85 / 3.82 / 3.83 / 4.06 / 3.34 / 2.86, GQA 32/8
+7.09 / 7.17 / 7.11 / 7.48 / 6.89 / 5.48.  The producer warp gains <1%, dQ through smem costs 5%: the
+limit is the GEMM warps' own issue rate, not the loads or the atomics.  DEFAULT_VARIANT stays "inline"
+(dqfirst / ws_dqfirst not yet run: PART=e2):
   * ws: a 1-warp TMA producer partition (24 registers) feeding the Q/dO ring through "empty" barriers;
     the 8 GEMM warps run under setmaxnreg 240 (up to R237 used at d128; "inline" uses 255 without a
     producer).  The epilogue's coordinates are re-read from the CTA id (held, they spilled 14 STL/LDL).

@@ -31,17 +31,19 @@ CPU sm_90 compile, causal window d128 bf16, STL/LDL / stack / smem: default 6 (o
 196,916 B; pingpong 0 / 0 / 197,032; pingpong_kv 0 / 0 / 197,064; st3 0 / 0 / 229,724; pingpong_st3 0 / 0 /
 229,816; q1 0 / 0 / 164,140.  Masked modes spill in the ping-pong schedules (global tokens: 4 inside the
 masked loop; block masks: outside the loops), so they serve windows and causal layouts only.
-H200 at b82d17a (results/gluon_sparse_sched_s7_h200.json: every schedule passed every probe check, both
-grids), s16384 causal windows d128 bf16 b1 h32, ms default / pingpong_st3 (persistent, one item per CTA) /
+H200 at b82d17a (results/gluon_sparse_sched_s7a_h200.json / _s7b_: every schedule passed every probe check,
+both grids), s16384 causal windows d128 bf16 b1 h32, ms default / pingpong_st3 (persistent, one item per CTA) /
 Triton sparse / flex: w1024 0.703 / 0.698, 0.772 / 0.691 / 0.847; w2048 ~1.26 / 1.091, 1.169 / 1.233 / 1.414;
 w4096 2.08 / 1.887, 1.966 / 2.089 / 2.444; w8192 3.50 / 3.219, 2.991 / 3.385 / 4.077; w128-w512 the
 default (pingpong_st3 0.379 / 0.423 / 0.506 vs 0.26-0.45).  So auto_schedule() takes pingpong_st3 on d128
 window/causal layouts from SCHEDULE_PINGPONG_MIN_TILES visited tiles per row, its persistent grid up to
 PINGPONG_PERSISTENT_MAX_TILES, and the default schedule elsewhere.
 
-Passed the pinned H200 conformance catalogue at 0802806 and again at b82d17a (10 pass / 0 fail;
+Passed the pinned H200 conformance catalogue at 0802806, b82d17a and f1b9ea8 (10 pass / 0 fail;
 docs/conformance/cuda-h200-gluon-sparse.md), so not experimental.  It ranks below the Triton sparse impl
-and serves where a measurement (autotune / the tuning cache) found it faster, or when pinned.  When
+and serves where a measurement (autotune / the tuning cache) found it faster, or when pinned: `opsadv
+bench --suite sparse` at 26cb27c (results/sparse_fwd_s7b_h200.json) measured it in for w2048 / w4096 / w8192
+(1.080 / 1.836 / 2.946 ms = 1.39x / 1.44x / 1.41x flex) and the Triton kernel for w128-w1024.  When
 triton.experimental.gluon does not import, the impl is still registered, rejecting every call with
 the import error as the reason, and importing opsadv never fails."""
 from __future__ import annotations
