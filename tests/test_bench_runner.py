@@ -85,3 +85,18 @@ def test_a_case_whose_setup_fails_gives_an_error_row():
                      setup=boom)
     (row,) = runner.run_case(case)
     assert row["case"] == "broken case" and row["error"].startswith("setup: RuntimeError: no such model here")
+
+
+def test_attention_own_row_takes_the_best_own_kernel_that_accepts():
+    """The "[own]" row reports the first of OWN (Gluon, then Triton) that accepts the case: under the
+    Triton interpreter the Gluon impl refuses (it needs a Hopper GPU), so the Triton kernel is the own one."""
+    import opsadv.bench.suite_attention as S
+    assert S.OWN[0] == "cuda.gluon.flash_attention" and S.OWN[-1] == "cuda.triton.flash_attention"
+    q, k = torch.randn(1, 2, 24, 32, dtype=torch.float16), torch.randn(1, 2, 24, 32, dtype=torch.float16)
+    own = S._own(q, k, True, False)
+    from opsadv.registry import get_registry
+    cuda = get_registry().backends.get("cuda")
+    if cuda is None or not cuda.available:
+        assert own is None
+    else:
+        assert own[0].id == "cuda.triton.flash_attention"

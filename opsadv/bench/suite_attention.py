@@ -15,7 +15,10 @@ import opsadv
 
 from .case import BenchCase, flex_peer
 
-OWN = "cuda.triton.flash_attention"
+# The library's own kernels, best first (H200: the Gluon forward >= cuDNN at d128, the Triton one 0.78-0.92x);
+# an "[own]" row reports the first one that accepts the case, when the dispatcher chose a vendor kernel.
+OWN = ("cuda.gluon.flash_attention", "cuda.triton.flash_attention")
+OWN_PREFIXES = ("cuda.gluon.", "cuda.triton.")
 SHAPES = ((16, 32, 1024), (4, 32, 4096), (1, 32, 16384))
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -40,23 +43,25 @@ def _grid(quick: bool):
 
 
 def _own(q, k, causal, backward):
-    """The library's own Triton kernel, bypassing the dispatcher's choice (for "[own]" rows)."""
+    """(impl, ctx) of the library's best own kernel that accepts the case (OWN), bypassing the
+    dispatcher's choice (for "[own]" rows); None when none does."""
     from opsadv.core import dispatch
     from opsadv.core.ops import attention as A
     from opsadv.core.policy import current_policy
     from opsadv.registry import get_registry
 
-    impl = next((i for i in get_registry().impls_by_op.get("flash_attention", []) if i.id == OWN), None)
-    if impl is None or "cuda" not in get_registry().backends or not get_registry().backends["cuda"].available:
+    if "cuda" not in get_registry().backends or not get_registry().backends["cuda"].available:
         return None
     pol = dataclasses.replace(current_policy(), backend="cuda", autotune=False)
-    spec = A._spec(q, k, None, causal, backward)
-    exp, r = dispatch.explain_spec(spec, pol)
-    if r is None or not any(c.impl.id == OWN and c.accepted for c in exp.candidates):
+    exp, r = dispatch.explain_spec(A._spec(q, k, None, causal, backward), pol)
+    if r is None:
         return None
-    return impl, r.ctx
-
-
+    accepted = {c.impl.id for c in exp.candidates if c.accepted}
+    for own_id in OWN:
+        impl = next((i for i in get_registry().impls_by_op.get("flash_attention", []) if i.id == own_id), None)
+        if impl is not None and own_id in accepted:
+            return impl, r.ctx         # one backend's impls share the resolution context (profile, options)
+    return None
 
 
 def cases(quick: bool) -> Iterator[BenchCase]:
@@ -108,7 +113,7 @@ def cases(quick: bool) -> Iterator[BenchCase]:
             else:
                 def own_fn(impl=impl, ctx=ctx, q=q, k=k, v=v, causal=causal, scale=scale):
                     return impl.fn(ctx, q, k, v, None, causal, scale)[0]
-            extra = {"own": own_fn, "own_prefix": "cuda.triton.", "own_impl": OWN}
+            extra = {"own": own_fn, "own_prefix": OWN_PREFIXES, "own_impl": impl.id}
         flops = 4.0 * b * h * s * s * d * (0.5 if causal else 1.0) * (3.5 if bwd else 1.0)
         words = [("fwd+bwd" if bwd else "fwd"), dt, f"b{b}", f"h{h}"] + ([f"kv{hkv}"] if gqa else []) + \
                 [f"s{s}", f"d{d}"] + (["causal"] if causal else []) + (["gqa"] if gqa else [])
