@@ -27,6 +27,10 @@
 #   PART=v: pinned conformance of both Gluon impls at the new default paths, the sparse auto-schedule GPU test,
 #           bench attention --quick + the s16384 d128 cases, bench sparse fwd window series (autotuned dispatch);
 #           logs under /tmp (8 files come back: the JSONs, the conformance matrices, the pytest log)
+# Order for session 8: f1, f2 (the full attention suite with the Gluon impls in the dispatcher and as the [own]
+# rows: every case's dispatcher ratio, fwd+bwd own = Gluon fwd + Triton bwd), d (e2e with the Gluon forward
+# available to prefill), s, e2.  The machine's first call compiles every Gluon kernel (~2 minutes).
+#   PART=f1 / f2: opsadv bench --suite attention, halves of the 32-case grid (--part 1/2, 2/2)
 # OPSADV_COMMIT=<sha> PART=a bash benchmarks/h200_next.sh   (from the repo root on the GPU host, $OUT set)
 set -u
 # tests/conftest.py defaults TRITON_INTERPRET to 1 (CPU CI): every pytest here must say 0, and select the GPU tests
@@ -96,6 +100,11 @@ v)
   echo "sparse rc $?"; grep -E "^fwd" "/tmp/sparse.log" | cut -c1-160
   timeout 130 python3 -m opsadv bench --suite attention --filter "^fwd bf16 b1 h32 s16384 d128" --json "$OUT/attn_s16k.json" > "/tmp/attn16k.log" 2>&1
   echo "attention s16k rc $?"; grep -E "^fwd" "/tmp/attn16k.log" | cut -c1-160
+  ;;
+f1|f2)
+  timeout 560 python3 -m opsadv bench --suite attention --part "${PART#f}/2" --json "$OUT/attn_full_$PART.json" \
+    > "$OUT/attn_full_$PART.log" 2>&1
+  echo "attention $PART rc $?"; grep -E "^(fwd|bwd)" "$OUT/attn_full_$PART.log" | cut -c1-150
   ;;
 s)
   timeout 300 python3 -m opsadv bench --suite e2e --filter "static graphs" --json "$OUT/e2e_static.json" > "$OUT/e2e_static.log" 2>&1
