@@ -27,7 +27,7 @@
 #   PART=v: pinned conformance of both Gluon impls at the new default paths, the sparse auto-schedule GPU test,
 #           bench attention --quick + the s16384 d128 cases, bench sparse fwd window series (autotuned dispatch);
 #           logs under /tmp (8 files come back: the JSONs, the conformance matrices, the pytest log)
-# Order for session 8: f1, f2 (the full attention suite with the Gluon impls in the dispatcher and as the [own]
+# Order for session 8: j (the jetson row now also times the cuda profile: cuda_profile_ms), f1, f2 (the full attention suite with the Gluon impls in the dispatcher and as the [own]
 # rows: every case's dispatcher ratio, fwd+bwd own = Gluon fwd + Triton bwd), d (e2e with the Gluon forward
 # available to prefill), s, e2.  The machine's first call compiles every Gluon kernel (~2 minutes).
 #   PART=f1 / f2: opsadv bench --suite attention, halves of the 32-case grid (--part 1/2, 2/2)
