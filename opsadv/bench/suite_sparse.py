@@ -169,15 +169,17 @@ def cases(quick: bool) -> Iterator[BenchCase]:
     if not quick:
         for w in (128, 256, 512, 2048, 4096, 8192):       # time vs density series (window 1024 above)
             yield window_case(w=w)
-        yield dense_own_case()
+        yield from dense_own_cases()
 
 
-def dense_own_case(s=16384, h=32, d=128, dtype=torch.bfloat16, dev="cuda") -> BenchCase:
-    """Our dense Triton flash kernel (pinned) at the window series' shape, causal: the TFLOP/s that the
-    issue's "effective TFLOP/s >= 0.85x our dense kernel at density >= 1/16" compares against.
+def dense_own_case(s=16384, h=32, d=128, dtype=torch.bfloat16, dev="cuda",
+                   impl_id="cuda.triton.flash_attention") -> BenchCase:
+    """One of our dense flash kernels (pinned) at the window series' shape, causal: the TFLOP/s that the
+    issue's "effective TFLOP/s >= 0.85x our dense kernel at density >= 1/16" compares against (the Triton
+    kernel, and on Hopper also the faster Gluon one: see dense_own_cases).
     Work counts the causal half (4*h*s*s*d/2), as the attention suite does; peer: SDPA-cuDNN."""
     q, k, v, _ = _inputs(1, h, h, s, s, d, dtype, dev, False)
-    pinned = {"impls": {"flash_attention": "cuda.triton.flash_attention"}}
+    pinned = {"impls": {"flash_attention": impl_id}}
 
     def ours():
         with opsadv.use_backend("cuda", **pinned), torch.no_grad():
@@ -188,6 +190,16 @@ def dense_own_case(s=16384, h=32, d=128, dtype=torch.bfloat16, dev="cuda") -> Be
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION), torch.no_grad():
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-    return BenchCase(suite="sparse", case=f"fwd bf16 b1 h{h} s{s} d{d} dense causal [own]", opsadv=ours,
+    tag = "" if impl_id == "cuda.triton.flash_attention" else f" {impl_id.split('.')[1]}"
+    return BenchCase(suite="sparse", case=f"fwd bf16 b1 h{h} s{s} d{d} dense causal{tag} [own]", opsadv=ours,
                      peers={"sdpa_cudnn": cudnn}, work=4.0 * h * s * s * d / 2,
-                     impl=lambda: "cuda.triton.flash_attention", extra={"dense_reference": True})
+                     impl=lambda: impl_id, extra={"dense_reference": True})
+
+
+def dense_own_cases() -> Iterator[BenchCase]:
+    """The dense reference rows: the Triton kernel, and the Gluon one where it can run (an sm_90 GPU with
+    triton.experimental.gluon): the fastest own dense kernel is the fair denominator."""
+    yield dense_own_case()
+    from opsadv.backends.cuda import gluon_attention
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and not gluon_attention.UNAVAILABLE:
+        yield dense_own_case(impl_id=gluon_attention.IMPL_ID)
