@@ -162,9 +162,9 @@ def impls(env) -> list[KernelImpl]:
         priority=PRIORITY_TRITON + 10, device_types=("cuda",), dtypes=(torch.float16, torch.bfloat16),
         head_dims=HEAD_DIMS, min_cc=(9, 0), max_cc=(9, 0), features=FEATURES, deterministic=True,
         check=_check,     # not experimental: passed the H200 conformance catalogue at 0802806
-        description="Gluon FA3-style forward for Hopper (TMA, async wgmma, warp-specialized loads, "
-                    "softmax/GEMM overlap; ragged s, bottom-right causal, GQA by index); Triton backward "
-                    "from out + lse")]
+        description="Gluon FA3-style forward for Hopper (TMA producer warp, two consumer warpgroups taking "
+                    "wgmma turns (ping-pong), 3-stage K/V ring, softmax/GEMM overlap; "
+                    "ragged s, bottom-right causal, GQA by index); Triton backward from out + lse")]
 
 
 __all__ = ["impls", "attention_fwd", "launch_args", "variants_for", "VARIANTS", "DEFAULT_VARIANT", "UNAVAILABLE",

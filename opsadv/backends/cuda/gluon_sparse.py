@@ -262,7 +262,8 @@ def impls(env) -> list[KernelImpl]:
         head_dims=HEAD_DIMS, min_cc=(9, 0), max_cc=(9, 0), features=FEATURES, deterministic=True,
         check=_check,
         description="Gluon block-sparse forward for Hopper (persistent, TMA K/V ring across work items, "
-                    "async wgmma, softmax/GEMM overlap; 128x128 tile lists, partial tiles element-masked); "
+                    "async wgmma, softmax/GEMM overlap; 128x128 tile lists, partial tiles element-masked; "
+                    "d128 windows of >= 12 tiles per row: ping-pong warpgroups over a 3-stage ring); "
                     "Triton sparse backward from out + lse")]
 
 
