@@ -203,6 +203,47 @@ def test_gpu_vendor_impls(impl_id, seed):
         assert rel_err(x, ref) < 1.5e-2
 
 
+def _cross_pairs(device, dtype, ids, tol, shape=(2, 8, 2, 300, 300, 128)):
+    """The dispatcher resolves forward and backward separately (each bucket measured on its own), so any
+    impl's backward may run on another impl's (out, lse): every ordered pair must give the float64 grads."""
+    from opsadv.core import dispatch
+    from opsadv.core.ops import attention as A
+    from opsadv.registry import get_registry
+    b, hq, hkv, sq, sk, d = shape
+    q = torch.randn(b, hq, sq, d, device=device, dtype=dtype)
+    k = torch.randn(b, hkv, sk, d, device=device, dtype=dtype)
+    v = torch.randn_like(k)
+    do = torch.randn_like(q)
+    _, _, ref = _ref(q, k, v, do, True, 0.1)
+    impls = {i.id: i for i in get_registry().impls_by_op["flash_attention"]}
+    with opsadv.use_backend("cuda", experimental=True):
+        exp, r = dispatch.explain_spec(A._spec(q, k, None, True, True))
+    accepted = [c.impl.id for c in exp.candidates if c.accepted and c.impl.id in ids]
+    for fwd_id in accepted:
+        o, lse = impls[fwd_id].fn(r.ctx, q, k, v, None, True, 0.1)
+        for bwd_id in accepted:
+            grads = impls[bwd_id].backward(r.ctx, do, q, k, v, o, lse, None, True, 0.1)
+            for name, x, y in zip(("dq", "dk", "dv"), grads, ref):
+                assert rel_err(x, y) < tol, (fwd_id, bwd_id, name, rel_err(x, y))
+    return accepted
+
+
+def test_every_forward_with_every_backward_interpreter(seed):
+    """CPU (interpreter): the Triton impls' forward and backward cross-paired."""
+    got = _cross_pairs("cpu", torch.float16, (TRITON_ID, ATOMIC_ID), 3e-3, shape=(1, 4, 2, 45, 45, 64))
+    assert got == [TRITON_ID, ATOMIC_ID] or set(got) == {TRITON_ID, ATOMIC_ID}
+
+
+@requires_gpu
+def test_gpu_every_forward_with_every_backward(seed):
+    """GPU: cuDNN, flash, efficient, Triton (both backwards) and, on Hopper, Gluon, cross-paired; cuDNN's
+    backward gets out in another kernel's layout (the Gluon / Triton kernels write (b, s, h, d) memory)."""
+    ids = ("cuda.sdpa.cudnn", "cuda.sdpa.flash", "cuda.sdpa.efficient", TRITON_ID, ATOMIC_ID,
+           "cuda.gluon.flash_attention")
+    got = _cross_pairs("cuda", torch.bfloat16, ids, 1.5e-2)
+    assert {"cuda.sdpa.flash", TRITON_ID} <= set(got), got
+
+
 def _every_tile_config(device, dtype, d, tma_ok, profile=None):
     """Each config of the profile's autotune space (TMA ones included on a GPU), forced in turn,
     on ragged shapes (s_q > s_k, causal: rows with no key), forward and backward."""
