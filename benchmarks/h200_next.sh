@@ -102,6 +102,11 @@ v)
   echo "attention s16k rc $?"; grep -E "^fwd" "/tmp/attn16k.log" | cut -c1-160
   ;;
 f1|f2)
+  if [ "$PART" = f1 ]; then   # forward x backward impl pairs (the dispatcher resolves them separately)
+    TRITON_INTERPRET=0 timeout 120 python3 -m pytest -q -p no:cacheprovider -k gpu_every_forward tests/test_cuda_attention.py \
+      > "$OUT/cross_pairs_pytest.log" 2>&1
+    echo "cross pairs pytest rc $?"; tail -2 "$OUT/cross_pairs_pytest.log"
+  fi
   timeout 560 python3 -m opsadv bench --suite attention --part "${PART#f}/2" --json "$OUT/attn_full_$PART.json" \
     > "$OUT/attn_full_$PART.log" 2>&1
   echo "attention $PART rc $?"; grep -E "^(fwd|bwd)" "$OUT/attn_full_$PART.log" | cut -c1-150

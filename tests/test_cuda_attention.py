@@ -231,7 +231,7 @@ def _cross_pairs(device, dtype, ids, tol, shape=(2, 8, 2, 300, 300, 128)):
 def test_every_forward_with_every_backward_interpreter(seed):
     """CPU (interpreter): the Triton impls' forward and backward cross-paired."""
     got = _cross_pairs("cpu", torch.float16, (TRITON_ID, ATOMIC_ID), 3e-3, shape=(1, 4, 2, 45, 45, 64))
-    assert got == [TRITON_ID, ATOMIC_ID] or set(got) == {TRITON_ID, ATOMIC_ID}
+    assert set(got) == {TRITON_ID, ATOMIC_ID}
 
 
 @requires_gpu
