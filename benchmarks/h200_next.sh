@@ -107,7 +107,7 @@ f1|f2)
       > "$OUT/cross_pairs_pytest.log" 2>&1
     echo "cross pairs pytest rc $?"; tail -2 "$OUT/cross_pairs_pytest.log"
   fi
-  timeout 560 python3 -m opsadv bench --suite attention --part "${PART#f}/2" --json "$OUT/attn_full_$PART.json" \
+  timeout 470 python3 -m opsadv bench --suite attention --part "${PART#f}/2" --json "$OUT/attn_full_$PART.json" \
     > "$OUT/attn_full_$PART.log" 2>&1
   echo "attention $PART rc $?"; grep -E "^(fwd|bwd)" "$OUT/attn_full_$PART.log" | cut -c1-150
   ;;
