@@ -103,7 +103,7 @@ v)
   ;;
 f1|f2)
   if [ "$PART" = f1 ]; then   # forward x backward impl pairs (the dispatcher resolves them separately)
-    TRITON_INTERPRET=0 timeout 120 python3 -m pytest -q -p no:cacheprovider -k gpu_every_forward tests/test_cuda_attention.py \
+    TRITON_INTERPRET=0 timeout 120 python3 -m pytest -q -p no:cacheprovider -k "gpu_every_forward or gpu_every_sparse_forward" tests/test_cuda_attention.py tests/test_sparse_flash_varlen.py \
       > "$OUT/cross_pairs_pytest.log" 2>&1
     echo "cross pairs pytest rc $?"; tail -2 "$OUT/cross_pairs_pytest.log"
   fi

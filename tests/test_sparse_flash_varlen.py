@@ -429,3 +429,51 @@ def test_windows_of_different_spans_resolve_apart():
     bidir = sparse_op.layout_spec(q, k, SparseLayout.sliding_window(4096, 1000, causal=False), False)
     assert bidir.bucket != specs[1000].bucket                 # 2001 keys per row vs 1001
     assert sparse_op.layout_spec(q, k, SparseLayout.dense(4096), False).bucket[-1] == 0
+
+
+def _sparse_cross_pairs(lay, q, k, v, dout, tol):
+    """Every accepted sparse impl's forward with every accepted impl's backward (the dispatcher resolves the
+    two separately, so FA2 varlen's (out, lse) may meet the Triton backward and the other way round),
+    against the reference backend in float32.  Returns the impl ids paired."""
+    from opsadv.registry import get_registry
+    args = (lay.block_mask, lay.key_padding_mask, lay.cu_seqlens, lay.block_size, lay.causal, lay.window_left,
+            lay.window_right, lay.num_global)
+    extra = (lay.dense_blocks, -1 if lay.max_seqlen is None else lay.max_seqlen)
+    scale = q.shape[-1] ** -0.5
+    with opsadv.use_backend("cuda"):
+        exp, r = dispatch.explain_spec(sparse_op.layout_spec(q, k, lay, True))
+    accepted = [c.impl for c in exp.candidates if c.accepted and c.impl.backend == "cuda"]
+    ref, _ = _fwd_bwd("reference", lay, *(t.float() for t in (q, k, v, dout)))
+    for fwd in accepted:
+        out, lse = fwd.fn(r.ctx, q, k, v, *args, scale, *extra)
+        for bwd in accepted:
+            grads = bwd.backward(r.ctx, dout, q, k, v, out, lse, *args, scale, *extra)
+            for name, x, y in zip(("dq", "dk", "dv"), grads, ref[2:]):
+                assert not torch.isnan(x).any(), (fwd.id, bwd.id, name)
+                assert rel_err(x, y) < tol, (fwd.id, bwd.id, name, rel_err(x, y))
+    return [i.id for i in accepted]
+
+
+@cuda
+def test_gpu_every_sparse_forward_with_every_backward():
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("FA2 needs sm80+")
+    lay, q, k, v, dout = _gpu_case([45, 0, 1, 127, 300], 8, 2, 128, torch.bfloat16, True)
+    assert {IMPL, "cuda.triton.sparse_attention"} <= set(_sparse_cross_pairs(lay, q, k, v, dout, 5e-2))
+    win = SparseLayout.sliding_window(700, 200, causal=True, block_size=128, device="cuda")
+    q, k, v, dout = (torch.randn(1, h, 700, 128, device="cuda", dtype=torch.bfloat16) for h in (8, 2, 2, 8))
+    assert "cuda.triton.sparse_attention" in _sparse_cross_pairs(win, q, k, v, dout, 5e-2)
+
+
+def test_sparse_forward_backward_pairs_interpreter():
+    """The pairing helper on CPU under the interpreter (the Triton sparse impl with itself, varlen and window)."""
+    import os
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the cuda backend's Triton kernels take CPU tensors only under TRITON_INTERPRET=1")
+    g = torch.Generator().manual_seed(0)
+    lay = SparseLayout.varlen([20, 0, 1, 33], causal=True, block_size=16)
+    q, k, v, dout = (torch.randn(1, h, lay.seq_q, 32, generator=g).half() for h in (4, 2, 2, 4))
+    assert "cuda.triton.sparse_attention" in _sparse_cross_pairs(lay, q, k, v, dout, 2e-2)
+    win = SparseLayout.sliding_window(50, 7, causal=True, block_size=16)
+    q, k, v, dout = (torch.randn(1, h, 50, 32, generator=g).half() for h in (4, 2, 2, 4))
+    assert "cuda.triton.sparse_attention" in _sparse_cross_pairs(win, q, k, v, dout, 2e-2)
