@@ -129,11 +129,11 @@ def tiles_per_row(ti, n_m: int) -> float:
     return ti.tiles / max(items, 1)
 
 
-def persistent_schedule(ti, n_m: int, max_tiles: int = PERSISTENT_MAX_TILES) -> bool:
-    """The grid choice above from the layout's tile count (an index without a host tile count, built
-    under graph capture: persistent, the schedule measured at the common window sizes)."""
+def persistent_schedule(ti, n_m: int) -> bool:
+    """The default schedule's grid choice above from the layout's tile count (an index without a host tile
+    count, built under graph capture: persistent, the schedule measured at the common window sizes)."""
     per_row = tiles_per_row(ti, n_m)
-    return per_row < 0 or per_row <= max_tiles
+    return per_row < 0 or per_row <= PERSISTENT_MAX_TILES
 
 
 def auto_schedule(d: int, ti, n_m: int, kpm, ng: int) -> dict:
