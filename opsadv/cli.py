@@ -11,7 +11,7 @@ def _cmd_info(args) -> int:
     import opsadv
     if args.backend:
         opsadv.use_backend(args.backend)
-    inf = opsadv.info()
+    inf = opsadv.info(impls=args.impls)
     print(json.dumps(inf.to_dict(), indent=1, default=str) if args.json else inf)
     return 0
 
@@ -103,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("info", help="hardware, backends, probe results, plugin failures, profile")
     s.add_argument("--json", action="store_true")
     s.add_argument("--backend", default=None, help="show the policy with this backend selected")
+    s.add_argument("--impls", action="store_true", help="also list every registered kernel impl and what it declares")
     s.set_defaults(func=_cmd_info)
 
     s = sub.add_parser("demo", help="run every op through the selected backend on random data and check it")

@@ -135,3 +135,18 @@ def test_import_opsadv_survives_broken_plugin(plugin_site):
     e = {**os.environ, "PYTHONPATH": os.pathsep.join([str(plugin_site), str(ROOT)])}
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, timeout=120)
     assert p.returncode == 0 and "torch.Size([2, 8])" in p.stdout, p.stderr
+
+
+def test_info_lists_every_impl_with_its_declared_support(plugin_site):
+    """`opsadv info --impls` lists each registered impl (third-party ones too) with what it declares."""
+    p = _run(["info", "--impls", "--json"], plugin_site)
+    assert p.returncode == 0, p.stderr
+    rows = {r["id"]: r for r in json.loads(p.stdout)["impls"]}
+    assert rows["reference.flash_attention"]["op"] == "flash_attention"
+    assert {"toy"} <= {r["backend"] for r in rows.values()}
+    gluon = rows.get("cuda.gluon.flash_attention")
+    if gluon is not None:
+        assert gluon["head_dims"] == [64, 128] and gluon["min_cc"] == [9, 0] and not gluon["experimental"]
+    text = _run(["info", "--impls"], plugin_site).stdout
+    assert "== impls" in text and "reference.flash_attention prio 0" in text
+    assert "impls" not in json.loads(_run(["info", "--json"], plugin_site).stdout)   # only when asked

@@ -1,4 +1,5 @@
-"""opsadv.info(): hardware, backends with probe results, plugin failures, chosen profile."""
+"""opsadv.info(): hardware, backends with probe results, plugin failures, chosen profile; with
+impls=True also every registered kernel impl and what it declares (`opsadv info --impls`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,10 +16,14 @@ class Info:
     policy: str
     primary: str
     profile: str | None
+    impls: list[dict[str, Any]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"env": self.env.to_dict(), "backends": self.backends, "plugin_failures": self.failures,
-                "policy": self.policy, "primary_backend": self.primary, "profile": self.profile}
+        d = {"env": self.env.to_dict(), "backends": self.backends, "plugin_failures": self.failures,
+             "policy": self.policy, "primary_backend": self.primary, "profile": self.profile}
+        if self.impls is not None:
+            d["impls"] = self.impls
+        return d
 
     def __str__(self) -> str:
         e = self.env
@@ -41,10 +46,41 @@ class Info:
         lines.append("== plugin failures ==")
         lines += [f"  {f['name']} {f['version']} at {f['stage']}: {f['error']}" for f in self.failures] or ["  none"]
         lines += ["== policy ==", f"  {self.policy}; primary backend {self.primary}, profile {self.profile}"]
+        if self.impls is not None:
+            lines.append("== impls (op: id, priority, declared support) ==")
+            for i in self.impls:
+                flags = [f for f in ("experimental", "deterministic") if i[f]]
+                cc = "" if not (i["min_cc"] or i["max_cc"]) else \
+                    f" cc {_cc(i['min_cc']) or '*'}..{_cc(i['max_cc']) or '*'}"
+                hd = f" head_dim {i['head_dims']}" if i["head_dims"] else ""
+                lines.append(f"  {i['op']}: {i['id']} prio {i['priority']}" + (f" [{', '.join(flags)}]" if flags else "")
+                             + f"\n      {'/'.join(i['dtypes'])} on {'/'.join(i['device_types'])}{cc}{hd}"
+                             + (f"; features {', '.join(i['features'])}" if i["features"] else ""))
+                if i["description"]:
+                    lines.append(f"      {i['description']}")
         return "\n".join(lines)
 
 
-def info() -> Info:
+def _cc(cc) -> str:
+    return f"{cc[0]}.{cc[1]}" if cc else ""
+
+
+def impl_rows(reg) -> list[dict[str, Any]]:
+    """Every registered impl as data, by op then priority (highest first)."""
+    rows = []
+    for op in sorted(reg.impls_by_op):
+        for i in sorted(reg.impls_by_op[op], key=lambda i: (-i.priority, i.id)):
+            rows.append({"op": op, "id": i.id, "backend": i.backend, "priority": i.priority,
+                         "dtypes": [str(d).replace("torch.", "") for d in i.dtypes],
+                         "device_types": list(i.device_types),
+                         "head_dims": list(i.head_dims) if i.head_dims else None,
+                         "min_cc": list(i.min_cc) if i.min_cc else None, "max_cc": list(i.max_cc) if i.max_cc else None,
+                         "features": sorted(i.features), "experimental": i.experimental,
+                         "deterministic": i.deterministic, "description": i.description})
+    return rows
+
+
+def info(impls: bool = False) -> Info:
     from ..registry import get_registry
     from .dispatch import select_profile
 
@@ -62,4 +98,5 @@ def info() -> Info:
     except Exception:
         prof = None
     fails = [{"name": f.name, "version": f.version, "stage": f.stage, "error": f.error} for f in reg.failures]
-    return Info(reg.env, rows, fails, pol.describe(), primary.name if primary else "none", prof.name if prof else None)
+    return Info(reg.env, rows, fails, pol.describe(), primary.name if primary else "none", prof.name if prof else None,
+                impl_rows(reg) if impls else None)
