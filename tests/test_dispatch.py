@@ -191,3 +191,19 @@ def test_fork_safe():
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.WEXITSTATUS(status) == 0
+
+
+def test_explain_names_the_bucket_entries():
+    """explain() says what each bucket entry is (a power-of-two bound or an exact value); the names are not
+    part of the spec's identity (memo / tuning keys stay as they were)."""
+    import dataclasses
+    q = torch.randn(1, 2, 300, 64)
+    with opsadv.use_backend("reference"):
+        text = str(opsadv.explain("flash_attention", q, q, q, causal=True))
+        assert "bucket=(s_q<=512, s_k<=512, batch*heads<=16)" in text
+        x, w = torch.randn(5, 64), torch.randn(64, 32)
+        assert "bucket=(rows<=16, K=64, N=32)" in str(opsadv.explain("gemm", x, w))
+    from opsadv.core.ops import attention as A
+    spec = A._spec(q, q, None, True, False)
+    assert spec == dataclasses.replace(spec, bucket_names=()) and hash(spec) == hash(dataclasses.replace(spec, bucket_names=()))
+    assert dataclasses.replace(spec, bucket_names=("a",)).bucket_text() == str(spec.bucket)   # names must match

@@ -40,7 +40,7 @@ class Explanation:
 
     def __str__(self) -> str:
         head = (f"opsadv.{self.op} [{self.spec.device_type} {str(self.spec.dtype).replace('torch.', '')}"
-                f" bucket={self.spec.bucket} features={sorted(self.spec.features)}"
+                f" bucket={self.spec.bucket_text()} features={sorted(self.spec.features)}"
                 f"{' backward' if self.spec.backward else ''}"
                 f"{' train (grad-recording forward: timed fwd+bwd)' if self.spec.train else ''}] under {self.policy}")
         rows = [head, f"  {'':2} {'impl':42} {'prio':>5}  verdict"]
@@ -200,7 +200,7 @@ def resolve(key: tuple, make_spec: Callable[[], CallSpec], args: tuple | None = 
 
 def _announce(exp: Explanation, r: Resolved, policy: Policy) -> None:
     line = (f"opsadv: {exp.op}{' backward' if exp.spec.backward else ''} {exp.spec.device_type} "
-            f"{str(exp.spec.dtype).replace('torch.', '')} bucket={exp.spec.bucket} -> {r.impl.id} ({exp.why})")
+            f"{str(exp.spec.dtype).replace('torch.', '')} bucket={exp.spec.bucket_text()} -> {r.impl.id} ({exp.why})")
     if os.environ.get("OPSADV_LOG_DISPATCH", "0") not in ("", "0"):
         print(line, file=sys.stderr)
     log.info(line)

@@ -40,6 +40,14 @@ class CallSpec:
     shapes: tuple = ()                # exact shapes, for impls' dynamic checks
     backward: bool = False
     train: bool = False               # an eager forward that records gradients (see KernelImpl.train)
+    # what each bucket entry is, with its relation ("s_q<=" for a power-of-two bound, "K=" for an exact
+    # value): explain() and the dispatch log print `s_q<=512` instead of a bare number; not part of equality
+    bucket_names: tuple[str, ...] = field(default=(), compare=False)
+
+    def bucket_text(self) -> str:
+        if len(self.bucket_names) != len(self.bucket):
+            return str(self.bucket)
+        return "(" + ", ".join(f"{n}{v}" for n, v in zip(self.bucket_names, self.bucket)) + ")"
 
 
 @dataclass(frozen=True)

@@ -116,7 +116,8 @@ def _key(q, k, attn_mask, causal, backward: bool) -> tuple:
 def _spec(q, k, attn_mask, causal, backward: bool) -> CallSpec:
     return CallSpec(op=OP, device_type=q.device.type, dtype=q.dtype, features=features(q, k, attn_mask, causal),
                     bucket=(len_bucket(q.shape[2]), len_bucket(k.shape[2]), len_bucket(q.shape[0] * q.shape[1])),
-                    head_dim=q.shape[-1], shapes=(tuple(q.shape), tuple(k.shape)), backward=backward)
+                    head_dim=q.shape[-1], shapes=(tuple(q.shape), tuple(k.shape)), backward=backward,
+                    bucket_names=("s_q<=", "s_k<=", "batch*heads<="))
 
 
 def _route(q, k, v, attn_mask, causal, scale):

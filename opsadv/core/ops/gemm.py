@@ -108,7 +108,7 @@ def _gemm_spec(a, b, bias, activation, residual, alpha, backward) -> CallSpec:
     f |= {n for n, on in (("bias", bias is not None), ("residual", residual is not None), ("alpha", alpha != 1.0),
                           ("batched", a.dim() > 2)) if on}
     return CallSpec("gemm", a.device.type, a.dtype, frozenset(f), (len_bucket(_rows(a)), b.shape[0], b.shape[1]),
-                    shapes=(tuple(a.shape), tuple(b.shape)), backward=backward)
+                    shapes=(tuple(a.shape), tuple(b.shape)), backward=backward, bucket_names=("rows<=", "K=", "N="))
 
 
 def _gemm_route(a, b, bias, activation, residual, alpha):
@@ -166,7 +166,7 @@ def _swiglu_key(x, w, bias, backward):
 def _swiglu_spec(x, w, bias, backward) -> CallSpec:
     f = frozenset(n for n, on in (("bias", bias is not None), ("batched", x.dim() > 2)) if on)
     return CallSpec("swiglu_gemm", x.device.type, x.dtype, f, (len_bucket(_rows(x)), w.shape[0], w.shape[1]),
-                    shapes=(tuple(x.shape), tuple(w.shape)), backward=backward)
+                    shapes=(tuple(x.shape), tuple(w.shape)), backward=backward, bucket_names=("rows<=", "K=", "2N="))
 
 
 def _swiglu_route(x, w_gate_up, bias):

@@ -89,7 +89,7 @@ def _spec(op, x, weight, bias, residual, backward, offset=0.0, train=False) -> C
     f = frozenset(n for n, on in (("weight", weight is not None), ("bias", bias is not None),
                                   ("residual", residual is not None), ("offset", offset != 0.0)) if on)
     return CallSpec(op, x.device.type, x.dtype, f, (x.shape[-1], len_bucket(_rows(x))),
-                    shapes=(tuple(x.shape),), backward=backward, train=train)
+                    shapes=(tuple(x.shape),), backward=backward, train=train, bucket_names=("hidden=", "rows<="))
 
 
 # ---- layer_norm ----------------------------------------------------------------------------

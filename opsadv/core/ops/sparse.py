@@ -82,7 +82,8 @@ def _key(q, k, kpm, cu, bs, causal, wl, wr, ng, dense, ms, backward):
 def _spec(q, k, kpm, cu, bs, causal, wl, wr, ng, dense, ms, backward) -> CallSpec:
     return CallSpec(OP, q.device.type, q.dtype, _features(q, k, kpm, cu, causal, wl, ng, dense, ms),
                     (bs, len_bucket(q.shape[2]), len_bucket(k.shape[2]), _window_bucket(wl, wr)),
-                    head_dim=q.shape[-1], shapes=(tuple(q.shape), tuple(k.shape)), backward=backward)
+                    head_dim=q.shape[-1], shapes=(tuple(q.shape), tuple(k.shape)), backward=backward,
+                    bucket_names=("block_size=", "s_q<=", "s_k<=", "window_span<="))
 
 
 def layout_spec(q, k, layout: SparseLayout, backward: bool) -> CallSpec:
