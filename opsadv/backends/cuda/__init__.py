@@ -15,7 +15,8 @@ from opsadv.registry import BackendInfo, ProbeResult, hookimpl
 
 NAME = "cuda"
 VERSION = "0.1.0"
-KERNEL_MODULES = ("attention", "gluon_attention", "sdpa", "gemm", "norm", "aten_norm", "sparse", "gluon_sparse")
+KERNEL_MODULES = ("attention", "gluon_attention", "sdpa", "gemm", "norm", "aten_norm", "sparse", "gluon_sparse",
+                  "gluon_gemm")
 
 
 def interpreter_mode(env) -> bool:

@@ -1,0 +1,159 @@
+"""Gluon warp-specialized persistent GEMM for Hopper, impl "cuda.gluon.gemm" of op "gemm" (issue #4).
+
+    out = act(alpha * a @ b + bias) + residual      a (..., K), b (K, N); bf16 / fp16, fp32 accumulation
+
+EXPERIMENTAL, COMPILED ONLY, NOT RUN ON A GPU: the kernels (_gluon_gemm_kernel.py) compile for sm_90 on a
+CPU machine (ptxas via Triton; tests/test_gluon_gemm.py) with no register spills; correctness and speed
+on an H200 are still to be measured (benchmarks/gluon_gemm/probe.py checks every variant against float64
+before timing it).  Until then the impl is experimental (needs use_backend(..., experimental=True)) and
+ranks below the Triton impls (PRIORITY_TRITON - 5): a measurement decides.
+
+Forward: the Gluon kernel, variant DEFAULT_VARIANT (see VARIANTS).  Host side: leading dims of a are
+flattened; a, b, the residual and the output go through TMA descriptors (16-byte aligned rows: K and N multiples of 8,
+checked in check()); a b whose transpose is row-major (an nn.Linear weight.t()) is read as (N, K) rows
+without a copy (B_NK); other strided inputs are copied contiguous first.  Backward: the Triton/cuBLAS backward of gemm.py (dz pass on the TMA
+kernel, then cuBLAS for da / db).
+When triton.experimental.gluon does not import, the impl is still registered, rejecting every call with
+the import error as the reason, and importing opsadv never fails.
+
+sm_90 compile stats at the commit that added this file (GPUTarget("cuda", 90, 128), triton 3.6.0; see
+tests/test_gluon_gemm.py and benchmarks/gluon_gemm/README.md): listed in COMPILE_STATS below."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from opsadv.core.kernel import PRIORITY_TRITON, KernelImpl
+
+from .gemm import GEMM_FEATURES, _poisoned, _triton_gemm_bwd
+from .gluon_attention import _tma_ready
+
+try:
+    from . import _gluon_gemm_kernel as _K
+    from triton.experimental.gluon import language as _gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _GluonTensorDescriptor
+    UNAVAILABLE = ""
+except Exception as e:  # ImportError, or an older Triton whose Gluon lacks a name used here
+    _K = _gl = _GluonTensorDescriptor = None
+    UNAVAILABLE = f"triton.experimental.gluon (Hopper) is not importable: {type(e).__name__}: {e}"
+
+IMPL_ID = "cuda.gluon.gemm"
+ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
+ALIGN = 8            # elements per 16 bytes (2-byte dtypes): TMA row alignment of K and N
+
+# Named kernel schedules.  BM x BN: one consumer partition's output tile; BK: the ring's K-slice.
+#   coop:     one 8-warp consumer partition (2 warpgroups) on a 128x256 tile, 3-stage ring
+#             (3 x 48 KB + a 64 KB output tile = 208 KB of shared memory).
+#   pingpong: two 4-warp consumer partitions, each its own 128x128 tile, taking main-loop turns;
+#             4-stage ring (4 x 32 KB) + two 32 KB output tiles = 192 KB.
+#   pingpong_st5: the same with a 5-stage ring (224 KB).
+VARIANTS = {
+    "coop": dict(PINGPONG=False, BM=128, BN=256, BK=64, STAGES=3, num_warps=8),
+    "pingpong": dict(PINGPONG=True, BM=128, BN=128, BK=64, STAGES=4, num_warps=4),
+    "pingpong_st5": dict(PINGPONG=True, BM=128, BN=128, BK=64, STAGES=5, num_warps=4),
+}
+DEFAULT_VARIANT = "pingpong"     # CUTLASS's best Hopper schedule for bf16 with an epilogue; unmeasured here
+CONSUMER_REGS = 240   # per thread, each ping-pong consumer warpgroup (setmaxnreg); 2 x 240 + 24 <= 512
+PRODUCER_REGS = 24    # the TMA producer warp only computes tile coordinates and issues copies
+DEFAULT_SMS = 132     # H100 SXM / H200: the grid size when no GPU is visible (compile checks on CPU)
+# Filled in from the sm_90 compile report (tests/test_gluon_gemm.py): see the README.
+COMPILE_STATS: dict = {}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _layout(block, gdt):
+    return _gl.NVMMASharedLayout.get_default_for(list(block), gdt)
+
+
+def _descriptor(t: torch.Tensor, block, gdt):
+    return _GluonTensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _layout(block, gdt))
+
+
+def prepare(a2: torch.Tensor, b: torch.Tensor):
+    """(a2, b, b_nk): a2 TMA-ready; b as (K, N) rows, or with b_nk its transpose as (N, K) rows."""
+    a2 = _tma_ready(a2)
+    if b.stride(-1) == 1 and _tma_ready(b) is b:
+        return a2, b, False
+    bt = b.t()
+    if bt.stride(-1) == 1 and _tma_ready(bt) is bt:     # nn.Linear weight.t(): read its rows directly
+        return a2, bt, True
+    return a2, b.contiguous(), False
+
+
+def launch_args(a2, b, out, bias=None, res2=None, activation="none", alpha=1.0, variant=None, b_nk=False,
+                num_sms=None):
+    """(grid, args, kwargs) of one gemm_kernel launch writing out (M, N) from a2 (M, K) and b (K, N), or
+    b as (N, K) rows with b_nk; all already TMA-ready (see prepare)."""
+    if _K is None:
+        raise RuntimeError(f"{IMPL_ID}: {UNAVAILABLE}")
+    cfg = VARIANTS[variant or DEFAULT_VARIANT]
+    m, k = a2.shape
+    n = out.shape[1]
+    gdt = _gl.bfloat16 if a2.dtype == torch.bfloat16 else _gl.float16
+    bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
+    a_desc = _descriptor(a2, (bm, bk), gdt)
+    b_desc = _descriptor(b, (bn, bk) if b_nk else (bk, bn), gdt)
+    c_desc = _descriptor(out, (bm, bn), gdt)
+    if num_sms is None:
+        num_sms = _num_sms(out.device.index or 0) if out.is_cuda else DEFAULT_SMS
+    tiles = _cdiv(m, bm) * _cdiv(n, bn)
+    grid = (max(1, min(tiles, num_sms)),)
+    r_desc = _descriptor(res2, (bm, bn), gdt) if res2 is not None else c_desc     # never read without HAS_RES
+    args = (a_desc, b_desc, c_desc, r_desc, bias if bias is not None else out, m, n, k, float(alpha))
+    kw = dict(ACT=_K.ACT_IDS[activation], HAS_BIAS=bias is not None, HAS_RES=res2 is not None,
+              STAGES=cfg["STAGES"], B_NK=bool(b_nk), PINGPONG=cfg["PINGPONG"], CONSUMER_REGS=CONSUMER_REGS,
+              PRODUCER_REGS=PRODUCER_REGS, num_warps=cfg["num_warps"])
+    return grid, args, kw
+
+
+def gemm_fwd(ctx, a, b, bias, activation, residual, alpha, variant=None):
+    """The impl's forward (gemm contract): act(alpha * a @ b + bias) + residual, shape (..., N)."""
+    k, n = b.shape
+    a2, b_, b_nk = prepare(a.reshape(-1, k), b)
+    out = _poisoned((a2.shape[0], n), a)
+    res2 = None
+    if residual is not None:
+        res2 = _tma_ready(residual.reshape(-1, n))
+    grid, args, kw = launch_args(a2, b_, out, bias, res2, activation, alpha, variant, b_nk)
+    _K.gemm_kernel[grid](*args, **kw)
+    return out.reshape(*a.shape[:-1], n)
+
+
+# Backward: dz on the Triton TMA kernel (recomputes the pre-activation), da / db with cuBLAS.
+gemm_bwd = functools.partial(_triton_gemm_bwd, kernel="tma")
+
+
+def _check(spec, env) -> list[str]:
+    if UNAVAILABLE:
+        return [UNAVAILABLE]
+    if env.triton_interpret:
+        return ["Gluon kernels do not run under TRITON_INTERPRET=1 (the Triton interpreter)"]
+    a_shape, b_shape = spec.shapes
+    k, n = a_shape[-1], b_shape[1]
+    if k % ALIGN or n % ALIGN:
+        return [f"TMA needs K and N multiples of {ALIGN} (16-byte rows), got K={k} N={n}"]
+    return []
+
+
+def impls(env) -> list[KernelImpl]:
+    return [KernelImpl(
+        id=IMPL_ID, op="gemm", backend="cuda", fn=gemm_fwd, backward=gemm_bwd,
+        priority=PRIORITY_TRITON - 5,     # below the Triton impls until an H200 measurement says otherwise
+        device_types=("cuda",), dtypes=(torch.float16, torch.bfloat16), min_cc=(9, 0), max_cc=(9, 0),
+        features=GEMM_FEATURES, experimental=True, check=_check,
+        description="Gluon persistent GEMM for Hopper (TMA producer warp, two consumer warpgroups taking "
+                    "main-loop turns (ping-pong), mbarrier ring, fused alpha/bias/activation/residual epilogue, "
+                    "TMA stores); compiled for sm_90 only, not yet run on a GPU; Triton/cuBLAS backward")]
+
+
+__all__ = ["impls", "gemm_fwd", "gemm_bwd", "launch_args", "prepare", "VARIANTS", "DEFAULT_VARIANT", "UNAVAILABLE",
+           "IMPL_ID"]

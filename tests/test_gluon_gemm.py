@@ -1,0 +1,394 @@
+"""The Gluon Hopper GEMM (impl cuda.gluon.gemm): compiled for sm_90 here, NOT yet run on a GPU.
+
+CPU: every variant x activation x dtype x residual (with bias; plus bias-free and B-as-(N, K) cases) compiles
+for sm_90 with no register spills (ptxas, no GPU needed); the impl's declaration and rejection reasons (also
+when Gluon does not import); the host-side launch arguments (grid, descriptor block shapes, the (N, K) read of
+an nn.Linear weight.t()); the persistent tile schedule (producer and consumers walk the same tiles, every tile
+exactly once); the ring + ping-pong turn barrier protocol under random interleavings.
+GPU (sm_90 only, skipped elsewhere): every variant against a float64 reference at odd shapes, and forward +
+backward through opsadv.ops.gemm pinned to the impl, with NaN-poisoned outputs."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import opsadv
+from opsadv.core.kernel import PRIORITY_TRITON, CallSpec
+
+from barrier_sim import Bar, Ring, run
+from conftest import fake_cuda_env, load_without_gluon
+
+GG = pytest.importorskip("opsadv.backends.cuda.gluon_gemm")
+IMPL_ID = GG.IMPL_ID
+needs_gluon = pytest.mark.skipif(bool(GG.UNAVAILABLE), reason=GG.UNAVAILABLE or "")
+HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")     # conftest sets it by default
+requires_sm90 = pytest.mark.skipif(not HAS_SM90 or bool(GG.UNAVAILABLE) or INTERPRET,
+                                   reason="needs an sm_90 GPU, Gluon, and TRITON_INTERPRET=0")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMEM_LIMIT = 232448          # sm_90 opt-in shared memory per block (227 KB)
+
+# ---- compile for sm_90 on CPU ------------------------------------------------------------------------
+# Runs in fresh interpreters without TRITON_INTERPRET (conftest turns it on for this session, and under it
+# gluon.jit functions cannot be compiled), with benchmarks/gluon_fa/compile_sm90.py's helpers: bind and
+# specialize like JITFunction.run, compile for sm_90 (launches nothing), count STL/LDL in the SASS, and the
+# highest register each setmaxnreg region uses.
+_COMPILE_SCRIPT = r"""
+import json, os, re, sys
+os.environ.pop("TRITON_INTERPRET", None)
+sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks", "gluon_fa"))
+import torch
+from compile_sm90 import compile_sm90, cubin_resources, sass_of, setmaxnreg_regions
+from opsadv.backends.cuda import _gluon_gemm_kernel as K, gluon_gemm as GG
+report = {}
+for variant, act, dt, bias, res, b_nk in json.loads(sys.argv[1]):
+    dtype = getattr(torch, dt)
+    m, n, k = 1000, 520, 264                         # tails in M, N and K
+    a = torch.randn(m, k).to(dtype)
+    b = torch.randn(n, k).to(dtype) if b_nk else torch.randn(k, n).to(dtype)
+    out = torch.empty(m, n, dtype=dtype)
+    grid, args, kw = GG.launch_args(a, b, out, torch.randn(n).to(dtype) if bias else None,
+                                    torch.randn(m, n).to(dtype) if res else None, act, 0.5, variant, b_nk)
+    kern = compile_sm90(K.gemm_kernel, args, kw)
+    sass = sass_of(kern)
+    info = cubin_resources(kern)
+    info["spills"] = len(re.findall(r"\b(?:STL|LDL)\b", sass))
+    info["regions"] = setmaxnreg_regions(sass)
+    report["-".join(map(str, (variant, act, dt, int(bias), int(res), int(b_nk))))] = info
+print(json.dumps(report))
+"""
+
+ACTS = ("none", "relu", "gelu", "gelu_tanh", "silu")
+# Every variant x activation x dtype x residual with a bias; plus bias-free and B-as-(N, K) (nn.Linear
+# weight.t()) representatives, which change only the loads / the bias add.
+COMPILE_CASES = ([(v, act, dt, True, res, False) for v in GG.VARIANTS for act in ACTS
+                  for dt in ("bfloat16", "float16") for res in (False, True)]
+                 + [(v, act, "bfloat16", False, False, False) for v in GG.VARIANTS for act in ("none", "gelu_tanh")]
+                 + [(v, "silu", dt, True, True, True) for v in GG.VARIANTS for dt in ("bfloat16", "float16")])
+
+
+def _key(case) -> str:
+    variant, act, dt, bias, res, b_nk = case
+    return "-".join(map(str, (variant, act, dt, int(bias), int(res), int(b_nk))))
+
+
+@pytest.fixture(scope="module")
+def sm90_compile_report():
+    from triton import knobs
+    ptxas = getattr(knobs.nvidia.ptxas, "path", None)
+    if not ptxas or not os.path.exists(ptxas):
+        pytest.skip(f"ptxas not found ({ptxas})")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    jobs = min(4, os.cpu_count() or 1)
+    chunks = [COMPILE_CASES[i::jobs] for i in range(jobs)]
+    procs = [subprocess.Popen([sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(c)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT) for c in chunks]
+    report = {}
+    for p in procs:
+        out, err = p.communicate(timeout=900)
+        assert p.returncode == 0, err[-3000:]
+        report.update(json.loads(out.strip().splitlines()[-1]))
+    return report
+
+
+@needs_gluon
+@pytest.mark.parametrize("case", COMPILE_CASES, ids=_key)
+def test_compiles_for_sm90_without_spills(case, sm90_compile_report):
+    r = sm90_compile_report[_key(case)]
+    assert r["shared_bytes"] <= SMEM_LIMIT, r
+    assert r["spills"] == 0 and r["stack"] == 0, f"{_key(case)}: {r}"
+    # the consumer partitions stay within their setmaxnreg budget (ptxas would spill otherwise)
+    assert all(top < limit for limit, top in r["regions"]), r["regions"]
+
+
+def test_compile_cases_cover_every_variant_activation_dtype_residual():
+    full = {(v, a, d, r) for v, a, d, b, r, nk in COMPILE_CASES if b and not nk}
+    assert full == {(v, a, d, r) for v in GG.VARIANTS for a in ACTS for d in ("bfloat16", "float16")
+                    for r in (False, True)}
+    assert set(ACTS) == set(GG.ACTIVATIONS) == set(GG._K.ACT_IDS if GG._K else ACTS)
+
+
+# ---- declaration and rejection reasons -------------------------------------------------------------------
+def _impl():
+    from opsadv.registry import get_registry
+    impls = {i.id: i for i in get_registry().impls_by_op["gemm"]}
+    assert IMPL_ID in impls, sorted(impls)
+    return impls[IMPL_ID]
+
+
+def _spec(dtype=torch.bfloat16, m=1000, k=264, n=520, features=(), device="cuda", backward=False):
+    return CallSpec(op="gemm", device_type=device, dtype=dtype, features=frozenset(features), bucket=(m, k, n),
+                    shapes=((m, k), (k, n)), backward=backward)
+
+
+def _reasons(spec, env, experimental_ok=True):
+    return _impl().rejection_reasons(spec, env, experimental_ok=experimental_ok, deterministic=False)
+
+
+@needs_gluon
+def test_declared_support_accepts_sm90_bf16_fp16_every_feature():
+    from opsadv.backends.cuda.gemm import GEMM_FEATURES
+    for dt in (torch.bfloat16, torch.float16):
+        for feats in ((), ("bias", "act_gelu_tanh"), tuple(sorted(GEMM_FEATURES - {"act_relu", "act_gelu",
+                                                                                 "act_gelu_tanh"}))):
+            assert _reasons(_spec(dt, features=feats), fake_cuda_env()) == [], (dt, feats)
+            assert _reasons(_spec(dt, features=feats, backward=True), fake_cuda_env()) == []
+    assert _reasons(_spec(m=1, k=8, n=8), fake_cuda_env()) == []
+
+
+def test_rejection_reasons():
+    env = fake_cuda_env()
+    impl = _impl()
+    # experimental (compiled only), below the Triton impls: the default dispatch does not change
+    assert impl.experimental and impl.priority == PRIORITY_TRITON - 5
+    assert impl.min_cc == impl.max_cc == (9, 0)
+    assert any("experimental" in r for r in _reasons(_spec(), env, experimental_ok=False))
+    assert any("dtype float32" in r for r in _reasons(_spec(torch.float32), env))
+    assert any(">= 9.0" in r for r in _reasons(_spec(), fake_cuda_env((8, 0))))
+    assert any("<= 9.0" in r for r in _reasons(_spec(), fake_cuda_env((10, 0))))
+    assert any("device 'cpu'" in r for r in _reasons(_spec(device="cpu"), env))
+    if not GG.UNAVAILABLE:
+        assert any("multiples of 8" in r and "K=100" in r for r in _reasons(_spec(k=100), env))
+        assert any("multiples of 8" in r and "N=36" in r for r in _reasons(_spec(n=36), env))
+        assert any("TRITON_INTERPRET" in r for r in _reasons(_spec(), fake_cuda_env(interpret=True)))
+
+
+def test_unavailable_without_gluon(monkeypatch):
+    """With triton.experimental.gluon unimportable the module still imports and the impl rejects every
+    call, naming the import failure."""
+    mod = load_without_gluon(monkeypatch, GG, "._gluon_gemm_kernel")
+    assert "triton.experimental.gluon" in mod.UNAVAILABLE
+    (impl,) = mod.impls(fake_cuda_env())
+    assert impl.rejection_reasons(_spec(), fake_cuda_env(), experimental_ok=True, deterministic=False) == \
+        [mod.UNAVAILABLE]
+    with pytest.raises(RuntimeError, match="not importable"):
+        mod.launch_args(torch.empty(8, 8), torch.empty(8, 8), torch.empty(8, 8))
+
+
+def test_default_dispatch_unchanged_on_cpu():
+    """Registered, but never chosen without experimental=True (and never on the CPU/interpreter)."""
+    with opsadv.trace() as t:
+        opsadv.ops.gemm(torch.randn(5, 16), torch.randn(16, 8), bias=torch.randn(8), activation="silu")
+    assert IMPL_ID not in t.counts
+
+
+# ---- host side ------------------------------------------------------------------------------------------
+@needs_gluon
+@pytest.mark.parametrize("variant", list(GG.VARIANTS))
+@pytest.mark.parametrize("m,n,k,sms", [(1, 8, 8, 132), (1000, 520, 264, 132), (16384, 12288, 4096, 132),
+                                       (300, 4096, 64, 7)])
+def test_launch_args(variant, m, n, k, sms):
+    cfg = GG.VARIANTS[variant]
+    dt = torch.bfloat16
+    a, b, out = torch.empty(m, k, dtype=dt), torch.empty(k, n, dtype=dt), torch.empty(m, n, dtype=dt)
+    res, bias = torch.empty(m, n, dtype=dt), torch.empty(n, dtype=dt)
+    grid, args, kw = GG.launch_args(a, b, out, bias, res, "gelu_tanh", 0.5, variant, num_sms=sms)
+    tiles = -(-m // cfg["BM"]) * -(-n // cfg["BN"])
+    assert grid == (min(tiles, sms),)
+    a_desc, b_desc, c_desc, r_desc = args[:4]
+    assert a_desc.block_shape == [cfg["BM"], cfg["BK"]]
+    assert b_desc.block_shape == [cfg["BK"], cfg["BN"]]
+    assert c_desc.block_shape == r_desc.block_shape == [cfg["BM"], cfg["BN"]]
+    assert r_desc.base is res and c_desc.base is out and args[4] is bias
+    assert args[5:] == (m, n, k, 0.5)
+    assert kw["ACT"] == 3 and kw["HAS_BIAS"] and kw["HAS_RES"] and not kw["B_NK"]
+    assert kw["PINGPONG"] == cfg["PINGPONG"] and kw["STAGES"] == cfg["STAGES"]
+    assert kw["num_warps"] == (4 if cfg["PINGPONG"] else 8)
+    # no bias / residual: flags off, the output stands in for both (never read)
+    grid, args, kw = GG.launch_args(a, b, out, variant=variant, num_sms=sms)
+    assert args[3].base is out and args[4] is out
+    assert not kw["HAS_BIAS"] and not kw["HAS_RES"] and kw["ACT"] == 0
+
+
+@needs_gluon
+def test_prepare_reads_linear_weight_t_as_rows():
+    w = torch.empty(520, 264, dtype=torch.bfloat16)              # nn.Linear weight (N, K)
+    a = torch.empty(1000, 264, dtype=torch.bfloat16)
+    a2, bb, b_nk = GG.prepare(a, w.t())
+    assert b_nk and bb.data_ptr() == w.data_ptr() and bb.shape == (520, 264)
+    grid, args, kw = GG.launch_args(a2, bb, torch.empty(1000, 520, dtype=torch.bfloat16), b_nk=True)
+    assert args[1].block_shape == [GG.VARIANTS[GG.DEFAULT_VARIANT]["BN"], GG.VARIANTS[GG.DEFAULT_VARIANT]["BK"]]
+    assert kw["B_NK"]
+    b = torch.empty(264, 520, dtype=torch.bfloat16)
+    assert GG.prepare(a, b) == (a, b, False)
+    odd = torch.empty(264, 1040, dtype=torch.bfloat16)[:, ::2]   # neither layout is TMA-ready: a copy
+    a2, bb, b_nk = GG.prepare(a, odd)
+    assert not b_nk and bb.is_contiguous() and torch.equal(bb, odd)
+
+
+# ---- the persistent tile schedule, emulated -------------------------------------------------------------
+def _tile_coords(tile, num_m, num_n, group=8):
+    """_gluon_gemm_kernel._tile_coords in Python."""
+    per_group = group * num_n
+    first_m = (tile // per_group) * group
+    size_m = min(num_m - first_m, group)
+    return first_m + (tile % per_group) % size_m, (tile % per_group) // size_m
+
+
+@pytest.mark.parametrize("variant", list(GG.VARIANTS))
+@pytest.mark.parametrize("m,n,sms", [(1, 8, 132), (1000, 520, 132), (16384, 12288, 132), (12288, 3072, 132),
+                                     (8, 4096, 132), (5000, 3000, 7)])
+def test_tile_schedule_covers_every_tile_once(variant, m, n, sms):
+    cfg = GG.VARIANTS[variant]
+    num_m, num_n = -(-m // cfg["BM"]), -(-n // cfg["BN"])
+    tiles = num_m * num_n
+    nprog = min(tiles, sms)
+    nwg = 2 if cfg["PINGPONG"] else 1
+    seen = []
+    for pid in range(nprog):
+        producer = list(range(pid, tiles, nprog))
+        consumers = [list(range(pid + wg * nprog, tiles, nwg * nprog)) for wg in range(nwg)]
+        # the consumers' tiles interleaved (local index i -> warpgroup i % nwg) are the producer's order
+        merged = [consumers[i % nwg][i // nwg] for i in range(len(producer))]
+        assert merged == producer
+        seen += producer
+    coords = [_tile_coords(t, num_m, num_n) for t in seen]
+    assert sorted(coords) == [(i, j) for i in range(num_m) for j in range(num_n)]
+
+
+# ---- the ring + turn barrier protocol, emulated -----------------------------------------------------------
+def emulate_protocol(tiles_per_wg, k_tiles, stages, pingpong, seed, early_release=False):
+    """gemm_kernel's barriers under a random interleaving of the partitions and TMA completions: the
+    producer fills ring position p (tile p // k_tiles, K-slice p % k_tiles) into slot p % stages after
+    waiting for the slot's empty barrier; consumer warpgroup wg takes the CTA's local tiles wg, wg + nwg, ...
+    (ring positions local * k_tiles + kk), waits for ready, issues the wgmma, keeps one in flight and frees
+    the previous slot; with ping-pong it takes a turn per tile and passes it after its last wgmma is issued.
+    Asserts no slot is overwritten while (or before) it is read and nothing deadlocks.
+    early_release: a deliberately wrong consumer that frees a slot while its wgmma may still read it."""
+    rnd = random.Random(seed)
+    nwg = 2 if pingpong else 1
+    n_tiles = tiles_per_wg
+    ready, empty = [Bar(1) for _ in range(stages)], [Bar(1) for _ in range(stages)]
+    turn = [Bar(1), Bar(1)]
+    turn[0].arrive()                                          # warpgroup 0 issues first
+    ring = Ring(("ab",), stages, 1)
+
+    def producer():
+        for p in range(n_tiles * k_tiles):
+            yield empty[p % stages], ((p // stages) & 1) ^ 1
+            ring.load("ab", p)
+
+    def consumer(wg):
+        local = wg
+        while local < n_tiles:
+            it = local * k_tiles
+            if pingpong:
+                yield turn[wg], (local // 2) & 1
+            in_flight = []
+            for kk in range(k_tiles):
+                yield ready[it % stages], (it // stages) & 1
+                ring.start_read("ab", it, 0)
+                in_flight.append(it)
+                if early_release:
+                    empty[it % stages].arrive()
+                yield None, None                              # others run while the wgmma is in flight
+                if len(in_flight) > 1:                        # wait(1): the previous wgmma retired
+                    done = in_flight.pop(0)
+                    ring.end_read("ab", done, 0)
+                    if not early_release:
+                        empty[done % stages].arrive()
+                it += 1
+            if pingpong:
+                turn[1 - wg].arrive()
+            yield None, None
+            done = in_flight.pop(0)                           # wait(0)
+            ring.end_read("ab", done, 0)
+            if not early_release:
+                empty[done % stages].arrive()
+            yield None, None                                  # the epilogue
+            local += nwg
+
+    def land(item):
+        kind, st = item
+        ring.land(kind, st)
+        ready[st].arrive()
+
+    run({"producer": producer(), **{f"wg{w}": consumer(w) for w in range(nwg)}}, ring.in_flight, land, rnd)
+    assert ring.all_read("ab", n_tiles * k_tiles)
+
+
+@pytest.mark.parametrize("pingpong", [False, True])
+@pytest.mark.parametrize("stages", [3, 4, 5])
+def test_emulated_ring_and_turn_protocol(stages, pingpong):
+    for n_tiles in (0, 1, 2, 3, 5):
+        for k_tiles in (1, 2, 3, 7):
+            for seed in range(12):
+                emulate_protocol(n_tiles, k_tiles, stages, pingpong, seed)
+
+
+def test_emulated_protocol_detects_an_early_release():
+    with pytest.raises(AssertionError, match="overwritten"):
+        for seed in range(200):
+            emulate_protocol(4, 7, 3, True, seed, early_release=True)
+
+
+# ---- on an H100/H200 ------------------------------------------------------------------------------------
+def _ref(a, b, bias, act, res, alpha):
+    import torch.nn.functional as F
+    z = alpha * (a.double().reshape(-1, a.shape[-1]) @ b.double())
+    if bias is not None:
+        z = z + bias.double()
+    z = {"none": lambda x: x, "relu": F.relu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+         "silu": F.silu}[act](z)
+    z = z.reshape(*a.shape[:-1], b.shape[1])
+    return z + res.double() if res is not None else z
+
+
+def _close(got, ref, dtype):
+    assert not torch.isnan(got).any()
+    err = (got.double() - ref).norm() / ref.norm().clamp_min(1e-6)
+    assert err < (1e-2 if dtype == torch.bfloat16 else 2e-3), err.item()
+
+
+GPU_SHAPES = [(1, 8, 8), (7, 24, 40), (127, 136, 264), (1000, 520, 264), (4096, 1032, 776), (1000, 4096, 1024)]
+
+
+@requires_sm90
+@pytest.mark.parametrize("variant", list(GG.VARIANTS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,n,k", GPU_SHAPES)
+def test_gpu_every_variant(variant, dtype, m, n, k, seed, monkeypatch):
+    monkeypatch.setenv("OPSADV_POISON_OUTPUTS", "1")
+    a = torch.randn(m, k, device="cuda", dtype=dtype)
+    b = torch.randn(k, n, device="cuda", dtype=dtype) / k ** 0.5
+    for act in ACTS:
+        for has_bias, has_res, alpha in ((False, False, 1.0), (True, False, 0.7), (True, True, 1.3)):
+            bias = torch.randn(n, device="cuda", dtype=dtype) if has_bias else None
+            res = torch.randn(m, n, device="cuda", dtype=dtype) if has_res else None
+            out = GG.gemm_fwd(None, a, b, bias, act, res, alpha, variant=variant)
+            _close(out, _ref(a, b, bias, act, res, alpha), dtype)
+    # nn.Linear weight.t(): read as (N, K) rows
+    w = torch.randn(n, k, device="cuda", dtype=dtype) / k ** 0.5
+    out = GG.gemm_fwd(None, a, w.t(), None, "silu", None, 1.0, variant=variant)
+    _close(out, _ref(a, w.t(), None, "silu", None, 1.0), dtype)
+
+
+@requires_sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 7, 127, 1000, 4096])
+@pytest.mark.parametrize("act", ACTS)
+def test_gpu_op_fwd_bwd(dtype, m, act, seed, monkeypatch):
+    monkeypatch.setenv("OPSADV_POISON_OUTPUTS", "1")
+    n, k = 520, 264
+    a = torch.randn(2, m, k, device="cuda", dtype=dtype, requires_grad=True)      # batched: flattened leading dims
+    b = (torch.randn(k, n, device="cuda", dtype=dtype) / k ** 0.5).requires_grad_()
+    bias = torch.randn(n, device="cuda", dtype=dtype, requires_grad=True)
+    res = torch.randn(2, m, n, device="cuda", dtype=dtype, requires_grad=True)
+    with opsadv.use_backend("cuda", experimental=True, autotune=False, impls={"gemm": IMPL_ID}), opsadv.trace() as t:
+        out = opsadv.ops.gemm(a, b, bias=bias, activation=act, residual=res, alpha=0.9)
+        g = torch.randn_like(out)
+        da, db, dbias, dres = torch.autograd.grad(out, (a, b, bias, res), g)
+    assert t.counts[IMPL_ID] == 2
+    a64, b64, bias64, res64 = (x.detach().double().requires_grad_() for x in (a, b, bias, res))
+    ref = _ref(a64, b64, bias64, act, res64, 0.9)
+    ra, rb, rbias, rres = torch.autograd.grad(ref, (a64, b64, bias64, res64), g.double())
+    _close(out, ref.detach(), dtype)
+    for got, want in ((da, ra), (db, rb), (dbias, rbias), (dres, rres)):
+        _close(got, want, dtype)
