@@ -2,8 +2,9 @@
 
     C = act(alpha * A @ B + bias) (+ residual)      A (M, K), B (K, N) or, with B_NK, B^T given as (N, K)
 
-COMPILED ONLY, NOT RUN ON A GPU: every variant compiles for sm_90 with ptxas (tests/test_gluon_gemm.py,
-benchmarks/gluon_gemm/compile stats in gluon_gemm.py's docstring); nothing here has executed yet.
+COMPILED ONLY, NOT RUN ON A GPU: every variant compiles for sm_90 with ptxas with no spills
+(tests/test_gluon_gemm.py; registers / shared memory in gluon_gemm.py's docstring and
+benchmarks/gluon_gemm/README.md); nothing here has executed yet.
 
 Imported only by gluon_gemm.py, and only when triton.experimental.gluon imports.
 
@@ -14,8 +15,9 @@ order):
     (one arrive per consumer partition that read it).  K tails arrive zero-filled by TMA.
   * the consumers run async wgmma from shared memory with one wgmma group in flight, free each slot
     once the wgmma reading it has retired, then run the epilogue from registers (alpha, bias,
-    activation, residual, cast) and store through a shared-memory tile with a TMA store (clipped at the
-    M / N edges, so any M and N are exact).  The TMA store of tile i is waited for only before the
+    activation, residual, cast) in two column halves (half the registers live at a time) and store
+    through a shared-memory tile with a TMA store (clipped at the M / N edges, so any M and N are exact).
+    The residual tile is TMA-loaded into that shared tile first and read back in the accumulator's layout.  The TMA store of tile i is waited for only before the
     shared tile is written again (tile i + 1's epilogue), so it overlaps the next main loop.
 
 Variants (constexpr PINGPONG):

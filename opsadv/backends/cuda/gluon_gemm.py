@@ -9,15 +9,17 @@ before timing it).  Until then the impl is experimental (needs use_backend(..., 
 ranks below the Triton impls (PRIORITY_TRITON - 5): a measurement decides.
 
 Forward: the Gluon kernel, variant DEFAULT_VARIANT (see VARIANTS).  Host side: leading dims of a are
-flattened; a, b, the residual and the output go through TMA descriptors (16-byte aligned rows: K and N multiples of 8,
-checked in check()); a b whose transpose is row-major (an nn.Linear weight.t()) is read as (N, K) rows
-without a copy (B_NK); other strided inputs are copied contiguous first.  Backward: the Triton/cuBLAS backward of gemm.py (dz pass on the TMA
-kernel, then cuBLAS for da / db).
+flattened; a, b, the residual and the output go through TMA descriptors (16-byte aligned rows: K and N
+multiples of 8, checked in check()); a b whose transpose is row-major (an nn.Linear weight.t()) is read as
+(N, K) rows without a copy (B_NK); other strided inputs are copied contiguous first.  Backward: the
+Triton/cuBLAS backward of gemm.py (dz pass on the TMA kernel, then cuBLAS for da / db).
 When triton.experimental.gluon does not import, the impl is still registered, rejecting every call with
 the import error as the reason, and importing opsadv never fails.
 
-sm_90 compile stats at the commit that added this file (GPUTarget("cuda", 90, 128), triton 3.6.0; see
-tests/test_gluon_gemm.py and benchmarks/gluon_gemm/README.md): listed in COMPILE_STATS below."""
+sm_90 compile (GPUTarget("cuda", 90, 128), triton 3.6.0, on CPU; tests/test_gluon_gemm.py checks every
+variant x activation x dtype x residual): 0 spills / stack 0 everywhere; consumers setmaxnreg 240 with up to
+R237 used (gelu_tanh / silu with a residual), producer warp 24; shared memory coop 213,204 B, pingpong
+196,888 B, pingpong_st5 229,688 B (sm_90 limit 232,448).  NOT RUN ON A GPU YET."""
 from __future__ import annotations
 
 import functools
@@ -57,8 +59,6 @@ DEFAULT_VARIANT = "pingpong"     # CUTLASS's best Hopper schedule for bf16 with 
 CONSUMER_REGS = 240   # per thread, each ping-pong consumer warpgroup (setmaxnreg); 2 x 240 + 24 <= 512
 PRODUCER_REGS = 24    # the TMA producer warp only computes tile coordinates and issues copies
 DEFAULT_SMS = 132     # H100 SXM / H200: the grid size when no GPU is visible (compile checks on CPU)
-# Filled in from the sm_90 compile report (tests/test_gluon_gemm.py): see the README.
-COMPILE_STATS: dict = {}
 
 
 def _cdiv(a: int, b: int) -> int:
