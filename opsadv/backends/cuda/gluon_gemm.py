@@ -123,6 +123,8 @@ def gemm_fwd(ctx, a, b, bias, activation, residual, alpha, variant=None):
     res2 = None
     if residual is not None:
         res2 = _tma_ready(residual.reshape(-1, n))
+    if bias is not None and bias.stride(0) != 1:
+        bias = bias.contiguous()                        # the epilogue reads it with unit stride
     grid, args, kw = launch_args(a2, b_, out, bias, res2, activation, alpha, variant, b_nk)
     _K.gemm_kernel[grid](*args, **kw)
     return out.reshape(*a.shape[:-1], n)
