@@ -22,7 +22,7 @@ order):
 
 Variants (constexpr PINGPONG):
   * cooperative (PINGPONG=False): one 8-warp consumer partition (two warpgroups, warps stacked along M)
-    on one BM x BN = 128 x 256 tile; each warpgroup owns 64-row slices of it.
+    on one BM x BN tile (128 x 256, or 256 x 128); each warpgroup owns 64-row slices of it.
   * ping-pong (PINGPONG=True): two 4-warp consumer partitions, each its own 128 x 128 tile (the CTA's
     even / odd tiles), taking turns through two "turn" mbarriers for their main loops (CUTLASS
     KernelTmaWarpSpecializedPingpong): one warpgroup's epilogue runs while the other's wgmmas hold the

@@ -18,7 +18,7 @@ the import error as the reason, and importing opsadv never fails.
 
 sm_90 compile (GPUTarget("cuda", 90, 128), triton 3.6.0, on CPU; tests/test_gluon_gemm.py checks every
 variant x activation x dtype x residual): 0 spills / stack 0 everywhere; consumers setmaxnreg 240 with up to
-R237 used (gelu_tanh / silu with a residual), producer warp 24; shared memory coop 213,204 B, pingpong
+R237 used (gelu_tanh / silu with a residual), producer warp 24; shared memory coop / coop_256x128 213,204 B, pingpong
 196,888 B, pingpong_st5 229,688 B (sm_90 limit 232,448).  NOT RUN ON A GPU YET."""
 from __future__ import annotations
 
@@ -47,11 +47,14 @@ ALIGN = 8            # elements per 16 bytes (2-byte dtypes): TMA row alignment 
 # Named kernel schedules.  BM x BN: one consumer partition's output tile; BK: the ring's K-slice.
 #   coop:     one 8-warp consumer partition (2 warpgroups) on a 128x256 tile, 3-stage ring
 #             (3 x 48 KB + a 64 KB output tile = 208 KB of shared memory).
+#   coop_256x128: the same partition on a 256x128 tile (CUTLASS's cooperative default shape): each
+#             warpgroup issues two m64n128 wgmmas per K-step instead of one m64n256; same 208 KB.
 #   pingpong: two 4-warp consumer partitions, each its own 128x128 tile, taking main-loop turns;
 #             4-stage ring (4 x 32 KB) + two 32 KB output tiles = 192 KB.
 #   pingpong_st5: the same with a 5-stage ring (224 KB).
 VARIANTS = {
     "coop": dict(PINGPONG=False, BM=128, BN=256, BK=64, STAGES=3, num_warps=8),
+    "coop_256x128": dict(PINGPONG=False, BM=256, BN=128, BK=64, STAGES=3, num_warps=8),
     "pingpong": dict(PINGPONG=True, BM=128, BN=128, BK=64, STAGES=4, num_warps=4),
     "pingpong_st5": dict(PINGPONG=True, BM=128, BN=128, BK=64, STAGES=5, num_warps=4),
 }
