@@ -5,7 +5,8 @@ for sm_90 with no register spills (ptxas, no GPU needed); the impl's declaration
 when Gluon does not import); the host-side launch arguments (grid, descriptor block shapes, the (N, K) read of
 an nn.Linear weight.t()); the persistent tile schedule (producer and consumers walk the same tiles, every tile
 exactly once); the ring + ping-pong turn barrier protocol under random interleavings.
-GPU (sm_90 only, skipped elsewhere): every variant against a float64 reference at odd shapes, and forward +
+GPU (sm_90 only, skipped elsewhere): every variant against a float64 reference at odd shapes (full grid and
+5 CTAs walking many tiles each), and forward +
 backward through opsadv.ops.gemm pinned to the impl, with NaN-poisoned outputs."""
 from __future__ import annotations
 
@@ -347,7 +348,8 @@ def _close(got, ref, dtype):
     assert err < (1e-2 if dtype == torch.bfloat16 else 2e-3), err.item()
 
 
-GPU_SHAPES = [(1, 8, 8), (7, 24, 40), (127, 136, 264), (1000, 520, 264), (4096, 1032, 776), (1000, 4096, 1024)]
+GPU_SHAPES = [(1, 8, 8), (7, 24, 40), (127, 136, 264), (1000, 520, 264), (4096, 1032, 776), (1000, 4096, 1024),
+              (2100, 1096, 136)]
 
 
 @requires_sm90
@@ -362,8 +364,10 @@ def test_gpu_every_variant(variant, dtype, m, n, k, seed, monkeypatch):
         for has_bias, has_res, alpha in ((False, False, 1.0), (True, False, 0.7), (True, True, 1.3)):
             bias = torch.randn(n, device="cuda", dtype=dtype) if has_bias else None
             res = torch.randn(m, n, device="cuda", dtype=dtype) if has_res else None
-            out = GG.gemm_fwd(None, a, b, bias, act, res, alpha, variant=variant)
-            _close(out, _ref(a, b, bias, act, res, alpha), dtype)
+            ref = _ref(a, b, bias, act, res, alpha)
+            for cap in (None, 5):      # 5 CTAs: each walks many tiles (ring wrap, ping-pong turns, store waits)
+                out = GG.gemm_fwd(None, a, b, bias, act, res, alpha, variant=variant, num_sms=cap)
+                _close(out, ref, dtype)
     # nn.Linear weight.t(): read as (N, K) rows
     w = torch.randn(n, k, device="cuda", dtype=dtype) / k ** 0.5
     out = GG.gemm_fwd(None, a, w.t(), None, "silu", None, 1.0, variant=variant)

@@ -3,8 +3,10 @@ first correctness of every variant, then timing against the peers.
 
   PYTHONPATH=. python benchmarks/gluon_gemm/probe.py OUT.json
 
-1. check: every variant (gluon_gemm.VARIANTS) at odd shapes (M 1 / 7 / 127 / 1000, N and K multiples of 8
-   that are not multiples of the tile), every activation, bias / residual / alpha != 1, B as (K, N) and as
+1. check: every variant (gluon_gemm.VARIANTS), each in a child process killed after 150 s (a deadlock is
+   reported as such, the other variants still run), at odd shapes (M 1 / 7 / 127 / 1000 / 2100, N and K
+   multiples of 8 that are not multiples of the tile), each with the full grid and with the grid capped at
+   5 CTAs (every CTA walks many tiles: the persistent path), every activation, bias / residual / alpha != 1, B as (K, N) and as
    an nn.Linear weight.t(), bf16 and fp16 (CHECKS), NaN-poisoned outputs, against float64.
    PROBE_VARIANTS=pingpong,coop limits the variants.  A variant that fails
    any check is not timed (its errors are in the JSON).
@@ -45,7 +47,11 @@ CASES = [  # name, M, N, K, bias, activation
     ("bert_ffn1_bias_gelu", 12288, 3072, 768, True, "gelu"),
     ("decode_m8_none", 8, 4096, 4096, False, "none"),
 ]
-ODD = [(1, 8, 8), (7, 24, 40), (127, 136, 264), (1000, 520, 264), (1000, 776, 1544)]
+ODD = [(1, 8, 8), (7, 24, 40), (127, 136, 264), (1000, 520, 264), (1000, 776, 1544), (2100, 1096, 136)]
+# Grid caps per ODD shape: None = min(tiles, #SMs) (mostly one tile per CTA at these shapes), and 5 CTAs, so
+# every CTA walks many tiles (ring wrap-around across tiles, ping-pong turns, deferred TMA store waits).
+GRID_CAPS = (None, 5)
+CHECK_TIMEOUT_S = float(os.environ.get("PROBE_CHECK_TIMEOUT_S", "150"))   # a hung (deadlocked) variant is killed
 WARMUP, REPS = 5, 30
 DEV = os.environ.get("PROBE_DEVICE", "cuda")     # "cpu": a dry run of the script's logic (see README)
 TRITON_PERSISTENT = "cuda.triton.gemm_persistent"
@@ -89,23 +95,48 @@ def check_variant(variant) -> list[str]:
                 b = w.t() if b_nk else w.t().contiguous()
                 bias = torch.randn(n, device=DEV, generator=g).to(dtype) if has_bias else None
                 res = torch.randn(m, n, device=DEV, generator=g).to(dtype) if has_res else None
-                tag = f"{variant} {dt} m{m} n{n} k{k} {act} bias={has_bias} res={has_res} alpha={alpha} b_nk={b_nk}"
-                try:
-                    out = GG.gemm_fwd(None, a, b, bias, act, res, alpha, variant=variant)
-                    if DEV == "cuda":
-                        torch.cuda.synchronize()
-                except Exception as e:  # a compile / launch failure is a failed check
-                    errors.append(f"{tag}: {type(e).__name__}: {str(e)[:300]}")
-                    return errors
-                if torch.isnan(out).any():
-                    errors.append(f"{tag}: NaN (unwritten output?)")
-                    continue
-                e = rel_err(out, ref64(a, b, bias, act, res, alpha))
-                if not e < tol:
-                    errors.append(f"{tag}: rel err {e:.3g}")
+                ref = ref64(a, b, bias, act, res, alpha)
+                for cap in GRID_CAPS:
+                    tag = (f"{variant} {dt} m{m} n{n} k{k} {act} bias={has_bias} res={has_res} alpha={alpha} "
+                           f"b_nk={b_nk} grid_cap={cap}")
+                    print("  " + tag, flush=True)                # the last line printed names a hang
+                    try:
+                        out = GG.gemm_fwd(None, a, b, bias, act, res, alpha, variant=variant, num_sms=cap)
+                        if DEV == "cuda":
+                            torch.cuda.synchronize()
+                    except Exception as e:  # a compile / launch failure is a failed check
+                        errors.append(f"{tag}: {type(e).__name__}: {str(e)[:300]}")
+                        return errors
+                    if torch.isnan(out).any():
+                        errors.append(f"{tag}: NaN (unwritten output?)")
+                        continue
+                    e = rel_err(out, ref)
+                    if not e < tol:
+                        errors.append(f"{tag}: rel err {e:.3g}")
     finally:
         os.environ["OPSADV_POISON_OUTPUTS"] = "0"
     return errors
+
+
+def check_in_subprocess(variant, path) -> list[str]:
+    """check_variant in a child process (python probe.py --check VARIANT OUT): a variant that deadlocks
+    on the GPU is killed after CHECK_TIMEOUT_S and reported, and the probe goes on with the others.  The
+    child's compiles land in Triton's disk cache, so timing it here compiles nothing again."""
+    import subprocess
+    out = f"{path}.check_{variant}.json"
+    if os.path.exists(out):
+        os.remove(out)                                       # a stale result must not pass for this run's
+    cmd = [sys.executable, os.path.abspath(__file__), "--check", variant, out]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=CHECK_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        tail = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        last = [ln for ln in tail.splitlines() if ln.strip()][-1:] or ["?"]
+        return [f"timed out after {CHECK_TIMEOUT_S:.0f}s (hang?); last case started: {last[0].strip()}"]
+    if res.returncode != 0 or not os.path.exists(out):
+        return [f"check process failed (rc {res.returncode}): {res.stderr[-1500:]}"]
+    with open(out) as f:
+        return json.load(f)
 
 
 def bench(fn) -> float:
@@ -169,7 +200,8 @@ def main(path: str) -> None:
     ok = []
     for variant in VARIANTS:
         t = time.time()
-        errors = check_variant(variant)
+        errors = check_variant(variant) if os.environ.get("PROBE_CHECK_INPROC") == "1" else \
+            check_in_subprocess(variant, path)
         report["checks"][variant] = {"pass": not errors, "errors": errors[:20], "n_errors": len(errors),
                                      "s": round(time.time() - t, 1)}
         print(f"check {variant:14s} {'PASS' if not errors else 'FAIL'} ({len(errors)} errors, {time.time() - t:.0f}s)"
@@ -227,4 +259,9 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "gluon_gemm_probe.json")
+    if len(sys.argv) > 1 and sys.argv[1] == "--check":       # child of check_in_subprocess
+        errs = check_variant(sys.argv[2])
+        with open(sys.argv[3], "w") as f:
+            json.dump(errs, f)
+    else:
+        main(sys.argv[1] if len(sys.argv) > 1 else "gluon_gemm_probe.json")

@@ -118,8 +118,10 @@ def launch_args(a2, b, out, bias=None, res2=None, activation="none", alpha=1.0, 
     return grid, args, kw
 
 
-def gemm_fwd(ctx, a, b, bias, activation, residual, alpha, variant=None):
-    """The impl's forward (gemm contract): act(alpha * a @ b + bias) + residual, shape (..., N)."""
+def gemm_fwd(ctx, a, b, bias, activation, residual, alpha, variant=None, num_sms=None):
+    """The impl's forward (gemm contract): act(alpha * a @ b + bias) + residual, shape (..., N).
+    variant / num_sms (tests, probes): the schedule, and a grid cap below the SM count (a small one makes
+    every CTA walk many tiles, the persistent path, at small shapes)."""
     k, n = b.shape
     a2, b_, b_nk = prepare(a.reshape(-1, k), b)
     out = _poisoned((a2.shape[0], n), a)
@@ -128,7 +130,7 @@ def gemm_fwd(ctx, a, b, bias, activation, residual, alpha, variant=None):
         res2 = _tma_ready(residual.reshape(-1, n))
     if bias is not None and bias.stride(0) != 1:
         bias = bias.contiguous()                        # the epilogue reads it with unit stride
-    grid, args, kw = launch_args(a2, b_, out, bias, res2, activation, alpha, variant, b_nk)
+    grid, args, kw = launch_args(a2, b_, out, bias, res2, activation, alpha, variant, b_nk, num_sms)
     _K.gemm_kernel[grid](*args, **kw)
     return out.reshape(*a.shape[:-1], n)
 
