@@ -6,8 +6,9 @@ first correctness of every variant, then timing against the peers.
 1. check: every variant (gluon_gemm.VARIANTS), each in a child process killed after 150 s (a deadlock is
    reported as such, the other variants still run), at odd shapes (M 1 / 7 / 127 / 1000 / 2100, N and K
    multiples of 8 that are not multiples of the tile), each with the full grid and with the grid capped at
-   5 CTAs (every CTA walks many tiles: the persistent path), every activation, bias / residual / alpha != 1, B as (K, N) and as
-   an nn.Linear weight.t(), bf16 and fp16 (CHECKS), NaN-poisoned outputs, against float64.
+   5 CTAs (every CTA walks many tiles: the persistent path), every activation, bias / residual /
+   alpha != 1, B as (K, N) and as an nn.Linear weight.t(), bf16 and fp16 (CHECKS), NaN-poisoned outputs,
+   against float64.
    PROBE_VARIANTS=pingpong,coop limits the variants.  A variant that fails
    any check is not timed (its errors are in the JSON).
 2. timing (bf16; CUDA events, 5 warm-up calls, median of 30): each passing variant vs torch.matmul,

@@ -17,8 +17,9 @@ order):
     once the wgmma reading it has retired, then run the epilogue from registers (alpha, bias,
     activation, residual, cast) in two column halves (half the registers live at a time) and store
     through a shared-memory tile with a TMA store (clipped at the M / N edges, so any M and N are exact).
-    The residual tile is TMA-loaded into that shared tile first and read back in the accumulator's layout.  The TMA store of tile i is waited for only before the
-    shared tile is written again (tile i + 1's epilogue), so it overlaps the next main loop.
+    The residual tile is TMA-loaded into that shared tile first and read back in the accumulator's
+    layout.  The TMA store of tile i is waited for only before the shared tile is written again (tile
+    i + 1's epilogue), so it overlaps the next main loop.
 
 Variants (constexpr PINGPONG):
   * cooperative (PINGPONG=False): one 8-warp consumer partition (two warpgroups, warps stacked along M)
@@ -190,7 +191,7 @@ def _consumer(a_desc, b_desc, c_desc, r_desc, bias_ptr, a_smem, b_smem, c_smem, 
         _epilogue_half(lo, c_smem.slice(0, BN2, 1), bias_ptr, off_n, N, alpha, ACT, HAS_BIAS, HAS_RES)
         _epilogue_half(hi, c_smem.slice(BN2, BN2, 1), bias_ptr, off_n + BN2, N, alpha, ACT, HAS_BIAS, HAS_RES)
         fence_async_shared()             # generic-proxy smem writes before the TMA (async proxy) reads them
-        gl.thread_barrier()              # every warp's part of the tile is written before one thread issues the store
+        gl.thread_barrier()              # every warp's part is written before one thread issues the store
         tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)    # clipped at M / N
         local += NWG
     tma.store_wait(0)
