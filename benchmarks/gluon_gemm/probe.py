@@ -3,9 +3,9 @@ first correctness of every variant, then timing against the peers.
 
   PYTHONPATH=. python benchmarks/gluon_gemm/probe.py OUT.json
 
-1. check: every variant (gluon_gemm.VARIANTS), each in a child process killed after 150 s (a deadlock is
-   reported as such, the other variants still run), at odd shapes (M 1 / 7 / 127 / 1000 / 2100, N and K
-   multiples of 8 that are not multiples of the tile), each with the full grid and with the grid capped at
+1. check: every variant (gluon_gemm.VARIANTS), each in its own child process, all in parallel, killed
+   after 150 s (a deadlock is reported as such, the other variants still run), at odd shapes (M 1 / 7 /
+   127 / 1000 / 2100, N and K multiples of 8 that are not multiples of the tile), each with the full grid and with the grid capped at
    5 CTAs (every CTA walks many tiles: the persistent path), every activation, bias / residual /
    alpha != 1, B as (K, N) and as an nn.Linear weight.t(), bf16 and fp16 (CHECKS), NaN-poisoned outputs,
    against float64.
@@ -119,25 +119,41 @@ def check_variant(variant) -> list[str]:
     return errors
 
 
-def check_in_subprocess(variant, path) -> list[str]:
-    """check_variant in a child process (python probe.py --check VARIANT OUT): a variant that deadlocks
-    on the GPU is killed after CHECK_TIMEOUT_S and reported, and the probe goes on with the others.  The
-    child's compiles land in Triton's disk cache, so timing it here compiles nothing again."""
+def check_in_subprocesses(variants, path) -> dict:
+    """check_variant of every variant, each in its own child process (python probe.py --check VARIANT
+    OUT), all at once (their compiles run in parallel; the GPU time-slices the small launches).  A child
+    that deadlocks on the GPU is killed after CHECK_TIMEOUT_S and reported; the others are unaffected.  The
+    children's compiles land in Triton's disk cache, so timing here compiles only the timed cases' flags."""
     import subprocess
-    out = f"{path}.check_{variant}.json"
-    if os.path.exists(out):
-        os.remove(out)                                       # a stale result must not pass for this run's
-    cmd = [sys.executable, os.path.abspath(__file__), "--check", variant, out]
-    try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=CHECK_TIMEOUT_S)
-    except subprocess.TimeoutExpired as e:
-        tail = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-        last = [ln for ln in tail.splitlines() if ln.strip()][-1:] or ["?"]
-        return [f"timed out after {CHECK_TIMEOUT_S:.0f}s (hang?); last case started: {last[0].strip()}"]
-    if res.returncode != 0 or not os.path.exists(out):
-        return [f"check process failed (rc {res.returncode}): {res.stderr[-1500:]}"]
-    with open(out) as f:
-        return json.load(f)
+    import tempfile
+    procs = {}
+    for v in variants:
+        out = f"{path}.check_{v}.json"
+        if os.path.exists(out):
+            os.remove(out)                                   # a stale result must not pass for this run's
+        log = tempfile.TemporaryFile(mode="w+")              # a file, not a pipe: a chatty child never blocks
+        cmd = [sys.executable, os.path.abspath(__file__), "--check", v, out]
+        procs[v] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True), log, out)
+    deadline = time.time() + CHECK_TIMEOUT_S
+    results = {}
+    for v, (p, log, out) in procs.items():
+        try:
+            rc = p.wait(timeout=max(1.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            rc = None
+        log.seek(0)
+        lines = [ln.strip() for ln in log.read().splitlines() if ln.strip()]
+        if rc is None:
+            results[v] = [f"timed out after {CHECK_TIMEOUT_S:.0f}s (hang?); last case started: "
+                          f"{lines[-1] if lines else '?'}"]
+        elif rc != 0 or not os.path.exists(out):
+            results[v] = [f"check process failed (rc {rc}): " + " | ".join(lines[-12:])[-1500:]]
+        else:
+            with open(out) as f:
+                results[v] = json.load(f)
+    return results
 
 
 def bench(fn) -> float:
@@ -199,17 +215,19 @@ def main(path: str) -> None:
             json.dump(report, f, indent=1)
 
     ok = []
-    for variant in VARIANTS:
-        t = time.time()
-        errors = check_variant(variant) if os.environ.get("PROBE_CHECK_INPROC") == "1" else \
-            check_in_subprocess(variant, path)
-        report["checks"][variant] = {"pass": not errors, "errors": errors[:20], "n_errors": len(errors),
-                                     "s": round(time.time() - t, 1)}
-        print(f"check {variant:14s} {'PASS' if not errors else 'FAIL'} ({len(errors)} errors, {time.time() - t:.0f}s)"
+    t = time.time()
+    if os.environ.get("PROBE_CHECK_INPROC") == "1":      # one process (dry runs)
+        checked = {v: check_variant(v) for v in VARIANTS}
+    else:
+        checked = check_in_subprocesses(VARIANTS, path)
+    for variant, errors in checked.items():
+        report["checks"][variant] = {"pass": not errors, "errors": errors[:20], "n_errors": len(errors)}
+        print(f"check {variant:14s} {'PASS' if not errors else 'FAIL'} ({len(errors)} errors)"
               + ("" if not errors else "\n    " + "\n    ".join(errors[:5])), flush=True)
         if not errors:
             ok.append(variant)
-        save()
+    report["checks_s"] = round(time.time() - t, 1)
+    save()
 
     for name, m, n, k, has_bias, act in CASES:
         g = torch.Generator(device=DEV).manual_seed(0)
