@@ -5,10 +5,10 @@ first correctness of every variant, then timing against the peers.
 
 1. check: every variant (gluon_gemm.VARIANTS), each in its own child process, all in parallel, killed
    after 150 s (a deadlock is reported as such, the other variants still run), at odd shapes (M 1 / 7 /
-   127 / 1000 / 2100, N and K multiples of 8 that are not multiples of the tile), each with the full grid and with the grid capped at
-   5 CTAs (every CTA walks many tiles: the persistent path), every activation, bias / residual /
-   alpha != 1, B as (K, N) and as an nn.Linear weight.t(), bf16 and fp16 (CHECKS), NaN-poisoned outputs,
-   against float64.
+   127 / 1000 / 2100, N and K multiples of 8 that are not multiples of the tile), each with the full
+   grid and with the grid capped at 5 CTAs (every CTA walks many tiles: the persistent path), every
+   activation, bias / residual / alpha != 1, B as (K, N) and as an nn.Linear weight.t(), bf16 and fp16
+   (CHECKS), NaN-poisoned outputs, against float64.
    PROBE_VARIANTS=pingpong,coop limits the variants.  A variant that fails
    any check is not timed (its errors are in the JSON).
 2. timing (bf16; CUDA events, 5 warm-up calls, median of 30): each passing variant vs torch.matmul,
@@ -19,8 +19,8 @@ first correctness of every variant, then timing against the peers.
    the best peer is the fastest of the epilogue peers (matmul only where there is no epilogue).
    Each variant's timed output is compared with the addmm + activation peer (rel err < 2e-2).
 Results are written to OUT.json after every case, so a killed run keeps what finished.
-Expected runtime on an H200: ~3-4 minutes (about 50 Gluon compiles of ~2 s, the Triton autotune, 4 torch.compile
-graphs)."""
+Expected runtime on an H200: ~2.5-4 minutes (about 50 Gluon compiles of ~2 s, mostly in the parallel checks,
+the Triton autotune, 4 torch.compile graphs)."""
 from __future__ import annotations
 
 import json
