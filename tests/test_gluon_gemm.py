@@ -360,7 +360,8 @@ def test_gpu_every_variant(variant, dtype, m, n, k, seed, monkeypatch):
     monkeypatch.setenv("OPSADV_POISON_OUTPUTS", "1")
     a = torch.randn(m, k, device="cuda", dtype=dtype)
     b = torch.randn(k, n, device="cuda", dtype=dtype) / k ** 0.5
-    for act in ACTS:
+    # every activation in bf16; fp16 on two (each (activation, flags) is its own ~2 s compile per variant)
+    for act in ACTS if dtype == torch.bfloat16 else ("none", "gelu"):
         for has_bias, has_res, alpha in ((False, False, 1.0), (True, False, 0.7), (True, True, 1.3)):
             bias = torch.randn(n, device="cuda", dtype=dtype) if has_bias else None
             res = torch.randn(m, n, device="cuda", dtype=dtype) if has_res else None
