@@ -27,10 +27,14 @@
 #   PART=v: pinned conformance of both Gluon impls at the new default paths, the sparse auto-schedule GPU test,
 #           bench attention --quick + the s16384 d128 cases, bench sparse fwd window series (autotuned dispatch);
 #           logs under /tmp (8 files come back: the JSONs, the conformance matrices, the pytest log)
-# Order for session 8: j (the jetson row now also times the cuda profile: cuda_profile_ms), f1, f2 (the full attention suite with the Gluon impls in the dispatcher and as the [own]
+# Order for session 8: j (the jetson row now also times the cuda profile: cuda_profile_ms), g (the Gluon GEMM,
+# never run: checks then timing; issue 4's bias+act 1.05x target), f1, f2 (the full attention suite with the Gluon impls in the dispatcher and as the [own]
 # rows: every case's dispatcher ratio, fwd+bwd own = Gluon fwd + Triton bwd), d (e2e with the Gluon forward
 # available to prefill), s, e2.  The machine's first call compiles every Gluon kernel (~2 minutes).
 #   PART=f1 / f2: opsadv bench --suite attention, halves of the 32-case grid (--part 1/2, 2/2)
+#   PART=g: benchmarks/gluon_gemm/probe.py (each variant checked vs float64 in a child process first, then timed vs
+#           cuBLAS / addmm+act / _addmm_activation / torch.compile / the Triton persistent GEMM), then the ping-pong
+#           GPU tests; a variant becomes DEFAULT_VARIANT and the impl leaves experimental only after pinned conformance
 # OPSADV_COMMIT=<sha> PART=a bash benchmarks/h200_next.sh   (from the repo root on the GPU host, $OUT set)
 set -u
 # tests/conftest.py defaults TRITON_INTERPRET to 1 (CPU CI): every pytest here must say 0, and select the GPU tests
@@ -100,6 +104,13 @@ v)
   echo "sparse rc $?"; grep -E "^fwd" "/tmp/sparse.log" | cut -c1-160
   timeout 130 python3 -m opsadv bench --suite attention --filter "^fwd bf16 b1 h32 s16384 d128" --json "$OUT/attn_s16k.json" > "/tmp/attn16k.log" 2>&1
   echo "attention s16k rc $?"; grep -E "^fwd" "/tmp/attn16k.log" | cut -c1-160
+  ;;
+g)
+  timeout 330 python3 benchmarks/gluon_gemm/probe.py "$OUT/gluon_gemm_h200.json" > "$OUT/gluon_gemm.log" 2>&1
+  echo "gluon gemm probe rc $?"; tail -20 "$OUT/gluon_gemm.log" | cut -c1-200
+  TRITON_INTERPRET=0 timeout 240 python3 -m pytest -q -p no:cacheprovider -k "gpu and pingpong" tests/test_gluon_gemm.py \
+    > "$OUT/gluon_gemm_pytest.log" 2>&1
+  echo "gluon gemm pytest rc $?"; tail -3 "$OUT/gluon_gemm_pytest.log"
   ;;
 f1|f2)
   if [ "$PART" = f1 ]; then   # forward x backward impl pairs (the dispatcher resolves them separately)
