@@ -219,7 +219,7 @@ def test_prepare_reads_linear_weight_t_as_rows():
     assert kw["B_NK"]
     b = torch.empty(264, 520, dtype=torch.bfloat16)
     assert GG.prepare(a, b) == (a, b, False)
-    odd = torch.empty(264, 1040, dtype=torch.bfloat16)[:, ::2]   # neither layout is TMA-ready: a copy
+    odd = torch.randn(264, 1040).to(torch.bfloat16)[:, ::2]     # neither layout is TMA-ready: a copy (random: NaN-free)
     a2, bb, b_nk = GG.prepare(a, odd)
     assert not b_nk and bb.is_contiguous() and torch.equal(bb, odd)
 
