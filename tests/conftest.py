@@ -59,6 +59,19 @@ def load_without_gluon(monkeypatch, module, kernel_module_suffix: str):
     return mod
 
 
+def gluon_marks(module):
+    """(needs_gluon, requires_sm90) skip marks for a Gluon impl module's tests: the first when
+    triton.experimental.gluon does not import, the second unless an sm_90 GPU, Gluon, and
+    TRITON_INTERPRET=0 (this conftest turns the interpreter on by default) are all there."""
+    import os
+    has_sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+    interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    needs_gluon = pytest.mark.skipif(bool(module.UNAVAILABLE), reason=module.UNAVAILABLE or "")
+    requires_sm90 = pytest.mark.skipif(not has_sm90 or bool(module.UNAVAILABLE) or interpret,
+                                       reason="needs an sm_90 GPU, Gluon, and TRITON_INTERPRET=0")
+    return needs_gluon, requires_sm90
+
+
 def fake_cuda_env(cc=(9, 0), interpret=False):
     """This machine's EnvInfo dressed as a CUDA device of compute capability `cc`: for support
     declarations and rejection reasons of device-only impls, checked without the device."""

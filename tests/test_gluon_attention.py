@@ -20,15 +20,12 @@ from opsadv.backends.reference import kernels as R
 from opsadv.core.kernel import CallSpec
 
 from barrier_sim import Bar, Ring, run
-from conftest import ATTENTION_GPU_CASES, assert_attention_matches, fake_cuda_env, load_without_gluon, rel_err
+from conftest import (assert_attention_matches, ATTENTION_GPU_CASES, fake_cuda_env, gluon_marks, load_without_gluon,
+                      rel_err)
 
 GA = pytest.importorskip("opsadv.backends.cuda.gluon_attention")
 IMPL_ID = GA.IMPL_ID
-needs_gluon = pytest.mark.skipif(bool(GA.UNAVAILABLE), reason=GA.UNAVAILABLE or "")
-HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")     # conftest sets it by default
-requires_sm90 = pytest.mark.skipif(not HAS_SM90 or bool(GA.UNAVAILABLE) or INTERPRET,
-                                   reason="needs an sm_90 GPU, Gluon, and TRITON_INTERPRET=0")
+needs_gluon, requires_sm90 = gluon_marks(GA)
 
 
 def _ref(q, k, v, causal, scale, do=None):

@@ -22,14 +22,10 @@ import pytest
 import torch
 
 from barrier_sim import Bar, Ring, run
-from conftest import ATTENTION_GPU_CASES, load_without_gluon
+from conftest import ATTENTION_GPU_CASES, gluon_marks, load_without_gluon
 
 GB = pytest.importorskip("opsadv.backends.cuda.gluon_attention_bwd")
-needs_gluon = pytest.mark.skipif(bool(GB.UNAVAILABLE), reason=GB.UNAVAILABLE or "")
-HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")     # conftest sets it by default
-requires_sm90 = pytest.mark.skipif(not HAS_SM90 or bool(GB.UNAVAILABLE) or INTERPRET,
-                                   reason="needs an sm_90 GPU, Gluon, and TRITON_INTERPRET=0")
+needs_gluon, requires_sm90 = gluon_marks(GB)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BLOCK_M, BLOCK_N = 64, 128          # the kernel's tiles (asserted against the module where it imports)
 

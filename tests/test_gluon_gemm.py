@@ -23,15 +23,11 @@ import opsadv
 from opsadv.core.kernel import PRIORITY_TRITON, CallSpec
 
 from barrier_sim import Bar, Ring, run
-from conftest import fake_cuda_env, load_without_gluon
+from conftest import fake_cuda_env, gluon_marks, load_without_gluon
 
 GG = pytest.importorskip("opsadv.backends.cuda.gluon_gemm")
 IMPL_ID = GG.IMPL_ID
-needs_gluon = pytest.mark.skipif(bool(GG.UNAVAILABLE), reason=GG.UNAVAILABLE or "")
-HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")     # conftest sets it by default
-requires_sm90 = pytest.mark.skipif(not HAS_SM90 or bool(GG.UNAVAILABLE) or INTERPRET,
-                                   reason="needs an sm_90 GPU, Gluon, and TRITON_INTERPRET=0")
+needs_gluon, requires_sm90 = gluon_marks(GG)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMEM_LIMIT = 232448          # sm_90 opt-in shared memory per block (227 KB)
 

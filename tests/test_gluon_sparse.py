@@ -26,15 +26,11 @@ import opsadv
 from opsadv import SparseLayout
 from opsadv.core.kernel import CallSpec
 
-from conftest import assert_attention_matches, fake_cuda_env, load_without_gluon, rel_err
+from conftest import assert_attention_matches, fake_cuda_env, gluon_marks, load_without_gluon, rel_err
 
 GS = pytest.importorskip("opsadv.backends.cuda.gluon_sparse")
 IMPL_ID = GS.IMPL_ID
-needs_gluon = pytest.mark.skipif(bool(GS.UNAVAILABLE), reason=GS.UNAVAILABLE or "")
-HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")     # conftest sets it by default
-requires_sm90 = pytest.mark.skipif(not HAS_SM90 or bool(GS.UNAVAILABLE) or INTERPRET,
-                                   reason="needs an sm_90 GPU, Gluon, and TRITON_INTERPRET=0")
+needs_gluon, requires_sm90 = gluon_marks(GS)
 
 
 def _layout_args(lay: SparseLayout):
