@@ -100,3 +100,20 @@ def test_attention_own_row_takes_the_best_own_kernel_that_accepts():
         assert own is None
     else:
         assert own[0].id == "cuda.triton.flash_attention"
+
+
+def test_own_row_with_a_tuple_of_own_prefixes():
+    """The attention suite names its own kernels by a tuple of prefixes (Gluon, Triton): when the dispatcher
+    chose a vendor impl, the runner adds the "[own]" row (this crashed on the H200 once: a tuple + "*")."""
+    from opsadv.bench.case import BenchCase
+    x = torch.randn(5)
+    for own_impl in ("cuda.gluon.x", None):
+        extra = {"own": lambda: x * 2, "own_prefix": ("cuda.gluon.", "cuda.triton.")}
+        if own_impl:
+            extra["own_impl"] = own_impl
+        case = BenchCase("attention", "tuple prefix case", lambda: x * 2, {"torch_eager": lambda: x * 2}, 1.0,
+                         impl=lambda: "cuda.sdpa.cudnn", extra=extra)
+        rows = runner.run_case(case)
+        assert [r["case"] for r in rows] == ["tuple prefix case", "tuple prefix case [own]"]
+        assert rows[1]["opsadv_impl"] == (own_impl or "cuda.gluon.* | cuda.triton.*")
+        assert rows[1]["rel_err"] == 0 and "error" not in rows[1]

@@ -374,3 +374,15 @@ def test_efficient_masked_backward_recompute_matches_reference(causal, mask_kind
     for got, ref in zip((dq, dk, dv), want):
         torch.testing.assert_close(got, ref, atol=1e-9, rtol=1e-7)
     assert dq[:, :, 5].abs().max() == 0
+
+
+def test_efficient_backward_gets_out_in_its_own_layout():
+    """The cutlass backward reads out with a row stride of heads * head_dim, whatever the tensor says, so
+    cuda.sdpa.efficient hands it out in (b, s, h, d) memory: a (b, h, s, d)-contiguous out (cuDNN's) is
+    copied, one already in that memory (the efficient / Triton / Gluon forwards') is passed as is."""
+    from opsadv.backends.cuda import sdpa as S
+    bhsd = torch.randn(2, 3, 5, 8)
+    got = S._bmhk(bhsd)
+    assert got.transpose(1, 2).is_contiguous() and torch.equal(got, bhsd) and got.data_ptr() != bhsd.data_ptr()
+    bshd = torch.randn(2, 5, 3, 8).transpose(1, 2)
+    assert S._bmhk(bshd) is bshd

@@ -183,7 +183,9 @@ def run_case(case) -> list[dict[str, Any]]:
     rows = [row]
     if want_own:
         orow = {"suite": case.suite, "case": case.case + " [own]", "unit": case.unit,
-                "opsadv_impl": case.extra.get("own_impl", prefix + "*")}
+                # own_prefix may be one prefix or a tuple of them (str.startswith takes both)
+                "opsadv_impl": case.extra.get("own_impl")
+                or " | ".join(p + "*" for p in ((prefix,) if isinstance(prefix, str) else prefix))}
         if own_err is not None:
             orow["error"] = own_err
         else:

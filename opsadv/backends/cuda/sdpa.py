@@ -170,6 +170,13 @@ def _masked_bwd_recompute(dout, q, k, v, attn_mask, causal, scale):
     return dq, _reduce(dk, group), _reduce(dv, group)
 
 
+def _bmhk(t: torch.Tensor) -> torch.Tensor:
+    """t (b, h, s, d) with (b, s, h, d) memory, as the efficient forward writes it.  The cutlass backward
+    takes out's row stride as heads * head_dim (kernel_backward.h, o_strideM), whatever the tensor's
+    strides say: out from cuDNN ((b, h, s, d) memory) gave NaN dq on the H200 until copied."""
+    return t if t.transpose(1, 2).is_contiguous() else t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def efficient_bwd(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale):
     if attn_mask is not None and q.dtype != torch.float32:
         return _masked_bwd_recompute(dout, q, k, v, attn_mask, causal, scale)
@@ -181,7 +188,7 @@ def efficient_bwd(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale):
     padded[:, :, :sq] = lse.float().masked_fill(torch.isneginf(lse), float("inf"))
     seed, offset = _philox(q.device)
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dout.contiguous(), q, _expand(k, group), _expand(v, group), _bias(attn_mask, q, sk), out, padded,
+        dout.contiguous(), q, _expand(k, group), _expand(v, group), _bias(attn_mask, q, sk), _bmhk(out), padded,
         seed, offset, 0.0, [True, True, True, False], causal, scale=scale)
     return dq, _reduce(dk, group), _reduce(dv, group)
 
