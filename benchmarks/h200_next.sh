@@ -35,6 +35,7 @@
 #   PART=g: benchmarks/gluon_gemm/probe.py (each variant checked vs float64 in a child process first, then timed vs
 #           cuBLAS / addmm+act / _addmm_activation / torch.compile / the Triton persistent GEMM), then the ping-pong
 #           GPU tests; a variant becomes DEFAULT_VARIANT and the impl leaves experimental only after pinned conformance
+# Session 8 ran j, g, f1, f2 (results/*_s8*); then PART=f after the tuning fixes.
 # OPSADV_COMMIT=<sha> PART=a bash benchmarks/h200_next.sh   (from the repo root on the GPU host, $OUT set)
 set -u
 # tests/conftest.py defaults TRITON_INTERPRET to 1 (CPU CI): every pytest here must say 0, and select the GPU tests
@@ -111,6 +112,16 @@ g)
   TRITON_INTERPRET=0 timeout 240 python3 -m pytest -q -p no:cacheprovider -k "gpu and pingpong" tests/test_gluon_gemm.py \
     > "$OUT/gluon_gemm_pytest.log" 2>&1
   echo "gluon gemm pytest rc $?"; tail -3 "$OUT/gluon_gemm_pytest.log"
+  ;;
+f)   # session 8, after the tuning fixes (head dim in the tuning key, rotated rounds): the whole grid in one
+     # process, the measured choices (tuning.json) kept, then the Gluon GEMM's two best variants re-timed
+     # (cached smem layouts: less host time per launch)
+  timeout 420 python3 -m opsadv bench --suite attention --json "$OUT/attn_full.json" > "$OUT/attn_full.log" 2>&1
+  echo "attention rc $?"; grep -E "^(fwd|bwd)" "$OUT/attn_full.log" | grep -v "\[own\]" | cut -c1-150
+  cp /tmp/opsadv-cache/tuning.json "$OUT/tuning_after_attention.json"
+  PROBE_VARIANTS=pingpong,coop timeout 150 python3 benchmarks/gluon_gemm/probe.py "$OUT/gluon_gemm2_h200.json" \
+    > /tmp/gluon_gemm2.log 2>&1
+  echo "gluon gemm probe rc $?"; grep -E "best peer|gluon\.|matmul |_addmm|compile" /tmp/gluon_gemm2.log | cut -c1-100
   ;;
 f1|f2)
   if [ "$PART" = f1 ]; then   # forward x backward impl pairs (the dispatcher resolves them separately)

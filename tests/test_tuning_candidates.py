@@ -60,7 +60,7 @@ def test_autotune_times_with_the_policy_timing(monkeypatch):
     seen = []
     spec = CallSpec("x", "cuda", torch.float16, frozenset(), (16,))
     got, ids = _tune_two(monkeypatch, spec, seen, timing="graph")
-    assert seen == ["graph", "graph"] and got.impl.id == "cuda.triton.x"
+    assert seen == ["graph"] * (2 * tuning.TUNE_ROUNDS) and got.impl.id == "cuda.triton.x"
     assert tuning.lookup(spec, ids, None, "wall") is None            # a wall-clock resolution does not see it
     m = tuning.lookup(spec, ids, None, "graph")
     assert m.winner == "cuda.triton.x" and "CUDA-graph" in m.describe()
@@ -93,3 +93,29 @@ def test_measurement_names_the_shapes_it_was_taken_at(monkeypatch):
     other = CallSpec("x", "cuda", torch.float16, frozenset(), (16384,), shapes=((12252, 768), (768, 768)))
     m = tuning.lookup(other, ids, None)
     assert m.winner == "cuda.triton.x" and "another shape of this call's bucket" in m.describe()
+
+
+def test_autotune_rotates_the_order_and_takes_the_median(monkeypatch):
+    """The first candidate timed after a compile pause runs on ramping clocks (a one-off +1 ms here): timed
+    once in a fixed order, the slower impl would win; over rotated rounds the median drops the outlier."""
+    impls = [_impl("cuda.gluon.x", "cuda")[0], _impl("cuda.vendor.x", "cuda")[0]]
+    exp = SimpleNamespace(spec=CallSpec("x", "cuda", torch.float16, frozenset(), (16,)), why="highest priority",
+                          candidates=[SimpleNamespace(impl=i, accepted=True) for i in impls])
+    monkeypatch.setattr(tuning, "store", lambda spec, env, m: None)
+    order, ms = [], {"cuda.gluon.x": 1.0, "cuda.vendor.x": 1.05}
+    monkeypatch.setattr(tuning, "time_fn", lambda fn, dt, timing="wall": order.append(fn()) or
+                        ms[order[-1]] + (1.0 if len(order) == 1 else 0.0))
+    got = tuning.autotune(exp, SimpleNamespace(ctx=SimpleNamespace(env=None)), (1,))
+    assert got.impl.id == "cuda.gluon.x"
+    assert order[:2] == ["cuda.gluon.x", "cuda.vendor.x"] and order[2:4] == ["cuda.vendor.x", "cuda.gluon.x"]
+
+
+def test_tuning_key_tells_head_dims_apart(monkeypatch):
+    """d64 and d128 calls of one (s_q, s_k, batch*heads) bucket are measured and looked up apart."""
+    seen = []
+    d64 = CallSpec("flash_attention", "cuda", torch.bfloat16, frozenset({"causal"}), (1024, 1024, 512), head_dim=64)
+    d128 = CallSpec("flash_attention", "cuda", torch.bfloat16, frozenset({"causal"}), (1024, 1024, 512), head_dim=128)
+    assert tuning.spec_key(d64) != tuning.spec_key(d128)
+    _, ids = _tune_two(monkeypatch, d64, seen)
+    assert tuning.lookup(d64, ids, None).winner == "cuda.triton.x"
+    assert tuning.lookup(d128, ids, None) is None

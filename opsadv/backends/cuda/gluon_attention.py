@@ -20,6 +20,8 @@ When triton.experimental.gluon does not import, the impl is still registered, re
 with the import error as the reason (opsadv.explain shows it), and importing opsadv never fails."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from opsadv.core.kernel import PRIORITY_TRITON, KernelImpl
@@ -93,9 +95,16 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
+@functools.lru_cache(maxsize=None)
+def nvmma_layout(block: tuple, gdt):
+    """NVMMASharedLayout.get_default_for(block, gdt), cached: it costs ~6 us of host time per call and a
+    Gluon launch needs up to six (descriptors and smem layouts), all from a handful of (block, dtype)."""
+    return _gl.NVMMASharedLayout.get_default_for(list(block), gdt)
+
+
 def _desc(t: torch.Tensor, rows: int, gdt):
     d = t.shape[-1]
-    layout = _gl.NVMMASharedLayout.get_default_for([1, 1, rows, d], gdt)
+    layout = nvmma_layout((1, 1, rows, d), gdt)
     return _GluonTensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, d], layout)
 
 
@@ -111,8 +120,8 @@ def launch_args(q, k, v, out, lse, causal: bool, scale: float, variant: str = "w
     bq = _K.BLOCK_M // 2 if cfg["PINGPONG"] else _K.BLOCK_M          # rows per consumer partition
     descs = (_desc(q, bq, gdt), _desc(k, _K.BLOCK_N, gdt), _desc(v, _K.BLOCK_N, gdt), _desc(out, bq, gdt))
     grid = (_cdiv(sq, _K.BLOCK_M), b * hq)
-    kw = dict(q_smem_layout=_gl.NVMMASharedLayout.get_default_for([bq, d], gdt),
-              kv_smem_layout=_gl.NVMMASharedLayout.get_default_for([_K.BLOCK_N, d], gdt),
+    kw = dict(q_smem_layout=nvmma_layout((bq, d), gdt),
+              kv_smem_layout=nvmma_layout((_K.BLOCK_N, d), gdt),
               CAUSAL=bool(causal), STAGES=stages or cfg["STAGES"] or default_stages(d),
               WARP_SPEC=cfg["WARP_SPEC"], PINGPONG=cfg["PINGPONG"], CONSUMER_REGS=CONSUMER_REGS,
               PRODUCER_REGS=PRODUCER_REGS, REMAT=cfg["PINGPONG"] and d in REMAT_HEAD_DIMS,

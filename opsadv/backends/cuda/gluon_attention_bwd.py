@@ -44,7 +44,7 @@ except Exception as e:  # ImportError, or an older Triton whose Gluon lacks a na
     _KB = _gl = None
     UNAVAILABLE = f"triton.experimental.gluon (Hopper) is not importable: {type(e).__name__}: {e}"
 
-from .gluon_attention import _desc, _tma_ready      # shared host helpers (descriptor, TMA-ready view)
+from .gluon_attention import _desc, _tma_ready, nvmma_layout      # shared host helpers (descriptor, TMA-ready view)
 
 # True only once the kernel beats the Triton backward on the H200 (then wire impl_backward into
 # gluon_attention.impls(); see benchmarks/gluon_fa/README.md).  While False, impl_backward is the Triton
@@ -86,9 +86,9 @@ def launch_args(q, k, v, dout, dq_acc, dk, dv, lse2, delta, causal: bool, scale:
     descs = (_desc(q, bm, gdt), _desc(k, bn, gdt), _desc(v, bn, gdt), _desc(dout, bm, gdt),
              _desc(dk, bn, gdt), _desc(dv, bn, gdt))
     grid = (_cdiv(sk, bn), b * hkv)
-    kw = dict(kv_smem_layout=_gl.NVMMASharedLayout.get_default_for([bn, d], gdt),
-              qd_smem_layout=_gl.NVMMASharedLayout.get_default_for([bm, d], gdt),
-              ps_smem_layout=_gl.NVMMASharedLayout.get_default_for([bm, bn], gdt),
+    kw = dict(kv_smem_layout=nvmma_layout((bn, d), gdt),
+              qd_smem_layout=nvmma_layout((bm, d), gdt),
+              ps_smem_layout=nvmma_layout((bm, bn), gdt),
               CAUSAL=bool(causal), STAGES=stages, WARP_SPEC=cfg["WARP_SPEC"], DQ_FIRST=cfg["DQ_FIRST"],
               DQ_WRITER=cfg.get("DQ_WRITER", False),
               PRODUCER_REGS=PRODUCER_REGS, num_warps=_KB.NUM_WARPS)

@@ -29,7 +29,7 @@ import torch
 from opsadv.core.kernel import PRIORITY_TRITON, KernelImpl
 
 from .gemm import GEMM_FEATURES, _poisoned, _triton_gemm_bwd
-from .gluon_attention import _tma_ready
+from .gluon_attention import _tma_ready, nvmma_layout
 
 try:
     from . import _gluon_gemm_kernel as _K
@@ -73,12 +73,8 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _layout(block, gdt):
-    return _gl.NVMMASharedLayout.get_default_for(list(block), gdt)
-
-
 def _descriptor(t: torch.Tensor, block, gdt):
-    return _GluonTensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _layout(block, gdt))
+    return _GluonTensorDescriptor(t, list(t.shape), list(t.stride()), list(block), nvmma_layout(tuple(block), gdt))
 
 
 def prepare(a2: torch.Tensor, b: torch.Tensor):

@@ -53,7 +53,7 @@ import torch
 from opsadv.core.kernel import PRIORITY_TRITON, KernelImpl
 from opsadv.core.layout import tile_index
 
-from .gluon_attention import _cdiv, _desc, _tma_ready  # (b, h, s, d) TMA descriptors shared with the dense kernel
+from .gluon_attention import _cdiv, _desc, _tma_ready, nvmma_layout  # (b, h, s, d) TMA descriptors shared with the dense kernel
 from .sparse import refinement_reasons
 
 try:
@@ -192,8 +192,8 @@ def launch_args(q, k, v, out, lse, ti, kpm, bs, causal, wl, wr, ng, scale, *, pe
     kpm8 = ti.kpm8 if ti.kpm8 is not None else ti.rows      # unused pointer when there is no key padding
     s_kpm = ti.kpm8.stride(0) if ti.kpm8 is not None else 0
     descs = (_desc(q, bq, gdt), _desc(k, TILE, gdt), _desc(v, TILE, gdt), _desc(out, bq, gdt))
-    kw = dict(q_smem_layout=_gl.NVMMASharedLayout.get_default_for([bq, d], gdt),
-              kv_smem_layout=_gl.NVMMASharedLayout.get_default_for([TILE, d], gdt),
+    kw = dict(q_smem_layout=nvmma_layout((bq, d), gdt),
+              kv_smem_layout=nvmma_layout((TILE, d), gdt),
               CAUSAL=bool(causal), HAS_WIN=wl >= 0, HAS_GLOBAL=ng > 0, BM_MODE=int(ti.bm_mode),
               HAS_KPM=kpm is not None, FULL_RUN=bool(ti.full_run), REVERSE=bool(causal), **sched,
               CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
