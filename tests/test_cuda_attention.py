@@ -198,6 +198,8 @@ def test_gpu_vendor_impls(impl_id, seed):
     o, lse = impl.fn(r.ctx, q, k, v, None, True, 0.125)
     dq, dk, dv = impl.backward(r.ctx, do, q, k, v, o, lse, None, True, 0.125)
     ro, rl, (rq, rk, rv) = _ref(q, k, v, do, True, 0.125)
+    if impl.inference is not None:          # the no-lse forward of no-grad calls (cuDNN)
+        assert rel_err(impl.inference(r.ctx, q, k, v, None, True, 0.125)[0], ro) < 1.5e-2
     assert lse.shape == (2, 8, 300) and rel_err(lse, rl) < 1e-5
     for x, ref in ((o, ro), (dq, rq), (dk, rk), (dv, rv)):
         assert rel_err(x, ref) < 1.5e-2
@@ -386,3 +388,50 @@ def test_efficient_backward_gets_out_in_its_own_layout():
     assert got.transpose(1, 2).is_contiguous() and torch.equal(got, bhsd) and got.data_ptr() != bhsd.data_ptr()
     bshd = torch.randn(2, 5, 3, 8).transpose(1, 2)
     assert S._bmhk(bshd) is bshd
+
+
+def test_no_grad_calls_without_lse_take_the_inference_bucket(monkeypatch):
+    """An eager no-grad call that does not ask for lse resolves in its own bucket and runs the impl's
+    `inference` forward (cuDNN skips its lse there); one that returns lse, or records grads, does not."""
+    from opsadv.core import dispatch
+    seen = []
+    real = dispatch.call
+
+    def spy(key, make_spec, args, inference=False):
+        seen.append((make_spec(), inference))
+        return real(key, make_spec, args, inference)
+    monkeypatch.setattr(dispatch, "call", spy)
+    q, k, v = (torch.randn(1, 2, 20, 16) for _ in range(3))
+    with torch.no_grad():
+        out = opsadv.ops.flash_attention(q, k, v, causal=True)
+        assert seen[-1][1] and seen[-1][0].inference and not seen[-1][0].train
+        out2, lse = opsadv.ops.flash_attention(q, k, v, causal=True, return_lse=True)
+        assert not seen[-1][1] and not seen[-1][0].inference
+    assert torch.equal(out, out2) and lse.shape == (1, 2, 20)
+
+
+def test_training_calls_tune_each_impl_forward_with_its_own_backward(tmp_path, monkeypatch, seed):
+    """A grad-recording call resolves in the train bucket: autotune times every impl's forward + its own
+    backward (the step a training loop pays), stores it under "train", and the grads are right."""
+    import json
+    from opsadv.core import tuning
+    monkeypatch.setenv("OPSADV_CACHE_DIR", str(tmp_path))
+    tuning.reload()
+    try:
+        q, k, v = (torch.randn(1, 2, 37, 32, dtype=torch.float16, requires_grad=True) for _ in range(3))
+        do = torch.randn(1, 2, 37, 32, dtype=torch.float16)
+        with opsadv.use_backend("auto", autotune=True), opsadv.trace() as t:
+            out = opsadv.ops.flash_attention(q, k, v, causal=True)
+            dq, dk, dv = torch.autograd.grad(out, (q, k, v), do)
+        entries = {key: e for dev in json.loads((tmp_path / "tuning.json").read_text()).values()
+                   for key, e in dev.items()}
+        train = [e for key, e in entries.items() if key.startswith("flash_attention|train|")]
+        assert len(train) == 1 and len(train[0]["times_ms"]) >= 2, entries
+        assert train[0]["winner"] in t.counts
+        ro, _, ref = _ref(q.detach(), k.detach(), v.detach(), do, True, 32 ** -0.5)
+        assert rel_err(out, ro) < 3e-3
+        for got, want in zip((dq, dk, dv), ref):
+            assert rel_err(got, want) < 3e-3
+    finally:
+        monkeypatch.undo()
+        tuning.reload()

@@ -40,6 +40,8 @@ class CallSpec:
     shapes: tuple = ()                # exact shapes, for impls' dynamic checks
     backward: bool = False
     train: bool = False               # an eager forward that records gradients (see KernelImpl.train)
+    inference: bool = False           # an eager no-grad forward whose statistics nobody reads: autotune times
+                                      # KernelImpl.inference (ops that give such calls a bucket of their own)
     # what each bucket entry is, with its relation ("s_q<=" for a power-of-two bound, "K=" for an exact
     # value): explain() and the dispatch log print `s_q<=512` instead of a bare number; not part of equality
     bucket_names: tuple[str, ...] = field(default=(), compare=False)

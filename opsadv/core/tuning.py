@@ -29,7 +29,7 @@ def spec_key(spec: CallSpec) -> str:
     # the head dim is part of the key: d64 and d128 calls of one (s_q, s_k, batch*heads) bucket have
     # different winners (on the H200 a d64 measurement once served d128 calls, 4-10% slower than the best)
     hd = "" if spec.head_dim is None else f"|d{spec.head_dim}"
-    return (f"{spec.op}|{'bwd' if spec.backward else 'train' if spec.train else 'fwd'}|{str(spec.dtype).replace('torch.', '')}|"
+    return (f"{spec.op}|{'bwd' if spec.backward else 'train' if spec.train else 'infer' if spec.inference else 'fwd'}|{str(spec.dtype).replace('torch.', '')}|"
             f"{spec.device_type}|{spec.bucket}|{','.join(sorted(spec.features))}{hd}")
 
 
@@ -198,7 +198,8 @@ def autotune(exp, resolved, args: tuple, timing: str = "wall"):
     timing = _timing_for(exp.spec, timing)
     steps: dict[str, Any] = {}
     for impl in accepted:
-        run = impl.backward if exp.spec.backward else impl.fn
+        run = impl.backward if exp.spec.backward else \
+            (impl.inference or impl.fn) if exp.spec.inference else impl.fn     # what the call will run
         try:
             if exp.spec.train:      # a grad-recording call: time forward + backward, as the caller pays
                 from .ops._common import train_step

@@ -73,6 +73,13 @@ def cudnn_fwd(ctx, q, k, v, attn_mask, causal, scale):
     return r[0], r[1].reshape(b, h, sq)
 
 
+def cudnn_infer(ctx, q, k, v, attn_mask, causal, scale):
+    """No-grad calls that do not return lse (KernelImpl.inference): cuDNN without its log-sum-exp output,
+    as SDPA runs it under no_grad (the lse is a (b, h, s_q) float32 write and an extra reduction)."""
+    r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, False, 0.0, causal, False, scale=scale)
+    return r[0], None
+
+
 def _like_q(t: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """t in the layout cuDNN's forward gave its output (that of torch.empty_like(q)).  Its backward
     assumes out and dout share it: given out/dout in another layout (e.g. contiguous, as compiled
@@ -255,7 +262,7 @@ def impls(env) -> list[KernelImpl]:
     half = (torch.float16, torch.bfloat16)
     return [
         KernelImpl(id="cuda.sdpa.cudnn", op="flash_attention", backend="cuda", fn=cudnn_fwd, backward=cudnn_bwd,
-                   priority=PRIORITY_VENDOR, dtypes=half, max_head_dim=128, min_cc=(8, 0), features=BASE_FEATURES,
+                   inference=cudnn_infer, priority=PRIORITY_VENDOR, dtypes=half, max_head_dim=128, min_cc=(8, 0), features=BASE_FEATURES,
                    check=_cudnn_rule, description="cuDNN fused attention through aten (native GQA)"),
         KernelImpl(id="cuda.sdpa.flash", op="flash_attention", backend="cuda", fn=flash_fwd, backward=flash_bwd,
                    priority=PRIORITY_VENDOR - 10, dtypes=half, max_head_dim=256, min_cc=(8, 0),
