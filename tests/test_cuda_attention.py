@@ -435,3 +435,14 @@ def test_training_calls_tune_each_impl_forward_with_its_own_backward(tmp_path, m
     finally:
         monkeypatch.undo()
         tuning.reload()
+
+
+def test_explain_names_the_bucket_the_call_resolves_in():
+    """explain() builds the spec the call itself uses: inference for a no-grad call without lse, train for a
+    grad-recording one, the plain forward bucket when lse is returned."""
+    q = torch.randn(1, 2, 20, 16)
+    with torch.no_grad():
+        assert "inference (no-grad" in str(opsadv.explain("flash_attention", q, q, q))
+        assert "inference" not in str(opsadv.explain("flash_attention", q, q, q, return_lse=True))
+    qg = q.clone().requires_grad_()
+    assert "train (grad-recording" in str(opsadv.explain("flash_attention", qg, q, q))

@@ -42,7 +42,8 @@ class Explanation:
         head = (f"opsadv.{self.op} [{self.spec.device_type} {str(self.spec.dtype).replace('torch.', '')}"
                 f" bucket={self.spec.bucket_text()} features={sorted(self.spec.features)}"
                 f"{' backward' if self.spec.backward else ''}"
-                f"{' train (grad-recording forward: timed fwd+bwd)' if self.spec.train else ''}] under {self.policy}")
+                f"{' train (grad-recording forward: timed fwd+bwd)' if self.spec.train else ''}"
+                f"{' inference (no-grad forward, statistics unread)' if self.spec.inference else ''}] under {self.policy}")
         rows = [head, f"  {'':2} {'impl':42} {'prio':>5}  verdict"]
         for c in self.candidates:
             mark = "->" if c.chosen else "  "

@@ -24,7 +24,12 @@ def _spec_for(op: str, args: tuple, kwargs: dict[str, Any], backward: bool):
         q, k, v = get(0, "q"), get(1, "k"), get(2, "v")
         mask, causal, scale = kwargs.get("attn_mask"), kwargs.get("causal", False), kwargs.get("scale")
         attention.validate(q, k, v, mask, causal, scale)
-        return attention._spec(q, k, mask, causal, backward)
+        # eager calls resolve in their own buckets: grad-recording ones in the train bucket, no-grad ones
+        # that do not return lse in the inference bucket (attention.flash_attention)
+        mode = _ops._common.eager_mode(q, k, v, mask)
+        train = not backward and mode == _ops._common.AUTOGRAD_FN
+        inference = not backward and mode == _ops._common.DIRECT and not kwargs.get("return_lse", False)
+        return attention._spec(q, k, mask, causal, backward, train=train, inference=inference)
     if op == "sparse_attention":
         q, k, v, layout = get(0, "q"), get(1, "k"), get(2, "v"), get(3, "layout")
         sparse.validate(q, k, v, layout, kwargs.get("scale"))
