@@ -295,3 +295,35 @@ def test_backward_loop_variants(case, poison, monkeypatch):
         want = {"list": [0, 0], "prefetch": [1, 1],
                 "run": [2 if ti_kv.t_full_run else 1, 2 if ti_q.full_run else 1]}[loop]
         assert seen == want, (loop, seen)           # launch order: dK/dV, then dQ
+
+
+def test_training_calls_tune_each_impl_forward_with_its_own_backward(tmp_path, monkeypatch):
+    """A grad-recording sparse call resolves in the train bucket: autotune times every impl's forward with
+    its own backward, stores it under "train"; explain() names that bucket; grads match float64."""
+    import json
+    from opsadv.core import tuning
+    monkeypatch.setenv("OPSADV_CACHE_DIR", str(tmp_path))
+    tuning.reload()
+    try:
+        lay = SparseLayout.sliding_window(41, 9, causal=True, block_size=16)
+        q, k, v = (torch.randn(1, 2, 41, 32, dtype=torch.float16, requires_grad=True) for _ in range(3))
+        do = torch.randn(1, 2, 41, 32, dtype=torch.float16)
+        assert "train (grad-recording" in str(opsadv.explain("sparse_attention", q, k, v, lay))
+        with opsadv.use_backend("auto", autotune=True), opsadv.trace() as t:
+            out = opsadv.ops.sparse_attention(q, k, v, lay)
+            grads = torch.autograd.grad(out, (q, k, v), do)
+        entries = {key: e for dev in json.loads((tmp_path / "tuning.json").read_text()).values()
+                   for key, e in dev.items()}
+        train = [e for key, e in entries.items() if key.startswith("sparse_attention|train|")]
+        assert len(train) == 1 and len(train[0]["times_ms"]) >= 2, entries
+        assert train[0]["winner"] in t.counts
+        q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+        with opsadv.use_backend("reference"):
+            ref = opsadv.ops.sparse_attention(q64, k64, v64, lay)
+            ref_grads = torch.autograd.grad(ref, (q64, k64, v64), do.double())
+        assert rel_err(out, ref) < 3e-3
+        for got, want in zip(grads, ref_grads):
+            assert rel_err(got, want) < 3e-3
+    finally:
+        monkeypatch.undo()
+        tuning.reload()

@@ -33,7 +33,9 @@ def _spec_for(op: str, args: tuple, kwargs: dict[str, Any], backward: bool):
     if op == "sparse_attention":
         q, k, v, layout = get(0, "q"), get(1, "k"), get(2, "v"), get(3, "layout")
         sparse.validate(q, k, v, layout, kwargs.get("scale"))
-        return sparse.layout_spec(q, k, layout, backward)
+        train = not backward and _ops._common.eager_mode(
+            q, k, v, layout.block_mask, layout.key_padding_mask, layout.cu_seqlens) == _ops._common.AUTOGRAD_FN
+        return sparse.layout_spec(q, k, layout, backward, train)
     if op == "gemm":
         a, b = get(0, "a"), get(1, "b")
         bias, act, res, alpha = (kwargs.get("bias"), kwargs.get("activation", "none"), kwargs.get("residual"),

@@ -164,12 +164,16 @@ def autograd_function(name: str, route, setup_context, backward, *, stats: tuple
     return fn.apply
 
 
-def resolved_autograd_function(name: str, setup_context, backward, *, stats: tuple[int, ...] = ()):
-    """autograd_function for an op that resolves its impl before it runs (the norms' grad-recording
-    calls, which choose between an impl's `train` forward and this Function from one resolution):
-    apply(r, *inputs) runs r.run(r.ctx, *inputs), where r is a dispatch.Resolved."""
+def resolved_autograd_function(name: str, setup_context, backward, *, stats: tuple[int, ...] = (),
+                               finish: Callable[[Any], Any] | None = None):
+    """autograd_function for an op that resolves its impl before it runs (grad-recording calls resolved in
+    a train bucket; the norms choose between an impl's `train` forward and this Function from that one
+    resolution): apply(r, *inputs) runs r.run(r.ctx, *inputs), where r is a dispatch.Resolved, then
+    `finish` on its output (e.g. the attention ops' contiguous lse)."""
     def forward(ctx, r, *inputs):
         out = r.run(r.ctx, *inputs)
+        if finish is not None:
+            out = finish(out)
         _after_forward(ctx, inputs, out, setup_context, stats)
         return out
 
@@ -201,6 +205,32 @@ def train_step(op: str, impl, ctx, args: tuple) -> Callable[[], Any]:
     """What autotune times for a CallSpec.train bucket: forward and backward together, the cost a
     training step pays (a forward-only time would hide the backward's host and device cost)."""
     return _TRAIN_STEPS[op](impl, ctx, args)
+
+
+class _OwnPairFn(torch.autograd.Function):
+    """One attention-style impl's forward with its own backward, no dispatch (own_pair_train_step)."""
+
+    @staticmethod
+    def forward(ctx, impl, rctx, q, k, v, *rest):
+        out, lse = impl.fn(rctx, q, k, v, *rest)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.impl, ctx.rctx, ctx.rest = impl, rctx, rest
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.impl.backward(ctx.rctx, dout, q, k, v, out, lse, *ctx.rest)
+        return (None, None, dq, dk, dv) + (None,) * len(ctx.rest)
+
+
+def own_pair_train_step(impl, rctx, args: tuple) -> Callable[[], Any]:
+    """autotune's training step for the attention ops (fn(ctx, q, k, v, *rest) -> (out, lse);
+    backward(ctx, dout, q, k, v, out, lse, *rest) -> (dq, dk, dv)): the impl's forward with its own
+    backward.  The call's backward is still dispatched in its own bucket, measured on that forward's
+    out and lse, so it can only be as fast or faster than the impl's own."""
+    return grad_step(lambda: _OwnPairFn.apply(impl, rctx, *args), args, 1)
 
 
 def grad_step(forward: Callable[[], Any], args: tuple, n_out: int) -> Callable[[], Any]:

@@ -24,8 +24,8 @@ from .. import dispatch
 from ..errors import InvalidArgumentError
 from ..kernel import CallSpec
 from ._common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, INF, TORCH_OPS, carry_policy, check_same, check_scale,
-                      check_tensor, EXACT_STRIDES, contiguous_lse, dt, eager_mode, grad_step, len_bucket,
-                      register_train_step, same_kind)
+                      check_tensor, EXACT_STRIDES, contiguous_lse, dt, eager_mode, len_bucket, own_pair_train_step,
+                      register_train_step, resolved_autograd_function, same_kind)
 
 OP = "flash_attention"
 
@@ -196,42 +196,11 @@ def _backward(ctx, dout, dlse):
 
 _setup_context, _backward = carry_policy(_setup_context, _backward)   # backward resolves under the forward's policy
 _flash_attention.register_autograd(_backward, setup_context=_setup_context)
-class _TrainFn(torch.autograd.Function):
-    """Eager training calls: the impl the train bucket chose runs forward; the backward is dispatched as
-    every backward is (_backward: its own bucket, measured on this forward's out and lse)."""
-
-    @staticmethod
-    def forward(ctx, r, q, k, v, attn_mask, causal, scale):
-        out, lse = r.run(r.ctx, q, k, v, attn_mask, causal, scale)
-        lse = contiguous_lse(lse)
-        _setup_context(ctx, (q, k, v, attn_mask, causal, scale), (out, lse))
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        return (None, *_backward(ctx, dout, dlse))
-
-
-class _PairFn(torch.autograd.Function):
-    """autotune's training step of one impl: its forward and its own backward (no dispatch)."""
-
-    @staticmethod
-    def forward(ctx, impl, rctx, q, k, v, attn_mask, causal, scale):
-        out, lse = impl.fn(rctx, q, k, v, attn_mask, causal, scale)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.impl, ctx.rctx, ctx.attn_mask, ctx.causal, ctx.scale = impl, rctx, attn_mask, causal, scale
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.impl.backward(ctx.rctx, dout, q, k, v, out, lse, ctx.attn_mask, ctx.causal, ctx.scale)
-        return None, None, dq, dk, dv, None, None, None
-
-
-register_train_step(OP, lambda impl, rctx, args: grad_step(lambda: _PairFn.apply(impl, rctx, *args), args, 1))
+# eager training calls: the impl the train bucket chose runs forward; the backward is dispatched as every
+# backward is (_backward: its own bucket, measured on this forward's out and lse)
+_train_autograd = resolved_autograd_function("FlashAttentionTrainFn", _setup_context, _backward, stats=(1,),
+                                             finish=lambda o: (o[0], contiguous_lse(o[1])))
+register_train_step(OP, own_pair_train_step)
 
 
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: float | None = None,
@@ -248,7 +217,7 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, sc
         s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
         r = _train_resolve(q, k, v, attn_mask, causal, s)
         dispatch.record_call(r.impl.id)
-        out, lse = _TrainFn.apply(r, q, k, v, attn_mask, causal, s)
+        out, lse = _train_autograd(r, q, k, v, attn_mask, causal, s)
     else:
         out, lse = torch.ops.opsadv.flash_attention(q, k, v, attn_mask, causal, scale)
     return (out, lse.detach()) if return_lse else out

@@ -23,8 +23,9 @@ from .. import dispatch
 from ..errors import InvalidArgumentError
 from ..kernel import CallSpec
 from ..layout import SparseLayout
-from ._common import (AUTOGRAD_FN, DIRECT, TORCH_OPS, autograd_function, carry_policy, check_same, check_scale, check_tensor,
-                      EXACT_STRIDES, contiguous_lse, eager_mode, len_bucket)
+from ._common import (AUTOGRAD_FN, DIRECT, TORCH_OPS, carry_policy, check_same, check_scale, check_tensor,
+                      EXACT_STRIDES, contiguous_lse, eager_mode, len_bucket, own_pair_train_step, register_train_step,
+                      resolved_autograd_function)
 from .attention import lse_dtype
 
 OP = "sparse_attention"
@@ -73,24 +74,24 @@ def _window_bucket(wl: int, wr: int) -> int:
     return len_bucket(wl + max(wr, 0) + 1) if wl >= 0 else 0
 
 
-def _key(q, k, kpm, cu, bs, causal, wl, wr, ng, dense, ms, backward):
+def _key(q, k, kpm, cu, bs, causal, wl, wr, ng, dense, ms, backward, train=False):
     return (OP, backward, q.device.type, q.dtype, q.shape[-1], bs, causal, _window_bucket(wl, wr), ng > 0,
             kpm is not None, cu is not None, q.shape[1] // k.shape[1], len_bucket(q.shape[2]),
-            len_bucket(k.shape[2]), dense, ms >= 0)
+            len_bucket(k.shape[2]), dense, ms >= 0, train)
 
 
-def _spec(q, k, kpm, cu, bs, causal, wl, wr, ng, dense, ms, backward) -> CallSpec:
+def _spec(q, k, kpm, cu, bs, causal, wl, wr, ng, dense, ms, backward, train=False) -> CallSpec:
     return CallSpec(OP, q.device.type, q.dtype, _features(q, k, kpm, cu, causal, wl, ng, dense, ms),
                     (bs, len_bucket(q.shape[2]), len_bucket(k.shape[2]), _window_bucket(wl, wr)),
                     head_dim=q.shape[-1], shapes=(tuple(q.shape), tuple(k.shape)), backward=backward,
-                    bucket_names=("block_size=", "s_q<=", "s_k<=", "window_span<="))
+                    train=train, bucket_names=("block_size=", "s_q<=", "s_k<=", "window_span<="))
 
 
-def layout_spec(q, k, layout: SparseLayout, backward: bool) -> CallSpec:
+def layout_spec(q, k, layout: SparseLayout, backward: bool, train: bool = False) -> CallSpec:
     """The CallSpec a call with this layout resolves by (explain, tests)."""
     return _spec(q, k, layout.key_padding_mask, layout.cu_seqlens, layout.block_size, layout.causal,
                  layout.window_left, layout.window_right, layout.num_global, layout.dense_blocks,
-                 -1 if layout.max_seqlen is None else layout.max_seqlen, backward)
+                 -1 if layout.max_seqlen is None else layout.max_seqlen, backward, train)
 
 
 def _route(q, k, v, block_mask, key_padding_mask, cu_seqlens, block_size, causal, window_left, window_right,
@@ -102,6 +103,14 @@ def _route(q, k, v, block_mask, key_padding_mask, cu_seqlens, block_size, causal
         lambda: _spec(q, k, kpm, cu, block_size, causal, wl, window_right, ng, dense_blocks, max_seqlen, False),
         (q, k, v, block_mask, kpm, cu, block_size, causal, wl, window_right, ng, s, dense_blocks, max_seqlen))
     return out, contiguous_lse(lse)
+
+
+def _train_resolve(q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, s, dense, ms):
+    """Eager grad-recording calls resolve in their own bucket (CallSpec.train): autotune times each impl's
+    forward with its own backward (a forward chosen alone may leave the step slower, as on the dense op)."""
+    return dispatch.resolve(_key(q, k, kpm, cu, bs, causal, wl, wr, ng, dense, ms, False, train=True),
+                            lambda: _spec(q, k, kpm, cu, bs, causal, wl, wr, ng, dense, ms, False, train=True),
+                            (q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, s, dense, ms))
 
 
 def _bwd_route(dout, q, k, v, out, lse, block_mask, key_padding_mask, cu_seqlens, block_size, causal, window_left,
@@ -163,7 +172,10 @@ def _backward(ctx, dout, dlse):
 
 _setup, _backward = carry_policy(_setup, _backward)   # backward resolves under the forward's policy
 _sparse_attention.register_autograd(_backward, setup_context=_setup)
-_eager_autograd = autograd_function("SparseAttentionFn", _route, _setup, _backward)
+# eager training calls: the impl the train bucket chose runs forward, the backward is dispatched in its bucket
+_train_autograd = resolved_autograd_function("SparseAttentionTrainFn", _setup, _backward, stats=(1,),
+                                             finish=lambda o: (o[0], contiguous_lse(o[1])))
+register_train_step(OP, own_pair_train_step)
 
 
 def sparse_attention(q: Tensor, k: Tensor, v: Tensor, layout: SparseLayout, *, scale: float | None = None,
@@ -172,8 +184,15 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, layout: SparseLayout, *, s
     Rows with no allowed key give zeros."""
     validate(q, k, v, layout, scale)
     mode = eager_mode(q, k, v, layout.block_mask, layout.key_padding_mask, layout.cu_seqlens)
-    op = _route if mode == DIRECT else _eager_autograd if mode == AUTOGRAD_FN else torch.ops.opsadv.sparse_attention
-    out, lse = op(q, k, v, layout.block_mask, layout.key_padding_mask, layout.cu_seqlens, layout.block_size,
-                  layout.causal, layout.window_left, layout.window_right, layout.num_global, scale,
-                  layout.dense_blocks, -1 if layout.max_seqlen is None else layout.max_seqlen)
+    args = (q, k, v, layout.block_mask, layout.key_padding_mask, layout.cu_seqlens, layout.block_size, layout.causal,
+            layout.window_left, layout.window_right, layout.num_global, scale, layout.dense_blocks,
+            -1 if layout.max_seqlen is None else layout.max_seqlen)
+    if mode == AUTOGRAD_FN:
+        s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        args = args[:11] + (s,) + args[12:]
+        r = _train_resolve(*args)
+        dispatch.record_call(r.impl.id)
+        out, lse = _train_autograd(r, *args)
+    else:
+        out, lse = (_route if mode == DIRECT else torch.ops.opsadv.sparse_attention)(*args)
     return (out, lse.detach()) if return_lse else out
