@@ -35,7 +35,15 @@
 #   PART=g: benchmarks/gluon_gemm/probe.py (each variant checked vs float64 in a child process first, then timed vs
 #           cuBLAS / addmm+act / _addmm_activation / torch.compile / the Triton persistent GEMM), then the ping-pong
 #           GPU tests; a variant becomes DEFAULT_VARIANT and the impl leaves experimental only after pinned conformance
-# Session 8 ran j, g, f1, f2 (results/*_s8*); then PART=f after the tuning fixes.
+# Session 8 ran j, g, f1, f2 (results/*_s8*); then PART=f after the tuning fixes, f3 after the train /
+# inference buckets (31 of 32 attention cases >= 0.98x).  Order for session 9 (each one call):
+#   PART=n:  the full attention suite at the current code (train / inference buckets for every case; the one
+#            case below 0.98x, fwd+bwd s16384 d64 causal, was measured before them) + tuning.json
+#   PART=g2: pinned H200 conformance of cuda.gluon.gemm (it leaves experimental when it passes) and the gemm
+#            suite with experimental kernels allowed (the dispatcher measures cuBLAS / Triton / Gluon per bucket,
+#            the Gluon schedule measured per bucket; the [own] row is the Gluon GEMM)
+#   PART=sp: the sparse suite's forward+backward rows (train bucket) and forward window series
+#   then d (e2e: no-grad prefill now takes cuDNN without lse where cuDNN wins), s, e2.
 # OPSADV_COMMIT=<sha> PART=a bash benchmarks/h200_next.sh   (from the repo root on the GPU host, $OUT set)
 set -u
 # tests/conftest.py defaults TRITON_INTERPRET to 1 (CPU CI): every pytest here must say 0, and select the GPU tests
@@ -122,6 +130,25 @@ f)   # session 8, after the tuning fixes (head dim in the tuning key, rotated ro
   PROBE_VARIANTS=pingpong,coop timeout 150 python3 benchmarks/gluon_gemm/probe.py "$OUT/gluon_gemm2_h200.json" \
     > /tmp/gluon_gemm2.log 2>&1
   echo "gluon gemm probe rc $?"; grep -E "best peer|gluon\.|matmul |_addmm|compile" /tmp/gluon_gemm2.log | cut -c1-100
+  ;;
+n)
+  timeout 540 python3 -m opsadv bench --suite attention --json "$OUT/attn_full.json" > "$OUT/attn_full.log" 2>&1
+  echo "attention rc $?"; grep -E "^(fwd|bwd)" "$OUT/attn_full.log" | grep -v "\[own\]" | cut -c1-150
+  cp /tmp/opsadv-cache/tuning.json "$OUT/tuning_attention.json"
+  ;;
+g2)
+  timeout 200 python3 -m opsadv conformance --backend cuda --impl cuda.gluon.gemm --json "$OUT/conf_gluon_gemm.json" \
+    --markdown "$OUT/conf_gluon_gemm.md" > /tmp/conf_gemm.log 2>&1
+  echo "conformance gluon gemm rc $?"; tail -2 /tmp/conf_gemm.log
+  timeout 360 python3 -m opsadv bench --suite gemm --use-experimental-kernels --json "$OUT/gemm_exp.json" \
+    > "$OUT/gemm_exp.log" 2>&1
+  echo "gemm rc $?"; grep -E "^(fwd|bwd)" "$OUT/gemm_exp.log" | cut -c1-150
+  cp /tmp/opsadv-cache/kernel_configs.json "$OUT/kernel_configs_gemm.json"
+  ;;
+sp)
+  timeout 540 python3 -m opsadv bench --suite sparse --json "$OUT/sparse_full.json" > "$OUT/sparse_full.log" 2>&1
+  echo "sparse rc $?"; grep -E "^(fwd|bwd)" "$OUT/sparse_full.log" | grep -v "\[own\]" | cut -c1-150
+  cp /tmp/opsadv-cache/tuning.json "$OUT/tuning_sparse.json"
   ;;
 f3)  # the cases that missed 0.98x in PART=f, after the inference (cuDNN without lse) and train (fwd timed
      # with its own bwd) buckets

@@ -117,3 +117,21 @@ def test_own_row_with_a_tuple_of_own_prefixes():
         assert [r["case"] for r in rows] == ["tuple prefix case", "tuple prefix case [own]"]
         assert rows[1]["opsadv_impl"] == (own_impl or "cuda.gluon.* | cuda.triton.*")
         assert rows[1]["rel_err"] == 0 and "error" not in rows[1]
+
+
+def test_gemm_own_row_prefers_gluon_then_triton():
+    """The gemm suite's "[own]" row takes the Gluon GEMM where the policy accepts it, else the Triton
+    kernel: under the interpreter Gluon refuses (even with experimental kernels allowed), so Triton."""
+    import opsadv
+    import opsadv.bench.suite_gemm as S
+    from opsadv.core.ops.gemm import _gemm_spec
+    from opsadv.registry import get_registry
+    assert S.OWN_PREFIXES == ("cuda.gluon.", "cuda.triton.")
+    a, b = torch.randn(64, 32, dtype=torch.float16), torch.randn(32, 48, dtype=torch.float16)
+    with opsadv.use_backend("auto", experimental=True):
+        own = S.own_impl("gemm", _gemm_spec(a, b, None, "none", None, 1.0, False))
+    cuda = get_registry().backends.get("cuda")
+    if cuda is None or not cuda.available:
+        assert own is None
+    else:
+        assert own[0].id.startswith("cuda.triton.")

@@ -393,3 +393,26 @@ def test_gpu_op_fwd_bwd(dtype, m, act, seed, monkeypatch):
     _close(out, ref.detach(), dtype)
     for got, want in ((da, ra), (db, rb), (dbias, rbias), (dres, rres)):
         _close(got, want, dtype)
+
+
+def test_variant_measured_per_shape_bucket_default_first(monkeypatch):
+    """Through the op, the schedule is the variant tuner's pick among every VARIANT (DEFAULT_VARIANT first: the
+    one taken untimed where the profile does not autotune), keyed by dtype, rows bucket, N, K and epilogue."""
+    from types import SimpleNamespace
+    seen = []
+
+    class FakeTuner:
+        def pick(self, key, configs, launch, autotune):
+            seen.append((key, [c["variant"] for c in configs], autotune))
+            return configs[-1]
+    monkeypatch.setattr(GG, "_variant_tuner", lambda: FakeTuner())
+    a2 = SimpleNamespace(dtype=torch.bfloat16, shape=(1000, 264))
+    out = SimpleNamespace(is_cuda=True, shape=(1000, 520))
+    tuned = SimpleNamespace(profile=SimpleNamespace(autotune=True))
+    got = GG._pick_variant(tuned, a2, None, out, object(), None, "silu", 1.0, True)
+    key, order, autotune = seen[0]
+    assert order[0] == GG.DEFAULT_VARIANT and sorted(order) == sorted(GG.VARIANTS) and autotune
+    assert got == order[-1] and key == ("torch.bfloat16", 1024, 520, 264, "silu", True, False, True)
+    fixed = SimpleNamespace(profile=SimpleNamespace(autotune=False))          # e.g. the jetson profile
+    assert GG._pick_variant(fixed, a2, None, out, None, None, "none", 1.0, False) == GG.DEFAULT_VARIANT
+    assert len(seen) == 1

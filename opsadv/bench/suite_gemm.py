@@ -4,7 +4,8 @@ Grid (BENCHMARKS.md): bf16, (m, n, k) = (8192,8192,8192), (16384,12288,4096), (1
 (16384,4096,11008); epilogues none, bias+gelu_tanh, bias+silu, SwiGLU (n is the intermediate size:
 one GEMM over [W_g | W_u] of shape (k, 2n)).  The weight is an nn.Linear-style (n, k) tensor passed
 as weight.t().  FLOPs 2*m*n*k (SwiGLU 4*m*n*k); forward+backward 3x.  When the dispatcher picks
-cuBLAS, an "[own]" row times the library's Triton kernel too."""
+cuBLAS, an "[own]" row times the library's own kernel too (the Gluon GEMM where experimental kernels are
+allowed, else the Triton one)."""
 from __future__ import annotations
 
 import dataclasses
@@ -31,8 +32,13 @@ def _grid(quick: bool):
     return g + [(16384, 12288, 4096, "gelu_tanh", True), (16384, 11008, 4096, "swiglu", True)]
 
 
+OWN_PREFIXES = ("cuda.gluon.", "cuda.triton.")   # the library's own kernels, in the order the [own] row prefers
+
+
 def own_impl(op: str, spec):
-    """(impl, ctx) of the library's own Triton kernel for this call (TMA variant where it serves)."""
+    """(impl, ctx) of the library's own kernel for this call: the Gluon GEMM where the policy accepts it
+    (experimental until its pinned H200 conformance: `opsadv bench --use-experimental-kernels`), else the
+    Triton kernel (TMA variant where it serves)."""
     from opsadv.core import dispatch
     from opsadv.core.policy import current_policy
     from opsadv.registry import get_registry
@@ -44,11 +50,12 @@ def own_impl(op: str, spec):
     exp, r = dispatch.explain_spec(spec, pol)
     if r is None:
         return None
-    ok = [c.impl for c in exp.candidates if c.accepted and c.impl.id.startswith("cuda.triton.")]
-    if not ok:
-        return None
-    best = max(ok, key=lambda i: (i.priority, i.id))
-    return best, dataclasses.replace(r.ctx, spec=spec)
+    for prefix in OWN_PREFIXES:
+        ok = [c.impl for c in exp.candidates if c.accepted and c.impl.id.startswith(prefix)]
+        if ok:
+            best = max(ok, key=lambda i: (i.priority, i.id))
+            return best, dataclasses.replace(r.ctx, spec=spec)
+    return None
 
 
 def _eager(ep):
@@ -112,7 +119,7 @@ def cases(quick: bool) -> Iterator[BenchCase]:
             def own_fn(impl=impl, ctx=ctx, args=args, bargs=bargs, bwd=bwd):
                 out = impl.fn(ctx, *args)
                 return tuple(t for t in impl.backward(ctx, *bargs) if t.numel()) if bwd else out
-            extra = {"own": own_fn, "own_prefix": "cuda.triton.", "own_impl": impl.id}
+            extra = {"own": own_fn, "own_prefix": OWN_PREFIXES, "own_impl": impl.id}
         flops = 2.0 * m * nout * k * (3 if bwd else 1)
         words = ["fwd+bwd" if bwd else "fwd", "bf16", f"m{m}", f"n{n}", f"k{k}"] + \
                 ({"none": [], "gelu_tanh": ["bias", "gelu_tanh"], "silu": ["bias", "silu"], "swiglu": ["swiglu"]}[ep])

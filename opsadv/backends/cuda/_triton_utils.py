@@ -160,12 +160,20 @@ class ConfigTuner:
         from triton.testing import do_bench
         times: dict[int, float] = {}
         err: Exception | None = None
-        for i, c in enumerate(configs):
-            try:
-                times[i] = float(do_bench(lambda: launch(c), warmup=5, rep=20, return_mode="median"))
+        ok = []
+        for i, c in enumerate(configs):     # compile (and launch once) every config before timing any: a
+            try:                            # compile pause in between would leave the next one on idle clocks
+                launch(c)
+                ok.append(i)
             except Exception as e:  # e.g. out of shared memory for this tile shape
                 err = e
                 log.info("%s: config %s failed: %s", self.name, c, str(e).splitlines()[0] if str(e) else e)
+        for i in ok:
+            try:
+                times[i] = float(do_bench(lambda c=configs[i]: launch(c), warmup=5, rep=20, return_mode="median"))
+            except Exception as e:
+                err = e
+                log.info("%s: config %s failed: %s", self.name, configs[i], str(e).splitlines()[0] if str(e) else e)
         if not times:
             raise err  # type: ignore[misc]
         best = configs[min(times, key=times.get)]

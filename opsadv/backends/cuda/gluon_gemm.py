@@ -2,13 +2,13 @@
 
     out = act(alpha * a @ b + bias) + residual      a (..., K), b (K, N); bf16 / fp16, fp32 accumulation
 
-EXPERIMENTAL, COMPILED ONLY, NOT RUN ON A GPU: the kernels (_gluon_gemm_kernel.py) compile for sm_90 on a
-CPU machine (ptxas via Triton; tests/test_gluon_gemm.py) with no register spills; correctness and speed
-on an H200 are still to be measured (benchmarks/gluon_gemm/probe.py checks every variant against float64
-before timing it).  Until then the impl is experimental (needs use_backend(..., experimental=True)) and
-ranks below the Triton impls (PRIORITY_TRITON - 5): a measurement decides.
+EXPERIMENTAL: on an H200 every variant passes every check against float64 (benchmarks/gluon_gemm/probe.py,
+session 8: odd M 1 / 7 / 127, capped persistent grids, every epilogue), and the kernels compile for sm_90 on
+a CPU machine (tests/test_gluon_gemm.py) with no register spills.  The impl needs use_backend(...,
+experimental=True) until a pinned H200 conformance run passes, and ranks below the Triton impls
+(PRIORITY_TRITON - 5): the dispatcher's measurement decides.
 
-Forward: the Gluon kernel, variant DEFAULT_VARIANT (see VARIANTS).  Host side: leading dims of a are
+Forward: the Gluon kernel, its schedule (VARIANTS) measured per shape bucket (_pick_variant).  Host side: leading dims of a are
 flattened; a, b, the residual and the output go through TMA descriptors (16-byte aligned rows: K and N
 multiples of 8, checked in check()); a b whose transpose is row-major (an nn.Linear weight.t()) is read as
 (N, K) rows without a copy (B_NK); other strided inputs are copied contiguous first.  Backward: the
@@ -19,7 +19,8 @@ the import error as the reason, and importing opsadv never fails.
 sm_90 compile (GPUTarget("cuda", 90, 128), triton 3.6.0, on CPU; tests/test_gluon_gemm.py checks every
 variant x activation x dtype x residual): 0 spills / stack 0 everywhere; consumers setmaxnreg 240 with up to
 R237 used (gelu_tanh / silu with a residual), producer warp 24; shared memory coop / coop_256x128 213,204 B, pingpong
-196,888 B, pingpong_st5 229,688 B (sm_90 limit 232,448).  NOT RUN ON A GPU YET."""
+196,888 B, pingpong_st5 229,688 B (sm_90 limit 232,448).  On the H200 (session 8): every variant passes every
+check vs float64 (benchmarks/gluon_gemm/probe.py); timings in results/gluon_gemm_s8*_h200.json."""
 from __future__ import annotations
 
 import functools
@@ -58,7 +59,10 @@ VARIANTS = {
     "pingpong": dict(PINGPONG=True, BM=128, BN=128, BK=64, STAGES=4, num_warps=4),
     "pingpong_st5": dict(PINGPONG=True, BM=128, BN=128, BK=64, STAGES=5, num_warps=4),
 }
-DEFAULT_VARIANT = "pingpong"     # CUTLASS's best Hopper schedule for bf16 with an epilogue; unmeasured here
+# coop: 0.969-0.976x cuBLAS plain (8192^3), 1.116x the best peer on bias+gelu_tanh in one of two H200 runs;
+# pingpong 0.86-0.89x plain, ahead on bias+silu by 0.3% (results/gluon_gemm_s8*_h200.json).  Calls through
+# the op measure every variant per shape bucket (_VARIANT_TUNER) where the profile autotunes.
+DEFAULT_VARIANT = "coop"
 CONSUMER_REGS = 240   # per thread, each ping-pong consumer warpgroup (setmaxnreg); 2 x 240 + 24 <= 512
 PRODUCER_REGS = 24    # the TMA producer warp only computes tile coordinates and issues copies
 DEFAULT_SMS = 132     # H100 SXM / H200: the grid size when no GPU is visible (compile checks on CPU)
@@ -114,10 +118,40 @@ def launch_args(a2, b, out, bias=None, res2=None, activation="none", alpha=1.0, 
     return grid, args, kw
 
 
+_VARIANT_TUNER = None
+
+
+def _variant_tuner():
+    global _VARIANT_TUNER
+    if _VARIANT_TUNER is None:
+        from ._triton_utils import ConfigTuner
+        _VARIANT_TUNER = ConfigTuner("gluon_gemm.variant")
+    return _VARIANT_TUNER
+
+
+def _pick_variant(ctx, a2, b_, out, bias, res2, activation, alpha, b_nk) -> str:
+    """The schedule for this call: measured per (dtype, rows bucket, N, K, epilogue, B layout) among VARIANTS
+    where the profile autotunes (persisted like the Triton kernels' configs), else DEFAULT_VARIANT."""
+    from ._triton_utils import bucket
+    profile = getattr(ctx, "profile", None)
+    autotune = out.is_cuda and profile is not None and profile.autotune
+    if not autotune:
+        return DEFAULT_VARIANT
+    order = [DEFAULT_VARIANT] + [v for v in VARIANTS if v != DEFAULT_VARIANT]
+
+    def launch(cfg):
+        grid, args, kw = launch_args(a2, b_, out, bias, res2, activation, alpha, cfg["variant"], b_nk)
+        _K.gemm_kernel[grid](*args, **kw)
+    key = (str(a2.dtype), bucket(a2.shape[0]), out.shape[1], a2.shape[1], activation, bias is not None,
+           res2 is not None, bool(b_nk))
+    return _variant_tuner().pick(key, [{"variant": v} for v in order], launch, True)["variant"]
+
+
 def gemm_fwd(ctx, a, b, bias, activation, residual, alpha, variant=None, num_sms=None):
     """The impl's forward (gemm contract): act(alpha * a @ b + bias) + residual, shape (..., N).
     variant / num_sms (tests, probes): the schedule, and a grid cap below the SM count (a small one makes
-    every CTA walk many tiles, the persistent path, at small shapes)."""
+    every CTA walk many tiles, the persistent path, at small shapes); without them the schedule is
+    measured per shape bucket (_pick_variant)."""
     k, n = b.shape
     a2, b_, b_nk = prepare(a.reshape(-1, k), b)
     out = _poisoned((a2.shape[0], n), a)
@@ -126,6 +160,8 @@ def gemm_fwd(ctx, a, b, bias, activation, residual, alpha, variant=None, num_sms
         res2 = _tma_ready(residual.reshape(-1, n))
     if bias is not None and bias.stride(0) != 1:
         bias = bias.contiguous()                        # the epilogue reads it with unit stride
+    if variant is None and num_sms is None:
+        variant = _pick_variant(ctx, a2, b_, out, bias, res2, activation, alpha, b_nk)
     grid, args, kw = launch_args(a2, b_, out, bias, res2, activation, alpha, variant, b_nk, num_sms)
     _K.gemm_kernel[grid](*args, **kw)
     return out.reshape(*a.shape[:-1], n)
@@ -155,7 +191,8 @@ def impls(env) -> list[KernelImpl]:
         features=GEMM_FEATURES, experimental=True, check=_check,
         description="Gluon persistent GEMM for Hopper (TMA producer warp, two consumer warpgroups taking "
                     "main-loop turns (ping-pong), mbarrier ring, fused alpha/bias/activation/residual epilogue, "
-                    "TMA stores); compiled for sm_90 only, not yet run on a GPU; Triton/cuBLAS backward")]
+                    "TMA stores), the schedule measured per shape bucket; sm_90 only; passed every check on "
+                    "the H200 (experimental until pinned conformance); Triton/cuBLAS backward")]
 
 
 __all__ = ["impls", "gemm_fwd", "gemm_bwd", "launch_args", "prepare", "VARIANTS", "DEFAULT_VARIANT", "UNAVAILABLE",
