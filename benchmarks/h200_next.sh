@@ -37,7 +37,7 @@
 #           GPU tests; a variant becomes DEFAULT_VARIANT and the impl leaves experimental only after pinned conformance
 # Session 8 ran j, g, f1, f2 (results/*_s8*); then PART=f after the tuning fixes, f3 after the train /
 # inference buckets (31 of 32 attention cases >= 0.98x).  Order for session 9 (each one call):
-#   PART=n:  the full attention suite at the current code (train / inference buckets for every case; the one
+#   PART=n1, n2: the full attention suite (two halves) at the current code (train / inference buckets for every case; the one
 #            case below 0.98x, fwd+bwd s16384 d64 causal, was measured before them) + tuning.json
 #   PART=g2: pinned H200 conformance of cuda.gluon.gemm (it leaves experimental when it passes) and the gemm
 #            suite with experimental kernels allowed (the dispatcher measures cuBLAS / Triton / Gluon per bucket,
@@ -131,10 +131,11 @@ f)   # session 8, after the tuning fixes (head dim in the tuning key, rotated ro
     > /tmp/gluon_gemm2.log 2>&1
   echo "gluon gemm probe rc $?"; grep -E "best peer|gluon\.|matmul |_addmm|compile" /tmp/gluon_gemm2.log | cut -c1-100
   ;;
-n)
-  timeout 540 python3 -m opsadv bench --suite attention --json "$OUT/attn_full.json" > "$OUT/attn_full.log" 2>&1
-  echo "attention rc $?"; grep -E "^(fwd|bwd)" "$OUT/attn_full.log" | grep -v "\[own\]" | cut -c1-150
-  cp /tmp/opsadv-cache/tuning.json "$OUT/tuning_attention.json"
+n1|n2)   # halves: the train buckets time every impl's fwd+bwd (3 rounds), ~12 s per case at c045cf9
+  timeout 540 python3 -m opsadv bench --suite attention --part "${PART#n}/2" --json "$OUT/attn_full_$PART.json" \
+    > "$OUT/attn_full_$PART.log" 2>&1
+  echo "attention $PART rc $?"; grep -E "^(fwd|bwd)" "$OUT/attn_full_$PART.log" | grep -v "\[own\]" | cut -c1-150
+  cp /tmp/opsadv-cache/tuning.json "$OUT/tuning_attention_$PART.json"
   ;;
 g2)
   timeout 200 python3 -m opsadv conformance --backend cuda --impl cuda.gluon.gemm --json "$OUT/conf_gluon_gemm.json" \
