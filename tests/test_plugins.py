@@ -147,6 +147,10 @@ def test_info_lists_every_impl_with_its_declared_support(plugin_site):
     gluon = rows.get("cuda.gluon.flash_attention")
     if gluon is not None:
         assert gluon["head_dims"] == [64, 128] and gluon["min_cc"] == [9, 0] and not gluon["experimental"]
+    cudnn = rows.get("cuda.sdpa.cudnn")            # listed where the cuda backend is available
+    if cudnn is not None:
+        assert cudnn["inference"] and not cudnn["train"]      # its no-lse forward for no-grad calls
+    assert not rows["reference.flash_attention"]["inference"]
     text = _run(["info", "--impls"], plugin_site).stdout
     assert "== impls" in text and "reference.flash_attention prio 0" in text
     assert "impls" not in json.loads(_run(["info", "--json"], plugin_site).stdout)   # only when asked

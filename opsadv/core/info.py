@@ -49,7 +49,8 @@ class Info:
         if self.impls is not None:
             lines.append("== impls (op: id, priority, declared support) ==")
             for i in self.impls:
-                flags = [f for f in ("experimental", "deterministic") if i[f]]
+                flags = [f for f in ("experimental", "deterministic") if i[f]] + \
+                    [f"{f} forward" for f in ("inference", "train") if i.get(f)]
                 cc = "" if not (i["min_cc"] or i["max_cc"]) else \
                     f" cc {_cc(i['min_cc']) or '*'}..{_cc(i['max_cc']) or '*'}"
                 hd = f" head_dim {i['head_dims']}" if i["head_dims"] else ""
@@ -76,7 +77,9 @@ def impl_rows(reg) -> list[dict[str, Any]]:
                          "head_dims": list(i.head_dims) if i.head_dims else None,
                          "min_cc": list(i.min_cc) if i.min_cc else None, "max_cc": list(i.max_cc) if i.max_cc else None,
                          "features": sorted(i.features), "experimental": i.experimental,
-                         "deterministic": i.deterministic, "description": i.description})
+                         "deterministic": i.deterministic, "description": i.description,
+                         # its own forward for no-grad calls that skip statistics / for grad-recording calls
+                         "inference": i.inference is not None, "train": i.train is not None})
     return rows
 
 
