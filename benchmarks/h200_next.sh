@@ -43,6 +43,9 @@
 #            suite with experimental kernels allowed (the dispatcher measures cuBLAS / Triton / Gluon per bucket,
 #            the Gluon schedule measured per bucket; the [own] row is the Gluon GEMM)
 #   PART=sp: the sparse suite's forward+backward rows (train bucket) and forward window series
+#   PART=x:  the Gluon forward with exp2 partly on the FMA pipe (EXP_EMU: pingpong_emu2 / _emu4 at d64, where
+#            the MUFU exp2 rate bounds it; pingpong_st3_emu4 at d128): checked, then timed vs the defaults
+#            and cuDNN; a variant becomes DEFAULT_VARIANT[d] only if it passes and wins (issue 3's d64 >= 1.0x)
 #   then d (e2e: no-grad prefill now takes cuDNN without lse where cuDNN wins), s, e2.
 # OPSADV_COMMIT=<sha> PART=a bash benchmarks/h200_next.sh   (from the repo root on the GPU host, $OUT set)
 set -u
@@ -150,6 +153,14 @@ sp)
   timeout 540 python3 -m opsadv bench --suite sparse --json "$OUT/sparse_full.json" > "$OUT/sparse_full.log" 2>&1
   echo "sparse rc $?"; grep -E "^(fwd|bwd)" "$OUT/sparse_full.log" | grep -v "\[own\]" | cut -c1-150
   cp /tmp/opsadv-cache/tuning.json "$OUT/tuning_sparse.json"
+  ;;
+x)
+  timeout 420 python3 benchmarks/gluon_fa/probe.py "$OUT/gluon_fa_emu_h200.json" \
+    --variants=pingpong,pingpong_emu2,pingpong_emu4,pingpong_st3,pingpong_st3_emu4 --no-impl > "$OUT/gluon_fa_emu.log" 2>&1
+  echo "gluon fa emu rc $?"; tail -25 "$OUT/gluon_fa_emu.log"
+  TRITON_INTERPRET=0 timeout 150 python3 -m pytest -q -p no:cacheprovider -k "gpu_every_schedule and emu" \
+    tests/test_gluon_attention.py > "$OUT/gluon_fa_emu_pytest.log" 2>&1
+  echo "gluon fa emu pytest rc $?"; tail -2 "$OUT/gluon_fa_emu_pytest.log"
   ;;
 f3)  # the cases that missed 0.98x in PART=f, after the inference (cuDNN without lse) and train (fwd timed
      # with its own bwd) buckets

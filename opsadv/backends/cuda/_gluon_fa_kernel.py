@@ -92,9 +92,55 @@ def _producer(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empt
             _issue_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, b, hk, j * BN, stage, kv_view)
 
 
+# ---- exp2 on the FMA pipe (EXP_EMU) ----------------------------------------------------------------------
+# At d64 a 128x128 tile's two wgmmas take about as many cycles as its 16,384 exp2s on the MUFU unit (16 per
+# clock per SM), so the forward is bound by the exponentials (FA3 d64 ~0.75x of d128's TFLOP/s).  EXP_EMU
+# computes 1 in EXP_EMU of them with FMA / integer instructions instead (FA4's trick): 2^x = 2^n * 2^f with
+# n = round(x) (the 1.5 * 2^23 addition rounds in the mantissa), f in [-0.5, 0.5], 2^f a degree-3 minimax
+# polynomial (relative error 7.5e-5 < half an ulp of bf16 / fp16 P), and 2^n added to the exponent bits.
+# x is clamped at -125 (2^-125 is 0 to the row sum, which is >= 1); only finite x (the unmasked tiles).
+_EXP2_POLY = """max.f32 t, {x}, 0fC2FA0000;
+add.rn.f32 j, t, 0f4B400000;
+sub.rn.f32 r, j, 0f4B400000;
+sub.rn.f32 f, t, r;
+fma.rn.f32 p, f, 0f3D61FB59, 0f3E786ED8;
+fma.rn.f32 p, p, f, 0f3F31798D;
+fma.rn.f32 p, p, f, 0f3F7FFB4A;
+mov.b32 jb, j;
+mov.b32 pb, p;
+shl.b32 jb, jb, 23;
+add.s32 pb, pb, jb;
+mov.b32 {y}, pb;"""
+
+
+def _exp2_mixed_asm(pack: int) -> str:
+    """PTX for `pack` elements: the last through the polynomial, the others through ex2.approx."""
+    lines = ["{", ".reg .f32 t, j, r, f, p;", ".reg .b32 jb, pb;"]
+    lines += [f"ex2.approx.ftz.f32 ${i}, ${pack + i};" for i in range(pack - 1)]
+    lines += [_EXP2_POLY.format(x=f"${2 * pack - 1}", y=f"${pack - 1}"), "}"]
+    return "\n".join(lines)
+
+
+EXP2_ASM_2 = gl.constexpr(_exp2_mixed_asm(2))
+EXP2_ASM_4 = gl.constexpr(_exp2_mixed_asm(4))
+
+
+@gluon.jit
+def _exp2(x, EXP_EMU: gl.constexpr):
+    """exp2(x) of finite x <= 0; EXP_EMU = 2 / 4: one element in 2 / 4 on the FMA pipe (see above)."""
+    if EXP_EMU == 2:
+        y = gl.inline_asm_elementwise(EXP2_ASM_2, "=f,=f,f,f", [x], dtype=gl.float32, is_pure=True, pack=2)
+    elif EXP_EMU == 4:
+        y = gl.inline_asm_elementwise(EXP2_ASM_4, "=f,=f,=f,=f,f,f,f,f", [x], dtype=gl.float32, is_pure=True,
+                                      pack=4)
+    else:
+        y = gl.exp2(x)
+    return y
+
+
 @gluon.jit
 def _softmax_step(s, m_i, l_i, rows, col0, SK, OFFSET, qk_scale,
-                  CAUSAL: gl.constexpr, MASKED: gl.constexpr, s_layout: gl.constexpr):
+                  CAUSAL: gl.constexpr, MASKED: gl.constexpr, s_layout: gl.constexpr, EXP_EMU: gl.constexpr = 0):
     """Fold raw scores s of one K tile into the running max m_i (log2 units, scale folded in) and sum
     l_i.  Returns (p, m_new, l_new, alpha).  MASKED: columns >= SK, and with CAUSAL columns
     > row + OFFSET, score -inf (m_i starts finite, so a fully masked row gives p = 0, never NaN)."""
@@ -109,7 +155,8 @@ def _softmax_step(s, m_i, l_i, rows, col0, SK, OFFSET, qk_scale,
         p = gl.exp2(qk - gl.expand_dims(m_new, 1))
     else:
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)     # scale > 0: max commutes with it
-        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))       # one FMA + ex2 per element
+        p = _exp2(s * qk_scale - gl.expand_dims(m_new, 1), EXP_EMU)   # one FMA + ex2 per element
+        # (masked tiles keep ex2 alone: their -inf must give exactly 0, which the polynomial's clamp does not)
     alpha = gl.exp2(m_i - m_new)
     l_new = l_i * alpha + gl.sum(p, axis=1)
     return p, m_new, l_new, alpha
@@ -150,7 +197,7 @@ def _consumer(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_smem, v_smem, q
               kv_empty, turn, b, h, hk, bh, m0, SQ, SK, OFFSET, n_tiles, first_masked, qk_scale,
               CAUSAL: gl.constexpr, STAGES: gl.constexpr, PRODUCE: gl.constexpr, PINGPONG: gl.constexpr,
               WG: gl.constexpr, H, REMAT: gl.constexpr, k_empty, SPLIT_EMPTY: gl.constexpr,
-              num_warps: gl.constexpr):
+              EXP_EMU: gl.constexpr, num_warps: gl.constexpr):
     """Rows [m0 + WG*BM, +BM) of head (b, h): BM = the Q block of q_desc (128, or 64 per warpgroup
     with PINGPONG).  Every consumer partition walks the same n_tiles K/V tiles.  REMAT (PINGPONG only):
     b, h, bh and the rows are recomputed from the CTA id after the K/V loop instead of being held
@@ -202,7 +249,8 @@ def _consumer(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_smem, v_smem, q
         if first_masked == 0:
             p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, rows, 0, SK, OFFSET, qk_scale, CAUSAL, True, s_layout)
         else:
-            p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, rows, 0, SK, OFFSET, qk_scale, CAUSAL, False, s_layout)
+            p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, rows, 0, SK, OFFSET, qk_scale, CAUSAL, False, s_layout,
+                                               EXP_EMU)
 
         for j in range(0, n_tiles - 1):
             cur = j % STAGES
@@ -233,7 +281,7 @@ def _consumer(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_smem, v_smem, q
                                                    CAUSAL, True, s_layout)
             else:
                 p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, rows, (j + 1) * BN, SK, OFFSET, qk_scale,
-                                                   CAUSAL, False, s_layout)
+                                                   CAUSAL, False, s_layout, EXP_EMU)
             # 5) P_j V_j done (p_op must stay alive until then: it is a wgmma register operand).
             o = warpgroup_mma_wait(0, deps=(o_tok, p_op))[0]
             o = o * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
@@ -282,7 +330,7 @@ def fa_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, H, GROUP, SQ, SK, OFF
                   q_smem_layout: gl.constexpr, kv_smem_layout: gl.constexpr,
                   CAUSAL: gl.constexpr, STAGES: gl.constexpr, WARP_SPEC: gl.constexpr,
                   PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                  REMAT: gl.constexpr, SPLIT_EMPTY: gl.constexpr, num_warps: gl.constexpr):
+                  REMAT: gl.constexpr, SPLIT_EMPTY: gl.constexpr, EXP_EMU: gl.constexpr, num_warps: gl.constexpr):
     """Grid (cdiv(SQ, 128), b * H).  q/o descriptors have block (1, 1, 128 or 64 with PINGPONG, d),
     k/v (1, 1, 128, d); the *_smem_layout are the 2-D NVMMA layouts of the same swizzle.  REMAT: see
     _consumer (the host sets it for ping-pong at d128).  SPLIT_EMPTY (needs WARP_SPEC): separate "empty"
@@ -336,10 +384,10 @@ def fa_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, H, GROUP, SQ, SK, OFF
         gl.warp_specialize([
             (_consumer, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem.index(0), k_smem, v_smem, q_bar.index(0),
                          k_ready, v_ready, kv_empty, turn, b, h, hk, bh, m0, SQ, SK, OFFSET, n_tiles, first_masked,
-                         qk_scale, CAUSAL, STAGES, False, True, 0, H, REMAT, k_empty, SPLIT_EMPTY, 4)),
+                         qk_scale, CAUSAL, STAGES, False, True, 0, H, REMAT, k_empty, SPLIT_EMPTY, EXP_EMU, 4)),
             (_consumer, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem.index(1), k_smem, v_smem, q_bar.index(1),
                          k_ready, v_ready, kv_empty, turn, b, h, hk, bh, m0, SQ, SK, OFFSET, n_tiles, first_masked,
-                         qk_scale, CAUSAL, STAGES, False, True, 1, H, REMAT, k_empty, SPLIT_EMPTY, 4)),
+                         qk_scale, CAUSAL, STAGES, False, True, 1, H, REMAT, k_empty, SPLIT_EMPTY, EXP_EMU, 4)),
             (_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty, b, hk, n_tiles,
                          STAGES, SPLIT_EMPTY)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -354,14 +402,15 @@ def fa_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, H, GROUP, SQ, SK, OFF
             gl.warp_specialize([
                 (_consumer, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready,
                              v_ready, kv_empty, q_bar, b, h, hk, bh, m0, SQ, SK, OFFSET, n_tiles, first_masked,
-                             qk_scale, CAUSAL, STAGES, False, False, 0, H, False, k_empty, SPLIT_EMPTY, num_warps)),
+                             qk_scale, CAUSAL, STAGES, False, False, 0, H, False, k_empty, SPLIT_EMPTY, EXP_EMU,
+                             num_warps)),
                 (_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty, b, hk, n_tiles,
                              STAGES, SPLIT_EMPTY)),
             ], [1], [PRODUCER_REGS])
         else:
             _consumer(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
                       kv_empty, q_bar, b, h, hk, bh, m0, SQ, SK, OFFSET, n_tiles, first_masked, qk_scale,
-                      CAUSAL, STAGES, True, False, 0, H, False, kv_empty, False, num_warps)
+                      CAUSAL, STAGES, True, False, 0, H, False, kv_empty, False, EXP_EMU, num_warps)
         mbarrier.invalidate(q_bar)
 
     for i in gl.static_range(STAGES):

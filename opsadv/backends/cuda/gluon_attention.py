@@ -55,6 +55,11 @@ VARIANTS = {
     # behind pingpong_st3 causal (results/gluon_fa_sched_s7_h200.json).
     "pingpong_kv": dict(WARP_SPEC=True, PINGPONG=True, STAGES=None, SPLIT_EMPTY=True),
     "pingpong_kv_st3": dict(WARP_SPEC=True, PINGPONG=True, STAGES=3, SPLIT_EMPTY=True),
+    # Ping-pong with 1 in 2 / 1 in 4 of the unmasked tiles' exp2 on the FMA pipe (the kernel's EXP_EMU): at
+    # d64 the MUFU unit's exp2 rate, not the tensor cores, bounds the forward.  Compiled, not yet timed.
+    "pingpong_emu2": dict(WARP_SPEC=True, PINGPONG=True, STAGES=None, EXP_EMU=2),
+    "pingpong_emu4": dict(WARP_SPEC=True, PINGPONG=True, STAGES=None, EXP_EMU=4),
+    "pingpong_st3_emu4": dict(WARP_SPEC=True, PINGPONG=True, STAGES=3, EXP_EMU=4),
 }
 # Ping-pong at d128 recomputes the O store's coordinates after the K/V loop (the kernel's REMAT):
 # held through the loop they spilled (8 B of stack, 24 B causal).  d64 did not spill; it stays
@@ -125,7 +130,7 @@ def launch_args(q, k, v, out, lse, causal: bool, scale: float, variant: str = "w
               CAUSAL=bool(causal), STAGES=stages or cfg["STAGES"] or default_stages(d),
               WARP_SPEC=cfg["WARP_SPEC"], PINGPONG=cfg["PINGPONG"], CONSUMER_REGS=CONSUMER_REGS,
               PRODUCER_REGS=PRODUCER_REGS, REMAT=cfg["PINGPONG"] and d in REMAT_HEAD_DIMS,
-              SPLIT_EMPTY=cfg.get("SPLIT_EMPTY", False),
+              SPLIT_EMPTY=cfg.get("SPLIT_EMPTY", False), EXP_EMU=cfg.get("EXP_EMU", 0),
               num_warps=4 if cfg["PINGPONG"] else _K.NUM_WARPS)
     args = (*descs, lse, hq, hq // hkv, sq, sk, sk - sq, scale * LOG2E)
     return grid, args, kw
