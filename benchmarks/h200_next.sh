@@ -39,9 +39,10 @@
 # inference buckets (31 of 32 attention cases >= 0.98x).  Order for session 9 (each one call):
 #   PART=n1, n2: the full attention suite (two halves) at the current code (train / inference buckets for every case; the one
 #            case below 0.98x, fwd+bwd s16384 d64 causal, was measured before them) + tuning.json
-#   PART=g2: pinned H200 conformance of cuda.gluon.gemm (it leaves experimental when it passes) and the gemm
-#            suite with experimental kernels allowed (the dispatcher measures cuBLAS / Triton / Gluon per bucket,
-#            the Gluon schedule measured per bucket; the [own] row is the Gluon GEMM)
+#   PART=g2: the Gluon GEMM's tanh.approx epilogue variants (coop_tanh, pingpong_tanh) checked and timed, then
+#            pinned H200 conformance of cuda.gluon.gemm (it leaves experimental when it passes)
+#   PART=g3: the gemm suite with experimental kernels allowed (the dispatcher measures cuBLAS / Triton / Gluon
+#            per bucket, the Gluon schedule measured per bucket; the [own] row is the Gluon GEMM)
 #   PART=sp: the sparse suite's forward+backward rows (train bucket) and forward window series
 #   PART=x:  the Gluon forward with exp2 partly on the FMA pipe (EXP_EMU: pingpong_emu2 / _emu4 at d64, where
 #            the MUFU exp2 rate bounds it; pingpong_st3_emu4 at d128): checked, then timed vs the defaults
@@ -140,11 +141,16 @@ n1|n2)   # halves: the train buckets time every impl's fwd+bwd (3 rounds), ~12 s
   echo "attention $PART rc $?"; grep -E "^(fwd|bwd)" "$OUT/attn_full_$PART.log" | grep -v "\[own\]" | cut -c1-150
   cp /tmp/opsadv-cache/tuning.json "$OUT/tuning_attention_$PART.json"
   ;;
-g2)
-  timeout 200 python3 -m opsadv conformance --backend cuda --impl cuda.gluon.gemm --json "$OUT/conf_gluon_gemm.json" \
+g2)  # the tanh.approx epilogue variants checked and timed next to their bases, then the pinned conformance
+  PROBE_VARIANTS=coop,coop_tanh,pingpong,pingpong_tanh timeout 240 python3 benchmarks/gluon_gemm/probe.py \
+    "$OUT/gluon_gemm_tanh_h200.json" > "$OUT/gluon_gemm_tanh.log" 2>&1
+  echo "gluon gemm probe rc $?"; grep -E "best peer|gluon\.|PASS|FAIL" "$OUT/gluon_gemm_tanh.log" | cut -c1-100
+  timeout 300 python3 -m opsadv conformance --backend cuda --impl cuda.gluon.gemm --json "$OUT/conf_gluon_gemm.json" \
     --markdown "$OUT/conf_gluon_gemm.md" > /tmp/conf_gemm.log 2>&1
   echo "conformance gluon gemm rc $?"; tail -2 /tmp/conf_gemm.log
-  timeout 360 python3 -m opsadv bench --suite gemm --use-experimental-kernels --json "$OUT/gemm_exp.json" \
+  ;;
+g3)  # the gemm suite with the Gluon GEMM in the dispatcher (experimental allowed) and as the [own] row
+  timeout 540 python3 -m opsadv bench --suite gemm --use-experimental-kernels --json "$OUT/gemm_exp.json" \
     > "$OUT/gemm_exp.log" 2>&1
   echo "gemm rc $?"; grep -E "^(fwd|bwd)" "$OUT/gemm_exp.log" | cut -c1-150
   cp /tmp/opsadv-cache/kernel_configs.json "$OUT/kernel_configs_gemm.json"

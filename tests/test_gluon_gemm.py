@@ -57,6 +57,7 @@ for variant, act, dt, bias, res, b_nk in json.loads(sys.argv[1]):
     info = cubin_resources(kern)
     info["spills"] = len(re.findall(r"\b(?:STL|LDL)\b", sass))
     info["regions"] = setmaxnreg_regions(sass)
+    info["mufu"] = {op: len(re.findall(r"MUFU\." + op + r"\b", sass)) for op in ("EX2", "RCP", "TANH")}
     report["-".join(map(str, (variant, act, dt, int(bias), int(res), int(b_nk))))] = info
 print(json.dumps(report))
 """
@@ -64,8 +65,13 @@ print(json.dumps(report))
 ACTS = ("none", "relu", "gelu", "gelu_tanh", "silu")
 # Every variant x activation x dtype x residual with a bias; plus bias-free and B-as-(N, K) (nn.Linear
 # weight.t()) representatives, which change only the loads / the bias add.
-COMPILE_CASES = ([(v, act, dt, True, res, False) for v in GG.VARIANTS for act in ACTS
+# A TANH variant differs from its base schedule only in gelu_tanh / silu: those are compiled.
+BASE_VARIANTS = [v for v, c in GG.VARIANTS.items() if not c.get("TANH")]
+TANH_VARIANTS = [v for v, c in GG.VARIANTS.items() if c.get("TANH")]
+COMPILE_CASES = ([(v, act, dt, True, res, False) for v in BASE_VARIANTS for act in ACTS
                   for dt in ("bfloat16", "float16") for res in (False, True)]
+                 + [(v, act, dt, True, res, False) for v in TANH_VARIANTS for act in GG.TANH_ACTIVATIONS
+                    for dt in ("bfloat16", "float16") for res in (False, True)]
                  + [(v, act, "bfloat16", False, False, False) for v in GG.VARIANTS for act in ("none", "gelu_tanh")]
                  + [(v, "silu", dt, True, True, True) for v in GG.VARIANTS for dt in ("bfloat16", "float16")])
 
@@ -105,10 +111,22 @@ def test_compiles_for_sm90_without_spills(case, sm90_compile_report):
     assert all(top < limit for limit, top in r["regions"]), r["regions"]
 
 
+@needs_gluon
+@pytest.mark.parametrize("act", GG.TANH_ACTIVATIONS)
+def test_tanh_variants_spend_one_mufu_op_per_element(act, sm90_compile_report):
+    """coop_tanh / pingpong_tanh: the sigmoid of gelu_tanh / silu is one MUFU.TANH per element where the
+    base schedule spends an EX2 and an RCP (the epilogue's MUFU work halves)."""
+    for base, fast in (("coop", "coop_tanh"), ("pingpong", "pingpong_tanh")):
+        b = sm90_compile_report[_key((base, act, "bfloat16", True, False, False))]["mufu"]
+        f = sm90_compile_report[_key((fast, act, "bfloat16", True, False, False))]["mufu"]
+        assert f["EX2"] == 0 and f["TANH"] == b["EX2"] > 0 and f["RCP"] < b["RCP"], (b, f)
+
+
 def test_compile_cases_cover_every_variant_activation_dtype_residual():
     full = {(v, a, d, r) for v, a, d, b, r, nk in COMPILE_CASES if b and not nk}
-    assert full == {(v, a, d, r) for v in GG.VARIANTS for a in ACTS for d in ("bfloat16", "float16")
-                    for r in (False, True)}
+    assert full == {(v, a, d, r) for v in GG.VARIANTS for a in (GG.TANH_ACTIVATIONS if v in TANH_VARIANTS else ACTS)
+                    for d in ("bfloat16", "float16") for r in (False, True)}
+    assert set(TANH_VARIANTS) == {"coop_tanh", "pingpong_tanh"}
     assert set(ACTS) == set(GG.ACTIVATIONS) == set(GG._K.ACT_IDS if GG._K else ACTS)
 
 
@@ -195,7 +213,7 @@ def test_launch_args(variant, m, n, k, sms):
     assert c_desc.block_shape == r_desc.block_shape == [cfg["BM"], cfg["BN"]]
     assert r_desc.base is res and c_desc.base is out and args[4] is bias
     assert args[5:] == (m, n, k, 0.5)
-    assert kw["ACT"] == 3 and kw["HAS_BIAS"] and kw["HAS_RES"] and not kw["B_NK"]
+    assert kw["ACT"] == (3 + 8 if cfg.get("TANH") else 3) and kw["HAS_BIAS"] and kw["HAS_RES"] and not kw["B_NK"]
     assert kw["PINGPONG"] == cfg["PINGPONG"] and kw["STAGES"] == cfg["STAGES"]
     assert kw["num_warps"] == (4 if cfg["PINGPONG"] else 8)
     # no bias / residual: flags off, the output stands in for both (never read)
@@ -413,6 +431,9 @@ def test_variant_measured_per_shape_bucket_default_first(monkeypatch):
     key, order, autotune = seen[0]
     assert order[0] == GG.DEFAULT_VARIANT and sorted(order) == sorted(GG.VARIANTS) and autotune
     assert got == order[-1] and key == ("torch.bfloat16", 1024, 520, 264, "silu", True, False, True)
+    GG._pick_variant(tuned, a2, None, out, None, None, "relu", 1.0, False)   # a TANH variant = its base here
+    assert sorted(seen[1][1]) == sorted(v for v, c in GG.VARIANTS.items() if not c.get("TANH"))
+    seen.pop()
     fixed = SimpleNamespace(profile=SimpleNamespace(autotune=False))          # e.g. the jetson profile
     assert GG._pick_variant(fixed, a2, None, out, None, None, "none", 1.0, False) == GG.DEFAULT_VARIANT
     assert len(seen) == 1

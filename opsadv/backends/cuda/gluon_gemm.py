@@ -58,7 +58,12 @@ VARIANTS = {
     "coop_256x128": dict(PINGPONG=False, BM=256, BN=128, BK=64, STAGES=3, num_warps=8),
     "pingpong": dict(PINGPONG=True, BM=128, BN=128, BK=64, STAGES=4, num_warps=4),
     "pingpong_st5": dict(PINGPONG=True, BM=128, BN=128, BK=64, STAGES=5, num_warps=4),
+    # gelu_tanh / silu through one tanh.approx per element instead of ex2 + reciprocal (the kernel's
+    # TANH_FAST); other activations compile to the base schedule.  Compiled, not yet run on a GPU.
+    "coop_tanh": dict(PINGPONG=False, BM=128, BN=256, BK=64, STAGES=3, num_warps=8, TANH=True),
+    "pingpong_tanh": dict(PINGPONG=True, BM=128, BN=128, BK=64, STAGES=4, num_warps=4, TANH=True),
 }
+TANH_ACTIVATIONS = ("gelu_tanh", "silu")     # the ones a TANH variant changes
 # coop: 0.969-0.976x cuBLAS plain (8192^3), 1.116x the best peer on bias+gelu_tanh in one of two H200 runs;
 # pingpong 0.86-0.89x plain, ahead on bias+silu by 0.3% (results/gluon_gemm_s8*_h200.json).  Calls through
 # the op measure every variant per shape bucket (_VARIANT_TUNER) where the profile autotunes.
@@ -112,7 +117,8 @@ def launch_args(a2, b, out, bias=None, res2=None, activation="none", alpha=1.0, 
     grid = (max(1, min(tiles, num_sms)),)
     r_desc = _descriptor(res2, (bm, bn), gdt) if res2 is not None else c_desc     # never read without HAS_RES
     args = (a_desc, b_desc, c_desc, r_desc, bias if bias is not None else out, m, n, k, float(alpha))
-    kw = dict(ACT=_K.ACT_IDS[activation], HAS_BIAS=bias is not None, HAS_RES=res2 is not None,
+    fast = cfg.get("TANH", False) and activation in TANH_ACTIVATIONS
+    kw = dict(ACT=_K.ACT_IDS[activation] + (_K.TANH_FAST.value if fast else 0), HAS_BIAS=bias is not None, HAS_RES=res2 is not None,
               STAGES=cfg["STAGES"], B_NK=bool(b_nk), PINGPONG=cfg["PINGPONG"], CONSUMER_REGS=CONSUMER_REGS,
               PRODUCER_REGS=PRODUCER_REGS, num_warps=cfg["num_warps"])
     return grid, args, kw
@@ -137,7 +143,8 @@ def _pick_variant(ctx, a2, b_, out, bias, res2, activation, alpha, b_nk) -> str:
     autotune = out.is_cuda and profile is not None and profile.autotune
     if not autotune:
         return DEFAULT_VARIANT
-    order = [DEFAULT_VARIANT] + [v for v in VARIANTS if v != DEFAULT_VARIANT]
+    order = [DEFAULT_VARIANT] + [v for v in VARIANTS if v != DEFAULT_VARIANT
+                                 and (activation in TANH_ACTIVATIONS or not VARIANTS[v].get("TANH"))]
 
     def launch(cfg):
         grid, args, kw = launch_args(a2, b_, out, bias, res2, activation, alpha, cfg["variant"], b_nk)
