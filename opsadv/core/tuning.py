@@ -9,8 +9,8 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 from .env import EnvInfo
 from .kernel import CallSpec
