@@ -43,7 +43,8 @@
 #            pinned H200 conformance of cuda.gluon.gemm (it leaves experimental when it passes)
 #   PART=g3: the gemm suite with experimental kernels allowed (the dispatcher measures cuBLAS / Triton / Gluon
 #            per bucket, the Gluon schedule measured per bucket; the [own] row is the Gluon GEMM)
-#   PART=sp: the sparse suite's forward+backward rows (train bucket) and forward window series
+#   PART=sp: the sparse suite: forward+backward rows (train bucket), the new backward-only row (the issue's
+#            target is the backward: fwd+bwd 1.47x flex so far) and the forward window series
 #   PART=x:  the Gluon forward with exp2 partly on the FMA pipe (EXP_EMU: pingpong_emu2 / _emu4 at d64, where
 #            the MUFU exp2 rate bounds it; pingpong_st3_emu4 at d128): checked, then timed vs the defaults
 #            and cuDNN; a variant becomes DEFAULT_VARIANT[d] only if it passes and wins (issue 3's d64 >= 1.0x)

@@ -135,3 +135,23 @@ def test_gemm_own_row_prefers_gluon_then_triton():
         assert own is None
     else:
         assert own[0].id.startswith("cuda.triton.")
+
+
+def test_sparse_backward_only_rows_time_autograd_grad_alone():
+    """A "bwd" row runs the forward once and then only autograd.grad on its kept graph (the sparse issue's
+    backward target), for opsadv and the peers alike; its work is 2.5x the forward's."""
+    import opsadv
+    from opsadv import SparseLayout
+    from opsadv.bench import suite_sparse as S
+    lay = SparseLayout.sliding_window(48, 16, causal=True, block_size=16, device="cpu")
+    only = S.pattern_case("sliding16 causal", lay, None, h=2, d=32, dtype=torch.float16, bwd="only", dev="cpu")
+    fwd = S.pattern_case("sliding16 causal", lay, None, h=2, d=32, dtype=torch.float16, dev="cpu")
+    assert only.case.startswith("bwd fp16 b1 h2 s48 d32") and "sdpa_masked" in only.peers
+    assert only.work == 2.5 * fwd.work
+    with opsadv.trace() as t:
+        g1 = only.opsadv()
+        g2 = only.opsadv()
+    assert sum(t.counts.values()) == 3                       # one forward, two backwards
+    assert all(torch.equal(a, b) for a, b in zip(g1, g2)) and len(g1) == 3
+    (row,) = runner.run_case(only)
+    assert row["case"] == only.case and row["rel_err"] < 2e-2, row

@@ -6,7 +6,7 @@ Cases (BENCHMARKS.md): s=16384 sliding window 1024 causal; global tokens + windo
 a packed varlen batch with ~30% padding; plus a window-size series (extra field `density`: the
 fraction of (query, key) tiles computed) for the time-vs-density plot.  Work counts computed
 tiles only: 4*b*h*s_q*s_k*d * (visited tiles / all tiles) of the forward kernel's tile grid,
-forward+backward 3.5x."""
+forward+backward 3.5x, the backward alone ("bwd" rows: the forward's graph kept, only autograd.grad timed) 2.5x."""
 from __future__ import annotations
 
 from typing import Iterator
@@ -44,6 +44,18 @@ def _run(fn, q, k, v, do, bwd):
     return torch.autograd.grad(fn(q, k, v), (q, k, v), do)
 
 
+def _backward_only(fn, q, k, v, do):
+    """A callable timing the backward alone: the forward runs once (at the runner's first, untimed call),
+    its graph is kept, and every call returns torch.autograd.grad(out, (q, k, v), do, retain_graph=True)."""
+    kept = {}
+
+    def call():
+        if "out" not in kept:
+            kept["out"] = fn(q, k, v)
+        return torch.autograd.grad(kept["out"], (q, k, v), do, retain_graph=True)
+    return call
+
+
 def _inputs(b, h, hkv, sq, sk, d, dtype, dev, bwd, seed=0):
     g = torch.Generator(device=dev).manual_seed(seed)
     q = torch.randn(b, h, sq, d, device=dev, dtype=dtype, generator=g).requires_grad_(bwd)
@@ -55,26 +67,28 @@ def _inputs(b, h, hkv, sq, sk, d, dtype, dev, bwd, seed=0):
 
 def pattern_case(name: str, layout: SparseLayout, mask_mod, *, b=1, h=32, d=128, dtype=torch.bfloat16, bwd=False,
                  extra_words=(), dev="cuda") -> BenchCase:
-    """A block-sparse pattern over (b, h, s, d): opsadv vs flex (same mask) vs sdpa_masked."""
+    """A block-sparse pattern over (b, h, s, d): opsadv vs flex (same mask) vs sdpa_masked.
+    bwd: False (forward), True (forward + backward) or "only" (the backward alone, "bwd" rows)."""
     s = layout.seq_q
-    q, k, v, do = _inputs(b, h, h, s, layout.seq_k, d, dtype, dev, bwd)
+    q, k, v, do = _inputs(b, h, h, s, layout.seq_k, d, dtype, dev, bool(bwd))
+
+    def timed(fn):
+        return _backward_only(fn, q, k, v, do) if bwd == "only" else (lambda: _run(fn, q, k, v, do, bwd))
     peers = {}
     flex, make_mask = flex_peer()
     if flex is not None and dev == "cuda":
         bm = make_mask(mask_mod, None, None, s, layout.seq_k, device=dev)
-        peers["flex"] = lambda: _run(lambda q_, k_, v_: flex(q_, k_, v_, block_mask=bm), q, k, v, do, bwd)
+        peers["flex"] = timed(lambda q_, k_, v_: flex(q_, k_, v_, block_mask=bm))
     if s * layout.seq_k <= DENSE_MASK_MAX_BYTES:
         dense = layout.dense_mask(device=dev)
-        peers["sdpa_masked"] = lambda: _run(
-            lambda q_, k_, v_: F.scaled_dot_product_attention(q_, k_, v_, attn_mask=dense), q, k, v, do, bwd)
+        peers["sdpa_masked"] = timed(lambda q_, k_, v_: F.scaled_dot_product_attention(q_, k_, v_, attn_mask=dense))
     visited, total = fwd_tiles(layout, d)
     frac = visited / total
-    work = 4.0 * b * h * s * layout.seq_k * d * frac * (3.5 if bwd else 1.0)
-    words = ["fwd+bwd" if bwd else "fwd", {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype], f"b{b}", f"h{h}",
-             f"s{s}", f"d{d}", name, *extra_words]
+    work = 4.0 * b * h * s * layout.seq_k * d * frac * {False: 1.0, True: 3.5, "only": 2.5}[bwd]
+    words = [{False: "fwd", True: "fwd+bwd", "only": "bwd"}[bwd], {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype],
+             f"b{b}", f"h{h}", f"s{s}", f"d{d}", name, *extra_words]
     return BenchCase(suite="sparse", case=" ".join(words),
-                     opsadv=lambda: _run(lambda q_, k_, v_: opsadv.ops.sparse_attention(q_, k_, v_, layout),
-                                         q, k, v, do, bwd),
+                     opsadv=timed(lambda q_, k_, v_: opsadv.ops.sparse_attention(q_, k_, v_, layout)),
                      peers=peers, work=work, extra={"density": round(frac, 4)})
 
 
@@ -162,6 +176,8 @@ def varlen_case(n=8, max_len=4096, h=16, d=128, causal=False, dtype=torch.bfloat
 def cases(quick: bool) -> Iterator[BenchCase]:
     for bwd in (False, True):
         yield window_case(bwd=bwd)
+        if bwd and not quick:
+            yield window_case(bwd="only")       # the issue's backward target, timed alone
         yield varlen_case(bwd=bwd)
         if not quick:
             yield global_window_case(bwd=bwd)
