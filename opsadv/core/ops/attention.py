@@ -30,6 +30,11 @@ from ._common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, INF, TORCH_OPS, carry_p
 OP = "flash_attention"
 
 
+def default_scale(q: Tensor, scale: float | None) -> float:
+    """The softmax scale a call uses: its own, else 1 / sqrt(head_dim) (shared with sparse_attention)."""
+    return scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+
+
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -123,7 +128,7 @@ def _spec(q, k, attn_mask, causal, backward: bool, train: bool = False, inferenc
 
 
 def _route(q, k, v, attn_mask, causal, scale):
-    s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    s = default_scale(q, scale)
     out, lse = dispatch.call(_key(q, k, attn_mask, causal, False), lambda: _spec(q, k, attn_mask, causal, False),
                              (q, k, v, attn_mask, causal, s))
     return out, contiguous_lse(lse)
@@ -133,7 +138,7 @@ def _infer_route(q, k, v, attn_mask, causal, scale):
     """Eager no-grad calls that do not return lse resolve in their own bucket (CallSpec.inference) and run
     the impl's `inference` forward where it has one: cuDNN computes the lse only when asked (a 3-8% longer
     forward at d64 on the H200, where SDPA's own no-grad calls skip it)."""
-    s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    s = default_scale(q, scale)
     return dispatch.call(_key(q, k, attn_mask, causal, False, inference=True),
                          lambda: _spec(q, k, attn_mask, causal, False, inference=True),
                          (q, k, v, attn_mask, causal, s), inference=True)[0]
@@ -149,7 +154,7 @@ def _train_resolve(q, k, v, attn_mask, causal, s):
 
 
 def _bwd_route(dout, q, k, v, out, lse, attn_mask, causal, scale):
-    s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    s = default_scale(q, scale)
     return dispatch.call(_key(q, k, attn_mask, causal, True), lambda: _spec(q, k, attn_mask, causal, True),
                          (dout, q, k, v, out, lse, attn_mask, causal, s))
 
@@ -214,7 +219,7 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, sc
             return _infer_route(q, k, v, attn_mask, causal, scale)
         out, lse = _route(q, k, v, attn_mask, causal, scale)
     elif mode == AUTOGRAD_FN:
-        s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        s = default_scale(q, scale)
         r = _train_resolve(q, k, v, attn_mask, causal, s)
         dispatch.record_call(r.impl.id)
         out, lse = _train_autograd(r, q, k, v, attn_mask, causal, s)

@@ -13,7 +13,6 @@ in its check() but need not declare (kernel.HINT_FEATURES).  Layout of out (dq, 
 (contiguous through torch.ops; the impl's own in eager calls)."""
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -26,7 +25,7 @@ from ..layout import SparseLayout
 from ._common import (AUTOGRAD_FN, DIRECT, TORCH_OPS, carry_policy, check_same, check_scale, check_tensor,
                       EXACT_STRIDES, contiguous_lse, eager_mode, len_bucket, own_pair_train_step, register_train_step,
                       resolved_autograd_function)
-from .attention import lse_dtype
+from .attention import default_scale, lse_dtype
 
 OP = "sparse_attention"
 
@@ -96,7 +95,7 @@ def layout_spec(q, k, layout: SparseLayout, backward: bool, train: bool = False)
 
 def _route(q, k, v, block_mask, key_padding_mask, cu_seqlens, block_size, causal, window_left, window_right,
            num_global, scale, dense_blocks=False, max_seqlen=-1):
-    s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    s = default_scale(q, scale)
     kpm, cu, wl, ng = key_padding_mask, cu_seqlens, window_left, num_global
     out, lse = dispatch.call(
         _key(q, k, kpm, cu, block_size, causal, wl, window_right, ng, dense_blocks, max_seqlen, False),
@@ -115,7 +114,7 @@ def _train_resolve(q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, s, dens
 
 def _bwd_route(dout, q, k, v, out, lse, block_mask, key_padding_mask, cu_seqlens, block_size, causal, window_left,
                window_right, num_global, scale, dense_blocks=False, max_seqlen=-1):
-    s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    s = default_scale(q, scale)
     kpm, cu, wl, ng = key_padding_mask, cu_seqlens, window_left, num_global
     return dispatch.call(
         _key(q, k, kpm, cu, block_size, causal, wl, window_right, ng, dense_blocks, max_seqlen, True),
@@ -188,7 +187,7 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, layout: SparseLayout, *, s
             layout.window_left, layout.window_right, layout.num_global, scale, layout.dense_blocks,
             -1 if layout.max_seqlen is None else layout.max_seqlen)
     if mode == AUTOGRAD_FN:
-        s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        s = default_scale(q, scale)
         args = args[:11] + (s,) + args[12:]
         r = _train_resolve(*args)
         dispatch.record_call(r.impl.id)
