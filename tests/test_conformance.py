@@ -102,3 +102,38 @@ def test_cuda_backend_real_kernels_in_interpreter(tmp_path):
                        for r in passed), op
         if precision:   # float32 inputs now served through the policy
             assert any(r["dtype"] == "float32" and r["op"] == "flash_attention" for r in passed)
+
+
+class WrongInference:
+    """A backend whose rms_norm is right, but whose `inference` forward (no-grad calls) forgets the weight."""
+
+    @hookimpl
+    def opsadv_backend_info(self):
+        return BackendInfo(name="wronginf", device_types=("cpu",))
+
+    @hookimpl
+    def opsadv_probe(self, env):
+        return ProbeResult(True)
+
+    @hookimpl
+    def opsadv_register_kernels(self, registry, env):
+        from opsadv.backends.reference.kernels import rms_norm_bwd, rms_norm_fwd
+
+        def infer(ctx, x, weight, eps, residual, offset):
+            return rms_norm_fwd(ctx, x, None, eps, residual, offset)
+        registry.add(KernelImpl(id="wronginf.rms_norm", op="rms_norm", backend="wronginf", fn=rms_norm_fwd,
+                                backward=rms_norm_bwd, inference=infer, device_types=("cpu",),
+                                dtypes=(torch.float32,), features=frozenset({"weight"})))
+
+
+def test_kit_checks_the_no_grad_forward_too():
+    """Conformance also runs each case without autograd, where an impl's `inference` forward serves."""
+    reg = reset_registry()
+    reg.register_plugin(WrongInference(), name="wronginf")
+    try:
+        case = next(c for c in CATALOGUE if c.op == "rms_norm" and c.shape_class == "odd")
+        r = run_case(case, "wronginf", torch.float32, "cpu")
+        assert r.status == "fail" and r.reason.startswith("no-grad forward (wronginf.rms_norm) rel err"), r
+        assert r.checks == ["forward"]
+    finally:
+        reset_registry()

@@ -153,6 +153,15 @@ def _run(case, res, backend, dtype, device, seed, check_determinism, precision, 
         res.status, res.reason = "fail", f"forward rel err {res.fwd_err:.3g} > {fwd_tol:g}"
         return
     res.checks.append("forward")
+    # the same call without autograd: ops resolve eager no-grad calls in their own bucket, where an impl may
+    # run its `inference` forward (no statistics: cuDNN attention without its lse, norms without mean / rstd)
+    with opsadv.use_backend(backend, **pol), torch.no_grad(), opsadv.trace() as t:
+        nouts = _outputs(call(case, tuple(args), kwargs))
+    nerr = max(_rel(o, r) for o, r in zip(nouts, routs))
+    if not nerr <= fwd_tol:
+        res.status, res.reason = "fail", f"no-grad forward ({' + '.join(sorted(t.counts))}) rel err {nerr:.3g} > {fwd_tol:g}"
+        return
+    res.checks.append("no-grad forward")
     # backward: same random output gradients for both
     grads_out = [torch.randn(r.shape, generator=g, dtype=torch.float64) for r in routs]
     try:
