@@ -49,16 +49,22 @@ def test_pytest_plugin(tmp_path):
     assert " passed" in p.stdout and "conformance" not in p.stdout.split("passed")[0][-3:]
 
 
-class Wrong:
-    """A backend whose rms_norm forgets the weight: the kit must flag it."""
+class _CpuToyBackend:
+    """A CPU backend named `name`, always available; subclasses register its kernels."""
+    name = ""
 
     @hookimpl
     def opsadv_backend_info(self):
-        return BackendInfo(name="wrong", device_types=("cpu",))
+        return BackendInfo(name=self.name, device_types=("cpu",))
 
     @hookimpl
     def opsadv_probe(self, env):
         return ProbeResult(True)
+
+
+class Wrong(_CpuToyBackend):
+    """A backend whose rms_norm forgets the weight: the kit must flag it."""
+    name = "wrong"
 
     @hookimpl
     def opsadv_register_kernels(self, registry, env):
@@ -104,16 +110,9 @@ def test_cuda_backend_real_kernels_in_interpreter(tmp_path):
             assert any(r["dtype"] == "float32" and r["op"] == "flash_attention" for r in passed)
 
 
-class WrongInference:
+class WrongInference(_CpuToyBackend):
     """A backend whose rms_norm is right, but whose `inference` forward (no-grad calls) forgets the weight."""
-
-    @hookimpl
-    def opsadv_backend_info(self):
-        return BackendInfo(name="wronginf", device_types=("cpu",))
-
-    @hookimpl
-    def opsadv_probe(self, env):
-        return ProbeResult(True)
+    name = "wronginf"
 
     @hookimpl
     def opsadv_register_kernels(self, registry, env):

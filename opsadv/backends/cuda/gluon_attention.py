@@ -26,6 +26,11 @@ import torch
 
 from opsadv.core.kernel import PRIORITY_TRITON, KernelImpl
 
+def gluon_unavailable(e: Exception) -> str:
+    """The reason every Gluon impl gives when its kernel module does not import (shared by the Gluon modules)."""
+    return f"triton.experimental.gluon (Hopper) is not importable: {type(e).__name__}: {e}"
+
+
 try:
     from . import _gluon_fa_kernel as _K
     from triton.experimental.gluon import language as _gl
@@ -33,7 +38,7 @@ try:
     UNAVAILABLE = ""
 except Exception as e:  # ImportError, or an older Triton whose Gluon lacks a name used here
     _K = _gl = _GluonTensorDescriptor = None
-    UNAVAILABLE = f"triton.experimental.gluon (Hopper) is not importable: {type(e).__name__}: {e}"
+    UNAVAILABLE = gluon_unavailable(e)
 
 IMPL_ID = "cuda.gluon.flash_attention"
 HEAD_DIMS = (64, 128)

@@ -36,15 +36,16 @@ from __future__ import annotations
 
 import torch
 
+from .gluon_attention import _desc, _tma_ready, gluon_unavailable, nvmma_layout   # shared host helpers
+
 try:
     from . import _gluon_fa_bwd_kernel as _KB
     from triton.experimental.gluon import language as _gl
     UNAVAILABLE = ""
 except Exception as e:  # ImportError, or an older Triton whose Gluon lacks a name used here
     _KB = _gl = None
-    UNAVAILABLE = f"triton.experimental.gluon (Hopper) is not importable: {type(e).__name__}: {e}"
+    UNAVAILABLE = gluon_unavailable(e)
 
-from .gluon_attention import _desc, _tma_ready, nvmma_layout      # shared host helpers (descriptor, TMA-ready view)
 
 # True only once the kernel beats the Triton backward on the H200 (then wire impl_backward into
 # gluon_attention.impls(); see benchmarks/gluon_fa/README.md).  While False, impl_backward is the Triton

@@ -30,7 +30,7 @@ import torch
 from opsadv.core.kernel import PRIORITY_TRITON, KernelImpl
 
 from .gemm import GEMM_FEATURES, _poisoned, _triton_gemm_bwd
-from .gluon_attention import _tma_ready, nvmma_layout
+from .gluon_attention import _tma_ready, gluon_unavailable, nvmma_layout
 
 try:
     from . import _gluon_gemm_kernel as _K
@@ -39,7 +39,7 @@ try:
     UNAVAILABLE = ""
 except Exception as e:  # ImportError, or an older Triton whose Gluon lacks a name used here
     _K = _gl = _GluonTensorDescriptor = None
-    UNAVAILABLE = f"triton.experimental.gluon (Hopper) is not importable: {type(e).__name__}: {e}"
+    UNAVAILABLE = gluon_unavailable(e)
 
 IMPL_ID = "cuda.gluon.gemm"
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")

@@ -53,7 +53,7 @@ import torch
 from opsadv.core.kernel import PRIORITY_TRITON, KernelImpl
 from opsadv.core.layout import tile_index
 
-from .gluon_attention import _cdiv, _desc, _tma_ready, nvmma_layout  # (b, h, s, d) TMA descriptors shared with the dense kernel
+from .gluon_attention import _cdiv, _desc, _tma_ready, gluon_unavailable, nvmma_layout  # (b, h, s, d) TMA descriptors shared with the dense kernel
 from .sparse import refinement_reasons
 
 try:
@@ -62,7 +62,7 @@ try:
     UNAVAILABLE = ""
 except Exception as e:  # ImportError, or an older Triton whose Gluon lacks a name used here
     _K = _gl = None
-    UNAVAILABLE = f"triton.experimental.gluon (Hopper) is not importable: {type(e).__name__}: {e}"
+    UNAVAILABLE = gluon_unavailable(e)
 
 IMPL_ID = "cuda.gluon.sparse_attention"
 OP = "sparse_attention"
