@@ -53,7 +53,19 @@
 set -u
 # tests/conftest.py defaults TRITON_INTERPRET to 1 (CPU CI): every pytest here must say 0, and select the GPU tests
 # (-k gpu): the other tests of these files feed CPU tensors to Triton kernels, which only the interpreter takes
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OPSADV_CACHE_DIR=/tmp/opsadv-cache OPSADV_COMMIT=${OPSADV_COMMIT:-unknown}
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OPSADV_CACHE_DIR=${OPSADV_CACHE_DIR:-/tmp/opsadv-cache} OPSADV_COMMIT=${OPSADV_COMMIT:-unknown}
+# PARTS="n1 n2" on a machine of several GPUs (kind nvidia-h200-x2): each part on its own GPU at the same time, each
+# with its own tuning cache; their printouts follow one another once all have ended
+if [ -n "${PARTS:-}" ]; then
+  i=0
+  for p in $PARTS; do
+    CUDA_VISIBLE_DEVICES=$i OPSADV_CACHE_DIR=/tmp/opsadv-cache-$i PARTS= PART=$p bash "$0" > "/tmp/part_$p.txt" 2>&1 &
+    i=$((i + 1))
+  done
+  wait
+  for p in $PARTS; do echo "== PART=$p"; cat "/tmp/part_$p.txt"; done
+  exit 0
+fi
 case "${PART:-a}" in
 a)
   TRITON_INTERPRET=0 timeout 150 python3 -m pytest -q -p no:cacheprovider -k gpu tests/test_graph_static_cache.py \
@@ -131,7 +143,7 @@ f)   # session 8, after the tuning fixes (head dim in the tuning key, rotated ro
      # (cached smem layouts: less host time per launch)
   timeout 420 python3 -m opsadv bench --suite attention --json "$OUT/attn_full.json" > "$OUT/attn_full.log" 2>&1
   echo "attention rc $?"; grep -E "^(fwd|bwd)" "$OUT/attn_full.log" | grep -v "\[own\]" | cut -c1-150
-  cp /tmp/opsadv-cache/tuning.json "$OUT/tuning_after_attention.json"
+  cp "$OPSADV_CACHE_DIR/tuning.json" "$OUT/tuning_after_attention.json"
   PROBE_VARIANTS=pingpong,coop timeout 150 python3 benchmarks/gluon_gemm/probe.py "$OUT/gluon_gemm2_h200.json" \
     > /tmp/gluon_gemm2.log 2>&1
   echo "gluon gemm probe rc $?"; grep -E "best peer|gluon\.|matmul |_addmm|compile" /tmp/gluon_gemm2.log | cut -c1-100
@@ -140,7 +152,7 @@ n1|n2)   # halves: the train buckets time every impl's fwd+bwd (3 rounds), ~12 s
   timeout 540 python3 -m opsadv bench --suite attention --part "${PART#n}/2" --json "$OUT/attn_full_$PART.json" \
     > "$OUT/attn_full_$PART.log" 2>&1
   echo "attention $PART rc $?"; grep -E "^(fwd|bwd)" "$OUT/attn_full_$PART.log" | grep -v "\[own\]" | cut -c1-150
-  cp /tmp/opsadv-cache/tuning.json "$OUT/tuning_attention_$PART.json"
+  cp "$OPSADV_CACHE_DIR/tuning.json" "$OUT/tuning_attention_$PART.json"
   ;;
 g2)  # the tanh.approx epilogue variants checked and timed next to their bases, then the pinned conformance
   PROBE_VARIANTS=coop,coop_tanh,pingpong,pingpong_tanh timeout 240 python3 benchmarks/gluon_gemm/probe.py \
@@ -154,12 +166,12 @@ g3)  # the gemm suite with the Gluon GEMM in the dispatcher (experimental allowe
   timeout 540 python3 -m opsadv bench --suite gemm --use-experimental-kernels --json "$OUT/gemm_exp.json" \
     > "$OUT/gemm_exp.log" 2>&1
   echo "gemm rc $?"; grep -E "^(fwd|bwd)" "$OUT/gemm_exp.log" | cut -c1-150
-  cp /tmp/opsadv-cache/kernel_configs.json "$OUT/kernel_configs_gemm.json"
+  cp "$OPSADV_CACHE_DIR/kernel_configs.json" "$OUT/kernel_configs_gemm.json"
   ;;
 sp)
   timeout 540 python3 -m opsadv bench --suite sparse --json "$OUT/sparse_full.json" > "$OUT/sparse_full.log" 2>&1
   echo "sparse rc $?"; grep -E "^(fwd|bwd)" "$OUT/sparse_full.log" | grep -v "\[own\]" | cut -c1-150
-  cp /tmp/opsadv-cache/tuning.json "$OUT/tuning_sparse.json"
+  cp "$OPSADV_CACHE_DIR/tuning.json" "$OUT/tuning_sparse.json"
   ;;
 x)
   timeout 420 python3 benchmarks/gluon_fa/probe.py "$OUT/gluon_fa_emu_h200.json" \
@@ -177,7 +189,7 @@ f3)  # the cases that missed 0.98x in PART=f, after the inference (cuDNN without
   timeout 230 python3 -m opsadv bench --suite attention --filter "b4 h32 s4096 d64|fp16 b4|kv8 s4096" \
     --json "$OUT/attn_misses.json" > "$OUT/attn_misses.log" 2>&1
   echo "attention rc $?"; grep -E "^(fwd|bwd)" "$OUT/attn_misses.log" | grep -v "\[own\]" | cut -c1-150
-  cp /tmp/opsadv-cache/tuning.json "$OUT/tuning_misses.json"
+  cp "$OPSADV_CACHE_DIR/tuning.json" "$OUT/tuning_misses.json"
   ;;
 f1|f2)
   if [ "$PART" = f1 ]; then   # forward x backward impl pairs (the dispatcher resolves them separately)
