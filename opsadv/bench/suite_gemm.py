@@ -4,8 +4,7 @@ Grid (BENCHMARKS.md): bf16, (m, n, k) = (8192,8192,8192), (16384,12288,4096), (1
 (16384,4096,11008); epilogues none, bias+gelu_tanh, bias+silu, SwiGLU (n is the intermediate size:
 one GEMM over [W_g | W_u] of shape (k, 2n)).  The weight is an nn.Linear-style (n, k) tensor passed
 as weight.t().  FLOPs 2*m*n*k (SwiGLU 4*m*n*k); forward+backward 3x.  When the dispatcher picks
-cuBLAS, an "[own]" row times the library's own kernel too (the Gluon GEMM where experimental kernels are
-allowed, else the Triton one)."""
+cuBLAS, an "[own]" row times the library's own kernel too (the Gluon GEMM on sm_90, else the Triton one)."""
 from __future__ import annotations
 
 import dataclasses
@@ -37,8 +36,7 @@ OWN_PREFIXES = ("cuda.gluon.", "cuda.triton.")   # the library's own kernels, in
 
 def own_impl(op: str, spec):
     """(impl, ctx) of the library's own kernel for this call: the Gluon GEMM where the policy accepts it
-    (experimental until its pinned H200 conformance: `opsadv bench --use-experimental-kernels`), else the
-    Triton kernel (TMA variant where it serves)."""
+    (sm_90, K and N multiples of 8), else the Triton kernel (TMA variant where it serves)."""
     from opsadv.core import dispatch
     from opsadv.core.policy import current_policy
     from opsadv.registry import get_registry

@@ -2,11 +2,11 @@
 
     out = act(alpha * a @ b + bias) + residual      a (..., K), b (K, N); bf16 / fp16, fp32 accumulation
 
-EXPERIMENTAL: on an H200 every variant passes every check against float64 (benchmarks/gluon_gemm/probe.py,
-session 8: odd M 1 / 7 / 127, capped persistent grids, every epilogue), and the kernels compile for sm_90 on
-a CPU machine (tests/test_gluon_gemm.py) with no register spills.  The impl needs use_backend(...,
-experimental=True) until a pinned H200 conformance run passes, and ranks below the Triton impls
-(PRIORITY_TRITON - 5): the dispatcher's measurement decides.
+Not experimental since session 9: pinned H200 conformance at b28714e passed (10 pass, 0 fail; the skips are
+K / N not multiples of 8 and fp32 / fp64: docs/conformance/cuda-h200-gluon-gemm.md), and every variant passes
+every check against float64 (benchmarks/gluon_gemm/probe.py: odd M 1 / 7 / 127, capped persistent grids, every
+epilogue; sessions 8 and 9).  It ranks below the Triton impls (PRIORITY_TRITON - 5): the dispatcher's
+measurement decides per shape bucket.
 
 Forward: the Gluon kernel, its schedule (VARIANTS) measured per shape bucket (_pick_variant).  Host side: leading dims of a are
 flattened; a, b, the residual and the output go through TMA descriptors (16-byte aligned rows: K and N
@@ -193,13 +193,13 @@ def _check(spec, env) -> list[str]:
 def impls(env) -> list[KernelImpl]:
     return [KernelImpl(
         id=IMPL_ID, op="gemm", backend="cuda", fn=gemm_fwd, backward=gemm_bwd,
-        priority=PRIORITY_TRITON - 5,     # below the Triton impls until an H200 measurement says otherwise
+        priority=PRIORITY_TRITON - 5,     # an unmeasured bucket keeps the Triton / cuBLAS order
         device_types=("cuda",), dtypes=(torch.float16, torch.bfloat16), min_cc=(9, 0), max_cc=(9, 0),
-        features=GEMM_FEATURES, experimental=True, check=_check,
+        features=GEMM_FEATURES, check=_check,
         description="Gluon persistent GEMM for Hopper (TMA producer warp, two consumer warpgroups taking "
                     "main-loop turns (ping-pong), mbarrier ring, fused alpha/bias/activation/residual epilogue, "
                     "TMA stores), the schedule measured per shape bucket; sm_90 only; passed every check on "
-                    "the H200 (experimental until pinned conformance); Triton/cuBLAS backward")]
+                    "the H200 and pinned conformance there; Triton/cuBLAS backward")]
 
 
 __all__ = ["impls", "gemm_fwd", "gemm_bwd", "launch_args", "prepare", "VARIANTS", "DEFAULT_VARIANT", "UNAVAILABLE",
