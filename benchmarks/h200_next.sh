@@ -49,6 +49,8 @@
 #            the MUFU exp2 rate bounds it; pingpong_st3_emu4 at d128): checked, then timed vs the defaults
 #            and cuDNN; a variant becomes DEFAULT_VARIANT[d] only if it passes and wins (issue 3's d64 >= 1.0x)
 #   then d (e2e: no-grad prefill now takes cuDNN without lse where cuDNN wins), s, e2.
+# Session 9 ran PARTS="n1 n2", "x g2", "sp g3" on nvidia-h200-x2 (results/*_s9_h200*); then PARTS="t sp" after
+# the gemm training path and the flex recompile / donated-buffer fixes.
 # OPSADV_COMMIT=<sha> PART=a bash benchmarks/h200_next.sh   (from the repo root on the GPU host, $OUT set)
 set -u
 # tests/conftest.py defaults TRITON_INTERPRET to 1 (CPU CI): every pytest here must say 0, and select the GPU tests
@@ -167,6 +169,15 @@ g3)  # the gemm suite with the Gluon GEMM in the dispatcher (experimental allowe
     > "$OUT/gemm_exp.log" 2>&1
   echo "gemm rc $?"; grep -E "^(fwd|bwd)" "$OUT/gemm_exp.log" | cut -c1-150
   cp "$OPSADV_CACHE_DIR/kernel_configs.json" "$OUT/kernel_configs_gemm.json"
+  ;;
+t)   # session 9: the gemm suite with training calls composed (GEMM through the op, activation as torch ops),
+     # the Gluon GEMM out of experimental; the op's fwd+bwd GPU tests; the cuDNN inference probe (0.964x case)
+  TRITON_INTERPRET=0 timeout 150 python3 -m pytest -q -p no:cacheprovider -k "gpu_op_fwd_bwd or gpu_gemm_impls" \
+    tests/test_gluon_gemm.py tests/test_cuda_gemm.py > "$OUT/gemm_pytest.log" 2>&1
+  echo "gemm pytest rc $?"; tail -2 "$OUT/gemm_pytest.log"
+  timeout 300 python3 -m opsadv bench --suite gemm --json "$OUT/gemm.json" > "$OUT/gemm.log" 2>&1
+  echo "gemm rc $?"; grep -E "^(fwd|bwd)" "$OUT/gemm.log" | cut -c1-150
+  timeout 100 python3 benchmarks/cudnn_infer_probe.py "$OUT/cudnn_infer_probe.json" 2>&1 | tail -3 | cut -c1-400
   ;;
 sp)
   timeout 540 python3 -m opsadv bench --suite sparse --json "$OUT/sparse_full.json" > "$OUT/sparse_full.log" 2>&1

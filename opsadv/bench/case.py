@@ -35,4 +35,16 @@ def flex_peer():
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     except ImportError:
         return None, None
+    import torch._dynamo.config as dynamo_config
+    import torch._functorch.config as functorch_config
+
+    # every case (shape, mask, grad mode) is one more compile of the same function: past dynamo's
+    # recompile limit (8) flex ran unfused, 200x slower (session 9's sparse window series)
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo_config, name):
+            setattr(dynamo_config, name, max(getattr(dynamo_config, name), 256))
+    # the backward-only rows call autograd.grad(retain_graph=True), which a compiled backward with donated
+    # buffers refuses; donation only saves memory
+    if hasattr(functorch_config, "donated_buffer"):
+        functorch_config.donated_buffer = False
     return torch.compile(flex_attention), create_block_mask

@@ -105,19 +105,25 @@ def cases(quick: bool) -> Iterator[BenchCase]:
             peers["addmm_activation"] = (lambda: run(lambda a_, w_, b_: torch._addmm_activation(b_, a_, w_, use_gelu=True)))
         if dev == "cuda":
             peers["torch_compile"] = (lambda fn=_compiled(ep): run(fn))
-        act = "none" if ep == "swiglu" else ep
-        spec = (_swiglu_spec(a, wt, None, bwd) if ep == "swiglu" else _gemm_spec(a, wt, bias, act, None, 1.0, bwd))
-        own = own_impl("swiglu_gemm" if ep == "swiglu" else "gemm", spec)
         extra = {}
-        if own is not None:
-            impl, ctx = own
-            args = (a, wt, None) if ep == "swiglu" else (a, wt, bias, act, None, 1.0)
-            bargs = (go, a, wt, None) if ep == "swiglu" else (go, a, wt, bias, act, 1.0)
-
-            def own_fn(impl=impl, ctx=ctx, args=args, bargs=bargs, bwd=bwd):
-                out = impl.fn(ctx, *args)
-                return tuple(t for t in impl.backward(ctx, *bargs) if t.numel()) if bwd else out
-            extra = {"own": own_fn, "own_prefix": OWN_PREFIXES, "own_impl": impl.id}
+        if bwd:
+            # training calls run the GEMM (+ bias) through the op and the activation as torch ops
+            # (opsadv.core.ops.gemm._composed_for_training): the [own] row pins that GEMM to our kernel
+            own = own_impl("gemm", _gemm_spec(a, wt, bias, "none", None, 1.0, False))
+            if own is not None:
+                def own_fn(impl_id=own[0].id, mine=mine):
+                    with opsadv.use_backend("cuda", impls={"gemm": impl_id}):
+                        return run(mine)
+                extra = {"own": own_fn, "own_prefix": OWN_PREFIXES, "own_impl": own[0].id}
+        else:
+            act = "none" if ep == "swiglu" else ep
+            spec = _swiglu_spec(a, wt, None, False) if ep == "swiglu" else _gemm_spec(a, wt, bias, act, None, 1.0, False)
+            own = own_impl("swiglu_gemm" if ep == "swiglu" else "gemm", spec)
+            if own is not None:
+                impl, ctx = own
+                args = (a, wt, None) if ep == "swiglu" else (a, wt, bias, act, None, 1.0)
+                extra = {"own": (lambda impl=impl, ctx=ctx, args=args: impl.fn(ctx, *args)), "own_prefix": OWN_PREFIXES,
+                         "own_impl": impl.id}
         flops = 2.0 * m * nout * k * (3 if bwd else 1)
         words = ["fwd+bwd" if bwd else "fwd", "bf16", f"m{m}", f"n{n}", f"k{k}"] + \
                 ({"none": [], "gelu_tanh": ["bias", "gelu_tanh"], "silu": ["bias", "silu"], "swiglu": ["swiglu"]}[ep])
