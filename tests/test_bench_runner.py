@@ -155,3 +155,18 @@ def test_sparse_backward_only_rows_time_autograd_grad_alone():
     assert all(torch.equal(a, b) for a, b in zip(g1, g2)) and len(g1) == 3
     (row,) = runner.run_case(only)
     assert row["case"] == only.case and row["rel_err"] < 2e-2, row
+
+
+def test_flex_peer_stays_compiled_across_cases():
+    """The flex peer compiles once per case (shape, mask, grad mode): past dynamo's default recompile
+    limit (8) it silently ran unfused, ~200x slower (session 9's window series), and the backward-only
+    rows' retain_graph=True needs a compiled backward without donated buffers."""
+    import torch._dynamo.config as dynamo_config
+    import torch._functorch.config as functorch_config
+
+    from opsadv.bench.case import flex_peer
+    flex, make_mask = flex_peer()
+    if flex is None:
+        pytest.skip("no FlexAttention in this torch")
+    assert dynamo_config.recompile_limit >= 64
+    assert functorch_config.donated_buffer is False

@@ -288,3 +288,78 @@ def test_hopper_ranks_cublas_epilogue_above_triton():
         assert h["cuda.triton.swiglu_gemm_tma"] > h["cuda.cublas.swiglu_gemm"]
     if "cuda.triton.gemm" in a:
         assert a["cuda.cublas.gemm_epilogue"] < a["cuda.triton.gemm"]
+
+
+def _dispatched_gemm_keys(monkeypatch):
+    """Every (op, backward, activation-or-None) the gemm ops ask the dispatcher for, in call order."""
+    seen = []
+    real = dispatch.call
+
+    def spy(key, *args, **kw):
+        if key[0] == "gemm":
+            seen.append(("gemm", key[1], key[4]))
+        elif key[0] == "swiglu_gemm":
+            seen.append(("swiglu_gemm", key[1], None))
+        return real(key, *args, **kw)
+    monkeypatch.setattr(dispatch, "call", spy)
+    return seen
+
+
+def _graph_nodes(t):
+    names, todo = set(), [t.grad_fn]
+    while todo:
+        f = todo.pop()
+        if f is not None and f.name() not in names:
+            names.add(f.name())
+            todo += [n for n, _ in f.next_functions]
+    return names
+
+
+@pytest.mark.parametrize("act,node", [("relu", "ReluBackward0"), ("gelu", "GeluBackward0"),
+                                      ("gelu_tanh", "GeluBackward0"), ("silu", "SiluBackward0")])
+def test_training_calls_keep_the_preactivation(act, node, monkeypatch):
+    """A grad-recording gemm with an activation runs the GEMM with activation "none" (forward and backward
+    buckets) and the activation as torch's op, whose autograd node keeps z: the backward needs no third GEMM
+    to recompute it.  A no-grad call keeps the fused epilogue.  Gradients match float64."""
+    a, b, bias, res = _inputs(19, 40, 24, torch.float32, lead=(2,), seed=5)
+    seen = _dispatched_gemm_keys(monkeypatch)
+    with opsadv.use_backend("cuda", precision="tf32"):
+        with torch.no_grad():
+            fused = opsadv.ops.gemm(a, b, bias=bias, activation=act, residual=res, alpha=0.7)
+        assert seen == [("gemm", False, act)]
+        seen.clear()
+        ins = [t.clone().requires_grad_() for t in (a, b, bias, res)]
+        out = opsadv.ops.gemm(*ins[:2], bias=ins[2], activation=act, residual=ins[3], alpha=0.7)
+        assert node in _graph_nodes(out)
+        go = torch.randn_like(out)
+        grads = torch.autograd.grad(out, ins, go)
+    assert seen == [("gemm", False, "none"), ("gemm", True, "none")]
+    assert rel_err(fused, _ref_gemm(a, b, bias, act, res, 0.7)) < 1e-5
+    ref_in = [t.double().requires_grad_() for t in (a, b, bias, res)]
+    z = ref_in[0] @ ref_in[1] * 0.7 + ref_in[2]
+    ref = {"relu": torch.relu, "gelu": torch.nn.functional.gelu, "silu": torch.nn.functional.silu,
+           "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh")}[act](z) + ref_in[3]
+    assert rel_err(out, ref) < 1e-5
+    for name, g, r in zip("a b bias residual".split(), grads, torch.autograd.grad(ref, ref_in, go.double())):
+        assert rel_err(g, r) < 1e-5, name
+
+
+def test_swiglu_training_calls_run_the_gemm_then_torch_ops(monkeypatch):
+    x, w, bias, _ = _inputs(13, 40, 48, torch.float32, seed=6)          # w: (40, 48) = [W_g | W_u]
+    seen = _dispatched_gemm_keys(monkeypatch)
+    with opsadv.use_backend("cuda", precision="tf32"):
+        with torch.no_grad():
+            opsadv.ops.swiglu_gemm(x, w, bias=bias)
+        assert seen == [("swiglu_gemm", False, None)]
+        seen.clear()
+        ins = [t.clone().requires_grad_() for t in (x, w, bias)]
+        out = opsadv.ops.swiglu_gemm(ins[0], ins[1], bias=ins[2])
+        go = torch.randn_like(out)
+        grads = torch.autograd.grad(out, ins, go)
+    assert seen == [("gemm", False, "none"), ("gemm", True, "none")]
+    ref_in = [t.double().requires_grad_() for t in (x, w, bias)]
+    g_, u_ = (ref_in[0] @ ref_in[1] + ref_in[2]).chunk(2, dim=-1)
+    ref = torch.nn.functional.silu(g_) * u_
+    assert rel_err(out, ref) < 1e-5
+    for name, g, r in zip("x w bias".split(), grads, torch.autograd.grad(ref, ref_in, go.double())):
+        assert rel_err(g, r) < 1e-5, name
