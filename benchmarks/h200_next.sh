@@ -50,7 +50,8 @@
 #            and cuDNN; a variant becomes DEFAULT_VARIANT[d] only if it passes and wins (issue 3's d64 >= 1.0x)
 #   then d (e2e: no-grad prefill now takes cuDNN without lse where cuDNN wins), s, e2.
 # Session 9 ran PARTS="n1 n2", "x g2", "sp g3" on nvidia-h200-x2 (results/*_s9_h200*); then PARTS="t sp" after
-# the gemm training path and the flex recompile / donated-buffer fixes.
+# the gemm training path and the flex recompile / donated-buffer fixes, and d (e2e) at 5cab519.
+# Order for session 10: gk (why the op's Gluon bias+act trails the probe), then whatever the notes name.
 # OPSADV_COMMIT=<sha> PART=a bash benchmarks/h200_next.sh   (from the repo root on the GPU host, $OUT set)
 set -u
 # tests/conftest.py defaults TRITON_INTERPRET to 1 (CPU CI): every pytest here must say 0, and select the GPU tests
@@ -178,6 +179,14 @@ t)   # session 9: the gemm suite with training calls composed (GEMM through the 
   timeout 300 python3 -m opsadv bench --suite gemm --json "$OUT/gemm.json" > "$OUT/gemm.log" 2>&1
   echo "gemm rc $?"; grep -E "^(fwd|bwd)" "$OUT/gemm.log" | cut -c1-150
   timeout 100 python3 benchmarks/cudnn_infer_probe.py "$OUT/cudnn_infer_probe.json" 2>&1 | tail -3 | cut -c1-400
+  ;;
+gk)  # session 10: split the op's bias+act gap (suite 0.985x vs probe 1.069x at 16384x12288x4096 gelu_tanh):
+     # weight layout, timing method, op path; coop and its tanh twin only, no checks (passed in session 9)
+  for cfg in "0 0" "1 0" "1 1"; do set -- $cfg
+    PROBE_VARIANTS=coop,coop_tanh PROBE_COMPILE=0 PROBE_OP=1 PROBE_B_NK=$1 PROBE_DO_BENCH=$2 timeout 170 \
+      python3 benchmarks/gluon_gemm/probe.py "$OUT/gluon_gemm_split_nk$1_db$2.json" > "/tmp/gk_$1$2.log" 2>&1
+    echo "gluon gemm split nk=$1 do_bench=$2 rc $?"; grep -E "best peer|gluon\.|_addmm|matmul " "/tmp/gk_$1$2.log" | cut -c1-100
+  done
   ;;
 sp)
   timeout 540 python3 -m opsadv bench --suite sparse --json "$OUT/sparse_full.json" > "$OUT/sparse_full.log" 2>&1
