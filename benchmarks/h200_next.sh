@@ -181,7 +181,7 @@ t)   # session 9: the gemm suite with training calls composed (GEMM through the 
   timeout 100 python3 benchmarks/cudnn_infer_probe.py "$OUT/cudnn_infer_probe.json" 2>&1 | tail -3 | cut -c1-400
   ;;
 gk)  # session 10: split the op's bias+act gap (suite 0.985x vs probe 1.069x at 16384x12288x4096 gelu_tanh):
-     # weight layout, timing method, op path; coop and its tanh twin only, no checks (passed in session 9)
+     # weight layout, timing method, op path; coop and its tanh twin only (their checks rerun first, ~1 min once)
   for cfg in "0 0" "1 0" "1 1"; do set -- $cfg
     PROBE_VARIANTS=coop,coop_tanh PROBE_COMPILE=0 PROBE_OP=1 PROBE_B_NK=$1 PROBE_DO_BENCH=$2 timeout 170 \
       python3 benchmarks/gluon_gemm/probe.py "$OUT/gluon_gemm_split_nk$1_db$2.json" > "/tmp/gk_$1$2.log" 2>&1
