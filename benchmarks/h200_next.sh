@@ -51,7 +51,8 @@
 #   then d (e2e: no-grad prefill now takes cuDNN without lse where cuDNN wins), s, e2.
 # Session 9 ran PARTS="n1 n2", "x g2", "sp g3" on nvidia-h200-x2 (results/*_s9_h200*); then PARTS="t sp" after
 # the gemm training path and the flex recompile / donated-buffer fixes, and d (e2e) at 5cab519.
-# Order for session 10: gk (why the op's Gluon bias+act trails the probe), then whatever the notes name.
+# Order for session 10 (on nvidia-h200-x2: PARTS="gk tw"): gk (why the op's Gluon bias+act trails the probe),
+# tw (the swiglu op: GPU tests + the gemm suite's training rows), then whatever the notes name.
 # OPSADV_COMMIT=<sha> PART=a bash benchmarks/h200_next.sh   (from the repo root on the GPU host, $OUT set)
 set -u
 # tests/conftest.py defaults TRITON_INTERPRET to 1 (CPU CI): every pytest here must say 0, and select the GPU tests
@@ -187,6 +188,14 @@ gk)  # session 10: split the op's bias+act gap (suite 0.985x vs probe 1.069x at 
       python3 benchmarks/gluon_gemm/probe.py "$OUT/gluon_gemm_split_nk$1_db$2.json" > "/tmp/gk_$1$2.log" 2>&1
     echo "gluon gemm split nk=$1 do_bench=$2 rc $?"; grep -E "best peer|gluon\.|_addmm|matmul " "/tmp/gk_$1$2.log" | cut -c1-100
   done
+  ;;
+tw)  # session 10: the swiglu op's Triton kernels on the GPU (bf16 / fp16), then the gemm suite's training rows
+     # (SwiGLU fwd+bwd now GEMM + swiglu op: 15.40 ms = 1.001x compile with torch's silu * mul at 5cab519)
+  TRITON_INTERPRET=0 timeout 90 python3 -m pytest -q -p no:cacheprovider -k gpu tests/test_cuda_swiglu.py \
+    > "$OUT/swiglu_pytest.log" 2>&1
+  echo "swiglu pytest rc $?"; tail -2 "$OUT/swiglu_pytest.log"
+  timeout 200 python3 -m opsadv bench --suite gemm --filter "fwd\+bwd" --json "$OUT/gemm_train.json" > "$OUT/gemm_train.log" 2>&1
+  echo "gemm train rc $?"; grep -E "^fwd" "$OUT/gemm_train.log" | cut -c1-150
   ;;
 sp)
   timeout 540 python3 -m opsadv bench --suite sparse --json "$OUT/sparse_full.json" > "$OUT/sparse_full.log" 2>&1

@@ -7,7 +7,8 @@ from opsadv.core.ops import (  # noqa: F401
     layer_norm,
     rms_norm,
     sparse_attention,
+    swiglu,
     swiglu_gemm,
 )
 
-__all__ = ["flash_attention", "sparse_attention", "gemm", "swiglu_gemm", "layer_norm", "rms_norm"]
+__all__ = ["flash_attention", "sparse_attention", "gemm", "swiglu_gemm", "swiglu", "layer_norm", "rms_norm"]

@@ -418,9 +418,17 @@ def test_swiglu_gemm(npu, bias):
     w = (torch.randn(24, 2 * 13, dtype=torch.float16) * 0.2).requires_grad_()
     bb = torch.randn(26, dtype=torch.float16, requires_grad=True) if bias else None
     _compare(lambda x, w, b: opsadv.ops.swiglu_gemm(x, w, bias=b), (x, w, bb), 4e-3)
-    with torch.no_grad():       # grad-recording calls run silu * mul as torch ops; no-grad ones fuse it
+    with torch.no_grad():       # grad-recording calls run the GEMM, then the swiglu op; no-grad ones fuse them
         opsadv.ops.swiglu_gemm(x, w, bias=bb)
     assert npu.named("npu_swiglu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_swiglu(npu, dtype):
+    torch.manual_seed(13)
+    gu = torch.randn(2, 5, 2 * 19, dtype=dtype, requires_grad=True)
+    _compare(opsadv.ops.swiglu, (gu,), 2e-5 if dtype == torch.float32 else 4e-3)
+    assert npu.named("npu_swiglu")[-1].kwargs["dim"] == -1
 
 
 # ---- explain reasons ----------------------------------------------------------------------------------

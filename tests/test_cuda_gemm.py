@@ -298,8 +298,8 @@ def _dispatched_gemm_keys(monkeypatch):
     def spy(key, *args, **kw):
         if key[0] == "gemm":
             seen.append(("gemm", key[1], key[4]))
-        elif key[0] == "swiglu_gemm":
-            seen.append(("swiglu_gemm", key[1], None))
+        elif key[0] in ("swiglu_gemm", "swiglu"):
+            seen.append((key[0], key[1], None))
         return real(key, *args, **kw)
     monkeypatch.setattr(dispatch, "call", spy)
     return seen
@@ -344,7 +344,7 @@ def test_training_calls_keep_the_preactivation(act, node, monkeypatch):
         assert rel_err(g, r) < 1e-5, name
 
 
-def test_swiglu_training_calls_run_the_gemm_then_torch_ops(monkeypatch):
+def test_swiglu_training_calls_run_the_gemm_then_the_swiglu_op(monkeypatch):
     x, w, bias, _ = _inputs(13, 40, 48, torch.float32, seed=6)          # w: (40, 48) = [W_g | W_u]
     seen = _dispatched_gemm_keys(monkeypatch)
     with opsadv.use_backend("cuda", precision="tf32"):
@@ -356,10 +356,23 @@ def test_swiglu_training_calls_run_the_gemm_then_torch_ops(monkeypatch):
         out = opsadv.ops.swiglu_gemm(ins[0], ins[1], bias=ins[2])
         go = torch.randn_like(out)
         grads = torch.autograd.grad(out, ins, go)
-    assert seen == [("gemm", False, "none"), ("gemm", True, "none")]
+    # the GEMM, then the swiglu op; backward in reverse order
+    assert seen == [("gemm", False, "none"), ("swiglu", False, None), ("swiglu", True, None), ("gemm", True, "none")]
     ref_in = [t.double().requires_grad_() for t in (x, w, bias)]
     g_, u_ = (ref_in[0] @ ref_in[1] + ref_in[2]).chunk(2, dim=-1)
     ref = torch.nn.functional.silu(g_) * u_
     assert rel_err(out, ref) < 1e-5
     for name, g, r in zip("x w bias".split(), grads, torch.autograd.grad(ref, ref_in, go.double())):
         assert rel_err(g, r) < 1e-5, name
+
+
+def test_explain_describes_the_training_composition():
+    """explain() shows what a grad-recording call runs: the activation-free GEMM, and says so."""
+    a, b, bias, _ = _inputs(5, 16, 8, torch.float32)
+    with opsadv.use_backend("cuda", precision="tf32"):
+        fused = opsadv.explain("gemm", a, b, bias=bias, activation="silu")
+        train = opsadv.explain("gemm", a.requires_grad_(), b, bias=bias, activation="silu")
+        sw = opsadv.explain("swiglu_gemm", a, torch.randn(16, 8, device=DEV))
+    assert "act_silu" in fused.spec.features and "grad-recording" not in fused.why
+    assert "act_silu" not in train.spec.features and "then silu as torch ops" in train.why
+    assert sw.op == "gemm" and "swiglu op" in sw.why

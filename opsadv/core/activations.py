@@ -27,3 +27,10 @@ def act_grad(activation: str, z: Tensor) -> Tensor:
         t = torch.tanh(SQRT_2_OVER_PI * (z + 0.044715 * z ** 3))
         return 0.5 * (1 + t) + 0.5 * z * (1 - t * t) * SQRT_2_OVER_PI * (1 + 3 * 0.044715 * z * z)
     raise ValueError(f"unknown activation {activation!r}")
+
+
+def swiglu_grad(grad: Tensor, gate_up: Tensor) -> Tensor:
+    """d gate_up of silu(g) * u for gate_up = [g | u]: [grad * u * silu'(g) | grad * silu(g)] (compute in
+    float32 or float64)."""
+    g, u = gate_up.chunk(2, dim=-1)
+    return torch.cat([grad * u * act_grad("silu", g), grad * F.silu(g)], dim=-1)

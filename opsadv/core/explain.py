@@ -1,6 +1,7 @@
 """opsadv.explain(op, *args, **kwargs): why a kernel was (or would be) chosen for a call."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from . import dispatch
@@ -14,6 +15,7 @@ attention = importlib.import_module("opsadv.core.ops.attention")
 gemm = importlib.import_module("opsadv.core.ops.gemm")
 norm = importlib.import_module("opsadv.core.ops.norm")
 sparse = importlib.import_module("opsadv.core.ops.sparse")
+swiglu = importlib.import_module("opsadv.core.ops.swiglu")
 
 
 def _spec_for(op: str, args: tuple, kwargs: dict[str, Any], backward: bool):
@@ -41,11 +43,22 @@ def _spec_for(op: str, args: tuple, kwargs: dict[str, Any], backward: bool):
         bias, act, res, alpha = (kwargs.get("bias"), kwargs.get("activation", "none"), kwargs.get("residual"),
                                  kwargs.get("alpha", 1.0))
         gemm.validate_gemm(a, b, bias, act, res, alpha)
+        if act != "none" and gemm._records_grad(a, b, bias, res):     # gemm._composed_for_training
+            return gemm._gemm_spec(a, b, bias, "none", None, alpha, backward), (
+                f"grad-recording call: this GEMM runs with activation 'none', then {act}"
+                + (" and the residual add" if res is not None else "") + " as torch ops (z kept for the backward)")
         return gemm._gemm_spec(a, b, bias, act, res, alpha, backward)
     if op == "swiglu_gemm":
-        x, w = get(0, "x"), get(1, "w_gate_up")
-        gemm.validate_swiglu(x, w, kwargs.get("bias"))
-        return gemm._swiglu_spec(x, w, kwargs.get("bias"), backward)
+        x, w, bias = get(0, "x"), get(1, "w_gate_up"), kwargs.get("bias")
+        gemm.validate_swiglu(x, w, bias)
+        if gemm._records_grad(x, w, bias):
+            return gemm._gemm_spec(x, w, bias, "none", None, 1.0, backward), (
+                "grad-recording call: this GEMM runs alone, then the swiglu op (opsadv.explain('swiglu', gate_up))")
+        return gemm._swiglu_spec(x, w, bias, backward)
+    if op == "swiglu":
+        gate_up = get(0, "gate_up")
+        swiglu.validate_swiglu_act(gate_up)
+        return swiglu._spec(gate_up, backward)
     if op in ("layer_norm", "rms_norm"):
         x, w = get(0, "x"), get(1, "weight")
         bias = get(2, "bias") if op == "layer_norm" else None
@@ -62,5 +75,6 @@ def explain(op: str, *args: Any, backward: bool = False, **kwargs: Any) -> dispa
     """Every candidate impl for this call under the current policy, accepted or rejected, with
     reasons, and the one that would run.  Takes the op's own arguments."""
     spec = _spec_for(op, args, kwargs, backward)
+    spec, note = spec if isinstance(spec, tuple) else (spec, "")
     exp, _ = dispatch.explain_spec(spec)
-    return exp
+    return dataclasses.replace(exp, why=f"{exp.why}; {note}") if note else exp

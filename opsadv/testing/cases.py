@@ -182,6 +182,22 @@ SWIGLU = [
 ]
 
 
+def _swiglu_act(shape, noncontig=False):
+    def build(dtype, device, g):
+        if noncontig:          # gate_up rows strided (every other row of a larger buffer)
+            return (_r((2 * shape[0],) + shape[1:], dtype, device, g)[::2],), {}
+        return (_r(shape, dtype, device, g),), {}
+    return build
+
+
+SWIGLU_ACT = [
+    Case("swiglu", "one_pair", _swiglu_act((1, 2)), (0,)),
+    Case("swiglu", "odd", _swiglu_act((127, 2 * 65)), (0,)),
+    Case("swiglu", "batched_wide", _swiglu_act((2, 3, 2 * 1100)), (0,), quick=False),
+    Case("swiglu", "strided_rows", _swiglu_act((5, 2 * 40), noncontig=True), (0,), quick=False),
+]
+
+
 # ---- norms ---------------------------------------------------------------------------------------
 def _norm(op, shape, weight=True, bias=True, residual=False, offset=0.0, noncontig=False):
     def build(dtype, device, g):
@@ -211,7 +227,7 @@ for _op in ("layer_norm", "rms_norm"):
     ]
 NORMS.append(Case("rms_norm", "offset", _norm("rms_norm", (7, 128), offset=1.0), (0, 1)))
 
-CATALOGUE: list[Case] = ATTENTION + SPARSE + GEMM + SWIGLU + NORMS
+CATALOGUE: list[Case] = ATTENTION + SPARSE + GEMM + SWIGLU + SWIGLU_ACT + NORMS
 
 
 def call(case: Case, args: tuple, kwargs: dict):

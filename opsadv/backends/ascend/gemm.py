@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from opsadv.core.activations import act_grad
+from opsadv.core.activations import act_grad, swiglu_grad
 from opsadv.core.kernel import PRIORITY_VENDOR, KernelImpl
 
 from . import _npu
@@ -62,10 +62,15 @@ def swiglu_fwd(ctx, x, w, bias):
 
 
 def swiglu_bwd(ctx, grad, x, w, bias):
-    g, u = _mm(x, w, bias, 1.0).float().chunk(2, dim=-1)
-    go = grad.float()
-    dgu = torch.cat([go * u * act_grad("silu", g), go * F.silu(g)], dim=-1).to(x.dtype)
-    return _weight_grads(dgu, x, w, bias, 1.0)
+    return _weight_grads(swiglu_act_bwd(ctx, grad, _mm(x, w, bias, 1.0)), x, w, bias, 1.0)
+
+
+def swiglu_act_fwd(ctx, gate_up):
+    return _npu.torch_npu().npu_swiglu(gate_up, dim=-1)
+
+
+def swiglu_act_bwd(ctx, grad, gate_up):
+    return swiglu_grad(grad.float(), gate_up.float()).to(gate_up.dtype)      # float32 math
 
 
 def impls(soc) -> list[KernelImpl]:
@@ -76,4 +81,7 @@ def impls(soc) -> list[KernelImpl]:
                    description="addmm (AOE-tunable MatMul) + npu_gelu / relu / silu epilogue", **common),
         KernelImpl(id="ascend.matmul_npu_swiglu", op="swiglu_gemm", fn=swiglu_fwd, backward=swiglu_bwd,
                    features=frozenset({"bias", "batched"}), description="addmm + torch_npu.npu_swiglu", **common),
+        KernelImpl(id="ascend.npu_swiglu", op="swiglu", fn=swiglu_act_fwd, backward=swiglu_act_bwd,
+                   features=frozenset({"batched"}), description="torch_npu.npu_swiglu (backward in float32 torch)",
+                   **common),
     ]

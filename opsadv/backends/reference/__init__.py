@@ -42,6 +42,7 @@ def opsadv_register_kernels(registry, env):
     registry.add(_impl("sparse_attention", K.sparse_fwd, K.sparse_bwd, SPARSE_FEATURES))
     registry.add(_impl("gemm", K.gemm_fwd, K.gemm_bwd, GEMM_FEATURES))
     registry.add(_impl("swiglu_gemm", K.swiglu_fwd, K.swiglu_bwd, frozenset({"bias", "batched"})))
+    registry.add(_impl("swiglu", K.swiglu_act_fwd, K.swiglu_act_bwd, frozenset({"batched"})))
     registry.add(_impl("layer_norm", K.layer_norm_fwd, K.layer_norm_bwd, NORM_FEATURES))
     registry.add(_impl("rms_norm", K.rms_norm_fwd, K.rms_norm_bwd, NORM_FEATURES))
 

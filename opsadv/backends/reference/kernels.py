@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from opsadv.core.activations import ACT, act_grad
+from opsadv.core.activations import ACT, act_grad, swiglu_grad
 from opsadv.core.layout import dense_mask
 
 
@@ -122,15 +122,21 @@ def swiglu_fwd(ctx, x, w, bias):
 
 def swiglu_bwd(ctx, grad, x, w, bias):
     xf, wf = _acc(x), _acc(w)
-    gu = xf @ wf + (_acc(bias) if bias is not None else 0)
-    g, u = gu.chunk(2, dim=-1)
-    go = _acc(grad)
-    dgu = torch.cat([go * u * act_grad("silu", g), go * F.silu(g)], dim=-1)
+    dgu = swiglu_grad(_acc(grad), xf @ wf + (_acc(bias) if bias is not None else 0))
     k, n2 = w.shape
     dx = dgu @ wf.t()
     dw = xf.reshape(-1, k).t() @ dgu.reshape(-1, n2)
     dbias = dgu.reshape(-1, n2).sum(0).to(bias.dtype) if bias is not None else x.new_empty((0,))
     return dx.to(x.dtype), dw.to(w.dtype), dbias
+
+
+def swiglu_act_fwd(ctx, gate_up):
+    g, u = _acc(gate_up).chunk(2, dim=-1)
+    return (F.silu(g) * u).to(gate_up.dtype)
+
+
+def swiglu_act_bwd(ctx, grad, gate_up):
+    return swiglu_grad(_acc(grad), _acc(gate_up)).to(gate_up.dtype)
 
 
 # ---- norms ---------------------------------------------------------------------------------------

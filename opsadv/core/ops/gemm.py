@@ -13,7 +13,7 @@ Impl contract:
 
 Grad-recording calls with an activation (and every grad-recording swiglu_gemm) are composed: the GEMM (+ bias,
 alpha) through this op with activation "none", the activation and residual add through torch's differentiable
-ops (_composed_for_training).  Torch's autograd keeps the pre-activation z, so the backward runs two GEMMs (da,
+ops (_composed_for_training; for swiglu_gemm the swiglu op, swiglu.py: one pass over gate_up each way).  Torch's autograd keeps the pre-activation z, so the backward runs two GEMMs (da,
 db) on grad * act'(z) from one fused pointwise kernel; an impl's own activation backward has only a, b, bias
 and recomputes z with a third GEMM (H200, 16384x12288x4096 bias+gelu_tanh, fwd+bwd: 10.71 ms that way vs 7.74
 for torch.compile; results/gemm_exp_s9_h200.json).  No-grad calls keep the fused epilogue."""
@@ -29,6 +29,7 @@ from .. import dispatch
 from ..errors import InvalidArgumentError
 from ..kernel import CallSpec
 from ..activations import ACT
+from .swiglu import swiglu
 from ._common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, INF, autograd_function, carry_policy, check_choice,
                       check_same, check_tensor, eager_mode, len_bucket, none_if_empty, same_kind)
 
@@ -248,11 +249,11 @@ def gemm(a: Tensor, b: Tensor, *, bias: Tensor | None = None, activation: str = 
 
 def swiglu_gemm(x: Tensor, w_gate_up: Tensor, *, bias: Tensor | None = None) -> Tensor:
     """silu(x @ W_g + b_g) * (x @ W_u + b_u) from one concatenated weight [W_g | W_u] of shape (K, 2N).
-    Calls that record gradients run the GEMM through gemm() and silu * mul as torch ops (module docstring)."""
+    Calls that record gradients run the GEMM through gemm() and the activation through the swiglu op, which
+    keeps gate_up for its backward (module docstring)."""
     validate_swiglu(x, w_gate_up, bias)
     if _records_grad(x, w_gate_up, bias):
-        gate, up = gemm(x, w_gate_up, bias=bias).chunk(2, dim=-1)
-        return ACT["silu"](gate) * up
+        return swiglu(gemm(x, w_gate_up, bias=bias))
     mode = eager_mode(x, w_gate_up, bias)
     op = _swiglu_route if mode == DIRECT else _swiglu_eager_autograd if mode == AUTOGRAD_FN else torch.ops.opsadv.swiglu_gemm
     return op(x, w_gate_up, bias)

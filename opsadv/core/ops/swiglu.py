@@ -1,0 +1,96 @@
+"""swiglu: the gated activation on its own, y = silu(g) * u for gate_up = [g | u] (..., 2N) -> (..., N).
+
+The same halves as swiglu_gemm's [W_g | W_u] output, so `swiglu(x @ w_gate_up)` equals `swiglu_gemm(x, w_gate_up)`.
+It serves models whose gate and up projections are separate GEMMs, and swiglu_gemm's training calls
+(gemm.py): there the GEMM runs alone and this op keeps gate_up for its backward, one pass over memory each way
+(torch's silu-then-mul takes five forward and about thirteen backward passes of (rows, N), and saves silu(g) too).
+
+Impl contract:
+  fn(ctx, gate_up) -> y                       y (..., N), gate_up's dtype
+  backward(ctx, grad, gate_up) -> d_gate_up   (..., 2N): [grad * u * silu'(g) | grad * silu(g)]"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import dispatch
+from ..errors import InvalidArgumentError
+from ..kernel import CallSpec
+from ._common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, TORCH_OPS, autograd_function, carry_policy, check_tensor,
+                      eager_mode, len_bucket)
+
+OP = "swiglu"
+
+
+def validate_swiglu_act(gate_up) -> None:
+    if isinstance(gate_up, Tensor) and gate_up.dtype in FLOAT_DTYPES and gate_up.dim() and gate_up.numel() \
+            and gate_up.shape[-1] % 2 == 0:
+        return
+    check_tensor(OP, "gate_up", gate_up, min_ndim=1)
+    if gate_up.shape[-1] % 2:
+        raise InvalidArgumentError(OP, "gate_up", "an even last dim (the gate half, then the up half)",
+                                   f"shape {tuple(gate_up.shape)}")
+
+
+def _key(gate_up: Tensor, backward: bool) -> tuple:
+    n2 = gate_up.shape[-1]
+    return (OP, backward, gate_up.device.type, gate_up.dtype, len_bucket(gate_up.numel() // n2), n2)
+
+
+def _spec(gate_up: Tensor, backward: bool) -> CallSpec:
+    n2 = gate_up.shape[-1]
+    feats = frozenset({"batched"} if gate_up.dim() > 2 else ())
+    return CallSpec(OP, gate_up.device.type, gate_up.dtype, feats, (len_bucket(gate_up.numel() // n2), n2 // 2),
+                    shapes=(tuple(gate_up.shape),), backward=backward, bucket_names=("rows<=", "N="))
+
+
+def _route(gate_up: Tensor) -> Tensor:
+    return dispatch.call(_key(gate_up, False), lambda: _spec(gate_up, False), (gate_up,))
+
+
+@torch.library.custom_op("opsadv::swiglu", mutates_args=())
+def _swiglu(gate_up: Tensor) -> Tensor:
+    return _route(gate_up)
+
+
+@_swiglu.register_fake
+def _(gate_up):
+    return gate_up.new_empty(tuple(gate_up.shape[:-1]) + (gate_up.shape[-1] // 2,))
+
+
+def _bwd_route(grad: Tensor, gate_up: Tensor) -> Tensor:
+    return dispatch.call(_key(gate_up, True), lambda: _spec(gate_up, True), (grad, gate_up))
+
+
+@torch.library.custom_op("opsadv::swiglu_backward", mutates_args=())
+def _swiglu_backward(grad: Tensor, gate_up: Tensor) -> Tensor:
+    return _bwd_route(grad, gate_up)
+
+
+@_swiglu_backward.register_fake
+def _(grad, gate_up):
+    return gate_up.new_empty(gate_up.shape)
+
+
+def _setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+def _backward(ctx, grad):
+    (gate_up,) = ctx.saved_tensors
+    # eager: the router directly; traced: the op
+    bwd = _bwd_route if eager_mode(grad, gate_up) != TORCH_OPS else torch.ops.opsadv.swiglu_backward
+    return bwd(grad.contiguous(), gate_up)
+
+
+_setup, _backward = carry_policy(_setup, _backward)
+_swiglu.register_autograd(_backward, setup_context=_setup)
+_eager_autograd = autograd_function("SwigluFn", _route, _setup, _backward)
+
+
+def swiglu(gate_up: Tensor) -> Tensor:
+    """silu(g) * u for gate_up = [g | u] along the last dim: (..., 2N) -> (..., N)."""
+    validate_swiglu_act(gate_up)
+    mode = eager_mode(gate_up)
+    op = _route if mode == DIRECT else _eager_autograd if mode == AUTOGRAD_FN else torch.ops.opsadv.swiglu
+    return op(gate_up)

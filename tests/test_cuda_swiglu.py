@@ -1,0 +1,89 @@
+"""The swiglu op (silu(g) * u over gate_up = [g | u]): the cuda backend's Triton kernels under the interpreter
+(fp32 / fp16) against the reference backend in float64, forward and backward, odd and strided shapes, poisoned
+outputs; argument errors; bf16 on a real GPU."""
+import pytest
+import torch
+
+import opsadv
+from opsadv.errors import InvalidArgumentError
+
+from conftest import HAS_CUDA, rel_err, requires_gpu
+
+DEV = "cuda" if HAS_CUDA else "cpu"
+TOL = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def _ref(gate_up: torch.Tensor) -> torch.Tensor:
+    g, u = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(g) * u
+
+
+def _check(gate_up, dtype, *, backend="cuda"):
+    x = gate_up.detach().requires_grad_()
+    with opsadv.use_backend(backend), opsadv.trace() as t:
+        y = opsadv.ops.swiglu(x)
+        go = torch.randn_like(y)
+        (dx,) = torch.autograd.grad(y, x, go)
+    x64 = gate_up.detach().double().requires_grad_()
+    ref = _ref(x64)
+    (rdx,) = torch.autograd.grad(ref, x64, go.double())
+    assert y.shape == ref.shape and dx.shape == x.shape
+    assert not y.isnan().any() and not dx.isnan().any()          # outputs are NaN-poisoned before the kernel
+    assert rel_err(y, ref) < TOL[dtype] and rel_err(dx, rdx) < TOL[dtype]
+    return t.counts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 2), (3, 2 * 3), (127, 2 * 65), (2, 3, 2 * 1100), (4, 2 * 1024)])
+def test_triton_swiglu_matches_float64(shape, dtype):
+    torch.manual_seed(sum(shape))
+    counts = _check(torch.randn(*shape, dtype=dtype, device=DEV) * 3, dtype)
+    assert counts["cuda.triton.swiglu"] == 2                    # forward and backward both ran the kernels
+
+
+def test_strided_rows_and_a_strided_last_dim():
+    base = torch.randn(10, 2 * 40, device=DEV)
+    assert _check(base[::2], torch.float32)["cuda.triton.swiglu"] == 2          # every other row
+    assert _check(torch.randn(2 * 40, 7, device=DEV).t(), torch.float32)["cuda.triton.swiglu"] == 2   # copied
+
+
+def test_swiglu_of_a_gemm_equals_swiglu_gemm():
+    x, w = torch.randn(9, 32, device=DEV), torch.randn(32, 2 * 24, device=DEV) / 6
+    with opsadv.use_backend("cuda", precision="tf32"), torch.no_grad():
+        assert rel_err(opsadv.ops.swiglu(x @ w), opsadv.ops.swiglu_gemm(x, w)) < 1e-5
+
+
+def test_no_grad_and_compile():
+    gu = torch.randn(6, 2 * 20, device=DEV)
+    with opsadv.use_backend("cuda"), torch.no_grad():
+        eager = opsadv.ops.swiglu(gu)
+        compiled = torch.compile(opsadv.ops.swiglu, backend="eager", fullgraph=True)(gu)
+    assert rel_err(eager, _ref(gu.double())) < 1e-6 and torch.equal(eager, compiled)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (torch.randn(4, 7), "even last dim"),
+    (torch.randn(0, 8), "non-empty"),
+    (torch.randint(0, 3, (4, 8)), "dtype"),
+    (torch.tensor(1.0), "rank >= 1"),
+    ("not a tensor", "torch.Tensor"),
+])
+def test_argument_errors_name_the_op_and_argument(bad, match):
+    with pytest.raises(InvalidArgumentError, match=match) as e:
+        opsadv.ops.swiglu(bad)
+    assert "swiglu" in str(e.value) and "gate_up" in str(e.value)
+
+
+def test_explain_names_the_kernel():
+    gu = torch.randn(3, 2 * 16, device=DEV)
+    with opsadv.use_backend("cuda"):
+        assert opsadv.explain("swiglu", gu).chosen == "cuda.triton.swiglu"
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 2), (127, 2 * 65), (4096, 2 * 2752)])
+def test_gpu_swiglu(shape, dtype, monkeypatch):
+    monkeypatch.setenv("OPSADV_POISON_OUTPUTS", "1")
+    torch.manual_seed(1)
+    assert _check(torch.randn(*shape, dtype=dtype, device="cuda") * 3, dtype)["cuda.triton.swiglu"] == 2
