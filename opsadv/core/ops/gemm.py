@@ -30,8 +30,8 @@ from ..errors import InvalidArgumentError
 from ..kernel import CallSpec
 from ..activations import ACT
 from .swiglu import swiglu
-from ._common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, INF, autograd_function, carry_policy, check_choice,
-                      check_same, check_tensor, eager_mode, len_bucket, none_if_empty, same_kind)
+from ._common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, INF, TORCH_OPS, autograd_function, carry_policy,
+                      check_choice, check_same, check_tensor, eager_mode, len_bucket, none_if_empty, same_kind)
 
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
 
@@ -217,11 +217,15 @@ def _swiglu_bwd(ctx, grad):
 
 _swiglu_setup, _swiglu_bwd = carry_policy(_swiglu_setup, _swiglu_bwd)
 _swiglu_gemm.register_autograd(_swiglu_bwd, setup_context=_swiglu_setup)
-_swiglu_eager_autograd = autograd_function("SwigluGemmFn", _swiglu_route, _swiglu_setup, _swiglu_bwd)
 
 
 def _records_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _trains(mode: int, *tensors) -> bool:
+    """Whether a call records gradients: eager AUTOGRAD_FN calls do; traced ones (TORCH_OPS) when an input does."""
+    return mode == AUTOGRAD_FN or (mode == TORCH_OPS and _records_grad(*tensors))
 
 
 def _composed_for_training(a, b, bias, activation, residual, alpha):
@@ -240,9 +244,9 @@ def gemm(a: Tensor, b: Tensor, *, bias: Tensor | None = None, activation: str = 
     a (..., K), b (K, N) — for an nn.Linear weight W (N, K) pass W.t().  Calls that record gradients run
     the GEMM fused with bias / alpha and the activation as torch ops (module docstring: _composed_for_training)."""
     validate_gemm(a, b, bias, activation, residual, alpha)
-    if activation != "none" and _records_grad(a, b, bias, residual):
-        return _composed_for_training(a, b, bias, activation, residual, alpha)
     mode = eager_mode(a, b, bias, residual)
+    if activation != "none" and _trains(mode, a, b, bias, residual):
+        return _composed_for_training(a, b, bias, activation, residual, alpha)
     op = _gemm_route if mode == DIRECT else _gemm_eager_autograd if mode == AUTOGRAD_FN else torch.ops.opsadv.gemm
     return op(a, b, bias, activation, residual, float(alpha))
 
@@ -252,8 +256,8 @@ def swiglu_gemm(x: Tensor, w_gate_up: Tensor, *, bias: Tensor | None = None) -> 
     Calls that record gradients run the GEMM through gemm() and the activation through the swiglu op, which
     keeps gate_up for its backward (module docstring)."""
     validate_swiglu(x, w_gate_up, bias)
-    if _records_grad(x, w_gate_up, bias):
-        return swiglu(gemm(x, w_gate_up, bias=bias))
     mode = eager_mode(x, w_gate_up, bias)
-    op = _swiglu_route if mode == DIRECT else _swiglu_eager_autograd if mode == AUTOGRAD_FN else torch.ops.opsadv.swiglu_gemm
-    return op(x, w_gate_up, bias)
+    if _trains(mode, x, w_gate_up, bias):
+        return swiglu(gemm(x, w_gate_up, bias=bias))
+    # (torch.ops.opsadv.swiglu_gemm keeps its registered autograd for callers of the op itself)
+    return (_swiglu_route if mode == DIRECT else torch.ops.opsadv.swiglu_gemm)(x, w_gate_up, bias)
