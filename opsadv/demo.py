@@ -31,6 +31,7 @@ def _cases(device: str, dtype: torch.dtype):
     yield "sparse_attention", (q, k, v, layout), {}
     yield "gemm", (x, w), {"bias": bias, "activation": "gelu_tanh"}
     yield "swiglu_gemm", (x, w2), {}
+    yield "swiglu", (r(m, 2 * n),), {}
     yield "layer_norm", (hid, r(kk), r(kk), 1e-5), {"residual": r(m, kk)}
     yield "rms_norm", (hid, r(kk), 1e-6), {"residual": r(m, kk)}
 
