@@ -52,7 +52,8 @@
 # Session 9 ran PARTS="n1 n2", "x g2", "sp g3" on nvidia-h200-x2 (results/*_s9_h200*); then PARTS="t sp" after
 # the gemm training path and the flex recompile / donated-buffer fixes, and d (e2e) at 5cab519.
 # Order for session 10 (on nvidia-h200-x2: PARTS="gk tw"): gk (why the op's Gluon bias+act trails the probe),
-# tw (the swiglu op: GPU tests + the gemm suite's training rows), then whatever the notes name.
+# tw (the swiglu op: GPU tests + the gemm suite's training rows), then PARTS="n1 n2" (the attention suite with the
+# s1024 cases in 7 rounds: the one 0.964x case was cuDNN against cuDNN), then PARTS="sp d".
 # OPSADV_COMMIT=<sha> PART=a bash benchmarks/h200_next.sh   (from the repo root on the GPU host, $OUT set)
 set -u
 # tests/conftest.py defaults TRITON_INTERPRET to 1 (CPU CI): every pytest here must say 0, and select the GPU tests
