@@ -185,9 +185,11 @@ t)   # session 9: the gemm suite with training calls composed (GEMM through the 
 gk)  # session 10: split the op's bias+act gap (suite 0.985x vs probe 1.069x at 16384x12288x4096 gelu_tanh):
      # weight layout, timing method, op path; coop and its tanh twin only (their checks rerun first, ~1 min once)
   for cfg in "0 0" "1 0" "1 1"; do set -- $cfg
-    PROBE_VARIANTS=coop,coop_tanh PROBE_COMPILE=0 PROBE_OP=1 PROBE_B_NK=$1 PROBE_DO_BENCH=$2 timeout 170 \
-      python3 benchmarks/gluon_gemm/probe.py "$OUT/gluon_gemm_split_nk$1_db$2.json" > "/tmp/gk_$1$2.log" 2>&1
+    PROBE_VARIANTS=coop,coop_tanh PROBE_COMPILE=0 PROBE_OP=1 PROBE_B_NK=$1 PROBE_DO_BENCH=$2 \
+      PROBE_CASES=square_none,suite_bias_gelu_tanh,suite_bias_silu timeout 170 \
+      python3 benchmarks/gluon_gemm/probe.py "/tmp/gk_$1$2.json" > "/tmp/gk_$1$2.log" 2>&1
     echo "gluon gemm split nk=$1 do_bench=$2 rc $?"; grep -E "best peer|gluon\.|_addmm|matmul " "/tmp/gk_$1$2.log" | cut -c1-100
+    cp "/tmp/gk_$1$2.json" "$OUT/gluon_gemm_split_nk$1_db$2.json"    # (the per-variant check files stay in /tmp)
   done
   ;;
 tw)  # session 10: the swiglu op's Triton kernels on the GPU (bf16 / fp16), then the gemm suite's training rows

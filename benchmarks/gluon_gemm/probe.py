@@ -52,6 +52,8 @@ CASES = [  # name, M, N, K, bias, activation
     ("bert_ffn1_bias_gelu", 12288, 3072, 768, True, "gelu"),
     ("decode_m8_none", 8, 4096, 4096, False, "none"),
 ]
+if os.environ.get("PROBE_CASES"):          # e.g. PROBE_CASES=suite_bias_gelu_tanh,suite_bias_silu
+    CASES = [c for c in CASES if c[0] in os.environ["PROBE_CASES"].split(",")]
 ODD = [(1, 8, 8), (7, 24, 40), (127, 136, 264), (1000, 520, 264), (1000, 776, 1544), (2100, 1096, 136)]
 # Grid caps per ODD shape: None = min(tiles, #SMs) (mostly one tile per CTA at these shapes), and 5 CTAs, so
 # every CTA walks many tiles (ring wrap-around across tiles, ping-pong turns, deferred TMA store waits).
