@@ -136,12 +136,16 @@ def _(a, b, bias, activation, residual, alpha):
     return a.new_empty(tuple(a.shape[:-1]) + (b.shape[1],))
 
 
-@torch.library.custom_op("opsadv::gemm_backward", mutates_args=())
-def _gemm_backward(grad: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor], activation: str,
-                   alpha: float) -> tuple[Tensor, Tensor, Tensor]:
+def _gemm_bwd_route(grad, a, b, bias, activation, alpha):
     key = _gemm_key(a, b, bias, activation, None, alpha, True)
     return dispatch.call(key, lambda: _gemm_spec(a, b, bias, activation, None, alpha, True),
                          (grad, a, b, bias, activation, alpha))
+
+
+@torch.library.custom_op("opsadv::gemm_backward", mutates_args=())
+def _gemm_backward(grad: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor], activation: str,
+                   alpha: float) -> tuple[Tensor, Tensor, Tensor]:
+    return _gemm_bwd_route(grad, a, b, bias, activation, alpha)
 
 
 @_gemm_backward.register_fake
@@ -157,7 +161,9 @@ def _gemm_setup(ctx, inputs, output):
 
 def _gemm_bwd(ctx, grad):
     a, b, bias = ctx.saved_tensors
-    da, db, dbias = torch.ops.opsadv.gemm_backward(grad, a, b, bias, ctx.activation, ctx.alpha)
+    # eager: the router directly (no torch.library boundary: tens of us per call); traced: the op
+    bwd = _gemm_bwd_route if eager_mode(grad, a, b, bias) != TORCH_OPS else torch.ops.opsadv.gemm_backward
+    da, db, dbias = bwd(grad, a, b, bias, ctx.activation, ctx.alpha)
     return da, db, none_if_empty(dbias) if bias is not None else None, None, (grad if ctx.has_residual else None), None
 
 
