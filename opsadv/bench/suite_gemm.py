@@ -28,7 +28,9 @@ def _grid(quick: bool):
         return [(8192, 8192, 8192, "none", False), (16384, 12288, 4096, "gelu_tanh", False),
                 (16384, 11008, 4096, "silu", False), (16384, 11008, 4096, "swiglu", False)]
     g = [(m, n, k, ep, False) for m, n, k in SHAPES for ep in EPILOGUES]
-    return g + [(16384, 12288, 4096, "gelu_tanh", True), (16384, 11008, 4096, "swiglu", True)]
+    # training rows: a GEMM's forward + backward (grad-recording calls keep the pre-activation: gemm.py)
+    return g + [(16384, 12288, 4096, "gelu_tanh", True), (16384, 11008, 4096, "silu", True),
+                (8192, 8192, 8192, "none", True), (16384, 11008, 4096, "swiglu", True)]
 
 
 OWN_PREFIXES = ("cuda.gluon.", "cuda.triton.")   # the library's own kernels, in the order the [own] row prefers
