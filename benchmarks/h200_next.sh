@@ -51,9 +51,11 @@
 #   then d (e2e: no-grad prefill now takes cuDNN without lse where cuDNN wins), s, e2.
 # Session 9 ran PARTS="n1 n2", "x g2", "sp g3" on nvidia-h200-x2 (results/*_s9_h200*); then PARTS="t sp" after
 # the gemm training path and the flex recompile / donated-buffer fixes, and d (e2e) at 5cab519.
-# Order for session 10 (on nvidia-h200-x2: PARTS="gk tw"): gk (why the op's Gluon bias+act trails the probe),
-# tw (the swiglu op: GPU tests + the gemm suite's training rows), then PARTS="n1 n2" (the attention suite with the
-# s1024 cases in 7 rounds: the one 0.964x case was cuDNN against cuDNN), then PARTS="sp d".
+# Order for session 10, on nvidia-h200-x2, each line one call: PARTS="ab gk" -- ab: the atomic backward with dQ
+# through TMA reduce (does it close issue 3's backward gap?), gk: why the op's Gluon bias+act trails the probe;
+# PARTS="n1 n2" -- the attention suite with the s1024 cases in 7 rounds (the one 0.964x case was cuDNN against
+# cuDNN); PARTS="tw sp" -- tw: the swiglu op's GPU tests + the gemm suite's training rows (swiglu's fwd+bwd was
+# measured once at 6adef12); then PART=d.
 # OPSADV_COMMIT=<sha> PART=a bash benchmarks/h200_next.sh   (from the repo root on the GPU host, $OUT set)
 set -u
 # tests/conftest.py defaults TRITON_INTERPRET to 1 (CPU CI): every pytest here must say 0, and select the GPU tests
@@ -199,6 +201,15 @@ tw)  # session 10: the swiglu op's Triton kernels on the GPU (bf16 / fp16), then
   echo "swiglu pytest rc $?"; tail -2 "$OUT/swiglu_pytest.log"
   timeout 200 python3 -m opsadv bench --suite gemm --filter "fwd\+bwd" --json "$OUT/gemm_train.json" > "$OUT/gemm_train.log" 2>&1
   echo "gemm train rc $?"; grep -E "^fwd" "$OUT/gemm_train.log" | cut -c1-150
+  ;;
+ab)  # session 10: the atomic backward with dQ through TMA bulk reduce-adds (compiled on CPU, never run): GPU tests,
+     # then timed against the deterministic Triton backward and cuDNN's (issue 3: own fwd+bwd 0.82-0.89x cuDNN,
+     # the backward is the limit); if it wins, it can leave experimental (not deterministic: the deterministic
+     # policy keeps the two-kernel one)
+  TRITON_INTERPRET=0 timeout 120 python3 -m pytest -q -p no:cacheprovider -k "gpu_triton_atomic" \
+    tests/test_cuda_attention.py > "$OUT/attn_bwd_tma_pytest.log" 2>&1
+  echo "atomic bwd pytest rc $?"; tail -2 "$OUT/attn_bwd_tma_pytest.log"
+  timeout 300 python3 benchmarks/attn_bwd_tma_probe.py "$OUT/attn_bwd_tma_probe.json" 2>&1 | tail -6 | cut -c1-300
   ;;
 sp)
   timeout 540 python3 -m opsadv bench --suite sparse --json "$OUT/sparse_full.json" > "$OUT/sparse_full.log" 2>&1

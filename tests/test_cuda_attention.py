@@ -180,6 +180,8 @@ def test_gpu_triton_atomic_dq_backward(b, hq, hkv, sq, sk, d, causal, seed, monk
     _, _, ref = _ref(q, k, v, do, causal, 0.1)
     for x, y in zip(grads, ref):
         assert rel_err(x, y) < 1.5e-2
+    # Hopper, head dim a power of two: dQ went through the TMA bulk reduce (d = 96 pads to 128: element atomics)
+    assert A._dq_tma_ok(q, d, 128 if d == 96 else d) == (torch.cuda.get_device_capability() >= (9, 0) and d != 96)
 
 
 @requires_gpu
@@ -446,3 +448,61 @@ def test_explain_names_the_bucket_the_call_resolves_in():
         assert "inference" not in str(opsadv.explain("flash_attention", q, q, q, return_lse=True))
     qg = q.clone().requires_grad_()
     assert "train (grad-recording" in str(opsadv.explain("flash_attention", qg, q, q))
+
+
+# The Hopper dQ path of the atomic backward (one TMA bulk reduce-add per tile) has no interpreter support, so on
+# CPU it is compiled for sm_90 (ptxas, no GPU) in a fresh interpreter without TRITON_INTERPRET and its PTX read;
+# test_gpu_triton_atomic_dq_backward runs it on an H100 / H200.
+_BWD_TMA_COMPILE = r"""
+import json, os, re, sys
+os.environ.pop("TRITON_INTERPRET", None)
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import create_function_from_signature
+from triton.tools.tensor_descriptor import TensorDescriptor
+from opsadv.backends.cuda import attention as A
+backend = make_backend(GPUTarget("cuda", 90, 128))
+fn = A._bwd_kv_kernel
+b, hq, hkv, sq, sk, d, bm, bn = 1, 4, 2, 1000, 1000, 128, 64, 128
+q = torch.randn(b, hq, sq, d, dtype=torch.bfloat16)
+k = torch.randn(b, hkv, sk, d, dtype=torch.bfloat16)
+lse2, dqa = torch.empty(b, hq, sq), torch.zeros(b, hq, sq, d)
+out = {}
+for tma in (False, True):
+    desc = TensorDescriptor(dqa, [b * hq, sq, d], [sq * d, d, 1], [1, bm, d]) if tma else None
+    args = (q, k, k, q, k, k, lse2, lse2, dqa, desc) + q.stride()[:3] * 2 + k.stride()[:3] * 4 + (
+        hq, hq // hkv, sq, sk, 0, 0.1, 0.08)
+    kw = dict(zip(fn.arg_names, args), HEAD_DIM=d, BLOCK_D=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=True, EVEN_M=False,
+              EVEN_N=False, ATOMIC_DQ=True, DQ_TMA=tma)
+    opts = dict(num_warps=8, num_stages=2, debug=False)
+    bound, spec, _ = create_function_from_signature(fn.signature, fn.params, backend)(**kw, **opts)
+    options, signature, constexprs, attrs = fn._pack_args(backend, opts, bound, spec, None)
+    ptx = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 128),
+                         options=options.__dict__).asm["ptx"]
+    out[str(tma)] = {"bulk_reduce": len(re.findall(r"cp\.reduce\.async\.bulk\.tensor\.3d\.global\.shared::cta\.add", ptx)),
+                     "element_atomics": len(re.findall(r"\b(?:red|atom)\.global\.", ptx))}
+print(json.dumps(out))
+"""
+
+
+def test_atomic_dq_backward_reduces_through_tma_on_sm90():
+    """With DQ_TMA the dK/dV kernel adds each tile's dQ share with one bulk tensor reduce (per inner loop: the
+    causal band and the rest), and no element atomics remain; without it, element atomics do the adding."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from triton import knobs
+    ptxas = getattr(knobs.nvidia.ptxas, "path", None)
+    if not ptxas or not os.path.exists(ptxas):
+        pytest.skip(f"ptxas not found ({ptxas})")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, "-c", _BWD_TMA_COMPILE], capture_output=True, text=True, env=env, cwd=root,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    r = json.loads(res.stdout.strip().splitlines()[-1])
+    assert r["True"] == {"bulk_reduce": 2, "element_atomics": 0}
+    assert r["False"]["bulk_reduce"] == 0 and r["False"]["element_atomics"] > 0

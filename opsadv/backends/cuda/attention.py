@@ -30,8 +30,10 @@ LN2 = 0.6931471805599453
 HEAD_DIMS = (32, 64, 96, 128, 256)
 FEATURES = frozenset({"causal", "gqa", "cross_length"})
 # H200 (bf16, d128, s4096): the atomic-dQ backward took 7.8 ms against 6.7 ms for the two-kernel one
-# (fp32 atomics in the dK/dV kernel cost more than recomputing QK^T and dP in a dQ kernel), so it
-# ranks below and is experimental (use_backend(..., experimental=True) to measure it).
+# (fp32 element atomics in the dK/dV kernel cost more than recomputing QK^T and dP in a dQ kernel), so it
+# ranks below and is experimental (use_backend(..., experimental=True) to measure it).  Since session 9 it
+# reduces dQ on Hopper with one TMA bulk reduce-add per tile (_dq_tma_ok; compiled for sm_90 on CPU, not yet
+# timed: benchmarks/attn_bwd_tma_probe.py, h200_next.sh PART=ab).
 ATOMIC_DQ_PRIORITY_DELTA = -10
 
 try:  # host-side TMA descriptors (Triton >= 3.4)
@@ -208,9 +210,10 @@ def _bwd_pre_kernel(O, DO, LSE, DELTA, LSE2, s_ob, s_oh, s_om, s_db, s_dh, s_dm,
 
 
 @triton.jit
-def _bwd_kv_inner(dk, dv, k, v, q_base, do_base, L, D, DQA, s_qm, s_dm, offs_n, offs_d, lo, hi, SQ, SK, OFFSET,
-                  qk_scale, scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, PAD_D: tl.constexpr,
-                  MASKED: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+def _bwd_kv_inner(dk, dv, k, v, q_base, do_base, L, D, DQA, dq_desc, bh, s_qm, s_dm, offs_n, offs_d, lo, hi, SQ, SK,
+                  OFFSET, qk_scale, scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, PAD_D: tl.constexpr,
+                  MASKED: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+                  DQ_TMA: tl.constexpr):
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -234,22 +237,27 @@ def _bwd_kv_inner(dk, dv, k, v, q_base, do_base, L, D, DQA, s_qm, s_dm, offs_n, 
             if not EVEN_N:  # keys past s_k: k is 0 there, but p could be inf, and inf * 0 is NaN
                 ds_t = tl.where(offs_n[:, None] < SK, ds_t, 0.0)
             dq_part = tl.dot(tl.trans(ds_t.to(k.dtype)), k) * scale
-            dqa_ptrs = DQA + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
-            if EVEN_M and not PAD_D:
-                tl.atomic_add(dqa_ptrs, dq_part, sem="relaxed")
+            if DQ_TMA:  # one bulk reduce-add of the whole tile (TMA, done in L2; rows past s_q are clipped by the
+                        # (b*h, s_q, d) descriptor's bounds) instead of BLOCK_M * HEAD_DIM atomics from registers
+                dq_desc.atomic_add([bh, start_m, 0], dq_part.reshape([1, BLOCK_M, HEAD_DIM]))
             else:
-                tl.atomic_add(dqa_ptrs, dq_part, sem="relaxed",
-                              mask=(offs_m[:, None] < SQ) & (offs_d[None, :] < HEAD_DIM))
+                dqa_ptrs = DQA + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+                if EVEN_M and not PAD_D:
+                    tl.atomic_add(dqa_ptrs, dq_part, sem="relaxed")
+                else:
+                    tl.atomic_add(dqa_ptrs, dq_part, sem="relaxed",
+                                  mask=(offs_m[:, None] < SQ) & (offs_d[None, :] < HEAD_DIM))
     return dk, dv
 
 
 @triton.jit
-def _bwd_kv_kernel(Q, K, V, DO, DK, DV, LSE2, DELTA, DQA,
+def _bwd_kv_kernel(Q, K, V, DO, DK, DV, LSE2, DELTA, DQA, dq_desc,
                    s_qb, s_qh, s_qm, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_db, s_dh, s_dm,
                    s_dkb, s_dkh, s_dkn, s_dvb, s_dvh, s_dvn,
                    H, GROUP, SQ, SK, OFFSET, qk_scale, scale,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+                   CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+                   DQ_TMA: tl.constexpr = False):
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     pid_n = tl.program_id(0)
     pid_bhk = tl.program_id(1)
@@ -279,12 +287,13 @@ def _bwd_kv_kernel(Q, K, V, DO, DK, DV, LSE2, DELTA, DQA,
         do_base = DO + off_b.to(tl.int64) * s_db + off_h.to(tl.int64) * s_dh
         row0 = (off_b * H + off_h).to(tl.int64) * SQ
         dqa = DQA + row0 * HEAD_DIM                         # fp32 dQ accumulator (b, h_q, s_q, d), contiguous
-        dk, dv = _bwd_kv_inner(dk, dv, k, v, q_base, do_base, LSE2 + row0, DELTA + row0, dqa, s_qm, s_dm, offs_n,
-                               offs_d, m_lo, m_mid, SQ, SK, OFFSET, qk_scale, scale, HEAD_DIM, BLOCK_M, PAD_D, True,
-                               EVEN_M, EVEN_N, ATOMIC_DQ)
-        dk, dv = _bwd_kv_inner(dk, dv, k, v, q_base, do_base, LSE2 + row0, DELTA + row0, dqa, s_qm, s_dm, offs_n,
-                               offs_d, m_mid, sq_pad, SQ, SK, OFFSET, qk_scale, scale, HEAD_DIM, BLOCK_M, PAD_D, False,
-                               EVEN_M, EVEN_N, ATOMIC_DQ)
+        bh = off_b * H + off_h                              # this q head's slab of the dQ descriptor
+        dk, dv = _bwd_kv_inner(dk, dv, k, v, q_base, do_base, LSE2 + row0, DELTA + row0, dqa, dq_desc, bh, s_qm, s_dm,
+                               offs_n, offs_d, m_lo, m_mid, SQ, SK, OFFSET, qk_scale, scale, HEAD_DIM, BLOCK_M, PAD_D,
+                               True, EVEN_M, EVEN_N, ATOMIC_DQ, DQ_TMA)
+        dk, dv = _bwd_kv_inner(dk, dv, k, v, q_base, do_base, LSE2 + row0, DELTA + row0, dqa, dq_desc, bh, s_qm, s_dm,
+                               offs_n, offs_d, m_mid, sq_pad, SQ, SK, OFFSET, qk_scale, scale, HEAD_DIM, BLOCK_M, PAD_D,
+                               False, EVEN_M, EVEN_N, ATOMIC_DQ, DQ_TMA)
     dk = dk * scale
     store_tile(DK + off_b.to(tl.int64) * s_dkb + off_hk.to(tl.int64) * s_dkh + offs_n[:, None] * s_dkn + offs_d[None, :],
                dk.to(DK.dtype.element_ty), offs_n, SK, offs_d, HEAD_DIM, not EVEN_N, PAD_D)
@@ -454,9 +463,17 @@ def flash_bwd(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale):
 
 
 def flash_bwd_atomic(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale):
-    """dQ accumulated with fp32 atomics inside the dK/dV kernel: no QK^T/dP recomputation for dQ,
-    but the summation order varies between runs (not deterministic)."""
+    """dQ accumulated in fp32 inside the dK/dV kernel: no QK^T/dP recomputation for dQ, but the summation order
+    varies between runs (not deterministic).  On Hopper each tile's share goes in one TMA bulk reduce-add
+    (FA3's way); elsewhere (and under the interpreter) by element atomics."""
     return _bwd(ctx, dout, q, k, v, out, lse, causal, scale, atomic_dq=True)
+
+
+def _dq_tma_ok(q: torch.Tensor, d: int, block_d: int) -> bool:
+    """dQ reduced through TMA (a bulk reduce-add per tile, Hopper+): needs host descriptors, an unpadded head
+    dim and a real GPU (the interpreter has no descriptor reduce)."""
+    return (TensorDescriptor is not None and q.device.type == "cuda" and d == block_d
+            and torch.cuda.get_device_capability(q.device) >= (9, 0))
 
 
 def _bwd(ctx, dout, q, k, v, out, lse, causal, scale, atomic_dq: bool):
@@ -481,17 +498,22 @@ def _bwd(ctx, dout, q, k, v, out, lse, causal, scale, atomic_dq: bool):
     qk_scale = scale * LOG2E
     common = (hq, group, sq, sk, sk - sq, qk_scale, scale)
 
+    dq_tma = atomic_dq and _dq_tma_ok(q, d, block_d)
+
     def launch_kv(cfg):
         bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+        dq_desc = None
         if atomic_dq:
             dqa.zero_()                                     # the tuner may launch this more than once
+            if dq_tma:                                      # (b*h, s_q, d) fp32: TMA clips rows past s_q
+                dq_desc = TensorDescriptor(dqa, [b * hq, sq, d], [sq * d, d, 1], [1, bm, d])
         _bwd_kv_kernel[(triton.cdiv(sk, bn), b * hkv)](
-            q, k, v, dout, dk, dv, lse2, delta, dqa,
+            q, k, v, dout, dk, dv, lse2, delta, dqa, dq_desc,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), *common,
             HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=causal, EVEN_M=sq % bm == 0, EVEN_N=sk % bn == 0,
-            ATOMIC_DQ=atomic_dq, **_launch_args(cfg))
+            ATOMIC_DQ=atomic_dq, DQ_TMA=dq_tma, **_launch_args(cfg))
 
     def launch_q(cfg):
         bm = cfg["BLOCK_M"]
