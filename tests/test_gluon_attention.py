@@ -170,9 +170,9 @@ def test_unavailable_without_gluon(monkeypatch):
     call, naming the import failure."""
     mod = load_without_gluon(monkeypatch, GA, "._gluon_fa_kernel")
     assert "triton.experimental.gluon" in mod.UNAVAILABLE
-    (impl,) = mod.impls(_env())
-    why = impl.rejection_reasons(_spec(), _env(), experimental_ok=True, deterministic=False)
-    assert why == [mod.UNAVAILABLE]
+    for impl in mod.impls(_env()):             # the impl and its atomic-dQ twin
+        why = impl.rejection_reasons(_spec(), _env(), experimental_ok=True, deterministic=False)
+        assert why == [mod.UNAVAILABLE]
     with pytest.raises(RuntimeError, match="not importable"):
         mod.launch_args(*(torch.empty(1, 1, 1, 64),) * 5, False, 0.1)
 

@@ -165,6 +165,12 @@ def gluon_bwd(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale):
     return flash_bwd(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale)
 
 
+def gluon_bwd_atomic(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale):
+    """The Triton single-kernel backward (dQ by TMA bulk reduce-adds on Hopper: not deterministic)."""
+    from .attention import flash_bwd_atomic
+    return flash_bwd_atomic(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale)
+
+
 def _check(spec, env) -> list[str]:
     if UNAVAILABLE:
         return [UNAVAILABLE]
@@ -174,16 +180,24 @@ def _check(spec, env) -> list[str]:
 
 
 def impls(env) -> list[KernelImpl]:
+    common = dict(op="flash_attention", backend="cuda", fn=gluon_fwd, device_types=("cuda",),
+                  dtypes=(torch.float16, torch.bfloat16), head_dims=HEAD_DIMS, min_cc=(9, 0), max_cc=(9, 0),
+                  features=FEATURES, check=_check)
     return [KernelImpl(
-        id=IMPL_ID, op="flash_attention", backend="cuda", fn=gluon_fwd, backward=gluon_bwd,
+        id=IMPL_ID, backward=gluon_bwd,
         # above the Triton impl (its forward is faster: 0.79-0.90x cuDNN vs 0.78x) and below the cuDNN /
         # flash impls; a tuning cache's measurement overrides the order
-        priority=PRIORITY_TRITON + 10, device_types=("cuda",), dtypes=(torch.float16, torch.bfloat16),
-        head_dims=HEAD_DIMS, min_cc=(9, 0), max_cc=(9, 0), features=FEATURES, deterministic=True,
-        check=_check,     # not experimental: passed the H200 conformance catalogue at 0802806
+        priority=PRIORITY_TRITON + 10, deterministic=True,
+        # not experimental: passed the H200 conformance catalogue at 0802806
         description="Gluon FA3-style forward for Hopper (TMA producer warp, two consumer warpgroups taking "
                     "wgmma turns (ping-pong), 3-stage K/V ring, softmax/GEMM overlap; "
-                    "ragged s, bottom-right causal, GQA by index); Triton backward from out + lse")]
+                    "ragged s, bottom-right causal, GQA by index); Triton backward from out + lse", **common),
+        # the same forward with the single-kernel backward whose dQ goes through TMA reduce-adds (session 9:
+        # compiled, never timed; benchmarks/attn_bwd_tma_probe.py): experimental until measured and pinned
+        KernelImpl(
+        id=IMPL_ID + ".atomic_dq", backward=gluon_bwd_atomic, priority=PRIORITY_TRITON + 5, deterministic=False,
+        experimental=True, description="the Gluon forward; Triton single-kernel backward, dQ by TMA bulk "
+                                       "reduce-adds (not deterministic)", **common)]
 
 
 __all__ = ["impls", "attention_fwd", "launch_args", "variants_for", "VARIANTS", "DEFAULT_VARIANT", "UNAVAILABLE",
