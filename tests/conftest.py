@@ -14,6 +14,33 @@ from opsadv.core import policy as _policy  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 requires_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def sm90_compile_env() -> dict:
+    """Environment for a child process that compiles kernels for sm_90 on this (CPU) machine: without
+    TRITON_INTERPRET (under it jit functions become interpreter objects that cannot be compiled), with the repo
+    on PYTHONPATH.  Skips the calling test where Triton has no ptxas."""
+    try:
+        from triton import knobs
+        ptxas = getattr(knobs.nvidia.ptxas, "path", None)
+    except Exception as e:  # no NVIDIA backend in this Triton
+        pytest.skip(f"no ptxas: {type(e).__name__}: {e}")
+    if not ptxas or not os.path.exists(ptxas):
+        pytest.skip(f"ptxas not found ({ptxas})")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def run_sm90_compile(argv: list, timeout: float = 600) -> str:
+    """`python *argv` under sm90_compile_env() from the repo root; its stdout (the test fails on a non-zero exit)."""
+    import subprocess
+    import sys
+    res = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=sm90_compile_env(),
+                         cwd=REPO_ROOT, timeout=timeout)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    return res.stdout
 
 
 @pytest.fixture(autouse=True)

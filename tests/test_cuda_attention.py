@@ -490,19 +490,7 @@ def test_atomic_dq_backward_reduces_through_tma_on_sm90():
     """With DQ_TMA the dK/dV kernel adds each tile's dQ share with one bulk tensor reduce (per inner loop: the
     causal band and the rest), and no element atomics remain; without it, element atomics do the adding."""
     import json
-    import os
-    import subprocess
-    import sys
-    from triton import knobs
-    ptxas = getattr(knobs.nvidia.ptxas, "path", None)
-    if not ptxas or not os.path.exists(ptxas):
-        pytest.skip(f"ptxas not found ({ptxas})")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", _BWD_TMA_COMPILE], capture_output=True, text=True, env=env, cwd=root,
-                         timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    r = json.loads(res.stdout.strip().splitlines()[-1])
+    from conftest import run_sm90_compile
+    r = json.loads(run_sm90_compile(["-c", _BWD_TMA_COMPILE]).strip().splitlines()[-1])
     assert r["True"] == {"bulk_reduce": 2, "element_atomics": 0}
     assert r["False"]["bulk_reduce"] == 0 and r["False"]["element_atomics"] > 0

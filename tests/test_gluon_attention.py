@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 
 import pytest
 import torch
@@ -84,19 +83,9 @@ COMPILE_CASES = [(d, name, causal, dt) for d in (128, 64) for name in GA.variant
 
 @pytest.fixture(scope="module")
 def sm90_compile_report():
-    import subprocess
     import json
-    from triton import knobs
-    ptxas = getattr(knobs.nvidia.ptxas, "path", None)
-    if not ptxas or not os.path.exists(ptxas):
-        pytest.skip(f"ptxas not found ({ptxas})")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(COMPILE_CASES)], capture_output=True,
-                         text=True, env=env, cwd=root, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    from conftest import run_sm90_compile
+    return json.loads(run_sm90_compile(["-c", _COMPILE_SCRIPT, json.dumps(COMPILE_CASES)]).strip().splitlines()[-1])
 
 
 @needs_gluon

@@ -15,8 +15,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -322,16 +320,9 @@ def test_emulated_ws_protocol_detects_bugs():
 def _compile_report(tmp_path_factory, *flags):
     """benchmarks/gluon_fa/compile_bwd_sm90.py in a fresh interpreter without TRITON_INTERPRET (under it
     gluon.jit functions cannot be compiled): registers and SASS spill counts per compiled kernel."""
-    from triton import knobs
-    ptxas = getattr(knobs.nvidia.ptxas, "path", None)
-    if not ptxas or not os.path.exists(ptxas):
-        pytest.skip(f"ptxas not found ({ptxas})")
+    from conftest import run_sm90_compile
     out_dir = tmp_path_factory.mktemp("bwd_sm90")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gluon_fa", "compile_bwd_sm90.py"),
-                          str(out_dir), *flags], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    run_sm90_compile([os.path.join(ROOT, "benchmarks", "gluon_fa", "compile_bwd_sm90.py"), str(out_dir), *flags])
     with open(out_dir / "summary.json") as f:
         return {r["variant"]: r for r in json.load(f)["results"]}
 

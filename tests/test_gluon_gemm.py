@@ -83,12 +83,8 @@ def _key(case) -> str:
 
 @pytest.fixture(scope="module")
 def sm90_compile_report():
-    from triton import knobs
-    ptxas = getattr(knobs.nvidia.ptxas, "path", None)
-    if not ptxas or not os.path.exists(ptxas):
-        pytest.skip(f"ptxas not found ({ptxas})")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    from conftest import sm90_compile_env
+    env = sm90_compile_env()
     jobs = min(4, os.cpu_count() or 1)
     chunks = [COMPILE_CASES[i::jobs] for i in range(jobs)]
     procs = [subprocess.Popen([sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(c)], stdout=subprocess.PIPE,

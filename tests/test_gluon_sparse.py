@@ -16,8 +16,6 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -89,19 +87,9 @@ def _compile_module():
 @pytest.fixture(scope="module")
 def sm90_compile_report():
     import json
-    try:
-        from triton import knobs
-        ptxas = getattr(knobs.nvidia.ptxas, "path", None)
-    except Exception as e:  # no NVIDIA backend in this Triton
-        pytest.skip(f"no ptxas: {type(e).__name__}: {e}")
-    if not ptxas or not os.path.exists(ptxas):
-        pytest.skip(f"ptxas not found ({ptxas})")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, COMPILE_SCRIPT], capture_output=True, text=True, env=env, cwd=ROOT,
-                         timeout=900)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return {r["case"]: r for r in json.loads(res.stdout.strip().splitlines()[-1])["results"]}
+    from conftest import run_sm90_compile
+    out = run_sm90_compile([COMPILE_SCRIPT], timeout=900)
+    return {r["case"]: r for r in json.loads(out.strip().splitlines()[-1])["results"]}
 
 
 @needs_gluon
