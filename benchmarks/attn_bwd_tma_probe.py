@@ -8,6 +8,7 @@ Triton backward, the atomic one (TMA reduce on Hopper), cuDNN's; checks the atom
 at a small shape first (NaN-poisoned outputs).
 
     PYTHONPATH=. python3 benchmarks/attn_bwd_tma_probe.py OUT.json
+    PROBE_DEVICE=cpu TRITON_INTERPRET=1 ...: a dry run of the script's logic on tiny shapes (element atomics, no cuDNN)
 """
 from __future__ import annotations
 
@@ -24,7 +25,10 @@ from opsadv.core import dispatch
 from opsadv.core.ops import attention as OA
 from opsadv.registry import get_registry
 
+DEV = os.environ.get("PROBE_DEVICE", "cuda")
 SHAPES = [(4, 32, 4096, 128, False), (4, 32, 4096, 128, True), (1, 32, 16384, 128, True), (4, 32, 4096, 64, True)]
+if DEV == "cpu":
+    SHAPES = [(1, 2, 64, 64, True)]
 
 
 def _ctx(q, k, causal):
@@ -36,8 +40,9 @@ def _ctx(q, k, causal):
 def check() -> float:
     os.environ["OPSADV_POISON_OUTPUTS"] = "1"
     torch.manual_seed(0)
-    q = torch.randn(2, 8, 1000, 128, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(2, 4, 1000, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    n, dt = (1000, torch.bfloat16) if DEV == "cuda" else (70, torch.float16)
+    q = torch.randn(2, 8, n, 128, device=DEV, dtype=dt)
+    k, v = (torch.randn(2, 4, n, 128, device=DEV, dtype=dt) for _ in range(2))
     do = torch.randn_like(q)
     ctx = _ctx(q, k, True)
     o, lse = A.flash_fwd(ctx, q, k, v, None, True, 0.1)
@@ -51,18 +56,21 @@ def check() -> float:
 
 def main(path: str) -> None:
     cudnn = next(i for i in get_registry().impls_by_op["flash_attention"] if i.id == "cuda.sdpa.cudnn")
-    res = {"commit": os.environ.get("OPSADV_COMMIT", "unknown"), "device": torch.cuda.get_device_name(),
+    res = {"commit": os.environ.get("OPSADV_COMMIT", "unknown"),
+           "device": torch.cuda.get_device_name() if DEV == "cuda" else DEV,
            "check_rel_err": check(), "cases": []}
     print("atomic (TMA) backward vs float64: rel err", res["check_rel_err"], flush=True)
     for b, h, s, d, causal in SHAPES:
         torch.manual_seed(0)
-        q, k, v, do = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        dt = torch.bfloat16 if DEV == "cuda" else torch.float16
+        q, k, v, do = (torch.randn(b, h, s, d, device=DEV, dtype=dt) for _ in range(4))
         ctx = _ctx(q, k, causal)
         o, lse = A.flash_fwd(ctx, q, k, v, None, causal, d ** -0.5)
-        co, clse = cudnn.fn(None, q, k, v, None, causal, d ** -0.5)
         fns = {"triton_det": lambda: A.flash_bwd(ctx, do, q, k, v, o, lse, None, causal, d ** -0.5),
-               "triton_atomic_tma": lambda: A.flash_bwd_atomic(ctx, do, q, k, v, o, lse, None, causal, d ** -0.5),
-               "cudnn": lambda: cudnn.backward(None, do, q, k, v, co, clse, None, causal, d ** -0.5)}
+               "triton_atomic_tma": lambda: A.flash_bwd_atomic(ctx, do, q, k, v, o, lse, None, causal, d ** -0.5)}
+        if DEV == "cuda":
+            co, clse = cudnn.fn(None, q, k, v, None, causal, d ** -0.5)
+            fns["cudnn"] = lambda: cudnn.backward(None, do, q, k, v, co, clse, None, causal, d ** -0.5)
         for f in fns.values():
             f()
         times = time_interleaved(fns, rounds=5)
