@@ -199,8 +199,12 @@ tw)  # session 10: the swiglu op's Triton kernels on the GPU (bf16 / fp16), then
   TRITON_INTERPRET=0 timeout 90 python3 -m pytest -q -p no:cacheprovider -k gpu tests/test_cuda_swiglu.py \
     > "$OUT/swiglu_pytest.log" 2>&1
   echo "swiglu pytest rc $?"; tail -2 "$OUT/swiglu_pytest.log"
-  timeout 200 python3 -m opsadv bench --suite gemm --filter "fwd\+bwd" --json "$OUT/gemm_train.json" > "$OUT/gemm_train.log" 2>&1
+  timeout 240 python3 -m opsadv bench --suite gemm --filter "fwd\+bwd|swiglu_act" --json "$OUT/gemm_train.json" \
+    > "$OUT/gemm_train.log" 2>&1
   echo "gemm train rc $?"; grep -E "^fwd" "$OUT/gemm_train.log" | cut -c1-150
+  timeout 120 python3 -m opsadv conformance --backend cuda --ops swiglu --json "$OUT/conf_swiglu.json" \
+    --markdown "$OUT/conf_swiglu.md" > /tmp/conf_swiglu.log 2>&1
+  echo "conformance swiglu rc $?"; tail -1 /tmp/conf_swiglu.log
   ;;
 ab)  # session 10: the atomic backward with dQ through TMA bulk reduce-adds (compiled on CPU, never run): GPU tests,
      # then timed against the deterministic Triton backward and cuDNN's (issue 3: own fwd+bwd 0.82-0.89x cuDNN,

@@ -170,3 +170,12 @@ def test_flex_peer_stays_compiled_across_cases():
         pytest.skip("no FlexAttention in this torch")
     assert dynamo_config.recompile_limit >= 64
     assert functorch_config.donated_buffer is False
+
+
+def test_swiglu_act_rows_run_and_verify():
+    """The gemm suite's swiglu-op rows (memory-bound, TB/s): forward and forward+backward run, and opsadv's
+    output is checked against the eager peer's."""
+    from opsadv.bench.suite_gemm import _swiglu_act_cases
+    for case in _swiglu_act_cases("cpu", torch.float32, m=33, n=20):
+        (row,) = runner.run_case(case)
+        assert row["unit"] == "TB/s" and row["rel_err"] < 1e-5 and row["opsadv_ms"] > 0, row

@@ -131,3 +131,36 @@ def cases(quick: bool) -> Iterator[BenchCase]:
                 ({"none": [], "gelu_tanh": ["bias", "gelu_tanh"], "silu": ["bias", "silu"], "swiglu": ["swiglu"]}[ep])
         yield BenchCase(suite="gemm", case=" ".join(words), opsadv=(lambda fn=mine: run(fn)), peers=peers,
                         work=flops, unit="TFLOP/s", extra=extra)
+    if not quick:
+        yield from _swiglu_act_cases(dev, dtype)
+
+
+DT_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def _swiglu_act(gu):
+    g, u = gu.chunk(2, dim=-1)
+    return F.silu(g) * u
+
+
+def _swiglu_act_cases(dev: str, dtype, m: int = 16384, n: int = 11008) -> Iterator[BenchCase]:
+    """The swiglu op alone (memory-bound: TB/s of gate_up read + y written, forward; gate_up + grad read and
+    d gate_up written, backward) against eager silu(g) * u and torch.compile of it, at the suite's SwiGLU size."""
+    for bwd in (False, True):
+        torch.manual_seed(0)
+        gu = torch.randn(m, 2 * n, device=dev, dtype=dtype).requires_grad_(bwd)
+        go = torch.randn(m, n, device=dev, dtype=dtype) if bwd else None
+
+        def run(fn, gu=gu, go=go, bwd=bwd):
+            if not bwd:
+                with torch.no_grad():
+                    return fn(gu)
+            return torch.autograd.grad(fn(gu), gu, go)
+
+        peers = {"torch_eager": (lambda: run(_swiglu_act))}
+        if dev == "cuda":
+            comp = torch.compile(_swiglu_act, dynamic=False)
+            peers["torch_compile"] = (lambda comp=comp: run(comp))
+        nbytes = m * n * gu.element_size() * ((2 + 3 + 2 + 1) if bwd else 3)   # fwd 2N in, N out; bwd again + 2N out
+        yield BenchCase(suite="gemm", case=f"{'fwd+bwd' if bwd else 'fwd'} {DT_NAMES[dtype]} t{m} n{n} swiglu_act",
+                        opsadv=(lambda: run(opsadv.ops.swiglu)), peers=peers, work=nbytes, unit="TB/s")
