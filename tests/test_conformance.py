@@ -62,17 +62,19 @@ class _CpuToyBackend:
         return ProbeResult(True)
 
 
+def _rms_norm_without_weight(ctx, x, weight, eps, residual, offset):
+    """The reference rms_norm forward that forgets the weight: the toy backends' planted bug."""
+    from opsadv.backends.reference.kernels import rms_norm_fwd
+    return rms_norm_fwd(ctx, x, None, eps, residual, offset)
+
+
 class Wrong(_CpuToyBackend):
     """A backend whose rms_norm forgets the weight: the kit must flag it."""
     name = "wrong"
 
     @hookimpl
     def opsadv_register_kernels(self, registry, env):
-        from opsadv.backends.reference.kernels import rms_norm_fwd
-
-        def fwd(ctx, x, weight, eps, residual, offset):
-            return rms_norm_fwd(ctx, x, None, eps, residual, offset)
-        registry.add(KernelImpl(id="wrong.rms_norm", op="rms_norm", backend="wrong", fn=fwd,
+        registry.add(KernelImpl(id="wrong.rms_norm", op="rms_norm", backend="wrong", fn=_rms_norm_without_weight,
                                 device_types=("cpu",), dtypes=(torch.float32,), features=frozenset({"weight"})))
 
 
@@ -117,11 +119,8 @@ class WrongInference(_CpuToyBackend):
     @hookimpl
     def opsadv_register_kernels(self, registry, env):
         from opsadv.backends.reference.kernels import rms_norm_bwd, rms_norm_fwd
-
-        def infer(ctx, x, weight, eps, residual, offset):
-            return rms_norm_fwd(ctx, x, None, eps, residual, offset)
         registry.add(KernelImpl(id="wronginf.rms_norm", op="rms_norm", backend="wronginf", fn=rms_norm_fwd,
-                                backward=rms_norm_bwd, inference=infer, device_types=("cpu",),
+                                backward=rms_norm_bwd, inference=_rms_norm_without_weight, device_types=("cpu",),
                                 dtypes=(torch.float32,), features=frozenset({"weight"})))
 
 

@@ -80,7 +80,7 @@ def _backward(ctx, grad):
     (gate_up,) = ctx.saved_tensors
     # eager: the router directly; traced: the op
     bwd = _bwd_route if eager_mode(grad, gate_up) != TORCH_OPS else torch.ops.opsadv.swiglu_backward
-    return bwd(grad.contiguous(), gate_up)
+    return bwd(grad, gate_up)          # impls take any strides (the Triton one copies only a strided last dim)
 
 
 _setup, _backward = carry_policy(_setup, _backward)
