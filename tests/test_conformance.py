@@ -105,7 +105,8 @@ def test_cuda_backend_real_kernels_in_interpreter(tmp_path):
         passed = [r for r in data["results"] if r["status"] == "pass"]
         assert data["summary"]["fail"] == 0
         # every op ran through a cuda Triton impl, forward and backward, somewhere in the matrix
-        for op in ("flash_attention", "sparse_attention", "gemm", "swiglu_gemm") + (() if precision else ("layer_norm", "rms_norm")):
+        for op in ("flash_attention", "sparse_attention", "gemm", "swiglu_gemm") + (
+                () if precision else ("swiglu", "layer_norm", "rms_norm")):
             assert any(r["op"] == op and r["impl"].startswith("cuda.triton") and "backward" in r["checks"]
                        for r in passed), op
         if precision:   # float32 inputs now served through the policy
