@@ -56,6 +56,10 @@
 # PARTS="n1 n2" -- the attention suite with the s1024 cases in 7 rounds (the one 0.964x case was cuDNN against
 # cuDNN); PARTS="tw sp" -- tw: the swiglu op's GPU tests + the gemm suite's training rows (swiglu's fwd+bwd was
 # measured once at 6adef12); then PART=d.
+# Session 10 ran PARTS="ab gk" (the TMA-reduce atomic backward loses: 8.09 ms vs 6.85 deterministic, 5.34 cuDNN;
+# the op's Gluon GEMM is slower than its kernel only when each call is timed alone: a host cost) and "n1 n2"
+# (fwd+bwd d128 non-causal 0.953 / 0.959: the same cuDNN kernel as the peer, a drift between rounds; the runner
+# now takes the median of per-round paired ratios over 5 rounds).  Then PARTS="tw+hg n1", PARTS="n2 sp".
 # OPSADV_COMMIT=<sha> PART=a bash benchmarks/h200_next.sh   (from the repo root on the GPU host, $OUT set)
 set -u
 # tests/conftest.py defaults TRITON_INTERPRET to 1 (CPU CI): every pytest here must say 0, and select the GPU tests
@@ -65,8 +69,9 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OPSADV_CACHE_DIR=${OPSADV_CACHE_DIR:-/
 # with its own tuning cache; their printouts follow one another once all have ended
 if [ -n "${PARTS:-}" ]; then
   i=0
-  for p in $PARTS; do
-    CUDA_VISIBLE_DEVICES=$i OPSADV_CACHE_DIR=/tmp/opsadv-cache-$i PARTS= PART=$p bash "$0" > "/tmp/part_$p.txt" 2>&1 &
+  for p in $PARTS; do     # "a+b": parts a then b on the same GPU
+    ( for q in ${p//+/ }; do CUDA_VISIBLE_DEVICES=$i OPSADV_CACHE_DIR=/tmp/opsadv-cache-$i PARTS= PART=$q bash "$0"; done ) \
+      > "/tmp/part_$p.txt" 2>&1 &
     i=$((i + 1))
   done
   wait
@@ -214,6 +219,10 @@ ab)  # session 10: the atomic backward with dQ through TMA bulk reduce-adds (com
     tests/test_cuda_attention.py > "$OUT/attn_bwd_tma_pytest.log" 2>&1
   echo "atomic bwd pytest rc $?"; tail -2 "$OUT/attn_bwd_tma_pytest.log"
   timeout 300 python3 benchmarks/attn_bwd_tma_probe.py "$OUT/attn_bwd_tma_probe.json" 2>&1 | tail -6 | cut -c1-300
+  ;;
+hg)  # session 10: the gemm op's extra time over its impl (PART=gk: 0.16-0.27 ms per call timed alone): host
+     # time per call, the kernels one call launches, a cProfile of the pinned op (benchmarks/gemm_host_probe.py)
+  timeout 150 python3 benchmarks/gemm_host_probe.py "$OUT/gemm_host_probe.txt" 2>&1 | grep -E "==|host" | cut -c1-160
   ;;
 sp)
   timeout 540 python3 -m opsadv bench --suite sparse --json "$OUT/sparse_full.json" > "$OUT/sparse_full.log" 2>&1

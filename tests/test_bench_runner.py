@@ -26,6 +26,16 @@ def test_rel_err_pairs_tensors_and_flags_nan():
     assert runner.rel_err((torch.tensor([float("nan")]),), (torch.ones(1),)) == float("inf")
 
 
+def test_paired_speedup_cancels_a_drift_between_rounds():
+    # the same kernel twice, the clock 10% slower in round 2: per-round ratios stay 1.0, where a ratio of
+    # medians over different rounds would not
+    ours, peer = [1.0, 1.1, 1.0], [1.0, 1.1, 1.0]
+    assert runner.paired_speedup(peer, ours) == (1.0, 1.0, 1.0)
+    med, lo, hi = runner.paired_speedup([2.0, 2.4, 1.8], [1.0, 1.0, 1.0])
+    assert (med, lo, hi) == (2.0, 1.8, 2.4)
+    assert runner.paired_speedup([3.0, 1.0], [1.0, 1.0])[0] == 2.0     # even count: mean of the middle two
+
+
 def test_run_bench_attention_tiny_on_cpu(tmp_path, monkeypatch, capsys):
     pytest.importorskip("matplotlib")
     import opsadv.bench.suite_attention as S
@@ -41,6 +51,8 @@ def test_run_bench_attention_tiny_on_cpu(tmp_path, monkeypatch, capsys):
     assert {"suite", "opsadv_impl", "opsadv_ms", "peers", "unit", "opsadv_rate"} <= set(case)
     if case["peers"]:                  # SDPA's CPU kernels serve some forced backends
         assert case["rel_err"] < 5e-3 and rc == 0
+        lo, hi = case["speedup_range"]
+        assert lo <= case["speedup"] <= hi
     assert png.stat().st_size > 0
 
 

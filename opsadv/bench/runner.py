@@ -42,24 +42,42 @@ def time_ms(fn) -> float:
     return sorted(times)[len(times) // 2]
 
 
-ROUNDS = 3               # interleaved timing rounds per case (see time_interleaved)
+ROUNDS = 5               # interleaved timing rounds per case (see time_interleaved)
 
 
-def time_interleaved(fns: dict, rounds: int = ROUNDS) -> dict:
+def _median(v: list) -> float:
+    v = sorted(v)
+    return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
+
+
+def time_interleaved(fns: dict, rounds: int = ROUNDS, per_round: dict | None = None) -> dict:
     """Median ms of each fn, measured in `rounds` interleaved rounds (each round times every fn
     once with do_bench, the order rotated per round) and the median over rounds taken: clock
     ramps, thermal drift and order effects fall on every contender alike, not on whoever runs
-    first or last.  Off a GPU: time_ms once each."""
+    first or last.  per_round (optional) receives each fn's time in every round (paired_speedup).
+    Off a GPU: time_ms once each."""
     import torch
     names = list(fns)
     if not torch.cuda.is_available():
-        return {n: time_ms(fns[n]) for n in names}
-    from triton.testing import do_bench
-    seen: dict = {n: [] for n in names}
-    for r in range(rounds):
-        for n in names[r % len(names):] + names[:r % len(names)]:
-            seen[n].append(float(do_bench(fns[n], warmup=10, rep=40, return_mode="median")))
-    return {n: sorted(v)[len(v) // 2] for n, v in seen.items()}
+        seen = {n: [time_ms(fns[n])] for n in names}
+    else:
+        from triton.testing import do_bench
+        seen = {n: [] for n in names}
+        for r in range(rounds):
+            for n in names[r % len(names):] + names[:r % len(names)]:
+                seen[n].append(float(do_bench(fns[n], warmup=10, rep=40, return_mode="median")))
+    if per_round is not None:
+        per_round.update(seen)
+    return {n: _median(v) for n, v in seen.items()}
+
+
+def paired_speedup(peer_rounds: list, ours_rounds: list) -> tuple[float, float, float]:
+    """(median, min, max) over rounds of peer / ours timed in the same round.  Two contenders timed
+    seconds apart share the clock state of that moment; a drift between rounds (session 10: the same
+    cuDNN kernel 7.19 ms as the peer, 7.55 through the op, in medians of 3 rounds) cancels in the
+    per-round ratio, where it moves a ratio of medians taken over different rounds."""
+    ratios = [p / o for p, o in zip(peer_rounds, ours_rounds)]
+    return _median(ratios), min(ratios), max(ratios)
 
 
 def _tensors(x) -> list:
@@ -163,7 +181,8 @@ def run_case(case) -> list[dict[str, Any]]:
     contenders = {"\0opsadv": case.opsadv, **ok}
     if want_own and own_err is None:
         contenders["\0own"] = own
-    times = time_interleaved(contenders, case.rounds or ROUNDS)
+    rounds: dict = {}
+    times = time_interleaved(contenders, case.rounds or ROUNDS, per_round=rounds)
     ms = times.pop("\0opsadv")
     oms = times.pop("\0own", None)
     peers: dict[str, float] = times
@@ -177,7 +196,8 @@ def run_case(case) -> list[dict[str, Any]]:
         cmp = case.compare or rel_err
         row["rel_err"] = float(f"{cmp(out, ref):.3g}")
         row["best_peer"] = best
-        row["speedup"] = round(peers[best] / ms, 3)
+        row["speedup"], lo, hi = (round(x, 3) for x in paired_speedup(rounds[best], rounds["\0opsadv"]))
+        row["speedup_range"] = [lo, hi]     # over the rounds; speedup is their median (paired_speedup)
         del ref
     row.update({k: v for k, v in case.extra.items() if not callable(v) and k != "own_prefix"})
     rows = [row]
@@ -193,7 +213,8 @@ def run_case(case) -> list[dict[str, Any]]:
             if peers:
                 orow["rel_err"] = float(f"{(case.compare or rel_err)(oout, case.peers[row['best_peer']]()):.3g}")
                 orow["best_peer"] = row["best_peer"]
-                orow["speedup"] = round(peers[row["best_peer"]] / oms, 3)
+                sp, lo, hi = paired_speedup(rounds[row["best_peer"]], rounds["\0own"])
+                orow["speedup"], orow["speedup_range"] = round(sp, 3), [round(lo, 3), round(hi, 3)]
         del oout
         rows.append(orow)
     del out
