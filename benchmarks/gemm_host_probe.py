@@ -67,6 +67,13 @@ def main(path: str) -> None:
                 chosen = opsadv.explain("gemm", a, b, bias=bias, activation="gelu_tanh").chosen
             lines.append(f"{'op dispatched':28} host {host_us(op):8.1f} us  ({chosen})")
             lines += ["    " + x for x in kernels(op)]
+        tuner = GG._variant_tuner()
+        for key, cfg in tuner.best.items():
+            if key[2] == n and key[3] == k:
+                names = [{"variant": v} for v in GG.VARIANTS]
+                lines.append(f"variant picked for {key}: {cfg['variant']}  times (ms) "
+                             + str({names[i]['variant'] if i < len(names) else i: round(t, 4)
+                                    for i, t in tuner.times.get(key, {}).items()}))
         lines.append(f"{'torch._addmm_activation':28} host {host_us(peer):8.1f} us")
         lines += ["    " + x for x in kernels(peer)]
         lines.append("cProfile of 200 pinned op calls (cumtime):")

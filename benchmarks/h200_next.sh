@@ -220,6 +220,13 @@ ab)  # session 10: the atomic backward with dQ through TMA bulk reduce-adds (com
   echo "atomic bwd pytest rc $?"; tail -2 "$OUT/attn_bwd_tma_pytest.log"
   timeout 300 python3 benchmarks/attn_bwd_tma_probe.py "$OUT/attn_bwd_tma_probe.json" 2>&1 | tail -6 | cut -c1-300
   ;;
+gm)  # session 10: the gemm suite's forward rows after the config tuner's fix (rotated rounds: the Gluon schedule
+     # the op picked ran 2.52 ms where the default takes 2.13-2.44), then the host probe (which schedule it picks)
+  timeout 330 python3 -m opsadv bench --suite gemm --filter "^fwd bf16 m" --json "$OUT/gemm_fwd.json" \
+    > "$OUT/gemm_fwd.log" 2>&1
+  echo "gemm fwd rc $?"; grep -E "^fwd" "$OUT/gemm_fwd.log" | cut -c1-150
+  timeout 150 python3 benchmarks/gemm_host_probe.py "$OUT/gemm_host_probe.txt" 2>&1 | grep -E "==|host|variant" | cut -c1-220
+  ;;
 hg)  # session 10: the gemm op's extra time over its impl (PART=gk: 0.16-0.27 ms per call timed alone): host
      # time per call, the kernels one call launches, a cProfile of the pinned op (benchmarks/gemm_host_probe.py)
   timeout 150 python3 benchmarks/gemm_host_probe.py "$OUT/gemm_host_probe.txt" 2>&1 | grep -E "==|host" | cut -c1-160

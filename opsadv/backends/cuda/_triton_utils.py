@@ -157,8 +157,7 @@ class ConfigTuner:
             with self._lock:
                 self.best[key] = stored
             return stored
-        from triton.testing import do_bench
-        times: dict[int, float] = {}
+        from opsadv.core.tuning import _time_rounds
         err: Exception | None = None
         ok = []
         for i, c in enumerate(configs):     # compile (and launch once) every config before timing any: a
@@ -168,14 +167,13 @@ class ConfigTuner:
             except Exception as e:  # e.g. out of shared memory for this tile shape
                 err = e
                 log.info("%s: config %s failed: %s", self.name, c, str(e).splitlines()[0] if str(e) else e)
-        for i in ok:
-            try:
-                times[i] = float(do_bench(lambda c=configs[i]: launch(c), warmup=5, rep=20, return_mode="median"))
-            except Exception as e:
-                err = e
-                log.info("%s: config %s failed: %s", self.name, configs[i], str(e).splitlines()[0] if str(e) else e)
+        # interleaved rounds, the order rotated (as the impl-level autotune): timed once each, in order, the
+        # first config after the compiles ran on ramping clocks and lost (session 10: the gemm op's Gluon
+        # schedule ran 2.52 ms where the default one takes 2.13-2.44); a config that fails here times inf
+        times = {i: t for i, t in _time_rounds({i: (lambda c=configs[i]: launch(c)) for i in ok}, "cuda",
+                                               "wall").items() if t != float("inf")}
         if not times:
-            raise err  # type: ignore[misc]
+            raise err or RuntimeError(f"{self.name}: every config failed")
         best = configs[min(times, key=times.get)]
         with self._lock:
             self.best[key] = best
