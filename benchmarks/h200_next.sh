@@ -220,6 +220,15 @@ ab)  # session 10: the atomic backward with dQ through TMA bulk reduce-adds (com
   echo "atomic bwd pytest rc $?"; tail -2 "$OUT/attn_bwd_tma_pytest.log"
   timeout 300 python3 benchmarks/attn_bwd_tma_probe.py "$OUT/attn_bwd_tma_probe.json" 2>&1 | tail -6 | cut -c1-300
   ;;
+sw)  # session 10: the swiglu op's tile measured per bucket (was one row x 1024 columns: forward 0.948x torch.compile)
+  TRITON_INTERPRET=0 timeout 60 python3 -m pytest -q -p no:cacheprovider -k gpu tests/test_cuda_swiglu.py \
+    > /tmp/swiglu_pytest.log 2>&1
+  echo "swiglu pytest rc $?"; tail -1 /tmp/swiglu_pytest.log
+  timeout 150 python3 -m opsadv bench --suite gemm --filter "swiglu_act" --json "$OUT/swiglu_act.json" \
+    > "$OUT/swiglu_act.log" 2>&1
+  echo "swiglu_act rc $?"; grep -E "^fwd" "$OUT/swiglu_act.log" | cut -c1-150
+  cp "$OPSADV_CACHE_DIR/kernel_configs.json" "$OUT/kernel_configs_swiglu.json"
+  ;;
 gm)  # session 10: the gemm suite's forward rows after the config tuner's fix (rotated rounds: the Gluon schedule
      # the op picked ran 2.52 ms where the default takes 2.13-2.44), then the host probe (which schedule it picks)
   timeout 330 python3 -m opsadv bench --suite gemm --filter "^fwd bf16 m" --json "$OUT/gemm_fwd.json" \

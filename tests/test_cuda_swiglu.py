@@ -41,6 +41,16 @@ def test_triton_swiglu_matches_float64(shape, dtype):
     assert counts["cuda.triton.swiglu"] == 2                    # forward and backward both ran the kernels
 
 
+@pytest.mark.parametrize("cfg", __import__("opsadv.backends.cuda.swiglu", fromlist=["CONFIGS"]).CONFIGS)
+def test_every_tile_config_matches_float64(cfg, monkeypatch):
+    """Each (ROWS, BLOCK_N cap, warps) tile the tuner may pick, forced: ragged rows and columns, 3-D input."""
+    from opsadv.backends.cuda import swiglu as S
+    monkeypatch.setattr(S, "CONFIGS", (cfg,))
+    for shape in [(5, 2 * 1100), (3, 3, 2 * 65), (1, 2)]:
+        torch.manual_seed(len(shape) + shape[-1])
+        assert _check(torch.randn(*shape, device=DEV) * 3, torch.float32)["cuda.triton.swiglu"] == 2
+
+
 def test_strided_rows_and_a_strided_last_dim():
     base = torch.randn(10, 2 * 40, device=DEV)
     assert _check(base[::2], torch.float32)["cuda.triton.swiglu"] == 2          # every other row
