@@ -167,9 +167,10 @@ class ConfigTuner:
             except Exception as e:  # e.g. out of shared memory for this tile shape
                 err = e
                 log.info("%s: config %s failed: %s", self.name, c, str(e).splitlines()[0] if str(e) else e)
-        # interleaved rounds, the order rotated (as the impl-level autotune): timed once each, in order, the
-        # first config after the compiles ran on ramping clocks and lost (session 10: the gemm op's Gluon
-        # schedule ran 2.52 ms where the default one takes 2.13-2.44); a config that fails here times inf
+        # interleaved rounds, the order rotated (as the impl-level autotune does): timed once each, in order,
+        # the first config after the compiles runs on ramping clocks, and one short sample per config is at the
+        # mercy of the H200's run-to-run swing (session 10: GEMM times moved 5-15% between rounds); a config
+        # that fails here times inf
         times = {i: t for i, t in _time_rounds({i: (lambda c=configs[i]: launch(c)) for i in ok}, "cuda",
                                                "wall").items() if t != float("inf")}
         if not times:

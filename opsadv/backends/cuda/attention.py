@@ -32,8 +32,10 @@ FEATURES = frozenset({"causal", "gqa", "cross_length"})
 # H200 (bf16, d128, s4096): the atomic-dQ backward took 7.8 ms against 6.7 ms for the two-kernel one
 # (fp32 element atomics in the dK/dV kernel cost more than recomputing QK^T and dP in a dQ kernel), so it
 # ranks below and is experimental (use_backend(..., experimental=True) to measure it).  Since session 9 it
-# reduces dQ on Hopper with one TMA bulk reduce-add per tile (_dq_tma_ok; compiled for sm_90 on CPU, not yet
-# timed: benchmarks/attn_bwd_tma_probe.py, h200_next.sh PART=ab).
+# reduces dQ on Hopper with one TMA bulk reduce-add per tile (_dq_tma_ok).  Measured in session 10
+# (results/attn_bwd_tma_probe_s10_h200.json; correct, rel err 2.5e-3 vs float64): still slower, b4 s4096 d128
+# 8.09 ms vs 6.85 deterministic and 5.34 cuDNN (causal 4.43 / 3.66 / 2.96; s16384 causal 15.00 / 13.08 / 10.58;
+# d64 causal 2.36 / 2.02 / 1.81), so it stays experimental.
 ATOMIC_DQ_PRIORITY_DELTA = -10
 
 try:  # host-side TMA descriptors (Triton >= 3.4)

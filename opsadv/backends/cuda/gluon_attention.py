@@ -61,7 +61,8 @@ VARIANTS = {
     "pingpong_kv": dict(WARP_SPEC=True, PINGPONG=True, STAGES=None, SPLIT_EMPTY=True),
     "pingpong_kv_st3": dict(WARP_SPEC=True, PINGPONG=True, STAGES=3, SPLIT_EMPTY=True),
     # Ping-pong with 1 in 2 / 1 in 4 of the unmasked tiles' exp2 on the FMA pipe (the kernel's EXP_EMU): at
-    # d64 the MUFU unit's exp2 rate, not the tensor cores, bounds the forward.  Compiled, not yet timed.
+    # d64 the MUFU unit's exp2 rate, not the tensor cores, bounds the forward.  Correct on the H200 but slower
+    # than pingpong (session 9, results/gluon_fa_emu_s9_h200.json): selectable, not default.
     "pingpong_emu2": dict(WARP_SPEC=True, PINGPONG=True, STAGES=None, EXP_EMU=2),
     "pingpong_emu4": dict(WARP_SPEC=True, PINGPONG=True, STAGES=None, EXP_EMU=4),
     "pingpong_st3_emu4": dict(WARP_SPEC=True, PINGPONG=True, STAGES=3, EXP_EMU=4),
@@ -192,8 +193,9 @@ def impls(env) -> list[KernelImpl]:
         description="Gluon FA3-style forward for Hopper (TMA producer warp, two consumer warpgroups taking "
                     "wgmma turns (ping-pong), 3-stage K/V ring, softmax/GEMM overlap; "
                     "ragged s, bottom-right causal, GQA by index); Triton backward from out + lse", **common),
-        # the same forward with the single-kernel backward whose dQ goes through TMA reduce-adds (session 9:
-        # compiled, never timed; benchmarks/attn_bwd_tma_probe.py): experimental until measured and pinned
+        # the same forward with the single-kernel backward whose dQ goes through TMA reduce-adds: correct on the
+        # H200 but slower than the deterministic two-kernel backward (session 10: 8.09 vs 6.85 ms at b4 s4096
+        # d128, results/attn_bwd_tma_probe_s10_h200.json), so it stays experimental
         KernelImpl(
         id=IMPL_ID + ".atomic_dq", backward=gluon_bwd_atomic, priority=PRIORITY_TRITON + 5, deterministic=False,
         experimental=True, description="the Gluon forward; Triton single-kernel backward, dQ by TMA bulk "
