@@ -51,6 +51,16 @@ def test_every_tile_config_matches_float64(cfg, monkeypatch):
         assert _check(torch.randn(*shape, device=DEV) * 3, torch.float32)["cuda.triton.swiglu"] == 2
 
 
+def test_flat_tiles_with_int64_indices(monkeypatch):
+    """The flattened tiles' int64 path (taken past 2^31 elements), forced at a small shape."""
+    from opsadv.backends.cuda import swiglu as S
+    monkeypatch.setattr(S, "CONFIGS", ((0, 64, 4),))
+    monkeypatch.setattr(S, "FLAT_INT32_LIMIT", 16)
+    torch.manual_seed(5)
+    assert _check(torch.randn(7, 2 * 45, device=DEV) * 3, torch.float32)["cuda.triton.swiglu"] == 2
+    assert _check(torch.randn(40, 2 * 33, device=DEV)[::3], torch.float32)["cuda.triton.swiglu"] == 2
+
+
 def test_strided_rows_and_a_strided_last_dim():
     base = torch.randn(10, 2 * 40, device=DEV)
     assert _check(base[::2], torch.float32)["cuda.triton.swiglu"] == 2          # every other row
@@ -97,3 +107,46 @@ def test_gpu_swiglu(shape, dtype, monkeypatch):
     monkeypatch.setenv("OPSADV_POISON_OUTPUTS", "1")
     torch.manual_seed(1)
     assert _check(torch.randn(*shape, dtype=dtype, device="cuda") * 3, dtype)["cuda.triton.swiglu"] == 2
+
+
+_SM90_COMPILE = r"""
+import json, os, re
+os.environ.pop("TRITON_INTERPRET", None)
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import create_function_from_signature
+from opsadv.backends.cuda import _swiglu_triton as K, swiglu as S
+target = GPUTarget("cuda", 90, 128)
+backend = make_backend(target)
+m, n = 16384, 11008
+gu, y = torch.empty(m, 2 * n, dtype=torch.bfloat16), torch.empty(m, n, dtype=torch.bfloat16)
+res = {}
+for cfg in S.CONFIGS:
+    t = S._tile(m, n, cfg)
+    t.pop("grid")
+    warps = t.pop("num_warps")
+    for name, fn, args in (("fwd", K.swiglu_fwd_kernel, (gu, y, m, n, 2 * n, n)),
+                           ("bwd", K.swiglu_bwd_kernel, (gu, y, gu, m, n, 2 * n, n, 2 * n))):
+        opts = dict(num_warps=warps, num_stages=1, debug=False)
+        bound, spec, _ = create_function_from_signature(fn.signature, fn.params, backend)(
+            **dict(zip(fn.arg_names, args)), **t, **opts)
+        options, signature, constexprs, attrs = fn._pack_args(backend, opts, bound, spec, None)
+        ptx = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
+                             options=options.__dict__).asm["ptx"]
+        res[f"{cfg} {name}"] = {"local": len(re.findall(r"\b(?:ld|st)\.local", ptx)),
+                                "v4_loads": len(re.findall(r"ld\.global(?:\.\w+)*\.v4", ptx))}
+print(json.dumps(res))
+"""
+
+
+def test_every_tile_config_compiles_for_sm90_with_vector_loads():
+    """Each config compiles for sm_90 (bf16, 16384 x 11008) without local memory, loading 16 bytes per access."""
+    import json
+    from conftest import run_sm90_compile
+    r = json.loads(run_sm90_compile(["-c", _SM90_COMPILE]).strip().splitlines()[-1])
+    from opsadv.backends.cuda import swiglu as S
+    assert len(r) == 2 * len(S.CONFIGS)
+    for key, v in r.items():
+        assert v["local"] == 0, key
+        assert v["v4_loads"] > 0, key

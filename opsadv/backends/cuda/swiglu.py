@@ -17,8 +17,12 @@ MAX_BLOCK_N = 1024   # columns per program in the default tile; 4 warps x 32 lan
 # (ROWS, BLOCK_N cap, num_warps) tiles measured per shape bucket where the profile autotunes; the first is the
 # default (one row, up to 1024 columns: on the H200 at a10ecac the forward read 0.2666 ms at 16384 x 11008
 # against 0.2529 for torch.compile's pointwise kernel, 0.948x; results/gemm_train_s10_h200.json).  Wider and
-# taller tiles issue fewer, longer programs and waste less of a ragged last column block.
-CONFIGS = ((1, 1024, 4), (1, 2048, 8), (2, 1024, 4), (4, 1024, 8), (1, 4096, 8), (8, 512, 8))
+# taller tiles issue fewer, longer programs and waste less of a ragged last column block.  At 45a6b0b the tuner
+# chose (1, 4096, 8): 0.955x compile.  ROWS 0: BLOCK_N elements of the flattened output per program, as
+# compile's pointwise kernel walks it (no ragged block per row).
+CONFIGS = ((1, 1024, 4), (1, 2048, 8), (2, 1024, 4), (4, 1024, 8), (1, 4096, 8), (8, 512, 8), (0, 1024, 4),
+           (0, 2048, 8), (0, 4096, 8))
+FLAT_INT32_LIMIT = 2 ** 31     # flattened tiles (ROWS 0) index in int32 below this many elements
 _K: dict = {}
 
 
@@ -40,8 +44,11 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 def _tile(rows: int, cols: int, cfg) -> dict:
     """Launch grid and meta-parameters of one (ROWS, BLOCK_N cap, warps) config at this shape."""
     r, cap, warps = cfg
+    idx64 = rows * cols >= FLAT_INT32_LIMIT - cap     # the flat index (+ a block past the end) needs int64
+    if r == 0:
+        return dict(grid=(-(-(rows * cols) // cap), 1), ROWS=0, BLOCK_N=cap, IDX64=idx64, num_warps=warps)
     block = min(cap, max(16, 1 << (cols - 1).bit_length()))
-    return dict(grid=(-(-rows // r), -(-cols // block)), ROWS=r, BLOCK_N=block, num_warps=warps)
+    return dict(grid=(-(-rows // r), -(-cols // block)), ROWS=r, BLOCK_N=block, IDX64=False, num_warps=warps)
 
 
 def _launch(ctx, which: str, m: int, n: int, args: tuple, out: torch.Tensor) -> None:
