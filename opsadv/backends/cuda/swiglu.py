@@ -6,6 +6,8 @@ gate_up at the H200's ~4 TB/s takes rows * N * 6 bytes / 4e12 s forward, 10 byte
 Rows are the flattened leading dims; a gate_up whose last dim is strided is copied first."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from opsadv.core.kernel import PRIORITY_TRITON, KernelImpl
@@ -52,6 +54,12 @@ def _tile(rows: int, cols: int, cfg) -> dict:
     return dict(grid=(-(-rows // r), -(-cols // block)), ROWS=r, BLOCK_N=block, IDX64=False, num_warps=warps)
 
 
+@functools.lru_cache(maxsize=4)
+def _candidates(configs: tuple) -> list:
+    """The tuner's candidate list for CONFIGS (built once, not per call)."""
+    return [{"cfg": c} for c in configs]
+
+
 def _launch(ctx, which: str, m: int, n: int, args: tuple, out: torch.Tensor) -> None:
     """Run kernel `which` ("fwd" / "bwd") over (m rows, n columns) with the tile measured for this bucket."""
     from ._triton_utils import bucket
@@ -62,7 +70,7 @@ def _launch(ctx, which: str, m: int, n: int, args: tuple, out: torch.Tensor) -> 
     def go(cfg):
         t = _tile(m, n, cfg["cfg"])
         k[which][t.pop("grid")](*args, **t)
-    cfg = k["tuner"].pick((which, str(out.dtype), bucket(m), n), [{"cfg": c} for c in CONFIGS], go, autotune)
+    cfg = k["tuner"].pick((which, str(out.dtype), bucket(m), n), _candidates(CONFIGS), go, autotune)
     go(cfg)
 
 
