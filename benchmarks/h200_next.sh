@@ -59,7 +59,12 @@
 # Session 10 ran PARTS="ab gk" (the TMA-reduce atomic backward loses: 8.09 ms vs 6.85 deterministic, 5.34 cuDNN;
 # the op's Gluon GEMM is slower than its kernel only when each call is timed alone: a host cost) and "n1 n2"
 # (fwd+bwd d128 non-causal 0.953 / 0.959: the same cuDNN kernel as the peer, a drift between rounds; the runner
-# now takes the median of per-round paired ratios over 5 rounds).  Then PARTS="tw+hg n1", PARTS="n2 sp".
+# now takes the median of per-round paired ratios over 5 rounds).  Then PARTS="tw+hg n1", "gm n2", "sp d" on
+# nvidia-h200-x2 and PART=sw twice on one H200 (results/*_s10*; the swiglu op reached parity with compile).
+# Pass OPSADV_COMMIT explicitly: on the GPU host `git rev-parse HEAD` read an older commit (b84ff41) once.
+# Nothing prepared is left unmeasured.  What the open targets need is kernel work with GPU iteration: issue 3's
+# backward (FA3's asynchronous dQ writer: 6.85 ms vs cuDNN 5.34 at b4 s4096 d128), issue 5's w1024 forward
+# (0.70 ms; 1.3x flex needs <= 0.69 reliably, 30x masked SDPA ~0.49).
 # OPSADV_COMMIT=<sha> PART=a bash benchmarks/h200_next.sh   (from the repo root on the GPU host, $OUT set)
 set -u
 # tests/conftest.py defaults TRITON_INTERPRET to 1 (CPU CI): every pytest here must say 0, and select the GPU tests
