@@ -62,7 +62,9 @@
 # now takes the median of per-round paired ratios over 5 rounds).  Then PARTS="tw+hg n1", "gm n2", "sp d" on
 # nvidia-h200-x2 and PART=sw twice on one H200 (results/*_s10*; the swiglu op reached parity with compile).
 # Pass OPSADV_COMMIT explicitly: on the GPU host `git rev-parse HEAD` read an older commit (b84ff41) once.
-# Nothing prepared is left unmeasured.  What the open targets need is kernel work with GPU iteration: issue 3's
+# Still unmeasured: PART=e2 (the Gluon backward's dqfirst / ws_dqfirst schedules, compiled in session 6; ~3 min;
+# session 7 found the GEMM warps' issue rate, not loads or atomics, limiting ws / ws_dqw).  Order for session 11:
+# PART=e2 first.  Beyond it, what the open targets need is kernel work with GPU iteration: issue 3's
 # backward (FA3's asynchronous dQ writer: 6.85 ms vs cuDNN 5.34 at b4 s4096 d128), issue 5's w1024 forward
 # (0.70 ms; 1.3x flex needs <= 0.69 reliably, 30x masked SDPA ~0.49).
 # OPSADV_COMMIT=<sha> PART=a bash benchmarks/h200_next.sh   (from the repo root on the GPU host, $OUT set)
