@@ -64,7 +64,9 @@
 # Pass OPSADV_COMMIT explicitly: on the GPU host `git rev-parse HEAD` read an older commit (b84ff41) once.
 # Still unmeasured: PART=e2 (the Gluon backward's dqfirst / ws_dqfirst schedules, compiled in session 6; ~3 min;
 # session 7 found the GEMM warps' issue rate, not loads or atomics, limiting ws / ws_dqw).  Order for session 11:
-# PART=e2 first.  Beyond it, what the open targets need is kernel work with GPU iteration: issue 3's
+# PARTS="bt e2" first (bt: the backward's TMA loads, prepared late in session 10; own fwd+bwd needs the backward
+# ~3-5% faster for 0.85x cuDNN / 1.5x flash at b4 s4096).  Beyond it, what the open targets need is kernel work
+# with GPU iteration: issue 3's
 # backward (FA3's asynchronous dQ writer: 6.85 ms vs cuDNN 5.34 at b4 s4096 d128), issue 5's w1024 forward
 # (0.70 ms; 1.3x flex needs <= 0.69 reliably, 30x masked SDPA ~0.49).
 # OPSADV_COMMIT=<sha> PART=a bash benchmarks/h200_next.sh   (from the repo root on the GPU host, $OUT set)
@@ -226,6 +228,15 @@ ab)  # session 10: the atomic backward with dQ through TMA bulk reduce-adds (com
     tests/test_cuda_attention.py > "$OUT/attn_bwd_tma_pytest.log" 2>&1
   echo "atomic bwd pytest rc $?"; tail -2 "$OUT/attn_bwd_tma_pytest.log"
   timeout 300 python3 benchmarks/attn_bwd_tma_probe.py "$OUT/attn_bwd_tma_probe.json" 2>&1 | tail -6 | cut -c1-300
+  ;;
+bt)  # session 10 (prepared, not run): the deterministic backward with its streamed tiles through TMA descriptors
+     # (compiled for sm_90: spills 44 B -> 0 at the d128 default dK/dV tile).  GPU tests (every TMA config forced),
+     # then the pinned-config timing vs the current defaults and cuDNN (benchmarks/attn_bwd_tma_loads_probe.py).
+     # If a TMA pair wins: put it first in profiles.py's h100 bwd lists, then PARTS="n1 n2" (own fwd+bwd rows)
+  TRITON_INTERPRET=0 timeout 200 python3 -m pytest -q -p no:cacheprovider -k "gpu_triton_backward_tma or gpu_triton" \
+    tests/test_cuda_attention.py > "$OUT/bwd_tma_pytest.log" 2>&1
+  echo "bwd tma pytest rc $?"; tail -2 "$OUT/bwd_tma_pytest.log"
+  timeout 330 python3 benchmarks/attn_bwd_tma_loads_probe.py "$OUT/attn_bwd_tma_loads.json" 2>&1 | cut -c1-400
   ;;
 sw)  # session 10: the swiglu op's tile measured per bucket (was one row x 1024 columns: forward 0.948x torch.compile)
   TRITON_INTERPRET=0 timeout 60 python3 -m pytest -q -p no:cacheprovider -k gpu tests/test_cuda_swiglu.py \

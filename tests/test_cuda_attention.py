@@ -66,6 +66,23 @@ def test_triton_matches_reference_fp16(b, hq, hkv, sq, sk, d, causal, seed, monk
     assert t.counts[TRITON_ID] == 2                      # forward + backward both ran the Triton kernels
 
 
+@pytest.mark.parametrize("b,hq,hkv,sq,sk,d,causal", CASES)
+def test_backward_tma_loads_match_reference(b, hq, hkv, sq, sk, d, causal, seed, monkeypatch):
+    """The backward with its streamed tiles (q / dO, k / v) loaded through (b, h, s, d) descriptors, as the h100
+    profile's TMA configs run it: ragged tails (zero rows from the descriptor bounds), GQA / MQA, s_q != s_k,
+    decode.  Head dim 96 is padded to 128 in registers: no descriptor path there."""
+    from opsadv.backends.cuda import attention as A
+    monkeypatch.setenv("OPSADV_POISON_OUTPUTS", "1")
+    orig, real = A._configs, A._desc4
+    monkeypatch.setattr(A, "_configs", lambda ctx, which, d_, tma_ok: [
+        {**c, "TMA": tma_ok and which != "fwd"} for c in orig(ctx, which, d_, tma_ok)])
+    made = []
+    monkeypatch.setattr(A, "_desc4", lambda t, rows: made.append(rows) or real(t, rows))
+    t = _check(b, hq, hkv, sq, sk, d, causal)
+    assert t.counts[TRITON_ID] == 2
+    assert len(made) == (0 if d == 96 else 4)             # q, dO (dK/dV kernel), k, v (dQ kernel)
+
+
 @pytest.mark.parametrize("b,hq,hkv,sq,sk,d,causal", [CASES[1], CASES[3], CASES[4], CASES[6]])
 def test_atomic_dq_backward_matches_reference(b, hq, hkv, sq, sk, d, causal, seed, monkeypatch):
     """The experimental non-deterministic variant (dQ by fp32 atomics in the dK/dV kernel)."""
@@ -159,6 +176,31 @@ def test_gpu_triton(b, hq, hkv, sq, sk, d, causal, dtype, seed, monkeypatch):
     # deterministic policy: only the Triton impl with the two-kernel backward qualifies
     t = _check(b, hq, hkv, sq, sk, d, causal, dtype=dtype, device="cuda", tol=tol, deterministic=True)
     assert t.counts[TRITON_ID] == 2
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("b,hq,hkv,sq,sk,d,causal", [
+    (2, 8, 2, 1000, 1000, 128, True), (1, 4, 4, 333, 200, 128, False), (1, 4, 4, 1, 1000, 64, False),
+    (1, 4, 1, 300, 517, 64, True)])
+def test_gpu_triton_backward_tma_loads(b, hq, hkv, sq, sk, d, causal, dtype, seed, monkeypatch):
+    """The backward's descriptor loads (every TMA config of the h100 space forced in turn) on the GPU."""
+    from opsadv.backends.cuda import attention as A
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("TMA needs sm_90+")
+    monkeypatch.setattr(A, "_autotune", lambda ctx, device: False)
+    monkeypatch.setenv("OPSADV_POISON_OUTPUTS", "1")
+    orig = A._configs
+    tol = 1.5e-2 if dtype == torch.bfloat16 else 3e-3
+    for which in ("bwd_kv", "bwd_q"):
+        for pick in range(3):
+            def configs(ctx, w, d_, tma_ok, which=which, pick=pick):
+                cs = orig(ctx, w, d_, tma_ok)
+                tma = [c for c in cs if c["TMA"]] if w == which else []
+                return [tma[pick % len(tma)]] if tma else cs
+            monkeypatch.setattr(A, "_configs", configs)
+            t = _check(b, hq, hkv, sq, sk, d, causal, dtype=dtype, device="cuda", tol=tol, deterministic=True)
+            assert t.counts[TRITON_ID] == 2
 
 
 @requires_gpu
@@ -471,7 +513,7 @@ lse2, dqa = torch.empty(b, hq, sq), torch.zeros(b, hq, sq, d)
 out = {}
 for tma in (False, True):
     desc = TensorDescriptor(dqa, [b * hq, sq, d], [sq * d, d, 1], [1, bm, d]) if tma else None
-    args = (q, k, k, q, k, k, lse2, lse2, dqa, desc) + q.stride()[:3] * 2 + k.stride()[:3] * 4 + (
+    args = (q, k, k, q, k, k, lse2, lse2, dqa, desc, None, None) + q.stride()[:3] * 2 + k.stride()[:3] * 4 + (
         hq, hq // hkv, sq, sk, 0, 0.1, 0.08)
     kw = dict(zip(fn.arg_names, args), HEAD_DIM=d, BLOCK_D=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=True, EVEN_M=False,
               EVEN_N=False, ATOMIC_DQ=True, DQ_TMA=tma)
@@ -484,6 +526,53 @@ for tma in (False, True):
                      "element_atomics": len(re.findall(r"\b(?:red|atom)\.global\.", ptx))}
 print(json.dumps(out))
 """
+
+
+_BWD_LOADS_COMPILE = r"""
+import json, os, re, subprocess, tempfile
+os.environ.pop("TRITON_INTERPRET", None)
+import torch, triton
+from triton import knobs
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import create_function_from_signature
+from opsadv.backends.cuda import attention as A
+target = GPUTarget("cuda", 90, 128)
+backend = make_backend(target)
+b, h, s, d, bm, bn = 4, 32, 4096, 128, 64, 64
+q = torch.randn(b, h, s, d, dtype=torch.bfloat16)
+lse2 = torch.empty(b, h, s)
+out = {}
+for tma in (False, True):
+    qd = A._desc4(q, bm) if tma else None
+    args = (q, q, q, q, q, q, lse2, lse2, lse2, None, qd, qd) + q.stride()[:3] * 6 + (h, 1, s, s, 0, 0.1, 0.08)
+    kw = dict(zip(A._bwd_kv_kernel.arg_names, args), HEAD_DIM=d, BLOCK_D=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=False,
+              EVEN_M=True, EVEN_N=True, ATOMIC_DQ=False, DQ_TMA=False, TMA=tma)
+    opts = dict(num_warps=4, num_stages=2, debug=False)
+    fn = A._bwd_kv_kernel
+    bound, spec, _ = create_function_from_signature(fn.signature, fn.params, backend)(**kw, **opts)
+    options, signature, constexprs, attrs = fn._pack_args(backend, opts, bound, spec, None)
+    ptx = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__).asm["ptx"]
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    log = subprocess.run([knobs.nvidia.ptxas.path, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
+                         capture_output=True, text=True).stderr
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    out[str(tma)] = {"tma_loads": len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
+                     "spill_stores": int(spill.group(1)), "spill_loads": int(spill.group(2))}
+print(json.dumps(out))
+"""
+
+
+def test_backward_tma_loads_cut_spills_on_sm90():
+    """The dK/dV kernel at the h100 default tile (64x64/4/2, d128, b4 s4096, non-causal): pointer loads of q and dO
+    spill (session 10: 44 B), descriptor loads do not; this is why the TMA configs are in the h100 space."""
+    import json
+    from conftest import run_sm90_compile
+    r = json.loads(run_sm90_compile(["-c", _BWD_LOADS_COMPILE]).strip().splitlines()[-1])
+    assert r["True"]["tma_loads"] > 0 and r["False"]["tma_loads"] == 0
+    assert r["True"]["spill_stores"] == 0 and r["True"]["spill_loads"] == 0
+    assert r["False"]["spill_stores"] > 0
 
 
 def test_atomic_dq_backward_reduces_through_tma_on_sm90():

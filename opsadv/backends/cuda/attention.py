@@ -5,7 +5,8 @@ first the kv blocks every row of the q block sees in full (no masking work), the
 boundary blocks (causal diagonal, kv tail) with masks.  GQA/MQA read kv head h // group: K/V
 are never repeated in memory.  Causal is bottom-right aligned (query i sees keys
 j <= i + s_k - s_q); a row that sees no key gets zeros and lse = -inf.
-On Hopper, full kv blocks can come through TMA tensor descriptors (config flag TMA).
+On Hopper, full kv blocks can come through TMA tensor descriptors (config flag TMA); in the backward the flag
+loads the streamed tiles (q / dO in the dK/dV kernel, k / v in the dQ kernel) through (b, h, s, d) descriptors.
 
 Backward (deterministic, no atomics): a preprocess kernel (delta = rowsum(dO * O), lse in
 log2 units), a dK/dV kernel (one program per kv block and kv head, looping over the q blocks
@@ -212,16 +213,21 @@ def _bwd_pre_kernel(O, DO, LSE, DELTA, LSE2, s_ob, s_oh, s_om, s_db, s_dh, s_dm,
 
 
 @triton.jit
-def _bwd_kv_inner(dk, dv, k, v, q_base, do_base, L, D, DQA, dq_desc, bh, s_qm, s_dm, offs_n, offs_d, lo, hi, SQ, SK,
-                  OFFSET, qk_scale, scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, PAD_D: tl.constexpr,
-                  MASKED: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-                  DQ_TMA: tl.constexpr):
+def _bwd_kv_inner(dk, dv, k, v, q_base, do_base, q_desc, do_desc, off_b, off_h, L, D, DQA, dq_desc, bh, s_qm, s_dm,
+                  offs_n, offs_d, lo, hi, SQ, SK, OFFSET, qk_scale, scale, HEAD_DIM: tl.constexpr,
+                  BLOCK_M: tl.constexpr, PAD_D: tl.constexpr, MASKED: tl.constexpr, EVEN_M: tl.constexpr,
+                  EVEN_N: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, TMA: tl.constexpr):
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = load_tile(q_base + offs_m[:, None] * s_qm + offs_d[None, :], offs_m, SQ, offs_d, HEAD_DIM, not EVEN_M, PAD_D)
-        do = load_tile(do_base + offs_m[:, None] * s_dm + offs_d[None, :], offs_m, SQ, offs_d, HEAD_DIM,
-                       not EVEN_M, PAD_D)
+        if TMA:  # (b, h, s_q, d) descriptors: rows past s_q come back zero, no address math in the GEMM warps
+            q = q_desc.load([off_b, off_h, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
+            do = do_desc.load([off_b, off_h, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
+        else:
+            q = load_tile(q_base + offs_m[:, None] * s_qm + offs_d[None, :], offs_m, SQ, offs_d, HEAD_DIM, not EVEN_M,
+                          PAD_D)
+            do = load_tile(do_base + offs_m[:, None] * s_dm + offs_d[None, :], offs_m, SQ, offs_d, HEAD_DIM,
+                           not EVEN_M, PAD_D)
         if EVEN_M:
             lse2 = tl.load(L + offs_m)
             delta = tl.load(D + offs_m)
@@ -253,13 +259,13 @@ def _bwd_kv_inner(dk, dv, k, v, q_base, do_base, L, D, DQA, dq_desc, bh, s_qm, s
 
 
 @triton.jit
-def _bwd_kv_kernel(Q, K, V, DO, DK, DV, LSE2, DELTA, DQA, dq_desc,
+def _bwd_kv_kernel(Q, K, V, DO, DK, DV, LSE2, DELTA, DQA, dq_desc, q_desc, do_desc,
                    s_qb, s_qh, s_qm, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_db, s_dh, s_dm,
                    s_dkb, s_dkh, s_dkn, s_dvb, s_dvh, s_dvn,
                    H, GROUP, SQ, SK, OFFSET, qk_scale, scale,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-                   DQ_TMA: tl.constexpr = False):
+                   DQ_TMA: tl.constexpr = False, TMA: tl.constexpr = False):
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     pid_n = tl.program_id(0)
     pid_bhk = tl.program_id(1)
@@ -290,12 +296,14 @@ def _bwd_kv_kernel(Q, K, V, DO, DK, DV, LSE2, DELTA, DQA, dq_desc,
         row0 = (off_b * H + off_h).to(tl.int64) * SQ
         dqa = DQA + row0 * HEAD_DIM                         # fp32 dQ accumulator (b, h_q, s_q, d), contiguous
         bh = off_b * H + off_h                              # this q head's slab of the dQ descriptor
-        dk, dv = _bwd_kv_inner(dk, dv, k, v, q_base, do_base, LSE2 + row0, DELTA + row0, dqa, dq_desc, bh, s_qm, s_dm,
-                               offs_n, offs_d, m_lo, m_mid, SQ, SK, OFFSET, qk_scale, scale, HEAD_DIM, BLOCK_M, PAD_D,
-                               True, EVEN_M, EVEN_N, ATOMIC_DQ, DQ_TMA)
-        dk, dv = _bwd_kv_inner(dk, dv, k, v, q_base, do_base, LSE2 + row0, DELTA + row0, dqa, dq_desc, bh, s_qm, s_dm,
-                               offs_n, offs_d, m_mid, sq_pad, SQ, SK, OFFSET, qk_scale, scale, HEAD_DIM, BLOCK_M, PAD_D,
-                               False, EVEN_M, EVEN_N, ATOMIC_DQ, DQ_TMA)
+        dk, dv = _bwd_kv_inner(dk, dv, k, v, q_base, do_base, q_desc, do_desc, off_b, off_h, LSE2 + row0,
+                               DELTA + row0, dqa, dq_desc, bh, s_qm, s_dm, offs_n, offs_d, m_lo, m_mid, SQ, SK,
+                               OFFSET, qk_scale, scale, HEAD_DIM, BLOCK_M, PAD_D, True, EVEN_M, EVEN_N, ATOMIC_DQ,
+                               DQ_TMA, TMA)
+        dk, dv = _bwd_kv_inner(dk, dv, k, v, q_base, do_base, q_desc, do_desc, off_b, off_h, LSE2 + row0,
+                               DELTA + row0, dqa, dq_desc, bh, s_qm, s_dm, offs_n, offs_d, m_mid, sq_pad, SQ, SK,
+                               OFFSET, qk_scale, scale, HEAD_DIM, BLOCK_M, PAD_D, False, EVEN_M, EVEN_N, ATOMIC_DQ,
+                               DQ_TMA, TMA)
     dk = dk * scale
     store_tile(DK + off_b.to(tl.int64) * s_dkb + off_hk.to(tl.int64) * s_dkh + offs_n[:, None] * s_dkn + offs_d[None, :],
                dk.to(DK.dtype.element_ty), offs_n, SK, offs_d, HEAD_DIM, not EVEN_N, PAD_D)
@@ -304,14 +312,20 @@ def _bwd_kv_kernel(Q, K, V, DO, DK, DV, LSE2, DELTA, DQA, dq_desc,
 
 
 @triton.jit
-def _bwd_q_inner(dq, q, do, lse2, delta, k_base, v_base, s_kn, s_vn, offs_m, offs_d, lo, hi, SK, OFFSET, qk_scale,
-                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAD_D: tl.constexpr,
-                 CAUSAL: tl.constexpr, MASKED: tl.constexpr):
+def _bwd_q_inner(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, off_b, off_hk, s_kn, s_vn, offs_m, offs_d,
+                 lo, hi, SK, OFFSET, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAD_D: tl.constexpr,
+                 CAUSAL: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = load_tile(k_base + offs_n[:, None] * s_kn + offs_d[None, :], offs_n, SK, offs_d, HEAD_DIM, MASKED, PAD_D)
-        v = load_tile(v_base + offs_n[:, None] * s_vn + offs_d[None, :], offs_n, SK, offs_d, HEAD_DIM, MASKED, PAD_D)
+        if TMA:  # (b, h_kv, s_k, d) descriptors: keys past s_k come back zero
+            k = k_desc.load([off_b, off_hk, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+            v = v_desc.load([off_b, off_hk, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+        else:
+            k = load_tile(k_base + offs_n[:, None] * s_kn + offs_d[None, :], offs_n, SK, offs_d, HEAD_DIM, MASKED,
+                          PAD_D)
+            v = load_tile(v_base + offs_n[:, None] * s_vn + offs_d[None, :], offs_n, SK, offs_d, HEAD_DIM, MASKED,
+                          PAD_D)
         p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None])
         if MASKED:
             keep = offs_n[None, :] < SK
@@ -324,11 +338,11 @@ def _bwd_q_inner(dq, q, do, lse2, delta, k_base, v_base, s_kn, s_vn, offs_m, off
 
 
 @triton.jit
-def _bwd_q_kernel(Q, K, V, DO, DQ, LSE2, DELTA,
+def _bwd_q_kernel(Q, K, V, DO, DQ, LSE2, DELTA, k_desc, v_desc,
                   s_qb, s_qh, s_qm, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_db, s_dh, s_dm, s_dqb, s_dqh, s_dqm,
                   H, GROUP, SQ, SK, OFFSET, qk_scale, scale,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  CAUSAL: tl.constexpr, EVEN_M: tl.constexpr):
+                  CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, TMA: tl.constexpr = False):
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -355,10 +369,10 @@ def _bwd_q_kernel(Q, K, V, DO, DQ, LSE2, DELTA,
         n_full = SK
     n_full = (n_full // BLOCK_N) * BLOCK_N
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    dq = _bwd_q_inner(dq, q, do, lse2, delta, k_base, v_base, s_kn, s_vn, offs_m, offs_d, 0, n_full, SK, OFFSET,
-                      qk_scale, HEAD_DIM, BLOCK_N, PAD_D, CAUSAL, False)
-    dq = _bwd_q_inner(dq, q, do, lse2, delta, k_base, v_base, s_kn, s_vn, offs_m, offs_d, n_full, hi, SK, OFFSET,
-                      qk_scale, HEAD_DIM, BLOCK_N, PAD_D, CAUSAL, True)
+    dq = _bwd_q_inner(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, off_b, off_hk, s_kn, s_vn, offs_m,
+                      offs_d, 0, n_full, SK, OFFSET, qk_scale, HEAD_DIM, BLOCK_N, PAD_D, CAUSAL, False, TMA)
+    dq = _bwd_q_inner(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, off_b, off_hk, s_kn, s_vn, offs_m,
+                      offs_d, n_full, hi, SK, OFFSET, qk_scale, HEAD_DIM, BLOCK_N, PAD_D, CAUSAL, True, TMA)
     dq = dq * scale
     store_tile(DQ + off_b.to(tl.int64) * s_dqb + off_h.to(tl.int64) * s_dqh + offs_m[:, None] * s_dqm + offs_d[None, :],
                dq.to(DQ.dtype.element_ty), offs_m, SQ, offs_d, HEAD_DIM, not EVEN_M, PAD_D)
@@ -478,6 +492,28 @@ def _dq_tma_ok(q: torch.Tensor, d: int, block_d: int) -> bool:
             and torch.cuda.get_device_capability(q.device) >= (9, 0))
 
 
+def _desc_ok(t: torch.Tensor) -> bool:
+    """t addressable by a TMA descriptor: 16-byte aligned base and strides, unit stride along the last dim."""
+    es = t.element_size()
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(st * es % 16 == 0 for st in t.stride()[:-1])
+
+
+def _bwd_tma_ok(ctx, d: int, block_d: int, *ts: torch.Tensor) -> bool:
+    """The backward's TMA loads (q / dO in the dK/dV kernel, k / v in the dQ kernel): host descriptors, an
+    unpadded head dim, descriptor-addressable tensors, on Hopper or under the interpreter (which runs descriptor
+    loads, so the CPU tests cover the path)."""
+    if TensorDescriptor is None or d != block_d or not all(_desc_ok(t) for t in ts):
+        return False
+    if ts[0].device.type == "cuda":
+        return torch.cuda.get_device_capability(ts[0].device) >= (9, 0)
+    return bool(getattr(getattr(ctx, "env", None), "triton_interpret", False))
+
+
+def _desc4(t: torch.Tensor, rows: int) -> "TensorDescriptor":
+    """A (b, h, s, d) descriptor of t loading (rows, d) tiles of one head (rows past s are zero)."""
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, t.shape[-1]])
+
+
 def _bwd(ctx, dout, q, k, v, out, lse, causal, scale, atomic_dq: bool):
     in_dtype = q.dtype
     cdt = _compute_dtype(ctx, in_dtype)
@@ -501,39 +537,45 @@ def _bwd(ctx, dout, q, k, v, out, lse, causal, scale, atomic_dq: bool):
     common = (hq, group, sq, sk, sk - sq, qk_scale, scale)
 
     dq_tma = atomic_dq and _dq_tma_ok(q, d, block_d)
+    tma_ok = not atomic_dq and _bwd_tma_ok(ctx, d, block_d, q, k, v, dout)
 
     def launch_kv(cfg):
         bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-        dq_desc = None
+        dq_desc = qd = dod = None
+        if cfg["TMA"]:
+            qd, dod = _desc4(q, bm), _desc4(dout, bm)
         if atomic_dq:
             dqa.zero_()                                     # the tuner may launch this more than once
             if dq_tma:                                      # (b*h, s_q, d) fp32: TMA clips rows past s_q
                 dq_desc = TensorDescriptor(dqa, [b * hq, sq, d], [sq * d, d, 1], [1, bm, d])
         _bwd_kv_kernel[(triton.cdiv(sk, bn), b * hkv)](
-            q, k, v, dout, dk, dv, lse2, delta, dqa, dq_desc,
+            q, k, v, dout, dk, dv, lse2, delta, dqa, dq_desc, qd, dod,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), *common,
             HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=causal, EVEN_M=sq % bm == 0, EVEN_N=sk % bn == 0,
-            ATOMIC_DQ=atomic_dq, DQ_TMA=dq_tma, **_launch_args(cfg))
+            ATOMIC_DQ=atomic_dq, DQ_TMA=dq_tma, TMA=cfg["TMA"], **_launch_args(cfg))
 
     def launch_q(cfg):
-        bm = cfg["BLOCK_M"]
+        bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+        kd = vd = None
+        if cfg["TMA"]:
+            kd, vd = _desc4(k, bn), _desc4(v, bn)
         _bwd_q_kernel[(triton.cdiv(sq, bm), b * hq)](
-            q, k, v, dout, dq, lse2, delta,
+            q, k, v, dout, dq, lse2, delta, kd, vd,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
             dq.stride(0), dq.stride(1), dq.stride(2), *common,
-            HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=causal, EVEN_M=sq % bm == 0, **_launch_args(cfg))
+            HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=causal, EVEN_M=sq % bm == 0, TMA=cfg["TMA"], **_launch_args(cfg))
 
-    key = (str(cdt), d, causal, group, bucket(sq), bucket(sk), bucket(b * hq))
+    key = (str(cdt), d, causal, group, bucket(sq), bucket(sk), bucket(b * hq), tma_ok)
     tune = _autotune(ctx, q.device)
     if atomic_dq:
         launch_kv(_BWD_KVA.pick(key, _configs(ctx, "bwd_kv", d, False), launch_kv, tune))
         dq.copy_(dqa)                                       # fp32 accumulator -> q's dtype
     else:
-        launch_kv(_BWD_KV.pick(key, _configs(ctx, "bwd_kv", d, False), launch_kv, tune))
-        launch_q(_BWD_Q.pick(key, _configs(ctx, "bwd_q", d, False), launch_q, tune))
+        launch_kv(_BWD_KV.pick(key, _configs(ctx, "bwd_kv", d, tma_ok), launch_kv, tune))
+        launch_q(_BWD_Q.pick(key, _configs(ctx, "bwd_q", d, tma_ok), launch_q, tune))
     if in_dtype != cdt:
         dq, dk, dv = dq.to(in_dtype), dk.to(in_dtype), dv.to(in_dtype)
     return dq, dk, dv
