@@ -17,6 +17,8 @@ Tiles come from ctx.profile.tiles["flash_attention"][pass][head-dim class]: the 
 is the default, the list is the autotune space (GPU only, when profile.autotune)."""
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -485,11 +487,17 @@ def flash_bwd_atomic(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale):
     return _bwd(ctx, dout, q, k, v, out, lse, causal, scale, atomic_dq=True)
 
 
+@functools.lru_cache(maxsize=None)
+def _sm90_plus(device_index) -> bool:
+    """Hopper or newer (TMA); read once per device."""
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
 def _dq_tma_ok(q: torch.Tensor, d: int, block_d: int) -> bool:
     """dQ reduced through TMA (a bulk reduce-add per tile, Hopper+): needs host descriptors, an unpadded head
     dim and a real GPU (the interpreter has no descriptor reduce)."""
     return (TensorDescriptor is not None and q.device.type == "cuda" and d == block_d
-            and torch.cuda.get_device_capability(q.device) >= (9, 0))
+            and _sm90_plus(q.device.index))
 
 
 def _desc_ok(t: torch.Tensor) -> bool:
@@ -505,7 +513,7 @@ def _bwd_tma_ok(ctx, d: int, block_d: int, *ts: torch.Tensor) -> bool:
     if TensorDescriptor is None or d != block_d or not all(_desc_ok(t) for t in ts):
         return False
     if ts[0].device.type == "cuda":
-        return torch.cuda.get_device_capability(ts[0].device) >= (9, 0)
+        return _sm90_plus(ts[0].device.index)
     return bool(getattr(getattr(ctx, "env", None), "triton_interpret", False))
 
 
