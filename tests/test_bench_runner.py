@@ -53,6 +53,7 @@ def test_run_bench_attention_tiny_on_cpu(tmp_path, monkeypatch, capsys):
         assert case["rel_err"] < 5e-3 and rc == 0
         lo, hi = case["speedup_range"]
         assert lo <= case["speedup"] <= hi
+        assert f"{lo:.2f}-{hi:.2f}" in out                              # the printed table shows the range
     assert png.stat().st_size > 0
 
 

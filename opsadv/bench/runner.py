@@ -223,14 +223,16 @@ def run_case(case) -> list[dict[str, Any]]:
 
 def _print_rows(rows: list[dict[str, Any]], peer_names: list[str]) -> None:
     head = f"{'case':58} {'opsadv ms':>10} " + " ".join(f"{p:>14}" for p in peer_names) + \
-           f" {'speedup':>8} {'rate':>12} {'rel_err':>9}  impl"
+           f" {'speedup':>8} {'rounds':>11} {'rate':>12} {'rel_err':>9}  impl"
     print(head)
     for r in rows:
         if "error" in r:
             print(f"{r['case']:58} ERROR {r['error']}")
             continue
         cells = " ".join(f"{r['peers'][p]:>14.4f}" if p in r.get("peers", {}) else f"{'-':>14}" for p in peer_names)
-        print(f"{r['case']:58} {r['opsadv_ms']:>10.4f} {cells} {r.get('speedup', float('nan')):>8.3f} "
+        lo_hi = r.get("speedup_range")        # the lowest and highest per-round ratio (paired_speedup)
+        rng = f"{lo_hi[0]:.2f}-{lo_hi[1]:.2f}" if lo_hi else "-"
+        print(f"{r['case']:58} {r['opsadv_ms']:>10.4f} {cells} {r.get('speedup', float('nan')):>8.3f} {rng:>11} "
               f"{r['opsadv_rate']:>8.1f} {r['unit']:<4}{r.get('rel_err', float('nan')):>9.2g}  {r['opsadv_impl']}")
 
 
