@@ -233,7 +233,7 @@ bt)  # session 10 (prepared, not run): the deterministic backward with its strea
      # (compiled for sm_90: spills 44 B -> 0 at the d128 default dK/dV tile).  GPU tests (every TMA config forced),
      # then the pinned-config timing vs the current defaults and cuDNN (benchmarks/attn_bwd_tma_loads_probe.py).
      # If a TMA pair wins: put it first in profiles.py's h100 bwd lists, then PARTS="n1 n2" (own fwd+bwd rows)
-  TRITON_INTERPRET=0 timeout 200 python3 -m pytest -q -p no:cacheprovider -k "gpu_triton_backward_tma or gpu_triton" \
+  TRITON_INTERPRET=0 timeout 240 python3 -m pytest -q -p no:cacheprovider -k "gpu_triton_backward_tma" \
     tests/test_cuda_attention.py > "$OUT/bwd_tma_pytest.log" 2>&1
   echo "bwd tma pytest rc $?"; tail -2 "$OUT/bwd_tma_pytest.log"
   timeout 330 python3 benchmarks/attn_bwd_tma_loads_probe.py "$OUT/attn_bwd_tma_loads.json" 2>&1 | cut -c1-400
