@@ -64,10 +64,9 @@
 # Pass OPSADV_COMMIT explicitly: on the GPU host `git rev-parse HEAD` read an older commit (b84ff41) once.
 # Still unmeasured: PART=e2 (the Gluon backward's dqfirst / ws_dqfirst schedules, compiled in session 6; ~3 min;
 # session 7 found the GEMM warps' issue rate, not loads or atomics, limiting ws / ws_dqw).  Order for session 11:
-# PARTS="bt e2" first (bt: the backward's TMA loads, prepared late in session 10; own fwd+bwd needs the backward
-# ~3-5% faster for 0.85x cuDNN / 1.5x flash at b4 s4096).  Beyond it, what the open targets need is kernel work
-# with GPU iteration: issue 3's
-# backward (FA3's asynchronous dQ writer: 6.85 ms vs cuDNN 5.34 at b4 s4096 d128), issue 5's w1024 forward
+# PARTS="bt sf" first (bt: the backward's TMA loads -- own fwd+bwd needs the backward ~3-5% faster for 0.85x
+# cuDNN / 1.5x flash at b4 s4096; sf: the sparse forward's occupancy tiles; both prepared late in session 10),
+# then PART=e2.  Beyond them, what the open targets need is kernel work with GPU iteration: issue 3's backward (FA3's asynchronous dQ writer: 6.85 ms vs cuDNN 5.34 at b4 s4096 d128), issue 5's w1024 forward
 # (0.70 ms; 1.3x flex needs <= 0.69 reliably, 30x masked SDPA ~0.49).
 # OPSADV_COMMIT=<sha> PART=a bash benchmarks/h200_next.sh   (from the repo root on the GPU host, $OUT set)
 set -u
@@ -237,6 +236,13 @@ bt)  # session 10 (prepared, not run): the deterministic backward with its strea
     tests/test_cuda_attention.py > "$OUT/bwd_tma_pytest.log" 2>&1
   echo "bwd tma pytest rc $?"; tail -2 "$OUT/bwd_tma_pytest.log"
   timeout 330 python3 benchmarks/attn_bwd_tma_loads_probe.py "$OUT/attn_bwd_tma_loads.json" 2>&1 | cut -c1-400
+  ;;
+sf)  # session 10 (prepared, not run): the sparse forward at short windows with more resident warps per SM
+     # (64x32/4/3: 128 registers, 64 KB -> 3 CTAs per SM vs 2 for 64x64/4/3; sm_90 compile on CPU).  If a tile
+     # wins at w1024 (issue 5: 1.254x flex, 1.3x wanted), give sparse.py a short-row tile rule like LONG_ROW_FWD
+  PROBE_SET=4 timeout 480 python3 benchmarks/sparse_fwd_probe.py "$OUT/sparse_fwd_occupancy.json" 420 \
+    > /tmp/sparse_fwd_occupancy.log 2>&1
+  echo "sparse fwd occupancy probe rc $?"; grep -E "window_time|varlen" /tmp/sparse_fwd_occupancy.log | cut -c1-600
   ;;
 sw)  # session 10: the swiglu op's tile measured per bucket (was one row x 1024 columns: forward 0.948x torch.compile)
   TRITON_INTERPRET=0 timeout 60 python3 -m pytest -q -p no:cacheprovider -k gpu tests/test_cuda_swiglu.py \

@@ -48,6 +48,11 @@ VARIANTS = {
     "run_64_rev": ((64, 64, 4, 3), {"loop": "run", "reverse": True}),
     "run_128x64_rev": ((128, 64, 8, 3), {"loop": "run", "reverse": True}),
     "run_128x128": ((128, 128, 8, 3), {"loop": "run", "reverse": False}),
+    # set 4 (session 10, occupancy; sm_90 compile of the w1024 forward: 64x64/4/3 174 registers and 112 KB of
+    # shared memory -> 2 CTAs (8 warps) per SM; 64x32/4/3 128 registers, 64 KB -> 3 CTAs (12 warps))
+    "run_64x32": ((64, 32, 4, 3), {"loop": "run", "reverse": False}),
+    "run_64x32_st4": ((64, 32, 4, 4), {"loop": "run", "reverse": False}),
+    "run_64_st2": ((64, 64, 4, 2), {"loop": "run", "reverse": False}),
     "run_128x128_rev": ((128, 128, 8, 3), {"loop": "run", "reverse": True}),
     "fused_run_128x128": ((128, 128, 8, 3), {"loop": "fused_run", "reverse": False}),
 }
@@ -67,6 +72,10 @@ SETS = {
     # set 3: the new defaults through the public op (loop "run", LONG_ROW_FWD) next to the pinned 64x64 "run"
     "3": dict(windows=(1024, 2048, 8192), global_=False, window=("op_default", "run_64"),
               small=("op_default",), glob=(), varlen=("op_default", "list_64")),
+    # set 4: more resident warps per SM at short windows (issue 5's w1024 forward: 1.254x flex, 1.3x wanted)
+    "4": dict(windows=(256, 512, 1024, 2048), global_=False,
+              window=("op_default", "run_64", "run_64x32", "run_64x32_st4", "run_64_st2"),
+              small=("run_64x32",), glob=(), varlen=("op_default", "run_64x32")),
 }
 SET = os.environ.get("PROBE_SET", "3")
 R["probe_set"] = SET
@@ -85,8 +94,7 @@ _ctx_cache: dict = {}
 
 
 def ctx_for(q, k, layout, fwd_tile):
-    spec = S._spec(q, k, layout.key_padding_mask, layout.cu_seqlens, layout.block_size, layout.causal,
-                   layout.window_left, layout.num_global, False)
+    spec = S.layout_spec(q, k, layout, False)
     exp, r = dispatch.explain_spec(spec)
     assert r is not None and r.impl.id == "cuda.triton.sparse_attention", str(exp)
     base = SP.tiles_for(r.ctx.profile, q.shape[-1])
