@@ -50,3 +50,12 @@ def probe_setup(default_out: str, default_budget_s: float):
     meta = {"device": "cpu" if tiny else torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": triton.__version__, "commit": os.environ.get("OPSADV_COMMIT", "?"), "records": []}
     return out, budget, tiny, ("cpu" if tiny else "cuda"), (torch.float16 if tiny else torch.bfloat16), meta
+
+
+def warm_and_time(fns: dict, rounds: int = 5) -> dict:
+    """Each fn called once (compile, plan, tune) before any is timed, then median ms over `rounds` interleaved
+    rounds (opsadv.bench.runner.time_interleaved)."""
+    from opsadv.bench.runner import time_interleaved
+    for f in fns.values():
+        f()
+    return time_interleaved(fns, rounds=rounds)

@@ -17,10 +17,10 @@ import os
 import sys
 
 import torch
+from _probe_log import warm_and_time  # (benchmarks/ is sys.path[0] when run as a script)
 
 import opsadv
 from opsadv.backends.cuda import attention as A
-from opsadv.bench.runner import time_interleaved
 from opsadv.core import dispatch
 from opsadv.core.ops import attention as OA
 from opsadv.registry import get_registry
@@ -71,9 +71,7 @@ def main(path: str) -> None:
         if DEV == "cuda":
             co, clse = cudnn.fn(None, q, k, v, None, causal, d ** -0.5)
             fns["cudnn"] = lambda: cudnn.backward(None, do, q, k, v, co, clse, None, causal, d ** -0.5)
-        for f in fns.values():
-            f()
-        times = time_interleaved(fns, rounds=5)
+        times = warm_and_time(fns)
         row = {"b": b, "h": h, "s": s, "d": d, "causal": causal, "ms": {n: round(t, 4) for n, t in times.items()}}
         print(row, flush=True)
         res["cases"].append(row)

@@ -14,9 +14,9 @@ import sys
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from _probe_log import warm_and_time  # (benchmarks/ is sys.path[0] when run as a script)
 
 import opsadv
-from opsadv.bench.runner import time_interleaved
 from opsadv.registry import get_registry
 
 A = torch.ops.aten
@@ -53,12 +53,9 @@ def main(path: str) -> None:
 
         fns = dict(peer=peer, peer_scale=peer_scale, aten_nolse=aten_nolse, aten_lse=aten_lse,
                    impl_infer=impl_infer, op=op)
-        for f in fns.values():
-            f()
-        torch.cuda.synchronize()
+        times = warm_and_time(fns)
         with opsadv.trace() as t:
             op()
-        times = time_interleaved(fns, rounds=5)
         row = {"b": b, "s": s, "d": d, "causal": causal, "op_impls": dict(t.counts),
                "ms": {n: round(v, 5) for n, v in times.items()}}
         print(row, flush=True)
