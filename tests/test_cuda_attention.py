@@ -174,7 +174,9 @@ def test_gpu_triton(b, hq, hkv, sq, sk, d, causal, dtype, seed, monkeypatch):
     monkeypatch.setenv("OPSADV_POISON_OUTPUTS", "1")
     tol = 1.5e-2 if dtype == torch.bfloat16 else 3e-3
     # deterministic policy: only the Triton impl with the two-kernel backward qualifies
-    t = _check(b, hq, hkv, sq, sk, d, causal, dtype=dtype, device="cuda", tol=tol, deterministic=True)
+    # pinned: on sm_90 the Gluon forward (+ this same Triton backward) outranks it at d64 / d128
+    t = _check(b, hq, hkv, sq, sk, d, causal, dtype=dtype, device="cuda", tol=tol, deterministic=True,
+               impls={"flash_attention": TRITON_ID})
     assert t.counts[TRITON_ID] == 2
 
 
@@ -199,7 +201,8 @@ def test_gpu_triton_backward_tma_loads(b, hq, hkv, sq, sk, d, causal, dtype, see
                 tma = [c for c in cs if c["TMA"]] if w == which else []
                 return [tma[pick % len(tma)]] if tma else cs
             monkeypatch.setattr(A, "_configs", configs)
-            t = _check(b, hq, hkv, sq, sk, d, causal, dtype=dtype, device="cuda", tol=tol, deterministic=True)
+            t = _check(b, hq, hkv, sq, sk, d, causal, dtype=dtype, device="cuda", tol=tol, deterministic=True,
+                       impls={"flash_attention": TRITON_ID})
             assert t.counts[TRITON_ID] == 2
 
 
