@@ -130,7 +130,7 @@ e)   # Gluon backward schedules of session 6 (ws = producer warp, ws_dqw = + dQ 
   echo "gluon bwd pytest rc $?"; tail -3 "$OUT/gluon_bwd_pytest.log"
   ;;
 e2)  # the other two backward schedules
-  timeout 420 python3 benchmarks/gluon_fa/bwd_probe.py "$OUT/gluon_fa_bwd2_h200.json" \
+  timeout 300 python3 benchmarks/gluon_fa/bwd_probe.py "$OUT/gluon_fa_bwd2_h200.json" \
     --quick-checks --variants=dqfirst,ws_dqfirst > "$OUT/gluon_bwd2.log" 2>&1
   echo "gluon bwd probe 2 rc $?"; tail -25 "$OUT/gluon_bwd2.log"
   ;;
@@ -236,6 +236,21 @@ bt)  # session 10 (prepared, not run): the deterministic backward with its strea
     tests/test_cuda_attention.py > "$OUT/bwd_tma_pytest.log" 2>&1
   echo "bwd tma pytest rc $?"; tail -2 "$OUT/bwd_tma_pytest.log"
   timeout 330 python3 benchmarks/attn_bwd_tma_loads_probe.py "$OUT/attn_bwd_tma_loads.json" 2>&1 | cut -c1-400
+  ;;
+st)  # session 11: the GPU tests of the Triton attention impl (pinned) incl. every backward TMA config, the sparse
+     # forward's TMA loads, then the two-stream backward probe (CONCURRENT_BWD: dQ kernel on a side stream)
+  TRITON_INTERPRET=0 timeout 200 python3 -m pytest -q -p no:cacheprovider -k "gpu_triton" \
+    tests/test_cuda_attention.py > "$OUT/attn_gpu_pytest.log" 2>&1
+  echo "attention gpu pytest rc $?"; tail -2 "$OUT/attn_gpu_pytest.log"
+  TRITON_INTERPRET=0 timeout 100 python3 -m pytest -q -p no:cacheprovider -k "gpu_forward_tma" \
+    tests/test_cuda_sparse.py > "$OUT/sparse_gpu_pytest.log" 2>&1
+  echo "sparse gpu pytest rc $?"; tail -2 "$OUT/sparse_gpu_pytest.log"
+  timeout 200 python3 benchmarks/attn_bwd_streams_probe.py "$OUT/attn_bwd_streams.json" 2>&1 | cut -c1-300
+  ;;
+s5)  # session 11: the sparse forward with K/V through TMA descriptors (set 5) vs the pointer loads and the op
+  PROBE_SET=5 timeout 280 python3 benchmarks/sparse_fwd_probe.py "$OUT/sparse_fwd_tma.json" 250 \
+    > /tmp/sparse_fwd_tma.log 2>&1
+  echo "sparse fwd tma probe rc $?"; grep -E "correct|window_time|varlen|best|=" /tmp/sparse_fwd_tma.log | cut -c1-400
   ;;
 sf)  # session 10 (prepared, not run): the sparse forward at short windows with more resident warps per SM
      # (64x32/4/3: 128 registers, 64 KB -> 3 CTAs per SM vs 2 for 64x64/4/3; sm_90 compile on CPU).  If a tile

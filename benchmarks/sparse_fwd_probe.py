@@ -55,6 +55,11 @@ VARIANTS = {
     "run_64_st2": ((64, 64, 4, 2), {"loop": "run", "reverse": False}),
     "run_128x128_rev": ((128, 128, 8, 3), {"loop": "run", "reverse": True}),
     "fused_run_128x128": ((128, 128, 8, 3), {"loop": "fused_run", "reverse": False}),
+    # set 5 (session 11): K/V through TMA descriptors (sparse.py's "tma" variant)
+    "run_64_tma": ((64, 64, 4, 3), {"loop": "run", "reverse": False, "tma": True}),
+    "fused_run_64_tma": ((64, 64, 4, 3), {"loop": "fused_run", "reverse": False, "tma": True}),
+    "run_64_st4_tma": ((64, 64, 4, 4), {"loop": "run", "reverse": False, "tma": True}),
+    "run_128x128_tma": ((128, 128, 8, 3), {"loop": "run", "reverse": False, "tma": True}),
 }
 # PROBE_SET picks which variants each section compiles (each is a separate compile per pattern's flags).
 # Set 1 (first H200 run, 6ec5a3d): the loop structures; set 2 (f914ce2): fused_run, and 128x128 tiles over
@@ -76,6 +81,11 @@ SETS = {
     "4": dict(windows=(256, 512, 1024, 2048), global_=False,
               window=("op_default", "run_64", "run_64x32", "run_64x32_st4", "run_64_st2"),
               small=("run_64x32",), glob=(), varlen=("op_default", "run_64x32")),
+    # set 5: TMA loads of K/V at the 64x64 tile (w <= 1024) and the long-row 128x128 one (w2048)
+    "5": dict(windows=(256, 1024, 2048), global_=False,
+              window=("op_default", "run_64", "run_64_tma", "fused_run_64_tma", "run_64_st4_tma",
+                      "run_128x128", "run_128x128_tma"),
+              small=("run_64_tma", "fused_run_64_tma"), glob=(), varlen=("op_default", "run_64", "run_64_tma")),
 }
 SET = os.environ.get("PROBE_SET", "3")
 R["probe_set"] = SET
@@ -95,7 +105,8 @@ _ctx_cache: dict = {}
 
 def ctx_for(q, k, layout, fwd_tile):
     spec = S.layout_spec(q, k, layout, False)
-    exp, r = dispatch.explain_spec(spec)
+    with opsadv.use_backend("cuda", impls={"sparse_attention": "cuda.triton.sparse_attention"}):
+        exp, r = dispatch.explain_spec(spec)     # pinned: varlen layouts may go to flash_varlen otherwise
     assert r is not None and r.impl.id == "cuda.triton.sparse_attention", str(exp)
     base = SP.tiles_for(r.ctx.profile, q.shape[-1])
     tiles = (fwd_tile, base[1], base[2])

@@ -73,11 +73,11 @@ def test_backward_tma_loads_match_reference(b, hq, hkv, sq, sk, d, causal, seed,
     decode.  Head dim 96 is padded to 128 in registers: no descriptor path there."""
     from opsadv.backends.cuda import attention as A
     monkeypatch.setenv("OPSADV_POISON_OUTPUTS", "1")
-    orig, real = A._configs, A._desc4
+    orig, real = A._configs, A.desc_bhsd
     monkeypatch.setattr(A, "_configs", lambda ctx, which, d_, tma_ok: [
         {**c, "TMA": tma_ok and which != "fwd"} for c in orig(ctx, which, d_, tma_ok)])
     made = []
-    monkeypatch.setattr(A, "_desc4", lambda t, rows: made.append(rows) or real(t, rows))
+    monkeypatch.setattr(A, "desc_bhsd", lambda t, rows: made.append(rows) or real(t, rows))
     t = _check(b, hq, hkv, sq, sk, d, causal)
     assert t.counts[TRITON_ID] == 2
     assert len(made) == (0 if d == 96 else 4)             # q, dO (dK/dV kernel), k, v (dQ kernel)
@@ -547,7 +547,7 @@ q = torch.randn(b, h, s, d, dtype=torch.bfloat16)
 lse2 = torch.empty(b, h, s)
 out = {}
 for tma in (False, True):
-    qd = A._desc4(q, bm) if tma else None
+    qd = A.desc_bhsd(q, bm) if tma else None
     args = (q, q, q, q, q, q, lse2, lse2, lse2, None, qd, qd) + q.stride()[:3] * 6 + (h, 1, s, s, 0, 0.1, 0.08)
     kw = dict(zip(A._bwd_kv_kernel.arg_names, args), HEAD_DIM=d, BLOCK_D=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=False,
               EVEN_M=True, EVEN_N=True, ATOMIC_DQ=False, DQ_TMA=False, TMA=tma)

@@ -10,7 +10,7 @@ import opsadv
 from opsadv import SparseLayout
 from opsadv.core import dispatch
 
-from conftest import rel_err
+from conftest import rel_err, requires_gpu
 
 sparse_mod = pytest.importorskip("opsadv.backends.cuda.sparse")
 
@@ -39,8 +39,8 @@ def poison(monkeypatch):
     monkeypatch.setenv("OPSADV_POISON_OUTPUTS", "1")
 
 
-def _run(backend, layout, q, k, v, dout):
-    with opsadv.use_backend(backend):
+def _run(backend, layout, q, k, v, dout, **policy):
+    with opsadv.use_backend(backend, **policy):
         qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
         with opsadv.trace() as tr:
             out, lse = opsadv.ops.sparse_attention(qq, kk, vv, layout, return_lse=True)
@@ -48,13 +48,13 @@ def _run(backend, layout, q, k, v, dout):
     return (out, lse, qq.grad, kk.grad, vv.grad), tr.counts
 
 
-def _check(layout, b, hq, hk, d, dtype=torch.float16, tol=2e-2):
+def _check(layout, b, hq, hk, d, dtype=torch.float16, tol=2e-2, device="cpu", **policy):
     g = torch.Generator().manual_seed(7)
-    q = torch.randn(b, hq, layout.seq_q, d, generator=g).to(dtype)
-    k = torch.randn(b, hk, layout.seq_k, d, generator=g).to(dtype)
-    v = torch.randn(b, hk, layout.seq_k, d, generator=g).to(dtype)
-    dout = torch.randn(b, hq, layout.seq_q, d, generator=g).to(dtype)
-    got, counts = _run("cuda", layout, q, k, v, dout)
+    q = torch.randn(b, hq, layout.seq_q, d, generator=g).to(device, dtype)
+    k = torch.randn(b, hk, layout.seq_k, d, generator=g).to(device, dtype)
+    v = torch.randn(b, hk, layout.seq_k, d, generator=g).to(device, dtype)
+    dout = torch.randn(b, hq, layout.seq_q, d, generator=g).to(device, dtype)
+    got, counts = _run("cuda", layout, q, k, v, dout, **policy)
     assert any("cuda.triton.sparse_attention" in c for c in counts), counts
     # the oracle in float32 on the same (half-rounded) inputs
     ref, _ = _run("reference", layout, q.float(), k.float(), v.float(), dout.float())
@@ -194,6 +194,29 @@ def test_forward_loop_variants(name, loop, reverse, poison, monkeypatch):
     _check(make(), b, hq=hq, hk=hq // 2, d=32)
 
 
+@pytest.mark.parametrize("loop", ["list", "run", "fused_run"])
+@pytest.mark.parametrize("name", ["window_causal", "dense_causal_cross", "block_mask_batch", "padding_causal",
+                                  "varlen_causal_global"])
+def test_forward_tma_loads(name, loop, poison, monkeypatch):
+    """K/V tiles through (b, h_kv, s_k, d) descriptors (variant "tma"; the interpreter runs descriptor loads): the
+    same function as the pointer loads, key tails past s_k included (zero rows, masked in partial tiles)."""
+    made = []
+    real = sparse_mod.desc_bhsd
+    monkeypatch.setattr(sparse_mod, "desc_bhsd", lambda t, rows: made.append(rows) or real(t, rows))
+    monkeypatch.setattr(sparse_mod, "FWD_DEFAULT", {"loop": loop, "reverse": False, "tma": True})
+    make, b, *heads = LOOP_PATTERNS[name]
+    hq = heads[0] if heads else 2
+    _check(make(), b, hq=hq, hk=hq // 2, d=32)
+    assert made, "the forward did not take the descriptor path"
+
+
+def test_forward_tma_loads_not_taken_for_a_padded_head_dim(poison, monkeypatch):
+    """d=96 pads to 128 in registers: no descriptor (its box would read past the row), pointer loads instead."""
+    monkeypatch.setattr(sparse_mod, "desc_bhsd", lambda t, rows: pytest.fail("descriptor for a padded head dim"))
+    monkeypatch.setattr(sparse_mod, "FWD_DEFAULT", {"loop": "run", "reverse": False, "tma": True})
+    _check(SparseLayout.sliding_window(45, (7, 11), causal=False, seq_k=83, block_size=32), 1, 2, 1, 96)
+
+
 @pytest.mark.parametrize("loop", ["run", "fused", "fused_run"])
 def test_forward_loop_variants_odd_head_dim_and_tail(loop, poison, monkeypatch):
     """A key tail past s_k inside a partial tile (fused: clamped K/V rows) and a padded head dim."""
@@ -327,3 +350,24 @@ def test_training_calls_tune_each_impl_forward_with_its_own_backward(tmp_path, m
     finally:
         monkeypatch.undo()
         tuning.reload()
+
+
+@requires_gpu
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("layout", ["window", "varlen", "block_mask"])
+def test_gpu_forward_tma_loads(layout, tma, seed, poison, monkeypatch):
+    """On the GPU (bf16, d128, ragged lengths): the forward with and without K/V descriptor loads vs float32."""
+    if tma and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("TMA needs sm_90+")
+    made = []
+    real = sparse_mod.desc_bhsd
+    monkeypatch.setattr(sparse_mod, "desc_bhsd", lambda t, rows: made.append(rows) or real(t, rows))
+    monkeypatch.setattr(sparse_mod, "FWD_DEFAULT", {"loop": "run", "reverse": False, "tma": tma})
+    lay = {"window": lambda: SparseLayout.sliding_window(1000, 300, causal=True, block_size=128, device="cuda"),
+           "varlen": lambda: SparseLayout.varlen([300, 1, 517, 182], causal=True, block_size=128, device="cuda"),
+           "block_mask": lambda: SparseLayout.from_block_mask(
+               torch.rand(1, 1, 8, 8, generator=torch.Generator().manual_seed(1)) < 0.5, block_size=128,
+               seq_q=1000, seq_k=1000).to("cuda")}[layout]()
+    _check(lay, 2 if layout == "block_mask" else 1, hq=4, hk=2, d=128, dtype=torch.bfloat16, device="cuda",
+           impls={"sparse_attention": "cuda.triton.sparse_attention"})
+    assert bool(made) == tma

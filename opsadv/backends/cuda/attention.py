@@ -26,6 +26,7 @@ import triton.language as tl
 from opsadv.core.kernel import PRIORITY_TRITON, KernelImpl
 
 from . import triton_device_types
+from ._tma import TensorDescriptor, desc_bhsd, sm90_plus, tma_tiles_ok
 from ._triton_utils import ConfigTuner, bucket, load_tile, new_output, new_output_bshd, store_tile
 
 LOG2E = 1.4426950408889634
@@ -41,10 +42,6 @@ FEATURES = frozenset({"causal", "gqa", "cross_length"})
 # d64 causal 2.36 / 2.02 / 1.81), so it stays experimental.
 ATOMIC_DQ_PRIORITY_DELTA = -10
 
-try:  # host-side TMA descriptors (Triton >= 3.4)
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # pragma: no cover
-    TensorDescriptor = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -487,39 +484,22 @@ def flash_bwd_atomic(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale):
     return _bwd(ctx, dout, q, k, v, out, lse, causal, scale, atomic_dq=True)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm90_plus(device_index) -> bool:
-    """Hopper or newer (TMA); read once per device."""
-    return torch.cuda.get_device_capability(device_index) >= (9, 0)
-
-
 def _dq_tma_ok(q: torch.Tensor, d: int, block_d: int) -> bool:
     """dQ reduced through TMA (a bulk reduce-add per tile, Hopper+): needs host descriptors, an unpadded head
     dim and a real GPU (the interpreter has no descriptor reduce)."""
     return (TensorDescriptor is not None and q.device.type == "cuda" and d == block_d
-            and _sm90_plus(q.device.index))
+            and sm90_plus(q.device.index))
 
 
-def _desc_ok(t: torch.Tensor) -> bool:
-    """t addressable by a TMA descriptor: 16-byte aligned base and strides, unit stride along the last dim."""
-    es = t.element_size()
-    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(st * es % 16 == 0 for st in t.stride()[:-1])
+# The deterministic backward's dK/dV and dQ kernels launched on two streams (benchmarks/attn_bwd_streams_probe.py
+# times both ways on the GPU); off until measured.
+CONCURRENT_BWD = False
 
 
-def _bwd_tma_ok(ctx, d: int, block_d: int, *ts: torch.Tensor) -> bool:
-    """The backward's TMA loads (q / dO in the dK/dV kernel, k / v in the dQ kernel): host descriptors, an
-    unpadded head dim, descriptor-addressable tensors, on Hopper or under the interpreter (which runs descriptor
-    loads, so the CPU tests cover the path)."""
-    if TensorDescriptor is None or d != block_d or not all(_desc_ok(t) for t in ts):
-        return False
-    if ts[0].device.type == "cuda":
-        return _sm90_plus(ts[0].device.index)
-    return bool(getattr(getattr(ctx, "env", None), "triton_interpret", False))
-
-
-def _desc4(t: torch.Tensor, rows: int) -> "TensorDescriptor":
-    """A (b, h, s, d) descriptor of t loading (rows, d) tiles of one head (rows past s are zero)."""
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, t.shape[-1]])
+@functools.lru_cache(maxsize=None)
+def _side_stream(device: torch.device) -> "torch.cuda.Stream":
+    """One side stream per device for the dQ kernel (created once: stream creation is not free)."""
+    return torch.cuda.Stream(device)
 
 
 def _bwd(ctx, dout, q, k, v, out, lse, causal, scale, atomic_dq: bool):
@@ -545,13 +525,13 @@ def _bwd(ctx, dout, q, k, v, out, lse, causal, scale, atomic_dq: bool):
     common = (hq, group, sq, sk, sk - sq, qk_scale, scale)
 
     dq_tma = atomic_dq and _dq_tma_ok(q, d, block_d)
-    tma_ok = not atomic_dq and _bwd_tma_ok(ctx, d, block_d, q, k, v, dout)
+    tma_ok = not atomic_dq and tma_tiles_ok(ctx, d, block_d, q, k, v, dout)
 
     def launch_kv(cfg):
         bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
         dq_desc = qd = dod = None
         if cfg["TMA"]:
-            qd, dod = _desc4(q, bm), _desc4(dout, bm)
+            qd, dod = desc_bhsd(q, bm), desc_bhsd(dout, bm)
         if atomic_dq:
             dqa.zero_()                                     # the tuner may launch this more than once
             if dq_tma:                                      # (b*h, s_q, d) fp32: TMA clips rows past s_q
@@ -568,7 +548,7 @@ def _bwd(ctx, dout, q, k, v, out, lse, causal, scale, atomic_dq: bool):
         bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
         kd = vd = None
         if cfg["TMA"]:
-            kd, vd = _desc4(k, bn), _desc4(v, bn)
+            kd, vd = desc_bhsd(k, bn), desc_bhsd(v, bn)
         _bwd_q_kernel[(triton.cdiv(sq, bm), b * hq)](
             q, k, v, dout, dq, lse2, delta, kd, vd,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -582,8 +562,21 @@ def _bwd(ctx, dout, q, k, v, out, lse, causal, scale, atomic_dq: bool):
         launch_kv(_BWD_KVA.pick(key, _configs(ctx, "bwd_kv", d, False), launch_kv, tune))
         dq.copy_(dqa)                                       # fp32 accumulator -> q's dtype
     else:
-        launch_kv(_BWD_KV.pick(key, _configs(ctx, "bwd_kv", d, tma_ok), launch_kv, tune))
-        launch_q(_BWD_Q.pick(key, _configs(ctx, "bwd_q", d, tma_ok), launch_q, tune))
+        cfg_kv = _BWD_KV.pick(key, _configs(ctx, "bwd_kv", d, tma_ok), launch_kv, tune)
+        cfg_q = _BWD_Q.pick(key, _configs(ctx, "bwd_q", d, tma_ok), launch_q, tune)
+        if CONCURRENT_BWD and q.device.type == "cuda":
+            # the two kernels share only inputs: the dQ one runs on a side stream next to the dK/dV one
+            # (fork / join on the caller's stream, so CUDA-graph capture and the allocator see one order)
+            main = torch.cuda.current_stream(q.device)
+            side = _side_stream(q.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                launch_q(cfg_q)
+            launch_kv(cfg_kv)
+            main.wait_stream(side)
+        else:
+            launch_kv(cfg_kv)
+            launch_q(cfg_q)
     if in_dtype != cdt:
         dq, dk, dv = dq.to(in_dtype), dk.to(in_dtype), dv.to(in_dtype)
     return dq, dk, dv

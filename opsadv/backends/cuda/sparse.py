@@ -26,6 +26,7 @@ from opsadv.core.layout import tile_index
 
 from . import triton_device_types
 from ._triton_utils import load_tile, new_output, new_output_bshd
+from ._tma import desc_bhsd, tma_tiles_ok
 
 OP = "sparse_attention"
 LOG2E = 1.4426950408889634
@@ -123,7 +124,7 @@ LOOP_IDS = {"list": 0, "prefetch": 1, "run": 2, "fused": 3, "fused_run": 4}
 # w1024 0.726 vs 0.787, w4096 2.170 vs 2.461, w8192 3.615 vs 4.046, varlen 1.558 vs 1.771; global+window
 # ("prefetch", full tiles not one run) 0.749 vs 0.918.  "fused"/"fused_run" were ~3% faster at w256 and
 # 1-7% slower from w1024 up.  REVERSE: -2% on varlen, +3..5% on w4096/w8192: off.
-FWD_DEFAULT = {"loop": "run", "reverse": False}
+FWD_DEFAULT = {"loop": "run", "reverse": False, "tma": False}
 
 
 @triton.jit
@@ -154,12 +155,17 @@ def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, s_kn, s_vn, kt, offs_m, offs_d, 
               bm_ptr, s_bm_q, s_bm_k, kpm_ptr, seg_ptr, pos_ptr, SQ, SK, OFF, WL, WR, NG, BS,
               BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr,
               CAUSAL: tl.constexpr, HAS_WIN: tl.constexpr, HAS_GLOBAL: tl.constexpr, BM_MODE: tl.constexpr,
-              HAS_KPM: tl.constexpr, HAS_SEG: tl.constexpr, RESCALE: tl.constexpr):
+              HAS_KPM: tl.constexpr, HAS_SEG: tl.constexpr, RESCALE: tl.constexpr,
+              k_desc=None, v_desc=None, b32=0, hk32=0, TMA: tl.constexpr = False):
     """One online-softmax step over key tile kt (MASKED: a partial tile, else a full in-bounds one)."""
     offs_n = kt * BLOCK_N + tl.arange(0, BLOCK_N)
-    # rows masked in partial tiles (MASKED), head-dim columns when padded (not EVEN_D)
-    k = load_tile(k_base + offs_n[:, None] * s_kn + offs_d[None, :], offs_n, SK, offs_d, D, MASKED, not EVEN_D)
-    v = load_tile(v_base + offs_n[:, None] * s_vn + offs_d[None, :], offs_n, SK, offs_d, D, MASKED, not EVEN_D)
+    if TMA:  # (b, h_kv, s_k, d) descriptors: keys past s_k come back zero (and are masked: partial tiles)
+        k = k_desc.load([b32, hk32, kt * BLOCK_N, 0]).reshape(BLOCK_N, q.shape[1])
+        v = v_desc.load([b32, hk32, kt * BLOCK_N, 0]).reshape(BLOCK_N, q.shape[1])
+    else:
+        # rows masked in partial tiles (MASKED), head-dim columns when padded (not EVEN_D)
+        k = load_tile(k_base + offs_n[:, None] * s_kn + offs_d[None, :], offs_n, SK, offs_d, D, MASKED, not EVEN_D)
+        v = load_tile(v_base + offs_n[:, None] * s_vn + offs_d[None, :], offs_n, SK, offs_d, D, MASKED, not EVEN_D)
     s = tl.dot(q, tl.trans(k))                      # raw scores; qk_scale (log2 domain) is applied in one FMA
     if MASKED:
         ok = _allowed(offs_m, offs_n, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, seg_ptr, pos_ptr, SQ, SK, OFF, WL, WR, NG,
@@ -169,14 +175,14 @@ def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, s_kn, s_vn, kt, offs_m, offs_d, 
 
 
 @triton.jit
-def _sparse_fwd(Q, K, V, O, LSE, ROWS, COLS, BM, KPM, SEG, POS,
+def _sparse_fwd(Q, K, V, O, LSE, ROWS, COLS, BM, KPM, SEG, POS, k_desc, v_desc,
                 s_qb, s_qh, s_qm, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_ob, s_oh, s_om,
                 s_rb, s_rh, s_rr, s_cb, s_ch, s_cr, s_bmb, s_bmh, s_bm_q, s_bm_k, s_kpmb,
                 H, GROUP, SQ, SK, OFF, D, qk_scale, WL, WR, NG, BS,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, EVEN_D: tl.constexpr,
                 CAUSAL: tl.constexpr, HAS_WIN: tl.constexpr, HAS_GLOBAL: tl.constexpr, BM_MODE: tl.constexpr,
                 HAS_KPM: tl.constexpr, HAS_SEG: tl.constexpr, RESCALE: tl.constexpr, LOOP: tl.constexpr,
-                REVERSE: tl.constexpr):
+                REVERSE: tl.constexpr, TMA: tl.constexpr = False):
     if REVERSE:                                       # last row tiles first (the longest ones when causal)
         pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     else:
@@ -185,6 +191,8 @@ def _sparse_fwd(Q, K, V, O, LSE, ROWS, COLS, BM, KPM, SEG, POS,
     b = (bh // H).to(tl.int64)                        # 64-bit offsets: b * s_qb can pass 2^31 elements
     h = (bh % H).to(tl.int64)
     hk = h // GROUP                                   # GQA: the kv head this query head reads
+    b32 = (bh // H).to(tl.int32)                      # descriptor coordinates are 32-bit
+    hk32 = ((bh % H) // GROUP).to(tl.int32)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_D)
     q = tl.load(Q + b * s_qb + h * s_qh + offs_m[:, None] * s_qm + offs_d[None, :],
@@ -212,11 +220,15 @@ def _sparse_fwd(Q, K, V, O, LSE, ROWS, COLS, BM, KPM, SEG, POS,
             else:
                 kt_next = tl.load(cols + t + 1, mask=t + 1 < n_all, other=0)
             offs_n = kt * BLOCK_N + tl.arange(0, BLOCK_N)
-            rows_kv = tl.minimum(offs_n, SK - 1)      # keys past s_k re-read the last one: no row mask, masked below
-            k = load_tile(k_base + rows_kv[:, None] * s_kn + offs_d[None, :], rows_kv, SK, offs_d, D, False,
-                          not EVEN_D)
-            v = load_tile(v_base + rows_kv[:, None] * s_vn + offs_d[None, :], rows_kv, SK, offs_d, D, False,
-                          not EVEN_D)
+            if TMA:
+                k = k_desc.load([b32, hk32, kt * BLOCK_N, 0]).reshape(BLOCK_N, HEAD_D)
+                v = v_desc.load([b32, hk32, kt * BLOCK_N, 0]).reshape(BLOCK_N, HEAD_D)
+            else:
+                rows_kv = tl.minimum(offs_n, SK - 1)  # keys past s_k re-read the last one: no row mask, masked below
+                k = load_tile(k_base + rows_kv[:, None] * s_kn + offs_d[None, :], rows_kv, SK, offs_d, D, False,
+                              not EVEN_D)
+                v = load_tile(v_base + rows_kv[:, None] * s_vn + offs_d[None, :], rows_kv, SK, offs_d, D, False,
+                              not EVEN_D)
             s = tl.dot(q, tl.trans(k))
             if t < n_part:                            # partial tiles come first in the list
                 ok = _allowed(offs_m, offs_n, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL, WR, NG,
@@ -230,7 +242,7 @@ def _sparse_fwd(Q, K, V, O, LSE, ROWS, COLS, BM, KPM, SEG, POS,
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, s_kn, s_vn, kt, offs_m, offs_d, D, qk_scale,
                                       bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL, WR, NG, BS,
                                       BLOCK_N, EVEN_D, True, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM,
-                                      HAS_SEG, RESCALE)
+                                      HAS_SEG, RESCALE, k_desc, v_desc, b32, hk32, TMA)
         # full tiles: no masks at all
         if LOOP == 2:
             c0 = tl.load(cols + n_part, mask=n_part < n_all, other=0)
@@ -238,7 +250,7 @@ def _sparse_fwd(Q, K, V, O, LSE, ROWS, COLS, BM, KPM, SEG, POS,
                 acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, s_kn, s_vn, kt, offs_m, offs_d, D,
                                           qk_scale, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL, WR,
                                           NG, BS, BLOCK_N, EVEN_D, False, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE,
-                                          HAS_KPM, HAS_SEG, RESCALE)
+                                          HAS_KPM, HAS_SEG, RESCALE, k_desc, v_desc, b32, hk32, TMA)
         elif LOOP == 1:
             kt = tl.load(cols + n_part, mask=n_part < n_all, other=0)
             for t in range(n_part, n_all):
@@ -246,7 +258,7 @@ def _sparse_fwd(Q, K, V, O, LSE, ROWS, COLS, BM, KPM, SEG, POS,
                 acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, s_kn, s_vn, kt, offs_m, offs_d, D,
                                           qk_scale, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL, WR,
                                           NG, BS, BLOCK_N, EVEN_D, False, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE,
-                                          HAS_KPM, HAS_SEG, RESCALE)
+                                          HAS_KPM, HAS_SEG, RESCALE, k_desc, v_desc, b32, hk32, TMA)
                 kt = kt_next
         else:
             for t in range(n_part, n_all):
@@ -254,7 +266,7 @@ def _sparse_fwd(Q, K, V, O, LSE, ROWS, COLS, BM, KPM, SEG, POS,
                 acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, s_kn, s_vn, kt, offs_m, offs_d, D,
                                           qk_scale, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL, WR,
                                           NG, BS, BLOCK_N, EVEN_D, False, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE,
-                                          HAS_KPM, HAS_SEG, RESCALE)
+                                          HAS_KPM, HAS_SEG, RESCALE, k_desc, v_desc, b32, hk32, TMA)
     empty = l_i == 0.0                                # fully masked row: zeros, lse = -inf
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) / 1.4426950408889634)
@@ -546,7 +558,8 @@ def _long_row_tile(profile, d, ti, block_n, cu, kpm):
 
 def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale, dense_blocks=False,
                max_seqlen=-1, *, variant=None):
-    """variant (benchmarks): {"loop": one of LOOP_IDS, "reverse": bool} instead of FWD_DEFAULT."""
+    """variant (benchmarks): {"loop": one of LOOP_IDS, "reverse": bool, "tma": bool} instead of FWD_DEFAULT
+    ("tma": K/V through descriptors where tma_tiles_ok)."""
     in_dtype = q.dtype
     q, k, v = _prep(ctx, q, k, v)
     b, hq, sq, d = q.shape
@@ -565,14 +578,16 @@ def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale,
     lse = _new((b, hq, sq), torch.float32, q.device)
     ptrs, strides = _layout_args(ti, block_mask, kpm, q)
     hd = max(16, triton.next_power_of_2(d))
+    tma = bool(opts.get("tma")) and tma_tiles_ok(ctx, d, hd, k, v)
+    k_desc, v_desc = (desc_bhsd(k, bn_f), desc_bhsd(v, bn_f)) if tma else (None, None)
     grid = (triton.cdiv(sq, bm_m), b * hq)
-    _sparse_fwd[grid](q, k, v, out, lse, ti.rows, ti.cols, *ptrs,
+    _sparse_fwd[grid](q, k, v, out, lse, ti.rows, ti.cols, *ptrs, k_desc, v_desc,
                       *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
                       *_s4(ti.rows), *_s4(ti.cols), *strides,
                       hq, hq // hk, sq, sk, sk - sq, d, scale * LOG2E, wl, wr, ng, bs,
                       BLOCK_M=bm_m, BLOCK_N=bn_f, HEAD_D=hd, EVEN_D=hd == d, **_flags(ti, causal, wl, ng, cu, kpm),
                       RESCALE=float(fwd_flags[0]) if fwd_flags else 0.0, LOOP=loop, REVERSE=bool(opts["reverse"]),
-                      num_warps=warps, num_stages=stages)
+                      TMA=tma, num_warps=warps, num_stages=stages)
     return out.to(in_dtype), lse
 
 
