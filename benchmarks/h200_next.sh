@@ -247,6 +247,14 @@ st)  # session 11: the GPU tests of the Triton attention impl (pinned) incl. eve
   echo "sparse gpu pytest rc $?"; tail -2 "$OUT/sparse_gpu_pytest.log"
   timeout 200 python3 benchmarks/attn_bwd_streams_probe.py "$OUT/attn_bwd_streams.json" 2>&1 | cut -c1-300
   ;;
+t2)  # session 11: GPU tests after the two-stream backward / sparse TMA defaults (the graph-capture test included)
+  TRITON_INTERPRET=0 timeout 200 python3 -m pytest -q -p no:cacheprovider -k "gpu_triton or gpu_two_stream" \
+    tests/test_cuda_attention.py > "$OUT/attn_gpu_pytest2.log" 2>&1
+  echo "attention gpu pytest rc $?"; tail -2 "$OUT/attn_gpu_pytest2.log"
+  TRITON_INTERPRET=0 timeout 100 python3 -m pytest -q -p no:cacheprovider -k "gpu" tests/test_cuda_sparse.py \
+    > "$OUT/sparse_gpu_pytest2.log" 2>&1
+  echo "sparse gpu pytest rc $?"; tail -2 "$OUT/sparse_gpu_pytest2.log"
+  ;;
 s5)  # session 11: the sparse forward with K/V through TMA descriptors (set 5) vs the pointer loads and the op
   PROBE_SET=5 timeout 280 python3 benchmarks/sparse_fwd_probe.py "$OUT/sparse_fwd_tma.json" 250 \
     > /tmp/sparse_fwd_tma.log 2>&1

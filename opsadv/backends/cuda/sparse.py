@@ -124,7 +124,12 @@ LOOP_IDS = {"list": 0, "prefetch": 1, "run": 2, "fused": 3, "fused_run": 4}
 # w1024 0.726 vs 0.787, w4096 2.170 vs 2.461, w8192 3.615 vs 4.046, varlen 1.558 vs 1.771; global+window
 # ("prefetch", full tiles not one run) 0.749 vs 0.918.  "fused"/"fused_run" were ~3% faster at w256 and
 # 1-7% slower from w1024 up.  REVERSE: -2% on varlen, +3..5% on w4096/w8192: off.
-FWD_DEFAULT = {"loop": "run", "reverse": False, "tma": False}
+# "tma" (K/V through descriptors; True / False, or "contiguous": only for layouts without segments, key padding
+# or a mixed block mask).  H200 session 11 (results/sparse_fwd_tma_s11_h200.json, causal windows s16384 d128
+# bf16, "run" 64x64/4/3): w256 0.307 vs 0.319 ms, w1024 0.679 vs 0.741, w2048 1.196 vs 1.300 (128x128/8/3:
+# 1.216 vs 1.307); the packed varlen batch slower, 1.831 vs 1.642 (causal 1.088 vs 0.974); global / block-mask
+# layouts not measured.  Hence "contiguous".
+FWD_DEFAULT = {"loop": "run", "reverse": False, "tma": "contiguous"}
 
 
 @triton.jit
@@ -558,8 +563,8 @@ def _long_row_tile(profile, d, ti, block_n, cu, kpm):
 
 def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale, dense_blocks=False,
                max_seqlen=-1, *, variant=None):
-    """variant (benchmarks): {"loop": one of LOOP_IDS, "reverse": bool, "tma": bool} instead of FWD_DEFAULT
-    ("tma": K/V through descriptors where tma_tiles_ok)."""
+    """variant (benchmarks): {"loop": one of LOOP_IDS, "reverse": bool, "tma": bool | "contiguous"} instead of
+    FWD_DEFAULT ("tma": K/V through descriptors where tma_tiles_ok; see FWD_DEFAULT)."""
     in_dtype = q.dtype
     q, k, v = _prep(ctx, q, k, v)
     b, hq, sq, d = q.shape
@@ -578,7 +583,10 @@ def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale,
     lse = _new((b, hq, sq), torch.float32, q.device)
     ptrs, strides = _layout_args(ti, block_mask, kpm, q)
     hd = max(16, triton.next_power_of_2(d))
-    tma = bool(opts.get("tma")) and tma_tiles_ok(ctx, d, hd, k, v)
+    tma = opts.get("tma", False)
+    if tma == "contiguous":
+        tma = cu is None and kpm is None and ti.bm_mode != 2
+    tma = bool(tma) and tma_tiles_ok(ctx, d, hd, k, v)
     k_desc, v_desc = (desc_bhsd(k, bn_f), desc_bhsd(v, bn_f)) if tma else (None, None)
     grid = (triton.cdiv(sq, bm_m), b * hq)
     _sparse_fwd[grid](q, k, v, out, lse, ti.rows, ti.cols, *ptrs, k_desc, v_desc,
