@@ -169,8 +169,10 @@ def resolved_autograd_function(name: str, setup_context, backward, *, stats: tup
     """autograd_function for an op that resolves its impl before it runs (grad-recording calls resolved in
     a train bucket; the norms choose between an impl's `train` forward and this Function from that one
     resolution): apply(r, *inputs) runs r.run(r.ctx, *inputs), where r is a dispatch.Resolved, then
-    `finish` on its output (e.g. the attention ops' contiguous lse)."""
+    `finish` on its output (e.g. the attention ops' contiguous lse).  ctx.opsadv_resolved = r, for backwards
+    that run the resolved impl's own (pair_backward)."""
     def forward(ctx, r, *inputs):
+        ctx.opsadv_resolved = r
         out = r.run(r.ctx, *inputs)
         if finish is not None:
             out = finish(out)
@@ -228,9 +230,24 @@ class _OwnPairFn(torch.autograd.Function):
 def own_pair_train_step(impl, rctx, args: tuple) -> Callable[[], Any]:
     """autotune's training step for the attention ops (fn(ctx, q, k, v, *rest) -> (out, lse);
     backward(ctx, dout, q, k, v, out, lse, *rest) -> (dq, dk, dv)): the impl's forward with its own
-    backward.  The call's backward is still dispatched in its own bucket, measured on that forward's
-    out and lse, so it can only be as fast or faster than the impl's own."""
+    backward.  The call's backward then runs that same impl's backward (pair_backward): the pair is what was
+    timed.  (Until session 11 the backward was dispatched in its own bucket, timed on that forward's out and
+    lse; on the H200 that bucket once chose cuDNN's backward after the Gluon forward by a 6% margin, and the
+    pair then ran 1.13 ms against 0.93 for Gluon + its own backward: the backward bucket's timing did not
+    carry over to the call.)"""
     return grad_step(lambda: _OwnPairFn.apply(impl, rctx, *args), args, 1)
+
+
+def pair_backward(ctx, dout, q, k, v, out, lse, rest: tuple):
+    """(dq, dk, dv) from the backward of the impl a train bucket resolved for this call's forward
+    (resolved_autograd_function), or None where the call did not come that way (traced calls) or the impl
+    has no backward of its own: the caller dispatches the backward then."""
+    r = getattr(ctx, "opsadv_resolved", None)
+    if r is None or getattr(r.impl, "backward", None) is None:
+        return None
+    from .. import dispatch
+    dispatch.record_call(r.impl.id)
+    return r.impl.backward(r.ctx, dout, q, k, v, out, lse, *rest)
 
 
 def grad_step(forward: Callable[[], Any], args: tuple, n_out: int) -> Callable[[], Any]:

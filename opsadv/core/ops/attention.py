@@ -25,7 +25,7 @@ from ..errors import InvalidArgumentError
 from ..kernel import CallSpec
 from ._common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, INF, TORCH_OPS, carry_policy, check_same, check_scale,
                       check_tensor, EXACT_STRIDES, contiguous_lse, dt, eager_mode, len_bucket, own_pair_train_step,
-                      register_train_step, resolved_autograd_function, same_kind)
+                      pair_backward, register_train_step, resolved_autograd_function, same_kind)
 
 OP = "flash_attention"
 
@@ -193,6 +193,9 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, attn_mask = ctx.saved_tensors
+    pair = pair_backward(ctx, dout, q, k, v, out, lse, (attn_mask, ctx.causal, ctx.scale))   # eager training call
+    if pair is not None:
+        return (*pair, None, None, None)
     # eager: the router directly (no torch.library boundary, no layout copy); traced: the op
     bwd = _bwd_route if eager_mode(dout, q, k, v) != TORCH_OPS else torch.ops.opsadv.flash_attention_backward
     dq, dk, dv = bwd(dout, q, k, v, out, lse, attn_mask, ctx.causal, ctx.scale)
@@ -201,8 +204,8 @@ def _backward(ctx, dout, dlse):
 
 _setup_context, _backward = carry_policy(_setup_context, _backward)   # backward resolves under the forward's policy
 _flash_attention.register_autograd(_backward, setup_context=_setup_context)
-# eager training calls: the impl the train bucket chose runs forward; the backward is dispatched as every
-# backward is (_backward: its own bucket, measured on this forward's out and lse)
+# eager training calls: the impl the train bucket chose (timing each impl's forward + own backward) runs forward
+# and its own backward (pair_backward); traced calls dispatch the backward in its own bucket
 _train_autograd = resolved_autograd_function("FlashAttentionTrainFn", _setup_context, _backward, stats=(1,),
                                              finish=lambda o: (o[0], contiguous_lse(o[1])))
 register_train_step(OP, own_pair_train_step)

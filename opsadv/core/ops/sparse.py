@@ -23,7 +23,8 @@ from ..errors import InvalidArgumentError
 from ..kernel import CallSpec
 from ..layout import SparseLayout
 from ._common import (AUTOGRAD_FN, DIRECT, TORCH_OPS, carry_policy, check_same, check_scale, check_tensor,
-                      EXACT_STRIDES, contiguous_lse, eager_mode, len_bucket, own_pair_train_step, register_train_step,
+                      EXACT_STRIDES, contiguous_lse, eager_mode, len_bucket, own_pair_train_step, pair_backward,
+                      register_train_step,
                       resolved_autograd_function)
 from .attention import default_scale, lse_dtype
 
@@ -163,6 +164,9 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, bm, kpm, cu = ctx.saved_tensors
+    pair = pair_backward(ctx, dout, q, k, v, out, lse, (bm, kpm, cu, *ctx.rest))   # eager training call
+    if pair is not None:
+        return (*pair,) + (None,) * (3 + len(ctx.rest))
     # eager: the router directly (no torch.library boundary, no layout copy); traced: the op
     bwd = _bwd_route if eager_mode(dout, q, k, v) != TORCH_OPS else torch.ops.opsadv.sparse_attention_backward
     dq, dk, dv = bwd(dout, q, k, v, out, lse, bm, kpm, cu, *ctx.rest)
@@ -171,7 +175,7 @@ def _backward(ctx, dout, dlse):
 
 _setup, _backward = carry_policy(_setup, _backward)   # backward resolves under the forward's policy
 _sparse_attention.register_autograd(_backward, setup_context=_setup)
-# eager training calls: the impl the train bucket chose runs forward, the backward is dispatched in its bucket
+# eager training calls: the impl the train bucket chose runs forward and its own backward (pair_backward)
 _train_autograd = resolved_autograd_function("SparseAttentionTrainFn", _setup, _backward, stats=(1,),
                                              finish=lambda o: (o[0], contiguous_lse(o[1])))
 register_train_step(OP, own_pair_train_step)
