@@ -255,6 +255,12 @@ t2)  # session 11: GPU tests after the two-stream backward / sparse TMA defaults
     > "$OUT/sparse_gpu_pytest2.log" 2>&1
   echo "sparse gpu pytest rc $?"; tail -2 "$OUT/sparse_gpu_pytest2.log"
   ;;
+sb)  # session 11 (prepared late): the sparse backward's TMA loads and two streams (GPU tests, then the probe)
+  TRITON_INTERPRET=0 timeout 90 python3 -m pytest -q -p no:cacheprovider -k "gpu_backward_tma" tests/test_cuda_sparse.py \
+    > "$OUT/sparse_bwd_gpu_pytest.log" 2>&1
+  echo "sparse bwd gpu pytest rc $?"; tail -2 "$OUT/sparse_bwd_gpu_pytest.log"
+  timeout 150 python3 benchmarks/sparse_bwd_tma_probe.py "$OUT/sparse_bwd_tma.json" 2>&1 | cut -c1-400
+  ;;
 s5)  # session 11: the sparse forward with K/V through TMA descriptors (set 5) vs the pointer loads and the op
   PROBE_SET=5 timeout 280 python3 benchmarks/sparse_fwd_probe.py "$OUT/sparse_fwd_tma.json" 250 \
     > /tmp/sparse_fwd_tma.log 2>&1

@@ -38,3 +38,23 @@ def tma_tiles_ok(ctx, d: int, block_d: int, *ts: torch.Tensor) -> bool:
 def desc_bhsd(t: torch.Tensor, rows: int) -> "TensorDescriptor":
     """A (b, h, s, d) descriptor of t loading (rows, d) tiles of one head (rows past s are zero)."""
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, t.shape[-1]])
+
+
+@functools.lru_cache(maxsize=None)
+def _side_stream(device: torch.device) -> "torch.cuda.Stream":
+    """One side stream per device (created once: stream creation is not free)."""
+    return torch.cuda.Stream(device)
+
+
+def run_side_by_side(device: torch.device, first, second) -> None:
+    """first() on the caller's stream and second() on a side stream, concurrently, for two kernels that share
+    only inputs (a backward's dK/dV and dQ kernels).  Fork / join on the caller's stream, so CUDA-graph capture
+    and the caching allocator see one order: the side stream waits for the caller's work before it starts and
+    the caller waits for it before anything after this call."""
+    main = torch.cuda.current_stream(device)
+    side = _side_stream(device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        second()
+    first()
+    main.wait_stream(side)

@@ -17,8 +17,6 @@ Tiles come from ctx.profile.tiles["flash_attention"][pass][head-dim class]: the 
 is the default, the list is the autotune space (GPU only, when profile.autotune)."""
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -26,7 +24,7 @@ import triton.language as tl
 from opsadv.core.kernel import PRIORITY_TRITON, KernelImpl
 
 from . import triton_device_types
-from ._tma import TensorDescriptor, desc_bhsd, sm90_plus, tma_tiles_ok
+from ._tma import TensorDescriptor, desc_bhsd, run_side_by_side, sm90_plus, tma_tiles_ok
 from ._triton_utils import ConfigTuner, bucket, load_tile, new_output, new_output_bshd, store_tile
 
 LOG2E = 1.4426950408889634
@@ -498,12 +496,6 @@ def _dq_tma_ok(q: torch.Tensor, d: int, block_d: int) -> bool:
 CONCURRENT_BWD = True
 
 
-@functools.lru_cache(maxsize=None)
-def _side_stream(device: torch.device) -> "torch.cuda.Stream":
-    """One side stream per device for the dQ kernel (created once: stream creation is not free)."""
-    return torch.cuda.Stream(device)
-
-
 def _bwd(ctx, dout, q, k, v, out, lse, causal, scale, atomic_dq: bool):
     in_dtype = q.dtype
     cdt = _compute_dtype(ctx, in_dtype)
@@ -566,16 +558,8 @@ def _bwd(ctx, dout, q, k, v, out, lse, causal, scale, atomic_dq: bool):
     else:
         cfg_kv = _BWD_KV.pick(key, _configs(ctx, "bwd_kv", d, tma_ok), launch_kv, tune)
         cfg_q = _BWD_Q.pick(key, _configs(ctx, "bwd_q", d, tma_ok), launch_q, tune)
-        if CONCURRENT_BWD and q.device.type == "cuda":
-            # the two kernels share only inputs: the dQ one runs on a side stream next to the dK/dV one
-            # (fork / join on the caller's stream, so CUDA-graph capture and the allocator see one order)
-            main = torch.cuda.current_stream(q.device)
-            side = _side_stream(q.device)
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                launch_q(cfg_q)
-            launch_kv(cfg_kv)
-            main.wait_stream(side)
+        if CONCURRENT_BWD and q.device.type == "cuda":     # the dQ kernel on a side stream next to dK/dV
+            run_side_by_side(q.device, lambda: launch_kv(cfg_kv), lambda: launch_q(cfg_q))
         else:
             launch_kv(cfg_kv)
             launch_q(cfg_q)

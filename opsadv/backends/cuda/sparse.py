@@ -26,7 +26,7 @@ from opsadv.core.layout import tile_index
 
 from . import triton_device_types
 from ._triton_utils import load_tile, new_output, new_output_bshd
-from ._tma import desc_bhsd, tma_tiles_ok
+from ._tma import desc_bhsd, run_side_by_side, tma_tiles_ok
 
 OP = "sparse_attention"
 LOG2E = 1.4426950408889634
@@ -293,7 +293,10 @@ def _sparse_fwd(Q, K, V, O, LSE, ROWS, COLS, BM, KPM, SEG, POS, k_desc, v_desc,
 # the forward's problem) while "prefetch"/"run" get 3 buffers.  Not measured on a GPU yet: the default
 # stays "list" until an H200 run of benchmarks/sparse_bwd_probe.py says otherwise.
 BWD_LOOP_IDS = {"list": 0, "prefetch": 1, "run": 2}
-BWD_DEFAULT = {"dq": "list", "dkdv": "list"}
+# "tma": q / dO (dK/dV kernel) and k / v (dQ kernel) through descriptors, as the forward's "tma" (True / False /
+# "contiguous"); "streams": the dQ kernel on a side stream next to the dK/dV one (the dense backward's
+# CONCURRENT_BWD won 1.006-1.057x on the H200).  Both prepared in session 11, not yet measured here: off.
+BWD_DEFAULT = {"dq": "list", "dkdv": "list", "tma": False, "streams": False}
 
 
 @triton.jit
@@ -317,11 +320,17 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, s_qm, s_dom, lse_base, delta_base,
                bm_ptr, s_bm_q, s_bm_k, kpm_ptr, seg_ptr, pos_ptr, SQ, SK, OFF, WL, WR, NG, BS,
                BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr,
                CAUSAL: tl.constexpr, HAS_WIN: tl.constexpr, HAS_GLOBAL: tl.constexpr, BM_MODE: tl.constexpr,
-               HAS_KPM: tl.constexpr, HAS_SEG: tl.constexpr):
+               HAS_KPM: tl.constexpr, HAS_SEG: tl.constexpr,
+               q_desc=None, do_desc=None, b32=0, h32=0, TMA: tl.constexpr = False):
     """Accumulate dK, dV of one key tile from query tile qt (transposed: rows are keys)."""
     offs_m = qt * BLOCK_M + tl.arange(0, BLOCK_M)
-    q = load_tile(q_base + offs_m[:, None] * s_qm + offs_d[None, :], offs_m, SQ, offs_d, D, MASKED, not EVEN_D)
-    do = load_tile(do_base + offs_m[:, None] * s_dom + offs_d[None, :], offs_m, SQ, offs_d, D, MASKED, not EVEN_D)
+    if TMA:  # (b, h, s_q, d) descriptors: rows past s_q come back zero (lse = +inf there: p = 0)
+        q = q_desc.load([b32, h32, qt * BLOCK_M, 0]).reshape(BLOCK_M, k.shape[1])
+        do = do_desc.load([b32, h32, qt * BLOCK_M, 0]).reshape(BLOCK_M, k.shape[1])
+    else:
+        q = load_tile(q_base + offs_m[:, None] * s_qm + offs_d[None, :], offs_m, SQ, offs_d, D, MASKED, not EVEN_D)
+        do = load_tile(do_base + offs_m[:, None] * s_dom + offs_d[None, :], offs_m, SQ, offs_d, D, MASKED,
+                       not EVEN_D)
     if MASKED:
         lse = tl.load(lse_base + offs_m, mask=offs_m < SQ, other=float("inf"))
         delta = tl.load(delta_base + offs_m, mask=offs_m < SQ, other=0.0)
@@ -343,16 +352,17 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, s_qm, s_dom, lse_base, delta_base,
 
 
 @triton.jit
-def _sparse_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, TROWS, TCOLS, BM, KPM, SEG, POS,
+def _sparse_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, TROWS, TCOLS, BM, KPM, SEG, POS, q_desc, do_desc,
                  s_qb, s_qh, s_qm, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_db, s_dh, s_dm,
                  s_dkb, s_dkh, s_dkn, s_dvb, s_dvh, s_dvn,
                  s_rb, s_rh, s_rr, s_cb, s_ch, s_cr, s_bmb, s_bmh, s_bm_q, s_bm_k, s_kpmb,
                  H, HK, GROUP, SQ, SK, OFF, D, qk_scale, sm_scale, WL, WR, NG, BS,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, EVEN_D: tl.constexpr,
                  CAUSAL: tl.constexpr, HAS_WIN: tl.constexpr, HAS_GLOBAL: tl.constexpr, BM_MODE: tl.constexpr,
-                 HAS_KPM: tl.constexpr, HAS_SEG: tl.constexpr, LOOP: tl.constexpr):
+                 HAS_KPM: tl.constexpr, HAS_SEG: tl.constexpr, LOOP: tl.constexpr, TMA: tl.constexpr = False):
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
+    b32 = bhk // HK                                   # descriptor coordinates (32-bit)
     b = bhk // HK
     hk = bhk % HK
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -365,6 +375,7 @@ def _sparse_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, TROWS, TCOLS, BM, KPM, SEG, PO
     kpm_ptr = KPM + b * s_kpmb
     for g in range(0, GROUP):                         # every query head sharing this kv head
         h = hk * GROUP + g
+        h32 = h
         q_base = Q + b * s_qb + h * s_qh
         do_base = DO + b * s_db + h * s_dh
         lse_base = LSE + (b * H + h) * SQ
@@ -381,7 +392,7 @@ def _sparse_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, TROWS, TCOLS, BM, KPM, SEG, PO
                 dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, s_qm, s_dm, lse_base, delta_base, qt, offs_n,
                                     offs_d, D, qk_scale, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL,
                                     WR, NG, BS, BLOCK_M, EVEN_D, True, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM,
-                                    HAS_SEG)
+                                    HAS_SEG, q_desc, do_desc, b32, h32, TMA)
         else:
             qt = tl.load(cols, mask=n_all > 0, other=0)
             for t in range(0, n_part):
@@ -389,7 +400,7 @@ def _sparse_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, TROWS, TCOLS, BM, KPM, SEG, PO
                 dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, s_qm, s_dm, lse_base, delta_base, qt, offs_n,
                                     offs_d, D, qk_scale, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL,
                                     WR, NG, BS, BLOCK_M, EVEN_D, True, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM,
-                                    HAS_SEG)
+                                    HAS_SEG, q_desc, do_desc, b32, h32, TMA)
                 qt = qt_next
         # full tiles: no masks (prefetched ids / the run [cols[n_part], +n_full) / ids loaded in the loop)
         if LOOP == 1:
@@ -398,7 +409,7 @@ def _sparse_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, TROWS, TCOLS, BM, KPM, SEG, PO
                 dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, s_qm, s_dm, lse_base, delta_base, qt, offs_n,
                                     offs_d, D, qk_scale, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL,
                                     WR, NG, BS, BLOCK_M, EVEN_D, False, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM,
-                                    HAS_SEG)
+                                    HAS_SEG, q_desc, do_desc, b32, h32, TMA)
                 qt = qt_next
         else:
             if LOOP == 2:
@@ -411,7 +422,7 @@ def _sparse_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, TROWS, TCOLS, BM, KPM, SEG, PO
                 dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, s_qm, s_dm, lse_base, delta_base, qt, offs_n,
                                     offs_d, D, qk_scale, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL,
                                     WR, NG, BS, BLOCK_M, EVEN_D, False, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM,
-                                    HAS_SEG)
+                                    HAS_SEG, q_desc, do_desc, b32, h32, TMA)
     tl.store(DK + b * s_dkb + hk * s_dkh + offs_n[:, None] * s_dkn + offs_d[None, :],
              (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + b * s_dvb + hk * s_dvh + offs_n[:, None] * s_dvn + offs_d[None, :], dv.to(DV.dtype.element_ty),
@@ -423,12 +434,17 @@ def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, s_kn, s_vn, kt, offs_m, off
              bm_ptr, s_bm_q, s_bm_k, kpm_ptr, seg_ptr, pos_ptr, SQ, SK, OFF, WL, WR, NG, BS,
              BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr,
              CAUSAL: tl.constexpr, HAS_WIN: tl.constexpr, HAS_GLOBAL: tl.constexpr, BM_MODE: tl.constexpr,
-             HAS_KPM: tl.constexpr, HAS_SEG: tl.constexpr):
+             HAS_KPM: tl.constexpr, HAS_SEG: tl.constexpr,
+             k_desc=None, v_desc=None, b32=0, hk32=0, TMA: tl.constexpr = False):
     """Accumulate dQ of one query tile from key tile kt."""
     offs_n = kt * BLOCK_N + tl.arange(0, BLOCK_N)
-    # rows masked in partial tiles (MASKED), head-dim columns when padded (not EVEN_D)
-    k = load_tile(k_base + offs_n[:, None] * s_kn + offs_d[None, :], offs_n, SK, offs_d, D, MASKED, not EVEN_D)
-    v = load_tile(v_base + offs_n[:, None] * s_vn + offs_d[None, :], offs_n, SK, offs_d, D, MASKED, not EVEN_D)
+    if TMA:  # (b, h_kv, s_k, d) descriptors: keys past s_k come back zero (and are masked: partial tiles)
+        k = k_desc.load([b32, hk32, kt * BLOCK_N, 0]).reshape(BLOCK_N, q.shape[1])
+        v = v_desc.load([b32, hk32, kt * BLOCK_N, 0]).reshape(BLOCK_N, q.shape[1])
+    else:
+        # rows masked in partial tiles (MASKED), head-dim columns when padded (not EVEN_D)
+        k = load_tile(k_base + offs_n[:, None] * s_kn + offs_d[None, :], offs_n, SK, offs_d, D, MASKED, not EVEN_D)
+        v = load_tile(v_base + offs_n[:, None] * s_vn + offs_d[None, :], offs_n, SK, offs_d, D, MASKED, not EVEN_D)
     s = tl.dot(q, tl.trans(k)) * qk_scale
     p = tl.math.exp2(s - lse2[:, None])
     if MASKED:
@@ -442,18 +458,20 @@ def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, s_kn, s_vn, kt, offs_m, off
 
 
 @triton.jit
-def _sparse_dq(Q, K, V, DO, LSE, DELTA, DQ, ROWS, COLS, BM, KPM, SEG, POS,
+def _sparse_dq(Q, K, V, DO, LSE, DELTA, DQ, ROWS, COLS, BM, KPM, SEG, POS, k_desc, v_desc,
                s_qb, s_qh, s_qm, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_db, s_dh, s_dm, s_dqb, s_dqh, s_dqm,
                s_rb, s_rh, s_rr, s_cb, s_ch, s_cr, s_bmb, s_bmh, s_bm_q, s_bm_k, s_kpmb,
                H, GROUP, SQ, SK, OFF, D, qk_scale, sm_scale, WL, WR, NG, BS,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, EVEN_D: tl.constexpr,
                CAUSAL: tl.constexpr, HAS_WIN: tl.constexpr, HAS_GLOBAL: tl.constexpr, BM_MODE: tl.constexpr,
-               HAS_KPM: tl.constexpr, HAS_SEG: tl.constexpr, LOOP: tl.constexpr):
+               HAS_KPM: tl.constexpr, HAS_SEG: tl.constexpr, LOOP: tl.constexpr, TMA: tl.constexpr = False):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
     hk = h // GROUP
+    b32 = b                                           # descriptor coordinates (32-bit program ids)
+    hk32 = hk
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_D)
     q_mask = (offs_m[:, None] < SQ) & (offs_d[None, :] < D)
@@ -477,14 +495,16 @@ def _sparse_dq(Q, K, V, DO, LSE, DELTA, DQ, ROWS, COLS, BM, KPM, SEG, POS,
             kt = tl.load(cols + t)
             dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, s_kn, s_vn, kt, offs_m, offs_d, D, qk_scale,
                           bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL, WR, NG, BS,
-                          BLOCK_N, EVEN_D, True, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, HAS_SEG)
+                          BLOCK_N, EVEN_D, True, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, HAS_SEG,
+                          k_desc, v_desc, b32, hk32, TMA)
     else:
         kt = tl.load(cols, mask=n_all > 0, other=0)
         for t in range(0, n_part):
             kt_next = tl.load(cols + t + 1, mask=t + 1 < n_all, other=0)
             dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, s_kn, s_vn, kt, offs_m, offs_d, D, qk_scale,
                           bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL, WR, NG, BS,
-                          BLOCK_N, EVEN_D, True, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, HAS_SEG)
+                          BLOCK_N, EVEN_D, True, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, HAS_SEG,
+                          k_desc, v_desc, b32, hk32, TMA)
             kt = kt_next
     # full tiles: no masks (prefetched ids / the run [cols[n_part], +n_full) / ids loaded in the loop)
     if LOOP == 1:
@@ -492,7 +512,8 @@ def _sparse_dq(Q, K, V, DO, LSE, DELTA, DQ, ROWS, COLS, BM, KPM, SEG, POS,
             kt_next = tl.load(cols + t + 1, mask=t + 1 < n_all, other=0)
             dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, s_kn, s_vn, kt, offs_m, offs_d, D, qk_scale,
                           bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL, WR, NG, BS,
-                          BLOCK_N, EVEN_D, False, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, HAS_SEG)
+                          BLOCK_N, EVEN_D, False, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, HAS_SEG,
+                          k_desc, v_desc, b32, hk32, TMA)
             kt = kt_next
     else:
         if LOOP == 2:
@@ -504,7 +525,8 @@ def _sparse_dq(Q, K, V, DO, LSE, DELTA, DQ, ROWS, COLS, BM, KPM, SEG, POS,
                 kt = tl.load(cols + t)
             dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, s_kn, s_vn, kt, offs_m, offs_d, D, qk_scale,
                           bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL, WR, NG, BS,
-                          BLOCK_N, EVEN_D, False, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, HAS_SEG)
+                          BLOCK_N, EVEN_D, False, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, HAS_SEG,
+                          k_desc, v_desc, b32, hk32, TMA)
     tl.store(DQ + b * s_dqb + h * s_dqh + offs_m[:, None] * s_dqm + offs_d[None, :],
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
 
@@ -607,7 +629,7 @@ def _bwd_loop(name: str, full_run: bool) -> int:
 def sparse_bwd(ctx, dout, q, k, v, out, lse, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale,
                dense_blocks=False, max_seqlen=-1, *, only=None, variant=None):
     """dq, dk, dv.  `only` ("dkdv" / "dq"; benchmarks) launches just one of the two main kernels;
-    variant (benchmarks): {"dq": name, "dkdv": name} of BWD_LOOP_IDS instead of BWD_DEFAULT."""
+    variant (benchmarks): {"dq": name, "dkdv": name} of BWD_LOOP_IDS, "tma", "streams" instead of BWD_DEFAULT."""
     opts = {**BWD_DEFAULT, **(variant or {})}
     in_dtypes = (q.dtype, k.dtype, v.dtype)
     q, k, v, out, dout = _prep(ctx, q, k, v, out, dout)
@@ -623,26 +645,39 @@ def sparse_bwd(ctx, dout, q, k, v, out, lse, block_mask, kpm, cu, bs, causal, wl
     dq = _new(q.shape, q.dtype, q.device, bshd=True)
     dk = _new(k.shape, k.dtype, k.device, bshd=True)
     dv = _new(v.shape, v.dtype, v.device, bshd=True)
+    tma = opts.get("tma", False)
+    if tma == "contiguous":
+        tma = cu is None and kpm is None and tile_index(block_mask, kpm, cu, bs, causal, wl, wr, ng, sq, sk, km,
+                                                        kn).bm_mode != 2
+    tma = bool(tma) and tma_tiles_ok(ctx, d, hd, q, k, v, dout)
+    launches = []
     if only != "dq":
         ti = tile_index(block_mask, kpm, cu, bs, causal, wl, wr, ng, sq, sk, km, kn)
         ptrs, strides = _layout_args(ti, block_mask, kpm, q)
-        _sparse_dkdv[(triton.cdiv(sk, kn), b * hk)](
-            q, k, v, dout, lse, delta, dk, dv, ti.t_rows, ti.t_cols, *ptrs,
+        q_desc, do_desc = (desc_bhsd(q, km), desc_bhsd(dout, km)) if tma else (None, None)
+        launches.append(lambda: _sparse_dkdv[(triton.cdiv(sk, kn), b * hk)](
+            q, k, v, dout, lse, delta, dk, dv, ti.t_rows, ti.t_cols, *ptrs, q_desc, do_desc,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dk.stride()[:3],
             *dv.stride()[:3], *_s4(ti.t_rows), *_s4(ti.t_cols), *strides,
             hq, hk, hq // hk, sq, sk, sk - sq, d, scale * LOG2E, scale, wl, wr, ng, bs,
             BLOCK_M=km, BLOCK_N=kn, **common, **_flags(ti, causal, wl, ng, cu, kpm),
-            LOOP=_bwd_loop(opts["dkdv"], ti.t_full_run), num_warps=kw, num_stages=ks)
+            LOOP=_bwd_loop(opts["dkdv"], ti.t_full_run), TMA=tma, num_warps=kw, num_stages=ks))
     if only != "dkdv":
-        ti = tile_index(block_mask, kpm, cu, bs, causal, wl, wr, ng, sq, sk, qm, qn)
-        ptrs, strides = _layout_args(ti, block_mask, kpm, q)
-        _sparse_dq[(triton.cdiv(sq, qm), b * hq)](
-            q, k, v, dout, lse, delta, dq, ti.rows, ti.cols, *ptrs,
+        ti_q = tile_index(block_mask, kpm, cu, bs, causal, wl, wr, ng, sq, sk, qm, qn)
+        ptrs_q, strides_q = _layout_args(ti_q, block_mask, kpm, q)
+        k_desc, v_desc = (desc_bhsd(k, qn), desc_bhsd(v, qn)) if tma else (None, None)
+        launches.append(lambda: _sparse_dq[(triton.cdiv(sq, qm), b * hq)](
+            q, k, v, dout, lse, delta, dq, ti_q.rows, ti_q.cols, *ptrs_q, k_desc, v_desc,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dq.stride()[:3],
-            *_s4(ti.rows), *_s4(ti.cols), *strides,
+            *_s4(ti_q.rows), *_s4(ti_q.cols), *strides_q,
             hq, hq // hk, sq, sk, sk - sq, d, scale * LOG2E, scale, wl, wr, ng, bs,
-            BLOCK_M=qm, BLOCK_N=qn, **common, **_flags(ti, causal, wl, ng, cu, kpm),
-            LOOP=_bwd_loop(opts["dq"], ti.full_run), num_warps=qw, num_stages=qs)
+            BLOCK_M=qm, BLOCK_N=qn, **common, **_flags(ti_q, causal, wl, ng, cu, kpm),
+            LOOP=_bwd_loop(opts["dq"], ti_q.full_run), TMA=tma, num_warps=qw, num_stages=qs))
+    if opts.get("streams") and len(launches) == 2 and q.device.type == "cuda":
+        run_side_by_side(q.device, launches[0], launches[1])
+    else:
+        for launch in launches:
+            launch()
     return dq.to(in_dtypes[0]), dk.to(in_dtypes[1]), dv.to(in_dtypes[2])
 
 
