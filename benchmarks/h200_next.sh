@@ -68,6 +68,14 @@
 # cuDNN / 1.5x flash at b4 s4096; sf: the sparse forward's occupancy tiles; both prepared late in session 10),
 # then PART=e2.  Beyond them, what the open targets need is kernel work with GPU iteration: issue 3's backward (FA3's asynchronous dQ writer: 6.85 ms vs cuDNN 5.34 at b4 s4096 d128), issue 5's w1024 forward
 # (0.70 ms; 1.3x flex needs <= 0.69 reliably, 30x masked SDPA ~0.49).
+# Session 11 (results/*_s11*): PARTS="bt sf" (backward TMA tiles win at d128 -> defaults; occupancy tiles lose),
+# "n1 n2" (9ec0490), "st s5+e2" (two-stream backward 1.006-1.057x -> on; sparse forward TMA -8% at w1024 -> on for
+# contiguous layouts; Gluon dqfirst / ws_dqfirst ~ Triton), "n1+t2 sp+n2" (9b93393: sparse w1024 fwd 1.350x flex;
+# one attention miss from the backward re-dispatch -> pair_backward), "n1 n2" at 87dc2ed (32/32 >= 0.98x; own
+# fwd+bwd 8/8 >= 0.85x cuDNN, 5/8 >= 1.5x flash), PART=sb (sparse backward TMA + streams 1.06-1.18x -> on).
+# Order for session 12, on nvidia-h200-x2: PARTS="sp n1" -- sp: the sparse suite with the backward's TMA + streams
+# (its rows predate them: w1024 bwd 1.516x flex, fwd+bwd 1.488x), n1: half the attention suite again (own fwd+bwd
+# vs SDPA-flash 1.468-1.479x in 3 of 8 cases: within the run-to-run spread of 1.5x); then PARTS="n2 d" (d: e2e).
 # OPSADV_COMMIT=<sha> PART=a bash benchmarks/h200_next.sh   (from the repo root on the GPU host, $OUT set)
 set -u
 # tests/conftest.py defaults TRITON_INTERPRET to 1 (CPU CI): every pytest here must say 0, and select the GPU tests

@@ -350,6 +350,20 @@ def test_backward_tma_loads(case, loop, poison, monkeypatch):
         assert rel_err(x, y) < 2e-2 or small, f"{gname}: rel err {rel_err(x, y):.2e}"
 
 
+@pytest.mark.parametrize("name,descriptors", [("varlen", 4), ("block_mask_batch", 0), ("window_causal", 6)])
+def test_default_tma_rules(name, descriptors, poison, monkeypatch):
+    """The defaults as measured: forward descriptors only without segments / padding / mixed block mask
+    ("contiguous"), backward descriptors for all but mixed block masks ("no_mixed_mask"); gradients still
+    match the reference."""
+    made = []
+    real = sparse_mod.desc_bhsd
+    monkeypatch.setattr(sparse_mod, "desc_bhsd", lambda t, rows: made.append(rows) or real(t, rows))
+    make, b, *heads = PATTERNS[name]
+    hq = heads[0] if heads else 2
+    _check(make(), b, hq=hq, hk=max(1, hq // 2), d=32)
+    assert len(made) == descriptors, made             # forward: k, v; backward: q, dO, k, v
+
+
 def test_training_calls_tune_each_impl_forward_with_its_own_backward(tmp_path, monkeypatch):
     """A grad-recording sparse call resolves in the train bucket: autotune times every impl's forward with
     its own backward, stores it under "train"; explain() names that bucket; grads match float64."""

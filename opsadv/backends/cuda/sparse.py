@@ -293,10 +293,13 @@ def _sparse_fwd(Q, K, V, O, LSE, ROWS, COLS, BM, KPM, SEG, POS, k_desc, v_desc,
 # the forward's problem) while "prefetch"/"run" get 3 buffers.  Not measured on a GPU yet: the default
 # stays "list" until an H200 run of benchmarks/sparse_bwd_probe.py says otherwise.
 BWD_LOOP_IDS = {"list": 0, "prefetch": 1, "run": 2}
-# "tma": q / dO (dK/dV kernel) and k / v (dQ kernel) through descriptors, as the forward's "tma" (True / False /
-# "contiguous"); "streams": the dQ kernel on a side stream next to the dK/dV one (the dense backward's
-# CONCURRENT_BWD won 1.006-1.057x on the H200).  Both prepared in session 11, not yet measured here: off.
-BWD_DEFAULT = {"dq": "list", "dkdv": "list", "tma": False, "streams": False}
+# "tma": q / dO (dK/dV kernel) and k / v (dQ kernel) through descriptors (True / False / "contiguous" as the
+# forward's, or "no_mixed_mask": all but mixed block masks); "streams": the dQ kernel on a side stream next to
+# the dK/dV one (CUDA).  H200 session 11 (results/sparse_bwd_tma_s11_h200.json, dd42066, s16384 d128 bf16 causal
+# windows; GPU tests 4 passed): tma + streams 1.057x / 1.084x / 1.079x the pointer-load one-stream backward at
+# w256 / w1024 / w2048 (tma alone 1.039-1.065x, streams alone 1.014-1.023x), the packed varlen batch 1.182x.
+# Mixed block masks (the gather path) were not measured: pointer loads there.
+BWD_DEFAULT = {"dq": "list", "dkdv": "list", "tma": "no_mixed_mask", "streams": True}
 
 
 @triton.jit
@@ -646,9 +649,9 @@ def sparse_bwd(ctx, dout, q, k, v, out, lse, block_mask, kpm, cu, bs, causal, wl
     dk = _new(k.shape, k.dtype, k.device, bshd=True)
     dv = _new(v.shape, v.dtype, v.device, bshd=True)
     tma = opts.get("tma", False)
-    if tma == "contiguous":
-        tma = cu is None and kpm is None and tile_index(block_mask, kpm, cu, bs, causal, wl, wr, ng, sq, sk, km,
-                                                        kn).bm_mode != 2
+    if tma in ("contiguous", "no_mixed_mask"):
+        mixed = tile_index(block_mask, kpm, cu, bs, causal, wl, wr, ng, sq, sk, km, kn).bm_mode == 2
+        tma = not mixed and (tma == "no_mixed_mask" or (cu is None and kpm is None))
     tma = bool(tma) and tma_tiles_ok(ctx, d, hd, q, k, v, dout)
     launches = []
     if only != "dq":
