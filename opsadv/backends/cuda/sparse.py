@@ -365,7 +365,6 @@ def _sparse_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, TROWS, TCOLS, BM, KPM, SEG, PO
                  HAS_KPM: tl.constexpr, HAS_SEG: tl.constexpr, LOOP: tl.constexpr, TMA: tl.constexpr = False):
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
-    b32 = bhk // HK                                   # descriptor coordinates (32-bit)
     b = bhk // HK
     hk = bhk % HK
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -378,7 +377,6 @@ def _sparse_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, TROWS, TCOLS, BM, KPM, SEG, PO
     kpm_ptr = KPM + b * s_kpmb
     for g in range(0, GROUP):                         # every query head sharing this kv head
         h = hk * GROUP + g
-        h32 = h
         q_base = Q + b * s_qb + h * s_qh
         do_base = DO + b * s_db + h * s_dh
         lse_base = LSE + (b * H + h) * SQ
@@ -395,7 +393,7 @@ def _sparse_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, TROWS, TCOLS, BM, KPM, SEG, PO
                 dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, s_qm, s_dm, lse_base, delta_base, qt, offs_n,
                                     offs_d, D, qk_scale, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL,
                                     WR, NG, BS, BLOCK_M, EVEN_D, True, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM,
-                                    HAS_SEG, q_desc, do_desc, b32, h32, TMA)
+                                    HAS_SEG, q_desc, do_desc, b, h, TMA)
         else:
             qt = tl.load(cols, mask=n_all > 0, other=0)
             for t in range(0, n_part):
@@ -403,7 +401,7 @@ def _sparse_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, TROWS, TCOLS, BM, KPM, SEG, PO
                 dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, s_qm, s_dm, lse_base, delta_base, qt, offs_n,
                                     offs_d, D, qk_scale, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL,
                                     WR, NG, BS, BLOCK_M, EVEN_D, True, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM,
-                                    HAS_SEG, q_desc, do_desc, b32, h32, TMA)
+                                    HAS_SEG, q_desc, do_desc, b, h, TMA)
                 qt = qt_next
         # full tiles: no masks (prefetched ids / the run [cols[n_part], +n_full) / ids loaded in the loop)
         if LOOP == 1:
@@ -412,7 +410,7 @@ def _sparse_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, TROWS, TCOLS, BM, KPM, SEG, PO
                 dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, s_qm, s_dm, lse_base, delta_base, qt, offs_n,
                                     offs_d, D, qk_scale, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL,
                                     WR, NG, BS, BLOCK_M, EVEN_D, False, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM,
-                                    HAS_SEG, q_desc, do_desc, b32, h32, TMA)
+                                    HAS_SEG, q_desc, do_desc, b, h, TMA)
                 qt = qt_next
         else:
             if LOOP == 2:
@@ -425,7 +423,7 @@ def _sparse_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, TROWS, TCOLS, BM, KPM, SEG, PO
                 dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, s_qm, s_dm, lse_base, delta_base, qt, offs_n,
                                     offs_d, D, qk_scale, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL,
                                     WR, NG, BS, BLOCK_M, EVEN_D, False, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM,
-                                    HAS_SEG, q_desc, do_desc, b32, h32, TMA)
+                                    HAS_SEG, q_desc, do_desc, b, h, TMA)
     tl.store(DK + b * s_dkb + hk * s_dkh + offs_n[:, None] * s_dkn + offs_d[None, :],
              (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + b * s_dvb + hk * s_dvh + offs_n[:, None] * s_dvn + offs_d[None, :], dv.to(DV.dtype.element_ty),
@@ -473,8 +471,6 @@ def _sparse_dq(Q, K, V, DO, LSE, DELTA, DQ, ROWS, COLS, BM, KPM, SEG, POS, k_des
     b = bh // H
     h = bh % H
     hk = h // GROUP
-    b32 = b                                           # descriptor coordinates (32-bit program ids)
-    hk32 = hk
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_D)
     q_mask = (offs_m[:, None] < SQ) & (offs_d[None, :] < D)
@@ -499,7 +495,7 @@ def _sparse_dq(Q, K, V, DO, LSE, DELTA, DQ, ROWS, COLS, BM, KPM, SEG, POS, k_des
             dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, s_kn, s_vn, kt, offs_m, offs_d, D, qk_scale,
                           bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL, WR, NG, BS,
                           BLOCK_N, EVEN_D, True, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, HAS_SEG,
-                          k_desc, v_desc, b32, hk32, TMA)
+                          k_desc, v_desc, b, hk, TMA)
     else:
         kt = tl.load(cols, mask=n_all > 0, other=0)
         for t in range(0, n_part):
@@ -507,7 +503,7 @@ def _sparse_dq(Q, K, V, DO, LSE, DELTA, DQ, ROWS, COLS, BM, KPM, SEG, POS, k_des
             dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, s_kn, s_vn, kt, offs_m, offs_d, D, qk_scale,
                           bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL, WR, NG, BS,
                           BLOCK_N, EVEN_D, True, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, HAS_SEG,
-                          k_desc, v_desc, b32, hk32, TMA)
+                          k_desc, v_desc, b, hk, TMA)
             kt = kt_next
     # full tiles: no masks (prefetched ids / the run [cols[n_part], +n_full) / ids loaded in the loop)
     if LOOP == 1:
@@ -516,7 +512,7 @@ def _sparse_dq(Q, K, V, DO, LSE, DELTA, DQ, ROWS, COLS, BM, KPM, SEG, POS, k_des
             dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, s_kn, s_vn, kt, offs_m, offs_d, D, qk_scale,
                           bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL, WR, NG, BS,
                           BLOCK_N, EVEN_D, False, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, HAS_SEG,
-                          k_desc, v_desc, b32, hk32, TMA)
+                          k_desc, v_desc, b, hk, TMA)
             kt = kt_next
     else:
         if LOOP == 2:
@@ -529,7 +525,7 @@ def _sparse_dq(Q, K, V, DO, LSE, DELTA, DQ, ROWS, COLS, BM, KPM, SEG, POS, k_des
             dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, s_kn, s_vn, kt, offs_m, offs_d, D, qk_scale,
                           bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL, WR, NG, BS,
                           BLOCK_N, EVEN_D, False, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, HAS_SEG,
-                          k_desc, v_desc, b32, hk32, TMA)
+                          k_desc, v_desc, b, hk, TMA)
     tl.store(DQ + b * s_dqb + h * s_dqh + offs_m[:, None] * s_dqm + offs_d[None, :],
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
 
