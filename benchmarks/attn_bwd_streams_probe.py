@@ -17,12 +17,10 @@ import os
 import sys
 
 import torch
-from _probe_log import warm_and_time  # (benchmarks/ is sys.path[0] when run as a script)
+from _attn_probe import attn_ctx, ragged_gqa_case  # (benchmarks/ is sys.path[0] when run as a script)
+from _probe_log import warm_and_time
 
-import opsadv
 from opsadv.backends.cuda import attention as A
-from opsadv.core import dispatch
-from opsadv.core.ops import attention as OA
 from opsadv.registry import get_registry
 
 DEV = os.environ.get("PROBE_DEVICE", "cuda")
@@ -31,12 +29,6 @@ SHAPES = [(4, 32, 32, 4096, 128, False), (4, 32, 32, 4096, 128, True), (1, 32, 3
           (4, 32, 32, 4096, 64, False), (4, 32, 32, 4096, 64, True)]      # b, h, h_kv, s, d, causal
 if DEV == "cpu":
     SHAPES = [(1, 2, 1, 70, 64, True)]
-
-
-def _ctx(q, k, causal):
-    with opsadv.use_backend("cuda"):
-        _, r = dispatch.explain_spec(OA._spec(q, k, None, causal, True))
-    return r.ctx
 
 
 def _bwd(concurrent: bool, *args):
@@ -50,13 +42,7 @@ def _bwd(concurrent: bool, *args):
 def check() -> dict:
     """Both ways on a ragged GQA causal shape: identical gradients, none NaN."""
     os.environ["OPSADV_POISON_OUTPUTS"] = "1"
-    torch.manual_seed(0)
-    n, dt, d = (1000, torch.bfloat16, 128) if DEV == "cuda" else (70, torch.float16, 64)
-    q = torch.randn(2, 8, n, d, device=DEV, dtype=dt)
-    k, v = (torch.randn(2, 4, n, d, device=DEV, dtype=dt) for _ in range(2))
-    do = torch.randn_like(q)
-    ctx = _ctx(q, k, True)
-    o, lse = A.flash_fwd(ctx, q, k, v, None, True, 0.1)
+    ctx, do, q, k, v, o, lse = ragged_gqa_case(DEV)
     args = (ctx, do, q, k, v, o, lse, None, True, 0.1)
     serial, conc = _bwd(False, *args), _bwd(True, *args)
     os.environ["OPSADV_POISON_OUTPUTS"] = "0"
@@ -75,7 +61,7 @@ def main(path: str) -> None:
         dt = torch.bfloat16 if DEV == "cuda" else torch.float16
         q, do = (torch.randn(b, h, s, d, device=DEV, dtype=dt) for _ in range(2))
         k, v = (torch.randn(b, hkv, s, d, device=DEV, dtype=dt) for _ in range(2))
-        ctx = _ctx(q, k, causal)
+        ctx = attn_ctx(q, k, causal)
         o, lse = A.flash_fwd(ctx, q, k, v, None, causal, d ** -0.5)
         args = (ctx, do, q, k, v, o, lse, None, causal, d ** -0.5)
         fns = {"serial": lambda: _bwd(False, *args), "two_streams": lambda: _bwd(True, *args)}

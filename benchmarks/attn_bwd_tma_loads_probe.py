@@ -19,12 +19,11 @@ import os
 import sys
 
 import torch
-from _probe_log import warm_and_time  # (benchmarks/ is sys.path[0] when run as a script)
+from _attn_probe import attn_ctx, ragged_gqa_case  # (benchmarks/ is sys.path[0] when run as a script)
+from _probe_log import warm_and_time
 
 import opsadv
 from opsadv.backends.cuda import attention as A
-from opsadv.core import dispatch
-from opsadv.core.ops import attention as OA
 from opsadv.registry import get_registry
 
 DEV = os.environ.get("PROBE_DEVICE", "cuda")
@@ -66,12 +65,6 @@ def _pinned(kv: dict, q: dict):
 ORIG_CONFIGS = A._configs
 
 
-def _ctx(q, k, causal):
-    with opsadv.use_backend("cuda"):
-        _, r = dispatch.explain_spec(OA._spec(q, k, None, causal, True))
-    return r.ctx
-
-
 def _bwd_with(kv, qc, ctx, *args):
     A._configs = _pinned(kv, qc)
     try:
@@ -83,13 +76,8 @@ def _bwd_with(kv, qc, ctx, *args):
 def check() -> float:
     """Max relative error vs float64 of the all-TMA backward (and the used-TMA flag) at a ragged GQA shape."""
     os.environ["OPSADV_POISON_OUTPUTS"] = "1"
-    torch.manual_seed(0)
-    n, dt, d = (1000, torch.bfloat16, 128) if DEV == "cuda" else (70, torch.float16, 64)
-    q = torch.randn(2, 8, n, d, device=DEV, dtype=dt)
-    k, v = (torch.randn(2, 4, n, d, device=DEV, dtype=dt) for _ in range(2))
-    do = torch.randn_like(q)
-    ctx = _ctx(q, k, True)
-    o, lse = A.flash_fwd(ctx, q, k, v, None, True, 0.1)
+    ctx, do, q, k, v, o, lse = ragged_gqa_case(DEV)
+    d = q.shape[-1]
     got = _bwd_with(KV[d][1], Q[d][1], ctx, do, q, k, v, o, lse, None, True, 0.1)
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
     with opsadv.use_backend("reference"):
@@ -111,7 +99,7 @@ def main(path: str) -> None:
         dt = torch.bfloat16 if DEV == "cuda" else torch.float16
         q, do = (torch.randn(b, h, s, d, device=DEV, dtype=dt) for _ in range(2))
         k, v = (torch.randn(b, hkv, s, d, device=DEV, dtype=dt) for _ in range(2))
-        ctx = _ctx(q, k, causal)
+        ctx = attn_ctx(q, k, causal)
         o, lse = A.flash_fwd(ctx, q, k, v, None, causal, d ** -0.5)
         args = (ctx, do, q, k, v, o, lse, None, causal, d ** -0.5)
         kv0, q0 = KV[d][0], Q[d][0]

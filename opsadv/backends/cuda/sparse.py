@@ -156,6 +156,22 @@ def _softmax_step(acc, l_i, m_i, s, v, qk_scale, GUARD: tl.constexpr, RESCALE: t
 
 
 @triton.jit
+def _tile_pair(a_base, b_base, s_a, s_b, r0, offs_d, D, R, a_desc, b_desc, b, h, ROWS: tl.constexpr,
+               COLS: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, TMA: tl.constexpr):
+    """Two (ROWS, COLS) tiles from row r0 of one head (K and V, or Q and dO).  TMA: through (b, h, s, d)
+    descriptors, rows past R come back zero (partial tiles mask them); else pointer loads, rows masked in
+    partial tiles (MASKED) and head-dim columns when padded (not EVEN_D)."""
+    if TMA:
+        x = a_desc.load([b, h, r0, 0]).reshape(ROWS, COLS)
+        y = b_desc.load([b, h, r0, 0]).reshape(ROWS, COLS)
+    else:
+        offs_r = r0 + tl.arange(0, ROWS)
+        x = load_tile(a_base + offs_r[:, None] * s_a + offs_d[None, :], offs_r, R, offs_d, D, MASKED, not EVEN_D)
+        y = load_tile(b_base + offs_r[:, None] * s_b + offs_d[None, :], offs_r, R, offs_d, D, MASKED, not EVEN_D)
+    return x, y
+
+
+@triton.jit
 def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, s_kn, s_vn, kt, offs_m, offs_d, D, qk_scale,
               bm_ptr, s_bm_q, s_bm_k, kpm_ptr, seg_ptr, pos_ptr, SQ, SK, OFF, WL, WR, NG, BS,
               BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr,
@@ -164,13 +180,8 @@ def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, s_kn, s_vn, kt, offs_m, offs_d, 
               k_desc=None, v_desc=None, b32=0, hk32=0, TMA: tl.constexpr = False):
     """One online-softmax step over key tile kt (MASKED: a partial tile, else a full in-bounds one)."""
     offs_n = kt * BLOCK_N + tl.arange(0, BLOCK_N)
-    if TMA:  # (b, h_kv, s_k, d) descriptors: keys past s_k come back zero (and are masked: partial tiles)
-        k = k_desc.load([b32, hk32, kt * BLOCK_N, 0]).reshape(BLOCK_N, q.shape[1])
-        v = v_desc.load([b32, hk32, kt * BLOCK_N, 0]).reshape(BLOCK_N, q.shape[1])
-    else:
-        # rows masked in partial tiles (MASKED), head-dim columns when padded (not EVEN_D)
-        k = load_tile(k_base + offs_n[:, None] * s_kn + offs_d[None, :], offs_n, SK, offs_d, D, MASKED, not EVEN_D)
-        v = load_tile(v_base + offs_n[:, None] * s_vn + offs_d[None, :], offs_n, SK, offs_d, D, MASKED, not EVEN_D)
+    k, v = _tile_pair(k_base, v_base, s_kn, s_vn, kt * BLOCK_N, offs_d, D, SK, k_desc, v_desc, b32, hk32, BLOCK_N,
+                      q.shape[1], MASKED, EVEN_D, TMA)
     s = tl.dot(q, tl.trans(k))                      # raw scores; qk_scale (log2 domain) is applied in one FMA
     if MASKED:
         ok = _allowed(offs_m, offs_n, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, seg_ptr, pos_ptr, SQ, SK, OFF, WL, WR, NG,
@@ -327,13 +338,9 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, s_qm, s_dom, lse_base, delta_base,
                q_desc=None, do_desc=None, b32=0, h32=0, TMA: tl.constexpr = False):
     """Accumulate dK, dV of one key tile from query tile qt (transposed: rows are keys)."""
     offs_m = qt * BLOCK_M + tl.arange(0, BLOCK_M)
-    if TMA:  # (b, h, s_q, d) descriptors: rows past s_q come back zero (lse = +inf there: p = 0)
-        q = q_desc.load([b32, h32, qt * BLOCK_M, 0]).reshape(BLOCK_M, k.shape[1])
-        do = do_desc.load([b32, h32, qt * BLOCK_M, 0]).reshape(BLOCK_M, k.shape[1])
-    else:
-        q = load_tile(q_base + offs_m[:, None] * s_qm + offs_d[None, :], offs_m, SQ, offs_d, D, MASKED, not EVEN_D)
-        do = load_tile(do_base + offs_m[:, None] * s_dom + offs_d[None, :], offs_m, SQ, offs_d, D, MASKED,
-                       not EVEN_D)
+    # query rows past s_q: zero (TMA) or masked; their lse is +inf below, so p = 0 there
+    q, do = _tile_pair(q_base, do_base, s_qm, s_dom, qt * BLOCK_M, offs_d, D, SQ, q_desc, do_desc, b32, h32, BLOCK_M,
+                       k.shape[1], MASKED, EVEN_D, TMA)
     if MASKED:
         lse = tl.load(lse_base + offs_m, mask=offs_m < SQ, other=float("inf"))
         delta = tl.load(delta_base + offs_m, mask=offs_m < SQ, other=0.0)
@@ -439,13 +446,8 @@ def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, s_kn, s_vn, kt, offs_m, off
              k_desc=None, v_desc=None, b32=0, hk32=0, TMA: tl.constexpr = False):
     """Accumulate dQ of one query tile from key tile kt."""
     offs_n = kt * BLOCK_N + tl.arange(0, BLOCK_N)
-    if TMA:  # (b, h_kv, s_k, d) descriptors: keys past s_k come back zero (and are masked: partial tiles)
-        k = k_desc.load([b32, hk32, kt * BLOCK_N, 0]).reshape(BLOCK_N, q.shape[1])
-        v = v_desc.load([b32, hk32, kt * BLOCK_N, 0]).reshape(BLOCK_N, q.shape[1])
-    else:
-        # rows masked in partial tiles (MASKED), head-dim columns when padded (not EVEN_D)
-        k = load_tile(k_base + offs_n[:, None] * s_kn + offs_d[None, :], offs_n, SK, offs_d, D, MASKED, not EVEN_D)
-        v = load_tile(v_base + offs_n[:, None] * s_vn + offs_d[None, :], offs_n, SK, offs_d, D, MASKED, not EVEN_D)
+    k, v = _tile_pair(k_base, v_base, s_kn, s_vn, kt * BLOCK_N, offs_d, D, SK, k_desc, v_desc, b32, hk32, BLOCK_N,
+                      q.shape[1], MASKED, EVEN_D, TMA)
     s = tl.dot(q, tl.trans(k)) * qk_scale
     p = tl.math.exp2(s - lse2[:, None])
     if MASKED:
