@@ -1,5 +1,6 @@
-"""Host-side TMA descriptors for the Triton kernels (attention backward, sparse forward): when tiles may be
-loaded through them, and the (b, h, s, d) descriptor they use."""
+"""Host-side helpers of the Triton attention kernels (dense backward, sparse forward and backward): when tiles may
+be loaded through TMA descriptors, the (b, h, s, d) descriptor they use, and two independent kernels launched
+side by side on two streams."""
 from __future__ import annotations
 
 import functools

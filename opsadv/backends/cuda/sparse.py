@@ -646,14 +646,13 @@ def sparse_bwd(ctx, dout, q, k, v, out, lse, block_mask, kpm, cu, bs, causal, wl
     dq = _new(q.shape, q.dtype, q.device, bshd=True)
     dk = _new(k.shape, k.dtype, k.device, bshd=True)
     dv = _new(v.shape, v.dtype, v.device, bshd=True)
+    ti = tile_index(block_mask, kpm, cu, bs, causal, wl, wr, ng, sq, sk, km, kn)      # the dK/dV kernel's tiles
     tma = opts.get("tma", False)
     if tma in ("contiguous", "no_mixed_mask"):
-        mixed = tile_index(block_mask, kpm, cu, bs, causal, wl, wr, ng, sq, sk, km, kn).bm_mode == 2
-        tma = not mixed and (tma == "no_mixed_mask" or (cu is None and kpm is None))
+        tma = ti.bm_mode != 2 and (tma == "no_mixed_mask" or (cu is None and kpm is None))
     tma = bool(tma) and tma_tiles_ok(ctx, d, hd, q, k, v, dout)
     launches = []
     if only != "dq":
-        ti = tile_index(block_mask, kpm, cu, bs, causal, wl, wr, ng, sq, sk, km, kn)
         ptrs, strides = _layout_args(ti, block_mask, kpm, q)
         q_desc, do_desc = (desc_bhsd(q, km), desc_bhsd(dout, km)) if tma else (None, None)
         launches.append(lambda: _sparse_dkdv[(triton.cdiv(sk, kn), b * hk)](

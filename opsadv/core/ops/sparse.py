@@ -24,8 +24,7 @@ from ..kernel import CallSpec
 from ..layout import SparseLayout
 from ._common import (AUTOGRAD_FN, DIRECT, TORCH_OPS, carry_policy, check_same, check_scale, check_tensor,
                       EXACT_STRIDES, contiguous_lse, eager_mode, len_bucket, own_pair_train_step, pair_backward,
-                      register_train_step,
-                      resolved_autograd_function)
+                      register_train_step, resolved_autograd_function)
 from .attention import default_scale, lse_dtype
 
 OP = "sparse_attention"
