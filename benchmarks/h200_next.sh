@@ -75,7 +75,8 @@
 # fwd+bwd 8/8 >= 0.85x cuDNN, 5/8 >= 1.5x flash), PART=sb (sparse backward TMA + streams 1.06-1.18x -> on).
 # Order for session 12, on nvidia-h200-x2: PARTS="sp n1" -- sp: the sparse suite with the backward's TMA + streams
 # (its rows predate them: w1024 bwd 1.516x flex, fwd+bwd 1.488x), n1: half the attention suite again (own fwd+bwd
-# vs SDPA-flash 1.468-1.479x in 3 of 8 cases: within the run-to-run spread of 1.5x); then PARTS="n2 d" (d: e2e).
+# vs SDPA-flash 1.468-1.479x in 3 of 8 cases: within the run-to-run spread of 1.5x); then PARTS="n2+cf d" (cf: the
+# Triton attention / sparse impls' pinned conformance at the new defaults; d: e2e).
 # OPSADV_COMMIT=<sha> PART=a bash benchmarks/h200_next.sh   (from the repo root on the GPU host, $OUT set)
 set -u
 # tests/conftest.py defaults TRITON_INTERPRET to 1 (CPU CI): every pytest here must say 0, and select the GPU tests
@@ -262,6 +263,14 @@ t2)  # session 11: GPU tests after the two-stream backward / sparse TMA defaults
   TRITON_INTERPRET=0 timeout 100 python3 -m pytest -q -p no:cacheprovider -k "gpu" tests/test_cuda_sparse.py \
     > "$OUT/sparse_gpu_pytest2.log" 2>&1
   echo "sparse gpu pytest rc $?"; tail -2 "$OUT/sparse_gpu_pytest2.log"
+  ;;
+cf)  # session 12: pinned H200 conformance of the Triton attention and sparse impls at session 11's defaults (backward
+     # TMA tiles + two streams, sparse forward / backward TMA + streams); merge into docs/conformance/cuda-h200.md
+  for impl in cuda.triton.flash_attention cuda.triton.sparse_attention; do
+    timeout 200 python3 -m opsadv conformance --backend cuda --impl "$impl" --json "$OUT/conf_$impl.json" \
+      --markdown "$OUT/conf_$impl.md" > "/tmp/conf_$impl.log" 2>&1
+    echo "conformance $impl rc $?"; tail -1 "/tmp/conf_$impl.log"
+  done
   ;;
 sb)  # session 11 (prepared late): the sparse backward's TMA loads and two streams (GPU tests, then the probe)
   TRITON_INTERPRET=0 timeout 90 python3 -m pytest -q -p no:cacheprovider -k "gpu_backward_tma" tests/test_cuda_sparse.py \
