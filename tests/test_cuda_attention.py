@@ -499,15 +499,12 @@ def test_explain_names_the_bucket_the_call_resolves_in():
 # CPU it is compiled for sm_90 (ptxas, no GPU) in a fresh interpreter without TRITON_INTERPRET and its PTX read;
 # test_gpu_triton_atomic_dq_backward runs it on an H100 / H200.
 _BWD_TMA_COMPILE = r"""
-import json, os, re, sys
+import json, os, re
 os.environ.pop("TRITON_INTERPRET", None)
-import torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource, make_backend
-from triton.runtime.jit import create_function_from_signature
+import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 from opsadv.backends.cuda import attention as A
-backend = make_backend(GPUTarget("cuda", 90, 128))
+from opsadv.testing.sm90 import compile_sm90
 fn = A._bwd_kv_kernel
 b, hq, hkv, sq, sk, d, bm, bn = 1, 4, 2, 1000, 1000, 128, 64, 128
 q = torch.randn(b, hq, sq, d, dtype=torch.bfloat16)
@@ -520,11 +517,7 @@ for tma in (False, True):
         hq, hq // hkv, sq, sk, 0, 0.1, 0.08)
     kw = dict(zip(fn.arg_names, args), HEAD_DIM=d, BLOCK_D=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=True, EVEN_M=False,
               EVEN_N=False, ATOMIC_DQ=True, DQ_TMA=tma)
-    opts = dict(num_warps=8, num_stages=2, debug=False)
-    bound, spec, _ = create_function_from_signature(fn.signature, fn.params, backend)(**kw, **opts)
-    options, signature, constexprs, attrs = fn._pack_args(backend, opts, bound, spec, None)
-    ptx = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 128),
-                         options=options.__dict__).asm["ptx"]
+    ptx = compile_sm90(fn, kw, num_warps=8, num_stages=2)["ptx"]
     out[str(tma)] = {"bulk_reduce": len(re.findall(r"cp\.reduce\.async\.bulk\.tensor\.3d\.global\.shared::cta\.add", ptx)),
                      "element_atomics": len(re.findall(r"\b(?:red|atom)\.global\.", ptx))}
 print(json.dumps(out))
@@ -532,16 +525,11 @@ print(json.dumps(out))
 
 
 _BWD_LOADS_COMPILE = r"""
-import json, os, re, subprocess, tempfile
+import json, os
 os.environ.pop("TRITON_INTERPRET", None)
-import torch, triton
-from triton import knobs
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource, make_backend
-from triton.runtime.jit import create_function_from_signature
+import torch
 from opsadv.backends.cuda import attention as A
-target = GPUTarget("cuda", 90, 128)
-backend = make_backend(target)
+from opsadv.testing.sm90 import compile_sm90
 b, h, s, d, bm, bn = 4, 32, 4096, 128, 64, 64
 q = torch.randn(b, h, s, d, dtype=torch.bfloat16)
 lse2 = torch.empty(b, h, s)
@@ -551,18 +539,8 @@ for tma in (False, True):
     args = (q, q, q, q, q, q, lse2, lse2, lse2, None, qd, qd) + q.stride()[:3] * 6 + (h, 1, s, s, 0, 0.1, 0.08)
     kw = dict(zip(A._bwd_kv_kernel.arg_names, args), HEAD_DIM=d, BLOCK_D=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=False,
               EVEN_M=True, EVEN_N=True, ATOMIC_DQ=False, DQ_TMA=False, TMA=tma)
-    opts = dict(num_warps=4, num_stages=2, debug=False)
-    fn = A._bwd_kv_kernel
-    bound, spec, _ = create_function_from_signature(fn.signature, fn.params, backend)(**kw, **opts)
-    options, signature, constexprs, attrs = fn._pack_args(backend, opts, bound, spec, None)
-    ptx = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__).asm["ptx"]
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(ptx)
-    log = subprocess.run([knobs.nvidia.ptxas.path, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
-                         capture_output=True, text=True).stderr
-    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    out[str(tma)] = {"tma_loads": len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
-                     "spill_stores": int(spill.group(1)), "spill_loads": int(spill.group(2))}
+    r = compile_sm90(A._bwd_kv_kernel, kw, num_warps=4, num_stages=2)
+    out[str(tma)] = {k: r[k] for k in ("tma_loads", "spill_stores", "spill_loads")}
 print(json.dumps(out))
 """
 

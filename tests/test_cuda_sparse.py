@@ -436,23 +436,18 @@ def test_gpu_backward_tma_and_streams(tma, streams, seed, poison, monkeypatch):
 
 
 _TMA_COMPILE = r"""
-import json, os, re, subprocess, tempfile
+import json, os
 from types import SimpleNamespace
 os.environ.pop("TRITON_INTERPRET", None)
-import torch, triton
-from triton import knobs
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource, make_backend
-from triton.runtime.jit import create_function_from_signature
+import torch
 from opsadv import SparseLayout
 from opsadv.backends.cuda import sparse as SP
 from opsadv.backends.cuda.profiles import PROFILES
-target = GPUTarget("cuda", 90, 128)
-backend = make_backend(target)
+from opsadv.testing.sm90 import compile_sm90
 captured = {}
 
 
-class Capture:
+class Capture:   # stands in for a kernel: records the launch's arguments instead of running it
     def __init__(self, name, fn):
         self.name, self.fn = name, fn
 
@@ -460,21 +455,11 @@ class Capture:
         return lambda *args, **kw: captured.__setitem__(self.name, (self.fn, args, kw))
 
 
-def compile_stats(fn, args, kw):
+def stats(fn, args, kw):
     kw = dict(kw)
-    opts = dict(num_warps=kw.pop("num_warps", 4), num_stages=kw.pop("num_stages", 3), debug=False)
-    bound, spec, _ = create_function_from_signature(fn.signature, fn.params, backend)(
-        **dict(zip(fn.arg_names, args)), **kw, **opts)
-    options, signature, constexprs, attrs = fn._pack_args(backend, opts, bound, spec, None)
-    ptx = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__).asm["ptx"]
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(ptx)
-    log = subprocess.run([knobs.nvidia.ptxas.path, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
-                         capture_output=True, text=True).stderr
-    spill = re.search(r"(\d+) bytes spill stores", log)
-    regs = re.search(r"Used (\d+) registers", log)
-    return {"tma_loads": len(re.findall(r"cp\.async\.bulk\.tensor", ptx)), "spill_stores": int(spill.group(1)),
-            "registers": int(regs.group(1))}
+    warps, stages = kw.pop("num_warps"), kw.pop("num_stages")
+    r = compile_sm90(fn, {**dict(zip(fn.arg_names, args)), **kw}, warps, stages)
+    return {k: r[k] for k in ("tma_loads", "spill_stores", "registers")}
 
 
 for name in ("_sparse_fwd", "_sparse_dkdv", "_sparse_dq", "_bwd_delta"):
@@ -491,7 +476,7 @@ for tma in (False, True):
     captured.clear()
     SP.sparse_fwd(ctx, q, k, v, *args, variant={"tma": tma})
     SP.sparse_bwd(ctx, q, q, k, v, q, torch.zeros(1, 4, s), *args, variant={"tma": tma, "streams": False})
-    out[str(tma)] = {n: compile_stats(*captured[n]) for n in ("_sparse_fwd", "_sparse_dkdv", "_sparse_dq")}
+    out[str(tma)] = {n: stats(*captured[n]) for n in ("_sparse_fwd", "_sparse_dkdv", "_sparse_dq")}
 print(json.dumps(out))
 """
 
