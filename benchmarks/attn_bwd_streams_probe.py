@@ -17,11 +17,10 @@ import os
 import sys
 
 import torch
-from _attn_probe import attn_ctx, ragged_gqa_case  # (benchmarks/ is sys.path[0] when run as a script)
+from _attn_probe import ragged_gqa_case, timing_case  # (benchmarks/ is sys.path[0] when run as a script)
 from _probe_log import warm_and_time
 
 from opsadv.backends.cuda import attention as A
-from opsadv.registry import get_registry
 
 DEV = os.environ.get("PROBE_DEVICE", "cuda")
 SHAPES = [(4, 32, 32, 4096, 128, False), (4, 32, 32, 4096, 128, True), (1, 32, 32, 16384, 128, False),
@@ -55,19 +54,11 @@ def main(path: str) -> None:
     res = {"commit": os.environ.get("OPSADV_COMMIT", "unknown"),
            "device": torch.cuda.get_device_name() if DEV == "cuda" else DEV, "check": check(), "cases": []}
     print("check", res["check"], flush=True)
-    cudnn = next(i for i in get_registry().impls_by_op["flash_attention"] if i.id == "cuda.sdpa.cudnn")
     for b, h, hkv, s, d, causal in SHAPES:
-        torch.manual_seed(0)
-        dt = torch.bfloat16 if DEV == "cuda" else torch.float16
-        q, do = (torch.randn(b, h, s, d, device=DEV, dtype=dt) for _ in range(2))
-        k, v = (torch.randn(b, hkv, s, d, device=DEV, dtype=dt) for _ in range(2))
-        ctx = attn_ctx(q, k, causal)
-        o, lse = A.flash_fwd(ctx, q, k, v, None, causal, d ** -0.5)
-        args = (ctx, do, q, k, v, o, lse, None, causal, d ** -0.5)
+        args, cudnn_bwd = timing_case(DEV, b, h, hkv, s, d, causal)
         fns = {"serial": lambda: _bwd(False, *args), "two_streams": lambda: _bwd(True, *args)}
-        if DEV == "cuda":
-            co, clse = cudnn.fn(None, q, k, v, None, causal, d ** -0.5)
-            fns["cudnn"] = lambda: cudnn.backward(None, do, q, k, v, co, clse, None, causal, d ** -0.5)
+        if cudnn_bwd is not None:
+            fns["cudnn"] = cudnn_bwd
         times = warm_and_time(fns)
         row = {"b": b, "h": h, "h_kv": hkv, "s": s, "d": d, "causal": causal,
                "ms": {n: round(t, 4) for n, t in times.items()},

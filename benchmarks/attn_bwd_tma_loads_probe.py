@@ -19,12 +19,11 @@ import os
 import sys
 
 import torch
-from _attn_probe import attn_ctx, ragged_gqa_case  # (benchmarks/ is sys.path[0] when run as a script)
+from _attn_probe import ragged_gqa_case, timing_case  # (benchmarks/ is sys.path[0] when run as a script)
 from _probe_log import warm_and_time
 
 import opsadv
 from opsadv.backends.cuda import attention as A
-from opsadv.registry import get_registry
 
 DEV = os.environ.get("PROBE_DEVICE", "cuda")
 SHAPES = [(4, 32, 32, 4096, 128, False), (4, 32, 32, 4096, 128, True), (1, 32, 32, 16384, 128, True),
@@ -93,21 +92,13 @@ def main(path: str) -> None:
     res = {"commit": os.environ.get("OPSADV_COMMIT", "unknown"),
            "device": torch.cuda.get_device_name() if DEV == "cuda" else DEV, "check_rel_err": check(), "cases": []}
     print("all-TMA backward vs float64: rel err", res["check_rel_err"], flush=True)
-    cudnn = next(i for i in get_registry().impls_by_op["flash_attention"] if i.id == "cuda.sdpa.cudnn")
     for b, h, hkv, s, d, causal in SHAPES:
-        torch.manual_seed(0)
-        dt = torch.bfloat16 if DEV == "cuda" else torch.float16
-        q, do = (torch.randn(b, h, s, d, device=DEV, dtype=dt) for _ in range(2))
-        k, v = (torch.randn(b, hkv, s, d, device=DEV, dtype=dt) for _ in range(2))
-        ctx = attn_ctx(q, k, causal)
-        o, lse = A.flash_fwd(ctx, q, k, v, None, causal, d ** -0.5)
-        args = (ctx, do, q, k, v, o, lse, None, causal, d ** -0.5)
+        args, cudnn_bwd = timing_case(DEV, b, h, hkv, s, d, causal)
         kv0, q0 = KV[d][0], Q[d][0]
         pairs = [(kv0, q0)] + [(c, q0) for c in KV[d][1:]] + [(kv0, c) for c in Q[d][1:]] + [(KV[d][1], Q[d][1])]
         fns = {f"kv {_name(a)} | q {_name(c)}": (lambda a=a, c=c: _bwd_with(a, c, *args)) for a, c in pairs}
-        if DEV == "cuda":
-            co, clse = cudnn.fn(None, q, k, v, None, causal, d ** -0.5)
-            fns["cudnn"] = lambda: cudnn.backward(None, do, q, k, v, co, clse, None, causal, d ** -0.5)
+        if cudnn_bwd is not None:
+            fns["cudnn"] = cudnn_bwd
         times = warm_and_time(fns)                    # every pinned pair compiled before any is timed
         base = times[f"kv {_name(kv0)} | q {_name(q0)}"]
         row = {"b": b, "h": h, "h_kv": hkv, "s": s, "d": d, "causal": causal,
