@@ -13,6 +13,7 @@ import importlib
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -45,11 +46,6 @@ def time_ms(fn) -> float:
 ROUNDS = 5               # interleaved timing rounds per case (see time_interleaved)
 
 
-def _median(v: list) -> float:
-    v = sorted(v)
-    return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
-
-
 def time_interleaved(fns: dict, rounds: int = ROUNDS, per_round: dict | None = None) -> dict:
     """Median ms of each fn, measured in `rounds` interleaved rounds (each round times every fn
     once with do_bench, the order rotated per round) and the median over rounds taken: clock
@@ -68,7 +64,7 @@ def time_interleaved(fns: dict, rounds: int = ROUNDS, per_round: dict | None = N
                 seen[n].append(float(do_bench(fns[n], warmup=10, rep=40, return_mode="median")))
     if per_round is not None:
         per_round.update(seen)
-    return {n: _median(v) for n, v in seen.items()}
+    return {n: statistics.median(v) for n, v in seen.items()}
 
 
 def paired_speedup(peer_rounds: list, ours_rounds: list) -> tuple[float, float, float]:
@@ -77,7 +73,7 @@ def paired_speedup(peer_rounds: list, ours_rounds: list) -> tuple[float, float, 
     cuDNN kernel 7.19 ms as the peer, 7.55 through the op, in medians of 3 rounds) cancels in the
     per-round ratio, where it moves a ratio of medians taken over different rounds."""
     ratios = [p / o for p, o in zip(peer_rounds, ours_rounds)]
-    return _median(ratios), min(ratios), max(ratios)
+    return statistics.median(ratios), min(ratios), max(ratios)
 
 
 def _tensors(x) -> list:

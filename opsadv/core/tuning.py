@@ -155,7 +155,7 @@ def time_fn(fn, device_type: str, reps: int = 10, timing: str = "wall") -> float
     return times[len(times) // 2]
 
 
-TUNE_ROUNDS = 3   # on a device: interleaved rounds, median per impl (see _time_rounds)
+TUNE_ROUNDS = 3   # on a device: interleaved rounds, median per impl (see time_rounds)
 OUT_OF_RACE = 1.5   # after the first round, candidates this much slower than the fastest are not timed again
 
 
@@ -164,7 +164,7 @@ def _warn_failed(impl_id: str, e: Exception) -> None:
     logging.getLogger("opsadv.tuning").warning("autotune: %s failed: %s", impl_id, e)
 
 
-def _time_rounds(steps: dict, device_type: str, timing: str) -> dict[str, float]:
+def time_rounds(steps: dict, device_type: str, timing: str) -> dict[str, float]:
     """Median ms of each step over TUNE_ROUNDS interleaved rounds on a device (the order rotated per round),
     one round on a CPU.  Timed one after another once, the first candidate after a compile pause ran on
     ramping clocks: on the H200 that once made cuDNN "win" buckets where the Gluon kernel was 4-12% faster
@@ -216,7 +216,7 @@ def autotune(exp, resolved, args: tuple, timing: str = "wall"):
             steps[impl.id] = step
         except Exception as e:  # an impl that fails on the real data is not a candidate
             _warn_failed(impl.id, e)
-    times = _time_rounds(steps, exp.spec.device_type, timing)
+    times = time_rounds(steps, exp.spec.device_type, timing)
     times.update({i.id: float("inf") for i in accepted if i.id not in times})
     winner = min(times, key=times.get)
     measured = Measured(winner, {k: v for k, v in times.items() if v != float("inf")}, timing,

@@ -130,7 +130,7 @@ def bucket(n: int) -> int:
 
 class ConfigTuner:
     """Picks one config per key among `configs` by timing `launch(cfg)` with do_bench, in TUNE_ROUNDS
-    interleaved rounds with the order rotated (opsadv.core.tuning._time_rounds; ~0.2 s per config and key).
+    interleaved rounds with the order rotated (opsadv.core.tuning.time_rounds; ~0.2 s per config and key).
 
     `configs[0]` is the profile's default: taken without timing when autotuning is off
     (interpreter, jetson, CUDA-graph capture).  A config that fails to compile or launch is
@@ -158,7 +158,7 @@ class ConfigTuner:
             with self._lock:
                 self.best[key] = stored
             return stored
-        from opsadv.core.tuning import _time_rounds
+        from opsadv.core.tuning import time_rounds
         err: Exception | None = None
         ok = []
         for i, c in enumerate(configs):     # compile (and launch once) every config before timing any: a
@@ -172,7 +172,7 @@ class ConfigTuner:
         # the first config after the compiles runs on ramping clocks, and one short sample per config is at the
         # mercy of the H200's run-to-run swing (session 10: GEMM times moved 5-15% between rounds); a config
         # that fails here times inf
-        times = {i: t for i, t in _time_rounds({i: (lambda c=configs[i]: launch(c)) for i in ok}, "cuda",
+        times = {i: t for i, t in time_rounds({i: (lambda c=configs[i]: launch(c)) for i in ok}, "cuda",
                                                "wall").items() if t != float("inf")}
         if not times:
             raise err or RuntimeError(f"{self.name}: every config failed")

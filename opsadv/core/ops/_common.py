@@ -6,6 +6,7 @@ from typing import Any, Callable
 
 import torch
 
+from .. import dispatch
 from ..errors import InvalidArgumentError
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -245,7 +246,6 @@ def pair_backward(ctx, dout, q, k, v, out, lse, rest: tuple):
     r = getattr(ctx, "opsadv_resolved", None)
     if r is None or getattr(r.impl, "backward", None) is None:
         return None
-    from .. import dispatch
     dispatch.record_call(r.impl.id)
     return r.impl.backward(r.ctx, dout, q, k, v, out, lse, *rest)
 
