@@ -192,3 +192,12 @@ def test_swiglu_act_rows_run_and_verify():
     for case in _swiglu_act_cases("cpu", torch.float32, m=33, n=20):
         (row,) = runner.run_case(case)
         assert row["unit"] == "TB/s" and row["rel_err"] < 1e-5 and row["opsadv_ms"] > 0, row
+
+
+def test_bench_window_covers_several_calls_of_long_cases():
+    """do_bench times rep / est calls: short calls keep the 40 ms window, long ones get >= MIN_CALLS calls
+    (a 29 ms case timed once per round read the same kernel 0.95-1.00x its peer)."""
+    assert runner.bench_window(0.1) == (10.0, 40.0)
+    warmup, rep = runner.bench_window(29.0)
+    assert rep / 29.0 >= runner.MIN_CALLS and warmup >= 29.0
+    assert runner.bench_window(-1.0) == (10.0, 40.0)

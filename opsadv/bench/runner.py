@@ -44,13 +44,33 @@ def time_ms(fn) -> float:
 
 
 ROUNDS = 5               # interleaved timing rounds per case (see time_interleaved)
+MIN_CALLS = 8            # timed calls per contender and round, however long one call is (bench_window)
+
+
+def bench_window(est_ms: float) -> tuple[float, float]:
+    """(warmup, rep) in ms for do_bench around a call of about est_ms: do_bench runs rep / est calls, so
+    the fixed 40 ms window timed a 29 ms fwd+bwd once per round (session 12: the same cuDNN kernel read
+    0.951-1.000x its peer over five such rounds); at least MIN_CALLS calls per round, warm-up >= one call."""
+    est = max(float(est_ms), 0.0)
+    return max(10.0, est), max(40.0, MIN_CALLS * est)
+
+
+def _estimate_ms(fn) -> float:
+    """One call of fn timed with CUDA events (it has run before: no compile in the window)."""
+    import torch
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
 
 
 def time_interleaved(fns: dict, rounds: int = ROUNDS, per_round: dict | None = None) -> dict:
     """Median ms of each fn, measured in `rounds` interleaved rounds (each round times every fn
-    once with do_bench, the order rotated per round) and the median over rounds taken: clock
-    ramps, thermal drift and order effects fall on every contender alike, not on whoever runs
-    first or last.  per_round (optional) receives each fn's time in every round (paired_speedup).
+    once with do_bench over a window of >= MIN_CALLS calls, the order rotated per round) and the median
+    over rounds taken: clock ramps, thermal drift and order effects fall on every contender alike, not on
+    whoever runs first or last.  per_round (optional) receives each fn's time in every round (paired_speedup).
     Off a GPU: time_ms once each."""
     import torch
     names = list(fns)
@@ -59,9 +79,11 @@ def time_interleaved(fns: dict, rounds: int = ROUNDS, per_round: dict | None = N
     else:
         from triton.testing import do_bench
         seen = {n: [] for n in names}
+        window = {n: bench_window(_estimate_ms(fns[n])) for n in names}
         for r in range(rounds):
             for n in names[r % len(names):] + names[:r % len(names)]:
-                seen[n].append(float(do_bench(fns[n], warmup=10, rep=40, return_mode="median")))
+                warmup, rep = window[n]
+                seen[n].append(float(do_bench(fns[n], warmup=warmup, rep=rep, return_mode="median")))
     if per_round is not None:
         per_round.update(seen)
     return {n: statistics.median(v) for n, v in seen.items()}
