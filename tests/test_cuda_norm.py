@@ -117,3 +117,38 @@ def test_backward_config_fits_register_file():
         assert per_sm * warps <= 16                          # resident at up to 128 registers per thread
         if n <= 8192:
             assert rows * block // (32 * warps) <= 32       # elements per thread: no spills
+
+
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize("n", [48, 1000])
+def test_every_forward_candidate_matches_reference(rms, n):
+    """Each (ROWS, num_warps) the forward's config tuner may pick (fwd_candidates) computes the same
+    normalization: 37 rows (not a multiple of any ROWS), a residual, NaN-poisoned outputs."""
+    from types import SimpleNamespace
+
+    from opsadv.backends.cuda.norm import _forward, fwd_candidates
+    g = torch.Generator().manual_seed(n + rms)
+    x, res = (torch.randn(37, n, generator=g).to(DEV) for _ in range(2))
+    w, b = torch.randn(n, generator=g).to(DEV), torch.randn(n, generator=g).to(DEV)
+    s64 = (x + res).double()
+    if rms:
+        want = s64 * torch.rsqrt(s64.pow(2).mean(-1, keepdim=True) + 1e-6) * (w.double() + 1.0)
+    else:
+        want = torch.nn.functional.layer_norm(s64, (n,), w.double(), b.double(), 1e-5)
+    cands = fwd_candidates(n)
+    assert len(cands) > 1 and len(set(cands)) == len(cands)
+    for cfg in cands:
+        y, s, _, rstd = _forward(SimpleNamespace(profile=None), rms, x, w, None if rms else b,
+                                 1e-6 if rms else 1e-5, res, 1.0 if rms else 0.0, cfg=cfg)
+        assert rel_err(y, want) < 1e-5, cfg
+        assert torch.equal(s, x + res) and torch.isfinite(rstd).all(), cfg
+
+
+def test_forward_candidates_fit():
+    from opsadv.backends.cuda.norm import fwd_candidates, fwd_config
+    for n in (1, 64, 1000, 1024, 4096, 8192, 65536):
+        block, rows, warps = fwd_config(n)
+        cands = fwd_candidates(n)
+        assert cands[0] == (rows, warps)                     # the untuned pick comes first
+        for r, w in cands[1:]:                               # the tuner's extras: >= 1 element per thread
+            assert r >= 1 and 2 <= w <= 16 and r * block >= 32 * w
