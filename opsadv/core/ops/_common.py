@@ -235,19 +235,40 @@ def own_pair_train_step(impl, rctx, args: tuple) -> Callable[[], Any]:
     timed.  (Until session 11 the backward was dispatched in its own bucket, timed on that forward's out and
     lse; on the H200 that bucket once chose cuDNN's backward after the Gluon forward by a 6% margin, and the
     pair then ran 1.13 ms against 0.93 for Gluon + its own backward: the backward bucket's timing did not
-    carry over to the call.)"""
-    return grad_step(lambda: _OwnPairFn.apply(impl, rctx, *args), args, 1)
+    carry over to the call.)  A traced training call resolves inside the compiled forward, under no_grad and
+    on tensors that do not require grad: the step then differentiates detached leaves, with grad enabled."""
+    q, k, v, *rest = args
+    if not (q.requires_grad or k.requires_grad or v.requires_grad):
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    args = (q, k, v, *rest)
+    with torch.enable_grad():
+        step = grad_step(lambda: _OwnPairFn.apply(impl, rctx, *args), args, 1)
+
+    def run():
+        with torch.enable_grad():
+            return step()
+    return run
 
 
-def pair_backward(ctx, dout, q, k, v, out, lse, rest: tuple):
-    """(dq, dk, dv) from the backward of the impl a train bucket resolved for this call's forward
-    (resolved_autograd_function), or None where the call did not come that way (traced calls) or the impl
-    has no backward of its own: the caller dispatches the backward then."""
-    r = getattr(ctx, "opsadv_resolved", None)
+def traced_train(*tensors) -> bool:
+    """A torch.ops (traced) call that records grad: the attention ops' train=True argument, under which forward
+    and backward resolve in the train bucket and run one impl's pair, as eager training calls do."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def train_pair_backward(r, dout, q, k, v, out, lse, rest: tuple):
+    """(dq, dk, dv) from the backward of resolved impl r (a train bucket's choice), or None where there is no
+    r or the impl has no backward of its own: the caller dispatches the backward in its own bucket then."""
     if r is None or getattr(r.impl, "backward", None) is None:
         return None
     dispatch.record_call(r.impl.id)
     return r.impl.backward(r.ctx, dout, q, k, v, out, lse, *rest)
+
+
+def pair_backward(ctx, dout, q, k, v, out, lse, rest: tuple):
+    """train_pair_backward for an eager training call (resolved_autograd_function left the train bucket's
+    choice in ctx.opsadv_resolved); None for calls that did not come that way."""
+    return train_pair_backward(getattr(ctx, "opsadv_resolved", None), dout, q, k, v, out, lse, rest)
 
 
 def grad_step(forward: Callable[[], Any], args: tuple, n_out: int) -> Callable[[], Any]:

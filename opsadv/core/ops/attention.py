@@ -25,7 +25,8 @@ from ..errors import InvalidArgumentError
 from ..kernel import CallSpec
 from ._common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, INF, TORCH_OPS, carry_policy, check_same, check_scale,
                       check_tensor, EXACT_STRIDES, contiguous_lse, dt, eager_mode, len_bucket, own_pair_train_step,
-                      pair_backward, register_train_step, resolved_autograd_function, same_kind)
+                      pair_backward, register_train_step, resolved_autograd_function, same_kind, traced_train,
+                      train_pair_backward)
 
 OP = "flash_attention"
 
@@ -161,51 +162,67 @@ def _bwd_route(dout, q, k, v, out, lse, attn_mask, causal, scale):
 
 @torch.library.custom_op("opsadv::flash_attention", mutates_args=(), tags=EXACT_STRIDES)
 def _flash_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], causal: bool,
-                     scale: Optional[float]) -> tuple[Tensor, Tensor]:
-    out, lse = _route(q, k, v, attn_mask, causal, scale)
+                     scale: Optional[float], train: bool = False) -> tuple[Tensor, Tensor]:
+    """train: a traced grad-recording call (torch.compile / export of a training step): resolved in the train
+    bucket like an eager one, and flash_attention_backward(train=True) runs the same impl's backward."""
+    if train:
+        s = default_scale(q, scale)
+        r = _train_resolve(q, k, v, attn_mask, causal, s)
+        dispatch.record_call(r.impl.id)
+        out, lse = r.run(r.ctx, q, k, v, attn_mask, causal, s)
+        lse = contiguous_lse(lse)
+    else:
+        out, lse = _route(q, k, v, attn_mask, causal, scale)
     return out.contiguous(), lse
 
 
 @_flash_attention.register_fake
-def _(q, k, v, attn_mask, causal, scale):
+def _(q, k, v, attn_mask, causal, scale, train=False):
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=lse_dtype(q.dtype))
 
 
 @torch.library.custom_op("opsadv::flash_attention_backward", mutates_args=(), tags=EXACT_STRIDES)
 def _flash_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                              attn_mask: Optional[Tensor], causal: bool,
-                              scale: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
-    dq, dk, dv = _bwd_route(dout, q, k, v, out, lse, attn_mask, causal, scale)
+                              attn_mask: Optional[Tensor], causal: bool, scale: Optional[float],
+                              train: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """train: the backward of the impl the train bucket resolves for this forward (what
+    flash_attention(train=True) ran; the bucket's choice is memoized, so it is the same impl)."""
+    s = default_scale(q, scale)
+    grads = train_pair_backward(_train_resolve(q, k, v, attn_mask, causal, s) if train else None,
+                                dout, q, k, v, out, lse, (attn_mask, causal, s))
+    dq, dk, dv = grads if grads is not None else _bwd_route(dout, q, k, v, out, lse, attn_mask, causal, scale)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @_flash_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, attn_mask, causal, scale):
+def _(dout, q, k, v, out, lse, attn_mask, causal, scale, train=False):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, attn_mask, causal, scale = inputs
+    q, k, v, attn_mask, causal, scale, *train = inputs     # train: the torch.ops path's last argument
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, attn_mask)
-    ctx.causal, ctx.scale = causal, scale
+    ctx.causal, ctx.scale, ctx.train, ctx.n_inputs = causal, scale, bool(train and train[0]), len(inputs)
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, attn_mask = ctx.saved_tensors
+    none = (None,) * (ctx.n_inputs - 3)
     pair = pair_backward(ctx, dout, q, k, v, out, lse, (attn_mask, ctx.causal, ctx.scale))   # eager training call
     if pair is not None:
-        return (*pair, None, None, None)
-    # eager: the router directly (no torch.library boundary, no layout copy); traced: the op
-    bwd = _bwd_route if eager_mode(dout, q, k, v) != TORCH_OPS else torch.ops.opsadv.flash_attention_backward
-    dq, dk, dv = bwd(dout, q, k, v, out, lse, attn_mask, ctx.causal, ctx.scale)
-    return dq, dk, dv, None, None, None
+        return (*pair, *none)
+    if eager_mode(dout, q, k, v) != TORCH_OPS:     # eager: the router directly (no torch.library boundary)
+        return (*_bwd_route(dout, q, k, v, out, lse, attn_mask, ctx.causal, ctx.scale), *none)
+    dq, dk, dv = torch.ops.opsadv.flash_attention_backward(dout, q, k, v, out, lse, attn_mask, ctx.causal, ctx.scale,
+                                                           ctx.train)
+    return (dq, dk, dv, *none)
 
 
 _setup_context, _backward = carry_policy(_setup_context, _backward)   # backward resolves under the forward's policy
 _flash_attention.register_autograd(_backward, setup_context=_setup_context)
-# eager training calls: the impl the train bucket chose (timing each impl's forward + own backward) runs forward
-# and its own backward (pair_backward); traced calls dispatch the backward in its own bucket
+# training calls: the impl the train bucket chose (timing each impl's forward + own backward) runs forward and its
+# own backward: eager ones through this Function (pair_backward), traced ones through the ops' train=True
 _train_autograd = resolved_autograd_function("FlashAttentionTrainFn", _setup_context, _backward, stats=(1,),
                                              finish=lambda o: (o[0], contiguous_lse(o[1])))
 register_train_step(OP, own_pair_train_step)
@@ -227,5 +244,5 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, sc
         dispatch.record_call(r.impl.id)
         out, lse = _train_autograd(r, q, k, v, attn_mask, causal, s)
     else:
-        out, lse = torch.ops.opsadv.flash_attention(q, k, v, attn_mask, causal, scale)
+        out, lse = torch.ops.opsadv.flash_attention(q, k, v, attn_mask, causal, scale, traced_train(q, k, v))
     return (out, lse.detach()) if return_lse else out

@@ -24,7 +24,7 @@ from ..kernel import CallSpec
 from ..layout import SparseLayout
 from ._common import (AUTOGRAD_FN, DIRECT, TORCH_OPS, carry_policy, check_same, check_scale, check_tensor,
                       EXACT_STRIDES, contiguous_lse, eager_mode, len_bucket, own_pair_train_step, pair_backward,
-                      register_train_step, resolved_autograd_function)
+                      register_train_step, resolved_autograd_function, traced_train, train_pair_backward)
 from .attention import default_scale, lse_dtype
 
 OP = "sparse_attention"
@@ -127,15 +127,25 @@ def _bwd_route(dout, q, k, v, out, lse, block_mask, key_padding_mask, cu_seqlens
 def _sparse_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: Tensor, key_padding_mask: Optional[Tensor],
                       cu_seqlens: Optional[Tensor], block_size: int, causal: bool, window_left: int,
                       window_right: int, num_global: int, scale: Optional[float], dense_blocks: bool = False,
-                      max_seqlen: int = -1) -> tuple[Tensor, Tensor]:
-    out, lse = _route(q, k, v, block_mask, key_padding_mask, cu_seqlens, block_size, causal, window_left,
-                      window_right, num_global, scale, dense_blocks, max_seqlen)
+                      max_seqlen: int = -1, train: bool = False) -> tuple[Tensor, Tensor]:
+    """train: a traced grad-recording call, resolved in the train bucket as an eager one is, the backward
+    (sparse_attention_backward(train=True)) then runs the same impl's (see flash_attention)."""
+    if train:
+        args = (q, k, v, block_mask, key_padding_mask, cu_seqlens, block_size, causal, window_left, window_right,
+                num_global, default_scale(q, scale), dense_blocks, max_seqlen)
+        r = _train_resolve(*args)
+        dispatch.record_call(r.impl.id)
+        out, lse = r.run(r.ctx, *args)
+        lse = contiguous_lse(lse)
+    else:
+        out, lse = _route(q, k, v, block_mask, key_padding_mask, cu_seqlens, block_size, causal, window_left,
+                          window_right, num_global, scale, dense_blocks, max_seqlen)
     return out.contiguous(), lse
 
 
 @_sparse_attention.register_fake
 def _(q, k, v, block_mask, key_padding_mask, cu_seqlens, block_size, causal, window_left, window_right,
-      num_global, scale, dense_blocks=False, max_seqlen=-1):
+      num_global, scale, dense_blocks=False, max_seqlen=-1, train=False):
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=lse_dtype(q.dtype))
 
 
@@ -144,9 +154,13 @@ def _sparse_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, ou
                                block_mask: Tensor, key_padding_mask: Optional[Tensor], cu_seqlens: Optional[Tensor],
                                block_size: int, causal: bool, window_left: int, window_right: int,
                                num_global: int, scale: Optional[float], dense_blocks: bool = False,
-                               max_seqlen: int = -1) -> tuple[Tensor, Tensor, Tensor]:
-    dq, dk, dv = _bwd_route(dout, q, k, v, out, lse, block_mask, key_padding_mask, cu_seqlens, block_size, causal,
-                            window_left, window_right, num_global, scale, dense_blocks, max_seqlen)
+                               max_seqlen: int = -1, train: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """train: the backward of the impl the train bucket resolves for this forward (the memoized choice
+    sparse_attention(train=True) ran)."""
+    rest = (block_mask, key_padding_mask, cu_seqlens, block_size, causal, window_left, window_right, num_global,
+            default_scale(q, scale), dense_blocks, max_seqlen)
+    grads = train_pair_backward(_train_resolve(q, k, v, *rest) if train else None, dout, q, k, v, out, lse, rest)
+    dq, dk, dv = grads if grads is not None else _bwd_route(dout, q, k, v, out, lse, *rest)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
@@ -156,25 +170,27 @@ def _(dout, q, k, v, out, lse, *rest):
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, bm, kpm, cu, *rest = inputs          # rest: block_size ... max_seqlen (plain values)
+    q, k, v, bm, kpm, cu, *rest = inputs          # rest: block_size ... max_seqlen (plain values)[, train]
     ctx.save_for_backward(q, k, v, output[0], output[1], bm, kpm, cu)
-    ctx.rest = tuple(rest)
+    ctx.rest, ctx.train, ctx.n_inputs = tuple(rest[:8]), len(rest) > 8 and bool(rest[8]), len(inputs)
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, bm, kpm, cu = ctx.saved_tensors
+    none = (None,) * (ctx.n_inputs - 3)           # block_mask, kpm, cu_seqlens, then the values
     pair = pair_backward(ctx, dout, q, k, v, out, lse, (bm, kpm, cu, *ctx.rest))   # eager training call
     if pair is not None:
-        return (*pair,) + (None,) * (3 + len(ctx.rest))
-    # eager: the router directly (no torch.library boundary, no layout copy); traced: the op
-    bwd = _bwd_route if eager_mode(dout, q, k, v) != TORCH_OPS else torch.ops.opsadv.sparse_attention_backward
-    dq, dk, dv = bwd(dout, q, k, v, out, lse, bm, kpm, cu, *ctx.rest)
-    return (dq, dk, dv) + (None,) * (3 + len(ctx.rest))   # block_mask, kpm, cu_seqlens, then the values
+        return (*pair, *none)
+    if eager_mode(dout, q, k, v) != TORCH_OPS:    # eager: the router directly (no torch.library boundary)
+        return (*_bwd_route(dout, q, k, v, out, lse, bm, kpm, cu, *ctx.rest), *none)
+    dq, dk, dv = torch.ops.opsadv.sparse_attention_backward(dout, q, k, v, out, lse, bm, kpm, cu, *ctx.rest, ctx.train)
+    return (dq, dk, dv, *none)
 
 
 _setup, _backward = carry_policy(_setup, _backward)   # backward resolves under the forward's policy
 _sparse_attention.register_autograd(_backward, setup_context=_setup)
-# eager training calls: the impl the train bucket chose runs forward and its own backward (pair_backward)
+# training calls: the impl the train bucket chose runs forward and its own backward (eager: pair_backward; traced:
+# the ops' train=True)
 _train_autograd = resolved_autograd_function("SparseAttentionTrainFn", _setup, _backward, stats=(1,),
                                              finish=lambda o: (o[0], contiguous_lse(o[1])))
 register_train_step(OP, own_pair_train_step)
@@ -195,6 +211,8 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, layout: SparseLayout, *, s
         r = _train_resolve(*args)
         dispatch.record_call(r.impl.id)
         out, lse = _train_autograd(r, *args)
+    elif mode == DIRECT:
+        out, lse = _route(*args)
     else:
-        out, lse = (_route if mode == DIRECT else torch.ops.opsadv.sparse_attention)(*args)
+        out, lse = torch.ops.opsadv.sparse_attention(*args, traced_train(q, k, v))
     return (out, lse.detach()) if return_lse else out
