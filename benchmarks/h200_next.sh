@@ -272,6 +272,20 @@ cf)  # session 12: pinned H200 conformance of the Triton attention and sparse im
     echo "conformance $impl rc $?"; tail -1 "/tmp/conf_$impl.log"
   done
   ;;
+nm)  # session 12: the norm GPU tests, then the full norm suite (24 cases) with the forward's (ROWS, warps) measured per
+     # bucket (fwd_candidates; hidden 1024 forward read 0.966x torch.compile at ead87e0 with the fixed tile)
+  TRITON_INTERPRET=0 timeout 120 python3 -m pytest -q -p no:cacheprovider -k gpu tests/test_cuda_norm.py \
+    > "$OUT/norm_gpu_pytest.log" 2>&1
+  echo "norm gpu pytest rc $?"; tail -1 "$OUT/norm_gpu_pytest.log"
+  timeout 420 python3 -m opsadv bench --suite norm --json "$OUT/norm_full.json" > "$OUT/norm_full.log" 2>&1
+  echo "norm rc $?"; grep -E "^fwd" "$OUT/norm_full.log" | cut -c1-150
+  cp "$OPSADV_CACHE_DIR/kernel_configs.json" "$OUT/kernel_configs_norm.json"
+  ;;
+tp)  # session 12: compiled training steps run one impl's forward + backward pair (train=True through torch.ops)
+  TRITON_INTERPRET=0 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_train_pair.py \
+    > "$OUT/train_pair_gpu_pytest.log" 2>&1
+  echo "train pair pytest rc $?"; tail -1 "$OUT/train_pair_gpu_pytest.log"
+  ;;
 sb)  # session 11 (prepared late): the sparse backward's TMA loads and two streams (GPU tests, then the probe)
   TRITON_INTERPRET=0 timeout 90 python3 -m pytest -q -p no:cacheprovider -k "gpu_backward_tma" tests/test_cuda_sparse.py \
     > "$OUT/sparse_bwd_gpu_pytest.log" 2>&1
