@@ -136,3 +136,20 @@ def test_candidates_far_behind_after_the_first_round_are_not_timed_again(monkeyp
     assert got.impl.id == "cuda.a" and timed.count("cuda.slow") == 1
     assert timed.count("cuda.a") == timed.count("cuda.b") == tuning.TUNE_ROUNDS
     assert stored[0].times_ms == ms
+
+
+def test_tuning_spins_the_gpu_up_before_its_first_round(monkeypatch):
+    """On a GPU the first candidate runs back to back for SPIN_UP_MS before any round is timed (clocks ramp
+    after the compiles); the spin-up's calls are not timed, and a failing candidate is left to the rounds."""
+    from opsadv.core import tuning
+    import torch
+    monkeypatch.setattr(tuning, "_gpu_present", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    calls = []
+    monkeypatch.setattr(tuning, "time_fn", lambda fn, dev, timing="wall": (fn(), 1.0)[1])
+    steps = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}
+    times = tuning.time_rounds(steps, "cuda", "wall")
+    assert times == {"a": 1.0, "b": 1.0}
+    spun = len(calls) - 2 * tuning.TUNE_ROUNDS
+    assert spun >= 1 and set(calls[:spun]) == {"a"}
+    tuning._spin_up(lambda: 1 / 0, ms=10_000)       # returns at once: the failure is the rounds' to report
