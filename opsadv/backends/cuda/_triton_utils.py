@@ -130,7 +130,7 @@ def bucket(n: int) -> int:
 
 class ConfigTuner:
     """Picks one config per key among `configs` by timing `launch(cfg)` with do_bench, in TUNE_ROUNDS
-    interleaved rounds with the order rotated (opsadv.core.tuning.time_rounds; ~0.2 s per config and key).
+    interleaved rounds with the order rotated (opsadv.core.tuning.time_rounds; ~0.3 s per config and key).
 
     `configs[0]` is the profile's default: taken without timing when autotuning is off
     (interpreter, jetson, CUDA-graph capture).  A config that fails to compile or launch is
