@@ -281,6 +281,13 @@ nm)  # session 12: the norm GPU tests, then the full norm suite (24 cases) with 
   echo "norm rc $?"; grep -E "^fwd" "$OUT/norm_full.log" | cut -c1-150
   cp "$OPSADV_CACHE_DIR/kernel_configs.json" "$OUT/kernel_configs_norm.json"
   ;;
+nb)  # session 12: the norm fwd+bwd rows alone (at 776c851 they read 0.998-1.94x, 4 rows slower than at 0802806) + the
+     # impl choices (tuning.json)
+  timeout 300 python3 -m opsadv bench --suite norm --filter 'fwd\+bwd' --json "$OUT/norm_fwdbwd.json" \
+    > "$OUT/norm_fwdbwd.log" 2>&1
+  echo "norm fwd+bwd rc $?"; grep -E "^fwd" "$OUT/norm_fwdbwd.log" | cut -c1-150
+  cp "$OPSADV_CACHE_DIR/tuning.json" "$OUT/tuning_norm.json"
+  ;;
 tp)  # session 12: compiled training steps run one impl's forward + backward pair (train=True through torch.ops)
   TRITON_INTERPRET=0 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_train_pair.py \
     > "$OUT/train_pair_gpu_pytest.log" 2>&1
