@@ -288,6 +288,13 @@ nb)  # session 12: the norm fwd+bwd rows alone (at 776c851 they read 0.998-1.94x
   echo "norm fwd+bwd rc $?"; grep -E "^fwd" "$OUT/norm_fwdbwd.log" | cut -c1-150
   cp "$OPSADV_CACHE_DIR/tuning.json" "$OUT/tuning_norm.json"
   ;;
+hc)  # session 12: the norm fwd+bwd rows with nothing else on the host, then the host cost per norm call (+ cProfile)
+  timeout 200 python3 -m opsadv bench --suite norm --filter 'fwd\+bwd' --json "$OUT/norm_fwdbwd_alone.json" \
+    > "$OUT/norm_fwdbwd_alone.log" 2>&1
+  echo "norm fwd+bwd rc $?"; grep -E "^fwd" "$OUT/norm_fwdbwd_alone.log" | cut -c1-150
+  timeout 150 python3 benchmarks/host_cost.py --json "$OUT/host_cost.json" --profile "$OUT/host_profile.txt" 2>&1 \
+    | tail -25 | cut -c1-200
+  ;;
 tp)  # session 12: compiled training steps run one impl's forward + backward pair (train=True through torch.ops)
   TRITON_INTERPRET=0 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_train_pair.py \
     > "$OUT/train_pair_gpu_pytest.log" 2>&1

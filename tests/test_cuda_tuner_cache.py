@@ -67,3 +67,25 @@ def test_configs_are_timed_in_rotated_rounds(tmp_path, monkeypatch):
                                         autotune=True)
     assert best == {"BLOCK_M": 64}
     assert order[:4] == [64, 128, 128, 64]          # round 2 starts with the other config
+
+
+def test_tuple_configs_are_reused_from_disk(tmp_path, monkeypatch):
+    """Configs with tuples (the norm forward's (ROWS, warps), swiglu's {"cfg": (...)}) read back from JSON as
+    lists: a second process must still find its stored winner (it re-tuned every process before session 12)."""
+    monkeypatch.setenv("OPSADV_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(U, "_CONFIGS", None)
+    monkeypatch.setattr(U.torch.cuda, "is_current_stream_capturing", lambda: False)
+    import triton.testing
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: fn())
+    configs = [(4, 8), (2, 4), {"cfg": (1, 1024, 4)}]
+    speed = {(4, 8): 1.0, (2, 4): 0.5}
+    best = U.ConfigTuner("t.tuple").pick(("k", 3), configs[:2], lambda c: speed[c], autotune=True)
+    assert best == (2, 4)
+    monkeypatch.setattr(U, "_CONFIGS", None)                                # "a new process"
+    again = U.ConfigTuner("t.tuple").pick(("k", 3), configs[:2], lambda c: 1 / 0, autotune=True)
+    assert again == (2, 4) and isinstance(again, tuple)
+    U.ConfigTuner("t.dict").pick(("k", 4), [{"cfg": (9, 9, 9)}, configs[2]],
+                                 lambda c: 0.1 if c is configs[2] else 1.0, autotune=True)
+    monkeypatch.setattr(U, "_CONFIGS", None)
+    assert U.ConfigTuner("t.dict").pick(("k", 4), [{"cfg": (9, 9, 9)}, configs[2]], lambda c: 1 / 0,
+                                        autotune=True) is configs[2]

@@ -4,6 +4,7 @@ first config)."""
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import threading
 
@@ -154,10 +155,12 @@ class ConfigTuner:
         if not autotune or len(configs) == 1 or torch.cuda.is_current_stream_capturing():
             return configs[0]
         stored = _disk_load().get(self._disk_key(key))
-        if stored is not None and stored in configs:        # a config the current profile still offers
+        # JSON turns tuples into lists: compare in that form, return the offered config itself
+        offered = next((c for c in configs if _as_json(c) == stored), None) if stored is not None else None
+        if offered is not None:                              # a config the current profile still offers
             with self._lock:
-                self.best[key] = stored
-            return stored
+                self.best[key] = offered
+            return offered
         from opsadv.core.tuning import time_rounds
         err: Exception | None = None
         ok = []
@@ -183,6 +186,11 @@ class ConfigTuner:
         _disk_store(self._disk_key(key), best)
         log.info("%s %s -> %s", self.name, key, best)
         return best
+
+
+def _as_json(cfg):
+    """cfg as it reads back from kernel_configs.json (tuples become lists)."""
+    return json.loads(json.dumps(cfg))
 
 
 def _configs():
