@@ -295,6 +295,11 @@ hc)  # session 12: the norm fwd+bwd rows with nothing else on the host, then the
   timeout 150 python3 benchmarks/host_cost.py --json "$OUT/host_cost.json" --profile "$OUT/host_profile.txt" 2>&1 \
     | tail -25 | cut -c1-200
   ;;
+nw)  # session 12 (last minutes of device time): the norm suite's new backward-only rows (issue 4's "backward >= 1.5x
+     # eager"), with the torch_compile peer's recompile limit lifted (past 8 compiles it had run eagerly)
+  timeout 165 python3 -m opsadv bench --suite norm --filter '^bwd' --json "$OUT/norm_bwd.json" > "$OUT/norm_bwd.log" 2>&1
+  echo "norm bwd rc $?"; grep -E "^bwd" "$OUT/norm_bwd.log" | cut -c1-150
+  ;;
 tp)  # session 12: compiled training steps run one impl's forward + backward pair (train=True through torch.ops)
   TRITON_INTERPRET=0 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_train_pair.py \
     > "$OUT/train_pair_gpu_pytest.log" 2>&1

@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+import opsadv
 from opsadv.bench import runner
 
 
@@ -201,3 +202,41 @@ def test_bench_window_covers_several_calls_of_long_cases():
     warmup, rep = runner.bench_window(29.0)
     assert rep / 29.0 >= runner.MIN_CALLS and warmup >= 29.0
     assert runner.bench_window(-1.0) == (10.0, 40.0)
+
+
+def test_compiled_peers_lift_the_recompile_limit():
+    """Every bench case is one more compile of a peer's function: past dynamo's limit (8) the peer silently
+    ran eagerly (the norm suite's torch_compile rows read the eager times)."""
+    import torch._dynamo.config as dynamo_config
+
+    from opsadv.bench.case import RECOMPILE_LIMIT, compiled_peer
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    old = getattr(dynamo_config, name)
+    try:
+        setattr(dynamo_config, name, 8)
+        compiled_peer(lambda x: x + 1)
+        assert getattr(dynamo_config, name) >= RECOMPILE_LIMIT
+    finally:
+        setattr(dynamo_config, name, old)
+
+
+def test_norm_suite_backward_only_rows_time_the_backward(monkeypatch):
+    """The norm suite's "bwd" rows keep each contender's forward graph and time autograd.grad alone: the forward
+    runs once per contender, every timed call returns the same gradients (small shapes, reference backend)."""
+    from opsadv.bench import suite_norm
+    monkeypatch.setattr(suite_norm, "_grid", lambda quick: [("layer_norm", 5, 48, True, "only"),
+                                                             ("rms_norm", 3, 40, False, "only")])
+    calls = []
+    real = suite_norm._eager
+    monkeypatch.setattr(suite_norm, "_eager", lambda op, res: (lambda *a: (calls.append(op), real(op, res)(*a))[1]))
+    with opsadv.use_backend("reference"):
+        cases = list(suite_norm.cases(False))
+        assert [c.case for c in cases] == ["bwd bf16 t5 h48 layer_norm residual", "bwd bf16 t3 h40 rms_norm"]
+        for c in cases:
+            first, second = c.peers["torch_eager"](), c.peers["torch_eager"]()
+            assert all(torch.equal(a, b) for a, b in zip(first, second))
+            ours = c.opsadv()
+            assert len(ours) == len(first) and all(runner.rel_err(a, b) < 2e-2 for a, b in zip(ours, first))
+            assert c.work == suite_norm.bytes_moved(c.case.split()[4], int(c.case.split()[2][1:]),
+                                                    int(c.case.split()[3][1:]), "residual" in c.case, "only")
+    assert calls == ["layer_norm", "rms_norm"]          # one forward per contender, however many calls

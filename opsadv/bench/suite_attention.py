@@ -101,13 +101,13 @@ def cases(quick: bool) -> Iterator[BenchCase]:
             def sdpa(q_, k_, v_, be=be, causal=causal, gqa=gqa):
                 with sdpa_kernel([be]):
                     return F.scaled_dot_product_attention(q_, k_, v_, is_causal=causal, enable_gqa=gqa)
-            peers[key] = (lambda fn=sdpa: run(fn))
+            peers[key] = (lambda fn=sdpa, run=run: run(fn))
         if flex is not None and dev == "cuda":
             bm = make_mask(lambda b_, h_, i, j: i >= j, None, None, s, s, device=dev) if causal else None
 
             def fx(q_, k_, v_, bm=bm, gqa=gqa):
                 return flex(q_, k_, v_, block_mask=bm, enable_gqa=gqa)
-            peers["flex"] = (lambda fn=fx: run(fn))
+            peers["flex"] = (lambda fn=fx, run=run: run(fn))
         extra = {}
         own = _own(q, k, causal, bwd)
         if own is not None:
@@ -123,5 +123,5 @@ def cases(quick: bool) -> Iterator[BenchCase]:
         flops = 4.0 * b * h * s * s * d * (0.5 if causal else 1.0) * (3.5 if bwd else 1.0)
         words = [("fwd+bwd" if bwd else "fwd"), dt, f"b{b}", f"h{h}"] + ([f"kv{hkv}"] if gqa else []) + \
                 [f"s{s}", f"d{d}"] + (["causal"] if causal else []) + (["gqa"] if gqa else [])
-        yield BenchCase(suite="attention", case=" ".join(words), opsadv=(lambda fn=mine: run(fn)), peers=peers,
+        yield BenchCase(suite="attention", case=" ".join(words), opsadv=(lambda fn=mine, run=run: run(fn)), peers=peers,
                         work=flops, unit="TFLOP/s", extra=extra, rounds=SHORT_CASE_ROUNDS if s <= 1024 else None)

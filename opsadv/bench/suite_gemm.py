@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import opsadv
 
-from .case import BenchCase
+from .case import BenchCase, compiled_peer
 
 SHAPES = ((8192, 8192, 8192), (16384, 12288, 4096), (16384, 11008, 4096), (16384, 4096, 11008))
 EPILOGUES = ("none", "gelu_tanh", "silu", "swiglu")
@@ -72,7 +72,7 @@ def _eager(ep):
 
 def _compiled(ep):
     if ep not in _COMPILED:
-        _COMPILED[ep] = torch.compile(_eager(ep), dynamic=False)
+        _COMPILED[ep] = compiled_peer(_eager(ep))
     return _COMPILED[ep]
 
 
@@ -102,11 +102,11 @@ def cases(quick: bool) -> Iterator[BenchCase]:
         else:
             def mine(a_, w_, b_, ep=ep):
                 return opsadv.ops.gemm(a_, w_, bias=b_, activation=ep)
-        peers = {"torch_eager": (lambda fn=_eager(ep): run(fn))}
+        peers = {"torch_eager": (lambda fn=_eager(ep), run=run: run(fn))}
         if ep == "gelu_tanh" and dev == "cuda":
-            peers["addmm_activation"] = (lambda: run(lambda a_, w_, b_: torch._addmm_activation(b_, a_, w_, use_gelu=True)))
+            peers["addmm_activation"] = (lambda run=run: run(lambda a_, w_, b_: torch._addmm_activation(b_, a_, w_, use_gelu=True)))
         if dev == "cuda":
-            peers["torch_compile"] = (lambda fn=_compiled(ep): run(fn))
+            peers["torch_compile"] = (lambda fn=_compiled(ep), run=run: run(fn))
         extra = {}
         if bwd:
             # training calls run the GEMM (+ bias) through the op and the activation as torch ops
@@ -129,7 +129,7 @@ def cases(quick: bool) -> Iterator[BenchCase]:
         flops = 2.0 * m * nout * k * (3 if bwd else 1)
         words = ["fwd+bwd" if bwd else "fwd", "bf16", f"m{m}", f"n{n}", f"k{k}"] + \
                 ({"none": [], "gelu_tanh": ["bias", "gelu_tanh"], "silu": ["bias", "silu"], "swiglu": ["swiglu"]}[ep])
-        yield BenchCase(suite="gemm", case=" ".join(words), opsadv=(lambda fn=mine: run(fn)), peers=peers,
+        yield BenchCase(suite="gemm", case=" ".join(words), opsadv=(lambda fn=mine, run=run: run(fn)), peers=peers,
                         work=flops, unit="TFLOP/s", extra=extra)
     if not quick:
         yield from _swiglu_act_cases(dev, dtype)
@@ -157,10 +157,10 @@ def _swiglu_act_cases(dev: str, dtype, m: int = 16384, n: int = 11008) -> Iterat
                     return fn(gu)
             return torch.autograd.grad(fn(gu), gu, go)
 
-        peers = {"torch_eager": (lambda: run(_swiglu_act))}
+        peers = {"torch_eager": (lambda run=run: run(_swiglu_act))}
         if dev == "cuda":
-            comp = torch.compile(_swiglu_act, dynamic=False)
-            peers["torch_compile"] = (lambda comp=comp: run(comp))
+            comp = compiled_peer(_swiglu_act)
+            peers["torch_compile"] = (lambda comp=comp, run=run: run(comp))
         nbytes = m * n * gu.element_size() * ((2 + 3 + 2 + 1) if bwd else 3)   # fwd 2N in, N out; bwd again + 2N out
         yield BenchCase(suite="gemm", case=f"{'fwd+bwd' if bwd else 'fwd'} {DT_NAMES[dtype]} t{m} n{n} swiglu_act",
-                        opsadv=(lambda: run(opsadv.ops.swiglu)), peers=peers, work=nbytes, unit="TB/s")
+                        opsadv=(lambda run=run: run(opsadv.ops.swiglu)), peers=peers, work=nbytes, unit="TB/s")

@@ -1,7 +1,8 @@
 """Bench suite "norm": opsadv.ops.layer_norm / rms_norm (optionally with the fused residual add)
 against F.layer_norm / F.rms_norm (after a separate add) and torch.compile of the same expression.
-Grid (BENCHMARKS.md): bf16, (tokens, hidden) = (32768,4096), (16384,8192), (65536,1024); forward
-and forward+backward; with and without residual.  Rate in TB/s of bytes moved: forward reads x
+Grid (BENCHMARKS.md): bf16, (tokens, hidden) = (32768,4096), (16384,8192), (65536,1024); forward,
+forward+backward and the backward alone ("bwd" rows: the forward's graph kept, only autograd.grad timed; issue
+4's "backward >= 1.5x eager"); with and without residual.  Rate in TB/s of bytes moved: forward reads x
 (+ residual) and the weights, writes y (+ the sum); backward adds reading dy (+ dsum) and the
 normalized input, writing dx (+ the weight gradients)."""
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 
 import opsadv
 
-from .case import BenchCase
+from .case import BenchCase, compiled_peer
 
 SHAPES = ((32768, 4096), (16384, 8192), (65536, 1024))
 _COMPILED: dict = {}
@@ -25,7 +26,7 @@ def _grid(quick: bool):
         return [("layer_norm", 32768, 4096, False, False), ("rms_norm", 32768, 4096, False, False),
                 ("rms_norm", 32768, 4096, True, False), ("layer_norm", 32768, 4096, False, True),
                 ("rms_norm", 16384, 8192, True, True)]
-    return [(op, t, h, res, bwd) for bwd in (False, True) for op in ("layer_norm", "rms_norm")
+    return [(op, t, h, res, bwd) for bwd in (False, True, "only") for op in ("layer_norm", "rms_norm")
             for t, h in SHAPES for res in (False, True)]
 
 
@@ -40,7 +41,7 @@ def _eager(op, residual):
 def _compiled(op, residual):
     key = (op, residual)
     if key not in _COMPILED:
-        _COMPILED[key] = torch.compile(_eager(op, residual), dynamic=False)
+        _COMPILED[key] = compiled_peer(_eager(op, residual))
     return _COMPILED[key]
 
 
@@ -52,12 +53,13 @@ def _mine(op, residual):
     return fn
 
 
-def bytes_moved(op: str, t: int, h: int, residual: bool, backward: bool, es: int = 2) -> float:
+def bytes_moved(op: str, t: int, h: int, residual: bool, backward, es: int = 2) -> float:
+    """backward: False (forward), True (forward + backward) or "only" (the backward alone)."""
     act = t * h * es
     nw = (2 if op == "layer_norm" else 1) * h * es
     fwd = act * (2 + (2 if residual else 0)) + nw               # x, y (+ residual read, sum write)
     bwd = act * (3 + (1 if residual else 0)) + 2 * nw           # dy, xin, dx (+ dsum), weights + their grads
-    return float(fwd + (bwd if backward else 0))
+    return float(bwd if backward == "only" else fwd + (bwd if backward else 0))
 
 
 def cases(quick: bool) -> Iterator[BenchCase]:
@@ -71,21 +73,30 @@ def cases(quick: bool) -> Iterator[BenchCase]:
         b = 0.1 * torch.randn(h, device=dev, dtype=dtype) if op == "layer_norm" else None
         gy = torch.randn(t, h, device=dev, dtype=dtype) if bwd else None
         gs = torch.randn(t, h, device=dev, dtype=dtype) if bwd and res else None
-        ins = [x.clone().requires_grad_(bwd), r.clone().requires_grad_(bwd and res), w.clone().requires_grad_(bwd),
-               b.clone().requires_grad_(bwd) if b is not None else None]
+        g = bool(bwd)
+        ins = [x.clone().requires_grad_(g), r.clone().requires_grad_(g and res), w.clone().requires_grad_(g),
+               b.clone().requires_grad_(g) if b is not None else None]
 
-        def run(fn, ins=ins, gy=gy, gs=gs, bwd=bwd, res=res):
+        kept: dict = {}     # "only": each contender's forward output, its graph kept across calls
+
+        def run(fn, ins=ins, gy=gy, gs=gs, bwd=bwd, res=res, kept=kept):
             if not bwd:
                 with torch.no_grad():
                     return fn(*ins)
-            out = fn(*ins)
+            if bwd == "only":
+                if fn not in kept:
+                    kept[fn] = fn(*ins)
+                out = kept[fn]
+            else:
+                out = fn(*ins)
             outs, grads = ((out[0], out[1]), (gy, gs)) if res else ((out,), (gy,))
             wrt = [t_ for t_ in ins if t_ is not None and t_.requires_grad]
-            return torch.autograd.grad(outs, wrt, grads)
+            return torch.autograd.grad(outs, wrt, grads, retain_graph=bwd == "only")
 
-        peers = {"torch_eager": (lambda fn=_eager(op, res): run(fn))}
+        # run bound per case (a late-bound name would call the last generated case's run)
+        peers = {"torch_eager": (lambda fn=_eager(op, res), run=run: run(fn))}
         if dev == "cuda":
-            peers["torch_compile"] = (lambda fn=_compiled(op, res): run(fn))
-        words = ["fwd+bwd" if bwd else "fwd", "bf16", f"t{t}", f"h{h}", op] + (["residual"] if res else [])
-        yield BenchCase(suite="norm", case=" ".join(words), opsadv=(lambda fn=_mine(op, res): run(fn)), peers=peers,
+            peers["torch_compile"] = (lambda fn=_compiled(op, res), run=run: run(fn))
+        words = [{False: "fwd", True: "fwd+bwd", "only": "bwd"}[bwd], "bf16", f"t{t}", f"h{h}", op] + (["residual"] if res else [])
+        yield BenchCase(suite="norm", case=" ".join(words), opsadv=(lambda fn=_mine(op, res), run=run: run(fn)), peers=peers,
                         work=bytes_moved(op, t, h, res, bwd), unit="TB/s")
