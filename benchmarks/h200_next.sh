@@ -77,6 +77,14 @@
 # (its rows predate them: w1024 bwd 1.516x flex, fwd+bwd 1.488x), n1: half the attention suite again (own fwd+bwd
 # vs SDPA-flash 1.468-1.479x in 3 of 8 cases: within the run-to-run spread of 1.5x); then PARTS="n2+cf d" (cf: the
 # Triton attention / sparse impls' pinned conformance at the new defaults; d: e2e).
+# Session 12 (results/*_s12*): PARTS="sp n1" (f9556b0: sparse w1024 fwd 1.429x / bwd 1.579x flex with the backward's
+# TMA + streams), "n1 n2+tp" (401b9d3: train-pair GPU tests; one dispatcher row chose cuDNN where Gluon ran 1.12x ->
+# tuning spin-up + 5 rounds of >= 8 calls), "n2 nm" (776c851: 16/16 >= 0.98x; norm forward 12/12 >= 1.0x),
+# "cf nb", PART=hc (the norm fwd+bwd rows are host-bound: 789 us of host per LayerNorm fwd+bwd vs 184 eager),
+# PART=nw (norm backward-only rows: 12/12 >= 1.5x eager).  Order for session 13, on nvidia-h200-x2:
+# PARTS="cfa d" (cfa: the pinned Triton flash conformance that timed out; d: e2e, not run since session 10), then
+# PARTS="n1 nm" (the norm suite with the compile peer's recompile limit lifted: 8 rows of session 12 compared
+# against an eager fallback; n1 for the run-to-run record of own fwd+bwd vs SDPA-flash).
 # OPSADV_COMMIT=<sha> PART=a bash benchmarks/h200_next.sh   (from the repo root on the GPU host, $OUT set)
 set -u
 # tests/conftest.py defaults TRITON_INTERPRET to 1 (CPU CI): every pytest here must say 0, and select the GPU tests
@@ -265,12 +273,19 @@ t2)  # session 11: GPU tests after the two-stream backward / sparse TMA defaults
   echo "sparse gpu pytest rc $?"; tail -2 "$OUT/sparse_gpu_pytest2.log"
   ;;
 cf)  # session 12: pinned H200 conformance of the Triton attention and sparse impls at session 11's defaults (backward
-     # TMA tiles + two streams, sparse forward / backward TMA + streams); merge into docs/conformance/cuda-h200.md
+     # TMA tiles + two streams, sparse forward / backward TMA + streams); merge into docs/conformance/cuda-h200.md.
+     # Session 12 ran it at 3756ce1: sparse 18 pass / 0 fail (cuda-h200-triton-sparse.md); flash_attention ran past
+     # its 200 s limit -> PART=cfa alone (540 s)
   for impl in cuda.triton.flash_attention cuda.triton.sparse_attention; do
     timeout 200 python3 -m opsadv conformance --backend cuda --impl "$impl" --json "$OUT/conf_$impl.json" \
       --markdown "$OUT/conf_$impl.md" > "/tmp/conf_$impl.log" 2>&1
     echo "conformance $impl rc $?"; tail -1 "/tmp/conf_$impl.log"
   done
+  ;;
+cfa) # session 13: the pinned Triton flash-attention conformance with room (see cf); the log comes back too
+  timeout 540 python3 -m opsadv conformance --backend cuda --impl cuda.triton.flash_attention \
+    --json "$OUT/conf_triton_flash.json" --markdown "$OUT/conf_triton_flash.md" > "$OUT/conf_triton_flash.log" 2>&1
+  echo "conformance cuda.triton.flash_attention rc $?"; tail -1 "$OUT/conf_triton_flash.log"
   ;;
 nm)  # session 12: the norm GPU tests, then the full norm suite (24 cases) with the forward's (ROWS, warps) measured per
      # bucket (fwd_candidates; hidden 1024 forward read 0.966x torch.compile at ead87e0 with the fixed tile)
