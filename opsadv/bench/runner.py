@@ -55,17 +55,6 @@ def bench_window(est_ms: float) -> tuple[float, float]:
     return max(10.0, est), max(40.0, MIN_CALLS * est)
 
 
-def _estimate_ms(fn) -> float:
-    """One call of fn timed with CUDA events (it has run before: no compile in the window)."""
-    import torch
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
-
-
 def time_interleaved(fns: dict, rounds: int = ROUNDS, per_round: dict | None = None) -> dict:
     """Median ms of each fn, measured in `rounds` interleaved rounds (each round times every fn
     once with do_bench over a window of >= MIN_CALLS calls, the order rotated per round) and the median
@@ -79,7 +68,8 @@ def time_interleaved(fns: dict, rounds: int = ROUNDS, per_round: dict | None = N
     else:
         from triton.testing import do_bench
         seen = {n: [] for n in names}
-        window = {n: bench_window(_estimate_ms(fns[n])) for n in names}
+        from opsadv.core.tuning import one_call_ms
+        window = {n: bench_window(one_call_ms(fns[n])) for n in names}
         for r in range(rounds):
             for n in names[r % len(names):] + names[:r % len(names)]:
                 warmup, rep = window[n]

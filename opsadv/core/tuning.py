@@ -145,7 +145,7 @@ def time_fn(fn, device_type: str, reps: int = 10, timing: str = "wall") -> float
         if do_bench is not None:
             # >= MIN_CALLS calls in the window: do_bench runs rep / (its estimate) calls, so a fixed 40 ms
             # timed a 15 ms training step two or three times
-            est = _one_call_ms(fn)
+            est = one_call_ms(fn)
             return float(do_bench(fn, warmup=max(10.0, est), rep=max(40.0, MIN_CALLS * est), return_mode="median"))
     fn()
     times = []
@@ -163,7 +163,7 @@ TUNE_ROUNDS = 5   # on a device: interleaved rounds, median per impl (see time_r
 MIN_CALLS = 8     # calls per timed sample on a GPU (time_fn)
 
 
-def _one_call_ms(fn) -> float:
+def one_call_ms(fn) -> float:
     """One call of fn on the GPU, timed with CUDA events (fn has run before: compiled, warm); 0 without a GPU
     (tests that stand in a fake do_bench: the default window)."""
     import torch
