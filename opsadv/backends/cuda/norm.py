@@ -140,11 +140,15 @@ def _forward(ctx, rms, x, weight, bias, eps, residual, offset, stats=True, cfg=N
             RMS=rms, HAS_RES=has_res, HAS_W=weight is not None, HAS_B=bias is not None,
             ROWS=rows, BLOCK_N=block, STATS=stats, num_warps=warps)
     if cfg is None:
-        profile = getattr(ctx, "profile", None)
-        autotune = x.is_cuda and profile is not None and profile.autotune
-        key = (rms, has_res, stats, weight is not None, bias is not None, str(x.dtype), n, _bucket(m))
-        # each config rewrites the same outputs from the same inputs: timing them leaves a valid result
-        cfg = k["tuner"].pick(key, fwd_candidates(n), go, autotune)
+        key = (rms, has_res, stats, weight is not None, bias is not None, x.dtype, n, _bucket(m))
+        cfg = _FWD_PICKED.get(key)          # the per-call path (host-bound decode calls): one dict lookup
+        if cfg is None:
+            profile = getattr(ctx, "profile", None)
+            autotune = x.is_cuda and profile is not None and profile.autotune
+            # each config rewrites the same outputs from the same inputs: timing them leaves a valid result
+            cfg = k["tuner"].pick(key, fwd_candidates(n), go, autotune)
+            if autotune and not torch.cuda.is_current_stream_capturing():
+                _FWD_PICKED[key] = cfg      # measured (or read from disk): final for this process
     go(cfg)
     return y, s, mean, rstd
 
@@ -155,6 +159,9 @@ REDUCE_BLOCK_N, REDUCE_BLOCK_P = 32, 64
 
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+_FWD_PICKED: dict = {}     # forward tile per (flags, dtype, hidden, row bucket) once the tuner has decided
 
 
 def _bucket(m: int) -> int:
