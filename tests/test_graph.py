@@ -27,6 +27,11 @@ OPCHECK = {
     "sparse_attention": lambda: (torch.ops.opsadv.sparse_attention.default,
                                  (_g(2, 2, 20, 8), _g(2, 1, 20, 8), _g(2, 1, 20, 8), _layout().block_mask,
                                   _layout().key_padding_mask, None, 8, True, 5, 0, 0, None)),
+    # train=True: the traced training path (train bucket forward, that impl's own backward)
+    "flash_attention_train": lambda: (torch.ops.opsadv.flash_attention.default, (_g(2, 4, 5, 8), _g(2, 2, 7, 8), _g(2, 2, 7, 8), None, True, None, True)),
+    "sparse_attention_train": lambda: (torch.ops.opsadv.sparse_attention.default,
+                                       (_g(2, 2, 20, 8), _g(2, 1, 20, 8), _g(2, 1, 20, 8), _layout().block_mask,
+                                        _layout().key_padding_mask, None, 8, True, 5, 0, 0, None, False, -1, True)),
     "gemm": lambda: (torch.ops.opsadv.gemm.default, (_g(2, 3, 8), _g(8, 6), _g(6), "gelu_tanh", _g(2, 3, 6), 0.5)),
     "swiglu_gemm": lambda: (torch.ops.opsadv.swiglu_gemm.default, (_g(3, 8), _g(8, 12), None)),
     "layer_norm": lambda: (torch.ops.opsadv.layer_norm.default, (_g(3, 16), _g(16), _g(16), 1e-5, _g(3, 16))),
