@@ -83,8 +83,9 @@
 # "cf nb", PART=hc (the norm fwd+bwd rows are host-bound: 789 us of host per LayerNorm fwd+bwd vs 184 eager),
 # PART=nw (norm backward-only rows: 12/12 >= 1.5x eager).  Order for session 13, on nvidia-h200-x2:
 # PARTS="cfa d" (cfa: the pinned Triton flash conformance that timed out; d: e2e, not run since session 10), then
-# PARTS="n1 nm" (the norm suite with the compile peer's recompile limit lifted: 8 rows of session 12 compared
-# against an eager fallback; n1 for the run-to-run record of own fwd+bwd vs SDPA-flash).
+# PARTS="tg+n1 nm" (tg: why tuning timed the Gluon forward ~4% slower than the suite; the norm suite with the
+# compile peer's recompile limit lifted -- 8 rows of session 12 compared against an eager fallback -- and its GPU
+# tests, the first run of the norm forward's memoized tile, f29fc51; n1 for the own fwd+bwd vs SDPA-flash record).
 # OPSADV_COMMIT=<sha> PART=a bash benchmarks/h200_next.sh   (from the repo root on the GPU host, $OUT set)
 set -u
 # tests/conftest.py defaults TRITON_INTERPRET to 1 (CPU CI): every pytest here must say 0, and select the GPU tests
@@ -314,6 +315,11 @@ nw)  # session 12 (last minutes of device time): the norm suite's new backward-o
      # eager"), with the torch_compile peer's recompile limit lifted (past 8 compiles it had run eagerly)
   timeout 165 python3 -m opsadv bench --suite norm --filter '^bwd' --json "$OUT/norm_bwd.json" > "$OUT/norm_bwd.log" 2>&1
   echo "norm bwd rc $?"; grep -E "^bwd" "$OUT/norm_bwd.log" | cut -c1-150
+  ;;
+tg)  # session 13: the tuning-vs-benchmark gap (session 12: b4 s4096 d128 causal, Gluon 1.047 vs cuDNN 1.041 ms in
+     # tuning, 1.008 vs 1.067 in the suite): the tuner's rounds vs the bench's, the race's company, a fresh tuning
+  timeout 240 python3 benchmarks/tuning_gap_probe.py "$OUT/tuning_gap_probe.json" > "$OUT/tuning_gap_probe.log" 2>&1
+  echo "tuning gap probe rc $?"; cut -c1-260 "$OUT/tuning_gap_probe.log" | tail -14
   ;;
 tp)  # session 12: compiled training steps run one impl's forward + backward pair (train=True through torch.ops)
   TRITON_INTERPRET=0 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_train_pair.py \
