@@ -152,3 +152,29 @@ def test_forward_candidates_fit():
         assert cands[0] == (rows, warps)                     # the untuned pick comes first
         for r, w in cands[1:]:                               # the tuner's extras: >= 1 element per thread
             assert r >= 1 and 2 <= w <= 16 and r * block >= 32 * w
+
+
+def test_forward_tile_is_picked_once_per_key(monkeypatch):
+    """With autotuning on, the tuner decides a key's tile once; later calls of that key take it from one dict
+    lookup (the per-call path of host-bound decode calls) and never ask the tuner again."""
+    from types import SimpleNamespace
+
+    from opsadv.backends.cuda import norm as N
+    N._kernels()
+    asked = []
+
+    class Tuner:
+        def pick(self, key, configs, launch, autotune):
+            asked.append(key)
+            return configs[-1]
+    monkeypatch.setitem(N._K, "tuner", Tuner())
+    monkeypatch.setattr(N, "_FWD_PICKED", {})
+    monkeypatch.setattr(N, "_autotunes", lambda ctx, x: True)
+    monkeypatch.setattr(N.torch.cuda, "is_current_stream_capturing", lambda: False)
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(19, 48, generator=g).to(DEV), torch.randn(48, generator=g).to(DEV)
+    want = torch.nn.functional.rms_norm(x.double(), (48,), w.double(), 1e-6)
+    for _ in range(3):
+        y, _, _, _ = N._forward(SimpleNamespace(profile=None), True, x, w, None, 1e-6, None, 0.0)
+        assert rel_err(y, want) < 1e-5
+    assert len(asked) == 1 and list(N._FWD_PICKED.values()) == [N.fwd_candidates(48)[-1]]
