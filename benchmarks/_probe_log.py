@@ -59,3 +59,11 @@ def warm_and_time(fns: dict, rounds: int = 5) -> dict:
     for f in fns.values():
         f()
     return time_interleaved(fns, rounds=rounds)
+
+
+def record_case(res: dict, path: str, row: dict, key: str = "cases") -> None:
+    """Print row, append it to res[key] and rewrite the JSON at path (a killed run keeps what it had)."""
+    print(json.dumps(row), flush=True)
+    res.setdefault(key, []).append(row)
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)

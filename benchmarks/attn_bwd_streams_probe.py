@@ -12,13 +12,12 @@ and that no gradient element is left unwritten (NaN-poisoned outputs).
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 import torch
 from _attn_probe import ragged_gqa_case, timing_case  # (benchmarks/ is sys.path[0] when run as a script)
-from _probe_log import warm_and_time
+from _probe_log import record_case, warm_and_time
 
 from opsadv.backends.cuda import attention as A
 
@@ -63,10 +62,7 @@ def main(path: str) -> None:
         row = {"b": b, "h": h, "h_kv": hkv, "s": s, "d": d, "causal": causal,
                "ms": {n: round(t, 4) for n, t in times.items()},
                "two_streams_vs_serial": round(times["serial"] / times["two_streams"], 3)}
-        print(json.dumps(row), flush=True)
-        res["cases"].append(row)
-        with open(path, "w") as f:
-            json.dump(res, f, indent=1)
+        record_case(res, path, row)
 
 
 if __name__ == "__main__":

@@ -14,13 +14,12 @@ default dK/dV one, and the all-TMA pair; next to cuDNN's backward.  A GPU check 
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 import torch
 from _attn_probe import ragged_gqa_case, timing_case  # (benchmarks/ is sys.path[0] when run as a script)
-from _probe_log import warm_and_time
+from _probe_log import record_case, warm_and_time
 
 import opsadv
 from opsadv.backends.cuda import attention as A
@@ -104,10 +103,7 @@ def main(path: str) -> None:
         row = {"b": b, "h": h, "h_kv": hkv, "s": s, "d": d, "causal": causal,
                "ms": {n: round(t, 4) for n, t in times.items()},
                "vs_default": {n: round(base / t, 3) for n, t in times.items()}}
-        print(json.dumps(row), flush=True)
-        res["cases"].append(row)
-        with open(path, "w") as f:
-            json.dump(res, f, indent=1)
+        record_case(res, path, row)
 
 
 if __name__ == "__main__":

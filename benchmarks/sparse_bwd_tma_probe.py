@@ -9,12 +9,11 @@ expected for "tma": the same math, so rel err ~0) runs first at each timed shape
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 
 import torch
-from _probe_log import warm_and_time  # (benchmarks/ is sys.path[0] when run as a script)
+from _probe_log import record_case, warm_and_time  # (benchmarks/ is sys.path[0] when run as a script)
 
 import opsadv
 from opsadv import SparseLayout
@@ -63,10 +62,7 @@ def main(path: str) -> None:
         times = warm_and_time(fns)
         row = {"case": name, "rel_err_vs_default": errs, "ms": {n: round(t, 4) for n, t in times.items()},
                "vs_default": {n: round(times["default"] / t, 3) for n, t in times.items()}}
-        print(json.dumps(row), flush=True)
-        res["cases"].append(row)
-        with open(path, "w") as f:
-            json.dump(res, f, indent=1)
+        record_case(res, path, row)
 
 
 if __name__ == "__main__":

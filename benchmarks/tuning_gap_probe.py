@@ -12,7 +12,6 @@ the gap comes from: the method (A vs B), the company in the race (C), or the mom
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 import tempfile
@@ -25,6 +24,7 @@ from opsadv.core import dispatch, tuning
 from opsadv.core.ops import attention as A
 from opsadv.core.policy import current_policy
 from opsadv.registry import get_registry
+from _probe_log import record_case  # (benchmarks/ is sys.path[0] when run as a script)
 
 IMPLS = ("cuda.gluon.flash_attention", "cuda.sdpa.cudnn")
 OTHERS = ("cuda.sdpa.flash", "cuda.sdpa.efficient", "cuda.triton.flash_attention")
@@ -52,10 +52,7 @@ def main(path: str) -> None:
     res = {"torch": torch.__version__, "shape": [b, h, s, d], "causal": causal, "records": []}
 
     def save(rec):
-        res["records"].append(rec)
-        print(json.dumps(rec), flush=True)
-        with open(path, "w") as f:
-            json.dump(res, f, indent=1)
+        record_case(res, path, rec, "records")
 
     with torch.no_grad():
         # D first: the dispatcher's own tuning in a fresh cache, right after the compiles (as in the suite)

@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from opsadv.core.tuning import MIN_CALLS, one_call_ms, sample_window  # noqa: F401  (MIN_CALLS: re-exported)
+
 SUITES = ("attention", "sparse", "gemm", "norm", "e2e")
 MISMATCH = 5e-2          # rel_err above this marks a case wrong (and the run fails)
 
@@ -44,15 +46,8 @@ def time_ms(fn) -> float:
 
 
 ROUNDS = 5               # interleaved timing rounds per case (see time_interleaved)
-MIN_CALLS = 8            # timed calls per contender and round, however long one call is (bench_window)
-
-
-def bench_window(est_ms: float) -> tuple[float, float]:
-    """(warmup, rep) in ms for do_bench around a call of about est_ms: do_bench runs rep / est calls, so
-    the fixed 40 ms window timed a 29 ms fwd+bwd once per round (session 12: the same cuDNN kernel read
-    0.951-1.000x its peer over five such rounds); at least MIN_CALLS calls per round, warm-up >= one call."""
-    est = max(float(est_ms), 0.0)
-    return max(10.0, est), max(40.0, MIN_CALLS * est)
+# do_bench windows of >= MIN_CALLS calls per contender and round, however long one call is: the tuner's rule
+bench_window = sample_window
 
 
 def time_interleaved(fns: dict, rounds: int = ROUNDS, per_round: dict | None = None) -> dict:
@@ -68,7 +63,6 @@ def time_interleaved(fns: dict, rounds: int = ROUNDS, per_round: dict | None = N
     else:
         from triton.testing import do_bench
         seen = {n: [] for n in names}
-        from opsadv.core.tuning import one_call_ms
         window = {n: bench_window(one_call_ms(fns[n])) for n in names}
         for r in range(rounds):
             for n in names[r % len(names):] + names[:r % len(names)]:

@@ -145,8 +145,8 @@ def time_fn(fn, device_type: str, reps: int = 10, timing: str = "wall") -> float
         if do_bench is not None:
             # >= MIN_CALLS calls in the window: do_bench runs rep / (its estimate) calls, so a fixed 40 ms
             # timed a 15 ms training step two or three times
-            est = one_call_ms(fn)
-            return float(do_bench(fn, warmup=max(10.0, est), rep=max(40.0, MIN_CALLS * est), return_mode="median"))
+            warmup, rep = sample_window(one_call_ms(fn))
+            return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
     fn()
     times = []
     for _ in range(reps):
@@ -161,6 +161,15 @@ def time_fn(fn, device_type: str, reps: int = 10, timing: str = "wall") -> float
 
 TUNE_ROUNDS = 5   # on a device: interleaved rounds, median per impl (see time_rounds; 3 until session 12)
 MIN_CALLS = 8     # calls per timed sample on a GPU (time_fn)
+
+
+def sample_window(est_ms: float) -> tuple[float, float]:
+    """(warmup, rep) in ms for do_bench around a call of about est_ms: do_bench runs rep / est calls, so a
+    fixed 40 ms window timed a 29 ms fwd+bwd once (session 12: the same cuDNN kernel read 0.951-1.000x its
+    peer over five such rounds); at least MIN_CALLS calls, warm-up >= one call.  The tuner's samples and the
+    bench runner's rounds both use it."""
+    est = max(float(est_ms), 0.0)
+    return max(10.0, est), max(40.0, MIN_CALLS * est)
 
 
 def one_call_ms(fn) -> float:
