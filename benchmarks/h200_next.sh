@@ -316,6 +316,13 @@ nw)  # session 12 (last minutes of device time): the norm suite's new backward-o
   timeout 165 python3 -m opsadv bench --suite norm --filter '^bwd' --json "$OUT/norm_bwd.json" > "$OUT/norm_bwd.log" 2>&1
   echo "norm bwd rc $?"; grep -E "^bwd" "$OUT/norm_bwd.log" | cut -c1-150
   ;;
+ds)  # session 13: the 5-GEMM backward (dS materialized, dQ by a GEMM over it): GPU tests, then the probe
+  TRITON_INTERPRET=0 timeout 150 python3 -m pytest -q -p no:cacheprovider -k gpu tests/test_attention_ds_backward.py \
+    > "$OUT/ds_gpu_pytest.log" 2>&1
+  echo "ds gpu pytest rc $?"; tail -2 "$OUT/ds_gpu_pytest.log"
+  timeout 400 python3 benchmarks/attn_bwd_ds_probe.py "$OUT/attn_bwd_ds_probe.json" > "$OUT/attn_bwd_ds_probe.log" 2>&1
+  echo "ds probe rc $?"; cut -c1-330 "$OUT/attn_bwd_ds_probe.log" | grep -v Warn | tail -10
+  ;;
 tg)  # session 13: the tuning-vs-benchmark gap (session 12: b4 s4096 d128 causal, Gluon 1.047 vs cuDNN 1.041 ms in
      # tuning, 1.008 vs 1.067 in the suite): the tuner's rounds vs the bench's, the race's company, a fresh tuning
   timeout 240 python3 benchmarks/tuning_gap_probe.py "$OUT/tuning_gap_probe.json" > "$OUT/tuning_gap_probe.log" 2>&1

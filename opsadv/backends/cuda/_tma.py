@@ -42,7 +42,7 @@ def desc_bhsd(t: torch.Tensor, rows: int) -> "TensorDescriptor":
 
 
 @functools.lru_cache(maxsize=None)
-def _side_stream(device: torch.device) -> "torch.cuda.Stream":
+def side_stream(device: torch.device) -> "torch.cuda.Stream":
     """One side stream per device (created once: stream creation is not free)."""
     return torch.cuda.Stream(device)
 
@@ -53,7 +53,7 @@ def run_side_by_side(device: torch.device, first, second) -> None:
     and the caching allocator see one order: the side stream waits for the caller's work before it starts and
     the caller waits for it before anything after this call."""
     main = torch.cuda.current_stream(device)
-    side = _side_stream(device)
+    side = side_stream(device)
     side.wait_stream(main)
     with torch.cuda.stream(side):
         second()

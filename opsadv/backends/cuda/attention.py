@@ -24,7 +24,8 @@ import triton.language as tl
 from opsadv.core.kernel import PRIORITY_TRITON, KernelImpl
 
 from . import triton_device_types
-from ._tma import TensorDescriptor, desc_bhsd, run_side_by_side, sm90_plus, tma_tiles_ok
+from . import _attn_dq_gemm as dq_gemm
+from ._tma import TensorDescriptor, desc_bhsd, run_side_by_side, side_stream, sm90_plus, tma_tiles_ok
 from ._triton_utils import ConfigTuner, bucket, load_tile, new_output, new_output_bshd, store_tile
 
 LOG2E = 1.4426950408889634
@@ -212,7 +213,8 @@ def _bwd_pre_kernel(O, DO, LSE, DELTA, LSE2, s_ob, s_oh, s_om, s_db, s_dh, s_dm,
 def _bwd_kv_inner(dk, dv, k, v, q_base, do_base, q_desc, do_desc, off_b, off_h, L, D, DQA, dq_desc, bh, s_qm, s_dm,
                   offs_n, offs_d, lo, hi, SQ, SK, OFFSET, qk_scale, scale, HEAD_DIM: tl.constexpr,
                   BLOCK_M: tl.constexpr, PAD_D: tl.constexpr, MASKED: tl.constexpr, EVEN_M: tl.constexpr,
-                  EVEN_N: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, TMA: tl.constexpr):
+                  EVEN_N: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, TMA: tl.constexpr,
+                  ds_slab, s_dsn, DS_STORE: tl.constexpr):
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -236,7 +238,15 @@ def _bwd_kv_inner(dk, dv, k, v, q_base, do_base, q_desc, do_desc, off_b, off_h, 
         dv += tl.dot(p_t.to(do.dtype), do)
         dp_t = tl.dot(v, tl.trans(do))
         ds_t = p_t * (dp_t - delta[None, :])
-        dk += tl.dot(ds_t.to(q.dtype), q)
+        if DS_STORE:  # dS^T kept for the dQ GEMM (_attn_dq_gemm.py): keys past s_k stored as 0, not p * (0 - delta)
+            if not EVEN_N:
+                ds_t = tl.where(offs_n[:, None] < SK, ds_t, 0.0)
+            ds_h = ds_t.to(q.dtype)
+            # the workspace is padded to whole tiles of both kernels: no store mask
+            tl.store(ds_slab + offs_n[:, None] * s_dsn + offs_m[None, :], ds_h)
+            dk += tl.dot(ds_h, q)
+        else:
+            dk += tl.dot(ds_t.to(q.dtype), q)
         if ATOMIC_DQ:  # this kv block's share of dQ, reduced across kv blocks in fp32 (order varies: not deterministic)
             if not EVEN_N:  # keys past s_k: k is 0 there, but p could be inf, and inf * 0 is NaN
                 ds_t = tl.where(offs_n[:, None] < SK, ds_t, 0.0)
@@ -261,10 +271,13 @@ def _bwd_kv_kernel(Q, K, V, DO, DK, DV, LSE2, DELTA, DQA, dq_desc, q_desc, do_de
                    H, GROUP, SQ, SK, OFFSET, qk_scale, scale,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-                   DQ_TMA: tl.constexpr = False, TMA: tl.constexpr = False):
+                   DQ_TMA: tl.constexpr = False, TMA: tl.constexpr = False,
+                   DS=None, s_dss=0, s_dsn=0, BHK0=0, DS_STORE: tl.constexpr = False):
+    """DS_STORE: also write dS^T (key rows, query columns; q's dtype) of q head slab (program_id(1) * GROUP + g)
+    into the workspace DS, for a chunk of kv heads starting at BHK0 (the dQ GEMM of _attn_dq_gemm.py reads it)."""
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     pid_n = tl.program_id(0)
-    pid_bhk = tl.program_id(1)
+    pid_bhk = tl.program_id(1) + BHK0
     HKV = H // GROUP
     off_b = pid_bhk // HKV
     off_hk = pid_bhk % HKV
@@ -292,14 +305,17 @@ def _bwd_kv_kernel(Q, K, V, DO, DK, DV, LSE2, DELTA, DQA, dq_desc, q_desc, do_de
         row0 = (off_b * H + off_h).to(tl.int64) * SQ
         dqa = DQA + row0 * HEAD_DIM                         # fp32 dQ accumulator (b, h_q, s_q, d), contiguous
         bh = off_b * H + off_h                              # this q head's slab of the dQ descriptor
+        ds_slab = DS
+        if DS_STORE:
+            ds_slab = DS + (tl.program_id(1) * GROUP + g).to(tl.int64) * s_dss
         dk, dv = _bwd_kv_inner(dk, dv, k, v, q_base, do_base, q_desc, do_desc, off_b, off_h, LSE2 + row0,
                                DELTA + row0, dqa, dq_desc, bh, s_qm, s_dm, offs_n, offs_d, m_lo, m_mid, SQ, SK,
                                OFFSET, qk_scale, scale, HEAD_DIM, BLOCK_M, PAD_D, True, EVEN_M, EVEN_N, ATOMIC_DQ,
-                               DQ_TMA, TMA)
+                               DQ_TMA, TMA, ds_slab, s_dsn, DS_STORE)
         dk, dv = _bwd_kv_inner(dk, dv, k, v, q_base, do_base, q_desc, do_desc, off_b, off_h, LSE2 + row0,
                                DELTA + row0, dqa, dq_desc, bh, s_qm, s_dm, offs_n, offs_d, m_mid, sq_pad, SQ, SK,
                                OFFSET, qk_scale, scale, HEAD_DIM, BLOCK_M, PAD_D, False, EVEN_M, EVEN_N, ATOMIC_DQ,
-                               DQ_TMA, TMA)
+                               DQ_TMA, TMA, ds_slab, s_dsn, DS_STORE)
     dk = dk * scale
     store_tile(DK + off_b.to(tl.int64) * s_dkb + off_hk.to(tl.int64) * s_dkh + offs_n[:, None] * s_dkn + offs_d[None, :],
                dk.to(DK.dtype.element_ty), offs_n, SK, offs_d, HEAD_DIM, not EVEN_N, PAD_D)
@@ -381,6 +397,9 @@ _FWD = ConfigTuner("flash_attention.fwd")
 _BWD_KV = ConfigTuner("flash_attention.bwd_kv")
 _BWD_Q = ConfigTuner("flash_attention.bwd_q")
 _BWD_KVA = ConfigTuner("flash_attention.bwd_kv_atomic_dq")
+_BWD_KVDS = ConfigTuner("flash_attention.bwd_kv_ds")          # the dK/dV kernel writing dS (its own timing)
+_BWD_DQG = ConfigTuner("flash_attention.bwd_dq_gemm")
+_BWD_VARIANT = ConfigTuner("flash_attention.bwd_variant")     # kernels / ds / ds_pipe, the whole backward timed
 
 # Forward-only kernel variants a config may switch on (profile data; absent = off): TMA descriptor loads,
 # conditional rescaling threshold (log2 units, 0 = rescale every block), QK^T of the next block issued
@@ -470,8 +489,14 @@ def flash_fwd(ctx, q, k, v, attn_mask, causal, scale):
 
 
 def flash_bwd(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale):
-    """Deterministic backward: dK/dV kernel + separate dQ kernel (no atomics)."""
+    """Deterministic backward (no atomics): dK/dV kernel + dQ kernel, or dK/dV kernel writing dS + a dQ GEMM over
+    it, whichever measured faster for the bucket (_bwd)."""
     return _bwd(ctx, dout, q, k, v, out, lse, causal, scale, atomic_dq=False)
+
+
+def flash_bwd_variant(ctx, dout, q, k, v, out, lse, causal, scale, variant: str):
+    """The deterministic backward with its variant forced ("kernels", "ds", "ds_pipe"): tests and probes."""
+    return _bwd(ctx, dout, q, k, v, out, lse, causal, scale, atomic_dq=False, variant=variant)
 
 
 def flash_bwd_atomic(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale):
@@ -495,7 +520,10 @@ def _dq_tma_ok(q: torch.Tensor, d: int, block_d: int) -> bool:
 CONCURRENT_BWD = True
 
 
-def _bwd(ctx, dout, q, k, v, out, lse, causal, scale, atomic_dq: bool):
+def _bwd(ctx, dout, q, k, v, out, lse, causal, scale, atomic_dq: bool, variant: str | None = None):
+    """variant (deterministic backward only): None = measured per bucket among "kernels" (dK/dV + dQ kernels)
+    and "ds" / "ds_pipe" (dK/dV kernel writing dS, dQ by a GEMM over it: _attn_dq_gemm.py) where the dS
+    workspace fits its cap; a name forces that variant (tests, probes) and raises if it cannot run."""
     in_dtype = q.dtype
     cdt = _compute_dtype(ctx, in_dtype)
     q, k, v, out, dout = (_prep(t, cdt) for t in (q, k, v, out, dout))
@@ -520,8 +548,10 @@ def _bwd(ctx, dout, q, k, v, out, lse, causal, scale, atomic_dq: bool):
     dq_tma = atomic_dq and _dq_tma_ok(q, d, block_d)
     tma_ok = not atomic_dq and tma_tiles_ok(ctx, d, block_d, q, k, v, dout)
 
-    def launch_kv(cfg):
+    def launch_kv(cfg, chunk=None, ws=None):
+        """dK/dV of kv heads chunk = (first, count) over b * h_kv (all by default); ws: also write dS^T there."""
         bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+        bhk0, nkv = chunk or (0, b * hkv)
         dq_desc = qd = dod = None
         if cfg["TMA"]:
             qd, dod = desc_bhsd(q, bm), desc_bhsd(dout, bm)
@@ -529,13 +559,14 @@ def _bwd(ctx, dout, q, k, v, out, lse, causal, scale, atomic_dq: bool):
             dqa.zero_()                                     # the tuner may launch this more than once
             if dq_tma:                                      # (b*h, s_q, d) fp32: TMA clips rows past s_q
                 dq_desc = TensorDescriptor(dqa, [b * hq, sq, d], [sq * d, d, 1], [1, bm, d])
-        _bwd_kv_kernel[(triton.cdiv(sk, bn), b * hkv)](
+        ds_args = {} if ws is None else dict(DS=ws, s_dss=ws.stride(0), s_dsn=ws.stride(1), BHK0=bhk0, DS_STORE=True)
+        _bwd_kv_kernel[(triton.cdiv(sk, bn), nkv)](
             q, k, v, dout, dk, dv, lse2, delta, dqa, dq_desc, qd, dod,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), *common,
             HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=causal, EVEN_M=sq % bm == 0, EVEN_N=sk % bn == 0,
-            ATOMIC_DQ=atomic_dq, DQ_TMA=dq_tma, TMA=cfg["TMA"], **_launch_args(cfg))
+            ATOMIC_DQ=atomic_dq, DQ_TMA=dq_tma, TMA=cfg["TMA"], **ds_args, **_launch_args(cfg))
 
     def launch_q(cfg):
         bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
@@ -555,16 +586,80 @@ def _bwd(ctx, dout, q, k, v, out, lse, causal, scale, atomic_dq: bool):
         launch_kv(_BWD_KVA.pick(key, _configs(ctx, "bwd_kv", d, False), launch_kv, tune))
         dq.copy_(dqa)                                       # fp32 accumulator -> q's dtype
     else:
-        cfg_kv = _BWD_KV.pick(key, _configs(ctx, "bwd_kv", d, tma_ok), launch_kv, tune)
-        cfg_q = _BWD_Q.pick(key, _configs(ctx, "bwd_q", d, tma_ok), launch_q, tune)
-        if CONCURRENT_BWD and q.device.type == "cuda":     # the dQ kernel on a side stream next to dK/dV
-            run_side_by_side(q.device, lambda: launch_kv(cfg_kv), lambda: launch_q(cfg_q))
-        else:
-            launch_kv(cfg_kv)
-            launch_q(cfg_q)
+        def run_kernels():
+            cfg_kv = _BWD_KV.pick(key, _configs(ctx, "bwd_kv", d, tma_ok), launch_kv, tune)
+            cfg_q = _BWD_Q.pick(key, _configs(ctx, "bwd_q", d, tma_ok), launch_q, tune)
+            if CONCURRENT_BWD and q.device.type == "cuda":     # the dQ kernel on a side stream next to dK/dV
+                run_side_by_side(q.device, lambda: launch_kv(cfg_kv), lambda: launch_q(cfg_q))
+            else:
+                launch_kv(cfg_kv)
+                launch_q(cfg_q)
+
+        per_chunk = dq_gemm.kv_heads_per_chunk(ctx, b, hkv, group, sq, sk, cdt)
+        runs = {"kernels": run_kernels}
+        if per_chunk > 0:
+            runs["ds"] = lambda: _bwd_ds(ctx, key, tune, tma_ok, launch_kv, q, k, dq, causal, scale, per_chunk,
+                                          False)
+            if per_chunk >= 2 and q.device.type == "cuda":    # two chunks in flight: half the cap each
+                runs["ds_pipe"] = lambda: _bwd_ds(ctx, key, tune, tma_ok, launch_kv, q, k, dq, causal, scale,
+                                                  per_chunk // 2, True)
+        if variant is None:
+            offered = [{"variant": n} for n in runs if n == "kernels" or DS_BACKWARD]
+            variant = _BWD_VARIANT.pick(key, offered, lambda c: runs[c["variant"]](), tune)["variant"]
+        elif variant not in runs:
+            raise ValueError(
+                f"flash_attention backward: variant {variant!r} cannot run here (available: {sorted(runs)}; the dS "
+                f"workspace of one kv head's q heads, {group * dq_gemm.slab_bytes(sq, sk, cdt)} bytes, against the "
+                f"cap {dq_gemm.workspace_cap(ctx)}; ds_pipe needs CUDA and two kv heads per chunk)")
+        runs[variant]()
     if in_dtype != cdt:
         dq, dk, dv = dq.to(in_dtype), dk.to(in_dtype), dv.to(in_dtype)
     return dq, dk, dv
+
+
+# The dS backward variants take part in the measured choice (False: only when forced by name).
+DS_BACKWARD = True
+
+
+def _bwd_ds(ctx, key, tune, tma_ok: bool, launch_kv, q, k, dq, causal, scale, per_chunk: int, pipelined: bool) -> None:
+    """dK/dV kernel writing dS^T, then dQ = scale * dS K by _attn_dq_gemm, per chunk of per_chunk kv heads.
+    pipelined: two workspaces; chunk i's dQ GEMM (memory-bound) runs on a side stream while chunk i+1's
+    dK/dV kernel (compute-bound) runs on the caller's, each workspace reused once its GEMM has read it."""
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    group = hq // hkv
+    chunks = [(h0, min(per_chunk, b * hkv - h0)) for h0 in range(0, b * hkv, per_chunk)]
+    bufs = [dq_gemm.new_workspace(per_chunk * group, sq, sk, q.dtype, q.device) for _ in range(1 + pipelined)]
+
+    def dq_of(cfg, chunk, ws):
+        h0, n = chunk
+        dq_gemm.launch_dq_gemm(ws, k, dq, h0 * group, n * group, hq, group, sq, sk, causal, scale, cfg)
+
+    first = chunks[0]
+    cfg_kv = _BWD_KVDS.pick(key, _configs(ctx, "bwd_kv", d, tma_ok), lambda c: launch_kv(c, first, bufs[0]), tune)
+    cfg_dq = _BWD_DQG.pick(key, _configs(ctx, "bwd_dsq", d, False), lambda c: dq_of(c, first, bufs[0]), tune)
+    if not pipelined:
+        for chunk in chunks:
+            launch_kv(cfg_kv, chunk, bufs[0])
+            dq_of(cfg_dq, chunk, bufs[0])
+        return
+    main = torch.cuda.current_stream(q.device)
+    side = side_stream(q.device)
+    side.wait_stream(main)
+    freed = [None, None]                      # event: the buffer's last dQ GEMM has read it
+    for i, chunk in enumerate(chunks):
+        ws = bufs[i % 2]
+        if freed[i % 2] is not None:
+            main.wait_event(freed[i % 2])
+        launch_kv(cfg_kv, chunk, ws)
+        written = torch.cuda.Event()
+        written.record(main)
+        side.wait_event(written)
+        with torch.cuda.stream(side):
+            dq_of(cfg_dq, chunk, ws)
+            freed[i % 2] = torch.cuda.Event()
+            freed[i % 2].record(side)
+    main.wait_stream(side)
 
 
 def _check(spec, env) -> list[str]:

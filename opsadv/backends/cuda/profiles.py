@@ -49,6 +49,11 @@ ATTN_TILES = {
                   128: [_t(128, 64, 8, 3, True), _t(128, 64, 8, 3), _t(64, 64, 4, 2), _t(64, 32, 4, 3),
                         _t(128, 64, 8, 2)],
                   256: [_t(64, 32, 4, 2), _t(64, 64, 8, 1), _t(32, 64, 4, 2)]},
+        # the dQ GEMM over a materialized dS (_attn_dq_gemm.py; BLOCK_M queries x BLOCK_N keys per step): streams
+        # dS from memory, so deep pipelines; not yet measured (session 13 written, the space is a guess)
+        "bwd_dsq": {64: [_t(128, 64, 8, 4), _t(128, 128, 8, 3), _t(64, 128, 4, 4), _t(128, 64, 4, 4)],
+                    128: [_t(128, 64, 8, 4), _t(128, 128, 8, 3), _t(64, 128, 4, 4), _t(128, 64, 8, 3)],
+                    256: [_t(64, 64, 8, 3), _t(128, 32, 8, 3), _t(64, 32, 4, 3)]},
     },
     "a100": {
         "fwd": {64: [_t(128, 64, 4, 3), _t(128, 128, 8, 3), _t(64, 64, 4, 3)],
@@ -65,7 +70,7 @@ ATTN_TILES = {
         "bwd_kv": {64: [_t(32, 64, 4, 2)], 128: [_t(32, 64, 4, 1)], 256: [_t(16, 32, 4, 1)]},
         "bwd_q": {64: [_t(64, 32, 4, 2)], 128: [_t(64, 32, 4, 1)], 256: [_t(32, 16, 4, 1)]},
     },
-    "interpreter": {p: {c: [_t(16, 16, 4, 1)] for c in (64, 128, 256)} for p in ("fwd", "bwd_kv", "bwd_q")},
+    "interpreter": {p: {c: [_t(16, 16, 4, 1)] for c in (64, 128, 256)} for p in ("fwd", "bwd_kv", "bwd_q", "bwd_dsq")},
     "jetson": {   # tiles <= 64x64, <= 2 stages, fixed
         "fwd": {64: [_t(64, 64, 4, 2)], 128: [_t(64, 32, 4, 2)], 256: [_t(32, 32, 4, 1)]},
         "bwd_kv": {64: [_t(32, 64, 4, 2)], 128: [_t(32, 32, 4, 1)], 256: [_t(16, 32, 4, 1)]},

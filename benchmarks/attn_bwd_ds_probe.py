@@ -1,0 +1,85 @@
+"""Is a 5-GEMM deterministic backward faster: the dK/dV kernel writes dS^T to a workspace and dQ is a GEMM over it
+(attention._bwd_ds, _attn_dq_gemm.py), instead of a dQ kernel recomputing S and dP (7 GEMMs per tile pair)?
+(issue 3: own fwd+bwd needs the backward ~5% faster for 1.5x SDPA-flash; cuDNN's backward is 5.36 ms vs our 6.54
+at b4 s4096 d128.)
+
+Per shape: the backward with each variant forced ("kernels": the current two kernels on two streams; "ds": dS
+workspace in chunks of <= 2 GiB; "ds_pipe": two workspaces, chunk i's dQ GEMM on a side stream beside chunk
+i+1's dK/dV kernel) with their tiles autotuned as the op does, next to cuDNN's backward; then the variant the
+op's measured choice picks.  First, on the GPU: each variant's gradients against float64 on a ragged GQA causal
+shape, with the workspace NaN-filled.
+
+    PYTHONPATH=. python3 benchmarks/attn_bwd_ds_probe.py OUT.json
+    PROBE_DEVICE=cpu TRITON_INTERPRET=1 ...: a dry run of the logic ("ds" only; tiles not tuned)
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+from _attn_probe import ragged_gqa_case, timing_case  # (benchmarks/ is sys.path[0] when run as a script)
+from _probe_log import record_case, warm_and_time
+
+from opsadv.backends.cuda import _attn_dq_gemm as G
+from opsadv.backends.cuda import attention as A
+from opsadv.backends.reference import kernels as R
+
+DEV = os.environ.get("PROBE_DEVICE", "cuda")
+SHAPES = [(4, 32, 32, 4096, 128, False), (4, 32, 32, 4096, 128, True), (1, 32, 32, 16384, 128, True),
+          (4, 32, 8, 4096, 128, True), (16, 32, 32, 1024, 128, False), (4, 32, 32, 4096, 64, True),
+          (1, 32, 32, 16384, 128, False), (4, 32, 32, 4096, 64, False)]      # b, h, h_kv, s, d, causal
+VARIANTS = ["kernels", "ds", "ds_pipe"] if DEV == "cuda" else ["kernels", "ds"]
+if DEV == "cpu":
+    SHAPES = [(1, 2, 1, 70, 64, True)]
+
+
+def check() -> dict:
+    real = G.new_workspace
+    G.new_workspace = lambda *a, **kw: real(*a, **kw).fill_(float("nan"))
+    try:
+        ctx, do, q, k, v, o, lse = ragged_gqa_case(DEV)
+        q64, k64, v64 = q.double(), k.double(), v.double()
+        ro, rl = R.attention_fwd(None, q64, k64, v64, None, True, 0.1)
+        ref = R.attention_bwd(None, do.double(), q64, k64, v64, ro, rl, None, True, 0.1)
+        out = {}
+        for var in VARIANTS:
+            grads = A.flash_bwd_variant(ctx, do, q, k, v, o, lse, True, 0.1, var)
+            out[var] = {n: round(float((g.double() - r).norm() / r.norm()), 6) if not torch.isnan(g).any() else "nan"
+                        for n, g, r in zip(("dq", "dk", "dv"), grads, ref)}
+        return out
+    finally:
+        G.new_workspace = real
+
+
+def main(path: str) -> None:
+    res = {"commit": os.environ.get("OPSADV_COMMIT", "unknown"),
+           "device": torch.cuda.get_device_name() if DEV == "cuda" else DEV, "cap_bytes": G.DS_WORKSPACE_CAP,
+           "check": check(), "cases": []}
+    print("check", res["check"], flush=True)
+    for b, h, hkv, s, d, causal in SHAPES:
+        args, cudnn_bwd = timing_case(DEV, b, h, hkv, s, d, causal)
+        ctx, do, q, k, v, o, lse, _, causal_, scale = args
+        fns = {var: (lambda var=var: A.flash_bwd_variant(ctx, do, q, k, v, o, lse, causal_, scale, var))
+               for var in VARIANTS}
+        fns["chosen"] = lambda: A.flash_bwd(*args)
+        if cudnn_bwd is not None:
+            fns["cudnn"] = cudnn_bwd
+        times = warm_and_time(fns)
+        row = {"b": b, "h": h, "h_kv": hkv, "s": s, "d": d, "causal": causal,
+               "ms": {n: round(t, 4) for n, t in times.items()},
+               "ds_vs_kernels": round(times["kernels"] / times["ds"], 3),
+               "chosen": {str(kk): vv for kk, vv in A._BWD_VARIANT.best.items()},
+               "tiles": {"kv_ds": {str(kk): vv for kk, vv in A._BWD_KVDS.best.items()},
+                         "dq_gemm": {str(kk): vv for kk, vv in A._BWD_DQG.best.items()}}}
+        if "ds_pipe" in times:
+            row["ds_pipe_vs_kernels"] = round(times["kernels"] / times["ds_pipe"], 3)
+        if "cudnn" in times:
+            row["best_ds_vs_cudnn"] = round(times["cudnn"] / min(times["ds"], times.get("ds_pipe", 1e9)), 3)
+        for t in (A._BWD_VARIANT, A._BWD_KVDS, A._BWD_DQG):
+            t.best.clear()
+        record_case(res, path, row)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "attn_bwd_ds_probe.json")

@@ -1,0 +1,121 @@
+"""The flash-attention backward's dS variants (attention._bwd_ds, _attn_dq_gemm.py): the dK/dV kernel writes
+dS^T into a workspace and dQ is a GEMM over it.  Under the interpreter on CPU (fp16) against float64, with the
+workspace NaN-filled (an element a sum reads without the dK/dV kernel having written it shows up), chunked
+by a small cap, odd lengths, causal with s_q != s_k, GQA / MQA; on a GPU, bf16 and the two-stream pipeline."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import opsadv
+from opsadv.backends.cuda import _attn_dq_gemm as G
+from opsadv.backends.cuda import attention as A
+from opsadv.core import dispatch
+from opsadv.core.ops import attention as OA
+
+from conftest import rel_err, requires_gpu
+from test_cuda_attention import CASES, _ref
+
+
+def _nan_workspace(monkeypatch):
+    made = []
+    real = G.new_workspace
+
+    def poisoned(*a, **kw):
+        ws = real(*a, **kw).fill_(float("nan"))
+        made.append(ws.shape)
+        return ws
+    monkeypatch.setattr(G, "new_workspace", poisoned)
+    return made
+
+
+def _grads(b, hq, hkv, sq, sk, d, causal, variant, device="cpu", dtype=torch.float16, scale=0.2):
+    q = torch.randn(b, hq, sq, d, dtype=dtype, device=device)
+    k = torch.randn(b, hkv, sk, d, dtype=dtype, device=device)
+    v = torch.randn_like(k)
+    do = torch.randn_like(q)
+    with opsadv.use_backend("cuda"):
+        _, r = dispatch.explain_spec(OA._spec(q, k, None, causal, True))
+    o, lse = A.flash_fwd(r.ctx, q, k, v, None, causal, scale)
+    grads = A.flash_bwd_variant(r.ctx, do, q, k, v, o, lse, causal, scale, variant)
+    _, _, ref = _ref(q, k, v, do, causal, scale)
+    return grads, ref
+
+
+@pytest.mark.parametrize("dq_tile", [(16, 16), (32, 16), (16, 32)])
+@pytest.mark.parametrize("b,hq,hkv,sq,sk,d,causal", CASES)
+def test_ds_backward_matches_reference(b, hq, hkv, sq, sk, d, causal, dq_tile, seed, monkeypatch):
+    """dq_tile: the dQ GEMM's (queries, keys) tile against the dK/dV kernel's 16 x 16: a taller one reads
+    causal tiles the dK/dV kernel's loop never visited (NaN here), a wider one keys past its last tile."""
+    monkeypatch.setenv("OPSADV_POISON_OUTPUTS", "1")
+    made = _nan_workspace(monkeypatch)
+    orig = A._configs
+    monkeypatch.setattr(A, "_configs", lambda ctx, which, d_, tma_ok: [
+        {**c, "BLOCK_M": dq_tile[0], "BLOCK_N": dq_tile[1]} if which == "bwd_dsq" else c
+        for c in orig(ctx, which, d_, tma_ok)])
+    grads, ref = _grads(b, hq, hkv, sq, sk, d, causal, "ds")
+    assert len(made) == 1 and made[0][1] % G.DS_PAD == 0 and made[0][2] % G.DS_PAD == 0
+    for name, x, y in zip(("dq", "dk", "dv"), grads, ref):
+        assert not torch.isnan(x).any(), name
+        assert rel_err(x, y) < 2e-3, (name, rel_err(x, y))
+
+
+@pytest.mark.parametrize("b,hq,hkv,sq,sk,d,causal", [(2, 4, 2, 37, 37, 32, True), (3, 2, 1, 20, 33, 64, False)])
+def test_ds_backward_in_chunks_of_kv_heads(b, hq, hkv, sq, sk, d, causal, seed, monkeypatch):
+    """A cap that holds one kv head's q heads: one chunk per (batch, kv head), each reusing the workspace."""
+    monkeypatch.setenv("OPSADV_POISON_OUTPUTS", "1")
+    made = _nan_workspace(monkeypatch)
+    one = (hq // hkv) * G.slab_bytes(sq, sk, torch.float16)
+    monkeypatch.setattr(G, "DS_WORKSPACE_CAP", one)
+    calls = []
+    real = G.launch_dq_gemm
+    monkeypatch.setattr(G, "launch_dq_gemm", lambda *a, **kw: calls.append(a[3:5]) or real(*a, **kw))
+    grads, ref = _grads(b, hq, hkv, sq, sk, d, causal, "ds")
+    group = hq // hkv
+    # the tuner is off on CPU: one GEMM per chunk, chunks in order over b * h_kv
+    assert calls == [(i * group, group) for i in range(b * hkv)]
+    assert made == [(group, G.padded(sk), G.padded(sq))]
+    for x, y in zip(grads, ref):
+        assert not torch.isnan(x).any() and rel_err(x, y) < 2e-3
+
+
+def test_ds_variant_refused_with_reasons_when_the_workspace_does_not_fit(monkeypatch):
+    monkeypatch.setattr(G, "DS_WORKSPACE_CAP", 1024)
+    with pytest.raises(ValueError, match=r"flash_attention backward: variant 'ds' cannot run.*bytes.*cap 1024"):
+        _grads(1, 2, 2, 40, 40, 32, True, "ds")
+    with pytest.raises(ValueError, match=r"variant 'ds_pipe' cannot run"):   # CPU: no second stream
+        _grads(1, 2, 2, 40, 40, 32, True, "ds_pipe")
+
+
+def test_measured_choice_offers_the_ds_variants_only_where_they_fit(monkeypatch):
+    """The variant tuner sees "kernels" always, "ds" when the cap holds a kv head, never "ds_pipe" on CPU."""
+    offered = []
+    real = A._BWD_VARIANT.pick
+
+    def spy(key, configs, launch, autotune):
+        offered.append([c["variant"] for c in configs])
+        return real(key, configs, launch, autotune)
+    monkeypatch.setattr(A._BWD_VARIANT, "pick", spy)
+    q = torch.randn(1, 2, 19, 32, dtype=torch.float16, requires_grad=True)
+    with opsadv.use_backend("cuda", impls={"flash_attention": "cuda.triton.flash_attention"}):
+        opsadv.ops.flash_attention(q, q, q, causal=True).sum().backward()
+        monkeypatch.setattr(G, "DS_WORKSPACE_CAP", 16)
+        opsadv.ops.flash_attention(q, q, q, causal=True).sum().backward()
+    assert offered == [["kernels", "ds"], ["kernels"]]
+
+
+@requires_gpu
+@pytest.mark.parametrize("variant", ["ds", "ds_pipe"])
+@pytest.mark.parametrize("b,hq,hkv,sq,sk,d,causal", [(2, 8, 2, 1000, 1000, 128, True), (1, 4, 4, 333, 200, 64, True),
+                                                      (1, 4, 2, 257, 300, 96, False), (2, 4, 4, 1, 77, 128, True),
+                                                      (1, 8, 8, 2048, 2048, 128, False)])
+def test_gpu_ds_backward(variant, b, hq, hkv, sq, sk, d, causal, seed, monkeypatch):
+    monkeypatch.setattr(A, "_autotune", lambda ctx, device: False)
+    made = _nan_workspace(monkeypatch)
+    # two kv heads per chunk at most, so ds_pipe alternates its two workspaces over several chunks
+    monkeypatch.setattr(G, "DS_WORKSPACE_CAP", 2 * (hq // hkv) * G.slab_bytes(sq, sk, torch.bfloat16))
+    grads, ref = _grads(b, hq, hkv, sq, sk, d, causal, variant, device="cuda", dtype=torch.bfloat16, scale=0.1)
+    assert len(made) == (2 if variant == "ds_pipe" else 1)
+    for name, x, y in zip(("dq", "dk", "dv"), grads, ref):
+        assert not torch.isnan(x).any(), name
+        assert rel_err(x, y) < 1.5e-2, (name, rel_err(x, y))
