@@ -30,6 +30,8 @@ SHAPES = [(4, 32, 32, 4096, 128, False), (4, 32, 32, 4096, 128, True), (1, 32, 3
           (4, 32, 8, 4096, 128, True), (16, 32, 32, 1024, 128, False), (4, 32, 32, 4096, 64, True),
           (1, 32, 32, 16384, 128, False), (4, 32, 32, 4096, 64, False)]      # b, h, h_kv, s, d, causal
 VARIANTS = ["kernels", "ds", "ds_pipe"] if DEV == "cuda" else ["kernels", "ds"]
+if os.environ.get("PROBE_SHAPES"):        # e.g. "0,1,6": a subset of SHAPES by index
+    SHAPES = [SHAPES[int(i)] for i in os.environ["PROBE_SHAPES"].split(",")]
 if DEV == "cpu":
     SHAPES = [(1, 2, 1, 70, 64, True)]
 

@@ -320,8 +320,15 @@ ds)  # session 13: the 5-GEMM backward (dS materialized, dQ by a GEMM over it): 
   TRITON_INTERPRET=0 timeout 150 python3 -m pytest -q -p no:cacheprovider -k gpu tests/test_attention_ds_backward.py \
     > "$OUT/ds_gpu_pytest.log" 2>&1
   echo "ds gpu pytest rc $?"; tail -2 "$OUT/ds_gpu_pytest.log"
-  timeout 400 python3 benchmarks/attn_bwd_ds_probe.py "$OUT/attn_bwd_ds_probe.json" > "$OUT/attn_bwd_ds_probe.log" 2>&1
+  PROBE_SHAPES=${PROBE_SHAPES:-} timeout 400 python3 benchmarks/attn_bwd_ds_probe.py "$OUT/attn_bwd_ds_probe.json" > "$OUT/attn_bwd_ds_probe.log" 2>&1
   echo "ds probe rc $?"; cut -c1-330 "$OUT/attn_bwd_ds_probe.log" | grep -v Warn | tail -10
+  ;;
+fb)  # session 13: the attention suite's fwd+bwd d128 cases (dispatcher + own rows) with the dS backward variant
+  timeout 500 python3 -m opsadv bench --suite attention --filter 'fwd\+bwd .*d128' --json "$OUT/attn_fwdbwd_d128.json" \
+    > "$OUT/attn_fwdbwd_d128.log" 2>&1
+  echo "attention fwd+bwd d128 rc $?"; grep -E "^fwd" "$OUT/attn_fwdbwd_d128.log" | cut -c1-180
+  cp "$OPSADV_CACHE_DIR/tuning.json" "$OUT/tuning_attn_fwdbwd.json"
+  cp "$OPSADV_CACHE_DIR/kernel_configs.json" "$OUT/kernel_configs_attn_fwdbwd.json"
   ;;
 tg)  # session 13: the tuning-vs-benchmark gap (session 12: b4 s4096 d128 causal, Gluon 1.047 vs cuDNN 1.041 ms in
      # tuning, 1.008 vs 1.067 in the suite): the tuner's rounds vs the bench's, the race's company, a fresh tuning

@@ -60,6 +60,24 @@ def test_ds_backward_matches_reference(b, hq, hkv, sq, sk, d, causal, dq_tile, s
         assert rel_err(x, y) < 2e-3, (name, rel_err(x, y))
 
 
+@pytest.mark.parametrize("b,hq,hkv,sq,sk,d,causal", [CASES[1], CASES[3], CASES[4], CASES[6]])
+def test_ds_stored_through_a_descriptor(b, hq, hkv, sq, sk, d, causal, seed, monkeypatch):
+    """The dK/dV kernel's DS_TMA config (dS^T out by a (slabs, s_k, s_q) descriptor store); head dim 96 has no
+    descriptor path and keeps the plain stores."""
+    monkeypatch.setenv("OPSADV_POISON_OUTPUTS", "1")
+    _nan_workspace(monkeypatch)
+    orig, made = A._configs, []
+    monkeypatch.setattr(A, "_configs", lambda ctx, which, d_, tma_ok: [
+        {**c, "DS_TMA": tma_ok} if which == "bwd_kv" else c for c in orig(ctx, which, d_, tma_ok)])
+    real = A.TensorDescriptor
+    monkeypatch.setattr(A, "TensorDescriptor", lambda t, *a: made.append(t.dim()) or real(t, *a))
+    grads, ref = _grads(b, hq, hkv, sq, sk, d, causal, "ds")
+    assert made == ([] if d == 96 else [3])
+    for name, x, y in zip(("dq", "dk", "dv"), grads, ref):
+        assert not torch.isnan(x).any(), name
+        assert rel_err(x, y) < 2e-3, (name, rel_err(x, y))
+
+
 @pytest.mark.parametrize("b,hq,hkv,sq,sk,d,causal", [(2, 4, 2, 37, 37, 32, True), (3, 2, 1, 20, 33, 64, False)])
 def test_ds_backward_in_chunks_of_kv_heads(b, hq, hkv, sq, sk, d, causal, seed, monkeypatch):
     """A cap that holds one kv head's q heads: one chunk per (batch, kv head), each reusing the workspace."""
@@ -116,6 +134,21 @@ def test_gpu_ds_backward(variant, b, hq, hkv, sq, sk, d, causal, seed, monkeypat
     monkeypatch.setattr(G, "DS_WORKSPACE_CAP", 2 * (hq // hkv) * G.slab_bytes(sq, sk, torch.bfloat16))
     grads, ref = _grads(b, hq, hkv, sq, sk, d, causal, variant, device="cuda", dtype=torch.bfloat16, scale=0.1)
     assert len(made) == (2 if variant == "ds_pipe" else 1)
+    for name, x, y in zip(("dq", "dk", "dv"), grads, ref):
+        assert not torch.isnan(x).any(), name
+        assert rel_err(x, y) < 1.5e-2, (name, rel_err(x, y))
+
+
+@requires_gpu
+@pytest.mark.parametrize("b,hq,hkv,sq,sk,d,causal", [(2, 8, 2, 1000, 1000, 128, True), (1, 4, 4, 333, 200, 64, True),
+                                                      (1, 8, 8, 2048, 2048, 128, False)])
+def test_gpu_ds_stored_through_a_descriptor(b, hq, hkv, sq, sk, d, causal, seed, monkeypatch):
+    monkeypatch.setattr(A, "_autotune", lambda ctx, device: False)
+    _nan_workspace(monkeypatch)
+    orig = A._configs
+    monkeypatch.setattr(A, "_configs", lambda ctx, which, d_, tma_ok: [
+        {**c, "DS_TMA": tma_ok} if which == "bwd_kv" else c for c in orig(ctx, which, d_, tma_ok)])
+    grads, ref = _grads(b, hq, hkv, sq, sk, d, causal, "ds", device="cuda", dtype=torch.bfloat16, scale=0.1)
     for name, x, y in zip(("dq", "dk", "dv"), grads, ref):
         assert not torch.isnan(x).any(), name
         assert rel_err(x, y) < 1.5e-2, (name, rel_err(x, y))

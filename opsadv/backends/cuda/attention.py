@@ -214,7 +214,7 @@ def _bwd_kv_inner(dk, dv, k, v, q_base, do_base, q_desc, do_desc, off_b, off_h, 
                   offs_n, offs_d, lo, hi, SQ, SK, OFFSET, qk_scale, scale, HEAD_DIM: tl.constexpr,
                   BLOCK_M: tl.constexpr, PAD_D: tl.constexpr, MASKED: tl.constexpr, EVEN_M: tl.constexpr,
                   EVEN_N: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, TMA: tl.constexpr,
-                  ds_slab, s_dsn, DS_STORE: tl.constexpr):
+                  DS, ds_slab, s_dss, s_dsn, n0, DS_STORE: tl.constexpr, DS_TMA: tl.constexpr):
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -242,8 +242,10 @@ def _bwd_kv_inner(dk, dv, k, v, q_base, do_base, q_desc, do_desc, off_b, off_h, 
             if not EVEN_N:
                 ds_t = tl.where(offs_n[:, None] < SK, ds_t, 0.0)
             ds_h = ds_t.to(q.dtype)
-            # the workspace is padded to whole tiles of both kernels: no store mask
-            tl.store(ds_slab + offs_n[:, None] * s_dsn + offs_m[None, :], ds_h)
+            if DS_TMA:  # through shared memory by one bulk copy (registers freed at the copy-in)
+                DS.store([ds_slab, n0, start_m], ds_h.reshape([1, ds_h.shape[0], ds_h.shape[1]]))
+            else:       # the workspace is padded to whole tiles of both kernels: no store mask
+                tl.store(DS + ds_slab.to(tl.int64) * s_dss + offs_n[:, None] * s_dsn + offs_m[None, :], ds_h)
             dk += tl.dot(ds_h, q)
         else:
             dk += tl.dot(ds_t.to(q.dtype), q)
@@ -272,9 +274,10 @@ def _bwd_kv_kernel(Q, K, V, DO, DK, DV, LSE2, DELTA, DQA, dq_desc, q_desc, do_de
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, ATOMIC_DQ: tl.constexpr,
                    DQ_TMA: tl.constexpr = False, TMA: tl.constexpr = False,
-                   DS=None, s_dss=0, s_dsn=0, BHK0=0, DS_STORE: tl.constexpr = False):
+                   DS=None, s_dss=0, s_dsn=0, BHK0=0, DS_STORE: tl.constexpr = False, DS_TMA: tl.constexpr = False):
     """DS_STORE: also write dS^T (key rows, query columns; q's dtype) of q head slab (program_id(1) * GROUP + g)
-    into the workspace DS, for a chunk of kv heads starting at BHK0 (the dQ GEMM of _attn_dq_gemm.py reads it)."""
+    into the workspace DS, for a chunk of kv heads starting at BHK0 (the dQ GEMM of _attn_dq_gemm.py reads it);
+    DS_TMA: DS is a (slabs, s_k, s_q) descriptor of (1, BLOCK_N, BLOCK_M) blocks."""
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     pid_n = tl.program_id(0)
     pid_bhk = tl.program_id(1) + BHK0
@@ -305,17 +308,15 @@ def _bwd_kv_kernel(Q, K, V, DO, DK, DV, LSE2, DELTA, DQA, dq_desc, q_desc, do_de
         row0 = (off_b * H + off_h).to(tl.int64) * SQ
         dqa = DQA + row0 * HEAD_DIM                         # fp32 dQ accumulator (b, h_q, s_q, d), contiguous
         bh = off_b * H + off_h                              # this q head's slab of the dQ descriptor
-        ds_slab = DS
-        if DS_STORE:
-            ds_slab = DS + (tl.program_id(1) * GROUP + g).to(tl.int64) * s_dss
+        ds_slab = tl.program_id(1) * GROUP + g             # this q head's slab of the dS workspace
         dk, dv = _bwd_kv_inner(dk, dv, k, v, q_base, do_base, q_desc, do_desc, off_b, off_h, LSE2 + row0,
                                DELTA + row0, dqa, dq_desc, bh, s_qm, s_dm, offs_n, offs_d, m_lo, m_mid, SQ, SK,
                                OFFSET, qk_scale, scale, HEAD_DIM, BLOCK_M, PAD_D, True, EVEN_M, EVEN_N, ATOMIC_DQ,
-                               DQ_TMA, TMA, ds_slab, s_dsn, DS_STORE)
+                               DQ_TMA, TMA, DS, ds_slab, s_dss, s_dsn, n0, DS_STORE, DS_TMA)
         dk, dv = _bwd_kv_inner(dk, dv, k, v, q_base, do_base, q_desc, do_desc, off_b, off_h, LSE2 + row0,
                                DELTA + row0, dqa, dq_desc, bh, s_qm, s_dm, offs_n, offs_d, m_mid, sq_pad, SQ, SK,
                                OFFSET, qk_scale, scale, HEAD_DIM, BLOCK_M, PAD_D, False, EVEN_M, EVEN_N, ATOMIC_DQ,
-                               DQ_TMA, TMA, ds_slab, s_dsn, DS_STORE)
+                               DQ_TMA, TMA, DS, ds_slab, s_dss, s_dsn, n0, DS_STORE, DS_TMA)
     dk = dk * scale
     store_tile(DK + off_b.to(tl.int64) * s_dkb + off_hk.to(tl.int64) * s_dkh + offs_n[:, None] * s_dkn + offs_d[None, :],
                dk.to(DK.dtype.element_ty), offs_n, SK, offs_d, HEAD_DIM, not EVEN_N, PAD_D)
@@ -559,7 +560,11 @@ def _bwd(ctx, dout, q, k, v, out, lse, causal, scale, atomic_dq: bool, variant: 
             dqa.zero_()                                     # the tuner may launch this more than once
             if dq_tma:                                      # (b*h, s_q, d) fp32: TMA clips rows past s_q
                 dq_desc = TensorDescriptor(dqa, [b * hq, sq, d], [sq * d, d, 1], [1, bm, d])
-        ds_args = {} if ws is None else dict(DS=ws, s_dss=ws.stride(0), s_dsn=ws.stride(1), BHK0=bhk0, DS_STORE=True)
+        ds_args = {}
+        if ws is not None:
+            ds = TensorDescriptor(ws, list(ws.shape), list(ws.stride()), [1, bn, bm]) if cfg.get("DS_TMA") else ws
+            ds_args = dict(DS=ds, s_dss=ws.stride(0), s_dsn=ws.stride(1), BHK0=bhk0, DS_STORE=True,
+                           DS_TMA=bool(cfg.get("DS_TMA")))
         _bwd_kv_kernel[(triton.cdiv(sk, bn), nkv)](
             q, k, v, dout, dk, dv, lse2, delta, dqa, dq_desc, qd, dod,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -636,7 +641,10 @@ def _bwd_ds(ctx, key, tune, tma_ok: bool, launch_kv, q, k, dq, causal, scale, pe
         dq_gemm.launch_dq_gemm(ws, k, dq, h0 * group, n * group, hq, group, sq, sk, causal, scale, cfg)
 
     first = chunks[0]
-    cfg_kv = _BWD_KVDS.pick(key, _configs(ctx, "bwd_kv", d, tma_ok), lambda c: launch_kv(c, first, bufs[0]), tune)
+    kv_cfgs = _configs(ctx, "bwd_kv", d, tma_ok)
+    if tma_ok:      # dS stored by plain stores or through a descriptor: measured per bucket
+        kv_cfgs = kv_cfgs + [{**c, "DS_TMA": True} for c in kv_cfgs]
+    cfg_kv = _BWD_KVDS.pick(key, kv_cfgs, lambda c: launch_kv(c, first, bufs[0]), tune)
     cfg_dq = _BWD_DQG.pick(key, _configs(ctx, "bwd_dsq", d, False), lambda c: dq_of(c, first, bufs[0]), tune)
     if not pipelined:
         for chunk in chunks:
