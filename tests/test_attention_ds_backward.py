@@ -122,6 +122,25 @@ def test_measured_choice_offers_the_ds_variants_only_where_they_fit(monkeypatch)
     assert offered == [["kernels", "ds"], ["kernels"]]
 
 
+def test_workspace_cap_option(monkeypatch):
+    """use_backend("cuda", workspace_cap=N) bounds the dS workspace (0: the variant is never offered); bad values
+    are refused naming the option."""
+    from opsadv.errors import InvalidArgumentError
+    offered = []
+    real = A._BWD_VARIANT.pick
+    monkeypatch.setattr(A._BWD_VARIANT, "pick", lambda key, configs, launch, autotune: offered.append(
+        [c["variant"] for c in configs]) or real(key, configs, launch, autotune))
+    q = torch.randn(1, 2, 19, 32, dtype=torch.float16, requires_grad=True)
+    one = G.slab_bytes(19, 19, torch.float16)
+    for cap in (0, one - 1, one):
+        with opsadv.use_backend("cuda", workspace_cap=cap, impls={"flash_attention": "cuda.triton.flash_attention"}):
+            opsadv.ops.flash_attention(q, q, q, causal=True).sum().backward()
+    assert offered == [["kernels"], ["kernels"], ["kernels", "ds"]]
+    for bad in (-1, 1.5, True, "1G"):
+        with pytest.raises(InvalidArgumentError, match="workspace_cap"):
+            opsadv.use_backend("cuda", workspace_cap=bad)
+
+
 @requires_gpu
 @pytest.mark.parametrize("variant", ["ds", "ds_pipe"])
 @pytest.mark.parametrize("b,hq,hkv,sq,sk,d,causal", [(2, 8, 2, 1000, 1000, 128, True), (1, 4, 4, 333, 200, 64, True),

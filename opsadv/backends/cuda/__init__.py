@@ -72,13 +72,15 @@ def opsadv_profiles():
     return list(PROFILES)
 
 
-OPTIONS = ("tile_size", "max_streams", "mem_opt")
+OPTIONS = ("tile_size", "max_streams", "mem_opt", "workspace_cap")
 
 
 def check_seed_options(options: dict, backend: str) -> dict:
     """The seed's options as use_backend takes them: tile_size (power of two 32-256: caps the
     Triton tiles of the profile), max_streams (1-8: the default of opsadv.runtime.run_batched),
-    mem_opt (0-3 or a level name: the memory policy, applied to the allocator now)."""
+    mem_opt (0-3 or a level name: the memory policy, applied to the allocator now); workspace_cap (bytes, an int
+    >= 0: the most a kernel may allocate as scratch, e.g. the flash backward's dS workspace; 0 turns such
+    variants off)."""
     from opsadv.core.errors import InvalidArgumentError, UnknownOptionError
     from opsadv.runtime.memory import parse_level
 
@@ -93,6 +95,9 @@ def check_seed_options(options: dict, backend: str) -> dict:
         elif name == "max_streams":
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 8:
                 raise InvalidArgumentError("use_backend", "max_streams", "an int in [1, 8]", repr(value))
+        elif name == "workspace_cap":
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidArgumentError("use_backend", "workspace_cap", "an int >= 0 (bytes)", repr(value))
         elif name == "mem_opt":
             value = parse_level(value, op="use_backend", arg="mem_opt")
         else:

@@ -5,7 +5,8 @@ where the dK/dV kernel alone already forms dS.  Here the dK/dV kernel also write
 columns, q's dtype: the same rounding the dQ product uses in every FlashAttention backward) into a
 workspace, and dQ = scale * dS K is one GEMM per query tile that streams dS from memory: 5 GEMMs in all,
 deterministic (fixed summation order, no atomics).  The price is the workspace, b * h_q * s_q * s_k
-elements; it is capped (DS_WORKSPACE_CAP, or the profile's workspace_cap_bytes) and filled a chunk of
+elements; it is capped (use_backend("cuda", workspace_cap=N), else the profile's workspace_cap_bytes, else
+DS_WORKSPACE_CAP) and filled a chunk of
 kv heads at a time, and the backward only takes this path where it measured faster than the two-kernel
 one (attention._bwd's variant tuner).
 
@@ -90,6 +91,10 @@ def slab_bytes(sq: int, sk: int, dtype: torch.dtype) -> int:
 
 
 def workspace_cap(ctx) -> int:
+    """use_backend("cuda", workspace_cap=N) if given (0: no dS variant), else the profile's cap, else the default."""
+    opts = getattr(ctx, "options", None) or {}
+    if opts.get("workspace_cap") is not None:
+        return int(opts["workspace_cap"])
     prof = getattr(ctx, "profile", None)
     cap = getattr(prof, "workspace_cap_bytes", None)
     return int(cap) if cap else DS_WORKSPACE_CAP
