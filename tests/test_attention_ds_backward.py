@@ -78,6 +78,27 @@ def test_ds_stored_through_a_descriptor(b, hq, hkv, sq, sk, d, causal, seed, mon
         assert rel_err(x, y) < 2e-3, (name, rel_err(x, y))
 
 
+@pytest.mark.parametrize("dq_tile", [(16, 16), (32, 16)])
+@pytest.mark.parametrize("b,hq,hkv,sq,sk,d,causal", [CASES[1], CASES[3], CASES[4], CASES[6]])
+def test_dq_gemm_loads_through_descriptors(b, hq, hkv, sq, sk, d, causal, dq_tile, seed, monkeypatch):
+    """The dQ GEMM's TMA configs: dS^T tiles from a (slabs, s_k, s_q) descriptor (NaN where unwritten: the
+    diagonal band still selected away), K from a (b, h_kv, s_k, d) one (zero past s_k); head dim 96: none."""
+    monkeypatch.setenv("OPSADV_POISON_OUTPUTS", "1")
+    _nan_workspace(monkeypatch)
+    orig, made = A._configs, []
+    monkeypatch.setattr(A, "_configs", lambda ctx, which, d_, tma_ok: [
+        {**c, "TMA": tma_ok, "BLOCK_M": dq_tile[0], "BLOCK_N": dq_tile[1]} if which == "bwd_dsq" else c
+        for c in orig(ctx, which, d_, tma_ok)])
+    real_td, real_bhsd = G.TensorDescriptor, G.desc_bhsd
+    monkeypatch.setattr(G, "TensorDescriptor", lambda t, *a: made.append("ds") or real_td(t, *a))
+    monkeypatch.setattr(G, "desc_bhsd", lambda t, rows: made.append("k") or real_bhsd(t, rows))
+    grads, ref = _grads(b, hq, hkv, sq, sk, d, causal, "ds")
+    assert made == ([] if d == 96 else ["ds", "k"])
+    for name, x, y in zip(("dq", "dk", "dv"), grads, ref):
+        assert not torch.isnan(x).any(), name
+        assert rel_err(x, y) < 2e-3, (name, rel_err(x, y))
+
+
 @pytest.mark.parametrize("b,hq,hkv,sq,sk,d,causal", [(2, 4, 2, 37, 37, 32, True), (3, 2, 1, 20, 33, 64, False)])
 def test_ds_backward_in_chunks_of_kv_heads(b, hq, hkv, sq, sk, d, causal, seed, monkeypatch):
     """A cap that holds one kv head's q heads: one chunk per (batch, kv head), each reusing the workspace."""
@@ -164,9 +185,10 @@ def test_gpu_ds_backward(variant, b, hq, hkv, sq, sk, d, causal, seed, monkeypat
 def test_gpu_ds_stored_through_a_descriptor(b, hq, hkv, sq, sk, d, causal, seed, monkeypatch):
     monkeypatch.setattr(A, "_autotune", lambda ctx, device: False)
     _nan_workspace(monkeypatch)
-    orig = A._configs
+    orig = A._configs     # both descriptor paths: the dK/dV kernel's dS store and the dQ GEMM's loads
     monkeypatch.setattr(A, "_configs", lambda ctx, which, d_, tma_ok: [
-        {**c, "DS_TMA": tma_ok} if which == "bwd_kv" else c for c in orig(ctx, which, d_, tma_ok)])
+        {**c, "DS_TMA": tma_ok} if which == "bwd_kv" else {**c, "TMA": tma_ok} if which == "bwd_dsq" else c
+        for c in orig(ctx, which, d_, tma_ok)])
     grads, ref = _grads(b, hq, hkv, sq, sk, d, causal, "ds", device="cuda", dtype=torch.bfloat16, scale=0.1)
     for name, x, y in zip(("dq", "dk", "dv"), grads, ref):
         assert not torch.isnan(x).any(), name

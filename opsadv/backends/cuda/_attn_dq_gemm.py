@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._tma import TensorDescriptor, desc_bhsd
 from ._triton_utils import load_tile, store_tile
 
 # Default cap of the dS workspace (bytes) when the profile names none.  b4 h32 s4096 in bf16 needs 4 GiB
@@ -28,15 +29,21 @@ DS_PAD = 128        # workspace rows / columns padded to a multiple of every til
 
 
 @triton.jit
-def _dq_gemm_inner(acc, ds_slab, k_base, s_dsn, s_kn, offs_m, offs_d, lo, hi, SK, OFFSET,
-                   HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAD_D: tl.constexpr, CAUSAL: tl.constexpr,
-                   MASKED: tl.constexpr):
+def _dq_gemm_inner(acc, ds_slab, k_base, ds_desc, k_desc, slab, off_b, off_hk, m0, s_dsn, s_kn, offs_m, offs_d, lo, hi,
+                   SK, OFFSET, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAD_D: tl.constexpr,
+                   CAUSAL: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr):
+    BLOCK_M: tl.constexpr = offs_m.shape[0]
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        # dS^T tile (keys x queries): rows are contiguous along queries (coalesced); the workspace is padded
-        ds_t = tl.load(ds_slab + offs_n[:, None] * s_dsn + offs_m[None, :])
-        k = load_tile(k_base + offs_n[:, None] * s_kn + offs_d[None, :], offs_n, SK, offs_d, HEAD_DIM, MASKED, PAD_D)
+        if TMA:     # (slabs, s_k, s_q) and (b, h_kv, s_k, d) descriptors; keys past s_k come back zero
+            ds_t = ds_desc.load([slab, start_n, m0]).reshape(BLOCK_N, BLOCK_M)
+            k = k_desc.load([off_b, off_hk, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+        else:
+            # dS^T tile (keys x queries): rows contiguous along queries (coalesced); the workspace is padded
+            ds_t = tl.load(ds_slab + offs_n[:, None] * s_dsn + offs_m[None, :])
+            k = load_tile(k_base + offs_n[:, None] * s_kn + offs_d[None, :], offs_n, SK, offs_d, HEAD_DIM, MASKED,
+                          PAD_D)
         if MASKED:  # the diagonal band and keys past s_k: never written (causal) or padding -> select 0
             keep = offs_n[:, None] < SK
             if CAUSAL:
@@ -47,12 +54,13 @@ def _dq_gemm_inner(acc, ds_slab, k_base, s_dsn, s_kn, offs_m, offs_d, lo, hi, SK
 
 
 @triton.jit
-def _dq_gemm_kernel(DS, K, DQ, s_dss, s_dsn, s_kb, s_kh, s_kn, s_dqb, s_dqh, s_dqm,
+def _dq_gemm_kernel(DS, K, DQ, ds_desc, k_desc, s_dss, s_dsn, s_kb, s_kh, s_kn, s_dqb, s_dqh, s_dqm,
                     H, GROUP, BH0, SQ, SK, OFFSET, scale,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    CAUSAL: tl.constexpr, EVEN_M: tl.constexpr):
+                    CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, TMA: tl.constexpr):
     """Grid (query tiles, q heads of the chunk): dQ[bh, m0:m0 + BLOCK_M] = scale * dS[slab] @ K[kv head],
-    bh = BH0 + slab.  Last query tiles first (the longest rows when causal)."""
+    bh = BH0 + slab.  Last query tiles first (the longest rows when causal).  TMA: tiles through the
+    descriptors ds_desc / k_desc instead of pointers."""
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     slab = tl.program_id(1)
@@ -63,7 +71,8 @@ def _dq_gemm_kernel(DS, K, DQ, s_dss, s_dsn, s_kb, s_kh, s_kn, s_dqb, s_dqh, s_d
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     ds_slab = DS + slab.to(tl.int64) * s_dss
-    k_base = K + off_b.to(tl.int64) * s_kb + (off_h // GROUP).to(tl.int64) * s_kh
+    off_hk = off_h // GROUP
+    k_base = K + off_b.to(tl.int64) * s_kb + off_hk.to(tl.int64) * s_kh
     if CAUSAL:
         hi = tl.maximum(tl.minimum(SK, m0 + BLOCK_M + OFFSET), 0)
         n_full = tl.maximum(tl.minimum(SK, m0 + OFFSET + 1), 0)
@@ -72,10 +81,10 @@ def _dq_gemm_kernel(DS, K, DQ, s_dss, s_dsn, s_kb, s_kh, s_kn, s_dqb, s_dqh, s_d
         n_full = SK
     n_full = (n_full // BLOCK_N) * BLOCK_N
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    acc = _dq_gemm_inner(acc, ds_slab, k_base, s_dsn, s_kn, offs_m, offs_d, 0, n_full, SK, OFFSET, HEAD_DIM,
-                         BLOCK_N, PAD_D, CAUSAL, False)
-    acc = _dq_gemm_inner(acc, ds_slab, k_base, s_dsn, s_kn, offs_m, offs_d, n_full, hi, SK, OFFSET, HEAD_DIM,
-                         BLOCK_N, PAD_D, CAUSAL, True)
+    acc = _dq_gemm_inner(acc, ds_slab, k_base, ds_desc, k_desc, slab, off_b, off_hk, m0, s_dsn, s_kn, offs_m, offs_d,
+                         0, n_full, SK, OFFSET, HEAD_DIM, BLOCK_N, PAD_D, CAUSAL, False, TMA)
+    acc = _dq_gemm_inner(acc, ds_slab, k_base, ds_desc, k_desc, slab, off_b, off_hk, m0, s_dsn, s_kn, offs_m, offs_d,
+                         n_full, hi, SK, OFFSET, HEAD_DIM, BLOCK_N, PAD_D, CAUSAL, True, TMA)
     acc = acc * scale
     store_tile(DQ + off_b.to(tl.int64) * s_dqb + off_h.to(tl.int64) * s_dqh + offs_m[:, None] * s_dqm
                + offs_d[None, :], acc.to(DQ.dtype.element_ty), offs_m, SQ, offs_d, HEAD_DIM, not EVEN_M, PAD_D)
@@ -116,11 +125,15 @@ def launch_dq_gemm(ws: torch.Tensor, k: torch.Tensor, dq: torch.Tensor, bh0: int
     """dQ of q heads [bh0, bh0 + slabs) (flattened b * h_q) from the workspace's first `slabs` slabs."""
     d = k.shape[-1]
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    ds_desc = k_desc = None
+    if cfg.get("TMA"):
+        ds_desc = TensorDescriptor(ws, list(ws.shape), list(ws.stride()), [1, bn, bm])
+        k_desc = desc_bhsd(k, bn)
     _dq_gemm_kernel[(triton.cdiv(sq, bm), slabs)](
-        ws, k, dq, ws.stride(0), ws.stride(1), k.stride(0), k.stride(1), k.stride(2),
+        ws, k, dq, ds_desc, k_desc, ws.stride(0), ws.stride(1), k.stride(0), k.stride(1), k.stride(2),
         dq.stride(0), dq.stride(1), dq.stride(2), hq, group, bh0, sq, sk, sk - sq, scale,
         HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal,
-        EVEN_M=sq % bm == 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        EVEN_M=sq % bm == 0, TMA=bool(cfg.get("TMA")), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 __all__ = ["DS_WORKSPACE_CAP", "kv_heads_per_chunk", "launch_dq_gemm", "new_workspace", "slab_bytes"]

@@ -645,7 +645,7 @@ def _bwd_ds(ctx, key, tune, tma_ok: bool, launch_kv, q, k, dq, causal, scale, pe
     if tma_ok:      # dS stored by plain stores or through a descriptor: measured per bucket
         kv_cfgs = kv_cfgs + [{**c, "DS_TMA": True} for c in kv_cfgs]
     cfg_kv = _BWD_KVDS.pick(key, kv_cfgs, lambda c: launch_kv(c, first, bufs[0]), tune)
-    cfg_dq = _BWD_DQG.pick(key, _configs(ctx, "bwd_dsq", d, False), lambda c: dq_of(c, first, bufs[0]), tune)
+    cfg_dq = _BWD_DQG.pick(key, _configs(ctx, "bwd_dsq", d, tma_ok), lambda c: dq_of(c, first, bufs[0]), tune)
     if not pipelined:
         for chunk in chunks:
             launch_kv(cfg_kv, chunk, bufs[0])

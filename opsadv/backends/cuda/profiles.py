@@ -50,9 +50,12 @@ ATTN_TILES = {
                         _t(128, 64, 8, 2)],
                   256: [_t(64, 32, 4, 2), _t(64, 64, 8, 1), _t(32, 64, 4, 2)]},
         # the dQ GEMM over a materialized dS (_attn_dq_gemm.py; BLOCK_M queries x BLOCK_N keys per step): streams
-        # dS from memory, so deep pipelines; not yet measured (session 13 written, the space is a guess)
-        "bwd_dsq": {64: [_t(128, 64, 8, 4), _t(128, 128, 8, 3), _t(64, 128, 4, 4), _t(128, 64, 4, 4)],
-                    128: [_t(128, 64, 8, 4), _t(128, 128, 8, 3), _t(64, 128, 4, 4), _t(128, 64, 8, 3)],
+        # dS from memory, so deep pipelines.  Session 13 (results/kernel_configs_attn_fwdbwd_s13_h200.json): 128x64
+        # with 8 warps won every d128 bucket (3 or 4 stages); the TMA-load variants were added after that run
+        "bwd_dsq": {64: [_t(128, 64, 8, 4), _t(128, 128, 8, 3), _t(64, 128, 4, 4), _t(128, 64, 4, 4),
+                         _t(128, 64, 8, 4, True), _t(128, 64, 4, 4, True)],
+                    128: [_t(128, 64, 8, 4), _t(128, 128, 8, 3), _t(64, 128, 4, 4), _t(128, 64, 8, 3),
+                          _t(128, 64, 8, 4, True), _t(128, 64, 8, 3, True)],
                     256: [_t(64, 64, 8, 3), _t(128, 32, 8, 3), _t(64, 32, 4, 3)]},
     },
     "a100": {
