@@ -122,7 +122,7 @@ def test_backward_config_fits_register_file():
 @pytest.mark.parametrize("rms", [False, True])
 @pytest.mark.parametrize("n", [48, 1000])
 def test_every_forward_candidate_matches_reference(rms, n):
-    """Each (ROWS, num_warps) the forward's config tuner may pick (fwd_candidates) computes the same
+    """Each (ROWS, num_warps, EVICT) the forward's config tuner may pick (fwd_candidates) computes the same
     normalization: 37 rows (not a multiple of any ROWS), a residual, NaN-poisoned outputs."""
     from types import SimpleNamespace
 
@@ -149,9 +149,11 @@ def test_forward_candidates_fit():
     for n in (1, 64, 1000, 1024, 4096, 8192, 65536):
         block, rows, warps = fwd_config(n)
         cands = fwd_candidates(n)
-        assert cands[0] == (rows, warps)                     # the untuned pick comes first
-        for r, w in cands[1:]:                               # the tuner's extras: >= 1 element per thread
-            assert r >= 1 and 2 <= w <= 16 and r * block >= 32 * w
+        assert cands[0] == (rows, warps, False)              # the untuned pick comes first
+        for r, w, _ in cands:                                # the tuner's extras: >= 1 element per thread
+            assert (r, w) == (rows, warps) or (r >= 1 and 2 <= w <= 16 and r * block >= 32 * w)
+        # every tile with and without the eviction hints
+        assert [c[:2] for c in cands if c[2]] == [c[:2] for c in cands if not c[2]]
 
 
 def test_forward_tile_is_picked_once_per_key(monkeypatch):

@@ -15,17 +15,23 @@ import triton.language as tl
 def _norm_fwd_kernel(x_ptr, r_ptr, w_ptr, b_ptr, y_ptr, s_ptr, mean_ptr, rstd_ptr,
                      M, N, s_xm, s_rm, s_ym, s_sm, eps, offset,
                      RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STATS: tl.constexpr = True):
-    # STATS=False: inference, nobody reads mean / rstd (their pointers are not written)
+                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STATS: tl.constexpr = True,
+                     EVICT: tl.constexpr = False):
+    # STATS=False: inference, nobody reads mean / rstd (their pointers are not written).
+    # EVICT: cache hints as Inductor's norm kernels carry them: rows are read once (evict first from L2), the
+    # weight / bias by every program (evict last); a tuner candidate (norm.fwd_candidates)
+    STREAM: tl.constexpr = "evict_first" if EVICT else ""
+    KEEP: tl.constexpr = "evict_last" if EVICT else ""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
     rmask = rows < M
     cmask = cols < N
     mask = rmask[:, None] & cmask[None, :]
     rows64 = rows.to(tl.int64)[:, None]                      # element offsets can pass 2**31
-    x = tl.load(x_ptr + rows64 * s_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + rows64 * s_xm + cols[None, :], mask=mask, other=0.0, eviction_policy=STREAM).to(tl.float32)
     if HAS_RES:
-        x += tl.load(r_ptr + rows64 * s_rm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x += tl.load(r_ptr + rows64 * s_rm + cols[None, :], mask=mask, other=0.0,
+                     eviction_policy=STREAM).to(tl.float32)
         tl.store(s_ptr + rows64 * s_sm + cols[None, :], x.to(s_ptr.dtype.element_ty), mask=mask)
     if RMS:
         rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
@@ -40,10 +46,10 @@ def _norm_fwd_kernel(x_ptr, r_ptr, w_ptr, b_ptr, y_ptr, s_ptr, mean_ptr, rstd_pt
     if STATS:
         tl.store(rstd_ptr + rows, rstd, mask=rmask)
     if HAS_W:
-        w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=cmask, other=0.0, eviction_policy=KEEP).to(tl.float32)
         xhat = xhat * (w + offset)[None, :]                  # offset: Gemma's (1 + w); 0 for LayerNorm
     if HAS_B:
-        xhat += tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        xhat += tl.load(b_ptr + cols, mask=cmask, other=0.0, eviction_policy=KEEP).to(tl.float32)[None, :]
     tl.store(y_ptr + rows64 * s_ym + cols[None, :], xhat.to(y_ptr.dtype.element_ty), mask=mask)
 
 

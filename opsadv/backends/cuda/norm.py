@@ -39,18 +39,20 @@ FWD_TILE_MAX = 16384      # elements of one forward tile (ROWS x BLOCK_N) a cand
 
 
 @functools.lru_cache(maxsize=None)
-def fwd_candidates(n: int) -> tuple[tuple[int, int], ...]:
-    """(ROWS, num_warps) the forward's config tuner measures per bucket, fwd_config's first (the pick
-    without autotuning): half / double the rows and the warps around it.  fwd_config came from a sweep at
-    hidden 4096; at 65536 x 1024 it ran 0.966x torch.compile (ead87e0)."""
+def fwd_candidates(n: int) -> tuple[tuple[int, int, bool], ...]:
+    """(ROWS, num_warps, EVICT) the forward's config tuner measures per bucket, fwd_config's first (the pick
+    without autotuning): half / double the rows and the warps around it, each also with L2 eviction hints
+    (EVICT).  fwd_config came from a sweep at hidden 4096; at 65536 x 1024 it ran 0.966x torch.compile
+    (ead87e0).  EVICT was added in session 13 after RMSNorm 16384 x 8192 read 0.952x torch.compile (f5455f1),
+    whose kernels carry those hints; not yet measured."""
     block, rows, warps = fwd_config(n)
-    out = [(rows, warps)]
+    tiles = [(rows, warps)]
     for r in (rows, rows // 2, rows * 2):
         for w in (warps, warps // 2, warps * 2):
             fits = r >= 1 and 2 <= w <= 16 and r * block <= max(FWD_TILE_MAX, block) and r * block >= 32 * w
-            if fits and (r, w) not in out:
-                out.append((r, w))
-    return tuple(out)
+            if fits and (r, w) not in tiles:
+                tiles.append((r, w))
+    return tuple((r, w, False) for r, w in tiles) + tuple((r, w, True) for r, w in tiles)
 
 
 @functools.lru_cache(maxsize=None)
@@ -132,13 +134,13 @@ def _forward(ctx, rms, x, weight, bias, eps, residual, offset, stats=True, cfg=N
     k = _kernels()
 
     def go(c):
-        rows, warps = c
+        rows, warps, evict = c
         k["fwd"][(triton_cdiv(m, rows),)](
             x2, r2, weight if weight is not None else x2, bias if bias is not None else x2, y,
             s if has_res else y, mean if mean is not None else st, st,
             m, n, sx, sr, n, n, float(eps), float(offset),
             RMS=rms, HAS_RES=has_res, HAS_W=weight is not None, HAS_B=bias is not None,
-            ROWS=rows, BLOCK_N=block, STATS=stats, num_warps=warps)
+            ROWS=rows, BLOCK_N=block, STATS=stats, EVICT=evict, num_warps=warps)
     if cfg is None:
         key = (rms, has_res, stats, weight is not None, bias is not None, x.dtype, n, _bucket(m))
         cfg = _FWD_PICKED.get(key)          # the per-call path (host-bound decode calls): one dict lookup
