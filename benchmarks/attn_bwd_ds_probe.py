@@ -54,6 +54,28 @@ def check() -> dict:
         G.new_workspace = real
 
 
+def kernel_us(fn) -> dict:
+    """GPU time per kernel name (us, summed over launches) of one call of fn, from torch.profiler: which
+    kernel of a variant costs what (the dK/dV kernel with and without the dS store, the dQ GEMM, the dQ kernel)."""
+    if DEV != "cuda":
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    out: dict = {}
+    try:
+        for e in prof.key_averages():
+            t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+            if str(getattr(e, "device_type", "")).endswith("CUDA") and t > 0:     # kernels, not CPU ops
+                out[e.key[:60]] = round(out.get(e.key[:60], 0.0) + t, 1)
+    except Exception as e:  # a profiler API change must not cost the timings of the run
+        out["error"] = repr(e)[:200]
+    return out
+
+
 def main(path: str) -> None:
     res = {"commit": os.environ.get("OPSADV_COMMIT", "unknown"),
            "device": torch.cuda.get_device_name() if DEV == "cuda" else DEV, "cap_bytes": G.DS_WORKSPACE_CAP,
@@ -74,6 +96,7 @@ def main(path: str) -> None:
                "chosen": {str(kk): vv for kk, vv in A._BWD_VARIANT.best.items()},
                "tiles": {"kv_ds": {str(kk): vv for kk, vv in A._BWD_KVDS.best.items()},
                          "dq_gemm": {str(kk): vv for kk, vv in A._BWD_DQG.best.items()}}}
+        row["kernel_us"] = {var: kernel_us(fns[var]) for var in VARIANTS}
         if "ds_pipe" in times:
             row["ds_pipe_vs_kernels"] = round(times["kernels"] / times["ds_pipe"], 3)
         if "cudnn" in times:

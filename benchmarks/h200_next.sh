@@ -86,6 +86,18 @@
 # PARTS="tg+n1 nm" (tg: why tuning timed the Gluon forward ~4% slower than the suite; the norm suite with the
 # compile peer's recompile limit lifted -- 8 rows of session 12 compared against an eager fallback -- and its GPU
 # tests, the first run of the norm forward's memoized tile, f29fc51; n1 for the own fwd+bwd vs SDPA-flash record).
+# Session 13 (results/*_s13*): PARTS="cfa d" (e3e5309: pinned Triton flash conformance 26 pass / 0 fail; e2e: 3 of 4
+# rows, the static-graph decode row ran past 420 s), then the new 5-GEMM backward variant (dS written by the dK/dV
+# kernel, dQ by a GEMM over it; attention._bwd_ds): PARTS="ds nm" (f5455f1: ds 1.04-1.05x the two-kernel backward
+# causal d128, 0.83-0.90x elsewhere; norm suite with the compile peer really compiled: forward 10 of 12 >= 1.0x),
+# PARTS="ds fb" (e639c1a, dS stored through a descriptor: b4 s4096 d128 backward 5.91 vs 6.53 ms, causal 3.29 vs
+# 3.48; GQA still loses, 0.93x -> "kernels" kept there by the variant tuner; own fwd+bwd d128 0.902-0.959x cuDNN,
+# 1.444-1.601x SDPA-flash in 6 rows; the 2 GQA rows did not finish in 500 s), one H200 call (df02c7c: GPU tests of
+# the dQ GEMM's descriptor loads, 3 passed; its timing did not finish).  Order for session 14, on nvidia-h200-x2:
+# PARTS="n1 n2" (the whole attention suite with the dS variant: every row's dispatcher ratio, own fwd+bwd incl. GQA);
+# then PARTS="ds+tg nm" (ds: the probe with the dQ GEMM's TMA configs and a per-kernel breakdown from the profiler,
+# PROBE_SHAPES=0,1,3,2; nm: the norm suite with the forward's eviction-hint candidates, RMS 16384x8192 read 0.952x
+# compile); then PART=d (e2e, 560 s).
 # OPSADV_COMMIT=<sha> PART=a bash benchmarks/h200_next.sh   (from the repo root on the GPU host, $OUT set)
 set -u
 # tests/conftest.py defaults TRITON_INTERPRET to 1 (CPU CI): every pytest here must say 0, and select the GPU tests
@@ -420,7 +432,7 @@ j)
   echo "jetson rc $?"; tail -4 "$OUT/jetson.log" | cut -c1-400
   ;;
 d)
-  timeout 420 python3 -m opsadv bench --suite e2e --json "$OUT/e2e.json" > "$OUT/e2e.log" 2>&1
+  timeout 560 python3 -m opsadv bench --suite e2e --json "$OUT/e2e.json" > "$OUT/e2e.log" 2>&1
   echo "e2e rc $?"; grep -E "^(prefill|decode)" "$OUT/e2e.log" | tail -3
   ;;
 esac
