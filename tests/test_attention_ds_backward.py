@@ -193,3 +193,48 @@ def test_gpu_ds_stored_through_a_descriptor(b, hq, hkv, sq, sk, d, causal, seed,
     for name, x, y in zip(("dq", "dk", "dv"), grads, ref):
         assert not torch.isnan(x).any(), name
         assert rel_err(x, y) < 1.5e-2, (name, rel_err(x, y))
+
+
+_DS_COMPILE = r"""
+import json, os, re
+os.environ.pop("TRITON_INTERPRET", None)
+import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
+from opsadv.backends.cuda import _attn_dq_gemm as G
+from opsadv.backends.cuda import attention as A
+from opsadv.testing.sm90 import compile_sm90
+b, h, s, d = 4, 32, 4096, 128
+q = torch.randn(b, h, s, d, dtype=torch.bfloat16)
+lse2 = torch.empty(b, h, s)
+ws = torch.empty(2, s, s, dtype=torch.bfloat16)
+out = {}
+for bm, bn, w in ((64, 64, 4), (64, 64, 8)):
+    qd = A.desc_bhsd(q, bm)
+    ds = TensorDescriptor(ws, list(ws.shape), list(ws.stride()), [1, bn, bm])
+    args = (q, q, q, q, q, q, lse2, lse2, lse2, None, qd, qd) + q.stride()[:3] * 6 + (h, 1, s, s, 0, 0.1, 0.08)
+    kw = dict(zip(A._bwd_kv_kernel.arg_names, args), HEAD_DIM=d, BLOCK_D=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=True,
+              EVEN_M=True, EVEN_N=True, ATOMIC_DQ=False, DQ_TMA=False, TMA=True, DS=ds, s_dss=ws.stride(0),
+              s_dsn=ws.stride(1), BHK0=0, DS_STORE=True, DS_TMA=True)
+    r = compile_sm90(A._bwd_kv_kernel, kw, num_warps=w, num_stages=2)
+    out[f"kv{w}"] = {"spills": r["spill_stores"] + r["spill_loads"],
+                     "bulk_stores": len(re.findall(r"cp\.async\.bulk\.tensor\.3d\.global\.shared", r["ptx"]))}
+dsd = TensorDescriptor(ws, list(ws.shape), list(ws.stride()), [1, 64, 128])
+args = (ws, q, q, dsd, A.desc_bhsd(q, 64), ws.stride(0), ws.stride(1)) + q.stride()[:3] * 2 + (h, 1, 0, s, s, 0, 0.08)
+kw = dict(zip(G._dq_gemm_kernel.arg_names, args), HEAD_DIM=d, BLOCK_D=d, BLOCK_M=128, BLOCK_N=64, CAUSAL=True,
+          EVEN_M=True, TMA=True)
+r = compile_sm90(G._dq_gemm_kernel, kw, num_warps=8, num_stages=4)
+out["dq"] = {"spills": r["spill_stores"] + r["spill_loads"], "tma_loads": r["tma_loads"]}
+print(json.dumps(out))
+"""
+
+
+def test_ds_paths_compile_for_sm90():
+    """Compiled for sm_90a without a GPU (ptxas): the dK/dV kernel's descriptor store of dS is one bulk tensor copy
+    per loop, the dQ GEMM loads through TMA; at d128 causal with the dS store the 4-warp 64x64 tile spills (its
+    accumulators and dS) and the 8-warp one does not, which is why the h100 space offers it."""
+    import json
+    from conftest import run_sm90_compile
+    r = json.loads(run_sm90_compile(["-c", _DS_COMPILE]).strip().splitlines()[-1])
+    assert r["kv4"]["bulk_stores"] > 0 and r["kv8"]["bulk_stores"] > 0
+    assert r["kv4"]["spills"] > 0 and r["kv8"]["spills"] == 0
+    assert r["dq"]["tma_loads"] > 0 and r["dq"]["spills"] == 0

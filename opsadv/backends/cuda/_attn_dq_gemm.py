@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._attn_triton_bwd import key_range
 from ._tma import TensorDescriptor, desc_bhsd
 from ._triton_utils import load_tile, store_tile
 
@@ -73,13 +74,7 @@ def _dq_gemm_kernel(DS, K, DQ, ds_desc, k_desc, s_dss, s_dsn, s_kb, s_kh, s_kn, 
     ds_slab = DS + slab.to(tl.int64) * s_dss
     off_hk = off_h // GROUP
     k_base = K + off_b.to(tl.int64) * s_kb + off_hk.to(tl.int64) * s_kh
-    if CAUSAL:
-        hi = tl.maximum(tl.minimum(SK, m0 + BLOCK_M + OFFSET), 0)
-        n_full = tl.maximum(tl.minimum(SK, m0 + OFFSET + 1), 0)
-    else:
-        hi = SK
-        n_full = SK
-    n_full = (n_full // BLOCK_N) * BLOCK_N
+    n_full, hi = key_range(m0, SK, OFFSET, BLOCK_M, BLOCK_N, CAUSAL)     # the dQ kernel's split of the keys
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     acc = _dq_gemm_inner(acc, ds_slab, k_base, ds_desc, k_desc, slab, off_b, off_hk, m0, s_dsn, s_kn, offs_m, offs_d,
                          0, n_full, SK, OFFSET, HEAD_DIM, BLOCK_N, PAD_D, CAUSAL, False, TMA)

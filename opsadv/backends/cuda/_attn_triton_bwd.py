@@ -176,6 +176,19 @@ def _bwd_q_inner(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, off_b, 
 
 
 @triton.jit
+def key_range(m0, SK, OFFSET, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """(n_full, hi) for the query tile at m0: keys [0, n_full) are visible to every row of the tile in whole
+    BLOCK_N tiles (no mask), keys [n_full, hi) need the element mask (causal diagonal band, keys past s_k)."""
+    if CAUSAL:
+        hi = tl.maximum(tl.minimum(SK, m0 + BLOCK_M + OFFSET), 0)
+        n_full = tl.maximum(tl.minimum(SK, m0 + OFFSET + 1), 0)
+    else:
+        hi = SK
+        n_full = SK
+    return (n_full // BLOCK_N) * BLOCK_N, hi
+
+
+@triton.jit
 def _bwd_q_kernel(Q, K, V, DO, DQ, LSE2, DELTA, k_desc, v_desc,
                   s_qb, s_qh, s_qm, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_db, s_dh, s_dm, s_dqb, s_dqh, s_dqm,
                   H, GROUP, SQ, SK, OFFSET, qk_scale, scale,
@@ -199,13 +212,7 @@ def _bwd_q_kernel(Q, K, V, DO, DQ, LSE2, DELTA, k_desc, v_desc,
     delta = tl.load(DELTA + row, mask=offs_m < SQ, other=0.0)
     k_base = K + off_b.to(tl.int64) * s_kb + off_hk.to(tl.int64) * s_kh
     v_base = V + off_b.to(tl.int64) * s_vb + off_hk.to(tl.int64) * s_vh
-    if CAUSAL:
-        hi = tl.maximum(tl.minimum(SK, m0 + BLOCK_M + OFFSET), 0)
-        n_full = tl.maximum(tl.minimum(SK, m0 + OFFSET + 1), 0)
-    else:
-        hi = SK
-        n_full = SK
-    n_full = (n_full // BLOCK_N) * BLOCK_N
+    n_full, hi = key_range(m0, SK, OFFSET, BLOCK_M, BLOCK_N, CAUSAL)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     dq = _bwd_q_inner(dq, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, off_b, off_hk, s_kn, s_vn, offs_m,
                       offs_d, 0, n_full, SK, OFFSET, qk_scale, HEAD_DIM, BLOCK_N, PAD_D, CAUSAL, False, TMA)

@@ -43,12 +43,14 @@ ATTN_TILES = {
         "bwd_kv": {64: [_t(64, 64, 4, 3), _t(32, 64, 4, 3), _t(32, 128, 4, 5), _t(64, 64, 4, 2),
                         _t(64, 64, 4, 3, True), _t(64, 64, 4, 2, True)],
                    128: [_t(64, 64, 4, 2, True), _t(64, 64, 4, 2), _t(32, 64, 4, 3), _t(64, 128, 8, 2),
-                         _t(64, 64, 4, 3)],
+                         _t(64, 64, 4, 3), _t(64, 64, 8, 2, True)],
                    256: [_t(32, 64, 4, 2), _t(64, 64, 8, 1), _t(32, 64, 8, 2)]},
         "bwd_q": {64: [_t(128, 64, 8, 3), _t(64, 64, 4, 3), _t(64, 64, 4, 2), _t(128, 64, 8, 3, True)],
                   128: [_t(128, 64, 8, 3, True), _t(128, 64, 8, 3), _t(64, 64, 4, 2), _t(64, 32, 4, 3),
                         _t(128, 64, 8, 2)],
                   256: [_t(64, 32, 4, 2), _t(64, 64, 8, 1), _t(32, 64, 4, 2)]},
+        # bwd_kv 64x64/8/2 TMA (session 13): with the dS store (the "ds" backward) the causal 64x64/4/2 kernel spills
+        # 80-92 B on sm_90 (ptxas), 8 warps do not (217-226 registers; tests/test_attention_ds_backward.py); not timed yet
         # the dQ GEMM over a materialized dS (_attn_dq_gemm.py; BLOCK_M queries x BLOCK_N keys per step): streams
         # dS from memory, so deep pipelines.  Session 13 (results/kernel_configs_attn_fwdbwd_s13_h200.json): 128x64
         # with 8 warps won every d128 bucket (3 or 4 stages); the TMA-load variants were added after that run
