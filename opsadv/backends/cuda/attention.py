@@ -438,8 +438,8 @@ def _bwd_ds(ctx, key, tune, tma_ok: bool, launch_kv, q, k, dq, causal, scale, pe
 
     first = chunks[0]
     kv_cfgs = _configs(ctx, "bwd_kv", d, tma_ok)
-    if tma_ok:      # dS stored by plain stores or through a descriptor: measured per bucket
-        kv_cfgs = kv_cfgs + [{**c, "DS_TMA": True} for c in kv_cfgs]
+    if tma_ok:      # dS out through a descriptor: it won every d128 bucket of session 13 against plain stores
+        kv_cfgs = [{**c, "DS_TMA": True} for c in kv_cfgs]    # (results/kernel_configs_attn_fwdbwd_s13_h200.json)
     cfg_kv = _BWD_KVDS.pick(key, kv_cfgs, lambda c: launch_kv(c, first, bufs[0]), tune)
     cfg_dq = _BWD_DQG.pick(key, _configs(ctx, "bwd_dsq", d, tma_ok), lambda c: dq_of(c, first, bufs[0]), tune)
     if not pipelined:
