@@ -6,9 +6,8 @@ columns, q's dtype: the same rounding the dQ product uses in every FlashAttentio
 workspace, and dQ = scale * dS K is one GEMM per query tile that streams dS from memory: 5 GEMMs in all,
 deterministic (fixed summation order, no atomics).  The price is the workspace, b * h_q * s_q * s_k
 elements; it is capped (use_backend("cuda", workspace_cap=N), else the profile's workspace_cap_bytes, else
-DS_WORKSPACE_CAP) and filled a chunk of
-kv heads at a time, and the backward only takes this path where it measured faster than the two-kernel
-one (attention._bwd's variant tuner).
+DS_WORKSPACE_CAP) and filled a chunk of kv heads at a time, and the backward only takes this path where it
+measured faster than the two-kernel one (attention._bwd's variant tuner).
 
 Causal: the dK/dV kernel writes only the tiles its loop visits; the dQ GEMM reads only tiles left of the
 diagonal and masks the diagonal band (and keys past s_k) by selection, so unwritten workspace never
@@ -23,8 +22,8 @@ from ._attn_triton_bwd import key_range
 from ._tma import TensorDescriptor, desc_bhsd
 from ._triton_utils import load_tile, store_tile
 
-# Default cap of the dS workspace (bytes) when the profile names none.  b4 h32 s4096 in bf16 needs 4 GiB
-# in all: two chunks.
+# Default cap of the dS workspace (bytes) when neither the workspace_cap option nor the profile names one.
+# b4 h32 s4096 in bf16 needs 4 GiB in all: two chunks.
 DS_WORKSPACE_CAP = 2 << 30
 DS_PAD = 128        # workspace rows / columns padded to a multiple of every tile either kernel uses
 
