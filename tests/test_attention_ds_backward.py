@@ -162,6 +162,16 @@ def test_workspace_cap_option(monkeypatch):
             opsadv.use_backend("cuda", workspace_cap=bad)
 
 
+def test_default_cap_follows_device_memory():
+    from types import SimpleNamespace as NS
+    env = lambda total: NS(total_memory=total)     # noqa: E731
+    assert G.workspace_cap(NS(options={}, profile=None, env=env(None))) == G.DS_WORKSPACE_CAP
+    assert G.workspace_cap(NS(options={}, profile=None, env=env(141 << 30))) == G.DS_WORKSPACE_CAP     # H200
+    assert G.workspace_cap(NS(options={}, profile=None, env=env(24 << 30))) == (24 << 30) // G.DS_MEMORY_SHARE
+    assert G.workspace_cap(NS(options={}, profile=NS(workspace_cap_bytes=64 << 20), env=env(24 << 30))) == 64 << 20
+    assert G.workspace_cap(NS(options={"workspace_cap": 0}, profile=None, env=env(24 << 30))) == 0
+
+
 @requires_gpu
 @pytest.mark.parametrize("variant", ["ds", "ds_pipe"])
 @pytest.mark.parametrize("b,hq,hkv,sq,sk,d,causal", [(2, 8, 2, 1000, 1000, 128, True), (1, 4, 4, 333, 200, 64, True),

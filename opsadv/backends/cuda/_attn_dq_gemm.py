@@ -25,6 +25,7 @@ from ._triton_utils import load_tile, store_tile
 # Default cap of the dS workspace (bytes) when neither the workspace_cap option nor the profile names one.
 # b4 h32 s4096 in bf16 needs 4 GiB in all: two chunks.
 DS_WORKSPACE_CAP = 2 << 30
+DS_MEMORY_SHARE = 32   # the default cap is at most this fraction of device memory
 DS_PAD = 128        # workspace rows / columns padded to a multiple of every tile either kernel uses
 
 
@@ -94,13 +95,18 @@ def slab_bytes(sq: int, sk: int, dtype: torch.dtype) -> int:
 
 
 def workspace_cap(ctx) -> int:
-    """use_backend("cuda", workspace_cap=N) if given (0: no dS variant), else the profile's cap, else the default."""
+    """use_backend("cuda", workspace_cap=N) if given (0: no dS variant), else the profile's cap, else the default:
+    DS_WORKSPACE_CAP, at most 1 / DS_MEMORY_SHARE of the device's memory (a 24 GB card: 750 MB), so the transient
+    workspace stays small next to what a training step holds."""
     opts = getattr(ctx, "options", None) or {}
     if opts.get("workspace_cap") is not None:
         return int(opts["workspace_cap"])
     prof = getattr(ctx, "profile", None)
     cap = getattr(prof, "workspace_cap_bytes", None)
-    return int(cap) if cap else DS_WORKSPACE_CAP
+    if cap:
+        return int(cap)
+    total = getattr(getattr(ctx, "env", None), "total_memory", None)
+    return min(DS_WORKSPACE_CAP, total // DS_MEMORY_SHARE) if total else DS_WORKSPACE_CAP
 
 
 def kv_heads_per_chunk(ctx, b: int, hkv: int, group: int, sq: int, sk: int, dtype: torch.dtype) -> int:
