@@ -10,6 +10,7 @@ op's measured choice picks.  First, on the GPU: each variant's gradients against
 shape, with the workspace NaN-filled.
 
     PYTHONPATH=. python3 benchmarks/attn_bwd_ds_probe.py OUT.json
+    PROBE_SHAPES=0,3 PROBE_CAPS=4,8 ...: a subset of SHAPES; "ds" also with 4 and 8 GiB workspace caps
     PROBE_DEVICE=cpu TRITON_INTERPRET=1 ...: a dry run of the logic ("ds" only; tiles not tuned)
 """
 from __future__ import annotations
@@ -30,6 +31,7 @@ SHAPES = [(4, 32, 32, 4096, 128, False), (4, 32, 32, 4096, 128, True), (1, 32, 3
           (4, 32, 8, 4096, 128, True), (16, 32, 32, 1024, 128, False), (4, 32, 32, 4096, 64, True),
           (1, 32, 32, 16384, 128, False), (4, 32, 32, 4096, 64, False)]      # b, h, h_kv, s, d, causal
 VARIANTS = ["kernels", "ds", "ds_pipe"] if DEV == "cuda" else ["kernels", "ds"]
+CAPS = [float(c) for c in os.environ.get("PROBE_CAPS", "").split(",") if c]    # e.g. "4,8": GiB
 if os.environ.get("PROBE_SHAPES"):        # e.g. "0,1,6": a subset of SHAPES by index
     SHAPES = [SHAPES[int(i)] for i in os.environ["PROBE_SHAPES"].split(",")]
 if DEV == "cpu":
@@ -86,6 +88,14 @@ def main(path: str) -> None:
         ctx, do, q, k, v, o, lse, _, causal_, scale = args
         fns = {var: (lambda var=var: A.flash_bwd_variant(ctx, do, q, k, v, o, lse, causal_, scale, var))
                for var in VARIANTS}
+        for gib in CAPS:        # "ds" with another workspace cap: fewer, larger chunks (GQA: the 2 GiB default
+            def with_cap(gib=gib):   # makes 2 chunks of 16 kv heads whose long programs leave a tail)
+                old_cap, G.DS_WORKSPACE_CAP = G.DS_WORKSPACE_CAP, int(gib * (1 << 30))
+                try:
+                    return A.flash_bwd_variant(ctx, do, q, k, v, o, lse, causal_, scale, "ds")
+                finally:
+                    G.DS_WORKSPACE_CAP = old_cap
+            fns[f"ds@{gib}G"] = with_cap
         fns["chosen"] = lambda: A.flash_bwd(*args)
         if cudnn_bwd is not None:
             fns["cudnn"] = cudnn_bwd

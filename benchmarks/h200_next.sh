@@ -96,7 +96,7 @@
 # the dQ GEMM's descriptor loads, 3 passed; its timing did not finish).  Order for session 14, on nvidia-h200-x2:
 # PARTS="n1 n2" (the whole attention suite with the dS variant: every row's dispatcher ratio, own fwd+bwd incl. GQA);
 # then PARTS="ds+tg nm" (ds: the probe with the dQ GEMM's TMA configs and a per-kernel breakdown from the profiler,
-# PROBE_SHAPES=0,1,3,2; nm: the norm suite with the forward's eviction-hint candidates, RMS 16384x8192 read 0.952x
+# PROBE_SHAPES=0,1,3,2 PROBE_CAPS=4: GQA in one chunk; nm: the norm suite with the forward's eviction-hint candidates, RMS 16384x8192 read 0.952x
 # compile); then PART=d (e2e, 560 s).
 # OPSADV_COMMIT=<sha> PART=a bash benchmarks/h200_next.sh   (from the repo root on the GPU host, $OUT set)
 set -u
@@ -332,7 +332,7 @@ ds)  # session 13: the 5-GEMM backward (dS materialized, dQ by a GEMM over it): 
   TRITON_INTERPRET=0 timeout 150 python3 -m pytest -q -p no:cacheprovider -k gpu tests/test_attention_ds_backward.py \
     > "$OUT/ds_gpu_pytest.log" 2>&1
   echo "ds gpu pytest rc $?"; tail -2 "$OUT/ds_gpu_pytest.log"
-  PROBE_SHAPES=${PROBE_SHAPES:-} timeout 400 python3 benchmarks/attn_bwd_ds_probe.py "$OUT/attn_bwd_ds_probe.json" > "$OUT/attn_bwd_ds_probe.log" 2>&1
+  PROBE_SHAPES=${PROBE_SHAPES:-} PROBE_CAPS=${PROBE_CAPS:-} timeout 400 python3 benchmarks/attn_bwd_ds_probe.py "$OUT/attn_bwd_ds_probe.json" > "$OUT/attn_bwd_ds_probe.log" 2>&1
   echo "ds probe rc $?"; cut -c1-330 "$OUT/attn_bwd_ds_probe.log" | grep -v Warn | tail -10
   ;;
 fb)  # session 13: the attention suite's fwd+bwd d128 cases (dispatcher + own rows) with the dS backward variant

@@ -248,3 +248,30 @@ def test_ds_paths_compile_for_sm90():
     assert r["kv4"]["bulk_stores"] > 0 and r["kv8"]["bulk_stores"] > 0
     assert r["kv4"]["spills"] > 0 and r["kv8"]["spills"] == 0
     assert r["dq"]["tma_loads"] > 0 and r["dq"]["spills"] == 0
+
+
+@requires_gpu
+@pytest.mark.parametrize("variant", ["ds", "ds_pipe"])
+def test_gpu_ds_backward_under_cuda_graph_capture(variant, seed, monkeypatch):
+    """The dS variants captured in a CUDA graph (workspace from the graph's pool; ds_pipe's side stream and events
+    inside the capture) replay to the eager result."""
+    monkeypatch.setattr(A, "_autotune", lambda ctx, device: False)
+    monkeypatch.setattr(G, "DS_WORKSPACE_CAP", 2 * G.slab_bytes(512, 512, torch.bfloat16))   # 4 chunks of 2 heads
+    b, h, s, d = 2, 4, 500, 128
+    q, k, v, do = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    with opsadv.use_backend("cuda"):
+        _, r = dispatch.explain_spec(OA._spec(q, k, None, True, True))
+    o, lse = A.flash_fwd(r.ctx, q, k, v, None, True, 0.1)
+    want = A.flash_bwd_variant(r.ctx, do, q, k, v, o, lse, True, 0.1, variant)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):                 # warm-up outside the capture (compiles, allocator)
+        A.flash_bwd_variant(r.ctx, do, q, k, v, o, lse, True, 0.1, variant)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = A.flash_bwd_variant(r.ctx, do, q, k, v, o, lse, True, 0.1, variant)
+    graph.replay()
+    torch.cuda.synchronize()
+    for x, y in zip(got, want):
+        assert torch.equal(x, y)                  # deterministic: the replay gives the same bits
