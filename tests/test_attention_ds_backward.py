@@ -118,6 +118,36 @@ def test_ds_backward_in_chunks_of_kv_heads(b, hq, hkv, sq, sk, d, causal, seed, 
         assert not torch.isnan(x).any() and rel_err(x, y) < 2e-3
 
 
+@pytest.mark.parametrize("variant", ["ds", "kernels"])
+@pytest.mark.parametrize("b,hq,hkv,sq,sk,d,causal", [(2, 4, 2, 37, 37, 32, True), CASES[3], CASES[4]])
+def test_longest_first_launch_order(b, hq, hkv, sq, sk, d, causal, variant, seed, monkeypatch):
+    """LPT configs launch the dK/dV kernel on a (kv heads, kv blocks) grid: the same gradients, dS slabs where the
+    dQ GEMM expects them, also over chunks of one kv head's q heads."""
+    monkeypatch.setenv("OPSADV_POISON_OUTPUTS", "1")
+    _nan_workspace(monkeypatch)
+    monkeypatch.setattr(G, "DS_WORKSPACE_CAP", (hq // hkv) * G.slab_bytes(sq, sk, torch.float16))
+    orig = A._configs
+    monkeypatch.setattr(A, "_configs", lambda ctx, which, d_, tma_ok: [
+        {**c, "LPT": True} if which == "bwd_kv" else c for c in orig(ctx, which, d_, tma_ok)])
+    grids = []
+    real = A._bwd_kv_kernel
+
+    class Spy:
+        arg_names = real.arg_names
+
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return real[grid]
+    monkeypatch.setattr(A, "_bwd_kv_kernel", Spy())
+    grads, ref = _grads(b, hq, hkv, sq, sk, d, causal, variant)
+    n_blocks = -(-sk // 16)                       # the interpreter profile's 16-key tiles
+    assert grids and all(g[1] == n_blocks for g in grids)
+    assert sum(g[0] for g in grids) == b * hkv
+    for name, x, y in zip(("dq", "dk", "dv"), grads, ref):
+        assert not torch.isnan(x).any(), name
+        assert rel_err(x, y) < 2e-3, (name, rel_err(x, y))
+
+
 def test_ds_variant_refused_with_reasons_when_the_workspace_does_not_fit(monkeypatch):
     monkeypatch.setattr(G, "DS_WORKSPACE_CAP", 1024)
     with pytest.raises(ValueError, match=r"flash_attention backward: variant 'ds' cannot run.*bytes.*cap 1024"):
@@ -275,3 +305,17 @@ def test_gpu_ds_backward_under_cuda_graph_capture(variant, seed, monkeypatch):
     torch.cuda.synchronize()
     for x, y in zip(got, want):
         assert torch.equal(x, y)                  # deterministic: the replay gives the same bits
+
+
+@requires_gpu
+@pytest.mark.parametrize("variant", ["ds", "kernels"])
+def test_gpu_longest_first_launch_order(variant, seed, monkeypatch):
+    monkeypatch.setattr(A, "_autotune", lambda ctx, device: False)
+    _nan_workspace(monkeypatch)
+    orig = A._configs
+    monkeypatch.setattr(A, "_configs", lambda ctx, which, d_, tma_ok: [
+        {**c, "LPT": True} if which == "bwd_kv" else c for c in orig(ctx, which, d_, tma_ok)])
+    grads, ref = _grads(2, 8, 2, 1000, 1000, 128, True, variant, device="cuda", dtype=torch.bfloat16, scale=0.1)
+    for name, x, y in zip(("dq", "dk", "dv"), grads, ref):
+        assert not torch.isnan(x).any(), name
+        assert rel_err(x, y) < 1.5e-2, (name, rel_err(x, y))

@@ -99,13 +99,18 @@ def _bwd_kv_kernel(Q, K, V, DO, DK, DV, LSE2, DELTA, DQA, dq_desc, q_desc, do_de
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, ATOMIC_DQ: tl.constexpr,
                    DQ_TMA: tl.constexpr = False, TMA: tl.constexpr = False,
-                   DS=None, s_dss=0, s_dsn=0, BHK0=0, DS_STORE: tl.constexpr = False, DS_TMA: tl.constexpr = False):
+                   DS=None, s_dss=0, s_dsn=0, BHK0=0, DS_STORE: tl.constexpr = False, DS_TMA: tl.constexpr = False,
+                   LPT: tl.constexpr = False):
     """DS_STORE: also write dS^T (key rows, query columns; q's dtype) of q head slab (program_id(1) * GROUP + g)
     into the workspace DS, for a chunk of kv heads starting at BHK0 (the dQ GEMM of _attn_dq_gemm.py reads it);
-    DS_TMA: DS is a (slabs, s_k, s_q) descriptor of (1, BLOCK_N, BLOCK_M) blocks."""
+    DS_TMA: DS is a (slabs, s_k, s_q) descriptor of (1, BLOCK_N, BLOCK_M) blocks.
+    LPT: grid (kv heads, kv blocks) instead of (kv blocks, kv heads): the launch order walks every head's first kv
+    block before any head's second, so with causal masking (the first kv blocks see the most q rows) the longest
+    programs start first and the short ones fill the last wave (longest-processing-time-first)."""
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
-    pid_n = tl.program_id(0)
-    pid_bhk = tl.program_id(1) + BHK0
+    local = tl.program_id(0) if LPT else tl.program_id(1)  # kv head within this launch (chunk)
+    pid_n = tl.program_id(1) if LPT else tl.program_id(0)
+    pid_bhk = local + BHK0
     HKV = H // GROUP
     off_b = pid_bhk // HKV
     off_hk = pid_bhk % HKV
@@ -133,7 +138,7 @@ def _bwd_kv_kernel(Q, K, V, DO, DK, DV, LSE2, DELTA, DQA, dq_desc, q_desc, do_de
         row0 = (off_b * H + off_h).to(tl.int64) * SQ
         dqa = DQA + row0 * HEAD_DIM                         # fp32 dQ accumulator (b, h_q, s_q, d), contiguous
         bh = off_b * H + off_h                              # this q head's slab of the dQ descriptor
-        ds_slab = tl.program_id(1) * GROUP + g             # this q head's slab of the dS workspace
+        ds_slab = local * GROUP + g                         # this q head's slab of the dS workspace
         dk, dv = _bwd_kv_inner(dk, dv, k, v, q_base, do_base, q_desc, do_desc, off_b, off_h, LSE2 + row0,
                                DELTA + row0, dqa, dq_desc, bh, s_qm, s_dm, offs_n, offs_d, m_lo, m_mid, SQ, SK,
                                OFFSET, qk_scale, scale, HEAD_DIM, BLOCK_M, PAD_D, True, EVEN_M, EVEN_N, ATOMIC_DQ,
