@@ -95,9 +95,9 @@
 # 1.444-1.601x SDPA-flash in 6 rows; the 2 GQA rows did not finish in 500 s), one H200 call (df02c7c: GPU tests of
 # the dQ GEMM's descriptor loads, 3 passed; its timing did not finish).  Order for session 14, on nvidia-h200-x2:
 # PARTS="n1 n2" (the whole attention suite with the dS variant: every row's dispatcher ratio, own fwd+bwd incl. GQA);
-# then PROBE_SHAPES=0,1,3,2 PROBE_CAPS=4 PARTS="ds nm" (ds: its GPU tests incl. CUDA-graph capture and the LPT order,
+# then PROBE_SHAPES=0,1,3,2 PROBE_CAPS=4,8 PARTS="ds nm" (ds: its GPU tests incl. CUDA-graph capture and the LPT order,
 # then the probe with the dQ GEMM's TMA configs, the 8-warp and LPT dK/dV tiles, a per-kernel profiler breakdown and
-# GQA in one 4 GiB chunk; nm: the norm suite with the forward's eviction-hint candidates, RMS 16384x8192 read 0.952x
+# fewer chunks (4 / 8 GiB caps: GQA in one chunk, s16384 causal in 2 instead of 8); nm: the norm suite with the forward's eviction-hint candidates, RMS 16384x8192 read 0.952x
 # compile); then PROBE_SHAPES=5,7,6 PARTS="ds tg+nw" (d64 and s16384 non-causal with the descriptor store; the tuning
 # gap probe; the norm backward rows alone); then PART=d (e2e, 560 s).
 # OPSADV_COMMIT=<sha> PART=a bash benchmarks/h200_next.sh   (from the repo root on the GPU host, $OUT set)
