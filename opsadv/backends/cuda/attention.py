@@ -492,7 +492,8 @@ def impls(env) -> list[KernelImpl]:
         dtypes=(torch.float16, torch.bfloat16, torch.float32), head_dims=HEAD_DIMS, min_cc=(8, 0),
         features=FEATURES, deterministic=True, requires_interpret_or_cuda=True, check=_check,
         description="Triton FlashAttention-2 forward/backward (online softmax, GQA by index, bottom-right causal; "
-                    "TMA on Hopper; deterministic backward without atomics)"),
+                    "TMA on Hopper; deterministic backward without atomics: dQ by its own kernel or by a GEMM over dS "
+                    "kept in a capped workspace, measured per bucket)"),
         KernelImpl(
         id="cuda.triton.flash_attention.atomic_dq", op="flash_attention", backend="cuda", fn=flash_fwd,
         backward=flash_bwd_atomic, priority=PRIORITY_TRITON + ATOMIC_DQ_PRIORITY_DELTA,
