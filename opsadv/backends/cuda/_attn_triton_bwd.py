@@ -14,6 +14,14 @@ from ._triton_utils import load_tile, store_tile
 
 
 @triton.jit
+def _head_tile(base, off_b, off_h, s_b, s_h, offs_r, s_r, offs_d, n_r, HEAD_DIM: tl.constexpr, MASK_R: tl.constexpr,
+               PAD_D: tl.constexpr):
+    """Rows offs_r (x head dim) of head (off_b, off_h) of a (b, h, s, d) strided tensor; zeros past n_r / HEAD_DIM."""
+    return load_tile(base + off_b.to(tl.int64) * s_b + off_h.to(tl.int64) * s_h + offs_r[:, None] * s_r + offs_d[None, :],
+                     offs_r, n_r, offs_d, HEAD_DIM, MASK_R, PAD_D)
+
+
+@triton.jit
 def _bwd_pre_kernel(O, DO, LSE, DELTA, LSE2, s_ob, s_oh, s_om, s_db, s_dh, s_dm, H, SQ,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
     pid_bh = tl.program_id(1)
@@ -21,10 +29,8 @@ def _bwd_pre_kernel(O, DO, LSE, DELTA, LSE2, s_ob, s_oh, s_om, s_db, s_dh, s_dm,
     off_h = pid_bh % H
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    o = load_tile(O + off_b.to(tl.int64) * s_ob + off_h.to(tl.int64) * s_oh + offs_m[:, None] * s_om + offs_d[None, :],
-                  offs_m, SQ, offs_d, HEAD_DIM, True, BLOCK_D != HEAD_DIM)
-    do = load_tile(DO + off_b.to(tl.int64) * s_db + off_h.to(tl.int64) * s_dh + offs_m[:, None] * s_dm + offs_d[None, :],
-                   offs_m, SQ, offs_d, HEAD_DIM, True, BLOCK_D != HEAD_DIM)
+    o = _head_tile(O, off_b, off_h, s_ob, s_oh, offs_m, s_om, offs_d, SQ, HEAD_DIM, True, BLOCK_D != HEAD_DIM)
+    do = _head_tile(DO, off_b, off_h, s_db, s_dh, offs_m, s_dm, offs_d, SQ, HEAD_DIM, True, BLOCK_D != HEAD_DIM)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     row = pid_bh.to(tl.int64) * SQ + offs_m
     lse = tl.load(LSE + row, mask=offs_m < SQ, other=0.0)
@@ -117,10 +123,8 @@ def _bwd_kv_kernel(Q, K, V, DO, DK, DV, LSE2, DELTA, DQA, dq_desc, q_desc, do_de
     n0 = pid_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    k = load_tile(K + off_b.to(tl.int64) * s_kb + off_hk.to(tl.int64) * s_kh + offs_n[:, None] * s_kn + offs_d[None, :],
-                  offs_n, SK, offs_d, HEAD_DIM, not EVEN_N, PAD_D)
-    v = load_tile(V + off_b.to(tl.int64) * s_vb + off_hk.to(tl.int64) * s_vh + offs_n[:, None] * s_vn + offs_d[None, :],
-                  offs_n, SK, offs_d, HEAD_DIM, not EVEN_N, PAD_D)
+    k = _head_tile(K, off_b, off_hk, s_kb, s_kh, offs_n, s_kn, offs_d, SK, HEAD_DIM, not EVEN_N, PAD_D)
+    v = _head_tile(V, off_b, off_hk, s_vb, s_vh, offs_n, s_vn, offs_d, SK, HEAD_DIM, not EVEN_N, PAD_D)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     sq_pad = tl.cdiv(SQ, BLOCK_M) * BLOCK_M
@@ -208,10 +212,8 @@ def _bwd_q_kernel(Q, K, V, DO, DQ, LSE2, DELTA, k_desc, v_desc,
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    q = load_tile(Q + off_b.to(tl.int64) * s_qb + off_h.to(tl.int64) * s_qh + offs_m[:, None] * s_qm + offs_d[None, :],
-                  offs_m, SQ, offs_d, HEAD_DIM, not EVEN_M, PAD_D)
-    do = load_tile(DO + off_b.to(tl.int64) * s_db + off_h.to(tl.int64) * s_dh + offs_m[:, None] * s_dm + offs_d[None, :],
-                   offs_m, SQ, offs_d, HEAD_DIM, not EVEN_M, PAD_D)
+    q = _head_tile(Q, off_b, off_h, s_qb, s_qh, offs_m, s_qm, offs_d, SQ, HEAD_DIM, not EVEN_M, PAD_D)
+    do = _head_tile(DO, off_b, off_h, s_db, s_dh, offs_m, s_dm, offs_d, SQ, HEAD_DIM, not EVEN_M, PAD_D)
     row = pid_bh.to(tl.int64) * SQ + offs_m
     lse2 = tl.load(LSE2 + row, mask=offs_m < SQ, other=float("inf"))
     delta = tl.load(DELTA + row, mask=offs_m < SQ, other=0.0)
