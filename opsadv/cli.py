@@ -13,6 +13,10 @@ def _cmd_info(args) -> int:
         opsadv.use_backend(args.backend)
     inf = opsadv.info(impls=args.impls)
     print(json.dumps(inf.to_dict(), indent=1, default=str) if args.json else inf)
+    if args.tuning:
+        from .core import tuning
+        from .core.env import current_env
+        print(tuning.report(current_env()))
     return 0
 
 
@@ -104,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.add_argument("--backend", default=None, help="show the policy with this backend selected")
     s.add_argument("--impls", action="store_true", help="also list every registered kernel impl and what it declares")
+    s.add_argument("--tuning", action="store_true",
+                   help="also print what measurement decided on this device: impl winners with their times, kernel "
+                        "configs and variants (the tuning caches in $OPSADV_CACHE_DIR)")
     s.set_defaults(func=_cmd_info)
 
     s = sub.add_parser("demo", help="run every op through the selected backend on random data and check it")

@@ -78,6 +78,28 @@ def reload() -> None:
     _TUNING.reset()
 
 
+def report(env: EnvInfo | None = None) -> str:
+    """What measurement decided on this machine, as text: the impl winners (tuning.json, with their times) and the
+    kernels' configs and variants (kernel_configs.json, e.g. the flash backward's "kernels" / "ds"), for the
+    current device and library versions (every section when env is None or has none)."""
+    lines = [f"opsadv tuning caches in {cache_dir()}"]
+    for name, title in (("tuning.json", "impl measured fastest per shape bucket"),
+                        ("kernel_configs.json", "kernel configs / variants measured per bucket")):
+        data = _TUNING.load() if name == _TUNING.name else JsonCache(name).load()
+        sections = data if env is None else {k: v for k, v in data.items() if k == _device_key(env)}
+        lines.append(f"{name}: {title}" + ("" if sections else " -- nothing measured for this device yet"))
+        for section, entries in sorted(sections.items()):
+            lines.append(f"  [{section}] {len(entries)} entries")
+            for key, val in sorted(entries.items()):
+                if isinstance(val, dict) and "winner" in val:
+                    times = ", ".join(f"{k} {v:.4g}" for k, v in sorted(val.get("times_ms", {}).items(),
+                                                                          key=lambda kv: kv[1]))
+                    lines.append(f"    {key}: {val['winner']} ({times} ms)")
+                else:
+                    lines.append(f"    {key}: {json.dumps(val, sort_keys=True)}")
+    return "\n".join(lines)
+
+
 @dataclass(frozen=True)
 class Measured:
     winner: str
