@@ -91,7 +91,7 @@ def padded(n: int) -> int:
 
 def slab_bytes(sq: int, sk: int, dtype: torch.dtype) -> int:
     """Workspace bytes of one q head's dS^T."""
-    return padded(sq) * padded(sk) * torch.empty((), dtype=dtype).element_size()
+    return padded(sq) * padded(sk) * dtype.itemsize       # (no tensor made: this runs on every backward call)
 
 
 def workspace_cap(ctx) -> int:
