@@ -330,6 +330,22 @@ nw)  # session 12 (last minutes of device time): the norm suite's new backward-o
   timeout 165 python3 -m opsadv bench --suite norm --filter '^bwd' --json "$OUT/norm_bwd.json" > "$OUT/norm_bwd.log" 2>&1
   echo "norm bwd rc $?"; grep -E "^bwd" "$OUT/norm_bwd.log" | cut -c1-150
   ;;
+gp)  # session 14: own fwd+bwd's time beyond its kernels (s16384 causal: 16.67 ms vs fwd 3.43 + bwd 12.35 measured
+     # apart) with a profiled timeline per call, then why torch.compile's RMSNorm forward wins at 16384 x 8192
+  PROBE_SHAPES=${PROBE_SHAPES:-0,1} timeout 330 python3 benchmarks/attn_fwdbwd_gap_probe.py "$OUT/attn_fwdbwd_gap_probe.json" \
+    > "$OUT/attn_fwdbwd_gap_probe.log" 2>&1
+  echo "gap probe rc $?"; grep -v Warn "$OUT/attn_fwdbwd_gap_probe.log" | cut -c1-700 | tail -4
+  timeout 200 python3 benchmarks/norm_compile_probe.py "$OUT/norm_compile_probe.json" > "$OUT/norm_compile_probe.log" 2>&1
+  echo "norm compile probe rc $?"; grep -v Warn "$OUT/norm_compile_probe.log" | cut -c1-400 | tail -3
+  ;;
+fq)  # session 14: the fwd+bwd rows the open targets hang on (GQA d128, s16384 d128 causal, d64 causal) with the dS variant
+  timeout 540 python3 -m opsadv bench --suite attention \
+    --filter 'fwd\+bwd bf16 (b4 h32 kv8|b1 h32 kv8|b1 h32 s16384 d128 causal|b4 h32 s4096 d64 causal)' \
+    --json "$OUT/attn_fwdbwd_open.json" > "$OUT/attn_fwdbwd_open.log" 2>&1
+  echo "attention fwd+bwd open rows rc $?"; grep -E "^fwd" "$OUT/attn_fwdbwd_open.log" | cut -c1-180
+  cp "$OPSADV_CACHE_DIR/tuning.json" "$OUT/tuning_attn_open.json"
+  cp "$OPSADV_CACHE_DIR/kernel_configs.json" "$OUT/kernel_configs_attn_open.json"
+  ;;
 ds)  # session 13: the 5-GEMM backward (dS materialized, dQ by a GEMM over it): GPU tests, then the probe
   TRITON_INTERPRET=0 timeout 150 python3 -m pytest -q -p no:cacheprovider -k gpu tests/test_attention_ds_backward.py \
     > "$OUT/ds_gpu_pytest.log" 2>&1
