@@ -267,7 +267,7 @@ def norm_timing():
     block = N._next_pow2(h)
     for rows in (1, 2, 4):
         for warps in ((2, 4) if ARGS.tiny else (4, 8, 16, 32)):
-            N.fwd_candidates = lambda n, rows=rows, warps=warps: ((rows, warps),)
+            N.fwd_candidates = lambda n, rows=rows, warps=warps: ((rows, warps, False, 0),)
             try:
                 with opsadv.use_backend("cuda"), torch.no_grad():
                     ms = bench(lambda: opsadv.ops.rms_norm(x, w))

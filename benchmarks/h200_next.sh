@@ -331,12 +331,16 @@ nw)  # session 12 (last minutes of device time): the norm suite's new backward-o
   echo "norm bwd rc $?"; grep -E "^bwd" "$OUT/norm_bwd.log" | cut -c1-150
   ;;
 gp)  # session 14: own fwd+bwd's time beyond its kernels (s16384 causal: 16.67 ms vs fwd 3.43 + bwd 12.35 measured
-     # apart) with a profiled timeline per call, then why torch.compile's RMSNorm forward wins at 16384 x 8192
+     # apart) with a profiled timeline per call
   PROBE_SHAPES=${PROBE_SHAPES:-0,1} timeout 330 python3 benchmarks/attn_fwdbwd_gap_probe.py "$OUT/attn_fwdbwd_gap_probe.json" \
     > "$OUT/attn_fwdbwd_gap_probe.log" 2>&1
   echo "gap probe rc $?"; grep -v Warn "$OUT/attn_fwdbwd_gap_probe.log" | cut -c1-700 | tail -4
+  cp "$OPSADV_CACHE_DIR/kernel_configs.json" "$OUT/kernel_configs_gap_probe.json"
+  ;;
+nc)  # session 14: our RMSNorm forward tiles (whole-row and the new looped ones) against torch.compile's kernel
   timeout 200 python3 benchmarks/norm_compile_probe.py "$OUT/norm_compile_probe.json" > "$OUT/norm_compile_probe.log" 2>&1
   echo "norm compile probe rc $?"; grep -v Warn "$OUT/norm_compile_probe.log" | cut -c1-400 | tail -3
+  rm -f "$OUT"/norm_compile_probe_inductor_*.py     # kept from the first run (results/); few files come back
   ;;
 fq)  # session 14: the fwd+bwd rows the open targets hang on (GQA d128, s16384 d128 causal, d64 causal) with the dS variant
   timeout 540 python3 -m opsadv bench --suite attention \

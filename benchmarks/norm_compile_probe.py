@@ -2,7 +2,7 @@
 tie it with the residual at 65536 x 1024?  (issue 4: norm forward >= 1.0x torch.compile in every row.)
 
 Per shape (no-grad forward, bf16): Inductor's generated Triton source (saved next to the JSON: its tile, warps,
-eviction hints, loop structure), then our forward kernel with every (ROWS, num_warps, EVICT) candidate forced,
+eviction hints, loop structure), then our forward kernel with every (ROWS, num_warps, EVICT, CHUNK) candidate forced,
 a few beyond the tuner's list, and the compiled peer, interleaved in one run.
 
     PYTHONPATH=. python3 benchmarks/norm_compile_probe.py OUT.json
@@ -35,9 +35,9 @@ def main(path: str) -> None:
         with open(src, "w") as f:
             f.write("\n\n# ----\n".join(code))
         cands = list(N.fwd_candidates(h))
-        for extra in ((1, 4, False), (1, 8, False), (1, 16, False), (2, 8, False), (2, 16, False), (4, 16, False),
-                      (1, 32, False)):
-            if extra not in cands and extra[0] * N._next_pow2(h) >= 32 * extra[1]:
+        for extra in ((1, 4, False, 0), (1, 8, False, 0), (1, 16, False, 0), (2, 8, False, 0), (2, 16, False, 0),
+                      (4, 16, False, 0), (1, 16, True, 1024), (1, 32, True, 4096)):
+            if extra not in cands and extra[0] * min(N._next_pow2(h), extra[3] or h) >= 32 * extra[1]:
                 cands.append(extra)
         rr = r if has_res else None
         fns = {"compile": lambda: comp(x, r, w, None)}

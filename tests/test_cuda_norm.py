@@ -144,16 +144,84 @@ def test_every_forward_candidate_matches_reference(rms, n):
         assert torch.equal(s, x + res) and torch.isfinite(rstd).all(), cfg
 
 
+@requires_gpu
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize("n", [5000, 8192])
+def test_gpu_every_forward_candidate_bf16(rms, n, monkeypatch):
+    """On the GPU, bf16: every tile the forward's tuner may pick for a long row (whole-row and looped ones), with
+    a residual, 37 rows, NaN-poisoned outputs, against float64."""
+    from types import SimpleNamespace
+    monkeypatch.setenv("OPSADV_POISON_OUTPUTS", "1")
+
+    from opsadv.backends.cuda.norm import _forward, fwd_candidates
+    g = torch.Generator().manual_seed(n + rms)
+    x, res = (torch.randn(37, n, generator=g).add(2.0).to("cuda", torch.bfloat16) for _ in range(2))
+    w, b = (torch.randn(n, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+    s64 = x.double() + res.double()
+    if rms:
+        want = s64 * torch.rsqrt(s64.pow(2).mean(-1, keepdim=True) + 1e-6) * (w.double() + 1.0)
+    else:
+        want = torch.nn.functional.layer_norm(s64, (n,), w.double(), b.double(), 1e-5)
+    cands = fwd_candidates(n)
+    assert any(c[3] for c in cands)
+    for cfg in cands:
+        y, s, _, rstd = _forward(SimpleNamespace(profile=None), rms, x, w, None if rms else b,
+                                 1e-6 if rms else 1e-5, res, 1.0 if rms else 0.0, cfg=cfg)
+        assert rel_err(y, want) < 1e-2, cfg
+        assert torch.equal(s, x + res) and torch.isfinite(rstd).all(), cfg
+
+
 def test_forward_candidates_fit():
-    from opsadv.backends.cuda.norm import fwd_candidates, fwd_config
+    from opsadv.backends.cuda.norm import LOOP_MIN_BLOCK, fwd_candidates, fwd_config
     for n in (1, 64, 1000, 1024, 4096, 8192, 65536):
         block, rows, warps = fwd_config(n)
         cands = fwd_candidates(n)
-        assert cands[0] == (rows, warps, False)              # the untuned pick comes first
-        for r, w, _ in cands:                                # the tuner's extras: >= 1 element per thread
+        assert cands[0] == (rows, warps, False, 0)           # the untuned pick comes first
+        whole = [c for c in cands if c[3] == 0]
+        for r, w, _, _ in whole:                             # the tuner's extras: >= 1 element per thread
             assert (r, w) == (rows, warps) or (r >= 1 and 2 <= w <= 16 and r * block >= 32 * w)
-        # every tile with and without the eviction hints
-        assert [c[:2] for c in cands if c[2]] == [c[:2] for c in cands if not c[2]]
+        # every whole-row tile with and without the eviction hints
+        assert [c[:2] for c in whole if c[2]] == [c[:2] for c in whole if not c[2]]
+        looped = [c for c in cands if c[3]]
+        assert bool(looped) == (block >= LOOP_MIN_BLOCK)      # long rows also get looped tiles, shorter ones never
+        for r, w, evict, chunk in looped:                    # one row, a chunk narrower than the row, hints on
+            assert r == 1 and evict and chunk < block and chunk >= 32 * w
+
+
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize("n,chunk,rows", [(48, 16, 1), (1000, 128, 2), (300, 512, 1)])
+def test_looped_forward_matches_reference(rms, n, chunk, rows):
+    """The looped forward (the row in CHUNK-column steps, re-read for the output pass): a ragged last chunk
+    (1000 = 7 * 128 + 104), one chunk wider than the row, 37 rows (not a multiple of ROWS), a residual, the mean /
+    rstd statistics, NaN-poisoned outputs; against float64."""
+    from types import SimpleNamespace
+
+    from opsadv.backends.cuda.norm import _forward
+    g = torch.Generator().manual_seed(n + 7 * rms)
+    x, res = (torch.randn(37, n, generator=g).to(DEV) + 3.0 for _ in range(2))   # a mean far from 0 for LayerNorm
+    w, b = torch.randn(n, generator=g).to(DEV), torch.randn(n, generator=g).to(DEV)
+    s64 = (x + res).double()
+    var = s64.pow(2).mean(-1) if rms else s64.var(-1, unbiased=False)
+    if rms:
+        want = s64 * torch.rsqrt(s64.pow(2).mean(-1, keepdim=True) + 1e-6) * (w.double() + 1.0)
+    else:
+        want = torch.nn.functional.layer_norm(s64, (n,), w.double(), b.double(), 1e-5)
+    for residual in (res, None):
+        y, s, mean, rstd = _forward(SimpleNamespace(profile=None), rms, x, w, None if rms else b,
+                                    1e-6 if rms else 1e-5, residual, 1.0 if rms else 0.0, cfg=(rows, 4, True, chunk))
+        if residual is None:
+            x64 = x.double()
+            var = x64.pow(2).mean(-1) if rms else x64.var(-1, unbiased=False)
+            if rms:
+                want = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) * (w.double() + 1.0)
+            else:
+                want = torch.nn.functional.layer_norm(x64, (n,), w.double(), b.double(), 1e-5)
+        else:
+            assert torch.equal(s, x + res)
+        assert rel_err(y, want) < 1e-5, (residual is None, chunk)
+        assert rel_err(rstd, torch.rsqrt(var + (1e-6 if rms else 1e-5))) < 1e-5
+        if not rms:
+            assert rel_err(mean, (s64 if residual is not None else x.double()).mean(-1)) < 1e-6
 
 
 def test_forward_tile_is_picked_once_per_key(monkeypatch):

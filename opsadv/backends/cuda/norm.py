@@ -39,12 +39,14 @@ FWD_TILE_MAX = 16384      # elements of one forward tile (ROWS x BLOCK_N) a cand
 
 
 @functools.lru_cache(maxsize=None)
-def fwd_candidates(n: int) -> tuple[tuple[int, int, bool], ...]:
-    """(ROWS, num_warps, EVICT) the forward's config tuner measures per bucket, fwd_config's first (the pick
+def fwd_candidates(n: int) -> tuple[tuple[int, int, bool, int], ...]:
+    """(ROWS, num_warps, EVICT, CHUNK) the forward's config tuner measures per bucket, fwd_config's first (the pick
     without autotuning): half / double the rows and the warps around it, each also with L2 eviction hints
-    (EVICT).  fwd_config came from a sweep at hidden 4096; at 65536 x 1024 it ran 0.966x torch.compile
-    (ead87e0).  EVICT was added in session 13 after RMSNorm 16384 x 8192 read 0.952x torch.compile (f5455f1),
-    whose kernels carry those hints; not yet measured."""
+    (EVICT); CHUNK 0 holds whole rows in registers.  fwd_config came from a sweep at hidden 4096; at 65536 x 1024
+    it ran 0.966x torch.compile (ead87e0).  EVICT was added after RMSNorm 16384 x 8192 read 0.952x compile
+    (f5455f1); it did not close that (2fc9344: 0.957x).  Inductor's kernel there is a looped reduction that
+    re-reads the row from L2 (results/norm_compile_probe_s14_h200.json): rows of >= 4096 columns also get
+    looped tiles (one row, CHUNK columns at a time, the hints always on)."""
     block, rows, warps = fwd_config(n)
     tiles = [(rows, warps)]
     for r in (rows, rows // 2, rows * 2):
@@ -52,7 +54,13 @@ def fwd_candidates(n: int) -> tuple[tuple[int, int, bool], ...]:
             fits = r >= 1 and 2 <= w <= 16 and r * block <= max(FWD_TILE_MAX, block) and r * block >= 32 * w
             if fits and (r, w) not in tiles:
                 tiles.append((r, w))
-    return tuple((r, w, False) for r, w in tiles) + tuple((r, w, True) for r, w in tiles)
+    looped = [(1, w, True, c) for c in LOOP_CHUNKS if c < block and block >= LOOP_MIN_BLOCK
+              for w in (4, 8, 16) if c >= 32 * w * 4]
+    return tuple((r, w, False, 0) for r, w in tiles) + tuple((r, w, True, 0) for r, w in tiles) + tuple(looped)
+
+
+LOOP_MIN_BLOCK = 4096             # rows shorter than this stay whole in registers
+LOOP_CHUNKS = (1024, 2048, 4096)  # columns per step of the looped forward (>= 4 per thread)
 
 
 @functools.lru_cache(maxsize=None)
@@ -88,8 +96,10 @@ def _rows(t: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
 
 
 def _poisoned(shape, dtype, device) -> torch.Tensor:
-    """Output buffer; NaN-filled on CPU (interpreter mode) so an element the kernel misses shows up."""
-    if device.type == "cpu":
+    """Output buffer; NaN-filled on CPU (interpreter mode) and under OPSADV_POISON_OUTPUTS=1 (GPU tests) so an
+    element the kernel misses shows up."""
+    from ._triton_utils import poison_enabled      # (only kernel paths call this: triton is there)
+    if device.type == "cpu" or poison_enabled():
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
 
@@ -104,10 +114,10 @@ _K: dict = {}
 def _kernels():
     """The Triton kernels, imported on first use (keeps triton out of `import opsadv`)."""
     if not _K:
-        from ._norm_triton import _norm_bwd_kernel, _norm_bwd_reduce_kernel, _norm_fwd_kernel
+        from ._norm_triton import _norm_bwd_kernel, _norm_bwd_reduce_kernel, _norm_fwd_kernel, _norm_fwd_loop_kernel
         from ._triton_utils import ConfigTuner, FastLaunch
         # launched once or twice per norm call, many calls per step: the launch fast path pays here
-        _K.update(fwd=FastLaunch(_norm_fwd_kernel), bwd=FastLaunch(_norm_bwd_kernel),
+        _K.update(fwd=FastLaunch(_norm_fwd_kernel), fwd_loop=FastLaunch(_norm_fwd_loop_kernel), bwd=FastLaunch(_norm_bwd_kernel),
                   reduce=FastLaunch(_norm_bwd_reduce_kernel), tuner=ConfigTuner("norm.fwd"))
     return _K
 
@@ -115,7 +125,7 @@ def _kernels():
 def _forward(ctx, rms, x, weight, bias, eps, residual, offset, stats=True, cfg=None):
     """(y, xsum, mean, rstd).  stats=False (inference): mean and rstd are neither computed into memory
     nor allocated, and an absent xsum is None (the contract's 0-element tensor otherwise).  The tile
-    (ROWS, num_warps) is cfg, else the one the config tuner measured for this bucket (fwd_candidates)."""
+    (ROWS, num_warps, EVICT, CHUNK) is cfg, else the one the config tuner measured for this bucket (fwd_candidates)."""
     shape = x.shape
     n = shape[-1]
     m = x.numel() // n
@@ -134,13 +144,16 @@ def _forward(ctx, rms, x, weight, bias, eps, residual, offset, stats=True, cfg=N
     k = _kernels()
 
     def go(c):
-        rows, warps, evict = c
-        k["fwd"][(triton_cdiv(m, rows),)](
-            x2, r2, weight if weight is not None else x2, bias if bias is not None else x2, y,
-            s if has_res else y, mean if mean is not None else st, st,
-            m, n, sx, sr, n, n, float(eps), float(offset),
-            RMS=rms, HAS_RES=has_res, HAS_W=weight is not None, HAS_B=bias is not None,
-            ROWS=rows, BLOCK_N=block, STATS=stats, EVICT=evict, num_warps=warps)
+        rows, warps, evict, chunk = c
+        args = (x2, r2, weight if weight is not None else x2, bias if bias is not None else x2, y,
+                s if has_res else y, mean if mean is not None else st, st,
+                m, n, sx, sr, n, n, float(eps), float(offset))
+        flags = dict(RMS=rms, HAS_RES=has_res, HAS_W=weight is not None, HAS_B=bias is not None, ROWS=rows,
+                     STATS=stats, num_warps=warps)
+        if chunk:
+            k["fwd_loop"][(triton_cdiv(m, rows),)](*args, CHUNK=chunk, **flags)
+        else:
+            k["fwd"][(triton_cdiv(m, rows),)](*args, BLOCK_N=block, EVICT=evict, **flags)
     if cfg is None:
         key = (rms, has_res, stats, weight is not None, bias is not None, x.dtype, n, _bucket(m))
         cfg = _FWD_PICKED.get(key)          # the per-call path (host-bound decode calls): one dict lookup
