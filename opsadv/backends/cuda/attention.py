@@ -389,7 +389,7 @@ def _bwd(ctx, dout, q, k, v, out, lse, causal, scale, atomic_dq: bool, variant: 
         dq.copy_(dqa)                                       # fp32 accumulator -> q's dtype
     else:
         def run_kernels():
-            cfg_kv = _BWD_KV.pick(key, _configs(ctx, "bwd_kv", d, tma_ok), launch_kv, tune)
+            cfg_kv = _BWD_KV.pick(key, _with_lpt(_configs(ctx, "bwd_kv", d, tma_ok), causal, q), launch_kv, tune)
             cfg_q = _BWD_Q.pick(key, _configs(ctx, "bwd_q", d, tma_ok), launch_q, tune)
             if CONCURRENT_BWD and q.device.type == "cuda":     # the dQ kernel on a side stream next to dK/dV
                 run_side_by_side(q.device, lambda: launch_kv(cfg_kv), lambda: launch_q(cfg_q))
@@ -419,6 +419,15 @@ def _bwd(ctx, dout, q, k, v, out, lse, causal, scale, atomic_dq: bool, variant: 
     return dq, dk, dv
 
 
+def _with_lpt(cfgs: list[dict], causal: bool, q: torch.Tensor) -> list[dict]:
+    """cfgs, then each again with a longest-first launch order of the dK/dV programs (LPT) for causal masks on a
+    GPU, for the tuner to measure: added in session 13 for the GQA dS backward (4x longer programs per chunk, lost
+    0.93x), offered to the two-kernel backward in session 14 (GQA s16384 causal keeps it and reads 0.85x cuDNN)."""
+    if not causal or q.device.type != "cuda":
+        return cfgs
+    return cfgs + [{**c, "LPT": True} for c in cfgs]
+
+
 # The dS backward variants take part in the measured choice (False: only when forced by name).
 DS_BACKWARD = True
 
@@ -441,8 +450,7 @@ def _bwd_ds(ctx, key, tune, tma_ok: bool, launch_kv, q, k, dq, causal, scale, pe
     kv_cfgs = _configs(ctx, "bwd_kv", d, tma_ok)
     if tma_ok:      # dS out through a descriptor: it won every d128 bucket of session 13 against plain stores
         kv_cfgs = [{**c, "DS_TMA": True} for c in kv_cfgs]    # (results/kernel_configs_attn_fwdbwd_s13_h200.json)
-    if causal and q.device.type == "cuda":      # longest programs first (the GQA dS backward lost 0.93x in session
-        kv_cfgs = kv_cfgs + [{**c, "LPT": True} for c in kv_cfgs]    # 13 with 4x longer programs per chunk)
+    kv_cfgs = _with_lpt(kv_cfgs, causal, q)
     cfg_kv = _BWD_KVDS.pick(key, kv_cfgs, lambda c: launch_kv(c, first, bufs[0]), tune)
     cfg_dq = _BWD_DQG.pick(key, _configs(ctx, "bwd_dsq", d, tma_ok), lambda c: dq_of(c, first, bufs[0]), tune)
     if not pipelined:
