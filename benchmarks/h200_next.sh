@@ -350,6 +350,14 @@ fq)  # session 14: the fwd+bwd rows the open targets hang on (GQA d128, s16384 d
   cp "$OPSADV_CACHE_DIR/tuning.json" "$OUT/tuning_attn_open.json"
   cp "$OPSADV_CACHE_DIR/kernel_configs.json" "$OUT/kernel_configs_attn_open.json"
   ;;
+nf)  # session 14: the norm forward's GPU tests of every tile (looped ones incl.), then the forward rows alone
+  TRITON_INTERPRET=0 timeout 150 python3 -m pytest -q -p no:cacheprovider -k gpu_every_forward tests/test_cuda_norm.py \
+    > "$OUT/norm_fwd_gpu_pytest.log" 2>&1
+  echo "norm fwd gpu pytest rc $?"; tail -1 "$OUT/norm_fwd_gpu_pytest.log"
+  timeout 170 python3 -m opsadv bench --suite norm --filter '^fwd bf16' --json "$OUT/norm_fwd.json" > "$OUT/norm_fwd.log" 2>&1
+  echo "norm fwd rc $?"; grep -E "^fwd" "$OUT/norm_fwd.log" | cut -c1-150
+  cp "$OPSADV_CACHE_DIR/kernel_configs.json" "$OUT/kernel_configs_norm_fwd.json"
+  ;;
 ds)  # session 13: the 5-GEMM backward (dS materialized, dQ by a GEMM over it): GPU tests, then the probe
   TRITON_INTERPRET=0 timeout 150 python3 -m pytest -q -p no:cacheprovider -k gpu tests/test_attention_ds_backward.py \
     > "$OUT/ds_gpu_pytest.log" 2>&1

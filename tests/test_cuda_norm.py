@@ -146,7 +146,7 @@ def test_every_forward_candidate_matches_reference(rms, n):
 
 @requires_gpu
 @pytest.mark.parametrize("rms", [False, True])
-@pytest.mark.parametrize("n", [5000, 8192])
+@pytest.mark.parametrize("n", [8192])      # (ragged chunks are covered in the interpreter: each n compiles 16 tiles)
 def test_gpu_every_forward_candidate_bf16(rms, n, monkeypatch):
     """On the GPU, bf16: every tile the forward's tuner may pick for a long row (whole-row and looped ones), with
     a residual, 37 rows, NaN-poisoned outputs, against float64."""
