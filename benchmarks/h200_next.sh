@@ -100,6 +100,16 @@
 # fewer chunks (4 / 8 GiB caps: GQA in one chunk, s16384 causal in 2 instead of 8); nm: the norm suite with the forward's eviction-hint candidates, RMS 16384x8192 read 0.952x
 # compile); then PROBE_SHAPES=5,7,6 PARTS="ds tg+nw" (d64 and s16384 non-causal with the descriptor store; the tuning
 # gap probe; the norm backward rows alone); then PART=d (e2e, 560 s).
+# Session 14 (results/*_s14*): PROBE_SHAPES=2,3 PROBE_CAPS=4,8 PARTS="ds nm" (2fc9344: 17 ds GPU tests passed incl.
+# graph capture / LPT; s16384 causal dS backward 12.35 ms vs 13.05 two kernels, bigger caps no help; norm forward RMS
+# 16384x8192 still 0.957x compile), PARTS="gp fq" (419dfcf: own fwd+bwd has no idle GPU time; Inductor's RMSNorm is
+# a looped reduction -> _norm_fwd_loop_kernel), PARTS="fq nc+nm+gp" (0a99afe: own fwd+bwd s16384 causal 1.525x
+# SDPA-flash, GQA s16384 causal 1.467x; RMS 16384x8192 0.980x compile with the looped tile; nm's JSON did not come
+# back: at most 8 files per call), PART=nf on one H200 (0d3a720: looped-tile GPU test passed; 8 of 12 forward rows).
+# Order for session 15, on nvidia-h200-x2: PARTS="n1 n2" (the whole attention suite: no full run since session 12;
+# ~10 min, halves may not finish -- check the JSONs, rows are written as they finish); then PARTS="nm fq" (nm: the
+# norm GPU tests + all 24 rows with the looped tiles; fq: the s16384 causal rows again, 1.446 vs 1.525x in two runs);
+# then PARTS="nw d" (norm backward rows alone; e2e). Keep <= 8 files under $OUT per call.
 # OPSADV_COMMIT=<sha> PART=a bash benchmarks/h200_next.sh   (from the repo root on the GPU host, $OUT set)
 set -u
 # tests/conftest.py defaults TRITON_INTERPRET to 1 (CPU CI): every pytest here must say 0, and select the GPU tests
@@ -304,7 +314,7 @@ cfa) # session 13: the pinned Triton flash-attention conformance with room (see 
   ;;
 nm)  # session 12: the norm GPU tests, then the full norm suite (24 cases) with the forward's (ROWS, warps) measured per
      # bucket (fwd_candidates; hidden 1024 forward read 0.966x torch.compile at ead87e0 with the fixed tile)
-  TRITON_INTERPRET=0 timeout 120 python3 -m pytest -q -p no:cacheprovider -k gpu tests/test_cuda_norm.py \
+  TRITON_INTERPRET=0 timeout 200 python3 -m pytest -q -p no:cacheprovider -k gpu tests/test_cuda_norm.py \
     > "$OUT/norm_gpu_pytest.log" 2>&1
   echo "norm gpu pytest rc $?"; tail -1 "$OUT/norm_gpu_pytest.log"
   timeout 420 python3 -m opsadv bench --suite norm --json "$OUT/norm_full.json" > "$OUT/norm_full.log" 2>&1
