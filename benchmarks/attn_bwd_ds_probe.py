@@ -29,7 +29,8 @@ from opsadv.backends.reference import kernels as R
 DEV = os.environ.get("PROBE_DEVICE", "cuda")
 SHAPES = [(4, 32, 32, 4096, 128, False), (4, 32, 32, 4096, 128, True), (1, 32, 32, 16384, 128, True),
           (4, 32, 8, 4096, 128, True), (16, 32, 32, 1024, 128, False), (4, 32, 32, 4096, 64, True),
-          (1, 32, 32, 16384, 128, False), (4, 32, 32, 4096, 64, False)]      # b, h, h_kv, s, d, causal
+          (1, 32, 32, 16384, 128, False), (4, 32, 32, 4096, 64, False),
+          (1, 32, 8, 16384, 128, True)]      # b, h, h_kv, s, d, causal (8: GQA s16384 causal, session 14's SPLIT)
 VARIANTS = ["kernels", "ds", "ds_pipe"] if DEV == "cuda" else ["kernels", "ds"]
 CAPS = [float(c) for c in os.environ.get("PROBE_CAPS", "").split(",") if c]    # e.g. "4,8": GiB
 if os.environ.get("PROBE_SHAPES"):        # e.g. "0,1,6": a subset of SHAPES by index

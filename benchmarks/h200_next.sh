@@ -106,10 +106,15 @@
 # a looped reduction -> _norm_fwd_loop_kernel), PARTS="fq nc+nm+gp" (0a99afe: own fwd+bwd s16384 causal 1.525x
 # SDPA-flash, GQA s16384 causal 1.467x; RMS 16384x8192 0.980x compile with the looped tile; nm's JSON did not come
 # back: at most 8 files per call), PART=nf on one H200 (0d3a720: looped-tile GPU test passed; 8 of 12 forward rows).
-# Order for session 15, on nvidia-h200-x2: PARTS="n1 n2" (the whole attention suite: no full run since session 12;
-# ~10 min, halves may not finish -- check the JSONs, rows are written as they finish); then PARTS="nm fq" (nm: the
-# norm GPU tests + all 24 rows with the looped tiles; fq: the s16384 causal rows again, 1.446 vs 1.525x in two runs);
-# then PARTS="nw d" (norm backward rows alone; e2e). Keep <= 8 files under $OUT per call.
+# After the last GPU call, SPLIT (GQA dK/dV: one program per q head, the group's fp32 shares summed in order;
+# attention._with_split, _bwd_group_sum_kernel): interpreter tests + sm_90 compile (8 warps: 219 registers, 0 spills
+# vs 255 + 56 B grouped; 4 warps 180 vs 564 B with the dS store), not run on a GPU yet.
+# Order for session 15, on nvidia-h200-x2: PROBE_SHAPES=8,3 PARTS="ds fq" (ds: the GPU tests incl. SPLIT's, then the
+# probe at GQA s16384 / s4096 causal with SPLIT among the tuned tiles; fq: the open fwd+bwd rows -- GQA s16384 causal
+# 1.467x SDPA-flash at 0a99afe, s16384 causal 1.446 / 1.525x in two runs); then PARTS="n1 n2" (the whole attention
+# suite, no full run since session 12; halves may not finish in 540 s -- rows are written as they finish); then
+# PARTS="nm d" (the norm GPU tests + all 24 rows with the looped tiles; e2e), then PART=nw. Keep <= 8 files under $OUT
+# per call (more do not come back).
 # OPSADV_COMMIT=<sha> PART=a bash benchmarks/h200_next.sh   (from the repo root on the GPU host, $OUT set)
 set -u
 # tests/conftest.py defaults TRITON_INTERPRET to 1 (CPU CI): every pytest here must say 0, and select the GPU tests

@@ -148,6 +148,49 @@ def test_longest_first_launch_order(b, hq, hkv, sq, sk, d, causal, variant, seed
         assert rel_err(x, y) < 2e-3, (name, rel_err(x, y))
 
 
+@pytest.mark.parametrize("lpt", [False, True])
+@pytest.mark.parametrize("variant", ["ds", "kernels"])
+@pytest.mark.parametrize("b,hq,hkv,sq,sk,d,causal", [(2, 4, 2, 37, 37, 32, True), CASES[3], CASES[5],
+                                                     (1, 6, 2, 29, 29, 96, False)])
+def test_split_group_dk_dv(b, hq, hkv, sq, sk, d, causal, variant, lpt, seed, monkeypatch):
+    """SPLIT (GQA): one dK/dV program per q head writing its fp32 share, the group's shares summed in order by
+    _bwd_group_sum_kernel: the same gradients (shares NaN-filled before the kernel writes them), over chunks of one
+    kv head for "ds", with and without the longest-first order; the grid has b * h_q programs per kv block."""
+    monkeypatch.setenv("OPSADV_POISON_OUTPUTS", "1")
+    _nan_workspace(monkeypatch)
+    monkeypatch.setattr(G, "DS_WORKSPACE_CAP", (hq // hkv) * G.slab_bytes(sq, sk, torch.float16))
+    orig = A._configs
+    monkeypatch.setattr(A, "_configs", lambda ctx, which, d_, tma_ok: [
+        {**c, "SPLIT": True, "LPT": lpt} if which == "bwd_kv" else c for c in orig(ctx, which, d_, tma_ok)])
+    grids, sums = [], []
+    real, real_sum = A._bwd_kv_kernel, A._bwd_group_sum_kernel
+
+    class Spy:
+        def __init__(self, kernel, seen):
+            self.kernel, self.seen, self.arg_names = kernel, seen, kernel.arg_names
+
+        def __getitem__(self, grid):
+            self.seen.append(grid)
+            return self.kernel[grid]
+    monkeypatch.setattr(A, "_bwd_kv_kernel", Spy(real, grids))
+    monkeypatch.setattr(A, "_bwd_group_sum_kernel", Spy(real_sum, sums))
+    grads, ref = _grads(b, hq, hkv, sq, sk, d, causal, variant)
+    heads = [g[0] if lpt else g[1] for g in grids]
+    assert sum(heads) == b * hq                    # one program per q head and kv block, over the chunks
+    assert len(sums) == len(grids) and sum(g[1] for g in sums) == b * hkv
+    for name, x, y in zip(("dq", "dk", "dv"), grads, ref):
+        assert not torch.isnan(x).any(), name
+        assert rel_err(x, y) < 2e-3, (name, rel_err(x, y))
+
+
+def test_split_is_offered_for_gqa_on_gpus_only():
+    q = torch.empty(1)
+    cfgs = [{"BLOCK_M": 64}]
+    assert A._with_split(cfgs, 1, q) == cfgs and A._with_split(cfgs, 4, q) == cfgs    # CPU: the default tile only
+    meta = torch.empty(1, device="meta")
+    assert A._with_split(cfgs, 1, meta) == cfgs
+
+
 def test_ds_variant_refused_with_reasons_when_the_workspace_does_not_fit(monkeypatch):
     monkeypatch.setattr(G, "DS_WORKSPACE_CAP", 1024)
     with pytest.raises(ValueError, match=r"flash_attention backward: variant 'ds' cannot run.*bytes.*cap 1024"):
@@ -280,6 +323,51 @@ def test_ds_paths_compile_for_sm90():
     assert r["dq"]["tma_loads"] > 0 and r["dq"]["spills"] == 0
 
 
+_SPLIT_COMPILE = r"""
+import json, os
+os.environ.pop("TRITON_INTERPRET", None)
+import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
+from opsadv.backends.cuda import attention as A
+from opsadv.testing.sm90 import compile_sm90
+b, h, g, s, d = 1, 32, 4, 16384, 128
+q = torch.randn(b, h, s, d, dtype=torch.bfloat16)
+kv = torch.randn(b, h // g, s, d, dtype=torch.bfloat16)
+part = torch.empty(g, b, h // g, s, d)
+lse2 = torch.empty(b, h, s)
+ws = torch.empty(4, s, s, dtype=torch.bfloat16)
+qd = A.desc_bhsd(q, 64)
+ds = TensorDescriptor(ws, list(ws.shape), list(ws.stride()), [1, 64, 64])
+out = {}
+for split in (False, True):
+    dk = part if split else kv
+    args = (q, kv, kv, q, dk, dk, lse2, lse2, lse2, None, qd, qd) + q.stride()[:3] + kv.stride()[:3] * 2 + \
+        q.stride()[:3] + dk.stride()[-4:-1] * 2 + (h, g, s, s, 0, 0.1, 0.08)
+    kw = dict(zip(A._bwd_kv_kernel.arg_names, args), HEAD_DIM=d, BLOCK_D=d, BLOCK_M=64, BLOCK_N=64, CAUSAL=True,
+              EVEN_M=True, EVEN_N=True, ATOMIC_DQ=False, DQ_TMA=False, TMA=True, DS=ds, s_dss=ws.stride(0),
+              s_dsn=ws.stride(1), BHK0=0, DS_STORE=True, DS_TMA=True, LPT=True, s_dkg=part.stride(0),
+              s_dvg=part.stride(0), SPLIT=split)
+    r = compile_sm90(A._bwd_kv_kernel, kw, num_warps=8, num_stages=2)
+    out[f"split{int(split)}"] = {"registers": r["registers"], "spills": r["spill_stores"] + r["spill_loads"]}
+args = (part, part, kv, kv, part.stride(0)) + kv.stride()[:3] * 2 + (h // g, g, s, 0)
+kw = dict(zip(A._bwd_group_sum_kernel.arg_names, args), HEAD_DIM=d, BLOCK_D=d, BLOCK_N=32)
+r = compile_sm90(A._bwd_group_sum_kernel, kw, num_warps=4, num_stages=2)
+out["sum"] = {"registers": r["registers"], "spills": r["spill_stores"] + r["spill_loads"]}
+print(json.dumps(out))
+"""
+
+
+def test_split_compiles_for_sm90_like_the_grouped_kernel():
+    """SPLIT changes which q heads a dK/dV program walks, not its loop body: compiled for sm_90a (ptxas, GQA 32/8
+    d128 causal, the dS store through a descriptor, 8 warps) it spills no more than the grouped kernel, and the
+    group sum kernel compiles without spills."""
+    import json
+    from conftest import run_sm90_compile
+    r = json.loads(run_sm90_compile(["-c", _SPLIT_COMPILE]).strip().splitlines()[-1])
+    assert r["split1"]["spills"] <= r["split0"]["spills"], r
+    assert r["sum"]["spills"] == 0, r
+
+
 @requires_gpu
 @pytest.mark.parametrize("variant", ["ds", "ds_pipe"])
 def test_gpu_ds_backward_under_cuda_graph_capture(variant, seed, monkeypatch):
@@ -315,6 +403,26 @@ def test_gpu_longest_first_launch_order(variant, seed, monkeypatch):
     orig = A._configs
     monkeypatch.setattr(A, "_configs", lambda ctx, which, d_, tma_ok: [
         {**c, "LPT": True} if which == "bwd_kv" else c for c in orig(ctx, which, d_, tma_ok)])
+    grads, ref = _grads(2, 8, 2, 1000, 1000, 128, True, variant, device="cuda", dtype=torch.bfloat16, scale=0.1)
+    for name, x, y in zip(("dq", "dk", "dv"), grads, ref):
+        assert not torch.isnan(x).any(), name
+        assert rel_err(x, y) < 1.5e-2, (name, rel_err(x, y))
+
+
+@requires_gpu
+@pytest.mark.parametrize("lpt", [False, True])
+@pytest.mark.parametrize("variant", ["ds", "kernels", "ds_pipe"])
+def test_gpu_split_group_dk_dv(variant, lpt, seed, monkeypatch):
+    """SPLIT on the GPU: bf16 GQA 8/2, 1000 tokens (ragged), causal, the profile's tiles (TMA where they work), the
+    dS workspace capped to two kv heads per chunk (one in each of ds_pipe's half-size workspaces), shares and outputs
+    NaN-filled first."""
+    monkeypatch.setattr(A, "_autotune", lambda ctx, device: False)
+    monkeypatch.setenv("OPSADV_POISON_OUTPUTS", "1")
+    _nan_workspace(monkeypatch)
+    monkeypatch.setattr(G, "DS_WORKSPACE_CAP", 2 * 4 * G.slab_bytes(1000, 1000, torch.bfloat16))
+    orig = A._configs
+    monkeypatch.setattr(A, "_configs", lambda ctx, which, d_, tma_ok: [
+        {**c, "SPLIT": True, "LPT": lpt} if which == "bwd_kv" else c for c in orig(ctx, which, d_, tma_ok)])
     grads, ref = _grads(2, 8, 2, 1000, 1000, 128, True, variant, device="cuda", dtype=torch.bfloat16, scale=0.1)
     for name, x, y in zip(("dq", "dk", "dv"), grads, ref):
         assert not torch.isnan(x).any(), name

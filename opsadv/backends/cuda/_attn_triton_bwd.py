@@ -1,7 +1,8 @@
 """Triton kernels of the flash-attention backward (FlashAttention-2 scheme; the host side is attention.py).
 
 A preprocess kernel (delta = rowsum(dO * O), lse in log2 units); a dK/dV kernel (one program per kv block and kv
-head, looping over the q blocks of every q head of its group, so GQA's sum over the group happens in registers;
+head, looping over the q blocks of every q head of its group, so GQA's sum over the group happens in registers --
+or, SPLIT, one program per kv block and q head with the group's shares added by _bwd_group_sum_kernel;
 optionally dQ by fp32 atomics, or dS^T written to a workspace for _attn_dq_gemm.py's dQ GEMM); a dQ kernel (one
 program per q block, looping over kv blocks, recomputing S and dP).  With TMA the streamed tiles come through
 (b, h, s, d) descriptors."""
@@ -98,6 +99,32 @@ def _bwd_kv_inner(dk, dv, k, v, q_base, do_base, q_desc, do_desc, off_b, off_h, 
 
 
 @triton.jit
+def _bwd_kv_q_head(dk, dv, k, v, Q, DO, LSE2, DELTA, DQA, dq_desc, q_desc, do_desc, off_b, off_hk, g, local,
+                   s_qb, s_qh, s_qm, s_db, s_dh, s_dm, H, GROUP, SQ, SK, OFFSET, qk_scale, scale, offs_n, offs_d,
+                   m_lo, m_mid, sq_pad, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, PAD_D: tl.constexpr,
+                   EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
+                   TMA: tl.constexpr, DS, s_dss, s_dsn, n0, DS_STORE: tl.constexpr, DS_TMA: tl.constexpr):
+    """dK / dV of one kv block += the share of q head g of its group: the causal band's masked q blocks
+    [m_lo, m_mid), then the unmasked ones up to sq_pad."""
+    off_h = off_hk * GROUP + g
+    q_base = Q + off_b.to(tl.int64) * s_qb + off_h.to(tl.int64) * s_qh
+    do_base = DO + off_b.to(tl.int64) * s_db + off_h.to(tl.int64) * s_dh
+    row0 = (off_b * H + off_h).to(tl.int64) * SQ
+    dqa = DQA + row0 * HEAD_DIM                             # fp32 dQ accumulator (b, h_q, s_q, d), contiguous
+    bh = off_b * H + off_h                                  # this q head's slab of the dQ descriptor
+    ds_slab = local * GROUP + g                             # this q head's slab of the dS workspace
+    dk, dv = _bwd_kv_inner(dk, dv, k, v, q_base, do_base, q_desc, do_desc, off_b, off_h, LSE2 + row0,
+                           DELTA + row0, dqa, dq_desc, bh, s_qm, s_dm, offs_n, offs_d, m_lo, m_mid, SQ, SK,
+                           OFFSET, qk_scale, scale, HEAD_DIM, BLOCK_M, PAD_D, True, EVEN_M, EVEN_N, ATOMIC_DQ,
+                           DQ_TMA, TMA, DS, ds_slab, s_dss, s_dsn, n0, DS_STORE, DS_TMA)
+    dk, dv = _bwd_kv_inner(dk, dv, k, v, q_base, do_base, q_desc, do_desc, off_b, off_h, LSE2 + row0,
+                           DELTA + row0, dqa, dq_desc, bh, s_qm, s_dm, offs_n, offs_d, m_mid, sq_pad, SQ, SK,
+                           OFFSET, qk_scale, scale, HEAD_DIM, BLOCK_M, PAD_D, False, EVEN_M, EVEN_N, ATOMIC_DQ,
+                           DQ_TMA, TMA, DS, ds_slab, s_dss, s_dsn, n0, DS_STORE, DS_TMA)
+    return dk, dv
+
+
+@triton.jit
 def _bwd_kv_kernel(Q, K, V, DO, DK, DV, LSE2, DELTA, DQA, dq_desc, q_desc, do_desc,
                    s_qb, s_qh, s_qm, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_db, s_dh, s_dm,
                    s_dkb, s_dkh, s_dkn, s_dvb, s_dvh, s_dvn,
@@ -106,16 +133,25 @@ def _bwd_kv_kernel(Q, K, V, DO, DK, DV, LSE2, DELTA, DQA, dq_desc, q_desc, do_de
                    CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, ATOMIC_DQ: tl.constexpr,
                    DQ_TMA: tl.constexpr = False, TMA: tl.constexpr = False,
                    DS=None, s_dss=0, s_dsn=0, BHK0=0, DS_STORE: tl.constexpr = False, DS_TMA: tl.constexpr = False,
-                   LPT: tl.constexpr = False):
+                   LPT: tl.constexpr = False, s_dkg=0, s_dvg=0, SPLIT: tl.constexpr = False):
     """DS_STORE: also write dS^T (key rows, query columns; q's dtype) of q head slab (program_id(1) * GROUP + g)
     into the workspace DS, for a chunk of kv heads starting at BHK0 (the dQ GEMM of _attn_dq_gemm.py reads it);
     DS_TMA: DS is a (slabs, s_k, s_q) descriptor of (1, BLOCK_N, BLOCK_M) blocks.
+    SPLIT (GQA): one program per kv block and q head instead of per kv block and kv head (GROUP times as many,
+    GROUP times shorter programs: a chunk of one kv head is GROUP times wider); each writes its q head's share
+    of dK / dV (fp32) at DK / DV + g * s_dkg / s_dvg, and _bwd_group_sum_kernel adds the GROUP shares in order.
     LPT: grid (kv heads, kv blocks) instead of (kv blocks, kv heads): the launch order walks every head's first kv
     block before any head's second, so with causal masking (the first kv blocks see the most q rows) the longest
     programs start first and the short ones fill the last wave (longest-processing-time-first)."""
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
-    local = tl.program_id(0) if LPT else tl.program_id(1)  # kv head within this launch (chunk)
+    unit = tl.program_id(0) if LPT else tl.program_id(1)   # kv head (q head with SPLIT) within this launch (chunk)
     pid_n = tl.program_id(1) if LPT else tl.program_id(0)
+    if SPLIT:
+        local = unit // GROUP
+        g_lo = unit % GROUP
+    else:
+        local = unit
+        g_lo = unit * 0
     pid_bhk = local + BHK0
     HKV = H // GROUP
     off_b = pid_bhk // HKV
@@ -135,27 +171,51 @@ def _bwd_kv_kernel(Q, K, V, DO, DK, DV, LSE2, DELTA, DQA, dq_desc, q_desc, do_de
     else:
         m_lo = 0
         m_mid = 0
-    for g in range(GROUP):                                  # GQA: the q heads sharing this kv head
-        off_h = off_hk * GROUP + g
-        q_base = Q + off_b.to(tl.int64) * s_qb + off_h.to(tl.int64) * s_qh
-        do_base = DO + off_b.to(tl.int64) * s_db + off_h.to(tl.int64) * s_dh
-        row0 = (off_b * H + off_h).to(tl.int64) * SQ
-        dqa = DQA + row0 * HEAD_DIM                         # fp32 dQ accumulator (b, h_q, s_q, d), contiguous
-        bh = off_b * H + off_h                              # this q head's slab of the dQ descriptor
-        ds_slab = local * GROUP + g                         # this q head's slab of the dS workspace
-        dk, dv = _bwd_kv_inner(dk, dv, k, v, q_base, do_base, q_desc, do_desc, off_b, off_h, LSE2 + row0,
-                               DELTA + row0, dqa, dq_desc, bh, s_qm, s_dm, offs_n, offs_d, m_lo, m_mid, SQ, SK,
-                               OFFSET, qk_scale, scale, HEAD_DIM, BLOCK_M, PAD_D, True, EVEN_M, EVEN_N, ATOMIC_DQ,
-                               DQ_TMA, TMA, DS, ds_slab, s_dss, s_dsn, n0, DS_STORE, DS_TMA)
-        dk, dv = _bwd_kv_inner(dk, dv, k, v, q_base, do_base, q_desc, do_desc, off_b, off_h, LSE2 + row0,
-                               DELTA + row0, dqa, dq_desc, bh, s_qm, s_dm, offs_n, offs_d, m_mid, sq_pad, SQ, SK,
-                               OFFSET, qk_scale, scale, HEAD_DIM, BLOCK_M, PAD_D, False, EVEN_M, EVEN_N, ATOMIC_DQ,
-                               DQ_TMA, TMA, DS, ds_slab, s_dss, s_dsn, n0, DS_STORE, DS_TMA)
+    if SPLIT:   # one q head, no loop: the registers of a grouped program's loop were spills (tests: sm_90 compile)
+        dk, dv = _bwd_kv_q_head(dk, dv, k, v, Q, DO, LSE2, DELTA, DQA, dq_desc, q_desc, do_desc, off_b, off_hk, g_lo,
+                                local, s_qb, s_qh, s_qm, s_db, s_dh, s_dm, H, GROUP, SQ, SK, OFFSET, qk_scale, scale,
+                                offs_n, offs_d, m_lo, m_mid, sq_pad, HEAD_DIM, BLOCK_M, PAD_D, EVEN_M, EVEN_N,
+                                ATOMIC_DQ, DQ_TMA, TMA, DS, s_dss, s_dsn, n0, DS_STORE, DS_TMA)
+    else:
+        for g in range(GROUP):                              # GQA: the q heads sharing this kv head
+            dk, dv = _bwd_kv_q_head(dk, dv, k, v, Q, DO, LSE2, DELTA, DQA, dq_desc, q_desc, do_desc, off_b, off_hk,
+                                    g, local, s_qb, s_qh, s_qm, s_db, s_dh, s_dm, H, GROUP, SQ, SK, OFFSET, qk_scale,
+                                    scale, offs_n, offs_d, m_lo, m_mid, sq_pad, HEAD_DIM, BLOCK_M, PAD_D, EVEN_M,
+                                    EVEN_N, ATOMIC_DQ, DQ_TMA, TMA, DS, s_dss, s_dsn, n0, DS_STORE, DS_TMA)
     dk = dk * scale
+    dk_base = DK + g_lo.to(tl.int64) * s_dkg + off_b.to(tl.int64) * s_dkb + off_hk.to(tl.int64) * s_dkh  # (g: SPLIT)
+    dv_base = DV + g_lo.to(tl.int64) * s_dvg + off_b.to(tl.int64) * s_dvb + off_hk.to(tl.int64) * s_dvh
+    store_tile(dk_base + offs_n[:, None] * s_dkn + offs_d[None, :], dk.to(DK.dtype.element_ty), offs_n, SK, offs_d,
+               HEAD_DIM, not EVEN_N, PAD_D)
+    store_tile(dv_base + offs_n[:, None] * s_dvn + offs_d[None, :], dv.to(DV.dtype.element_ty), offs_n, SK, offs_d,
+               HEAD_DIM, not EVEN_N, PAD_D)
+
+
+@triton.jit
+def _bwd_group_sum_kernel(DKP, DVP, DK, DV, s_pg, s_dkb, s_dkh, s_dkn, s_dvb, s_dvh, s_dvn, HKV, GROUP, SK, BHK0,
+                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dK / dV of kv head BHK0 + program_id(1) = the sum of its GROUP q heads' fp32 shares (_bwd_kv_kernel with
+    SPLIT; (GROUP, b * h_kv, s_k, d) contiguous), added in the order g = 0, 1, ...: deterministic."""
+    pid_bhk = tl.program_id(1) + BHK0
+    off_b = pid_bhk // HKV
+    off_hk = pid_bhk % HKV
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_n < SK)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    share = (pid_bhk.to(tl.int64) * SK + offs_n[:, None]) * HEAD_DIM + offs_d[None, :]
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    pk = DKP + share
+    pv = DVP + share
+    for _ in range(GROUP):                                  # g = 0, 1, ...: one share per step (64-bit pointers)
+        dk += tl.load(pk, mask=mask, other=0.0)
+        dv += tl.load(pv, mask=mask, other=0.0)
+        pk += s_pg
+        pv += s_pg
     store_tile(DK + off_b.to(tl.int64) * s_dkb + off_hk.to(tl.int64) * s_dkh + offs_n[:, None] * s_dkn + offs_d[None, :],
-               dk.to(DK.dtype.element_ty), offs_n, SK, offs_d, HEAD_DIM, not EVEN_N, PAD_D)
+               dk.to(DK.dtype.element_ty), offs_n, SK, offs_d, HEAD_DIM, True, BLOCK_D != HEAD_DIM)
     store_tile(DV + off_b.to(tl.int64) * s_dvb + off_hk.to(tl.int64) * s_dvh + offs_n[:, None] * s_dvn + offs_d[None, :],
-               dv.to(DV.dtype.element_ty), offs_n, SK, offs_d, HEAD_DIM, not EVEN_N, PAD_D)
+               dv.to(DV.dtype.element_ty), offs_n, SK, offs_d, HEAD_DIM, True, BLOCK_D != HEAD_DIM)
 
 
 @triton.jit
