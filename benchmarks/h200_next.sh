@@ -109,7 +109,7 @@
 # After the last GPU call, SPLIT (GQA dK/dV: one program per q head, the group's fp32 shares summed in order;
 # attention._with_split, _bwd_group_sum_kernel): interpreter tests + sm_90 compile (8 warps: 219 registers, 0 spills
 # vs 255 + 56 B grouped; 4 warps 180 vs 564 B with the dS store), not run on a GPU yet.
-# Order for session 15, on nvidia-h200-x2: PROBE_SHAPES=8,3 PARTS="ds fq" (ds: the GPU tests incl. SPLIT's, then the
+# Order for session 15, on nvidia-h200-x2: PROBE_SHAPES=8,3 PROBE_CAPS=2.1,4 PARTS="ds fq" (ds: the GPU tests incl. SPLIT's, then the
 # probe at GQA s16384 / s4096 causal with SPLIT among the tuned tiles; fq: the open fwd+bwd rows -- GQA s16384 causal
 # 1.467x SDPA-flash at 0a99afe, s16384 causal 1.446 / 1.525x in two runs); then PARTS="n1 n2" (the whole attention
 # suite, no full run since session 12; halves may not finish in 540 s -- rows are written as they finish); then

@@ -150,15 +150,17 @@ def test_longest_first_launch_order(b, hq, hkv, sq, sk, d, causal, variant, seed
 
 @pytest.mark.parametrize("lpt", [False, True])
 @pytest.mark.parametrize("variant", ["ds", "kernels"])
-@pytest.mark.parametrize("b,hq,hkv,sq,sk,d,causal", [(2, 4, 2, 37, 37, 32, True), CASES[3], CASES[5],
-                                                     (1, 6, 2, 29, 29, 96, False)])
-def test_split_group_dk_dv(b, hq, hkv, sq, sk, d, causal, variant, lpt, seed, monkeypatch):
+@pytest.mark.parametrize("b,hq,hkv,sq,sk,d,causal,per_chunk", [
+    (2, 4, 2, 37, 37, 32, True, 1), (2, 4, 2, 37, 37, 32, True, 3), (*CASES[3], 1), (*CASES[5], 1),
+    (1, 6, 2, 29, 29, 96, False, 1)])
+def test_split_group_dk_dv(b, hq, hkv, sq, sk, d, causal, per_chunk, variant, lpt, seed, monkeypatch):
     """SPLIT (GQA): one dK/dV program per q head writing its fp32 share, the group's shares summed in order by
-    _bwd_group_sum_kernel: the same gradients (shares NaN-filled before the kernel writes them), over chunks of one
-    kv head for "ds", with and without the longest-first order; the grid has b * h_q programs per kv block."""
+    _bwd_group_sum_kernel: the same gradients (shares NaN-filled before the kernel writes them), over chunks of
+    per_chunk kv heads for "ds" (3 of 4: a last chunk smaller than the shares buffer it reuses), with and without
+    the longest-first order; the grid has b * h_q programs per kv block."""
     monkeypatch.setenv("OPSADV_POISON_OUTPUTS", "1")
     _nan_workspace(monkeypatch)
-    monkeypatch.setattr(G, "DS_WORKSPACE_CAP", (hq // hkv) * G.slab_bytes(sq, sk, torch.float16))
+    monkeypatch.setattr(G, "DS_WORKSPACE_CAP", per_chunk * (hq // hkv) * G.slab_bytes(sq, sk, torch.float16))
     orig = A._configs
     monkeypatch.setattr(A, "_configs", lambda ctx, which, d_, tma_ok: [
         {**c, "SPLIT": True, "LPT": lpt} if which == "bwd_kv" else c for c in orig(ctx, which, d_, tma_ok)])
@@ -183,12 +185,38 @@ def test_split_group_dk_dv(b, hq, hkv, sq, sk, d, causal, variant, lpt, seed, mo
         assert rel_err(x, y) < 2e-3, (name, rel_err(x, y))
 
 
-def test_split_is_offered_for_gqa_on_gpus_only():
-    q = torch.empty(1)
-    cfgs = [{"BLOCK_M": 64}]
-    assert A._with_split(cfgs, 1, q) == cfgs and A._with_split(cfgs, 4, q) == cfgs    # CPU: the default tile only
-    meta = torch.empty(1, device="meta")
-    assert A._with_split(cfgs, 1, meta) == cfgs
+def test_split_is_offered_for_gqa_on_gpus_within_the_cap():
+    from types import SimpleNamespace
+    gpu = SimpleNamespace(device=SimpleNamespace(type="cuda"))
+    cfgs = [{"BLOCK_M": 64}, {"BLOCK_M": 32}]
+    assert A._with_split(cfgs, 4, gpu) == cfgs + [{"BLOCK_M": 64, "SPLIT": True}, {"BLOCK_M": 32, "SPLIT": True}]
+    assert A._with_split(cfgs, 1, gpu) == cfgs                         # MHA: nothing to split
+    assert A._with_split(cfgs, 4, gpu, fits=False) == cfgs             # the shares would pass the workspace cap
+    assert A._with_split(cfgs, 4, torch.empty(1)) == cfgs              # CPU: the default tile only (no tuning)
+    assert A._split_bytes(4, 8, 16384, 128) == 512 << 20                # GQA 32/8 s16384 d128, all kv heads
+
+
+def test_split_shares_count_against_the_workspace_cap(monkeypatch):
+    """The dS variant offers SPLIT only when its workspace and the shares fit the cap together; the two-kernel
+    variant when all kv heads' shares do."""
+    seen = {}
+    real = A._with_split
+
+    def spy(cfgs, group, q, fits=True):
+        seen.setdefault("fits", []).append(fits)
+        return real(cfgs, group, q, fits)
+    monkeypatch.setattr(A, "_with_split", spy)
+    b, hq, hkv, s, d = 1, 4, 2, 40, 32
+    slab = G.slab_bytes(s, s, torch.float16)
+    monkeypatch.setattr(G, "DS_WORKSPACE_CAP", 2 * slab)              # one kv head's dS slabs, nothing more
+    _grads(b, hq, hkv, s, s, d, True, "ds")
+    assert seen.pop("fits") == [False]
+    monkeypatch.setattr(G, "DS_WORKSPACE_CAP", 2 * slab + A._split_bytes(2, 1, s, d))
+    _grads(b, hq, hkv, s, s, d, True, "ds")
+    assert seen.pop("fits") == [True]
+    monkeypatch.setattr(G, "DS_WORKSPACE_CAP", A._split_bytes(2, 2, s, d) - 1)
+    _grads(b, hq, hkv, s, s, d, True, "kernels")
+    assert seen.pop("fits") == [False]
 
 
 def test_ds_variant_refused_with_reasons_when_the_workspace_does_not_fit(monkeypatch):

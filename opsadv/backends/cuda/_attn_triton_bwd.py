@@ -139,7 +139,8 @@ def _bwd_kv_kernel(Q, K, V, DO, DK, DV, LSE2, DELTA, DQA, dq_desc, q_desc, do_de
     DS_TMA: DS is a (slabs, s_k, s_q) descriptor of (1, BLOCK_N, BLOCK_M) blocks.
     SPLIT (GQA): one program per kv block and q head instead of per kv block and kv head (GROUP times as many,
     GROUP times shorter programs: a chunk of one kv head is GROUP times wider); each writes its q head's share
-    of dK / dV (fp32) at DK / DV + g * s_dkg / s_dvg, and _bwd_group_sum_kernel adds the GROUP shares in order.
+    of dK / dV (fp32) into DK / DV = this launch's (GROUP, kv heads, s_k, d) shares, and _bwd_group_sum_kernel
+    adds the GROUP shares in order.
     LPT: grid (kv heads, kv blocks) instead of (kv blocks, kv heads): the launch order walks every head's first kv
     block before any head's second, so with causal masking (the first kv blocks see the most q rows) the longest
     programs start first and the short ones fill the last wave (longest-processing-time-first)."""
@@ -183,8 +184,12 @@ def _bwd_kv_kernel(Q, K, V, DO, DK, DV, LSE2, DELTA, DQA, dq_desc, q_desc, do_de
                                     scale, offs_n, offs_d, m_lo, m_mid, sq_pad, HEAD_DIM, BLOCK_M, PAD_D, EVEN_M,
                                     EVEN_N, ATOMIC_DQ, DQ_TMA, TMA, DS, s_dss, s_dsn, n0, DS_STORE, DS_TMA)
     dk = dk * scale
-    dk_base = DK + g_lo.to(tl.int64) * s_dkg + off_b.to(tl.int64) * s_dkb + off_hk.to(tl.int64) * s_dkh  # (g: SPLIT)
-    dv_base = DV + g_lo.to(tl.int64) * s_dvg + off_b.to(tl.int64) * s_dvb + off_hk.to(tl.int64) * s_dvh
+    if SPLIT:   # this launch's shares: (GROUP, its kv heads, s_k, d), indexed by the kv head within the launch
+        dk_base = DK + g_lo.to(tl.int64) * s_dkg + local.to(tl.int64) * s_dkh
+        dv_base = DV + g_lo.to(tl.int64) * s_dvg + local.to(tl.int64) * s_dvh
+    else:
+        dk_base = DK + off_b.to(tl.int64) * s_dkb + off_hk.to(tl.int64) * s_dkh
+        dv_base = DV + off_b.to(tl.int64) * s_dvb + off_hk.to(tl.int64) * s_dvh
     store_tile(dk_base + offs_n[:, None] * s_dkn + offs_d[None, :], dk.to(DK.dtype.element_ty), offs_n, SK, offs_d,
                HEAD_DIM, not EVEN_N, PAD_D)
     store_tile(dv_base + offs_n[:, None] * s_dvn + offs_d[None, :], dv.to(DV.dtype.element_ty), offs_n, SK, offs_d,
@@ -195,14 +200,16 @@ def _bwd_kv_kernel(Q, K, V, DO, DK, DV, LSE2, DELTA, DQA, dq_desc, q_desc, do_de
 def _bwd_group_sum_kernel(DKP, DVP, DK, DV, s_pg, s_dkb, s_dkh, s_dkn, s_dvb, s_dvh, s_dvn, HKV, GROUP, SK, BHK0,
                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
     """dK / dV of kv head BHK0 + program_id(1) = the sum of its GROUP q heads' fp32 shares (_bwd_kv_kernel with
-    SPLIT; (GROUP, b * h_kv, s_k, d) contiguous), added in the order g = 0, 1, ...: deterministic."""
-    pid_bhk = tl.program_id(1) + BHK0
+    SPLIT; this launch's (GROUP, kv heads, s_k, d), contiguous per share), added in the order g = 0, 1, ...:
+    deterministic."""
+    local = tl.program_id(1)
+    pid_bhk = local + BHK0
     off_b = pid_bhk // HKV
     off_hk = pid_bhk % HKV
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_n < SK)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    share = (pid_bhk.to(tl.int64) * SK + offs_n[:, None]) * HEAD_DIM + offs_d[None, :]
+    share = (local.to(tl.int64) * SK + offs_n[:, None]) * HEAD_DIM + offs_d[None, :]
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     pk = DKP + share

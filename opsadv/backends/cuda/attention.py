@@ -345,7 +345,7 @@ def _bwd(ctx, dout, q, k, v, out, lse, causal, scale, atomic_dq: bool, variant: 
     dq_tma = atomic_dq and _dq_tma_ok(q, d, block_d)
     tma_ok = not atomic_dq and tma_tiles_ok(ctx, d, block_d, q, k, v, dout)
 
-    shares: list = []       # SPLIT's fp32 dK / dV shares per q head, (2, group, b * h_kv, s_k, d), made once
+    shares: list = []       # SPLIT's fp32 dK / dV shares per q head, (2, group, kv heads of a launch, s_k, d)
 
     def launch_kv(cfg, chunk=None, ws=None):
         """dK/dV of kv heads chunk = (first, count) over b * h_kv (all by default); ws: also write dS^T there.
@@ -354,11 +354,13 @@ def _bwd(ctx, dout, q, k, v, out, lse, causal, scale, atomic_dq: bool, variant: 
         bhk0, nkv = chunk or (0, b * hkv)
         split = bool(cfg.get("SPLIT")) and group > 1 and not atomic_dq
         out_k, out_v, g_strides = dk, dv, {}
-        if split:
-            if not shares:
-                shares.append(new_output((2, group, b * hkv, sk, d), torch.float32, q.device))
-            out_k, out_v = (shares[0][i].view(group, b, hkv, sk, d) for i in (0, 1))
+        kv_strides = (*dk.stride()[:3], *dv.stride()[:3])
+        if split:           # one buffer, reused by every chunk in stream order (sized for the largest)
+            if not shares or shares[0].shape[2] < nkv:
+                shares[:] = [new_output((2, group, nkv, sk, d), torch.float32, q.device)]
+            out_k, out_v = shares[0][0], shares[0][1]
             g_strides = dict(s_dkg=out_k.stride(0), s_dvg=out_v.stride(0), SPLIT=True)
+            kv_strides = (0, out_k.stride(1), out_k.stride(2), 0, out_v.stride(1), out_v.stride(2))
         dq_desc = qd = dod = None
         if cfg["TMA"]:
             qd, dod = desc_bhsd(q, bm), desc_bhsd(dout, bm)
@@ -373,18 +375,17 @@ def _bwd(ctx, dout, q, k, v, out, lse, causal, scale, atomic_dq: bool, variant: 
                            DS_TMA=bool(cfg.get("DS_TMA")))
         lpt = bool(cfg.get("LPT"))
         units = nkv * group if split else nkv               # programs per kv block
-        # (a view's strides are its parent's: out_k[g] of SPLIT starts g * s_dkg elements in)
         _bwd_kv_kernel[(units, triton.cdiv(sk, bn)) if lpt else (triton.cdiv(sk, bn), units)](
             q, k, v, dout, out_k, out_v, lse2, delta, dqa, dq_desc, qd, dod,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
-            *out_k.stride()[-4:-1], *out_v.stride()[-4:-1], *common,
+            *kv_strides, *common,
             HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=causal, EVEN_M=sq % bm == 0, EVEN_N=sk % bn == 0,
             ATOMIC_DQ=atomic_dq, DQ_TMA=dq_tma, TMA=cfg["TMA"], LPT=lpt, **ds_args, **g_strides, **_launch_args(cfg))
         if split:
             sum_bn = 32                                     # (two fp32 tiles of 32 x d per program)
             _bwd_group_sum_kernel[(triton.cdiv(sk, sum_bn), nkv)](
-                shares[0][0], shares[0][1], dk, dv, out_k.stride(0), dk.stride(0), dk.stride(1), dk.stride(2),
+                out_k, out_v, dk, dv, out_k.stride(0), dk.stride(0), dk.stride(1), dk.stride(2),
                 dv.stride(0), dv.stride(1), dv.stride(2), hkv, group, sk, bhk0, HEAD_DIM=d, BLOCK_D=block_d,
                 BLOCK_N=sum_bn)
 
@@ -407,7 +408,8 @@ def _bwd(ctx, dout, q, k, v, out, lse, causal, scale, atomic_dq: bool, variant: 
         dq.copy_(dqa)                                       # fp32 accumulator -> q's dtype
     else:
         def run_kernels():
-            kv_cfgs = _with_lpt(_with_split(_configs(ctx, "bwd_kv", d, tma_ok), group, q), causal, q)
+            fits = _split_bytes(group, b * hkv, sk, d) <= dq_gemm.workspace_cap(ctx)
+            kv_cfgs = _with_lpt(_with_split(_configs(ctx, "bwd_kv", d, tma_ok), group, q, fits), causal, q)
             cfg_kv = _BWD_KV.pick(key, kv_cfgs, launch_kv, tune)
             cfg_q = _BWD_Q.pick(key, _configs(ctx, "bwd_q", d, tma_ok), launch_q, tune)
             if CONCURRENT_BWD and q.device.type == "cuda":     # the dQ kernel on a side stream next to dK/dV
@@ -447,13 +449,22 @@ def _with_lpt(cfgs: list[dict], causal: bool, q: torch.Tensor) -> list[dict]:
     return cfgs + [{**c, "LPT": True} for c in cfgs]
 
 
-def _with_split(cfgs: list[dict], group: int, q: torch.Tensor) -> list[dict]:
+def _split_bytes(group: int, kv_heads: int, sk: int, d: int) -> int:
+    """Bytes of SPLIT's fp32 dK / dV shares for a launch over kv_heads: scratch that counts against the
+    workspace cap with the dS workspace (a chunk of the dS variant: both together).  At the 2 GiB default, GQA
+    32/8 s16384 fills the cap with one kv head's dS slabs, so SPLIT is offered there to the two-kernel variant
+    (all kv heads' shares: 512 MiB) and not to the dS one."""
+    return 2 * group * kv_heads * sk * d * 4
+
+
+def _with_split(cfgs: list[dict], group: int, q: torch.Tensor, fits: bool = True) -> list[dict]:
     """cfgs, then each again with one dK/dV program per q head (SPLIT) for GQA on a GPU, for the tuner to measure:
     the dS backward's chunks of one kv head (s16384: 2 GiB holds one head's 4 q-head slabs) launched only 256
     programs of up to 4 x 256 q blocks each, under one wave of the H200's slots (session 14: ds not chosen for
     GQA s16384 causal, own fwd+bwd 1.467x SDPA-flash); SPLIT gives GROUP times as many, GROUP times shorter ones,
-    for an fp32 write and read of the group's dK / dV shares."""
-    if group == 1 or q.device.type != "cuda":
+    for an fp32 write and read of the group's dK / dV shares (offered only where they fit the workspace cap:
+    fits)."""
+    if group == 1 or q.device.type != "cuda" or not fits:
         return cfgs
     return cfgs + [{**c, "SPLIT": True} for c in cfgs]
 
@@ -480,7 +491,8 @@ def _bwd_ds(ctx, key, tune, tma_ok: bool, launch_kv, q, k, dq, causal, scale, pe
     kv_cfgs = _configs(ctx, "bwd_kv", d, tma_ok)
     if tma_ok:      # dS out through a descriptor: it won every d128 bucket of session 13 against plain stores
         kv_cfgs = [{**c, "DS_TMA": True} for c in kv_cfgs]    # (results/kernel_configs_attn_fwdbwd_s13_h200.json)
-    kv_cfgs = _with_lpt(_with_split(kv_cfgs, group, q), causal, q)
+    scratch = sum(w.numel() * w.element_size() for w in bufs) + _split_bytes(group, per_chunk, sk, d)
+    kv_cfgs = _with_lpt(_with_split(kv_cfgs, group, q, scratch <= dq_gemm.workspace_cap(ctx)), causal, q)
     cfg_kv = _BWD_KVDS.pick(key, kv_cfgs, lambda c: launch_kv(c, first, bufs[0]), tune)
     cfg_dq = _BWD_DQG.pick(key, _configs(ctx, "bwd_dsq", d, tma_ok), lambda c: dq_of(c, first, bufs[0]), tune)
     if not pipelined:
