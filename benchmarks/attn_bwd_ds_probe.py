@@ -11,6 +11,8 @@ shape, with the workspace NaN-filled.
 
     PYTHONPATH=. python3 benchmarks/attn_bwd_ds_probe.py OUT.json
     PROBE_SHAPES=0,3 PROBE_CAPS=4,8 ...: a subset of SHAPES; "ds" also with 4 and 8 GiB workspace caps
+    GQA shapes also time "kernels+split" / "ds+split": every dK/dV tile with SPLIT (one program per q head), the
+    dS variant's cap raised by the shares' bytes
     PROBE_DEVICE=cpu TRITON_INTERPRET=1 ...: a dry run of the logic ("ds" only; tiles not tuned)
 """
 from __future__ import annotations
@@ -24,6 +26,7 @@ from _probe_log import record_case, warm_and_time
 
 from opsadv.backends.cuda import _attn_dq_gemm as G
 from opsadv.backends.cuda import attention as A
+from opsadv.backends.cuda._triton_utils import ConfigTuner
 from opsadv.backends.reference import kernels as R
 
 DEV = os.environ.get("PROBE_DEVICE", "cuda")
@@ -97,6 +100,27 @@ def main(path: str) -> None:
                 finally:
                     G.DS_WORKSPACE_CAP = old_cap
             fns[f"ds@{gib}G"] = with_cap
+        if h != hkv:            # GQA: SPLIT forced on every dK/dV tile (tuned among those, by tuners of their own:
+            # the op's tuners keep their picks, so no call re-tunes), the dS variant's cap raised by the shares' bytes
+            split_tuners = {n: ConfigTuner(f"probe.{n}") for n in ("_BWD_KV", "_BWD_KVDS", "_BWD_DQG")}
+
+            def split(variant, ctx=ctx, do=do, q=q, k=k, v=v, o=o, lse=lse, causal_=causal_, scale=scale):
+                extra = A._split_bytes(h // hkv, b * hkv, s, d)
+                saved = {n: getattr(A, n) for n in split_tuners}
+                old_cfg, old_cap = A._configs, G.DS_WORKSPACE_CAP
+                A._configs = lambda c, which, d_, t: [{**x, "SPLIT": True} if which == "bwd_kv" else x
+                                                      for x in old_cfg(c, which, d_, t)]
+                G.DS_WORKSPACE_CAP = old_cap + extra
+                for n, t in split_tuners.items():
+                    setattr(A, n, t)
+                try:
+                    return A.flash_bwd_variant(ctx, do, q, k, v, o, lse, causal_, scale, variant)
+                finally:
+                    A._configs, G.DS_WORKSPACE_CAP = old_cfg, old_cap
+                    for n, t in saved.items():
+                        setattr(A, n, t)
+            fns["kernels+split"] = lambda: split("kernels")
+            fns["ds+split"] = lambda: split("ds")
         fns["chosen"] = lambda: A.flash_bwd(*args)
         if cudnn_bwd is not None:
             fns["cudnn"] = cudnn_bwd
@@ -107,7 +131,9 @@ def main(path: str) -> None:
                "chosen": {str(kk): vv for kk, vv in A._BWD_VARIANT.best.items()},
                "tiles": {"kv_ds": {str(kk): vv for kk, vv in A._BWD_KVDS.best.items()},
                          "dq_gemm": {str(kk): vv for kk, vv in A._BWD_DQG.best.items()}}}
-        row["kernel_us"] = {var: kernel_us(fns[var]) for var in VARIANTS}
+        row["kernel_us"] = {var: kernel_us(fns[var]) for var in VARIANTS + [n for n in fns if "split" in n]}
+        if h != hkv:
+            row["split_tiles"] = {n: {str(kk): vv for kk, vv in t.best.items()} for n, t in split_tuners.items()}
         if "ds_pipe" in times:
             row["ds_pipe_vs_kernels"] = round(times["kernels"] / times["ds_pipe"], 3)
         if "cudnn" in times:
