@@ -443,7 +443,8 @@ def _bwd(ctx, dout, q, k, v, out, lse, causal, scale, atomic_dq: bool, variant: 
 def _with_lpt(cfgs: list[dict], causal: bool, q: torch.Tensor) -> list[dict]:
     """cfgs, then each again with a longest-first launch order of the dK/dV programs (LPT) for causal masks on a
     GPU, for the tuner to measure: added in session 13 for the GQA dS backward (4x longer programs per chunk, lost
-    0.93x), offered to the two-kernel backward in session 14 (GQA s16384 causal keeps it and reads 0.85x cuDNN)."""
+    0.93x), offered to the two-kernel backward in session 14 (the variant GQA s16384 causal runs; not picked there
+    at 0a99afe)."""
     if not causal or q.device.type != "cuda":
         return cfgs
     return cfgs + [{**c, "LPT": True} for c in cfgs]
