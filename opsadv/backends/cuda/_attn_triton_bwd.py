@@ -219,10 +219,12 @@ def _bwd_group_sum_kernel(DKP, DVP, DK, DV, s_pg, s_dkb, s_dkh, s_dkn, s_dvb, s_
         dv += tl.load(pv, mask=mask, other=0.0)
         pk += s_pg
         pv += s_pg
-    store_tile(DK + off_b.to(tl.int64) * s_dkb + off_hk.to(tl.int64) * s_dkh + offs_n[:, None] * s_dkn + offs_d[None, :],
-               dk.to(DK.dtype.element_ty), offs_n, SK, offs_d, HEAD_DIM, True, BLOCK_D != HEAD_DIM)
-    store_tile(DV + off_b.to(tl.int64) * s_dvb + off_hk.to(tl.int64) * s_dvh + offs_n[:, None] * s_dvn + offs_d[None, :],
-               dv.to(DV.dtype.element_ty), offs_n, SK, offs_d, HEAD_DIM, True, BLOCK_D != HEAD_DIM)
+    dk_base = DK + off_b.to(tl.int64) * s_dkb + off_hk.to(tl.int64) * s_dkh
+    dv_base = DV + off_b.to(tl.int64) * s_dvb + off_hk.to(tl.int64) * s_dvh
+    store_tile(dk_base + offs_n[:, None] * s_dkn + offs_d[None, :], dk.to(DK.dtype.element_ty), offs_n, SK, offs_d,
+               HEAD_DIM, True, BLOCK_D != HEAD_DIM)
+    store_tile(dv_base + offs_n[:, None] * s_dvn + offs_d[None, :], dv.to(DV.dtype.element_ty), offs_n, SK, offs_d,
+               HEAD_DIM, True, BLOCK_D != HEAD_DIM)
 
 
 @triton.jit

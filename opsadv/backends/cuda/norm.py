@@ -115,8 +115,9 @@ def _kernels():
         from ._norm_triton import _norm_bwd_kernel, _norm_bwd_reduce_kernel, _norm_fwd_kernel, _norm_fwd_loop_kernel
         from ._triton_utils import ConfigTuner, FastLaunch
         # launched once or twice per norm call, many calls per step: the launch fast path pays here
-        _K.update(fwd=FastLaunch(_norm_fwd_kernel), fwd_loop=FastLaunch(_norm_fwd_loop_kernel), bwd=FastLaunch(_norm_bwd_kernel),
-                  reduce=FastLaunch(_norm_bwd_reduce_kernel), tuner=ConfigTuner("norm.fwd"))
+        _K.update(fwd=FastLaunch(_norm_fwd_kernel), fwd_loop=FastLaunch(_norm_fwd_loop_kernel),
+                  bwd=FastLaunch(_norm_bwd_kernel), reduce=FastLaunch(_norm_bwd_reduce_kernel),
+                  tuner=ConfigTuner("norm.fwd"))
     return _K
 
 
