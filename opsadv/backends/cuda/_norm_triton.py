@@ -55,6 +55,16 @@ def _norm_fwd_kernel(x_ptr, r_ptr, w_ptr, b_ptr, y_ptr, s_ptr, mean_ptr, rstd_pt
 
 
 @triton.jit
+def _row_chunk(x_ptr, r_ptr, rows64, s_xm, s_rm, cols, mask, HAS_RES: tl.constexpr, POLICY: tl.constexpr):
+    """x (+ the residual) over one [ROWS, CHUNK] piece, in float32; masked elements 0."""
+    x = tl.load(x_ptr + rows64 * s_xm + cols[None, :], mask=mask, other=0.0, eviction_policy=POLICY).to(tl.float32)
+    if HAS_RES:
+        x += tl.load(r_ptr + rows64 * s_rm + cols[None, :], mask=mask, other=0.0,
+                     eviction_policy=POLICY).to(tl.float32)
+    return x
+
+
+@triton.jit
 def _norm_fwd_loop_kernel(x_ptr, r_ptr, w_ptr, b_ptr, y_ptr, s_ptr, mean_ptr, rstd_ptr,
                           M, N, s_xm, s_rm, s_ym, s_sm, eps, offset,
                           RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
@@ -70,11 +80,8 @@ def _norm_fwd_loop_kernel(x_ptr, r_ptr, w_ptr, b_ptr, y_ptr, s_ptr, mean_ptr, rs
     for c0 in range(0, N, CHUNK):
         cols = c0 + tl.arange(0, CHUNK)
         mask = rmask[:, None] & (cols < N)[None, :]
-        x = tl.load(x_ptr + rows64 * s_xm + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_last")
-        x = x.to(tl.float32)
+        x = _row_chunk(x_ptr, r_ptr, rows64, s_xm, s_rm, cols, mask, HAS_RES, "evict_last")
         if HAS_RES:
-            x += tl.load(r_ptr + rows64 * s_rm + cols[None, :], mask=mask, other=0.0,
-                         eviction_policy="evict_last").to(tl.float32)
             tl.store(s_ptr + rows64 * s_sm + cols[None, :], x.to(s_ptr.dtype.element_ty), mask=mask)
         acc += x * x if RMS else x                          # masked columns loaded as 0: they add nothing
     if RMS:
@@ -86,11 +93,7 @@ def _norm_fwd_loop_kernel(x_ptr, r_ptr, w_ptr, b_ptr, y_ptr, s_ptr, mean_ptr, rs
         for c0 in range(0, N, CHUNK):                       # variance around the mean (not E[x^2] - mean^2)
             cols = c0 + tl.arange(0, CHUNK)
             mask = rmask[:, None] & (cols < N)[None, :]
-            x = tl.load(x_ptr + rows64 * s_xm + cols[None, :], mask=mask, other=0.0,
-                        eviction_policy="evict_last").to(tl.float32)
-            if HAS_RES:
-                x += tl.load(r_ptr + rows64 * s_rm + cols[None, :], mask=mask, other=0.0,
-                             eviction_policy="evict_last").to(tl.float32)
+            x = _row_chunk(x_ptr, r_ptr, rows64, s_xm, s_rm, cols, mask, HAS_RES, "evict_last")
             xc = tl.where(mask, x - mean[:, None], 0.0)
             acc += xc * xc
         rstd = tl.rsqrt(tl.sum(acc, axis=1) / N + eps)
@@ -102,11 +105,7 @@ def _norm_fwd_loop_kernel(x_ptr, r_ptr, w_ptr, b_ptr, y_ptr, s_ptr, mean_ptr, rs
         cols = c0 + tl.arange(0, CHUNK)
         cmask = cols < N
         mask = rmask[:, None] & cmask[None, :]
-        x = tl.load(x_ptr + rows64 * s_xm + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
-        x = x.to(tl.float32)
-        if HAS_RES:
-            x += tl.load(r_ptr + rows64 * s_rm + cols[None, :], mask=mask, other=0.0,
-                         eviction_policy="evict_first").to(tl.float32)
+        x = _row_chunk(x_ptr, r_ptr, rows64, s_xm, s_rm, cols, mask, HAS_RES, "evict_first")
         xhat = (x - mean[:, None]) * rstd[:, None]
         if HAS_W:
             w = tl.load(w_ptr + cols, mask=cmask, other=0.0, eviction_policy="evict_last").to(tl.float32)
