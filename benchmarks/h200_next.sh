@@ -357,6 +357,20 @@ nc)  # session 14: our RMSNorm forward tiles (whole-row and the new looped ones)
   echo "norm compile probe rc $?"; grep -v Warn "$OUT/norm_compile_probe.log" | cut -c1-400 | tail -3
   rm -f "$OUT"/norm_compile_probe_inductor_*.py     # kept from the first run (results/); few files come back
   ;;
+sx)  # session 15, one H200: SPLIT's GPU tests (with every ds GPU test), the two open fwd+bwd rows with SPLIT among
+     # the tuned GQA tiles, then the probe at GQA s16384 causal (kernels / ds / kernels+split / ds+split)
+  TRITON_INTERPRET=0 timeout 90 python3 -m pytest -q -p no:cacheprovider -k gpu tests/test_attention_ds_backward.py \
+    > "$OUT/ds_gpu_pytest.log" 2>&1
+  echo "ds gpu pytest rc $?"; tail -2 "$OUT/ds_gpu_pytest.log"
+  timeout 300 python3 -m opsadv bench --suite attention \
+    --filter 'fwd\+bwd bf16 (b1 h32 kv8 s16384 d128 causal|b1 h32 s16384 d128 causal)' \
+    --json "$OUT/attn_fwdbwd_open.json" > "$OUT/attn_fwdbwd_open.log" 2>&1
+  echo "attention fwd+bwd open rows rc $?"; grep -E "^fwd" "$OUT/attn_fwdbwd_open.log" | cut -c1-180
+  cp "$OPSADV_CACHE_DIR/kernel_configs.json" "$OUT/kernel_configs_attn_open.json"
+  PROBE_SHAPES=${PROBE_SHAPES:-8} timeout 170 python3 benchmarks/attn_bwd_ds_probe.py "$OUT/attn_bwd_ds_probe.json" \
+    > "$OUT/attn_bwd_ds_probe.log" 2>&1
+  echo "ds probe rc $?"; cut -c1-400 "$OUT/attn_bwd_ds_probe.log" | grep -v Warn | tail -6
+  ;;
 fq)  # session 14: the fwd+bwd rows the open targets hang on (GQA d128, s16384 d128 causal, d64 causal) with the dS variant
   timeout 540 python3 -m opsadv bench --suite attention \
     --filter 'fwd\+bwd bf16 (b4 h32 kv8|b1 h32 kv8|b1 h32 s16384 d128 causal|b4 h32 s4096 d64 causal)' \
