@@ -121,6 +121,13 @@ def main(path: str) -> None:
                         setattr(A, n, t)
             fns["kernels+split"] = lambda: split("kernels")
             fns["ds+split"] = lambda: split("ds")
+        unavailable = {}
+        for var in [v_ for v_ in list(fns) if v_ != "kernels"]:   # e.g. ds_pipe needs 2 kv heads per chunk
+            try:
+                fns[var]()
+            except ValueError as e:
+                unavailable[var] = str(e)[-160:]
+                del fns[var]
         fns["chosen"] = lambda: A.flash_bwd(*args)
         if cudnn_bwd is not None:
             fns["cudnn"] = cudnn_bwd
@@ -131,7 +138,10 @@ def main(path: str) -> None:
                "chosen": {str(kk): vv for kk, vv in A._BWD_VARIANT.best.items()},
                "tiles": {"kv_ds": {str(kk): vv for kk, vv in A._BWD_KVDS.best.items()},
                          "dq_gemm": {str(kk): vv for kk, vv in A._BWD_DQG.best.items()}}}
-        row["kernel_us"] = {var: kernel_us(fns[var]) for var in VARIANTS + [n for n in fns if "split" in n]}
+        row["kernel_us"] = {var: kernel_us(fns[var]) for var in VARIANTS + [n for n in fns if "split" in n]
+                            if var in fns}
+        if unavailable:
+            row["unavailable"] = unavailable
         if h != hkv:
             row["split_tiles"] = {n: {str(kk): vv for kk, vv in t.best.items()} for n, t in split_tuners.items()}
         if "ds_pipe" in times:

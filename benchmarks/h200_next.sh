@@ -371,6 +371,18 @@ sx)  # session 15, one H200: SPLIT's GPU tests (with every ds GPU test), the two
     > "$OUT/attn_bwd_ds_probe.log" 2>&1
   echo "ds probe rc $?"; cut -c1-400 "$OUT/attn_bwd_ds_probe.log" | grep -v Warn | tail -6
   ;;
+sy)  # session 15, one H200: the sparse forward's LOOP "band" (GPU tests, then the probe's set 6: band / band_mf / run
+     # at 64x64 and 128x128 over causal windows 128-2048), then the ds probe at GQA s16384 causal (SPLIT timed)
+  TRITON_INTERPRET=0 timeout 60 python3 -m pytest -q -p no:cacheprovider -k "gpu and band" tests/test_cuda_sparse.py \
+    > "$OUT/sparse_band_gpu_pytest.log" 2>&1
+  echo "sparse band gpu pytest rc $?"; tail -2 "$OUT/sparse_band_gpu_pytest.log"
+  PROBE_SET=6 timeout 330 python3 benchmarks/sparse_fwd_probe.py "$OUT/sparse_fwd_probe_band.json" 300 \
+    > "$OUT/sparse_fwd_probe_band.log" 2>&1
+  echo "sparse fwd probe rc $?"; grep -E "window_time|summary|\"ok\": false" "$OUT/sparse_fwd_probe_band.log" | cut -c1-700
+  PROBE_SHAPES=${PROBE_SHAPES:-8} timeout 150 python3 benchmarks/attn_bwd_ds_probe.py "$OUT/attn_bwd_ds_probe.json" \
+    > "$OUT/attn_bwd_ds_probe.log" 2>&1
+  echo "ds probe rc $?"; cut -c1-600 "$OUT/attn_bwd_ds_probe.log" | grep -v Warn | tail -4
+  ;;
 fq)  # session 14: the fwd+bwd rows the open targets hang on (GQA d128, s16384 d128 causal, d64 causal) with the dS variant
   timeout 540 python3 -m opsadv bench --suite attention \
     --filter 'fwd\+bwd bf16 (b4 h32 kv8|b1 h32 kv8|b1 h32 s16384 d128 causal|b4 h32 s4096 d64 causal)' \

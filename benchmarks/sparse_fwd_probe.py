@@ -60,6 +60,10 @@ VARIANTS = {
     "fused_run_64_tma": ((64, 64, 4, 3), {"loop": "fused_run", "reverse": False, "tma": True}),
     "run_64_st4_tma": ((64, 64, 4, 4), {"loop": "run", "reverse": False, "tma": True}),
     "run_128x128_tma": ((128, 128, 8, 3), {"loop": "run", "reverse": False, "tma": True}),
+    # set 6 (session 15): band layouts' tiles derived in the kernel (no index loads), full tiles first / masked first
+    "band_64_tma": ((64, 64, 4, 3), {"loop": "band", "reverse": False, "tma": True}),
+    "band_mf_64_tma": ((64, 64, 4, 3), {"loop": "band_mf", "reverse": False, "tma": True}),
+    "band_128x128_tma": ((128, 128, 8, 3), {"loop": "band", "reverse": False, "tma": True}),
 }
 # PROBE_SET picks which variants each section compiles (each is a separate compile per pattern's flags).
 # Set 1 (first H200 run, 6ec5a3d): the loop structures; set 2 (f914ce2): fused_run, and 128x128 tiles over
@@ -86,6 +90,11 @@ SETS = {
               window=("op_default", "run_64", "run_64_tma", "fused_run_64_tma", "run_64_st4_tma",
                       "run_128x128", "run_128x128_tma"),
               small=("run_64_tma", "fused_run_64_tma"), glob=(), varlen=("op_default", "run_64", "run_64_tma")),
+    # set 6: LOOP "band" (session 15) against "run" at the same tiles, TMA K/V as the default
+    "6": dict(windows=(128, 256, 1024, 2048), global_=False,
+              window=("op_default", "run_64_tma", "band_64_tma", "band_mf_64_tma", "run_128x128_tma",
+                      "band_128x128_tma"),
+              small=("band_64_tma", "band_mf_64_tma", "band_128x128_tma"), glob=(), varlen=("op_default",)),
 }
 SET = os.environ.get("PROBE_SET", "3")
 R["probe_set"] = SET

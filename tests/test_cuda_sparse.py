@@ -13,6 +13,8 @@ from opsadv.core import dispatch
 from conftest import rel_err, requires_gpu
 
 sparse_mod = pytest.importorskip("opsadv.backends.cuda.sparse")
+triton = pytest.importorskip("triton")
+tl = triton.language
 
 PAD = torch.tensor([[1] * 50 + [0] * 17, [0] * 20 + [1] * 47])
 PATTERNS = {   # name -> (layout factory, batch[, query heads])
@@ -180,7 +182,7 @@ LOOP_PATTERNS = {   # PATTERNS plus ones with several full tiles per row at the 
 }
 
 
-@pytest.mark.parametrize("loop", ["list", "prefetch", "run", "fused", "fused_run"])
+@pytest.mark.parametrize("loop", ["list", "prefetch", "run", "fused", "fused_run", "band", "band_mf"])
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("name", ["window_causal", "window_wide", "dense_causal_cross", "global_window",
                                   "bigbird_heads", "block_mask_batch", "padding_causal", "varlen",
@@ -194,7 +196,7 @@ def test_forward_loop_variants(name, loop, reverse, poison, monkeypatch):
     _check(make(), b, hq=hq, hk=hq // 2, d=32)
 
 
-@pytest.mark.parametrize("loop", ["list", "run", "fused_run"])
+@pytest.mark.parametrize("loop", ["list", "run", "fused_run", "band"])
 @pytest.mark.parametrize("name", ["window_causal", "dense_causal_cross", "block_mask_batch", "padding_causal",
                                   "varlen_causal_global"])
 def test_forward_tma_loads(name, loop, poison, monkeypatch):
@@ -223,6 +225,86 @@ def test_forward_loop_variants_odd_head_dim_and_tail(loop, poison, monkeypatch):
     monkeypatch.setattr(sparse_mod, "FWD_DEFAULT", {"loop": loop, "reverse": False})
     _check(SparseLayout.sliding_window(45, (7, 11), causal=False, seq_k=83, block_size=32), 1, 2, 1, 96)
     _check(SparseLayout.dense(37, causal=True, block_size=16), 1, 3, 3, 16)
+
+
+BAND_LAYOUTS = {   # band layouts at the interpreter's 32x16 forward tile: edges inside tiles, several masked
+    # tiles above and below the full run, rows that see nothing (s_q > s_k, causal), one query row, no full tile
+    "diagonal": lambda: SparseLayout.sliding_window(53, (0, 0), causal=False, block_size=16),
+    "narrow_causal": lambda: SparseLayout.sliding_window(77, 3, causal=True, block_size=16),
+    "wide_two_sided": lambda: SparseLayout.sliding_window(70, (37, 29), causal=False, seq_k=131, block_size=16),
+    "window_sq_gt_sk": lambda: SparseLayout.sliding_window(90, 20, causal=True, seq_k=41, block_size=16),
+    "causal_sq_gt_sk": lambda: SparseLayout.dense(75, causal=True, seq_k=33, block_size=16),
+    "dense_noncausal": lambda: SparseLayout.dense(61, seq_k=99, block_size=16),
+    "decode_row": lambda: SparseLayout.sliding_window(1, 40, causal=True, seq_k=87, block_size=16),
+    "window_causal_right": lambda: SparseLayout.sliding_window(66, (17, 9), causal=True, block_size=16),
+}
+
+
+@triton.jit
+def _band_probe_kernel(out_ptr, SQ, SK, OFF, WL, WR, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       CAUSAL: tl.constexpr, BM_MODE: tl.constexpr):
+    pid = tl.program_id(0)
+    r = sparse_mod._band_tiles(pid, SQ, SK, OFF, WL, WR, BLOCK_M, BLOCK_N, CAUSAL, BM_MODE)
+    for i in tl.static_range(6):
+        tl.store(out_ptr + pid * 6 + i, r[i])
+
+
+@pytest.mark.parametrize("name", sorted(BAND_LAYOUTS))
+def test_band_tiles_match_the_dense_mask(name):
+    """_band_tiles (LOOP "band") visits exactly the tiles holding an allowed pair, and calls full only tiles whose
+    every in-bounds (row, key) pair is allowed: checked against the layout's dense boolean mask."""
+    lay = BAND_LAYOUTS[name]()
+    bm, bn = 32, 16
+    ti = lay.tile_index(bm, bn)
+    assert sparse_mod._is_band(ti, lay.cu_seqlens, lay.key_padding_mask, lay.window_left, lay.num_global)
+    n_m = -(-lay.seq_q // bm)
+    out = torch.full((n_m, 6), -99, dtype=torch.int32)
+    _band_probe_kernel[(n_m,)](out, lay.seq_q, lay.seq_k, lay.seq_k - lay.seq_q, lay.window_left, lay.window_right,
+                               BLOCK_M=bm, BLOCK_N=bn, CAUSAL=lay.causal, BM_MODE=ti.bm_mode)
+    mask = lay.dense_mask()[0, 0]
+    for m in range(n_m):
+        kt_lo, n_low, full_lo, n_full, hi_lo, n_high = out[m].tolist()
+        rows = mask[m * bm:(m + 1) * bm]
+        want = {kt for kt in range(-(-lay.seq_k // bn)) if rows[:, kt * bn:(kt + 1) * bn].any()}
+        masked = set(range(kt_lo, kt_lo + n_low)) | set(range(hi_lo, hi_lo + n_high))
+        full = set(range(full_lo, full_lo + n_full))
+        assert not masked & full and masked | full == want, (m, out[m].tolist(), sorted(want))
+        for kt in full:
+            assert kt * bn + bn <= lay.seq_k and rows[:, kt * bn:(kt + 1) * bn].all(), (m, kt)
+
+
+@pytest.mark.parametrize("loop", ["band", "band_mf"])
+@pytest.mark.parametrize("name", sorted(BAND_LAYOUTS))
+def test_forward_band_loop(name, loop, poison, monkeypatch):
+    """LOOP "band" / "band_mf" (tiles derived in the kernel, no index loads) on band layouts with odd edges: the
+    reference's function, fwd and bwd through the op (GQA 2:1, a padded head dim too)."""
+    monkeypatch.setattr(sparse_mod, "FWD_DEFAULT", {"loop": loop, "reverse": False})
+    _check(BAND_LAYOUTS[name](), 1, hq=2, hk=1, d=32)
+    if name == "wide_two_sided":
+        _check(BAND_LAYOUTS[name](), 2, hq=3, hk=3, d=96)
+
+
+def test_band_loop_only_for_band_layouts(monkeypatch):
+    """Globals, key padding, packed segments or a mixed block mask are not bands: the kernel gets LOOP "run" (or the
+    prefetched list where full tiles are not one run) instead of 5."""
+    seen = []
+    real = sparse_mod._sparse_fwd
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                seen.append(kw["LOOP"])
+                return real[grid](*a, **kw)
+            return launch
+    monkeypatch.setattr(sparse_mod, "_sparse_fwd", Spy())
+    monkeypatch.setattr(sparse_mod, "FWD_DEFAULT", {"loop": "band", "reverse": False})
+    for name, band in (("window_causal", True), ("global_window", False), ("padding_causal", False),
+                       ("varlen", False), ("block_mask_batch", False)):
+        make, b, *heads = LOOP_PATTERNS[name]
+        hq = heads[0] if heads else 2
+        seen.clear()
+        _check(make(), b, hq=hq, hk=hq // 2, d=32)
+        assert seen and (seen[0] == 5) == band and seen[0] in (1, 2, 5), (name, seen)
 
 
 def test_long_row_tile_selection(monkeypatch):
@@ -415,6 +497,25 @@ def test_gpu_forward_tma_loads(layout, tma, seed, poison, monkeypatch):
     _check(lay, 2 if layout == "block_mask" else 1, hq=4, hk=2, d=128, dtype=torch.bfloat16, device="cuda",
            impls={"sparse_attention": "cuda.triton.sparse_attention"})
     assert bool(made) == tma
+
+
+@requires_gpu
+@pytest.mark.parametrize("loop", ["band", "band_mf"])
+@pytest.mark.parametrize("layout", ["window", "two_sided_cross", "causal_sq_gt_sk", "decode_row"])
+def test_gpu_forward_band_loop(layout, loop, seed, poison, monkeypatch):
+    """On the GPU (bf16, d128, GQA, ragged lengths, K/V descriptors where sm_90): LOOP "band" / "band_mf" vs float32,
+    at the default 64x64 tile and the long-row 128x128 one."""
+    lay = {"window": lambda: SparseLayout.sliding_window(1000, 300, causal=True, block_size=128, device="cuda"),
+           "two_sided_cross": lambda: SparseLayout.sliding_window(700, (200, 131), seq_k=1333, block_size=128,
+                                                                  device="cuda"),
+           "causal_sq_gt_sk": lambda: SparseLayout.dense(901, causal=True, seq_k=517, block_size=128, device="cuda"),
+           "decode_row": lambda: SparseLayout.sliding_window(1, 257, causal=True, seq_k=1029, block_size=128,
+                                                             device="cuda")}[layout]()
+    pin = {"sparse_attention": "cuda.triton.sparse_attention"}
+    for tile in (None, (128, 128, 8, 3)):
+        monkeypatch.setattr(sparse_mod, "LONG_ROW_FWD", {} if tile is None else {"h100": (tile, 1)})
+        monkeypatch.setattr(sparse_mod, "FWD_DEFAULT", {"loop": loop, "reverse": False, "tma": "contiguous"})
+        _check(lay, 1, hq=4, hk=2, d=128, dtype=torch.bfloat16, device="cuda", impls=pin)
 
 
 @requires_gpu

@@ -119,7 +119,13 @@ def _allowed(offs_m, offs_n, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, seg_ptr, pos_ptr, 
 #                 uniform branch for the first n_part (partial) tiles: one pipeline, no refill between loops.
 #   4 "fused_run": as 3 where full tiles are one run (else 3): ids loaded only for the partial tiles, full
 #                 tile t (t >= n_part) is column cols[n_part] + t - n_part.
-LOOP_IDS = {"list": 0, "prefetch": 1, "run": 2, "fused": 3, "fused_run": 4}
+#   5 "band":     band layouts only (a window and/or causal over an all-True or all-False block mask; no globals,
+#                 key padding or segments; else "run"): every row's allowed keys are one interval whose ends grow
+#                 with the row, so the program derives its tiles from (row tile, window, causal) with no index
+#                 loads (_band_tiles); the full tiles first (the pipelined loop's first K/V loads issue at the
+#                 program's start, not after two dependent list loads), then the masked edge tiles.
+#   6 "band_mf":  as 5, the masked edge tiles first (isolates the order from the index loads).
+LOOP_IDS = {"list": 0, "prefetch": 1, "run": 2, "fused": 3, "fused_run": 4, "band": 5, "band_mf": 6}
 # H200 (results/sparse_fwd_probe_h200.json, two runs, 64x64/4/3): "run" vs "list" w256 0.308 vs 0.332 ms,
 # w1024 0.726 vs 0.787, w4096 2.170 vs 2.461, w8192 3.615 vs 4.046, varlen 1.558 vs 1.771; global+window
 # ("prefetch", full tiles not one run) 0.749 vs 0.918.  "fused"/"fused_run" were ~3% faster at w256 and
@@ -191,6 +197,38 @@ def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, s_kn, s_vn, kt, offs_m, offs_d, 
 
 
 @triton.jit
+def _band_tiles(pid_m, SQ, SK, OFF, WL, WR, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                BM_MODE: tl.constexpr):
+    """Key tiles of row tile pid_m in a band layout: row i allows [lo(i), hi(i)] (BM_MODE 1: [0, s_k); else the
+    window [i' - WL, i' + WR], i' = i + OFF; causal caps hi at i'), both ends non-decreasing in i.  Tiles meeting
+    [lo(r0), hi(r1)] are visited; those inside [lo(r1), hi(r0)] are full (every row allows every key), the
+    rest of the visited ones are masked: (lo tile, its count), (first full tile, count), (first tile above
+    the full ones, count).  Rows past s_q may share a full tile: they compute and are never stored."""
+    r0 = pid_m * BLOCK_M
+    r1 = tl.minimum(r0 + BLOCK_M, SQ) - 1
+    if BM_MODE == 1:
+        lo0 = r0 * 0
+        lo1 = lo0
+        hi0 = lo0 + SK - 1
+        hi1 = hi0
+    else:
+        lo0 = tl.maximum(r0 + OFF - WL, 0)
+        lo1 = tl.maximum(r1 + OFF - WL, 0)
+        hi0 = tl.minimum(r0 + OFF + WR, SK - 1)
+        hi1 = tl.minimum(r1 + OFF + WR, SK - 1)
+    if CAUSAL:
+        hi0 = tl.minimum(hi0, r0 + OFF)
+        hi1 = tl.minimum(hi1, r1 + OFF)
+    kt_lo = lo0 // BLOCK_N
+    n_vis = tl.where(hi1 >= lo0, hi1 // BLOCK_N - kt_lo + 1, 0)        # hi1 >= lo0 >= 0: no negative division
+    full_lo = tl.maximum((lo1 + BLOCK_N - 1) // BLOCK_N, kt_lo)
+    full_hi = tl.minimum(tl.maximum(hi0 + 1, 0) // BLOCK_N - 1, kt_lo + n_vis - 1)
+    n_full = tl.maximum(full_hi - full_lo + 1, 0)
+    n_low = tl.where(n_full > 0, full_lo - kt_lo, n_vis)                 # no full tile: all of them masked
+    return kt_lo, n_low, full_lo, n_full, full_lo + n_full, n_vis - n_low - n_full
+
+
+@triton.jit
 def _sparse_fwd(Q, K, V, O, LSE, ROWS, COLS, BM, KPM, SEG, POS, k_desc, v_desc,
                 s_qb, s_qh, s_qm, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_ob, s_oh, s_om,
                 s_rb, s_rh, s_rr, s_cb, s_ch, s_cr, s_bmb, s_bmh, s_bm_q, s_bm_k, s_kpmb,
@@ -224,7 +262,29 @@ def _sparse_fwd(Q, K, V, O, LSE, ROWS, COLS, BM, KPM, SEG, POS, k_desc, v_desc,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
-    if LOOP >= 3:
+    if LOOP >= 5:                                     # band: tiles from the row tile's position, no index loads
+        kt_lo, n_low, full_lo, n_full, hi_lo, n_high = _band_tiles(pid_m, SQ, SK, OFF, WL, WR, BLOCK_M, BLOCK_N,
+                                                                   CAUSAL, BM_MODE)
+        if LOOP == 6:
+            for t in range(0, n_low + n_high):
+                kt = tl.where(t < n_low, kt_lo + t, hi_lo + t - n_low)
+                acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, s_kn, s_vn, kt, offs_m, offs_d, D, qk_scale,
+                                          bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL, WR, NG, BS,
+                                          BLOCK_N, EVEN_D, True, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM,
+                                          HAS_SEG, RESCALE, k_desc, v_desc, b32, hk32, TMA)
+        for kt in range(full_lo, full_lo + n_full):  # full tiles (band: masks nowhere; GUARD needless)
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, s_kn, s_vn, kt, offs_m, offs_d, D, qk_scale,
+                                      bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL, WR, NG, BS,
+                                      BLOCK_N, EVEN_D, False, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM,
+                                      HAS_SEG, RESCALE, k_desc, v_desc, b32, hk32, TMA)
+        if LOOP == 5:                                 # the masked edge tiles after the full ones
+            for t in range(0, n_low + n_high):
+                kt = tl.where(t < n_low, kt_lo + t, hi_lo + t - n_low)
+                acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, s_kn, s_vn, kt, offs_m, offs_d, D, qk_scale,
+                                          bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL, WR, NG, BS,
+                                          BLOCK_N, EVEN_D, True, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM,
+                                          HAS_SEG, RESCALE, k_desc, v_desc, b32, hk32, TMA)
+    elif LOOP >= 3:
         run0 = tl.load(cols + n_part, mask=n_part < n_all, other=0) - n_part   # LOOP 4: full tile t -> run0 + t
         if LOOP == 4:
             kt = tl.where(n_part > 0, tl.load(cols, mask=n_part > 0, other=0), run0)
@@ -584,6 +644,12 @@ def _long_row_tile(profile, d, ti, block_n, cu, kpm):
     return tile if ti.tiles * block_n >= min_keys * n_rows else None
 
 
+def _is_band(ti, cu, kpm, wl, ng) -> bool:
+    """Every row's allowed keys are one interval with non-decreasing ends (LOOP "band"): a window and/or causal
+    over an all-True / all-False block mask, no globals, key padding or packed segments."""
+    return cu is None and kpm is None and ng == 0 and (ti.bm_mode == 1 or (ti.bm_mode == 0 and wl >= 0))
+
+
 def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale, dense_blocks=False,
                max_seqlen=-1, *, variant=None):
     """variant (benchmarks): {"loop": one of LOOP_IDS, "reverse": bool, "tma": bool | "contiguous"} instead of
@@ -600,6 +666,8 @@ def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale,
         ti = tile_index(block_mask, kpm, cu, bs, causal, wl, wr, ng, sq, sk, bm_m, bn_f)
     opts = {**FWD_DEFAULT, **(variant or {})}
     loop = LOOP_IDS[opts["loop"]]
+    if loop >= 5 and not _is_band(ti, cu, kpm, wl, ng):
+        loop = 2                                    # not a band: the tile lists
     if loop in (2, 4) and not ti.full_run:          # full tiles not one run per row: the general list path
         loop = {2: 1, 4: 3}[loop]
     out = _new(q.shape, q.dtype, q.device, bshd=True)
