@@ -383,6 +383,19 @@ sy)  # session 15, one H200: the sparse forward's LOOP "band" (GPU tests, then t
     > "$OUT/attn_bwd_ds_probe.log" 2>&1
   echo "ds probe rc $?"; cut -c1-600 "$OUT/attn_bwd_ds_probe.log" | grep -v Warn | tail -4
   ;;
+sz)  # session 15, one H200: LOOP "band" is the sparse forward's default now: its GPU tests (band_fused too), the
+     # probe's set 7 (band_fused vs band vs run), then the sparse suite's forward window series + dense rows
+  TRITON_INTERPRET=0 timeout 75 python3 -m pytest -q -p no:cacheprovider -k "gpu and (band or tma_loads)" \
+    tests/test_cuda_sparse.py > "$OUT/sparse_band_gpu_pytest.log" 2>&1
+  echo "sparse band gpu pytest rc $?"; tail -2 "$OUT/sparse_band_gpu_pytest.log"
+  PROBE_SET=7 timeout 130 python3 benchmarks/sparse_fwd_probe.py "$OUT/sparse_fwd_probe_band7.json" 115 \
+    > "$OUT/sparse_fwd_probe_band7.log" 2>&1
+  echo "sparse fwd probe rc $?"; grep -E "window_time|summary|\"ok\": false" "$OUT/sparse_fwd_probe_band7.log" | cut -c1-900
+  timeout 340 python3 -m opsadv bench --suite sparse --filter '^fwd bf16 b1 h32 s16384 d128 (sliding[0-9]+ causal|dense)' \
+    --json "$OUT/sparse_fwd.json" > "$OUT/sparse_fwd.log" 2>&1
+  echo "sparse fwd rows rc $?"; grep -E "^fwd" "$OUT/sparse_fwd.log" | cut -c1-170
+  cp "$OPSADV_CACHE_DIR/tuning.json" "$OUT/tuning_sparse.json"
+  ;;
 fq)  # session 14: the fwd+bwd rows the open targets hang on (GQA d128, s16384 d128 causal, d64 causal) with the dS variant
   timeout 540 python3 -m opsadv bench --suite attention \
     --filter 'fwd\+bwd bf16 (b4 h32 kv8|b1 h32 kv8|b1 h32 s16384 d128 causal|b4 h32 s4096 d64 causal)' \

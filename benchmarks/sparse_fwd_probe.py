@@ -64,6 +64,9 @@ VARIANTS = {
     "band_64_tma": ((64, 64, 4, 3), {"loop": "band", "reverse": False, "tma": True}),
     "band_mf_64_tma": ((64, 64, 4, 3), {"loop": "band_mf", "reverse": False, "tma": True}),
     "band_128x128_tma": ((128, 128, 8, 3), {"loop": "band", "reverse": False, "tma": True}),
+    # set 7: the band tiles in one loop (masked edges in a uniform branch)
+    "band_fused_64_tma": ((64, 64, 4, 3), {"loop": "band_fused", "reverse": False, "tma": True}),
+    "band_fused_128x128_tma": ((128, 128, 8, 3), {"loop": "band_fused", "reverse": False, "tma": True}),
 }
 # PROBE_SET picks which variants each section compiles (each is a separate compile per pattern's flags).
 # Set 1 (first H200 run, 6ec5a3d): the loop structures; set 2 (f914ce2): fused_run, and 128x128 tiles over
@@ -95,6 +98,11 @@ SETS = {
               window=("op_default", "run_64_tma", "band_64_tma", "band_mf_64_tma", "run_128x128_tma",
                       "band_128x128_tma"),
               small=("band_64_tma", "band_mf_64_tma", "band_128x128_tma"), glob=(), varlen=("op_default",)),
+    # set 7: LOOP "band_fused" against "band" (session 15's default from set 6) and "run"
+    "7": dict(windows=(256, 1024, 2048), global_=False,
+              window=("op_default", "run_64_tma", "band_64_tma", "band_fused_64_tma", "band_128x128_tma",
+                      "band_fused_128x128_tma"),
+              small=("band_fused_64_tma", "band_fused_128x128_tma"), glob=(), varlen=()),
 }
 SET = os.environ.get("PROBE_SET", "3")
 R["probe_set"] = SET

@@ -182,7 +182,7 @@ LOOP_PATTERNS = {   # PATTERNS plus ones with several full tiles per row at the 
 }
 
 
-@pytest.mark.parametrize("loop", ["list", "prefetch", "run", "fused", "fused_run", "band", "band_mf"])
+@pytest.mark.parametrize("loop", ["list", "prefetch", "run", "fused", "fused_run", "band", "band_mf", "band_fused"])
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("name", ["window_causal", "window_wide", "dense_causal_cross", "global_window",
                                   "bigbird_heads", "block_mask_batch", "padding_causal", "varlen",
@@ -219,7 +219,7 @@ def test_forward_tma_loads_not_taken_for_a_padded_head_dim(poison, monkeypatch):
     _check(SparseLayout.sliding_window(45, (7, 11), causal=False, seq_k=83, block_size=32), 1, 2, 1, 96)
 
 
-@pytest.mark.parametrize("loop", ["run", "fused", "fused_run"])
+@pytest.mark.parametrize("loop", ["run", "fused", "fused_run", "band_fused"])
 def test_forward_loop_variants_odd_head_dim_and_tail(loop, poison, monkeypatch):
     """A key tail past s_k inside a partial tile (fused: clamped K/V rows) and a padded head dim."""
     monkeypatch.setattr(sparse_mod, "FWD_DEFAULT", {"loop": loop, "reverse": False})
@@ -273,11 +273,11 @@ def test_band_tiles_match_the_dense_mask(name):
             assert kt * bn + bn <= lay.seq_k and rows[:, kt * bn:(kt + 1) * bn].all(), (m, kt)
 
 
-@pytest.mark.parametrize("loop", ["band", "band_mf"])
+@pytest.mark.parametrize("loop", ["band", "band_mf", "band_fused"])
 @pytest.mark.parametrize("name", sorted(BAND_LAYOUTS))
 def test_forward_band_loop(name, loop, poison, monkeypatch):
-    """LOOP "band" / "band_mf" (tiles derived in the kernel, no index loads) on band layouts with odd edges: the
-    reference's function, fwd and bwd through the op (GQA 2:1, a padded head dim too)."""
+    """LOOP "band" / "band_mf" / "band_fused" (tiles derived in the kernel, no index loads) on band layouts with odd
+    edges: the reference's function, fwd and bwd through the op (GQA 2:1, a padded head dim too)."""
     monkeypatch.setattr(sparse_mod, "FWD_DEFAULT", {"loop": loop, "reverse": False})
     _check(BAND_LAYOUTS[name](), 1, hq=2, hk=1, d=32)
     if name == "wide_two_sided":
@@ -500,7 +500,7 @@ def test_gpu_forward_tma_loads(layout, tma, seed, poison, monkeypatch):
 
 
 @requires_gpu
-@pytest.mark.parametrize("loop", ["band", "band_mf"])
+@pytest.mark.parametrize("loop", ["band", "band_mf", "band_fused"])
 @pytest.mark.parametrize("layout", ["window", "two_sided_cross", "causal_sq_gt_sk", "decode_row"])
 def test_gpu_forward_band_loop(layout, loop, seed, poison, monkeypatch):
     """On the GPU (bf16, d128, GQA, ragged lengths, K/V descriptors where sm_90): LOOP "band" / "band_mf" vs float32,

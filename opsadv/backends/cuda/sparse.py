@@ -125,7 +125,9 @@ def _allowed(offs_m, offs_n, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, seg_ptr, pos_ptr, 
 #                 loads (_band_tiles); the full tiles first (the pipelined loop's first K/V loads issue at the
 #                 program's start, not after two dependent list loads), then the masked edge tiles.
 #   6 "band_mf":  as 5, the masked edge tiles first (isolates the order from the index loads).
-LOOP_IDS = {"list": 0, "prefetch": 1, "run": 2, "fused": 3, "fused_run": 4, "band": 5, "band_mf": 6}
+#   7 "band_fused": band tiles in one loop in column order (the "fused" structure): the masked edge tiles take the
+#                 element mask in a uniform branch, so one pipeline covers the program (no refill between loops).
+LOOP_IDS = {"list": 0, "prefetch": 1, "run": 2, "fused": 3, "fused_run": 4, "band": 5, "band_mf": 6, "band_fused": 7}
 # H200 (results/sparse_fwd_probe_h200.json, two runs, 64x64/4/3): "run" vs "list" w256 0.308 vs 0.332 ms,
 # w1024 0.726 vs 0.787, w4096 2.170 vs 2.461, w8192 3.615 vs 4.046, varlen 1.558 vs 1.771; global+window
 # ("prefetch", full tiles not one run) 0.749 vs 0.918.  "fused"/"fused_run" were ~3% faster at w256 and
@@ -135,7 +137,11 @@ LOOP_IDS = {"list": 0, "prefetch": 1, "run": 2, "fused": 3, "fused_run": 4, "ban
 # bf16, "run" 64x64/4/3): w256 0.307 vs 0.319 ms, w1024 0.679 vs 0.741, w2048 1.196 vs 1.300 (128x128/8/3:
 # 1.216 vs 1.307); the packed varlen batch slower, 1.831 vs 1.642 (causal 1.088 vs 0.974); global / block-mask
 # layouts not measured.  Hence "contiguous".
-FWD_DEFAULT = {"loop": "run", "reverse": False, "tma": "contiguous"}
+# "band" (session 15, results/sparse_fwd_probe_band_s15b_h200.json, 60e9cea, s16384 causal windows d128 bf16, TMA K/V,
+# ms band / run): 64x64 w128 0.234 / 0.248, w256 0.299 / 0.310, w1024 0.691 / 0.707, w2048 1.200 / 1.240; 128x128
+# w2048 1.161 / 1.184; "band_mf" the same within 1%: the index loads' latency, not the order, is what it saves.
+# Layouts that are not bands take "run".
+FWD_DEFAULT = {"loop": "band", "reverse": False, "tma": "contiguous"}
 
 
 @triton.jit
@@ -262,7 +268,7 @@ def _sparse_fwd(Q, K, V, O, LSE, ROWS, COLS, BM, KPM, SEG, POS, k_desc, v_desc,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
-    if LOOP >= 5:                                     # band: tiles from the row tile's position, no index loads
+    if LOOP == 5 or LOOP == 6:                        # band: tiles from the row tile's position, no index loads
         kt_lo, n_low, full_lo, n_full, hi_lo, n_high = _band_tiles(pid_m, SQ, SK, OFF, WL, WR, BLOCK_M, BLOCK_N,
                                                                    CAUSAL, BM_MODE)
         if LOOP == 6:
@@ -285,16 +291,27 @@ def _sparse_fwd(Q, K, V, O, LSE, ROWS, COLS, BM, KPM, SEG, POS, k_desc, v_desc,
                                           BLOCK_N, EVEN_D, True, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM,
                                           HAS_SEG, RESCALE, k_desc, v_desc, b32, hk32, TMA)
     elif LOOP >= 3:
-        run0 = tl.load(cols + n_part, mask=n_part < n_all, other=0) - n_part   # LOOP 4: full tile t -> run0 + t
-        if LOOP == 4:
-            kt = tl.where(n_part > 0, tl.load(cols, mask=n_part > 0, other=0), run0)
+        if LOOP == 7:                                 # band_fused: ascending tiles, the masked ones at both ends
+            kt, n_low, full_lo, n_full, hi_lo, n_high = _band_tiles(pid_m, SQ, SK, OFF, WL, WR, BLOCK_M, BLOCK_N,
+                                                                    CAUSAL, BM_MODE)
+            n_tiles = n_low + n_full + n_high
         else:
-            kt = tl.load(cols, mask=n_all > 0, other=0)
-        for t in range(0, n_all):
+            n_tiles = n_all
+            run0 = tl.load(cols + n_part, mask=n_part < n_all, other=0) - n_part   # LOOP 4: full tile t -> run0 + t
             if LOOP == 4:
+                kt = tl.where(n_part > 0, tl.load(cols, mask=n_part > 0, other=0), run0)
+            else:
+                kt = tl.load(cols, mask=n_all > 0, other=0)
+        for t in range(0, n_tiles):
+            if LOOP == 7:
+                kt_next = kt + 1
+                masked = (t < n_low) | (t >= n_low + n_full)
+            elif LOOP == 4:
                 kt_next = tl.where(t + 1 < n_part, tl.load(cols + t + 1, mask=t + 1 < n_part, other=0), run0 + t + 1)
+                masked = t < n_part
             else:
                 kt_next = tl.load(cols + t + 1, mask=t + 1 < n_all, other=0)
+                masked = t < n_part
             offs_n = kt * BLOCK_N + tl.arange(0, BLOCK_N)
             if TMA:
                 k = k_desc.load([b32, hk32, kt * BLOCK_N, 0]).reshape(BLOCK_N, HEAD_D)
@@ -306,7 +323,7 @@ def _sparse_fwd(Q, K, V, O, LSE, ROWS, COLS, BM, KPM, SEG, POS, k_desc, v_desc,
                 v = load_tile(v_base + rows_kv[:, None] * s_vn + offs_d[None, :], rows_kv, SK, offs_d, D, False,
                               not EVEN_D)
             s = tl.dot(q, tl.trans(k))
-            if t < n_part:                            # partial tiles come first in the list
+            if masked:                                # partial tiles (first in the list; band_fused: at both ends)
                 ok = _allowed(offs_m, offs_n, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL, WR, NG,
                               BS, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, HAS_SEG)
                 s = tl.where(ok, s, float("-inf"))
@@ -667,7 +684,7 @@ def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale,
     opts = {**FWD_DEFAULT, **(variant or {})}
     loop = LOOP_IDS[opts["loop"]]
     if loop >= 5 and not _is_band(ti, cu, kpm, wl, ng):
-        loop = 2                                    # not a band: the tile lists
+        loop = 4 if loop == 7 else 2                # not a band: the tile lists
     if loop in (2, 4) and not ti.full_run:          # full tiles not one run per row: the general list path
         loop = {2: 1, 4: 3}[loop]
     out = _new(q.shape, q.dtype, q.device, bshd=True)
