@@ -396,6 +396,16 @@ sz)  # session 15, one H200: LOOP "band" is the sparse forward's default now: it
   echo "sparse fwd rows rc $?"; grep -E "^fwd" "$OUT/sparse_fwd.log" | cut -c1-170
   cp "$OPSADV_CACHE_DIR/tuning.json" "$OUT/tuning_sparse.json"
   ;;
+sn)  # session 15, one H200: the forward descriptor test fixed (the backward's descriptors had counted), then the
+     # first half of the attention suite (no full run since session 12)
+  TRITON_INTERPRET=0 timeout 45 python3 -m pytest -q -p no:cacheprovider -k "gpu_forward_tma_loads" \
+    tests/test_cuda_sparse.py > "$OUT/sparse_tma_gpu_pytest.log" 2>&1
+  echo "sparse tma gpu pytest rc $?"; tail -1 "$OUT/sparse_tma_gpu_pytest.log"
+  timeout 510 python3 -m opsadv bench --suite attention --part 1/2 --json "$OUT/attn_full_n1.json" \
+    > "$OUT/attn_full_n1.log" 2>&1
+  echo "attention n1 rc $?"; grep -E "^(fwd|bwd)" "$OUT/attn_full_n1.log" | cut -c1-170
+  cp "$OPSADV_CACHE_DIR/tuning.json" "$OUT/tuning_attn_n1.json"
+  ;;
 fq)  # session 14: the fwd+bwd rows the open targets hang on (GQA d128, s16384 d128 causal, d64 causal) with the dS variant
   timeout 540 python3 -m opsadv bench --suite attention \
     --filter 'fwd\+bwd bf16 (b4 h32 kv8|b1 h32 kv8|b1 h32 s16384 d128 causal|b4 h32 s4096 d64 causal)' \

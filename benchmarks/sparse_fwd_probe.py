@@ -302,7 +302,7 @@ def varlen():
 def summary():
     rows = []
     for r in R["records"]:
-        if r.get("section") in ("window_time", "varlen_time"):
+        if r.get("section") in ("window_time", "varlen_time") and r.get("variants"):    # set 7 times no varlen
             peer = r.get("flex_ms", r.get("padded_dense_ms"))
             best = min(r["variants"].items(), key=lambda kv: min(kv[1]["ms"]))
             base = next(iter(r["variants"].values()), {}).get("ms", [float("nan")])

@@ -489,6 +489,8 @@ def test_gpu_forward_tma_loads(layout, tma, seed, poison, monkeypatch):
     real = sparse_mod.desc_bhsd
     monkeypatch.setattr(sparse_mod, "desc_bhsd", lambda t, rows: made.append(rows) or real(t, rows))
     monkeypatch.setattr(sparse_mod, "FWD_DEFAULT", {"loop": "run", "reverse": False, "tma": tma})
+    # the backward's own descriptors (BWD_DEFAULT "tma", on since session 11) must not count as the forward's
+    monkeypatch.setattr(sparse_mod, "BWD_DEFAULT", {**sparse_mod.BWD_DEFAULT, "tma": False})
     lay = {"window": lambda: SparseLayout.sliding_window(1000, 300, causal=True, block_size=128, device="cuda"),
            "varlen": lambda: SparseLayout.varlen([300, 1, 517, 182], causal=True, block_size=128, device="cuda"),
            "block_mask": lambda: SparseLayout.from_block_mask(
