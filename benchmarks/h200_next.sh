@@ -406,6 +406,12 @@ sn)  # session 15, one H200: the forward descriptor test fixed (the backward's d
   echo "attention n1 rc $?"; grep -E "^(fwd|bwd)" "$OUT/attn_full_n1.log" | cut -c1-170
   cp "$OPSADV_CACHE_DIR/tuning.json" "$OUT/tuning_attn_n1.json"
   ;;
+so)  # session 15, the last ~6 device minutes: the attention suite's second half for as long as it lasts (the JSON is
+     # rewritten after every case)
+  timeout 300 python3 -m opsadv bench --suite attention --part 2/2 --json "$OUT/attn_full_n2.json" \
+    > "$OUT/attn_full_n2.log" 2>&1
+  echo "attention n2 rc $?"; grep -E "^(fwd|bwd)" "$OUT/attn_full_n2.log" | cut -c1-170
+  ;;
 fq)  # session 14: the fwd+bwd rows the open targets hang on (GQA d128, s16384 d128 causal, d64 causal) with the dS variant
   timeout 540 python3 -m opsadv bench --suite attention \
     --filter 'fwd\+bwd bf16 (b4 h32 kv8|b1 h32 kv8|b1 h32 s16384 d128 causal|b4 h32 s4096 d64 causal)' \
