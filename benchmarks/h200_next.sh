@@ -115,6 +115,15 @@
 # suite, no full run since session 12; halves may not finish in 540 s -- rows are written as they finish); then
 # PARTS="nm d" (the norm GPU tests + all 24 rows with the looped tiles; e2e), then PART=nw. Keep <= 8 files under $OUT
 # per call (more do not come back).
+# Session 15 (results/*_s15*; one H200, the x2 kind was not lent): PART=sx (b31197d: SPLIT's GPU tests pass, the tuner
+# did not pick SPLIT for GQA s16384 causal: own fwd+bwd 1.450x SDPA-flash there, s16384 causal 1.529x; the probe
+# stopped on ds_pipe, which that shape cannot run -- now skipped), PART=sy (60e9cea: the sparse forward's LOOP "band"
+# 2-6% faster than "run" -> default), PART=sz (3d3b008: band_fused not better; sparse forward rows), PART=sn (d76ee14:
+# attention suite first half 16/16 >= 0.98x), PART=so (9ca1034: 13 of the second half's 16 cases before its limit).
+# Order for session 16 (one H200 is enough): PART=sp8 (the persistent band forward, prepared after the last call:
+# GPU tests, then the probe's set 8 -- does fusing the item and tile loops take the per-q-tile fixed cost out of the
+# w1024 forward?), then PARTS="n2" (the three fwd+bwd cases n2 did not reach) + PART=ds with PROBE_SHAPES=8 and a
+# 300 s limit (SPLIT's time at GQA s16384), then "nm d" (norm suite + e2e, not run since sessions 14 / 13).
 # OPSADV_COMMIT=<sha> PART=a bash benchmarks/h200_next.sh   (from the repo root on the GPU host, $OUT set)
 set -u
 # tests/conftest.py defaults TRITON_INTERPRET to 1 (CPU CI): every pytest here must say 0, and select the GPU tests
@@ -411,6 +420,15 @@ so)  # session 15, the last ~6 device minutes: the attention suite's second half
   timeout 300 python3 -m opsadv bench --suite attention --part 2/2 --json "$OUT/attn_full_n2.json" \
     > "$OUT/attn_full_n2.log" 2>&1
   echo "attention n2 rc $?"; grep -E "^(fwd|bwd)" "$OUT/attn_full_n2.log" | cut -c1-170
+  ;;
+sp8)  # session 16: the persistent band forward (sparse.py LOOP "band_persist", _sparse_band_persist.py; prepared in
+      # session 15, interpreter-tested and compiled for sm_90 only): GPU tests, then the probe's set 8
+  TRITON_INTERPRET=0 timeout 90 python3 -m pytest -q -p no:cacheprovider -k "gpu and band" tests/test_cuda_sparse.py \
+    > "$OUT/sparse_band_gpu_pytest.log" 2>&1
+  echo "sparse band gpu pytest rc $?"; tail -2 "$OUT/sparse_band_gpu_pytest.log"
+  PROBE_SET=8 timeout 200 python3 benchmarks/sparse_fwd_probe.py "$OUT/sparse_fwd_probe_persist.json" 185 \
+    > "$OUT/sparse_fwd_probe_persist.log" 2>&1
+  echo "sparse fwd probe rc $?"; grep -E "window_time|summary|\"ok\": false|error" "$OUT/sparse_fwd_probe_persist.log" | cut -c1-900
   ;;
 fq)  # session 14: the fwd+bwd rows the open targets hang on (GQA d128, s16384 d128 causal, d64 causal) with the dS variant
   timeout 540 python3 -m opsadv bench --suite attention \

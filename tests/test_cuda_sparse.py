@@ -273,7 +273,7 @@ def test_band_tiles_match_the_dense_mask(name):
             assert kt * bn + bn <= lay.seq_k and rows[:, kt * bn:(kt + 1) * bn].all(), (m, kt)
 
 
-@pytest.mark.parametrize("loop", ["band", "band_mf", "band_fused"])
+@pytest.mark.parametrize("loop", ["band", "band_mf", "band_fused", "band_persist"])
 @pytest.mark.parametrize("name", sorted(BAND_LAYOUTS))
 def test_forward_band_loop(name, loop, poison, monkeypatch):
     """LOOP "band" / "band_mf" / "band_fused" (tiles derived in the kernel, no index loads) on band layouts with odd
@@ -282,6 +282,45 @@ def test_forward_band_loop(name, loop, poison, monkeypatch):
     _check(BAND_LAYOUTS[name](), 1, hq=2, hk=1, d=32)
     if name == "wide_two_sided":
         _check(BAND_LAYOUTS[name](), 2, hq=3, hk=3, d=96)
+
+
+@pytest.mark.parametrize("name", sorted(BAND_LAYOUTS))
+def test_band_width_tiles_is_the_widest_row_tile(name):
+    """The persistent band kernel runs band_width_tiles() tiles per item: exactly the most any row tile visits
+    (fewer would drop keys, more costs dummy tiles), from host arithmetic alone."""
+    from opsadv.backends.cuda._sparse_band_persist import band_width_tiles
+    lay = BAND_LAYOUTS[name]()
+    bm, bn = 32, 16
+    ti = lay.tile_index(bm, bn)
+    n_m = -(-lay.seq_q // bm)
+    out = torch.full((n_m, 6), -99, dtype=torch.int32)
+    _band_probe_kernel[(n_m,)](out, lay.seq_q, lay.seq_k, lay.seq_k - lay.seq_q, lay.window_left, lay.window_right,
+                               BLOCK_M=bm, BLOCK_N=bn, CAUSAL=lay.causal, BM_MODE=ti.bm_mode)
+    widest = int((out[:, 1] + out[:, 3] + out[:, 5]).max())
+    if lay.window_left >= 0:
+        assert band_width_tiles(lay.seq_q, lay.seq_k, lay.window_left, lay.window_right, lay.causal, bm, bn) == widest
+    assert widest == int(ti.rows[..., 1].max())
+
+
+@pytest.mark.parametrize("tma", [False, "contiguous"])
+@pytest.mark.parametrize("name", ["window_causal", "window_wide", "window_cross"])
+def test_forward_band_persist(name, tma, poison, monkeypatch):
+    """The persistent band forward (3 programs under the interpreter, so each walks several (head, q tile) items,
+    with leading dummy tiles where a row tile is narrower than the widest): the reference's function, with K/V
+    through descriptors or pointers; the kernel is the one that ran."""
+    from opsadv.backends.cuda import _sparse_band_persist as P
+    ran = []
+    real = P._sparse_fwd_band_persist
+
+    class Spy:
+        def __getitem__(self, grid):
+            ran.append(grid)
+            return real[grid]
+    monkeypatch.setattr(P, "_sparse_fwd_band_persist", Spy())
+    monkeypatch.setattr(sparse_mod, "FWD_DEFAULT", {"loop": "band_persist", "reverse": False, "tma": tma})
+    make, b, *heads = LOOP_PATTERNS[name]
+    _check(make(), b, hq=4, hk=2, d=32)
+    assert ran and ran[0] == (P.INTERPRETER_PROGRAMS,)
 
 
 def test_band_loop_only_for_band_layouts(monkeypatch):
@@ -502,11 +541,12 @@ def test_gpu_forward_tma_loads(layout, tma, seed, poison, monkeypatch):
 
 
 @requires_gpu
-@pytest.mark.parametrize("loop", ["band", "band_mf", "band_fused"])
+@pytest.mark.parametrize("loop", ["band", "band_mf", "band_fused", "band_persist"])
 @pytest.mark.parametrize("layout", ["window", "two_sided_cross", "causal_sq_gt_sk", "decode_row"])
 def test_gpu_forward_band_loop(layout, loop, seed, poison, monkeypatch):
-    """On the GPU (bf16, d128, GQA, ragged lengths, K/V descriptors where sm_90): LOOP "band" / "band_mf" vs float32,
-    at the default 64x64 tile and the long-row 128x128 one."""
+    """On the GPU (bf16, d128, GQA, ragged lengths, K/V descriptors where sm_90): LOOP "band" / "band_mf" /
+    "band_fused" / "band_persist" vs float32, at the default 64x64 tile and the long-row 128x128 one (where
+    "band_persist" runs "band")."""
     lay = {"window": lambda: SparseLayout.sliding_window(1000, 300, causal=True, block_size=128, device="cuda"),
            "two_sided_cross": lambda: SparseLayout.sliding_window(700, (200, 131), seq_k=1333, block_size=128,
                                                                   device="cuda"),

@@ -127,7 +127,11 @@ def _allowed(offs_m, offs_n, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, seg_ptr, pos_ptr, 
 #   6 "band_mf":  as 5, the masked edge tiles first (isolates the order from the index loads).
 #   7 "band_fused": band tiles in one loop in column order (the "fused" structure): the masked edge tiles take the
 #                 element mask in a uniform branch, so one pipeline covers the program (no refill between loops).
-LOOP_IDS = {"list": 0, "prefetch": 1, "run": 2, "fused": 3, "fused_run": 4, "band": 5, "band_mf": 6, "band_fused": 7}
+#   8 "band_persist": windowed bands only (else "band"): the persistent kernel of _sparse_band_persist.py, every
+#                 (head, q tile) item running the band's widest tile count so that the item and tile loops fuse
+#                 into one pipelined loop.  Not timed on a GPU yet.
+LOOP_IDS = {"list": 0, "prefetch": 1, "run": 2, "fused": 3, "fused_run": 4, "band": 5, "band_mf": 6, "band_fused": 7,
+            "band_persist": 8}
 # H200 (results/sparse_fwd_probe_h200.json, two runs, 64x64/4/3): "run" vs "list" w256 0.308 vs 0.332 ms,
 # w1024 0.726 vs 0.787, w4096 2.170 vs 2.461, w8192 3.615 vs 4.046, varlen 1.558 vs 1.771; global+window
 # ("prefetch", full tiles not one run) 0.749 vs 0.918.  "fused"/"fused_run" were ~3% faster at w256 and
@@ -683,6 +687,9 @@ def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale,
         ti = tile_index(block_mask, kpm, cu, bs, causal, wl, wr, ng, sq, sk, bm_m, bn_f)
     opts = {**FWD_DEFAULT, **(variant or {})}
     loop = LOOP_IDS[opts["loop"]]
+    if loop == 8 and (wl < 0 or ti.tiles < 0 or long is not None):
+        loop = 5    # persistent band: windows only, not under graph capture, not at the long-row tile (its fused loop
+        #             also buffers Q: 128x128 at 3 stages would need more shared memory than an SM has)
     if loop >= 5 and not _is_band(ti, cu, kpm, wl, ng):
         loop = 4 if loop == 7 else 2                # not a band: the tile lists
     if loop in (2, 4) and not ti.full_run:          # full tiles not one run per row: the general list path
@@ -696,6 +703,12 @@ def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale,
         tma = cu is None and kpm is None and ti.bm_mode != 2
     tma = bool(tma) and tma_tiles_ok(ctx, d, hd, k, v)
     k_desc, v_desc = (desc_bhsd(k, bn_f), desc_bhsd(v, bn_f)) if tma else (None, None)
+    if loop == 8:
+        from ._sparse_band_persist import launch
+        launch(q, k, v, out, lse, ti, ptrs, strides, k_desc, v_desc, hq, hk, sq, sk, d, hd, scale * LOG2E, wl, wr, bs,
+               causal, (bm_m, bn_f, warps, stages), float(fwd_flags[0]) if fwd_flags else 0.0, tma,
+               flatten=opts.get("flatten", True))
+        return out.to(in_dtype), lse
     grid = (triton.cdiv(sq, bm_m), b * hq)
     _sparse_fwd[grid](q, k, v, out, lse, ti.rows, ti.cols, *ptrs, k_desc, v_desc,
                       *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],

@@ -1,0 +1,133 @@
+"""Persistent sparse-attention forward for windowed band layouts (sparse.py's LOOP "band_persist").
+
+Why: at s16384 and a 1024-key causal window the Triton sparse forward spends a fixed ~5 us per (64-row q
+tile, head) program outside its K/V loop (session 14/15 analysis in docs/performance.md): the Q load and
+the first K/V tiles' latency, the refill of the masked edge tiles' loop, the epilogue, and the two programs
+of an SM doing all of that in lock-step.  Here a program walks many (head, q tile) work items, and every
+item runs the same NT key tiles (the band's widest row tile; narrower ones get leading dummy tiles, fully
+masked), so the item loop and the tile loop have loop-invariant bounds and Triton can fuse them into one
+pipelined loop (`tl.range(..., flatten=True)`): the next item's first K/V loads are issued under the current
+item's last tiles, and its epilogue runs while they are in flight.  The cost is the dummy tiles (rows near
+the start of a causal band: at w1024 / s16384, 16 of 256 row tiles per head) and one Q load per item that
+the pipeline does not cover.
+
+Band layouts only (sparse._is_band) with a window: an all-True block mask (dense causal) has no bounded
+width.  Tile classification as sparse._band_tiles (the edge tiles take the element mask of sparse._allowed).
+Not yet timed on a GPU (session 15 ended its device time first): off by default, a probe variant."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._triton_utils import load_tile
+from .sparse import _allowed, _band_tiles, _softmax_step
+
+INTERPRETER_PROGRAMS = 3        # under the interpreter: few programs, so each walks several items (tests)
+SMEM_PER_SM = 233472            # sm_90: 228 KB per SM, 1 KB of it reserved per resident block
+REGS_PER_SM = 65536
+# Resident programs per SM by launch configuration, read from the compiled kernel after its first launch (which
+# assumes 1: never more programs than fit).  sm_90 compile at d128 64x64 (CPU, ptxas): flattened 3 stages 155,672 B
+# of shared memory and 219 registers (1 per SM), flattened 2 stages 106,512 B / 163 (2), unflattened 3 stages
+# 114,712 B / 179 (2): the fused loop also buffers Q.
+_PER_SM: dict = {}
+
+
+def band_width_tiles(sq: int, sk: int, wl: int, wr: int, causal: bool, block_m: int, block_n: int) -> int:
+    """The most key tiles any row tile of a windowed band visits (sparse._band_tiles' n_vis, maximised over
+    the row tiles on the host: integer arithmetic over range(cdiv(sq, block_m)), no device work)."""
+    n_m = -(-sq // block_m)
+    r0 = torch.arange(n_m, dtype=torch.int64) * block_m
+    r1 = torch.clamp(r0 + block_m, max=sq) - 1
+    off = sk - sq
+    lo0 = torch.clamp(r0 + off - wl, min=0)
+    hi1 = torch.clamp(r1 + off + wr, max=sk - 1)
+    if causal:
+        hi1 = torch.minimum(hi1, r1 + off)
+    n_vis = torch.where(hi1 >= lo0, torch.div(hi1, block_n, rounding_mode="floor")
+                        - torch.div(lo0, block_n, rounding_mode="floor") + 1, 0)
+    return int(n_vis.max()) if n_m else 0
+
+
+@triton.jit
+def _sparse_fwd_band_persist(Q, K, V, O, LSE, BM, KPM, SEG, POS, k_desc, v_desc,
+                             s_qb, s_qh, s_qm, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_ob, s_oh, s_om,
+                             s_bmb, s_bmh, s_bm_q, s_bm_k, s_kpmb,
+                             H, GROUP, SQ, SK, OFF, D, qk_scale, WL, WR, NG, BS, n_m, n_items, NT,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
+                             EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, HAS_WIN: tl.constexpr,
+                             BM_MODE: tl.constexpr, RESCALE: tl.constexpr, TMA: tl.constexpr,
+                             FLATTEN: tl.constexpr):
+    offs_d = tl.arange(0, HEAD_D)
+    # work item w: (batch * head, q tile); consecutive items are neighbouring q tiles of one head (K/V in L2)
+    for w in tl.range(tl.program_id(0), n_items, tl.num_programs(0), flatten=FLATTEN):
+        bh = w // n_m
+        pid_m = w % n_m
+        b = (bh // H).to(tl.int64)                   # 64-bit offsets: b * s_qb can pass 2^31 elements
+        h = (bh % H).to(tl.int64)
+        hk = h // GROUP
+        b32 = (bh // H).to(tl.int32)                 # descriptor coordinates are 32-bit
+        hk32 = ((bh % H) // GROUP).to(tl.int32)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        q = tl.load(Q + b * s_qb + h * s_qh + offs_m[:, None] * s_qm + offs_d[None, :],
+                    mask=(offs_m[:, None] < SQ) & (offs_d[None, :] < D), other=0.0)
+        k_base = K + b * s_kb + hk * s_kh
+        v_base = V + b * s_vb + hk * s_vh
+        kt_lo, n_low, full_lo, n_full, hi_lo, n_high = _band_tiles(pid_m, SQ, SK, OFF, WL, WR, BLOCK_M, BLOCK_N,
+                                                                   CAUSAL, BM_MODE)
+        kt0 = kt_lo + n_low + n_full + n_high - NT   # NT tiles ending at the last visited one: those below kt_lo
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)   # are dummies (an all-masked tile: p = 0)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
+        for t in tl.range(0, NT):
+            kt = kt0 + t
+            ktc = tl.maximum(kt, 0)                  # a dummy below key 0 re-reads tile 0 (masked below)
+            if TMA:
+                k = k_desc.load([b32, hk32, ktc * BLOCK_N, 0]).reshape(BLOCK_N, HEAD_D)
+                v = v_desc.load([b32, hk32, ktc * BLOCK_N, 0]).reshape(BLOCK_N, HEAD_D)
+            else:
+                rows_kv = tl.minimum(ktc * BLOCK_N + tl.arange(0, BLOCK_N), SK - 1)   # tail keys: masked below
+                k = load_tile(k_base + rows_kv[:, None] * s_kn + offs_d[None, :], rows_kv, SK, offs_d, D, False,
+                              not EVEN_D)
+                v = load_tile(v_base + rows_kv[:, None] * s_vn + offs_d[None, :], rows_kv, SK, offs_d, D, False,
+                              not EVEN_D)
+            s = tl.dot(q, tl.trans(k))
+            if (kt < full_lo) | (kt >= full_lo + n_full):     # edge or dummy tile: element mask
+                offs_n = kt * BLOCK_N + tl.arange(0, BLOCK_N)
+                ok = _allowed(offs_m, offs_n, BM + b * s_bmb + h * s_bmh, s_bm_q, s_bm_k, KPM + b * s_kpmb, SEG, POS,
+                              SQ, SK, OFF, WL, WR, NG, BS, CAUSAL, HAS_WIN, False, BM_MODE, False, False)
+                s = tl.where(ok & (kt >= kt_lo), s, float("-inf"))
+            acc, l_i, m_i = _softmax_step(acc, l_i, m_i, s, v, qk_scale, True, RESCALE)
+        empty = l_i == 0.0                           # no allowed key in the row: zeros, lse = -inf
+        o = acc / tl.where(empty, 1.0, l_i)[:, None]
+        lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) / 1.4426950408889634)
+        tl.store(O + b * s_ob + h * s_oh + offs_m[:, None] * s_om + offs_d[None, :], o.to(O.dtype.element_ty),
+                 mask=(offs_m[:, None] < SQ) & (offs_d[None, :] < D))
+        tl.store(LSE + bh.to(tl.int64) * SQ + offs_m, lse, mask=offs_m < SQ)
+
+
+def launch(q, k, v, out, lse, ti, ptrs, strides, k_desc, v_desc, hq, hk, sq, sk, d, hd, scale_log2, wl, wr, bs,
+           causal, tile, rescale, tma, flatten=True):
+    """Run the persistent band forward (sparse.sparse_fwd's arguments, already prepared)."""
+    bm_m, bn_f, warps, stages = tile
+    b = q.shape[0]
+    n_m = triton.cdiv(sq, bm_m)
+    n_items = b * hq * n_m
+    nt = band_width_tiles(sq, sk, wl, wr, causal, bm_m, bn_f)
+    key = (q.device, q.dtype, bm_m, bn_f, warps, stages, hd, tma, flatten, causal)
+    if q.device.type == "cuda":
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        programs = min(n_items, sms * _PER_SM.get(key, 1))
+    else:
+        programs = min(n_items, INTERPRETER_PROGRAMS)
+    bm8, kpm8, seg, pos = ptrs
+    compiled = _sparse_fwd_band_persist[(max(programs, 1),)](
+        q, k, v, out, lse, bm8, kpm8, seg, pos, k_desc, v_desc,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *strides,
+        hq, hq // hk, sq, sk, sk - sq, d, scale_log2, wl, wr, 0, bs, n_m, n_items, nt,
+        BLOCK_M=bm_m, BLOCK_N=bn_f, HEAD_D=hd, EVEN_D=hd == d, CAUSAL=causal, HAS_WIN=wl >= 0, BM_MODE=ti.bm_mode,
+        RESCALE=rescale, TMA=tma, FLATTEN=flatten, num_warps=warps, num_stages=stages)
+    if key not in _PER_SM and q.device.type == "cuda" and hasattr(compiled, "metadata"):
+        by_smem = SMEM_PER_SM // (compiled.metadata.shared + 1024)
+        by_regs = REGS_PER_SM // max(1, compiled.n_regs * 32 * warps)
+        _PER_SM[key] = max(1, min(by_smem, by_regs))
