@@ -92,14 +92,15 @@ def main(path: str) -> None:
         ctx, do, q, k, v, o, lse, _, causal_, scale = args
         fns = {var: (lambda var=var: A.flash_bwd_variant(ctx, do, q, k, v, o, lse, causal_, scale, var))
                for var in VARIANTS}
-        for gib in CAPS:        # "ds" with another workspace cap: fewer, larger chunks (GQA: the 2 GiB default
-            def with_cap(gib=gib):   # makes 2 chunks of 16 kv heads whose long programs leave a tail)
-                old_cap, G.DS_WORKSPACE_CAP = G.DS_WORKSPACE_CAP, int(gib * (1 << 30))
-                try:
-                    return A.flash_bwd_variant(ctx, do, q, k, v, o, lse, causal_, scale, "ds")
-                finally:
-                    G.DS_WORKSPACE_CAP = old_cap
-            fns[f"ds@{gib}G"] = with_cap
+        for gib in CAPS:        # "ds" / "ds_pipe" with another workspace cap: fewer, larger chunks (GQA s16384: the
+            for var_ in [x for x in VARIANTS if x != "kernels"]:   # 2 GiB default holds one kv head, no ds_pipe)
+                def with_cap(gib=gib, var_=var_):
+                    old_cap, G.DS_WORKSPACE_CAP = G.DS_WORKSPACE_CAP, int(gib * (1 << 30))
+                    try:
+                        return A.flash_bwd_variant(ctx, do, q, k, v, o, lse, causal_, scale, var_)
+                    finally:
+                        G.DS_WORKSPACE_CAP = old_cap
+                fns[f"{var_}@{gib}G"] = with_cap
         if h != hkv:            # GQA: SPLIT forced on every dK/dV tile (tuned among those, by tuners of their own:
             # the op's tuners keep their picks, so no call re-tunes), the dS variant's cap raised by the shares' bytes
             split_tuners = {n: ConfigTuner(f"probe.{n}") for n in ("_BWD_KV", "_BWD_KVDS", "_BWD_DQG")}

@@ -122,8 +122,9 @@
 # attention suite first half 16/16 >= 0.98x), PART=so (9ca1034: 13 of the second half's 16 cases before its limit).
 # Order for session 16 (one H200 is enough): PART=sp8 (the persistent band forward, prepared after the last call:
 # GPU tests, then the probe's set 8 -- does fusing the item and tile loops take the per-q-tile fixed cost out of the
-# w1024 forward?), then PARTS="n2" (the three fwd+bwd cases n2 did not reach) + PART=ds with PROBE_SHAPES=8 and a
-# 300 s limit (SPLIT's time at GQA s16384), then "nm d" (norm suite + e2e, not run since sessions 14 / 13).
+# w1024 forward?), then PROBE_SHAPES=8 PROBE_CAPS=4 PART=ds (SPLIT's time at GQA s16384, and ds / ds_pipe with a
+# 4 GiB cap: two kv heads per chunk), PART=n2 (the three fwd+bwd cases session 15 did not reach), then "nm d" (norm
+# suite + e2e, not run since sessions 14 / 13).
 # OPSADV_COMMIT=<sha> PART=a bash benchmarks/h200_next.sh   (from the repo root on the GPU host, $OUT set)
 set -u
 # tests/conftest.py defaults TRITON_INTERPRET to 1 (CPU CI): every pytest here must say 0, and select the GPU tests
