@@ -381,7 +381,7 @@ sx)  # session 15, one H200: SPLIT's GPU tests (with every ds GPU test), the two
     > "$OUT/attn_bwd_ds_probe.log" 2>&1
   echo "ds probe rc $?"; cut -c1-400 "$OUT/attn_bwd_ds_probe.log" | grep -v Warn | tail -6
   ;;
-sy)  # session 15, one H200: the sparse forward's LOOP "band" (GPU tests, then the probe's set 6: band / band_mf / run
+sy)  # session 15, one H200: the sparse forward's LOOP "band" (GPU tests, then the probe's set 6: band / run
      # at 64x64 and 128x128 over causal windows 128-2048), then the ds probe at GQA s16384 causal (SPLIT timed)
   TRITON_INTERPRET=0 timeout 60 python3 -m pytest -q -p no:cacheprovider -k "gpu and band" tests/test_cuda_sparse.py \
     > "$OUT/sparse_band_gpu_pytest.log" 2>&1

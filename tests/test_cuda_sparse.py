@@ -273,11 +273,11 @@ def test_band_tiles_match_the_dense_mask(name):
             assert kt * bn + bn <= lay.seq_k and rows[:, kt * bn:(kt + 1) * bn].all(), (m, kt)
 
 
-@pytest.mark.parametrize("loop", ["band", "band_mf", "band_fused", "band_persist"])
+@pytest.mark.parametrize("loop", ["band", "band_fused", "band_persist"])
 @pytest.mark.parametrize("name", sorted(BAND_LAYOUTS))
 def test_forward_band_loop(name, loop, poison, monkeypatch):
-    """LOOP "band" / "band_mf" / "band_fused" (tiles derived in the kernel, no index loads) on band layouts with odd
-    edges: the reference's function, fwd and bwd through the op (GQA 2:1, a padded head dim too)."""
+    """LOOP "band" / "band_fused" / "band_persist" (tiles derived in the kernel, no index loads) on band layouts with
+    odd edges: the reference's function, fwd and bwd through the op (GQA 2:1, a padded head dim too)."""
     monkeypatch.setattr(sparse_mod, "FWD_DEFAULT", {"loop": loop, "reverse": False})
     _check(BAND_LAYOUTS[name](), 1, hq=2, hk=1, d=32)
     if name == "wide_two_sided":
@@ -544,12 +544,12 @@ def test_gpu_forward_tma_loads(layout, tma, seed, poison, monkeypatch):
 
 
 @requires_gpu
-@pytest.mark.parametrize("loop", ["band", "band_mf", "band_fused", "band_persist"])
+@pytest.mark.parametrize("loop", ["band", "band_fused", "band_persist"])
 @pytest.mark.parametrize("layout", ["window", "two_sided_cross", "causal_sq_gt_sk", "decode_row"])
 def test_gpu_forward_band_loop(layout, loop, seed, poison, monkeypatch):
-    """On the GPU (bf16, d128, GQA, ragged lengths, K/V descriptors where sm_90): LOOP "band" / "band_mf" /
-    "band_fused" / "band_persist" vs float32, at the default 64x64 tile and the long-row 128x128 one (where
-    "band_persist" runs "band")."""
+    """On the GPU (bf16, d128, GQA, ragged lengths, K/V descriptors where sm_90): LOOP "band" / "band_fused" /
+    "band_persist" vs float32, at the default 64x64 tile and the long-row 128x128 one (where "band_persist" runs
+    "band")."""
     lay = {"window": lambda: SparseLayout.sliding_window(1000, 300, causal=True, block_size=128, device="cuda"),
            "two_sided_cross": lambda: SparseLayout.sliding_window(700, (200, 131), seq_k=1333, block_size=128,
                                                                   device="cuda"),

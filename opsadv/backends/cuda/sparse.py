@@ -124,14 +124,15 @@ def _allowed(offs_m, offs_n, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, seg_ptr, pos_ptr, 
 #                 with the row, so the program derives its tiles from (row tile, window, causal) with no index
 #                 loads (_band_tiles); the full tiles first (the pipelined loop's first K/V loads issue at the
 #                 program's start, not after two dependent list loads), then the masked edge tiles.
-#   6 "band_mf":  as 5, the masked edge tiles first (isolates the order from the index loads).
-#   7 "band_fused": band tiles in one loop in column order (the "fused" structure): the masked edge tiles take the
+#                 (Session 15 also timed the masked tiles first: the same within 1%, so the saving is the index
+#                 loads' latency, not the order.)
+#   6 "band_fused": band tiles in one loop in column order (the "fused" structure): the masked edge tiles take the
 #                 element mask in a uniform branch, so one pipeline covers the program (no refill between loops).
-#   8 "band_persist": windowed bands only (else "band"): the persistent kernel of _sparse_band_persist.py, every
+#   7 "band_persist": windowed bands only (else "band"): the persistent kernel of _sparse_band_persist.py, every
 #                 (head, q tile) item running the band's widest tile count so that the item and tile loops fuse
 #                 into one pipelined loop.  Not timed on a GPU yet.
-LOOP_IDS = {"list": 0, "prefetch": 1, "run": 2, "fused": 3, "fused_run": 4, "band": 5, "band_mf": 6, "band_fused": 7,
-            "band_persist": 8}
+LOOP_IDS = {"list": 0, "prefetch": 1, "run": 2, "fused": 3, "fused_run": 4, "band": 5, "band_fused": 6,
+            "band_persist": 7}
 # H200 (results/sparse_fwd_probe_h200.json, two runs, 64x64/4/3): "run" vs "list" w256 0.308 vs 0.332 ms,
 # w1024 0.726 vs 0.787, w4096 2.170 vs 2.461, w8192 3.615 vs 4.046, varlen 1.558 vs 1.771; global+window
 # ("prefetch", full tiles not one run) 0.749 vs 0.918.  "fused"/"fused_run" were ~3% faster at w256 and
@@ -143,7 +144,7 @@ LOOP_IDS = {"list": 0, "prefetch": 1, "run": 2, "fused": 3, "fused_run": 4, "ban
 # layouts not measured.  Hence "contiguous".
 # "band" (session 15, results/sparse_fwd_probe_band_s15b_h200.json, 60e9cea, s16384 causal windows d128 bf16, TMA K/V,
 # ms band / run): 64x64 w128 0.234 / 0.248, w256 0.299 / 0.310, w1024 0.691 / 0.707, w2048 1.200 / 1.240; 128x128
-# w2048 1.161 / 1.184; "band_mf" the same within 1%: the index loads' latency, not the order, is what it saves.
+# w2048 1.161 / 1.184; the masked tiles first the same within 1%.
 # Layouts that are not bands take "run".
 FWD_DEFAULT = {"loop": "band", "reverse": False, "tma": "contiguous"}
 
@@ -272,30 +273,22 @@ def _sparse_fwd(Q, K, V, O, LSE, ROWS, COLS, BM, KPM, SEG, POS, k_desc, v_desc,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
-    if LOOP == 5 or LOOP == 6:                        # band: tiles from the row tile's position, no index loads
+    if LOOP == 5:                                     # band: tiles from the row tile's position, no index loads
         kt_lo, n_low, full_lo, n_full, hi_lo, n_high = _band_tiles(pid_m, SQ, SK, OFF, WL, WR, BLOCK_M, BLOCK_N,
                                                                    CAUSAL, BM_MODE)
-        if LOOP == 6:
-            for t in range(0, n_low + n_high):
-                kt = tl.where(t < n_low, kt_lo + t, hi_lo + t - n_low)
-                acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, s_kn, s_vn, kt, offs_m, offs_d, D, qk_scale,
-                                          bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL, WR, NG, BS,
-                                          BLOCK_N, EVEN_D, True, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM,
-                                          HAS_SEG, RESCALE, k_desc, v_desc, b32, hk32, TMA)
-        for kt in range(full_lo, full_lo + n_full):  # full tiles (band: masks nowhere; GUARD needless)
+        for kt in range(full_lo, full_lo + n_full):  # full tiles first (masks nowhere)
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, s_kn, s_vn, kt, offs_m, offs_d, D, qk_scale,
                                       bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL, WR, NG, BS,
                                       BLOCK_N, EVEN_D, False, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM,
                                       HAS_SEG, RESCALE, k_desc, v_desc, b32, hk32, TMA)
-        if LOOP == 5:                                 # the masked edge tiles after the full ones
-            for t in range(0, n_low + n_high):
-                kt = tl.where(t < n_low, kt_lo + t, hi_lo + t - n_low)
-                acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, s_kn, s_vn, kt, offs_m, offs_d, D, qk_scale,
-                                          bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL, WR, NG, BS,
-                                          BLOCK_N, EVEN_D, True, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM,
-                                          HAS_SEG, RESCALE, k_desc, v_desc, b32, hk32, TMA)
+        for t in range(0, n_low + n_high):            # then the masked edge tiles below and above them
+            kt = tl.where(t < n_low, kt_lo + t, hi_lo + t - n_low)
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, s_kn, s_vn, kt, offs_m, offs_d, D, qk_scale,
+                                      bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL, WR, NG, BS,
+                                      BLOCK_N, EVEN_D, True, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM,
+                                      HAS_SEG, RESCALE, k_desc, v_desc, b32, hk32, TMA)
     elif LOOP >= 3:
-        if LOOP == 7:                                 # band_fused: ascending tiles, the masked ones at both ends
+        if LOOP == 6:                                 # band_fused: ascending tiles, the masked ones at both ends
             kt, n_low, full_lo, n_full, hi_lo, n_high = _band_tiles(pid_m, SQ, SK, OFF, WL, WR, BLOCK_M, BLOCK_N,
                                                                     CAUSAL, BM_MODE)
             n_tiles = n_low + n_full + n_high
@@ -307,7 +300,7 @@ def _sparse_fwd(Q, K, V, O, LSE, ROWS, COLS, BM, KPM, SEG, POS, k_desc, v_desc,
             else:
                 kt = tl.load(cols, mask=n_all > 0, other=0)
         for t in range(0, n_tiles):
-            if LOOP == 7:
+            if LOOP == 6:
                 kt_next = kt + 1
                 masked = (t < n_low) | (t >= n_low + n_full)
             elif LOOP == 4:
@@ -687,11 +680,11 @@ def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale,
         ti = tile_index(block_mask, kpm, cu, bs, causal, wl, wr, ng, sq, sk, bm_m, bn_f)
     opts = {**FWD_DEFAULT, **(variant or {})}
     loop = LOOP_IDS[opts["loop"]]
-    if loop == 8 and (wl < 0 or ti.tiles < 0 or long is not None):
+    if loop == 7 and (wl < 0 or ti.tiles < 0 or long is not None):
         loop = 5    # persistent band: windows only, not under graph capture, not at the long-row tile (its fused loop
         #             also buffers Q: 128x128 at 3 stages would need more shared memory than an SM has)
     if loop >= 5 and not _is_band(ti, cu, kpm, wl, ng):
-        loop = 4 if loop == 7 else 2                # not a band: the tile lists
+        loop = 4 if loop == 6 else 2                # not a band: the tile lists
     if loop in (2, 4) and not ti.full_run:          # full tiles not one run per row: the general list path
         loop = {2: 1, 4: 3}[loop]
     out = _new(q.shape, q.dtype, q.device, bshd=True)
@@ -703,7 +696,7 @@ def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale,
         tma = cu is None and kpm is None and ti.bm_mode != 2
     tma = bool(tma) and tma_tiles_ok(ctx, d, hd, k, v)
     k_desc, v_desc = (desc_bhsd(k, bn_f), desc_bhsd(v, bn_f)) if tma else (None, None)
-    if loop == 8:
+    if loop == 7:
         from ._sparse_band_persist import launch
         launch(q, k, v, out, lse, ti, ptrs, strides, k_desc, v_desc, hq, hk, sq, sk, d, hd, scale * LOG2E, wl, wr, bs,
                causal, (bm_m, bn_f, warps, stages), float(fwd_flags[0]) if fwd_flags else 0.0, tma,
