@@ -143,6 +143,15 @@ if [ -n "${PARTS:-}" ]; then
   for p in $PARTS; do echo "== PART=$p"; cat "/tmp/part_$p.txt"; done
   exit 0
 fi
+# the sparse forward's GPU tests (-k $1, limit $2 s), then benchmarks/sparse_fwd_probe.py's set $3 into $OUT/$4.json
+# (limit $5 s; the probe's own budget 15 s less, so it writes its summary)
+sparse_tests_then_probe() {
+  TRITON_INTERPRET=0 timeout "$2" python3 -m pytest -q -p no:cacheprovider -k "$1" tests/test_cuda_sparse.py \
+    > "$OUT/sparse_band_gpu_pytest.log" 2>&1
+  echo "sparse band gpu pytest rc $?"; tail -2 "$OUT/sparse_band_gpu_pytest.log"
+  PROBE_SET=$3 timeout "$5" python3 benchmarks/sparse_fwd_probe.py "$OUT/$4.json" $(( $5 - 15 )) > "$OUT/$4.log" 2>&1
+  echo "sparse fwd probe rc $?"; grep -E "window_time|summary|\"ok\": false|error" "$OUT/$4.log" | cut -c1-900
+}
 case "${PART:-a}" in
 a)
   TRITON_INTERPRET=0 timeout 150 python3 -m pytest -q -p no:cacheprovider -k gpu tests/test_graph_static_cache.py \
@@ -383,24 +392,14 @@ sx)  # session 15, one H200: SPLIT's GPU tests (with every ds GPU test), the two
   ;;
 sy)  # session 15, one H200: the sparse forward's LOOP "band" (GPU tests, then the probe's set 6: band / run
      # at 64x64 and 128x128 over causal windows 128-2048), then the ds probe at GQA s16384 causal (SPLIT timed)
-  TRITON_INTERPRET=0 timeout 60 python3 -m pytest -q -p no:cacheprovider -k "gpu and band" tests/test_cuda_sparse.py \
-    > "$OUT/sparse_band_gpu_pytest.log" 2>&1
-  echo "sparse band gpu pytest rc $?"; tail -2 "$OUT/sparse_band_gpu_pytest.log"
-  PROBE_SET=6 timeout 330 python3 benchmarks/sparse_fwd_probe.py "$OUT/sparse_fwd_probe_band.json" 300 \
-    > "$OUT/sparse_fwd_probe_band.log" 2>&1
-  echo "sparse fwd probe rc $?"; grep -E "window_time|summary|\"ok\": false" "$OUT/sparse_fwd_probe_band.log" | cut -c1-700
+  sparse_tests_then_probe "gpu and band" 60 6 sparse_fwd_probe_band 330
   PROBE_SHAPES=${PROBE_SHAPES:-8} timeout 150 python3 benchmarks/attn_bwd_ds_probe.py "$OUT/attn_bwd_ds_probe.json" \
     > "$OUT/attn_bwd_ds_probe.log" 2>&1
   echo "ds probe rc $?"; cut -c1-600 "$OUT/attn_bwd_ds_probe.log" | grep -v Warn | tail -4
   ;;
 sz)  # session 15, one H200: LOOP "band" is the sparse forward's default now: its GPU tests (band_fused too), the
      # probe's set 7 (band_fused vs band vs run), then the sparse suite's forward window series + dense rows
-  TRITON_INTERPRET=0 timeout 75 python3 -m pytest -q -p no:cacheprovider -k "gpu and (band or tma_loads)" \
-    tests/test_cuda_sparse.py > "$OUT/sparse_band_gpu_pytest.log" 2>&1
-  echo "sparse band gpu pytest rc $?"; tail -2 "$OUT/sparse_band_gpu_pytest.log"
-  PROBE_SET=7 timeout 130 python3 benchmarks/sparse_fwd_probe.py "$OUT/sparse_fwd_probe_band7.json" 115 \
-    > "$OUT/sparse_fwd_probe_band7.log" 2>&1
-  echo "sparse fwd probe rc $?"; grep -E "window_time|summary|\"ok\": false" "$OUT/sparse_fwd_probe_band7.log" | cut -c1-900
+  sparse_tests_then_probe "gpu and (band or tma_loads)" 75 7 sparse_fwd_probe_band7 130
   timeout 340 python3 -m opsadv bench --suite sparse --filter '^fwd bf16 b1 h32 s16384 d128 (sliding[0-9]+ causal|dense)' \
     --json "$OUT/sparse_fwd.json" > "$OUT/sparse_fwd.log" 2>&1
   echo "sparse fwd rows rc $?"; grep -E "^fwd" "$OUT/sparse_fwd.log" | cut -c1-170
@@ -424,12 +423,7 @@ so)  # session 15, the last ~6 device minutes: the attention suite's second half
   ;;
 sp8)  # session 16: the persistent band forward (sparse.py LOOP "band_persist", _sparse_band_persist.py; prepared in
       # session 15, interpreter-tested and compiled for sm_90 only): GPU tests, then the probe's set 8
-  TRITON_INTERPRET=0 timeout 90 python3 -m pytest -q -p no:cacheprovider -k "gpu and band" tests/test_cuda_sparse.py \
-    > "$OUT/sparse_band_gpu_pytest.log" 2>&1
-  echo "sparse band gpu pytest rc $?"; tail -2 "$OUT/sparse_band_gpu_pytest.log"
-  PROBE_SET=8 timeout 200 python3 benchmarks/sparse_fwd_probe.py "$OUT/sparse_fwd_probe_persist.json" 185 \
-    > "$OUT/sparse_fwd_probe_persist.log" 2>&1
-  echo "sparse fwd probe rc $?"; grep -E "window_time|summary|\"ok\": false|error" "$OUT/sparse_fwd_probe_persist.log" | cut -c1-900
+  sparse_tests_then_probe "gpu and band" 90 8 sparse_fwd_probe_persist 200
   ;;
 fq)  # session 14: the fwd+bwd rows the open targets hang on (GQA d128, s16384 d128 causal, d64 causal) with the dS variant
   timeout 540 python3 -m opsadv bench --suite attention \
