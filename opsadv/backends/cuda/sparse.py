@@ -680,9 +680,10 @@ def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale,
         ti = tile_index(block_mask, kpm, cu, bs, causal, wl, wr, ng, sq, sk, bm_m, bn_f)
     opts = {**FWD_DEFAULT, **(variant or {})}
     loop = LOOP_IDS[opts["loop"]]
-    if loop == 7 and (wl < 0 or ti.tiles < 0 or long is not None):
-        loop = 5    # persistent band: windows only, not under graph capture, not at the long-row tile (its fused loop
-        #             also buffers Q: 128x128 at 3 stages would need more shared memory than an SM has)
+    if loop == 7 and (wl < 0 or ti.bm_mode != 0 or ti.tiles < 0 or long is not None):
+        loop = 5    # persistent band: a window over an all-False block mask only (an all-True one has no bounded
+        #             width), not under graph capture, not at the long-row tile (its fused loop also buffers Q:
+        #             128x128 at 3 stages would need more shared memory than an SM has)
     if loop >= 5 and not _is_band(ti, cu, kpm, wl, ng):
         loop = 4 if loop == 6 else 2                # not a band: the tile lists
     if loop in (2, 4) and not ti.full_run:          # full tiles not one run per row: the general list path
