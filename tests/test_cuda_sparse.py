@@ -329,6 +329,16 @@ def test_forward_band_persist(name, tma, poison, monkeypatch):
     assert ran and ran[0] == (P.INTERPRETER_PROGRAMS,)
 
 
+def test_band_persist_grid_follows_the_compiled_kernel():
+    """The persistent grid's programs per SM come from the compiled kernel's shared memory and registers (sm_90
+    compiles of the 64x64 d128 variants: fused 3 stages -> 1, fused 2 stages and unfused -> 2; registers bind
+    at 8 warps x 255)."""
+    from opsadv.backends.cuda._sparse_band_persist import resident_per_sm
+    assert resident_per_sm(155672, 219, 4) == 1
+    assert resident_per_sm(106512, 163, 4) == 2 and resident_per_sm(114712, 179, 4) == 2
+    assert resident_per_sm(40000, 255, 8) == 1 and resident_per_sm(300000, 32, 4) == 1
+
+
 def test_band_loop_only_for_band_layouts(monkeypatch):
     """Globals, key padding, packed segments or a mixed block mask are not bands: the kernel gets LOOP "run" (or the
     prefetched list where full tiles are not one run) instead of 5."""

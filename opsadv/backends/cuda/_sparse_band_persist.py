@@ -127,7 +127,11 @@ def launch(q, k, v, out, lse, ti, ptrs, strides, k_desc, v_desc, hq, hk, sq, sk,
         hq, hq // hk, sq, sk, sk - sq, d, scale_log2, wl, wr, 0, bs, n_m, n_items, nt,
         BLOCK_M=bm_m, BLOCK_N=bn_f, HEAD_D=hd, EVEN_D=hd == d, CAUSAL=causal, HAS_WIN=wl >= 0, BM_MODE=ti.bm_mode,
         RESCALE=rescale, TMA=tma, FLATTEN=flatten, num_warps=warps, num_stages=stages)
-    if key not in _PER_SM and q.device.type == "cuda" and hasattr(compiled, "metadata"):
-        by_smem = SMEM_PER_SM // (compiled.metadata.shared + 1024)
-        by_regs = REGS_PER_SM // max(1, compiled.n_regs * 32 * warps)
-        _PER_SM[key] = max(1, min(by_smem, by_regs))
+    shared, regs = getattr(getattr(compiled, "metadata", None), "shared", None), getattr(compiled, "n_regs", None)
+    if key not in _PER_SM and q.device.type == "cuda" and shared is not None and regs:
+        _PER_SM[key] = resident_per_sm(shared, regs, warps)
+
+
+def resident_per_sm(shared: int, regs: int, warps: int) -> int:
+    """Programs of a kernel (shared memory bytes, registers per thread, warps) that fit one sm_90 SM at once."""
+    return max(1, min(SMEM_PER_SM // (shared + 1024), REGS_PER_SM // (regs * 32 * warps)))
