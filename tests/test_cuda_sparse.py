@@ -182,14 +182,18 @@ LOOP_PATTERNS = {   # PATTERNS plus ones with several full tiles per row at the 
 }
 
 
+LOOP_VARIANT_PATTERNS = ["window_causal", "window_wide", "dense_causal_cross", "global_window", "bigbird_heads",
+                         "block_mask_batch", "padding_causal", "varlen", "varlen_causal_global"]
+
+
 @pytest.mark.parametrize("loop", ["list", "prefetch", "run", "fused", "fused_run"])
-@pytest.mark.parametrize("reverse", [False, True])
-@pytest.mark.parametrize("name", ["window_causal", "window_wide", "dense_causal_cross", "global_window",
-                                  "bigbird_heads", "block_mask_batch", "padding_causal", "varlen",
-                                  "varlen_causal_global"])
+@pytest.mark.parametrize("name, reverse", [(n, False) for n in LOOP_VARIANT_PATTERNS]
+                         + [(n, True) for n in ("window_causal", "dense_causal_cross", "varlen_causal_global")])
 def test_forward_loop_variants(name, loop, reverse, poison, monkeypatch):
     """Every forward loop variant (sparse.LOOP_IDS; "run" falls back to "prefetch" when full tiles are
-    not one run per row) and program order computes the same function, fwd and bwd through the op."""
+    not one run per row) computes the same function, fwd and bwd through the op; the reversed program order
+    (last row tiles first) on a window, a cross-length causal and a packed varlen layout (suite time: the order
+    only changes which q tile a program id takes)."""
     monkeypatch.setattr(sparse_mod, "FWD_DEFAULT", {"loop": loop, "reverse": reverse})
     make, b, *heads = LOOP_PATTERNS[name]
     hq = heads[0] if heads else 2
