@@ -16,12 +16,13 @@ width.  Tile classification as sparse._band_tiles (the edge tiles take the eleme
 Not yet timed on a GPU (session 15 ended its device time first): off by default, a probe variant."""
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from ._triton_utils import load_tile
-from .sparse import _allowed, _band_tiles, _softmax_step
+from .sparse import _allowed, _band_tiles, _fwd_finish, _kv_tile_unmasked, _softmax_step
 
 INTERPRETER_PROGRAMS = 3        # under the interpreter: few programs, so each walks several items (tests)
 SMEM_PER_SM = 233472            # sm_90: 228 KB per SM, 1 KB of it reserved per resident block
@@ -33,6 +34,7 @@ REGS_PER_SM = 65536
 _PER_SM: dict = {}
 
 
+@functools.lru_cache(maxsize=256)
 def band_width_tiles(sq: int, sk: int, wl: int, wr: int, causal: bool, block_m: int, block_n: int) -> int:
     """The most key tiles any row tile of a windowed band visits (sparse._band_tiles' n_vis, maximised over
     the row tiles on the host: integer arithmetic over range(cdiv(sq, block_m)), no device work)."""
@@ -81,16 +83,9 @@ def _sparse_fwd_band_persist(Q, K, V, O, LSE, BM, KPM, SEG, POS, k_desc, v_desc,
         acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
         for t in tl.range(0, NT):
             kt = kt0 + t
-            ktc = tl.maximum(kt, 0)                  # a dummy below key 0 re-reads tile 0 (masked below)
-            if TMA:
-                k = k_desc.load([b32, hk32, ktc * BLOCK_N, 0]).reshape(BLOCK_N, HEAD_D)
-                v = v_desc.load([b32, hk32, ktc * BLOCK_N, 0]).reshape(BLOCK_N, HEAD_D)
-            else:
-                rows_kv = tl.minimum(ktc * BLOCK_N + tl.arange(0, BLOCK_N), SK - 1)   # tail keys: masked below
-                k = load_tile(k_base + rows_kv[:, None] * s_kn + offs_d[None, :], rows_kv, SK, offs_d, D, False,
-                              not EVEN_D)
-                v = load_tile(v_base + rows_kv[:, None] * s_vn + offs_d[None, :], rows_kv, SK, offs_d, D, False,
-                              not EVEN_D)
+            # a dummy below key 0 re-reads tile 0 (masked below)
+            k, v = _kv_tile_unmasked(k_base, v_base, s_kn, s_vn, tl.maximum(kt, 0), offs_d, SK, D, k_desc, v_desc,
+                                     b32, hk32, BLOCK_N, HEAD_D, EVEN_D, TMA)
             s = tl.dot(q, tl.trans(k))
             if (kt < full_lo) | (kt >= full_lo + n_full):     # edge or dummy tile: element mask
                 offs_n = kt * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -98,12 +93,7 @@ def _sparse_fwd_band_persist(Q, K, V, O, LSE, BM, KPM, SEG, POS, k_desc, v_desc,
                               SQ, SK, OFF, WL, WR, NG, BS, CAUSAL, HAS_WIN, False, BM_MODE, False, False)
                 s = tl.where(ok & (kt >= kt_lo), s, float("-inf"))
             acc, l_i, m_i = _softmax_step(acc, l_i, m_i, s, v, qk_scale, True, RESCALE)
-        empty = l_i == 0.0                           # no allowed key in the row: zeros, lse = -inf
-        o = acc / tl.where(empty, 1.0, l_i)[:, None]
-        lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) / 1.4426950408889634)
-        tl.store(O + b * s_ob + h * s_oh + offs_m[:, None] * s_om + offs_d[None, :], o.to(O.dtype.element_ty),
-                 mask=(offs_m[:, None] < SQ) & (offs_d[None, :] < D))
-        tl.store(LSE + bh.to(tl.int64) * SQ + offs_m, lse, mask=offs_m < SQ)
+        _fwd_finish(acc, l_i, m_i, O, LSE, b, h, bh, s_ob, s_oh, s_om, offs_m, offs_d, SQ, D)
 
 
 def launch(q, k, v, out, lse, ti, ptrs, strides, k_desc, v_desc, hq, hk, sq, sk, d, hd, scale_log2, wl, wr, bs,

@@ -208,6 +208,32 @@ def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, s_kn, s_vn, kt, offs_m, offs_d, 
 
 
 @triton.jit
+def _kv_tile_unmasked(k_base, v_base, s_kn, s_vn, kt, offs_d, SK, D, k_desc, v_desc, b32, hk32, BLOCK_N: tl.constexpr,
+                      HEAD_D: tl.constexpr, EVEN_D: tl.constexpr, TMA: tl.constexpr):
+    """K and V of key tile kt without a row mask (the one-loop variants): through descriptors (rows past s_k read
+    zero) or pointers clamped to the last key (that key re-read); the element mask of a partial tile drops both."""
+    if TMA:
+        k = k_desc.load([b32, hk32, kt * BLOCK_N, 0]).reshape(BLOCK_N, HEAD_D)
+        v = v_desc.load([b32, hk32, kt * BLOCK_N, 0]).reshape(BLOCK_N, HEAD_D)
+    else:
+        rows_kv = tl.minimum(kt * BLOCK_N + tl.arange(0, BLOCK_N), SK - 1)
+        k = load_tile(k_base + rows_kv[:, None] * s_kn + offs_d[None, :], rows_kv, SK, offs_d, D, False, not EVEN_D)
+        v = load_tile(v_base + rows_kv[:, None] * s_vn + offs_d[None, :], rows_kv, SK, offs_d, D, False, not EVEN_D)
+    return k, v
+
+
+@triton.jit
+def _fwd_finish(acc, l_i, m_i, O, LSE, b, h, bh, s_ob, s_oh, s_om, offs_m, offs_d, SQ, D):
+    """out = acc / l and lse (natural log) of one row tile; a row with no allowed key gets zeros and lse = -inf."""
+    empty = l_i == 0.0
+    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) / 1.4426950408889634)
+    tl.store(O + b * s_ob + h * s_oh + offs_m[:, None] * s_om + offs_d[None, :], o.to(O.dtype.element_ty),
+             mask=(offs_m[:, None] < SQ) & (offs_d[None, :] < D))
+    tl.store(LSE + bh.to(tl.int64) * SQ + offs_m, lse, mask=offs_m < SQ)
+
+
+@triton.jit
 def _band_tiles(pid_m, SQ, SK, OFF, WL, WR, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                 BM_MODE: tl.constexpr):
     """Key tiles of row tile pid_m in a band layout: row i allows [lo(i), hi(i)] (BM_MODE 1: [0, s_k); else the
@@ -310,15 +336,8 @@ def _sparse_fwd(Q, K, V, O, LSE, ROWS, COLS, BM, KPM, SEG, POS, k_desc, v_desc,
                 kt_next = tl.load(cols + t + 1, mask=t + 1 < n_all, other=0)
                 masked = t < n_part
             offs_n = kt * BLOCK_N + tl.arange(0, BLOCK_N)
-            if TMA:
-                k = k_desc.load([b32, hk32, kt * BLOCK_N, 0]).reshape(BLOCK_N, HEAD_D)
-                v = v_desc.load([b32, hk32, kt * BLOCK_N, 0]).reshape(BLOCK_N, HEAD_D)
-            else:
-                rows_kv = tl.minimum(offs_n, SK - 1)  # keys past s_k re-read the last one: no row mask, masked below
-                k = load_tile(k_base + rows_kv[:, None] * s_kn + offs_d[None, :], rows_kv, SK, offs_d, D, False,
-                              not EVEN_D)
-                v = load_tile(v_base + rows_kv[:, None] * s_vn + offs_d[None, :], rows_kv, SK, offs_d, D, False,
-                              not EVEN_D)
+            k, v = _kv_tile_unmasked(k_base, v_base, s_kn, s_vn, kt, offs_d, SK, D, k_desc, v_desc, b32, hk32, BLOCK_N,
+                                     HEAD_D, EVEN_D, TMA)
             s = tl.dot(q, tl.trans(k))
             if masked:                                # partial tiles (first in the list; band_fused: at both ends)
                 ok = _allowed(offs_m, offs_n, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL, WR, NG,
@@ -357,12 +376,7 @@ def _sparse_fwd(Q, K, V, O, LSE, ROWS, COLS, BM, KPM, SEG, POS, k_desc, v_desc,
                                           qk_scale, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SEG, POS, SQ, SK, OFF, WL, WR,
                                           NG, BS, BLOCK_N, EVEN_D, False, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE,
                                           HAS_KPM, HAS_SEG, RESCALE, k_desc, v_desc, b32, hk32, TMA)
-    empty = l_i == 0.0                                # fully masked row: zeros, lse = -inf
-    o = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) / 1.4426950408889634)
-    tl.store(O + b * s_ob + h * s_oh + offs_m[:, None] * s_om + offs_d[None, :], o.to(O.dtype.element_ty),
-             mask=(offs_m[:, None] < SQ) & (offs_d[None, :] < D))
-    tl.store(LSE + bh.to(tl.int64) * SQ + offs_m, lse, mask=offs_m < SQ)
+    _fwd_finish(acc, l_i, m_i, O, LSE, b, h, bh, s_ob, s_oh, s_om, offs_m, offs_d, SQ, D)
 
 
 # ---- backward ------------------------------------------------------------------------------------------
