@@ -425,6 +425,11 @@ sp8)  # session 16: the persistent band forward (sparse.py LOOP "band_persist", 
       # session 15, interpreter-tested and compiled for sm_90 only): GPU tests, then the probe's set 8
   sparse_tests_then_probe "gpu and band" 90 8 sparse_fwd_probe_persist 200
   ;;
+fp)  # session 16: the one attention case session 15 did not reach (fwd+bwd fp16 b4 s4096 d128 causal)
+  timeout 200 python3 -m opsadv bench --suite attention --filter 'fwd\+bwd fp16 b4 h32 s4096 d128 causal' \
+    --json "$OUT/attn_fp16_causal.json" > "$OUT/attn_fp16_causal.log" 2>&1
+  echo "attention fp16 causal rc $?"; grep -E "^fwd" "$OUT/attn_fp16_causal.log" | cut -c1-180
+  ;;
 fq)  # session 14: the fwd+bwd rows the open targets hang on (GQA d128, s16384 d128 causal, d64 causal) with the dS variant
   timeout 540 python3 -m opsadv bench --suite attention \
     --filter 'fwd\+bwd bf16 (b4 h32 kv8|b1 h32 kv8|b1 h32 s16384 d128 causal|b4 h32 s4096 d64 causal)' \
