@@ -446,6 +446,10 @@ nf)  # session 14: the norm forward's GPU tests of every tile (looped ones incl.
   echo "norm fwd rc $?"; grep -E "^fwd" "$OUT/norm_fwd.log" | cut -c1-150
   cp "$OPSADV_CACHE_DIR/kernel_configs.json" "$OUT/kernel_configs_norm_fwd.json"
   ;;
+dsp)  # session 16: the dS backward probe alone (its GPU tests passed at b31197d; the kernels unchanged since)
+  PROBE_SHAPES=${PROBE_SHAPES:-} PROBE_CAPS=${PROBE_CAPS:-} timeout 560 python3 benchmarks/attn_bwd_ds_probe.py "$OUT/attn_bwd_ds_probe.json" > "$OUT/attn_bwd_ds_probe.log" 2>&1
+  echo "ds probe rc $?"; cut -c1-600 "$OUT/attn_bwd_ds_probe.log" | grep -v Warn | tail -14
+  ;;
 ds)  # session 13: the 5-GEMM backward (dS materialized, dQ by a GEMM over it): GPU tests, then the probe
   TRITON_INTERPRET=0 timeout 150 python3 -m pytest -q -p no:cacheprovider -k gpu tests/test_attention_ds_backward.py \
     > "$OUT/ds_gpu_pytest.log" 2>&1
