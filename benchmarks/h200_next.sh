@@ -425,6 +425,19 @@ sp8)  # session 16: the persistent band forward (sparse.py LOOP "band_persist", 
       # session 15, interpreter-tested and compiled for sm_90 only): GPU tests, then the probe's set 8
   sparse_tests_then_probe "gpu and band" 90 8 sparse_fwd_probe_persist 200
   ;;
+sg)  # session 16: the dS variant with SPLIT offered for GQA s16384 (default cap 2.25 GiB: one kv head's 2 GiB of dS and
+     # its 64 MiB of shares; balanced chunks): the ds GPU tests, then the fwd+bwd rows it should move (GQA s16384 / b4
+     # s4096 causal) and MHA s16384 causal (unchanged chunking: a check)
+  TRITON_INTERPRET=0 timeout 90 python3 -m pytest -q -p no:cacheprovider -k gpu tests/test_attention_ds_backward.py \
+    > "$OUT/ds_gpu_pytest.log" 2>&1
+  echo "ds gpu pytest rc $?"; tail -2 "$OUT/ds_gpu_pytest.log"
+  timeout 420 python3 -m opsadv bench --suite attention \
+    --filter 'fwd\+bwd bf16 (b1 h32 kv8 s16384 d128 causal|b1 h32 s16384 d128 causal|b4 h32 kv8 s4096 d128 causal)' \
+    --json "$OUT/attn_fwdbwd_gqa.json" > "$OUT/attn_fwdbwd_gqa.log" 2>&1
+  echo "attention fwd+bwd rows rc $?"; grep -E "^fwd" "$OUT/attn_fwdbwd_gqa.log" | cut -c1-180
+  cp "$OPSADV_CACHE_DIR/kernel_configs.json" "$OUT/kernel_configs_attn_gqa.json"
+  cp "$OPSADV_CACHE_DIR/tuning.json" "$OUT/tuning_attn_gqa.json" 2>/dev/null
+  ;;
 fp)  # session 16: the one attention case session 15 did not reach (fwd+bwd fp16 b4 s4096 d128 causal)
   timeout 200 python3 -m opsadv bench --suite attention --filter 'fwd\+bwd fp16 b4 h32 s4096 d128 causal' \
     --json "$OUT/attn_fp16_causal.json" > "$OUT/attn_fp16_causal.log" 2>&1

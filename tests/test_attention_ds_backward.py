@@ -151,12 +151,12 @@ def test_longest_first_launch_order(b, hq, hkv, sq, sk, d, causal, variant, seed
 @pytest.mark.parametrize("lpt", [False, True])
 @pytest.mark.parametrize("variant", ["ds", "kernels"])
 @pytest.mark.parametrize("b,hq,hkv,sq,sk,d,causal,per_chunk", [
-    (2, 4, 2, 37, 37, 32, True, 1), (2, 4, 2, 37, 37, 32, True, 3), (*CASES[3], 1), (*CASES[5], 1),
+    (2, 4, 2, 37, 37, 32, True, 1), (5, 2, 1, 37, 37, 32, True, 3), (*CASES[3], 1), (*CASES[5], 1),
     (1, 6, 2, 29, 29, 96, False, 1)])
 def test_split_group_dk_dv(b, hq, hkv, sq, sk, d, causal, per_chunk, variant, lpt, seed, monkeypatch):
     """SPLIT (GQA): one dK/dV program per q head writing its fp32 share, the group's shares summed in order by
     _bwd_group_sum_kernel: the same gradients (shares NaN-filled before the kernel writes them), over chunks of
-    per_chunk kv heads for "ds" (3 of 4: a last chunk smaller than the shares buffer it reuses), with and without
+    per_chunk kv heads for "ds" (3 and 2 of 5: a last chunk smaller than the shares buffer it reuses), with and without
     the longest-first order; the grid has b * h_q programs per kv block."""
     monkeypatch.setenv("OPSADV_POISON_OUTPUTS", "1")
     _nan_workspace(monkeypatch)
@@ -194,6 +194,28 @@ def test_split_is_offered_for_gqa_on_gpus_within_the_cap():
     assert A._with_split(cfgs, 4, gpu, fits=False) == cfgs             # the shares would pass the workspace cap
     assert A._with_split(cfgs, 4, torch.empty(1)) == cfgs              # CPU: the default tile only (no tuning)
     assert A._split_bytes(4, 8, 16384, 128) == 512 << 20                # GQA 32/8 s16384 d128, all kv heads
+
+
+@pytest.mark.parametrize("total,most,sizes", [(10, 4, [4, 3, 3]), (128, 72, [64, 64]), (5, 3, [3, 2]), (3, 8, [3]),
+                                               (4, 1, [1, 1, 1, 1]), (7, 7, [7])])
+def test_chunks_are_balanced(total, most, sizes):
+    chunks = G.balanced_chunks(total, most)
+    assert [c for _, c in chunks] == sizes
+    assert [h0 for h0, _ in chunks] == [sum(sizes[:i]) for i in range(len(sizes))]
+
+
+def test_chunk_size_from_the_cap():
+    """The default cap (2.25 GiB) holds one GQA 32/8 s16384 kv head with its shares; b4 s4096 MHA still splits 64 +
+    64 (the cap's 72 heads, balanced); nothing fits: 0."""
+    from types import SimpleNamespace as NS
+    ctx = NS(options={}, profile=None, env=NS(total_memory=141 << 30))
+    bf16 = torch.bfloat16
+    assert G.kv_heads_per_chunk(ctx, 1, 8, 4, 16384, 16384, bf16) == 1
+    assert 4 * G.slab_bytes(16384, 16384, bf16) + A._split_bytes(4, 1, 16384, 128) <= G.workspace_cap(ctx)
+    assert G.kv_heads_per_chunk(ctx, 4, 32, 1, 4096, 4096, bf16) == 64
+    assert G.kv_heads_per_chunk(ctx, 1, 32, 1, 16384, 16384, bf16) == 4
+    assert G.kv_heads_per_chunk(NS(options={"workspace_cap": 1 << 20}, profile=None, env=None),
+                                1, 8, 4, 16384, 16384, bf16) == 0
 
 
 def test_split_shares_count_against_the_workspace_cap(monkeypatch):

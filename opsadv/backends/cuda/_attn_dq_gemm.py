@@ -22,9 +22,14 @@ from ._attn_triton_bwd import key_range
 from ._tma import TensorDescriptor, desc_bhsd
 from ._triton_utils import load_tile, store_tile
 
-# Default cap of the dS workspace (bytes) when neither the workspace_cap option nor the profile names one.
-# b4 h32 s4096 in bf16 needs 4 GiB in all: two chunks.
-DS_WORKSPACE_CAP = 2 << 30
+# Default cap of the dS workspace and SPLIT's fp32 dK / dV shares together (bytes) when neither the workspace_cap
+# option nor the profile names one: 2 GiB of dS slabs (b4 h32 s4096 in bf16 needs 4 GiB in all: two chunks;
+# s16384: four q heads per chunk) and room for the shares of the chunk (GQA 32/8 s16384 d128: 64 MiB per kv head).
+# At 2 GiB flat, GQA 32/8 s16384 could not take the dS variant with SPLIT (one kv head's 2 GiB of slabs filled the
+# cap), which session 16's probe timed at 12.46 ms against 12.95 for the two-kernel backward the tuner chose
+# (results/attn_bwd_ds_probe_s16b_h200.json).  Chunks are balanced (kv_heads_per_chunk), so the extra room does not
+# turn b4 s4096's two chunks of 64 heads into 72 + 56.
+DS_WORKSPACE_CAP = (2 << 30) + (256 << 20)
 DS_MEMORY_SHARE = 32   # the default cap is at most this fraction of device memory
 DS_PAD = 128        # workspace rows / columns padded to a multiple of every tile either kernel uses
 
@@ -110,9 +115,24 @@ def workspace_cap(ctx) -> int:
 
 
 def kv_heads_per_chunk(ctx, b: int, hkv: int, group: int, sq: int, sk: int, dtype: torch.dtype) -> int:
-    """kv heads (over batch x kv heads) whose q heads' dS^T fit the cap at once; 0: not even one fits."""
-    per_kv_head = group * slab_bytes(sq, sk, dtype)
-    return min(b * hkv, workspace_cap(ctx) // per_kv_head)
+    """The most kv heads (over batch x kv heads) a chunk holds: as few chunks as the cap allows for their q heads'
+    dS^T, balanced (10 heads under a cap of 4: 3 chunks, at most 4 heads each; balanced_chunks); 0: not even one
+    kv head fits."""
+    total = b * hkv
+    fit = min(total, workspace_cap(ctx) // (group * slab_bytes(sq, sk, dtype)))
+    if fit <= 0:
+        return 0
+    chunks = -(-total // fit)
+    return -(-total // chunks)
+
+
+def balanced_chunks(total: int, most: int) -> list[tuple[int, int]]:
+    """(first, count) chunks over `total` heads, as few as chunks of <= `most` allow, sizes differing by <= 1:
+    10 heads, most 4 -> 4, 3, 3 rather than 4, 4, 2 (a small last chunk launches fewer programs than the SMs
+    hold, and its wave runs half empty)."""
+    n = -(-total // most)
+    sizes = [total // n + (i < total % n) for i in range(n)]
+    return [(sum(sizes[:i]), c) for i, c in enumerate(sizes)]
 
 
 def new_workspace(slabs: int, sq: int, sk: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -136,4 +156,4 @@ def launch_dq_gemm(ws: torch.Tensor, k: torch.Tensor, dq: torch.Tensor, bh0: int
         EVEN_M=sq % bm == 0, TMA=bool(cfg.get("TMA")), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
-__all__ = ["DS_WORKSPACE_CAP", "kv_heads_per_chunk", "launch_dq_gemm", "new_workspace", "slab_bytes"]
+__all__ = ["DS_WORKSPACE_CAP", "balanced_chunks", "kv_heads_per_chunk", "launch_dq_gemm", "new_workspace", "slab_bytes"]

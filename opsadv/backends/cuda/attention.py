@@ -452,9 +452,9 @@ def _with_lpt(cfgs: list[dict], causal: bool, q: torch.Tensor) -> list[dict]:
 
 def _split_bytes(group: int, kv_heads: int, sk: int, d: int) -> int:
     """Bytes of SPLIT's fp32 dK / dV shares for a launch over kv_heads: scratch that counts against the
-    workspace cap with the dS workspace (a chunk of the dS variant: both together).  At the 2 GiB default, GQA
-    32/8 s16384 fills the cap with one kv head's dS slabs, so SPLIT is offered there to the two-kernel variant
-    (all kv heads' shares: 512 MiB) and not to the dS one."""
+    workspace cap with the dS workspace (a chunk of the dS variant: both together).  GQA 32/8 s16384 d128: one
+    kv head's dS slabs take 2 GiB and its shares 64 MiB, inside the 2.25 GiB default (at the 2 GiB default of
+    sessions 13-15 SPLIT was offered there only to the two-kernel variant, all kv heads' shares: 512 MiB)."""
     return 2 * group * kv_heads * sk * d * 4
 
 
@@ -481,7 +481,7 @@ def _bwd_ds(ctx, key, tune, tma_ok: bool, launch_kv, q, k, dq, causal, scale, pe
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     group = hq // hkv
-    chunks = [(h0, min(per_chunk, b * hkv - h0)) for h0 in range(0, b * hkv, per_chunk)]
+    chunks = dq_gemm.balanced_chunks(b * hkv, per_chunk)
     bufs = [dq_gemm.new_workspace(per_chunk * group, sq, sk, q.dtype, q.device) for _ in range(1 + pipelined)]
 
     def dq_of(cfg, chunk, ws):
