@@ -187,16 +187,19 @@ def test_forward_candidates_fit():
         assert [c[:2] for c in whole if c[2]] == [c[:2] for c in whole if not c[2]]
         looped = [c for c in cands if c[3]]
         assert bool(looped) == (block >= LOOP_MIN_BLOCK)      # long rows also get looped tiles, shorter ones never
-        for r, w, evict, chunk in looped:                    # one row, a chunk narrower than the row, hints on
-            assert r == 1 and evict and chunk < block and chunk >= 32 * w
+        for r, w, evict, chunk, *fixed in looped:            # one row, a chunk narrower than the row, hints on
+            assert r == 1 and evict and chunk < block and chunk >= 32 * w and fixed in ([], [True])
+        run_time_n = [c for c in looped if len(c) == 4]      # each also with the hidden size compiled in
+        assert [c for c in looped if len(c) == 5] == [(*c, True) for c in run_time_n]
 
 
+@pytest.mark.parametrize("fixed", [False, True])
 @pytest.mark.parametrize("rms", [False, True])
 @pytest.mark.parametrize("n,chunk,rows", [(48, 16, 1), (1000, 128, 2), (300, 512, 1)])
-def test_looped_forward_matches_reference(rms, n, chunk, rows):
+def test_looped_forward_matches_reference(rms, n, chunk, rows, fixed):
     """The looped forward (the row in CHUNK-column steps, re-read for the output pass): a ragged last chunk
     (1000 = 7 * 128 + 104), one chunk wider than the row, 37 rows (not a multiple of ROWS), a residual, the mean /
-    rstd statistics, NaN-poisoned outputs; against float64."""
+    rstd statistics, NaN-poisoned outputs; against float64.  fixed: the hidden size compiled in (N_FIXED)."""
     from types import SimpleNamespace
 
     from opsadv.backends.cuda.norm import _forward
@@ -211,7 +214,8 @@ def test_looped_forward_matches_reference(rms, n, chunk, rows):
         want = torch.nn.functional.layer_norm(s64, (n,), w.double(), b.double(), 1e-5)
     for residual in (res, None):
         y, s, mean, rstd = _forward(SimpleNamespace(profile=None), rms, x, w, None if rms else b,
-                                    1e-6 if rms else 1e-5, residual, 1.0 if rms else 0.0, cfg=(rows, 4, True, chunk))
+                                    1e-6 if rms else 1e-5, residual, 1.0 if rms else 0.0,
+                                    cfg=(rows, 4, True, chunk, True) if fixed else (rows, 4, True, chunk))
         if residual is None:
             x64 = x.double()
             var = x64.pow(2).mean(-1) if rms else x64.var(-1, unbiased=False)

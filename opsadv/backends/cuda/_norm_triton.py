@@ -68,11 +68,16 @@ def _row_chunk(x_ptr, r_ptr, rows64, s_xm, s_rm, cols, mask, HAS_RES: tl.constex
 def _norm_fwd_loop_kernel(x_ptr, r_ptr, w_ptr, b_ptr, y_ptr, s_ptr, mean_ptr, rstd_ptr,
                           M, N, s_xm, s_rm, s_ym, s_sm, eps, offset,
                           RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-                          ROWS: tl.constexpr, CHUNK: tl.constexpr, STATS: tl.constexpr = True):
+                          ROWS: tl.constexpr, CHUNK: tl.constexpr, STATS: tl.constexpr = True,
+                          N_FIXED: tl.constexpr = 0):
     # Long rows in CHUNK-column pieces, as Inductor's looped reductions: the statistics pass streams the row
     # from HBM and asks L2 to keep it (evict_last), the output pass re-reads it from L2 (evict_first).  Fewer
     # registers per row than _norm_fwd_kernel -> more rows in flight per SM (RMSNorm 16384 x 8192: compile's
     # looped kernel 0.129 ms vs 0.135 whole-row, results/norm_compile_probe_s14_h200.json).
+    # N_FIXED (> 0: the hidden size, compiled in, as Inductor's kernel has it): constant trip counts and, when
+    # CHUNK divides it, no column masks -- the loops unroll and the chunks' loads can all be in flight at once.
+    if N_FIXED > 0:
+        N = N_FIXED
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     rmask = rows < M
     rows64 = rows.to(tl.int64)[:, None]

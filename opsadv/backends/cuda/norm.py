@@ -56,6 +56,10 @@ def fwd_candidates(n: int) -> tuple[tuple[int, int, bool, int], ...]:
                 tiles.append((r, w))
     looped = [(1, w, True, c) for c in LOOP_CHUNKS if c < block and block >= LOOP_MIN_BLOCK
               for w in (4, 8, 16) if c >= 32 * w * 4]
+    # each looped tile also with the hidden size compiled in (a 5th field, True: N_FIXED): Inductor's looped kernel
+    # has it so, and the loop unrolls with every chunk's loads in flight (sm_90 PTX: 4 loads before the first sum
+    # at 8192 / 2048, one per iteration with a run-time N); session 16, not yet measured
+    looped += [(*c, True) for c in looped]
     return tuple((r, w, False, 0) for r, w in tiles) + tuple((r, w, True, 0) for r, w in tiles) + tuple(looped)
 
 
@@ -124,7 +128,7 @@ def _kernels():
 def _forward(ctx, rms, x, weight, bias, eps, residual, offset, stats=True, cfg=None):
     """(y, xsum, mean, rstd).  stats=False (inference): mean and rstd are neither computed into memory
     nor allocated, and an absent xsum is None (the contract's 0-element tensor otherwise).  The tile
-    (ROWS, num_warps, EVICT, CHUNK) is cfg, else the one the config tuner measured for this bucket (fwd_candidates)."""
+    (ROWS, num_warps, EVICT, CHUNK[, N_FIXED]) is cfg, else the one the config tuner measured for this bucket (fwd_candidates)."""
     shape = x.shape
     n = shape[-1]
     m = x.numel() // n
@@ -143,14 +147,15 @@ def _forward(ctx, rms, x, weight, bias, eps, residual, offset, stats=True, cfg=N
     k = _kernels()
 
     def go(c):
-        rows, warps, evict, chunk = c
+        rows, warps, evict, chunk = c[:4]
+        n_fixed = n if len(c) > 4 and c[4] else 0            # looped tiles: the hidden size compiled in
         args = (x2, r2, weight if weight is not None else x2, bias if bias is not None else x2, y,
                 s if has_res else y, mean if mean is not None else st, st,
                 m, n, sx, sr, n, n, float(eps), float(offset))
         flags = dict(RMS=rms, HAS_RES=has_res, HAS_W=weight is not None, HAS_B=bias is not None, ROWS=rows,
                      STATS=stats, num_warps=warps)
         if chunk:
-            k["fwd_loop"][(triton_cdiv(m, rows),)](*args, CHUNK=chunk, **flags)
+            k["fwd_loop"][(triton_cdiv(m, rows),)](*args, CHUNK=chunk, N_FIXED=n_fixed, **flags)
         else:
             k["fwd"][(triton_cdiv(m, rows),)](*args, BLOCK_N=block, EVICT=evict, **flags)
     if cfg is None:
