@@ -438,6 +438,11 @@ sg)  # session 16: the dS variant with SPLIT offered for GQA s16384 (default cap
   cp "$OPSADV_CACHE_DIR/kernel_configs.json" "$OUT/kernel_configs_attn_gqa.json"
   cp "$OPSADV_CACHE_DIR/tuning.json" "$OUT/tuning_attn_gqa.json" 2>/dev/null
   ;;
+fr)  # session 16: fwd+bwd b4 s4096 d128 causal after the workspace-cap change (its chunks should be unchanged: 64 + 64)
+  timeout 150 python3 -m opsadv bench --suite attention --filter 'fwd\+bwd bf16 b4 h32 s4096 d128 causal' \
+    --json "$OUT/attn_b4_causal.json" > "$OUT/attn_b4_causal.log" 2>&1
+  echo "attention b4 causal rc $?"; grep -E "^fwd" "$OUT/attn_b4_causal.log" | cut -c1-180
+  ;;
 fp)  # session 16: the one attention case session 15 did not reach (fwd+bwd fp16 b4 s4096 d128 causal)
   timeout 200 python3 -m opsadv bench --suite attention --filter 'fwd\+bwd fp16 b4 h32 s4096 d128 causal' \
     --json "$OUT/attn_fp16_causal.json" > "$OUT/attn_fp16_causal.log" 2>&1
