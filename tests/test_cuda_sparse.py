@@ -333,10 +333,39 @@ def test_forward_band_persist(name, tma, poison, monkeypatch):
     assert ran and ran[0] == (P.INTERPRETER_PROGRAMS,)
 
 
+def test_default_takes_the_persistent_kernel_for_narrow_bands(monkeypatch):
+    """FWD_DEFAULT: a band of <= PERSIST_MAX_TILES key tiles runs the persistent kernel, a wider one LOOP "band"
+    (the interpreter's 32x16 tile); the reference's function either way."""
+    from opsadv.backends.cuda import _sparse_band_persist as P
+    persist, loops = [], []
+    real_p, real_f = P._sparse_fwd_band_persist, sparse_mod._sparse_fwd
+
+    class Spy:
+        def __init__(self, real, seen):
+            self.real, self.seen = real, seen
+
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                self.seen.append(kw.get("LOOP", grid))
+                return self.real[grid](*a, **kw)
+            return launch
+    monkeypatch.setattr(P, "_sparse_fwd_band_persist", Spy(real_p, persist))
+    monkeypatch.setattr(sparse_mod, "_sparse_fwd", Spy(real_f, loops))
+    narrow = SparseLayout.sliding_window(150, 20, causal=True, block_size=16)
+    assert P.band_width_tiles(150, 150, 20, 0, True, 32, 16) <= sparse_mod.PERSIST_MAX_TILES
+    _check(narrow, 1, hq=4, hk=2, d=32)
+    assert persist and not loops
+    persist.clear()
+    wide, _ = LOOP_PATTERNS["window_wide"]
+    assert P.band_width_tiles(150, 150, 70, 0, True, 32, 16) > sparse_mod.PERSIST_MAX_TILES
+    _check(wide(), 1, hq=4, hk=2, d=32)
+    assert not persist and loops == [5]
+
+
 def test_band_persist_grid_follows_the_compiled_kernel():
     """The persistent grid's programs per SM come from the compiled kernel's shared memory and registers (sm_90
-    compiles of the 64x64 d128 variants: fused 3 stages -> 1, fused 2 stages and unfused -> 2; registers bind
-    at 8 warps x 255)."""
+    compiles of 64x64 d128 kernels: 155,672 B / 219 registers -> 1, 106,512 / 163 and 114,712 / 179 -> 2; registers
+    bind at 8 warps x 255)."""
     from opsadv.backends.cuda._sparse_band_persist import resident_per_sm
     assert resident_per_sm(155672, 219, 4) == 1
     assert resident_per_sm(106512, 163, 4) == 2 and resident_per_sm(114712, 179, 4) == 2
@@ -578,6 +607,20 @@ def test_gpu_forward_band_loop(layout, loop, seed, poison, monkeypatch):
         monkeypatch.setattr(sparse_mod, "LONG_ROW_FWD", {} if tile is None else {"h100": (tile, 1)})
         monkeypatch.setattr(sparse_mod, "FWD_DEFAULT", {"loop": loop, "reverse": False, "tma": "contiguous"})
         _check(lay, 1, hq=4, hk=2, d=128, dtype=torch.bfloat16, device="cuda", impls=pin)
+
+
+@requires_gpu
+@pytest.mark.parametrize("window,loop", [(128, None), (1000, None), (1000, "band_persist")])
+def test_gpu_forward_many_items_per_program(window, loop, seed, poison, monkeypatch):
+    """On the GPU (bf16, d128, GQA 16:4, s4096: 1024 (head, q tile) items, several per persistent program -- where
+    session 16 found Triton's fused item / tile loops wrong, though every smaller check passed): the default forward
+    at a narrow window (the persistent kernel) and a wider one ("band"), and "band_persist" forced there, vs
+    float32."""
+    lay = SparseLayout.sliding_window(4096, window, causal=True, block_size=128, device="cuda")
+    if loop is not None:
+        monkeypatch.setattr(sparse_mod, "FWD_DEFAULT", {"loop": loop, "reverse": False, "tma": "contiguous"})
+    _check(lay, 1, hq=16, hk=4, d=128, dtype=torch.bfloat16, device="cuda",
+           impls={"sparse_attention": "cuda.triton.sparse_attention"})
 
 
 @requires_gpu

@@ -2,18 +2,21 @@
 
 Why: at s16384 and a 1024-key causal window the Triton sparse forward spends a fixed ~5 us per (64-row q
 tile, head) program outside its K/V loop (session 14/15 analysis in docs/performance.md): the Q load and
-the first K/V tiles' latency, the refill of the masked edge tiles' loop, the epilogue, and the two programs
-of an SM doing all of that in lock-step.  Here a program walks many (head, q tile) work items, and every
-item runs the same NT key tiles (the band's widest row tile; narrower ones get leading dummy tiles, fully
-masked), so the item loop and the tile loop have loop-invariant bounds and Triton can fuse them into one
-pipelined loop (`tl.range(..., flatten=True)`): the next item's first K/V loads are issued under the current
-item's last tiles, and its epilogue runs while they are in flight.  The cost is the dummy tiles (rows near
-the start of a causal band: at w1024 / s16384, 16 of 256 row tiles per head) and one Q load per item that
-the pipeline does not cover.
+the first K/V tiles' latency, the refill of the masked edge tiles' loop, the epilogue.  Here a program walks
+many (head, q tile) work items, every item running the same NT key tiles (the band's widest row tile;
+narrower ones get leading dummy tiles, fully masked).
+
+Measured on the H200 (session 16, results/sparse_fwd_probe_persist_s16a_h200.json, 5859e0a; s16384 causal
+windows, d128 bf16, 64x64 tiles, K/V through descriptors, ms persistent / LOOP "band"): w128 0.2265 / 0.2349,
+w256 0.2837 / 0.2922, w1024 0.712 / 0.680, w2048 1.29 / 1.17.  So it pays only where an item is short:
+sparse.py takes it by default for bands at most PERSIST_MAX_TILES key tiles wide.  The loops fused by Triton
+(`tl.range(..., flatten=True)`, written in session 15 so the next item's loads would issue under the current
+item's last tiles) computed wrong outputs on the H200 wherever a program walked several items (relative error
+0.17-0.94 against SDPA at the timing shapes; right at the small check shapes, where each program had one item)
+and ran 1.3-2x slower: removed.
 
 Band layouts only (sparse._is_band) with a window: an all-True block mask (dense causal) has no bounded
-width.  Tile classification as sparse._band_tiles (the edge tiles take the element mask of sparse._allowed).
-Not yet timed on a GPU (session 15 ended its device time first): off by default, a probe variant."""
+width.  Tile classification as sparse._band_tiles (the edge tiles take the element mask of sparse._allowed)."""
 from __future__ import annotations
 
 import functools
@@ -28,9 +31,8 @@ INTERPRETER_PROGRAMS = 3        # under the interpreter: few programs, so each w
 SMEM_PER_SM = 233472            # sm_90: 228 KB per SM, 1 KB of it reserved per resident block
 REGS_PER_SM = 65536
 # Resident programs per SM by launch configuration, read from the compiled kernel after its first launch (which
-# assumes 1: never more programs than fit).  sm_90 compile at d128 64x64 (CPU, ptxas): flattened 3 stages 155,672 B
-# of shared memory and 219 registers (1 per SM), flattened 2 stages 106,512 B / 163 (2), unflattened 3 stages
-# 114,712 B / 179 (2): the fused loop also buffers Q.
+# assumes 1: never more programs than fit).  sm_90 compile at d128 64x64 3 stages (CPU, ptxas): 114,712 B of shared
+# memory and 179 registers (2 per SM).
 _PER_SM: dict = {}
 
 
@@ -58,11 +60,10 @@ def _sparse_fwd_band_persist(Q, K, V, O, LSE, BM, KPM, SEG, POS, k_desc, v_desc,
                              H, GROUP, SQ, SK, OFF, D, qk_scale, WL, WR, NG, BS, n_m, n_items, NT,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
                              EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, HAS_WIN: tl.constexpr,
-                             BM_MODE: tl.constexpr, RESCALE: tl.constexpr, TMA: tl.constexpr,
-                             FLATTEN: tl.constexpr):
+                             BM_MODE: tl.constexpr, RESCALE: tl.constexpr, TMA: tl.constexpr):
     offs_d = tl.arange(0, HEAD_D)
     # work item w: (batch * head, q tile); consecutive items are neighbouring q tiles of one head (K/V in L2)
-    for w in tl.range(tl.program_id(0), n_items, tl.num_programs(0), flatten=FLATTEN):
+    for w in tl.range(tl.program_id(0), n_items, tl.num_programs(0)):
         bh = w // n_m
         pid_m = w % n_m
         b = (bh // H).to(tl.int64)                   # 64-bit offsets: b * s_qb can pass 2^31 elements
@@ -97,14 +98,14 @@ def _sparse_fwd_band_persist(Q, K, V, O, LSE, BM, KPM, SEG, POS, k_desc, v_desc,
 
 
 def launch(q, k, v, out, lse, ti, ptrs, strides, k_desc, v_desc, hq, hk, sq, sk, d, hd, scale_log2, wl, wr, bs,
-           causal, tile, rescale, tma, flatten=True):
+           causal, tile, rescale, tma):
     """Run the persistent band forward (sparse.sparse_fwd's arguments, already prepared)."""
     bm_m, bn_f, warps, stages = tile
     b = q.shape[0]
     n_m = triton.cdiv(sq, bm_m)
     n_items = b * hq * n_m
     nt = band_width_tiles(sq, sk, wl, wr, causal, bm_m, bn_f)
-    key = (q.device, q.dtype, bm_m, bn_f, warps, stages, hd, tma, flatten, causal)
+    key = (q.device, q.dtype, bm_m, bn_f, warps, stages, hd, tma, causal)
     if q.device.type == "cuda":
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count
         programs = min(n_items, sms * _PER_SM.get(key, 1))
@@ -116,7 +117,7 @@ def launch(q, k, v, out, lse, ti, ptrs, strides, k_desc, v_desc, hq, hk, sq, sk,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *strides,
         hq, hq // hk, sq, sk, sk - sq, d, scale_log2, wl, wr, 0, bs, n_m, n_items, nt,
         BLOCK_M=bm_m, BLOCK_N=bn_f, HEAD_D=hd, EVEN_D=hd == d, CAUSAL=causal, HAS_WIN=wl >= 0, BM_MODE=ti.bm_mode,
-        RESCALE=rescale, TMA=tma, FLATTEN=flatten, num_warps=warps, num_stages=stages)
+        RESCALE=rescale, TMA=tma, num_warps=warps, num_stages=stages)
     shared, regs = getattr(getattr(compiled, "metadata", None), "shared", None), getattr(compiled, "n_regs", None)
     if key not in _PER_SM and q.device.type == "cuda" and shared is not None and regs:
         _PER_SM[key] = resident_per_sm(shared, regs, warps)

@@ -128,9 +128,10 @@ def _allowed(offs_m, offs_n, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, seg_ptr, pos_ptr, 
 #                 loads' latency, not the order.)
 #   6 "band_fused": band tiles in one loop in column order (the "fused" structure): the masked edge tiles take the
 #                 element mask in a uniform branch, so one pipeline covers the program (no refill between loops).
-#   7 "band_persist": windowed bands only (else "band"): the persistent kernel of _sparse_band_persist.py, every
-#                 (head, q tile) item running the band's widest tile count so that the item and tile loops fuse
-#                 into one pipelined loop.  Not timed on a GPU yet.
+#   7 "band_persist": windowed bands only (else "band"): the persistent kernel of _sparse_band_persist.py, a
+#                 program walking (head, q tile) items, each running the band's widest tile count.  Faster than
+#                 "band" only for narrow bands (session 16: w128 / w256 1.03-1.04x, w1024 0.95x): the default
+#                 takes it for bands of <= PERSIST_MAX_TILES key tiles (below).
 LOOP_IDS = {"list": 0, "prefetch": 1, "run": 2, "fused": 3, "fused_run": 4, "band": 5, "band_fused": 6,
             "band_persist": 7}
 # H200 (results/sparse_fwd_probe_h200.json, two runs, 64x64/4/3): "run" vs "list" w256 0.308 vs 0.332 ms,
@@ -146,7 +147,11 @@ LOOP_IDS = {"list": 0, "prefetch": 1, "run": 2, "fused": 3, "fused_run": 4, "ban
 # ms band / run): 64x64 w128 0.234 / 0.248, w256 0.299 / 0.310, w1024 0.691 / 0.707, w2048 1.200 / 1.240; 128x128
 # w2048 1.161 / 1.184; the masked tiles first the same within 1%.
 # Layouts that are not bands take "run".
-FWD_DEFAULT = {"loop": "band", "reverse": False, "tma": "contiguous"}
+# "persist_max_tiles": "band" becomes "band_persist" where the band is at most this many key tiles wide (session 16,
+# results/sparse_fwd_probe_persist_s16a_h200.json, 64x64 tiles: w128 = 3 tiles 0.2265 vs 0.2349 ms, w256 = 5 tiles
+# 0.2837 vs 0.2922; w1024 = 17 tiles 0.712 vs 0.680).  Only without a variant: one naming its loop runs it as named.
+PERSIST_MAX_TILES = 5
+FWD_DEFAULT = {"loop": "band", "reverse": False, "tma": "contiguous", "persist_max_tiles": PERSIST_MAX_TILES}
 
 
 @triton.jit
@@ -694,6 +699,9 @@ def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale,
         ti = tile_index(block_mask, kpm, cu, bs, causal, wl, wr, ng, sq, sk, bm_m, bn_f)
     opts = {**FWD_DEFAULT, **(variant or {})}
     loop = LOOP_IDS[opts["loop"]]
+    if loop == 5 and variant is None and _narrow_band(ti, sq, sk, wl, wr, causal, bm_m, bn_f,
+                                                      opts.get("persist_max_tiles", 0)):
+        loop = 7
     if loop == 7 and (wl < 0 or ti.bm_mode != 0 or ti.tiles < 0 or long is not None):
         loop = 5    # persistent band: a window over an all-False block mask only (an all-True one has no bounded
         #             width), not under graph capture, not at the long-row tile (its fused loop also buffers Q:
@@ -714,8 +722,7 @@ def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale,
     if loop == 7:
         from ._sparse_band_persist import launch
         launch(q, k, v, out, lse, ti, ptrs, strides, k_desc, v_desc, hq, hk, sq, sk, d, hd, scale * LOG2E, wl, wr, bs,
-               causal, (bm_m, bn_f, warps, stages), float(fwd_flags[0]) if fwd_flags else 0.0, tma,
-               flatten=opts.get("flatten", True))
+               causal, (bm_m, bn_f, warps, stages), float(fwd_flags[0]) if fwd_flags else 0.0, tma)
         return out.to(in_dtype), lse
     grid = (triton.cdiv(sq, bm_m), b * hq)
     _sparse_fwd[grid](q, k, v, out, lse, ti.rows, ti.cols, *ptrs, k_desc, v_desc,
@@ -726,6 +733,15 @@ def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale,
                       RESCALE=float(fwd_flags[0]) if fwd_flags else 0.0, LOOP=loop, REVERSE=bool(opts["reverse"]),
                       TMA=tma, num_warps=warps, num_stages=stages)
     return out.to(in_dtype), lse
+
+
+def _narrow_band(ti, sq: int, sk: int, wl: int, wr: int, causal: bool, bm_m: int, bn_f: int, most: int) -> bool:
+    """A window over an all-False block mask (the layouts "band_persist" takes) at most `most` key tiles wide; not
+    during graph capture (ti.tiles < 0: no host-side tile facts)."""
+    if most <= 0 or wl < 0 or ti.bm_mode != 0 or ti.tiles < 0:
+        return False
+    from ._sparse_band_persist import band_width_tiles
+    return band_width_tiles(sq, sk, wl, wr, causal, bm_m, bn_f) <= most
 
 
 def _bwd_loop(name: str, full_run: bool) -> int:
