@@ -443,6 +443,16 @@ fr)  # session 16: fwd+bwd b4 s4096 d128 causal after the workspace-cap change (
     --json "$OUT/attn_b4_causal.json" > "$OUT/attn_b4_causal.log" 2>&1
   echo "attention b4 causal rc $?"; grep -E "^fwd" "$OUT/attn_b4_causal.log" | cut -c1-180
   ;;
+s5)  # session 16, last call: the sparse forward's persistent default for narrow bands (GPU tests incl. many items per
+     # program), then the RMSNorm forward rows nf did not reach (its limit passed during the LayerNorm rows' tuning)
+  TRITON_INTERPRET=0 timeout 100 python3 -m pytest -q -p no:cacheprovider -k "gpu and (band or many_items)" \
+    tests/test_cuda_sparse.py > "$OUT/sparse_persist_gpu_pytest.log" 2>&1
+  echo "sparse persist gpu pytest rc $?"; tail -2 "$OUT/sparse_persist_gpu_pytest.log"
+  timeout 230 python3 -m opsadv bench --suite norm --filter '^fwd bf16 .*rms_norm' --json "$OUT/norm_fwd_rms.json" \
+    > "$OUT/norm_fwd_rms.log" 2>&1
+  echo "norm fwd rms rc $?"; grep -E "fwd bf16" "$OUT/norm_fwd_rms.log" | cut -c1-150
+  cp "$OPSADV_CACHE_DIR/kernel_configs.json" "$OUT/kernel_configs_norm_rms.json"
+  ;;
 fp)  # session 16: the one attention case session 15 did not reach (fwd+bwd fp16 b4 s4096 d128 causal)
   timeout 200 python3 -m opsadv bench --suite attention --filter 'fwd\+bwd fp16 b4 h32 s4096 d128 causal' \
     --json "$OUT/attn_fp16_causal.json" > "$OUT/attn_fp16_causal.log" 2>&1
