@@ -125,6 +125,16 @@
 # w1024 forward?), then PROBE_SHAPES=8 PROBE_CAPS=4 PART=ds (SPLIT's time at GQA s16384, and ds / ds_pipe with a
 # 4 GiB cap: two kv heads per chunk), PART=n2 (the three fwd+bwd cases session 15 did not reach), then "nm d" (norm
 # suite + e2e, not run since sessions 14 / 13).
+# Session 16 (results/*_s16*; one H200): PARTS="sp8+fp" (5859e0a: the persistent band forward right and 3-4% faster
+# than "band" only at w128 / w256, its flattened loops wrong at the timing shapes -> flatten removed, persistent the
+# default for bands <= 5 tiles; fp16 b4 s4096 causal fwd+bwd 1.042x), PART=dsp (b6849d9: GQA s16384 causal backward
+# ds+SPLIT 12.46 ms vs 12.95 two kernels -> default cap 2.25 GiB + balanced chunks), PART=sg (b86c2f6: GQA s16384
+# causal own fwd+bwd 1.561x SDPA-flash), PARTS="nf+fr" (898153f: LayerNorm forward rows with N_FIXED looped tiles; b4
+# s4096 causal 1.623x), PART=s5 (34a950b: RMSNorm forward rows, 16384x8192 0.998x compile; sparse persistent GPU tests).
+# Order for session 17: PARTS="n1" and "n2" (the whole attention suite at the current code: one record run of every
+# case), then "nm d" (the norm suite incl. fwd+bwd rows with the N_FIXED tiles -- nf's 170 s limit is too short now:
+# twice the looped candidates -- and e2e, last run in session 13), then the sparse suite (PART=sp: its rows predate the
+# band loop's backward use and the persistent default at short windows).
 # OPSADV_COMMIT=<sha> PART=a bash benchmarks/h200_next.sh   (from the repo root on the GPU host, $OUT set)
 set -u
 # tests/conftest.py defaults TRITON_INTERPRET to 1 (CPU CI): every pytest here must say 0, and select the GPU tests
