@@ -162,6 +162,17 @@ sparse_tests_then_probe() {
   PROBE_SET=$3 timeout "$5" python3 benchmarks/sparse_fwd_probe.py "$OUT/$4.json" $(( $5 - 15 )) > "$OUT/$4.log" 2>&1
   echo "sparse fwd probe rc $?"; grep -E "window_time|summary|\"ok\": false|error" "$OUT/$4.log" | cut -c1-900
 }
+# the dS backward's GPU tests (limit $1 s) into $OUT/ds_gpu_pytest.log
+ds_gpu_tests() {
+  TRITON_INTERPRET=0 timeout "$1" python3 -m pytest -q -p no:cacheprovider -k gpu tests/test_attention_ds_backward.py \
+    > "$OUT/ds_gpu_pytest.log" 2>&1
+  echo "ds gpu pytest rc $?"; tail -2 "$OUT/ds_gpu_pytest.log"
+}
+# the attention suite's cases matching $1 into $OUT/$2.json / .log (limit $3 s)
+attn_rows() {
+  timeout "$3" python3 -m opsadv bench --suite attention --filter "$1" --json "$OUT/$2.json" > "$OUT/$2.log" 2>&1
+  echo "attention $2 rc $?"; grep -E "^fwd" "$OUT/$2.log" | cut -c1-180
+}
 case "${PART:-a}" in
 a)
   TRITON_INTERPRET=0 timeout 150 python3 -m pytest -q -p no:cacheprovider -k gpu tests/test_graph_static_cache.py \
@@ -388,13 +399,8 @@ nc)  # session 14: our RMSNorm forward tiles (whole-row and the new looped ones)
   ;;
 sx)  # session 15, one H200: SPLIT's GPU tests (with every ds GPU test), the two open fwd+bwd rows with SPLIT among
      # the tuned GQA tiles, then the probe at GQA s16384 causal (kernels / ds / kernels+split / ds+split)
-  TRITON_INTERPRET=0 timeout 90 python3 -m pytest -q -p no:cacheprovider -k gpu tests/test_attention_ds_backward.py \
-    > "$OUT/ds_gpu_pytest.log" 2>&1
-  echo "ds gpu pytest rc $?"; tail -2 "$OUT/ds_gpu_pytest.log"
-  timeout 300 python3 -m opsadv bench --suite attention \
-    --filter 'fwd\+bwd bf16 (b1 h32 kv8 s16384 d128 causal|b1 h32 s16384 d128 causal)' \
-    --json "$OUT/attn_fwdbwd_open.json" > "$OUT/attn_fwdbwd_open.log" 2>&1
-  echo "attention fwd+bwd open rows rc $?"; grep -E "^fwd" "$OUT/attn_fwdbwd_open.log" | cut -c1-180
+  ds_gpu_tests 90
+  attn_rows 'fwd\+bwd bf16 (b1 h32 kv8 s16384 d128 causal|b1 h32 s16384 d128 causal)' attn_fwdbwd_open 300
   cp "$OPSADV_CACHE_DIR/kernel_configs.json" "$OUT/kernel_configs_attn_open.json"
   PROBE_SHAPES=${PROBE_SHAPES:-8} timeout 170 python3 benchmarks/attn_bwd_ds_probe.py "$OUT/attn_bwd_ds_probe.json" \
     > "$OUT/attn_bwd_ds_probe.log" 2>&1
@@ -438,20 +444,14 @@ sp8)  # session 16: the persistent band forward (sparse.py LOOP "band_persist", 
 sg)  # session 16: the dS variant with SPLIT offered for GQA s16384 (default cap 2.25 GiB: one kv head's 2 GiB of dS and
      # its 64 MiB of shares; balanced chunks): the ds GPU tests, then the fwd+bwd rows it should move (GQA s16384 / b4
      # s4096 causal) and MHA s16384 causal (unchanged chunking: a check)
-  TRITON_INTERPRET=0 timeout 90 python3 -m pytest -q -p no:cacheprovider -k gpu tests/test_attention_ds_backward.py \
-    > "$OUT/ds_gpu_pytest.log" 2>&1
-  echo "ds gpu pytest rc $?"; tail -2 "$OUT/ds_gpu_pytest.log"
-  timeout 420 python3 -m opsadv bench --suite attention \
-    --filter 'fwd\+bwd bf16 (b1 h32 kv8 s16384 d128 causal|b1 h32 s16384 d128 causal|b4 h32 kv8 s4096 d128 causal)' \
-    --json "$OUT/attn_fwdbwd_gqa.json" > "$OUT/attn_fwdbwd_gqa.log" 2>&1
-  echo "attention fwd+bwd rows rc $?"; grep -E "^fwd" "$OUT/attn_fwdbwd_gqa.log" | cut -c1-180
+  ds_gpu_tests 90
+  attn_rows 'fwd\+bwd bf16 (b1 h32 kv8 s16384 d128 causal|b1 h32 s16384 d128 causal|b4 h32 kv8 s4096 d128 causal)' \
+    attn_fwdbwd_gqa 420
   cp "$OPSADV_CACHE_DIR/kernel_configs.json" "$OUT/kernel_configs_attn_gqa.json"
   cp "$OPSADV_CACHE_DIR/tuning.json" "$OUT/tuning_attn_gqa.json" 2>/dev/null
   ;;
 fr)  # session 16: fwd+bwd b4 s4096 d128 causal after the workspace-cap change (its chunks should be unchanged: 64 + 64)
-  timeout 150 python3 -m opsadv bench --suite attention --filter 'fwd\+bwd bf16 b4 h32 s4096 d128 causal' \
-    --json "$OUT/attn_b4_causal.json" > "$OUT/attn_b4_causal.log" 2>&1
-  echo "attention b4 causal rc $?"; grep -E "^fwd" "$OUT/attn_b4_causal.log" | cut -c1-180
+  attn_rows 'fwd\+bwd bf16 b4 h32 s4096 d128 causal' attn_b4_causal 150
   ;;
 s5)  # session 16, last call: the sparse forward's persistent default for narrow bands (GPU tests incl. many items per
      # program), then the RMSNorm forward rows nf did not reach (its limit passed during the LayerNorm rows' tuning)
@@ -464,9 +464,7 @@ s5)  # session 16, last call: the sparse forward's persistent default for narrow
   cp "$OPSADV_CACHE_DIR/kernel_configs.json" "$OUT/kernel_configs_norm_rms.json"
   ;;
 fp)  # session 16: the one attention case session 15 did not reach (fwd+bwd fp16 b4 s4096 d128 causal)
-  timeout 200 python3 -m opsadv bench --suite attention --filter 'fwd\+bwd fp16 b4 h32 s4096 d128 causal' \
-    --json "$OUT/attn_fp16_causal.json" > "$OUT/attn_fp16_causal.log" 2>&1
-  echo "attention fp16 causal rc $?"; grep -E "^fwd" "$OUT/attn_fp16_causal.log" | cut -c1-180
+  attn_rows 'fwd\+bwd fp16 b4 h32 s4096 d128 causal' attn_fp16_causal 200
   ;;
 fq)  # session 14: the fwd+bwd rows the open targets hang on (GQA d128, s16384 d128 causal, d64 causal) with the dS variant
   timeout 540 python3 -m opsadv bench --suite attention \
@@ -489,9 +487,7 @@ dsp)  # session 16: the dS backward probe alone (its GPU tests passed at b31197d
   echo "ds probe rc $?"; cut -c1-600 "$OUT/attn_bwd_ds_probe.log" | grep -v Warn | tail -14
   ;;
 ds)  # session 13: the 5-GEMM backward (dS materialized, dQ by a GEMM over it): GPU tests, then the probe
-  TRITON_INTERPRET=0 timeout 150 python3 -m pytest -q -p no:cacheprovider -k gpu tests/test_attention_ds_backward.py \
-    > "$OUT/ds_gpu_pytest.log" 2>&1
-  echo "ds gpu pytest rc $?"; tail -2 "$OUT/ds_gpu_pytest.log"
+  ds_gpu_tests 150
   PROBE_SHAPES=${PROBE_SHAPES:-} PROBE_CAPS=${PROBE_CAPS:-} timeout 400 python3 benchmarks/attn_bwd_ds_probe.py "$OUT/attn_bwd_ds_probe.json" > "$OUT/attn_bwd_ds_probe.log" 2>&1
   echo "ds probe rc $?"; cut -c1-330 "$OUT/attn_bwd_ds_probe.log" | grep -v Warn | tail -10
   ;;
