@@ -704,8 +704,8 @@ def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale,
         loop = 7
     if loop == 7 and (wl < 0 or ti.bm_mode != 0 or ti.tiles < 0 or long is not None):
         loop = 5    # persistent band: a window over an all-False block mask only (an all-True one has no bounded
-        #             width), not under graph capture, not at the long-row tile (its fused loop also buffers Q:
-        #             128x128 at 3 stages would need more shared memory than an SM has)
+        #             width), not under graph capture, not at the long-row tile (never measured there: the long
+        #             rows are where "band" beat it, session 16)
     if loop >= 5 and not _is_band(ti, cu, kpm, wl, ng):
         loop = 4 if loop == 6 else 2                # not a band: the tile lists
     if loop in (2, 4) and not ti.full_run:          # full tiles not one run per row: the general list path
