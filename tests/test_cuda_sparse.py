@@ -615,12 +615,23 @@ def test_gpu_forward_many_items_per_program(window, loop, seed, poison, monkeypa
     """On the GPU (bf16, d128, GQA 16:4, s4096: 1024 (head, q tile) items, several per persistent program -- where
     session 16 found Triton's fused item / tile loops wrong, though every smaller check passed): the default forward
     at a narrow window (the persistent kernel) and a wider one ("band"), and "band_persist" forced there, vs
-    float32."""
+    float32 (at the narrow window the persistent kernel is the one that ran)."""
+    from opsadv.backends.cuda import _sparse_band_persist as P
+    ran = []
+    real = P._sparse_fwd_band_persist
+
+    class Spy:
+        def __getitem__(self, grid):
+            ran.append(grid)
+            return real[grid]
+    monkeypatch.setattr(P, "_sparse_fwd_band_persist", Spy())
     lay = SparseLayout.sliding_window(4096, window, causal=True, block_size=128, device="cuda")
     if loop is not None:
         monkeypatch.setattr(sparse_mod, "FWD_DEFAULT", {"loop": loop, "reverse": False, "tma": "contiguous"})
     _check(lay, 1, hq=16, hk=4, d=128, dtype=torch.bfloat16, device="cuda",
            impls={"sparse_attention": "cuda.triton.sparse_attention"})
+    if window == 128:
+        assert ran
 
 
 @requires_gpu
