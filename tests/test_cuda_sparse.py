@@ -312,12 +312,23 @@ def test_band_width_tiles_is_the_widest_row_tile(name):
     assert widest == int(ti.rows[..., 1].max())
 
 
-@pytest.mark.parametrize("tma", [False, "contiguous"])
-@pytest.mark.parametrize("name", ["window_causal", "window_wide", "window_cross"])
-def test_forward_band_persist(name, tma, poison, monkeypatch):
-    """The persistent band forward (3 programs under the interpreter, so each walks several (head, q tile) items,
-    with leading dummy tiles where a row tile is narrower than the widest): the reference's function, with K/V
-    through descriptors or pointers; the kernel is the one that ran."""
+def _fwd_loops(monkeypatch) -> list:
+    """The LOOP of each _sparse_fwd launch from now on (the kernel still runs)."""
+    seen = []
+    real = sparse_mod._sparse_fwd
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                seen.append(kw["LOOP"])
+                return real[grid](*a, **kw)
+            return launch
+    monkeypatch.setattr(sparse_mod, "_sparse_fwd", Spy())
+    return seen
+
+
+def _persist_grids(monkeypatch) -> list:
+    """The grids the persistent band kernel is launched with from now on (it still runs)."""
     from opsadv.backends.cuda import _sparse_band_persist as P
     ran = []
     real = P._sparse_fwd_band_persist
@@ -327,6 +338,17 @@ def test_forward_band_persist(name, tma, poison, monkeypatch):
             ran.append(grid)
             return real[grid]
     monkeypatch.setattr(P, "_sparse_fwd_band_persist", Spy())
+    return ran
+
+
+@pytest.mark.parametrize("tma", [False, "contiguous"])
+@pytest.mark.parametrize("name", ["window_causal", "window_wide", "window_cross"])
+def test_forward_band_persist(name, tma, poison, monkeypatch):
+    """The persistent band forward (3 programs under the interpreter, so each walks several (head, q tile) items,
+    with leading dummy tiles where a row tile is narrower than the widest): the reference's function, with K/V
+    through descriptors or pointers; the kernel is the one that ran."""
+    from opsadv.backends.cuda import _sparse_band_persist as P
+    ran = _persist_grids(monkeypatch)
     monkeypatch.setattr(sparse_mod, "FWD_DEFAULT", {"loop": "band_persist", "reverse": False, "tma": tma})
     make, b, *heads = LOOP_PATTERNS[name]
     _check(make(), b, hq=4, hk=2, d=32)
@@ -337,20 +359,7 @@ def test_default_takes_the_persistent_kernel_for_narrow_bands(monkeypatch):
     """FWD_DEFAULT: a band of <= PERSIST_MAX_TILES key tiles runs the persistent kernel, a wider one LOOP "band"
     (the interpreter's 32x16 tile); the reference's function either way."""
     from opsadv.backends.cuda import _sparse_band_persist as P
-    persist, loops = [], []
-    real_p, real_f = P._sparse_fwd_band_persist, sparse_mod._sparse_fwd
-
-    class Spy:
-        def __init__(self, real, seen):
-            self.real, self.seen = real, seen
-
-        def __getitem__(self, grid):
-            def launch(*a, **kw):
-                self.seen.append(kw.get("LOOP", grid))
-                return self.real[grid](*a, **kw)
-            return launch
-    monkeypatch.setattr(P, "_sparse_fwd_band_persist", Spy(real_p, persist))
-    monkeypatch.setattr(sparse_mod, "_sparse_fwd", Spy(real_f, loops))
+    persist, loops = _persist_grids(monkeypatch), _fwd_loops(monkeypatch)
     narrow = SparseLayout.sliding_window(150, 20, causal=True, block_size=16)
     assert P.band_width_tiles(150, 150, 20, 0, True, 32, 16) <= sparse_mod.PERSIST_MAX_TILES
     _check(narrow, 1, hq=4, hk=2, d=32)
@@ -375,16 +384,7 @@ def test_band_persist_grid_follows_the_compiled_kernel():
 def test_band_loop_only_for_band_layouts(monkeypatch):
     """Globals, key padding, packed segments or a mixed block mask are not bands: the kernel gets LOOP "run" (or the
     prefetched list where full tiles are not one run) instead of 5."""
-    seen = []
-    real = sparse_mod._sparse_fwd
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*a, **kw):
-                seen.append(kw["LOOP"])
-                return real[grid](*a, **kw)
-            return launch
-    monkeypatch.setattr(sparse_mod, "_sparse_fwd", Spy())
+    seen = _fwd_loops(monkeypatch)
     monkeypatch.setattr(sparse_mod, "FWD_DEFAULT", {"loop": "band", "reverse": False})
     for name, band in (("window_causal", True), ("global_window", False), ("padding_causal", False),
                        ("varlen", False), ("block_mask_batch", False)):
@@ -616,15 +616,7 @@ def test_gpu_forward_many_items_per_program(window, loop, seed, poison, monkeypa
     session 16 found Triton's fused item / tile loops wrong, though every smaller check passed): the default forward
     at a narrow window (the persistent kernel) and a wider one ("band"), and "band_persist" forced there, vs
     float32 (at the narrow window the persistent kernel is the one that ran)."""
-    from opsadv.backends.cuda import _sparse_band_persist as P
-    ran = []
-    real = P._sparse_fwd_band_persist
-
-    class Spy:
-        def __getitem__(self, grid):
-            ran.append(grid)
-            return real[grid]
-    monkeypatch.setattr(P, "_sparse_fwd_band_persist", Spy())
+    ran = _persist_grids(monkeypatch)
     lay = SparseLayout.sliding_window(4096, window, causal=True, block_size=128, device="cuda")
     if loop is not None:
         monkeypatch.setattr(sparse_mod, "FWD_DEFAULT", {"loop": loop, "reverse": False, "tma": "contiguous"})
