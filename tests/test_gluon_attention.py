@@ -14,6 +14,10 @@ import os
 import pytest
 import torch
 
+# one xdist worker runs this whole module, so its module-scoped fixture is built once (the README's
+# `pytest -n auto --dist loadgroup`)
+pytestmark = pytest.mark.xdist_group("gluon_attention")
+
 import opsadv
 from opsadv.backends.reference import kernels as R
 from opsadv.core.kernel import CallSpec

@@ -19,6 +19,10 @@ import os
 import pytest
 import torch
 
+# one xdist worker runs this whole module, so its module-scoped fixture is built once (the README's
+# `pytest -n auto --dist loadgroup`)
+pytestmark = pytest.mark.xdist_group("gluon_attention_bwd")
+
 from barrier_sim import Bar, Ring, run
 from conftest import ATTENTION_GPU_CASES, gluon_marks, load_without_gluon
 

@@ -19,6 +19,10 @@ import sys
 import pytest
 import torch
 
+# one xdist worker runs this whole module, so its module-scoped fixture is built once (the README's
+# `pytest -n auto --dist loadgroup`)
+pytestmark = pytest.mark.xdist_group("gluon_gemm")
+
 import opsadv
 from opsadv.core.kernel import PRIORITY_TRITON, CallSpec
 

@@ -20,6 +20,10 @@ import os
 import pytest
 import torch
 
+# one xdist worker runs this whole module, so its module-scoped fixture is built once (the README's
+# `pytest -n auto --dist loadgroup`)
+pytestmark = pytest.mark.xdist_group("gluon_sparse")
+
 import opsadv
 from opsadv import SparseLayout
 from opsadv.core.kernel import CallSpec

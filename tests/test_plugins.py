@@ -9,6 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+# one xdist worker runs this whole module, so its module-scoped fixture is built once (the README's
+# `pytest -n auto --dist loadgroup`)
+pytestmark = pytest.mark.xdist_group("plugins")
+
 import opsadv
 from opsadv.errors import BackendUnavailableError, PluginError
 from opsadv.registry import API_VERSION, BackendInfo, ProbeResult, get_registry, hookimpl, reset_registry
