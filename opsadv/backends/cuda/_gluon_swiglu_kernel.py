@@ -1,0 +1,152 @@
+"""SwiGLU GEMM for Hopper (sm_90) in Gluon (Triton 3.6): one GEMM over the concatenated gate|up weight with
+silu(g) * u in the epilogue, so gate_up never reaches memory.
+
+    out = silu(x @ W_g + b_g) * (x @ W_u + b_u)      W = [W_g | W_u] (K, 2N), or its transpose given as (2N, K) rows
+
+The cooperative schedule of _gluon_gemm_kernel.py (its tile order, slot release and sigmoid are reused): a
+persistent grid, one producer warp filling a STAGES-deep ring of TMA slots, one 8-warp consumer partition (two
+warpgroups stacked along M) on a BM x BN output tile.  What differs:
+  * each ring slot holds the A slice and *two* B slices of the same weight: the gate columns [n0, n0 + BN) and
+    the up columns [N + n0, N + n0 + BN).  Two boxes of one descriptor, so a weight stays one tensor (no repack).
+    In the last column tile the gate box may run past column N into the up half: those output columns are
+    past N and the TMA store clips them; each output column reads only its own gate and up columns.
+  * two float32 accumulators (gate, up), two async wgmmas per K-slice; the wait keeps the previous slice's
+    pair in flight (num_outstanding=2: each async wgmma is one group).
+  * the epilogue adds the biases (b_g at n, b_u at N + n), computes silu(g) * u in float32 and stores a
+    BM x BN tile by TMA, in two column halves (half the epilogue's registers live at a time).
+Imported only by gluon_swiglu_gemm.py, and only when triton.experimental.gluon imports."""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+
+from ._gluon_gemm_kernel import GROUP_M, _release, _sigmoid, _tile_coords
+
+
+@gluon.jit
+def _producer(a_desc, b_desc, a_smem, bg_smem, bu_smem, ready, empty, M, N, K,
+              STAGES: gl.constexpr, B_NK: gl.constexpr, TILE_M: gl.constexpr, TILE_N: gl.constexpr):
+    """1 warp: walks the CTA's tiles in the consumers' order; per K-slice one A box and the gate / up B boxes."""
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    num_pid_m = gl.cdiv(M, TILE_M)
+    num_pid_n = gl.cdiv(N, TILE_N)
+    k_tiles = gl.cdiv(K, BK)
+    it = 0                                                   # ring position (counts every K-slice)
+    for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * TILE_M
+        off_n = pid_n * TILE_N
+        for kk in range(k_tiles):
+            s = it % STAGES
+            # Parity of the slot's previous use: on the first lap, parity 1 of a fresh barrier passes at once.
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + 2 * b_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(a_desc, [off_m, kk * BK], ready.index(s), a_smem.index(s))
+            if B_NK:     # weight rows: gate rows [off_n, +BN), up rows [N + off_n, +BN)
+                tma.async_copy_global_to_shared(b_desc, [off_n, kk * BK], ready.index(s), bg_smem.index(s))
+                tma.async_copy_global_to_shared(b_desc, [N + off_n, kk * BK], ready.index(s), bu_smem.index(s))
+            else:
+                tma.async_copy_global_to_shared(b_desc, [kk * BK, off_n], ready.index(s), bg_smem.index(s))
+                tma.async_copy_global_to_shared(b_desc, [kk * BK, N + off_n], ready.index(s), bu_smem.index(s))
+            it += 1
+
+
+@gluon.jit
+def _swiglu_half(g, u, c_part, bias_ptr, off_n, N, HAS_BIAS: gl.constexpr, TANH: gl.constexpr):
+    """silu(g + b_g) * (u + b_u) -> c_part for output columns [off_n, off_n + g.shape[1])."""
+    layout: gl.constexpr = g.type.layout
+    if HAS_BIAS:
+        offs_n = off_n + gl.arange(0, g.shape[1], layout=gl.SliceLayout(0, layout))
+        inside = offs_n < N
+        g = g + gl.expand_dims(gl.load(bias_ptr + offs_n, mask=inside, other=0.0), 0).to(gl.float32)
+        u = u + gl.expand_dims(gl.load(bias_ptr + N + offs_n, mask=inside, other=0.0), 0).to(gl.float32)
+    y = g * _sigmoid(g, TANH) * u
+    c_part.store(y.to(c_part.dtype))
+
+
+@gluon.jit
+def _consumer(a_desc, b_desc, c_desc, bias_ptr, a_smem, bg_smem, bu_smem, c_smem, ready, empty, M, N, K,
+              HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, B_NK: gl.constexpr, TANH: gl.constexpr,
+              num_warps: gl.constexpr):
+    """Main loop (two accumulators) + the SwiGLU epilogue of every tile of the CTA."""
+    BM: gl.constexpr = c_desc.block_type.shape[0]
+    BN: gl.constexpr = c_desc.block_type.shape[1]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    # wgmma accumulators: warps stacked along M (16 rows each), instruction N = the whole tile width.
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, BN, 16])
+    num_pid_m = gl.cdiv(M, BM)
+    num_pid_n = gl.cdiv(N, BN)
+    k_tiles = gl.cdiv(K, BK)
+    it = 0
+    for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BM
+        off_n = pid_n * BN
+        acc_g = gl.zeros([BM, BN], gl.float32, acc_layout)
+        acc_u = gl.zeros([BM, BN], gl.float32, acc_layout)
+        for kk in range(k_tiles):
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            if B_NK:
+                bg = bg_smem.index(s).permute((1, 0))        # (N, K) slot read as K x N
+                bu = bu_smem.index(s).permute((1, 0))
+            else:
+                bg = bg_smem.index(s)
+                bu = bu_smem.index(s)
+            acc_g = warpgroup_mma(a_smem.index(s), bg, acc_g, is_async=True)
+            acc_u = warpgroup_mma(a_smem.index(s), bu, acc_u, is_async=True)
+            # Two wgmma groups in flight: after this wait the previous slice's pair has retired.
+            acc_g, acc_u = warpgroup_mma_wait(2, deps=(acc_g, acc_u))
+            if kk > 0:
+                _release(empty.index((it - 1) % STAGES))
+            it += 1
+        acc_g, acc_u = warpgroup_mma_wait(0, deps=(acc_g, acc_u))
+        _release(empty.index((it - 1) % STAGES))
+
+        # ---- epilogue, in registers ----
+        # The previous tile's TMA store has finished reading c_smem before it is overwritten.
+        tma.store_wait(0)
+        gl.thread_barrier()
+        BN2: gl.constexpr = BN // 2
+        g_lo, g_hi = gl.split(gl.permute(gl.reshape(acc_g, [BM, 2, BN2]), (0, 2, 1)))
+        u_lo, u_hi = gl.split(gl.permute(gl.reshape(acc_u, [BM, 2, BN2]), (0, 2, 1)))
+        _swiglu_half(g_lo, u_lo, c_smem.slice(0, BN2, 1), bias_ptr, off_n, N, HAS_BIAS, TANH)
+        _swiglu_half(g_hi, u_hi, c_smem.slice(BN2, BN2, 1), bias_ptr, off_n + BN2, N, HAS_BIAS, TANH)
+        fence_async_shared()             # generic-proxy smem writes before the TMA (async proxy) reads them
+        gl.thread_barrier()              # every warp's part is written before one thread issues the store
+        tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)    # clipped at M / N
+    tma.store_wait(0)
+
+
+@gluon.jit
+def swiglu_gemm_kernel(a_desc, b_desc, c_desc, bias_ptr, M, N, K,
+                       HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, B_NK: gl.constexpr, TANH: gl.constexpr,
+                       PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """Persistent grid (min(tiles, #SMs),).  a_desc block (BM, BK); b_desc (BK, BN) over the whole (K, 2N)
+    weight, or (BN, BK) over its (2N, K) rows with B_NK; c_desc (BM, BN) over the (M, N) output."""
+    BM: gl.constexpr = c_desc.block_type.shape[0]
+    BN: gl.constexpr = c_desc.block_type.shape[1]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    B0: gl.constexpr = b_desc.block_type.shape[0]           # BK, or BN with B_NK
+    B1: gl.constexpr = b_desc.block_type.shape[1]
+    dtype: gl.constexpr = a_desc.dtype
+    a_smem = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], a_desc.layout)
+    bg_smem = gl.allocate_shared_memory(dtype, [STAGES, B0, B1], b_desc.layout)
+    bu_smem = gl.allocate_shared_memory(dtype, [STAGES, B0, B1], b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)      # completed by the TMA transaction bytes
+        mbarrier.init(empty.index(i), count=1)      # one arrive by the consumer partition
+    c_smem = gl.allocate_shared_memory(dtype, [BM, BN], c_desc.layout)
+    gl.warp_specialize([
+        (_consumer, (a_desc, b_desc, c_desc, bias_ptr, a_smem, bg_smem, bu_smem, c_smem, ready, empty, M, N, K,
+                     HAS_BIAS, STAGES, B_NK, TANH, num_warps)),
+        (_producer, (a_desc, b_desc, a_smem, bg_smem, bu_smem, ready, empty, M, N, K, STAGES, B_NK, BM, BN)),
+    ], [1], [PRODUCER_REGS])
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))

@@ -1,0 +1,130 @@
+"""Gluon warp-specialized persistent SwiGLU GEMM for Hopper, impl "cuda.gluon.swiglu_gemm" of op "swiglu_gemm".
+
+    out = silu(x @ W_g + b_g) * (x @ W_u + b_u)      x (..., K), w_gate_up = [W_g | W_u] (K, 2N); bf16 / fp16
+
+Why: the Triton SwiGLU GEMM (cuda.triton.swiglu_gemm_tma) ran at 653-665 TFLOP/s on the H200 where the Gluon
+GEMM's cooperative schedule ran plain GEMMs at 691-694 (results/gemm_fwd_s17d_h200.json, 9bd6b69); SwiGLU is
+one GEMM of twice the columns, so it should run at the GEMM's rate.  The kernel (_gluon_swiglu_kernel.py) is
+that schedule with two B boxes (gate and up columns of the same weight) per ring slot and two accumulators.
+
+Experimental until it has passed its GPU checks (tests/test_gluon_swiglu_gemm.py, -k gpu) on an H200; then the
+dispatcher measures it per shape bucket against the Triton and cuBLAS impls like every other impl.  Host side as
+cuda.gluon.gemm (gluon_gemm.py): leading dims of x flattened, TMA descriptors (K and N multiples of 8), an
+nn.Linear-style weight.t() read as (2N, K) rows without a copy.  Backward: the Triton TMA SwiGLU backward."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from opsadv.core.kernel import PRIORITY_TRITON, KernelImpl
+
+from .gemm import _poisoned, _triton_swiglu_bwd
+from .gluon_gemm import ALIGN, DEFAULT_SMS, PRODUCER_REGS, UNAVAILABLE, _cdiv, _descriptor, _num_sms, prepare
+
+try:
+    from . import _gluon_swiglu_kernel as _K
+    from triton.experimental.gluon import language as _gl
+except Exception as e:  # ImportError, or an older Triton whose Gluon lacks a name used here
+    _K = _gl = None
+    UNAVAILABLE = UNAVAILABLE or f"triton.experimental.gluon is not usable here: {type(e).__name__}: {e}"
+
+IMPL_ID = "cuda.gluon.swiglu_gemm"
+# BM x BN: the output tile (each ring slot holds BN gate and BN up columns: a 128 x 256 GEMM tile, as the Gluon
+# GEMM's "coop"); shared memory per stage 16 KB of A + 2 x 16 KB of B; + a 32 KB output tile.
+#   coop:      4-stage ring (224 KB in all)
+#   coop_st3:  3-stage ring (176 KB)
+#   coop_tanh: coop with the sigmoid through one tanh.approx (the Gluon GEMM's TANH_FAST; relative error ~2^-11)
+VARIANTS = {
+    "coop": dict(BM=128, BN=128, BK=64, STAGES=4, num_warps=8),
+    "coop_st3": dict(BM=128, BN=128, BK=64, STAGES=3, num_warps=8),
+    "coop_tanh": dict(BM=128, BN=128, BK=64, STAGES=4, num_warps=8, TANH=True),
+}
+DEFAULT_VARIANT = "coop"
+
+
+def launch_args(x2, w, out, bias=None, variant=None, w_nk=False, num_sms=None):
+    """(grid, args, kwargs) of one swiglu_gemm_kernel launch writing out (M, N) from x2 (M, K) and w (K, 2N),
+    or w as (2N, K) rows with w_nk; all already TMA-ready (gluon_gemm.prepare)."""
+    if _K is None:
+        raise RuntimeError(f"{IMPL_ID}: {UNAVAILABLE}")
+    cfg = VARIANTS[variant or DEFAULT_VARIANT]
+    m, k = x2.shape
+    n = out.shape[1]
+    gdt = _gl.bfloat16 if x2.dtype == torch.bfloat16 else _gl.float16
+    bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
+    a_desc = _descriptor(x2, (bm, bk), gdt)
+    b_desc = _descriptor(w, (bn, bk) if w_nk else (bk, bn), gdt)
+    c_desc = _descriptor(out, (bm, bn), gdt)
+    if num_sms is None:
+        num_sms = _num_sms(out.device.index or 0) if out.is_cuda else DEFAULT_SMS
+    grid = (max(1, min(_cdiv(m, bm) * _cdiv(n, bn), num_sms)),)
+    args = (a_desc, b_desc, c_desc, bias if bias is not None else out, m, n, k)
+    kw = dict(HAS_BIAS=bias is not None, STAGES=cfg["STAGES"], B_NK=bool(w_nk), TANH=cfg.get("TANH", False),
+              PRODUCER_REGS=PRODUCER_REGS, num_warps=cfg["num_warps"])
+    return grid, args, kw
+
+
+_VARIANT_TUNER = None
+
+
+def _pick_variant(ctx, x2, w_, out, bias, w_nk) -> str:
+    """The schedule measured per (dtype, rows bucket, N, K, bias, weight layout) where the profile autotunes."""
+    global _VARIANT_TUNER
+    from ._triton_utils import ConfigTuner, bucket
+    profile = getattr(ctx, "profile", None)
+    if not (out.is_cuda and profile is not None and profile.autotune):
+        return DEFAULT_VARIANT
+    if _VARIANT_TUNER is None:
+        _VARIANT_TUNER = ConfigTuner("gluon_swiglu_gemm.variant")
+
+    def launch(cfg):
+        grid, args, kw = launch_args(x2, w_, out, bias, cfg["variant"], w_nk)
+        _K.swiglu_gemm_kernel[grid](*args, **kw)
+    key = (str(x2.dtype), bucket(x2.shape[0]), out.shape[1], x2.shape[1], bias is not None, bool(w_nk))
+    order = [DEFAULT_VARIANT] + [v for v in VARIANTS if v != DEFAULT_VARIANT]
+    return _VARIANT_TUNER.pick(key, [{"variant": v} for v in order], launch, True)["variant"]
+
+
+def swiglu_gemm_fwd(ctx, x, w_gate_up, bias, variant=None, num_sms=None):
+    """The impl's forward (swiglu_gemm contract), shape (..., N).  variant / num_sms (tests, probes): the
+    schedule and a grid cap below the SM count (every CTA then walks many tiles)."""
+    k, n2 = w_gate_up.shape
+    x2, w_, w_nk = prepare(x.reshape(-1, k), w_gate_up)
+    out = _poisoned((x2.shape[0], n2 // 2), x)
+    if bias is not None and bias.stride(0) != 1:
+        bias = bias.contiguous()                        # the epilogue reads it with unit stride
+    if variant is None and num_sms is None:
+        variant = _pick_variant(ctx, x2, w_, out, bias, w_nk)
+    grid, args, kw = launch_args(x2, w_, out, bias, variant, w_nk, num_sms)
+    _K.swiglu_gemm_kernel[grid](*args, **kw)
+    return out.reshape(*x.shape[:-1], n2 // 2)
+
+
+swiglu_gemm_bwd = functools.partial(_triton_swiglu_bwd, kernel="tma")
+
+
+def _check(spec, env) -> list[str]:
+    if UNAVAILABLE:
+        return [UNAVAILABLE]
+    if env.triton_interpret:
+        return ["Gluon kernels do not run under TRITON_INTERPRET=1 (the Triton interpreter)"]
+    x_shape, w_shape = spec.shapes[:2]
+    k, n = x_shape[-1], w_shape[1] // 2
+    if k % ALIGN or n % ALIGN:
+        return [f"TMA needs K and N multiples of {ALIGN} (16-byte rows), got K={k} N={n}"]
+    return []
+
+
+def impls(env) -> list[KernelImpl]:
+    return [KernelImpl(
+        id=IMPL_ID, op="swiglu_gemm", backend="cuda", fn=swiglu_gemm_fwd, backward=swiglu_gemm_bwd,
+        priority=PRIORITY_TRITON - 5,     # an unmeasured bucket keeps the Triton / cuBLAS order
+        device_types=("cuda",), dtypes=(torch.float16, torch.bfloat16), min_cc=(9, 0), max_cc=(9, 0),
+        features=frozenset({"bias", "batched"}), check=_check, experimental=True,
+        description="Gluon persistent SwiGLU GEMM for Hopper (the Gluon GEMM's cooperative schedule with the gate "
+                    "and up columns of [W_g | W_u] in each ring slot, two accumulators, silu(g) * u epilogue, TMA "
+                    "stores); sm_90 only; Triton backward")]
+
+
+__all__ = ["impls", "swiglu_gemm_fwd", "swiglu_gemm_bwd", "launch_args", "VARIANTS", "DEFAULT_VARIANT", "IMPL_ID"]

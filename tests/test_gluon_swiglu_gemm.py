@@ -1,0 +1,193 @@
+"""cuda.gluon.swiglu_gemm (gluon_swiglu_gemm.py, _gluon_swiglu_kernel.py): the Gluon SwiGLU GEMM.
+
+CPU: every variant x dtype x weight layout x bias compiles for sm_90 (ptxas) without spills and within the shared
+memory limit, with the two accumulators' eight wgmmas per K-slice; declaration and rejection reasons; a machine
+without Gluon still registers the impl with the reason.  H200 (-k gpu): every variant against float64 at odd M,
+N and K tails, both weight layouts, with and without bias, on a capped grid too (each CTA walks many tiles);
+through the op (batched, the autograd path) pinned to this impl."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+# one xdist worker runs this whole module, so its module-scoped fixture is built once (the README's
+# `pytest -n auto --dist loadgroup`)
+pytestmark = pytest.mark.xdist_group("gluon_swiglu_gemm")
+
+import opsadv  # noqa: E402
+from opsadv.core.kernel import PRIORITY_TRITON, CallSpec  # noqa: E402
+
+from conftest import fake_cuda_env, gluon_marks, load_without_gluon  # noqa: E402
+
+GS = pytest.importorskip("opsadv.backends.cuda.gluon_swiglu_gemm")
+IMPL_ID = GS.IMPL_ID
+needs_gluon, requires_sm90 = gluon_marks(GS)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMEM_LIMIT = 232448          # sm_90 opt-in shared memory per block (227 KB)
+
+_COMPILE_SCRIPT = r"""
+import json, os, re, sys
+os.environ.pop("TRITON_INTERPRET", None)
+sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks", "gluon_fa"))
+import torch
+from compile_sm90 import compile_sm90, cubin_resources, sass_of, setmaxnreg_regions
+from opsadv.backends.cuda import _gluon_swiglu_kernel as K, gluon_swiglu_gemm as GS
+report = {}
+for variant, dt, bias, w_nk in json.loads(sys.argv[1]):
+    dtype = getattr(torch, dt)
+    m, n, k = 1000, 520, 264                         # tails in M, N and K
+    x = torch.randn(m, k).to(dtype)
+    w = torch.randn(2 * n, k).to(dtype) if w_nk else torch.randn(k, 2 * n).to(dtype)
+    out = torch.empty(m, n, dtype=dtype)
+    grid, args, kw = GS.launch_args(x, w, out, torch.randn(2 * n).to(dtype) if bias else None, variant, w_nk)
+    kern = compile_sm90(K.swiglu_gemm_kernel, args, kw)
+    sass = sass_of(kern)
+    info = cubin_resources(kern)
+    info["spills"] = len(re.findall(r"\b(?:STL|LDL)\b", sass))
+    info["regions"] = setmaxnreg_regions(sass)
+    info["hgmma"] = len(re.findall(r"\bHGMMA\.", sass))
+    info["mufu"] = {op: len(re.findall(r"MUFU\." + op + r"\b", sass)) for op in ("EX2", "TANH")}
+    report["-".join(map(str, (variant, dt, int(bias), int(w_nk))))] = info
+print(json.dumps(report))
+"""
+
+COMPILE_CASES = ([(v, dt, True, nk) for v in GS.VARIANTS for dt in ("bfloat16", "float16") for nk in (False, True)]
+                 + [("coop", "bfloat16", False, nk) for nk in (False, True)])
+
+
+def _key(case) -> str:
+    variant, dt, bias, w_nk = case
+    return "-".join(map(str, (variant, dt, int(bias), int(w_nk))))
+
+
+@pytest.fixture(scope="module")
+def sm90_compile_report():
+    from conftest import sm90_compile_env
+    env = sm90_compile_env()
+    jobs = min(4, os.cpu_count() or 1)
+    chunks = [COMPILE_CASES[i::jobs] for i in range(jobs)]
+    procs = [subprocess.Popen([sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(c)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT) for c in chunks]
+    report = {}
+    for p in procs:
+        out, err = p.communicate(timeout=900)
+        assert p.returncode == 0, err[-3000:]
+        report.update(json.loads(out.strip().splitlines()[-1]))
+    return report
+
+
+@needs_gluon
+@pytest.mark.parametrize("case", COMPILE_CASES, ids=_key)
+def test_compiles_for_sm90_without_spills(case, sm90_compile_report):
+    r = sm90_compile_report[_key(case)]
+    assert r["shared_bytes"] <= SMEM_LIMIT, r
+    assert r["spills"] == 0 and r["stack"] == 0, f"{_key(case)}: {r}"
+    assert all(top < limit for limit, top in r["regions"]), r["regions"]
+    # two accumulators: 2 x (BK / 16) = 8 wgmma per K-slice
+    assert r["hgmma"] == 2 * GS.VARIANTS[case[0]]["BK"] // 16, r
+
+
+@needs_gluon
+def test_tanh_variant_spends_one_mufu_op_per_element(sm90_compile_report):
+    base = sm90_compile_report[_key(("coop", "bfloat16", True, True))]["mufu"]
+    fast = sm90_compile_report[_key(("coop_tanh", "bfloat16", True, True))]["mufu"]
+    assert fast["EX2"] == 0 and fast["TANH"] == base["EX2"] > 0, (base, fast)
+
+
+# ---- declaration and rejection reasons -------------------------------------------------------------------
+def _impl():
+    from opsadv.registry import get_registry
+    impls = {i.id: i for i in get_registry().impls_by_op["swiglu_gemm"]}
+    assert IMPL_ID in impls, sorted(impls)
+    return impls[IMPL_ID]
+
+
+def _spec(dtype=torch.bfloat16, m=1000, k=264, n=520, features=(), device="cuda", backward=False):
+    return CallSpec(op="swiglu_gemm", device_type=device, dtype=dtype, features=frozenset(features),
+                    bucket=(m, k, n), shapes=((m, k), (k, 2 * n)), backward=backward)
+
+
+def _reasons(spec, env, experimental_ok=True):
+    return _impl().rejection_reasons(spec, env, experimental_ok=experimental_ok, deterministic=False)
+
+
+def test_rejection_reasons():
+    env = fake_cuda_env()
+    impl = _impl()
+    assert impl.experimental and impl.priority == PRIORITY_TRITON - 5     # until its H200 checks have passed
+    assert impl.min_cc == impl.max_cc == (9, 0)
+    if not GS.UNAVAILABLE:
+        assert _reasons(_spec(), env) == []
+        assert _reasons(_spec(features=("bias", "batched"), backward=True), env) == []
+    assert any("experimental" in r for r in _reasons(_spec(), env, experimental_ok=False))
+    assert any("dtype float32" in r for r in _reasons(_spec(torch.float32), env))
+    assert any(">= 9.0" in r for r in _reasons(_spec(), fake_cuda_env((8, 0))))
+    assert any("<= 9.0" in r for r in _reasons(_spec(), fake_cuda_env((10, 0))))
+    assert any("device 'cpu'" in r for r in _reasons(_spec(device="cpu"), env))
+    if not GS.UNAVAILABLE:
+        assert any("multiples of 8" in r and "N=521" in r for r in _reasons(_spec(n=521), env))
+        assert any("multiples of 8" in r and "K=263" in r for r in _reasons(_spec(k=263), env))
+    assert any("TRITON_INTERPRET" in r for r in _reasons(_spec(), fake_cuda_env(interpret=True)))
+
+
+def test_without_gluon_the_impl_registers_with_the_reason(monkeypatch):
+    mod = load_without_gluon(monkeypatch, GS, "_gluon_swiglu_kernel")
+    assert mod.UNAVAILABLE
+    (impl,) = mod.impls(fake_cuda_env())
+    why = impl.rejection_reasons(_spec(), fake_cuda_env(), experimental_ok=True, deterministic=False)
+    assert why and all("gluon" in r.lower() for r in why), why
+    with pytest.raises(RuntimeError, match=IMPL_ID):
+        mod.launch_args(torch.ones(8, 8), torch.ones(8, 16), torch.ones(8, 8))
+
+
+# ---- H200 ------------------------------------------------------------------------------------------------
+def _ref(x, w, bias):
+    z = x.double().reshape(-1, x.shape[-1]) @ w.double()
+    if bias is not None:
+        z = z + bias.double()
+    g, u = z.chunk(2, dim=-1)
+    return (torch.nn.functional.silu(g) * u).reshape(*x.shape[:-1], w.shape[1] // 2)
+
+
+def _close(got, ref, dtype):
+    assert not torch.isnan(got).any()
+    err = (got.double() - ref).norm() / ref.norm().clamp_min(1e-6)
+    assert err < (1e-2 if dtype == torch.bfloat16 else 2e-3), err.item()
+
+
+GPU_SHAPES = [(1, 8, 8), (7, 24, 40), (127, 136, 264), (1000, 520, 264), (4096, 1032, 776), (2100, 1096, 136)]
+
+
+@requires_sm90
+@pytest.mark.parametrize("variant", list(GS.VARIANTS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,n,k", GPU_SHAPES)
+def test_gpu_every_variant(variant, dtype, m, n, k, seed, monkeypatch):
+    monkeypatch.setenv("OPSADV_POISON_OUTPUTS", "1")
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    w_rows = torch.randn(2 * n, k, device="cuda", dtype=dtype) / k ** 0.5       # nn.Linear [W_g; W_u]
+    for w in (w_rows.t(), w_rows.t().contiguous()):                              # (2N, K) rows, then (K, 2N)
+        for bias in (None, torch.randn(2 * n, device="cuda", dtype=dtype)):
+            ref = _ref(x, w, bias)
+            for cap in (None, 5):      # 5 CTAs: each walks many tiles (ring wrap, store waits)
+                _close(GS.swiglu_gemm_fwd(None, x, w, bias, variant=variant, num_sms=cap), ref, dtype)
+
+
+@requires_sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 127, 4096])
+def test_gpu_op_pinned(dtype, m, seed, monkeypatch):
+    """Through opsadv.ops.swiglu_gemm pinned to this impl: batched leading dims, forward in no-grad calls."""
+    monkeypatch.setenv("OPSADV_POISON_OUTPUTS", "1")
+    n, k = 520, 264
+    x = torch.randn(2, m, k, device="cuda", dtype=dtype)
+    w = (torch.randn(2 * n, k, device="cuda", dtype=dtype) / k ** 0.5).t()
+    bias = torch.randn(2 * n, device="cuda", dtype=dtype)
+    with opsadv.use_backend("cuda", experimental=True, autotune=False, impls={"swiglu_gemm": IMPL_ID}), \
+            opsadv.trace() as t, torch.no_grad():
+        out = opsadv.ops.swiglu_gemm(x, w, bias=bias)
+    assert t.counts[IMPL_ID] == 1
+    _close(out, _ref(x, w, bias), dtype)
