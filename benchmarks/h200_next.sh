@@ -135,6 +135,13 @@
 # case), then "nm d" (the norm suite incl. fwd+bwd rows with the N_FIXED tiles -- nf's 170 s limit is too short now:
 # twice the looped candidates -- and e2e, last run in session 13), then the sparse suite (PART=sp: its rows predate the
 # band loop's backward use and the persistent default at short windows).
+# Session 17 (results/*_s17*; one H200; commands inline, not parts): the norm suite (575 s limit; 356 s), the sparse
+# suite, e2e and the gemm forward rows at 9bd6b69; then the new cuda.gluon.swiglu_gemm (7a12dcb): its GPU tests (42
+# passed), the suite's SwiGLU rows with --use-experimental-kernels (696-709 TFLOP/s), pinned conformance (--impl
+# cuda.gluon.swiglu_gemm --ops swiglu_gemm: 6 pass; without --ops the full catalogue runs) -> not experimental.
+# Order for session 18: PART=d (e2e: the converted Llama's MLP now measures the Gluon SwiGLU per bucket), PARTS="n1"
+# and "n2" (the whole attention suite at the current code, last full run in sessions 15-16), PART=gm-style gemm suite
+# incl. fwd+bwd rows (the SwiGLU training path is composed: GEMM + swiglu op, unchanged).
 # OPSADV_COMMIT=<sha> PART=a bash benchmarks/h200_next.sh   (from the repo root on the GPU host, $OUT set)
 set -u
 # tests/conftest.py defaults TRITON_INTERPRET to 1 (CPU CI): every pytest here must say 0, and select the GPU tests

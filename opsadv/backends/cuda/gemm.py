@@ -10,7 +10,7 @@ Impls (priority; the dispatcher's measured choice per bucket overrides it under 
   cuda.triton.gemm             200  Triton, pointer loads, any strides; fused epilogue
   cuda.cublas.gemm_epilogue    150  cuBLAS GEMM then torch activation / residual (unfused); 215 on Hopper
   and for swiglu_gemm: cuda.cublas.swiglu_gemm_small_m 250, cuda.triton.swiglu_gemm[_tma|_persistent]
-  200/210/205, cuda.cublas.swiglu_gemm 150.
+  200/210/205, cuda.gluon.swiglu_gemm 195 (gluon_swiglu_gemm.py, Hopper), cuda.cublas.swiglu_gemm 150.
 Why (H200, bf16, torch 2.11, triton 3.6, benchmarks/gemm_norm_probe.py): the TMA kernel reaches
 0.88-0.96x cuBLAS on plain GEMMs, 0.91-0.98x torch._addmm_activation on bias+gelu_tanh, 1.01-1.08x
 addmm+silu on bias+silu and 1.07-1.22x eager on SwiGLU; at M = 8 cuBLAS is 2-5x faster.

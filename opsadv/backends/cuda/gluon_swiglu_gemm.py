@@ -7,8 +7,11 @@ GEMM's cooperative schedule ran plain GEMMs at 691-694 (results/gemm_fwd_s17d_h2
 one GEMM of twice the columns, so it should run at the GEMM's rate.  The kernel (_gluon_swiglu_kernel.py) is
 that schedule with two B boxes (gate and up columns of the same weight) per ring slot and two accumulators.
 
-Experimental until it has passed its GPU checks (tests/test_gluon_swiglu_gemm.py, -k gpu) on an H200; then the
-dispatcher measures it per shape bucket against the Triton and cuBLAS impls like every other impl.  Host side as
+Not experimental: on the H200 at 7a12dcb (session 17) its 42 GPU tests passed (tests/test_gluon_swiglu_gemm.py -k gpu:
+every variant vs float64, odd M / N / K tails, both weight layouts, bias, capped grids) and so did pinned conformance
+(docs/conformance/cuda-h200-gluon-swiglu.md, 6 pass / 0 fail); the suite's four SwiGLU shapes then ran at 696-709
+TFLOP/s (results/gemm_swiglu_s17e_h200.json: 1.10-1.22x eager, 1.05-1.07x torch.compile).  The dispatcher measures it
+per shape bucket against the Triton and cuBLAS impls like every other impl.  Host side as
 cuda.gluon.gemm (gluon_gemm.py): leading dims of x flattened, TMA descriptors (K and N multiples of 8), an
 nn.Linear-style weight.t() read as (2N, K) rows without a copy.  Backward: the Triton TMA SwiGLU backward."""
 from __future__ import annotations
@@ -121,10 +124,11 @@ def impls(env) -> list[KernelImpl]:
         id=IMPL_ID, op="swiglu_gemm", backend="cuda", fn=swiglu_gemm_fwd, backward=swiglu_gemm_bwd,
         priority=PRIORITY_TRITON - 5,     # an unmeasured bucket keeps the Triton / cuBLAS order
         device_types=("cuda",), dtypes=(torch.float16, torch.bfloat16), min_cc=(9, 0), max_cc=(9, 0),
-        features=frozenset({"bias", "batched"}), check=_check, experimental=True,
+        features=frozenset({"bias", "batched"}), check=_check,
         description="Gluon persistent SwiGLU GEMM for Hopper (the Gluon GEMM's cooperative schedule with the gate "
                     "and up columns of [W_g | W_u] in each ring slot, two accumulators, silu(g) * u epilogue, TMA "
-                    "stores); sm_90 only; Triton backward")]
+                    "stores), the schedule measured per shape bucket; sm_90 only; passed its H200 checks and pinned "
+                    "conformance there; Triton backward")]
 
 
 __all__ = ["impls", "swiglu_gemm_fwd", "swiglu_gemm_bwd", "launch_args", "VARIANTS", "DEFAULT_VARIANT", "IMPL_ID"]
