@@ -51,6 +51,36 @@ def run_sm90_compile(argv: list, timeout: float = 600) -> str:
     return res.stdout
 
 
+# The first lines of a child script that compiles Gluon kernels for sm_90 (run_sm90_compile_jobs): no interpreter,
+# benchmarks/gluon_fa/compile_sm90.py's helpers importable, the cases as JSON in sys.argv[1].
+SM90_SCRIPT_PRELUDE = r"""
+import json, os, sys
+os.environ.pop("TRITON_INTERPRET", None)
+sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks", "gluon_fa"))
+import torch
+from compile_sm90 import compile_sm90, kernel_report
+report = {}
+"""
+
+
+def run_sm90_compile_jobs(script: str, cases: list, jobs: int = 4) -> dict:
+    """`python -c script JSON(cases)` in up to `jobs` child processes under sm90_compile_env(), each on a share of
+    cases; the JSON dicts their last stdout lines print, merged (a child's non-zero exit fails the test)."""
+    import json
+    import subprocess
+    import sys
+    env = sm90_compile_env()
+    jobs = max(1, min(jobs, os.cpu_count() or 1))
+    procs = [subprocess.Popen([sys.executable, "-c", script, json.dumps(cases[i::jobs])], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT) for i in range(jobs)]
+    report = {}
+    for p in procs:
+        out, err = p.communicate(timeout=900)
+        assert p.returncode == 0, err[-3000:]
+        report.update(json.loads(out.strip().splitlines()[-1]))
+    return report
+
+
 @pytest.fixture(autouse=True)
 def _restore_policy():
     before = _policy._global

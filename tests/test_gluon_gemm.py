@@ -10,11 +10,7 @@ GPU (sm_90 only, skipped elsewhere): every variant against a float64 reference a
 backward through opsadv.ops.gemm pinned to the impl, with NaN-poisoned outputs."""
 from __future__ import annotations
 
-import json
-import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -27,12 +23,11 @@ import opsadv
 from opsadv.core.kernel import PRIORITY_TRITON, CallSpec
 
 from barrier_sim import Bar, Ring, run
-from conftest import fake_cuda_env, gluon_marks, load_without_gluon
+from conftest import SM90_SCRIPT_PRELUDE, fake_cuda_env, gluon_marks, load_without_gluon
 
 GG = pytest.importorskip("opsadv.backends.cuda.gluon_gemm")
 IMPL_ID = GG.IMPL_ID
 needs_gluon, requires_sm90 = gluon_marks(GG)
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMEM_LIMIT = 232448          # sm_90 opt-in shared memory per block (227 KB)
 
 # ---- compile for sm_90 on CPU ------------------------------------------------------------------------
@@ -40,14 +35,8 @@ SMEM_LIMIT = 232448          # sm_90 opt-in shared memory per block (227 KB)
 # gluon.jit functions cannot be compiled), with benchmarks/gluon_fa/compile_sm90.py's helpers: bind and
 # specialize like JITFunction.run, compile for sm_90 (launches nothing), count STL/LDL in the SASS, and the
 # highest register each setmaxnreg region uses.
-_COMPILE_SCRIPT = r"""
-import json, os, re, sys
-os.environ.pop("TRITON_INTERPRET", None)
-sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks", "gluon_fa"))
-import torch
-from compile_sm90 import compile_sm90, cubin_resources, sass_of, setmaxnreg_regions
+_COMPILE_SCRIPT = SM90_SCRIPT_PRELUDE + r"""
 from opsadv.backends.cuda import _gluon_gemm_kernel as K, gluon_gemm as GG
-report = {}
 for variant, act, dt, bias, res, b_nk in json.loads(sys.argv[1]):
     dtype = getattr(torch, dt)
     m, n, k = 1000, 520, 264                         # tails in M, N and K
@@ -56,13 +45,8 @@ for variant, act, dt, bias, res, b_nk in json.loads(sys.argv[1]):
     out = torch.empty(m, n, dtype=dtype)
     grid, args, kw = GG.launch_args(a, b, out, torch.randn(n).to(dtype) if bias else None,
                                     torch.randn(m, n).to(dtype) if res else None, act, 0.5, variant, b_nk)
-    kern = compile_sm90(K.gemm_kernel, args, kw)
-    sass = sass_of(kern)
-    info = cubin_resources(kern)
-    info["spills"] = len(re.findall(r"\b(?:STL|LDL)\b", sass))
-    info["regions"] = setmaxnreg_regions(sass)
-    info["mufu"] = {op: len(re.findall(r"MUFU\." + op + r"\b", sass)) for op in ("EX2", "RCP", "TANH")}
-    report["-".join(map(str, (variant, act, dt, int(bias), int(res), int(b_nk))))] = info
+    report["-".join(map(str, (variant, act, dt, int(bias), int(res), int(b_nk))))] = kernel_report(
+        compile_sm90(K.gemm_kernel, args, kw))
 print(json.dumps(report))
 """
 
@@ -87,18 +71,8 @@ def _key(case) -> str:
 
 @pytest.fixture(scope="module")
 def sm90_compile_report():
-    from conftest import sm90_compile_env
-    env = sm90_compile_env()
-    jobs = min(4, os.cpu_count() or 1)
-    chunks = [COMPILE_CASES[i::jobs] for i in range(jobs)]
-    procs = [subprocess.Popen([sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(c)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT) for c in chunks]
-    report = {}
-    for p in procs:
-        out, err = p.communicate(timeout=900)
-        assert p.returncode == 0, err[-3000:]
-        report.update(json.loads(out.strip().splitlines()[-1]))
-    return report
+    from conftest import run_sm90_compile_jobs
+    return run_sm90_compile_jobs(_COMPILE_SCRIPT, COMPILE_CASES)
 
 
 @needs_gluon

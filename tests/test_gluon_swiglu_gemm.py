@@ -5,10 +5,6 @@ memory limit, with the two accumulators' eight wgmmas per K-slice; declaration a
 without Gluon still registers the impl with the reason.  H200 (-k gpu): every variant against float64 at odd M,
 N and K tails, both weight layouts, with and without bias, on a capped grid too (each CTA walks many tiles);
 through the op (batched, the autograd path) pinned to this impl."""
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,22 +16,15 @@ pytestmark = pytest.mark.xdist_group("gluon_swiglu_gemm")
 import opsadv  # noqa: E402
 from opsadv.core.kernel import PRIORITY_TRITON, CallSpec  # noqa: E402
 
-from conftest import fake_cuda_env, gluon_marks, load_without_gluon  # noqa: E402
+from conftest import SM90_SCRIPT_PRELUDE, fake_cuda_env, gluon_marks, load_without_gluon  # noqa: E402
 
 GS = pytest.importorskip("opsadv.backends.cuda.gluon_swiglu_gemm")
 IMPL_ID = GS.IMPL_ID
 needs_gluon, requires_sm90 = gluon_marks(GS)
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMEM_LIMIT = 232448          # sm_90 opt-in shared memory per block (227 KB)
 
-_COMPILE_SCRIPT = r"""
-import json, os, re, sys
-os.environ.pop("TRITON_INTERPRET", None)
-sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks", "gluon_fa"))
-import torch
-from compile_sm90 import compile_sm90, cubin_resources, sass_of, setmaxnreg_regions
+_COMPILE_SCRIPT = SM90_SCRIPT_PRELUDE + r"""
 from opsadv.backends.cuda import _gluon_swiglu_kernel as K, gluon_swiglu_gemm as GS
-report = {}
 for variant, dt, bias, w_nk in json.loads(sys.argv[1]):
     dtype = getattr(torch, dt)
     m, n, k = 1000, 520, 264                         # tails in M, N and K
@@ -43,14 +32,8 @@ for variant, dt, bias, w_nk in json.loads(sys.argv[1]):
     w = torch.randn(2 * n, k).to(dtype) if w_nk else torch.randn(k, 2 * n).to(dtype)
     out = torch.empty(m, n, dtype=dtype)
     grid, args, kw = GS.launch_args(x, w, out, torch.randn(2 * n).to(dtype) if bias else None, variant, w_nk)
-    kern = compile_sm90(K.swiglu_gemm_kernel, args, kw)
-    sass = sass_of(kern)
-    info = cubin_resources(kern)
-    info["spills"] = len(re.findall(r"\b(?:STL|LDL)\b", sass))
-    info["regions"] = setmaxnreg_regions(sass)
-    info["hgmma"] = len(re.findall(r"\bHGMMA\.", sass))
-    info["mufu"] = {op: len(re.findall(r"MUFU\." + op + r"\b", sass)) for op in ("EX2", "TANH")}
-    report["-".join(map(str, (variant, dt, int(bias), int(w_nk))))] = info
+    report["-".join(map(str, (variant, dt, int(bias), int(w_nk))))] = kernel_report(
+        compile_sm90(K.swiglu_gemm_kernel, args, kw))
 print(json.dumps(report))
 """
 
@@ -65,18 +48,8 @@ def _key(case) -> str:
 
 @pytest.fixture(scope="module")
 def sm90_compile_report():
-    from conftest import sm90_compile_env
-    env = sm90_compile_env()
-    jobs = min(4, os.cpu_count() or 1)
-    chunks = [COMPILE_CASES[i::jobs] for i in range(jobs)]
-    procs = [subprocess.Popen([sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(c)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT) for c in chunks]
-    report = {}
-    for p in procs:
-        out, err = p.communicate(timeout=900)
-        assert p.returncode == 0, err[-3000:]
-        report.update(json.loads(out.strip().splitlines()[-1]))
-    return report
+    from conftest import run_sm90_compile_jobs
+    return run_sm90_compile_jobs(_COMPILE_SCRIPT, COMPILE_CASES)
 
 
 @needs_gluon

@@ -63,6 +63,18 @@ def sass_of(kernel) -> str:
     return cuobjdump(kernel, "-sass")
 
 
+def kernel_report(kernel, mufu_ops=("EX2", "RCP", "TANH")) -> dict:
+    """cubin resources, and from the SASS: STL/LDL count (spills), the highest register each setmaxnreg region
+    uses, the HGMMA (wgmma) count and the count of each MUFU op."""
+    sass = sass_of(kernel)
+    info = cubin_resources(kernel)
+    info["spills"] = len(re.findall(r"\b(?:STL|LDL)\b", sass))
+    info["regions"] = setmaxnreg_regions(sass)
+    info["hgmma"] = len(re.findall(r"\bHGMMA\.", sass))
+    info["mufu"] = {op: len(re.findall(r"MUFU\." + op + r"\b", sass)) for op in mufu_ops}
+    return info
+
+
 def sass_instructions(sass: str) -> list[tuple[int, str]]:
     """(address, instruction text) of every SASS line."""
     return [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]

@@ -87,6 +87,23 @@ def _descriptor(t: torch.Tensor, block, gdt):
     return _GluonTensorDescriptor(t, list(t.shape), list(t.stride()), list(block), nvmma_layout(tuple(block), gdt))
 
 
+def persistent_grid(out: torch.Tensor, tiles: int, num_sms=None) -> tuple[int]:
+    """One CTA per SM (num_sms, default the device's count), never more than the tiles."""
+    if num_sms is None:
+        num_sms = _num_sms(out.device.index or 0) if out.is_cuda else DEFAULT_SMS
+    return (max(1, min(tiles, num_sms)),)
+
+
+def tile_descriptors(a2, b, out, cfg: dict, b_nk: bool, num_sms=None):
+    """(a_desc, b_desc, c_desc, grid, gdt) of a persistent GEMM-shaped launch: A (BM, BK) boxes, B (BK, BN) boxes (or
+    (BN, BK) with b_nk), C (BM, BN) boxes of cfg's tile, one CTA per SM at most."""
+    gdt = _gl.bfloat16 if a2.dtype == torch.bfloat16 else _gl.float16
+    bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
+    descs = (_descriptor(a2, (bm, bk), gdt), _descriptor(b, (bn, bk) if b_nk else (bk, bn), gdt),
+             _descriptor(out, (bm, bn), gdt))
+    return (*descs, persistent_grid(out, _cdiv(a2.shape[0], bm) * _cdiv(out.shape[1], bn), num_sms), gdt)
+
+
 def prepare(a2: torch.Tensor, b: torch.Tensor):
     """(a2, b, b_nk): a2 TMA-ready; b as (K, N) rows, or with b_nk its transpose as (N, K) rows."""
     a2 = _tma_ready(a2)
@@ -107,16 +124,8 @@ def launch_args(a2, b, out, bias=None, res2=None, activation="none", alpha=1.0, 
     cfg = VARIANTS[variant or DEFAULT_VARIANT]
     m, k = a2.shape
     n = out.shape[1]
-    gdt = _gl.bfloat16 if a2.dtype == torch.bfloat16 else _gl.float16
-    bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
-    a_desc = _descriptor(a2, (bm, bk), gdt)
-    b_desc = _descriptor(b, (bn, bk) if b_nk else (bk, bn), gdt)
-    c_desc = _descriptor(out, (bm, bn), gdt)
-    if num_sms is None:
-        num_sms = _num_sms(out.device.index or 0) if out.is_cuda else DEFAULT_SMS
-    tiles = _cdiv(m, bm) * _cdiv(n, bn)
-    grid = (max(1, min(tiles, num_sms)),)
-    r_desc = _descriptor(res2, (bm, bn), gdt) if res2 is not None else c_desc     # never read without HAS_RES
+    a_desc, b_desc, c_desc, grid, gdt = tile_descriptors(a2, b, out, cfg, b_nk, num_sms)
+    r_desc = _descriptor(res2, (cfg["BM"], cfg["BN"]), gdt) if res2 is not None else c_desc   # read only with HAS_RES
     args = (a_desc, b_desc, c_desc, r_desc, bias if bias is not None else out, m, n, k, float(alpha))
     fast = cfg.get("TANH", False) and activation in TANH_ACTIVATIONS
     kw = dict(ACT=_K.ACT_IDS[activation] + (_K.TANH_FAST.value if fast else 0), HAS_BIAS=bias is not None, HAS_RES=res2 is not None,
@@ -179,16 +188,20 @@ def gemm_fwd(ctx, a, b, bias, activation, residual, alpha, variant=None, num_sms
 gemm_bwd = functools.partial(_triton_gemm_bwd, kernel="tma")
 
 
-def _check(spec, env) -> list[str]:
-    if UNAVAILABLE:
-        return [UNAVAILABLE]
+def tma_gemm_reasons(env, unavailable: str, k: int, n: int) -> list[str]:
+    """Why a Gluon GEMM-shaped kernel cannot serve a call with inner dim k and n output columns (empty if it can)."""
+    if unavailable:
+        return [unavailable]
     if env.triton_interpret:
         return ["Gluon kernels do not run under TRITON_INTERPRET=1 (the Triton interpreter)"]
-    a_shape, b_shape = spec.shapes
-    k, n = a_shape[-1], b_shape[1]
     if k % ALIGN or n % ALIGN:
         return [f"TMA needs K and N multiples of {ALIGN} (16-byte rows), got K={k} N={n}"]
     return []
+
+
+def _check(spec, env) -> list[str]:
+    a_shape, b_shape = spec.shapes
+    return tma_gemm_reasons(env, UNAVAILABLE, a_shape[-1], b_shape[1])
 
 
 def impls(env) -> list[KernelImpl]:

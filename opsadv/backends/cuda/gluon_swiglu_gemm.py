@@ -23,11 +23,11 @@ import torch
 from opsadv.core.kernel import PRIORITY_TRITON, KernelImpl
 
 from .gemm import _poisoned, _triton_swiglu_bwd
-from .gluon_gemm import ALIGN, DEFAULT_SMS, PRODUCER_REGS, UNAVAILABLE, _cdiv, _descriptor, _num_sms, prepare
+from .gluon_gemm import PRODUCER_REGS, UNAVAILABLE, prepare, tile_descriptors, tma_gemm_reasons
 
 try:
     from . import _gluon_swiglu_kernel as _K
-    from triton.experimental.gluon import language as _gl
+    from triton.experimental.gluon import language as _gl  # noqa: F401  (the import check: see gluon_gemm.py)
 except Exception as e:  # ImportError, or an older Triton whose Gluon lacks a name used here
     _K = _gl = None
     UNAVAILABLE = UNAVAILABLE or f"triton.experimental.gluon is not usable here: {type(e).__name__}: {e}"
@@ -52,17 +52,8 @@ def launch_args(x2, w, out, bias=None, variant=None, w_nk=False, num_sms=None):
     if _K is None:
         raise RuntimeError(f"{IMPL_ID}: {UNAVAILABLE}")
     cfg = VARIANTS[variant or DEFAULT_VARIANT]
-    m, k = x2.shape
-    n = out.shape[1]
-    gdt = _gl.bfloat16 if x2.dtype == torch.bfloat16 else _gl.float16
-    bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
-    a_desc = _descriptor(x2, (bm, bk), gdt)
-    b_desc = _descriptor(w, (bn, bk) if w_nk else (bk, bn), gdt)
-    c_desc = _descriptor(out, (bm, bn), gdt)
-    if num_sms is None:
-        num_sms = _num_sms(out.device.index or 0) if out.is_cuda else DEFAULT_SMS
-    grid = (max(1, min(_cdiv(m, bm) * _cdiv(n, bn), num_sms)),)
-    args = (a_desc, b_desc, c_desc, bias if bias is not None else out, m, n, k)
+    a_desc, b_desc, c_desc, grid, _ = tile_descriptors(x2, w, out, cfg, w_nk, num_sms)
+    args = (a_desc, b_desc, c_desc, bias if bias is not None else out, x2.shape[0], out.shape[1], x2.shape[1])
     kw = dict(HAS_BIAS=bias is not None, STAGES=cfg["STAGES"], B_NK=bool(w_nk), TANH=cfg.get("TANH", False),
               PRODUCER_REGS=PRODUCER_REGS, num_warps=cfg["num_warps"])
     return grid, args, kw
@@ -108,15 +99,8 @@ swiglu_gemm_bwd = functools.partial(_triton_swiglu_bwd, kernel="tma")
 
 
 def _check(spec, env) -> list[str]:
-    if UNAVAILABLE:
-        return [UNAVAILABLE]
-    if env.triton_interpret:
-        return ["Gluon kernels do not run under TRITON_INTERPRET=1 (the Triton interpreter)"]
     x_shape, w_shape = spec.shapes[:2]
-    k, n = x_shape[-1], w_shape[1] // 2
-    if k % ALIGN or n % ALIGN:
-        return [f"TMA needs K and N multiples of {ALIGN} (16-byte rows), got K={k} N={n}"]
-    return []
+    return tma_gemm_reasons(env, UNAVAILABLE, x_shape[-1], w_shape[1] // 2)
 
 
 def impls(env) -> list[KernelImpl]:
