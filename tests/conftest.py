@@ -106,6 +106,21 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def registered_impl(op: str, impl_id: str):
+    """The KernelImpl `impl_id` of `op` in the live registry (the test fails, listing the ids, if it is missing)."""
+    from opsadv.registry import get_registry
+    impls = {i.id: i for i in get_registry().impls_by_op[op]}
+    assert impl_id in impls, sorted(impls)
+    return impls[impl_id]
+
+
+def assert_gemm_close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    """A GEMM-family output against its float64 reference: no NaN, relative-norm error below 1e-2 (bf16) / 2e-3."""
+    assert not torch.isnan(got).any()
+    err = (got.double() - ref).norm() / ref.norm().clamp_min(1e-6)
+    assert err < (1e-2 if dtype == torch.bfloat16 else 2e-3), err.item()
+
+
 def load_without_gluon(monkeypatch, module, kernel_module_suffix: str):
     """A fresh copy of `module` (a Gluon impl module) imported while triton.experimental.gluon cannot be
     imported: what a machine without Gluon sees.  The kernel module is dropped from sys.modules so

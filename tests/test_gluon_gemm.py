@@ -23,7 +23,8 @@ import opsadv
 from opsadv.core.kernel import PRIORITY_TRITON, CallSpec
 
 from barrier_sim import Bar, Ring, run
-from conftest import SM90_SCRIPT_PRELUDE, fake_cuda_env, gluon_marks, load_without_gluon
+from conftest import (SM90_SCRIPT_PRELUDE, assert_gemm_close, fake_cuda_env, gluon_marks, load_without_gluon,
+                      registered_impl)
 
 GG = pytest.importorskip("opsadv.backends.cuda.gluon_gemm")
 IMPL_ID = GG.IMPL_ID
@@ -106,10 +107,7 @@ def test_compile_cases_cover_every_variant_activation_dtype_residual():
 
 # ---- declaration and rejection reasons -------------------------------------------------------------------
 def _impl():
-    from opsadv.registry import get_registry
-    impls = {i.id: i for i in get_registry().impls_by_op["gemm"]}
-    assert IMPL_ID in impls, sorted(impls)
-    return impls[IMPL_ID]
+    return registered_impl("gemm", IMPL_ID)
 
 
 def _spec(dtype=torch.bfloat16, m=1000, k=264, n=520, features=(), device="cuda", backward=False):
@@ -332,12 +330,6 @@ def _ref(a, b, bias, act, res, alpha):
     return z + res.double() if res is not None else z
 
 
-def _close(got, ref, dtype):
-    assert not torch.isnan(got).any()
-    err = (got.double() - ref).norm() / ref.norm().clamp_min(1e-6)
-    assert err < (1e-2 if dtype == torch.bfloat16 else 2e-3), err.item()
-
-
 GPU_SHAPES = [(1, 8, 8), (7, 24, 40), (127, 136, 264), (1000, 520, 264), (4096, 1032, 776), (1000, 4096, 1024),
               (2100, 1096, 136)]
 
@@ -358,11 +350,11 @@ def test_gpu_every_variant(variant, dtype, m, n, k, seed, monkeypatch):
             ref = _ref(a, b, bias, act, res, alpha)
             for cap in (None, 5):      # 5 CTAs: each walks many tiles (ring wrap, ping-pong turns, store waits)
                 out = GG.gemm_fwd(None, a, b, bias, act, res, alpha, variant=variant, num_sms=cap)
-                _close(out, ref, dtype)
+                assert_gemm_close(out, ref, dtype)
     # nn.Linear weight.t(): read as (N, K) rows
     w = torch.randn(n, k, device="cuda", dtype=dtype) / k ** 0.5
     out = GG.gemm_fwd(None, a, w.t(), None, "silu", None, 1.0, variant=variant)
-    _close(out, _ref(a, w.t(), None, "silu", None, 1.0), dtype)
+    assert_gemm_close(out, _ref(a, w.t(), None, "silu", None, 1.0), dtype)
 
 
 @requires_sm90
@@ -384,9 +376,9 @@ def test_gpu_op_fwd_bwd(dtype, m, act, seed, monkeypatch):
     a64, b64, bias64, res64 = (x.detach().double().requires_grad_() for x in (a, b, bias, res))
     ref = _ref(a64, b64, bias64, act, res64, 0.9)
     ra, rb, rbias, rres = torch.autograd.grad(ref, (a64, b64, bias64, res64), g.double())
-    _close(out, ref.detach(), dtype)
+    assert_gemm_close(out, ref.detach(), dtype)
     for got, want in ((da, ra), (db, rb), (dbias, rbias), (dres, rres)):
-        _close(got, want, dtype)
+        assert_gemm_close(got, want, dtype)
 
 
 def test_variant_measured_per_shape_bucket_default_first(monkeypatch):

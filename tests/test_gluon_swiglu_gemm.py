@@ -16,7 +16,8 @@ pytestmark = pytest.mark.xdist_group("gluon_swiglu_gemm")
 import opsadv  # noqa: E402
 from opsadv.core.kernel import PRIORITY_TRITON, CallSpec  # noqa: E402
 
-from conftest import SM90_SCRIPT_PRELUDE, fake_cuda_env, gluon_marks, load_without_gluon  # noqa: E402
+from conftest import (SM90_SCRIPT_PRELUDE, assert_gemm_close, fake_cuda_env, gluon_marks, load_without_gluon,
+                      registered_impl)  # noqa: E402
 
 GS = pytest.importorskip("opsadv.backends.cuda.gluon_swiglu_gemm")
 IMPL_ID = GS.IMPL_ID
@@ -72,10 +73,7 @@ def test_tanh_variant_spends_one_mufu_op_per_element(sm90_compile_report):
 
 # ---- declaration and rejection reasons -------------------------------------------------------------------
 def _impl():
-    from opsadv.registry import get_registry
-    impls = {i.id: i for i in get_registry().impls_by_op["swiglu_gemm"]}
-    assert IMPL_ID in impls, sorted(impls)
-    return impls[IMPL_ID]
+    return registered_impl("swiglu_gemm", IMPL_ID)
 
 
 def _spec(dtype=torch.bfloat16, m=1000, k=264, n=520, features=(), device="cuda", backward=False):
@@ -128,12 +126,6 @@ def _ref(x, w, bias):
     return (torch.nn.functional.silu(g) * u).reshape(*x.shape[:-1], w.shape[1] // 2)
 
 
-def _close(got, ref, dtype):
-    assert not torch.isnan(got).any()
-    err = (got.double() - ref).norm() / ref.norm().clamp_min(1e-6)
-    assert err < (1e-2 if dtype == torch.bfloat16 else 2e-3), err.item()
-
-
 GPU_SHAPES = [(1, 8, 8), (7, 24, 40), (127, 136, 264), (1000, 520, 264), (4096, 1032, 776), (2100, 1096, 136)]
 
 
@@ -149,7 +141,7 @@ def test_gpu_every_variant(variant, dtype, m, n, k, seed, monkeypatch):
         for bias in (None, torch.randn(2 * n, device="cuda", dtype=dtype)):
             ref = _ref(x, w, bias)
             for cap in (None, 5):      # 5 CTAs: each walks many tiles (ring wrap, store waits)
-                _close(GS.swiglu_gemm_fwd(None, x, w, bias, variant=variant, num_sms=cap), ref, dtype)
+                assert_gemm_close(GS.swiglu_gemm_fwd(None, x, w, bias, variant=variant, num_sms=cap), ref, dtype)
 
 
 @requires_sm90
@@ -166,4 +158,4 @@ def test_gpu_op_pinned(dtype, m, seed, monkeypatch):
             opsadv.trace() as t, torch.no_grad():
         out = opsadv.ops.swiglu_gemm(x, w, bias=bias)
     assert t.counts[IMPL_ID] == 1
-    _close(out, _ref(x, w, bias), dtype)
+    assert_gemm_close(out, _ref(x, w, bias), dtype)
