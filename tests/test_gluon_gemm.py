@@ -87,11 +87,20 @@ def test_compiles_for_sm90_without_spills(case, sm90_compile_report):
 
 
 @needs_gluon
+@pytest.mark.parametrize("base,sk", [("coop", "coop_sk"), ("coop_tanh", "coop_tanh_sk")])
+def test_stream_k_variants_add_one_main_loop_copy(base, sk, sm90_compile_report):
+    """A stream-K variant is its base schedule plus the chunks' copy of the same main loop: twice the wgmmas."""
+    for key in [k for k in sm90_compile_report if k.startswith(base + "-")]:
+        r_base, r_sk = sm90_compile_report[key], sm90_compile_report[sk + key[len(base):]]
+        assert r_sk["hgmma"] == 2 * r_base["hgmma"] > 0, (key, r_base["hgmma"], r_sk["hgmma"])
+
+
+@needs_gluon
 @pytest.mark.parametrize("act", GG.TANH_ACTIVATIONS)
 def test_tanh_variants_spend_one_mufu_op_per_element(act, sm90_compile_report):
     """coop_tanh / pingpong_tanh: the sigmoid of gelu_tanh / silu is one MUFU.TANH per element where the
     base schedule spends an EX2 and an RCP (the epilogue's MUFU work halves)."""
-    for base, fast in (("coop", "coop_tanh"), ("pingpong", "pingpong_tanh")):
+    for base, fast in (("coop", "coop_tanh"), ("pingpong", "pingpong_tanh"), ("coop_sk", "coop_tanh_sk")):
         b = sm90_compile_report[_key((base, act, "bfloat16", True, False, False))]["mufu"]
         f = sm90_compile_report[_key((fast, act, "bfloat16", True, False, False))]["mufu"]
         assert f["EX2"] == 0 and f["TANH"] == b["EX2"] > 0 and f["RCP"] < b["RCP"], (b, f)
@@ -101,7 +110,7 @@ def test_compile_cases_cover_every_variant_activation_dtype_residual():
     full = {(v, a, d, r) for v, a, d, b, r, nk in COMPILE_CASES if b and not nk}
     assert full == {(v, a, d, r) for v in GG.VARIANTS for a in (GG.TANH_ACTIVATIONS if v in TANH_VARIANTS else ACTS)
                     for d in ("bfloat16", "float16") for r in (False, True)}
-    assert set(TANH_VARIANTS) == {"coop_tanh", "pingpong_tanh"}
+    assert set(TANH_VARIANTS) == {"coop_tanh", "pingpong_tanh", "coop_tanh_sk"}
     assert set(ACTS) == set(GG.ACTIVATIONS) == set(GG._K.ACT_IDS if GG._K else ACTS)
 
 
@@ -172,7 +181,7 @@ def test_default_dispatch_unchanged_on_cpu():
 @needs_gluon
 @pytest.mark.parametrize("variant", list(GG.VARIANTS))
 @pytest.mark.parametrize("m,n,k,sms", [(1, 8, 8, 132), (1000, 520, 264, 132), (16384, 12288, 4096, 132),
-                                       (300, 4096, 64, 7)])
+                                       (300, 4096, 64, 7), (8192, 8192, 64, 132)])
 def test_launch_args(variant, m, n, k, sms):
     cfg = GG.VARIANTS[variant]
     dt = torch.bfloat16
@@ -186,7 +195,15 @@ def test_launch_args(variant, m, n, k, sms):
     assert b_desc.block_shape == [cfg["BK"], cfg["BN"]]
     assert c_desc.block_shape == r_desc.block_shape == [cfg["BM"], cfg["BN"]]
     assert r_desc.base is res and c_desc.base is out and args[4] is bias
-    assert args[5:] == (m, n, k, 0.5)
+    assert args[5:9] == (m, n, k, 0.5)
+    ws, flags, dp = args[9:]
+    if cfg.get("STREAM_K"):           # a float32 partial tile per split tile, zeroed int32 flags
+        assert dp == GG.stream_k_plan(tiles, grid[0]) and kw["STREAM_K"]
+        split = max(tiles - dp, 1)
+        assert ws.dtype == torch.float32 and ws.numel() == split * cfg["BM"] * cfg["BN"]
+        assert flags.dtype == torch.int32 and flags.numel() == split and not flags.any()
+    else:
+        assert dp == tiles and ws is out and flags is out and not kw["STREAM_K"]
     assert kw["ACT"] == (3 + 8 if cfg.get("TANH") else 3) and kw["HAS_BIAS"] and kw["HAS_RES"] and not kw["B_NK"]
     assert kw["PINGPONG"] == cfg["PINGPONG"] and kw["STAGES"] == cfg["STAGES"]
     assert kw["num_warps"] == (4 if cfg["PINGPONG"] else 8)
@@ -242,32 +259,91 @@ def test_tile_schedule_covers_every_tile_once(variant, m, n, sms):
     assert sorted(coords) == [(i, j) for i in range(num_m) for j in range(num_n)]
 
 
+# ---- stream-K: the plan, and the kernel's partial-sum flow emulated -------------------------------------------
+SK_CASES = [(2048, 128, 132), (4096, 128, 132), (6144, 64, 132), (24, 5, 5), (160, 13, 132), (133, 1, 132),
+            (9, 7, 4), (264, 3, 132), (131, 40, 132), (1000, 2, 7)]
+
+
+@pytest.mark.parametrize("tiles,k_tiles,nprog", SK_CASES)
+def test_stream_k_plan_covers_every_slice_once(tiles, k_tiles, nprog):
+    dp = GG.stream_k_plan(tiles, nprog)
+    if tiles <= nprog or tiles % nprog == 0:
+        assert dp == tiles
+    else:
+        assert dp % nprog == 0 and nprog <= tiles - dp < 2 * nprog       # whole waves; one to two split
+    seen = {}
+    for pid in range(nprog):
+        chunks = GG.stream_k_chunks(tiles, k_tiles, nprog, pid)
+        for i, (t, kb, ke) in enumerate(chunks):
+            assert dp <= t < tiles and 0 <= kb < ke <= k_tiles
+            # the publish-before-wait order: a K-tail (kb > 0) only first, a K-head with a tail elsewhere only last
+            assert kb == 0 or i == 0, chunks
+            assert ke == k_tiles or i == len(chunks) - 1, chunks
+            seen.setdefault(t, []).append((kb, ke, pid))
+        for t in range(pid, dp, nprog):
+            seen.setdefault(t, []).append((0, k_tiles, pid))
+    assert sorted(seen) == list(range(tiles))
+    for t, parts in seen.items():
+        parts.sort()
+        assert len(parts) <= 2, (t, parts)                                 # one partial per tile: deterministic
+        assert parts[0][0] == 0 and parts[-1][1] == k_tiles
+        assert all(a[1] == b[0] and a[2] + 1 == b[2] for a, b in zip(parts, parts[1:])), parts   # next CTA
+
+
+@pytest.mark.parametrize("tiles,k_tiles,nprog", SK_CASES[3:])
+def test_stream_k_partial_sums_rebuild_every_tile(tiles, k_tiles, nprog):
+    """The kernel's flow with numbers: each CTA sums its chunks' slices; a K-tail chunk leaves its sum in the
+    workspace, the K-head chunk adds it (after its own) and stores.  Every tile must equal its full K sum."""
+    rng = random.Random(tiles * 1000 + k_tiles)
+    slices = [[rng.randint(-99, 99) for _ in range(k_tiles)] for _ in range(tiles)]
+    dp = GG.stream_k_plan(tiles, nprog)
+    ws, out = {}, {}
+    per_cta = [GG.stream_k_chunks(tiles, k_tiles, nprog, pid) for pid in range(nprog)]
+    for pid in range(nprog):
+        for t in range(pid, dp, nprog):
+            out[t] = sum(slices[t])
+        for t, kb, ke in per_cta[pid]:
+            if kb > 0:
+                assert t not in ws
+                ws[t] = sum(slices[t][kb:ke])
+    for pid in range(nprog):                     # every partial is published before any head waits for it
+        for t, kb, ke in per_cta[pid]:
+            if kb == 0:
+                assert t not in out
+                out[t] = sum(slices[t][kb:ke]) + (ws.pop(t) if ke < k_tiles else 0)
+    assert not ws and out == {t: sum(slices[t]) for t in range(tiles)}
+
+
 # ---- the ring + turn barrier protocol, emulated -----------------------------------------------------------
-def emulate_protocol(tiles_per_wg, k_tiles, stages, pingpong, seed, early_release=False):
+def emulate_protocol(tiles_per_wg, k_tiles, stages, pingpong, seed, early_release=False, chunks=None):
     """gemm_kernel's barriers under a random interleaving of the partitions and TMA completions: the
     producer fills ring position p (tile p // k_tiles, K-slice p % k_tiles) into slot p % stages after
     waiting for the slot's empty barrier; consumer warpgroup wg takes the CTA's local tiles wg, wg + nwg, ...
     (ring positions local * k_tiles + kk), waits for ready, issues the wgmma, keeps one in flight and frees
     the previous slot; with ping-pong it takes a turn per tile and passes it after its last wgmma is issued.
     Asserts no slot is overwritten while (or before) it is read and nothing deadlocks.
-    early_release: a deliberately wrong consumer that frees a slot while its wgmma may still read it."""
+    early_release: a deliberately wrong consumer that frees a slot while its wgmma may still read it.
+    chunks (cooperative only): after the tiles, stream-K chunks of these K-slice counts (_mma_slices per chunk)."""
     rnd = random.Random(seed)
     nwg = 2 if pingpong else 1
     n_tiles = tiles_per_wg
+    lengths = [k_tiles] * n_tiles + list(chunks or [])
+    total = sum(lengths)
     ready, empty = [Bar(1) for _ in range(stages)], [Bar(1) for _ in range(stages)]
     turn = [Bar(1), Bar(1)]
     turn[0].arrive()                                          # warpgroup 0 issues first
     ring = Ring(("ab",), stages, 1)
 
     def producer():
-        for p in range(n_tiles * k_tiles):
+        for p in range(total):
             yield empty[p % stages], ((p // stages) & 1) ^ 1
             ring.load("ab", p)
 
     def consumer(wg):
         local = wg
-        while local < n_tiles:
-            it = local * k_tiles
+        while local < len(lengths):
+            it = sum(lengths[:local])
+            k_tiles = lengths[local]
             if pingpong:
                 yield turn[wg], (local // 2) & 1
             in_flight = []
@@ -300,7 +376,7 @@ def emulate_protocol(tiles_per_wg, k_tiles, stages, pingpong, seed, early_releas
         ready[st].arrive()
 
     run({"producer": producer(), **{f"wg{w}": consumer(w) for w in range(nwg)}}, ring.in_flight, land, rnd)
-    assert ring.all_read("ab", n_tiles * k_tiles)
+    assert ring.all_read("ab", total)
 
 
 @pytest.mark.parametrize("pingpong", [False, True])
@@ -310,6 +386,16 @@ def test_emulated_ring_and_turn_protocol(stages, pingpong):
         for k_tiles in (1, 2, 3, 7):
             for seed in range(12):
                 emulate_protocol(n_tiles, k_tiles, stages, pingpong, seed)
+
+
+@pytest.mark.parametrize("stages", [3, 4])
+def test_emulated_ring_protocol_with_stream_k_chunks(stages):
+    for tiles, k_tiles, nprog in ((24, 5, 5), (9, 7, 4), (160, 13, 132), (1000, 2, 7)):
+        dp = GG.stream_k_plan(tiles, nprog)
+        for pid in (0, nprog - 1):
+            lengths = [ke - kb for _, kb, ke in GG.stream_k_chunks(tiles, k_tiles, nprog, pid)]
+            for seed in range(8):
+                emulate_protocol(len(range(pid, dp, nprog)), k_tiles, stages, False, seed, chunks=lengths)
 
 
 def test_emulated_protocol_detects_an_early_release():
@@ -355,6 +441,39 @@ def test_gpu_every_variant(variant, dtype, m, n, k, seed, monkeypatch):
     w = torch.randn(n, k, device="cuda", dtype=dtype) / k ** 0.5
     out = GG.gemm_fwd(None, a, w.t(), None, "silu", None, 1.0, variant=variant)
     assert_gemm_close(out, _ref(a, w.t(), None, "silu", None, 1.0), dtype)
+
+
+SK_VARIANTS = [v for v, c in GG.VARIANTS.items() if c.get("STREAM_K")]
+# (m, n, k, grid caps): tile counts that leave a partial wave, so the last tiles' K-slices are split between CTAs:
+# 8192 x 4096 = 1024 tiles of 128 x 256 (2048 of 128 x 128) on the full grid; 2100 x 1096 under 7 / 11 / 13 CTAs.
+SK_GPU_CASES = [(8192, 4096, 1032, (None,)), (2100, 1096, 776, (7, 11, 13))]
+
+
+def split_happens(variant_cfg, m, n, cap):
+    tiles = -(-m // variant_cfg["BM"]) * -(-n // variant_cfg["BN"])
+    nprog = min(tiles, cap or torch.cuda.get_device_properties(0).multi_processor_count)
+    return GG.stream_k_plan(tiles, nprog) < tiles
+
+
+@requires_sm90
+@pytest.mark.parametrize("variant", SK_VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_stream_k_split_tiles_exact_and_deterministic(variant, dtype, seed, monkeypatch):
+    """Stream-K where tiles really are split: against float64 (bias, gelu_tanh, residual, alpha) and bitwise
+    equal on a second run (one partial sum per tile, added in a fixed order)."""
+    monkeypatch.setenv("OPSADV_POISON_OUTPUTS", "1")
+    for m, n, k, caps in SK_GPU_CASES:
+        a = torch.randn(m, k, device="cuda", dtype=dtype)
+        b = torch.randn(k, n, device="cuda", dtype=dtype) / k ** 0.5
+        bias = torch.randn(n, device="cuda", dtype=dtype)
+        res = torch.randn(m, n, device="cuda", dtype=dtype)
+        ref = _ref(a, b, bias, "gelu_tanh", res, 0.5)
+        for cap in caps:
+            assert split_happens(GG.VARIANTS[variant], m, n, cap)
+            out = GG.gemm_fwd(None, a, b, bias, "gelu_tanh", res, 0.5, variant=variant, num_sms=cap)
+            assert_gemm_close(out, ref, dtype)
+            assert torch.equal(out, GG.gemm_fwd(None, a, b, bias, "gelu_tanh", res, 0.5, variant=variant,
+                                                num_sms=cap))
 
 
 @requires_sm90

@@ -60,8 +60,9 @@ def test_compiles_for_sm90_without_spills(case, sm90_compile_report):
     assert r["shared_bytes"] <= SMEM_LIMIT, r
     assert r["spills"] == 0 and r["stack"] == 0, f"{_key(case)}: {r}"
     assert all(top < limit for limit, top in r["regions"]), r["regions"]
-    # two accumulators: 2 x (BK / 16) = 8 wgmma per K-slice
-    assert r["hgmma"] == 2 * GS.VARIANTS[case[0]]["BK"] // 16, r
+    # two accumulators: 2 x (BK / 16) = 8 wgmma per K-slice; the stream-K chunks' main loop is a second copy
+    cfg = GS.VARIANTS[case[0]]
+    assert r["hgmma"] == 2 * cfg["BK"] // 16 * (2 if cfg.get("STREAM_K") else 1), r
 
 
 @needs_gluon
@@ -142,6 +143,27 @@ def test_gpu_every_variant(variant, dtype, m, n, k, seed, monkeypatch):
             ref = _ref(x, w, bias)
             for cap in (None, 5):      # 5 CTAs: each walks many tiles (ring wrap, store waits)
                 assert_gemm_close(GS.swiglu_gemm_fwd(None, x, w, bias, variant=variant, num_sms=cap), ref, dtype)
+
+
+@requires_sm90
+@pytest.mark.parametrize("variant", [v for v, c in GS.VARIANTS.items() if c.get("STREAM_K")])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_stream_k_split_tiles_exact_and_deterministic(variant, dtype, seed, monkeypatch):
+    """Stream-K where tiles really are split (test_gluon_gemm.SK_GPU_CASES): against float64 with the biases, both
+    weight layouts, and bitwise equal on a second run."""
+    from test_gluon_gemm import SK_GPU_CASES, split_happens
+    monkeypatch.setenv("OPSADV_POISON_OUTPUTS", "1")
+    for m, n, k, caps in SK_GPU_CASES:
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        w_rows = torch.randn(2 * n, k, device="cuda", dtype=dtype) / k ** 0.5
+        bias = torch.randn(2 * n, device="cuda", dtype=dtype)
+        for w in (w_rows.t(), w_rows.t().contiguous()):
+            ref = _ref(x, w, bias)
+            for cap in caps:
+                assert split_happens(GS.VARIANTS[variant], m, n, cap)
+                out = GS.swiglu_gemm_fwd(None, x, w, bias, variant=variant, num_sms=cap)
+                assert_gemm_close(out, ref, dtype)
+                assert torch.equal(out, GS.swiglu_gemm_fwd(None, x, w, bias, variant=variant, num_sms=cap))
 
 
 @requires_sm90

@@ -52,6 +52,64 @@ def _tile_coords(tile, num_pid_m, num_pid_n, GROUP: gl.constexpr):
     return pid_m, pid_n
 
 
+# ---- stream-K: the last waves' K-slices shared evenly by every CTA (gluon_gemm.stream_k_plan) ----
+# A persistent launch of T tiles on P CTAs takes ceil(T / P) tile-times while the work is T / P: at 4096 tiles on
+# 132 SMs (8192^3 with 128x128 output tiles) 32 vs 31.03, 3% idle.  With STREAM_K the first DP_TILES tiles (whole
+# waves) run as before; the K-slices of the other P + T % P tiles are cut into P equal contiguous segments, one
+# per CTA, each at least one tile long, so a tile is shared by at most two CTAs.  A segment's first chunk is the
+# K-tail of a tile whose K-head ends the previous CTA's segment: it stores its float32 partial sums to a workspace
+# and releases the tile's flag; the CTA holding the K-head (its segment's last chunk) acquires the flag, adds the
+# partial sums and runs the epilogue.  Waits only happen at a segment's end, after its own partial was published,
+# so no CTA waits on one that waits (all CTAs are resident: grid <= #SMs, one CTA per SM).  Deterministic: one
+# partial per tile, added in a fixed order.
+
+
+@gluon.jit
+def _sk_range(sk_tiles, k_tiles):
+    """This CTA's stream-K segment [start, end) of the sk_tiles * k_tiles K-slices: equal shares, the first
+    (total % nprog) CTAs one slice more."""
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    total = sk_tiles * k_tiles
+    per = total // nprog
+    extra = total % nprog
+    start = pid * per + gl.minimum(pid, extra)
+    return start, start + per + (pid < extra).to(gl.int32)
+
+
+@gluon.jit
+def _sk_chunk(cur, end, k_tiles):
+    """The chunk of a segment at slice cur: (stream-K tile index t, first K-slice kb, end K-slice ke)."""
+    t = cur // k_tiles
+    kb = cur - t * k_tiles
+    return t, kb, gl.minimum(k_tiles, kb + (end - cur))
+
+
+@gluon.jit
+def _sk_offsets(like, ROW: gl.constexpr):
+    """Offsets of a block of a row-major workspace tile (rows ROW apart) in the shape and layout of tensor like."""
+    layout: gl.constexpr = like.type.layout
+    rows = gl.arange(0, like.shape[0], layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, like.shape[1], layout=gl.SliceLayout(0, layout))
+    return gl.expand_dims(rows, 1) * ROW + gl.expand_dims(cols, 0)
+
+
+@gluon.jit
+def _sk_publish(flag_ptr):
+    """The partition's partial-sum stores are issued (barrier), then the tile's flag is set with release
+    semantics at GPU scope: the finisher's acquire sees every store (CUTLASS's stream-K fixup barrier)."""
+    gl.thread_barrier()
+    gl.atomic_xchg(flag_ptr, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def _sk_wait(flag_ptr):
+    """Spin until the tile's partial sums are published (acquire at GPU scope), then let every warp read them."""
+    while gl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu") == 0:
+        pass
+    gl.thread_barrier()
+
+
 TANH_FAST = gl.constexpr(8)   # added to ACT: gelu_tanh / silu through one tanh.approx (see _sigmoid)
 
 
@@ -86,29 +144,46 @@ def _act(z, ACT: gl.constexpr):
 
 
 @gluon.jit
-def _producer(a_desc, b_desc, a_smem, b_smem, ready, empty, M, N, K,
-              STAGES: gl.constexpr, B_NK: gl.constexpr, TILE_M: gl.constexpr, TILE_N: gl.constexpr):
-    """1 warp: walks the CTA's tiles in the consumers' order and fills the ring K-slice by K-slice."""
+def _load_slices(a_desc, b_desc, a_smem, b_smem, ready, empty, it, off_m, off_n, kb, ke,
+                 STAGES: gl.constexpr, B_NK: gl.constexpr):
+    """Fill ring positions it, it + 1, ... with K-slices [kb, ke) of one tile's A and B boxes; returns the next."""
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    for kk in range(kb, ke):
+        s = it % STAGES
+        # Parity of the slot's previous use: on the first lap, parity 1 of a fresh barrier passes at once.
+        mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(a_desc, [off_m, kk * BK], ready.index(s), a_smem.index(s))
+        if B_NK:
+            tma.async_copy_global_to_shared(b_desc, [off_n, kk * BK], ready.index(s), b_smem.index(s))
+        else:
+            tma.async_copy_global_to_shared(b_desc, [kk * BK, off_n], ready.index(s), b_smem.index(s))
+        it += 1
+    return it
+
+
+@gluon.jit
+def _producer(a_desc, b_desc, a_smem, b_smem, ready, empty, M, N, K, DP_TILES,
+              STAGES: gl.constexpr, B_NK: gl.constexpr, TILE_M: gl.constexpr, TILE_N: gl.constexpr,
+              STREAM_K: gl.constexpr):
+    """1 warp: walks the CTA's tiles (then its stream-K chunks) in the consumers' order, K-slice by K-slice."""
     BK: gl.constexpr = a_desc.block_type.shape[1]
     num_pid_m = gl.cdiv(M, TILE_M)
     num_pid_n = gl.cdiv(N, TILE_N)
     k_tiles = gl.cdiv(K, BK)
     it = 0                                                   # ring position (counts every K-slice)
-    for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+    for tile in range(gl.program_id(0), DP_TILES, gl.num_programs(0)):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
-        off_m = pid_m * TILE_M
-        off_n = pid_n * TILE_N
-        for kk in range(k_tiles):
-            s = it % STAGES
-            # Parity of the slot's previous use: on the first lap, parity 1 of a fresh barrier passes at once.
-            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(a_desc, [off_m, kk * BK], ready.index(s), a_smem.index(s))
-            if B_NK:
-                tma.async_copy_global_to_shared(b_desc, [off_n, kk * BK], ready.index(s), b_smem.index(s))
-            else:
-                tma.async_copy_global_to_shared(b_desc, [kk * BK, off_n], ready.index(s), b_smem.index(s))
-            it += 1
+        it = _load_slices(a_desc, b_desc, a_smem, b_smem, ready, empty, it, pid_m * TILE_M, pid_n * TILE_N,
+                          0, k_tiles, STAGES, B_NK)
+    if STREAM_K:
+        cur, end = _sk_range(num_pid_m * num_pid_n - DP_TILES, k_tiles)
+        while cur < end:
+            t, kb, ke = _sk_chunk(cur, end, k_tiles)
+            pid_m, pid_n = _tile_coords(DP_TILES + t, num_pid_m, num_pid_n, GROUP_M)
+            it = _load_slices(a_desc, b_desc, a_smem, b_smem, ready, empty, it, pid_m * TILE_M, pid_n * TILE_N,
+                              kb, ke, STAGES, B_NK)
+            cur += ke - kb
 
 
 @gluon.jit
@@ -137,16 +212,78 @@ def _release(bar):
 
 
 @gluon.jit
-def _consumer(a_desc, b_desc, c_desc, r_desc, bias_ptr, a_smem, b_smem, c_smem, ready, empty, turn, res_bar,
-              M, N, K, alpha,
+def _mma_slices(a_smem, b_smem, ready, empty, it, kb, ke, acc_layout: gl.constexpr, BM: gl.constexpr,
+                BN: gl.constexpr, STAGES: gl.constexpr, B_NK: gl.constexpr, PINGPONG: gl.constexpr, turn, WG):
+    """(acc, it): one tile's sum over K-slices [kb, ke) from ring positions it, ...; every slot is freed once the
+    wgmma reading it has retired.  PINGPONG: passes the tensor-core turn after the last wgmma is issued."""
+    acc = gl.zeros([BM, BN], gl.float32, acc_layout)
+    for kk in range(kb, ke):
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        if B_NK:
+            b_op = b_smem.index(s).permute((1, 0))           # (N, K) slot read as K x N
+        else:
+            b_op = b_smem.index(s)
+        acc = warpgroup_mma(a_smem.index(s), b_op, acc, is_async=True)
+        # Keep one wgmma group in flight: the previous slice's has retired after this wait.
+        acc = warpgroup_mma_wait(1, deps=(acc, ))
+        if kk > kb:
+            _release(empty.index((it - 1) % STAGES))
+        it += 1
+    if PINGPONG:
+        # Our last wgmma is issued: the other warpgroup may issue its main loop under our epilogue.
+        mbarrier.arrive(turn.index(1 - WG), count=1)
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    _release(empty.index((it - 1) % STAGES))
+    return acc, it
+
+
+@gluon.jit
+def _store_tile(acc, c_desc, r_desc, c_smem, res_bar, res_phase, bias_ptr, off_m, off_n, N, alpha, ws, add_ws,
+                ACT: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr):
+    """The epilogue in registers, then one TMA store of the tile (clipped at M / N); returns the next res_phase.
+    add_ws: first add the partial sums another CTA left at ws (stream-K), one column half at a time (a whole
+    128 x 256 workspace tile next to the accumulator would need 256 registers per thread)."""
+    BM: gl.constexpr = c_desc.block_type.shape[0]
+    BN: gl.constexpr = c_desc.block_type.shape[1]
+    # The previous tile's TMA store has finished reading c_smem (the issuing thread waits; the
+    # barrier makes every warp wait for it) before it is overwritten.
+    tma.store_wait(0)
+    gl.thread_barrier()
+    if HAS_RES:
+        # The residual tile comes in by TMA through c_smem (zero-filled past M / N) while the
+        # activation runs: no per-element pointers in registers.
+        mbarrier.expect(res_bar, r_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(r_desc, [off_m, off_n], res_bar, c_smem)
+    # Two column halves one after the other: half the epilogue's registers live at a time.
+    BN2: gl.constexpr = BN // 2
+    lo, hi = gl.split(gl.permute(gl.reshape(acc, [BM, 2, BN2]), (0, 2, 1)))
+    if HAS_RES:
+        mbarrier.wait(res_bar, res_phase)
+        res_phase ^= 1
+    if add_ws:     # L2 reads (.cg): another SM wrote them
+        lo += gl.load(ws + _sk_offsets(lo, BN), cache_modifier=".cg")
+    _epilogue_half(lo, c_smem.slice(0, BN2, 1), bias_ptr, off_n, N, alpha, ACT, HAS_BIAS, HAS_RES)
+    if add_ws:
+        hi += gl.load(ws + BN2 + _sk_offsets(hi, BN), cache_modifier=".cg")
+    _epilogue_half(hi, c_smem.slice(BN2, BN2, 1), bias_ptr, off_n + BN2, N, alpha, ACT, HAS_BIAS, HAS_RES)
+    fence_async_shared()             # generic-proxy smem writes before the TMA (async proxy) reads them
+    gl.thread_barrier()              # every warp's part is written before one thread issues the store
+    tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)    # clipped at M / N
+    return res_phase
+
+
+@gluon.jit
+def _consumer(a_desc, b_desc, c_desc, r_desc, bias_ptr, ws_ptr, flags_ptr, a_smem, b_smem, c_smem, ready, empty,
+              turn, res_bar, M, N, K, alpha, DP_TILES,
               ACT: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, STAGES: gl.constexpr,
-              B_NK: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr, num_warps: gl.constexpr):
+              B_NK: gl.constexpr, PINGPONG: gl.constexpr, STREAM_K: gl.constexpr, WG: gl.constexpr,
+              num_warps: gl.constexpr):
     """Main loop + epilogue of this partition's tiles: every tile of the CTA (cooperative), or every
-    other one starting at WG (ping-pong)."""
+    other one starting at WG (ping-pong); then (cooperative, STREAM_K) the CTA's stream-K chunks."""
     BM: gl.constexpr = c_desc.block_type.shape[0]
     BN: gl.constexpr = c_desc.block_type.shape[1]
     BK: gl.constexpr = a_desc.block_type.shape[1]
-    dtype: gl.constexpr = c_desc.dtype
     # wgmma accumulator: warps stacked along M (16 rows each), instruction N = the whole tile width.
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, BN, 16])
@@ -157,68 +294,52 @@ def _consumer(a_desc, b_desc, c_desc, r_desc, bias_ptr, a_smem, b_smem, c_smem, 
     nprog = gl.num_programs(0)
     local = WG                                               # index of the tile among the CTA's tiles
     res_phase = 0
-    for tile in range(gl.program_id(0) + WG * nprog, num_pid_m * num_pid_n, NWG * nprog):
+    it = 0
+    for tile in range(gl.program_id(0) + WG * nprog, DP_TILES, NWG * nprog):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
-        off_m = pid_m * BM
-        off_n = pid_n * BN
         it = local * k_tiles                                 # ring position of this tile's first K-slice
-        acc = gl.zeros([BM, BN], gl.float32, acc_layout)
         if PINGPONG:
             # Our turn for the tensor cores: WG's (local // 2)-th turn; turn[0] is pre-arrived once.
             mbarrier.wait(turn.index(WG), (local // 2) & 1)
-        for kk in range(k_tiles):
-            s = it % STAGES
-            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            if B_NK:
-                b_op = b_smem.index(s).permute((1, 0))       # (N, K) slot read as K x N
-            else:
-                b_op = b_smem.index(s)
-            acc = warpgroup_mma(a_smem.index(s), b_op, acc, is_async=True)
-            # Keep one wgmma group in flight: the previous slice's has retired after this wait.
-            acc = warpgroup_mma_wait(1, deps=(acc, ))
-            if kk > 0:
-                _release(empty.index((it - 1) % STAGES))
-            it += 1
-        if PINGPONG:
-            # Our last wgmma is issued: the other warpgroup may issue its main loop under our epilogue.
-            mbarrier.arrive(turn.index(1 - WG), count=1)
-        acc = warpgroup_mma_wait(0, deps=(acc, ))
-        _release(empty.index((it - 1) % STAGES))
-
-        # ---- epilogue, in registers ----
-        # The previous tile's TMA store has finished reading c_smem (the issuing thread waits; the
-        # barrier makes every warp wait for it) before it is overwritten.
-        tma.store_wait(0)
-        gl.thread_barrier()
-        if HAS_RES:
-            # The residual tile comes in by TMA through c_smem (zero-filled past M / N) while the
-            # activation runs: no per-element pointers in registers.
-            mbarrier.expect(res_bar, r_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(r_desc, [off_m, off_n], res_bar, c_smem)
-        # Two column halves one after the other: half the epilogue's registers live at a time.
-        BN2: gl.constexpr = BN // 2
-        lo, hi = gl.split(gl.permute(gl.reshape(acc, [BM, 2, BN2]), (0, 2, 1)))
-        if HAS_RES:
-            mbarrier.wait(res_bar, res_phase)
-            res_phase ^= 1
-        _epilogue_half(lo, c_smem.slice(0, BN2, 1), bias_ptr, off_n, N, alpha, ACT, HAS_BIAS, HAS_RES)
-        _epilogue_half(hi, c_smem.slice(BN2, BN2, 1), bias_ptr, off_n + BN2, N, alpha, ACT, HAS_BIAS, HAS_RES)
-        fence_async_shared()             # generic-proxy smem writes before the TMA (async proxy) reads them
-        gl.thread_barrier()              # every warp's part is written before one thread issues the store
-        tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)    # clipped at M / N
+        acc, it = _mma_slices(a_smem, b_smem, ready, empty, it, 0, k_tiles, acc_layout, BM, BN, STAGES, B_NK,
+                              PINGPONG, turn, WG)
+        res_phase = _store_tile(acc, c_desc, r_desc, c_smem, res_bar, res_phase, bias_ptr, pid_m * BM, pid_n * BN,
+                                N, alpha, ws_ptr, False, ACT, HAS_BIAS, HAS_RES)
         local += NWG
+    if STREAM_K:      # cooperative only (gluon_gemm.VARIANTS)
+        cur, end = _sk_range(num_pid_m * num_pid_n - DP_TILES, k_tiles)
+        while cur < end:
+            t, kb, ke = _sk_chunk(cur, end, k_tiles)
+            pid_m, pid_n = _tile_coords(DP_TILES + t, num_pid_m, num_pid_n, GROUP_M)
+            acc, it = _mma_slices(a_smem, b_smem, ready, empty, it, kb, ke, acc_layout, BM, BN, STAGES, B_NK,
+                                  False, turn, WG)
+            ws = ws_ptr + t * (BM * BN)
+            if kb > 0:
+                # A K-tail: the CTA holding this tile's K-head finishes it.
+                gl.store(ws + _sk_offsets(acc, BN), acc)
+                _sk_publish(flags_ptr + t)
+            else:
+                # A K-head, whole or with a tail another CTA computed (then added from ws).
+                shared = ke < k_tiles
+                if shared:
+                    _sk_wait(flags_ptr + t)
+                res_phase = _store_tile(acc, c_desc, r_desc, c_smem, res_bar, res_phase, bias_ptr, pid_m * BM,
+                                        pid_n * BN, N, alpha, ws, shared, ACT, HAS_BIAS, HAS_RES)
+            cur += ke - kb
     tma.store_wait(0)
 
 
 @gluon.jit
-def gemm_kernel(a_desc, b_desc, c_desc, r_desc, bias_ptr, M, N, K, alpha,
+def gemm_kernel(a_desc, b_desc, c_desc, r_desc, bias_ptr, M, N, K, alpha, ws_ptr, flags_ptr, DP_TILES,
                 ACT: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, STAGES: gl.constexpr,
-                B_NK: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                B_NK: gl.constexpr, PINGPONG: gl.constexpr, STREAM_K: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                 PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """Persistent grid (min(tiles, #SMs),).  a_desc block (BM, BK); b_desc (BK, BN), or (BN, BK) with
     B_NK; c_desc and r_desc (the residual; c_desc when HAS_RES is off) (BM, BN) = one consumer
     partition's tile.  num_warps: 8 cooperative, 4 ping-pong (the
-    default partition is then consumer warpgroup 0)."""
+    default partition is then consumer warpgroup 0).  DP_TILES: the tiles walked whole (all of them without
+    STREAM_K, which only the cooperative schedule takes); with STREAM_K, ws_ptr a float32 workspace of BM x BN per
+    remaining tile and flags_ptr their int32 flags, zeroed (gluon_gemm.stream_k_plan)."""
     BM: gl.constexpr = c_desc.block_type.shape[0]
     BN: gl.constexpr = c_desc.block_type.shape[1]
     BK: gl.constexpr = a_desc.block_type.shape[1]
@@ -241,19 +362,23 @@ def gemm_kernel(a_desc, b_desc, c_desc, r_desc, bias_ptr, M, N, K, alpha,
         c_smem = gl.allocate_shared_memory(dtype, [2, BM, BN], c_desc.layout)   # one output tile per warpgroup
         mbarrier.arrive(turn.index(0), count=1)     # warpgroup 0 issues first
         gl.warp_specialize([
-            (_consumer, (a_desc, b_desc, c_desc, r_desc, bias_ptr, a_smem, b_smem, c_smem.index(0), ready, empty,
-                         turn, res_bar.index(0), M, N, K, alpha, ACT, HAS_BIAS, HAS_RES, STAGES, B_NK, True, 0, 4)),
-            (_consumer, (a_desc, b_desc, c_desc, r_desc, bias_ptr, a_smem, b_smem, c_smem.index(1), ready, empty,
-                         turn, res_bar.index(1), M, N, K, alpha, ACT, HAS_BIAS, HAS_RES, STAGES, B_NK, True, 1, 4)),
-            (_producer, (a_desc, b_desc, a_smem, b_smem, ready, empty, M, N, K, STAGES, B_NK, BM, BN)),
+            (_consumer, (a_desc, b_desc, c_desc, r_desc, bias_ptr, ws_ptr, flags_ptr, a_smem, b_smem, c_smem.index(0),
+                         ready, empty, turn, res_bar.index(0), M, N, K, alpha, DP_TILES, ACT, HAS_BIAS, HAS_RES, STAGES,
+                         B_NK, True, False, 0, 4)),
+            (_consumer, (a_desc, b_desc, c_desc, r_desc, bias_ptr, ws_ptr, flags_ptr, a_smem, b_smem, c_smem.index(1),
+                         ready, empty, turn, res_bar.index(1), M, N, K, alpha, DP_TILES, ACT, HAS_BIAS, HAS_RES, STAGES,
+                         B_NK, True, False, 1, 4)),
+            (_producer, (a_desc, b_desc, a_smem, b_smem, ready, empty, M, N, K, DP_TILES, STAGES, B_NK, BM, BN,
+                         False)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         c_smem = gl.allocate_shared_memory(dtype, [BM, BN], c_desc.layout)
         gl.warp_specialize([
-            (_consumer, (a_desc, b_desc, c_desc, r_desc, bias_ptr, a_smem, b_smem, c_smem, ready, empty, turn,
-                         res_bar.index(0), M, N, K, alpha, ACT, HAS_BIAS, HAS_RES, STAGES, B_NK, False, 0,
-                         num_warps)),
-            (_producer, (a_desc, b_desc, a_smem, b_smem, ready, empty, M, N, K, STAGES, B_NK, BM, BN)),
+            (_consumer, (a_desc, b_desc, c_desc, r_desc, bias_ptr, ws_ptr, flags_ptr, a_smem, b_smem, c_smem, ready,
+                         empty, turn, res_bar.index(0), M, N, K, alpha, DP_TILES, ACT, HAS_BIAS, HAS_RES, STAGES,
+                         B_NK, False, STREAM_K, 0, num_warps)),
+            (_producer, (a_desc, b_desc, a_smem, b_smem, ready, empty, M, N, K, DP_TILES, STAGES, B_NK, BM, BN,
+                         STREAM_K)),
         ], [1], [PRODUCER_REGS])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))

@@ -14,6 +14,8 @@ warpgroups stacked along M) on a BM x BN output tile.  What differs:
     pair in flight (num_outstanding=2: each async wgmma is one group).
   * the epilogue adds the biases (b_g at n, b_u at N + n), computes silu(g) * u in float32 and stores a
     BM x BN tile by TMA, in two column halves (half the epilogue's registers live at a time).
+  * STREAM_K: the last waves' K-slices split evenly over the CTAs (see _gluon_gemm_kernel's stream-K notes); a
+    shared tile's two partial sums (gate and up) meet in a float32 workspace before the SwiGLU epilogue.
 Imported only by gluon_swiglu_gemm.py, and only when triton.experimental.gluon imports."""
 from __future__ import annotations
 
@@ -22,35 +24,81 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from ._gluon_gemm_kernel import GROUP_M, _release, _sigmoid, _tile_coords
+from ._gluon_gemm_kernel import (GROUP_M, _release, _sigmoid, _sk_chunk, _sk_offsets, _sk_publish, _sk_range, _sk_wait,
+                                 _tile_coords)
 
 
 @gluon.jit
-def _producer(a_desc, b_desc, a_smem, bg_smem, bu_smem, ready, empty, M, N, K,
-              STAGES: gl.constexpr, B_NK: gl.constexpr, TILE_M: gl.constexpr, TILE_N: gl.constexpr):
-    """1 warp: walks the CTA's tiles in the consumers' order; per K-slice one A box and the gate / up B boxes."""
+def _load_slices(a_desc, b_desc, a_smem, bg_smem, bu_smem, ready, empty, it, off_m, off_n, N, kb, ke,
+                 STAGES: gl.constexpr, B_NK: gl.constexpr):
+    """Fill ring positions it, it + 1, ... with K-slices [kb, ke) of one tile: the A box and the gate / up B boxes."""
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    for kk in range(kb, ke):
+        s = it % STAGES
+        # Parity of the slot's previous use: on the first lap, parity 1 of a fresh barrier passes at once.
+        mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + 2 * b_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(a_desc, [off_m, kk * BK], ready.index(s), a_smem.index(s))
+        if B_NK:     # weight rows: gate rows [off_n, +BN), up rows [N + off_n, +BN)
+            tma.async_copy_global_to_shared(b_desc, [off_n, kk * BK], ready.index(s), bg_smem.index(s))
+            tma.async_copy_global_to_shared(b_desc, [N + off_n, kk * BK], ready.index(s), bu_smem.index(s))
+        else:
+            tma.async_copy_global_to_shared(b_desc, [kk * BK, off_n], ready.index(s), bg_smem.index(s))
+            tma.async_copy_global_to_shared(b_desc, [kk * BK, N + off_n], ready.index(s), bu_smem.index(s))
+        it += 1
+    return it
+
+
+@gluon.jit
+def _producer(a_desc, b_desc, a_smem, bg_smem, bu_smem, ready, empty, M, N, K, DP_TILES,
+              STAGES: gl.constexpr, B_NK: gl.constexpr, TILE_M: gl.constexpr, TILE_N: gl.constexpr,
+              STREAM_K: gl.constexpr):
+    """1 warp: walks the CTA's tiles (then its stream-K chunks) in the consumers' order, K-slice by K-slice."""
     BK: gl.constexpr = a_desc.block_type.shape[1]
     num_pid_m = gl.cdiv(M, TILE_M)
     num_pid_n = gl.cdiv(N, TILE_N)
     k_tiles = gl.cdiv(K, BK)
     it = 0                                                   # ring position (counts every K-slice)
-    for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+    for tile in range(gl.program_id(0), DP_TILES, gl.num_programs(0)):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
-        off_m = pid_m * TILE_M
-        off_n = pid_n * TILE_N
-        for kk in range(k_tiles):
-            s = it % STAGES
-            # Parity of the slot's previous use: on the first lap, parity 1 of a fresh barrier passes at once.
-            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + 2 * b_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(a_desc, [off_m, kk * BK], ready.index(s), a_smem.index(s))
-            if B_NK:     # weight rows: gate rows [off_n, +BN), up rows [N + off_n, +BN)
-                tma.async_copy_global_to_shared(b_desc, [off_n, kk * BK], ready.index(s), bg_smem.index(s))
-                tma.async_copy_global_to_shared(b_desc, [N + off_n, kk * BK], ready.index(s), bu_smem.index(s))
-            else:
-                tma.async_copy_global_to_shared(b_desc, [kk * BK, off_n], ready.index(s), bg_smem.index(s))
-                tma.async_copy_global_to_shared(b_desc, [kk * BK, N + off_n], ready.index(s), bu_smem.index(s))
-            it += 1
+        it = _load_slices(a_desc, b_desc, a_smem, bg_smem, bu_smem, ready, empty, it, pid_m * TILE_M,
+                          pid_n * TILE_N, N, 0, k_tiles, STAGES, B_NK)
+    if STREAM_K:
+        cur, end = _sk_range(num_pid_m * num_pid_n - DP_TILES, k_tiles)
+        while cur < end:
+            t, kb, ke = _sk_chunk(cur, end, k_tiles)
+            pid_m, pid_n = _tile_coords(DP_TILES + t, num_pid_m, num_pid_n, GROUP_M)
+            it = _load_slices(a_desc, b_desc, a_smem, bg_smem, bu_smem, ready, empty, it, pid_m * TILE_M,
+                              pid_n * TILE_N, N, kb, ke, STAGES, B_NK)
+            cur += ke - kb
+
+
+@gluon.jit
+def _mma_slices(a_smem, bg_smem, bu_smem, ready, empty, it, kb, ke, acc_layout: gl.constexpr,
+                BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, B_NK: gl.constexpr):
+    """(acc_g, acc_u, it): the gate and up sums over K-slices [kb, ke) of one tile from ring positions it, ...;
+    every slot is freed once the wgmma pair reading it has retired."""
+    acc_g = gl.zeros([BM, BN], gl.float32, acc_layout)
+    acc_u = gl.zeros([BM, BN], gl.float32, acc_layout)
+    for kk in range(kb, ke):
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        if B_NK:
+            bg = bg_smem.index(s).permute((1, 0))        # (N, K) slot read as K x N
+            bu = bu_smem.index(s).permute((1, 0))
+        else:
+            bg = bg_smem.index(s)
+            bu = bu_smem.index(s)
+        acc_g = warpgroup_mma(a_smem.index(s), bg, acc_g, is_async=True)
+        acc_u = warpgroup_mma(a_smem.index(s), bu, acc_u, is_async=True)
+        # Two wgmma groups in flight: after this wait the previous slice's pair has retired.
+        acc_g, acc_u = warpgroup_mma_wait(2, deps=(acc_g, acc_u))
+        if kk > kb:
+            _release(empty.index((it - 1) % STAGES))
+        it += 1
+    acc_g, acc_u = warpgroup_mma_wait(0, deps=(acc_g, acc_u))
+    _release(empty.index((it - 1) % STAGES))
+    return acc_g, acc_u, it
 
 
 @gluon.jit
@@ -67,10 +115,29 @@ def _swiglu_half(g, u, c_part, bias_ptr, off_n, N, HAS_BIAS: gl.constexpr, TANH:
 
 
 @gluon.jit
-def _consumer(a_desc, b_desc, c_desc, bias_ptr, a_smem, bg_smem, bu_smem, c_smem, ready, empty, M, N, K,
-              HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, B_NK: gl.constexpr, TANH: gl.constexpr,
-              num_warps: gl.constexpr):
-    """Main loop (two accumulators) + the SwiGLU epilogue of every tile of the CTA."""
+def _swiglu_store(acc_g, acc_u, c_desc, c_smem, bias_ptr, off_m, off_n, N, HAS_BIAS: gl.constexpr,
+                  TANH: gl.constexpr):
+    """The epilogue in registers, then one TMA store of the BM x BN tile (clipped at M / N)."""
+    BM: gl.constexpr = c_desc.block_type.shape[0]
+    BN: gl.constexpr = c_desc.block_type.shape[1]
+    # The previous tile's TMA store has finished reading c_smem before it is overwritten.
+    tma.store_wait(0)
+    gl.thread_barrier()
+    BN2: gl.constexpr = BN // 2
+    g_lo, g_hi = gl.split(gl.permute(gl.reshape(acc_g, [BM, 2, BN2]), (0, 2, 1)))
+    u_lo, u_hi = gl.split(gl.permute(gl.reshape(acc_u, [BM, 2, BN2]), (0, 2, 1)))
+    _swiglu_half(g_lo, u_lo, c_smem.slice(0, BN2, 1), bias_ptr, off_n, N, HAS_BIAS, TANH)
+    _swiglu_half(g_hi, u_hi, c_smem.slice(BN2, BN2, 1), bias_ptr, off_n + BN2, N, HAS_BIAS, TANH)
+    fence_async_shared()             # generic-proxy smem writes before the TMA (async proxy) reads them
+    gl.thread_barrier()              # every warp's part is written before one thread issues the store
+    tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)
+
+
+@gluon.jit
+def _consumer(a_desc, b_desc, c_desc, bias_ptr, ws_ptr, flags_ptr, a_smem, bg_smem, bu_smem, c_smem, ready, empty,
+              M, N, K, DP_TILES, HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, B_NK: gl.constexpr,
+              TANH: gl.constexpr, STREAM_K: gl.constexpr, num_warps: gl.constexpr):
+    """Main loop (two accumulators) + the SwiGLU epilogue of every tile of the CTA, then its stream-K chunks."""
     BM: gl.constexpr = c_desc.block_type.shape[0]
     BN: gl.constexpr = c_desc.block_type.shape[1]
     BK: gl.constexpr = a_desc.block_type.shape[1]
@@ -81,52 +148,44 @@ def _consumer(a_desc, b_desc, c_desc, bias_ptr, a_smem, bg_smem, bu_smem, c_smem
     num_pid_n = gl.cdiv(N, BN)
     k_tiles = gl.cdiv(K, BK)
     it = 0
-    for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+    for tile in range(gl.program_id(0), DP_TILES, gl.num_programs(0)):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
-        off_m = pid_m * BM
-        off_n = pid_n * BN
-        acc_g = gl.zeros([BM, BN], gl.float32, acc_layout)
-        acc_u = gl.zeros([BM, BN], gl.float32, acc_layout)
-        for kk in range(k_tiles):
-            s = it % STAGES
-            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            if B_NK:
-                bg = bg_smem.index(s).permute((1, 0))        # (N, K) slot read as K x N
-                bu = bu_smem.index(s).permute((1, 0))
+        acc_g, acc_u, it = _mma_slices(a_smem, bg_smem, bu_smem, ready, empty, it, 0, k_tiles, acc_layout,
+                                       BM, BN, STAGES, B_NK)
+        _swiglu_store(acc_g, acc_u, c_desc, c_smem, bias_ptr, pid_m * BM, pid_n * BN, N, HAS_BIAS, TANH)
+    if STREAM_K:
+        offs = _sk_offsets(gl.zeros([BM, BN], gl.int32, acc_layout), BN)
+        cur, end = _sk_range(num_pid_m * num_pid_n - DP_TILES, k_tiles)
+        while cur < end:
+            t, kb, ke = _sk_chunk(cur, end, k_tiles)
+            pid_m, pid_n = _tile_coords(DP_TILES + t, num_pid_m, num_pid_n, GROUP_M)
+            acc_g, acc_u, it = _mma_slices(a_smem, bg_smem, bu_smem, ready, empty, it, kb, ke, acc_layout,
+                                           BM, BN, STAGES, B_NK)
+            ws = ws_ptr + t * (2 * BM * BN)                  # the tile's gate partial, then its up partial
+            if kb > 0:
+                # A K-tail: the CTA holding this tile's K-head finishes it.
+                gl.store(ws + offs, acc_g)
+                gl.store(ws + BM * BN + offs, acc_u)
+                _sk_publish(flags_ptr + t)
             else:
-                bg = bg_smem.index(s)
-                bu = bu_smem.index(s)
-            acc_g = warpgroup_mma(a_smem.index(s), bg, acc_g, is_async=True)
-            acc_u = warpgroup_mma(a_smem.index(s), bu, acc_u, is_async=True)
-            # Two wgmma groups in flight: after this wait the previous slice's pair has retired.
-            acc_g, acc_u = warpgroup_mma_wait(2, deps=(acc_g, acc_u))
-            if kk > 0:
-                _release(empty.index((it - 1) % STAGES))
-            it += 1
-        acc_g, acc_u = warpgroup_mma_wait(0, deps=(acc_g, acc_u))
-        _release(empty.index((it - 1) % STAGES))
-
-        # ---- epilogue, in registers ----
-        # The previous tile's TMA store has finished reading c_smem before it is overwritten.
-        tma.store_wait(0)
-        gl.thread_barrier()
-        BN2: gl.constexpr = BN // 2
-        g_lo, g_hi = gl.split(gl.permute(gl.reshape(acc_g, [BM, 2, BN2]), (0, 2, 1)))
-        u_lo, u_hi = gl.split(gl.permute(gl.reshape(acc_u, [BM, 2, BN2]), (0, 2, 1)))
-        _swiglu_half(g_lo, u_lo, c_smem.slice(0, BN2, 1), bias_ptr, off_n, N, HAS_BIAS, TANH)
-        _swiglu_half(g_hi, u_hi, c_smem.slice(BN2, BN2, 1), bias_ptr, off_n + BN2, N, HAS_BIAS, TANH)
-        fence_async_shared()             # generic-proxy smem writes before the TMA (async proxy) reads them
-        gl.thread_barrier()              # every warp's part is written before one thread issues the store
-        tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)    # clipped at M / N
+                if ke < k_tiles:
+                    # A K-head whose tail another CTA computed: add its partial sums (L2 reads: .cg).
+                    _sk_wait(flags_ptr + t)
+                    acc_g += gl.load(ws + offs, cache_modifier=".cg")
+                    acc_u += gl.load(ws + BM * BN + offs, cache_modifier=".cg")
+                _swiglu_store(acc_g, acc_u, c_desc, c_smem, bias_ptr, pid_m * BM, pid_n * BN, N, HAS_BIAS, TANH)
+            cur += ke - kb
     tma.store_wait(0)
 
 
 @gluon.jit
-def swiglu_gemm_kernel(a_desc, b_desc, c_desc, bias_ptr, M, N, K,
+def swiglu_gemm_kernel(a_desc, b_desc, c_desc, bias_ptr, M, N, K, ws_ptr, flags_ptr, DP_TILES,
                        HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, B_NK: gl.constexpr, TANH: gl.constexpr,
-                       PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                       STREAM_K: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """Persistent grid (min(tiles, #SMs),).  a_desc block (BM, BK); b_desc (BK, BN) over the whole (K, 2N)
-    weight, or (BN, BK) over its (2N, K) rows with B_NK; c_desc (BM, BN) over the (M, N) output."""
+    weight, or (BN, BK) over its (2N, K) rows with B_NK; c_desc (BM, BN) over the (M, N) output.
+    DP_TILES: the tiles walked whole (all of them without STREAM_K); with STREAM_K, ws_ptr a float32 workspace of
+    2 x BM x BN per remaining tile and flags_ptr their int32 flags, zeroed (gluon_gemm.stream_k_plan)."""
     BM: gl.constexpr = c_desc.block_type.shape[0]
     BN: gl.constexpr = c_desc.block_type.shape[1]
     BK: gl.constexpr = a_desc.block_type.shape[1]
@@ -143,9 +202,10 @@ def swiglu_gemm_kernel(a_desc, b_desc, c_desc, bias_ptr, M, N, K,
         mbarrier.init(empty.index(i), count=1)      # one arrive by the consumer partition
     c_smem = gl.allocate_shared_memory(dtype, [BM, BN], c_desc.layout)
     gl.warp_specialize([
-        (_consumer, (a_desc, b_desc, c_desc, bias_ptr, a_smem, bg_smem, bu_smem, c_smem, ready, empty, M, N, K,
-                     HAS_BIAS, STAGES, B_NK, TANH, num_warps)),
-        (_producer, (a_desc, b_desc, a_smem, bg_smem, bu_smem, ready, empty, M, N, K, STAGES, B_NK, BM, BN)),
+        (_consumer, (a_desc, b_desc, c_desc, bias_ptr, ws_ptr, flags_ptr, a_smem, bg_smem, bu_smem, c_smem, ready,
+                     empty, M, N, K, DP_TILES, HAS_BIAS, STAGES, B_NK, TANH, STREAM_K, num_warps)),
+        (_producer, (a_desc, b_desc, a_smem, bg_smem, bu_smem, ready, empty, M, N, K, DP_TILES, STAGES, B_NK, BM,
+                     BN, STREAM_K)),
     ], [1], [PRODUCER_REGS])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))

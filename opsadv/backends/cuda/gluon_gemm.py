@@ -63,6 +63,10 @@ VARIANTS = {
     # on silu in warm timing, within run-to-run noise on gelu_tanh; the per-bucket measurement decides.
     "coop_tanh": dict(PINGPONG=False, BM=128, BN=256, BK=64, STAGES=3, num_warps=8, TANH=True),
     "pingpong_tanh": dict(PINGPONG=True, BM=128, BN=128, BK=64, STAGES=4, num_warps=4, TANH=True),
+    # coop / coop_tanh with stream-K: the K-slices of the last waves' tiles shared evenly by the CTAs
+    # (stream_k_plan), where the tile count leaves a partial wave (8192^3: 2048 tiles on 132 SMs, 3% idle).
+    "coop_sk": dict(PINGPONG=False, BM=128, BN=256, BK=64, STAGES=3, num_warps=8, STREAM_K=True),
+    "coop_tanh_sk": dict(PINGPONG=False, BM=128, BN=256, BK=64, STAGES=3, num_warps=8, TANH=True, STREAM_K=True),
 }
 TANH_ACTIVATIONS = ("gelu_tanh", "silu")     # the ones a TANH variant changes
 # coop: 0.969-0.976x cuBLAS plain (8192^3), 1.116x the best peer on bias+gelu_tanh in one of two H200 runs;
@@ -92,6 +96,45 @@ def persistent_grid(out: torch.Tensor, tiles: int, num_sms=None) -> tuple[int]:
     if num_sms is None:
         num_sms = _num_sms(out.device.index or 0) if out.is_cuda else DEFAULT_SMS
     return (max(1, min(tiles, num_sms)),)
+
+
+def stream_k_plan(tiles: int, nprog: int) -> int:
+    """DP_TILES of a stream-K launch of `tiles` output tiles on `nprog` CTAs (_gluon_gemm_kernel's stream-K notes):
+    every full wave but the last runs whole tiles; the last full wave and the partial one (nprog + tiles % nprog
+    tiles, so each CTA's share of their K-slices is at least one tile and no tile has more than two sharers) are
+    split.  All tiles (no split) where they fill whole waves or fewer than one."""
+    if tiles <= nprog or tiles % nprog == 0:
+        return tiles
+    return (tiles // nprog - 1) * nprog
+
+
+def stream_k_chunks(tiles: int, k_tiles: int, nprog: int, pid: int) -> list[tuple[int, int, int]]:
+    """The (tile, first K-slice, end K-slice) chunks CTA pid computes after its whole tiles, in order: the
+    kernel's _sk_range / _sk_chunk in Python (tests check coverage and the publish-before-wait order)."""
+    dp = stream_k_plan(tiles, nprog)
+    total = (tiles - dp) * k_tiles
+    per, extra = divmod(total, nprog)
+    cur = pid * per + min(pid, extra)
+    end = cur + per + (pid < extra)
+    out = []
+    while cur < end:
+        t, kb = divmod(cur, k_tiles)
+        ke = min(k_tiles, kb + end - cur)
+        out.append((dp + t, kb, ke))
+        cur += ke - kb
+    return out
+
+
+def stream_k_args(out: torch.Tensor, tiles: int, nprog: int, stream_k: bool, per_tile: int):
+    """(ws, flags, DP_TILES) kernel arguments: with stream_k a float32 workspace of per_tile values for each split
+    tile and their zeroed int32 flags (one, unused, where nothing is split: the pointers keep their types); without
+    it the output stands in for both (never read)."""
+    if not stream_k:
+        return out, out, tiles
+    dp = stream_k_plan(tiles, nprog)
+    split = max(tiles - dp, 1)
+    return (torch.empty(split * per_tile, dtype=torch.float32, device=out.device),
+            torch.zeros(split, dtype=torch.int32, device=out.device), dp)
 
 
 def tile_descriptors(a2, b, out, cfg: dict, b_nk: bool, num_sms=None):
@@ -126,10 +169,13 @@ def launch_args(a2, b, out, bias=None, res2=None, activation="none", alpha=1.0, 
     n = out.shape[1]
     a_desc, b_desc, c_desc, grid, gdt = tile_descriptors(a2, b, out, cfg, b_nk, num_sms)
     r_desc = _descriptor(res2, (cfg["BM"], cfg["BN"]), gdt) if res2 is not None else c_desc   # read only with HAS_RES
-    args = (a_desc, b_desc, c_desc, r_desc, bias if bias is not None else out, m, n, k, float(alpha))
+    stream_k = cfg.get("STREAM_K", False)
+    sk = stream_k_args(out, _cdiv(m, cfg["BM"]) * _cdiv(n, cfg["BN"]), grid[0], stream_k, cfg["BM"] * cfg["BN"])
+    args = (a_desc, b_desc, c_desc, r_desc, bias if bias is not None else out, m, n, k, float(alpha), *sk)
     fast = cfg.get("TANH", False) and activation in TANH_ACTIVATIONS
     kw = dict(ACT=_K.ACT_IDS[activation] + (_K.TANH_FAST.value if fast else 0), HAS_BIAS=bias is not None, HAS_RES=res2 is not None,
-              STAGES=cfg["STAGES"], B_NK=bool(b_nk), PINGPONG=cfg["PINGPONG"], CONSUMER_REGS=CONSUMER_REGS,
+              STAGES=cfg["STAGES"], B_NK=bool(b_nk), PINGPONG=cfg["PINGPONG"], STREAM_K=stream_k,
+              CONSUMER_REGS=CONSUMER_REGS,
               PRODUCER_REGS=PRODUCER_REGS, num_warps=cfg["num_warps"])
     return grid, args, kw
 

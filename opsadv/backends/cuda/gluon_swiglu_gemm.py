@@ -23,7 +23,7 @@ import torch
 from opsadv.core.kernel import PRIORITY_TRITON, KernelImpl
 
 from .gemm import _poisoned, _triton_swiglu_bwd
-from .gluon_gemm import PRODUCER_REGS, UNAVAILABLE, prepare, tile_descriptors, tma_gemm_reasons
+from .gluon_gemm import PRODUCER_REGS, UNAVAILABLE, prepare, stream_k_args, tile_descriptors, tma_gemm_reasons
 
 try:
     from . import _gluon_swiglu_kernel as _K
@@ -38,10 +38,14 @@ IMPL_ID = "cuda.gluon.swiglu_gemm"
 #   coop:      4-stage ring (224 KB in all)
 #   coop_st3:  3-stage ring (176 KB)
 #   coop_tanh: coop with the sigmoid through one tanh.approx (the Gluon GEMM's TANH_FAST; relative error ~2^-11)
+#   coop_sk / coop_tanh_sk: coop / coop_tanh with stream-K (the last waves' K-slices shared evenly by the CTAs: a
+#              launch of 4096 tiles on 132 SMs otherwise idles 3%; gluon_gemm.stream_k_plan)
 VARIANTS = {
     "coop": dict(BM=128, BN=128, BK=64, STAGES=4, num_warps=8),
     "coop_st3": dict(BM=128, BN=128, BK=64, STAGES=3, num_warps=8),
     "coop_tanh": dict(BM=128, BN=128, BK=64, STAGES=4, num_warps=8, TANH=True),
+    "coop_sk": dict(BM=128, BN=128, BK=64, STAGES=4, num_warps=8, STREAM_K=True),
+    "coop_tanh_sk": dict(BM=128, BN=128, BK=64, STAGES=4, num_warps=8, TANH=True, STREAM_K=True),
 }
 DEFAULT_VARIANT = "coop"
 
@@ -53,9 +57,13 @@ def launch_args(x2, w, out, bias=None, variant=None, w_nk=False, num_sms=None):
         raise RuntimeError(f"{IMPL_ID}: {UNAVAILABLE}")
     cfg = VARIANTS[variant or DEFAULT_VARIANT]
     a_desc, b_desc, c_desc, grid, _ = tile_descriptors(x2, w, out, cfg, w_nk, num_sms)
-    args = (a_desc, b_desc, c_desc, bias if bias is not None else out, x2.shape[0], out.shape[1], x2.shape[1])
+    m, k, n = x2.shape[0], x2.shape[1], out.shape[1]
+    tiles = -(-m // cfg["BM"]) * -(-n // cfg["BN"])
+    stream_k = cfg.get("STREAM_K", False)
+    sk = stream_k_args(out, tiles, grid[0], stream_k, 2 * cfg["BM"] * cfg["BN"])     # gate and up partials
+    args = (a_desc, b_desc, c_desc, bias if bias is not None else out, m, n, k, *sk)
     kw = dict(HAS_BIAS=bias is not None, STAGES=cfg["STAGES"], B_NK=bool(w_nk), TANH=cfg.get("TANH", False),
-              PRODUCER_REGS=PRODUCER_REGS, num_warps=cfg["num_warps"])
+              STREAM_K=stream_k, PRODUCER_REGS=PRODUCER_REGS, num_warps=cfg["num_warps"])
     return grid, args, kw
 
 
