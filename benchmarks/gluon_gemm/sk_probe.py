@@ -5,11 +5,14 @@ one matmul over [W_g | W_u], chunk, silu * mul) for scale.  Every output is chec
 
   PYTHONPATH=. python benchmarks/gluon_gemm/sk_probe.py OUT.json
 
-"ratio_sk" = base ms / stream-K ms (> 1: stream-K wins).  Written after every row (a killed run keeps them)."""
+Each case times its variants in ROUNDS interleaved rounds (A B A B ...: clock and power drift hit both alike);
+"ratio_sk_<base>" = the median over rounds of base ms / stream-K ms (> 1: stream-K wins), "<v>_ms" the median ms.
+SK_SHAPES / SK_EPILOGUES (comma lists) narrow the grid.  Written after every row (a killed run keeps them)."""
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 
 import torch
@@ -24,10 +27,13 @@ SHAPES = ((8192, 8192, 8192), (16384, 12288, 4096), (16384, 11008, 4096), (16384
 PAIRS = {"gemm": (("coop", "coop_sk"), ("coop_tanh", "coop_tanh_sk")),
          "swiglu": (("coop", "coop_sk"), ("coop_tanh", "coop_tanh_sk"))}
 EPILOGUES = os.environ.get("SK_EPILOGUES", "none,silu,gelu_tanh,swiglu").split(",")
+if os.environ.get("SK_SHAPES"):            # e.g. SK_SHAPES=0,3
+    SHAPES = tuple(SHAPES[int(i)] for i in os.environ["SK_SHAPES"].split(","))
+ROUNDS = int(os.environ.get("SK_ROUNDS", "5"))
 
 
 def ms(fn) -> float:
-    return float(do_bench(fn, warmup=25, rep=200, return_mode="median"))
+    return float(do_bench(fn, warmup=10, rep=60, return_mode="median"))
 
 
 def rel_err(x, ref) -> float:
@@ -63,18 +69,27 @@ def main(path: str) -> None:
                     return lambda: GG.gemm_fwd(None, a, w, bias, ep, None, 1.0, variant=v)
             ref = peer()
             flops = 2.0 * m * cols * k
-            row = {"case": f"m{m} n{n} k{k} {ep}", "peer_ms": ms(peer)}
-            for base, sk in PAIRS["swiglu" if ep == "swiglu" else "gemm"]:
-                if "tanh" in base and ep in ("none",):
-                    continue
-                for v in (base, sk):
-                    out = run(v)()
-                    row[f"{v}_err"] = rel_err(out, ref)
-                    row[f"{v}_ms"] = ms(run(v)) if row[f"{v}_err"] < 2e-2 else None
-                    if row[f"{v}_ms"]:
-                        row[f"{v}_tflops"] = round(flops / row[f"{v}_ms"] / 1e9, 1)
-                if row[f"{base}_ms"] and row[f"{sk}_ms"]:
-                    row[f"ratio_sk_{base}"] = round(row[f"{base}_ms"] / row[f"{sk}_ms"], 4)
+            row = {"case": f"m{m} n{n} k{k} {ep}"}
+            pairs = [(b_, s_) for b_, s_ in PAIRS["swiglu" if ep == "swiglu" else "gemm"]
+                     if not ("tanh" in b_ and ep == "none")]
+            fns = {"peer": peer}
+            for v in [v for pair in pairs for v in pair]:
+                row[f"{v}_err"] = rel_err(run(v)(), ref)
+                if row[f"{v}_err"] < 2e-2:
+                    fns[v] = run(v)
+            times = {name: [] for name in fns}
+            for _ in range(ROUNDS):
+                for name, fn in fns.items():
+                    times[name].append(ms(fn))
+            row["peer_ms"] = statistics.median(times["peer"])
+            for name in fns:
+                row[f"{name}_ms"] = statistics.median(times[name])
+                row[f"{name}_tflops"] = round(flops / row[f"{name}_ms"] / 1e9, 1)
+            for b_, s_ in pairs:
+                if b_ in fns and s_ in fns:
+                    row[f"ratio_sk_{b_}"] = round(statistics.median(x / y for x, y in zip(times[b_], times[s_])), 4)
+                    row[f"ratio_sk_{b_}_range"] = [round(min(x / y for x, y in zip(times[b_], times[s_])), 4),
+                                                   round(max(x / y for x, y in zip(times[b_], times[s_])), 4)]
             row["peer_tflops"] = round(flops / row["peer_ms"] / 1e9, 1)
             rows.append(row)
             print(json.dumps(row), flush=True)
