@@ -55,14 +55,14 @@ ACTS = ("none", "relu", "gelu", "gelu_tanh", "silu")
 # Every variant x activation x dtype x residual with a bias; plus bias-free and B-as-(N, K) (nn.Linear
 # weight.t()) representatives, which change only the loads / the bias add.
 # A TANH variant differs from its base schedule only in gelu_tanh / silu: those are compiled.
-BASE_VARIANTS = [v for v, c in GG.VARIANTS.items() if not c.get("TANH")]
-TANH_VARIANTS = [v for v, c in GG.VARIANTS.items() if c.get("TANH")]
+BASE_VARIANTS = [v for v, c in GG.ALL_VARIANTS.items() if not c.get("TANH")]
+TANH_VARIANTS = [v for v, c in GG.ALL_VARIANTS.items() if c.get("TANH")]
 COMPILE_CASES = ([(v, act, dt, True, res, False) for v in BASE_VARIANTS for act in ACTS
                   for dt in ("bfloat16", "float16") for res in (False, True)]
                  + [(v, act, dt, True, res, False) for v in TANH_VARIANTS for act in GG.TANH_ACTIVATIONS
                     for dt in ("bfloat16", "float16") for res in (False, True)]
-                 + [(v, act, "bfloat16", False, False, False) for v in GG.VARIANTS for act in ("none", "gelu_tanh")]
-                 + [(v, "silu", dt, True, True, True) for v in GG.VARIANTS for dt in ("bfloat16", "float16")])
+                 + [(v, act, "bfloat16", False, False, False) for v in GG.ALL_VARIANTS for act in ("none", "gelu_tanh")]
+                 + [(v, "silu", dt, True, True, True) for v in GG.ALL_VARIANTS for dt in ("bfloat16", "float16")])
 
 
 def _key(case) -> str:
@@ -108,7 +108,7 @@ def test_tanh_variants_spend_one_mufu_op_per_element(act, sm90_compile_report):
 
 def test_compile_cases_cover_every_variant_activation_dtype_residual():
     full = {(v, a, d, r) for v, a, d, b, r, nk in COMPILE_CASES if b and not nk}
-    assert full == {(v, a, d, r) for v in GG.VARIANTS for a in (GG.TANH_ACTIVATIONS if v in TANH_VARIANTS else ACTS)
+    assert full == {(v, a, d, r) for v in GG.ALL_VARIANTS for a in (GG.TANH_ACTIVATIONS if v in TANH_VARIANTS else ACTS)
                     for d in ("bfloat16", "float16") for r in (False, True)}
     assert set(TANH_VARIANTS) == {"coop_tanh", "pingpong_tanh", "coop_tanh_sk"}
     assert set(ACTS) == set(GG.ACTIVATIONS) == set(GG._K.ACT_IDS if GG._K else ACTS)
@@ -179,11 +179,11 @@ def test_default_dispatch_unchanged_on_cpu():
 
 # ---- host side ------------------------------------------------------------------------------------------
 @needs_gluon
-@pytest.mark.parametrize("variant", list(GG.VARIANTS))
+@pytest.mark.parametrize("variant", list(GG.ALL_VARIANTS))
 @pytest.mark.parametrize("m,n,k,sms", [(1, 8, 8, 132), (1000, 520, 264, 132), (16384, 12288, 4096, 132),
                                        (300, 4096, 64, 7), (8192, 8192, 64, 132)])
 def test_launch_args(variant, m, n, k, sms):
-    cfg = GG.VARIANTS[variant]
+    cfg = GG.ALL_VARIANTS[variant]
     dt = torch.bfloat16
     a, b, out = torch.empty(m, k, dtype=dt), torch.empty(k, n, dtype=dt), torch.empty(m, n, dtype=dt)
     res, bias = torch.empty(m, n, dtype=dt), torch.empty(n, dtype=dt)
@@ -421,7 +421,7 @@ GPU_SHAPES = [(1, 8, 8), (7, 24, 40), (127, 136, 264), (1000, 520, 264), (4096, 
 
 
 @requires_sm90
-@pytest.mark.parametrize("variant", list(GG.VARIANTS))
+@pytest.mark.parametrize("variant", list(GG.ALL_VARIANTS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m,n,k", GPU_SHAPES)
 def test_gpu_every_variant(variant, dtype, m, n, k, seed, monkeypatch):
@@ -443,7 +443,7 @@ def test_gpu_every_variant(variant, dtype, m, n, k, seed, monkeypatch):
     assert_gemm_close(out, _ref(a, w.t(), None, "silu", None, 1.0), dtype)
 
 
-SK_VARIANTS = [v for v, c in GG.VARIANTS.items() if c.get("STREAM_K")]
+SK_VARIANTS = list(GG.STREAM_K_VARIANTS)
 # (m, n, k, grid caps): tile counts that leave a partial wave, so the last tiles' K-slices are split between CTAs:
 # 8192 x 4096 = 1024 tiles of 128 x 256 (2048 of 128 x 128) on the full grid; 2100 x 1096 under 7 / 11 / 13 CTAs.
 SK_GPU_CASES = [(8192, 4096, 1032, (None,)), (2100, 1096, 776, (7, 11, 13))]
@@ -469,7 +469,7 @@ def test_gpu_stream_k_split_tiles_exact_and_deterministic(variant, dtype, seed, 
         res = torch.randn(m, n, device="cuda", dtype=dtype)
         ref = _ref(a, b, bias, "gelu_tanh", res, 0.5)
         for cap in caps:
-            assert split_happens(GG.VARIANTS[variant], m, n, cap)
+            assert split_happens(GG.ALL_VARIANTS[variant], m, n, cap)
             out = GG.gemm_fwd(None, a, b, bias, "gelu_tanh", res, 0.5, variant=variant, num_sms=cap)
             assert_gemm_close(out, ref, dtype)
             assert torch.equal(out, GG.gemm_fwd(None, a, b, bias, "gelu_tanh", res, 0.5, variant=variant,

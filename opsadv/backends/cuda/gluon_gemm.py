@@ -63,11 +63,18 @@ VARIANTS = {
     # on silu in warm timing, within run-to-run noise on gelu_tanh; the per-bucket measurement decides.
     "coop_tanh": dict(PINGPONG=False, BM=128, BN=256, BK=64, STAGES=3, num_warps=8, TANH=True),
     "pingpong_tanh": dict(PINGPONG=True, BM=128, BN=128, BK=64, STAGES=4, num_warps=4, TANH=True),
-    # coop / coop_tanh with stream-K: the K-slices of the last waves' tiles shared evenly by the CTAs
-    # (stream_k_plan), where the tile count leaves a partial wave (8192^3: 2048 tiles on 132 SMs, 3% idle).
+}
+# coop / coop_tanh with stream-K: the K-slices of the last waves' tiles shared evenly by the CTAs (stream_k_plan),
+# for tile counts that leave a partial wave (8192^3: 2048 tiles of 128 x 256 on 132 SMs, 15.5 waves).  They pass
+# every GPU check (session 18) but are not among the tuned VARIANTS: on the H200 they ran 0.977-0.998x their base
+# schedule at 8192^3 and 16384 x 4096 x 11008 (median of 5 interleaved rounds, results/sk_probe_rounds_s18b_h200.json)
+# -- a power-limited GEMM gains little from the idle tail's SMs -- while the SwiGLU kernel's twins won 2.4-2.7%
+# at those shapes and are tuned there (gluon_swiglu_gemm.VARIANTS).  Launchable by name (tests, probes).
+STREAM_K_VARIANTS = {
     "coop_sk": dict(PINGPONG=False, BM=128, BN=256, BK=64, STAGES=3, num_warps=8, STREAM_K=True),
     "coop_tanh_sk": dict(PINGPONG=False, BM=128, BN=256, BK=64, STAGES=3, num_warps=8, TANH=True, STREAM_K=True),
 }
+ALL_VARIANTS = {**VARIANTS, **STREAM_K_VARIANTS}
 TANH_ACTIVATIONS = ("gelu_tanh", "silu")     # the ones a TANH variant changes
 # coop: 0.969-0.976x cuBLAS plain (8192^3), 1.116x the best peer on bias+gelu_tanh in one of two H200 runs;
 # pingpong 0.86-0.89x plain, ahead on bias+silu by 0.3% (results/gluon_gemm_s8*_h200.json).  Calls through
@@ -164,7 +171,7 @@ def launch_args(a2, b, out, bias=None, res2=None, activation="none", alpha=1.0, 
     b as (N, K) rows with b_nk; all already TMA-ready (see prepare)."""
     if _K is None:
         raise RuntimeError(f"{IMPL_ID}: {UNAVAILABLE}")
-    cfg = VARIANTS[variant or DEFAULT_VARIANT]
+    cfg = ALL_VARIANTS[variant or DEFAULT_VARIANT]
     m, k = a2.shape
     n = out.shape[1]
     a_desc, b_desc, c_desc, grid, gdt = tile_descriptors(a2, b, out, cfg, b_nk, num_sms)
@@ -262,5 +269,5 @@ def impls(env) -> list[KernelImpl]:
                     "the H200 and pinned conformance there; Triton/cuBLAS backward")]
 
 
-__all__ = ["impls", "gemm_fwd", "gemm_bwd", "launch_args", "prepare", "VARIANTS", "DEFAULT_VARIANT", "UNAVAILABLE",
-           "IMPL_ID"]
+__all__ = ["impls", "gemm_fwd", "gemm_bwd", "launch_args", "prepare", "VARIANTS", "STREAM_K_VARIANTS", "ALL_VARIANTS",
+           "DEFAULT_VARIANT", "UNAVAILABLE", "IMPL_ID"]

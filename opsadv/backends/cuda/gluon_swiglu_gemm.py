@@ -39,7 +39,10 @@ IMPL_ID = "cuda.gluon.swiglu_gemm"
 #   coop_st3:  3-stage ring (176 KB)
 #   coop_tanh: coop with the sigmoid through one tanh.approx (the Gluon GEMM's TANH_FAST; relative error ~2^-11)
 #   coop_sk / coop_tanh_sk: coop / coop_tanh with stream-K (the last waves' K-slices shared evenly by the CTAs: a
-#              launch of 4096 tiles on 132 SMs otherwise idles 3%; gluon_gemm.stream_k_plan)
+#              launch of 4096 tiles on 132 SMs otherwise idles 3%; gluon_gemm.stream_k_plan).  H200, session 18
+#              (results/sk_probe_rounds_s18b_h200.json, median of 5 interleaved rounds): 1.024-1.027x coop and
+#              1.013-1.026x coop_tanh at 8192^3 and 16384 x 4096 x 11008 (4096 tiles each); the suite's SwiGLU
+#              rows then ran at 700-726 TFLOP/s, 1.153-1.228x eager (results/gemm_swiglu_sk_s18b_h200.json).
 VARIANTS = {
     "coop": dict(BM=128, BN=128, BK=64, STAGES=4, num_warps=8),
     "coop_st3": dict(BM=128, BN=128, BK=64, STAGES=3, num_warps=8),
