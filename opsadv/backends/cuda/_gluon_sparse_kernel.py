@@ -82,6 +82,18 @@ def _maybe_opaque(x, OPAQUE: gl.constexpr):
 
 
 @gluon.jit
+def _work_item(slot, perm_ptr, ORDER: gl.constexpr):
+    """The work item at this CTA's slot: ORDER, perm[slot] (gluon_sparse.item_order: longest items first, dealt
+    so that a persistent grid's CTAs get near-equal tile counts); else the slot itself (round-robin)."""
+    if ORDER:
+        # volatile: the consumer's second read after the tile loops must not be merged with the first (the
+        # merged value stayed live across the loops and spilled)
+        return gl.load(perm_ptr + slot, volatile=True)
+    else:
+        return slot
+
+
+@gluon.jit
 def _item(w, H, n_m, REVERSE: gl.constexpr, OPAQUE: gl.constexpr):
     """(batch, head, query tile) of work item w: items of one head are consecutive (K/V reuse in L2);
     REVERSE: last query tiles first within a head (the longest rows when causal).  OPAQUE (the new
@@ -108,8 +120,9 @@ def _tile_col(cols, t, n_part, run0, FULL_RUN: gl.constexpr):
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-              rows_ptr, cols_ptr, s_rb, s_rh, s_rr, s_cb, s_ch, s_cr, H, GROUP, n_m, n_items,
-              REVERSE: gl.constexpr, FULL_RUN: gl.constexpr, STAGES: gl.constexpr, Q_SLOTS: gl.constexpr,
+              rows_ptr, cols_ptr, perm_ptr, s_rb, s_rh, s_rr, s_cb, s_ch, s_cr, H, GROUP, n_m, n_items,
+              REVERSE: gl.constexpr, ORDER: gl.constexpr, FULL_RUN: gl.constexpr, STAGES: gl.constexpr,
+              Q_SLOTS: gl.constexpr,
               NWG: gl.constexpr, OPAQUE: gl.constexpr, k_empty, SPLIT_EMPTY: gl.constexpr):
     """1 warp: for each of this CTA's items, Q into slot qi % Q_SLOTS (one 128 / NWG-row part per consumer
     partition, each on its own barriers), then its listed K/V tiles into the ring as fast as the
@@ -121,7 +134,8 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
     kv_view: gl.constexpr = k_desc.block_type.shape
     it = 0          # K/V tiles issued so far (all items): ring slot it % STAGES, lap it // STAGES
     qi = 0          # items started so far: Q slot qi % Q_SLOTS
-    for w in range(_pid(OPAQUE), n_items, gl.num_programs(0)):
+    for slot in range(_pid(OPAQUE), n_items, gl.num_programs(0)):
+        w = _work_item(slot, perm_ptr, ORDER)
         b, h, mt, bh = _item(w, H, n_m, REVERSE, OPAQUE)
         hk = h // GROUP
         row = rows_ptr + b * s_rb + h * s_rh + mt * s_rr
@@ -298,11 +312,12 @@ def _pipelined_step(q_tile, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty,
 
 @gluon.jit
 def _consumer(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-              v_ready, kv_empty, k_empty, turn, rows_ptr, cols_ptr, s_rb, s_rh, s_rr, s_cb, s_ch, s_cr,
+              v_ready, kv_empty, k_empty, turn, rows_ptr, cols_ptr, perm_ptr, s_rb, s_rh, s_rr, s_cb, s_ch, s_cr,
               bm_ptr, s_bmb, s_bmh, s_bm_q, s_bm_k, kpm_ptr, s_kpmb,
               H, n_m, n_items, SQ, SK, OFF, WL, WR, NG, BS, qk_scale,
               CAUSAL: gl.constexpr, HAS_WIN: gl.constexpr, HAS_GLOBAL: gl.constexpr, BM_MODE: gl.constexpr,
-              HAS_KPM: gl.constexpr, REVERSE: gl.constexpr, STAGES: gl.constexpr, Q_SLOTS: gl.constexpr,
+              HAS_KPM: gl.constexpr, REVERSE: gl.constexpr, ORDER: gl.constexpr, STAGES: gl.constexpr,
+              Q_SLOTS: gl.constexpr,
               PINGPONG: gl.constexpr, O_REGS: gl.constexpr, SPLIT_EMPTY: gl.constexpr, WG: gl.constexpr,
               num_warps: gl.constexpr):
     """One consumer partition: rows [WG * BM, +BM) of every item (BM = the Q block: 128 with 8 warps, or
@@ -326,7 +341,8 @@ def _consumer(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, 
     s_acc = gl.zeros([BM, BN], gl.float32, s_layout)
     it = 0          # K/V tiles consumed so far (all items), as the producer counts them
     qi = 0
-    for w in range(_pid(OPAQUE), n_items, gl.num_programs(0)):
+    for slot in range(_pid(OPAQUE), n_items, gl.num_programs(0)):
+        w = _work_item(slot, perm_ptr, ORDER)
         b, h, mt, bh = _item(w, H, n_m, REVERSE, OPAQUE)
         row = rows_ptr + b * s_rb + h * s_rh + mt * s_rr
         n_part = gl.load(row)
@@ -397,7 +413,8 @@ def _consumer(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, 
 
         # (b, h, tile) again from w rather than kept live across the tile loop (register pressure; with
         # OPAQUE an opaque copy of w keeps LLVM from merging this with the computation above)
-        b, h, mt, bh = _item(_maybe_opaque(w, OPAQUE), H, n_m, REVERSE, OPAQUE)
+        # (with ORDER the item is read again rather than kept: one more live register spilled)
+        b, h, mt, bh = _item(_maybe_opaque(_work_item(slot, perm_ptr, ORDER), OPAQUE), H, n_m, REVERSE, OPAQUE)
         rows = (mt * NWG + WG) * BM + gl.arange(0, BM, layout=row_s)
         empty = l_i == 0.0                          # no allowed key in this row: out 0, lse -inf
         l_safe = gl.where(empty, 1.0, l_i)
@@ -427,12 +444,13 @@ def _consumer(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, 
 
 
 @gluon.jit
-def sparse_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, o_ptr, rows_ptr, cols_ptr, bm_ptr, kpm_ptr,
+def sparse_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, o_ptr, rows_ptr, cols_ptr, bm_ptr, kpm_ptr, perm_ptr,
                       s_ob, s_oh, s_os, s_rb, s_rh, s_rr, s_cb, s_ch, s_cr, s_bmb, s_bmh, s_bm_q, s_bm_k, s_kpmb,
                       H, GROUP, n_m, n_items, SQ, SK, OFF, WL, WR, NG, BS, qk_scale,
                       q_smem_layout: gl.constexpr, kv_smem_layout: gl.constexpr,
                       CAUSAL: gl.constexpr, HAS_WIN: gl.constexpr, HAS_GLOBAL: gl.constexpr, BM_MODE: gl.constexpr,
-                      HAS_KPM: gl.constexpr, FULL_RUN: gl.constexpr, REVERSE: gl.constexpr, STAGES: gl.constexpr,
+                      HAS_KPM: gl.constexpr, FULL_RUN: gl.constexpr, REVERSE: gl.constexpr, ORDER: gl.constexpr,
+                      STAGES: gl.constexpr,
                       Q_SLOTS: gl.constexpr, PINGPONG: gl.constexpr, O_REGS: gl.constexpr, SPLIT_EMPTY: gl.constexpr,
                       CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """Grid (min(n_items, SMs) persistent, or n_items,).  n_items = n_m query tiles x b x H.
@@ -440,7 +458,8 @@ def sparse_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, o_ptr, rows_ptr, 
     warpgroup per consumer partition); k/v: (1, 1, 128, d); *_smem_layout: the 2-D NVMMA layouts of
     the same swizzle.  o_ptr/s_o*: out and its (b, h, s) strides, for the O_REGS register store.
     rows/cols: TileIndex.rows/cols at 128 x 128 with their (b, h, row) strides (0 on broadcast dims);
-    bm/kpm: the int8 block mask / key padding (or any tensor when unused)."""
+    bm/kpm: the int8 block mask / key padding (or any tensor when unused); perm: with ORDER the int32 work item of
+    each slot (gluon_sparse.item_order), CTA c walking slots c, c + grid, ..."""
     BQ: gl.constexpr = q_desc.block_type.shape[2]                    # rows per consumer partition
     D: gl.constexpr = q_desc.block_type.shape[3]
     BN: gl.constexpr = k_desc.block_type.shape[2]
@@ -480,32 +499,32 @@ def sparse_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, o_ptr, rows_ptr, 
         mbarrier.arrive(turn.index(0), count=1)         # warpgroup 0 issues first
         gl.warp_specialize([
             (_consumer, (q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, v_smem, q_ready, q_empty,
-                         k_ready, v_ready, kv_empty, k_empty, turn, rows_ptr, cols_ptr, s_rb, s_rh, s_rr, s_cb, s_ch,
-                         s_cr, bm_ptr, s_bmb, s_bmh, s_bm_q, s_bm_k, kpm_ptr, s_kpmb,
+                         k_ready, v_ready, kv_empty, k_empty, turn, rows_ptr, cols_ptr, perm_ptr, s_rb, s_rh, s_rr,
+                         s_cb, s_ch, s_cr, bm_ptr, s_bmb, s_bmh, s_bm_q, s_bm_k, kpm_ptr, s_kpmb,
                          H, n_m, n_items, SQ, SK, OFF, WL, WR, NG, BS, qk_scale,
-                         CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, REVERSE, STAGES, Q_SLOTS, PINGPONG, O_REGS,
-                         SPLIT_EMPTY, 0, 4)),
+                         CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, REVERSE, ORDER, STAGES, Q_SLOTS, PINGPONG,
+                         O_REGS, SPLIT_EMPTY, 0, 4)),
             (_consumer, (q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, v_smem, q_ready, q_empty,
-                         k_ready, v_ready, kv_empty, k_empty, turn, rows_ptr, cols_ptr, s_rb, s_rh, s_rr, s_cb, s_ch,
-                         s_cr, bm_ptr, s_bmb, s_bmh, s_bm_q, s_bm_k, kpm_ptr, s_kpmb,
+                         k_ready, v_ready, kv_empty, k_empty, turn, rows_ptr, cols_ptr, perm_ptr, s_rb, s_rh, s_rr,
+                         s_cb, s_ch, s_cr, bm_ptr, s_bmb, s_bmh, s_bm_q, s_bm_k, kpm_ptr, s_kpmb,
                          H, n_m, n_items, SQ, SK, OFF, WL, WR, NG, BS, qk_scale,
-                         CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, REVERSE, STAGES, Q_SLOTS, PINGPONG, O_REGS,
-                         SPLIT_EMPTY, 1, 4)),
+                         CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, REVERSE, ORDER, STAGES, Q_SLOTS, PINGPONG,
+                         O_REGS, SPLIT_EMPTY, 1, 4)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-                         rows_ptr, cols_ptr, s_rb, s_rh, s_rr, s_cb, s_ch, s_cr, H, GROUP, n_m, n_items,
-                         REVERSE, FULL_RUN, STAGES, Q_SLOTS, NWG, O_REGS, k_empty, SPLIT_EMPTY)),
+                         rows_ptr, cols_ptr, perm_ptr, s_rb, s_rh, s_rr, s_cb, s_ch, s_cr, H, GROUP, n_m, n_items,
+                         REVERSE, ORDER, FULL_RUN, STAGES, Q_SLOTS, NWG, O_REGS, k_empty, SPLIT_EMPTY)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, v_smem, q_ready, q_empty,
-                         k_ready, v_ready, kv_empty, k_empty, turn, rows_ptr, cols_ptr, s_rb, s_rh, s_rr, s_cb, s_ch,
-                         s_cr, bm_ptr, s_bmb, s_bmh, s_bm_q, s_bm_k, kpm_ptr, s_kpmb,
+                         k_ready, v_ready, kv_empty, k_empty, turn, rows_ptr, cols_ptr, perm_ptr, s_rb, s_rh, s_rr,
+                         s_cb, s_ch, s_cr, bm_ptr, s_bmb, s_bmh, s_bm_q, s_bm_k, kpm_ptr, s_kpmb,
                          H, n_m, n_items, SQ, SK, OFF, WL, WR, NG, BS, qk_scale,
-                         CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, REVERSE, STAGES, Q_SLOTS, PINGPONG, O_REGS,
-                         SPLIT_EMPTY, 0, num_warps)),
+                         CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, REVERSE, ORDER, STAGES, Q_SLOTS, PINGPONG,
+                         O_REGS, SPLIT_EMPTY, 0, num_warps)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-                         rows_ptr, cols_ptr, s_rb, s_rh, s_rr, s_cb, s_ch, s_cr, H, GROUP, n_m, n_items,
-                         REVERSE, FULL_RUN, STAGES, Q_SLOTS, NWG, O_REGS, k_empty, SPLIT_EMPTY)),
+                         rows_ptr, cols_ptr, perm_ptr, s_rb, s_rh, s_rr, s_cb, s_ch, s_cr, H, GROUP, n_m, n_items,
+                         REVERSE, ORDER, FULL_RUN, STAGES, Q_SLOTS, NWG, O_REGS, k_empty, SPLIT_EMPTY)),
         ], [1], [PRODUCER_REGS])
     for i in gl.static_range(NQ):
         mbarrier.invalidate(q_ready.index(i))
