@@ -142,6 +142,15 @@
 # Order for session 18: PART=d (e2e: the converted Llama's MLP now measures the Gluon SwiGLU per bucket), PARTS="n1"
 # and "n2" (the whole attention suite at the current code, last full run in sessions 15-16), PART=gm-style gemm suite
 # incl. fwd+bwd rows (the SwiGLU training path is composed: GEMM + swiglu op, unchanged).
+# Session 18 (results/*_s18*; one H200; commands inline): stream-K variants of the Gluon GEMM / SwiGLU (8bdb781: GPU
+# tests, then `python3 benchmarks/gluon_gemm/sk_probe.py` A/B; SwiGLU +2.4-2.7%, plain GEMM 0.98-1.00x -> only the
+# SwiGLU twins are tuned), the SwiGLU suite rows (6a303c3: 1.153-1.228x eager), the gemm forward rows + the other
+# variants' GPU tests (3cf1f49), the sparse forward's balanced slot deal (d223450: GPU tests, then
+# `python3 benchmarks/gluon_fa/sparse_order_probe.py`), the whole sparse suite + gemm training rows (28a91cd).
+# Order for session 19: e2e (`opsadv bench --suite e2e`, ~500 s: not run since session 17, the converted Llama's
+# SwiGLU now has stream-K twins), the attention suite in halves (--part 1/2, 2/2; last full run sessions 15-16),
+# the norm suite (~360 s) for the one tie row; pinned conformance of the changed impls (--impl cuda.gluon.swiglu_gemm
+# --ops swiglu_gemm; --impl cuda.gluon.sparse_attention --ops sparse_attention).
 # OPSADV_COMMIT=<sha> PART=a bash benchmarks/h200_next.sh   (from the repo root on the GPU host, $OUT set)
 set -u
 # tests/conftest.py defaults TRITON_INTERPRET to 1 (CPU CI): every pytest here must say 0, and select the GPU tests
