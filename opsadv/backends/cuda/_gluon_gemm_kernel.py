@@ -212,6 +212,15 @@ def _release(bar):
 
 
 @gluon.jit
+def _b_slot(b_smem, s, B_NK: gl.constexpr):
+    """Ring slot s of B as the wgmma's K x N operand: a (N, K) slot (B_NK) is read transposed."""
+    if B_NK:
+        return b_smem.index(s).permute((1, 0))
+    else:
+        return b_smem.index(s)
+
+
+@gluon.jit
 def _mma_slices(a_smem, b_smem, ready, empty, it, kb, ke, acc_layout: gl.constexpr, BM: gl.constexpr,
                 BN: gl.constexpr, STAGES: gl.constexpr, B_NK: gl.constexpr, PINGPONG: gl.constexpr, turn, WG):
     """(acc, it): one tile's sum over K-slices [kb, ke) from ring positions it, ...; every slot is freed once the
@@ -220,11 +229,7 @@ def _mma_slices(a_smem, b_smem, ready, empty, it, kb, ke, acc_layout: gl.constex
     for kk in range(kb, ke):
         s = it % STAGES
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-        if B_NK:
-            b_op = b_smem.index(s).permute((1, 0))           # (N, K) slot read as K x N
-        else:
-            b_op = b_smem.index(s)
-        acc = warpgroup_mma(a_smem.index(s), b_op, acc, is_async=True)
+        acc = warpgroup_mma(a_smem.index(s), _b_slot(b_smem, s, B_NK), acc, is_async=True)
         # Keep one wgmma group in flight: the previous slice's has retired after this wait.
         acc = warpgroup_mma_wait(1, deps=(acc, ))
         if kk > kb:

@@ -24,7 +24,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from ._gluon_gemm_kernel import (GROUP_M, _release, _sigmoid, _sk_chunk, _sk_offsets, _sk_publish, _sk_range, _sk_wait,
+from ._gluon_gemm_kernel import (GROUP_M, _b_slot, _release, _sigmoid, _sk_chunk, _sk_offsets, _sk_publish, _sk_range, _sk_wait,
                                  _tile_coords)
 
 
@@ -83,14 +83,8 @@ def _mma_slices(a_smem, bg_smem, bu_smem, ready, empty, it, kb, ke, acc_layout: 
     for kk in range(kb, ke):
         s = it % STAGES
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-        if B_NK:
-            bg = bg_smem.index(s).permute((1, 0))        # (N, K) slot read as K x N
-            bu = bu_smem.index(s).permute((1, 0))
-        else:
-            bg = bg_smem.index(s)
-            bu = bu_smem.index(s)
-        acc_g = warpgroup_mma(a_smem.index(s), bg, acc_g, is_async=True)
-        acc_u = warpgroup_mma(a_smem.index(s), bu, acc_u, is_async=True)
+        acc_g = warpgroup_mma(a_smem.index(s), _b_slot(bg_smem, s, B_NK), acc_g, is_async=True)
+        acc_u = warpgroup_mma(a_smem.index(s), _b_slot(bu_smem, s, B_NK), acc_u, is_async=True)
         # Two wgmma groups in flight: after this wait the previous slice's pair has retired.
         acc_g, acc_u = warpgroup_mma_wait(2, deps=(acc_g, acc_u))
         if kk > kb:
