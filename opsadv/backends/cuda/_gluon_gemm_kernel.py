@@ -4,7 +4,8 @@
 
 Every variant compiles for sm_90 with ptxas with no spills (tests/test_gluon_gemm.py; registers / shared
 memory in gluon_gemm.py's docstring and benchmarks/gluon_gemm/README.md) and passes every check against
-float64 on the H200 (sessions 8-9; pinned conformance: docs/conformance/cuda-h200-gluon-gemm.md).
+float64 on the H200 (sessions 8-9, the stream-K ones and the shared main loop in session 18; pinned conformance:
+docs/conformance/cuda-h200-gluon-gemm.md).
 
 Imported only by gluon_gemm.py, and only when triton.experimental.gluon imports.
 
@@ -59,9 +60,10 @@ def _tile_coords(tile, num_pid_m, num_pid_n, GROUP: gl.constexpr):
 # per CTA, each at least one tile long, so a tile is shared by at most two CTAs.  A segment's first chunk is the
 # K-tail of a tile whose K-head ends the previous CTA's segment: it stores its float32 partial sums to a workspace
 # and releases the tile's flag; the CTA holding the K-head (its segment's last chunk) acquires the flag, adds the
-# partial sums and runs the epilogue.  Waits only happen at a segment's end, after its own partial was published,
-# so no CTA waits on one that waits (all CTAs are resident: grid <= #SMs, one CTA per SM).  Deterministic: one
-# partial per tile, added in a fixed order.
+# partial sums and runs the epilogue.  A CTA waits only at its segment's end, and only for the next CTA's first
+# chunk, which that CTA publishes before it waits on anything: no cycle, and the waits resolve even where fewer SMs
+# than CTAs are free (a CTA that has not started yet starts once an earlier one exits).  Deterministic: one partial
+# per tile, added in a fixed order.  Cooperative schedule only (PINGPONG off).
 
 
 @gluon.jit

@@ -24,8 +24,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from ._gluon_gemm_kernel import (GROUP_M, _b_slot, _release, _sigmoid, _sk_chunk, _sk_offsets, _sk_publish, _sk_range, _sk_wait,
-                                 _tile_coords)
+from ._gluon_gemm_kernel import (GROUP_M, _b_slot, _release, _sigmoid, _sk_chunk, _sk_offsets, _sk_publish,
+                                 _sk_range, _sk_wait, _tile_coords)
 
 
 @gluon.jit

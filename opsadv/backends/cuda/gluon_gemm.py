@@ -182,8 +182,7 @@ def launch_args(a2, b, out, bias=None, res2=None, activation="none", alpha=1.0, 
     fast = cfg.get("TANH", False) and activation in TANH_ACTIVATIONS
     kw = dict(ACT=_K.ACT_IDS[activation] + (_K.TANH_FAST.value if fast else 0), HAS_BIAS=bias is not None, HAS_RES=res2 is not None,
               STAGES=cfg["STAGES"], B_NK=bool(b_nk), PINGPONG=cfg["PINGPONG"], STREAM_K=stream_k,
-              CONSUMER_REGS=CONSUMER_REGS,
-              PRODUCER_REGS=PRODUCER_REGS, num_warps=cfg["num_warps"])
+              CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=cfg["num_warps"])
     return grid, args, kw
 
 

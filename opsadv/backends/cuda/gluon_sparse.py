@@ -189,9 +189,10 @@ def item_order(ti, b: int, hq: int, n_m: int, reverse: bool, nprog: int) -> torc
     (a snake; the last, partial round forwards, so slots < n_items are exactly the dealt ones).  Why: the static
     round-robin of a persistent grid gave its busiest CTA 4.1-4.7% more tiles than the mean at s16384 h32 causal
     windows 512 to 8192 (CTA 0 gets the longest item of every round); the snake brings that to <= 0.6% (1.5% at
-    window 512; tests/test_gluon_sparse.py), and a grid of one item per CTA starts the longest items first.  Computed on the GPU
-    (no host sync), cached per tile index outside CUDA graph capture (a captured perm holds its values only once
-    the graph has replayed)."""
+    window 512; tests/test_gluon_sparse.py); H200: 1.003 / 1.016 / 1.011x the round-robin at windows 1024 / 2048 /
+    4096.  With one item per CTA (nprog = n_items) it is plain longest-first, which ran 0.97x there (w8192), so
+    order_auto() leaves those grids round-robin.  Computed on the GPU (no host sync), cached per tile index outside
+    CUDA graph capture (a captured perm holds its values only once the graph has replayed)."""
     key = (b, hq, n_m, bool(reverse), nprog)
     slot = _order_cache.get(id(ti.rows))
     if slot is not None and slot[0]() is ti.rows and key in slot[1]:
@@ -217,7 +218,7 @@ def launch_args(q, k, v, out, lse, ti, kpm, bs, causal, wl, wr, ng, scale, *, pe
                 q_slots=None, pingpong=False, split_empty=False, num_sms=132, order=None):
     """(grid, args, kwargs) of one sparse_fwd_kernel launch writing out (b, h_q, s_q, d) and lse
     (b, h_q, s_q) float32 contiguous.  q/k/v/out must be TMA-ready (see _tma_ready); ti: layout_index().
-    order: slots dealt by item_order (else round-robin in item order); None: ORDER_AUTO's rule."""
+    order: slots dealt by item_order (else round-robin in item order); None: order_auto()'s rule."""
     if _K is None:
         raise RuntimeError(f"{IMPL_ID}: {UNAVAILABLE}")
     b, hq, sq, d = q.shape
@@ -246,8 +247,8 @@ def launch_args(q, k, v, out, lse, ti, kpm, bs, causal, wl, wr, ng, scale, *, pe
               HAS_KPM=kpm is not None, FULL_RUN=bool(ti.full_run), REVERSE=bool(causal), ORDER=bool(order), **sched,
               CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
               num_warps=_K.PINGPONG_WARPS if sched["PINGPONG"] else _K.NUM_WARPS)
-    args = (*descs, lse, out, ti.rows, ti.cols, bm8, kpm8, perm, *out.stride()[:3], *_s3(ti.rows), *_s3(ti.cols), *s_bm,
-            s_kpm, hq, hq // hkv, n_m, n_items, sq, sk, sk - sq, wl, wr, ng, bs, scale * LOG2E)
+    args = (*descs, lse, out, ti.rows, ti.cols, bm8, kpm8, perm, *out.stride()[:3], *_s3(ti.rows), *_s3(ti.cols),
+            *s_bm, s_kpm, hq, hq // hkv, n_m, n_items, sq, sk, sk - sq, wl, wr, ng, bs, scale * LOG2E)
     return grid, args, kw
 
 
