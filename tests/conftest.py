@@ -81,6 +81,31 @@ def run_sm90_compile_jobs(script: str, cases: list, jobs: int = 4) -> dict:
     return report
 
 
+def assert_sm90_impl_rejections(impl, reasons, spec) -> None:
+    """What every measured sm_90-only Gluon impl declares and refuses: not experimental, ranked below the Triton
+    impls (an unmeasured bucket keeps the Triton / cuBLAS order), sm_90 only, bf16 / fp16 only, CUDA only.
+    reasons(spec, env) -> the impl's rejection reasons; spec(**kw) -> a CallSpec of its op."""
+    from opsadv.core.kernel import PRIORITY_TRITON
+    env = fake_cuda_env()
+    assert not impl.experimental and impl.priority == PRIORITY_TRITON - 5
+    assert impl.min_cc == impl.max_cc == (9, 0)
+    assert any("dtype float32" in r for r in reasons(spec(torch.float32), env))
+    assert any(">= 9.0" in r for r in reasons(spec(), fake_cuda_env((8, 0))))
+    assert any("<= 9.0" in r for r in reasons(spec(), fake_cuda_env((10, 0))))
+    assert any("device 'cpu'" in r for r in reasons(spec(device="cpu"), env))
+
+
+SM90_SMEM_LIMIT = 232448      # sm_90 opt-in shared memory per block (227 KB)
+
+
+def assert_sm90_clean(r: dict, key: str) -> None:
+    """A kernel_report of an sm_90 compile: shared memory within the opt-in limit, no spill (STL/LDL, stack), and
+    every setmaxnreg region within its budget (ptxas would spill otherwise)."""
+    assert r["shared_bytes"] <= SM90_SMEM_LIMIT, r
+    assert r["spills"] == 0 and r["stack"] == 0, f"{key}: {r}"
+    assert all(top < limit for limit, top in r["regions"]), r["regions"]
+
+
 @pytest.fixture(autouse=True)
 def _restore_policy():
     before = _policy._global

@@ -146,29 +146,36 @@ def _act(z, ACT: gl.constexpr):
 
 
 @gluon.jit
-def _load_slices(a_desc, b_desc, a_smem, b_smem, ready, empty, it, off_m, off_n, kb, ke,
-                 STAGES: gl.constexpr, B_NK: gl.constexpr):
-    """Fill ring positions it, it + 1, ... with K-slices [kb, ke) of one tile's A and B boxes; returns the next."""
+def _load_slices(a_desc, b_desc, a_smem, b_smem, b2_smem, ready, empty, it, off_m, off_n, off_n2, kb, ke,
+                 STAGES: gl.constexpr, B_NK: gl.constexpr, TWO_B: gl.constexpr):
+    """Fill ring positions it, it + 1, ... with K-slices [kb, ke) of one tile's A and B boxes; returns the next.
+    TWO_B (the SwiGLU kernel): a second B box of the same weight at column (or, with B_NK, row) off_n2 into b2_smem."""
     BK: gl.constexpr = a_desc.block_type.shape[1]
+    B_BOXES: gl.constexpr = 2 if TWO_B else 1
     for kk in range(kb, ke):
         s = it % STAGES
         # Parity of the slot's previous use: on the first lap, parity 1 of a fresh barrier passes at once.
         mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-        mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+        mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + B_BOXES * b_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(a_desc, [off_m, kk * BK], ready.index(s), a_smem.index(s))
         if B_NK:
             tma.async_copy_global_to_shared(b_desc, [off_n, kk * BK], ready.index(s), b_smem.index(s))
+            if TWO_B:
+                tma.async_copy_global_to_shared(b_desc, [off_n2, kk * BK], ready.index(s), b2_smem.index(s))
         else:
             tma.async_copy_global_to_shared(b_desc, [kk * BK, off_n], ready.index(s), b_smem.index(s))
+            if TWO_B:
+                tma.async_copy_global_to_shared(b_desc, [kk * BK, off_n2], ready.index(s), b2_smem.index(s))
         it += 1
     return it
 
 
 @gluon.jit
-def _producer(a_desc, b_desc, a_smem, b_smem, ready, empty, M, N, K, DP_TILES,
+def _producer(a_desc, b_desc, a_smem, b_smem, b2_smem, ready, empty, M, N, K, DP_TILES,
               STAGES: gl.constexpr, B_NK: gl.constexpr, TILE_M: gl.constexpr, TILE_N: gl.constexpr,
-              STREAM_K: gl.constexpr):
-    """1 warp: walks the CTA's tiles (then its stream-K chunks) in the consumers' order, K-slice by K-slice."""
+              STREAM_K: gl.constexpr, TWO_B: gl.constexpr):
+    """1 warp: walks the CTA's tiles (then its stream-K chunks) in the consumers' order, K-slice by K-slice.
+    TWO_B (the SwiGLU kernel): each slot also holds the up columns N + n0.. of the [W_g | W_u] weight (b2_smem)."""
     BK: gl.constexpr = a_desc.block_type.shape[1]
     num_pid_m = gl.cdiv(M, TILE_M)
     num_pid_n = gl.cdiv(N, TILE_N)
@@ -176,15 +183,15 @@ def _producer(a_desc, b_desc, a_smem, b_smem, ready, empty, M, N, K, DP_TILES,
     it = 0                                                   # ring position (counts every K-slice)
     for tile in range(gl.program_id(0), DP_TILES, gl.num_programs(0)):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
-        it = _load_slices(a_desc, b_desc, a_smem, b_smem, ready, empty, it, pid_m * TILE_M, pid_n * TILE_N,
-                          0, k_tiles, STAGES, B_NK)
+        it = _load_slices(a_desc, b_desc, a_smem, b_smem, b2_smem, ready, empty, it, pid_m * TILE_M,
+                          pid_n * TILE_N, N + pid_n * TILE_N, 0, k_tiles, STAGES, B_NK, TWO_B)
     if STREAM_K:
         cur, end = _sk_range(num_pid_m * num_pid_n - DP_TILES, k_tiles)
         while cur < end:
             t, kb, ke = _sk_chunk(cur, end, k_tiles)
             pid_m, pid_n = _tile_coords(DP_TILES + t, num_pid_m, num_pid_n, GROUP_M)
-            it = _load_slices(a_desc, b_desc, a_smem, b_smem, ready, empty, it, pid_m * TILE_M, pid_n * TILE_N,
-                              kb, ke, STAGES, B_NK)
+            it = _load_slices(a_desc, b_desc, a_smem, b_smem, b2_smem, ready, empty, it, pid_m * TILE_M,
+                              pid_n * TILE_N, N + pid_n * TILE_N, kb, ke, STAGES, B_NK, TWO_B)
             cur += ke - kb
 
 
@@ -337,6 +344,25 @@ def _consumer(a_desc, b_desc, c_desc, r_desc, bias_ptr, ws_ptr, flags_ptr, a_sme
 
 
 @gluon.jit
+def _ring_barriers(STAGES: gl.constexpr):
+    """(ready, empty) mbarriers of a STAGES-deep TMA ring: ready completes on the TMA transaction bytes, empty on
+    one arrive by the one consumer partition that read the slot."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    return ready, empty
+
+
+@gluon.jit
+def _invalidate_ring(ready, empty, STAGES: gl.constexpr):
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))
+
+
+@gluon.jit
 def gemm_kernel(a_desc, b_desc, c_desc, r_desc, bias_ptr, M, N, K, alpha, ws_ptr, flags_ptr, DP_TILES,
                 ACT: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, STAGES: gl.constexpr,
                 B_NK: gl.constexpr, PINGPONG: gl.constexpr, STREAM_K: gl.constexpr, CONSUMER_REGS: gl.constexpr,
@@ -355,11 +381,7 @@ def gemm_kernel(a_desc, b_desc, c_desc, r_desc, bias_ptr, M, N, K, alpha, ws_ptr
     dtype: gl.constexpr = a_desc.dtype
     a_smem = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], a_desc.layout)
     b_smem = gl.allocate_shared_memory(dtype, [STAGES, B0, B1], b_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)      # completed by the TMA transaction bytes
-        mbarrier.init(empty.index(i), count=1)      # one arrive by the one partition that read the slot
+    ready, empty = _ring_barriers(STAGES)
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     res_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())   # per consumer partition
     for i in gl.static_range(2):
@@ -375,8 +397,8 @@ def gemm_kernel(a_desc, b_desc, c_desc, r_desc, bias_ptr, M, N, K, alpha, ws_ptr
             (_consumer, (a_desc, b_desc, c_desc, r_desc, bias_ptr, ws_ptr, flags_ptr, a_smem, b_smem, c_smem.index(1),
                          ready, empty, turn, res_bar.index(1), M, N, K, alpha, DP_TILES, ACT, HAS_BIAS, HAS_RES, STAGES,
                          B_NK, True, False, 1, 4)),
-            (_producer, (a_desc, b_desc, a_smem, b_smem, ready, empty, M, N, K, DP_TILES, STAGES, B_NK, BM, BN,
-                         False)),
+            (_producer, (a_desc, b_desc, a_smem, b_smem, b_smem, ready, empty, M, N, K, DP_TILES, STAGES, B_NK, BM,
+                         BN, False, False)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         c_smem = gl.allocate_shared_memory(dtype, [BM, BN], c_desc.layout)
@@ -384,12 +406,10 @@ def gemm_kernel(a_desc, b_desc, c_desc, r_desc, bias_ptr, M, N, K, alpha, ws_ptr
             (_consumer, (a_desc, b_desc, c_desc, r_desc, bias_ptr, ws_ptr, flags_ptr, a_smem, b_smem, c_smem, ready,
                          empty, turn, res_bar.index(0), M, N, K, alpha, DP_TILES, ACT, HAS_BIAS, HAS_RES, STAGES,
                          B_NK, False, STREAM_K, 0, num_warps)),
-            (_producer, (a_desc, b_desc, a_smem, b_smem, ready, empty, M, N, K, DP_TILES, STAGES, B_NK, BM, BN,
-                         STREAM_K)),
+            (_producer, (a_desc, b_desc, a_smem, b_smem, b_smem, ready, empty, M, N, K, DP_TILES, STAGES, B_NK, BM,
+                         BN, STREAM_K, False)),
         ], [1], [PRODUCER_REGS])
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(i))
-        mbarrier.invalidate(empty.index(i))
+    _invalidate_ring(ready, empty, STAGES)
     for i in gl.static_range(2):
         mbarrier.invalidate(turn.index(i))
         mbarrier.invalidate(res_bar.index(i))

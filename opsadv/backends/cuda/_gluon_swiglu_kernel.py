@@ -3,7 +3,8 @@ silu(g) * u in the epilogue, so gate_up never reaches memory.
 
     out = silu(x @ W_g + b_g) * (x @ W_u + b_u)      W = [W_g | W_u] (K, 2N), or its transpose given as (2N, K) rows
 
-The cooperative schedule of _gluon_gemm_kernel.py (its tile order, slot release and sigmoid are reused): a
+The cooperative schedule of _gluon_gemm_kernel.py (its producer with TWO_B, tile order, ring barriers, slot release,
+stream-K helpers and sigmoid are reused): a
 persistent grid, one producer warp filling a STAGES-deep ring of TMA slots, one 8-warp consumer partition (two
 warpgroups stacked along M) on a BM x BN output tile.  What differs:
   * each ring slot holds the A slice and *two* B slices of the same weight: the gate columns [n0, n0 + BN) and
@@ -24,53 +25,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from ._gluon_gemm_kernel import (GROUP_M, _b_slot, _release, _sigmoid, _sk_chunk, _sk_offsets, _sk_publish,
-                                 _sk_range, _sk_wait, _tile_coords)
-
-
-@gluon.jit
-def _load_slices(a_desc, b_desc, a_smem, bg_smem, bu_smem, ready, empty, it, off_m, off_n, N, kb, ke,
-                 STAGES: gl.constexpr, B_NK: gl.constexpr):
-    """Fill ring positions it, it + 1, ... with K-slices [kb, ke) of one tile: the A box and the gate / up B boxes."""
-    BK: gl.constexpr = a_desc.block_type.shape[1]
-    for kk in range(kb, ke):
-        s = it % STAGES
-        # Parity of the slot's previous use: on the first lap, parity 1 of a fresh barrier passes at once.
-        mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-        mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + 2 * b_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(a_desc, [off_m, kk * BK], ready.index(s), a_smem.index(s))
-        if B_NK:     # weight rows: gate rows [off_n, +BN), up rows [N + off_n, +BN)
-            tma.async_copy_global_to_shared(b_desc, [off_n, kk * BK], ready.index(s), bg_smem.index(s))
-            tma.async_copy_global_to_shared(b_desc, [N + off_n, kk * BK], ready.index(s), bu_smem.index(s))
-        else:
-            tma.async_copy_global_to_shared(b_desc, [kk * BK, off_n], ready.index(s), bg_smem.index(s))
-            tma.async_copy_global_to_shared(b_desc, [kk * BK, N + off_n], ready.index(s), bu_smem.index(s))
-        it += 1
-    return it
-
-
-@gluon.jit
-def _producer(a_desc, b_desc, a_smem, bg_smem, bu_smem, ready, empty, M, N, K, DP_TILES,
-              STAGES: gl.constexpr, B_NK: gl.constexpr, TILE_M: gl.constexpr, TILE_N: gl.constexpr,
-              STREAM_K: gl.constexpr):
-    """1 warp: walks the CTA's tiles (then its stream-K chunks) in the consumers' order, K-slice by K-slice."""
-    BK: gl.constexpr = a_desc.block_type.shape[1]
-    num_pid_m = gl.cdiv(M, TILE_M)
-    num_pid_n = gl.cdiv(N, TILE_N)
-    k_tiles = gl.cdiv(K, BK)
-    it = 0                                                   # ring position (counts every K-slice)
-    for tile in range(gl.program_id(0), DP_TILES, gl.num_programs(0)):
-        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
-        it = _load_slices(a_desc, b_desc, a_smem, bg_smem, bu_smem, ready, empty, it, pid_m * TILE_M,
-                          pid_n * TILE_N, N, 0, k_tiles, STAGES, B_NK)
-    if STREAM_K:
-        cur, end = _sk_range(num_pid_m * num_pid_n - DP_TILES, k_tiles)
-        while cur < end:
-            t, kb, ke = _sk_chunk(cur, end, k_tiles)
-            pid_m, pid_n = _tile_coords(DP_TILES + t, num_pid_m, num_pid_n, GROUP_M)
-            it = _load_slices(a_desc, b_desc, a_smem, bg_smem, bu_smem, ready, empty, it, pid_m * TILE_M,
-                              pid_n * TILE_N, N, kb, ke, STAGES, B_NK)
-            cur += ke - kb
+from ._gluon_gemm_kernel import (GROUP_M, _b_slot, _invalidate_ring, _producer, _release, _ring_barriers, _sigmoid,
+                                 _sk_chunk, _sk_offsets, _sk_publish, _sk_range, _sk_wait, _tile_coords)
 
 
 @gluon.jit
@@ -189,18 +145,12 @@ def swiglu_gemm_kernel(a_desc, b_desc, c_desc, bias_ptr, M, N, K, ws_ptr, flags_
     a_smem = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], a_desc.layout)
     bg_smem = gl.allocate_shared_memory(dtype, [STAGES, B0, B1], b_desc.layout)
     bu_smem = gl.allocate_shared_memory(dtype, [STAGES, B0, B1], b_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)      # completed by the TMA transaction bytes
-        mbarrier.init(empty.index(i), count=1)      # one arrive by the consumer partition
+    ready, empty = _ring_barriers(STAGES)
     c_smem = gl.allocate_shared_memory(dtype, [BM, BN], c_desc.layout)
     gl.warp_specialize([
         (_consumer, (a_desc, b_desc, c_desc, bias_ptr, ws_ptr, flags_ptr, a_smem, bg_smem, bu_smem, c_smem, ready,
                      empty, M, N, K, DP_TILES, HAS_BIAS, STAGES, B_NK, TANH, STREAM_K, num_warps)),
         (_producer, (a_desc, b_desc, a_smem, bg_smem, bu_smem, ready, empty, M, N, K, DP_TILES, STAGES, B_NK, BM,
-                     BN, STREAM_K)),
+                     BN, STREAM_K, True)),
     ], [1], [PRODUCER_REGS])
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(i))
-        mbarrier.invalidate(empty.index(i))
+    _invalidate_ring(ready, empty, STAGES)
