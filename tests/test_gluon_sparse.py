@@ -213,7 +213,7 @@ def test_resolve_schedule():
     """Ring depth / Q slots / register O store per variant, from the shared memory budget (227 KB)."""
     assert GS.DEFAULT_VARIANT == {}                  # nothing new is the default without a GPU measurement
     r = GS.resolve_schedule
-    base = dict(PINGPONG=False, O_REGS=False, SPLIT_EMPTY=False)
+    base = dict(PINGPONG=False, O_REGS=False, SPLIT_EMPTY=False, CARRY=False)
     assert r(128) == dict(base, STAGES=2, Q_SLOTS=2)                  # the measured schedule
     assert r(64) == dict(base, STAGES=4, Q_SLOTS=2)
     assert r(128, pingpong=True) == dict(base, STAGES=2, Q_SLOTS=2, PINGPONG=True, O_REGS=True)
@@ -222,13 +222,15 @@ def test_resolve_schedule():
     assert r(128, 3) == dict(base, STAGES=3, Q_SLOTS=1, O_REGS=True)
     assert r(128, 3, pingpong=True)["Q_SLOTS"] == 1
     assert r(128, q_slots=1)["O_REGS"] is True                  # one slot: O cannot leave through it
+    assert r(128, carry=True) == dict(base, STAGES=2, Q_SLOTS=2, O_REGS=True, CARRY=True)   # O stored from registers
     assert r(64, 3)["Q_SLOTS"] == 2
     assert GS.smem_bytes(128, 3, 1) == 229376 and GS.smem_bytes(128, 2, 2) == 196608
     for bad in (dict(stages=4), dict(stages=3, q_slots=2), dict(q_slots=3)):
         with pytest.raises(ValueError, match="shared memory"):
             r(128, **bad)
     for name, v in GS.VARIANTS.items():                          # every named variant resolves at d128
-        assert r(128, v.get("stages"), v.get("q_slots"), v.get("pingpong", False), v.get("split_empty", False))
+        assert r(128, v.get("stages"), v.get("q_slots"), v.get("pingpong", False), v.get("split_empty", False),
+                 v.get("carry", False))
 
 
 @needs_gluon
@@ -422,13 +424,14 @@ class _Bar:
 
 
 def simulate_protocol(n_alls, stages, q_slots, pingpong, o_regs, rng, idle_turn=True, early_q_release=False,
-                      split_empty=False, early_k_release=False):
+                      split_empty=False, early_k_release=False, carry=False):
     """Run the producer and consumer partitions of one CTA as the kernel writes them (_producer, _consumer:
     the same slot / phase / turn arithmetic) under a random interleaving, with TMA copies landing at random
     later times.  n_alls: the visited tile count of each of the CTA's work items (0 = an empty item).
     Fails on a deadlock, on a consumer reading a buffer that does not hold its (item, tile), on a TMA
     copy landing in a buffer still being read, and (ping-pong) on GEMM issues that do not alternate
-    between the warpgroups.  Returns the warpgroups' GEMM issue order."""
+    between the warpgroups.  carry: _consumer_carry's order (an item's first S issued in the previous item's
+    last step, beside its last P V).  Returns the warpgroups' GEMM issue order."""
     nwg = 2 if pingpong else 1
     q_ready = [_Bar(1) for _ in range(q_slots * nwg)]
     q_empty = [_Bar(1) for _ in range(q_slots * nwg)]
@@ -494,6 +497,9 @@ def simulate_protocol(n_alls, stages, q_slots, pingpong, o_regs, rng, idle_turn=
         # A wgmma reads its smem operands from its issue until its wait: read() at the issue, done_reading()
         # at the wait; the releases (arrives) sit where the kernel has them, so a release before the wait
         # lets the producer's next copy land on a buffer still being read.
+        if carry:
+            yield from consumer_carry(wg, who, turn_wait, turn_pass)
+            return
         for qi, n_all in enumerate(n_alls):
             qs = (qi % q_slots) * nwg + wg
             yield q_ready[qs], (qi // q_slots) & 1
@@ -556,6 +562,76 @@ def simulate_protocol(n_alls, stages, q_slots, pingpong, o_regs, rng, idle_turn=
                 done_reading(("q", qs), who)
                 q_empty[qs].arrive()
 
+    def step(who, turn_wait, turn_pass, tc, g, q, q_what, k_what, v_what):
+        """_pipelined_step on ring tile g: S = Q K_{g+1}^T and P V_g in turn tc, wait(1), wait(0)."""
+        cur, nxt = g % stages, (g + 1) % stages
+        yield k_ready[nxt], ((g + 1) // stages) & 1
+        yield v_ready[cur], (g // stages) & 1
+        yield from turn_wait(tc)
+        read(q, q_what, who)
+        read(("k", nxt), k_what, who)
+        read(("v", cur), v_what, who)
+        turn_pass()
+        yield None
+        done_reading(q, who)
+        done_reading(("k", nxt), who)
+        if split_empty:
+            k_empty[nxt].arrive()
+        yield None
+        done_reading(("v", cur), who)
+        kv_empty[cur].arrive()
+
+    def consumer_carry(wg, who, turn_wait, turn_pass):
+        it, tc, carried = 0, 0, False
+        for qi, n_all in enumerate(n_alls):
+            qs = (qi % q_slots) * nwg + wg
+            if not carried:
+                yield q_ready[qs], (qi // q_slots) & 1
+                if n_all > 0:                                   # _first_step
+                    cur = it % stages
+                    yield k_ready[cur], (it // stages) & 1
+                    yield from turn_wait(tc)
+                    read(("q", qs), (qi, wg), who)
+                    read(("k", cur), (qi, 0), who)
+                    turn_pass()
+                    yield None
+                    done_reading(("q", qs), who)
+                    done_reading(("k", cur), who)
+                    if split_empty:
+                        k_empty[cur].arrive()
+                else:                                           # the empty item's idle turn
+                    yield from turn_wait(tc)
+                    turn_pass()
+                tc += 1
+            if n_all > 0:
+                for j in range(n_all - 1):
+                    yield from step(who, turn_wait, turn_pass, tc + j, it + j, ("q", qs), (qi, wg), (qi, j + 1),
+                                    (qi, j))
+                tc += n_all - 1
+                q_empty[qs].arrive()
+                g = it + n_all - 1
+                if qi + 1 < len(n_alls) and n_alls[qi + 1] > 0:  # the boundary step: next item's S_0 + last P V
+                    nqs = ((qi + 1) % q_slots) * nwg + wg
+                    yield q_ready[nqs], ((qi + 1) // q_slots) & 1
+                    yield from step(who, turn_wait, turn_pass, tc, g, ("q", nqs), (qi + 1, wg), (qi + 1, 0),
+                                    (qi, n_all - 1))
+                    carried = True
+                else:                                           # _last_pv
+                    last = g % stages
+                    yield v_ready[last], (g // stages) & 1
+                    yield from turn_wait(tc)
+                    read(("v", last), (qi, n_all - 1), who)
+                    turn_pass()
+                    yield None
+                    done_reading(("v", last), who)
+                    kv_empty[last].arrive()
+                    carried = False
+                tc += 1
+            else:
+                q_empty[qs].arrive()
+                carried = False
+            it += n_all
+
     procs = {"producer": producer(), **{f"wg{w}": consumer(w) for w in range(nwg)}}
     waiting = {name: (None, None) for name in procs}
     for _ in range(1_000_000):
@@ -589,14 +665,16 @@ def test_barrier_protocol_simulation(variant):
     import random
     v = GS.VARIANTS[variant]
     sched = GS.resolve_schedule(128, v.get("stages"), v.get("q_slots"), v.get("pingpong", False),
-                                v.get("split_empty", False))
+                                v.get("split_empty", False), v.get("carry", False))
     for seed_ in range(40):
         rng = random.Random(seed_)
         for items in _PROTOCOL_ITEMS:
             gemms = simulate_protocol(items, sched["STAGES"], sched["Q_SLOTS"], sched["PINGPONG"], sched["O_REGS"],
-                                      rng, split_empty=sched["SPLIT_EMPTY"])
+                                      rng, split_empty=sched["SPLIT_EMPTY"], carry=sched["CARRY"])
             if sched["PINGPONG"]:
                 turns = sum(n + 1 for n in items)     # n_all + 1 per item, one idle turn per empty item
+                if sched["CARRY"]:                    # an item whose first S ran in its predecessor's last step
+                    turns -= sum(1 for a, b in zip(items, items[1:]) if a > 0 and b > 0)
                 assert gemms == [0, 1] * turns, gemms
 
 

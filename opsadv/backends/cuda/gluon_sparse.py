@@ -90,7 +90,16 @@ VARIANTS = {
     "pingpong_st3": {"pingpong": True, "stages": 3},
     "q1": {"q_slots": 1},                           # control for st3: 1 Q slot / register O store, STAGES[d]
     "pingpong_kv": {"pingpong": True, "split_empty": True},    # + separate K / V "empty" barriers
+    # CARRY (_consumer_carry): an item's last step also issues the next item's first S and folds it into a fresh
+    # softmax under the last P V; O from registers
+    "carry": {"carry": True},
+    "pingpong_carry": {"pingpong": True, "carry": True},
+    "pingpong_st3_carry": {"pingpong": True, "stages": 3, "carry": True},
 }
+# Partial-tile masks (the kernel's MASK_MODE): the element predicate, per-row key intervals (band layouts: no mixed
+# block mask, global tokens or key padding), and "unmasked_probe" -- no mask at all, WRONG results: a benchmark's
+# control that times the tile walk without the masks' arithmetic (the op never passes a variant)
+MASK_MODES = {"element": 0, "interval": 1, "unmasked_probe": 2}
 # Persistent grid (<= one CTA per SM, the K/V ring kept across work items) for short rows, one work item
 # per CTA for long ones (H200, fc70817, s16384 d128 causal windows, ms persistent / one item per CTA:
 # ~8 tiles per row 0.696 / 0.744, ~16 1.186 / 1.203, ~32 2.114 / 2.088, ~64 3.494 / 3.379).
@@ -155,20 +164,30 @@ def smem_bytes(d: int, stages: int, q_slots: int, esize: int = 2) -> int:
     return (q_slots * TILE + 2 * stages * TILE) * d * esize
 
 
-def resolve_schedule(d: int, stages=None, q_slots=None, pingpong=False, split_empty=False) -> dict:
+def resolve_schedule(d: int, stages=None, q_slots=None, pingpong=False, split_empty=False, carry=False) -> dict:
     """Kernel constexprs of a variant: STAGES (default STAGES[d]), Q_SLOTS (2 when it fits next to the
     ring, else 1), PINGPONG, and O_REGS: O stored from registers and the Q slot released after the
     item's last S (every new schedule; needed with 1 Q slot; the ping-pong TMA store through the slot
-    spilled), SPLIT_EMPTY (K and V slots freed apart).  ValueError when the ring does not fit even with one
-    Q slot."""
+    spilled), SPLIT_EMPTY (K and V slots freed apart), CARRY (the next item's first S in the last step).
+    ValueError when the ring does not fit even with one Q slot."""
     stages = stages or STAGES[d]
     if q_slots is None:
         q_slots = 2 if smem_bytes(d, stages, 2) + SMEM_SLACK <= SMEM_LIMIT else 1
     if q_slots not in (1, 2) or smem_bytes(d, stages, q_slots) + SMEM_SLACK > SMEM_LIMIT:
         raise ValueError(f"{IMPL_ID}: d{d} with {stages} K/V stages and {q_slots} Q slots needs "
                          f"{smem_bytes(d, stages, q_slots)} B of shared memory (limit {SMEM_LIMIT})")
-    return dict(STAGES=stages, Q_SLOTS=q_slots, PINGPONG=bool(pingpong), O_REGS=bool(pingpong) or q_slots == 1,
-                SPLIT_EMPTY=bool(split_empty))
+    return dict(STAGES=stages, Q_SLOTS=q_slots, PINGPONG=bool(pingpong), O_REGS=bool(pingpong or carry) or q_slots == 1,
+                SPLIT_EMPTY=bool(split_empty), CARRY=bool(carry))
+
+
+def mask_mode(mask: str, ti, kpm, ng: int) -> int:
+    """The kernel's MASK_MODE for a variant's "mask" (MASK_MODES); ValueError naming why it cannot serve."""
+    if mask not in MASK_MODES:
+        raise ValueError(f"{IMPL_ID}: mask must be one of {sorted(MASK_MODES)}, got {mask!r}")
+    if mask == "interval" and (ti.bm_mode == 2 or kpm is not None or ng):
+        raise ValueError(f"{IMPL_ID}: interval masks serve band layouts only (a window and/or causal over an all-True "
+                         f"or all-False block mask), not a mixed block mask, key padding or global tokens")
+    return MASK_MODES[mask]
 
 
 def order_auto(persistent: bool, ng: int, sched: dict) -> bool:
@@ -215,16 +234,18 @@ def item_order(ti, b: int, hq: int, n_m: int, reverse: bool, nprog: int) -> torc
 
 
 def launch_args(q, k, v, out, lse, ti, kpm, bs, causal, wl, wr, ng, scale, *, persistent=True, stages=None,
-                q_slots=None, pingpong=False, split_empty=False, num_sms=132, order=None):
+                q_slots=None, pingpong=False, split_empty=False, num_sms=132, order=None, carry=False,
+                mask="element"):
     """(grid, args, kwargs) of one sparse_fwd_kernel launch writing out (b, h_q, s_q, d) and lse
     (b, h_q, s_q) float32 contiguous.  q/k/v/out must be TMA-ready (see _tma_ready); ti: layout_index().
-    order: slots dealt by item_order (else round-robin in item order); None: order_auto()'s rule."""
+    order: slots dealt by item_order (else round-robin in item order); None: order_auto()'s rule.  carry / mask:
+    resolve_schedule's CARRY and mask_mode()."""
     if _K is None:
         raise RuntimeError(f"{IMPL_ID}: {UNAVAILABLE}")
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     gdt = _gl.bfloat16 if q.dtype == torch.bfloat16 else _gl.float16
-    sched = resolve_schedule(d, stages, q_slots, pingpong, split_empty)
+    sched = resolve_schedule(d, stages, q_slots, pingpong, split_empty, carry)
     if sched["O_REGS"] and (sq + TILE) * out.stride(2) >= 2 ** 31:
         raise ValueError(f"{IMPL_ID}: the register O store of this schedule uses 32-bit row offsets "
                          f"(s_q {sq} x row stride {out.stride(2)}); use the default schedule")
@@ -245,6 +266,7 @@ def launch_args(q, k, v, out, lse, ti, kpm, bs, causal, wl, wr, ng, scale, *, pe
               kv_smem_layout=nvmma_layout((TILE, d), gdt),
               CAUSAL=bool(causal), HAS_WIN=wl >= 0, HAS_GLOBAL=ng > 0, BM_MODE=int(ti.bm_mode),
               HAS_KPM=kpm is not None, FULL_RUN=bool(ti.full_run), REVERSE=bool(causal), ORDER=bool(order), **sched,
+              MASK_MODE=mask_mode(mask, ti, kpm, ng),
               CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
               num_warps=_K.PINGPONG_WARPS if sched["PINGPONG"] else _K.NUM_WARPS)
     args = (*descs, lse, out, ti.rows, ti.cols, bm8, kpm8, perm, *out.stride()[:3], *_s3(ti.rows), *_s3(ti.cols),
@@ -256,7 +278,8 @@ def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale,
                max_seqlen=-1, *, variant=None):
     """out (b, h_q, s_q, d) over (b, s, h, d) memory, lse (b, h_q, s_q) float32 natural log.
     variant (benchmarks): {"persistent": bool, "stages": int, "q_slots": 1 | 2, "pingpong": bool,
-    "split_empty": bool, "order": bool} (or a VARIANTS name) over DEFAULT_VARIANT; None: auto_schedule()."""
+    "split_empty": bool, "order": bool, "carry": bool, "mask": a MASK_MODES name} (or a VARIANTS name) over
+    DEFAULT_VARIANT; None: auto_schedule()."""
     from ._triton_utils import new_output, new_output_bshd
     if cu is not None:   # check() refuses these; a direct call must not get a silently wrong answer
         raise NotImplementedError(f"{IMPL_ID}: packed varlen layouts (cu_seqlens) are not supported")
@@ -275,7 +298,8 @@ def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale,
     grid, args, kw = launch_args(q, k, v, out, lse, ti, kpm, bs, causal, wl, wr, ng, scale,
                                  persistent=persistent, stages=opts.get("stages"), q_slots=opts.get("q_slots"),
                                  pingpong=opts.get("pingpong", False), split_empty=opts.get("split_empty", False),
-                                 num_sms=_sm_count(q.device), order=opts.get("order"))
+                                 num_sms=_sm_count(q.device), order=opts.get("order"), carry=opts.get("carry", False),
+                                 mask=opts.get("mask", "element"))
     _K.sparse_fwd_kernel[grid](*args, **kw)
     return out, lse
 

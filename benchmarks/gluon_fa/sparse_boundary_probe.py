@@ -1,0 +1,143 @@
+"""Where the Gluon sparse forward's time per work item goes, and whether CARRY takes the item boundary out of it,
+on an H100/H200: s16384 d128 bf16 b1 h32 causal windows, kernels called directly (gluon_sparse.sparse_fwd with a
+variant), plus the Gluon dense causal forward (the issue's effective-rate denominator).
+
+  PYTHONPATH=. python benchmarks/gluon_fa/sparse_boundary_probe.py OUT.json
+
+Variants (BOUNDARY_VARIANTS): the schedules with and without CARRY (the next item's first S issued beside the
+last P V), the interval mask, and "unmasked_probe" -- the same tile walk with no mask arithmetic at all (wrong
+results: a control whose time difference is what the partial tiles' masks cost).  Each window: every variant's
+output compared with its twin (bitwise: CARRY and the interval mask change no arithmetic) and with the float32
+reference, then ROUNDS interleaved rounds of triton.testing.do_bench (median, L2 flushed).  A fit of the median
+times over the windows (ms = fixed + per_tile x tiles per item) splits each variant's time into a per-item part
+and a per-tile part; work counts visited tiles of the suite's grid (bench.suite_sparse.fwd_tiles)."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+
+import torch
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+import opsadv  # noqa: E402
+from opsadv import SparseLayout  # noqa: E402
+from opsadv.backends.cuda import gluon_sparse as GS  # noqa: E402
+from opsadv.bench.suite_sparse import fwd_tiles  # noqa: E402
+
+S, H, D = 16384, 32, 128
+WINDOWS = [int(w) for w in os.environ.get("BOUNDARY_WINDOWS", "1024,2048,4096").split(",")]
+ROUNDS = int(os.environ.get("BOUNDARY_ROUNDS", "3"))
+# name -> (variant, twin whose output it must equal bitwise or None)
+BOUNDARY_VARIANTS = {
+    "default": ({"persistent": True}, None),
+    "carry": ({"persistent": True, "carry": True}, "default"),
+    "default_interval": ({"persistent": True, "mask": "interval"}, "default"),
+    "carry_interval": ({"persistent": True, "carry": True, "mask": "interval"}, "default"),
+    "default_unmasked": ({"persistent": True, "mask": "unmasked_probe"}, "unmasked"),
+    "pingpong": ({"persistent": True, "pingpong": True}, None),
+    "pingpong_carry": ({"persistent": True, "pingpong": True, "carry": True}, "pingpong"),
+    "pingpong_st3": ({"persistent": True, "pingpong": True, "stages": 3}, "pingpong"),
+    "pingpong_st3_carry": ({"persistent": True, "pingpong": True, "stages": 3, "carry": True}, "pingpong"),
+    "pingpong_st3_interval": ({"persistent": True, "pingpong": True, "stages": 3, "mask": "interval"}, "pingpong"),
+    "pingpong_st3_unmasked": ({"persistent": True, "pingpong": True, "stages": 3, "mask": "unmasked_probe"},
+                              "unmasked"),
+}
+ONLY = [n for n in os.environ.get("BOUNDARY_ONLY", "").split(",") if n]
+
+
+def ms(fn) -> float:
+    return float(do_bench(fn, warmup=10, rep=60, return_mode="median"))
+
+
+def reference(q, k, v, lay) -> torch.Tensor:
+    """float32 attention of the first 4 heads under the causal window (allowed: i - window_left <= j <= i), chunked
+    over query rows (a dense s16384 mask would take 1 GiB per head)."""
+    outs = []
+    qf, kf, vf = (t[:, :4].float() for t in (q, k, v))
+    j = torch.arange(S, device="cuda")[None, :]
+    for r0 in range(0, S, 2048):
+        r = torch.arange(r0, min(r0 + 2048, S), device="cuda")[:, None]
+        ok = (j <= r) & (j >= r - lay.window_left)
+        s = (qf[:, :, r0:r0 + 2048] @ kf.transpose(-1, -2)) * D ** -0.5
+        outs.append(torch.softmax(s.masked_fill(~ok, float("-inf")), -1) @ vf)
+    return torch.cat(outs, 2)
+
+
+def fit(xs, ys):
+    """Least-squares line ys = a + b xs: (a, b)."""
+    n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / max(sum((x - mx) ** 2 for x in xs), 1e-12)
+    return my - b * mx, b
+
+
+def main(path: str) -> None:
+    rows = []
+    report = {"commit": os.environ.get("OPSADV_COMMIT", "unknown"), "device": torch.cuda.get_device_name(),
+              "torch": torch.__version__, "shape": f"b1 h{H} s{S} d{D} bf16 causal windows", "rows": rows}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, H, S, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    with opsadv.use_backend("cuda", impls={"flash_attention": "cuda.gluon.flash_attention"}), torch.no_grad():
+        dense = ms(lambda: opsadv.ops.flash_attention(q, k, v, causal=True))
+    dense_tflops = 4.0 * H * S * S * D / 2 / dense / 1e9
+    report["dense_ms"], report["dense_tflops"] = dense, round(dense_tflops, 1)
+    names = [n for n in BOUNDARY_VARIANTS if not ONLY or n in ONLY]
+    for w in WINDOWS:
+        lay = SparseLayout.sliding_window(S, w, causal=True, block_size=128, device="cuda")
+        args = (lay.block_mask, lay.key_padding_mask, lay.cu_seqlens, lay.block_size, lay.causal, lay.window_left,
+                lay.window_right, lay.num_global)
+        ti = GS.layout_index(*args, S, S)
+        n_m = S // GS.TILE
+        row = {"window": w, "tiles_per_item": round(GS.tiles_per_row(ti, n_m), 3),
+               "auto": GS.auto_schedule(D, ti, n_m, None, 0), "variants": {}}
+        ref = reference(q, k, v, lay)
+        fns, outs = {}, {}
+        for name in names:
+            variant = BOUNDARY_VARIANTS[name][0]
+            fns[name] = lambda variant=variant: GS.sparse_fwd(None, q, k, v, *args, D ** -0.5, variant=variant)
+            try:
+                outs[name] = fns[name]()
+                torch.cuda.synchronize()
+            except Exception as e:  # a variant that cannot run here is recorded, not fatal
+                row["variants"][name] = {"error": f"{type(e).__name__}: {e}"[:400]}
+                fns.pop(name)
+        for name in list(fns):
+            out, lse = outs[name]
+            twin = BOUNDARY_VARIANTS[name][1]
+            rec = {"max_abs_err": float((out[:, :4].float() - ref).abs().max()),
+                   "finite": bool(torch.isfinite(out).all())}
+            if twin in outs:
+                rec["equals_" + twin] = bool(torch.equal(out, outs[twin][0]) and torch.equal(lse, outs[twin][1]))
+            row["variants"][name] = rec
+        times = {name: [] for name in fns}
+        for _ in range(ROUNDS):
+            for name, fn in fns.items():
+                times[name].append(ms(fn))
+        visited, total = fwd_tiles(lay, D)
+        work = 4.0 * H * S * S * D * visited / total
+        for name in fns:
+            t = statistics.median(times[name])
+            row["variants"][name].update(ms=round(t, 5), tflops=round(work / t / 1e9, 1),
+                                         eff_vs_dense=round(work / t / 1e9 / dense_tflops, 4),
+                                         ms_range=[round(min(times[name]), 5), round(max(times[name]), 5)])
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
+    fits = {}
+    for name in names:
+        pts = [(r["tiles_per_item"], r["variants"][name]["ms"]) for r in rows if "ms" in r["variants"].get(name, {})]
+        if len(pts) >= 2:
+            a, b = fit([p[0] for p in pts], [p[1] for p in pts])
+            fits[name] = {"fixed_ms": round(a, 4), "per_tile_ms": round(b, 5), "fixed_in_tiles": round(a / b, 2)}
+    report["fits"] = fits
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+    print(json.dumps({"dense_ms": dense, "dense_tflops": round(dense_tflops, 1), "fits": fits}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "sparse_boundary_probe.json")
