@@ -96,6 +96,10 @@ def sm90_compile_report():
     return {r["case"]: r for r in json.loads(out.strip().splitlines()[-1])["results"]}
 
 
+# variants that run the default schedule (8 consumer warps, 2 Q slots, TMA O store): its spill rule
+DEFAULT_SCHEDULE = {"default", "interval"}
+
+
 @needs_gluon
 def test_compiles_for_sm90_without_spills_in_tile_loops(sm90_compile_report):
     """Every mask mode compiles with the default schedule; shared memory fits; no spill instruction inside
@@ -105,7 +109,7 @@ def test_compiles_for_sm90_without_spills_in_tile_loops(sm90_compile_report):
     cases = {f"{n}-d{d}" for n, d in mod.CASES} | {f"{n}-d{d}-{v}" for n, d, v in mod.VARIANT_CASES}
     assert set(sm90_compile_report) == cases
     for case, r in sm90_compile_report.items():
-        if r["variant"] != "default":
+        if r["variant"] not in DEFAULT_SCHEDULE:
             continue
         assert r["shared"] <= 232448, r                      # the sm_90 opt-in limit (227 KB)
         assert r["tile_loops"] == 2, r                        # partial-tile loop and full-tile loop
@@ -120,8 +124,8 @@ def test_new_schedules_compile_without_any_spill(sm90_compile_report):
     0 STL/LDL anywhere (a spilling variant fails here), shared memory within 227 KB, the ring depth and Q
     slots the host asked for, and the per-partition register split: ping-pong = 2 consumer warpgroups
     (240 registers each) + the producer (24); the one-consumer schedules 240 + 24."""
-    rows = {c: r for c, r in sm90_compile_report.items() if r["variant"] != "default"}
-    assert {r["variant"] for r in rows.values()} == set(GS.VARIANTS) - {"default"}
+    rows = {c: r for c, r in sm90_compile_report.items() if r["variant"] not in DEFAULT_SCHEDULE}
+    assert {r["variant"] for r in rows.values()} == set(GS.VARIANTS) - DEFAULT_SCHEDULE
     for case, r in rows.items():
         v = GS.VARIANTS[r["variant"]]
         d = int(case.split("-d")[1].split("-")[0])
@@ -213,7 +217,7 @@ def test_resolve_schedule():
     """Ring depth / Q slots / register O store per variant, from the shared memory budget (227 KB)."""
     assert GS.DEFAULT_VARIANT == {}                  # nothing new is the default without a GPU measurement
     r = GS.resolve_schedule
-    base = dict(PINGPONG=False, O_REGS=False, SPLIT_EMPTY=False, CARRY=False)
+    base = dict(PINGPONG=False, O_REGS=False, SPLIT_EMPTY=False)
     assert r(128) == dict(base, STAGES=2, Q_SLOTS=2)                  # the measured schedule
     assert r(64) == dict(base, STAGES=4, Q_SLOTS=2)
     assert r(128, pingpong=True) == dict(base, STAGES=2, Q_SLOTS=2, PINGPONG=True, O_REGS=True)
@@ -222,15 +226,13 @@ def test_resolve_schedule():
     assert r(128, 3) == dict(base, STAGES=3, Q_SLOTS=1, O_REGS=True)
     assert r(128, 3, pingpong=True)["Q_SLOTS"] == 1
     assert r(128, q_slots=1)["O_REGS"] is True                  # one slot: O cannot leave through it
-    assert r(128, carry=True) == dict(base, STAGES=2, Q_SLOTS=2, O_REGS=True, CARRY=True)   # O stored from registers
     assert r(64, 3)["Q_SLOTS"] == 2
     assert GS.smem_bytes(128, 3, 1) == 229376 and GS.smem_bytes(128, 2, 2) == 196608
     for bad in (dict(stages=4), dict(stages=3, q_slots=2), dict(q_slots=3)):
         with pytest.raises(ValueError, match="shared memory"):
             r(128, **bad)
     for name, v in GS.VARIANTS.items():                          # every named variant resolves at d128
-        assert r(128, v.get("stages"), v.get("q_slots"), v.get("pingpong", False), v.get("split_empty", False),
-                 v.get("carry", False))
+        assert r(128, v.get("stages"), v.get("q_slots"), v.get("pingpong", False), v.get("split_empty", False))
 
 
 @needs_gluon
@@ -424,14 +426,13 @@ class _Bar:
 
 
 def simulate_protocol(n_alls, stages, q_slots, pingpong, o_regs, rng, idle_turn=True, early_q_release=False,
-                      split_empty=False, early_k_release=False, carry=False):
+                      split_empty=False, early_k_release=False):
     """Run the producer and consumer partitions of one CTA as the kernel writes them (_producer, _consumer:
     the same slot / phase / turn arithmetic) under a random interleaving, with TMA copies landing at random
     later times.  n_alls: the visited tile count of each of the CTA's work items (0 = an empty item).
     Fails on a deadlock, on a consumer reading a buffer that does not hold its (item, tile), on a TMA
     copy landing in a buffer still being read, and (ping-pong) on GEMM issues that do not alternate
-    between the warpgroups.  carry: _consumer_carry's order (an item's first S issued in the previous item's
-    last step, beside its last P V).  Returns the warpgroups' GEMM issue order."""
+    between the warpgroups.  Returns the warpgroups' GEMM issue order."""
     nwg = 2 if pingpong else 1
     q_ready = [_Bar(1) for _ in range(q_slots * nwg)]
     q_empty = [_Bar(1) for _ in range(q_slots * nwg)]
@@ -497,9 +498,6 @@ def simulate_protocol(n_alls, stages, q_slots, pingpong, o_regs, rng, idle_turn=
         # A wgmma reads its smem operands from its issue until its wait: read() at the issue, done_reading()
         # at the wait; the releases (arrives) sit where the kernel has them, so a release before the wait
         # lets the producer's next copy land on a buffer still being read.
-        if carry:
-            yield from consumer_carry(wg, who, turn_wait, turn_pass)
-            return
         for qi, n_all in enumerate(n_alls):
             qs = (qi % q_slots) * nwg + wg
             yield q_ready[qs], (qi // q_slots) & 1
@@ -562,76 +560,6 @@ def simulate_protocol(n_alls, stages, q_slots, pingpong, o_regs, rng, idle_turn=
                 done_reading(("q", qs), who)
                 q_empty[qs].arrive()
 
-    def step(who, turn_wait, turn_pass, tc, g, q, q_what, k_what, v_what):
-        """_pipelined_step on ring tile g: S = Q K_{g+1}^T and P V_g in turn tc, wait(1), wait(0)."""
-        cur, nxt = g % stages, (g + 1) % stages
-        yield k_ready[nxt], ((g + 1) // stages) & 1
-        yield v_ready[cur], (g // stages) & 1
-        yield from turn_wait(tc)
-        read(q, q_what, who)
-        read(("k", nxt), k_what, who)
-        read(("v", cur), v_what, who)
-        turn_pass()
-        yield None
-        done_reading(q, who)
-        done_reading(("k", nxt), who)
-        if split_empty:
-            k_empty[nxt].arrive()
-        yield None
-        done_reading(("v", cur), who)
-        kv_empty[cur].arrive()
-
-    def consumer_carry(wg, who, turn_wait, turn_pass):
-        it, tc, carried = 0, 0, False
-        for qi, n_all in enumerate(n_alls):
-            qs = (qi % q_slots) * nwg + wg
-            if not carried:
-                yield q_ready[qs], (qi // q_slots) & 1
-                if n_all > 0:                                   # _first_step
-                    cur = it % stages
-                    yield k_ready[cur], (it // stages) & 1
-                    yield from turn_wait(tc)
-                    read(("q", qs), (qi, wg), who)
-                    read(("k", cur), (qi, 0), who)
-                    turn_pass()
-                    yield None
-                    done_reading(("q", qs), who)
-                    done_reading(("k", cur), who)
-                    if split_empty:
-                        k_empty[cur].arrive()
-                else:                                           # the empty item's idle turn
-                    yield from turn_wait(tc)
-                    turn_pass()
-                tc += 1
-            if n_all > 0:
-                for j in range(n_all - 1):
-                    yield from step(who, turn_wait, turn_pass, tc + j, it + j, ("q", qs), (qi, wg), (qi, j + 1),
-                                    (qi, j))
-                tc += n_all - 1
-                q_empty[qs].arrive()
-                g = it + n_all - 1
-                if qi + 1 < len(n_alls) and n_alls[qi + 1] > 0:  # the boundary step: next item's S_0 + last P V
-                    nqs = ((qi + 1) % q_slots) * nwg + wg
-                    yield q_ready[nqs], ((qi + 1) // q_slots) & 1
-                    yield from step(who, turn_wait, turn_pass, tc, g, ("q", nqs), (qi + 1, wg), (qi + 1, 0),
-                                    (qi, n_all - 1))
-                    carried = True
-                else:                                           # _last_pv
-                    last = g % stages
-                    yield v_ready[last], (g // stages) & 1
-                    yield from turn_wait(tc)
-                    read(("v", last), (qi, n_all - 1), who)
-                    turn_pass()
-                    yield None
-                    done_reading(("v", last), who)
-                    kv_empty[last].arrive()
-                    carried = False
-                tc += 1
-            else:
-                q_empty[qs].arrive()
-                carried = False
-            it += n_all
-
     procs = {"producer": producer(), **{f"wg{w}": consumer(w) for w in range(nwg)}}
     waiting = {name: (None, None) for name in procs}
     for _ in range(1_000_000):
@@ -665,16 +593,14 @@ def test_barrier_protocol_simulation(variant):
     import random
     v = GS.VARIANTS[variant]
     sched = GS.resolve_schedule(128, v.get("stages"), v.get("q_slots"), v.get("pingpong", False),
-                                v.get("split_empty", False), v.get("carry", False))
+                                v.get("split_empty", False))
     for seed_ in range(40):
         rng = random.Random(seed_)
         for items in _PROTOCOL_ITEMS:
             gemms = simulate_protocol(items, sched["STAGES"], sched["Q_SLOTS"], sched["PINGPONG"], sched["O_REGS"],
-                                      rng, split_empty=sched["SPLIT_EMPTY"], carry=sched["CARRY"])
+                                      rng, split_empty=sched["SPLIT_EMPTY"])
             if sched["PINGPONG"]:
                 turns = sum(n + 1 for n in items)     # n_all + 1 per item, one idle turn per empty item
-                if sched["CARRY"]:                    # an item whose first S ran in its predecessor's last step
-                    turns -= sum(1 for a, b in zip(items, items[1:]) if a > 0 and b > 0)
                 assert gemms == [0, 1] * turns, gemms
 
 
@@ -761,19 +687,44 @@ def test_gpu_auto_pingpong_st3_through_the_op(seed, monkeypatch):
 @pytest.mark.parametrize("persistent", [True, False])
 @pytest.mark.parametrize("order", [True, False])
 def test_gpu_both_schedules_forward(persistent, variant, order, seed, monkeypatch):
-    """Both grids with every kernel schedule, the slots dealt by item_order or round-robin."""
+    """Both grids with every kernel schedule, the slots dealt by item_order or round-robin (interval masks: band
+    layouts; the others refused)."""
     monkeypatch.setenv("OPSADV_POISON_OUTPUTS", "1")
     for name in ("window_causal_long", "bigbird", "causal_sq_gt_sk", "dilated_not_one_run", "global_window",
-                 "padding_causal"):
+                 "padding_causal", "window_cross"):
         lay, b, hq, hkv = _layouts("cuda")[name]
         q = torch.randn(b, hq, lay.seq_q, 128, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(b, hkv, lay.seq_k, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        out, lse = GS.sparse_fwd(None, q, k, v, *_layout_args(lay), 0.1,
-                                 variant={**GS.VARIANTS[variant], "persistent": persistent, "order": order})
+        var = {**GS.VARIANTS[variant], "persistent": persistent, "order": order}
+        if var.get("mask") == "interval" and name in ("bigbird", "global_window", "padding_causal"):
+            with pytest.raises(ValueError, match="band layouts only"):
+                GS.sparse_fwd(None, q, k, v, *_layout_args(lay), 0.1, variant=var)
+            continue
+        out, lse = GS.sparse_fwd(None, q, k, v, *_layout_args(lay), 0.1, variant=var)
         ro, rl = _ref(q, k, v, lay, 0.1)
         assert torch.equal(torch.isneginf(lse), torch.isneginf(rl)), name
         assert not torch.isnan(out).any(), name
         assert rel_err(out, ro) < 2e-2, (name, rel_err(out, ro))
+
+
+@requires_sm90
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("schedule", ["default", "pingpong_st3"])
+@pytest.mark.parametrize("persistent", [True, False])
+def test_gpu_interval_mask_bitwise_equals_element_mask(d, schedule, persistent, seed, monkeypatch):
+    """The interval mask changes no arithmetic: on every band layout (causal / bidirectional windows, windows not a
+    block multiple, s_q != s_k, dense causal) out and lse equal the element mask's bit for bit."""
+    monkeypatch.setenv("OPSADV_POISON_OUTPUTS", "1")
+    for name in ("window_causal", "window_causal_long", "causal", "causal_sq_gt_sk", "window_cross"):
+        lay, b, hq, hkv = _layouts("cuda")[name]
+        q = torch.randn(b, hq, lay.seq_q, d, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(b, hkv, lay.seq_k, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        base = {**GS.VARIANTS[schedule], "persistent": persistent}
+        out_e, lse_e = GS.sparse_fwd(None, q, k, v, *_layout_args(lay), 0.1, variant={**base, "mask": "element"})
+        out_i, lse_i = GS.sparse_fwd(None, q, k, v, *_layout_args(lay), 0.1, variant={**base, "mask": "interval"})
+        assert torch.equal(out_i, out_e) and torch.equal(lse_i, lse_e), name
+        ro, rl = _ref(q, k, v, lay, 0.1)
+        assert rel_err(out_i, ro) < 2e-2, (name, rel_err(out_i, ro))
 
 
 def _item_tiles(ti, b, hq, n_m, reverse):
@@ -846,7 +797,8 @@ def test_schedule_persistent_for_short_rows_only():
 def test_auto_schedule_pingpong_st3_for_long_d128_windows_only():
     """auto_schedule: pingpong_st3 on d128 window / causal layouts from SCHEDULE_PINGPONG_MIN_TILES tiles per
     row (H200: w2048 and longer at s16384), its own persistent crossover; the default schedule for short
-    rows, d64, and masked layouts (block masks, key padding, global tokens spill in the ping-pong kernels)."""
+    rows, d64, and masked layouts (block masks, key padding, global tokens spill in the ping-pong kernels);
+    the interval mask on band layouts (windows / causal) only."""
     s = 16384
     n_m = s // GS.TILE
 
@@ -855,16 +807,41 @@ def test_auto_schedule_pingpong_st3_for_long_d128_windows_only():
         ti = GS.layout_index(*args, lay.seq_q, lay.seq_k)
         return GS.auto_schedule(d, ti, n_m, args[1], args[7])
     win = {w: SparseLayout.sliding_window(s, w, causal=True, block_size=128) for w in (1024, 2048, 4096, 8192)}
-    assert sched(win[1024]) == {"persistent": True}
-    pp = GS.VARIANTS["pingpong_st3"]
+    band = {"mask": "interval"}
+    assert sched(win[1024]) == {"persistent": True, **band}
+    pp = GS.VARIANTS["pingpong_st3_interval"]
+    assert pp == {**GS.VARIANTS["pingpong_st3"], **band}
     assert sched(win[2048]) == {**pp, "persistent": True}
     assert sched(win[4096]) == {**pp, "persistent": True}
     assert sched(win[8192]) == {**pp, "persistent": False}
-    assert sched(win[4096], d=64) == {"persistent": False}
+    assert sched(win[4096], d=64) == {"persistent": False, **band}
     assert sched(SparseLayout.sliding_window(s, 4096, causal=True, block_size=128, num_global=64)) == \
         {"persistent": False}
     # a mixed block mask (bigbird's random blocks) over rows as long as w2048's
     bigbird = SparseLayout.bigbird(s, block_size=128, window_blocks=15, global_blocks=0, random_blocks=2)
-    assert "pingpong" not in sched(bigbird)
+    assert "pingpong" not in sched(bigbird) and "mask" not in sched(bigbird)
+    kpm = torch.ones(1, s, dtype=torch.bool)
+    assert "mask" not in sched(SparseLayout.from_padding_mask(kpm, causal=True, block_size=128))
     ti = GS.layout_index(*_layout_args(win[4096]), s, s)
-    assert GS.auto_schedule(128, ti._replace(tiles=-1), n_m, None, 0) == {"persistent": True}
+    assert GS.auto_schedule(128, ti._replace(tiles=-1), n_m, None, 0) == {"persistent": True, **band}
+
+
+def test_mask_mode_refuses_what_it_cannot_serve():
+    """The interval mask only for band layouts (a mixed block mask, key padding or global tokens raise, naming
+    why); an unknown mask name raises with the choices."""
+    kpm = torch.rand(2, 300, generator=torch.Generator().manual_seed(1)) < 0.7
+    lays = {"window": SparseLayout.sliding_window(300, 100, causal=True, block_size=128),
+            "bigbird": SparseLayout.bigbird(400, block_size=64, heads=2, random_blocks=1),
+            "padding": SparseLayout.from_padding_mask(kpm, causal=True, block_size=128),
+            "global": SparseLayout.global_tokens(390, 20, window=70, block_size=16)}
+    for name, lay in lays.items():
+        args = _layout_args(lay)
+        ti = GS.layout_index(*args, lay.seq_q, lay.seq_k)
+        assert GS.mask_mode("element", ti, args[1], args[7]) == GS.MASK_MODES["element"]
+        if name == "window":
+            assert GS.mask_mode("interval", ti, args[1], args[7]) == GS.MASK_MODES["interval"]
+        else:
+            with pytest.raises(ValueError, match="band layouts only"):
+                GS.mask_mode("interval", ti, args[1], args[7])
+        with pytest.raises(ValueError, match=r"mask must be one of \['element', 'interval', 'unmasked_probe'\]"):
+            GS.mask_mode("intervals", ti, args[1], args[7])

@@ -1,16 +1,23 @@
-"""Where the Gluon sparse forward's time per work item goes, and whether CARRY takes the item boundary out of it,
-on an H100/H200: s16384 d128 bf16 b1 h32 causal windows, kernels called directly (gluon_sparse.sparse_fwd with a
-variant), plus the Gluon dense causal forward (the issue's effective-rate denominator).
+"""Where the Gluon sparse forward's time per work item goes, on an H100/H200: s16384 d128 bf16 b1 h32 causal windows,
+kernels called directly (gluon_sparse.sparse_fwd with a variant), plus the Gluon dense causal forward (the issue's
+effective-rate denominator).
 
   PYTHONPATH=. python benchmarks/gluon_fa/sparse_boundary_probe.py OUT.json
 
-Variants (BOUNDARY_VARIANTS): the schedules with and without CARRY (the next item's first S issued beside the
-last P V), the interval mask, and "unmasked_probe" -- the same tile walk with no mask arithmetic at all (wrong
-results: a control whose time difference is what the partial tiles' masks cost).  Each window: every variant's
-output compared with its twin (bitwise: CARRY and the interval mask change no arithmetic) and with the float32
-reference, then ROUNDS interleaved rounds of triton.testing.do_bench (median, L2 flushed).  A fit of the median
-times over the windows (ms = fixed + per_tile x tiles per item) splits each variant's time into a per-item part
-and a per-tile part; work counts visited tiles of the suite's grid (bench.suite_sparse.fwd_tiles)."""
+Variants (BOUNDARY_VARIANTS): the default and pingpong_st3 schedules with the element mask, the interval mask, and
+"unmasked_probe" -- the same tile walk with no mask arithmetic at all (wrong results: a control whose time
+difference is what the partial tiles' masks cost).  Each window: every variant's output compared with its twin
+(bitwise: the interval mask changes no arithmetic) and with the float32 reference, then ROUNDS interleaved rounds
+of triton.testing.do_bench (median, L2 flushed).  A fit of the median times over the windows (ms = fixed +
+per_tile x tiles per item) splits each variant's time into a per-item part and a per-tile part; work counts
+visited tiles of the suite's grid (bench.suite_sparse.fwd_tiles).
+
+Session 19 (8c5ae80, results/sparse_boundary_s19_h200.json) also timed CARRY -- an item's last step issuing the
+next item's first S beside its last P V -- and took it out again: bitwise right without ping-pong, but slower at
+every window (w1024 0.837 vs 0.726 ms default, w2048 1.300 vs 1.219; with pingpong_st3 1.166 vs 1.093 at w2048), and
+its ping-pong form spilled (d128 windows: 35 STL/LDL, 14 inside the tile loops) and, with 2 Q slots, gave wrong
+results (max abs err 0.34; not pursued).  The interval mask: bitwise equal, 0.680 vs 0.726 ms at w1024 (default
+schedule), 1.787 vs 1.819 at w4096 (pingpong_st3), a tie at w2048."""
 from __future__ import annotations
 
 import json
@@ -34,17 +41,12 @@ ROUNDS = int(os.environ.get("BOUNDARY_ROUNDS", "3"))
 # name -> (variant, twin whose output it must equal bitwise or None)
 BOUNDARY_VARIANTS = {
     "default": ({"persistent": True}, None),
-    "carry": ({"persistent": True, "carry": True}, "default"),
     "default_interval": ({"persistent": True, "mask": "interval"}, "default"),
-    "carry_interval": ({"persistent": True, "carry": True, "mask": "interval"}, "default"),
-    "default_unmasked": ({"persistent": True, "mask": "unmasked_probe"}, "unmasked"),
-    "pingpong": ({"persistent": True, "pingpong": True}, None),
-    "pingpong_carry": ({"persistent": True, "pingpong": True, "carry": True}, "pingpong"),
-    "pingpong_st3": ({"persistent": True, "pingpong": True, "stages": 3}, "pingpong"),
-    "pingpong_st3_carry": ({"persistent": True, "pingpong": True, "stages": 3, "carry": True}, "pingpong"),
-    "pingpong_st3_interval": ({"persistent": True, "pingpong": True, "stages": 3, "mask": "interval"}, "pingpong"),
-    "pingpong_st3_unmasked": ({"persistent": True, "pingpong": True, "stages": 3, "mask": "unmasked_probe"},
-                              "unmasked"),
+    "default_unmasked": ({"persistent": True, "mask": "unmasked_probe"}, None),
+    "pingpong_st3": ({"persistent": True, "pingpong": True, "stages": 3}, None),
+    "pingpong_st3_interval": ({"persistent": True, "pingpong": True, "stages": 3, "mask": "interval"},
+                              "pingpong_st3"),
+    "pingpong_st3_unmasked": ({"persistent": True, "pingpong": True, "stages": 3, "mask": "unmasked_probe"}, None),
 }
 ONLY = [n for n in os.environ.get("BOUNDARY_ONLY", "").split(",") if n]
 

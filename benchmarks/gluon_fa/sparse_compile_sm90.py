@@ -78,7 +78,12 @@ CASES = [("window_causal", 128), ("window_causal", 64), ("causal", 128), ("bigbi
 VARIANT_CASES = [("window_causal", 128, "pingpong"), ("causal", 128, "pingpong"), ("window_causal", 64, "pingpong"),
                  ("window_causal", 128, "st3"), ("causal", 128, "st3"), ("window_causal", 128, "pingpong_st3"),
                  ("causal", 128, "pingpong_st3"), ("window_causal", 128, "q1"), ("window_causal", 128, "pingpong_kv"),
-                 ("causal", 128, "pingpong_kv"), ("window_causal", 64, "pingpong_kv")]
+                 ("causal", 128, "pingpong_kv"), ("window_causal", 64, "pingpong_kv"),
+                 # the interval mask (band layouts): the default schedule's rule (no spill inside the tile loops),
+                 # 0 spills with pingpong_st3
+                 ("window_causal", 128, "interval"), ("causal", 128, "interval"), ("window_causal", 64, "interval"),
+                 ("window_causal", 128, "pingpong_st3_interval"), ("causal", 128, "pingpong_st3_interval"),
+                 ("window_causal", 64, "pingpong_st3_interval")]
 # Reported with --masked only (they spill: outside the loops, and for global tokens inside them).
 MASKED_VARIANT_CASES = [(n, 128, v) for v in ("pingpong", "st3", "pingpong_st3", "pingpong_kv")
                         for n in ("bigbird", "global_window", "dilated_not_one_run")]

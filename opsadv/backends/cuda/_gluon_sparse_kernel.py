@@ -10,7 +10,9 @@ before the softmax of S_j's successor, P in registers), driven by the layout's t
     windows, causal) the full tiles are the column run [COLS[n_part], +n_all - n_part) and need no
     index loads; otherwise every id comes from COLS.
   * Partial tiles get the element mask of sparse.py's `_allowed` (block-mask bit, window band,
-    global tokens, causal diagonal, key padding, bounds); full tiles run unmasked.
+    global tokens, causal diagonal, key padding, bounds); full tiles run unmasked.  MASK_MODE
+    interval (band layouts: windows / causal, no mixed block mask, globals or key padding): the same
+    mask as two per-row key bounds (_row_interval_mask), bitwise the same output, fewer instructions.
   * Persistent: grid = min(items, SMs); CTA p takes items p, p + grid, ...  A 1-warp producer walks
     the same item sequence and keeps loading across item boundaries, so the next item's Q (two Q
     slots, q_ready/q_empty barriers) and first K/V tiles are in shared memory when the consumers
@@ -279,14 +281,12 @@ def _pipelined_step(q_tile, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty,
                     MASKED: gl.constexpr, CAUSAL: gl.constexpr, HAS_WIN: gl.constexpr, HAS_GLOBAL: gl.constexpr,
                     BM_MODE: gl.constexpr, HAS_KPM: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
                     WG: gl.constexpr, SPLIT_EMPTY: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
-                    MASK_MODE: gl.constexpr = MASK_ELEMENT, FRESH: gl.constexpr = False):
+                    MASK_MODE: gl.constexpr = MASK_ELEMENT):
     """One steady-state iteration on ring tile g (the item's tile j; p holds its probabilities): issue
     S_{j+1} = Q K_{j+1}^T and O += P_j V_j (async, in that order), wait for S_{j+1} only, fold it into
     the softmax while P_j V_j runs (MASKED: tile j+1 is partial, its column id at col_ptr), then wait
     for P_j V_j, rescale O and free tile j's slot.  PINGPONG: both GEMMs are issued in this warpgroup's
     turn tc.  SPLIT_EMPTY: K_{j+1}'s slot is freed as soon as S_{j+1} has retired, V_j's after P V.
-    FRESH (CARRY's item boundary): q_tile is the next item's Q and tile g + 1 its first tile; m_i / l_i come
-    in as a fresh softmax state and O, the finished item's last P V, is not rescaled.
     Returns (p_{j+1}, m, l, o)."""
     dtype: gl.constexpr = k_smem.dtype
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -314,124 +314,14 @@ def _pipelined_step(q_tile, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty,
         p, m_i, l_i, alpha = _softmax_full(s, m_i, l_i, qk_scale)
     # p_op stays alive until its wgmma retired (a register operand).
     o = warpgroup_mma_wait(0, deps=(o_tok, p_op))[0]
-    if not FRESH:
-        o = o * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+    o = o * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
     # Tile j (SPLIT_EMPTY: V_j) is consumed by every warp (K_j by S_j earlier, V_j just now): free its slot.
     _release(kv_empty.index(cur))
     return p, m_i, l_i, o
 
 
 @gluon.jit
-def _first_step(q_tile, k_smem, k_ready, k_empty, turn, tc, s_acc, g, cols, n_part, rows, m_i, l_i, bmp, s_bm_q, s_bm_k,
-                kpmp, SQ, SK, OFF, WL, WR, NG, BS, qk_scale, CAUSAL: gl.constexpr, HAS_WIN: gl.constexpr,
-                HAS_GLOBAL: gl.constexpr, BM_MODE: gl.constexpr, HAS_KPM: gl.constexpr, STAGES: gl.constexpr,
-                PINGPONG: gl.constexpr, WG: gl.constexpr, SPLIT_EMPTY: gl.constexpr, s_layout: gl.constexpr,
-                MASK_MODE: gl.constexpr):
-    """An item's first tile (ring tile g) with no P V to overlap: S_0 = Q K_0^T in turn tc, then its softmax
-    (masked when the item lists partial tiles: they come first).  Returns (p_0, m, l)."""
-    kt = gl.load(cols, mask=n_part > 0, other=0)
-    cur = g % STAGES
-    mbarrier.wait(k_ready.index(cur), (g // STAGES) & 1)
-    _turn_wait(turn, tc, WG, PINGPONG)
-    s_tok = warpgroup_mma(q_tile, k_smem.index(cur).permute((1, 0)), s_acc, use_acc=False, is_async=True)
-    _turn_pass(turn, WG, PINGPONG)
-    s = warpgroup_mma_wait(0, deps=(s_tok, ))
-    if SPLIT_EMPTY:
-        _release(k_empty.index(cur))
-    if n_part > 0:
-        p, m_i, l_i, alpha = _softmax_masked(s, m_i, l_i, rows, kt, bmp, s_bm_q, s_bm_k, kpmp, SQ, SK, OFF,
-                                             WL, WR, NG, BS, qk_scale, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE,
-                                             HAS_KPM, s_layout, MASK_MODE)
-    else:
-        p, m_i, l_i, alpha = _softmax_full(s, m_i, l_i, qk_scale)
-    return p, m_i, l_i
-
-
-@gluon.jit
-def _next_tiles(q_tile, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty, turn, tc, s_acc, p, m_i, l_i, o, it, cols,
-                n_part, n_all, rows, bmp, s_bm_q, s_bm_k, kpmp, SQ, SK, OFF, WL, WR, NG, BS, qk_scale,
-                CAUSAL: gl.constexpr, HAS_WIN: gl.constexpr, HAS_GLOBAL: gl.constexpr, BM_MODE: gl.constexpr,
-                HAS_KPM: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr,
-                SPLIT_EMPTY: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, MASK_MODE: gl.constexpr):
-    """An item's tiles 1 .. n_all - 1 (its first at ring tile it), one _pipelined_step each, step j in turn
-    tc + j + 1.  Partial tiles come first in the list: steps j < n_part - 1 fold a partial tile j + 1."""
-    n_masked = gl.maximum(n_part - 1, 0)
-    for j in range(0, n_masked):
-        p, m_i, l_i, o = _pipelined_step(q_tile, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty, turn,
-                                         tc + j + 1, s_acc, p, m_i, l_i, o, it + j, cols + j + 1, rows, bmp,
-                                         s_bm_q, s_bm_k, kpmp, SQ, SK, OFF, WL, WR, NG, BS, qk_scale, True,
-                                         CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, STAGES, PINGPONG, WG,
-                                         SPLIT_EMPTY, s_layout, o_layout, MASK_MODE)
-    for j in range(n_masked, n_all - 1):
-        p, m_i, l_i, o = _pipelined_step(q_tile, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty, turn,
-                                         tc + j + 1, s_acc, p, m_i, l_i, o, it + j, cols, rows, bmp, s_bm_q,
-                                         s_bm_k, kpmp, SQ, SK, OFF, WL, WR, NG, BS, qk_scale, False, CAUSAL,
-                                         HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, STAGES, PINGPONG, WG,
-                                         SPLIT_EMPTY, s_layout, o_layout, MASK_MODE)
-    return p, m_i, l_i, o
-
-
-@gluon.jit
-def _last_pv(p, o, v_smem, v_ready, kv_empty, turn, tc, g, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
-             WG: gl.constexpr, o_layout: gl.constexpr):
-    """An item's last P V (ring tile g) in turn tc with nothing to overlap, then its slot freed (the ring
-    continues with the next item).  Returns O."""
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    last = g % STAGES
-    mbarrier.wait(v_ready.index(last), (g // STAGES) & 1)
-    p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
-    _turn_wait(turn, tc, WG, PINGPONG)
-    o_tok = warpgroup_mma(p_op, v_smem.index(last), o, is_async=True)
-    _turn_pass(turn, WG, PINGPONG)
-    o = warpgroup_mma_wait(0, deps=(o_tok, p_op))[0]
-    _release(kv_empty.index(last))
-    return o
-
-
-@gluon.jit
-def _store_item(o, m_i, l_i, slot, perm_ptr, q_tile, q_empty, qs, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, H, n_m, SQ,
-                REVERSE: gl.constexpr, ORDER: gl.constexpr, OPAQUE: gl.constexpr, O_REGS: gl.constexpr,
-                NWG: gl.constexpr, WG: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
-    """The epilogue of the item at `slot`: O / l and lse out (rows past SQ clipped).  O_REGS: O by plain
-    masked stores from registers; else through the item's Q slot qs by TMA, the slot then released."""
-    BM: gl.constexpr = o.shape[0]
-    D: gl.constexpr = o.shape[1]
-    dtype: gl.constexpr = q_tile.dtype
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    # (b, h, tile) again from the slot rather than kept live across the tile loops (register pressure; with
-    # OPAQUE an opaque copy of w keeps LLVM from merging this with the item's first read)
-    # (with ORDER the item is read again rather than kept: one more live register spilled)
-    b, h, mt, bh = _item(_maybe_opaque(_work_item(slot, perm_ptr, ORDER), OPAQUE), H, n_m, REVERSE, OPAQUE)
-    rows = (mt * NWG + WG) * BM + gl.arange(0, BM, layout=row_s)
-    empty = l_i == 0.0                          # no allowed key in this row: out 0, lse -inf
-    l_safe = gl.where(empty, 1.0, l_i)
-    o = o / gl.expand_dims(gl.convert_layout(l_safe, row_o), 1)
-    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)   # log2 -> ln
-    # (OPAQUE: SQ widened here; a hoisted 64-bit SQ was held, and spilled, across the loops)
-    gl.store(lse_ptr + bh.to(gl.int64) * _maybe_opaque(SQ, OPAQUE).to(gl.int64) + rows, lse, mask=rows < SQ)
-    if O_REGS:
-        # The slot may already hold the next item's Q: O goes out from registers.  Row offsets are
-        # 32-bit (the host checks s_q x row stride < 2^31; 64-bit ones or an item base cost spills).
-        r_o = gl.expand_dims(gl.convert_layout(rows, row_o), 1)
-        c_o = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, o_layout)), 0)
-        # (opaque strides: their hoisted 64-bit sign extensions were spilled across the loops)
-        item = b.to(gl.int64) * _opaque(s_ob).to(gl.int64) + h.to(gl.int64) * _opaque(s_oh).to(gl.int64)
-        optr = o_ptr + item + r_o * s_os + c_o
-        gl.store(optr, o.to(dtype), mask=r_o < SQ)
-    else:
-        # O out through this item's Q slot (every wgmma reading it has retired); TMA clips rows past s_q.
-        q_tile.store(o.to(dtype))
-        fence_async_shared()                    # generic-proxy smem writes before the TMA (async proxy) read
-        gl.thread_barrier()                     # every warp's part written before one thread issues the copy
-        tma.async_copy_shared_to_global(o_desc, [b, h, (mt * NWG + WG) * BM, 0],
-                                        q_tile._reinterpret(dtype, o_desc.block_type.shape, o_desc.layout))
-        tma.store_wait(0)                       # the copy has read the slot ...
-        _release(q_empty.index(qs))             # ... in the issuing thread; then release it to the producer
-
-
-@gluon.jit
-def _consumer_plain(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+def _consumer(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
               v_ready, kv_empty, k_empty, turn, rows_ptr, cols_ptr, perm_ptr, s_rb, s_rh, s_rr, s_cb, s_ch, s_cr,
               bm_ptr, s_bmb, s_bmh, s_bm_q, s_bm_k, kpm_ptr, s_kpmb,
               H, n_m, n_items, SQ, SK, OFF, WL, WR, NG, BS, qk_scale,
@@ -449,11 +339,15 @@ def _consumer_plain(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_
     BN: gl.constexpr = k_smem.shape[1]
     NWG: gl.constexpr = 2 if PINGPONG else 1
     OPAQUE: gl.constexpr = O_REGS                   # the new schedules only (see _item)
+    dtype: gl.constexpr = q_desc.dtype
+    q_view: gl.constexpr = q_desc.block_type.shape
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BN, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     s_acc = gl.zeros([BM, BN], gl.float32, s_layout)
     it = 0          # K/V tiles consumed so far (all items), as the producer counts them
     qi = 0
@@ -477,167 +371,86 @@ def _consumer_plain(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_
         # counter is it + qi and needs no register of its own across the tile loops.
         tc = it + qi
         if n_all > 0:
-            p, m_i, l_i = _first_step(q_tile, k_smem, k_ready, k_empty, turn, tc, s_acc, it, cols, n_part, rows, m_i,
-                                      l_i, bmp, s_bm_q, s_bm_k, kpmp, SQ, SK, OFF, WL, WR, NG, BS, qk_scale, CAUSAL,
-                                      HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, STAGES, PINGPONG, WG, SPLIT_EMPTY,
-                                      s_layout, MASK_MODE)
-            p, m_i, l_i, o = _next_tiles(q_tile, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty, turn, tc, s_acc,
-                                         p, m_i, l_i, o, it, cols, n_part, n_all, rows, bmp, s_bm_q, s_bm_k, kpmp, SQ,
-                                         SK, OFF, WL, WR, NG, BS, qk_scale, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE,
-                                         HAS_KPM, STAGES, PINGPONG, WG, SPLIT_EMPTY, s_layout, o_layout, MASK_MODE)
+            # Prologue: S_0 and its softmax (no PV yet).
+            kt = gl.load(cols, mask=n_part > 0, other=0)
+            cur = it % STAGES
+            mbarrier.wait(k_ready.index(cur), (it // STAGES) & 1)
+            _turn_wait(turn, tc, WG, PINGPONG)
+            s_tok = warpgroup_mma(q_tile, k_smem.index(cur).permute((1, 0)), s_acc, use_acc=False, is_async=True)
+            _turn_pass(turn, WG, PINGPONG)
+            s = warpgroup_mma_wait(0, deps=(s_tok, ))
+            if SPLIT_EMPTY:
+                _release(k_empty.index(cur))
+            if n_part > 0:
+                p, m_i, l_i, alpha = _softmax_masked(s, m_i, l_i, rows, kt, bmp, s_bm_q, s_bm_k, kpmp, SQ, SK, OFF,
+                                                     WL, WR, NG, BS, qk_scale, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE,
+                                                     HAS_KPM, s_layout, MASK_MODE)
+            else:
+                p, m_i, l_i, alpha = _softmax_full(s, m_i, l_i, qk_scale)
+            # Partial tiles come first in the list: iterations j < n_part - 1 fold a partial tile j + 1.
+            n_masked = gl.maximum(n_part - 1, 0)
+            for j in range(0, n_masked):
+                p, m_i, l_i, o = _pipelined_step(q_tile, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty, turn,
+                                                 tc + j + 1, s_acc, p, m_i, l_i, o, it + j, cols + j + 1, rows, bmp,
+                                                 s_bm_q, s_bm_k, kpmp, SQ, SK, OFF, WL, WR, NG, BS, qk_scale, True,
+                                                 CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, STAGES, PINGPONG, WG,
+                                                 SPLIT_EMPTY, s_layout, o_layout, MASK_MODE)
+            for j in range(n_masked, n_all - 1):
+                p, m_i, l_i, o = _pipelined_step(q_tile, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty, turn,
+                                                 tc + j + 1, s_acc, p, m_i, l_i, o, it + j, cols, rows, bmp, s_bm_q,
+                                                 s_bm_k, kpmp, SQ, SK, OFF, WL, WR, NG, BS, qk_scale, False, CAUSAL,
+                                                 HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, STAGES, PINGPONG, WG,
+                                                 SPLIT_EMPTY, s_layout, o_layout, MASK_MODE)
             if O_REGS:
                 # Every S = Q K^T of the item has retired: the producer may load the next item's Q now.
                 _release(q_empty.index(qs))
-            o = _last_pv(p, o, v_smem, v_ready, kv_empty, turn, tc + n_all, it + n_all - 1, STAGES, PINGPONG, WG,
-                         o_layout)
+            # Epilogue: the last P V, then free the last slot too (the ring continues with the next item).
+            g = it + n_all - 1
+            last = g % STAGES
+            mbarrier.wait(v_ready.index(last), (g // STAGES) & 1)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            _turn_wait(turn, tc + n_all, WG, PINGPONG)
+            o_tok = warpgroup_mma(p_op, v_smem.index(last), o, is_async=True)
+            _turn_pass(turn, WG, PINGPONG)
+            o = warpgroup_mma_wait(0, deps=(o_tok, p_op))[0]
+            _release(kv_empty.index(last))
         else:
             _turn_wait(turn, tc, WG, PINGPONG)      # the empty item's idle turn (see tc above)
             _turn_pass(turn, WG, PINGPONG)
             if O_REGS:
                 _release(q_empty.index(qs))         # no tile: the slot was only waited for (phase bookkeeping)
         it += n_all
-        _store_item(o, m_i, l_i, slot, perm_ptr, q_tile, q_empty, qs, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, H, n_m,
-                    SQ, REVERSE, ORDER, OPAQUE, O_REGS, NWG, WG, s_layout, o_layout)
-        qi += 1
 
-
-@gluon.jit
-def _consumer_carry(q_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                    v_ready, kv_empty, k_empty, turn, rows_ptr, cols_ptr, perm_ptr, s_rb, s_rh, s_rr, s_cb, s_ch, s_cr,
-                    bm_ptr, s_bmb, s_bmh, s_bm_q, s_bm_k, kpm_ptr, s_kpmb,
-                    H, n_m, n_items, SQ, SK, OFF, WL, WR, NG, BS, qk_scale,
-                    CAUSAL: gl.constexpr, HAS_WIN: gl.constexpr, HAS_GLOBAL: gl.constexpr, BM_MODE: gl.constexpr,
-                    HAS_KPM: gl.constexpr, REVERSE: gl.constexpr, ORDER: gl.constexpr, STAGES: gl.constexpr,
-                    Q_SLOTS: gl.constexpr, PINGPONG: gl.constexpr, SPLIT_EMPTY: gl.constexpr,
-                    MASK_MODE: gl.constexpr, WG: gl.constexpr, num_warps: gl.constexpr):
-    """_consumer with CARRY: an item's last step also issues the next item's S_0 = Q' K'_0^T beside its last
-    P V (when the next item has a tile), folds S_0 into a fresh softmax while that P V runs, and only then
-    stores the finished item -- so the item boundary keeps the tensor cores fed like any other step instead
-    of running S_0, its softmax and the last P V back to back.  The next item then starts at its second tile
-    with (p, m, l) carried.  Turns: each item takes one for its first S (unless carried in), one per later
-    tile and one for the last P V / boundary step, counted in tc.  O is stored from registers (O_REGS)."""
-    BM: gl.constexpr = q_desc.block_type.shape[2]
-    D: gl.constexpr = q_desc.block_type.shape[3]
-    BN: gl.constexpr = k_smem.shape[1]
-    NWG: gl.constexpr = 2 if PINGPONG else 1
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BN, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, D, 16])
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    s_acc = gl.zeros([BM, BN], gl.float32, s_layout)
-    nprog = gl.num_programs(0)
-    it = 0          # K/V tiles consumed so far (all items), as the producer counts them
-    qi = 0
-    tc = 0          # GEMM turns taken so far
-    carried = 0     # 1: this item's first tile was consumed by the previous item's boundary step
-    # P of the carried-in first tile (float32: a 16-bit copy held across the epilogue spilled more)
-    p = gl.zeros([BM, BN], gl.float32, s_layout)
-    m_i = gl.full([BM], -1.0e30, gl.float32, row_s)
-    l_i = gl.zeros([BM], gl.float32, row_s)
-    for slot in range(_pid(True), n_items, nprog):
-        b, h, mt, bh = _item(_work_item(slot, perm_ptr, ORDER), H, n_m, REVERSE, True)
-        row = rows_ptr + b * s_rb + h * s_rh + mt * s_rr
-        n_part = gl.load(row)
-        n_all = gl.load(row + 1)
-        cols = cols_ptr + b * s_cb + h * s_ch + mt * s_cr
+        # (b, h, tile) again from w rather than kept live across the tile loop (register pressure; with
+        # OPAQUE an opaque copy of w keeps LLVM from merging this with the computation above)
+        # (with ORDER the item is read again rather than kept: one more live register spilled)
+        b, h, mt, bh = _item(_maybe_opaque(_work_item(slot, perm_ptr, ORDER), OPAQUE), H, n_m, REVERSE, OPAQUE)
         rows = (mt * NWG + WG) * BM + gl.arange(0, BM, layout=row_s)
-        qs = (qi % Q_SLOTS) * NWG + WG
-        q_tile = q_smem.index(qs)
-        o = gl.zeros([BM, D], gl.float32, o_layout)
-        if carried == 0:
-            m_i = gl.full([BM], -1.0e30, gl.float32, row_s)
-            l_i = gl.zeros([BM], gl.float32, row_s)
-            mbarrier.wait(q_ready.index(qs), (qi // Q_SLOTS) & 1)
-            if n_all > 0:
-                p, m_i, l_i = _first_step(q_tile, k_smem, k_ready, k_empty, turn, tc, s_acc, it, cols, n_part, rows,
-                                          m_i, l_i, bm_ptr + b * s_bmb + h * s_bmh, s_bm_q, s_bm_k,
-                                          kpm_ptr + b * s_kpmb, SQ, SK, OFF, WL, WR, NG, BS, qk_scale, CAUSAL,
-                                          HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, STAGES, PINGPONG, WG, SPLIT_EMPTY,
-                                          s_layout, MASK_MODE)
-            else:
-                _turn_wait(turn, tc, WG, PINGPONG)  # the empty item's idle turn
-                _turn_pass(turn, WG, PINGPONG)
-            tc += 1
-        if n_all > 0:
-            p, m_i, l_i, o = _next_tiles(q_tile, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty, turn, tc - 1,
-                                         s_acc, p, m_i, l_i, o, it, cols, n_part, n_all, rows,
-                                         bm_ptr + b * s_bmb + h * s_bmh, s_bm_q, s_bm_k, kpm_ptr + b * s_kpmb, SQ, SK,
-                                         OFF, WL, WR, NG, BS, qk_scale, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM,
-                                         STAGES, PINGPONG, WG, SPLIT_EMPTY, s_layout, o_layout, MASK_MODE)
-            tc += n_all - 1
-            _release(q_empty.index(qs))             # every S = Q K^T of the item has retired
-            # The next item of this CTA, if it has a tile: its S_0 joins this item's last P V.
-            nslot = slot + nprog
-            nb, nh, nmt, nbh = _item(_work_item(gl.minimum(nslot, n_items - 1), perm_ptr, ORDER), H, n_m, REVERSE,
-                                     True)
-            nrow = rows_ptr + nb * s_rb + nh * s_rh + nmt * s_rr
-            n_all_next = gl.load(nrow + 1, mask=nslot < n_items, other=0)
-            g = it + n_all - 1
-            if n_all_next > 0:
-                n_part_next = gl.load(nrow)
-                ncols = cols_ptr + nb * s_cb + nh * s_ch + nmt * s_cr
-                nrows = (nmt * NWG + WG) * BM + gl.arange(0, BM, layout=row_s)
-                nqs = ((qi + 1) % Q_SLOTS) * NWG + WG
-                mbarrier.wait(q_ready.index(nqs), ((qi + 1) // Q_SLOTS) & 1)
-                m_next = gl.full([BM], -1.0e30, gl.float32, row_s)
-                l_next = gl.zeros([BM], gl.float32, row_s)
-                if n_part_next > 0:
-                    p, m_next, l_next, o = _pipelined_step(
-                        q_smem.index(nqs), k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty, turn, tc, s_acc, p,
-                        m_next, l_next, o, g, ncols, nrows, bm_ptr + nb * s_bmb + nh * s_bmh, s_bm_q, s_bm_k,
-                        kpm_ptr + nb * s_kpmb, SQ, SK, OFF, WL, WR, NG, BS, qk_scale, True, CAUSAL, HAS_WIN,
-                        HAS_GLOBAL, BM_MODE, HAS_KPM, STAGES, PINGPONG, WG, SPLIT_EMPTY, s_layout, o_layout,
-                        MASK_MODE, True)
-                else:
-                    p, m_next, l_next, o = _pipelined_step(
-                        q_smem.index(nqs), k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty, turn, tc, s_acc, p,
-                        m_next, l_next, o, g, ncols, nrows, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SQ, SK, OFF, WL, WR, NG,
-                        BS, qk_scale, False, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, STAGES, PINGPONG, WG,
-                        SPLIT_EMPTY, s_layout, o_layout, MASK_MODE, True)
-                _store_item(o, m_i, l_i, slot, perm_ptr, q_tile, q_empty, qs, q_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os,
-                            H, n_m, SQ, REVERSE, ORDER, True, True, NWG, WG, s_layout, o_layout)
-                m_i = m_next
-                l_i = l_next
-                carried = 1
-            else:
-                o = _last_pv(p, o, v_smem, v_ready, kv_empty, turn, tc, g, STAGES, PINGPONG, WG, o_layout)
-                _store_item(o, m_i, l_i, slot, perm_ptr, q_tile, q_empty, qs, q_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os,
-                            H, n_m, SQ, REVERSE, ORDER, True, True, NWG, WG, s_layout, o_layout)
-                carried = 0
-            tc += 1
+        empty = l_i == 0.0                          # no allowed key in this row: out 0, lse -inf
+        l_safe = gl.where(empty, 1.0, l_i)
+        o = o / gl.expand_dims(gl.convert_layout(l_safe, row_o), 1)
+        lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)   # log2 -> ln
+        # (OPAQUE: SQ widened here; a hoisted 64-bit SQ was held, and spilled, across the loops)
+        gl.store(lse_ptr + bh.to(gl.int64) * _maybe_opaque(SQ, OPAQUE).to(gl.int64) + rows, lse, mask=rows < SQ)
+        if O_REGS:
+            # The slot may already hold the next item's Q: O goes out from registers.  Row offsets are
+            # 32-bit (the host checks s_q x row stride < 2^31; 64-bit ones or an item base cost spills).
+            r_o = gl.expand_dims(gl.convert_layout(rows, row_o), 1)
+            c_o = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, o_layout)), 0)
+            # (opaque strides: their hoisted 64-bit sign extensions were spilled across the loops)
+            item = b.to(gl.int64) * _opaque(s_ob).to(gl.int64) + h.to(gl.int64) * _opaque(s_oh).to(gl.int64)
+            optr = o_ptr + item + r_o * s_os + c_o
+            gl.store(optr, o.to(dtype), mask=r_o < SQ)
         else:
-            _release(q_empty.index(qs))             # no tile: the slot was only waited for (phase bookkeeping)
-            _store_item(o, m_i, l_i, slot, perm_ptr, q_tile, q_empty, qs, q_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os,
-                        H, n_m, SQ, REVERSE, ORDER, True, True, NWG, WG, s_layout, o_layout)
-            carried = 0
-        it += n_all
+            # O out through this item's Q slot (every wgmma reading it has retired); TMA clips rows past s_q.
+            q_tile.store(o.to(dtype))
+            fence_async_shared()                    # generic-proxy smem writes before the TMA (async proxy) read
+            gl.thread_barrier()                     # every warp's part written before one thread issues the copy
+            tma.async_copy_shared_to_global(o_desc, [b, h, (mt * NWG + WG) * BM, 0],
+                                            q_tile._reinterpret(dtype, q_view, o_desc.layout))
+            tma.store_wait(0)                       # the copy has read the slot ...
+            _release(q_empty.index(qs))             # ... in the issuing thread; then release it to the producer
         qi += 1
-
-
-@gluon.jit
-def _consumer(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-              v_ready, kv_empty, k_empty, turn, rows_ptr, cols_ptr, perm_ptr, s_rb, s_rh, s_rr, s_cb, s_ch, s_cr,
-              bm_ptr, s_bmb, s_bmh, s_bm_q, s_bm_k, kpm_ptr, s_kpmb,
-              H, n_m, n_items, SQ, SK, OFF, WL, WR, NG, BS, qk_scale,
-              CAUSAL: gl.constexpr, HAS_WIN: gl.constexpr, HAS_GLOBAL: gl.constexpr, BM_MODE: gl.constexpr,
-              HAS_KPM: gl.constexpr, REVERSE: gl.constexpr, ORDER: gl.constexpr, STAGES: gl.constexpr,
-              Q_SLOTS: gl.constexpr, PINGPONG: gl.constexpr, O_REGS: gl.constexpr, SPLIT_EMPTY: gl.constexpr,
-              MASK_MODE: gl.constexpr, CARRY: gl.constexpr, WG: gl.constexpr, num_warps: gl.constexpr):
-    """A consumer partition: _consumer_carry with CARRY, else _consumer_plain."""
-    if CARRY:
-        gl.static_assert(O_REGS, "CARRY stores O from registers")
-        _consumer_carry(q_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                        v_ready, kv_empty, k_empty, turn, rows_ptr, cols_ptr, perm_ptr, s_rb, s_rh, s_rr, s_cb, s_ch,
-                        s_cr, bm_ptr, s_bmb, s_bmh, s_bm_q, s_bm_k, kpm_ptr, s_kpmb, H, n_m, n_items, SQ, SK, OFF, WL,
-                        WR, NG, BS, qk_scale, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, REVERSE, ORDER, STAGES,
-                        Q_SLOTS, PINGPONG, SPLIT_EMPTY, MASK_MODE, WG, num_warps)
-    else:
-        _consumer_plain(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, v_smem, q_ready, q_empty,
-                        k_ready, v_ready, kv_empty, k_empty, turn, rows_ptr, cols_ptr, perm_ptr, s_rb, s_rh, s_rr, s_cb,
-                        s_ch, s_cr, bm_ptr, s_bmb, s_bmh, s_bm_q, s_bm_k, kpm_ptr, s_kpmb, H, n_m, n_items, SQ, SK, OFF,
-                        WL, WR, NG, BS, qk_scale, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, REVERSE, ORDER,
-                        STAGES, Q_SLOTS, PINGPONG, O_REGS, SPLIT_EMPTY, MASK_MODE, WG, num_warps)
 
 
 @gluon.jit
@@ -650,7 +463,7 @@ def sparse_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, o_ptr, rows_ptr, 
                       STAGES: gl.constexpr,
                       Q_SLOTS: gl.constexpr, PINGPONG: gl.constexpr, O_REGS: gl.constexpr, SPLIT_EMPTY: gl.constexpr,
                       CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
-                      MASK_MODE: gl.constexpr = MASK_ELEMENT, CARRY: gl.constexpr = False):
+                      MASK_MODE: gl.constexpr = MASK_ELEMENT):
     """Grid (min(n_items, SMs) persistent, or n_items,).  n_items = n_m query tiles x b x H.
     q/o descriptors: block (1, 1, 128, d), or (1, 1, 64, d) with PINGPONG (then num_warps = 4, one
     warpgroup per consumer partition); k/v: (1, 1, 128, d); *_smem_layout: the 2-D NVMMA layouts of
@@ -701,13 +514,13 @@ def sparse_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, o_ptr, rows_ptr, 
                          s_cb, s_ch, s_cr, bm_ptr, s_bmb, s_bmh, s_bm_q, s_bm_k, kpm_ptr, s_kpmb,
                          H, n_m, n_items, SQ, SK, OFF, WL, WR, NG, BS, qk_scale,
                          CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, REVERSE, ORDER, STAGES, Q_SLOTS, PINGPONG,
-                         O_REGS, SPLIT_EMPTY, MASK_MODE, CARRY, 0, 4)),
+                         O_REGS, SPLIT_EMPTY, MASK_MODE, 0, 4)),
             (_consumer, (q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, v_smem, q_ready, q_empty,
                          k_ready, v_ready, kv_empty, k_empty, turn, rows_ptr, cols_ptr, perm_ptr, s_rb, s_rh, s_rr,
                          s_cb, s_ch, s_cr, bm_ptr, s_bmb, s_bmh, s_bm_q, s_bm_k, kpm_ptr, s_kpmb,
                          H, n_m, n_items, SQ, SK, OFF, WL, WR, NG, BS, qk_scale,
                          CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, REVERSE, ORDER, STAGES, Q_SLOTS, PINGPONG,
-                         O_REGS, SPLIT_EMPTY, MASK_MODE, CARRY, 1, 4)),
+                         O_REGS, SPLIT_EMPTY, MASK_MODE, 1, 4)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                          rows_ptr, cols_ptr, perm_ptr, s_rb, s_rh, s_rr, s_cb, s_ch, s_cr, H, GROUP, n_m, n_items,
                          REVERSE, ORDER, FULL_RUN, STAGES, Q_SLOTS, NWG, O_REGS, k_empty, SPLIT_EMPTY)),
@@ -719,7 +532,7 @@ def sparse_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, o_ptr, rows_ptr, 
                          s_cb, s_ch, s_cr, bm_ptr, s_bmb, s_bmh, s_bm_q, s_bm_k, kpm_ptr, s_kpmb,
                          H, n_m, n_items, SQ, SK, OFF, WL, WR, NG, BS, qk_scale,
                          CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, REVERSE, ORDER, STAGES, Q_SLOTS, PINGPONG,
-                         O_REGS, SPLIT_EMPTY, MASK_MODE, CARRY, 0, num_warps)),
+                         O_REGS, SPLIT_EMPTY, MASK_MODE, 0, num_warps)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                          rows_ptr, cols_ptr, perm_ptr, s_rb, s_rh, s_rr, s_cb, s_ch, s_cr, H, GROUP, n_m, n_items,
                          REVERSE, ORDER, FULL_RUN, STAGES, Q_SLOTS, NWG, O_REGS, k_empty, SPLIT_EMPTY)),

@@ -38,6 +38,11 @@ w4096 2.08 / 1.887, 1.966 / 2.089 / 2.444; w8192 3.50 / 3.219, 2.991 / 3.385 / 4
 default (pingpong_st3 0.379 / 0.423 / 0.506 vs 0.26-0.45).  So auto_schedule() takes pingpong_st3 on d128
 window/causal layouts from SCHEDULE_PINGPONG_MIN_TILES visited tiles per row, its persistent grid up to
 PINGPONG_PERSISTENT_MAX_TILES, and the default schedule elsewhere.
+Masks (MASK_MODES): band layouts (windows / causal; no mixed block mask, key padding or global tokens) take the
+interval mask, two per-row key bounds instead of the element predicate: bitwise the same output, and at 8c5ae80
+(H200, benchmarks/gluon_fa/sparse_boundary_probe.py, results/sparse_boundary_s19_h200.json; same shapes) the
+default schedule 0.680 vs 0.726 ms at w1024, 1.184 vs 1.219 at w2048; pingpong_st3 1.095 vs 1.093 at w2048, 1.787
+vs 1.819 at w4096.  Compiled for sm_90: the default schedule's spills outside the loops (7), 0 with pingpong_st3.
 
 Passed the pinned H200 conformance catalogue at 0802806, b82d17a and f1b9ea8 (10 pass / 0 fail;
 docs/conformance/cuda-h200-gluon-sparse.md), so not experimental.  It ranks below the Triton sparse impl
@@ -90,11 +95,9 @@ VARIANTS = {
     "pingpong_st3": {"pingpong": True, "stages": 3},
     "q1": {"q_slots": 1},                           # control for st3: 1 Q slot / register O store, STAGES[d]
     "pingpong_kv": {"pingpong": True, "split_empty": True},    # + separate K / V "empty" barriers
-    # CARRY (_consumer_carry): an item's last step also issues the next item's first S and folds it into a fresh
-    # softmax under the last P V; O from registers
-    "carry": {"carry": True},
-    "pingpong_carry": {"pingpong": True, "carry": True},
-    "pingpong_st3_carry": {"pingpong": True, "stages": 3, "carry": True},
+    # the partial tiles' mask as per-row key bounds (band layouts only; mask_mode())
+    "interval": {"mask": "interval"},
+    "pingpong_st3_interval": {"pingpong": True, "stages": 3, "mask": "interval"},
 }
 # Partial-tile masks (the kernel's MASK_MODE): the element predicate, per-row key intervals (band layouts: no mixed
 # block mask, global tokens or key padding), and "unmasked_probe" -- no mask at all, WRONG results: a benchmark's
@@ -151,12 +154,12 @@ def auto_schedule(d: int, ti, n_m: int, kpm, ng: int) -> dict:
     """The schedule a call without an explicit variant runs (module docstring): pingpong_st3 for d128
     windows / causal layouts (no mixed block mask, key padding or global tokens: those spill in the
     ping-pong schedules) with long rows, else the default; the grid from the schedule's persistent
-    crossover."""
+    crossover; band layouts (the same "plain" ones) with the interval mask."""
     per_row = tiles_per_row(ti, n_m)
     plain = ti.bm_mode != 2 and kpm is None and not ng      # bm_mode 2: a mixed block mask is gathered
     if d == 128 and plain and per_row >= SCHEDULE_PINGPONG_MIN_TILES:
-        return {**VARIANTS["pingpong_st3"], "persistent": per_row <= PINGPONG_PERSISTENT_MAX_TILES}
-    return {"persistent": persistent_schedule(ti, n_m)}
+        return {**VARIANTS["pingpong_st3_interval"], "persistent": per_row <= PINGPONG_PERSISTENT_MAX_TILES}
+    return {"persistent": persistent_schedule(ti, n_m), **({"mask": "interval"} if plain else {})}
 
 
 def smem_bytes(d: int, stages: int, q_slots: int, esize: int = 2) -> int:
@@ -164,20 +167,20 @@ def smem_bytes(d: int, stages: int, q_slots: int, esize: int = 2) -> int:
     return (q_slots * TILE + 2 * stages * TILE) * d * esize
 
 
-def resolve_schedule(d: int, stages=None, q_slots=None, pingpong=False, split_empty=False, carry=False) -> dict:
+def resolve_schedule(d: int, stages=None, q_slots=None, pingpong=False, split_empty=False) -> dict:
     """Kernel constexprs of a variant: STAGES (default STAGES[d]), Q_SLOTS (2 when it fits next to the
     ring, else 1), PINGPONG, and O_REGS: O stored from registers and the Q slot released after the
     item's last S (every new schedule; needed with 1 Q slot; the ping-pong TMA store through the slot
-    spilled), SPLIT_EMPTY (K and V slots freed apart), CARRY (the next item's first S in the last step).
-    ValueError when the ring does not fit even with one Q slot."""
+    spilled), SPLIT_EMPTY (K and V slots freed apart).  ValueError when the ring does not fit even with one
+    Q slot."""
     stages = stages or STAGES[d]
     if q_slots is None:
         q_slots = 2 if smem_bytes(d, stages, 2) + SMEM_SLACK <= SMEM_LIMIT else 1
     if q_slots not in (1, 2) or smem_bytes(d, stages, q_slots) + SMEM_SLACK > SMEM_LIMIT:
         raise ValueError(f"{IMPL_ID}: d{d} with {stages} K/V stages and {q_slots} Q slots needs "
                          f"{smem_bytes(d, stages, q_slots)} B of shared memory (limit {SMEM_LIMIT})")
-    return dict(STAGES=stages, Q_SLOTS=q_slots, PINGPONG=bool(pingpong), O_REGS=bool(pingpong or carry) or q_slots == 1,
-                SPLIT_EMPTY=bool(split_empty), CARRY=bool(carry))
+    return dict(STAGES=stages, Q_SLOTS=q_slots, PINGPONG=bool(pingpong), O_REGS=bool(pingpong) or q_slots == 1,
+                SPLIT_EMPTY=bool(split_empty))
 
 
 def mask_mode(mask: str, ti, kpm, ng: int) -> int:
@@ -234,18 +237,17 @@ def item_order(ti, b: int, hq: int, n_m: int, reverse: bool, nprog: int) -> torc
 
 
 def launch_args(q, k, v, out, lse, ti, kpm, bs, causal, wl, wr, ng, scale, *, persistent=True, stages=None,
-                q_slots=None, pingpong=False, split_empty=False, num_sms=132, order=None, carry=False,
-                mask="element"):
+                q_slots=None, pingpong=False, split_empty=False, num_sms=132, order=None, mask="element"):
     """(grid, args, kwargs) of one sparse_fwd_kernel launch writing out (b, h_q, s_q, d) and lse
     (b, h_q, s_q) float32 contiguous.  q/k/v/out must be TMA-ready (see _tma_ready); ti: layout_index().
-    order: slots dealt by item_order (else round-robin in item order); None: order_auto()'s rule.  carry / mask:
-    resolve_schedule's CARRY and mask_mode()."""
+    order: slots dealt by item_order (else round-robin in item order); None: order_auto()'s rule.  mask: a
+    MASK_MODES name (mask_mode())."""
     if _K is None:
         raise RuntimeError(f"{IMPL_ID}: {UNAVAILABLE}")
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     gdt = _gl.bfloat16 if q.dtype == torch.bfloat16 else _gl.float16
-    sched = resolve_schedule(d, stages, q_slots, pingpong, split_empty, carry)
+    sched = resolve_schedule(d, stages, q_slots, pingpong, split_empty)
     if sched["O_REGS"] and (sq + TILE) * out.stride(2) >= 2 ** 31:
         raise ValueError(f"{IMPL_ID}: the register O store of this schedule uses 32-bit row offsets "
                          f"(s_q {sq} x row stride {out.stride(2)}); use the default schedule")
@@ -278,7 +280,7 @@ def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale,
                max_seqlen=-1, *, variant=None):
     """out (b, h_q, s_q, d) over (b, s, h, d) memory, lse (b, h_q, s_q) float32 natural log.
     variant (benchmarks): {"persistent": bool, "stages": int, "q_slots": 1 | 2, "pingpong": bool,
-    "split_empty": bool, "order": bool, "carry": bool, "mask": a MASK_MODES name} (or a VARIANTS name) over
+    "split_empty": bool, "order": bool, "mask": a MASK_MODES name} (or a VARIANTS name) over
     DEFAULT_VARIANT; None: auto_schedule()."""
     from ._triton_utils import new_output, new_output_bshd
     if cu is not None:   # check() refuses these; a direct call must not get a silently wrong answer
@@ -298,8 +300,7 @@ def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale,
     grid, args, kw = launch_args(q, k, v, out, lse, ti, kpm, bs, causal, wl, wr, ng, scale,
                                  persistent=persistent, stages=opts.get("stages"), q_slots=opts.get("q_slots"),
                                  pingpong=opts.get("pingpong", False), split_empty=opts.get("split_empty", False),
-                                 num_sms=_sm_count(q.device), order=opts.get("order"), carry=opts.get("carry", False),
-                                 mask=opts.get("mask", "element"))
+                                 num_sms=_sm_count(q.device), order=opts.get("order"), mask=opts.get("mask", "element"))
     _K.sparse_fwd_kernel[grid](*args, **kw)
     return out, lse
 
