@@ -91,7 +91,7 @@ def _sparse_fwd_band_persist(Q, K, V, O, LSE, BM, KPM, SEG, POS, k_desc, v_desc,
             if (kt < full_lo) | (kt >= full_lo + n_full):     # edge or dummy tile: element mask
                 offs_n = kt * BLOCK_N + tl.arange(0, BLOCK_N)
                 ok = _allowed(offs_m, offs_n, BM + b * s_bmb + h * s_bmh, s_bm_q, s_bm_k, KPM + b * s_kpmb, SEG, POS,
-                              SQ, SK, OFF, WL, WR, NG, BS, CAUSAL, HAS_WIN, False, BM_MODE, False, False)
+                              SQ, SK, OFF, WL, WR, NG, BS, CAUSAL, HAS_WIN, False, BM_MODE, False, False, True)
                 s = tl.where(ok & (kt >= kt_lo), s, float("-inf"))
             acc, l_i, m_i = _softmax_step(acc, l_i, m_i, s, v, qk_scale, True, RESCALE)
         _fwd_finish(acc, l_i, m_i, O, LSE, b, h, bh, s_ob, s_oh, s_om, offs_m, offs_d, SQ, D)
