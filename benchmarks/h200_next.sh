@@ -607,4 +607,15 @@ d)
   timeout 560 python3 -m opsadv bench --suite e2e --json "$OUT/e2e.json" > "$OUT/e2e.log" 2>&1
   echo "e2e rc $?"; grep -E "^(prefill|decode)" "$OUT/e2e.log" | tail -3
   ;;
+bp)  # session 19: the Gluon sparse forward's boundary / mask probe (default and pingpong_st3 with the element,
+     # interval and no mask; fits fixed vs per-tile time over w1024-w4096)
+  timeout 330 python3 benchmarks/gluon_fa/sparse_boundary_probe.py "$OUT/boundary.json" 2>&1 | tail -2 | cut -c1-3000
+  ;;
+cs)  # session 19: pinned conformance of both sparse impls after the interval masks became their band-layout default
+  for impl in cuda.triton.sparse_attention cuda.gluon.sparse_attention; do
+    timeout 200 python3 -m opsadv conformance --backend cuda --impl "$impl" --json "$OUT/conf_$impl.json" \
+      --markdown "$OUT/conf_$impl.md" > "$OUT/conf_$impl.log" 2>&1
+    echo "conformance $impl rc $?"; tail -1 "$OUT/conf_$impl.log"
+  done
+  ;;
 esac
