@@ -25,19 +25,15 @@ import os
 import statistics
 import sys
 
-import torch
-from triton.testing import do_bench
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+import torch  # noqa: E402
 
-import opsadv  # noqa: E402
-from opsadv import SparseLayout  # noqa: E402
-from opsadv.backends.cuda import gluon_sparse as GS  # noqa: E402
-from opsadv.bench.suite_sparse import fwd_tiles  # noqa: E402
+from _sparse_windows import D, GS, S, dense_baseline, inputs, interleaved, report_header, window_case  # noqa: E402
 
-S, H, D = 16384, 32, 128
 WINDOWS = [int(w) for w in os.environ.get("BOUNDARY_WINDOWS", "1024,2048,4096").split(",")]
 ROUNDS = int(os.environ.get("BOUNDARY_ROUNDS", "3"))
+REP = 60                # do_bench ms per timing
 # name -> (variant, twin whose output it must equal bitwise or None)
 BOUNDARY_VARIANTS = {
     "default": ({"persistent": True}, None),
@@ -49,10 +45,6 @@ BOUNDARY_VARIANTS = {
     "pingpong_st3_unmasked": ({"persistent": True, "pingpong": True, "stages": 3, "mask": "unmasked_probe"}, None),
 }
 ONLY = [n for n in os.environ.get("BOUNDARY_ONLY", "").split(",") if n]
-
-
-def ms(fn) -> float:
-    return float(do_bench(fn, warmup=10, rep=60, return_mode="median"))
 
 
 def reference(q, k, v, lay) -> torch.Tensor:
@@ -78,21 +70,13 @@ def fit(xs, ys):
 
 def main(path: str) -> None:
     rows = []
-    report = {"commit": os.environ.get("OPSADV_COMMIT", "unknown"), "device": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "shape": f"b1 h{H} s{S} d{D} bf16 causal windows", "rows": rows}
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(1, H, S, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
-    with opsadv.use_backend("cuda", impls={"flash_attention": "cuda.gluon.flash_attention"}), torch.no_grad():
-        dense = ms(lambda: opsadv.ops.flash_attention(q, k, v, causal=True))
-    dense_tflops = 4.0 * H * S * S * D / 2 / dense / 1e9
+    report = {**report_header(), "rows": rows}
+    q, k, v = inputs()
+    dense, dense_tflops = dense_baseline(q, k, v, REP)
     report["dense_ms"], report["dense_tflops"] = dense, round(dense_tflops, 1)
     names = [n for n in BOUNDARY_VARIANTS if not ONLY or n in ONLY]
     for w in WINDOWS:
-        lay = SparseLayout.sliding_window(S, w, causal=True, block_size=128, device="cuda")
-        args = (lay.block_mask, lay.key_padding_mask, lay.cu_seqlens, lay.block_size, lay.causal, lay.window_left,
-                lay.window_right, lay.num_global)
-        ti = GS.layout_index(*args, S, S)
-        n_m = S // GS.TILE
+        lay, args, ti, n_m, work = window_case(w)
         row = {"window": w, "tiles_per_item": round(GS.tiles_per_row(ti, n_m), 3),
                "auto": GS.auto_schedule(D, ti, n_m, None, 0), "variants": {}}
         ref = reference(q, k, v, lay)
@@ -114,12 +98,7 @@ def main(path: str) -> None:
             if twin in outs:
                 rec["equals_" + twin] = bool(torch.equal(out, outs[twin][0]) and torch.equal(lse, outs[twin][1]))
             row["variants"][name] = rec
-        times = {name: [] for name in fns}
-        for _ in range(ROUNDS):
-            for name, fn in fns.items():
-                times[name].append(ms(fn))
-        visited, total = fwd_tiles(lay, D)
-        work = 4.0 * H * S * S * D * visited / total
+        times = interleaved(fns, ROUNDS, REP)
         for name in fns:
             t = statistics.median(times[name])
             row["variants"][name].update(ms=round(t, 5), tflops=round(work / t / 1e9, 1),

@@ -15,51 +15,30 @@ import os
 import statistics
 import sys
 
-import torch
-from triton.testing import do_bench
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+import torch  # noqa: E402
 
-import opsadv  # noqa: E402
-from opsadv import SparseLayout  # noqa: E402
-from opsadv.backends.cuda import gluon_sparse as GS  # noqa: E402
-from opsadv.bench.suite_sparse import fwd_tiles  # noqa: E402
+from _sparse_windows import D, GS, dense_baseline, inputs, interleaved, report_header, window_case  # noqa: E402
 
-S, H, D = 16384, 32, 128
 WINDOWS = [int(w) for w in os.environ.get("ORDER_WINDOWS", "1024,2048,4096,8192").split(",")]
 ROUNDS = int(os.environ.get("ORDER_ROUNDS", "5"))
 
 
-def ms(fn) -> float:
-    return float(do_bench(fn, warmup=10, rep=80, return_mode="median"))
-
-
 def main(path: str) -> None:
     rows = []
-    report = {"commit": os.environ.get("OPSADV_COMMIT", "unknown"), "device": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "rows": rows}
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(1, H, S, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
-    with opsadv.use_backend("cuda", impls={"flash_attention": "cuda.gluon.flash_attention"}), torch.no_grad():
-        dense = ms(lambda: opsadv.ops.flash_attention(q, k, v, causal=True))
-    dense_tflops = 4.0 * H * S * S * D / 2 / dense / 1e9
+    report = {**report_header(), "rows": rows}
+    q, k, v = inputs()
+    dense, dense_tflops = dense_baseline(q, k, v)
     report["dense_ms"], report["dense_tflops"] = dense, round(dense_tflops, 1)
     for w in WINDOWS:
-        lay = SparseLayout.sliding_window(S, w, causal=True, block_size=128, device="cuda")
-        args = (lay.block_mask, lay.key_padding_mask, lay.cu_seqlens, lay.block_size, lay.causal, lay.window_left,
-                lay.window_right, lay.num_global)
-        ti = GS.layout_index(*args, S, S)
-        sched = GS.auto_schedule(D, ti, S // GS.TILE, None, 0)
+        lay, args, ti, n_m, work = window_case(w)
+        sched = GS.auto_schedule(D, ti, n_m, None, 0)
         fns = {name: (lambda o=o: GS.sparse_fwd(None, q, k, v, *args, D ** -0.5, variant={**sched, "order": o}))
                for name, o in (("order", True), ("rr", False))}
         a, b = fns["order"](), fns["rr"]()
         row = {"window": w, "schedule": sched, "same_output": bool(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]))}
-        times = {name: [] for name in fns}
-        for _ in range(ROUNDS):
-            for name, fn in fns.items():
-                times[name].append(ms(fn))
-        visited, total = fwd_tiles(lay, D)
-        work = 4.0 * H * S * S * D * visited / total
+        times = interleaved(fns, ROUNDS)
         for name in fns:
             row[f"{name}_ms"] = statistics.median(times[name])
             row[f"{name}_tflops"] = round(work / row[f"{name}_ms"] / 1e9, 1)
