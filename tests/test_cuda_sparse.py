@@ -703,3 +703,47 @@ def test_tma_variants_compile_for_sm90():
         assert off["tma_loads"] == 0 and on["tma_loads"] > 0, kernel
         assert on["spill_stores"] <= off["spill_stores"] and on["registers"] <= off["registers"], (kernel, off, on)
     assert r["True"]["_sparse_fwd"]["spill_stores"] == 0 and r["True"]["_sparse_dq"]["spill_stores"] == 0
+
+
+# ---- the forward's interval mask == the predicate (interpreter) ------------------------------------------
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _mask_probe(out_ptr, SQ, SK, OFF, WL, WR, CAUSAL: tl.constexpr, HAS_WIN: tl.constexpr, BM_MODE: tl.constexpr,
+                INTERVAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """_allowed over one (BM, BN) tile of rows / columns starting at (program 0 * BM, program 1 * BN), as int8."""
+    offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    ok = sparse_mod._allowed(offs_m, offs_n, out_ptr, 0, 0, out_ptr, out_ptr, out_ptr, SQ, SK, OFF, WL, WR, 0, 1,
+                             CAUSAL, HAS_WIN, False, BM_MODE, False, False, INTERVAL)
+    n_cols = tl.num_programs(1) * BN
+    tl.store(out_ptr + offs_m[:, None] * n_cols + offs_n[None, :], ok.to(tl.int8))
+
+
+@pytest.mark.parametrize("sq,sk,wl,wr,causal,has_win,bm_mode", [
+    (37, 37, 5, 0, True, True, 0), (37, 53, 7, 3, False, True, 0), (53, 29, 0, 0, True, True, 0),
+    (40, 40, 100, 100, False, True, 0), (33, 47, 4, 9, True, True, 1), (45, 30, -1, -1, True, False, 1),
+    (45, 30, -1, -1, False, False, 0), (1, 3, 0, 2, False, True, 0), (31, 31, 31, 0, True, True, 0)])
+def test_interval_mask_equals_predicate(sq, sk, wl, wr, causal, has_win, bm_mode):
+    """The forward kernels' interval form of the band mask (INTERVAL) equals the element predicate everywhere:
+    windows either side, bottom-right alignment (s_q != s_k), all-True / all-False block masks, and rows / columns
+    past s_q / s_k (the tile grid overhangs both), against a dense mask built in torch as the layout defines it."""
+    bm, bn = 16, 16
+    grid = (triton.cdiv(sq + 5, bm), triton.cdiv(sk + 5, bn))
+    outs = {}
+    for interval in (False, True):
+        out = torch.full((grid[0] * bm, grid[1] * bn), 7, dtype=torch.int8)     # poisoned
+        _mask_probe[grid](out, sq, sk, sk - sq, wl, wr, causal, has_win, bm_mode, interval, bm, bn)
+        outs[interval] = out
+    assert torch.equal(outs[True], outs[False])
+    i = torch.arange(grid[0] * bm)[:, None]
+    j = torch.arange(grid[1] * bn)[None, :]
+    ip = i + sk - sq
+    want = torch.full_like(i * j, bm_mode == 1, dtype=torch.bool)
+    if has_win:
+        want = want | ((j >= ip - wl) & (j <= ip + wr))
+    if causal:
+        want = want & (j <= ip)
+    want = want & (i < sq) & (j < sk)
+    assert torch.equal(outs[True].bool(), want)
