@@ -611,6 +611,10 @@ bp)  # session 19: the Gluon sparse forward's boundary / mask probe (default and
      # interval and no mask; fits fixed vs per-tile time over w1024-w4096)
   timeout 330 python3 benchmarks/gluon_fa/sparse_boundary_probe.py "$OUT/boundary.json" 2>&1 | tail -2 | cut -c1-3000
   ;;
+tr)  # session 19 (prepared, not yet run): the TRACE build's per-phase cycles of a work item (default and pingpong_st3
+     # with interval masks at w1024 / w2048): where the per-item fixed cost of the sparse forward goes (~1 min)
+  timeout 300 python3 benchmarks/gluon_fa/sparse_trace_probe.py "$OUT/sparse_trace.json" 2>&1 | tail -4 | cut -c1-1500
+  ;;
 cs)  # session 19: pinned conformance of both sparse impls after the interval masks became their band-layout default
   for impl in cuda.triton.sparse_attention cuda.gluon.sparse_attention; do
     timeout 200 python3 -m opsadv conformance --backend cuda --impl "$impl" --json "$OUT/conf_$impl.json" \

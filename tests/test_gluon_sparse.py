@@ -107,9 +107,10 @@ def test_compiles_for_sm90_without_spills_in_tile_loops(sm90_compile_report):
     item: measured <= 10)."""
     mod = _compile_module()
     cases = {f"{n}-d{d}" for n, d in mod.CASES} | {f"{n}-d{d}-{v}" for n, d, v in mod.VARIANT_CASES}
+    cases |= {f"{n}-d{d}-{v}-trace" for n, d, v in mod.TRACE_CASES}
     assert set(sm90_compile_report) == cases
     for case, r in sm90_compile_report.items():
-        if r["variant"] not in DEFAULT_SCHEDULE:
+        if r["variant"] not in DEFAULT_SCHEDULE or r["trace"]:
             continue
         assert r["shared"] <= 232448, r                      # the sm_90 opt-in limit (227 KB)
         assert r["tile_loops"] == 2, r                        # partial-tile loop and full-tile loop
@@ -124,7 +125,7 @@ def test_new_schedules_compile_without_any_spill(sm90_compile_report):
     0 STL/LDL anywhere (a spilling variant fails here), shared memory within 227 KB, the ring depth and Q
     slots the host asked for, and the per-partition register split: ping-pong = 2 consumer warpgroups
     (240 registers each) + the producer (24); the one-consumer schedules 240 + 24."""
-    rows = {c: r for c, r in sm90_compile_report.items() if r["variant"] not in DEFAULT_SCHEDULE}
+    rows = {c: r for c, r in sm90_compile_report.items() if r["variant"] not in DEFAULT_SCHEDULE and not r["trace"]}
     assert {r["variant"] for r in rows.values()} == set(GS.VARIANTS) - DEFAULT_SCHEDULE
     for case, r in rows.items():
         v = GS.VARIANTS[r["variant"]]
@@ -138,6 +139,30 @@ def test_new_schedules_compile_without_any_spill(sm90_compile_report):
         assert {GS.PRODUCER_REGS, GS.CONSUMER_REGS} <= set(r["setmaxnreg"]), r
     st3 = rows["window_causal-d128-st3"]
     assert st3["stages"] == 3 and st3["q_slots"] == 1 and st3["shared"] > 224 * 1024
+
+
+@needs_gluon
+def test_trace_build_stamps_only_when_asked(sm90_compile_report):
+    """The probes' TRACE build reads %clock64 at the 7 stamps of each consumer warpgroup and spills nothing inside
+    the tile loops; every other build has no clock read at all (TRACE compiles away: the sm_90 SASS of the untraced
+    kernel was byte-identical before and after the stamps were added, session 19)."""
+    for case, r in sm90_compile_report.items():
+        if r["trace"]:
+            assert r["clock_reads"] == 7 * (2 if r["pingpong"] else 1), r
+            assert r["spills_in_tile_loops"] == 0 and r["spills"] <= 24, r
+        else:
+            assert r["clock_reads"] == 0, r
+
+
+def test_launch_args_refuses_a_wrong_trace_buffer():
+    lay = SparseLayout.sliding_window(300, 100, causal=True, block_size=128)
+    ti = GS.layout_index(*_layout_args(lay), 300, 300)
+    q = torch.zeros(1, 2, 300, 128, dtype=torch.bfloat16)
+    if GS._K is None:
+        pytest.skip("Gluon not importable")
+    for bad in (torch.zeros(6, 2, 8, dtype=torch.int32), torch.zeros(5, 2, 8, dtype=torch.int64)):
+        with pytest.raises(ValueError, match=r"trace must be an int64 \(6, 2, 8\) tensor"):
+            GS.launch_args(q, q, q, q, torch.zeros(1, 2, 300), ti, None, 128, True, 100, 0, 0, 0.1, trace=bad)
 
 
 def test_tile_loop_spill_parser():

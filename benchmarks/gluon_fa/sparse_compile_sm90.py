@@ -84,12 +84,14 @@ VARIANT_CASES = [("window_causal", 128, "pingpong"), ("causal", 128, "pingpong")
                  ("window_causal", 128, "interval"), ("causal", 128, "interval"), ("window_causal", 64, "interval"),
                  ("window_causal", 128, "pingpong_st3_interval"), ("causal", 128, "pingpong_st3_interval"),
                  ("window_causal", 64, "pingpong_st3_interval")]
+# The TRACE build of the probes (sparse_trace_probe.py): stamps spill a little outside the tile loops, none inside.
+TRACE_CASES = [("window_causal", 128, "interval"), ("window_causal", 128, "pingpong_st3_interval")]
 # Reported with --masked only (they spill: outside the loops, and for global tokens inside them).
 MASKED_VARIANT_CASES = [(n, 128, v) for v in ("pingpong", "st3", "pingpong_st3", "pingpong_kv")
                         for n in ("bigbird", "global_window", "dilated_not_one_run")]
 
 
-def compile_case(name, d, dtype=None, variant="default"):
+def compile_case(name, d, dtype=None, variant="default", trace=False):
     import torch
     from opsadv.backends.cuda import _gluon_sparse_kernel as K, gluon_sparse as GS
     dtype = dtype or torch.bfloat16
@@ -97,21 +99,26 @@ def compile_case(name, d, dtype=None, variant="default"):
     q = torch.randn(b, hq, lay.seq_q, d).to(dtype)
     k, v = (torch.randn(b, hkv, lay.seq_k, d).to(dtype) for _ in range(2))
     out, lse = torch.empty_like(q), torch.empty(b, hq, lay.seq_q)
+    # trace: the probes' TRACE build (sparse_trace_probe.py), stamps into an int64 (items, 2, 8) buffer
+    n_items = -(-lay.seq_q // GS.TILE) * b * hq
+    tr = torch.zeros(n_items, 2, 8, dtype=torch.int64) if trace else None
     ti = GS.layout_index(lay.block_mask, lay.key_padding_mask, None, lay.block_size, lay.causal, lay.window_left,
                          lay.window_right, lay.num_global, lay.seq_q, lay.seq_k)
     grid, args, kw = GS.launch_args(q, k, v, out, lse, ti, lay.key_padding_mask, lay.block_size, lay.causal,
-                                    lay.window_left, lay.window_right, lay.num_global, 0.1, **GS.VARIANTS[variant])
+                                    lay.window_left, lay.window_right, lay.num_global, 0.1, trace=tr,
+                                    **GS.VARIANTS[variant])
     H = _compile_helpers()
     kern = H.compile_sm90(K.sparse_fwd_kernel, args, kw)
     sass = H.sass_of(kern)
     total, inside, loops = tile_loop_spills(sass)
     res = H.cubin_resources(kern)
-    tag = "" if variant == "default" else f"-{variant}"
+    tag = ("" if variant == "default" else f"-{variant}") + ("-trace" if trace else "")
     row = {"case": f"{name}-d{d}{tag}", "variant": variant, "shared": kern.metadata.shared, "spills": total,
            "spills_in_tile_loops": inside, "tile_loops": loops, "launch_regs": res.get("regs"),
            "stack": res.get("stack"), "setmaxnreg": setmaxnreg_values(sass),
            "bm_mode": kw["BM_MODE"], "full_run": kw["FULL_RUN"], "stages": kw["STAGES"],
-           "q_slots": kw["Q_SLOTS"], "pingpong": kw["PINGPONG"], "split_empty": kw["SPLIT_EMPTY"]}
+           "q_slots": kw["Q_SLOTS"], "pingpong": kw["PINGPONG"], "split_empty": kw["SPLIT_EMPTY"],
+           "trace": bool(trace), "clock_reads": sass.count("SR_CLOCKLO")}
     return row, kern, sass
 
 
@@ -122,8 +129,9 @@ def main(argv):
     out_dir = argv[1] if len(argv) > 1 else None
     report = {"commit": os.environ.get("OPSADV_COMMIT", "unknown"), "target": "cuda sm_90", "results": []}
     cases = [(n, d, "default") for n, d in CASES] + VARIANT_CASES + (MASKED_VARIANT_CASES if masked else [])
-    for name, d, variant in cases:
-        row, kern, sass = compile_case(name, d, variant=variant)
+    cases = [(n, d, v, False) for n, d, v in cases] + [(n, d, v, True) for n, d, v in TRACE_CASES]
+    for name, d, variant, trace in cases:
+        row, kern, sass = compile_case(name, d, variant=variant, trace=trace)
         report["results"].append(row)
         if out_dir:
             os.makedirs(out_dir, exist_ok=True)

@@ -71,6 +71,15 @@ def _opaque(x):
 
 
 @gluon.jit
+def _stamp(trace_ptr, slot, k: gl.constexpr, WG: gl.constexpr, TRACE: gl.constexpr):
+    """TRACE (a probe's build; no code otherwise): this SM's %clock64 into trace[slot, WG, k] (int64 (n_items, 2, 8)),
+    marking where a work item's time goes (benchmarks/gluon_fa/sparse_trace_probe.py)."""
+    if TRACE:
+        t = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [slot], dtype=gl.int64, is_pure=False, pack=1)
+        gl.store(trace_ptr + (slot.to(gl.int64) * 2 + WG) * 8 + k, t)
+
+
+@gluon.jit
 def _pid(OPAQUE: gl.constexpr):
     """gl.program_id(0); OPAQUE: read where it is used (LLVM hoisted the shared read to the kernel entry
     and the ping-pong build spilled it there for every partition)."""
@@ -329,11 +338,12 @@ def _consumer(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, 
               HAS_KPM: gl.constexpr, REVERSE: gl.constexpr, ORDER: gl.constexpr, STAGES: gl.constexpr,
               Q_SLOTS: gl.constexpr,
               PINGPONG: gl.constexpr, O_REGS: gl.constexpr, SPLIT_EMPTY: gl.constexpr, MASK_MODE: gl.constexpr,
-              WG: gl.constexpr, num_warps: gl.constexpr):
+              trace_ptr, TRACE: gl.constexpr, WG: gl.constexpr, num_warps: gl.constexpr):
     """One consumer partition: rows [WG * BM, +BM) of every item (BM = the Q block: 128 with 8 warps, or
     64 per warpgroup with PINGPONG), each item's tiles in list order (partial, then full), FA3
     intra-warpgroup overlap: iteration j issues S_{j+1} and P_j V_j, runs the softmax of S_{j+1} while
-    P_j V_j runs."""
+    P_j V_j runs.  TRACE: _stamp marks 0 item start, 1 Q ready, 2 S_0 retired, 3 its softmax done, 4 the tile
+    loops done, 5 the last P V retired, 6 the item stored; 7 holds n_all."""
     BM: gl.constexpr = q_desc.block_type.shape[2]
     D: gl.constexpr = q_desc.block_type.shape[3]
     BN: gl.constexpr = k_smem.shape[1]
@@ -352,6 +362,7 @@ def _consumer(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, 
     it = 0          # K/V tiles consumed so far (all items), as the producer counts them
     qi = 0
     for slot in range(_pid(OPAQUE), n_items, gl.num_programs(0)):
+        _stamp(trace_ptr, slot, 0, WG, TRACE)
         w = _work_item(slot, perm_ptr, ORDER)
         b, h, mt, bh = _item(w, H, n_m, REVERSE, OPAQUE)
         row = rows_ptr + b * s_rb + h * s_rh + mt * s_rr
@@ -367,6 +378,7 @@ def _consumer(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, 
         l_i = gl.zeros([BM], gl.float32, row_s)
         o = gl.zeros([BM, D], gl.float32, o_layout)
         mbarrier.wait(q_ready.index(qs), (qi // Q_SLOTS) & 1)
+        _stamp(trace_ptr, slot, 1, WG, TRACE)
         # Ping-pong: every item takes n_all + 1 GEMM turns (an empty item one idle turn), so the turn
         # counter is it + qi and needs no register of its own across the tile loops.
         tc = it + qi
@@ -379,6 +391,7 @@ def _consumer(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, 
             s_tok = warpgroup_mma(q_tile, k_smem.index(cur).permute((1, 0)), s_acc, use_acc=False, is_async=True)
             _turn_pass(turn, WG, PINGPONG)
             s = warpgroup_mma_wait(0, deps=(s_tok, ))
+            _stamp(trace_ptr, slot, 2, WG, TRACE)
             if SPLIT_EMPTY:
                 _release(k_empty.index(cur))
             if n_part > 0:
@@ -387,6 +400,7 @@ def _consumer(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, 
                                                      HAS_KPM, s_layout, MASK_MODE)
             else:
                 p, m_i, l_i, alpha = _softmax_full(s, m_i, l_i, qk_scale)
+            _stamp(trace_ptr, slot, 3, WG, TRACE)
             # Partial tiles come first in the list: iterations j < n_part - 1 fold a partial tile j + 1.
             n_masked = gl.maximum(n_part - 1, 0)
             for j in range(0, n_masked):
@@ -401,6 +415,7 @@ def _consumer(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, 
                                                  s_bm_k, kpmp, SQ, SK, OFF, WL, WR, NG, BS, qk_scale, False, CAUSAL,
                                                  HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, STAGES, PINGPONG, WG,
                                                  SPLIT_EMPTY, s_layout, o_layout, MASK_MODE)
+            _stamp(trace_ptr, slot, 4, WG, TRACE)
             if O_REGS:
                 # Every S = Q K^T of the item has retired: the producer may load the next item's Q now.
                 _release(q_empty.index(qs))
@@ -413,6 +428,7 @@ def _consumer(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, 
             o_tok = warpgroup_mma(p_op, v_smem.index(last), o, is_async=True)
             _turn_pass(turn, WG, PINGPONG)
             o = warpgroup_mma_wait(0, deps=(o_tok, p_op))[0]
+            _stamp(trace_ptr, slot, 5, WG, TRACE)
             _release(kv_empty.index(last))
         else:
             _turn_wait(turn, tc, WG, PINGPONG)      # the empty item's idle turn (see tc above)
@@ -450,20 +466,21 @@ def _consumer(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, 
                                             q_tile._reinterpret(dtype, q_view, o_desc.layout))
             tma.store_wait(0)                       # the copy has read the slot ...
             _release(q_empty.index(qs))             # ... in the issuing thread; then release it to the producer
+        _stamp(trace_ptr, slot, 6, WG, TRACE)
         qi += 1
 
 
 @gluon.jit
 def sparse_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, o_ptr, rows_ptr, cols_ptr, bm_ptr, kpm_ptr, perm_ptr,
                       s_ob, s_oh, s_os, s_rb, s_rh, s_rr, s_cb, s_ch, s_cr, s_bmb, s_bmh, s_bm_q, s_bm_k, s_kpmb,
-                      H, GROUP, n_m, n_items, SQ, SK, OFF, WL, WR, NG, BS, qk_scale,
+                      H, GROUP, n_m, n_items, SQ, SK, OFF, WL, WR, NG, BS, qk_scale, trace_ptr,
                       q_smem_layout: gl.constexpr, kv_smem_layout: gl.constexpr,
                       CAUSAL: gl.constexpr, HAS_WIN: gl.constexpr, HAS_GLOBAL: gl.constexpr, BM_MODE: gl.constexpr,
                       HAS_KPM: gl.constexpr, FULL_RUN: gl.constexpr, REVERSE: gl.constexpr, ORDER: gl.constexpr,
                       STAGES: gl.constexpr,
                       Q_SLOTS: gl.constexpr, PINGPONG: gl.constexpr, O_REGS: gl.constexpr, SPLIT_EMPTY: gl.constexpr,
                       CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
-                      MASK_MODE: gl.constexpr = MASK_ELEMENT):
+                      MASK_MODE: gl.constexpr = MASK_ELEMENT, TRACE: gl.constexpr = False):
     """Grid (min(n_items, SMs) persistent, or n_items,).  n_items = n_m query tiles x b x H.
     q/o descriptors: block (1, 1, 128, d), or (1, 1, 64, d) with PINGPONG (then num_warps = 4, one
     warpgroup per consumer partition); k/v: (1, 1, 128, d); *_smem_layout: the 2-D NVMMA layouts of
@@ -514,13 +531,13 @@ def sparse_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, o_ptr, rows_ptr, 
                          s_cb, s_ch, s_cr, bm_ptr, s_bmb, s_bmh, s_bm_q, s_bm_k, kpm_ptr, s_kpmb,
                          H, n_m, n_items, SQ, SK, OFF, WL, WR, NG, BS, qk_scale,
                          CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, REVERSE, ORDER, STAGES, Q_SLOTS, PINGPONG,
-                         O_REGS, SPLIT_EMPTY, MASK_MODE, 0, 4)),
+                         O_REGS, SPLIT_EMPTY, MASK_MODE, trace_ptr, TRACE, 0, 4)),
             (_consumer, (q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, v_smem, q_ready, q_empty,
                          k_ready, v_ready, kv_empty, k_empty, turn, rows_ptr, cols_ptr, perm_ptr, s_rb, s_rh, s_rr,
                          s_cb, s_ch, s_cr, bm_ptr, s_bmb, s_bmh, s_bm_q, s_bm_k, kpm_ptr, s_kpmb,
                          H, n_m, n_items, SQ, SK, OFF, WL, WR, NG, BS, qk_scale,
                          CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, REVERSE, ORDER, STAGES, Q_SLOTS, PINGPONG,
-                         O_REGS, SPLIT_EMPTY, MASK_MODE, 1, 4)),
+                         O_REGS, SPLIT_EMPTY, MASK_MODE, trace_ptr, TRACE, 1, 4)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                          rows_ptr, cols_ptr, perm_ptr, s_rb, s_rh, s_rr, s_cb, s_ch, s_cr, H, GROUP, n_m, n_items,
                          REVERSE, ORDER, FULL_RUN, STAGES, Q_SLOTS, NWG, O_REGS, k_empty, SPLIT_EMPTY)),
@@ -532,7 +549,7 @@ def sparse_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, o_ptr, rows_ptr, 
                          s_cb, s_ch, s_cr, bm_ptr, s_bmb, s_bmh, s_bm_q, s_bm_k, kpm_ptr, s_kpmb,
                          H, n_m, n_items, SQ, SK, OFF, WL, WR, NG, BS, qk_scale,
                          CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, REVERSE, ORDER, STAGES, Q_SLOTS, PINGPONG,
-                         O_REGS, SPLIT_EMPTY, MASK_MODE, 0, num_warps)),
+                         O_REGS, SPLIT_EMPTY, MASK_MODE, trace_ptr, TRACE, 0, num_warps)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                          rows_ptr, cols_ptr, perm_ptr, s_rb, s_rh, s_rr, s_cb, s_ch, s_cr, H, GROUP, n_m, n_items,
                          REVERSE, ORDER, FULL_RUN, STAGES, Q_SLOTS, NWG, O_REGS, k_empty, SPLIT_EMPTY)),

@@ -237,11 +237,12 @@ def item_order(ti, b: int, hq: int, n_m: int, reverse: bool, nprog: int) -> torc
 
 
 def launch_args(q, k, v, out, lse, ti, kpm, bs, causal, wl, wr, ng, scale, *, persistent=True, stages=None,
-                q_slots=None, pingpong=False, split_empty=False, num_sms=132, order=None, mask="element"):
+                q_slots=None, pingpong=False, split_empty=False, num_sms=132, order=None, mask="element", trace=None):
     """(grid, args, kwargs) of one sparse_fwd_kernel launch writing out (b, h_q, s_q, d) and lse
     (b, h_q, s_q) float32 contiguous.  q/k/v/out must be TMA-ready (see _tma_ready); ti: layout_index().
     order: slots dealt by item_order (else round-robin in item order); None: order_auto()'s rule.  mask: a
-    MASK_MODES name (mask_mode())."""
+    MASK_MODES name (mask_mode()).  trace (probes): an int64 (n_items, 2, 8) tensor the TRACE build fills with the
+    consumers' %clock64 stamps per work item (the kernel's _stamp)."""
     if _K is None:
         raise RuntimeError(f"{IMPL_ID}: {UNAVAILABLE}")
     b, hq, sq, d = q.shape
@@ -254,6 +255,9 @@ def launch_args(q, k, v, out, lse, ti, kpm, bs, causal, wl, wr, ng, scale, *, pe
     bq = TILE // 2 if sched["PINGPONG"] else TILE           # Q/O rows per consumer partition
     n_m = _cdiv(sq, TILE)
     n_items = n_m * b * hq
+    if trace is not None and (trace.shape != (n_items, 2, 8) or trace.dtype != torch.int64 or trace.device != q.device):
+        raise ValueError(f"{IMPL_ID}: trace must be an int64 ({n_items}, 2, 8) tensor on {q.device}, got "
+                         f"{trace.dtype} {tuple(trace.shape)} on {trace.device}")
     grid = (min(n_items, num_sms) if persistent else n_items,)
     bm8 = ti.bm8
     s_bm = (bm8.stride(0) if bm8.shape[0] > 1 else 0, bm8.stride(1) if bm8.shape[1] > 1 else 0,
@@ -268,11 +272,12 @@ def launch_args(q, k, v, out, lse, ti, kpm, bs, causal, wl, wr, ng, scale, *, pe
               kv_smem_layout=nvmma_layout((TILE, d), gdt),
               CAUSAL=bool(causal), HAS_WIN=wl >= 0, HAS_GLOBAL=ng > 0, BM_MODE=int(ti.bm_mode),
               HAS_KPM=kpm is not None, FULL_RUN=bool(ti.full_run), REVERSE=bool(causal), ORDER=bool(order), **sched,
-              MASK_MODE=mask_mode(mask, ti, kpm, ng),
+              MASK_MODE=mask_mode(mask, ti, kpm, ng), TRACE=trace is not None,
               CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
               num_warps=_K.PINGPONG_WARPS if sched["PINGPONG"] else _K.NUM_WARPS)
     args = (*descs, lse, out, ti.rows, ti.cols, bm8, kpm8, perm, *out.stride()[:3], *_s3(ti.rows), *_s3(ti.cols),
-            *s_bm, s_kpm, hq, hq // hkv, n_m, n_items, sq, sk, sk - sq, wl, wr, ng, bs, scale * LOG2E)
+            *s_bm, s_kpm, hq, hq // hkv, n_m, n_items, sq, sk, sk - sq, wl, wr, ng, bs, scale * LOG2E,
+            lse if trace is None else trace)
     return grid, args, kw
 
 
@@ -280,8 +285,8 @@ def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale,
                max_seqlen=-1, *, variant=None):
     """out (b, h_q, s_q, d) over (b, s, h, d) memory, lse (b, h_q, s_q) float32 natural log.
     variant (benchmarks): {"persistent": bool, "stages": int, "q_slots": 1 | 2, "pingpong": bool,
-    "split_empty": bool, "order": bool, "mask": a MASK_MODES name} (or a VARIANTS name) over
-    DEFAULT_VARIANT; None: auto_schedule()."""
+    "split_empty": bool, "order": bool, "mask": a MASK_MODES name, "trace": launch_args' trace} (or a VARIANTS
+    name) over DEFAULT_VARIANT; None: auto_schedule()."""
     from ._triton_utils import new_output, new_output_bshd
     if cu is not None:   # check() refuses these; a direct call must not get a silently wrong answer
         raise NotImplementedError(f"{IMPL_ID}: packed varlen layouts (cu_seqlens) are not supported")
@@ -300,7 +305,8 @@ def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale,
     grid, args, kw = launch_args(q, k, v, out, lse, ti, kpm, bs, causal, wl, wr, ng, scale,
                                  persistent=persistent, stages=opts.get("stages"), q_slots=opts.get("q_slots"),
                                  pingpong=opts.get("pingpong", False), split_empty=opts.get("split_empty", False),
-                                 num_sms=_sm_count(q.device), order=opts.get("order"), mask=opts.get("mask", "element"))
+                                 num_sms=_sm_count(q.device), order=opts.get("order"), mask=opts.get("mask", "element"),
+                                 trace=opts.get("trace"))
     _K.sparse_fwd_kernel[grid](*args, **kw)
     return out, lse
 
