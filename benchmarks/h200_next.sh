@@ -151,6 +151,11 @@
 # SwiGLU now has stream-K twins), the attention suite in halves (--part 1/2, 2/2; last full run sessions 15-16),
 # the norm suite (~360 s) for the one tie row; pinned conformance of the changed impls (--impl cuda.gluon.swiglu_gemm
 # --ops swiglu_gemm; --impl cuda.gluon.sparse_attention --ops sparse_attention).
+# Session 19 (results/*_s19*; one H200): the sparse boundary probe (8c5ae80: CARRY slower -> dropped; interval masks
+# bitwise equal and faster), the sparse GPU tests + suite (1a0df5b, 685e225), PART=cs (d5b0c2b: 18 / 10 pass), the
+# norm forward rows (d5b0c2b). Not run: e2e, the attention suite, swiglu conformance (see above).
+# Order for session 20: PART=tr first (~1 min: where the sparse forward's per-item time goes, the TRACE build), then
+# PART=d (e2e), then the attention suite halves (f1 / f2) if time is left.
 # OPSADV_COMMIT=<sha> PART=a bash benchmarks/h200_next.sh   (from the repo root on the GPU host, $OUT set)
 set -u
 # tests/conftest.py defaults TRITON_INTERPRET to 1 (CPU CI): every pytest here must say 0, and select the GPU tests
