@@ -89,7 +89,7 @@ def main(path: str) -> None:
             tiles = slot_tiles(ti, n_m, order, nprog)
             row["tiles_per_item"] = round(float(tiles.double().mean()), 3)
             row["cycles"] = phases(trace.cpu(), tiles.cpu(), nwg, nprog)
-            # cycles per ms from the CTAs' spans against the traced kernel time (the SM clock under this load)
+            # cycles per us from the CTAs' spans against the traced kernel time (the SM clock under this load)
             row["cycles_per_us"] = round(row["cycles"]["cta_span_cycles_median"] / (row["traced_ms"] * 1e3), 1)
             rows.append(row)
             print(json.dumps(row), flush=True)
