@@ -100,7 +100,7 @@ def compile_case(name, d, dtype=None, variant="default", trace=False):
     k, v = (torch.randn(b, hkv, lay.seq_k, d).to(dtype) for _ in range(2))
     out, lse = torch.empty_like(q), torch.empty(b, hq, lay.seq_q)
     # trace: the probes' TRACE build (sparse_trace_probe.py), stamps into an int64 (items, 2, 8) buffer
-    n_items = -(-lay.seq_q // GS.TILE) * b * hq
+    n_items = GS._cdiv(lay.seq_q, GS.TILE) * b * hq
     tr = torch.zeros(n_items, 2, 8, dtype=torch.int64) if trace else None
     ti = GS.layout_index(lay.block_mask, lay.key_padding_mask, None, lay.block_size, lay.causal, lay.window_left,
                          lay.window_right, lay.num_global, lay.seq_q, lay.seq_k)

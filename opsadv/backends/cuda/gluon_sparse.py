@@ -150,13 +150,20 @@ def persistent_schedule(ti, n_m: int) -> bool:
     return per_row < 0 or per_row <= PERSISTENT_MAX_TILES
 
 
+def band_layout(ti, kpm, ng: int) -> bool:
+    """Windows / causal over an all-True or all-False block mask: no mixed block mask (bm_mode 2, gathered per
+    element), key padding or global tokens.  What the interval mask serves and the ping-pong schedules compile
+    spill-free for."""
+    return ti.bm_mode != 2 and kpm is None and not ng
+
+
 def auto_schedule(d: int, ti, n_m: int, kpm, ng: int) -> dict:
     """The schedule a call without an explicit variant runs (module docstring): pingpong_st3 for d128
     windows / causal layouts (no mixed block mask, key padding or global tokens: those spill in the
     ping-pong schedules) with long rows, else the default; the grid from the schedule's persistent
     crossover; band layouts (the same "plain" ones) with the interval mask."""
     per_row = tiles_per_row(ti, n_m)
-    plain = ti.bm_mode != 2 and kpm is None and not ng      # bm_mode 2: a mixed block mask is gathered
+    plain = band_layout(ti, kpm, ng)
     if d == 128 and plain and per_row >= SCHEDULE_PINGPONG_MIN_TILES:
         return {**VARIANTS["pingpong_st3_interval"], "persistent": per_row <= PINGPONG_PERSISTENT_MAX_TILES}
     return {"persistent": persistent_schedule(ti, n_m), **({"mask": "interval"} if plain else {})}
@@ -187,7 +194,7 @@ def mask_mode(mask: str, ti, kpm, ng: int) -> int:
     """The kernel's MASK_MODE for a variant's "mask" (MASK_MODES); ValueError naming why it cannot serve."""
     if mask not in MASK_MODES:
         raise ValueError(f"{IMPL_ID}: mask must be one of {sorted(MASK_MODES)}, got {mask!r}")
-    if mask == "interval" and (ti.bm_mode == 2 or kpm is not None or ng):
+    if mask == "interval" and not band_layout(ti, kpm, ng):
         raise ValueError(f"{IMPL_ID}: interval masks serve band layouts only (a window and/or causal over an all-True "
                          f"or all-False block mask), not a mixed block mask, key padding or global tokens")
     return MASK_MODES[mask]
