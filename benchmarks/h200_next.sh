@@ -620,6 +620,15 @@ tr)  # session 19 (prepared, not yet run): the TRACE build's per-phase cycles of
      # with interval masks at w1024 / w2048): where the per-item fixed cost of the sparse forward goes (~1 min)
   timeout 300 python3 benchmarks/gluon_fa/sparse_trace_probe.py "$OUT/sparse_trace.json" 2>&1 | tail -4 | cut -c1-1500
   ;;
+k)  # session 20: the Gluon sparse GPU tests (every schedule incl. pingpong_st3_kslot, bitwise vs the register store),
+     # then the traced phases of default / st3 / pingpong_st3 (register O store, now 4-byte pieces) / pingpong_st3_kslot
+     # at w1024 / w2048 / w4096 (PART=tr ran at 645e8c1: the ping-pong epilogue took 9.5k cycles of a 37k-cycle item)
+  TRITON_INTERPRET=0 timeout 240 python3 -m pytest -q -p no:cacheprovider -n 8 -k gpu tests/test_gluon_sparse.py \
+    > "$OUT/gluon_sparse_pytest.log" 2>&1
+  echo "gluon sparse pytest rc $?"; tail -3 "$OUT/gluon_sparse_pytest.log" | cut -c1-400
+  TRACE_WINDOWS=1024,2048,4096 timeout 300 python3 benchmarks/gluon_fa/sparse_trace_probe.py "$OUT/sparse_trace.json" \
+    2>&1 | tail -13 | cut -c1-900
+  ;;
 cs)  # session 19: pinned conformance of both sparse impls after the interval masks became their band-layout default
   for impl in cuda.triton.sparse_attention cuda.gluon.sparse_attention; do
     timeout 200 python3 -m opsadv conformance --backend cuda --impl "$impl" --json "$OUT/conf_$impl.json" \

@@ -143,12 +143,12 @@ def test_new_schedules_compile_without_any_spill(sm90_compile_report):
 
 @needs_gluon
 def test_trace_build_stamps_only_when_asked(sm90_compile_report):
-    """The probes' TRACE build reads %clock64 at the 7 stamps of each consumer warpgroup and spills nothing inside
+    """The probes' TRACE build reads %clock64 at the 11 stamps of each consumer warpgroup and spills nothing inside
     the tile loops; every other build has no clock read at all (TRACE compiles away: the sm_90 SASS of the untraced
     kernel was byte-identical before and after the stamps were added, session 19)."""
     for case, r in sm90_compile_report.items():
         if r["trace"]:
-            assert r["clock_reads"] == 7 * (2 if r["pingpong"] else 1), r
+            assert r["clock_reads"] == 11 * (2 if r["pingpong"] else 1), r
             assert r["spills_in_tile_loops"] == 0 and r["spills"] <= 24, r
         else:
             assert r["clock_reads"] == 0, r
@@ -160,8 +160,9 @@ def test_launch_args_refuses_a_wrong_trace_buffer():
     lay = SparseLayout.sliding_window(300, 100, causal=True, block_size=128)
     ti = GS.layout_index(*_layout_args(lay), 300, 300)
     q = torch.zeros(1, 2, 300, 128, dtype=torch.bfloat16)
-    for bad in (torch.zeros(6, 2, 8, dtype=torch.int32), torch.zeros(5, 2, 8, dtype=torch.int64)):
-        with pytest.raises(ValueError, match=r"trace must be an int64 \(6, 2, 8\) tensor"):
+    for bad in (torch.zeros(6, 2, 16, dtype=torch.int32), torch.zeros(5, 2, 16, dtype=torch.int64),
+                torch.zeros(6, 2, 8, dtype=torch.int64)):
+        with pytest.raises(ValueError, match=r"trace must be an int64 \(6, 2, 16\) tensor"):
             GS.launch_args(q, q, q, q, torch.zeros(1, 2, 300), ti, None, 128, True, 100, 0, 0, 0.1, trace=bad)
 
 
@@ -242,7 +243,7 @@ def test_resolve_schedule():
     """Ring depth / Q slots / register O store per variant, from the shared memory budget (227 KB)."""
     assert GS.DEFAULT_VARIANT == {}                  # nothing new is the default without a GPU measurement
     r = GS.resolve_schedule
-    base = dict(PINGPONG=False, O_REGS=False, SPLIT_EMPTY=False)
+    base = dict(PINGPONG=False, O_REGS=False, SPLIT_EMPTY=False, O_KSLOT=False)
     assert r(128) == dict(base, STAGES=2, Q_SLOTS=2)                  # the measured schedule
     assert r(64) == dict(base, STAGES=4, Q_SLOTS=2)
     assert r(128, pingpong=True) == dict(base, STAGES=2, Q_SLOTS=2, PINGPONG=True, O_REGS=True)
@@ -257,7 +258,13 @@ def test_resolve_schedule():
         with pytest.raises(ValueError, match="shared memory"):
             r(128, **bad)
     for name, v in GS.VARIANTS.items():                          # every named variant resolves at d128
-        assert r(128, v.get("stages"), v.get("q_slots"), v.get("pingpong", False), v.get("split_empty", False))
+        assert r(128, v.get("stages"), v.get("q_slots"), v.get("pingpong", False), v.get("split_empty", False),
+                 v.get("o_kslot", False))
+    # O through the last K tile: only where the Q slot is freed early and K slots are freed with their V
+    assert r(128, 3, pingpong=True, o_kslot=True)["O_KSLOT"] is True
+    for bad in (dict(), dict(pingpong=True, split_empty=True)):
+        with pytest.raises(ValueError, match="o_kslot .* needs a schedule that frees its Q slot early"):
+            r(128, o_kslot=True, **bad)
 
 
 @needs_gluon
@@ -451,13 +458,15 @@ class _Bar:
 
 
 def simulate_protocol(n_alls, stages, q_slots, pingpong, o_regs, rng, idle_turn=True, early_q_release=False,
-                      split_empty=False, early_k_release=False):
+                      split_empty=False, early_k_release=False, o_kslot=False, skip_k_done=False):
     """Run the producer and consumer partitions of one CTA as the kernel writes them (_producer, _consumer:
     the same slot / phase / turn arithmetic) under a random interleaving, with TMA copies landing at random
     later times.  n_alls: the visited tile count of each of the CTA's work items (0 = an empty item).
     Fails on a deadlock, on a consumer reading a buffer that does not hold its (item, tile), on a TMA
     copy landing in a buffer still being read, and (ping-pong) on GEMM issues that do not alternate
-    between the warpgroups.  Returns the warpgroups' GEMM issue order."""
+    between the warpgroups.  o_kslot: O is written into the warpgroup's rows of the item's last K tile and copied
+    out before that ring slot is released; writing while any S still reads the tile, or a copy landing under the
+    store, fails.  Returns the warpgroups' GEMM issue order."""
     nwg = 2 if pingpong else 1
     q_ready = [_Bar(1) for _ in range(q_slots * nwg)]
     q_empty = [_Bar(1) for _ in range(q_slots * nwg)]
@@ -466,6 +475,7 @@ def simulate_protocol(n_alls, stages, q_slots, pingpong, o_regs, rng, idle_turn=
     k_empty = [_Bar(nwg) for _ in range(stages)] if split_empty else kv_empty
     turn = [_Bar(1), _Bar(1)]
     turn[0].arrive()                                # warpgroup 0 pre-armed
+    k_done = _Bar(nwg)                              # o_kslot with ping-pong: both warpgroups' last S retired
     mem, readers, in_flight, gemms = {}, {}, [], []
 
     def tma(buf, bar, what):
@@ -561,6 +571,8 @@ def simulate_protocol(n_alls, stages, q_slots, pingpong, o_regs, rng, idle_turn=
                     yield None                            # the softmax, P_j V_j in flight
                     done_reading(("v", cur), who)         # wait(0)
                     kv_empty[cur].arrive()                # (one barrier: K_j retired in the step before)
+                if o_kslot and pingpong:                  # this warpgroup's last S retired
+                    k_done.arrive()
                 if o_regs and not early_q_release:        # every S retired: Q slot free
                     q_empty[qs].arrive()
                 g = it + n_all - 1
@@ -571,6 +583,16 @@ def simulate_protocol(n_alls, stages, q_slots, pingpong, o_regs, rng, idle_turn=
                 turn_pass()
                 yield None
                 done_reading(("v", last), who)
+                if o_kslot:
+                    if pingpong and not skip_k_done:
+                        yield k_done, qi & 1
+                    buf = ("k", last)
+                    assert mem.get(buf) == (qi, n_all - 1), f"{who} O over {buf}: holds {mem.get(buf)}"
+                    gemm_readers = {r for r in readers.get(buf, ()) if not r.endswith("-o")}   # (O rows: disjoint)
+                    assert not gemm_readers, f"{who} wrote O into {buf} while {gemm_readers} read it"
+                    readers.setdefault(buf, set()).add(who + "-o")     # the O store, until the copy has read it
+                    yield None
+                    done_reading(buf, who + "-o")
                 kv_empty[last].arrive()
             else:
                 if idle_turn:
@@ -578,6 +600,8 @@ def simulate_protocol(n_alls, stages, q_slots, pingpong, o_regs, rng, idle_turn=
                     turn_pass()
                 if o_regs:
                     q_empty[qs].arrive()
+                if o_kslot and pingpong:
+                    k_done.arrive()
             it += n_all
             if not o_regs:                                    # O out through the Q slot, then release it
                 read(("q", qs), (qi, wg), who)
@@ -618,12 +642,12 @@ def test_barrier_protocol_simulation(variant):
     import random
     v = GS.VARIANTS[variant]
     sched = GS.resolve_schedule(128, v.get("stages"), v.get("q_slots"), v.get("pingpong", False),
-                                v.get("split_empty", False))
+                                v.get("split_empty", False), v.get("o_kslot", False))
     for seed_ in range(40):
         rng = random.Random(seed_)
         for items in _PROTOCOL_ITEMS:
             gemms = simulate_protocol(items, sched["STAGES"], sched["Q_SLOTS"], sched["PINGPONG"], sched["O_REGS"],
-                                      rng, split_empty=sched["SPLIT_EMPTY"])
+                                      rng, split_empty=sched["SPLIT_EMPTY"], o_kslot=sched["O_KSLOT"])
             if sched["PINGPONG"]:
                 turns = sum(n + 1 for n in items)     # n_all + 1 per item, one idle turn per empty item
                 assert gemms == [0, 1] * turns, gemms
@@ -631,12 +655,14 @@ def test_barrier_protocol_simulation(variant):
 
 def test_barrier_protocol_simulation_detects_broken_protocols():
     """The simulation can fail: ping-pong without the idle turn of an empty item (the turn counter it + qi
-    then no longer matches the barrier phases), a Q slot released before the item's last S = Q K^T, and
-    (split K/V barriers) a K slot released before its S retired."""
+    then no longer matches the barrier phases), a Q slot released before the item's last S = Q K^T,
+    (split K/V barriers) a K slot released before its S retired, and (O through the last K tile) O written
+    there without waiting for the other warpgroup's last S."""
     import random
     for kwargs in (dict(idle_turn=False, pingpong=True, q_slots=2, o_regs=True),
                    dict(early_q_release=True, pingpong=False, q_slots=1, o_regs=True),
-                   dict(early_k_release=True, split_empty=True, pingpong=True, q_slots=2, o_regs=True)):
+                   dict(early_k_release=True, split_empty=True, pingpong=True, q_slots=2, o_regs=True),
+                   dict(o_kslot=True, skip_k_done=True, pingpong=True, q_slots=1, o_regs=True)):
         failed = 0
         for seed_ in range(20):
             try:
@@ -751,6 +777,26 @@ def test_gpu_interval_mask_bitwise_equals_element_mask(d, schedule, persistent, 
         assert torch.equal(out_i, out_e) and torch.equal(lse_i, lse_e), name
         ro, rl = _ref(q, k, v, lay, 0.1)
         assert rel_err(out_i, ro) < 2e-2, (name, rel_err(out_i, ro))
+
+
+@requires_sm90
+@pytest.mark.parametrize("persistent", [True, False])
+def test_gpu_kslot_store_bitwise_equals_register_store(persistent, seed, monkeypatch):
+    """pingpong_st3_kslot (O copied out through the item's last K tile) only moves where O leaves from: out and lse
+    equal the register store's bit for bit on every band layout (rows past s_q clipped by the copy; items with no
+    tile store their zeros from registers)."""
+    monkeypatch.setenv("OPSADV_POISON_OUTPUTS", "1")
+    for name in ("window_causal", "window_causal_long", "causal", "causal_sq_gt_sk", "window_cross"):
+        lay, b, hq, hkv = _layouts("cuda")[name]
+        q = torch.randn(b, hq, lay.seq_q, 128, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(b, hkv, lay.seq_k, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        regs = GS.sparse_fwd(None, q, k, v, *_layout_args(lay), 0.1,
+                             variant={**GS.VARIANTS["pingpong_st3_interval"], "persistent": persistent})
+        kslot = GS.sparse_fwd(None, q, k, v, *_layout_args(lay), 0.1,
+                              variant={**GS.VARIANTS["pingpong_st3_kslot"], "persistent": persistent})
+        assert torch.equal(kslot[0], regs[0]) and torch.equal(kslot[1], regs[1]), name
+        ro, rl = _ref(q, k, v, lay, 0.1)
+        assert rel_err(kslot[0], ro) < 2e-2, (name, rel_err(kslot[0], ro))
 
 
 def _item_tiles(ti, b, hq, n_m, reverse):

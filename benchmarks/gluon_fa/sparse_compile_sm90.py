@@ -82,10 +82,13 @@ VARIANT_CASES = [("window_causal", 128, "pingpong"), ("causal", 128, "pingpong")
                  # the interval mask (band layouts): the default schedule's rule (no spill inside the tile loops),
                  # 0 spills with pingpong_st3
                  ("window_causal", 128, "interval"), ("causal", 128, "interval"), ("window_causal", 64, "interval"),
+                 # O out through the last K tile (session 20): 0 spills like pingpong_st3
+                 ("window_causal", 128, "pingpong_st3_kslot"), ("causal", 128, "pingpong_st3_kslot"),
                  ("window_causal", 128, "pingpong_st3_interval"), ("causal", 128, "pingpong_st3_interval"),
                  ("window_causal", 64, "pingpong_st3_interval")]
 # The TRACE build of the probes (sparse_trace_probe.py): stamps spill a little outside the tile loops, none inside.
-TRACE_CASES = [("window_causal", 128, "interval"), ("window_causal", 128, "pingpong_st3_interval")]
+TRACE_CASES = [("window_causal", 128, "interval"), ("window_causal", 128, "pingpong_st3_interval"),
+               ("window_causal", 128, "pingpong_st3_kslot")]
 # Reported with --masked only (they spill: outside the loops, and for global tokens inside them).
 MASKED_VARIANT_CASES = [(n, 128, v) for v in ("pingpong", "st3", "pingpong_st3", "pingpong_kv")
                         for n in ("bigbird", "global_window", "dilated_not_one_run")]
@@ -99,9 +102,9 @@ def compile_case(name, d, dtype=None, variant="default", trace=False):
     q = torch.randn(b, hq, lay.seq_q, d).to(dtype)
     k, v = (torch.randn(b, hkv, lay.seq_k, d).to(dtype) for _ in range(2))
     out, lse = torch.empty_like(q), torch.empty(b, hq, lay.seq_q)
-    # trace: the probes' TRACE build (sparse_trace_probe.py), stamps into an int64 (items, 2, 8) buffer
+    # trace: the probes' TRACE build (sparse_trace_probe.py), stamps into an int64 (items, 2, TRACE_STAMPS) buffer
     n_items = GS._cdiv(lay.seq_q, GS.TILE) * b * hq
-    tr = torch.zeros(n_items, 2, 8, dtype=torch.int64) if trace else None
+    tr = torch.zeros(n_items, 2, K.TRACE_STAMPS.value, dtype=torch.int64) if trace else None
     ti = GS.layout_index(lay.block_mask, lay.key_padding_mask, None, lay.block_size, lay.causal, lay.window_left,
                          lay.window_right, lay.num_global, lay.seq_q, lay.seq_k)
     grid, args, kw = GS.launch_args(q, k, v, out, lse, ti, lay.key_padding_mask, lay.block_size, lay.causal,

@@ -60,6 +60,10 @@ PINGPONG_WARPS = 4  # with PINGPONG: one warpgroup per consumer partition (the d
 MASK_ELEMENT: gl.constexpr = gl.constexpr(0)
 MASK_INTERVAL: gl.constexpr = gl.constexpr(1)
 MASK_NONE_PROBE: gl.constexpr = gl.constexpr(2)
+# TRACE build: %clock64 stamps per work item and consumer warpgroup (gluon_sparse.launch_args' trace buffer is
+# int64 (n_items, 2, TRACE_STAMPS)); in time order 0 start, 11 item decoded, 1 Q ready, 2 S_0 retired, 3 its softmax,
+# 4 tile loops done, 5 last P V retired, 8 its slot released, 9 item decoded again, 10 lse stored, 6 O stored
+TRACE_STAMPS: gl.constexpr = gl.constexpr(16)
 
 
 @gluon.jit
@@ -76,7 +80,33 @@ def _stamp(trace_ptr, slot, k: gl.constexpr, WG: gl.constexpr, TRACE: gl.constex
     marking where a work item's time goes (benchmarks/gluon_fa/sparse_trace_probe.py)."""
     if TRACE:
         t = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [slot], dtype=gl.int64, is_pure=False, pack=1)
-        gl.store(trace_ptr + (slot.to(gl.int64) * 2 + WG) * 8 + k, t)
+        gl.store(trace_ptr + (slot.to(gl.int64) * 2 + WG) * TRACE_STAMPS + k, t)
+
+
+@gluon.jit
+def _stamp_after(trace_ptr, slot, k: gl.constexpr, WG: gl.constexpr, TRACE: gl.constexpr, dep):
+    """_stamp once the int32 scalar dep is available: the clock read takes dep as its operand, so it waits for the
+    load that produces dep (a plain stamp marks when the instructions before it were issued, not completed)."""
+    if TRACE:
+        t = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [dep], dtype=gl.int64, is_pure=False, pack=1)
+        gl.store(trace_ptr + (slot.to(gl.int64) * 2 + WG) * TRACE_STAMPS + k, t)
+
+
+@gluon.jit
+def _store_o_rows(o, o_ptr, b, h, row0, SQ, s_ob, s_oh, s_os, BM: gl.constexpr, D: gl.constexpr,
+                  o_layout: gl.constexpr):
+    """O_REGS: o (BM x D, out's dtype, the accumulator layout: 2 adjacent columns per thread) to out rows
+    [row0, row0 + BM) of head (b, h), rows past SQ dropped.  The item offset is formed as a multiple of 8 elements
+    (the host checks the strides) so the compiler can pair the columns into 4-byte stores: from opaque strides alone
+    it knew no alignment and stored 2-byte pieces, twice the instructions.  (A layout with 16 bytes per thread
+    would need a conversion through shared memory: ~3.8 KB of scratch, which a 3-stage ring at d128 leaves no room
+    for.)  Row offsets are 32-bit (the host checks s_q x row stride < 2^31; 64-bit ones or an item base spilled)."""
+    r = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, o_layout))
+    c = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+    # (opaque strides: their hoisted 64-bit sign extensions were spilled across the loops)
+    item = (b.to(gl.int64) * (_opaque(s_ob) >> 3).to(gl.int64) + h.to(gl.int64) * (_opaque(s_oh) >> 3).to(gl.int64)) * 8
+    optr = o_ptr + item + gl.expand_dims(r * s_os, 1) + gl.expand_dims(c, 0)
+    gl.store(optr, o, mask=gl.expand_dims(r < SQ, 1))
 
 
 @gluon.jit
@@ -338,12 +368,13 @@ def _consumer(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, 
               HAS_KPM: gl.constexpr, REVERSE: gl.constexpr, ORDER: gl.constexpr, STAGES: gl.constexpr,
               Q_SLOTS: gl.constexpr,
               PINGPONG: gl.constexpr, O_REGS: gl.constexpr, SPLIT_EMPTY: gl.constexpr, MASK_MODE: gl.constexpr,
-              trace_ptr, TRACE: gl.constexpr, WG: gl.constexpr, num_warps: gl.constexpr):
+              trace_ptr, TRACE: gl.constexpr, WG: gl.constexpr, k_done, O_KSLOT: gl.constexpr,
+              num_warps: gl.constexpr):
     """One consumer partition: rows [WG * BM, +BM) of every item (BM = the Q block: 128 with 8 warps, or
     64 per warpgroup with PINGPONG), each item's tiles in list order (partial, then full), FA3
     intra-warpgroup overlap: iteration j issues S_{j+1} and P_j V_j, runs the softmax of S_{j+1} while
     P_j V_j runs.  TRACE: _stamp marks 0 item start, 1 Q ready, 2 S_0 retired, 3 its softmax done, 4 the tile
-    loops done, 5 the last P V retired, 6 the item stored; 7 holds n_all."""
+    loops done, 5 the last P V retired, 6 the item stored (TRACE_STAMPS: the finer ones)."""
     BM: gl.constexpr = q_desc.block_type.shape[2]
     D: gl.constexpr = q_desc.block_type.shape[3]
     BN: gl.constexpr = k_smem.shape[1]
@@ -368,6 +399,7 @@ def _consumer(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, 
         row = rows_ptr + b * s_rb + h * s_rh + mt * s_rr
         n_part = gl.load(row)
         n_all = gl.load(row + 1)
+        _stamp_after(trace_ptr, slot, 11, WG, TRACE, n_all)
         cols = cols_ptr + b * s_cb + h * s_ch + mt * s_cr
         bmp = bm_ptr + b * s_bmb + h * s_bmh        # strides are 0 on broadcast dims
         kpmp = kpm_ptr + b * s_kpmb
@@ -416,6 +448,9 @@ def _consumer(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, 
                                                  HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, STAGES, PINGPONG, WG,
                                                  SPLIT_EMPTY, s_layout, o_layout, MASK_MODE)
             _stamp(trace_ptr, slot, 4, WG, TRACE)
+            if O_KSLOT and PINGPONG:
+                # This warpgroup's last S = Q K^T has retired: the other one may write its O over that K tile.
+                _release(k_done)
             if O_REGS:
                 # Every S = Q K^T of the item has retired: the producer may load the next item's Q now.
                 _release(q_empty.index(qs))
@@ -429,18 +464,25 @@ def _consumer(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, 
             _turn_pass(turn, WG, PINGPONG)
             o = warpgroup_mma_wait(0, deps=(o_tok, p_op))[0]
             _stamp(trace_ptr, slot, 5, WG, TRACE)
-            _release(kv_empty.index(last))
+            if not O_KSLOT:                         # (O_KSLOT: once O has left through the slot's K tile)
+                _release(kv_empty.index(last))
+            _stamp(trace_ptr, slot, 8, WG, TRACE)
         else:
             _turn_wait(turn, tc, WG, PINGPONG)      # the empty item's idle turn (see tc above)
             _turn_pass(turn, WG, PINGPONG)
             if O_REGS:
                 _release(q_empty.index(qs))         # no tile: the slot was only waited for (phase bookkeeping)
+            if O_KSLOT and PINGPONG:
+                _release(k_done)                    # one k_done phase per item, empty ones too
+        n_tiles = n_all
         it += n_all
 
         # (b, h, tile) again from w rather than kept live across the tile loop (register pressure; with
         # OPAQUE an opaque copy of w keeps LLVM from merging this with the computation above)
         # (with ORDER the item is read again rather than kept: one more live register spilled)
-        b, h, mt, bh = _item(_maybe_opaque(_work_item(slot, perm_ptr, ORDER), OPAQUE), H, n_m, REVERSE, OPAQUE)
+        w = _work_item(slot, perm_ptr, ORDER)
+        _stamp_after(trace_ptr, slot, 9, WG, TRACE, w)
+        b, h, mt, bh = _item(_maybe_opaque(w, OPAQUE), H, n_m, REVERSE, OPAQUE)
         rows = (mt * NWG + WG) * BM + gl.arange(0, BM, layout=row_s)
         empty = l_i == 0.0                          # no allowed key in this row: out 0, lse -inf
         l_safe = gl.where(empty, 1.0, l_i)
@@ -448,15 +490,29 @@ def _consumer(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, 
         lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)   # log2 -> ln
         # (OPAQUE: SQ widened here; a hoisted 64-bit SQ was held, and spilled, across the loops)
         gl.store(lse_ptr + bh.to(gl.int64) * _maybe_opaque(SQ, OPAQUE).to(gl.int64) + rows, lse, mask=rows < SQ)
-        if O_REGS:
-            # The slot may already hold the next item's Q: O goes out from registers.  Row offsets are
-            # 32-bit (the host checks s_q x row stride < 2^31; 64-bit ones or an item base cost spills).
-            r_o = gl.expand_dims(gl.convert_layout(rows, row_o), 1)
-            c_o = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, o_layout)), 0)
-            # (opaque strides: their hoisted 64-bit sign extensions were spilled across the loops)
-            item = b.to(gl.int64) * _opaque(s_ob).to(gl.int64) + h.to(gl.int64) * _opaque(s_oh).to(gl.int64)
-            optr = o_ptr + item + r_o * s_os + c_o
-            gl.store(optr, o.to(dtype), mask=r_o < SQ)
+        _stamp(trace_ptr, slot, 10, WG, TRACE)
+        if O_KSLOT:
+            if n_tiles > 0:
+                # O out through this partition's rows of the item's last K tile: every S that read it has retired
+                # (this warpgroup's in the tile loops, the other's by k_done), and the ring slot is released
+                # only once the copy has read it, so the producer cannot refill it under the store.
+                last = (it - 1) % STAGES
+                if PINGPONG:
+                    mbarrier.wait(k_done, qi & 1)
+                o_tile = k_smem.index(last).slice(WG * BM, BM)
+                o_tile.store(o.to(dtype))
+                fence_async_shared()                # generic-proxy smem writes before the TMA (async proxy) read
+                gl.thread_barrier()                 # every warp's part written before one thread issues the copy
+                tma.async_copy_shared_to_global(o_desc, [b, h, (mt * NWG + WG) * BM, 0],
+                                                o_tile._reinterpret(dtype, q_view, o_desc.layout))
+                tma.store_wait(0)
+                _release(kv_empty.index(last))
+            else:                                   # no tile, no slot: the zeros from registers
+                _store_o_rows(o.to(dtype), o_ptr, b, h, (mt * NWG + WG) * BM, SQ, s_ob, s_oh, s_os, BM, D, o_layout)
+        elif O_REGS:
+            # The slot may already hold the next item's Q: O goes out from registers (32-bit row offsets; 64-bit
+            # ones or an item base cost spills).
+            _store_o_rows(o.to(dtype), o_ptr, b, h, (mt * NWG + WG) * BM, SQ, s_ob, s_oh, s_os, BM, D, o_layout)
         else:
             # O out through this item's Q slot (every wgmma reading it has retired); TMA clips rows past s_q.
             q_tile.store(o.to(dtype))
@@ -480,7 +536,8 @@ def sparse_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, o_ptr, rows_ptr, 
                       STAGES: gl.constexpr,
                       Q_SLOTS: gl.constexpr, PINGPONG: gl.constexpr, O_REGS: gl.constexpr, SPLIT_EMPTY: gl.constexpr,
                       CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
-                      MASK_MODE: gl.constexpr = MASK_ELEMENT, TRACE: gl.constexpr = False):
+                      MASK_MODE: gl.constexpr = MASK_ELEMENT, TRACE: gl.constexpr = False,
+                      O_KSLOT: gl.constexpr = False):
     """Grid (min(n_items, SMs) persistent, or n_items,).  n_items = n_m query tiles x b x H.
     q/o descriptors: block (1, 1, 128, d), or (1, 1, 64, d) with PINGPONG (then num_warps = 4, one
     warpgroup per consumer partition); k/v: (1, 1, 128, d); *_smem_layout: the 2-D NVMMA layouts of
@@ -494,6 +551,7 @@ def sparse_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, o_ptr, rows_ptr, 
     NWG: gl.constexpr = 2 if PINGPONG else 1                         # consumer partitions
     NQ: gl.constexpr = Q_SLOTS * NWG
     gl.static_assert(O_REGS or Q_SLOTS == 2, "one Q slot per partition needs O stored from registers")
+    gl.static_assert(not O_KSLOT or (O_REGS and not SPLIT_EMPTY), "O_KSLOT: Q freed early, K slots freed with V")
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [NQ, BQ, D], q_smem_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, D], kv_smem_layout)
@@ -515,6 +573,11 @@ def sparse_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, o_ptr, rows_ptr, 
             mbarrier.init(k_empty.index(i), count=NWG)
     else:
         k_empty = kv_empty                              # never used without SPLIT_EMPTY
+    if O_KSLOT and PINGPONG:                            # both warpgroups' last S of an item retired (2 arrives)
+        k_done = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
+        mbarrier.init(k_done, count=2)
+    else:
+        k_done = kv_empty                               # never used
     for i in gl.static_range(NQ):
         mbarrier.init(q_ready.index(i), count=1)        # completed by the TMA transaction bytes
         mbarrier.init(q_empty.index(i), count=1)        # one arrive from the slot's consumer partition
@@ -531,13 +594,13 @@ def sparse_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, o_ptr, rows_ptr, 
                          s_cb, s_ch, s_cr, bm_ptr, s_bmb, s_bmh, s_bm_q, s_bm_k, kpm_ptr, s_kpmb,
                          H, n_m, n_items, SQ, SK, OFF, WL, WR, NG, BS, qk_scale,
                          CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, REVERSE, ORDER, STAGES, Q_SLOTS, PINGPONG,
-                         O_REGS, SPLIT_EMPTY, MASK_MODE, trace_ptr, TRACE, 0, 4)),
+                         O_REGS, SPLIT_EMPTY, MASK_MODE, trace_ptr, TRACE, 0, k_done, O_KSLOT, 4)),
             (_consumer, (q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, v_smem, q_ready, q_empty,
                          k_ready, v_ready, kv_empty, k_empty, turn, rows_ptr, cols_ptr, perm_ptr, s_rb, s_rh, s_rr,
                          s_cb, s_ch, s_cr, bm_ptr, s_bmb, s_bmh, s_bm_q, s_bm_k, kpm_ptr, s_kpmb,
                          H, n_m, n_items, SQ, SK, OFF, WL, WR, NG, BS, qk_scale,
                          CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, REVERSE, ORDER, STAGES, Q_SLOTS, PINGPONG,
-                         O_REGS, SPLIT_EMPTY, MASK_MODE, trace_ptr, TRACE, 1, 4)),
+                         O_REGS, SPLIT_EMPTY, MASK_MODE, trace_ptr, TRACE, 1, k_done, O_KSLOT, 4)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                          rows_ptr, cols_ptr, perm_ptr, s_rb, s_rh, s_rr, s_cb, s_ch, s_cr, H, GROUP, n_m, n_items,
                          REVERSE, ORDER, FULL_RUN, STAGES, Q_SLOTS, NWG, O_REGS, k_empty, SPLIT_EMPTY)),
@@ -549,7 +612,7 @@ def sparse_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, o_ptr, rows_ptr, 
                          s_cb, s_ch, s_cr, bm_ptr, s_bmb, s_bmh, s_bm_q, s_bm_k, kpm_ptr, s_kpmb,
                          H, n_m, n_items, SQ, SK, OFF, WL, WR, NG, BS, qk_scale,
                          CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, REVERSE, ORDER, STAGES, Q_SLOTS, PINGPONG,
-                         O_REGS, SPLIT_EMPTY, MASK_MODE, trace_ptr, TRACE, 0, num_warps)),
+                         O_REGS, SPLIT_EMPTY, MASK_MODE, trace_ptr, TRACE, 0, k_done, O_KSLOT, num_warps)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                          rows_ptr, cols_ptr, perm_ptr, s_rb, s_rh, s_rr, s_cb, s_ch, s_cr, H, GROUP, n_m, n_items,
                          REVERSE, ORDER, FULL_RUN, STAGES, Q_SLOTS, NWG, O_REGS, k_empty, SPLIT_EMPTY)),
@@ -567,3 +630,5 @@ def sparse_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, o_ptr, rows_ptr, 
     if SPLIT_EMPTY:
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(k_empty.index(i))
+    if O_KSLOT and PINGPONG:
+        mbarrier.invalidate(k_done)

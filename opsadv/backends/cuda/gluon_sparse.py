@@ -98,6 +98,9 @@ VARIANTS = {
     # the partial tiles' mask as per-row key bounds (band layouts only; mask_mode())
     "interval": {"mask": "interval"},
     "pingpong_st3_interval": {"pingpong": True, "stages": 3, "mask": "interval"},
+    # O out by TMA through the rows of the item's last K tile (its slot freed after the copy) instead of from registers
+    # (measured where the ping-pong epilogue's time went: sparse_trace_probe.py, session 20)
+    "pingpong_st3_kslot": {"pingpong": True, "stages": 3, "mask": "interval", "o_kslot": True},
 }
 # Partial-tile masks (the kernel's MASK_MODE): the element predicate, per-row key intervals (band layouts: no mixed
 # block mask, global tokens or key padding), and "unmasked_probe" -- no mask at all, WRONG results: a benchmark's
@@ -174,20 +177,26 @@ def smem_bytes(d: int, stages: int, q_slots: int, esize: int = 2) -> int:
     return (q_slots * TILE + 2 * stages * TILE) * d * esize
 
 
-def resolve_schedule(d: int, stages=None, q_slots=None, pingpong=False, split_empty=False) -> dict:
+def resolve_schedule(d: int, stages=None, q_slots=None, pingpong=False, split_empty=False, o_kslot=False) -> dict:
     """Kernel constexprs of a variant: STAGES (default STAGES[d]), Q_SLOTS (2 when it fits next to the
     ring, else 1), PINGPONG, and O_REGS: O stored from registers and the Q slot released after the
     item's last S (every new schedule; needed with 1 Q slot; the ping-pong TMA store through the slot
-    spilled), SPLIT_EMPTY (K and V slots freed apart).  ValueError when the ring does not fit even with one
-    Q slot."""
+    spilled), SPLIT_EMPTY (K and V slots freed apart), O_KSLOT (O leaves by TMA through the rows of the item's
+    last K tile instead of from registers; needs O_REGS' early Q release and K slots freed with their V).
+    ValueError when the ring does not fit even with one Q slot, or O_KSLOT cannot serve."""
     stages = stages or STAGES[d]
     if q_slots is None:
         q_slots = 2 if smem_bytes(d, stages, 2) + SMEM_SLACK <= SMEM_LIMIT else 1
     if q_slots not in (1, 2) or smem_bytes(d, stages, q_slots) + SMEM_SLACK > SMEM_LIMIT:
         raise ValueError(f"{IMPL_ID}: d{d} with {stages} K/V stages and {q_slots} Q slots needs "
                          f"{smem_bytes(d, stages, q_slots)} B of shared memory (limit {SMEM_LIMIT})")
-    return dict(STAGES=stages, Q_SLOTS=q_slots, PINGPONG=bool(pingpong), O_REGS=bool(pingpong) or q_slots == 1,
-                SPLIT_EMPTY=bool(split_empty))
+    o_regs = bool(pingpong) or q_slots == 1
+    if o_kslot and (not o_regs or split_empty):
+        raise ValueError(f"{IMPL_ID}: o_kslot (O out through the last K tile) needs a schedule that frees its Q slot "
+                         f"early (ping-pong or one Q slot; got pingpong={bool(pingpong)}, q_slots={q_slots}) and "
+                         f"K slots freed with their V (split_empty=False, got {bool(split_empty)})")
+    return dict(STAGES=stages, Q_SLOTS=q_slots, PINGPONG=bool(pingpong), O_REGS=o_regs, SPLIT_EMPTY=bool(split_empty),
+                O_KSLOT=bool(o_kslot))
 
 
 def mask_mode(mask: str, ti, kpm, ng: int) -> int:
@@ -244,26 +253,32 @@ def item_order(ti, b: int, hq: int, n_m: int, reverse: bool, nprog: int) -> torc
 
 
 def launch_args(q, k, v, out, lse, ti, kpm, bs, causal, wl, wr, ng, scale, *, persistent=True, stages=None,
-                q_slots=None, pingpong=False, split_empty=False, num_sms=132, order=None, mask="element", trace=None):
+                q_slots=None, pingpong=False, split_empty=False, num_sms=132, order=None, mask="element", trace=None,
+                o_kslot=False):
     """(grid, args, kwargs) of one sparse_fwd_kernel launch writing out (b, h_q, s_q, d) and lse
     (b, h_q, s_q) float32 contiguous.  q/k/v/out must be TMA-ready (see _tma_ready); ti: layout_index().
     order: slots dealt by item_order (else round-robin in item order); None: order_auto()'s rule.  mask: a
-    MASK_MODES name (mask_mode()).  trace (probes): an int64 (n_items, 2, 8) tensor the TRACE build fills with the
-    consumers' %clock64 stamps per work item (the kernel's _stamp)."""
+    MASK_MODES name (mask_mode()).  trace (probes): an int64 (n_items, 2, TRACE_STAMPS) tensor the TRACE build fills
+    with the consumers' %clock64 stamps per work item (the kernel's _stamp).  o_kslot: resolve_schedule()."""
     if _K is None:
         raise RuntimeError(f"{IMPL_ID}: {UNAVAILABLE}")
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     gdt = _gl.bfloat16 if q.dtype == torch.bfloat16 else _gl.float16
-    sched = resolve_schedule(d, stages, q_slots, pingpong, split_empty)
+    sched = resolve_schedule(d, stages, q_slots, pingpong, split_empty, o_kslot)
     if sched["O_REGS"] and (sq + TILE) * out.stride(2) >= 2 ** 31:
         raise ValueError(f"{IMPL_ID}: the register O store of this schedule uses 32-bit row offsets "
                          f"(s_q {sq} x row stride {out.stride(2)}); use the default schedule")
+    if sched["O_REGS"] and any(st % 8 for st in out.stride()[:3]):
+        raise ValueError(f"{IMPL_ID}: the register O store writes 16-byte pieces: out's (b, h, s) strides must be "
+                         f"multiples of 8 elements, got {tuple(out.stride()[:3])}")
     bq = TILE // 2 if sched["PINGPONG"] else TILE           # Q/O rows per consumer partition
     n_m = _cdiv(sq, TILE)
     n_items = n_m * b * hq
-    if trace is not None and (trace.shape != (n_items, 2, 8) or trace.dtype != torch.int64 or trace.device != q.device):
-        raise ValueError(f"{IMPL_ID}: trace must be an int64 ({n_items}, 2, 8) tensor on {q.device}, got "
+    n_st = _K.TRACE_STAMPS.value
+    if trace is not None and (trace.shape != (n_items, 2, n_st) or trace.dtype != torch.int64
+                              or trace.device != q.device):
+        raise ValueError(f"{IMPL_ID}: trace must be an int64 ({n_items}, 2, {n_st}) tensor on {q.device}, got "
                          f"{trace.dtype} {tuple(trace.shape)} on {trace.device}")
     grid = (min(n_items, num_sms) if persistent else n_items,)
     bm8 = ti.bm8
@@ -292,8 +307,8 @@ def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale,
                max_seqlen=-1, *, variant=None):
     """out (b, h_q, s_q, d) over (b, s, h, d) memory, lse (b, h_q, s_q) float32 natural log.
     variant (benchmarks): {"persistent": bool, "stages": int, "q_slots": 1 | 2, "pingpong": bool,
-    "split_empty": bool, "order": bool, "mask": a MASK_MODES name, "trace": launch_args' trace} (or a VARIANTS
-    name) over DEFAULT_VARIANT; None: auto_schedule()."""
+    "split_empty": bool, "order": bool, "mask": a MASK_MODES name, "trace": launch_args' trace, "o_kslot": bool}
+    (or a VARIANTS name) over DEFAULT_VARIANT; None: auto_schedule()."""
     from ._triton_utils import new_output, new_output_bshd
     if cu is not None:   # check() refuses these; a direct call must not get a silently wrong answer
         raise NotImplementedError(f"{IMPL_ID}: packed varlen layouts (cu_seqlens) are not supported")
@@ -313,7 +328,7 @@ def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale,
                                  persistent=persistent, stages=opts.get("stages"), q_slots=opts.get("q_slots"),
                                  pingpong=opts.get("pingpong", False), split_empty=opts.get("split_empty", False),
                                  num_sms=_sm_count(q.device), order=opts.get("order"), mask=opts.get("mask", "element"),
-                                 trace=opts.get("trace"))
+                                 trace=opts.get("trace"), o_kslot=opts.get("o_kslot", False))
     _K.sparse_fwd_kernel[grid](*args, **kw)
     return out, lse
 
