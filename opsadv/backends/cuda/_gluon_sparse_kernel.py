@@ -499,7 +499,8 @@ def _consumer(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, 
                 last = (it - 1) % STAGES
                 if PINGPONG:
                     mbarrier.wait(k_done, qi & 1)
-                o_tile = k_smem.index(last).slice(WG * BM, BM)
+                # (the ring seen as BM-row tiles, indexed: a sliced view gave wrong results in the copy)
+                o_tile = k_smem._reinterpret(dtype, [STAGES * NWG, BM, D], q_smem.layout).index(last * NWG + WG)
                 o_tile.store(o.to(dtype))
                 fence_async_shared()                # generic-proxy smem writes before the TMA (async proxy) read
                 gl.thread_barrier()                 # every warp's part written before one thread issues the copy
