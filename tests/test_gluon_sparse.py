@@ -248,7 +248,7 @@ def test_resolve_schedule():
     """Ring depth / Q slots / register O store per variant, from the shared memory budget (227 KB)."""
     assert GS.DEFAULT_VARIANT == {}                  # nothing new is the default without a GPU measurement
     r = GS.resolve_schedule
-    base = dict(PINGPONG=False, O_REGS=False, SPLIT_EMPTY=False, O_KSLOT=False, PEND_EARLY=False)
+    base = dict(PINGPONG=False, O_REGS=False, SPLIT_EMPTY=False, O_KSLOT=False)
     assert r(128) == dict(base, STAGES=2, Q_SLOTS=2)                  # the measured schedule
     assert r(64) == dict(base, STAGES=4, Q_SLOTS=2)
     assert r(128, pingpong=True) == dict(base, STAGES=2, Q_SLOTS=2, PINGPONG=True, O_REGS=True)
@@ -464,7 +464,7 @@ class _Bar:
 
 def simulate_protocol(n_alls, stages, q_slots, pingpong, o_regs, rng, idle_turn=True, early_q_release=False,
                       split_empty=False, early_k_release=False, o_kslot=False, skip_k_done=False,
-                      early_o_release=False, pend_early=False):
+                      early_o_release=False):
     """Run the producer and consumer partitions of one CTA as the kernel writes them (_producer, _consumer:
     the same slot / phase / turn arithmetic) under a random interleaving, with TMA copies landing at random
     later times.  n_alls: the visited tile count of each of the CTA's work items (0 = an empty item).
@@ -556,8 +556,6 @@ def simulate_protocol(n_alls, stages, q_slots, pingpong, o_regs, rng, idle_turn=
             tc = it + qi
             if n_all > 0:
                 cur = it % stages
-                if pend_early:                           # (before S_0's waits)
-                    yield from release_pending()
                 yield k_ready[cur], (it // stages) & 1
                 yield from turn_wait(tc)
                 read(("q", qs), (qi, wg), who)           # S_0
@@ -665,13 +663,12 @@ def test_barrier_protocol_simulation(variant):
     import random
     v = GS.VARIANTS[variant]
     sched = GS.resolve_schedule(128, v.get("stages"), v.get("q_slots"), v.get("pingpong", False),
-                                v.get("split_empty", False), v.get("o_kslot", False), v.get("pend_early", False))
+                                v.get("split_empty", False), v.get("o_kslot", False))
     for seed_ in range(40):
         rng = random.Random(seed_)
         for items in _PROTOCOL_ITEMS:
             gemms = simulate_protocol(items, sched["STAGES"], sched["Q_SLOTS"], sched["PINGPONG"], sched["O_REGS"],
-                                      rng, split_empty=sched["SPLIT_EMPTY"], o_kslot=sched["O_KSLOT"],
-                                      pend_early=sched["PEND_EARLY"])
+                                      rng, split_empty=sched["SPLIT_EMPTY"], o_kslot=sched["O_KSLOT"])
             if sched["PINGPONG"]:
                 turns = sum(n + 1 for n in items)     # n_all + 1 per item, one idle turn per empty item
                 assert gemms == [0, 1] * turns, gemms

@@ -84,7 +84,6 @@ VARIANT_CASES = [("window_causal", 128, "pingpong"), ("causal", 128, "pingpong")
                  ("window_causal", 128, "interval"), ("causal", 128, "interval"), ("window_causal", 64, "interval"),
                  # O out through the last K tile (session 20): 0 spills like pingpong_st3
                  ("window_causal", 128, "pingpong_st3_kslot"), ("causal", 128, "pingpong_st3_kslot"),
-                 ("window_causal", 128, "pingpong_st3_kslot_early"),
                  ("window_causal", 128, "pingpong_st3_interval"), ("causal", 128, "pingpong_st3_interval"),
                  ("window_causal", 64, "pingpong_st3_interval")]
 # The TRACE build of the probes (sparse_trace_probe.py): stamps spill a little outside the tile loops, none inside.

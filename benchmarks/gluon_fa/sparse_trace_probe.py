@@ -33,8 +33,7 @@ from opsadv.backends.cuda import _gluon_sparse_kernel as K  # noqa: E402
 WINDOWS = [int(w) for w in os.environ.get("TRACE_WINDOWS", "1024,2048").split(",")]
 ALL_SCHEDULES = {"default_interval": {"persistent": True, "mask": "interval"},
                  "st3_interval": {"persistent": True, "stages": 3, "mask": "interval"},
-                 **{n: {"persistent": True, **GS.VARIANTS[n]} for n in ("pingpong_st3_interval", "pingpong_st3_kslot",
-                                                                          "pingpong_st3_kslot_early")}}
+                 **{n: {"persistent": True, **GS.VARIANTS[n]} for n in ("pingpong_st3_interval", "pingpong_st3_kslot")}}
 SCHEDULES = {n: ALL_SCHEDULES[n] for n in os.environ.get("TRACE_SCHEDULES", ",".join(ALL_SCHEDULES)).split(",")}
 # (name, stamp at its start, stamp at its end): the kernel's stamps in time order
 PHASES = (("decode", 0, 11), ("q_wait", 11, 1), ("first_s", 1, 2), ("softmax0", 2, 3), ("loops", 3, 4),
@@ -99,7 +98,7 @@ def main(path: str) -> None:
                    "traced_ms": ms(traced)}
             row["trace_overhead"] = round(row["traced_ms"] / row["ms"], 4)
             resolved = GS.resolve_schedule(D, sched.get("stages"), None, sched.get("pingpong", False),
-                                           o_kslot=sched.get("o_kslot", False), pend_early=sched.get("pend_early", False))
+                                           o_kslot=sched.get("o_kslot", False))
             order = GS.order_auto(True, 0, resolved)
             tiles = slot_tiles(ti, n_m, order, nprog)
             row["tiles_per_item"] = round(float(tiles.double().mean()), 3)

@@ -385,7 +385,7 @@ def _consumer(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, 
               Q_SLOTS: gl.constexpr,
               PINGPONG: gl.constexpr, O_REGS: gl.constexpr, SPLIT_EMPTY: gl.constexpr, MASK_MODE: gl.constexpr,
               trace_ptr, TRACE: gl.constexpr, WG: gl.constexpr, k_done, O_KSLOT: gl.constexpr,
-              PEND_EARLY: gl.constexpr, num_warps: gl.constexpr):
+              num_warps: gl.constexpr):
     """One consumer partition: rows [WG * BM, +BM) of every item (BM = the Q block: 128 with 8 warps, or
     64 per warpgroup with PINGPONG), each item's tiles in list order (partial, then full), FA3
     intra-warpgroup overlap: iteration j issues S_{j+1} and P_j V_j, runs the softmax of S_{j+1} while
@@ -445,15 +445,11 @@ def _consumer(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, 
             # Prologue: S_0 and its softmax (no PV yet).
             kt = gl.load(cols, mask=n_part > 0, other=0)
             cur = it % STAGES
-            if O_KSLOT and PEND_EARLY:
-                if pend > 0:                        # the previous item's O copy, before waiting for S_0's turn
-                    tma.store_wait(0)
-                    _release(kv_empty.index(pend - 1))
             mbarrier.wait(k_ready.index(cur), (it // STAGES) & 1)
             _turn_wait(turn, tc, WG, PINGPONG)
             s_tok = warpgroup_mma(q_tile, k_smem.index(cur).permute((1, 0)), s_acc, use_acc=False, is_async=True)
             _turn_pass(turn, WG, PINGPONG)
-            if O_KSLOT and not PEND_EARLY:
+            if O_KSLOT:
                 if pend > 0:                        # the previous item's O copy, under S_0: then free its slot
                     tma.store_wait(0)
                     _release(kv_empty.index(pend - 1))
@@ -584,7 +580,7 @@ def sparse_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, o_ptr, rows_ptr, 
                       Q_SLOTS: gl.constexpr, PINGPONG: gl.constexpr, O_REGS: gl.constexpr, SPLIT_EMPTY: gl.constexpr,
                       CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
                       MASK_MODE: gl.constexpr = MASK_ELEMENT, TRACE: gl.constexpr = False,
-                      O_KSLOT: gl.constexpr = False, PEND_EARLY: gl.constexpr = False):
+                      O_KSLOT: gl.constexpr = False):
     """Grid (min(n_items, SMs) persistent, or n_items,).  n_items = n_m query tiles x b x H.
     q/o descriptors: block (1, 1, 128, d), or (1, 1, 64, d) with PINGPONG (then num_warps = 4, one
     warpgroup per consumer partition); k/v: (1, 1, 128, d); *_smem_layout: the 2-D NVMMA layouts of
@@ -641,13 +637,13 @@ def sparse_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, o_ptr, rows_ptr, 
                          s_cb, s_ch, s_cr, bm_ptr, s_bmb, s_bmh, s_bm_q, s_bm_k, kpm_ptr, s_kpmb,
                          H, n_m, n_items, SQ, SK, OFF, WL, WR, NG, BS, qk_scale,
                          CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, REVERSE, ORDER, STAGES, Q_SLOTS, PINGPONG,
-                         O_REGS, SPLIT_EMPTY, MASK_MODE, trace_ptr, TRACE, 0, k_done, O_KSLOT, PEND_EARLY, 4)),
+                         O_REGS, SPLIT_EMPTY, MASK_MODE, trace_ptr, TRACE, 0, k_done, O_KSLOT, 4)),
             (_consumer, (q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, v_smem, q_ready, q_empty,
                          k_ready, v_ready, kv_empty, k_empty, turn, rows_ptr, cols_ptr, perm_ptr, s_rb, s_rh, s_rr,
                          s_cb, s_ch, s_cr, bm_ptr, s_bmb, s_bmh, s_bm_q, s_bm_k, kpm_ptr, s_kpmb,
                          H, n_m, n_items, SQ, SK, OFF, WL, WR, NG, BS, qk_scale,
                          CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, REVERSE, ORDER, STAGES, Q_SLOTS, PINGPONG,
-                         O_REGS, SPLIT_EMPTY, MASK_MODE, trace_ptr, TRACE, 1, k_done, O_KSLOT, PEND_EARLY, 4)),
+                         O_REGS, SPLIT_EMPTY, MASK_MODE, trace_ptr, TRACE, 1, k_done, O_KSLOT, 4)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                          rows_ptr, cols_ptr, perm_ptr, s_rb, s_rh, s_rr, s_cb, s_ch, s_cr, H, GROUP, n_m, n_items,
                          REVERSE, ORDER, FULL_RUN, STAGES, Q_SLOTS, NWG, O_REGS, k_empty, SPLIT_EMPTY)),
@@ -659,7 +655,7 @@ def sparse_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, o_ptr, rows_ptr, 
                          s_cb, s_ch, s_cr, bm_ptr, s_bmb, s_bmh, s_bm_q, s_bm_k, kpm_ptr, s_kpmb,
                          H, n_m, n_items, SQ, SK, OFF, WL, WR, NG, BS, qk_scale,
                          CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, REVERSE, ORDER, STAGES, Q_SLOTS, PINGPONG,
-                         O_REGS, SPLIT_EMPTY, MASK_MODE, trace_ptr, TRACE, 0, k_done, O_KSLOT, PEND_EARLY, num_warps)),
+                         O_REGS, SPLIT_EMPTY, MASK_MODE, trace_ptr, TRACE, 0, k_done, O_KSLOT, num_warps)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                          rows_ptr, cols_ptr, perm_ptr, s_rb, s_rh, s_rr, s_cb, s_ch, s_cr, H, GROUP, n_m, n_items,
                          REVERSE, ORDER, FULL_RUN, STAGES, Q_SLOTS, NWG, O_REGS, k_empty, SPLIT_EMPTY)),

@@ -101,7 +101,6 @@ VARIANTS = {
     # O out by TMA through the rows of the item's last K tile (its slot freed after the copy) instead of from registers
     # (measured where the ping-pong epilogue's time went: sparse_trace_probe.py, session 20)
     "pingpong_st3_kslot": {"pingpong": True, "stages": 3, "mask": "interval", "o_kslot": True},
-    "pingpong_st3_kslot_early": {"pingpong": True, "stages": 3, "mask": "interval", "o_kslot": True, "pend_early": True},
 }
 # Partial-tile masks (the kernel's MASK_MODE): the element predicate, per-row key intervals (band layouts: no mixed
 # block mask, global tokens or key padding), and "unmasked_probe" -- no mask at all, WRONG results: a benchmark's
@@ -181,14 +180,12 @@ def smem_bytes(d: int, stages: int, q_slots: int, esize: int = 2) -> int:
     return (q_slots * TILE + 2 * stages * TILE) * d * esize
 
 
-def resolve_schedule(d: int, stages=None, q_slots=None, pingpong=False, split_empty=False, o_kslot=False,
-                     pend_early=False) -> dict:
+def resolve_schedule(d: int, stages=None, q_slots=None, pingpong=False, split_empty=False, o_kslot=False) -> dict:
     """Kernel constexprs of a variant: STAGES (default STAGES[d]), Q_SLOTS (2 when it fits next to the
     ring, else 1), PINGPONG, and O_REGS: O stored from registers and the Q slot released after the
     item's last S (every new schedule; needed with 1 Q slot; the ping-pong TMA store through the slot
     spilled), SPLIT_EMPTY (K and V slots freed apart), O_KSLOT (O leaves by TMA through the rows of the item's
-    last K tile instead of from registers; needs O_REGS' early Q release and K slots freed with their V);
-    PEND_EARLY (o_kslot: the copy's slot freed before the next item's S_0 instead of under it).
+    last K tile instead of from registers; needs O_REGS' early Q release and K slots freed with their V).
     ValueError when the ring does not fit even with one Q slot, or O_KSLOT cannot serve."""
     stages = stages or STAGES[d]
     if q_slots is None:
@@ -201,10 +198,8 @@ def resolve_schedule(d: int, stages=None, q_slots=None, pingpong=False, split_em
         raise ValueError(f"{IMPL_ID}: o_kslot (O out through the last K tile) needs a schedule that frees its Q slot "
                          f"early (ping-pong or one Q slot; got pingpong={bool(pingpong)}, q_slots={q_slots}) and "
                          f"K slots freed with their V (split_empty=False, got {bool(split_empty)})")
-    if pend_early and not o_kslot:
-        raise ValueError(f"{IMPL_ID}: pend_early applies to o_kslot schedules only")
     return dict(STAGES=stages, Q_SLOTS=q_slots, PINGPONG=bool(pingpong), O_REGS=o_regs, SPLIT_EMPTY=bool(split_empty),
-                O_KSLOT=bool(o_kslot), PEND_EARLY=bool(pend_early))
+                O_KSLOT=bool(o_kslot))
 
 
 def mask_mode(mask: str, ti, kpm, ng: int) -> int:
@@ -262,7 +257,7 @@ def item_order(ti, b: int, hq: int, n_m: int, reverse: bool, nprog: int) -> torc
 
 def launch_args(q, k, v, out, lse, ti, kpm, bs, causal, wl, wr, ng, scale, *, persistent=True, stages=None,
                 q_slots=None, pingpong=False, split_empty=False, num_sms=132, order=None, mask="element", trace=None,
-                o_kslot=False, pend_early=False):
+                o_kslot=False):
     """(grid, args, kwargs) of one sparse_fwd_kernel launch writing out (b, h_q, s_q, d) and lse
     (b, h_q, s_q) float32 contiguous.  q/k/v/out must be TMA-ready (see _tma_ready); ti: layout_index().
     order: slots dealt by item_order (else round-robin in item order); None: order_auto()'s rule.  mask: a
@@ -273,7 +268,7 @@ def launch_args(q, k, v, out, lse, ti, kpm, bs, causal, wl, wr, ng, scale, *, pe
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     gdt = _gl.bfloat16 if q.dtype == torch.bfloat16 else _gl.float16
-    sched = resolve_schedule(d, stages, q_slots, pingpong, split_empty, o_kslot, pend_early)
+    sched = resolve_schedule(d, stages, q_slots, pingpong, split_empty, o_kslot)
     if sched["O_REGS"] and (sq + TILE) * out.stride(2) >= 2 ** 31:
         raise ValueError(f"{IMPL_ID}: the register O store of this schedule uses 32-bit row offsets "
                          f"(s_q {sq} x row stride {out.stride(2)}); use the default schedule")
@@ -336,8 +331,7 @@ def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale,
                                  persistent=persistent, stages=opts.get("stages"), q_slots=opts.get("q_slots"),
                                  pingpong=opts.get("pingpong", False), split_empty=opts.get("split_empty", False),
                                  num_sms=_sm_count(q.device), order=opts.get("order"), mask=opts.get("mask", "element"),
-                                 trace=opts.get("trace"), o_kslot=opts.get("o_kslot", False),
-                                 pend_early=opts.get("pend_early", False))
+                                 trace=opts.get("trace"), o_kslot=opts.get("o_kslot", False))
     _K.sparse_fwd_kernel[grid](*args, **kw)
     return out, lse
 
