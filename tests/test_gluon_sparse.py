@@ -120,11 +120,11 @@ def test_compiles_for_sm90_without_spills_in_tile_loops(sm90_compile_report):
 
 @needs_gluon
 def test_new_schedules_compile_without_any_spill(sm90_compile_report):
-    """The schedules added for issue #5 (ping-pong, 3-stage ring, 1 Q slot, split K/V "empty" barriers) on the
-    layouts the probe times:
-    0 STL/LDL anywhere (a spilling variant fails here; o_kslot: <= 3, none in the tile loops), shared memory within 227 KB, the ring depth and Q
-    slots the host asked for, and the per-partition register split: ping-pong = 2 consumer warpgroups
-    (240 registers each) + the producer (24); the one-consumer schedules 240 + 24."""
+    """The schedules added for issue #5 (ping-pong, 3-stage ring, 1 Q slot, split K/V "empty" barriers, O through
+    the last K tile) on the layouts the probe times: 0 STL/LDL anywhere (a spilling variant fails here; o_kslot:
+    <= 3, none in the tile loops), shared memory within 227 KB, the ring depth and Q slots the host asked for,
+    and the per-partition register split: ping-pong = 2 consumer warpgroups (240 registers each) + the producer
+    (24); the one-consumer schedules 240 + 24."""
     rows = {c: r for c, r in sm90_compile_report.items() if r["variant"] not in DEFAULT_SCHEDULE and not r["trace"]}
     assert {r["variant"] for r in rows.values()} == set(GS.VARIANTS) - DEFAULT_SCHEDULE
     for case, r in rows.items():

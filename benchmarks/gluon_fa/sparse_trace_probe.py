@@ -9,7 +9,8 @@ Phases per item and warpgroup (cycles; the kernel's TRACE_STAMPS, in time order)
 counts loaded), q_wait (-> its Q ready), first_s (-> S_0 retired), softmax0 (-> its softmax done), loops (the tile
 loops; per_tile = loops / (n_all - 1)), last_pv (-> the last P V retired), and the epilogue split into release
 (-> the last slot freed, or not yet with o_kslot), redecode (-> the item read again), lse (-> O / l and lse
-stored) and o_store (-> O stored or its copy issued and read); gap (this item's end -> the CTA's next item's start
+stored) and o_store (-> O stored from registers, or its TMA copy issued and -- except with o_kslot, which waits
+for it at the next item's first S -- read); gap (this item's end -> the CTA's next item's start
 on the same warpgroup).  A stamp marks when the instructions before it were issued; the two decode stamps wait for
 their loads.  Means over items with >= 2 tiles; *_median: the medians.
 "fixed" = item cycles - per_tile x n_all: the boundary cost the suite's fits see (sparse_boundary_probe.py).

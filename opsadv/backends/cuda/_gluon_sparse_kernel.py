@@ -31,6 +31,13 @@ before the softmax of S_j's successor, P in registers), driven by the layout's t
     tiles.  They take turns issuing their GEMMs through a pair of "turn" mbarriers (warpgroup 0
     pre-armed, a turn counter carried across items), so one warpgroup's softmax runs while the
     other's GEMMs hold the tensor cores.  kv_empty counts one arrive per warpgroup.
+  * O_KSLOT (with O_REGS' early Q release; session 20): O leaves by TMA through the partition's rows of the
+    item's last K tile instead of from registers.  Every S that read the tile has retired (this partition's
+    in its tile loops, the other warpgroup's by k_done: one arrive per warpgroup and item), and the ring slot
+    is released only after the copy has read it -- at the next item's first S, so nothing waits for the copy
+    at the boundary; the next item's tile counts are loaded during the epilogue for the same reason.  Items
+    with no tile store their zeros from registers.  (The register store wrote 2-byte pieces until session 20:
+    it now writes 4-byte ones; either costs far more per item than one TMA copy, sparse_trace_probe.py.)
   * SPLIT_EMPTY (FA3's separate K and V pipelines, as the dense kernel's pingpong_kv): a K slot is
     freed on k_empty as soon as its S has retired, a V slot on kv_empty after its P V, and the
     producer loads K_{t+1} before V_t.  With one shared barrier and ping-pong, tile j+STAGES waits for

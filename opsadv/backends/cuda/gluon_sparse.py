@@ -27,6 +27,11 @@ Schedules (VARIANTS; _gluon_sparse_kernel's docstring):
   * "st3": d128 3-stage K/V ring with one Q slot.  "pingpong_st3": both.
   * "q1": 1 Q slot at 2 stages, the control that separates st3's ring depth from its one-slot Q.
   All five store O from registers and free each Q slot after the item's last S = Q K^T (O_REGS).
+  * "pingpong_st3_kslot" (session 20; what auto_schedule runs on d128 band layouts): pingpong_st3 with the
+    interval mask whose O leaves by TMA through the rows of the item's last K tile (O_KSLOT), the copy's slot
+    freed under the next item's first S, the next item's tile counts read during the epilogue.  H200 at
+    3717140 (benchmarks/gluon_fa/sparse_trace_probe.py): per-item fixed cost 3.8k cycles vs 7.3k with the register
+    store and 5.0k for the default schedule; the sparse suite's w1024 causal forward 0.531 ms (1.66x flex).
 CPU sm_90 compile, causal window d128 bf16, STL/LDL / stack / smem: default 6 (outside the loops) / 16 /
 196,916 B; pingpong 0 / 0 / 197,032; pingpong_kv 0 / 0 / 197,064; st3 0 / 0 / 229,724; pingpong_st3 0 / 0 /
 229,816; q1 0 / 0 / 164,140.  Masked modes spill in the ping-pong schedules (global tokens: 4 inside the
