@@ -30,17 +30,16 @@ def main(path: str) -> None:
             "gluon_kslot": lambda: GS.sparse_fwd(None, q, k, v, *args, D ** -0.5,
                                                  variant={**GS.VARIANTS["pingpong_st3_kslot"], "persistent": True}),
         }
-
-        def triton():
-            with opsadv.use_backend("cuda", autotune=False, impls={"sparse_attention": "cuda.triton.sparse_attention"}):
-                return opsadv.ops.sparse_attention(q, k, v, lay, scale=D ** -0.5)
-        fns["triton_op"] = triton
-        outs = {n: f() for n, f in fns.items()}
-        outs = {n: (o[0] if isinstance(o, tuple) else o).float() for n, o in outs.items()}
-        ref = outs["triton_op"]
-        row = {"window": w, "tiles_per_row": round(GS.tiles_per_row(ti, n_m), 3),
-               "max_abs_diff_vs_triton": {n: float((o - ref).abs().max()) for n, o in outs.items()}}
-        times = interleaved(fns, 3)
+        fns["triton_op"] = lambda: opsadv.ops.sparse_attention(q, k, v, lay, scale=D ** -0.5)
+        # one backend context around everything (entered per call, its setup made the op host-bound: 0.47 ms at
+        # w128 in d3a9f72's run, results/sparse_short_rows_s20_h200.json; the suite times it at 0.217)
+        with opsadv.use_backend("cuda", autotune=False, impls={"sparse_attention": "cuda.triton.sparse_attention"}):
+            outs = {n: f() for n, f in fns.items()}
+            outs = {n: (o[0] if isinstance(o, tuple) else o).float() for n, o in outs.items()}
+            ref = outs["triton_op"]
+            row = {"window": w, "tiles_per_row": round(GS.tiles_per_row(ti, n_m), 3),
+                   "max_abs_diff_vs_triton": {n: float((o - ref).abs().max()) for n, o in outs.items()}}
+            times = interleaved(fns, 3)
         row["ms"] = {n: round(statistics.median(t), 4) for n, t in times.items()}
         row["ms_rounds"] = times
         report["rows"].append(row)
