@@ -890,8 +890,8 @@ def test_schedule_persistent_for_short_rows_only():
 
 def test_auto_schedule_pingpong_st3_for_long_d128_windows_only():
     """auto_schedule: pingpong_st3_kslot on d128 window / causal layouts from SCHEDULE_PINGPONG_MIN_TILES tiles
-    per row (H200, session 20: w256 and longer at s16384), its own persistent crossover; the default schedule for
-    the shortest rows, d64, and masked layouts (block masks, key padding, global tokens spill in the ping-pong kernels);
+    per row (H200, session 20: w128 and longer at s16384), its own persistent crossover; the default schedule for
+    rows of ~1 tile, d64, and masked layouts (block masks, key padding, global tokens spill in the ping-pong kernels);
     the interval mask on band layouts (windows / causal) only."""
     s = 16384
     n_m = s // GS.TILE
@@ -903,9 +903,12 @@ def test_auto_schedule_pingpong_st3_for_long_d128_windows_only():
     win = {w: SparseLayout.sliding_window(s, w, causal=True, block_size=128)
            for w in (128, 256, 1024, 2048, 4096, 8192)}
     band = {"mask": "interval"}
-    assert sched(win[128]) == {"persistent": True, **band}
+    one_tile = SparseLayout.sliding_window(100, 50, causal=True, block_size=128)      # one tile per row
+    args = _layout_args(one_tile)
+    assert GS.auto_schedule(128, GS.layout_index(*args, 100, 100), 1, None, 0) == {"persistent": True, **band}
     pp = GS.VARIANTS["pingpong_st3_kslot"]
     assert pp == {**GS.VARIANTS["pingpong_st3"], **band, "o_kslot": True}
+    assert sched(win[128]) == {**pp, "persistent": True}
     assert sched(win[256]) == {**pp, "persistent": True}
     assert sched(win[1024]) == {**pp, "persistent": True}
     assert sched(win[2048]) == {**pp, "persistent": True}

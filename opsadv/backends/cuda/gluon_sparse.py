@@ -120,8 +120,9 @@ PERSISTENT_MAX_TILES = 24          # mean visited tiles per (b, h, query tile) u
 # loses at ~65 (w8192: 3.219 vs 2.991).  Thresholds sit between the measured points.  Session 20 (c7efee3,
 # results/sparse_trace_s20c_h200.json, persistent, ms default / pingpong_st3_kslot): with O leaving through the
 # last K tile the ping-pong schedule wins from ~3 tiles per row: w256 0.312 / 0.267, w512 0.438 / 0.364, w1024
-# 0.684 / 0.577, w2048 1.145 / 0.969, w4096 2.015 / 1.707; w128 (~2 tiles) was not measured.
-SCHEDULE_PINGPONG_MIN_TILES = 2.5
+# 0.684 / 0.577, w2048 1.145 / 0.969, w4096 2.015 / 1.707; and at w128 (~2 tiles per row, 0db51d2,
+# results/sparse_short_rows_s20b_h200.json) 0.295 / 0.260.  Rows of ~1 tile were not measured.
+SCHEDULE_PINGPONG_MIN_TILES = 1.5
 PINGPONG_PERSISTENT_MAX_TILES = 48
 
 _sm_counts: dict[int, int] = {}
@@ -171,7 +172,7 @@ def band_layout(ti, kpm, ng: int) -> bool:
 def auto_schedule(d: int, ti, n_m: int, kpm, ng: int) -> dict:
     """The schedule a call without an explicit variant runs (module docstring): pingpong_st3_kslot for d128
     windows / causal layouts (no mixed block mask, key padding or global tokens: those spill in the
-    ping-pong schedules) with rows of ~3 tiles or more, else the default; the grid from the schedule's persistent
+    ping-pong schedules) with rows of ~2 tiles or more, else the default; the grid from the schedule's persistent
     crossover; band layouts (the same "plain" ones) with the interval mask."""
     per_row = tiles_per_row(ti, n_m)
     plain = band_layout(ti, kpm, ng)
