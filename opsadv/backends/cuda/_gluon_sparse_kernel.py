@@ -417,8 +417,9 @@ def _consumer(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, 
     qi = 0
     # O_KSLOT: the next item's (w, n_part, n_all), read during the current item's epilogue; pend = 1 + the ring slot
     # whose O copy may still be reading it (0: none), released once the next item's S_0 is issued
-    w_nx, n_part_nx, n_all_nx = _item_counts(_pid(OPAQUE), perm_ptr, rows_ptr, s_rb, s_rh, s_rr, H, n_m, n_items,
-                                             ORDER, REVERSE, OPAQUE)
+    if O_KSLOT:
+        w_nx, n_part_nx, n_all_nx = _item_counts(_pid(OPAQUE), perm_ptr, rows_ptr, s_rb, s_rh, s_rr, H, n_m, n_items,
+                                                 ORDER, REVERSE, OPAQUE)
     pend = 0
     for slot in range(_pid(OPAQUE), n_items, gl.num_programs(0)):
         _stamp(trace_ptr, slot, 0, WG, TRACE)
