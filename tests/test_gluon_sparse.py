@@ -283,6 +283,19 @@ def test_register_o_store_refuses_32bit_offset_overflow():
         GS.launch_args(q, q, q, out, None, None, None, 128, True, 128, 0, 0, 0.1, **GS.VARIANTS["pingpong"])
 
 
+@needs_gluon
+def test_register_o_store_refuses_strides_off_the_8_element_grid():
+    """The register O store forms the item offset as a multiple of 8 elements (so the compiler pairs columns into
+    4-byte stores): out strides that are not multiples of 8 are refused by name, not stored to the wrong place."""
+    from types import SimpleNamespace as NS
+    q = NS(shape=(1, 4, 256, 128), dtype=torch.bfloat16)
+    for strides in ((4 * 256 * 132, 132, 4 * 132, 1), (4 * 256 * 128 + 4, 128, 4 * 128, 1)):
+        out = NS(stride=lambda i=None, s=strides: s if i is None else s[i])
+        with pytest.raises(ValueError, match=r"strides must be multiples of 8"):
+            GS.launch_args(q, q, q, out, None, None, None, 128, True, 128, 0, 0, 0.1,
+                           **GS.VARIANTS["pingpong_st3_kslot"])
+
+
 def test_unavailable_without_gluon(monkeypatch):
     """With triton.experimental.gluon unimportable the module still imports and the impl rejects every
     call, naming the import failure."""

@@ -40,9 +40,10 @@ H200 at b82d17a (results/gluon_sparse_sched_s7a_h200.json / _s7b_: every schedul
 both grids), s16384 causal windows d128 bf16 b1 h32, ms default / pingpong_st3 (persistent, one item per CTA) /
 Triton sparse / flex: w1024 0.703 / 0.698, 0.772 / 0.691 / 0.847; w2048 ~1.26 / 1.091, 1.169 / 1.233 / 1.414;
 w4096 2.08 / 1.887, 1.966 / 2.089 / 2.444; w8192 3.50 / 3.219, 2.991 / 3.385 / 4.077; w128-w512 the
-default (pingpong_st3 0.379 / 0.423 / 0.506 vs 0.26-0.45).  So auto_schedule() takes pingpong_st3 on d128
+default (pingpong_st3 0.379 / 0.423 / 0.506 vs 0.26-0.45).  So auto_schedule() took pingpong_st3 on d128
 window/causal layouts from SCHEDULE_PINGPONG_MIN_TILES visited tiles per row, its persistent grid up to
-PINGPONG_PERSISTENT_MAX_TILES, and the default schedule elsewhere.
+PINGPONG_PERSISTENT_MAX_TILES, and the default schedule elsewhere; since session 20 it takes pingpong_st3_kslot
+there, which beats the default from ~2 tiles per row (the threshold's comment has the numbers).
 Masks (MASK_MODES): band layouts (windows / causal; no mixed block mask, key padding or global tokens) take the
 interval mask, two per-row key bounds instead of the element predicate: bitwise the same output, and at 8c5ae80
 (H200, benchmarks/gluon_fa/sparse_boundary_probe.py, results/sparse_boundary_s19_h200.json; same shapes) the
@@ -279,8 +280,9 @@ def launch_args(q, k, v, out, lse, ti, kpm, bs, causal, wl, wr, ng, scale, *, pe
         raise ValueError(f"{IMPL_ID}: the register O store of this schedule uses 32-bit row offsets "
                          f"(s_q {sq} x row stride {out.stride(2)}); use the default schedule")
     if sched["O_REGS"] and any(st % 8 for st in out.stride()[:3]):
-        raise ValueError(f"{IMPL_ID}: the register O store writes 16-byte pieces: out's (b, h, s) strides must be "
-                         f"multiples of 8 elements, got {tuple(out.stride()[:3])}")
+        raise ValueError(f"{IMPL_ID}: the register O store forms its item offset in units of 8 elements (so that "
+                         f"it can store 4-byte pieces): out's (b, h, s) strides must be multiples of 8, got "
+                         f"{tuple(out.stride()[:3])}")
     bq = TILE // 2 if sched["PINGPONG"] else TILE           # Q/O rows per consumer partition
     n_m = _cdiv(sq, TILE)
     n_items = n_m * b * hq
