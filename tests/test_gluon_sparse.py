@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import sys
 
 import pytest
 import torch
@@ -958,3 +959,30 @@ def test_mask_mode_refuses_what_it_cannot_serve():
                 GS.mask_mode("interval", ti, args[1], args[7])
         with pytest.raises(ValueError, match=r"mask must be one of \['element', 'interval', 'unmasked_probe'\]"):
             GS.mask_mode("intervals", ti, args[1], args[7])
+
+
+@needs_gluon
+def test_trace_probe_phases_from_a_synthetic_trace():
+    """sparse_trace_probe.phases: each phase is the difference of the kernel's stamps in time order, per_tile the
+    tile loops over n_all - 1, gap the wait between a CTA's consecutive items (checked on a trace built from
+    known durations, two CTAs of two items each, 3 and 5 tiles)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gluon_fa"))
+    import sparse_trace_probe as P
+    dur = {"decode": 10, "q_wait": 20, "first_s": 30, "softmax0": 40, "last_pv": 20, "release": 5, "redecode": 7,
+           "lse": 11, "o_store": 13}
+    per_tile, gap, nprog = 50, 3, 2
+    tiles = torch.tensor([3, 5, 5, 3])
+    trace = torch.full((4, 2, int(P.K.TRACE_STAMPS.value)), -1, dtype=torch.int64)
+    clock = [1000, 5000]                                  # each CTA's own clock (per SM)
+    for slot in range(4):
+        t = clock[slot % nprog]
+        for name, a, b in P.PHASES:
+            trace[slot, 0, a] = t
+            t += per_tile * (int(tiles[slot]) - 1) if name == "loops" else dur[name]
+            trace[slot, 0, b] = t
+        clock[slot % nprog] = t + gap
+    got = P.phases(trace, tiles, 1, nprog)
+    for name, want in dur.items():
+        assert got[name] == want and got[name + "_median"] == want, (name, got)
+    assert got["per_tile"] == per_tile and got["gap"] == gap
+    assert got["fixed"] == sum(dur.values()) - per_tile          # item = fixed + per_tile x n_all
