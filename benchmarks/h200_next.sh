@@ -159,7 +159,8 @@
 # Session 20 (results/*_s20*; one H200, ~26.5 of 30 min): PART=tr (645e8c1: the ping-pong epilogue 9.5k of 36.9k cycles
 # an item -> the 2-byte register O store), PART=k (19d4265 / c7efee3 / 3717140: pingpong_st3_kslot, now auto_schedule's
 # d128 band schedule), PART=sp (c5a77ee, 3717140) + pinned Gluon sparse conformance (3717140: 10 / 0), the dropped
-# kslot_early A/B (d531336), the short-rows probe (0db51d2: kslot from ~2 tiles per row). Not run: e2e (PART=d), the attention suite, swiglu conformance.
+# kslot_early A/B (d531336), the short-rows probe (0db51d2: kslot from ~2 tiles per row). Not run: e2e (PART=d),
+# the attention suite, swiglu conformance.
 # Order for session 21: PART=d (e2e, not run since session 17), f1 / f2 (attention suite halves), then sparse work:
 # TRACE_SCHEDULES=pingpong_st3_kslot PART=k's probe after any change to the first S / softmax or the lse phase.
 # OPSADV_COMMIT=<sha> PART=a bash benchmarks/h200_next.sh   (from the repo root on the GPU host, $OUT set)
