@@ -83,11 +83,9 @@ def _opaque(x):
 
 @gluon.jit
 def _stamp(trace_ptr, slot, k: gl.constexpr, WG: gl.constexpr, TRACE: gl.constexpr):
-    """TRACE (a probe's build; no code otherwise): this SM's %clock64 into trace[slot, WG, k] (int64 (n_items, 2, 8)),
+    """TRACE (a probe's build; no code otherwise): this SM's %clock64 into trace[slot, WG, k] (int64 (n_items, 2, TRACE_STAMPS)),
     marking where a work item's time goes (benchmarks/gluon_fa/sparse_trace_probe.py)."""
-    if TRACE:
-        t = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [slot], dtype=gl.int64, is_pure=False, pack=1)
-        gl.store(trace_ptr + (slot.to(gl.int64) * 2 + WG) * TRACE_STAMPS + k, t)
+    _stamp_after(trace_ptr, slot, k, WG, TRACE, slot)
 
 
 @gluon.jit

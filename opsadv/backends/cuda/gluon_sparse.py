@@ -286,7 +286,7 @@ def launch_args(q, k, v, out, lse, ti, kpm, bs, causal, wl, wr, ng, scale, *, pe
     bq = TILE // 2 if sched["PINGPONG"] else TILE           # Q/O rows per consumer partition
     n_m = _cdiv(sq, TILE)
     n_items = n_m * b * hq
-    n_st = _K.TRACE_STAMPS.value
+    n_st = _K.TRACE_STAMPS.value if trace is not None else 0
     if trace is not None and (trace.shape != (n_items, 2, n_st) or trace.dtype != torch.int64
                               or trace.device != q.device):
         raise ValueError(f"{IMPL_ID}: trace must be an int64 ({n_items}, 2, {n_st}) tensor on {q.device}, got "
