@@ -25,6 +25,18 @@ def _cmd_demo(args) -> int:
     return run_demo(backend=args.backend, device=args.device)
 
 
+def _dtypes(spec: str) -> tuple:
+    """--dtypes "float32,float16" -> torch dtypes; an unknown name is an error naming the known ones."""
+    import torch
+    from opsadv.core.errors import UnknownOptionError
+    known = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float32": torch.float32, "fp32": torch.float32, "float64": torch.float64, "fp64": torch.float64}
+    bad = [n for n in spec.split(",") if n.strip() not in known]
+    if bad:
+        raise UnknownOptionError("conformance", "--dtypes", f"a comma-separated list of {sorted(known)}", bad)
+    return tuple(dict.fromkeys(known[n.strip()] for n in spec.split(",")))
+
+
 def _cmd_conformance(args) -> int:
     import opsadv
     from opsadv.testing import default_device, run_conformance
@@ -34,6 +46,7 @@ def _cmd_conformance(args) -> int:
         opsadv.use_backend(args.backend, aoe_mode=args.aoe_mode)
     device = args.device or default_device(args.backend)
     ops = args.ops.split(",") if args.ops else None
+    dtypes = _dtypes(args.dtypes) if args.dtypes else None
 
     def progress(r):
         if args.verbose or r.status == "fail":
@@ -54,7 +67,7 @@ def _cmd_conformance(args) -> int:
     todo = ops or list(OPS)
     for i, op in enumerate(todo):   # one op at a time; the matrix on disk grows as each op finishes
         results += run_conformance(args.backend, quick=args.quick, device=device, ops=[op], progress=progress,
-                                   precision=args.precision, impls=pins or None)
+                                   precision=args.precision, impls=pins or None, dtypes=dtypes)
         left = todo[i + 1:]
         write(results, backend=args.backend, device=device, quick=args.quick, json_path=args.json,
               markdown_path=args.markdown, note=note + (f" PARTIAL: not yet run: {left}." if left else ""))
@@ -125,6 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--markdown", default=None, metavar="PATH")
     s.add_argument("--device", default=None)
     s.add_argument("--ops", default=None, help="comma-separated op names (default: all)")
+    s.add_argument("--dtypes", default=None, metavar="LIST",
+                   help="comma-separated input dtypes, e.g. float32 (default: the catalogue's; --quick: fp16, fp32, bf16)")
     s.add_argument("--note", default=None, help="a line to put in the report")
     s.add_argument("--aoe-mode", type=int, default=None, help="Ascend AOE tuning mode (ascend backend only)")
     s.add_argument("--precision", default=None, choices=["fp16", "bf16", "tf32", "fp32"],

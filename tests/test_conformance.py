@@ -94,12 +94,14 @@ def test_kit_catches_a_wrong_kernel():
 @pytest.mark.parametrize("precision", [None, "fp16"])
 def test_cuda_backend_real_kernels_in_interpreter(tmp_path, precision):
     """`TRITON_INTERPRET=1 opsadv conformance --backend cuda --quick`: the Triton kernels on CPU (one run per
-    precision policy, so pytest-xdist can run the two on different workers)."""
+    precision policy, so pytest-xdist can run the two on different workers; the policy run takes only the float32
+    cells -- the policy changes nothing else, and the default run has the fp16 ones)."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     j = tmp_path / f"cuda-{precision}.json"
     cmd = [sys.executable, "-m", "opsadv", "conformance", "--backend", "cuda", "--quick", "--json", str(j)]
     if precision:
-        cmd += ["--precision", precision, "--ops", "flash_attention,gemm,swiglu_gemm,sparse_attention"]
+        cmd += ["--precision", precision, "--ops", "flash_attention,gemm,swiglu_gemm,sparse_attention",
+                "--dtypes", "float32"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     data = json.loads(j.read_text())
@@ -112,6 +114,19 @@ def test_cuda_backend_real_kernels_in_interpreter(tmp_path, precision):
                    for r in passed), op
     if precision:   # float32 inputs now served through the policy
         assert any(r["dtype"] == "float32" and r["op"] == "flash_attention" for r in passed)
+        assert {r["dtype"] for r in data["results"] if r["shape_class"] not in ("compile", "export")} == {"float32"}
+
+
+def test_cli_dtypes_selects_cells_and_rejects_unknown_names(tmp_path, capsys):
+    from opsadv.cli import main
+    j = tmp_path / "m.json"
+    assert main(["conformance", "--backend", "reference", "--quick", "--ops", "rms_norm", "--dtypes", "fp32,float16",
+                 "--json", str(j)]) == 0
+    cells = [r for r in json.loads(j.read_text())["results"] if r["shape_class"] not in ("compile", "export")]
+    assert {r["dtype"] for r in cells} == {"float32", "float16"} and all(r["status"] == "pass" for r in cells)
+    assert main(["conformance", "--backend", "reference", "--ops", "rms_norm", "--dtypes", "float8"]) == 2
+    err = capsys.readouterr().err
+    assert "--dtypes" in err and "float8" in err and "float32" in err
 
 
 class WrongInference(_CpuToyBackend):
