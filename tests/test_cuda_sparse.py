@@ -747,3 +747,27 @@ def test_interval_mask_equals_predicate(sq, sk, wl, wr, causal, has_win, bm_mode
         want = want & (j <= ip)
     want = want & (i < sq) & (j < sk)
     assert torch.equal(outs[True].bool(), want)
+
+
+def test_no_grad_calls_without_lse_take_the_inference_bucket(monkeypatch):
+    """An eager no-grad sparse call that does not ask for lse resolves in its own bucket and runs the impl's
+    `inference` forward (the Gluon kernel's no-lse build); one that returns lse, or records grads, does not."""
+    from opsadv.core import dispatch
+    seen = []
+    real = dispatch.call
+
+    def spy(key, make_spec, args, inference=False):
+        seen.append((make_spec(), inference))
+        return real(key, make_spec, args, inference)
+    monkeypatch.setattr(dispatch, "call", spy)
+    lay = SparseLayout.sliding_window(40, 9, causal=True, block_size=16)
+    q, k, v = (torch.randn(1, 2, 40, 16) for _ in range(3))
+    with torch.no_grad():
+        out = opsadv.ops.sparse_attention(q, k, v, lay)
+        assert seen[-1][1] and seen[-1][0].inference and not seen[-1][0].train
+        out2, lse = opsadv.ops.sparse_attention(q, k, v, lay, return_lse=True)
+        assert not seen[-1][1] and not seen[-1][0].inference
+    assert torch.equal(out, out2) and lse.shape == (1, 2, 40)
+    qg = q.clone().requires_grad_()
+    opsadv.ops.sparse_attention(qg, k, v, lay)
+    assert not seen[-1][0].inference

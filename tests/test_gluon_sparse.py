@@ -109,6 +109,7 @@ def test_compiles_for_sm90_without_spills_in_tile_loops(sm90_compile_report):
     mod = _compile_module()
     cases = {f"{n}-d{d}" for n, d in mod.CASES} | {f"{n}-d{d}-{v}" for n, d, v in mod.VARIANT_CASES}
     cases |= {f"{n}-d{d}-{v}-trace" for n, d, v in mod.TRACE_CASES}
+    cases |= {f"{n}-d{d}{'' if v == 'default' else '-' + v}-nolse" for n, d, v in mod.NOLSE_CASES}
     assert set(sm90_compile_report) == cases
     for case, r in sm90_compile_report.items():
         if r["variant"] not in DEFAULT_SCHEDULE or r["trace"]:
@@ -126,12 +127,16 @@ def test_new_schedules_compile_without_any_spill(sm90_compile_report):
     <= 3, none in the tile loops), shared memory within 227 KB, the ring depth and Q slots the host asked for,
     and the per-partition register split: ping-pong = 2 consumer warpgroups (240 registers each) + the producer
     (24); the one-consumer schedules 240 + 24."""
-    rows = {c: r for c, r in sm90_compile_report.items() if r["variant"] not in DEFAULT_SCHEDULE and not r["trace"]}
+    rows = {c: r for c, r in sm90_compile_report.items()
+            if r["variant"] not in DEFAULT_SCHEDULE and not r["trace"] and r["lse"]}
     assert {r["variant"] for r in rows.values()} == set(GS.VARIANTS) - DEFAULT_SCHEDULE
     for case, r in rows.items():
         v = GS.VARIANTS[r["variant"]]
         d = int(case.split("-d")[1].split("-")[0])
-        if v.get("o_kslot"):
+        if v.get("full_first"):
+            # (session 21, an A/B candidate) the partial-tile loop runs second: 2 STL + 2 LDL per warpgroup in it
+            assert r["spills"] <= 4 and r["spills_in_tile_loops"] <= 4 and r["stack"] <= 8, r
+        elif v.get("o_kslot"):
             # the next item's counts and the pending copy's slot carried across the epilogue: one value spilled
             # once per item, outside the tile loops (sm_90 compile: 1 STL + 2 LDL, 8 B of stack)
             assert r["spills"] <= 3 and r["spills_in_tile_loops"] == 0 and r["stack"] <= 8, r
@@ -145,6 +150,18 @@ def test_new_schedules_compile_without_any_spill(sm90_compile_report):
         assert {GS.PRODUCER_REGS, GS.CONSUMER_REGS} <= set(r["setmaxnreg"]), r
     st3 = rows["window_causal-d128-st3"]
     assert st3["stages"] == 3 and st3["q_slots"] == 1 and st3["shared"] > 224 * 1024
+
+
+@needs_gluon
+def test_no_lse_build_compiles_without_spills_in_tile_loops(sm90_compile_report):
+    """The no-lse build (WRITE_LSE off: no-grad calls) of what auto_schedule runs: no spill inside the tile loops,
+    shared memory within 227 KB, and strictly fewer instructions than the build that stores the lse."""
+    nolse = {c: r for c, r in sm90_compile_report.items() if not r["lse"]}
+    assert nolse
+    for case, r in nolse.items():
+        assert r["spills_in_tile_loops"] == 0 and r["shared"] <= 232448, r
+        assert r["spills"] <= 12 and r["stack"] <= 24, r
+        assert r["instructions"] < sm90_compile_report[case[:-len("-nolse")]]["instructions"], r
 
 
 @needs_gluon
@@ -833,6 +850,53 @@ def test_gpu_kslot_store_bitwise_equals_register_store(persistent, seed, monkeyp
         assert torch.equal(kslot[0], regs[0]) and torch.equal(kslot[1], regs[1]), name
         ro, rl = _ref(q, k, v, lay, 0.1)
         assert rel_err(kslot[0], ro) < 2e-2, (name, rel_err(kslot[0], ro))
+
+
+@requires_sm90
+@pytest.mark.parametrize("variant", ["default", "interval", "pingpong_st3_kslot", "pingpong_st3_kslot_ff"])
+def test_gpu_no_lse_build_gives_the_same_out(variant, seed, monkeypatch):
+    """need_lse=False (the impl's `inference` forward for no-grad calls: WRITE_LSE off) changes nothing but the
+    lse: out equals the full build's bit for bit; through the op, a no-grad call runs it (lse not returned)."""
+    monkeypatch.setenv("OPSADV_POISON_OUTPUTS", "1")
+    for name in ("window_causal", "window_causal_long", "causal_sq_gt_sk", "window_cross", "bigbird"):
+        lay, b, hq, hkv = _layouts("cuda")[name]
+        if GS.VARIANTS[variant].get("mask") == "interval" and name == "bigbird":
+            continue
+        q = torch.randn(b, hq, lay.seq_q, 128, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(b, hkv, lay.seq_k, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        out, lse = GS.sparse_fwd(None, q, k, v, *_layout_args(lay), 0.1, variant=variant)
+        out_n, lse_n = GS.sparse_fwd(None, q, k, v, *_layout_args(lay), 0.1, variant=variant, need_lse=False)
+        assert lse_n is None and torch.equal(out_n, out), name
+    lay, b, hq, hkv = _layouts("cuda")["window_causal_long"]
+    q = torch.randn(b, hq, lay.seq_q, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(b, hkv, lay.seq_k, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    with opsadv.use_backend("cuda", autotune=False, impls={"sparse_attention": IMPL_ID}), torch.no_grad(), \
+            opsadv.trace() as t:
+        out = opsadv.ops.sparse_attention(q, k, v, lay, scale=0.1)
+    assert t.counts[IMPL_ID] == 1
+    ro, _ = _ref(q, k, v, lay, 0.1)
+    assert rel_err(out, ro) < 2e-2
+
+
+@requires_sm90
+@pytest.mark.parametrize("persistent", [True, False])
+def test_gpu_full_first_matches_partial_first(persistent, seed, monkeypatch):
+    """pingpong_st3_kslot_ff walks an item's full tiles before its partial ones (another summation order): out and
+    lse within bf16 rounding of pingpong_st3_kslot's and of float64 on every band layout, fully masked rows alike."""
+    monkeypatch.setenv("OPSADV_POISON_OUTPUTS", "1")
+    for name in ("window_causal", "window_causal_long", "causal", "causal_sq_gt_sk", "window_cross"):
+        lay, b, hq, hkv = _layouts("cuda")[name]
+        q = torch.randn(b, hq, lay.seq_q, 128, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(b, hkv, lay.seq_k, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        base = GS.sparse_fwd(None, q, k, v, *_layout_args(lay), 0.1,
+                             variant={**GS.VARIANTS["pingpong_st3_kslot"], "persistent": persistent})
+        ff = GS.sparse_fwd(None, q, k, v, *_layout_args(lay), 0.1,
+                           variant={**GS.VARIANTS["pingpong_st3_kslot_ff"], "persistent": persistent})
+        ro, rl = _ref(q, k, v, lay, 0.1)
+        assert torch.equal(torch.isneginf(ff[1]), torch.isneginf(rl)), name
+        fin = torch.isfinite(rl)
+        assert (ff[1][fin] - rl[fin].float()).abs().max() < 1e-2, name
+        assert rel_err(ff[0], ro) < 2e-2 and rel_err(ff[0], base[0]) < 1e-2, (name, rel_err(ff[0], ro))
 
 
 def _item_tiles(ti, b, hq, n_m, reverse):

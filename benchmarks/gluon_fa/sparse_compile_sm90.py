@@ -85,7 +85,11 @@ VARIANT_CASES = [("window_causal", 128, "pingpong"), ("causal", 128, "pingpong")
                  # O out through the last K tile (session 20): 0 spills like pingpong_st3
                  ("window_causal", 128, "pingpong_st3_kslot"), ("causal", 128, "pingpong_st3_kslot"),
                  ("window_causal", 128, "pingpong_st3_interval"), ("causal", 128, "pingpong_st3_interval"),
-                 ("window_causal", 64, "pingpong_st3_interval")]
+                 ("window_causal", 64, "pingpong_st3_interval"),
+                 # full tiles first (session 21, an A/B candidate)
+                 ("window_causal", 128, "pingpong_st3_kslot_ff")]
+# The no-lse build (need_lse=False: no-grad calls through the op) of what auto_schedule runs.
+NOLSE_CASES = [("window_causal", 128, "pingpong_st3_kslot"), ("window_causal", 128, "interval")]
 # The TRACE build of the probes (sparse_trace_probe.py): stamps spill a little outside the tile loops, none inside.
 TRACE_CASES = [("window_causal", 128, "interval"), ("window_causal", 128, "pingpong_st3_interval"),
                ("window_causal", 128, "pingpong_st3_kslot")]
@@ -94,14 +98,14 @@ MASKED_VARIANT_CASES = [(n, 128, v) for v in ("pingpong", "st3", "pingpong_st3",
                         for n in ("bigbird", "global_window", "dilated_not_one_run")]
 
 
-def compile_case(name, d, dtype=None, variant="default", trace=False):
+def compile_case(name, d, dtype=None, variant="default", trace=False, lse=True):
     import torch
     from opsadv.backends.cuda import _gluon_sparse_kernel as K, gluon_sparse as GS
     dtype = dtype or torch.bfloat16
     lay, b, hq, hkv = layouts()[name]
     q = torch.randn(b, hq, lay.seq_q, d).to(dtype)
     k, v = (torch.randn(b, hkv, lay.seq_k, d).to(dtype) for _ in range(2))
-    out, lse = torch.empty_like(q), torch.empty(b, hq, lay.seq_q)
+    out, lse = torch.empty_like(q), (torch.empty(b, hq, lay.seq_q) if lse else None)   # None: the no-lse build
     # trace: the probes' TRACE build (sparse_trace_probe.py), stamps into an int64 (items, 2, TRACE_STAMPS) buffer
     n_items = GS._cdiv(lay.seq_q, GS.TILE) * b * hq
     tr = torch.zeros(n_items, 2, K.TRACE_STAMPS.value, dtype=torch.int64) if trace else None
@@ -115,13 +119,14 @@ def compile_case(name, d, dtype=None, variant="default", trace=False):
     sass = H.sass_of(kern)
     total, inside, loops = tile_loop_spills(sass)
     res = H.cubin_resources(kern)
-    tag = ("" if variant == "default" else f"-{variant}") + ("-trace" if trace else "")
+    tag = ("" if variant == "default" else f"-{variant}") + ("-trace" if trace else "") + ("" if lse is not None else "-nolse")
     row = {"case": f"{name}-d{d}{tag}", "variant": variant, "shared": kern.metadata.shared, "spills": total,
            "spills_in_tile_loops": inside, "tile_loops": loops, "launch_regs": res.get("regs"),
            "stack": res.get("stack"), "setmaxnreg": setmaxnreg_values(sass),
            "bm_mode": kw["BM_MODE"], "full_run": kw["FULL_RUN"], "stages": kw["STAGES"],
            "q_slots": kw["Q_SLOTS"], "pingpong": kw["PINGPONG"], "split_empty": kw["SPLIT_EMPTY"],
-           "trace": bool(trace), "clock_reads": sass.count("SR_CLOCKLO")}
+           "trace": bool(trace), "lse": lse is not None, "clock_reads": sass.count("SR_CLOCKLO"),
+           "instructions": len(re.findall(r"/\*[0-9a-f]{4,}\*/\s+\S", sass))}
     return row, kern, sass
 
 
@@ -132,9 +137,10 @@ def main(argv):
     out_dir = argv[1] if len(argv) > 1 else None
     report = {"commit": os.environ.get("OPSADV_COMMIT", "unknown"), "target": "cuda sm_90", "results": []}
     cases = [(n, d, "default") for n, d in CASES] + VARIANT_CASES + (MASKED_VARIANT_CASES if masked else [])
-    cases = [(n, d, v, False) for n, d, v in cases] + [(n, d, v, True) for n, d, v in TRACE_CASES]
-    for name, d, variant, trace in cases:
-        row, kern, sass = compile_case(name, d, variant=variant, trace=trace)
+    cases = ([(n, d, v, False, True) for n, d, v in cases] + [(n, d, v, True, True) for n, d, v in TRACE_CASES]
+             + [(n, d, v, False, False) for n, d, v in NOLSE_CASES])
+    for name, d, variant, trace, lse in cases:
+        row, kern, sass = compile_case(name, d, variant=variant, trace=trace, lse=lse)
         report["results"].append(row)
         if out_dir:
             os.makedirs(out_dir, exist_ok=True)

@@ -107,6 +107,8 @@ VARIANTS = {
     # O out by TMA through the rows of the item's last K tile (its slot freed after the copy) instead of from registers
     # (measured where the ping-pong epilogue's time went: sparse_trace_probe.py, session 20)
     "pingpong_st3_kslot": {"pingpong": True, "stages": 3, "mask": "interval", "o_kslot": True},
+    # + an item's full tiles first, its partial ones last (session 21): the prologue's softmax unmasked
+    "pingpong_st3_kslot_ff": {"pingpong": True, "stages": 3, "mask": "interval", "o_kslot": True, "full_first": True},
 }
 # Partial-tile masks (the kernel's MASK_MODE): the element predicate, per-row key intervals (band layouts: no mixed
 # block mask, global tokens or key padding), and "unmasked_probe" -- no mask at all, WRONG results: a benchmark's
@@ -187,13 +189,15 @@ def smem_bytes(d: int, stages: int, q_slots: int, esize: int = 2) -> int:
     return (q_slots * TILE + 2 * stages * TILE) * d * esize
 
 
-def resolve_schedule(d: int, stages=None, q_slots=None, pingpong=False, split_empty=False, o_kslot=False) -> dict:
+def resolve_schedule(d: int, stages=None, q_slots=None, pingpong=False, split_empty=False, o_kslot=False,
+                     full_first=False) -> dict:
     """Kernel constexprs of a variant: STAGES (default STAGES[d]), Q_SLOTS (2 when it fits next to the
     ring, else 1), PINGPONG, and O_REGS: O stored from registers and the Q slot released after the
     item's last S (every new schedule; needed with 1 Q slot; the ping-pong TMA store through the slot
     spilled), SPLIT_EMPTY (K and V slots freed apart), O_KSLOT (O leaves by TMA through the rows of the item's
-    last K tile instead of from registers; needs O_REGS' early Q release and K slots freed with their V).
-    ValueError when the ring does not fit even with one Q slot, or O_KSLOT cannot serve."""
+    last K tile instead of from registers; needs O_REGS' early Q release and K slots freed with their V),
+    FULL_FIRST (an item's full tiles before its partial ones; not with SPLIT_EMPTY's producer loop).
+    ValueError when the ring does not fit even with one Q slot, or O_KSLOT / FULL_FIRST cannot serve."""
     stages = stages or STAGES[d]
     if q_slots is None:
         q_slots = 2 if smem_bytes(d, stages, 2) + SMEM_SLACK <= SMEM_LIMIT else 1
@@ -205,8 +209,11 @@ def resolve_schedule(d: int, stages=None, q_slots=None, pingpong=False, split_em
         raise ValueError(f"{IMPL_ID}: o_kslot (O out through the last K tile) needs a schedule that frees its Q slot "
                          f"early (ping-pong or one Q slot; got pingpong={bool(pingpong)}, q_slots={q_slots}) and "
                          f"K slots freed with their V (split_empty=False, got {bool(split_empty)})")
+    if full_first and split_empty:
+        raise ValueError(f"{IMPL_ID}: full_first (full tiles before partial ones) is built for the joint K/V release only "
+                         f"(split_empty=False)")
     return dict(STAGES=stages, Q_SLOTS=q_slots, PINGPONG=bool(pingpong), O_REGS=o_regs, SPLIT_EMPTY=bool(split_empty),
-                O_KSLOT=bool(o_kslot))
+                O_KSLOT=bool(o_kslot), FULL_FIRST=bool(full_first))
 
 
 def mask_mode(mask: str, ti, kpm, ng: int) -> int:
@@ -264,9 +271,9 @@ def item_order(ti, b: int, hq: int, n_m: int, reverse: bool, nprog: int) -> torc
 
 def launch_args(q, k, v, out, lse, ti, kpm, bs, causal, wl, wr, ng, scale, *, persistent=True, stages=None,
                 q_slots=None, pingpong=False, split_empty=False, num_sms=132, order=None, mask="element", trace=None,
-                o_kslot=False):
+                o_kslot=False, full_first=False):
     """(grid, args, kwargs) of one sparse_fwd_kernel launch writing out (b, h_q, s_q, d) and lse
-    (b, h_q, s_q) float32 contiguous.  q/k/v/out must be TMA-ready (see _tma_ready); ti: layout_index().
+    (b, h_q, s_q) float32 contiguous (lse None: not computed, WRITE_LSE=False).  q/k/v/out must be TMA-ready (see _tma_ready); ti: layout_index().
     order: slots dealt by item_order (else round-robin in item order); None: order_auto()'s rule.  mask: a
     MASK_MODES name (mask_mode()).  trace (probes): an int64 (n_items, 2, TRACE_STAMPS) tensor the TRACE build fills
     with the consumers' %clock64 stamps per work item (the kernel's _stamp).  o_kslot: resolve_schedule()."""
@@ -275,7 +282,7 @@ def launch_args(q, k, v, out, lse, ti, kpm, bs, causal, wl, wr, ng, scale, *, pe
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     gdt = _gl.bfloat16 if q.dtype == torch.bfloat16 else _gl.float16
-    sched = resolve_schedule(d, stages, q_slots, pingpong, split_empty, o_kslot)
+    sched = resolve_schedule(d, stages, q_slots, pingpong, split_empty, o_kslot, full_first)
     if sched["O_REGS"] and (sq + TILE) * out.stride(2) >= 2 ** 31:
         raise ValueError(f"{IMPL_ID}: the register O store of this schedule uses 32-bit row offsets "
                          f"(s_q {sq} x row stride {out.stride(2)}); use the default schedule")
@@ -305,18 +312,20 @@ def launch_args(q, k, v, out, lse, ti, kpm, bs, causal, wl, wr, ng, scale, *, pe
               kv_smem_layout=nvmma_layout((TILE, d), gdt),
               CAUSAL=bool(causal), HAS_WIN=wl >= 0, HAS_GLOBAL=ng > 0, BM_MODE=int(ti.bm_mode),
               HAS_KPM=kpm is not None, FULL_RUN=bool(ti.full_run), REVERSE=bool(causal), ORDER=bool(order), **sched,
-              MASK_MODE=mask_mode(mask, ti, kpm, ng), TRACE=trace is not None,
+              MASK_MODE=mask_mode(mask, ti, kpm, ng), TRACE=trace is not None, WRITE_LSE=lse is not None,
               CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
               num_warps=_K.PINGPONG_WARPS if sched["PINGPONG"] else _K.NUM_WARPS)
-    args = (*descs, lse, out, ti.rows, ti.cols, bm8, kpm8, perm, *out.stride()[:3], *_s3(ti.rows), *_s3(ti.cols),
+    lse_arg = lse if lse is not None else out                # (an unused pointer with WRITE_LSE=False)
+    args = (*descs, lse_arg, out, ti.rows, ti.cols, bm8, kpm8, perm, *out.stride()[:3], *_s3(ti.rows), *_s3(ti.cols),
             *s_bm, s_kpm, hq, hq // hkv, n_m, n_items, sq, sk, sk - sq, wl, wr, ng, bs, scale * LOG2E,
-            lse if trace is None else trace)
+            lse_arg if trace is None else trace)
     return grid, args, kw
 
 
 def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale, dense_blocks=False,
-               max_seqlen=-1, *, variant=None):
-    """out (b, h_q, s_q, d) over (b, s, h, d) memory, lse (b, h_q, s_q) float32 natural log.
+               max_seqlen=-1, *, variant=None, need_lse=True):
+    """out (b, h_q, s_q, d) over (b, s, h, d) memory, lse (b, h_q, s_q) float32 natural log (need_lse=False:
+    None, the kernel neither computes nor stores it -- the impl's `inference` forward for no-grad calls).
     variant (benchmarks): {"persistent": bool, "stages": int, "q_slots": 1 | 2, "pingpong": bool,
     "split_empty": bool, "order": bool, "mask": a MASK_MODES name, "trace": launch_args' trace, "o_kslot": bool}
     (or a VARIANTS name) over DEFAULT_VARIANT; None: auto_schedule()."""
@@ -328,7 +337,7 @@ def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale,
     sk = k.shape[2]
     ti = layout_index(block_mask, kpm, cu, bs, causal, wl, wr, ng, sq, sk)
     out = new_output_bshd(q.shape, q.dtype, q.device)
-    lse = new_output((b, hq, sq), torch.float32, q.device)
+    lse = new_output((b, hq, sq), torch.float32, q.device) if need_lse else None
     n_m = _cdiv(sq, TILE)
     if variant is None:
         opts = {**auto_schedule(d, ti, n_m, kpm, ng), **DEFAULT_VARIANT}
@@ -339,9 +348,17 @@ def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale,
                                  persistent=persistent, stages=opts.get("stages"), q_slots=opts.get("q_slots"),
                                  pingpong=opts.get("pingpong", False), split_empty=opts.get("split_empty", False),
                                  num_sms=_sm_count(q.device), order=opts.get("order"), mask=opts.get("mask", "element"),
-                                 trace=opts.get("trace"), o_kslot=opts.get("o_kslot", False))
+                                 trace=opts.get("trace"), o_kslot=opts.get("o_kslot", False),
+                                 full_first=opts.get("full_first", False))
     _K.sparse_fwd_kernel[grid](*args, **kw)
     return out, lse
+
+
+def sparse_fwd_infer(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale, dense_blocks=False,
+                     max_seqlen=-1):
+    """KernelImpl.inference: a no-grad eager call's forward, (out, None) -- the lse nobody reads is not computed."""
+    return sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale, dense_blocks, max_seqlen,
+                      need_lse=False)
 
 
 def sparse_bwd(ctx, dout, q, k, v, out, lse, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale,
@@ -367,7 +384,7 @@ def _check(spec, env) -> list[str]:
 
 def impls(env) -> list[KernelImpl]:
     return [KernelImpl(
-        id=IMPL_ID, op=OP, backend="cuda", fn=sparse_fwd, backward=sparse_bwd,
+        id=IMPL_ID, op=OP, backend="cuda", fn=sparse_fwd, backward=sparse_bwd, inference=sparse_fwd_infer,
         # below the Triton impl: on the H200 it is 0.91-1.03x of it depending on the window
         # (results/gluon_sparse_fwd_h200.json), so it serves a bucket only where a measurement (autotune /
         # the tuning cache) found it faster, or when pinned
@@ -380,5 +397,5 @@ def impls(env) -> list[KernelImpl]:
                     "Triton sparse backward from out + lse")]
 
 
-__all__ = ["impls", "sparse_fwd", "sparse_bwd", "launch_args", "layout_index", "resolve_schedule", "auto_schedule",
+__all__ = ["impls", "sparse_fwd", "sparse_fwd_infer", "sparse_bwd", "launch_args", "layout_index", "resolve_schedule", "auto_schedule",
            "UNAVAILABLE", "IMPL_ID", "STAGES", "VARIANTS", "DEFAULT_VARIANT"]

@@ -73,17 +73,17 @@ def _window_bucket(wl: int, wr: int) -> int:
     return len_bucket(wl + max(wr, 0) + 1) if wl >= 0 else 0
 
 
-def _key(q, k, kpm, cu, bs, causal, wl, wr, ng, dense, ms, backward, train=False):
+def _key(q, k, kpm, cu, bs, causal, wl, wr, ng, dense, ms, backward, train=False, inference=False):
     return (OP, backward, q.device.type, q.dtype, q.shape[-1], bs, causal, _window_bucket(wl, wr), ng > 0,
             kpm is not None, cu is not None, q.shape[1] // k.shape[1], len_bucket(q.shape[2]),
-            len_bucket(k.shape[2]), dense, ms >= 0, train)
+            len_bucket(k.shape[2]), dense, ms >= 0, train, inference)
 
 
-def _spec(q, k, kpm, cu, bs, causal, wl, wr, ng, dense, ms, backward, train=False) -> CallSpec:
+def _spec(q, k, kpm, cu, bs, causal, wl, wr, ng, dense, ms, backward, train=False, inference=False) -> CallSpec:
     return CallSpec(OP, q.device.type, q.dtype, _features(q, k, kpm, cu, causal, wl, ng, dense, ms),
                     (bs, len_bucket(q.shape[2]), len_bucket(k.shape[2]), _window_bucket(wl, wr)),
                     head_dim=q.shape[-1], shapes=(tuple(q.shape), tuple(k.shape)), backward=backward,
-                    train=train, bucket_names=("block_size=", "s_q<=", "s_k<=", "window_span<="))
+                    train=train, inference=inference, bucket_names=("block_size=", "s_q<=", "s_k<=", "window_span<="))
 
 
 def layout_spec(q, k, layout: SparseLayout, backward: bool, train: bool = False) -> CallSpec:
@@ -102,6 +102,20 @@ def _route(q, k, v, block_mask, key_padding_mask, cu_seqlens, block_size, causal
         lambda: _spec(q, k, kpm, cu, block_size, causal, wl, window_right, ng, dense_blocks, max_seqlen, False),
         (q, k, v, block_mask, kpm, cu, block_size, causal, wl, window_right, ng, s, dense_blocks, max_seqlen))
     return out, contiguous_lse(lse)
+
+
+def _infer_route(q, k, v, block_mask, key_padding_mask, cu_seqlens, block_size, causal, window_left, window_right,
+                 num_global, scale, dense_blocks=False, max_seqlen=-1):
+    """Eager no-grad calls that do not return lse resolve in their own bucket (CallSpec.inference) and run the
+    impl's `inference` forward where it has one (the Gluon kernel then skips the lse: its log and store per row)."""
+    s = default_scale(q, scale)
+    kpm, cu, wl, ng = key_padding_mask, cu_seqlens, window_left, num_global
+    return dispatch.call(
+        _key(q, k, kpm, cu, block_size, causal, wl, window_right, ng, dense_blocks, max_seqlen, False, inference=True),
+        lambda: _spec(q, k, kpm, cu, block_size, causal, wl, window_right, ng, dense_blocks, max_seqlen, False,
+                      inference=True),
+        (q, k, v, block_mask, kpm, cu, block_size, causal, wl, window_right, ng, s, dense_blocks, max_seqlen),
+        inference=True)[0]
 
 
 def _train_resolve(q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, s, dense, ms):
@@ -212,6 +226,8 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, layout: SparseLayout, *, s
         dispatch.record_call(r.impl.id)
         out, lse = _train_autograd(r, *args)
     elif mode == DIRECT:
+        if not return_lse:
+            return _infer_route(*args)
         out, lse = _route(*args)
     else:
         out, lse = torch.ops.opsadv.sparse_attention(*args, traced_train(q, k, v))
