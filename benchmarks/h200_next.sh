@@ -636,7 +636,7 @@ k)  # session 20: the Gluon sparse GPU tests (every schedule incl. pingpong_st3_
   TRACE_WINDOWS=1024,2048,4096 timeout 300 python3 benchmarks/gluon_fa/sparse_trace_probe.py "$OUT/sparse_trace.json" \
     2>&1 | tail -13 | cut -c1-900
   ;;
-ab)  # session 21: the Gluon sparse GPU tests (incl. the no-lse build and the full-tiles-first schedule), then the A/B of
+sab)  # session 21: the Gluon sparse GPU tests (incl. the no-lse build and the full-tiles-first schedule), then the A/B of
      # pingpong_st3_kslot vs its no-lse build (no-grad calls) vs pingpong_st3_kslot_ff (full tiles first)
   TRITON_INTERPRET=0 timeout 240 python3 -m pytest -q -p no:cacheprovider -n 8 -k gpu tests/test_gluon_sparse.py \
     > "$OUT/gluon_sparse_pytest.log" 2>&1
