@@ -104,14 +104,15 @@ def test_compiles_for_sm90_without_spills(d, variant, causal, dt, sm90_compile_r
 
 def test_every_variant_is_compiled_and_d128_pingpong_in_fp16_too():
     """The compile check covers each distinct schedule (an explicit 3-stage ring is d64's default
-    depth, so those variants are d128-only), and the spill-prone d128 ping-pong in both dtypes."""
+    depth, so those variants are d128-only), and the spill-prone d128 ping-pong the dispatcher runs in both dtypes."""
     assert {(d, n) for d, n, _, _ in COMPILE_CASES} == {(d, n) for d in (128, 64) for n in GA.variants_for(d)}
     assert "pingpong_st3" in GA.variants_for(128) and "pingpong_st3" not in GA.variants_for(64)
     pingpongs = [n for n in GA.variants_for(128) if n.startswith("pingpong")]
     assert {"pingpong", "pingpong_st3", "pingpong_kv", "pingpong_kv_st3"} <= set(pingpongs)
     for name in pingpongs:
         assert {(c, dt) for d, n, c, dt in COMPILE_CASES if d == 128 and n == name} == \
-            {(c, dt) for c in (False, True) for dt in ("bfloat16", "float16")}
+            {(c, dt) for c in (False, True) for dt in ("bfloat16", "float16") if dt == "bfloat16" or name in FP16_COMPILED}
+    assert GA.DEFAULT_VARIANT[128] in FP16_COMPILED
 
 
 # ---- declaration and rejection reasons -------------------------------------------------------------------

@@ -59,7 +59,7 @@ def _attn(b, hq, hkv, sq, sk, d, causal=False, mask=None):
 
 ATTENTION = [
     Case("flash_attention", "tiny", _attn(1, 1, 1, 1, 1, 32), (0, 1, 2)),
-    Case("flash_attention", "odd", _attn(2, 3, 3, 127, 127, 64), (0, 1, 2)),
+    Case("flash_attention", "odd", _attn(1, 3, 3, 127, 127, 64), (0, 1, 2)),
     Case("flash_attention", "causal", _attn(1, 2, 2, 67, 67, 64, causal=True), (0, 1, 2)),
     Case("flash_attention", "gqa", _attn(2, 4, 2, 37, 37, 64), (0, 1, 2)),
     Case("flash_attention", "mqa_causal", _attn(1, 4, 1, 45, 45, 32, causal=True), (0, 1, 2)),

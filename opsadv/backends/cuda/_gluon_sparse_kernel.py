@@ -38,8 +38,6 @@ before the softmax of S_j's successor, P in registers), driven by the layout's t
     at the boundary; the next item's tile counts are loaded during the epilogue for the same reason.  Items
     with no tile store their zeros from registers.  (The register store wrote 2-byte pieces until session 20:
     it now writes 4-byte ones; either costs far more per item than one TMA copy, sparse_trace_probe.py.)
-  * FULL_FIRST (session 21): producer and consumers walk an item's full tiles first and its partial ones last, so
-    the prologue's softmax (nothing to hide under) is an unmasked one and every mask runs under a P V.
   * WRITE_LSE=False (no-grad calls through KernelImpl.inference): the lse is neither computed nor stored.
   * SPLIT_EMPTY (FA3's separate K and V pipelines, as the dense kernel's pingpong_kv): a K slot is
     freed on k_empty as soon as its S has retired, a V slot on kv_empty after its P V, and the
@@ -189,25 +187,11 @@ def _tile_col(cols, t, n_part, run0, FULL_RUN: gl.constexpr):
 
 
 @gluon.jit
-def _issue_partial(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, cols, n_part, b, hk, it,
-                   STAGES: gl.constexpr, BN: gl.constexpr, kv_view: gl.constexpr):
-    """The producer's partial tiles of one item (ids from the list) into the ring; returns the new tile count."""
-    for t in range(0, n_part):
-        kt = gl.load(cols + t)
-        stage = it % STAGES
-        mbarrier.wait(kv_empty.index(stage), ((it // STAGES) & 1) ^ 1)
-        _issue_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, b, hk, kt * BN, stage, kv_view)
-        it += 1
-    return it
-
-
-@gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
               rows_ptr, cols_ptr, perm_ptr, s_rb, s_rh, s_rr, s_cb, s_ch, s_cr, H, GROUP, n_m, n_items,
               REVERSE: gl.constexpr, ORDER: gl.constexpr, FULL_RUN: gl.constexpr, STAGES: gl.constexpr,
               Q_SLOTS: gl.constexpr,
-              NWG: gl.constexpr, OPAQUE: gl.constexpr, k_empty, SPLIT_EMPTY: gl.constexpr,
-              FULL_FIRST: gl.constexpr = False):
+              NWG: gl.constexpr, OPAQUE: gl.constexpr, k_empty, SPLIT_EMPTY: gl.constexpr):
     """1 warp: for each of this CTA's items, Q into slot qi % Q_SLOTS (one 128 / NWG-row part per consumer
     partition, each on its own barriers), then its listed K/V tiles into the ring as fast as the
     consumers free slots.  SPLIT_EMPTY: a K slot is free once its S has retired (k_empty), a V slot
@@ -250,9 +234,12 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
                 _issue_one(v_desc, v_smem, v_ready, b, hk, kt * BN, g % STAGES, kv_view)
             it += n_all
         else:
-            if not FULL_FIRST:
-                it = _issue_partial(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, cols, n_part, b, hk,
-                                    it, STAGES, BN, kv_view)
+            for t in range(0, n_part):                  # partial tiles: ids from the list
+                kt = gl.load(cols + t)
+                stage = it % STAGES
+                mbarrier.wait(kv_empty.index(stage), ((it // STAGES) & 1) ^ 1)
+                _issue_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, b, hk, kt * BN, stage, kv_view)
+                it += 1
             run0 = gl.load(cols + n_part, mask=n_part < n_all, other=0) - n_part
             for t in range(n_part, n_all):              # full tiles: a column run, or ids from the list
                 if FULL_RUN:
@@ -263,9 +250,6 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
                 mbarrier.wait(kv_empty.index(stage), ((it // STAGES) & 1) ^ 1)
                 _issue_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, b, hk, kt * BN, stage, kv_view)
                 it += 1
-            if FULL_FIRST:                              # the consumers' order: full tiles, then the partial ones
-                it = _issue_partial(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, cols, n_part, b, hk,
-                                    it, STAGES, BN, kv_view)
         qi += 1
 
 
@@ -407,7 +391,7 @@ def _consumer(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, 
               Q_SLOTS: gl.constexpr,
               PINGPONG: gl.constexpr, O_REGS: gl.constexpr, SPLIT_EMPTY: gl.constexpr, MASK_MODE: gl.constexpr,
               trace_ptr, TRACE: gl.constexpr, WG: gl.constexpr, k_done, O_KSLOT: gl.constexpr,
-              WRITE_LSE: gl.constexpr, FULL_FIRST: gl.constexpr, num_warps: gl.constexpr):
+              WRITE_LSE: gl.constexpr, num_warps: gl.constexpr):
     """One consumer partition: rows [WG * BM, +BM) of every item (BM = the Q block: 128 with 8 warps, or
     64 per warpgroup with PINGPONG), each item's tiles in list order (partial, then full), FA3
     intra-warpgroup overlap: iteration j issues S_{j+1} and P_j V_j, runs the softmax of S_{j+1} while
@@ -465,12 +449,8 @@ def _consumer(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, 
         # counter is it + qi and needs no register of its own across the tile loops.
         tc = it + qi
         if n_all > 0:
-            # Prologue: S_0 and its softmax (no PV yet).  FULL_FIRST: tile 0 is partial only when none is full.
-            if FULL_FIRST:
-                first_masked = n_all == n_part
-            else:
-                first_masked = n_part > 0
-            kt = gl.load(cols, mask=first_masked, other=0)
+            # Prologue: S_0 and its softmax (no PV yet).
+            kt = gl.load(cols, mask=n_part > 0, other=0)
             cur = it % STAGES
             mbarrier.wait(k_ready.index(cur), (it // STAGES) & 1)
             _turn_wait(turn, tc, WG, PINGPONG)
@@ -484,46 +464,27 @@ def _consumer(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, 
             _stamp(trace_ptr, slot, 2, WG, TRACE)
             if SPLIT_EMPTY:
                 _release(k_empty.index(cur))
-            if first_masked:
+            if n_part > 0:
                 p, m_i, l_i, alpha = _softmax_masked(s, m_i, l_i, rows, kt, bmp, s_bm_q, s_bm_k, kpmp, SQ, SK, OFF,
                                                      WL, WR, NG, BS, qk_scale, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE,
                                                      HAS_KPM, s_layout, MASK_MODE)
             else:
                 p, m_i, l_i, alpha = _softmax_full(s, m_i, l_i, qk_scale)
             _stamp(trace_ptr, slot, 3, WG, TRACE)
-            if FULL_FIRST:
-                # The ring holds the full tiles first, then the partial ones (the producer's FULL_FIRST order):
-                # iterations j < n_all - n_part - 1 fold a full tile, the rest partial tile j + 1 - (n_all - n_part)
-                # (at cols_m + j).  The prologue's softmax is then a full one, the masks all run under a P V.
-                n_lead = gl.maximum(n_all - n_part - 1, 0)
-                cols_m = cols + 1 - (n_all - n_part)  # (formed here: n_part and cols are then dead in the loops)
-                for j in range(0, n_lead):
-                    p, m_i, l_i, o = _pipelined_step(q_tile, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty, turn,
-                                                     tc + j + 1, s_acc, p, m_i, l_i, o, it + j, cols, rows, bmp,
-                                                     s_bm_q, s_bm_k, kpmp, SQ, SK, OFF, WL, WR, NG, BS, qk_scale,
-                                                     False, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, STAGES,
-                                                     PINGPONG, WG, SPLIT_EMPTY, s_layout, o_layout, MASK_MODE)
-                for j in range(n_lead, n_all - 1):
-                    p, m_i, l_i, o = _pipelined_step(q_tile, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty, turn,
-                                                     tc + j + 1, s_acc, p, m_i, l_i, o, it + j, cols_m + j, rows, bmp,
-                                                     s_bm_q, s_bm_k, kpmp, SQ, SK, OFF, WL, WR, NG, BS, qk_scale,
-                                                     True, CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, STAGES,
-                                                     PINGPONG, WG, SPLIT_EMPTY, s_layout, o_layout, MASK_MODE)
-            else:
-                # Partial tiles come first in the list: iterations j < n_part - 1 fold a partial tile j + 1.
-                n_masked = gl.maximum(n_part - 1, 0)
-                for j in range(0, n_masked):
-                    p, m_i, l_i, o = _pipelined_step(q_tile, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty, turn,
-                                                     tc + j + 1, s_acc, p, m_i, l_i, o, it + j, cols + j + 1, rows, bmp,
-                                                     s_bm_q, s_bm_k, kpmp, SQ, SK, OFF, WL, WR, NG, BS, qk_scale, True,
-                                                     CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, STAGES, PINGPONG,
-                                                     WG, SPLIT_EMPTY, s_layout, o_layout, MASK_MODE)
-                for j in range(n_masked, n_all - 1):
-                    p, m_i, l_i, o = _pipelined_step(q_tile, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty, turn,
-                                                     tc + j + 1, s_acc, p, m_i, l_i, o, it + j, cols, rows, bmp, s_bm_q,
-                                                     s_bm_k, kpmp, SQ, SK, OFF, WL, WR, NG, BS, qk_scale, False, CAUSAL,
-                                                     HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, STAGES, PINGPONG, WG,
-                                                     SPLIT_EMPTY, s_layout, o_layout, MASK_MODE)
+            # Partial tiles come first in the list: iterations j < n_part - 1 fold a partial tile j + 1.
+            n_masked = gl.maximum(n_part - 1, 0)
+            for j in range(0, n_masked):
+                p, m_i, l_i, o = _pipelined_step(q_tile, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty, turn,
+                                                 tc + j + 1, s_acc, p, m_i, l_i, o, it + j, cols + j + 1, rows, bmp,
+                                                 s_bm_q, s_bm_k, kpmp, SQ, SK, OFF, WL, WR, NG, BS, qk_scale, True,
+                                                 CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, STAGES, PINGPONG, WG,
+                                                 SPLIT_EMPTY, s_layout, o_layout, MASK_MODE)
+            for j in range(n_masked, n_all - 1):
+                p, m_i, l_i, o = _pipelined_step(q_tile, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty, turn,
+                                                 tc + j + 1, s_acc, p, m_i, l_i, o, it + j, cols, rows, bmp, s_bm_q,
+                                                 s_bm_k, kpmp, SQ, SK, OFF, WL, WR, NG, BS, qk_scale, False, CAUSAL,
+                                                 HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, STAGES, PINGPONG, WG,
+                                                 SPLIT_EMPTY, s_layout, o_layout, MASK_MODE)
             _stamp(trace_ptr, slot, 4, WG, TRACE)
             if O_KSLOT and PINGPONG:
                 # This warpgroup's last S = Q K^T has retired: the other one may write its O over that K tile.
@@ -627,8 +588,7 @@ def sparse_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, o_ptr, rows_ptr, 
                       Q_SLOTS: gl.constexpr, PINGPONG: gl.constexpr, O_REGS: gl.constexpr, SPLIT_EMPTY: gl.constexpr,
                       CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
                       MASK_MODE: gl.constexpr = MASK_ELEMENT, TRACE: gl.constexpr = False,
-                      O_KSLOT: gl.constexpr = False, WRITE_LSE: gl.constexpr = True,
-                      FULL_FIRST: gl.constexpr = False):
+                      O_KSLOT: gl.constexpr = False, WRITE_LSE: gl.constexpr = True):
     """Grid (min(n_items, SMs) persistent, or n_items,).  n_items = n_m query tiles x b x H.
     q/o descriptors: block (1, 1, 128, d), or (1, 1, 64, d) with PINGPONG (then num_warps = 4, one
     warpgroup per consumer partition); k/v: (1, 1, 128, d); *_smem_layout: the 2-D NVMMA layouts of
@@ -643,7 +603,6 @@ def sparse_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, o_ptr, rows_ptr, 
     NQ: gl.constexpr = Q_SLOTS * NWG
     gl.static_assert(O_REGS or Q_SLOTS == 2, "one Q slot per partition needs O stored from registers")
     gl.static_assert(not O_KSLOT or (O_REGS and not SPLIT_EMPTY), "O_KSLOT: Q freed early, K slots freed with V")
-    gl.static_assert(not FULL_FIRST or not SPLIT_EMPTY, "FULL_FIRST: the producer's joint K/V loop only")
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [NQ, BQ, D], q_smem_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, D], kv_smem_layout)
@@ -686,17 +645,16 @@ def sparse_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, o_ptr, rows_ptr, 
                          s_cb, s_ch, s_cr, bm_ptr, s_bmb, s_bmh, s_bm_q, s_bm_k, kpm_ptr, s_kpmb,
                          H, n_m, n_items, SQ, SK, OFF, WL, WR, NG, BS, qk_scale,
                          CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, REVERSE, ORDER, STAGES, Q_SLOTS, PINGPONG,
-                         O_REGS, SPLIT_EMPTY, MASK_MODE, trace_ptr, TRACE, 0, k_done, O_KSLOT, WRITE_LSE, FULL_FIRST, 4)),
+                         O_REGS, SPLIT_EMPTY, MASK_MODE, trace_ptr, TRACE, 0, k_done, O_KSLOT, WRITE_LSE, 4)),
             (_consumer, (q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, v_smem, q_ready, q_empty,
                          k_ready, v_ready, kv_empty, k_empty, turn, rows_ptr, cols_ptr, perm_ptr, s_rb, s_rh, s_rr,
                          s_cb, s_ch, s_cr, bm_ptr, s_bmb, s_bmh, s_bm_q, s_bm_k, kpm_ptr, s_kpmb,
                          H, n_m, n_items, SQ, SK, OFF, WL, WR, NG, BS, qk_scale,
                          CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, REVERSE, ORDER, STAGES, Q_SLOTS, PINGPONG,
-                         O_REGS, SPLIT_EMPTY, MASK_MODE, trace_ptr, TRACE, 1, k_done, O_KSLOT, WRITE_LSE, FULL_FIRST, 4)),
+                         O_REGS, SPLIT_EMPTY, MASK_MODE, trace_ptr, TRACE, 1, k_done, O_KSLOT, WRITE_LSE, 4)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                          rows_ptr, cols_ptr, perm_ptr, s_rb, s_rh, s_rr, s_cb, s_ch, s_cr, H, GROUP, n_m, n_items,
-                         REVERSE, ORDER, FULL_RUN, STAGES, Q_SLOTS, NWG, O_REGS, k_empty, SPLIT_EMPTY,
-                         FULL_FIRST)),
+                         REVERSE, ORDER, FULL_RUN, STAGES, Q_SLOTS, NWG, O_REGS, k_empty, SPLIT_EMPTY)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -705,11 +663,10 @@ def sparse_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, o_ptr, rows_ptr, 
                          s_cb, s_ch, s_cr, bm_ptr, s_bmb, s_bmh, s_bm_q, s_bm_k, kpm_ptr, s_kpmb,
                          H, n_m, n_items, SQ, SK, OFF, WL, WR, NG, BS, qk_scale,
                          CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, REVERSE, ORDER, STAGES, Q_SLOTS, PINGPONG,
-                         O_REGS, SPLIT_EMPTY, MASK_MODE, trace_ptr, TRACE, 0, k_done, O_KSLOT, WRITE_LSE, FULL_FIRST, num_warps)),
+                         O_REGS, SPLIT_EMPTY, MASK_MODE, trace_ptr, TRACE, 0, k_done, O_KSLOT, WRITE_LSE, num_warps)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                          rows_ptr, cols_ptr, perm_ptr, s_rb, s_rh, s_rr, s_cb, s_ch, s_cr, H, GROUP, n_m, n_items,
-                         REVERSE, ORDER, FULL_RUN, STAGES, Q_SLOTS, NWG, O_REGS, k_empty, SPLIT_EMPTY,
-                         FULL_FIRST)),
+                         REVERSE, ORDER, FULL_RUN, STAGES, Q_SLOTS, NWG, O_REGS, k_empty, SPLIT_EMPTY)),
         ], [1], [PRODUCER_REGS])
     for i in gl.static_range(NQ):
         mbarrier.invalidate(q_ready.index(i))

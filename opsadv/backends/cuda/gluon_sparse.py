@@ -107,8 +107,6 @@ VARIANTS = {
     # O out by TMA through the rows of the item's last K tile (its slot freed after the copy) instead of from registers
     # (measured where the ping-pong epilogue's time went: sparse_trace_probe.py, session 20)
     "pingpong_st3_kslot": {"pingpong": True, "stages": 3, "mask": "interval", "o_kslot": True},
-    # + an item's full tiles first, its partial ones last (session 21): the prologue's softmax unmasked
-    "pingpong_st3_kslot_ff": {"pingpong": True, "stages": 3, "mask": "interval", "o_kslot": True, "full_first": True},
 }
 # Partial-tile masks (the kernel's MASK_MODE): the element predicate, per-row key intervals (band layouts: no mixed
 # block mask, global tokens or key padding), and "unmasked_probe" -- no mask at all, WRONG results: a benchmark's
@@ -189,15 +187,13 @@ def smem_bytes(d: int, stages: int, q_slots: int, esize: int = 2) -> int:
     return (q_slots * TILE + 2 * stages * TILE) * d * esize
 
 
-def resolve_schedule(d: int, stages=None, q_slots=None, pingpong=False, split_empty=False, o_kslot=False,
-                     full_first=False) -> dict:
+def resolve_schedule(d: int, stages=None, q_slots=None, pingpong=False, split_empty=False, o_kslot=False) -> dict:
     """Kernel constexprs of a variant: STAGES (default STAGES[d]), Q_SLOTS (2 when it fits next to the
     ring, else 1), PINGPONG, and O_REGS: O stored from registers and the Q slot released after the
     item's last S (every new schedule; needed with 1 Q slot; the ping-pong TMA store through the slot
     spilled), SPLIT_EMPTY (K and V slots freed apart), O_KSLOT (O leaves by TMA through the rows of the item's
-    last K tile instead of from registers; needs O_REGS' early Q release and K slots freed with their V),
-    FULL_FIRST (an item's full tiles before its partial ones; not with SPLIT_EMPTY's producer loop).
-    ValueError when the ring does not fit even with one Q slot, or O_KSLOT / FULL_FIRST cannot serve."""
+    last K tile instead of from registers; needs O_REGS' early Q release and K slots freed with their V).
+    ValueError when the ring does not fit even with one Q slot, or O_KSLOT cannot serve."""
     stages = stages or STAGES[d]
     if q_slots is None:
         q_slots = 2 if smem_bytes(d, stages, 2) + SMEM_SLACK <= SMEM_LIMIT else 1
@@ -209,11 +205,8 @@ def resolve_schedule(d: int, stages=None, q_slots=None, pingpong=False, split_em
         raise ValueError(f"{IMPL_ID}: o_kslot (O out through the last K tile) needs a schedule that frees its Q slot "
                          f"early (ping-pong or one Q slot; got pingpong={bool(pingpong)}, q_slots={q_slots}) and "
                          f"K slots freed with their V (split_empty=False, got {bool(split_empty)})")
-    if full_first and split_empty:
-        raise ValueError(f"{IMPL_ID}: full_first (full tiles before partial ones) is built for the joint K/V release only "
-                         f"(split_empty=False)")
     return dict(STAGES=stages, Q_SLOTS=q_slots, PINGPONG=bool(pingpong), O_REGS=o_regs, SPLIT_EMPTY=bool(split_empty),
-                O_KSLOT=bool(o_kslot), FULL_FIRST=bool(full_first))
+                O_KSLOT=bool(o_kslot))
 
 
 def mask_mode(mask: str, ti, kpm, ng: int) -> int:
@@ -271,7 +264,7 @@ def item_order(ti, b: int, hq: int, n_m: int, reverse: bool, nprog: int) -> torc
 
 def launch_args(q, k, v, out, lse, ti, kpm, bs, causal, wl, wr, ng, scale, *, persistent=True, stages=None,
                 q_slots=None, pingpong=False, split_empty=False, num_sms=132, order=None, mask="element", trace=None,
-                o_kslot=False, full_first=False):
+                o_kslot=False):
     """(grid, args, kwargs) of one sparse_fwd_kernel launch writing out (b, h_q, s_q, d) and lse
     (b, h_q, s_q) float32 contiguous (lse None: not computed, WRITE_LSE=False).  q/k/v/out must be TMA-ready (see _tma_ready); ti: layout_index().
     order: slots dealt by item_order (else round-robin in item order); None: order_auto()'s rule.  mask: a
@@ -282,7 +275,7 @@ def launch_args(q, k, v, out, lse, ti, kpm, bs, causal, wl, wr, ng, scale, *, pe
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     gdt = _gl.bfloat16 if q.dtype == torch.bfloat16 else _gl.float16
-    sched = resolve_schedule(d, stages, q_slots, pingpong, split_empty, o_kslot, full_first)
+    sched = resolve_schedule(d, stages, q_slots, pingpong, split_empty, o_kslot)
     if sched["O_REGS"] and (sq + TILE) * out.stride(2) >= 2 ** 31:
         raise ValueError(f"{IMPL_ID}: the register O store of this schedule uses 32-bit row offsets "
                          f"(s_q {sq} x row stride {out.stride(2)}); use the default schedule")
@@ -348,8 +341,7 @@ def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale,
                                  persistent=persistent, stages=opts.get("stages"), q_slots=opts.get("q_slots"),
                                  pingpong=opts.get("pingpong", False), split_empty=opts.get("split_empty", False),
                                  num_sms=_sm_count(q.device), order=opts.get("order"), mask=opts.get("mask", "element"),
-                                 trace=opts.get("trace"), o_kslot=opts.get("o_kslot", False),
-                                 full_first=opts.get("full_first", False))
+                                 trace=opts.get("trace"), o_kslot=opts.get("o_kslot", False))
     _K.sparse_fwd_kernel[grid](*args, **kw)
     return out, lse
 
