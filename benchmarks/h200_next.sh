@@ -163,6 +163,12 @@
 # the attention suite, swiglu conformance.
 # Order for session 21: PART=d (e2e, not run since session 17), f1 / f2 (attention suite halves), then sparse work:
 # TRACE_SCHEDULES=pingpong_st3_kslot PART=k's probe after any change to the first S / softmax or the lse phase.
+# Session 21 (results/*_s21*; one H200, ~24 of 30 min): PART=ab by mistake (session 10's atomic-backward probe, the
+# label was taken; the new A/B is PART=sab), PART=sab (1dc2f4c: 78 GPU tests; no-lse build +0.2% at w1024, full tiles
+# first +0.9% -> dropped), PART=sp (9fbb47b: w1024 fwd 1.73x flex) + pinned Gluon sparse conformance (10 / 0), e2e
+# prefill only (Llama 1.18x compile; BERT not reached in 380 s).
+# Order for session 22: PART=d alone (the whole e2e suite, ~560 s), f1 / f2 (attention suite halves), swiglu pinned
+# conformance; sparse: only with the lagged ping-pong built (docs/performance.md sessions 20-21), PART=sab's A/B first.
 # OPSADV_COMMIT=<sha> PART=a bash benchmarks/h200_next.sh   (from the repo root on the GPU host, $OUT set)
 set -u
 # tests/conftest.py defaults TRITON_INTERPRET to 1 (CPU CI): every pytest here must say 0, and select the GPU tests
