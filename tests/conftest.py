@@ -219,3 +219,17 @@ def assert_attention_matches(dtype, got: dict, ref: dict, lse, ref_lse) -> None:
         x, r = got[name].double(), ref[name].double()
         err = ((x - r).norm() / r.norm().clamp_min(1e-3 * r.numel() ** 0.5)).item()
         assert err < tol, (name, err)
+
+
+@pytest.fixture
+def dispatch_calls(monkeypatch):
+    """[(CallSpec, inference flag)] of every dispatch.call made while the test runs (the op still runs)."""
+    from opsadv.core import dispatch
+    seen = []
+    real = dispatch.call
+
+    def spy(key, make_spec, args, inference=False):
+        seen.append((make_spec(), inference))
+        return real(key, make_spec, args, inference)
+    monkeypatch.setattr(dispatch, "call", spy)
+    return seen

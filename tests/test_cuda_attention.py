@@ -437,17 +437,10 @@ def test_efficient_backward_gets_out_in_its_own_layout():
     assert S._bmhk(bshd) is bshd
 
 
-def test_no_grad_calls_without_lse_take_the_inference_bucket(monkeypatch):
+def test_no_grad_calls_without_lse_take_the_inference_bucket(dispatch_calls):
     """An eager no-grad call that does not ask for lse resolves in its own bucket and runs the impl's
     `inference` forward (cuDNN skips its lse there); one that returns lse, or records grads, does not."""
-    from opsadv.core import dispatch
-    seen = []
-    real = dispatch.call
-
-    def spy(key, make_spec, args, inference=False):
-        seen.append((make_spec(), inference))
-        return real(key, make_spec, args, inference)
-    monkeypatch.setattr(dispatch, "call", spy)
+    seen = dispatch_calls
     q, k, v = (torch.randn(1, 2, 20, 16) for _ in range(3))
     with torch.no_grad():
         out = opsadv.ops.flash_attention(q, k, v, causal=True)

@@ -754,17 +754,10 @@ def test_interval_mask_equals_predicate(sq, sk, wl, wr, causal, has_win, bm_mode
     assert torch.equal(outs[True].bool(), want)
 
 
-def test_no_grad_calls_without_lse_take_the_inference_bucket(monkeypatch):
+def test_no_grad_calls_without_lse_take_the_inference_bucket(dispatch_calls):
     """An eager no-grad sparse call that does not ask for lse resolves in its own bucket and runs the impl's
     `inference` forward (the Gluon kernel's no-lse build); one that returns lse, or records grads, does not."""
-    from opsadv.core import dispatch
-    seen = []
-    real = dispatch.call
-
-    def spy(key, make_spec, args, inference=False):
-        seen.append((make_spec(), inference))
-        return real(key, make_spec, args, inference)
-    monkeypatch.setattr(dispatch, "call", spy)
+    seen = dispatch_calls
     lay = SparseLayout.sliding_window(40, 9, causal=True, block_size=16)
     q, k, v = (torch.randn(1, 2, 40, 16) for _ in range(3))
     with torch.no_grad():
