@@ -139,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default=None)
     s.add_argument("--ops", default=None, help="comma-separated op names (default: all)")
     s.add_argument("--dtypes", default=None, metavar="LIST",
-                   help="comma-separated input dtypes, e.g. float32 (default: the catalogue's; --quick: fp16, fp32, bf16)")
+                   help="comma-separated input dtypes, e.g. float32 (default: the catalogue's; --quick: fp16, fp32, "
+                        "bf16)")
     s.add_argument("--note", default=None, help="a line to put in the report")
     s.add_argument("--aoe-mode", type=int, default=None, help="Ascend AOE tuning mode (ascend backend only)")
     s.add_argument("--precision", default=None, choices=["fp16", "bf16", "tf32", "fp32"],

@@ -111,7 +111,8 @@ def test_every_variant_is_compiled_and_d128_pingpong_in_fp16_too():
     assert {"pingpong", "pingpong_st3", "pingpong_kv", "pingpong_kv_st3"} <= set(pingpongs)
     for name in pingpongs:
         assert {(c, dt) for d, n, c, dt in COMPILE_CASES if d == 128 and n == name} == \
-            {(c, dt) for c in (False, True) for dt in ("bfloat16", "float16") if dt == "bfloat16" or name in FP16_COMPILED}
+            {(c, dt) for c in (False, True) for dt in ("bfloat16", "float16")
+             if dt == "bfloat16" or name in FP16_COMPILED}
     assert GA.DEFAULT_VARIANT[128] in FP16_COMPILED
 
 

@@ -47,7 +47,8 @@ def main(path: str) -> None:
         base = times[BUILDS[0]]
         for n in BUILDS:
             t = times[n]
-            row = {"window": w, "build": n, "ms_median": round(statistics.median(t), 4), "ms_rounds": [round(x, 4) for x in t],
+            row = {"window": w, "build": n, "ms_median": round(statistics.median(t), 4),
+                   "ms_rounds": [round(x, 4) for x in t],
                    "ratio_to_first_median": round(statistics.median(b / x for b, x in zip(base, t)), 4),
                    "effective_vs_dense": round(work / (statistics.median(t) * 1e9) / report["dense_tflops"], 4),
                    **checks[n]}

@@ -117,7 +117,8 @@ def compile_case(name, d, dtype=None, variant="default", trace=False, lse=True):
     sass = H.sass_of(kern)
     total, inside, loops = tile_loop_spills(sass)
     res = H.cubin_resources(kern)
-    tag = ("" if variant == "default" else f"-{variant}") + ("-trace" if trace else "") + ("" if lse is not None else "-nolse")
+    tag = (("" if variant == "default" else f"-{variant}") + ("-trace" if trace else "")
+           + ("" if lse is not None else "-nolse"))
     row = {"case": f"{name}-d{d}{tag}", "variant": variant, "shared": kern.metadata.shared, "spills": total,
            "spills_in_tile_loops": inside, "tile_loops": loops, "launch_regs": res.get("regs"),
            "stack": res.get("stack"), "setmaxnreg": setmaxnreg_values(sass),

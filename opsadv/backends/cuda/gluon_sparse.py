@@ -44,6 +44,8 @@ default (pingpong_st3 0.379 / 0.423 / 0.506 vs 0.26-0.45).  So auto_schedule() t
 window/causal layouts from SCHEDULE_PINGPONG_MIN_TILES visited tiles per row, its persistent grid up to
 PINGPONG_PERSISTENT_MAX_TILES, and the default schedule elsewhere; since session 20 it takes pingpong_st3_kslot
 there, which beats the default from ~2 tiles per row (the threshold's comment has the numbers).
+No-grad calls that do not ask for the lse (the op's inference bucket) run `sparse_fwd_infer`: the kernel built with
+WRITE_LSE off (H200, session 21, results/sparse_ab_s21a_h200.json: +3.0% at w256, +0.2-0.4% at w1024 / w2048).
 Masks (MASK_MODES): band layouts (windows / causal; no mixed block mask, key padding or global tokens) take the
 interval mask, two per-row key bounds instead of the element predicate: bitwise the same output, and at 8c5ae80
 (H200, benchmarks/gluon_fa/sparse_boundary_probe.py, results/sparse_boundary_s19_h200.json; same shapes) the
@@ -266,7 +268,8 @@ def launch_args(q, k, v, out, lse, ti, kpm, bs, causal, wl, wr, ng, scale, *, pe
                 q_slots=None, pingpong=False, split_empty=False, num_sms=132, order=None, mask="element", trace=None,
                 o_kslot=False):
     """(grid, args, kwargs) of one sparse_fwd_kernel launch writing out (b, h_q, s_q, d) and lse
-    (b, h_q, s_q) float32 contiguous (lse None: not computed, WRITE_LSE=False).  q/k/v/out must be TMA-ready (see _tma_ready); ti: layout_index().
+    (b, h_q, s_q) float32 contiguous (lse None: not computed, WRITE_LSE=False).  q/k/v/out must be TMA-ready (see
+    _tma_ready); ti: layout_index().
     order: slots dealt by item_order (else round-robin in item order); None: order_auto()'s rule.  mask: a
     MASK_MODES name (mask_mode()).  trace (probes): an int64 (n_items, 2, TRACE_STAMPS) tensor the TRACE build fills
     with the consumers' %clock64 stamps per work item (the kernel's _stamp).  o_kslot: resolve_schedule()."""
@@ -385,9 +388,9 @@ def impls(env) -> list[KernelImpl]:
         check=_check,
         description="Gluon block-sparse forward for Hopper (persistent, TMA K/V ring across work items, "
                     "async wgmma, softmax/GEMM overlap; 128x128 tile lists, partial tiles element-masked; "
-                    "d128 windows of >= 12 tiles per row: ping-pong warpgroups over a 3-stage ring); "
-                    "Triton sparse backward from out + lse")]
+                    "d128 windows / causal from ~2 tiles per row: ping-pong warpgroups over a 3-stage ring, O out "
+                    "through the last K tile; no lse for no-grad calls); Triton sparse backward from out + lse")]
 
 
-__all__ = ["impls", "sparse_fwd", "sparse_fwd_infer", "sparse_bwd", "launch_args", "layout_index", "resolve_schedule", "auto_schedule",
-           "UNAVAILABLE", "IMPL_ID", "STAGES", "VARIANTS", "DEFAULT_VARIANT"]
+__all__ = ["impls", "sparse_fwd", "sparse_fwd_infer", "sparse_bwd", "launch_args", "layout_index", "resolve_schedule",
+           "auto_schedule", "UNAVAILABLE", "IMPL_ID", "STAGES", "VARIANTS", "DEFAULT_VARIANT"]
