@@ -658,4 +658,16 @@ cs)  # session 19: pinned conformance of both sparse impls after the interval ma
     echo "conformance $impl rc $?"; tail -1 "$OUT/conf_$impl.log"
   done
   ;;
+g22)  # session 22: one run of the gemm forward rows at the current code (issue 4's epilogue ratios; kernels unchanged
+      # since session 19), the norm forward rows, then pinned conformance of the Gluon SwiGLU GEMM (not run since s17)
+  timeout 300 python3 -m opsadv bench --suite gemm --filter "^fwd bf16 m" --json "$OUT/gemm_fwd.json" \
+    > "$OUT/gemm_fwd.log" 2>&1
+  echo "gemm fwd rc $?"; grep -E "^fwd" "$OUT/gemm_fwd.log" | cut -c1-150
+  timeout 170 python3 -m opsadv bench --suite norm --filter "^fwd bf16" --json "$OUT/norm_fwd.json" \
+    > "$OUT/norm_fwd.log" 2>&1
+  echo "norm fwd rc $?"; grep -E "^fwd" "$OUT/norm_fwd.log" | cut -c1-150
+  timeout 100 python3 -m opsadv conformance --backend cuda --impl cuda.gluon.swiglu_gemm --ops swiglu_gemm \
+    --json "$OUT/conf_swiglu_gemm.json" --markdown "$OUT/conf_swiglu_gemm.md" > "$OUT/conf_swiglu_gemm.log" 2>&1
+  echo "conformance swiglu_gemm rc $?"; tail -1 "$OUT/conf_swiglu_gemm.log"
+  ;;
 esac
