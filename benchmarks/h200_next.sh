@@ -169,6 +169,12 @@
 # prefill only (Llama 1.18x compile; BERT not reached in 380 s).
 # Order for session 22: PART=d alone (the whole e2e suite, ~560 s), f1 / f2 (attention suite halves), swiglu pinned
 # conformance; sparse: only with the lagged ping-pong built (docs/performance.md sessions 20-21), PART=sab's A/B first.
+# Session 22 (results/*_s22*; one H200, ~21 of 30 min, no kernel change): PART=d (9d9559c: prefill Llama 1.18x / BERT
+# 1.26x compile, decode 1.41x sdpa; the static-graph decode case not reached in 560 s -> PART=s: 1.95x), PART=g22 (gemm
+# forward rows in one run, LayerNorm forward rows (limit hit at the first RMSNorm row), swiglu_gemm pinned conformance
+# 6 / 0), then the RMSNorm forward rows alone.
+# Order for session 23: the attention suite halves (f1 / f2, not run since sessions 15-16); sparse: PART=sab's A/B
+# first after any change to the Gluon sparse kernel, then PART=sp + PART=cs.
 # OPSADV_COMMIT=<sha> PART=a bash benchmarks/h200_next.sh   (from the repo root on the GPU host, $OUT set)
 set -u
 # tests/conftest.py defaults TRITON_INTERPRET to 1 (CPU CI): every pytest here must say 0, and select the GPU tests
@@ -548,7 +554,8 @@ sb)  # session 11 (prepared late): the sparse backward's TMA loads and two strea
   echo "sparse bwd gpu pytest rc $?"; tail -2 "$OUT/sparse_bwd_gpu_pytest.log"
   timeout 150 python3 benchmarks/sparse_bwd_tma_probe.py "$OUT/sparse_bwd_tma.json" 2>&1 | cut -c1-400
   ;;
-s5)  # session 11: the sparse forward with K/V through TMA descriptors (set 5) vs the pointer loads and the op
+s11t)  # session 11: the sparse forward with K/V through TMA descriptors (set 5) vs the pointer loads and the op
+       # (labelled s5 until session 22: session 16's s5 above shadowed it)
   PROBE_SET=5 timeout 280 python3 benchmarks/sparse_fwd_probe.py "$OUT/sparse_fwd_tma.json" 250 \
     > /tmp/sparse_fwd_tma.log 2>&1
   echo "sparse fwd tma probe rc $?"; grep -E "correct|window_time|varlen|best|=" /tmp/sparse_fwd_tma.log | cut -c1-400
