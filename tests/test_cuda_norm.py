@@ -101,9 +101,17 @@ def test_norm_wide_row_single_program():
     _check("rms_norm", (2, 3000), torch.float32, residual=True, offset=1.0)
 
 
+@pytest.mark.parametrize("op,n", [("layer_norm", 65536), ("rms_norm", 50001)])
+def test_norm_widest_rows(op, n):
+    """The top of the issue's hidden-size range: MAX_HIDDEN, and an odd size that leaves ~24% of its block masked;
+    forward and backward with the residual: ~10 s each in the interpreter."""
+    assert n <= MAX_HIDDEN
+    _check(op, (2, n), torch.float32, residual=True, offset=1.0 if op == "rms_norm" else 0.0, seed=n)
+
+
 @requires_gpu
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
-@pytest.mark.parametrize("n", [64, 1000, 4096, 12288])
+@pytest.mark.parametrize("n", [64, 1000, 4096, 12288, 50001, 65536])
 def test_gpu_norm_bf16(op, n):
     _check(op, (3, 129, n), torch.bfloat16, residual=True, offset=1.0 if op == "rms_norm" else 0.0)
     _check(op, (257, n), torch.bfloat16, residual=False, noncontig=True, seed=1)
