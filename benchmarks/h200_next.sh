@@ -169,10 +169,11 @@
 # prefill only (Llama 1.18x compile; BERT not reached in 380 s).
 # Order for session 22: PART=d alone (the whole e2e suite, ~560 s), f1 / f2 (attention suite halves), swiglu pinned
 # conformance; sparse: only with the lagged ping-pong built (docs/performance.md sessions 20-21), PART=sab's A/B first.
-# Session 22 (results/*_s22*; one H200, ~21 of 30 min, no kernel change): PART=d (9d9559c: prefill Llama 1.18x / BERT
+# Session 22 (results/*_s22*; one H200, all 30 min in four calls, no kernel change): PART=d (9d9559c: prefill Llama 1.18x / BERT
 # 1.26x compile, decode 1.41x sdpa; the static-graph decode case not reached in 560 s -> PART=s: 1.95x), PART=g22 (gemm
 # forward rows in one run, LayerNorm forward rows (limit hit at the first RMSNorm row), swiglu_gemm pinned conformance
-# 6 / 0), then the RMSNorm forward rows alone.
+# 6 / 0), then the RMSNorm forward rows alone; last: the norm GPU tests (14 passed, incl. hidden 50001 / 65536) and the
+# dispatcher's conformance catalogue for gemm (20 / 0; the norm ops not reached in 110 s).
 # Order for session 23: the attention suite halves (f1 / f2, not run since sessions 15-16); sparse: PART=sab's A/B
 # first after any change to the Gluon sparse kernel, then PART=sp + PART=cs.
 # OPSADV_COMMIT=<sha> PART=a bash benchmarks/h200_next.sh   (from the repo root on the GPU host, $OUT set)
