@@ -382,6 +382,45 @@ def _pipelined_step(q_tile, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty,
 
 
 @gluon.jit
+def _early_s0_epilogue(o, m_i, l_i, e_slot, e_qi, e_tiles, e_last, k_smem, k_done, o_desc, lse_ptr, o_ptr, s_ob, s_oh,
+                       s_os, perm_ptr, H, n_m, SQ, ORDER: gl.constexpr, REVERSE: gl.constexpr, OPAQUE: gl.constexpr,
+                       PINGPONG: gl.constexpr, WRITE_LSE: gl.constexpr, WG: gl.constexpr, NWG: gl.constexpr,
+                       STAGES: gl.constexpr, row_s: gl.constexpr, row_o: gl.constexpr, o_layout: gl.constexpr,
+                       q_smem):
+    """EARLY_S0: the epilogue of the previous item (slot e_slot, the e_qi-th of this CTA, e_tiles tiles, its last K
+    tile in ring slot e_last), run while the next item's S_0 is on the tensor cores: O / l normalized, the lse
+    stored, O out through this warpgroup's rows of the item's last K tile by one TMA copy (after k_done: the other
+    warpgroup's last S on that tile has retired), or zeros from registers for an item without tiles.  Returns 1 +
+    the ring slot the copy reads (0: none), released by the caller once the copy has read it."""
+    BM: gl.constexpr = o.shape[0]
+    D: gl.constexpr = o.shape[1]
+    dtype: gl.constexpr = k_smem.dtype
+    w = _work_item(e_slot, perm_ptr, ORDER)
+    b, h, mt, bh = _item(_maybe_opaque(w, OPAQUE), H, n_m, REVERSE, OPAQUE)
+    rows = (mt * NWG + WG) * BM + gl.arange(0, BM, layout=row_s)
+    empty = l_i == 0.0                              # no allowed key in this row: out 0, lse -inf
+    l_safe = gl.where(empty, 1.0, l_i)
+    o = o * gl.expand_dims(gl.convert_layout(1.0 / l_safe, row_o), 1)
+    if WRITE_LSE:
+        lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)   # log2 -> ln
+        gl.store(lse_ptr + bh.to(gl.int64) * _maybe_opaque(SQ, OPAQUE).to(gl.int64) + rows, lse, mask=rows < SQ)
+    pend = 0
+    if e_tiles > 0:
+        if PINGPONG:
+            mbarrier.wait(k_done, e_qi & 1)
+        o_tile = k_smem._reinterpret(dtype, [STAGES * NWG, BM, D], q_smem.layout).index(e_last * NWG + WG)
+        o_tile.store(o.to(dtype))
+        fence_async_shared()                        # generic-proxy smem writes before the TMA (async proxy) read
+        gl.thread_barrier()                         # every warp's part written before one thread issues the copy
+        tma.async_copy_shared_to_global(o_desc, [b, h, (mt * NWG + WG) * BM, 0],
+                                        o_tile._reinterpret(dtype, o_desc.block_type.shape, o_desc.layout))
+        pend = e_last + 1
+    else:                                           # no tile, no slot: the zeros from registers
+        _store_o_rows(o.to(dtype), o_ptr, b, h, (mt * NWG + WG) * BM, SQ, s_ob, s_oh, s_os, BM, D, o_layout)
+    return pend
+
+
+@gluon.jit
 def _consumer(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
               v_ready, kv_empty, k_empty, turn, rows_ptr, cols_ptr, perm_ptr, s_rb, s_rh, s_rr, s_cb, s_ch, s_cr,
               bm_ptr, s_bmb, s_bmh, s_bm_q, s_bm_k, kpm_ptr, s_kpmb,
@@ -391,7 +430,7 @@ def _consumer(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, 
               Q_SLOTS: gl.constexpr,
               PINGPONG: gl.constexpr, O_REGS: gl.constexpr, SPLIT_EMPTY: gl.constexpr, MASK_MODE: gl.constexpr,
               trace_ptr, TRACE: gl.constexpr, WG: gl.constexpr, k_done, O_KSLOT: gl.constexpr,
-              WRITE_LSE: gl.constexpr, num_warps: gl.constexpr):
+              WRITE_LSE: gl.constexpr, num_warps: gl.constexpr, EARLY_S0: gl.constexpr = False):
     """One consumer partition: rows [WG * BM, +BM) of every item (BM = the Q block: 128 with 8 warps, or
     64 per warpgroup with PINGPONG), each item's tiles in list order (partial, then full), FA3
     intra-warpgroup overlap: iteration j issues S_{j+1} and P_j V_j, runs the softmax of S_{j+1} while
@@ -420,6 +459,12 @@ def _consumer(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, 
         w_nx, n_part_nx, n_all_nx = _item_counts(_pid(OPAQUE), perm_ptr, rows_ptr, s_rb, s_rh, s_rr, H, n_m, n_items,
                                                  ORDER, REVERSE, OPAQUE)
     pend = 0
+    # EARLY_S0: the previous item's tile count (-1: none), O, m and l, its epilogue still to run (under the next
+    # item's S_0); its slot and last ring slot follow from slot - grid and it (nothing else kept across the loops)
+    e_tiles = -1
+    o_e = gl.zeros([BM, D], gl.float32, o_layout)
+    m_e = gl.full([BM], -1.0e30, gl.float32, row_s)
+    l_e = gl.zeros([BM], gl.float32, row_s)
     for slot in range(_pid(OPAQUE), n_items, gl.num_programs(0)):
         _stamp(trace_ptr, slot, 0, WG, TRACE)
         if O_KSLOT:
@@ -456,11 +501,23 @@ def _consumer(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, 
             _turn_wait(turn, tc, WG, PINGPONG)
             s_tok = warpgroup_mma(q_tile, k_smem.index(cur).permute((1, 0)), s_acc, use_acc=False, is_async=True)
             _turn_pass(turn, WG, PINGPONG)
-            if O_KSLOT:
+            if EARLY_S0:
+                if e_tiles >= 0:                    # the previous item's epilogue and O copy, under S_0
+                    pend = _early_s0_epilogue(o_e, m_e, l_e, slot - gl.num_programs(0), qi - 1, e_tiles, (it - 1) % STAGES,
+                                              k_smem, k_done, o_desc,
+                                              lse_ptr, o_ptr, s_ob, s_oh, s_os, perm_ptr, H, n_m, SQ, ORDER, REVERSE,
+                                              OPAQUE, PINGPONG, WRITE_LSE, WG, NWG, STAGES, row_s, row_o, o_layout,
+                                              q_smem)
+            elif O_KSLOT:
                 if pend > 0:                        # the previous item's O copy, under S_0: then free its slot
                     tma.store_wait(0)
                     _release(kv_empty.index(pend - 1))
             s = warpgroup_mma_wait(0, deps=(s_tok, ))
+            if EARLY_S0:
+                if pend > 0:                        # the copy has read the slot: K_2 may land there now
+                    tma.store_wait(0)
+                    _release(kv_empty.index(pend - 1))
+                pend = 0                            # (unconditionally: nothing held across the tile loops)
             _stamp(trace_ptr, slot, 2, WG, TRACE)
             if SPLIT_EMPTY:
                 _release(k_empty.index(cur))
@@ -486,6 +543,9 @@ def _consumer(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, 
                                                  HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, STAGES, PINGPONG, WG,
                                                  SPLIT_EMPTY, s_layout, o_layout, MASK_MODE)
             _stamp(trace_ptr, slot, 4, WG, TRACE)
+            if EARLY_S0:                            # the next item's counts, loaded under the last P V
+                w_nx, n_part_nx, n_all_nx = _item_counts(slot + gl.num_programs(0), perm_ptr, rows_ptr, s_rb, s_rh,
+                                                         s_rr, H, n_m, n_items, ORDER, REVERSE, OPAQUE)
             if O_KSLOT and PINGPONG:
                 # This warpgroup's last S = Q K^T has retired: the other one may write its O over that K tile.
                 _release(k_done)
@@ -512,67 +572,91 @@ def _consumer(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, 
                 _release(q_empty.index(qs))         # no tile: the slot was only waited for (phase bookkeeping)
             if O_KSLOT and PINGPONG:
                 _release(k_done)                    # one k_done phase per item, empty ones too
+            if EARLY_S0:
+                if e_tiles >= 0:                    # the previous item's epilogue: nothing to hide it under here
+                    pend = _early_s0_epilogue(o_e, m_e, l_e, slot - gl.num_programs(0), qi - 1, e_tiles, (it - 1) % STAGES,
+                                              k_smem, k_done, o_desc,
+                                              lse_ptr, o_ptr, s_ob, s_oh, s_os, perm_ptr, H, n_m, SQ, ORDER, REVERSE,
+                                              OPAQUE, PINGPONG, WRITE_LSE, WG, NWG, STAGES, row_s, row_o, o_layout,
+                                              q_smem)
+                w_nx, n_part_nx, n_all_nx = _item_counts(slot + gl.num_programs(0), perm_ptr, rows_ptr, s_rb, s_rh,
+                                                         s_rr, H, n_m, n_items, ORDER, REVERSE, OPAQUE)
             if O_KSLOT:
                 if pend > 0:
                     tma.store_wait(0)
                     _release(kv_empty.index(pend - 1))
+                    pend = 0
         n_tiles = n_all
         it += n_all
 
-        # (b, h, tile) again from w rather than kept live across the tile loop (register pressure; with
-        # OPAQUE an opaque copy of w keeps LLVM from merging this with the computation above)
-        # (with ORDER the item is read again rather than kept: one more live register spilled)
-        w = _work_item(slot, perm_ptr, ORDER)
-        _stamp_after(trace_ptr, slot, 9, WG, TRACE, w)
-        b, h, mt, bh = _item(_maybe_opaque(w, OPAQUE), H, n_m, REVERSE, OPAQUE)
-        if O_KSLOT:                                 # the next item's counts, loaded under this epilogue
-            w_nx, n_part_nx, n_all_nx = _item_counts(slot + gl.num_programs(0), perm_ptr, rows_ptr, s_rb, s_rh, s_rr,
-                                                     H, n_m, n_items, ORDER, REVERSE, OPAQUE)
-        rows = (mt * NWG + WG) * BM + gl.arange(0, BM, layout=row_s)
-        empty = l_i == 0.0                          # no allowed key in this row: out 0, lse -inf
-        l_safe = gl.where(empty, 1.0, l_i)
-        # one reciprocal per row, then a multiply per element (64 divisions per thread cost ~1k cycles an item)
-        o = o * gl.expand_dims(gl.convert_layout(1.0 / l_safe, row_o), 1)
-        if WRITE_LSE:                               # (no-grad calls: nobody reads it)
-            lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)   # log2 -> ln
-            # (OPAQUE: SQ widened here; a hoisted 64-bit SQ was held, and spilled, across the loops)
-            gl.store(lse_ptr + bh.to(gl.int64) * _maybe_opaque(SQ, OPAQUE).to(gl.int64) + rows, lse, mask=rows < SQ)
-        _stamp(trace_ptr, slot, 10, WG, TRACE)
-        if O_KSLOT:
-            if n_tiles > 0:
-                # O out through this partition's rows of the item's last K tile: every S that read it has retired
-                # (this warpgroup's in the tile loops, the other's by k_done), and the ring slot is released
-                # only once the copy has read it (pend: at the next item's S_0), so the producer cannot refill it
-                # under the store.
-                last = (it - 1) % STAGES
-                if PINGPONG:
-                    mbarrier.wait(k_done, qi & 1)
-                # (the ring seen as BM-row tiles, indexed: a sliced view gave wrong results in the copy)
-                o_tile = k_smem._reinterpret(dtype, [STAGES * NWG, BM, D], q_smem.layout).index(last * NWG + WG)
-                o_tile.store(o.to(dtype))
-                fence_async_shared()                # generic-proxy smem writes before the TMA (async proxy) read
-                gl.thread_barrier()                 # every warp's part written before one thread issues the copy
-                tma.async_copy_shared_to_global(o_desc, [b, h, (mt * NWG + WG) * BM, 0],
-                                                o_tile._reinterpret(dtype, q_view, o_desc.layout))
-                pend = last + 1
-            else:                                   # no tile, no slot: the zeros from registers
-                _store_o_rows(o.to(dtype), o_ptr, b, h, (mt * NWG + WG) * BM, SQ, s_ob, s_oh, s_os, BM, D, o_layout)
-                pend = 0
-        elif O_REGS:
-            # The slot may already hold the next item's Q: O goes out from registers (32-bit row offsets; 64-bit
-            # ones or an item base cost spills).
-            _store_o_rows(o.to(dtype), o_ptr, b, h, (mt * NWG + WG) * BM, SQ, s_ob, s_oh, s_os, BM, D, o_layout)
+        if EARLY_S0:                                # this item's epilogue runs under the next item's S_0
+            e_tiles = n_tiles
+            o_e = o
+            m_e = m_i
+            l_e = l_i
         else:
-            # O out through this item's Q slot (every wgmma reading it has retired); TMA clips rows past s_q.
-            q_tile.store(o.to(dtype))
-            fence_async_shared()                    # generic-proxy smem writes before the TMA (async proxy) read
-            gl.thread_barrier()                     # every warp's part written before one thread issues the copy
-            tma.async_copy_shared_to_global(o_desc, [b, h, (mt * NWG + WG) * BM, 0],
-                                            q_tile._reinterpret(dtype, q_view, o_desc.layout))
-            tma.store_wait(0)                       # the copy has read the slot ...
-            _release(q_empty.index(qs))             # ... in the issuing thread; then release it to the producer
+            # (b, h, tile) again from w rather than kept live across the tile loop (register pressure; with
+            # OPAQUE an opaque copy of w keeps LLVM from merging this with the computation above)
+            # (with ORDER the item is read again rather than kept: one more live register spilled)
+            w = _work_item(slot, perm_ptr, ORDER)
+            _stamp_after(trace_ptr, slot, 9, WG, TRACE, w)
+            b, h, mt, bh = _item(_maybe_opaque(w, OPAQUE), H, n_m, REVERSE, OPAQUE)
+            if O_KSLOT:                                 # the next item's counts, loaded under this epilogue
+                w_nx, n_part_nx, n_all_nx = _item_counts(slot + gl.num_programs(0), perm_ptr, rows_ptr, s_rb, s_rh, s_rr,
+                                                         H, n_m, n_items, ORDER, REVERSE, OPAQUE)
+            rows = (mt * NWG + WG) * BM + gl.arange(0, BM, layout=row_s)
+            empty = l_i == 0.0                          # no allowed key in this row: out 0, lse -inf
+            l_safe = gl.where(empty, 1.0, l_i)
+            # one reciprocal per row, then a multiply per element (64 divisions per thread cost ~1k cycles an item)
+            o = o * gl.expand_dims(gl.convert_layout(1.0 / l_safe, row_o), 1)
+            if WRITE_LSE:                               # (no-grad calls: nobody reads it)
+                lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)   # log2 -> ln
+                # (OPAQUE: SQ widened here; a hoisted 64-bit SQ was held, and spilled, across the loops)
+                gl.store(lse_ptr + bh.to(gl.int64) * _maybe_opaque(SQ, OPAQUE).to(gl.int64) + rows, lse, mask=rows < SQ)
+            _stamp(trace_ptr, slot, 10, WG, TRACE)
+            if O_KSLOT:
+                if n_tiles > 0:
+                    # O out through this partition's rows of the item's last K tile: every S that read it has retired
+                    # (this warpgroup's in the tile loops, the other's by k_done), and the ring slot is released
+                    # only once the copy has read it (pend: at the next item's S_0), so the producer cannot refill it
+                    # under the store.
+                    last = (it - 1) % STAGES
+                    if PINGPONG:
+                        mbarrier.wait(k_done, qi & 1)
+                    # (the ring seen as BM-row tiles, indexed: a sliced view gave wrong results in the copy)
+                    o_tile = k_smem._reinterpret(dtype, [STAGES * NWG, BM, D], q_smem.layout).index(last * NWG + WG)
+                    o_tile.store(o.to(dtype))
+                    fence_async_shared()                # generic-proxy smem writes before the TMA (async proxy) read
+                    gl.thread_barrier()                 # every warp's part written before one thread issues the copy
+                    tma.async_copy_shared_to_global(o_desc, [b, h, (mt * NWG + WG) * BM, 0],
+                                                    o_tile._reinterpret(dtype, q_view, o_desc.layout))
+                    pend = last + 1
+                else:                                   # no tile, no slot: the zeros from registers
+                    _store_o_rows(o.to(dtype), o_ptr, b, h, (mt * NWG + WG) * BM, SQ, s_ob, s_oh, s_os, BM, D, o_layout)
+                    pend = 0
+            elif O_REGS:
+                # The slot may already hold the next item's Q: O goes out from registers (32-bit row offsets; 64-bit
+                # ones or an item base cost spills).
+                _store_o_rows(o.to(dtype), o_ptr, b, h, (mt * NWG + WG) * BM, SQ, s_ob, s_oh, s_os, BM, D, o_layout)
+            else:
+                # O out through this item's Q slot (every wgmma reading it has retired); TMA clips rows past s_q.
+                q_tile.store(o.to(dtype))
+                fence_async_shared()                    # generic-proxy smem writes before the TMA (async proxy) read
+                gl.thread_barrier()                     # every warp's part written before one thread issues the copy
+                tma.async_copy_shared_to_global(o_desc, [b, h, (mt * NWG + WG) * BM, 0],
+                                                q_tile._reinterpret(dtype, q_view, o_desc.layout))
+                tma.store_wait(0)                       # the copy has read the slot ...
+                _release(q_empty.index(qs))             # ... in the issuing thread; then release it to the producer
         _stamp(trace_ptr, slot, 6, WG, TRACE)
         qi += 1
+    if EARLY_S0:
+        if e_tiles >= 0:                            # the CTA's last item's epilogue
+            # (the slot of the CTA's last item: a Gluon loop does not expose its variable's last value)
+            last_slot = _pid(OPAQUE) + (qi - 1) * gl.num_programs(0)
+            pend = _early_s0_epilogue(o_e, m_e, l_e, last_slot, qi - 1, e_tiles, (it - 1) % STAGES, k_smem, k_done,
+                                      o_desc, lse_ptr,
+                                      o_ptr, s_ob, s_oh, s_os, perm_ptr, H, n_m, SQ, ORDER, REVERSE, OPAQUE, PINGPONG,
+                                      WRITE_LSE, WG, NWG, STAGES, row_s, row_o, o_layout, q_smem)
     if O_KSLOT:
         tma.store_wait(0)                           # the last item's copy has read its slot before the CTA exits
 
@@ -588,7 +672,7 @@ def sparse_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, o_ptr, rows_ptr, 
                       Q_SLOTS: gl.constexpr, PINGPONG: gl.constexpr, O_REGS: gl.constexpr, SPLIT_EMPTY: gl.constexpr,
                       CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
                       MASK_MODE: gl.constexpr = MASK_ELEMENT, TRACE: gl.constexpr = False,
-                      O_KSLOT: gl.constexpr = False, WRITE_LSE: gl.constexpr = True):
+                      O_KSLOT: gl.constexpr = False, WRITE_LSE: gl.constexpr = True, EARLY_S0: gl.constexpr = False):
     """Grid (min(n_items, SMs) persistent, or n_items,).  n_items = n_m query tiles x b x H.
     q/o descriptors: block (1, 1, 128, d), or (1, 1, 64, d) with PINGPONG (then num_warps = 4, one
     warpgroup per consumer partition); k/v: (1, 1, 128, d); *_smem_layout: the 2-D NVMMA layouts of
@@ -603,6 +687,7 @@ def sparse_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, o_ptr, rows_ptr, 
     NQ: gl.constexpr = Q_SLOTS * NWG
     gl.static_assert(O_REGS or Q_SLOTS == 2, "one Q slot per partition needs O stored from registers")
     gl.static_assert(not O_KSLOT or (O_REGS and not SPLIT_EMPTY), "O_KSLOT: Q freed early, K slots freed with V")
+    gl.static_assert(not EARLY_S0 or O_KSLOT, "EARLY_S0: the epilogue moves with the O copy through the K tile")
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [NQ, BQ, D], q_smem_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, D], kv_smem_layout)
@@ -645,13 +730,13 @@ def sparse_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, o_ptr, rows_ptr, 
                          s_cb, s_ch, s_cr, bm_ptr, s_bmb, s_bmh, s_bm_q, s_bm_k, kpm_ptr, s_kpmb,
                          H, n_m, n_items, SQ, SK, OFF, WL, WR, NG, BS, qk_scale,
                          CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, REVERSE, ORDER, STAGES, Q_SLOTS, PINGPONG,
-                         O_REGS, SPLIT_EMPTY, MASK_MODE, trace_ptr, TRACE, 0, k_done, O_KSLOT, WRITE_LSE, 4)),
+                         O_REGS, SPLIT_EMPTY, MASK_MODE, trace_ptr, TRACE, 0, k_done, O_KSLOT, WRITE_LSE, 4, EARLY_S0)),
             (_consumer, (q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, v_smem, q_ready, q_empty,
                          k_ready, v_ready, kv_empty, k_empty, turn, rows_ptr, cols_ptr, perm_ptr, s_rb, s_rh, s_rr,
                          s_cb, s_ch, s_cr, bm_ptr, s_bmb, s_bmh, s_bm_q, s_bm_k, kpm_ptr, s_kpmb,
                          H, n_m, n_items, SQ, SK, OFF, WL, WR, NG, BS, qk_scale,
                          CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, REVERSE, ORDER, STAGES, Q_SLOTS, PINGPONG,
-                         O_REGS, SPLIT_EMPTY, MASK_MODE, trace_ptr, TRACE, 1, k_done, O_KSLOT, WRITE_LSE, 4)),
+                         O_REGS, SPLIT_EMPTY, MASK_MODE, trace_ptr, TRACE, 1, k_done, O_KSLOT, WRITE_LSE, 4, EARLY_S0)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                          rows_ptr, cols_ptr, perm_ptr, s_rb, s_rh, s_rr, s_cb, s_ch, s_cr, H, GROUP, n_m, n_items,
                          REVERSE, ORDER, FULL_RUN, STAGES, Q_SLOTS, NWG, O_REGS, k_empty, SPLIT_EMPTY)),
@@ -663,7 +748,7 @@ def sparse_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, o_ptr, rows_ptr, 
                          s_cb, s_ch, s_cr, bm_ptr, s_bmb, s_bmh, s_bm_q, s_bm_k, kpm_ptr, s_kpmb,
                          H, n_m, n_items, SQ, SK, OFF, WL, WR, NG, BS, qk_scale,
                          CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, REVERSE, ORDER, STAGES, Q_SLOTS, PINGPONG,
-                         O_REGS, SPLIT_EMPTY, MASK_MODE, trace_ptr, TRACE, 0, k_done, O_KSLOT, WRITE_LSE, num_warps)),
+                         O_REGS, SPLIT_EMPTY, MASK_MODE, trace_ptr, TRACE, 0, k_done, O_KSLOT, WRITE_LSE, num_warps, EARLY_S0)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                          rows_ptr, cols_ptr, perm_ptr, s_rb, s_rh, s_rr, s_cb, s_ch, s_cr, H, GROUP, n_m, n_items,
                          REVERSE, ORDER, FULL_RUN, STAGES, Q_SLOTS, NWG, O_REGS, k_empty, SPLIT_EMPTY)),

@@ -109,6 +109,10 @@ VARIANTS = {
     # O out by TMA through the rows of the item's last K tile (its slot freed after the copy) instead of from registers
     # (measured where the ping-pong epilogue's time went: sparse_trace_probe.py, session 20)
     "pingpong_st3_kslot": {"pingpong": True, "stages": 3, "mask": "interval", "o_kslot": True},
+    # the same with each item's epilogue (normalization, lse, O copy) run under the next item's first S = Q K^T
+    # (session 22: benchmarks/gluon_fa/sparse_schedule_model.py ranked it +3.6% at w1024; written on CPU, not yet run
+    # on a GPU -- not used by auto_schedule until its GPU tests and an A/B say so)
+    "pingpong_st3_kslot_es0": {"pingpong": True, "stages": 3, "mask": "interval", "o_kslot": True, "early_s0": True},
 }
 # Partial-tile masks (the kernel's MASK_MODE): the element predicate, per-row key intervals (band layouts: no mixed
 # block mask, global tokens or key padding), and "unmasked_probe" -- no mask at all, WRONG results: a benchmark's
@@ -189,13 +193,15 @@ def smem_bytes(d: int, stages: int, q_slots: int, esize: int = 2) -> int:
     return (q_slots * TILE + 2 * stages * TILE) * d * esize
 
 
-def resolve_schedule(d: int, stages=None, q_slots=None, pingpong=False, split_empty=False, o_kslot=False) -> dict:
+def resolve_schedule(d: int, stages=None, q_slots=None, pingpong=False, split_empty=False, o_kslot=False,
+                     early_s0=False) -> dict:
     """Kernel constexprs of a variant: STAGES (default STAGES[d]), Q_SLOTS (2 when it fits next to the
     ring, else 1), PINGPONG, and O_REGS: O stored from registers and the Q slot released after the
     item's last S (every new schedule; needed with 1 Q slot; the ping-pong TMA store through the slot
     spilled), SPLIT_EMPTY (K and V slots freed apart), O_KSLOT (O leaves by TMA through the rows of the item's
-    last K tile instead of from registers; needs O_REGS' early Q release and K slots freed with their V).
-    ValueError when the ring does not fit even with one Q slot, or O_KSLOT cannot serve."""
+    last K tile instead of from registers; needs O_REGS' early Q release and K slots freed with their V), EARLY_S0
+    (each item's epilogue runs under the next item's first S; needs O_KSLOT).
+    ValueError when the ring does not fit even with one Q slot, or O_KSLOT / EARLY_S0 cannot serve."""
     stages = stages or STAGES[d]
     if q_slots is None:
         q_slots = 2 if smem_bytes(d, stages, 2) + SMEM_SLACK <= SMEM_LIMIT else 1
@@ -207,8 +213,11 @@ def resolve_schedule(d: int, stages=None, q_slots=None, pingpong=False, split_em
         raise ValueError(f"{IMPL_ID}: o_kslot (O out through the last K tile) needs a schedule that frees its Q slot "
                          f"early (ping-pong or one Q slot; got pingpong={bool(pingpong)}, q_slots={q_slots}) and "
                          f"K slots freed with their V (split_empty=False, got {bool(split_empty)})")
+    if early_s0 and not o_kslot:
+        raise ValueError(f"{IMPL_ID}: early_s0 (the epilogue under the next item's first S) moves the O copy through "
+                         f"the last K tile with it: it needs o_kslot=True")
     return dict(STAGES=stages, Q_SLOTS=q_slots, PINGPONG=bool(pingpong), O_REGS=o_regs, SPLIT_EMPTY=bool(split_empty),
-                O_KSLOT=bool(o_kslot))
+                O_KSLOT=bool(o_kslot), EARLY_S0=bool(early_s0))
 
 
 def mask_mode(mask: str, ti, kpm, ng: int) -> int:
@@ -266,19 +275,19 @@ def item_order(ti, b: int, hq: int, n_m: int, reverse: bool, nprog: int) -> torc
 
 def launch_args(q, k, v, out, lse, ti, kpm, bs, causal, wl, wr, ng, scale, *, persistent=True, stages=None,
                 q_slots=None, pingpong=False, split_empty=False, num_sms=132, order=None, mask="element", trace=None,
-                o_kslot=False):
+                o_kslot=False, early_s0=False):
     """(grid, args, kwargs) of one sparse_fwd_kernel launch writing out (b, h_q, s_q, d) and lse
     (b, h_q, s_q) float32 contiguous (lse None: not computed, WRITE_LSE=False).  q/k/v/out must be TMA-ready (see
     _tma_ready); ti: layout_index().
     order: slots dealt by item_order (else round-robin in item order); None: order_auto()'s rule.  mask: a
     MASK_MODES name (mask_mode()).  trace (probes): an int64 (n_items, 2, TRACE_STAMPS) tensor the TRACE build fills
-    with the consumers' %clock64 stamps per work item (the kernel's _stamp).  o_kslot: resolve_schedule()."""
+    with the consumers' %clock64 stamps per work item (the kernel's _stamp).  o_kslot, early_s0: resolve_schedule()."""
     if _K is None:
         raise RuntimeError(f"{IMPL_ID}: {UNAVAILABLE}")
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     gdt = _gl.bfloat16 if q.dtype == torch.bfloat16 else _gl.float16
-    sched = resolve_schedule(d, stages, q_slots, pingpong, split_empty, o_kslot)
+    sched = resolve_schedule(d, stages, q_slots, pingpong, split_empty, o_kslot, early_s0)
     if sched["O_REGS"] and (sq + TILE) * out.stride(2) >= 2 ** 31:
         raise ValueError(f"{IMPL_ID}: the register O store of this schedule uses 32-bit row offsets "
                          f"(s_q {sq} x row stride {out.stride(2)}); use the default schedule")
@@ -323,7 +332,8 @@ def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale,
     """out (b, h_q, s_q, d) over (b, s, h, d) memory, lse (b, h_q, s_q) float32 natural log (need_lse=False:
     None, the kernel neither computes nor stores it -- the impl's `inference` forward for no-grad calls).
     variant (benchmarks): {"persistent": bool, "stages": int, "q_slots": 1 | 2, "pingpong": bool,
-    "split_empty": bool, "order": bool, "mask": a MASK_MODES name, "trace": launch_args' trace, "o_kslot": bool}
+    "split_empty": bool, "order": bool, "mask": a MASK_MODES name, "trace": launch_args' trace, "o_kslot": bool,
+    "early_s0": bool}
     (or a VARIANTS name) over DEFAULT_VARIANT; None: auto_schedule()."""
     from ._triton_utils import new_output, new_output_bshd
     if cu is not None:   # check() refuses these; a direct call must not get a silently wrong answer
@@ -344,7 +354,8 @@ def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale,
                                  persistent=persistent, stages=opts.get("stages"), q_slots=opts.get("q_slots"),
                                  pingpong=opts.get("pingpong", False), split_empty=opts.get("split_empty", False),
                                  num_sms=_sm_count(q.device), order=opts.get("order"), mask=opts.get("mask", "element"),
-                                 trace=opts.get("trace"), o_kslot=opts.get("o_kslot", False))
+                                 trace=opts.get("trace"), o_kslot=opts.get("o_kslot", False),
+                                 early_s0=opts.get("early_s0", False))
     _K.sparse_fwd_kernel[grid](*args, **kw)
     return out, lse
 
