@@ -465,7 +465,9 @@ def _consumer(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, 
     o_e = gl.zeros([BM, D], gl.float32, o_layout)
     m_e = gl.full([BM], -1.0e30, gl.float32, row_s)
     l_e = gl.zeros([BM], gl.float32, row_s)
-    for slot in range(_pid(OPAQUE), n_items, gl.num_programs(0)):
+    # EARLY_S0: one more turn of the loop past the CTA's last item (an empty one: its counts load as 0, nothing is
+    # waited for) runs that item's epilogue -- a second copy of it after the loop spilled
+    for slot in range(_pid(OPAQUE), n_items + (gl.num_programs(0) if EARLY_S0 else 0), gl.num_programs(0)):
         _stamp(trace_ptr, slot, 0, WG, TRACE)
         if O_KSLOT:
             w = w_nx
@@ -488,7 +490,11 @@ def _consumer(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, 
         m_i = gl.full([BM], -1.0e30, gl.float32, row_s)
         l_i = gl.zeros([BM], gl.float32, row_s)
         o = gl.zeros([BM, D], gl.float32, o_layout)
-        mbarrier.wait(q_ready.index(qs), (qi // Q_SLOTS) & 1)
+        if EARLY_S0:
+            if slot < n_items:                      # (the extra turn past the last item has no Q)
+                mbarrier.wait(q_ready.index(qs), (qi // Q_SLOTS) & 1)
+        else:
+            mbarrier.wait(q_ready.index(qs), (qi // Q_SLOTS) & 1)
         _stamp(trace_ptr, slot, 1, WG, TRACE)
         # Ping-pong: every item takes n_all + 1 GEMM turns (an empty item one idle turn), so the turn
         # counter is it + qi and needs no register of its own across the tile loops.
@@ -568,12 +574,9 @@ def _consumer(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, 
         else:
             _turn_wait(turn, tc, WG, PINGPONG)      # the empty item's idle turn (see tc above)
             _turn_pass(turn, WG, PINGPONG)
-            if O_REGS:
-                _release(q_empty.index(qs))         # no tile: the slot was only waited for (phase bookkeeping)
-            if O_KSLOT and PINGPONG:
-                _release(k_done)                    # one k_done phase per item, empty ones too
             if EARLY_S0:
-                if e_tiles >= 0:                    # the previous item's epilogue: nothing to hide it under here
+                if e_tiles >= 0:                    # the previous item's epilogue (nothing to hide it under), before
+                    # this item's k_done arrive: its wait on the previous phase must come first
                     pend = _early_s0_epilogue(o_e, m_e, l_e, slot - gl.num_programs(0), qi - 1, e_tiles, (it - 1) % STAGES,
                                               k_smem, k_done, o_desc,
                                               lse_ptr, o_ptr, s_ob, s_oh, s_os, perm_ptr, H, n_m, SQ, ORDER, REVERSE,
@@ -581,6 +584,10 @@ def _consumer(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, 
                                               q_smem)
                 w_nx, n_part_nx, n_all_nx = _item_counts(slot + gl.num_programs(0), perm_ptr, rows_ptr, s_rb, s_rh,
                                                          s_rr, H, n_m, n_items, ORDER, REVERSE, OPAQUE)
+            if O_REGS:
+                _release(q_empty.index(qs))         # no tile: the slot was only waited for (phase bookkeeping)
+            if O_KSLOT and PINGPONG:
+                _release(k_done)                    # one k_done phase per item, empty ones too
             if O_KSLOT:
                 if pend > 0:
                     tma.store_wait(0)
@@ -649,14 +656,6 @@ def _consumer(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, 
                 _release(q_empty.index(qs))             # ... in the issuing thread; then release it to the producer
         _stamp(trace_ptr, slot, 6, WG, TRACE)
         qi += 1
-    if EARLY_S0:
-        if e_tiles >= 0:                            # the CTA's last item's epilogue
-            # (the slot of the CTA's last item: a Gluon loop does not expose its variable's last value)
-            last_slot = _pid(OPAQUE) + (qi - 1) * gl.num_programs(0)
-            pend = _early_s0_epilogue(o_e, m_e, l_e, last_slot, qi - 1, e_tiles, (it - 1) % STAGES, k_smem, k_done,
-                                      o_desc, lse_ptr,
-                                      o_ptr, s_ob, s_oh, s_os, perm_ptr, H, n_m, SQ, ORDER, REVERSE, OPAQUE, PINGPONG,
-                                      WRITE_LSE, WG, NWG, STAGES, row_s, row_o, o_layout, q_smem)
     if O_KSLOT:
         tma.store_wait(0)                           # the last item's copy has read its slot before the CTA exits
 
