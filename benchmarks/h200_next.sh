@@ -174,8 +174,10 @@
 # forward rows in one run, LayerNorm forward rows (limit hit at the first RMSNorm row), swiglu_gemm pinned conformance
 # 6 / 0), then the RMSNorm forward rows alone; last: the norm GPU tests (14 passed, incl. hidden 50001 / 65536) and the
 # dispatcher's conformance catalogue for gemm (20 / 0; the norm ops not reached in 110 s).
-# Order for session 23: the attention suite halves (f1 / f2, not run since sessions 15-16); sparse: PART=sab's A/B
-# first after any change to the Gluon sparse kernel, then PART=sp + PART=cs.
+# Order for session 23: first the new pingpong_st3_kslot_es0 (the epilogue under the next item's S_0; compiled and
+# protocol-simulated on CPU only): AB_BUILDS=pingpong_st3_kslot,pingpong_st3_kslot_es0,pingpong_st3_kslot:nolse,\
+# pingpong_st3_kslot_es0:nolse PART=sab (all Gluon sparse GPU tests incl. the es0 bitwise one, then the A/B); if it
+# wins at w1024, make auto_schedule take it, then PART=sp + PART=cs. Then the attention suite halves (f1 / f2).
 # OPSADV_COMMIT=<sha> PART=a bash benchmarks/h200_next.sh   (from the repo root on the GPU host, $OUT set)
 set -u
 # tests/conftest.py defaults TRITON_INTERPRET to 1 (CPU CI): every pytest here must say 0, and select the GPU tests

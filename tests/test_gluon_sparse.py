@@ -133,7 +133,11 @@ def test_new_schedules_compile_without_any_spill(sm90_compile_report):
     for case, r in rows.items():
         v = GS.VARIANTS[r["variant"]]
         d = int(case.split("-d")[1].split("-")[0])
-        if v.get("o_kslot"):
+        if v.get("early_s0"):
+            # + the previous item's O / m / l and tile count carried to the next item's S_0: 7 STL/LDL outside the
+            # tile loops, 8 B of stack (a second copy of the epilogue after the item loop spilled 6 inside them)
+            assert r["spills"] <= 7 and r["spills_in_tile_loops"] == 0 and r["stack"] <= 8, r
+        elif v.get("o_kslot"):
             # the next item's counts and the pending copy's slot carried across the epilogue: one value spilled
             # once per item, outside the tile loops (sm_90 compile: 1 STL + 2 LDL, 8 B of stack)
             assert r["spills"] <= 3 and r["spills_in_tile_loops"] == 0 and r["stack"] <= 8, r
@@ -263,7 +267,7 @@ def test_resolve_schedule():
     """Ring depth / Q slots / register O store per variant, from the shared memory budget (227 KB)."""
     assert GS.DEFAULT_VARIANT == {}                  # nothing new is the default without a GPU measurement
     r = GS.resolve_schedule
-    base = dict(PINGPONG=False, O_REGS=False, SPLIT_EMPTY=False, O_KSLOT=False)
+    base = dict(PINGPONG=False, O_REGS=False, SPLIT_EMPTY=False, O_KSLOT=False, EARLY_S0=False)
     assert r(128) == dict(base, STAGES=2, Q_SLOTS=2)                  # the measured schedule
     assert r(64) == dict(base, STAGES=4, Q_SLOTS=2)
     assert r(128, pingpong=True) == dict(base, STAGES=2, Q_SLOTS=2, PINGPONG=True, O_REGS=True)
@@ -279,12 +283,16 @@ def test_resolve_schedule():
             r(128, **bad)
     for name, v in GS.VARIANTS.items():                          # every named variant resolves at d128
         assert r(128, v.get("stages"), v.get("q_slots"), v.get("pingpong", False), v.get("split_empty", False),
-                 v.get("o_kslot", False))
+                 v.get("o_kslot", False), v.get("early_s0", False))
     # O through the last K tile: only where the Q slot is freed early and K slots are freed with their V
     assert r(128, 3, pingpong=True, o_kslot=True)["O_KSLOT"] is True
     for bad in (dict(), dict(pingpong=True, split_empty=True)):
         with pytest.raises(ValueError, match="o_kslot .* needs a schedule that frees its Q slot early"):
             r(128, o_kslot=True, **bad)
+    # the epilogue under the next item's S_0 moves with the O copy through the K tile
+    assert r(128, 3, pingpong=True, o_kslot=True, early_s0=True)["EARLY_S0"] is True
+    with pytest.raises(ValueError, match="early_s0 .* needs o_kslot=True"):
+        r(128, 3, pingpong=True, early_s0=True)
 
 
 @needs_gluon
@@ -492,7 +500,7 @@ class _Bar:
 
 def simulate_protocol(n_alls, stages, q_slots, pingpong, o_regs, rng, idle_turn=True, early_q_release=False,
                       split_empty=False, early_k_release=False, o_kslot=False, skip_k_done=False,
-                      early_o_release=False):
+                      early_o_release=False, early_s0=False, k_done_first=False):
     """Run the producer and consumer partitions of one CTA as the kernel writes them (_producer, _consumer:
     the same slot / phase / turn arithmetic) under a random interleaving, with TMA copies landing at random
     later times.  n_alls: the visited tile count of each of the CTA's work items (0 = an empty item).
@@ -500,8 +508,13 @@ def simulate_protocol(n_alls, stages, q_slots, pingpong, o_regs, rng, idle_turn=
     copy landing in a buffer still being read, and (ping-pong) on GEMM issues that do not alternate
     between the warpgroups.  o_kslot: O is written into the warpgroup's rows of the item's last K tile and copied
     out before that ring slot is released; writing while any S still reads the tile, or a copy landing under the
-    store, fails.  Returns the warpgroups' GEMM issue order."""
+    store, fails.  early_s0 (with o_kslot): an item's epilogue (the k_done wait, O into its last K tile, the copy)
+    runs in the next loop turn -- under the next item's S_0, or before an empty item's k_done arrive (k_done_first:
+    the bug of arriving first, which lets the barrier run two phases ahead of the wait) -- and one extra empty turn
+    past the last item runs the last epilogue.  Returns the warpgroups' GEMM issue order."""
     nwg = 2 if pingpong else 1
+    n_items = list(n_alls) + ([0] if early_s0 else [])   # early_s0: one extra empty turn (the consumers only)
+    kphase = [sum(1 for n in n_items[:q] if n > 0) for q in range(len(n_items))]   # early_s0: k_done phase of item q
     q_ready = [_Bar(1) for _ in range(q_slots * nwg)]
     q_empty = [_Bar(1) for _ in range(q_slots * nwg)]
     k_ready, v_ready = [_Bar(1) for _ in range(stages)], [_Bar(1) for _ in range(stages)]
@@ -578,9 +591,32 @@ def simulate_protocol(n_alls, stages, q_slots, pingpong, o_regs, rng, idle_turn=
                     kv_empty[pend].arrive()
                 pend = None
 
-        for qi, n_all in enumerate(n_alls):
+        def o_into_k_slot(e_qi, e_n, last, phase):
+            """O of item e_qi (e_n tiles, the last in ring slot `last`) into this warpgroup's rows of that K tile,
+            once k_done's phase `phase` has completed."""
+            nonlocal pend
+            if pingpong and not skip_k_done:
+                yield k_done, phase & 1
+            buf = ("k", last)
+            assert mem.get(buf) == (e_qi, e_n - 1), f"{who} O over {buf}: holds {mem.get(buf)}"
+            gemm_readers = {r for r in readers.get(buf, ()) if not r.endswith("-o")}   # (O rows: disjoint)
+            assert not gemm_readers, f"{who} wrote O into {buf} while {gemm_readers} read it"
+            readers.setdefault(buf, set()).add(who + "-o")     # the O store, until the copy has read it
+            pend = last
+            if early_o_release:                                # the bug: the slot freed while the copy still reads it
+                kv_empty[last].arrive()
+
+        def early_epilogue(qi, it):
+            """early_s0: the previous item's epilogue (items with no tile store from registers: nothing shared).
+            k_done counts only items with tiles there (kphase)."""
+            if qi > 0 and n_items[qi - 1] > 0:
+                yield from o_into_k_slot(qi - 1, n_items[qi - 1], (it - 1) % stages, kphase[qi - 1])
+
+        for qi, n_all in enumerate(n_items):
             qs = (qi % q_slots) * nwg + wg
-            yield q_ready[qs], (qi // q_slots) & 1
+            virtual = early_s0 and qi == len(n_alls)           # early_s0's extra empty turn past the last item
+            if not virtual:
+                yield q_ready[qs], (qi // q_slots) & 1
             tc = it + qi
             if n_all > 0:
                 cur = it % stages
@@ -589,6 +625,9 @@ def simulate_protocol(n_alls, stages, q_slots, pingpong, o_regs, rng, idle_turn=
                 read(("q", qs), (qi, wg), who)           # S_0
                 read(("k", cur), (qi, 0), who)
                 turn_pass()
+                if early_s0:
+                    yield from early_epilogue(qi, it)
+                    yield None                           # S_0 waited: the copy has read the slot by then
                 yield from release_pending()
                 if early_q_release:                      # the bug this guards against: Q freed before its S
                     q_empty[qs].arrive()
@@ -629,27 +668,24 @@ def simulate_protocol(n_alls, stages, q_slots, pingpong, o_regs, rng, idle_turn=
                 turn_pass()
                 yield None
                 done_reading(("v", last), who)
-                if o_kslot:
-                    if pingpong and not skip_k_done:
-                        yield k_done, qi & 1
-                    buf = ("k", last)
-                    assert mem.get(buf) == (qi, n_all - 1), f"{who} O over {buf}: holds {mem.get(buf)}"
-                    gemm_readers = {r for r in readers.get(buf, ()) if not r.endswith("-o")}   # (O rows: disjoint)
-                    assert not gemm_readers, f"{who} wrote O into {buf} while {gemm_readers} read it"
-                    readers.setdefault(buf, set()).add(who + "-o")     # the O store, until the copy has read it
-                    pend = last                           # waited for and released at the next item's S_0
-                    if early_o_release:                   # the bug: the slot freed while the copy still reads it
-                        kv_empty[last].arrive()
+                if early_s0:
+                    pass                                  # O leaves in the next loop turn (early_epilogue)
+                elif o_kslot:
+                    yield from o_into_k_slot(qi, n_all, last, qi)   # released at the next item's S_0
                 else:
                     kv_empty[last].arrive()
             else:
                 if idle_turn:
                     yield from turn_wait(tc)
                     turn_pass()
+                if early_s0 and not k_done_first:
+                    yield from early_epilogue(qi, it)
                 if o_regs:
                     q_empty[qs].arrive()
-                if o_kslot and pingpong:
-                    k_done.arrive()
+                if o_kslot and pingpong and (not early_s0 or k_done_first):
+                    k_done.arrive()                       # (early_s0: only items with tiles arrive)
+                if early_s0 and k_done_first:
+                    yield from early_epilogue(qi, it)
                 yield from release_pending()
             it += n_all
             if not o_regs:                                    # O out through the Q slot, then release it
@@ -665,7 +701,11 @@ def simulate_protocol(n_alls, stages, q_slots, pingpong, o_regs, rng, idle_turn=
         if not ready and not in_flight:
             if not procs:
                 return gemms
-            raise AssertionError(f"deadlock: {dict((n, (id(b), p)) for n, (b, p) in waiting.items())}")
+            names = {id(b): f"{k}[{i}]" for k, bars in (("q_ready", q_ready), ("q_empty", q_empty),
+                     ("k_ready", k_ready), ("v_ready", v_ready), ("kv_empty", kv_empty), ("k_empty", k_empty),
+                     ("turn", turn), ("k_done", [k_done])) for i, b in enumerate(bars)}
+            stuck = {n: (names.get(id(b)), p, b.done if b else None) for n, (b, p) in waiting.items()}
+            raise AssertionError(f"deadlock (barrier, parity waited for, phases done): {stuck}")
         if in_flight and (not ready or rng.random() < 0.3):
             buf, bar, what = in_flight.pop(rng.randrange(len(in_flight)))
             assert not readers.get(buf), f"TMA into {buf} while {readers[buf]} read it"
@@ -691,14 +731,16 @@ def test_barrier_protocol_simulation(variant):
     import random
     v = GS.VARIANTS[variant]
     sched = GS.resolve_schedule(128, v.get("stages"), v.get("q_slots"), v.get("pingpong", False),
-                                v.get("split_empty", False), v.get("o_kslot", False))
+                                v.get("split_empty", False), v.get("o_kslot", False), v.get("early_s0", False))
     for seed_ in range(40):
         rng = random.Random(seed_)
         for items in _PROTOCOL_ITEMS:
             gemms = simulate_protocol(items, sched["STAGES"], sched["Q_SLOTS"], sched["PINGPONG"], sched["O_REGS"],
-                                      rng, split_empty=sched["SPLIT_EMPTY"], o_kslot=sched["O_KSLOT"])
+                                      rng, split_empty=sched["SPLIT_EMPTY"], o_kslot=sched["O_KSLOT"],
+                                      early_s0=sched["EARLY_S0"])
             if sched["PINGPONG"]:
-                turns = sum(n + 1 for n in items)     # n_all + 1 per item, one idle turn per empty item
+                # n_all + 1 per item, one idle turn per empty item (early_s0: + its extra empty turn)
+                turns = sum(n + 1 for n in items) + sched["EARLY_S0"]
                 assert gemms == [0, 1] * turns, gemms
 
 
@@ -712,7 +754,8 @@ def test_barrier_protocol_simulation_detects_broken_protocols():
                    dict(early_q_release=True, pingpong=False, q_slots=1, o_regs=True),
                    dict(early_k_release=True, split_empty=True, pingpong=True, q_slots=2, o_regs=True),
                    dict(o_kslot=True, skip_k_done=True, pingpong=True, q_slots=1, o_regs=True),
-                   dict(o_kslot=True, early_o_release=True, pingpong=True, q_slots=1, o_regs=True)):
+                   dict(o_kslot=True, early_o_release=True, pingpong=True, q_slots=1, o_regs=True),
+                   dict(o_kslot=True, early_s0=True, k_done_first=True, pingpong=True, q_slots=1, o_regs=True)):
         failed = 0
         for seed_ in range(20):
             try:
@@ -847,6 +890,26 @@ def test_gpu_kslot_store_bitwise_equals_register_store(persistent, seed, monkeyp
         assert torch.equal(kslot[0], regs[0]) and torch.equal(kslot[1], regs[1]), name
         ro, rl = _ref(q, k, v, lay, 0.1)
         assert rel_err(kslot[0], ro) < 2e-2, (name, rel_err(kslot[0], ro))
+
+
+@requires_sm90
+@pytest.mark.parametrize("persistent", [True, False])
+def test_gpu_early_s0_bitwise_equals_kslot(persistent, seed, monkeypatch):
+    """pingpong_st3_kslot_es0 (each item's epilogue run under the next item's first S, the last one in an extra
+    empty turn of the item loop) only moves when the epilogue runs: out and lse equal pingpong_st3_kslot's bit for
+    bit on every band layout, with and without the lse (no-grad build), grids of one and many items per CTA."""
+    monkeypatch.setenv("OPSADV_POISON_OUTPUTS", "1")
+    for name in ("window_causal", "window_causal_long", "causal", "causal_sq_gt_sk", "window_cross"):
+        lay, b, hq, hkv = _layouts("cuda")[name]
+        q = torch.randn(b, hq, lay.seq_q, 128, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(b, hkv, lay.seq_k, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        for need_lse in (True, False):
+            kslot = GS.sparse_fwd(None, q, k, v, *_layout_args(lay), 0.1, need_lse=need_lse,
+                                  variant={**GS.VARIANTS["pingpong_st3_kslot"], "persistent": persistent})
+            es0 = GS.sparse_fwd(None, q, k, v, *_layout_args(lay), 0.1, need_lse=need_lse,
+                                variant={**GS.VARIANTS["pingpong_st3_kslot_es0"], "persistent": persistent})
+            assert torch.equal(es0[0], kslot[0]), (name, need_lse)
+            assert (es0[1] is None) == (not need_lse) and (es0[1] is None or torch.equal(es0[1], kslot[1])), name
 
 
 @requires_sm90

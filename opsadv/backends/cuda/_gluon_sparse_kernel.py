@@ -39,6 +39,12 @@ before the softmax of S_j's successor, P in registers), driven by the layout's t
     with no tile store their zeros from registers.  (The register store wrote 2-byte pieces until session 20:
     it now writes 4-byte ones; either costs far more per item than one TMA copy, sparse_trace_probe.py.)
   * WRITE_LSE=False (no-grad calls through KernelImpl.inference): the lse is neither computed nor stored.
+  * EARLY_S0 (with O_KSLOT; session 22, written on CPU, not yet run on a GPU): an item's epilogue (1 / l, the lse,
+    O into its last K tile and the copy) runs in the next turn of the item loop, under that item's first S = Q K^T
+    (or, for an empty item, before its idle turn's end), and one extra empty turn past the CTA's last item runs the
+    last one; the copy's slot is released once that S has retired.  k_done then counts only items with tiles: with
+    the wait one item later, empty items' arrivals could complete a phase for one warpgroup alone.  Ranked +3.6% at
+    w1024 by benchmarks/gluon_fa/sparse_schedule_model.py.
   * SPLIT_EMPTY (FA3's separate K and V pipelines, as the dense kernel's pingpong_kv): a K slot is
     freed on k_empty as soon as its S has retired, a V slot on kv_empty after its P V, and the
     producer loads K_{t+1} before V_t.  With one shared barrier and ping-pong, tile j+STAGES waits for
@@ -387,7 +393,7 @@ def _early_s0_epilogue(o, m_i, l_i, e_slot, e_qi, e_tiles, e_last, k_smem, k_don
                        PINGPONG: gl.constexpr, WRITE_LSE: gl.constexpr, WG: gl.constexpr, NWG: gl.constexpr,
                        STAGES: gl.constexpr, row_s: gl.constexpr, row_o: gl.constexpr, o_layout: gl.constexpr,
                        q_smem):
-    """EARLY_S0: the epilogue of the previous item (slot e_slot, the e_qi-th of this CTA, e_tiles tiles, its last K
+    """EARLY_S0: the epilogue of the previous item (slot e_slot, k_done phase e_qi, e_tiles tiles, its last K
     tile in ring slot e_last), run while the next item's S_0 is on the tensor cores: O / l normalized, the lse
     stored, O out through this warpgroup's rows of the item's last K tile by one TMA copy (after k_done: the other
     warpgroup's last S on that tile has retired), or zeros from registers for an item without tiles.  Returns 1 +
@@ -462,6 +468,9 @@ def _consumer(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, 
     # EARLY_S0: the previous item's tile count (-1: none), O, m and l, its epilogue still to run (under the next
     # item's S_0); its slot and last ring slot follow from slot - grid and it (nothing else kept across the loops)
     e_tiles = -1
+    kp = 0          # EARLY_S0: items with tiles done so far = k_done phases (empty items arrive on it only without
+    #                EARLY_S0: with the wait one item later, a warpgroup running through two empty items could
+    #                complete a phase on its own and leave the other waiting for a phase two behind)
     o_e = gl.zeros([BM, D], gl.float32, o_layout)
     m_e = gl.full([BM], -1.0e30, gl.float32, row_s)
     l_e = gl.zeros([BM], gl.float32, row_s)
@@ -509,8 +518,8 @@ def _consumer(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, 
             _turn_pass(turn, WG, PINGPONG)
             if EARLY_S0:
                 if e_tiles >= 0:                    # the previous item's epilogue and O copy, under S_0
-                    pend = _early_s0_epilogue(o_e, m_e, l_e, slot - gl.num_programs(0), qi - 1, e_tiles, (it - 1) % STAGES,
-                                              k_smem, k_done, o_desc,
+                    pend = _early_s0_epilogue(o_e, m_e, l_e, slot - gl.num_programs(0), kp - 1, e_tiles,
+                                              (it - 1) % STAGES, k_smem, k_done, o_desc,
                                               lse_ptr, o_ptr, s_ob, s_oh, s_os, perm_ptr, H, n_m, SQ, ORDER, REVERSE,
                                               OPAQUE, PINGPONG, WRITE_LSE, WG, NWG, STAGES, row_s, row_o, o_layout,
                                               q_smem)
@@ -577,8 +586,8 @@ def _consumer(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, 
             if EARLY_S0:
                 if e_tiles >= 0:                    # the previous item's epilogue (nothing to hide it under), before
                     # this item's k_done arrive: its wait on the previous phase must come first
-                    pend = _early_s0_epilogue(o_e, m_e, l_e, slot - gl.num_programs(0), qi - 1, e_tiles, (it - 1) % STAGES,
-                                              k_smem, k_done, o_desc,
+                    pend = _early_s0_epilogue(o_e, m_e, l_e, slot - gl.num_programs(0), kp - 1, e_tiles,
+                                              (it - 1) % STAGES, k_smem, k_done, o_desc,
                                               lse_ptr, o_ptr, s_ob, s_oh, s_os, perm_ptr, H, n_m, SQ, ORDER, REVERSE,
                                               OPAQUE, PINGPONG, WRITE_LSE, WG, NWG, STAGES, row_s, row_o, o_layout,
                                               q_smem)
@@ -586,8 +595,8 @@ def _consumer(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, 
                                                          s_rr, H, n_m, n_items, ORDER, REVERSE, OPAQUE)
             if O_REGS:
                 _release(q_empty.index(qs))         # no tile: the slot was only waited for (phase bookkeeping)
-            if O_KSLOT and PINGPONG:
-                _release(k_done)                    # one k_done phase per item, empty ones too
+            if O_KSLOT and PINGPONG and not EARLY_S0:
+                _release(k_done)                    # one k_done phase per item, empty ones too (EARLY_S0: see kp)
             if O_KSLOT:
                 if pend > 0:
                     tma.store_wait(0)
@@ -597,6 +606,7 @@ def _consumer(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, 
         it += n_all
 
         if EARLY_S0:                                # this item's epilogue runs under the next item's S_0
+            kp += (n_tiles > 0).to(gl.int32)
             e_tiles = n_tiles
             o_e = o
             m_e = m_i
@@ -609,8 +619,8 @@ def _consumer(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, 
             _stamp_after(trace_ptr, slot, 9, WG, TRACE, w)
             b, h, mt, bh = _item(_maybe_opaque(w, OPAQUE), H, n_m, REVERSE, OPAQUE)
             if O_KSLOT:                                 # the next item's counts, loaded under this epilogue
-                w_nx, n_part_nx, n_all_nx = _item_counts(slot + gl.num_programs(0), perm_ptr, rows_ptr, s_rb, s_rh, s_rr,
-                                                         H, n_m, n_items, ORDER, REVERSE, OPAQUE)
+                w_nx, n_part_nx, n_all_nx = _item_counts(slot + gl.num_programs(0), perm_ptr, rows_ptr, s_rb, s_rh,
+                                                         s_rr, H, n_m, n_items, ORDER, REVERSE, OPAQUE)
             rows = (mt * NWG + WG) * BM + gl.arange(0, BM, layout=row_s)
             empty = l_i == 0.0                          # no allowed key in this row: out 0, lse -inf
             l_safe = gl.where(empty, 1.0, l_i)
@@ -747,7 +757,8 @@ def sparse_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, o_ptr, rows_ptr, 
                          s_cb, s_ch, s_cr, bm_ptr, s_bmb, s_bmh, s_bm_q, s_bm_k, kpm_ptr, s_kpmb,
                          H, n_m, n_items, SQ, SK, OFF, WL, WR, NG, BS, qk_scale,
                          CAUSAL, HAS_WIN, HAS_GLOBAL, BM_MODE, HAS_KPM, REVERSE, ORDER, STAGES, Q_SLOTS, PINGPONG,
-                         O_REGS, SPLIT_EMPTY, MASK_MODE, trace_ptr, TRACE, 0, k_done, O_KSLOT, WRITE_LSE, num_warps, EARLY_S0)),
+                         O_REGS, SPLIT_EMPTY, MASK_MODE, trace_ptr, TRACE, 0, k_done, O_KSLOT, WRITE_LSE, num_warps,
+                         EARLY_S0)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                          rows_ptr, cols_ptr, perm_ptr, s_rb, s_rh, s_rr, s_cb, s_ch, s_cr, H, GROUP, n_m, n_items,
                          REVERSE, ORDER, FULL_RUN, STAGES, Q_SLOTS, NWG, O_REGS, k_empty, SPLIT_EMPTY)),
