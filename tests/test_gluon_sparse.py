@@ -188,6 +188,10 @@ def test_launch_args_refuses_a_wrong_trace_buffer():
                 torch.zeros(6, 2, 8, dtype=torch.int64)):
         with pytest.raises(ValueError, match=r"trace must be an int64 \(6, 2, 16\) tensor"):
             GS.launch_args(q, q, q, q, torch.zeros(1, 2, 300), ti, None, 128, True, 100, 0, 0, 0.1, trace=bad)
+    good = torch.zeros(6, 2, 16, dtype=torch.int64)
+    with pytest.raises(ValueError, match="no stamps for early_s0"):   # its extra turn would stamp past the buffer
+        GS.launch_args(q, q, q, q, torch.zeros(1, 2, 300), ti, None, 128, True, 100, 0, 0, 0.1, trace=good,
+                       **GS.VARIANTS["pingpong_st3_kslot_es0"])
 
 
 def test_tile_loop_spill_parser():

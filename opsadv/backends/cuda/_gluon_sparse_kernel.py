@@ -697,6 +697,7 @@ def sparse_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, o_ptr, rows_ptr, 
     gl.static_assert(O_REGS or Q_SLOTS == 2, "one Q slot per partition needs O stored from registers")
     gl.static_assert(not O_KSLOT or (O_REGS and not SPLIT_EMPTY), "O_KSLOT: Q freed early, K slots freed with V")
     gl.static_assert(not EARLY_S0 or O_KSLOT, "EARLY_S0: the epilogue moves with the O copy through the K tile")
+    gl.static_assert(not (EARLY_S0 and TRACE), "EARLY_S0 runs a turn past the last item: no TRACE stamps for it")
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [NQ, BQ, D], q_smem_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, D], kv_smem_layout)

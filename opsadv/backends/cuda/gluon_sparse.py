@@ -295,6 +295,9 @@ def launch_args(q, k, v, out, lse, ti, kpm, bs, causal, wl, wr, ng, scale, *, pe
         raise ValueError(f"{IMPL_ID}: the register O store forms its item offset in units of 8 elements (so that "
                          f"it can store 4-byte pieces): out's (b, h, s) strides must be multiples of 8, got "
                          f"{tuple(out.stride()[:3])}")
+    if trace is not None and sched["EARLY_S0"]:
+        raise ValueError(f"{IMPL_ID}: the TRACE build has no stamps for early_s0 (its extra turn past the last item "
+                         f"would stamp past the trace buffer)")
     bq = TILE // 2 if sched["PINGPONG"] else TILE           # Q/O rows per consumer partition
     n_m = _cdiv(sq, TILE)
     n_items = n_m * b * hq
