@@ -388,6 +388,27 @@ def _pipelined_step(q_tile, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty,
 
 
 @gluon.jit
+def _o_copy_through_k_tile(o, k_smem, q_smem, o_desc, k_done, phase, last, b, h, row0, PINGPONG: gl.constexpr,
+                           WG: gl.constexpr, NWG: gl.constexpr, STAGES: gl.constexpr):
+    """O_KSLOT: o (this partition's BM x D rows, out's dtype) out through its rows of the K tile in ring slot `last`
+    by one TMA copy (rows past s_q clipped), once k_done's `phase` says the other warpgroup's last S on that tile has
+    retired; returns 1 + last, the slot to release once the copy has read it."""
+    BM: gl.constexpr = o.shape[0]
+    D: gl.constexpr = o.shape[1]
+    dtype: gl.constexpr = k_smem.dtype
+    if PINGPONG:
+        mbarrier.wait(k_done, phase & 1)
+    # (the ring seen as BM-row tiles, indexed: a sliced view gave wrong results in the copy)
+    o_tile = k_smem._reinterpret(dtype, [STAGES * NWG, BM, D], q_smem.layout).index(last * NWG + WG)
+    o_tile.store(o)
+    fence_async_shared()                            # generic-proxy smem writes before the TMA (async proxy) read
+    gl.thread_barrier()                             # every warp's part written before one thread issues the copy
+    tma.async_copy_shared_to_global(o_desc, [b, h, row0, 0],
+                                    o_tile._reinterpret(dtype, o_desc.block_type.shape, o_desc.layout))
+    return last + 1
+
+
+@gluon.jit
 def _early_s0_epilogue(o, m_i, l_i, e_slot, e_qi, e_tiles, e_last, k_smem, k_done, o_desc, lse_ptr, o_ptr, s_ob, s_oh,
                        s_os, perm_ptr, H, n_m, SQ, ORDER: gl.constexpr, REVERSE: gl.constexpr, OPAQUE: gl.constexpr,
                        PINGPONG: gl.constexpr, WRITE_LSE: gl.constexpr, WG: gl.constexpr, NWG: gl.constexpr,
@@ -412,15 +433,8 @@ def _early_s0_epilogue(o, m_i, l_i, e_slot, e_qi, e_tiles, e_last, k_smem, k_don
         gl.store(lse_ptr + bh.to(gl.int64) * _maybe_opaque(SQ, OPAQUE).to(gl.int64) + rows, lse, mask=rows < SQ)
     pend = 0
     if e_tiles > 0:
-        if PINGPONG:
-            mbarrier.wait(k_done, e_qi & 1)
-        o_tile = k_smem._reinterpret(dtype, [STAGES * NWG, BM, D], q_smem.layout).index(e_last * NWG + WG)
-        o_tile.store(o.to(dtype))
-        fence_async_shared()                        # generic-proxy smem writes before the TMA (async proxy) read
-        gl.thread_barrier()                         # every warp's part written before one thread issues the copy
-        tma.async_copy_shared_to_global(o_desc, [b, h, (mt * NWG + WG) * BM, 0],
-                                        o_tile._reinterpret(dtype, o_desc.block_type.shape, o_desc.layout))
-        pend = e_last + 1
+        pend = _o_copy_through_k_tile(o.to(dtype), k_smem, q_smem, o_desc, k_done, e_qi, e_last, b, h,
+                                      (mt * NWG + WG) * BM, PINGPONG, WG, NWG, STAGES)
     else:                                           # no tile, no slot: the zeros from registers
         _store_o_rows(o.to(dtype), o_ptr, b, h, (mt * NWG + WG) * BM, SQ, s_ob, s_oh, s_os, BM, D, o_layout)
     return pend
@@ -638,16 +652,8 @@ def _consumer(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, 
                     # only once the copy has read it (pend: at the next item's S_0), so the producer cannot refill it
                     # under the store.
                     last = (it - 1) % STAGES
-                    if PINGPONG:
-                        mbarrier.wait(k_done, qi & 1)
-                    # (the ring seen as BM-row tiles, indexed: a sliced view gave wrong results in the copy)
-                    o_tile = k_smem._reinterpret(dtype, [STAGES * NWG, BM, D], q_smem.layout).index(last * NWG + WG)
-                    o_tile.store(o.to(dtype))
-                    fence_async_shared()                # generic-proxy smem writes before the TMA (async proxy) read
-                    gl.thread_barrier()                 # every warp's part written before one thread issues the copy
-                    tma.async_copy_shared_to_global(o_desc, [b, h, (mt * NWG + WG) * BM, 0],
-                                                    o_tile._reinterpret(dtype, q_view, o_desc.layout))
-                    pend = last + 1
+                    pend = _o_copy_through_k_tile(o.to(dtype), k_smem, q_smem, o_desc, k_done, qi, last, b, h,
+                                                  (mt * NWG + WG) * BM, PINGPONG, WG, NWG, STAGES)
                 else:                                   # no tile, no slot: the zeros from registers
                     _store_o_rows(o.to(dtype), o_ptr, b, h, (mt * NWG + WG) * BM, SQ, s_ob, s_oh, s_os, BM, D, o_layout)
                     pend = 0
