@@ -388,6 +388,22 @@ def _pipelined_step(q_tile, k_smem, v_smem, k_ready, v_ready, kv_empty, k_empty,
 
 
 @gluon.jit
+def _normalize_store_lse(o, m_i, l_i, rows, bh, lse_ptr, SQ, OPAQUE: gl.constexpr, WRITE_LSE: gl.constexpr,
+                         row_o: gl.constexpr):
+    """An item's epilogue math: O / l (one reciprocal per row, then a multiply per element: 64 divisions per thread
+    cost ~1k cycles an item) and, WRITE_LSE, the natural-log lse of `rows` stored; rows with no allowed key get out 0
+    and lse -inf.  Returns the normalized O (float32)."""
+    empty = l_i == 0.0
+    l_safe = gl.where(empty, 1.0, l_i)
+    o = o * gl.expand_dims(gl.convert_layout(1.0 / l_safe, row_o), 1)
+    if WRITE_LSE:                                   # (no-grad calls: nobody reads it)
+        lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)   # log2 -> ln
+        # (OPAQUE: SQ widened here; a hoisted 64-bit SQ was held, and spilled, across the loops)
+        gl.store(lse_ptr + bh.to(gl.int64) * _maybe_opaque(SQ, OPAQUE).to(gl.int64) + rows, lse, mask=rows < SQ)
+    return o
+
+
+@gluon.jit
 def _o_copy_through_k_tile(o, k_smem, q_smem, o_desc, k_done, phase, last, b, h, row0, PINGPONG: gl.constexpr,
                            WG: gl.constexpr, NWG: gl.constexpr, STAGES: gl.constexpr):
     """O_KSLOT: o (this partition's BM x D rows, out's dtype) out through its rows of the K tile in ring slot `last`
@@ -425,12 +441,7 @@ def _early_s0_epilogue(o, m_i, l_i, e_slot, e_qi, e_tiles, e_last, k_smem, k_don
     w = _work_item(e_slot, perm_ptr, ORDER)
     b, h, mt, bh = _item(_maybe_opaque(w, OPAQUE), H, n_m, REVERSE, OPAQUE)
     rows = (mt * NWG + WG) * BM + gl.arange(0, BM, layout=row_s)
-    empty = l_i == 0.0                              # no allowed key in this row: out 0, lse -inf
-    l_safe = gl.where(empty, 1.0, l_i)
-    o = o * gl.expand_dims(gl.convert_layout(1.0 / l_safe, row_o), 1)
-    if WRITE_LSE:
-        lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)   # log2 -> ln
-        gl.store(lse_ptr + bh.to(gl.int64) * _maybe_opaque(SQ, OPAQUE).to(gl.int64) + rows, lse, mask=rows < SQ)
+    o = _normalize_store_lse(o, m_i, l_i, rows, bh, lse_ptr, SQ, OPAQUE, WRITE_LSE, row_o)
     pend = 0
     if e_tiles > 0:
         pend = _o_copy_through_k_tile(o.to(dtype), k_smem, q_smem, o_desc, k_done, e_qi, e_last, b, h,
@@ -636,14 +647,7 @@ def _consumer(q_desc, o_desc, lse_ptr, o_ptr, s_ob, s_oh, s_os, q_smem, k_smem, 
                 w_nx, n_part_nx, n_all_nx = _item_counts(slot + gl.num_programs(0), perm_ptr, rows_ptr, s_rb, s_rh,
                                                          s_rr, H, n_m, n_items, ORDER, REVERSE, OPAQUE)
             rows = (mt * NWG + WG) * BM + gl.arange(0, BM, layout=row_s)
-            empty = l_i == 0.0                          # no allowed key in this row: out 0, lse -inf
-            l_safe = gl.where(empty, 1.0, l_i)
-            # one reciprocal per row, then a multiply per element (64 divisions per thread cost ~1k cycles an item)
-            o = o * gl.expand_dims(gl.convert_layout(1.0 / l_safe, row_o), 1)
-            if WRITE_LSE:                               # (no-grad calls: nobody reads it)
-                lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)   # log2 -> ln
-                # (OPAQUE: SQ widened here; a hoisted 64-bit SQ was held, and spilled, across the loops)
-                gl.store(lse_ptr + bh.to(gl.int64) * _maybe_opaque(SQ, OPAQUE).to(gl.int64) + rows, lse, mask=rows < SQ)
+            o = _normalize_store_lse(o, m_i, l_i, rows, bh, lse_ptr, SQ, OPAQUE, WRITE_LSE, row_o)
             _stamp(trace_ptr, slot, 10, WG, TRACE)
             if O_KSLOT:
                 if n_tiles > 0:
