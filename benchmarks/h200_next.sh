@@ -178,6 +178,8 @@
 # protocol-simulated on CPU only): AB_BUILDS=pingpong_st3_kslot,pingpong_st3_kslot_es0,pingpong_st3_kslot:nolse,\
 # pingpong_st3_kslot_es0:nolse PART=sab (all Gluon sparse GPU tests incl. the es0 bitwise one, then the A/B); if it
 # wins at w1024, make auto_schedule take it, then PART=sp + PART=cs. Then the attention suite halves (f1 / f2).
+# Session 23 (results/*_s23*): PART=sab at 51850ec: es0 correct (77 GPU tests passed, bitwise = kslot) but 3.5-5%
+# slower at w256-w2048 (-0.6% w4096): kept as a measured variant, not taken. Then PART=sb23, PART=sp.
 # OPSADV_COMMIT=<sha> PART=a bash benchmarks/h200_next.sh   (from the repo root on the GPU host, $OUT set)
 set -u
 # tests/conftest.py defaults TRITON_INTERPRET to 1 (CPU CI): every pytest here must say 0, and select the GPU tests
@@ -667,6 +669,13 @@ cs)  # session 19: pinned conformance of both sparse impls after the interval ma
       --markdown "$OUT/conf_$impl.md" > "$OUT/conf_$impl.log" 2>&1
     echo "conformance $impl rc $?"; tail -1 "$OUT/conf_$impl.log"
   done
+  ;;
+sb23)  # session 23: what rows of ~9 key tiles cost dense kernels with no masks (ours, cuDNN, FA2) next to their long-row
+       # rates and our sparse w1024 row with its SDPA dense-mask peer (issue 5's two open targets), then cs
+  timeout 200 python3 benchmarks/gluon_fa/short_row_bound_probe.py "$OUT/short_row_bound.json" 5 \
+    > "$OUT/short_row_bound.log" 2>&1
+  echo "short row bound rc $?"; tail -30 "$OUT/short_row_bound.log" | cut -c1-300
+  PART=cs bash "$0"
   ;;
 g22)  # session 22: one run of the gemm forward rows at the current code (issue 4's epilogue ratios; kernels unchanged
       # since session 19), the norm forward rows, then pinned conformance of the Gluon SwiGLU GEMM (not run since s17)
