@@ -13,6 +13,7 @@ with nothing to hide under, the last P V, the epilogue) the best kernels on this
   PYTHONPATH=. python benchmarks/gluon_fa/short_row_bound_probe.py OUT.json [rounds]"""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -25,7 +26,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import opsadv  # noqa: E402
-from _sparse_windows import D, H, S, interleaved, report_header, window_case  # noqa: E402
+from _sparse_windows import D, H, S, ms, report_header, window_case  # noqa: E402
 
 SHORT_B, SHORT_S = 14, 1152       # 14 x 32 heads x 9 query tiles = 4032 items of 9 full key tiles
 
@@ -36,20 +37,26 @@ def _qkv(b: int, s: int):
 
 
 def _ours(impl: str, q, k, v, causal: bool):
-    def call():
-        with opsadv.use_backend("cuda", impls={"flash_attention": impl}), torch.no_grad():
-            return opsadv.ops.flash_attention(q, k, v, causal=causal)
-    return call
+    """(context, call): the backend context is entered once around a kernel's timing, not per call (entered per
+    call it made this probe's first run host-bound: results/short_row_bound_s23a_h200.json)."""
+    return (lambda: opsadv.use_backend("cuda", impls={"flash_attention": impl}),
+            lambda: opsadv.ops.flash_attention(q, k, v, causal=causal))
 
 
 def _sdpa(backend, q, k, v, causal: bool, mask=None):
-    def call():
-        if backend is None:                      # SDPA's own choice, as the suite's sdpa_masked peer
-            with torch.no_grad():
-                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, attn_mask=mask)
-        with sdpa_kernel(backend), torch.no_grad():
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, attn_mask=mask)
-    return call
+    """(context, call); backend None: SDPA's own choice, as the suite's sdpa_masked peer."""
+    return (lambda: contextlib.nullcontext() if backend is None else sdpa_kernel(backend),
+            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, attn_mask=mask))
+
+
+def _interleaved(entries: dict, rounds: int) -> dict:
+    """{name: [ms per round]}: each kernel timed once per round inside its context, rounds interleaved."""
+    times = {name: [] for name in entries}
+    for _ in range(rounds):
+        for name, (ctx, fn) in entries.items():
+            with ctx(), torch.no_grad():
+                times[name].append(ms(fn))
+    return times
 
 
 def main(path: str, rounds: int) -> None:
@@ -69,23 +76,22 @@ def main(path: str, rounds: int) -> None:
         fns[f"{name} long_causal"], work_of[f"{name} long_causal"] = _sdpa(backend, *long_, True), work["long_causal"]
         fns[f"{name} long_full"], work_of[f"{name} long_full"] = _sdpa(backend, *long_, False), work["long_full"]
 
-    def sparse():
-        with opsadv.use_backend("cuda"), torch.no_grad():
-            return opsadv.ops.sparse_attention(*long_, lay)
-    fns["ours_sparse w1024"], work_of["ours_sparse w1024"] = sparse, w_work
+    fns["ours_sparse w1024"] = (lambda: opsadv.use_backend("cuda"), lambda: opsadv.ops.sparse_attention(*long_, lay))
+    work_of["ours_sparse w1024"] = w_work
     dense_mask = lay.dense_mask(device="cuda")
     fns["sdpa_masked w1024"] = _sdpa(None, *long_, False, dense_mask)
     work_of["sdpa_masked w1024"] = w_work
 
     ok = {}
-    for name, fn in fns.items():                                            # compile / tune, and drop what fails
+    for name, (ctx, fn) in fns.items():                                     # compile / tune, and drop what fails
         try:
-            fn()
-            ok[name] = fn
+            with ctx(), torch.no_grad():
+                fn()
+            ok[name] = (ctx, fn)
         except Exception as exc:                                            # noqa: BLE001 -- reported per kernel
             print(f"{name}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
     torch.cuda.synchronize()
-    times = interleaved(ok, rounds)
+    times = _interleaved(ok, rounds)
     report = {**report_header(), "rounds": rounds, "short_shape": f"b{SHORT_B} h{H} s{SHORT_S} d{D} non-causal",
               "rows": []}
     for name, ts in times.items():

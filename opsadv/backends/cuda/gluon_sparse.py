@@ -110,8 +110,9 @@ VARIANTS = {
     # (measured where the ping-pong epilogue's time went: sparse_trace_probe.py, session 20)
     "pingpong_st3_kslot": {"pingpong": True, "stages": 3, "mask": "interval", "o_kslot": True},
     # the same with each item's epilogue (normalization, lse, O copy) run under the next item's first S = Q K^T
-    # (session 22: benchmarks/gluon_fa/sparse_schedule_model.py ranked it +3.6% at w1024; written on CPU, not yet run
-    # on a GPU -- not used by auto_schedule until its GPU tests and an A/B say so)
+    # (session 22: benchmarks/gluon_fa/sparse_schedule_model.py ranked it +3.6% at w1024).  H200, session 23
+    # (results/sparse_ab_s23_h200.json, 51850ec): bitwise equal to pingpong_st3_kslot but runs 0.943 / 0.951 / 0.959
+    # / 0.987x its speed at w256 / 1024 / 2048 / 4096 (median round ratios) -- a measured control, not auto_schedule's
     "pingpong_st3_kslot_es0": {"pingpong": True, "stages": 3, "mask": "interval", "o_kslot": True, "early_s0": True},
 }
 # Partial-tile masks (the kernel's MASK_MODE): the element predicate, per-row key intervals (band layouts: no mixed
