@@ -207,3 +207,63 @@ def test_explain_names_the_bucket_entries():
     spec = A._spec(q, q, None, True, False)
     assert spec == dataclasses.replace(spec, bucket_names=()) and hash(spec) == hash(dataclasses.replace(spec, bucket_names=()))
     assert dataclasses.replace(spec, bucket_names=("a",)).bucket_text() == str(spec.bucket)   # names must match
+
+
+class Ranker:
+    """A second device-less backend: an rms_norm impl at priority 100 (below widget's 150) whose rank() puts it at
+    200 for rows wider than 40, and one whose rank() raises."""
+
+    ranked: list = []
+
+    @hookimpl
+    def opsadv_backend_info(self):
+        return BackendInfo(name="ranker", device_types=("cpu",), auto_priority=40)
+
+    @hookimpl
+    def opsadv_probe(self, env):
+        return ProbeResult(True)
+
+    @staticmethod
+    def _rank(spec, env):
+        Ranker.ranked.append(spec.shapes[0][-1])
+        return (200, "measured faster on wide rows") if spec.shapes[0][-1] > 40 else None
+
+    @staticmethod
+    def _broken_rank(spec, env):
+        raise RuntimeError("boom")
+
+    @hookimpl
+    def opsadv_register_kernels(self, registry, env):
+        common = dict(op="rms_norm", backend="ranker", fn=Widget.rms, device_types=("cpu",), dtypes=(torch.float16,),
+                      features=frozenset({"weight"}))
+        registry.add(KernelImpl(id="ranker.rms_norm", priority=100, rank=self._rank, **common))
+        registry.add(KernelImpl(id="ranker.broken_rank", priority=90, rank=self._broken_rank, **common))
+
+
+def test_rank_orders_candidates_per_call_and_explains_it(widget):
+    from opsadv.registry import get_registry
+    get_registry().register_plugin(Ranker(), name="ranker")
+    dispatch.clear_cache()
+    w = torch.randn(48, dtype=torch.float16)
+    with opsadv.use_backend("auto"):
+        narrow = opsadv.explain("rms_norm", torch.randn(4, 32, dtype=torch.float16), w[:32], 1e-6)
+        assert narrow.chosen == "widget.rms_norm" and "highest priority (150)" in narrow.why
+        wide = opsadv.explain("rms_norm", torch.randn(4, 48, dtype=torch.float16), w, 1e-6)
+        assert wide.chosen == "ranker.rms_norm"
+        assert wide.why == "highest priority (200: measured faster on wide rows) of 4 accepted"
+        text = str(wide)
+        assert "-> ranker.rms_norm" in text and "[priority 200 here, 100 static: measured faster on wide rows]" in text
+        row = next(c for c in wide.to_dict()["candidates"] if c["impl"] == "ranker.rms_norm")
+        assert (row["priority"], row["static_priority"], row["ranked"]) == (200, 100, "measured faster on wide rows")
+        assert [c.impl.id for c in wide.candidates][:2] == ["ranker.rms_norm", "widget.rms_norm"]
+        broken = next(c for c in wide.candidates if c.impl.id == "ranker.broken_rank")
+        assert broken.accepted and broken.rank_priority == 90 and "rank() raised RuntimeError: boom" in broken.ranked
+        # a rejected impl's rank() is not consulted (float32: every fp16-only impl rejected)
+        Ranker.ranked.clear()
+        opsadv.explain("rms_norm", torch.randn(4, 48), w.float(), 1e-6)
+        assert Ranker.ranked == []
+        # the call runs what the explanation chose
+        before = Widget.calls
+        with opsadv.trace() as t:
+            opsadv.ops.rms_norm(torch.randn(4, 48, dtype=torch.float16), w, 1e-6)
+        assert t.counts["ranker.rms_norm"] == 1 and Widget.calls == before + 1

@@ -1093,3 +1093,41 @@ def test_trace_probe_phases_from_a_synthetic_trace():
         assert got[name] == want and got[name + "_median"] == want, (name, got)
     assert got["per_tile"] == per_tile and got["gap"] == gap
     assert got["fixed"] == sum(dur.values()) - per_tile          # item = fixed + per_tile x n_all
+
+
+def test_rank_above_triton_only_where_the_h200_measured_it_faster():
+    """rank(): the Gluon impl outranks the Triton one (without autotune) for d128 windows of > 512 keys over
+    s_q > 8192 and nowhere else; the specs are the op's own (layout_spec), on meta tensors."""
+    from opsadv.core.kernel import PRIORITY_TRITON
+    from opsadv.core.ops.sparse import layout_spec
+
+    def rank(w=1024, s=16384, d=128, causal=True, hkv=32, sk=None, backward=False, train=False, **kw):
+        q = torch.empty(1, 32, s, d, device="meta", dtype=torch.bfloat16)
+        k = torch.empty(1, hkv, sk or s, d, device="meta", dtype=torch.bfloat16)
+        lay = SparseLayout.sliding_window(s, w, causal=causal, block_size=128, seq_k=sk, **kw)
+        spec = layout_spec(q, k, lay, backward, train)
+        return _impl().priority_for(spec, _env())
+
+    static = _impl().priority
+    for w in (512, 1024, 4096, 8192):
+        for train in (False, True):
+            prio, why = rank(w, train=train)
+            assert prio == PRIORITY_TRITON + 10 and "H200-measured" in why, (w, train)
+    assert rank(2048, s=32768)[0] == PRIORITY_TRITON + 10
+    assert rank(1024, causal=False)[0] == PRIORITY_TRITON + 10
+    for kw in (dict(w=256), dict(w=128), dict(d=64), dict(s=8192), dict(s=4096, w=1024), dict(hkv=8),
+               dict(backward=True), dict(sk=16000)):
+        assert rank(**kw) == (static, ""), kw
+    # global tokens, key padding and packed varlen keep the static priority (Triton first)
+    q = torch.empty(1, 32, 16384, 128, device="meta", dtype=torch.bfloat16)
+    glob = SparseLayout.sliding_window(16384, 1024, causal=True, block_size=128, num_global=128)
+    pad = torch.ones(1, 16384, dtype=torch.bool)
+    pad[0, -100:] = False
+    padded = SparseLayout.sliding_window(16384, 1024, causal=True, block_size=128).combine(
+        SparseLayout.from_padding_mask(pad, causal=True, block_size=128))
+    packed = SparseLayout.varlen([8192, 8192], causal=True, block_size=128).combine(
+        SparseLayout.sliding_window(16384, 1024, causal=True, block_size=128))
+    for lay in (glob, padded, packed):
+        assert _impl().priority_for(layout_spec(q, q, lay, False), _env()) == (static, ""), lay
+    # a spec the rank cannot read (no window-span entry) keeps the static priority too
+    assert _impl().priority_for(_spec(), _env()) == (static, "")

@@ -25,6 +25,12 @@ class Candidate:
     accepted: bool
     reasons: tuple[str, ...]
     chosen: bool = False
+    priority: int | None = None     # for this call (KernelImpl.priority_for); None: the static one
+    ranked: str = ""                # why it differs from the static priority ("" where it does not)
+
+    @property
+    def rank_priority(self) -> int:
+        return self.impl.priority if self.priority is None else self.priority
 
 
 @dataclass(frozen=True)
@@ -50,7 +56,9 @@ class Explanation:
             verdict = "accepted" if c.accepted else "rejected: " + "; ".join(c.reasons)
             if c.accepted and c.reasons:
                 verdict += " (" + "; ".join(c.reasons) + ")"
-            rows.append(f"  {mark} {c.impl.id:42} {c.impl.priority:>5}  {verdict}")
+            if c.ranked:
+                verdict += f" [priority {c.rank_priority} here, {c.impl.priority} static: {c.ranked}]"
+            rows.append(f"  {mark} {c.impl.id:42} {c.rank_priority:>5}  {verdict}")
         rows.append(f"  chosen: {self.chosen or 'none'} -- {self.why}")
         return "\n".join(rows)
 
@@ -59,7 +67,8 @@ class Explanation:
 
     def to_dict(self) -> dict[str, Any]:
         return {"op": self.op, "policy": self.policy, "chosen": self.chosen, "why": self.why,
-                "candidates": [{"impl": c.impl.id, "backend": c.impl.backend, "priority": c.impl.priority,
+                "candidates": [{"impl": c.impl.id, "backend": c.impl.backend, "priority": c.rank_priority,
+                                "static_priority": c.impl.priority, "ranked": c.ranked,
                                 "accepted": c.accepted, "chosen": c.chosen, "reasons": list(c.reasons)}
                                for c in self.candidates]}
 
@@ -149,21 +158,24 @@ def explain_spec(spec: CallSpec, policy: Policy | None = None) -> tuple[Explanat
             continue
         why = impl.rejection_reasons(spec, env, experimental_ok=policy.experimental,
                                      deterministic=policy.deterministic)
-        cands.append(Candidate(impl, not why, tuple(why)))
-    accepted = sorted((c for c in cands if c.accepted), key=lambda c: (-c.impl.priority, c.impl.id))
+        prio, ranked = impl.priority_for(spec, env) if not why else (impl.priority, "")
+        cands.append(Candidate(impl, not why, tuple(why), priority=prio, ranked=ranked))
+    accepted = sorted((c for c in cands if c.accepted), key=lambda c: (-c.rank_priority, c.impl.id))
     chosen: KernelImpl | None = None
     why = ""
     if accepted:
         chosen = accepted[0].impl
-        why = f"highest priority ({chosen.priority}) of {len(accepted)} accepted"
+        top = accepted[0]
+        why = (f"highest priority ({top.rank_priority}{': ' + top.ranked if top.ranked else ''}) "
+               f"of {len(accepted)} accepted")
         from . import tuning
         measured = tuning.lookup(spec, [c.impl.id for c in accepted], env, policy.timing)
         if measured is not None:
             chosen = next(c.impl for c in accepted if c.impl.id == measured.winner)
             why = measured.describe()
-    cands.sort(key=lambda c: (not c.accepted, -c.impl.priority, c.impl.id))
-    cands = [Candidate(c.impl, c.accepted, c.reasons, chosen is not None and c.impl.id == chosen.id)
-             for c in cands]
+    cands.sort(key=lambda c: (not c.accepted, -c.rank_priority, c.impl.id))
+    cands = [Candidate(c.impl, c.accepted, c.reasons, chosen is not None and c.impl.id == chosen.id, c.priority,
+                       c.ranked) for c in cands]
     exp = Explanation(spec.op, spec, policy.describe(), tuple(cands), chosen.id if chosen else None, why)
     if chosen is None:
         return exp, None

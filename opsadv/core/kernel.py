@@ -140,6 +140,11 @@ class KernelImpl:
     # dynamic limits -> reasons.  The verdict is memoized per shape bucket (the op's key), so a check
     # may only depend on what the key distinguishes (dtype, features, head dim, length buckets, ...).
     check: Callable[[CallSpec, EnvInfo], list[str]] | None = None
+    # optional per-call priority: (priority, why) where the impl's measured standing against the other impls
+    # differs from its static `priority` (a shape range where it was timed faster), None elsewhere.  Memoized
+    # per shape bucket like `check`, so it may only depend on what the key distinguishes.  A measurement of
+    # this machine (autotune / the tuning cache) still decides over it.
+    rank: Callable[[CallSpec, EnvInfo], tuple[int, str] | None] | None = None
     description: str = ""
     # optional forward for eager calls nothing can differentiate or trace (no grad, plain tensors):
     # fn's arguments and output tuple, but outputs only the backward reads (saved statistics) and
@@ -151,6 +156,20 @@ class KernelImpl:
     # opsadv's autograd Function and no opsadv backward is dispatched (vendor impls whose host cost in
     # fwd+bwd beats the Function's Python backward; fn's outputs, statistics may be None).
     train: Callable[..., Any] | None = None
+
+    def priority_for(self, spec: CallSpec, env: EnvInfo) -> tuple[int, str]:
+        """(priority, why) for this call: rank()'s answer where it has one, else (priority, "").  A rank() that
+        raises leaves the static priority and says so (a buggy rank never breaks dispatch)."""
+        if self.rank is None:
+            return self.priority, ""
+        try:
+            ranked = self.rank(spec, env)
+        except Exception as e:  # noqa: BLE001 -- reported in the explanation instead
+            return self.priority, f"rank() raised {type(e).__name__}: {e}; static priority kept"
+        if ranked is None:
+            return self.priority, ""
+        prio, why = ranked
+        return int(prio), str(why)
 
     def rejection_reasons(self, spec: CallSpec, env: EnvInfo, *, experimental_ok: bool,
                           deterministic: bool) -> list[str]:

@@ -54,9 +54,9 @@ vs 1.819 at w4096.  Compiled for sm_90: the default schedule's spills outside th
 
 Passed the pinned H200 conformance catalogue at 0802806, b82d17a and f1b9ea8 (10 pass / 0 fail;
 docs/conformance/cuda-h200-gluon-sparse.md), so not experimental.  It ranks below the Triton sparse impl
-and serves where a measurement (autotune / the tuning cache) found it faster, or when pinned: `opsadv
-bench --suite sparse` at 26cb27c (results/sparse_fwd_s7b_h200.json) measured it in for w2048 / w4096 / w8192
-(1.080 / 1.836 / 2.946 ms = 1.39x / 1.44x / 1.41x flex) and the Triton kernel for w128-w1024.  When
+except for d128 windows of more than 512 keys over long sequences (`_rank`, RANK_*: measured 1.05-1.19x the
+Triton kernel there at 8c58d4f), and serves elsewhere where a measurement (autotune / the tuning cache) found it
+faster, or when pinned.  When
 triton.experimental.gluon does not import, the impl is still registered, rejecting every call with
 the import error as the reason, and importing opsadv never fails."""
 from __future__ import annotations
@@ -392,15 +392,37 @@ def _check(spec, env) -> list[str]:
     return why
 
 
+# Where this impl ranks above the Triton sparse impl without a measurement on the caller's machine (rank()):
+# d128 band layouts (window, optionally causal; no global tokens, key padding, packed varlen, GQA or q / k of
+# different lengths) with a window span of more than 512 keys over long sequences.  H200 bf16 s16384 h32 causal
+# (the sparse suite's tuner at 8c58d4f, results/tuning_sparse_s23_h200.json, ms Gluon / Triton): window span
+# bucket 1024 (w512) 0.352 / 0.413, 2048 (w1024) 0.558 / 0.664, 4096 0.931 / 1.106, 8192 1.621 / 1.843, 16384
+# 2.770 / 3.003; training (fwd + bwd) at w1024 2.583 / 2.714; below that the Triton kernel wins (w256 0.302 / 0.272,
+# w128 0.284 / 0.214) and it stays first.
+RANK_MIN_WINDOW_SPAN = 1024        # the window span bucket (_window_bucket: next power of two of left + right + 1)
+RANK_MIN_SEQ = 16384               # the s_q bucket measured (longer sequences only add work items per CTA)
+RANK_EXCLUDED = frozenset({"global", "key_padding", "varlen", "gqa", "cross_length"})
+
+
+def _rank(spec, env) -> tuple[int, str] | None:
+    """KernelImpl.rank: above the Triton impl where the H200 measured this kernel faster (see RANK_*)."""
+    if spec.backward or spec.head_dim != 128 or "window" not in spec.features or spec.features & RANK_EXCLUDED:
+        return None
+    bucket = spec.bucket            # (block_size, s_q, s_k, window span) buckets: core.ops.sparse._spec
+    if len(bucket) < 4 or bucket[3] < RANK_MIN_WINDOW_SPAN or bucket[1] < RANK_MIN_SEQ:
+        return None
+    return (PRIORITY_TRITON + 10, f"d128 window span > {RANK_MIN_WINDOW_SPAN // 2} keys at s_q > {RANK_MIN_SEQ // 2}: "
+            f"H200-measured 1.05-1.19x the Triton sparse kernel (opsadv.backends.cuda.gluon_sparse.RANK_MIN_WINDOW_SPAN)")
+
+
 def impls(env) -> list[KernelImpl]:
     return [KernelImpl(
         id=IMPL_ID, op=OP, backend="cuda", fn=sparse_fwd, backward=sparse_bwd, inference=sparse_fwd_infer,
-        # below the Triton impl: on the H200 it is 0.91-1.03x of it depending on the window
-        # (results/gluon_sparse_fwd_h200.json), so it serves a bucket only where a measurement (autotune /
-        # the tuning cache) found it faster, or when pinned
+        # below the Triton impl, except where rank() says the H200 measured it faster (long windows at d128);
+        # elsewhere it serves a bucket where a measurement (autotune / the tuning cache) found it faster, or pinned
         priority=PRIORITY_TRITON - 10, device_types=("cuda",), dtypes=(torch.float16, torch.bfloat16),
         head_dims=HEAD_DIMS, min_cc=(9, 0), max_cc=(9, 0), features=FEATURES, deterministic=True,
-        check=_check,
+        check=_check, rank=_rank,
         description="Gluon block-sparse forward for Hopper (persistent, TMA K/V ring across work items, "
                     "async wgmma, softmax/GEMM overlap; 128x128 tile lists, partial tiles element-masked; "
                     "d128 windows / causal from ~2 tiles per row: ping-pong warpgroups over a 3-stage ring, O out "
