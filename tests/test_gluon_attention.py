@@ -136,6 +136,29 @@ def _reasons(spec, env, experimental_ok=True):
     return _impl().rejection_reasons(spec, env, experimental_ok=experimental_ok, deterministic=False)
 
 
+def test_rank_above_cudnn_only_where_the_h200_measured_it_faster():
+    """rank(): the Gluon forward outranks cuDNN (without autotune) for no-grad d128 causal self-attention at
+    s > 2048 with batch * heads > 16, nowhere else; the specs are the op's own (attention._spec, meta tensors)."""
+    from opsadv.core.kernel import PRIORITY_VENDOR
+    from opsadv.core.ops import attention as A
+
+    def rank(b=1, h=32, hkv=None, s=16384, sk=None, d=128, causal=True, backward=False, train=False, inference=True,
+             mask=False):
+        q = torch.empty(b, h, s, d, device="meta", dtype=torch.bfloat16)
+        k = torch.empty(b, hkv or h, sk or s, d, device="meta", dtype=torch.bfloat16)
+        m = torch.empty(s, sk or s, device="meta", dtype=torch.bool) if mask else None
+        return _impl().priority_for(A._spec(q, k, m, causal, backward, train, inference), _env())
+
+    for kw in (dict(), dict(b=4, s=4096), dict(hkv=8), dict(s=3000), dict(b=2, h=16, s=65536)):
+        prio, why = rank(**kw)
+        assert prio == PRIORITY_VENDOR + 10 and "H200-measured" in why, kw
+    static = _impl().priority
+    for kw in (dict(s=2048), dict(b=16, s=1024), dict(d=64), dict(causal=False), dict(inference=False),
+               dict(inference=False, train=True), dict(backward=True, inference=False), dict(h=8, s=8192),
+               dict(sk=8192), dict(mask=True, causal=False)):
+        assert rank(**kw) == (static, ""), kw
+
+
 @needs_gluon
 def test_declared_support_accepts_sm90_bf16_fp16_d64_d128():
     for dt in (torch.bfloat16, torch.float16):

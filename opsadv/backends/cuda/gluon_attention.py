@@ -24,7 +24,7 @@ import functools
 
 import torch
 
-from opsadv.core.kernel import PRIORITY_TRITON, KernelImpl
+from opsadv.core.kernel import PRIORITY_TRITON, PRIORITY_VENDOR, KernelImpl
 
 def gluon_unavailable(e: Exception) -> str:
     """The reason every Gluon impl gives when its kernel module does not import (shared by the Gluon modules)."""
@@ -180,15 +180,38 @@ def _check(spec, env) -> list[str]:
     return []
 
 
+# Where this forward ranks above cuDNN (the vendor impls' priority) without a measurement on the caller's machine
+# (rank()): no-grad d128 causal self-attention (GQA too) over long sequences.  H200, attention suite at bd08067
+# (results/attn_full_f2_s23_h200.json, tuned, this impl vs SDPA-cuDNN): b4 h32 s4096 bf16 1.091x, fp16 1.094x,
+# b1 h32 s16384 1.112x, GQA kv8 s16384 1.096x.  Not ranked where cuDNN won or tied: s1024 (0.90x), d64 (0.92x at
+# s4096, 1.02x at s16384), non-causal (1.00-1.03x), and grad-recording calls (the train bucket times fwd + bwd:
+# cuDNN's pair won every d128 row).
+RANK_MIN_SEQ = 4096               # s_q (= s_k) bucket
+RANK_MIN_BATCH_HEADS = 32         # batch * heads bucket (the rows measured: 32 and 128)
+
+
+def _rank(spec, env) -> tuple[int, str] | None:
+    """KernelImpl.rank: above cuDNN where the H200 measured this forward faster (see RANK_*)."""
+    if (spec.backward or not spec.inference or spec.head_dim != 128 or "causal" not in spec.features
+            or spec.features - {"causal", "gqa"} or len(spec.bucket) != 3):
+        return None
+    s_q, s_k, bh = spec.bucket       # (s_q, s_k, batch * heads) buckets: core.ops.attention._spec
+    if s_q < RANK_MIN_SEQ or s_k != s_q or bh < RANK_MIN_BATCH_HEADS:
+        return None
+    return (PRIORITY_VENDOR + 10, f"no-grad d128 causal at s > {RANK_MIN_SEQ // 2}: H200-measured 1.09-1.11x "
+            f"SDPA-cuDNN (opsadv.backends.cuda.gluon_attention.RANK_MIN_SEQ)")
+
+
 def impls(env) -> list[KernelImpl]:
     common = dict(op="flash_attention", backend="cuda", fn=gluon_fwd, device_types=("cuda",),
                   dtypes=(torch.float16, torch.bfloat16), head_dims=HEAD_DIMS, min_cc=(9, 0), max_cc=(9, 0),
                   features=FEATURES, check=_check)
     return [KernelImpl(
         id=IMPL_ID, backward=gluon_bwd,
-        # above the Triton impl (its forward is faster: 0.79-0.90x cuDNN vs 0.78x) and below the cuDNN /
-        # flash impls; a tuning cache's measurement overrides the order
-        priority=PRIORITY_TRITON + 10, deterministic=True,
+        # above the Triton impl (its forward is faster) and below the cuDNN / flash impls, except where rank()
+        # says the H200 measured it faster (no-grad d128 causal, long sequences); a tuning cache's measurement
+        # overrides the order
+        priority=PRIORITY_TRITON + 10, deterministic=True, rank=_rank,
         # not experimental: passed the H200 conformance catalogue at 0802806
         description="Gluon FA3-style forward for Hopper (TMA producer warp, two consumer warpgroups taking "
                     "wgmma turns (ping-pong), 3-stage K/V ring, softmax/GEMM overlap; "
