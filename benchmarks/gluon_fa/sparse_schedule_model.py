@@ -7,7 +7,9 @@ Not a simulator of the GPU: each warpgroup is a sequence of steps (issue its GEM
 core runs the issued GEMMs one after another in issue order, and a turn rule says which warpgroup may issue next.
 Costs are cycles per warpgroup, chosen so that the lockstep rule reproduces what the TRACE build measured on the H200
 (sparse_trace_s20d_h200.json: ~2.7k cycles per tile-time, ~3.8k fixed per item = 1.4 tile-times; first S + its
-softmax ~3.3k, epilogue ~2.1k).  Its output is a ranking and a rough size, not a promise.
+softmax ~3.3k, epilogue ~2.1k).  Its output is a ranking and a rough size, not a promise: it ranked early S_0 at
++3.6% and the H200 measured that variant 3-5% slower (session 23, results/sparse_ab_s23_h200.json) -- the model has
+no K/V ring (early S_0 holds the O tile in a ring slot across the next item's first S) and no register pressure.
 
 Turn rules:
   lockstep -- the kernel today: the warpgroups alternate strictly, step for step (pingpong_st3_kslot);
