@@ -178,8 +178,14 @@
 # protocol-simulated on CPU only): AB_BUILDS=pingpong_st3_kslot,pingpong_st3_kslot_es0,pingpong_st3_kslot:nolse,\
 # pingpong_st3_kslot_es0:nolse PART=sab (all Gluon sparse GPU tests incl. the es0 bitwise one, then the A/B); if it
 # wins at w1024, make auto_schedule take it, then PART=sp + PART=cs. Then the attention suite halves (f1 / f2).
-# Session 23 (results/*_s23*): PART=sab at 51850ec: es0 correct (77 GPU tests passed, bitwise = kslot) but 3.5-5%
-# slower at w256-w2048 (-0.6% w4096): kept as a measured variant, not taken. Then PART=sb23, PART=sp.
+# Session 23 (results/*_s23*; one H200, ~26 of 30 min in five calls): PART=sab at 51850ec: es0 correct (77 GPU tests
+# passed, bitwise = kslot) but 0.94-0.99x kslot's speed: kept as a measured control. PART=sb23 (the short-row probe's
+# first run was host-bound: s23a; re-run alone at 9d0c28d: our dense kernel 0.847x its long rate on 9-tile rows,
+# cuDNN 0.911x ours; pinned sparse conformance 10 / 0 + 18 / 0), PART=sp at 8c58d4f (w1024 1.69x flex, 0.801x dense),
+# the attention suite's part 2/2 at bd08067 (530 s).
+# Order for session 24: confirm the new measured ranks on the GPU (OPSADV_LOG_DISPATCH=1, no autotune: w1024 s16384
+# d128 sparse -> cuda.gluon.sparse_attention; no-grad d128 causal s4096 flash -> cuda.gluon.flash_attention) and the
+# GPU tests of both Gluon attention impls; then the attention suite's part 1/2 (f1).
 # OPSADV_COMMIT=<sha> PART=a bash benchmarks/h200_next.sh   (from the repo root on the GPU host, $OUT set)
 set -u
 # tests/conftest.py defaults TRITON_INTERPRET to 1 (CPU CI): every pytest here must say 0, and select the GPU tests
