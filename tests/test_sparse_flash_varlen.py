@@ -477,3 +477,16 @@ def test_sparse_forward_backward_pairs_interpreter():
     win = SparseLayout.sliding_window(50, 7, causal=True, block_size=16)
     q, k, v, dout = (torch.randn(1, h, 50, 32, generator=g).half() for h in (4, 2, 2, 4))
     assert "cuda.triton.sparse_attention" in _sparse_cross_pairs(win, q, k, v, dout, 2e-2)
+
+
+def test_sparse_explain_names_the_bucket_the_call_resolves_in():
+    """explain() builds the spec the sparse call itself uses (sparse.sparse_attention): inference for a no-grad
+    call without lse, train for a grad-recording one, the plain forward bucket when lse is returned."""
+    q = torch.randn(1, 2, 40, 16)
+    lay = SparseLayout.sliding_window(40, 7, causal=True, block_size=16)
+    with torch.no_grad():
+        assert "inference (no-grad" in str(opsadv.explain("sparse_attention", q, q, q, lay))
+        plain = opsadv.explain("sparse_attention", q, q, q, lay, return_lse=True)
+        assert not plain.spec.inference and not plain.spec.train
+    qg = q.clone().requires_grad_()
+    assert "train (grad-recording" in str(opsadv.explain("sparse_attention", qg, q, q, lay))

@@ -35,9 +35,12 @@ def _spec_for(op: str, args: tuple, kwargs: dict[str, Any], backward: bool):
     if op == "sparse_attention":
         q, k, v, layout = get(0, "q"), get(1, "k"), get(2, "v"), get(3, "layout")
         sparse.validate(q, k, v, layout, kwargs.get("scale"))
-        train = not backward and _ops._common.eager_mode(
-            q, k, v, layout.block_mask, layout.key_padding_mask, layout.cu_seqlens) == _ops._common.AUTOGRAD_FN
-        return sparse.layout_spec(q, k, layout, backward, train)
+        # the same buckets as the call (sparse.sparse_attention): train for grad-recording eager calls, inference
+        # for no-grad ones that do not return lse
+        mode = _ops._common.eager_mode(q, k, v, layout.block_mask, layout.key_padding_mask, layout.cu_seqlens)
+        train = not backward and mode == _ops._common.AUTOGRAD_FN
+        inference = not backward and mode == _ops._common.DIRECT and not kwargs.get("return_lse", False)
+        return sparse.layout_spec(q, k, layout, backward, train, inference)
     if op == "gemm":
         a, b = get(0, "a"), get(1, "b")
         bias, act, res, alpha = (kwargs.get("bias"), kwargs.get("activation", "none"), kwargs.get("residual"),

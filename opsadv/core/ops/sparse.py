@@ -86,11 +86,11 @@ def _spec(q, k, kpm, cu, bs, causal, wl, wr, ng, dense, ms, backward, train=Fals
                     train=train, inference=inference, bucket_names=("block_size=", "s_q<=", "s_k<=", "window_span<="))
 
 
-def layout_spec(q, k, layout: SparseLayout, backward: bool, train: bool = False) -> CallSpec:
+def layout_spec(q, k, layout: SparseLayout, backward: bool, train: bool = False, inference: bool = False) -> CallSpec:
     """The CallSpec a call with this layout resolves by (explain, tests)."""
     return _spec(q, k, layout.key_padding_mask, layout.cu_seqlens, layout.block_size, layout.causal,
                  layout.window_left, layout.window_right, layout.num_global, layout.dense_blocks,
-                 -1 if layout.max_seqlen is None else layout.max_seqlen, backward, train)
+                 -1 if layout.max_seqlen is None else layout.max_seqlen, backward, train, inference)
 
 
 def _route(q, k, v, block_mask, key_padding_mask, cu_seqlens, block_size, causal, window_left, window_right,
