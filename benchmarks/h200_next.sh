@@ -183,9 +183,9 @@
 # first run was host-bound: s23a; re-run alone at 9d0c28d: our dense kernel 0.847x its long rate on 9-tile rows,
 # cuDNN 0.911x ours; pinned sparse conformance 10 / 0 + 18 / 0), PART=sp at 8c58d4f (w1024 1.69x flex, 0.801x dense),
 # the attention suite's part 2/2 at bd08067 (530 s).
-# Order for session 24: confirm the new measured ranks on the GPU (OPSADV_LOG_DISPATCH=1, no autotune: w1024 s16384
-# d128 sparse -> cuda.gluon.sparse_attention; no-grad d128 causal s4096 flash -> cuda.gluon.flash_attention) and the
-# GPU tests of both Gluon attention impls; then the attention suite's part 1/2 (f1).
+# Order for session 24: PART=rk (the new measured ranks on the GPU: untuned w1024 s16384 d128 sparse ->
+# cuda.gluon.sparse_attention, no-grad d128 causal s4096 flash -> cuda.gluon.flash_attention; + the Gluon GPU tests),
+# then the attention suite's part 1/2 (f1).
 # OPSADV_COMMIT=<sha> PART=a bash benchmarks/h200_next.sh   (from the repo root on the GPU host, $OUT set)
 set -u
 # tests/conftest.py defaults TRITON_INTERPRET to 1 (CPU CI): every pytest here must say 0, and select the GPU tests
@@ -682,6 +682,14 @@ sb23)  # session 23: what rows of ~9 key tiles cost dense kernels with no masks 
     > "$OUT/short_row_bound.log" 2>&1
   echo "short row bound rc $?"; tail -30 "$OUT/short_row_bound.log" | cut -c1-300
   PART=cs bash "$0"
+  ;;
+rk)  # session 23 (prepared, not yet run): the measured ranks (KernelImpl.rank) on the GPU -- which impl an untuned call
+     # runs (empty tuning cache), its output vs the pinned Triton impl, its time next to Triton's; then the GPU tests
+     # of both Gluon attention impls
+  OPSADV_CACHE_DIR=$(mktemp -d) timeout 240 python3 benchmarks/rank_check.py "$OUT/rank_check.json" 2>&1 | tail -8 | cut -c1-400
+  TRITON_INTERPRET=0 timeout 300 python3 -m pytest -q -p no:cacheprovider -n 8 -k gpu tests/test_gluon_sparse.py \
+    tests/test_gluon_attention.py > "$OUT/gluon_gpu_pytest.log" 2>&1
+  echo "gluon gpu pytest rc $?"; grep -E "passed|failed|Error" "$OUT/gluon_gpu_pytest.log" | tail -8 | cut -c1-300
   ;;
 g22)  # session 22: one run of the gemm forward rows at the current code (issue 4's epilogue ratios; kernels unchanged
       # since session 19), the norm forward rows, then pinned conformance of the Gluon SwiGLU GEMM (not run since s17)
