@@ -398,7 +398,9 @@ def _check(spec, env) -> list[str]:
 # (the sparse suite's tuner at 8c58d4f, results/tuning_sparse_s23_h200.json, ms Gluon / Triton): window span
 # bucket 1024 (w512) 0.352 / 0.413, 2048 (w1024) 0.558 / 0.664, 4096 0.931 / 1.106, 8192 1.621 / 1.843, 16384
 # 2.770 / 3.003; training (fwd + bwd) at w1024 2.583 / 2.714; below that the Triton kernel wins (w256 0.302 / 0.272,
-# w128 0.284 / 0.214) and it stays first.
+# w128 0.284 / 0.214) and it stays first.  The bucket does not tell a window over an all-True block mask from one
+# combined with a mixed block mask (its kernel path then takes the element mask and the default schedule): those
+# rank the same, unmeasured.
 RANK_MIN_WINDOW_SPAN = 1024        # the window span bucket (_window_bucket: next power of two of left + right + 1)
 RANK_MIN_SEQ = 16384               # the s_q bucket measured (longer sequences only add work items per CTA)
 RANK_EXCLUDED = frozenset({"global", "key_padding", "varlen", "gqa", "cross_length"})
