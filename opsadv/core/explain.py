@@ -18,6 +18,15 @@ sparse = importlib.import_module("opsadv.core.ops.sparse")
 swiglu = importlib.import_module("opsadv.core.ops.swiglu")
 
 
+def _attention_buckets(mode, backward: bool, kwargs: dict[str, Any]) -> tuple[bool, bool]:
+    """(train, inference) of an attention call, as the op itself routes it (attention.flash_attention,
+    sparse.sparse_attention): grad-recording eager calls in the train bucket, no-grad ones that do not return lse
+    in the inference bucket."""
+    train = not backward and mode == _ops._common.AUTOGRAD_FN
+    inference = not backward and mode == _ops._common.DIRECT and not kwargs.get("return_lse", False)
+    return train, inference
+
+
 def _spec_for(op: str, args: tuple, kwargs: dict[str, Any], backward: bool):
     def get(i, name, default=None):
         return args[i] if len(args) > i else kwargs.get(name, default)
@@ -26,21 +35,13 @@ def _spec_for(op: str, args: tuple, kwargs: dict[str, Any], backward: bool):
         q, k, v = get(0, "q"), get(1, "k"), get(2, "v")
         mask, causal, scale = kwargs.get("attn_mask"), kwargs.get("causal", False), kwargs.get("scale")
         attention.validate(q, k, v, mask, causal, scale)
-        # eager calls resolve in their own buckets: grad-recording ones in the train bucket, no-grad ones
-        # that do not return lse in the inference bucket (attention.flash_attention)
-        mode = _ops._common.eager_mode(q, k, v, mask)
-        train = not backward and mode == _ops._common.AUTOGRAD_FN
-        inference = not backward and mode == _ops._common.DIRECT and not kwargs.get("return_lse", False)
+        train, inference = _attention_buckets(_ops._common.eager_mode(q, k, v, mask), backward, kwargs)
         return attention._spec(q, k, mask, causal, backward, train=train, inference=inference)
     if op == "sparse_attention":
         q, k, v, layout = get(0, "q"), get(1, "k"), get(2, "v"), get(3, "layout")
         sparse.validate(q, k, v, layout, kwargs.get("scale"))
-        # the same buckets as the call (sparse.sparse_attention): train for grad-recording eager calls, inference
-        # for no-grad ones that do not return lse
         mode = _ops._common.eager_mode(q, k, v, layout.block_mask, layout.key_padding_mask, layout.cu_seqlens)
-        train = not backward and mode == _ops._common.AUTOGRAD_FN
-        inference = not backward and mode == _ops._common.DIRECT and not kwargs.get("return_lse", False)
-        return sparse.layout_spec(q, k, layout, backward, train, inference)
+        return sparse.layout_spec(q, k, layout, backward, *_attention_buckets(mode, backward, kwargs))
     if op == "gemm":
         a, b = get(0, "a"), get(1, "b")
         bias, act, res, alpha = (kwargs.get("bias"), kwargs.get("activation", "none"), kwargs.get("residual"),
