@@ -4,6 +4,8 @@ policy it started with restored afterwards."""
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# conversions in tests must not depend on timing; the floor's own tests switch it on with a fake timer
+os.environ.setdefault("OPSADV_CONVERT_FLOOR", "0")
 # pytest-xdist (the README's `-n auto`): each worker process gets its own tuning cache directory, so two
 # workers never write the same cache file
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")

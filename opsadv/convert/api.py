@@ -12,7 +12,7 @@ from opsadv.core.errors import InvalidArgumentError
 from opsadv.core.policy import Policy, use_backend
 from opsadv.core.precision import PrecisionPolicy
 
-from . import hf_attention, packing, passes, release, validate as _val
+from . import floor as _floor, hf_attention, packing, passes, release, validate as _val
 from .report import ConversionReport
 from .state import RuntimeState
 
@@ -121,7 +121,8 @@ def _restore_modes(modes) -> None:
 def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, opt_level: int = 2,
                   tile_size: int | None = None, use_fp16: bool | None = None, max_streams: int | None = None,
                   mem_opt: int | None = None, validate=True, example_inputs=None, pack_padding: bool | None = None,
-                  cuda_graphs: bool = False, max_graphs: int = 8) -> nn.Module:
+                  cuda_graphs: bool = False, max_graphs: int = 8, floor: bool | None = None, floor_inputs=None,
+                  floor_mode: str = "inference", floor_timer=None) -> nn.Module:
     """Rewrite `model` in place to run opsadv ops and return it (same object, same class).
 
     opt_level 0: nothing; 1: attention and norms; 2: + fused QKV GEMM, dense+residual+norm, MLP GEMM
@@ -139,8 +140,16 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
     tokens only (opsadv.convert.packing; outputs at padded positions are 0).
     cuda_graphs: the forward replays CUDA graphs, one per input signature (at most `max_graphs`,
     least recently used dropped; see opsadv.runtime.graphs).  Inference only: a call with gradients
-    enabled or a module in training mode raises InvalidArgumentError.  Outputs are fresh tensors."""
+    enabled or a module in training mode raises InvalidArgumentError.  Outputs are fresh tensors.
+
+    floor (None = on unless OPSADV_CONVERT_FLOOR=0): never slower than before.  Each rewrite kind is
+    timed right before and after it is applied and undone where the model got slower; the report says
+    so with the numbers (opsadv.convert.floor).  Timed on `floor_inputs` (give the batch you will run;
+    default: the validation inputs, and on a GPU a b4 s1024 token batch for transformers text models),
+    as `floor_mode` "inference" (no-grad forward) or "train" (forward + backward); `floor_timer`
+    (fn -> ms) replaces the clock."""
     check_seed_args(opt_level, tile_size, max_streams, mem_opt, use_fp16, validate)
+    _floor.check_args(floor, floor_mode, floor_timer)
     check_graph_args(model, pack_padding, cuda_graphs, max_graphs)
     if not isinstance(model, nn.Module):
         raise InvalidArgumentError("convert_model", "model", "a torch.nn.Module", type(model).__name__)
@@ -171,21 +180,18 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
         _restore_modes(modes)
     undo = passes.Undo()
     root = model
+    use_floor = opt_level > 0 and (_floor.default_enabled() if floor is None else floor)
+    gate = None
+    if use_floor:
+        finputs = floor_inputs if floor_inputs is not None else _default_floor_inputs(model, is_hf, inputs)
+        if finputs is None:
+            report.notes.append("floor not measured: no inputs to time (pass floor_inputs or example_inputs)")
+        else:
+            gate = _floor.Floor(finputs, floor_mode, floor_timer)
     try:
-        if opt_level >= 1:
-            if is_hf:
-                hf_attention.attention_pass(model, report, undo, state)
-            passes.norm_pass(model, report, undo, state)
-        if opt_level >= 2:
-            passes.residual_norm_pass(model, report, undo, state)
-            passes.mlp_pass(model, report, undo, state)
-            passes.qkv_pass(model, report, undo, state, mem_opt)
-        if is_hf and opt_level >= 1 and (pack_padding or (pack_padding is None and opt_level >= 2)):
-            packing.packing_pass(model, report, undo)
+        for kind, label, apply in _steps(is_hf, opt_level, mem_opt, pack_padding, state):
+            root = _run_step(root, kind, label, apply, report, undo, gate)
         passes.memory_pass(model, report, mem_opt)
-        if opt_level >= 1 and not is_hf:
-            from . import fx_rewrite
-            root = fx_rewrite.fx_pass(model, report, undo, state, opt_level)
         if mem_opt is not None and mem_opt >= release.RELEASE_MEM_OPT and opt_level >= 1:
             modes = _eval_mode(root)             # probe the model as it will run (after the fx rewrite)
             try:
@@ -216,6 +222,8 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
                           f"{metrics}", RuntimeWarning, stacklevel=2)
     elif opt_level > 0:
         report.notes.append("not validated (validate=False)")
+    if gate is not None:
+        report.floor = [d.to_dict() for d in gate.decisions]
     report.seconds = time.perf_counter() - t0
     root._opsadv_state = state
     root._opsadv_example_inputs = inputs
@@ -250,3 +258,75 @@ def _install_graphs(root, report, undo, max_graphs):
                 if hint is not None else ""),
                "inference only: gradients enabled or training mode raise")
     return runner
+
+
+def _steps(is_hf: bool, opt_level: int, mem_opt, pack_padding, state):
+    """(kind, what stays if the step is undone, apply(root, report, undo) -> root), in application order."""
+    def each(fn):
+        def apply(root, report, undo):
+            fn(root, report, undo)
+            return root
+        return apply
+    out = []
+    if opt_level >= 1:
+        if is_hf:
+            out.append(("attention", "the model's own attention implementation",
+                        each(lambda m, r, u: hf_attention.attention_pass(m, r, u, state))))
+        out.append(("norm", "the model's own norms", each(lambda m, r, u: passes.norm_pass(m, r, u, state))))
+    if opt_level >= 2:
+        out.append(("residual_norm", "the model's own dense + residual + norm blocks",
+                    each(lambda m, r, u: passes.residual_norm_pass(m, r, u, state))))
+        out.append(("mlp", "the model's own MLPs", each(lambda m, r, u: passes.mlp_pass(m, r, u, state))))
+        out.append(("qkv", "separate q / k / v projections",
+                    each(lambda m, r, u: passes.qkv_pass(m, r, u, state, mem_opt))))
+    if is_hf and opt_level >= 1 and (pack_padding or (pack_padding is None and opt_level >= 2)):
+        out.append(("packing", "padded batches run padded", each(lambda m, r, u: packing.packing_pass(m, r, u))))
+    if opt_level >= 1 and not is_hf:
+        from . import fx_rewrite
+        out.append(("fx", "the model's own graph (no torch.fx rewrite)",
+                    lambda m, r, u: fx_rewrite.fx_pass(m, r, u, state, opt_level)))
+    return out
+
+
+def _run_step(root, kind, label, apply, report, undo, gate):
+    """Apply one rewrite step into `undo`; with the floor on, time it both ways and undo it where slower."""
+    step = passes.Undo()
+    first = len(report.changes)
+    notes = len(report.notes)
+    # the model as it stands was timed after the last step that changed it (or is timed now, once)
+    ms_without = (gate.last if gate.last is not None else gate.time(root)) if gate is not None else None
+    if gate is not None:
+        gate.last = ms_without
+    new_root = apply(root, report, step)
+    if gate is None or step.empty():
+        undo.extend(step)
+        return new_root
+    try:
+        ms_with = gate.time(new_root)
+    except Exception:
+        step.revert()
+        raise
+    d = gate.decide(kind, label, ms_without, ms_with)
+    if d.kept:
+        undo.extend(step)
+        gate.last = ms_with
+        return new_root
+    step.revert()
+    del report.changes[first:]
+    del report.notes[notes:]
+    report.add("kept", "", label, f"opsadv's {kind} rewrite measured {d.ratio:.3f}x ({ms_with:.4g} ms with it vs "
+               f"{ms_without:.4g} ms without, {gate.mode}): not applied")
+    return root
+
+
+def _default_floor_inputs(model, is_hf: bool, inputs):
+    """The validation inputs; for a transformers text model on a GPU, a b4 s1024 token batch (the validation
+    batch is too small there to time anything but host overhead)."""
+    dev = next((p.device for p in model.parameters()), None)
+    if is_hf and dev is not None and dev.type == "cuda" and isinstance(inputs, dict) and "input_ids" in inputs:
+        cfg = model.config
+        maxpos = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 1024
+        big = _val.hf_validation_inputs(model, batch=4, seq=min(1024, int(maxpos)))
+        big["attention_mask"].fill_(1)
+        return big
+    return inputs

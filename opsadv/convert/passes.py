@@ -30,6 +30,17 @@ class Undo:
         self.swaps.append((parent, name, getattr(parent, name)))
         setattr(parent, name, new)
 
+    def empty(self) -> bool:
+        return not (self.swaps or self.fused or self.attn or self.instance_attrs or self.hooks)
+
+    def extend(self, other: "Undo") -> None:
+        """Append another log (a later step's), so one revert undoes both in reverse order."""
+        self.swaps += other.swaps
+        self.fused += other.fused
+        self.attn += other.attn
+        self.instance_attrs += other.instance_attrs
+        self.hooks += other.hooks
+
     def revert(self) -> None:
         for h in self.hooks:
             h.remove()

@@ -9,7 +9,7 @@ from typing import Any
 
 @dataclass
 class Change:
-    kind: str           # "replaced" | "fused" | "skipped" | "attention" | "fx"
+    kind: str           # "replaced" | "fused" | "skipped" | "attention" | "fx" | "kept" (undone by the floor)
     where: str          # module path (or graph node) it applies to
     what: str           # e.g. "LlamaRMSNorm -> opsadv.rms_norm"
     reason: str = ""    # for skips: why
@@ -30,6 +30,7 @@ class ConversionReport:
     status: str = "converted"            # "converted" | "converted (validation warning)" | "refused"
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    floor: list[dict[str, Any]] | None = None   # per rewrite step: kept?, ratio, ms both ways (convert/floor.py)
 
     def add(self, kind: str, where: str, what: str, reason: str = "") -> None:
         self.changes.append(Change(kind, where, what, reason))
@@ -57,13 +58,17 @@ class ConversionReport:
             nums = ", ".join(f"{k}={_fmt(val)}" for k, val in v.items() if k not in ("limits", "passed"))
             rows.append(f"  validation: {'passed' if v.get('passed') else 'FAILED'}: {nums}")
             rows.append(f"    limits: {v.get('limits')}")
+        if self.floor:
+            rows.append("  floor (each rewrite timed without / with it; kept where not slower): " + ", ".join(
+                f"{d['kind']} {d['ratio']:.2f}x {'kept' if d['kept'] else 'undone'}" for d in self.floor))
         rows += [f"  note: {n}" for n in self.notes]
         return "\n".join(rows)
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "opt_level": self.opt_level, "backend": self.backend,
                 "precision": self.precision, "status": self.status, "seconds": self.seconds,
-                "changes": [vars(c) for c in self.changes], "validation": self.validation, "notes": self.notes}
+                "changes": [vars(c) for c in self.changes], "validation": self.validation, "notes": self.notes,
+                "floor": self.floor}
 
 
 def _fmt(v) -> str:

@@ -1,0 +1,177 @@
+"""The conversion floor: a rewrite is kept only where the model measures at least as fast with it.
+
+convert_model applies its rewrites in steps of one kind each (attention, norms, residual+norm, MLP
+epilogues, fused QKV, packing, graph rewrites).  With the floor on, each step is timed on the floor
+inputs right before and right after it is applied, and undone when the model got slower; the report
+says which kind was kept as it was and by how much ("kept the model's own norms: measured 0.93x").
+Greedy and in application order, so every undo is of the last step applied (an undo log is LIFO).
+
+What is timed (`mode`): "inference" = one no-grad forward; "train" = forward + backward of the loss
+(labels = input_ids for causal LMs, else the sum of the primary output).  Times are medians over
+repeated calls after a warm-up (CUDA events on a GPU, perf_counter elsewhere), so compilation and
+first-call resolution stay out of them.  `timer` replaces the clock (tests, custom timing)."""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from opsadv.core.errors import InvalidArgumentError
+
+MODES = ("inference", "train")
+ENV = "OPSADV_CONVERT_FLOOR"          # "0" turns the floor off by default, "1" on (the default)
+TARGET_S = 0.3                        # seconds of timed calls per measurement (after the warm-up)
+MIN_REPS, MAX_REPS = 3, 30
+
+Timer = Callable[[Callable[[], Any]], float]     # fn -> ms of one call
+
+
+@dataclass
+class Decision:
+    kind: str                 # the rewrite step ("attention", "norm", ...)
+    label: str                # what the step is, for people ("the model's own norms")
+    ms_without: float
+    ms_with: float
+    kept: bool                # True: the rewrite stays
+
+    @property
+    def ratio(self) -> float:
+        """Speed with the rewrite over speed without (> 1: the rewrite is faster)."""
+        return self.ms_without / self.ms_with if self.ms_with > 0 else float("inf")
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "kept": self.kept, "ratio": round(self.ratio, 4),
+                "ms_without": round(self.ms_without, 4), "ms_with": round(self.ms_with, 4)}
+
+
+def default_enabled() -> bool:
+    v = os.environ.get(ENV, "1").strip().lower()
+    return v not in ("0", "false", "off", "no")
+
+
+def check_args(floor, mode, timer) -> None:
+    if floor not in (None, True, False):
+        raise InvalidArgumentError("convert_model", "floor", "True, False or None (None: on unless "
+                                   f"{ENV}=0)", repr(floor))
+    if mode not in MODES:
+        raise InvalidArgumentError("convert_model", "floor_mode", f"one of {list(MODES)}", repr(mode))
+    if timer is not None and not callable(timer):
+        raise InvalidArgumentError("convert_model", "floor_timer", "a callable fn -> ms, or None", repr(timer))
+
+
+def _device_of(model) -> torch.device:
+    p = next((p for p in model.parameters()), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def wall_timer(device: torch.device) -> Timer:
+    """Median ms of one call: a warm-up, then as many calls as fit TARGET_S (MIN_REPS..MAX_REPS)."""
+    cuda = device.type == "cuda"
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    def timer(fn) -> float:
+        fn()
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        one = max(time.perf_counter() - t0, 1e-6)
+        reps = max(MIN_REPS, min(MAX_REPS, int(TARGET_S / one)))
+        times = []
+        for _ in range(reps):
+            if cuda:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+    return timer
+
+
+def _loss_of(out) -> torch.Tensor:
+    loss = getattr(out, "loss", None) if not isinstance(out, dict) else out.get("loss")
+    if isinstance(loss, torch.Tensor):
+        return loss
+    from .validate import primary_output
+    t, _ = primary_output(out)
+    if t is None:
+        raise InvalidArgumentError("convert_model", "floor_mode", "a model whose output has a loss or a tensor "
+                                   "(floor_mode='train')", type(out).__name__)
+    return t.float().sum()
+
+
+def _train_inputs(model, inputs):
+    """Causal LMs get labels = input_ids (their loss is what a training step backpropagates)."""
+    if isinstance(inputs, dict) and "labels" not in inputs and "input_ids" in inputs:
+        from .hf_attention import is_transformers_model
+        if is_transformers_model(model) and getattr(model, "can_generate", lambda: False)():
+            labels = inputs["input_ids"].clone()
+            am = inputs.get("attention_mask")
+            if am is not None:
+                labels = labels.masked_fill(am == 0, -100)
+            return {**inputs, "labels": labels}
+    return inputs
+
+
+def step_fn(model, inputs, mode: str) -> Callable[[], Any]:
+    """The call the floor times: a no-grad forward, or forward + backward (grads cleared each call)."""
+    from .validate import run
+    if mode == "inference":
+        return lambda: run(model, inputs)
+    tin = _train_inputs(model, inputs)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def train():
+        for p in params:
+            p.grad = None
+        with torch.enable_grad():
+            out = (model(**tin) if isinstance(tin, dict) else model(*tin) if isinstance(tin, (tuple, list))
+                   else model(tin))
+            _loss_of(out).backward()
+    return train
+
+
+class Floor:
+    """Times the model around each rewrite step and decides (see the module docstring)."""
+
+    def __init__(self, inputs, mode: str = "inference", timer: Timer | None = None):
+        self.inputs = inputs
+        self.mode = mode
+        self.timer = timer
+        self.decisions: list[Decision] = []
+        self.last: float | None = None      # ms of the model as it stands (after the last kept step)
+
+    def time(self, model) -> float:
+        modes = {m: m.training for m in model.modules()}
+        grads = {p: p.grad for p in model.parameters()}
+        if self.mode == "inference":
+            model.eval()
+        else:
+            model.train()
+        try:
+            timer = self.timer or wall_timer(_device_of(model))
+            return float(timer(step_fn(model, self.inputs, self.mode)))
+        finally:
+            for m, t in modes.items():
+                m.training = t
+            for p, g in grads.items():
+                p.grad = g
+
+    def decide(self, kind: str, label: str, ms_without: float, ms_with: float) -> Decision:
+        d = Decision(kind, label, ms_without, ms_with, kept=ms_with <= ms_without)
+        self.decisions.append(d)
+        return d

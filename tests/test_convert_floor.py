@@ -1,0 +1,145 @@
+"""The conversion floor (opsadv.convert.floor): a rewrite kind measured slower is not applied, the
+report says so with the numbers; decisions come from a fake timer so they do not depend on this machine."""
+import pytest
+import torch
+from torch import nn
+
+import opsadv
+from opsadv.convert.modules import OpsadvNorm, QKVProjection, SwiGLUMLP
+from opsadv.errors import InvalidArgumentError
+
+tf = pytest.importorskip("transformers")
+
+
+def _llama(seed=0):
+    torch.manual_seed(seed)
+    cfg = tf.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=96, vocab_size=101, max_position_embeddings=64)
+    cfg._attn_implementation = "sdpa"
+    return tf.LlamaForCausalLM(cfg).eval()
+
+
+def _ids(b=2, s=11, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return {"input_ids": torch.randint(0, 101, (b, s), generator=g)}
+
+
+class FakeTimer:
+    """ms of a call from the model's state: `cost` maps an opsadv module type to the ms it adds."""
+
+    def __init__(self, model, cost, base=10.0):
+        self.model, self.cost, self.base, self.calls = model, cost, base, 0
+
+    def __call__(self, fn):
+        fn()                                   # the timed call must run
+        self.calls += 1
+        ms = self.base
+        for m in self.model.modules():
+            ms += self.cost.get(type(m), 0.0)
+        if self.model.config._attn_implementation == "opsadv":
+            ms += self.cost.get("attention", 0.0)
+        return ms
+
+
+def test_slower_rewrite_is_not_applied_and_reported():
+    m = _llama()
+    ref = m(**_ids()).logits
+    timer = FakeTimer(m, {OpsadvNorm: +1.0, SwiGLUMLP: -2.0, "attention": -0.5})
+    conv = opsadv.convert_model(m, floor=True, floor_timer=timer, floor_inputs=_ids(3, 17, seed=2))
+    rep = conv.opsadv_report
+    assert not any(isinstance(x, OpsadvNorm) for x in conv.modules())
+    assert any(isinstance(x, SwiGLUMLP) for x in conv.modules())
+    assert conv.config._attn_implementation == "opsadv"
+    kept = [c for c in rep.changes if c.kind == "kept"]
+    assert len(kept) == 1 and "norms" in kept[0].what and "0.655x (14.5 ms with it vs 9.5 ms without" in kept[0].reason and "not applied" in kept[0].reason
+    assert not any(c.kind == "replaced" and "norm" in c.what for c in rep.changes)
+    by_kind = {d["kind"]: d for d in rep.floor}
+    assert by_kind["norm"]["kept"] is False and by_kind["norm"]["ratio"] < 1.0
+    assert by_kind["mlp"]["kept"] is True and by_kind["mlp"]["ratio"] > 1.0
+    assert "norm 0." in str(rep) and "undone" in str(rep)
+    assert rep.to_dict()["floor"] == rep.floor
+    torch.testing.assert_close(conv(**_ids()).logits, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_every_kind_slower_leaves_the_model_as_it_was():
+    m = _llama(seed=3)
+    inp = _ids(2, 9, seed=4)
+    ref = m(**inp).logits
+    state = {k: v.clone() for k, v in m.state_dict().items()}
+    types = {type(x) for x in m.modules()}
+    timer = FakeTimer(m, {OpsadvNorm: 1.0, SwiGLUMLP: 1.0, QKVProjection: 1.0, "attention": 1.0})
+    conv = opsadv.convert_model(m, floor=True, floor_timer=timer)
+    assert conv.config._attn_implementation == "sdpa"
+    assert {type(x) for x in conv.modules()} == types
+    assert all(d["kept"] is False for d in conv.opsadv_report.floor)
+    assert {d["kind"] for d in conv.opsadv_report.floor} == {"attention", "norm", "mlp", "qkv"}
+    for k, v in conv.state_dict().items():
+        assert torch.equal(v, state[k]), k
+    assert torch.equal(conv(**inp).logits, ref)
+
+
+def test_equal_time_keeps_the_rewrite():
+    m = _llama()
+    conv = opsadv.convert_model(m, floor=True, floor_timer=FakeTimer(m, {}))
+    assert all(d["kept"] for d in conv.opsadv_report.floor)
+    assert any(isinstance(x, OpsadvNorm) for x in conv.modules())
+
+
+def test_floor_off_times_nothing(monkeypatch):
+    m = _llama()
+    timer = FakeTimer(m, {OpsadvNorm: 5.0})
+    conv = opsadv.convert_model(m, floor=False, floor_timer=timer)
+    assert timer.calls == 0 and conv.opsadv_report.floor is None
+    assert any(isinstance(x, OpsadvNorm) for x in conv.modules())
+    monkeypatch.setenv("OPSADV_CONVERT_FLOOR", "1")             # default on
+    m2 = _llama()
+    t2 = FakeTimer(m2, {OpsadvNorm: 5.0})
+    opsadv.convert_model(m2, floor_timer=t2)
+    assert t2.calls > 0 and not any(isinstance(x, OpsadvNorm) for x in m2.modules())
+
+
+def test_train_mode_times_backward_and_restores_grads():
+    m = _llama()
+    seen = []
+
+    def timer(fn):
+        fn()
+        seen.append(sum(p.grad is not None for p in m.parameters()))
+        return 1.0
+    conv = opsadv.convert_model(m, floor=True, floor_mode="train", floor_timer=timer)
+    assert seen and all(n > 0 for n in seen)                 # the timed call ran a backward
+    assert all(p.grad is None for p in conv.parameters())      # and left no gradients behind
+    assert not conv.training
+
+
+def test_non_transformers_model_fx_step():
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+            self.w = nn.Parameter(torch.rand(16) + 0.5)
+
+        def forward(self, x):
+            y = torch.nn.functional.gelu(self.lin(x))
+            return y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6) * self.w
+
+    net = nn.Sequential(Block(), Block())
+    x = torch.randn(3, 5, 16)
+    ref = net(x)
+    slow = {"n": 0}
+
+    def timer(fn):
+        fn()
+        slow["n"] += 1
+        return 1.0 if slow["n"] == 1 else 2.0                  # with the rewrite: slower
+    conv = opsadv.convert_model(net, example_inputs=(x,), floor=True, floor_timer=timer)
+    assert conv is net and isinstance(conv[0], Block)
+    assert any(c.kind == "kept" and "graph" in c.what for c in conv.opsadv_report.changes)
+    torch.testing.assert_close(conv(x), ref)
+
+
+@pytest.mark.parametrize("kw,arg", [({"floor": "yes"}, "floor"), ({"floor_mode": "training"}, "floor_mode"),
+                                    ({"floor_timer": 3}, "floor_timer")])
+def test_bad_floor_args(kw, arg):
+    with pytest.raises(InvalidArgumentError, match=arg):
+        opsadv.convert_model(_llama(), **kw)
