@@ -268,10 +268,16 @@ def _steps(is_hf: bool, opt_level: int, mem_opt, pack_padding, state):
             return root
         return apply
     out = []
+    pack = is_hf and opt_level >= 1 and (pack_padding or (pack_padding is None and opt_level >= 2))
+
+    def attention(m, r, u):
+        # packing pays only with opsadv's attention (the varlen path): one step, judged together
+        if hf_attention.attention_pass(m, r, u, state) and pack:
+            packing.packing_pass(m, r, u)
     if opt_level >= 1:
         if is_hf:
-            out.append(("attention", "the model's own attention implementation",
-                        each(lambda m, r, u: hf_attention.attention_pass(m, r, u, state))))
+            out.append(("attention", "the model's own attention implementation" + (" (and padded batches run "
+                        "padded)" if pack else ""), each(attention)))
         out.append(("norm", "the model's own norms", each(lambda m, r, u: passes.norm_pass(m, r, u, state))))
     if opt_level >= 2:
         out.append(("residual_norm", "the model's own dense + residual + norm blocks",
@@ -279,8 +285,6 @@ def _steps(is_hf: bool, opt_level: int, mem_opt, pack_padding, state):
         out.append(("mlp", "the model's own MLPs", each(lambda m, r, u: passes.mlp_pass(m, r, u, state))))
         out.append(("qkv", "separate q / k / v projections",
                     each(lambda m, r, u: passes.qkv_pass(m, r, u, state, mem_opt))))
-    if is_hf and opt_level >= 1 and (pack_padding or (pack_padding is None and opt_level >= 2)):
-        out.append(("packing", "padded batches run padded", each(lambda m, r, u: packing.packing_pass(m, r, u))))
     if opt_level >= 1 and not is_hf:
         from . import fx_rewrite
         out.append(("fx", "the model's own graph (no torch.fx rewrite)",
