@@ -143,3 +143,17 @@ def test_non_transformers_model_fx_step():
 def test_bad_floor_args(kw, arg):
     with pytest.raises(InvalidArgumentError, match=arg):
         opsadv.convert_model(_llama(), **kw)
+
+
+def test_generate_mode_times_generate():
+    m = _llama()
+    lens = []
+
+    def timer(fn):
+        out = fn()
+        lens.append(out.shape[1])
+        return 1.0
+    inp = _ids(2, 5)
+    opsadv.convert_model(m, floor=True, floor_mode="generate", floor_timer=timer, floor_inputs=inp)
+    from opsadv.convert.floor import GENERATE_TOKENS
+    assert lens and all(n == 5 + GENERATE_TOKENS for n in lens)

@@ -146,7 +146,7 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
     timed right before and after it is applied and undone where the model got slower; the report says
     so with the numbers (opsadv.convert.floor).  Timed on `floor_inputs` (give the batch you will run;
     default: the validation inputs, and on a GPU a b4 s1024 token batch for transformers text models),
-    as `floor_mode` "inference" (no-grad forward) or "train" (forward + backward); `floor_timer`
+    as `floor_mode` "inference" (no-grad forward), "train" (forward + backward) or "generate"; `floor_timer`
     (fn -> ms) replaces the clock."""
     check_seed_args(opt_level, tile_size, max_streams, mem_opt, use_fp16, validate)
     _floor.check_args(floor, floor_mode, floor_timer)

@@ -7,7 +7,8 @@ says which kind was kept as it was and by how much ("kept the model's own norms:
 Greedy and in application order, so every undo is of the last step applied (an undo log is LIFO).
 
 What is timed (`mode`): "inference" = one no-grad forward; "train" = forward + backward of the loss
-(labels = input_ids for causal LMs, else the sum of the primary output).  Times are medians over
+(labels = input_ids for causal LMs, else the sum of the primary output); "generate" = `model.generate`
+of GENERATE_TOKENS new tokens (greedy, no early stop) from the inputs, for models that decode.  Times are medians over
 repeated calls after a warm-up (CUDA events on a GPU, perf_counter elsewhere), so compilation and
 first-call resolution stay out of them.  `timer` replaces the clock (tests, custom timing)."""
 from __future__ import annotations
@@ -22,7 +23,8 @@ import torch
 
 from opsadv.core.errors import InvalidArgumentError
 
-MODES = ("inference", "train")
+MODES = ("inference", "train", "generate")
+GENERATE_TOKENS = 32                  # new tokens per timed generate call (floor_mode="generate")
 ENV = "OPSADV_CONVERT_FLOOR"          # "0" turns the floor off by default, "1" on (the default)
 TARGET_S = 0.3                        # seconds of timed calls per measurement (after the warm-up)
 MIN_REPS, MAX_REPS = 3, 30
@@ -132,6 +134,16 @@ def step_fn(model, inputs, mode: str) -> Callable[[], Any]:
     from .validate import run
     if mode == "inference":
         return lambda: run(model, inputs)
+    if mode == "generate":
+        if not callable(getattr(model, "generate", None)) or not isinstance(inputs, dict):
+            raise InvalidArgumentError("convert_model", "floor_mode", "a model with .generate and dict floor inputs "
+                                       "(floor_mode='generate')", type(model).__name__)
+
+        def gen():
+            with torch.no_grad():
+                return model.generate(**inputs, max_new_tokens=GENERATE_TOKENS, min_new_tokens=GENERATE_TOKENS,
+                                      do_sample=False)
+        return gen
     tin = _train_inputs(model, inputs)
     params = [p for p in model.parameters() if p.requires_grad]
 
@@ -158,7 +170,7 @@ class Floor:
     def time(self, model) -> float:
         modes = {m: m.training for m in model.modules()}
         grads = {p: p.grad for p in model.parameters()}
-        if self.mode == "inference":
+        if self.mode != "train":
             model.eval()
         else:
             model.train()
