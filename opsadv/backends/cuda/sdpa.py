@@ -155,7 +155,10 @@ def _masked_bwd_recompute(dout, q, k, v, attn_mask, causal, scale):
     recomputed): calling the aten backward op directly gave wrong gradients with a bias in fp16/bf16
     on the H200 (conformance mask_bool / mask_float, torch 2.11), fp32 was right.  A row the mask
     (with causal) empties has zero output by contract: its bias row is zeroed (finite) and its dout
-    zeroed, so it contributes no gradient."""
+    zeroed, so it contributes no gradient.
+    Differentiated with torch.func.vjp, not torch.autograd.grad: a compiled backward runs this inside the
+    opsadv::flash_attention_backward custom op, where autograd records no graph (functorch's grad transform
+    re-enables it for the recompute), so the same aten autograd formula runs eager and compiled."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     group = q.shape[1] // k.shape[1]
     b, h, sq, _ = q.shape
@@ -170,10 +173,12 @@ def _masked_bwd_recompute(dout, q, k, v, attn_mask, causal, scale):
     empty = torch.isneginf(m).all(-1, keepdim=True)
     m = m.masked_fill(empty, 0.0)
     dout = dout.masked_fill(empty, 0.0)
-    with torch.enable_grad(), sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-        qq, kk, vv = (t.detach().requires_grad_() for t in (q, _expand(k, group), _expand(v, group)))
-        o = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, attn_mask=m, scale=scale)
-        dq, dk, dv = torch.autograd.grad(o, (qq, kk, vv), dout)
+    def attend(qq, kk, vv):
+        return torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, attn_mask=m, scale=scale)
+
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        _, pull = torch.func.vjp(attend, q.detach(), _expand(k, group).detach(), _expand(v, group).detach())
+        dq, dk, dv = pull(dout)
     return dq, _reduce(dk, group), _reduce(dv, group)
 
 
