@@ -2,14 +2,33 @@
 (and a mask function under the same name in AttentionMaskInterface), selected per model with
 `set_attn_implementation("opsadv")`.  No modeling code is edited or copied.
 
-The mask function keeps transformers' sdpa masks, except for a plain bidirectional padding mask
-(BERT-style encoders), which it hands over as a stride-0 expanded view of the 2-D padding mask,
-so the attention function can see it is key padding only and take the varlen/sparse path."""
+The mask function keeps transformers' sdpa masks except for two forms it hands over recognizably,
+so the attention function takes the key-padding kernels (sparse_attention with key padding, and its
+own backward; packed encoders: varlen) instead of a dense masked one:
+- a plain bidirectional padding mask (BERT-style encoders): a stride-0 expanded view of the 2-D
+  padding mask (key_padding_of);
+- a plain causal mask (decoders: causal, optionally with a 2-D padding mask, the queries at the end
+  of the keys as with a DynamicCache): the materialized bool mask (the values transformers' sdpa
+  mask has, for any other reader) carrying a MaskForm: causal, the key padding mask it was built
+  from (causal_mask_of).  The attention then knows the call is causal + key padding; it never
+  infers it.
+Both forms are built without reading mask values, so they hold under torch.compile / export and
+CUDA-graph capture as well.  Their MaskForm also carries the layout's all-True block mask, made once
+per forward with the mask, so every layer's layout shares it (and the kernel's tile index, cached on
+it and the key padding mask, is built once per forward), traced or not.
+
+Calls opsadv has no kernel for (attention dropout, softcapping, sinks) run the model's original
+attention implementation (the one before conversion), counted in the model's state."""
 from __future__ import annotations
 
+import copy
+import inspect
+import sys
 import warnings
+from typing import NamedTuple
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from opsadv import ops
 from opsadv.core.layout import SparseLayout, capturing
@@ -19,6 +38,7 @@ from .packing import pack_of
 from .state import scope_of
 
 NAME = "opsadv"
+BLOCK = 128
 _registered = False
 
 
@@ -26,41 +46,101 @@ def key_padding_of(mask: torch.Tensor | None) -> torch.Tensor | None:
     """The (B, s_k) key padding mask when `mask` is one broadcast over queries (our mask fn's form)."""
     if mask is None or mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1:
         return None
+    if causal_mask_of(mask) is not None:
+        return None
     if mask.shape[2] > 1 and mask.stride(2) != 0:
         return None
     return mask[:, 0, 0, :]
 
 
-_last: tuple = (None, None)      # (mask tensor, its layout): all layers of one forward share the mask object
+class MaskForm(NamedTuple):
+    """What our masks carry (attribute `_opsadv_form`).  causal: opsadv's bottom-right alignment (the queries are
+    the last s_q keys).  key_padding: (B, s_k) bool, True = real token; None without padding.  block_mask: the
+    all-True (1, 1, ceil(s_q / BLOCK), ceil(s_k / BLOCK)) block mask of the key-padding layout (with key_padding)."""
+    causal: bool
+    key_padding: torch.Tensor | None
+    block_mask: torch.Tensor | None
 
 
-def _varlen_layout(mask: torch.Tensor, kpm: torch.Tensor, s_q: int):
-    """SparseLayout for a key-padding mask, built once per forward (layers share the mask object).
-    None while tracing for export/compile (the layout is built from the mask's values); the dense
-    kernel with the same key padding mask serves then."""
+def form_of(mask) -> MaskForm | None:
+    return getattr(mask, "_opsadv_form", None) if isinstance(mask, torch.Tensor) else None
+
+
+def causal_mask_of(mask) -> MaskForm | None:
+    f = form_of(mask)
+    return f if f is not None and f.causal else None
+
+
+def _block_mask(s_q, s_k, like: torch.Tensor) -> torch.Tensor:
+    """The layout's all-True block mask: the cached one where values can be read (eager, CUDA-graph capture after
+    an eager warm-up), else one made in the traced graph (once per forward: the mask function runs once)."""
+    if _values_unreadable(like):
+        return torch.ones(1, 1, -(-s_q // BLOCK), -(-s_k // BLOCK), dtype=torch.bool, device=like.device)
+    return SparseLayout.dense(s_q, s_k, block_size=BLOCK, device=like.device).block_mask
+
+
+def _values_unreadable(t: torch.Tensor | None) -> bool:
+    """Mask values cannot be read on the host now: compile / export tracing, fake tensors, jit / fx tracing."""
+    if _exporting() or torch.jit.is_tracing():
+        return True
+    if t is None:
+        return False
+    return is_fake(t) or isinstance(t, torch.fx.Proxy)
+
+
+# (mask tensor, its version, its layout): all layers of one forward share the mask object; the version tells a
+# mask refilled in place (a CUDA-graph runner's static input) from the one the layout was built for
+_last: tuple = (None, -1, None)
+
+
+def _padding_layout(mask: torch.Tensor, kpm: torch.Tensor, s_q, s_k, causal: bool, block_mask=None):
+    """SparseLayout for key padding (with causal), built once per mask (layers share the mask object).
+    Eager: cached on the mask's content.  CUDA-graph capture: no host read (the kernel's tile lists are
+    computed on the device, on every replay).  Tracing: the key padding tensor and the form's block mask
+    (made once per forward in the graph), no value read; None without one (the dense kernel with the same
+    key padding, and causal, serves then)."""
     global _last
-    if s_q != kpm.shape[1] or _exporting():
-        return None
-    m, lay = _last
-    if m is mask:
+    if _values_unreadable(kpm):
+        if block_mask is None:
+            return None
+        return SparseLayout(s_q, s_k, BLOCK, block_mask, causal, key_padding_mask=kpm)
+    m, version, lay = _last
+    if m is mask and version == _version(mask):
         return lay
     if capturing(kpm):
-        # CUDA graph capture: no host read of the mask; the kernel's tile lists are computed on the
-        # device from it (recomputed on every replay), see layout._build_tile_index
-        lay = SparseLayout(s_q, s_q, BLOCK, _dense_block_mask(s_q, kpm.device), key_padding_mask=kpm.contiguous())
+        lay = SparseLayout(s_q, s_k, BLOCK, _dense_block_mask(s_q, s_k, kpm.device), causal,
+                           key_padding_mask=kpm.contiguous())
     else:
-        lay = SparseLayout.from_padding_mask(kpm, block_size=BLOCK)
-    _last = (mask, lay)
+        lay = SparseLayout.key_padding(kpm, seq_q=s_q, causal=causal, block_size=BLOCK)
+    _last = (mask, _version(mask), lay)
     return lay
 
 
-BLOCK = 128
+def _version(t: torch.Tensor) -> int:
+    return -2 if t.is_inference() else t._version    # inference tensors keep no version counter
 
 
-def _dense_block_mask(s: int, device) -> torch.Tensor:
+def _dense_block_mask(s_q: int, s_k: int, device) -> torch.Tensor:
     # the same cached all-True block mask eager key-padding layouts use (the runner's eager warm-up
     # creates it outside capture)
-    return SparseLayout.dense(s, block_size=BLOCK, device=device).block_mask
+    return SparseLayout.dense(s_q, s_k, block_size=BLOCK, device=device).block_mask
+
+
+def _attend_causal(mask, cm: MaskForm, query, key, value, scaling):
+    """A call with our causal mask: causal (bottom-right) + key padding kernels."""
+    s_q, s_k = query.shape[2], key.shape[2]
+    causal = s_q > 1                              # one query sees every key either way
+    kpm = cm.key_padding
+    if kpm is None:
+        return ops.flash_attention(query, key, value, causal=causal, scale=scaling)
+    layout = _padding_layout(mask, kpm, s_q, s_k, causal, cm.block_mask)
+    if layout is not None:
+        return ops.sparse_attention(query, key, value, layout, scale=scaling)
+    # no layout (symbolic lengths while tracing): the dense kernel with the key padding broadcast, and causal
+    # where the lengths are equal (the masked vendor kernels align causal top-left); else the mask's values
+    if s_q == s_k:
+        return ops.flash_attention(query, key, value, causal=causal, scale=scaling, attn_mask=kpm[:, None, None, :])
+    return ops.flash_attention(query, key, value, scale=scaling, attn_mask=mask)
 
 
 def opsadv_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
@@ -68,20 +148,19 @@ def opsadv_attention_forward(module, query, key, value, attention_mask, dropout:
                              position_bias=None, **kwargs):
     """Same contract as transformers' sdpa_attention_forward: (b, h, s, d) inputs, returns
     ((b, s, h, d) output, None)."""
-    st = getattr(module, "_opsadv_state", None)
-    if dropout and dropout > 0 or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
-        # Attention dropout (training) / softcapping / sinks have no opsadv kernel: use transformers' sdpa,
-        # said once and counted in the model's state (visible in the report), never silently.
-        why = "dropout" if dropout else "softcap/sinks"
-        if st is not None:
-            st.note_fallback(f"attention {why} -> sdpa")
-        _warn_once(why)
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, position_bias=position_bias, **kwargs)
+    why = _unserved(dropout, kwargs)
+    if why is not None:
+        return _fallback(module, why, query, key, value, attention_mask, dropout, scaling, is_causal, position_bias,
+                         kwargs)
     s_q = query.shape[2]
     causal_flag = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     mask = attention_mask
+    cm = causal_mask_of(mask)
+    if cm is not None and position_bias is None and (cm.key_padding is None
+                                                     or cm.key_padding.shape[-1] == key.shape[2]):
+        with scope_of(module):
+            out = _attend_causal(mask, cm, query, key, value, scaling)
+        return out.transpose(1, 2).contiguous(), None
     if position_bias is not None:
         from transformers.integrations.sdpa_attention import create_position_bias_mask
         mask = create_position_bias_mask(position_bias, mask, bool(causal_flag) and s_q > 1, query, key)
@@ -100,7 +179,10 @@ def opsadv_attention_forward(module, query, key, value, attention_mask, dropout:
             out = ops.sparse_attention(query, key, value, pack.layout, scale=scaling)
             return out.transpose(1, 2).contiguous(), None
         kpm = key_padding_of(mask)
-        layout = _varlen_layout(mask, kpm, s_q) if kpm is not None else None
+        f = form_of(mask)
+        # a mask of one query row is key padding too (a static-cache decode step): the dense kernel takes it
+        layout = (_padding_layout(mask, kpm, s_q, key.shape[2], False, f.block_mask if f is not None else None)
+                  if kpm is not None and s_q == key.shape[2] else None)
         if layout is not None:
             out = ops.sparse_attention(query, key, value, layout, scale=scaling)
         else:
@@ -110,27 +192,148 @@ def opsadv_attention_forward(module, query, key, value, attention_mask, dropout:
     return out.transpose(1, 2).contiguous(), None
 
 
-_warned: set[str] = set()
+# ---- calls without an opsadv kernel: the model's original attention implementation --------------------------
+def _unserved(dropout, kwargs) -> str | None:
+    if dropout and dropout > 0:
+        return "dropout"
+    if kwargs.get("softcap") is not None:
+        return "softcapping"
+    if kwargs.get("s_aux") is not None:
+        return "sinks"
+    return None
 
 
-def _warn_once(why: str) -> None:
-    if why not in _warned:
-        _warned.add(why)
-        warnings.warn(f"opsadv attention: {why} has no opsadv kernel; these calls use transformers' sdpa "
-                      "(see model.opsadv_report / state fallbacks)", RuntimeWarning, stacklevel=3)
+def _model_eager(module):
+    """The modeling file's own eager attention function (it implements what the model needs: softcapping,
+    sinks, position bias), None where the file has none."""
+    return getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+
+
+def fallback_target(module, why: str) -> tuple[str, object]:
+    """(name, function) serving a call opsadv cannot: the model's original implementation where it serves
+    the call, else the model's eager attention.  Transformers' sdpa serves dropout but not softcapping or
+    sinks (transformers 5.24 raises for softcap, 5.17 ignores it: wrong numbers); implementations whose masks
+    take another form (flash / flex) are served by the model's eager attention, which takes any mask here."""
+    before = getattr(module, "_opsadv_attn_before", None) or "sdpa"
+    if before == "sdpa" and why == "dropout":
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        return "sdpa", sdpa_attention_forward
+    eager = _model_eager(module)
+    if eager is not None:
+        return "eager", eager
+    if why == "dropout":
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        return "sdpa", sdpa_attention_forward
+    raise NotImplementedError(
+        f"opsadv attention: {why} has no opsadv kernel, transformers' sdpa cannot compute it and "
+        f"{type(module).__module__} has no eager_attention_forward (the model's original implementation was "
+        f"{before!r}); convert without attention (opt_level=0) or use a model implementation that has one")
+
+
+def _exact_mask(module, mask, query, key, value, is_causal):
+    """(bool / float mask or None, key, value) with exactly the call's semantics, for another implementation:
+    our forms are materialized (packed rows: the block-diagonal mask over the packed rows), None stays None
+    except a causal call, which gets its mask (keys cropped to the queries as transformers' sdpa does)."""
+    pack = pack_of(mask)
+    if pack is not None:
+        return pack.layout.dense_mask(device=query.device), key, value
+    if mask is not None:
+        return mask, key, value
+    s_q = query.shape[2]
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if not causal or s_q == 1:
+        return None, key, value
+    if key.shape[2] > s_q:
+        key, value = key[:, :, :s_q], value[:, :, :s_q]
+    return torch.ones(s_q, s_q, dtype=torch.bool, device=query.device).tril()[None, None], key, value
+
+
+def _fallback(module, why, query, key, value, attention_mask, dropout, scaling, is_causal, position_bias, kwargs):
+    name, fn = fallback_target(module, why)
+    st = getattr(module, "_opsadv_state", None)
+    if st is not None:
+        st.note_fallback(f"attention {why} -> {name}")
+    _warn_once(why, name)
+    extra = dict(kwargs)
+    if position_bias is not None:
+        extra["position_bias"] = position_bias
+    if name == "sdpa":                            # takes bool masks (ours have the values) and None + is_causal
+        mask = attention_mask
+        if pack_of(mask) is not None:
+            mask = _exact_mask(module, mask, query, key, value, is_causal)[0]
+        if is_causal is not None:
+            extra["is_causal"] = is_causal
+        return fn(module, query, key, value, mask, dropout=dropout, scaling=scaling, **extra)
+    mask, key, value = _exact_mask(module, attention_mask, query, key, value, is_causal)
+    if mask is not None and mask.dtype == torch.bool:    # eager adds its mask to the scores
+        mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
+            ~mask, torch.finfo(query.dtype).min)
+    return fn(module, query, key, value, mask, dropout=dropout, scaling=scaling, **extra)
+
+
+_warned: set[tuple[str, str]] = set()
+
+
+def _warn_once(why: str, name: str) -> None:
+    if (why, name) not in _warned:
+        _warned.add((why, name))
+        warnings.warn(f"opsadv attention: {why} has no opsadv kernel; these calls use the model's {name!r} attention "
+                      "(counted in the model's state fallbacks)", RuntimeWarning, stacklevel=4)
+
+
+# ---- the mask function ---------------------------------------------------------------------------------------
+def _plain_int(x) -> bool:
+    return isinstance(x, (int, torch.SymInt)) and not isinstance(x, bool)
+
+
+def _causal_form(mu, kwargs):
+    """Our causal mask for a plain causal call (no overlay, no local window, int offsets with the queries at
+    the end of the keys: no cache or a DynamicCache), else NotImplemented (transformers' sdpa mask serves)."""
+    b, q_len, kv_len = kwargs.get("batch_size"), kwargs.get("q_length"), kwargs.get("kv_length")
+    q_off, kv_off = kwargs.get("q_offset", 0), kwargs.get("kv_offset", 0)
+    pad = kwargs.get("attention_mask")
+    if not all(_plain_int(x) for x in (b, q_len, kv_len, q_off, kv_off)) or kwargs.get("local_size") is not None:
+        return NotImplemented
+    if kv_off != 0 or q_off + q_len != kv_len:
+        return NotImplemented
+    if pad is not None and (not isinstance(pad, torch.Tensor) or pad.dim() != 2 or pad.shape[0] != b):
+        return NotImplemented
+    device = kwargs.get("device", pad.device if pad is not None else "cpu")
+    kpm = None
+    if pad is not None:
+        kpm = mu.prepare_padding_mask(pad.to(device=device, dtype=torch.bool), kv_len, 0)[:, :kv_len].contiguous()
+        if not capturing(kpm) and not _values_unreadable(kpm) and bool(kpm.all()):
+            kpm = None                            # no padding: plain causal (transformers reads the mask here too)
+    if kpm is None and kwargs.get("allow_is_causal_skip", True) and (q_len == 1 or q_len == kv_len):
+        return None                               # the attention's is_causal says it (as transformers' sdpa)
+    rows = torch.arange(q_len, device=device) + q_off
+    tri = (torch.arange(kv_len, device=device)[None, :] <= rows[:, None])[None, None]
+    if kpm is None:
+        m = tri.expand(b, 1, q_len, kv_len)
+        m._opsadv_form = MaskForm(True, None, None)
+    else:
+        m = tri & kpm[:, None, None, :]
+        m._opsadv_form = MaskForm(True, kpm, _block_mask(q_len, kv_len, kpm))
+    return m
 
 
 def opsadv_mask(*args, **kwargs):
-    """transformers' sdpa mask, except a plain bidirectional padding mask, returned as a stride-0
-    expansion of the 2-D padding mask (same values, recognizable as key padding).  Takes whatever
-    arguments this transformers version passes and forwards them unchanged."""
+    """transformers' sdpa mask, except a plain bidirectional padding mask (a stride-0 expansion of the 2-D
+    padding mask) and a plain causal one (the materialized mask); both carry a MaskForm, see the module
+    docstring.  Takes whatever arguments this transformers version passes and forwards them unchanged."""
     from transformers import masking_utils as mu
+    fn = kwargs.get("mask_function")
+    if not args and fn is getattr(mu, "causal_mask_function", None):
+        m = _causal_form(mu, kwargs)
+        if m is not NotImplemented:
+            return m
+        return mu.sdpa_mask(*args, **kwargs)
     pad = kwargs.get("attention_mask")
     kv_length = kwargs.get("kv_length")
     q_length = kwargs.get("q_length")
     if q_length is None and kwargs.get("cache_position") is not None:
         q_length = kwargs["cache_position"].shape[0]
-    plain = (not args and kwargs.get("mask_function") is getattr(mu, "bidirectional_mask_function", None)
+    plain = (not args and fn is getattr(mu, "bidirectional_mask_function", None)
              and isinstance(pad, torch.Tensor) and pad.dim() == 2 and kv_length is not None and q_length is not None
              and pad.shape[-1] == kv_length and not kwargs.get("q_offset") and not kwargs.get("kv_offset")
              and kwargs.get("local_size") is None)
@@ -144,7 +347,9 @@ def opsadv_mask(*args, **kwargs):
                 return None
         except TypeError:                          # another transformers version's helper: just do not skip
             pass
-    return pad[:, None, None, :].expand(kwargs["batch_size"], 1, q_length, kv_length)
+    m = pad[:, None, None, :].expand(kwargs["batch_size"], 1, q_length, kv_length)
+    m._opsadv_form = MaskForm(False, pad, _block_mask(q_length, kv_length, pad))
+    return m
 
 
 def register() -> None:
@@ -159,28 +364,109 @@ def register() -> None:
 
 
 def is_transformers_model(model) -> bool:
-    import sys
     if "transformers" not in sys.modules:         # nothing of it is loaded: cannot be one (and stay light)
         return False
     from transformers import PreTrainedModel
     return isinstance(model, PreTrainedModel)
 
 
+# ---- the pass ------------------------------------------------------------------------------------------------
+_PROJ_ATTRS = ("q_proj", "query", "c_attn", "qkv_proj", "query_key_value", "Wqkv", "q")
+
+
+def _calls_attention_interface(m) -> bool:
+    """m's class forward looks up transformers' AttentionInterface (ALL_ATTENTION_FUNCTIONS), as every attention
+    class of the interface does (T5Attention, GPTNeoXAttention, LlamaAttention, ...)."""
+    fwd = getattr(type(m), "forward", None)
+    if fwd is None:
+        return False
+    try:
+        fwd = inspect.unwrap(fwd)
+    except ValueError:
+        return False
+    code = getattr(fwd, "__code__", None)
+    return code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names
+
+
+def attention_modules(model) -> list[tuple[str, torch.nn.Module]]:
+    """The modules that call the attention function: by the interface lookup in their forward, else by
+    structure (is_causal and a q / qkv projection)."""
+    found = []
+    for path, m in model.named_modules():
+        if _calls_attention_interface(m) or (hasattr(m, "is_causal") and any(hasattr(m, a) for a in _PROJ_ATTRS)):
+            found.append((path, m))
+    return found
+
+
+def _own_configs(model, undo) -> None:
+    """Give `model` private copies of the configs its modules reference (the model's, its sub-configs', its
+    sub-models'): set_attn_implementation writes the config, and transformers 5 shares one config object
+    between models built from it (from_config keeps it), whose modules read `_attn_implementation` at call
+    time.  Recorded as swaps, so reverting puts the original objects back (they are never written)."""
+    from transformers import PretrainedConfig
+    olds: dict[int, PretrainedConfig] = {}
+    for m in model.modules():
+        for val in vars(m).values():
+            if isinstance(val, PretrainedConfig):
+                olds.setdefault(id(val), val)
+    if not olds:
+        return
+    originals = list(olds.values())
+    copies = copy.deepcopy(originals)          # one deepcopy: configs shared between them stay shared
+    pairs: dict[int, PretrainedConfig] = {}
+
+    def pair(a, b):
+        if id(a) in pairs:
+            return
+        pairs[id(a)] = b
+        for name, val in vars(a).items():
+            if isinstance(val, PretrainedConfig):
+                pair(val, getattr(b, name))
+    for a, b in zip(originals, copies):
+        pair(a, b)
+    for m in model.modules():
+        for name, val in list(vars(m).items()):
+            if isinstance(val, PretrainedConfig) and id(val) in pairs:
+                undo.swap(m, name, pairs[id(val)])
+
+
+def _set_attr(undo, obj, name, value) -> None:
+    obj.__dict__[name] = value
+    undo.instance_attrs.append((obj, name))
+
+
 def attention_pass(model, report, undo, state) -> bool:
-    """Point the model (and its sub-models) at the "opsadv" attention function."""
+    """Point the model (and its sub-models) at the "opsadv" attention function, on configs of its own."""
     register()
-    before = model.config._attn_implementation
     if hasattr(model, "_can_set_attn_implementation") and not model._can_set_attn_implementation():
         report.add("skipped", "", f"{type(model).__name__} attention",
                    "the model does not use transformers' AttentionInterface")
         return False
+    mods = attention_modules(model)
+    before = model.config._attn_implementation
+    originals = {}
+    for path, m in mods:
+        cfg = getattr(m, "config", None)
+        impl = getattr(cfg, "_attn_implementation", None) or before
+        originals[impl] = originals.get(impl, 0) + 1
+        _set_attr(undo, m, "_opsadv_attn_before", impl)
+        _set_attr(undo, m, "_opsadv_state", state)
+    _own_configs(model, undo)
     model.set_attn_implementation(NAME)
-    n = 0
-    for path, m in model.named_modules():
-        if hasattr(m, "is_causal") and any(hasattr(m, a) for a in ("q_proj", "query", "c_attn", "qkv_proj")):
-            m._opsadv_state = state
-            n += 1
-    undo.attn.append((model, before))
     report.add("attention", "", f"{type(model).__name__}: attention implementation {before!r} -> 'opsadv' "
-               f"(opsadv.flash_attention; padded encoders -> varlen sparse_attention when available; {n} layers)")
+               f"(opsadv.flash_attention; causal + padded batches and padded encoders -> key-padding "
+               f"sparse_attention; {len(mods)} layers; calls with dropout / softcapping / sinks, which have no "
+               f"opsadv kernel, run the model's original attention ({_fallback_note(originals or [before])}))")
     return True
+
+
+def _fallback_note(originals) -> str:
+    parts = []
+    for o in sorted(originals, key=str):
+        if o == "sdpa":
+            parts.append("'sdpa'; softcapping / sinks: the model's eager attention")
+        elif o == "eager":
+            parts.append("'eager'")
+        else:
+            parts.append(f"{o!r}: the model's eager attention, the masks here take another form")
+    return "; ".join(parts)

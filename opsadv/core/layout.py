@@ -344,7 +344,8 @@ class SparseLayout:
         if hit is not None:
             return hit
         base = _dense(sq, sk, causal, block_size, kpm.device)
-        lay = dataclasses.replace(base, key_padding_mask=kpm.clone().contiguous())
+        with torch.inference_mode(False):         # cached: usable by later training calls too (_normal_tensors)
+            lay = dataclasses.replace(base, key_padding_mask=kpm.clone().contiguous())
         if len(_padding_cache) >= 64:
             _padding_cache.pop(next(iter(_padding_cache)))
         _padding_cache[key] = lay
@@ -440,7 +441,18 @@ def _check_bs(bs) -> int:
     return _check_int("block_size", bs, 1)
 
 
+def _normal_tensors(fn):
+    """Cached layouts outlive the call that built them: their tensors are made outside inference mode, so a
+    layout first built under torch.inference_mode() can still be saved for a later training call's backward."""
+    @functools.wraps(fn)
+    def build(*args):
+        with torch.inference_mode(False):
+            return fn(*args)
+    return build
+
+
 @functools.lru_cache(maxsize=256)
+@_normal_tensors
 def _dense(sq, sk, causal, bs, device) -> SparseLayout:
     _check_bs(bs)
     _check_int("seq_q", sq, 1), _check_int("seq_k", sk, 1)
@@ -449,6 +461,7 @@ def _dense(sq, sk, causal, bs, device) -> SparseLayout:
 
 
 @functools.lru_cache(maxsize=256)
+@_normal_tensors
 def _window(sq, sk, window, causal, ng, bs, device) -> SparseLayout:
     _check_bs(bs)
     _check_int("seq_q", sq, 1), _check_int("seq_k", sk, 1), _check_int("num_global", ng)
@@ -457,6 +470,7 @@ def _window(sq, sk, window, causal, ng, bs, device) -> SparseLayout:
 
 
 @functools.lru_cache(maxsize=256)
+@_normal_tensors
 def _dilated(seq, bs, dilation, num_blocks, local_blocks, causal, device) -> SparseLayout:
     _check_bs(bs), _check_int("seq", seq, 1)
     n = _nblocks(seq, bs)
@@ -468,6 +482,7 @@ def _dilated(seq, bs, dilation, num_blocks, local_blocks, causal, device) -> Spa
 
 
 @functools.lru_cache(maxsize=256)
+@_normal_tensors
 def _bigbird(seq, bs, window_blocks, global_blocks, random_blocks, heads, seed, causal, device) -> SparseLayout:
     _check_bs(bs), _check_int("seq", seq, 1)
     n = _nblocks(seq, bs)
@@ -485,6 +500,7 @@ def _bigbird(seq, bs, window_blocks, global_blocks, random_blocks, heads, seed, 
 
 
 @functools.lru_cache(maxsize=256)
+@_normal_tensors
 def _varlen(seqlens, causal, window, ng, bs, device) -> SparseLayout:
     _check_bs(bs)
     total = sum(seqlens)
