@@ -13,7 +13,7 @@ Cases (Llama architecture ~1.1B, random weights, bf16, last-token logits, use_ca
   PYTHONPATH=. python3 benchmarks/jetson_probe.py [--json PATH] [--tiny] [--prefill-only] [--seq N]
 --tiny: a 2-layer model on CPU under TRITON_INTERPRET=1 (fp16), to exercise the code paths without a
 GPU (no memory figures there).  Rows are written to the JSON after every case (default
-$OUT/jetson_probe.json, else benchmarks/results/jetson_probe.json)."""
+$OUT/jetson_probe.json, else ./jetson_probe.json); benchmarks/merge_bench.py merges them into the GPU's results file."""
 from __future__ import annotations
 
 import argparse
@@ -45,7 +45,7 @@ DEV = "cpu" if ARGS.tiny else "cuda"
 CUDA = DEV == "cuda"
 DT = torch.float16 if ARGS.tiny else torch.bfloat16
 OUT = ARGS.json or (os.path.join(os.environ["OUT"], "jetson_probe.json") if os.environ.get("OUT")
-                    else os.path.join(os.path.dirname(__file__), "results", "jetson_probe.json"))
+                    else "jetson_probe.json")
 
 
 def header() -> dict:

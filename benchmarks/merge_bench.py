@@ -3,7 +3,7 @@ older), keeping each row's commit.
 
     python benchmarks/merge_bench.py TARGET.json SRC.json[@KEY][#COMMIT] ...
 
-@KEY takes the cases under a top-level key of SRC (e.g. attn_variants_h200.json@bench_quick_attention);
+@KEY takes the cases under a top-level key of SRC (e.g. RUN.json@bench_quick_attention);
 #COMMIT sets the commit of rows that carry none (else SRC's header commit)."""
 from __future__ import annotations
 

@@ -699,7 +699,7 @@ def test_tma_variants_compile_for_sm90():
     """The three kernels at the h100 tiles (w1024 causal, d128 bf16), compiled for sm_90 on CPU with and without
     descriptor loads: TMA loads only in the TMA build; it uses fewer registers and spills no more (session 11:
     forward 174 -> 164 registers, dK/dV spills 48 -> 36 B, dQ 193 -> 178 registers; H200 timing in
-    results/sparse_fwd_tma_s11_h200.json and sparse_bwd_tma_s11_h200.json)."""
+    the sparse suite's rows)."""
     import json
     from conftest import run_sm90_compile
     r = json.loads(run_sm90_compile(["-c", _TMA_COMPILE]).strip().splitlines()[-1])

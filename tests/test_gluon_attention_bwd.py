@@ -358,7 +358,7 @@ def test_bwd_compiles_for_sm90_without_spills(bwd_compile_report):
 
 @needs_gluon
 def test_ws_schedules_compile_with_three_stages(tmp_path_factory):
-    """bwd_probe.py also times the warp-specialized schedules with a 3-stage Q/dO ring."""
+    """The warp-specialized schedules also compile with a 3-stage Q/dO ring."""
     names = [n for n, cfg in GB.VARIANTS.items() if cfg["WARP_SPEC"]]
     report = _compile_report(tmp_path_factory, "--stages=3", "--variants=" + ",".join(names))
     assert len(report) == 8 * len(names)

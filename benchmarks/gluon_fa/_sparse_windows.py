@@ -1,4 +1,4 @@
-"""What the Gluon sparse forward probes share (sparse_order_probe.py, sparse_boundary_probe.py): s16384 d128 bf16
+"""What the Gluon sparse forward probes share (sparse_trace_probe.py): s16384 d128 bf16
 b1 h32 inputs, the Gluon dense causal forward as the issue's effective-rate denominator, one causal window case,
 interleaved timing rounds, and the work of the visited tiles (bench.suite_sparse.fwd_tiles, the suite's count)."""
 from __future__ import annotations

@@ -13,7 +13,7 @@ stored) and o_store (-> O stored from registers, or its TMA copy issued and -- e
 for it at the next item's first S -- read); gap (this item's end -> the CTA's next item's start
 on the same warpgroup).  A stamp marks when the instructions before it were issued; the two decode stamps wait for
 their loads.  Means over items with >= 2 tiles; *_median: the medians.
-"fixed" = item cycles - per_tile x n_all: the boundary cost the suite's fits see (sparse_boundary_probe.py).
+"fixed" = item cycles - per_tile x n_all: the per-item boundary cost.
 The traced kernel is timed next to the untraced one: the stamps cost a few spills outside the tile loops (sm_90
 compile: default 10-17 STL/LDL, pingpong_st3 2-7, 0 inside the loops), so "trace_overhead" says how far the
 traced timeline is from the real one.  Items are dealt to CTAs as the kernel does (item_order when ORDER)."""

@@ -198,7 +198,7 @@ def _llama_decode_static(quick: bool, dev: str) -> BenchCase:
     transformers' documented fast decode: also CUDA graphs over a StaticCache) where it runs: on the H200
     (torch 2.11, transformers 5.17) that peer killed the process (segfault; an illegal memory access inside
     the suite), so it is only a contender with OPSADV_E2E_COMPILE_STATIC=1 and the case runs last
-    (results/static_graph_debug_h200.txt)."""
+    (so a crash there loses no other row)."""
     b, cached = DECODE
     extra: dict = {}
     st: dict = {}
@@ -272,7 +272,6 @@ def _bert(quick: bool, dev: str) -> BenchCase:
         # tuned on GPU time of graph replays (the winners the graphed copy below resolves to), on a padded
         # batch drawn like the timed one (another seed): a shape bucket's winner is measured at its row count,
         # and at BERT's GEMMs the winner at 16384 rows (an unpadded batch) is not the one at ~12.3K packed rows
-        # (benchmarks/results/gemm_timing_check_h200.json)
         g1 = torch.Generator().manual_seed(1)
         lens1 = torch.randint(int(0.4 * s), s + 1, (b,), generator=g1)
         tune_in = {"input_ids": torch.randint(0, BERT["vocab_size"], (b, s), generator=g1).to(dev),

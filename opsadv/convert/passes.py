@@ -259,7 +259,7 @@ def mlp_pass(model, report, undo: Undo, state) -> None:
 
 # mem_opt at which q/k/v stay three GEMMs: the fused output is one buffer, so the v view keeps the
 # pre-rotary q and k alive next to their rotated copies for the whole attention call (Llama-1.1B b1
-# s8192 on the H200: 40 MiB of the 238 MiB activation peak, benchmarks/results/memory_trace_probe_h200.json)
+# s8192 on the H200: 40 MiB of the 238 MiB activation peak)
 QKV_UNFUSED_MEM_OPT = 3
 
 

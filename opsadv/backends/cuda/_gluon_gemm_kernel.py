@@ -3,7 +3,7 @@
     C = act(alpha * A @ B + bias) (+ residual)      A (M, K), B (K, N) or, with B_NK, B^T given as (N, K)
 
 Every variant compiles for sm_90 with ptxas with no spills (tests/test_gluon_gemm.py; registers / shared
-memory in gluon_gemm.py's docstring and benchmarks/gluon_gemm/README.md) and passes every check against
+memory in gluon_gemm.py's docstring) and passes every check against
 float64 on the H200 (sessions 8-9, the stream-K ones and the shared main loop in session 18; pinned conformance:
 docs/conformance/cuda-h200-gluon-gemm.md).
 

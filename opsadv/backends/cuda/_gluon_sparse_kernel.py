@@ -44,8 +44,8 @@ before the softmax of S_j's successor, P in registers), driven by the layout's t
     (or, for an empty item, before its idle turn's end), and one extra empty turn past the CTA's last item runs the
     last one; the copy's slot is released once that S has retired.  k_done then counts only items with tiles: with
     the wait one item later, empty items' arrivals could complete a phase for one warpgroup alone.  Ranked +3.6% at
-    w1024 by benchmarks/gluon_fa/sparse_schedule_model.py; on the H200 (session 23) bitwise right but 4-6% slower
-    at w256-w2048 (results/sparse_ab_s23_h200.json): a measured control.
+    w1024 by a CPU timing model; on the H200 bitwise right but 4-6% slower
+    at w256-w2048: a measured control.
   * SPLIT_EMPTY (FA3's separate K and V pipelines, as the dense kernel's pingpong_kv): a K slot is
     freed on k_empty as soon as its S has retired, a V slot on kv_empty after its P V, and the
     producer loads K_{t+1} before V_t.  With one shared barrier and ping-pong, tile j+STAGES waits for

@@ -73,7 +73,7 @@ def _norm_fwd_loop_kernel(x_ptr, r_ptr, w_ptr, b_ptr, y_ptr, s_ptr, mean_ptr, rs
     # Long rows in CHUNK-column pieces, as Inductor's looped reductions: the statistics pass streams the row
     # from HBM and asks L2 to keep it (evict_last), the output pass re-reads it from L2 (evict_first).  Fewer
     # registers per row than _norm_fwd_kernel -> more rows in flight per SM (RMSNorm 16384 x 8192: compile's
-    # looped kernel 0.129 ms vs 0.135 whole-row, results/norm_compile_probe_s14_h200.json).
+    # looped kernel 0.129 ms vs 0.135 whole-row).
     # N_FIXED (> 0: the hidden size, compiled in, as Inductor's kernel has it): constant trip counts and, when
     # CHUNK divides it, no column masks -- the loops unroll and the chunks' loads can all be in flight at once.
     if N_FIXED > 0:

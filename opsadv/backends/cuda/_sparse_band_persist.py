@@ -6,7 +6,7 @@ the first K/V tiles' latency, the refill of the masked edge tiles' loop, the epi
 many (head, q tile) work items, every item running the same NT key tiles (the band's widest row tile;
 narrower ones get leading dummy tiles, fully masked).
 
-Measured on the H200 (session 16, results/sparse_fwd_probe_persist_s16a_h200.json, 5859e0a; s16384 causal
+Measured on the H200 (5859e0a; s16384 causal
 windows, d128 bf16, 64x64 tiles, K/V through descriptors, ms persistent / LOOP "band"): w128 0.2265 / 0.2349,
 w256 0.2837 / 0.2922, w1024 0.712 / 0.680, w2048 1.29 / 1.17.  So it pays only where an item is short:
 sparse.py takes it by default for bands at most PERSIST_MAX_TILES key tiles wide.  The loops fused by Triton

@@ -52,7 +52,7 @@ class FastLaunch:
     """`FastLaunch(kernel)[grid](*args, **constexprs_and_options)` launches like `kernel[grid](...)`
     but, once a signature has compiled, skips JITFunction.run's per-call Python (binding into a dict,
     knob and hook lookups, launch metadata): measured 25.6 µs per launch of the norm kernel on the
-    H200 host vs 14 µs for a 3-argument kernel (benchmarks/host_cost.py), paid by every norm in a
+    H200 host vs 14 µs for a 3-argument kernel, paid by every norm in a
     decode step.  The first launch of a key goes through Triton itself (compile, cache); the key holds
     the device, every keyword (constexprs, num_warps, ...) and what Triton specializes each positional
     argument on (`_arg_key`), so a kernel compiled under other assumptions (alignment, int width,

@@ -9,11 +9,11 @@ cuda.aten.rms_norm      aten._fused_rms_norm, forward only: its backward op exis
                         separately computed rstd (rms_fwd_unfused); eager no-grad and grad-recording
                         calls use torch.rms_norm itself either way.
 cuda.aten.rms_norm_small_rows  the same code, ranked above the Triton RMSNorm for calls of <= 16 rows
-                        (decode), the bucket measured on the H200 (host_cost.py --decode-impls, 8 rows x
+                        (decode), the bucket measured on the H200 (host time per call, 8 rows x
                         2048, bf16): eager F.rms_norm, i.e. this kernel, took 15.9 us of host and 7.8 us
                         of GPU time per call vs 70.4 / 24.1 us for the Triton kernel pinned
-                        (benchmarks/results/host_tables_h200.txt).  At 65536 rows the Triton kernel is
-                        faster (norm_h1024_h200.json), so larger buckets keep it.
+                        (decode calls are host-bound).  At 65536 rows the Triton kernel is
+                        faster (the norm suite's t65536 h1024 rows), so larger buckets keep it.
 
 Eager no-grad calls (`inference`) go through torch.layer_norm / torch.rms_norm, eager PyTorch's own
 path (one call, no statistics handed back).  Eager grad-recording calls (`train`) may take the same

@@ -38,7 +38,7 @@ FEATURES = frozenset({"causal", "gqa", "cross_length"})
 # (fp32 element atomics in the dK/dV kernel cost more than recomputing QK^T and dP in a dQ kernel), so it
 # ranks below and is experimental (use_backend(..., experimental=True) to measure it).  Since session 9 it
 # reduces dQ on Hopper with one TMA bulk reduce-add per tile (_dq_tma_ok).  Measured in session 10
-# (results/attn_bwd_tma_probe_s10_h200.json; correct, rel err 2.5e-3 vs float64): still slower, b4 s4096 d128
+# (correct, rel err 2.5e-3 vs float64): still slower, b4 s4096 d128
 # 8.09 ms vs 6.85 deterministic and 5.34 cuDNN (causal 4.43 / 3.66 / 2.96; s16384 causal 15.00 / 13.08 / 10.58;
 # d64 causal 2.36 / 2.02 / 1.81), so it stays experimental.
 ATOMIC_DQ_PRIORITY_DELTA = -10
@@ -311,7 +311,7 @@ def _dq_tma_ok(q: torch.Tensor, d: int, block_d: int) -> bool:
 
 
 # The deterministic backward's dK/dV and dQ kernels on two streams (CUDA only).  H200 session 11
-# (benchmarks/attn_bwd_streams_probe.py, results/attn_bwd_streams_s11_h200.json; gradients bit-identical):
+# (gradients bit-identical):
 # 1.006-1.057x the one-stream backward in 8 of 8 cases (b4 s4096 d128 6.535 vs 6.572 ms, causal 3.560 vs
 # 3.631, GQA causal 3.465 vs 3.661, s16384 1.013-1.015x, d64 1.021x).
 CONCURRENT_BWD = True
@@ -491,7 +491,7 @@ def _bwd_ds(ctx, key, tune, tma_ok: bool, launch_kv, q, k, dq, causal, scale, pe
     first = chunks[0]
     kv_cfgs = _configs(ctx, "bwd_kv", d, tma_ok)
     if tma_ok:      # dS out through a descriptor: it won every d128 bucket of session 13 against plain stores
-        kv_cfgs = [{**c, "DS_TMA": True} for c in kv_cfgs]    # (results/kernel_configs_attn_fwdbwd_s13_h200.json)
+        kv_cfgs = [{**c, "DS_TMA": True} for c in kv_cfgs]
     scratch = sum(w.numel() * w.element_size() for w in bufs) + _split_bytes(group, per_chunk, sk, d)
     kv_cfgs = _with_lpt(_with_split(kv_cfgs, group, q, scratch <= dq_gemm.workspace_cap(ctx)), causal, q)
     cfg_kv = _BWD_KVDS.pick(key, kv_cfgs, lambda c: launch_kv(c, first, bufs[0]), tune)

@@ -11,7 +11,7 @@ Impls (priority; the dispatcher's measured choice per bucket overrides it under 
   cuda.cublas.gemm_epilogue    150  cuBLAS GEMM then torch activation / residual (unfused); 215 on Hopper
   and for swiglu_gemm: cuda.cublas.swiglu_gemm_small_m 250, cuda.triton.swiglu_gemm[_tma|_persistent]
   200/210/205, cuda.gluon.swiglu_gemm 195 (gluon_swiglu_gemm.py, Hopper), cuda.cublas.swiglu_gemm 150.
-Why (H200, bf16, torch 2.11, triton 3.6, benchmarks/gemm_norm_probe.py): the TMA kernel reaches
+Why (H200, bf16, torch 2.11, triton 3.6): the TMA kernel reaches
 0.88-0.96x cuBLAS on plain GEMMs, 0.91-0.98x torch._addmm_activation on bias+gelu_tanh, 1.01-1.08x
 addmm+silu on bias+silu and 1.07-1.22x eager on SwiGLU; at M = 8 cuBLAS is 2-5x faster.
 
@@ -52,7 +52,7 @@ CONFIGS = {
                       (256, 128, 64, 8, 3), (128, 64, 64, 4, 4)],
              "swiglu": [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4)],
              "small": [(16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (32, 64, 128, 4, 4), (64, 64, 64, 4, 4)],
-             # the winners of benchmarks/gemm_persistent_probe.py (H200): 2 programs of 128x128/8 warps per SM
+             # the winners measured on an H200: 2 programs of 128x128/8 warps per SM
              # at the BERT shapes (epilogue of one under the other's MMAs), 128x256 at 8192^3 and the
              # gemm suite's shapes, whole-tile stores at 12288x768x768.  The 128x256 entries exceed shared
              # memory with a residual epilogue (sm_90 compile: 245784 / 294944 B; the autotuner drops them)
@@ -375,12 +375,12 @@ def _cublas_swiglu_bwd(ctx, grad, x, w, bias):
 # plain): the unfused cuBLAS path ranks above Triton there.  Measured tuning (autotune=True /
 # tune_for_hardware) still picks per shape bucket.  SwiGLU keeps the Triton kernel (1.14x eager).
 EPILOGUE_PRIORITY_HOPPER = PRIORITY_TRITON + 15
-# The persistent kernel beat the TMA kernel at all 7 shapes of benchmarks/gemm_persistent_probe.py
-# (H200: 1.04-1.14x; results/gemm_persistent_probe_h200.json), so it ranks above it; below the cuBLAS
+# The persistent kernel beat the TMA kernel at all 7 shapes measured
+# (H200: 1.04-1.14x), so it ranks above it; below the cuBLAS
 # epilogue path, which it beats with an activation (BERT FFN1 bias+erf-GELU 1.07x addmm+gelu, bias+silu
 # 1.02x) but not on bias-only GEMMs (0.80-0.82x cuBLAS): measured tuning picks per bucket.  Its SwiGLU
 # is unmeasured and stays below the TMA kernel's.  Under autotune=True the tuner still picks cuBLAS+gelu
-# at FFN1 (results/gemm_persistent_verify_h200.json: 0.1436 ms vs 0.2234 ms): it times each impl eagerly,
+# at FFN1 (0.1436 ms vs 0.2234 ms): it times each impl eagerly,
 # and the TMA impls' host work per call (descriptors, autotuner, JIT binding) outlasts the L2 flush, while
 # Triton's own per-config timing of the same kernel reads 0.1353 ms.  Under CUDA graphs the kernel time
 # is what counts; the tuner does not time that way yet.

@@ -13,7 +13,7 @@ Passed the H200 conformance catalogue at 0802806, b82d17a and, with d128's pingp
 (14 pass / 0 fail; docs/conformance/cuda-h200-gluon-flash.md), so not experimental.  It ranks above the
 Triton impl and below the vendor (cuDNN / flash) impls; measurement decides between them (autotune / the
 tuning cache): `opsadv bench --suite attention` at 26cb27c chose it at b1 h32 s16384 d128, 1.035x cuDNN
-non-causal and 1.135x causal (results/attn_s16k_s7b_h200.json); at b4 s4096 the two are within 1% and the
+non-causal and 1.135x causal; at b4 s4096 the two are within 1% and the
 measured choice goes either way.  The Gluon backward of
 gluon_attention_bwd.py is correct on the H200 but slower than the Triton one, so it is not used.
 When triton.experimental.gluon does not import, the impl is still registered, rejecting every call
@@ -57,12 +57,12 @@ VARIANTS = {
     "pingpong_st3": dict(WARP_SPEC=True, PINGPONG=True, STAGES=3),
     # FA3's separate K and V pipelines: a K slot is refilled once its S has retired, without waiting
     # for the P V of the same tile (the kernel's SPLIT_EMPTY).  0 spills; H200: best non-causal MHA d128,
-    # behind pingpong_st3 causal (results/gluon_fa_sched_s7_h200.json).
+    # behind pingpong_st3 causal.
     "pingpong_kv": dict(WARP_SPEC=True, PINGPONG=True, STAGES=None, SPLIT_EMPTY=True),
     "pingpong_kv_st3": dict(WARP_SPEC=True, PINGPONG=True, STAGES=3, SPLIT_EMPTY=True),
     # Ping-pong with 1 in 2 / 1 in 4 of the unmasked tiles' exp2 on the FMA pipe (the kernel's EXP_EMU): at
     # d64 the MUFU unit's exp2 rate, not the tensor cores, bounds the forward.  Correct on the H200 but slower
-    # than pingpong (session 9, results/gluon_fa_emu_s9_h200.json): selectable, not default.
+    # than pingpong: selectable, not default.
     "pingpong_emu2": dict(WARP_SPEC=True, PINGPONG=True, STAGES=None, EXP_EMU=2),
     "pingpong_emu4": dict(WARP_SPEC=True, PINGPONG=True, STAGES=None, EXP_EMU=4),
     "pingpong_st3_emu4": dict(WARP_SPEC=True, PINGPONG=True, STAGES=3, EXP_EMU=4),
@@ -72,7 +72,7 @@ VARIANTS = {
 # byte-identical to the schedule measured on the H200 (its default).
 REMAT_HEAD_DIMS = (128,)
 # The schedule the impl launches, per head dim: the fastest correct one on the H200 at b82d17a
-# (benchmarks/results/gluon_fa_sched_s7_h200.json, bf16, x SDPA cuDNN in the same run; every schedule
+# (bf16, x SDPA cuDNN in the same run; every schedule
 # passed every check).  d128 pingpong_st3, non-causal / causal: b4 h32 s4096 1.016 / 1.001, b1 s16384
 # 1.015 / 1.219, GQA 32/8 b4 s4096 1.010 / 1.069 (inline_st3, the default before: 0.83 / 0.75, 0.83 / 0.91,
 # 0.80 / 0.87; pingpong_kv 1.052 / 0.900, 1.038 / 1.014, 0.996 / 0.996).  d64 pingpong 0.962 / 0.869 at
@@ -182,7 +182,7 @@ def _check(spec, env) -> list[str]:
 
 # Where this forward ranks above cuDNN (the vendor impls' priority) without a measurement on the caller's machine
 # (rank()): no-grad d128 causal self-attention (GQA too) over long sequences.  H200, attention suite at bd08067
-# (results/attn_full_f2_s23_h200.json, tuned, this impl vs SDPA-cuDNN): b4 h32 s4096 bf16 1.091x, fp16 1.094x,
+# (tuned, this impl vs SDPA-cuDNN): b4 h32 s4096 bf16 1.091x, fp16 1.094x,
 # b1 h32 s16384 1.112x, GQA kv8 s16384 1.096x.  Not ranked where cuDNN won or tied: s1024 (0.90x), d64 (0.92x at
 # s4096, 1.02x at s16384), non-causal (1.00-1.03x), and grad-recording calls (the train bucket times fwd + bwd:
 # cuDNN's pair won every d128 row).
@@ -218,7 +218,7 @@ def impls(env) -> list[KernelImpl]:
                     "ragged s, bottom-right causal, GQA by index); Triton backward from out + lse", **common),
         # the same forward with the single-kernel backward whose dQ goes through TMA reduce-adds: correct on the
         # H200 but slower than the deterministic two-kernel backward (session 10: 8.09 vs 6.85 ms at b4 s4096
-        # d128, results/attn_bwd_tma_probe_s10_h200.json), so it stays experimental
+        # d128), so it stays experimental
         KernelImpl(
         id=IMPL_ID + ".atomic_dq", backward=gluon_bwd_atomic, priority=PRIORITY_TRITON + 5, deterministic=False,
         experimental=True, description="the Gluon forward; Triton single-kernel backward, dQ by TMA bulk "

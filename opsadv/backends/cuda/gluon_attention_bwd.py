@@ -1,7 +1,7 @@
 """Host side of the Gluon FA3-style attention backward for Hopper (_gluon_fa_bwd_kernel.py, issue #3).
 
-Status (H200, 6e8a381, results/gluon_fa_bwd_h200.json and gluon_fa_bwd_checks_h200.json): correct
-(every check of bwd_probe.py, bf16/fp16, causal, ragged, GQA/MQA, decode, s_q != s_k with empty rows;
+Status (H200, 6e8a381): correct
+(every GPU check, bf16/fp16, causal, ragged, GQA/MQA, decode, s_q != s_k with empty rows;
 the GPU tests of tests/test_gluon_attention_bwd.py pass) but SLOWER than our Triton backward: b4 h32
 s4096 d128 7.04 ms vs 6.82 (cuDNN 5.55), causal 3.82 vs 3.33 (cuDNN 2.75), GQA 32/8 7.15 vs 7.13;
 3 ring stages change nothing, 1 stage is slower.  So it is not the backward of impl
@@ -11,7 +11,7 @@ another warp instead of atomics from the GEMM warps.  (The key rows are already 
 of the two GEMM warpgroups holds 64 of the 128 keys of dK/dV.)
 
 Session 6 schedules, VARIANTS (compiled for sm_90 on CPU, 0 STL/LDL and 0 stack at d64/d128, bf16/fp16,
-causal or not).  H200 at b82d17a (results/gluon_fa_bwd_sched_s7_h200.json): ws and ws_dqw pass every
+causal or not).  H200 at b82d17a: ws and ws_dqw pass every
 check, and none wins: b4 h32 s4096 d128 bf16, ms inline / ws / ws st3 / ws_dqw / Triton / cuDNN:
 non-causal 7.05 / 6.99 / 7.01 / 7.37 / 6.76 / 5.46, causal 3.85 / 3.82 / 3.83 / 4.06 / 3.34 / 2.86, GQA 32/8
 7.09 / 7.17 / 7.11 / 7.48 / 6.89 / 5.48.  The producer warp gains <1%, dQ through smem costs 5%: the
@@ -25,7 +25,7 @@ limit is the GEMM warps' own issue rate, not the loads or the atomics.  DEFAULT_
   * ws_dqw: ws + dqfirst, and dQ_part goes through a 32 KB float32 shared buffer to the producer warp,
     which issues the atomics (red.global.add.v4.f32): the GEMM warps only do 16 st.shared.v2 per tile.
     smem 198,972 B at d128 (3 stages: 231,788 of 232,448).
-bwd_probe.py checks every schedule (NaN-poisoned, against float32 autograd) before timing it next to
+A schedule is checked (NaN-poisoned, against float32 autograd) before timing it next to
 "inline", Triton and cuDNN; a schedule becomes DEFAULT_VARIANT only if it passes every check and beats
 "inline" causal and not.
 
@@ -48,14 +48,14 @@ except Exception as e:  # ImportError, or an older Triton whose Gluon lacks a na
 
 
 # True only once the kernel beats the Triton backward on the H200 (then wire impl_backward into
-# gluon_attention.impls(); see benchmarks/gluon_fa/README.md).  While False, impl_backward is the Triton
+# gluon_attention.impls()).  While False, impl_backward is the Triton
 # FlashAttention-2 backward.
 USE_GLUON_BWD_IN_IMPL = False
 LOG2E = 1.4426950408889634
 # Q/dO ring depth: 2 stages = 32 KB x 2 next to K, V (64 KB) and dS (16 KB) at d128.
 DEFAULT_STAGES = 2
 # Named kernel schedules (the kernel's constexprs; see _gluon_fa_bwd_kernel's docstring).  Only "inline"
-# has run on a GPU; the others are compiled (0 spills) and NOT yet run on a GPU: bwd_probe.py checks and
+# has run on a GPU; the others are compiled (0 spills) and NOT yet run on a GPU: a GPU run checks and
 # times them next to "inline", and one becomes DEFAULT_VARIANT only if it is correct and faster there.
 VARIANTS = {
     "inline": dict(WARP_SPEC=False, DQ_FIRST=False),      # the consumers issue their own TMA loads

@@ -4,7 +4,7 @@
 
 Not experimental since session 9: pinned H200 conformance at b28714e passed (10 pass, 0 fail; the skips are
 K / N not multiples of 8 and fp32 / fp64: docs/conformance/cuda-h200-gluon-gemm.md), and every variant passes
-every check against float64 (benchmarks/gluon_gemm/probe.py: odd M 1 / 7 / 127, capped persistent grids, every
+every check against float64 (odd M 1 / 7 / 127, capped persistent grids, every
 epilogue; sessions 8 and 9).  It ranks below the Triton impls (PRIORITY_TRITON - 5): the dispatcher's
 measurement decides per shape bucket.
 
@@ -20,7 +20,7 @@ sm_90 compile (GPUTarget("cuda", 90, 128), triton 3.6.0, on CPU; tests/test_gluo
 variant x activation x dtype x residual): 0 spills / stack 0 everywhere; consumers setmaxnreg 240 with up to
 R237 used (gelu_tanh / silu with a residual), producer warp 24; shared memory coop / coop_256x128 213,204 B, pingpong
 196,888 B, pingpong_st5 229,688 B (sm_90 limit 232,448).  On the H200 (session 8): every variant passes every
-check vs float64 (benchmarks/gluon_gemm/probe.py); timings in results/gluon_gemm_s8*_h200.json."""
+check vs float64."""
 from __future__ import annotations
 
 import functools
@@ -67,7 +67,7 @@ VARIANTS = {
 # coop / coop_tanh with stream-K: the K-slices of the last waves' tiles shared evenly by the CTAs (stream_k_plan),
 # for tile counts that leave a partial wave (8192^3: 2048 tiles of 128 x 256 on 132 SMs, 15.5 waves).  They pass
 # every GPU check (session 18) but are not among the tuned VARIANTS: on the H200 they ran 0.977-0.998x their base
-# schedule at 8192^3 and 16384 x 4096 x 11008 (median of 5 interleaved rounds, results/sk_probe_rounds_s18b_h200.json)
+# schedule at 8192^3 and 16384 x 4096 x 11008 (median of 5 interleaved rounds)
 # -- a power-limited GEMM gains little from the idle tail's SMs -- while the SwiGLU kernel's twins won 2.4-2.7%
 # at those shapes and are tuned there (gluon_swiglu_gemm.VARIANTS).  Launchable by name (tests, probes).
 STREAM_K_VARIANTS = {
@@ -77,7 +77,7 @@ STREAM_K_VARIANTS = {
 ALL_VARIANTS = {**VARIANTS, **STREAM_K_VARIANTS}
 TANH_ACTIVATIONS = ("gelu_tanh", "silu")     # the ones a TANH variant changes
 # coop: 0.969-0.976x cuBLAS plain (8192^3), 1.116x the best peer on bias+gelu_tanh in one of two H200 runs;
-# pingpong 0.86-0.89x plain, ahead on bias+silu by 0.3% (results/gluon_gemm_s8*_h200.json).  Calls through
+# pingpong 0.86-0.89x plain, ahead on bias+silu by 0.3%.  Calls through
 # the op measure every variant per shape bucket (_VARIANT_TUNER) where the profile autotunes.
 DEFAULT_VARIANT = "coop"
 CONSUMER_REGS = 240   # per thread, each ping-pong consumer warpgroup (setmaxnreg); 2 x 240 + 24 <= 512

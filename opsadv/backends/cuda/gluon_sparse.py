@@ -10,7 +10,7 @@ masks (any block size whose refinement to the 128-tiles stays small), sliding wi
 varlen batches (cu_seqlens; the kernel has no segment masks).  q/k/v may be any strided (b, h, s, d)
 view with unit stride along d and 16-byte aligned strides; other views are copied first.
 
-H200 at fc70817 (benchmarks/gluon_fa/sparse_probe.py, results/gluon_sparse_fwd_h200.json): every probe
+H200 at fc70817: every probe
 check passed (11 layouts x both schedules vs float32, fwd+bwd through the op vs float64).  s=16384 causal
 windows, d128 bf16 b1 h32, ms Gluon persistent / Triton sparse / flex: w1024 0.696 / 0.709 / 0.849
 (1.22x flex, 0.79x the Triton dense causal TFLOP/s; targets 1.3x and 0.85x not met), w128 0.276 / 0.251,
@@ -36,7 +36,7 @@ CPU sm_90 compile, causal window d128 bf16, STL/LDL / stack / smem: default 6 (o
 196,916 B; pingpong 0 / 0 / 197,032; pingpong_kv 0 / 0 / 197,064; st3 0 / 0 / 229,724; pingpong_st3 0 / 0 /
 229,816; q1 0 / 0 / 164,140.  Masked modes spill in the ping-pong schedules (global tokens: 4 inside the
 masked loop; block masks: outside the loops), so they serve windows and causal layouts only.
-H200 at b82d17a (results/gluon_sparse_sched_s7a_h200.json / _s7b_: every schedule passed every probe check,
+H200 at b82d17a (every schedule passed every probe check,
 both grids), s16384 causal windows d128 bf16 b1 h32, ms default / pingpong_st3 (persistent, one item per CTA) /
 Triton sparse / flex: w1024 0.703 / 0.698, 0.772 / 0.691 / 0.847; w2048 ~1.26 / 1.091, 1.169 / 1.233 / 1.414;
 w4096 2.08 / 1.887, 1.966 / 2.089 / 2.444; w8192 3.50 / 3.219, 2.991 / 3.385 / 4.077; w128-w512 the
@@ -45,10 +45,10 @@ window/causal layouts from SCHEDULE_PINGPONG_MIN_TILES visited tiles per row, it
 PINGPONG_PERSISTENT_MAX_TILES, and the default schedule elsewhere; since session 20 it takes pingpong_st3_kslot
 there, which beats the default from ~2 tiles per row (the threshold's comment has the numbers).
 No-grad calls that do not ask for the lse (the op's inference bucket) run `sparse_fwd_infer`: the kernel built with
-WRITE_LSE off (H200, session 21, results/sparse_ab_s21a_h200.json: +3.0% at w256, +0.2-0.4% at w1024 / w2048).
+WRITE_LSE off (H200: +3.0% at w256, +0.2-0.4% at w1024 / w2048).
 Masks (MASK_MODES): band layouts (windows / causal; no mixed block mask, key padding or global tokens) take the
 interval mask, two per-row key bounds instead of the element predicate: bitwise the same output, and at 8c5ae80
-(H200, benchmarks/gluon_fa/sparse_boundary_probe.py, results/sparse_boundary_s19_h200.json; same shapes) the
+(H200, same shapes) the
 default schedule 0.680 vs 0.726 ms at w1024, 1.184 vs 1.219 at w2048; pingpong_st3 1.095 vs 1.093 at w2048, 1.787
 vs 1.819 at w4096.  Compiled for sm_90: the default schedule's spills outside the loops (7), 0 with pingpong_st3.
 
@@ -95,7 +95,7 @@ PRODUCER_REGS = 24              # the 1-warp TMA producer (setmaxnreg); consumer
 CONSUMER_REGS = 240             # each ping-pong consumer warpgroup (2 x 240 + 24 <= 512 per thread x 128)
 DEFAULT_VARIANT: dict = {}           # {"persistent": bool, "stages": int, ...}: overrides auto_schedule()
 # Named schedules for the benchmarks and tests (see _gluon_sparse_kernel's docstring); all checked and timed
-# on the H200 (benchmarks/gluon_fa/sparse_probe.py).
+# on the H200.
 VARIANTS = {
     "default": {},                                  # 8 consumer warps, 2 Q slots, STAGES[d]
     "pingpong": {"pingpong": True},                 # 2 consumer warpgroups taking GEMM turns, STAGES[d]
@@ -110,8 +110,8 @@ VARIANTS = {
     # (measured where the ping-pong epilogue's time went: sparse_trace_probe.py, session 20)
     "pingpong_st3_kslot": {"pingpong": True, "stages": 3, "mask": "interval", "o_kslot": True},
     # the same with each item's epilogue (normalization, lse, O copy) run under the next item's first S = Q K^T
-    # (session 22: benchmarks/gluon_fa/sparse_schedule_model.py ranked it +3.6% at w1024).  H200, session 23
-    # (results/sparse_ab_s23_h200.json, 51850ec): bitwise equal to pingpong_st3_kslot but runs 0.943 / 0.951 / 0.959
+    # (a CPU timing model ranked it +3.6% at w1024).  H200
+    # (51850ec): bitwise equal to pingpong_st3_kslot but runs 0.943 / 0.951 / 0.959
     # / 0.987x its speed at w256 / 1024 / 2048 / 4096 (median round ratios) -- a measured control, not auto_schedule's
     "pingpong_st3_kslot_es0": {"pingpong": True, "stages": 3, "mask": "interval", "o_kslot": True, "early_s0": True},
 }
@@ -126,10 +126,10 @@ PERSISTENT_MAX_TILES = 24          # mean visited tiles per (b, h, query tile) u
 # pingpong_st3 (module docstring, b82d17a): faster than the default from ~17 tiles per row (w2048: 1.09 vs
 # 1.26 ms), a tie at ~9 (w1024), slower below; its persistent grid wins at ~33 (w4096: 1.887 vs 1.966) and
 # loses at ~65 (w8192: 3.219 vs 2.991).  Thresholds sit between the measured points.  Session 20 (c7efee3,
-# results/sparse_trace_s20c_h200.json, persistent, ms default / pingpong_st3_kslot): with O leaving through the
+# persistent, ms default / pingpong_st3_kslot): with O leaving through the
 # last K tile the ping-pong schedule wins from ~3 tiles per row: w256 0.312 / 0.267, w512 0.438 / 0.364, w1024
-# 0.684 / 0.577, w2048 1.145 / 0.969, w4096 2.015 / 1.707; and at w128 (~2 tiles per row, 0db51d2,
-# results/sparse_short_rows_s20b_h200.json) 0.295 / 0.260.  Rows of ~1 tile were not measured.
+# 0.684 / 0.577, w2048 1.145 / 0.969, w4096 2.015 / 1.707; and at w128 (~2 tiles per row, 0db51d2)
+# 0.295 / 0.260.  Rows of ~1 tile were not measured.
 SCHEDULE_PINGPONG_MIN_TILES = 1.5
 PINGPONG_PERSISTENT_MAX_TILES = 48
 
@@ -395,7 +395,7 @@ def _check(spec, env) -> list[str]:
 # Where this impl ranks above the Triton sparse impl without a measurement on the caller's machine (rank()):
 # d128 band layouts (window, optionally causal; no global tokens, key padding, packed varlen, GQA or q / k of
 # different lengths) with a window span of more than 512 keys over long sequences.  H200 bf16 s16384 h32 causal
-# (the sparse suite's tuner at 8c58d4f, results/tuning_sparse_s23_h200.json, ms Gluon / Triton): window span
+# (the sparse suite's tuner at 8c58d4f, ms Gluon / Triton): window span
 # bucket 1024 (w512) 0.352 / 0.413, 2048 (w1024) 0.558 / 0.664, 4096 0.931 / 1.106, 8192 1.621 / 1.843, 16384
 # 2.770 / 3.003; training (fwd + bwd) at w1024 2.583 / 2.714; below that the Triton kernel wins (w256 0.302 / 0.272,
 # w128 0.284 / 0.214) and it stays first.  The bucket does not tell a window over an all-True block mask from one

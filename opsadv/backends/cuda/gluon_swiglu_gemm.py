@@ -3,14 +3,14 @@
     out = silu(x @ W_g + b_g) * (x @ W_u + b_u)      x (..., K), w_gate_up = [W_g | W_u] (K, 2N); bf16 / fp16
 
 Why: the Triton SwiGLU GEMM (cuda.triton.swiglu_gemm_tma) ran at 653-665 TFLOP/s on the H200 where the Gluon
-GEMM's cooperative schedule ran plain GEMMs at 691-694 (results/gemm_fwd_s17d_h200.json, 9bd6b69); SwiGLU is
+GEMM's cooperative schedule ran plain GEMMs at 691-694 (9bd6b69); SwiGLU is
 one GEMM of twice the columns, so it should run at the GEMM's rate.  The kernel (_gluon_swiglu_kernel.py) is
 that schedule with two B boxes (gate and up columns of the same weight) per ring slot and two accumulators.
 
 Not experimental: on the H200 at 7a12dcb (session 17) its 42 GPU tests passed (tests/test_gluon_swiglu_gemm.py -k gpu:
 every variant vs float64, odd M / N / K tails, both weight layouts, bias, capped grids) and so did pinned conformance
 (docs/conformance/cuda-h200-gluon-swiglu.md, 6 pass / 0 fail); the suite's four SwiGLU shapes then ran at 696-709
-TFLOP/s (results/gemm_swiglu_s17e_h200.json: 1.10-1.22x eager, 1.05-1.07x torch.compile).  The dispatcher measures it
+TFLOP/s (1.10-1.22x eager, 1.05-1.07x torch.compile).  The dispatcher measures it
 per shape bucket against the Triton and cuBLAS impls like every other impl.  Host side as
 cuda.gluon.gemm (gluon_gemm.py): leading dims of x flattened, TMA descriptors (K and N multiples of 8), an
 nn.Linear-style weight.t() read as (2N, K) rows without a copy.  Backward: the Triton TMA SwiGLU backward."""
@@ -40,9 +40,9 @@ IMPL_ID = "cuda.gluon.swiglu_gemm"
 #   coop_tanh: coop with the sigmoid through one tanh.approx (the Gluon GEMM's TANH_FAST; relative error ~2^-11)
 #   coop_sk / coop_tanh_sk: coop / coop_tanh with stream-K (the last waves' K-slices shared evenly by the CTAs: a
 #              launch of 4096 tiles on 132 SMs otherwise idles 3%; gluon_gemm.stream_k_plan).  H200, session 18
-#              (results/sk_probe_rounds_s18b_h200.json, median of 5 interleaved rounds): 1.024-1.027x coop and
+#              (median of 5 interleaved rounds): 1.024-1.027x coop and
 #              1.013-1.026x coop_tanh at 8192^3 and 16384 x 4096 x 11008 (4096 tiles each); the suite's SwiGLU
-#              rows then ran at 700-726 TFLOP/s, 1.153-1.228x eager (results/gemm_swiglu_sk_s18b_h200.json).
+#              rows then ran at 700-726 TFLOP/s, 1.153-1.228x eager.
 VARIANTS = {
     "coop": dict(BM=128, BN=128, BK=64, STAGES=4, num_warps=8),
     "coop_st3": dict(BM=128, BN=128, BK=64, STAGES=3, num_warps=8),

@@ -45,7 +45,7 @@ def fwd_candidates(n: int) -> tuple[tuple[int, int, bool, int], ...]:
     (EVICT); CHUNK 0 holds whole rows in registers.  fwd_config came from a sweep at hidden 4096; at 65536 x 1024
     it ran 0.966x torch.compile (ead87e0).  EVICT was added after RMSNorm 16384 x 8192 read 0.952x compile
     (f5455f1); it did not close that (2fc9344: 0.957x).  Inductor's kernel there is a looped reduction that
-    re-reads the row from L2 (results/norm_compile_probe_s14_h200.json): rows of >= 4096 columns also get
+    re-reads the row from L2: rows of >= 4096 columns also get
     looped tiles (one row, CHUNK columns at a time, the hints always on)."""
     block, rows, warps = fwd_config(n)
     tiles = [(rows, warps)]
@@ -58,7 +58,7 @@ def fwd_candidates(n: int) -> tuple[tuple[int, int, bool, int], ...]:
               for w in (4, 8, 16) if c >= 32 * w * 4]
     # each looped tile also with the hidden size compiled in (a 5th field, True: N_FIXED): Inductor's looped kernel
     # has it so, and the loop unrolls with every chunk's loads in flight (sm_90 PTX: 4 loads before the first sum
-    # at 8192 / 2048, one per iteration with a run-time N).  Session 16 (results/norm_fwd_rms_s16e_h200.json): picked
+    # at 8192 / 2048, one per iteration with a run-time N).  On the H200: picked
     # at hidden 8192, RMSNorm 16384 x 8192 0.998x torch.compile (0.980x with the run-time-N tiles alone)
     looped += [(*c, True) for c in looped]
     return tuple((r, w, False, 0) for r, w in tiles) + tuple((r, w, True, 0) for r, w in tiles) + tuple(looped)
@@ -71,7 +71,7 @@ LOOP_CHUNKS = (1024, 2048, 4096)  # columns per step of the looped forward (>= 4
 @functools.lru_cache(maxsize=None)
 def bwd_config(n: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, ROWS, num_warps, programs per SM) of the persistent backward, from an H200 sweep
-    (benchmarks/norm_bwd_probe.py): tiles of 4K-8K elements, 16-32 per thread, one or two programs
+    (measured on the H200): tiles of 4K-8K elements, 16-32 per thread, one or two programs
     per SM (x, dy, the prefetched next tile and the fp32 dweight/dbias accumulators fill the
     registers; more resident programs spilled or lost to the larger tiles)."""
     block = _next_pow2(n)

@@ -22,8 +22,8 @@ def _t(bm, bn, w, s, tma=False, **flags) -> dict:
 # 128: d <= 128, 256): the first config is the default, the list the autotune space.
 # bwd_kv: BLOCK_N is the kv block a program owns, BLOCK_M the q block it loops over.
 ATTN_TILES = {
-    "h100": {   # pruned to the winners measured on an H200 (benchmarks/attention_probe.py, 2026-11-29);
-                # 2026-11-29 variant sweep (benchmarks/attn_variants_probe.py, results/attn_variants_h200.json):
+    "h100": {   # pruned to the winners measured on an H200 (2026-11-29);
+                # 2026-11-29 variant sweep:
                 # fwd d128: 128x128/8/3 was 4% faster causal than 64x64/4/3 in two same-process sweeps, but
                 # `opsadv bench` measured the [own] causal row at 0.899x cuDNN with 64x64 first (4e42928) and
                 # 0.825x with 128x128 first (a3e4f98), non-causal 0.777x both: 64x64 stays the default; warp specialization (WS) compiles at 128x128/8 warps (not 128x64/4 or
@@ -37,7 +37,7 @@ ATTN_TILES = {
         # backward TMA configs (session 10; streamed tiles through descriptors): compiled for sm_90 they cut the
         # dK/dV kernel's spills (64x64/4/2 d128 b4 s4096: 44 B -> 0 non-causal, 68 -> 32 causal) and the dQ
         # kernel's registers (128x64/8/3: 206 -> 158).  Timed on the H200 in session 11
-        # (results/attn_bwd_tma_loads_s11_h200.json): d128 with both kernels' TMA tiles 1.040x / 1.028x / 0.995x /
+        # (pinned kernel pairs): d128 with both kernels' TMA tiles 1.040x / 1.028x / 0.995x /
         # 1.057x the plain defaults (b4 s4096, causal, s16384 causal, GQA causal), so d128 starts with them; at d64
         # no TMA pair won (0.99x), so they stay in the space there
         "bwd_kv": {64: [_t(64, 64, 4, 3), _t(32, 64, 4, 3), _t(32, 128, 4, 5), _t(64, 64, 4, 2),
@@ -52,7 +52,7 @@ ATTN_TILES = {
         # bwd_kv 64x64/8/2 TMA (session 13): with the dS store (the "ds" backward) the causal 64x64/4/2 kernel spills
         # 80-92 B on sm_90 (ptxas), 8 warps do not (217-226 registers; tests/test_attention_ds_backward.py); not timed yet
         # the dQ GEMM over a materialized dS (_attn_dq_gemm.py; BLOCK_M queries x BLOCK_N keys per step): streams
-        # dS from memory, so deep pipelines.  Session 13 (results/kernel_configs_attn_fwdbwd_s13_h200.json): 128x64
+        # dS from memory, so deep pipelines.  Tuned on the H200: 128x64
         # with 8 warps won every d128 bucket (3 or 4 stages); the TMA-load variants were added after that run
         "bwd_dsq": {64: [_t(128, 64, 8, 4), _t(128, 128, 8, 3), _t(64, 128, 4, 4), _t(128, 64, 4, 4),
                          _t(128, 64, 8, 4, True), _t(128, 64, 4, 4, True)],

@@ -9,7 +9,7 @@ backward without recomputation come straight from the vendor kernels.
 SDPA's is_causal is aligned TOP-LEFT when s_q != s_k, opsadv's causal bottom-right: causal with
 different lengths is rejected (the Triton or reference impl serves it).  GQA: cuDNN and flash read
 the kv heads natively (cuDNN's forward and backward take h_kv < h_q: checked on the H200 with torch
-2.11, benchmarks/gqa_cudnn_probe.py, 0.99 ms vs 1.24 ms when expanding, b4 h32/8 s4096 d128 causal);
+2.11, 0.99 ms vs 1.24 ms when expanding, b4 h32/8 s4096 d128 causal);
 efficient gets K/V expanded to the q heads (and dK/dV summed back).
 Dropout is never used, so the philox seed/offset placeholders passed to the backward ops are unread.
 
@@ -83,7 +83,7 @@ def cudnn_infer(ctx, q, k, v, attn_mask, causal, scale):
 def _like_q(t: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """t in the layout cuDNN's forward gave its output (that of torch.empty_like(q)).  Its backward
     assumes out and dout share it: given out/dout in another layout (e.g. contiguous, as compiled
-    graphs pass them) it returned wrong gradients on the H200 (benchmarks/compile_layout_check.py)."""
+    graphs pass them) it returned wrong gradients on the H200."""
     ref = torch.empty_like(q, dtype=t.dtype)
     if t.stride() == ref.stride():
         return t

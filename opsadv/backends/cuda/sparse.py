@@ -36,7 +36,7 @@ MAX_REFINE_CELLS = 1 << 26      # tile classification grid (gcd of block size an
 
 # (fwd BLOCK_M, BLOCK_N, warps, stages[, rescale threshold]), (dq BLOCK_M, BLOCK_N, warps, stages), (dkdv BLOCK_M, BLOCK_N, warps, stages)
 # keyed by profile name, then head-dim class ("small" <= 128 < "large").  h100 "small": the best of a sweep
-# on an H200 (benchmarks/sparse_probe.py, s=16384 window 1024 causal d128 bf16; results/sparse_probe_h200.json).
+# on an H200 (s=16384 window 1024 causal d128 bf16).
 TILES = {
     "h100": {"small": ((64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 2)),
              "large": ((64, 32, 8, 2), (32, 32, 4, 2), (32, 32, 8, 1))},   # d=256: fp32 accumulators fit registers
@@ -51,8 +51,8 @@ TILES = {
 }
 
 
-# Forward tile for long rows, by profile: (tile, min mean keys per row).  H200 (benchmarks/sparse_fwd_probe.py,
-# results/sparse_fwd_probe_h200.json, causal windows, s16384 d128 bf16, "run" loop): 128x128/8/3 vs 64x64/4/3
+# Forward tile for long rows, by profile: (tile, min mean keys per row).  H200 (
+# causal windows, s16384 d128 bf16, "run" loop): 128x128/8/3 vs 64x64/4/3
 # w2048 1.236 vs 1.343 ms, w4096 2.111 vs 2.259, w8192 3.447 vs 3.689; but w1024 0.782 vs 0.727, w256 0.443
 # vs 0.312 and the packed varlen batch 1.693 vs 1.564 (segment edges: more masked work).  So only for
 # layouts whose full tiles are one run per row, without segments, key padding or a mixed block mask, and
@@ -128,7 +128,7 @@ def _allowed(offs_m, offs_n, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, seg_ptr, pos_ptr, 
 
 
 # ---- forward -------------------------------------------------------------------------------------------
-# Loop variants (constexpr LOOP), measured on an H200 by benchmarks/sparse_fwd_probe.py:
+# Loop variants (constexpr LOOP), measured on an H200:
 #   0 "list":     partial tiles, then full tiles, each column id loaded from COLS inside the loop.  Triton's
 #                 pipeliner treats the K/V loads as indirect (address from a load in the same iteration) and
 #                 halves their latency budget: the full-tile loop got 2 buffers and waited for every copy at
@@ -157,21 +157,21 @@ def _allowed(offs_m, offs_n, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, seg_ptr, pos_ptr, 
 #                 takes it for bands of <= PERSIST_MAX_TILES key tiles (below).
 LOOP_IDS = {"list": 0, "prefetch": 1, "run": 2, "fused": 3, "fused_run": 4, "band": 5, "band_fused": 6,
             "band_persist": 7}
-# H200 (results/sparse_fwd_probe_h200.json, two runs, 64x64/4/3): "run" vs "list" w256 0.308 vs 0.332 ms,
+# H200 (two runs, 64x64/4/3): "run" vs "list" w256 0.308 vs 0.332 ms,
 # w1024 0.726 vs 0.787, w4096 2.170 vs 2.461, w8192 3.615 vs 4.046, varlen 1.558 vs 1.771; global+window
 # ("prefetch", full tiles not one run) 0.749 vs 0.918.  "fused"/"fused_run" were ~3% faster at w256 and
 # 1-7% slower from w1024 up.  REVERSE: -2% on varlen, +3..5% on w4096/w8192: off.
 # "tma" (K/V through descriptors; True / False, or "contiguous": only for layouts without segments, key padding
-# or a mixed block mask).  H200 session 11 (results/sparse_fwd_tma_s11_h200.json, causal windows s16384 d128
+# or a mixed block mask).  H200 (causal windows s16384 d128
 # bf16, "run" 64x64/4/3): w256 0.307 vs 0.319 ms, w1024 0.679 vs 0.741, w2048 1.196 vs 1.300 (128x128/8/3:
 # 1.216 vs 1.307); the packed varlen batch slower, 1.831 vs 1.642 (causal 1.088 vs 0.974); global / block-mask
 # layouts not measured.  Hence "contiguous".
-# "band" (session 15, results/sparse_fwd_probe_band_s15b_h200.json, 60e9cea, s16384 causal windows d128 bf16, TMA K/V,
+# "band" (60e9cea, s16384 causal windows d128 bf16, TMA K/V,
 # ms band / run): 64x64 w128 0.234 / 0.248, w256 0.299 / 0.310, w1024 0.691 / 0.707, w2048 1.200 / 1.240; 128x128
 # w2048 1.161 / 1.184; the masked tiles first the same within 1%.
 # Layouts that are not bands take "run".
 # "persist_max_tiles": "band" becomes "band_persist" where the band is at most this many key tiles wide (session 16,
-# results/sparse_fwd_probe_persist_s16a_h200.json, 64x64 tiles: w128 = 3 tiles 0.2265 vs 0.2349 ms, w256 = 5 tiles
+# 64x64 tiles: w128 = 3 tiles 0.2265 vs 0.2349 ms, w256 = 5 tiles
 # 0.2837 vs 0.2922; w1024 = 17 tiles 0.712 vs 0.680).  Only without a variant: one naming its loop runs it as named.
 PERSIST_MAX_TILES = 5
 FWD_DEFAULT = {"loop": "band", "reverse": False, "tma": "contiguous", "persist_max_tiles": PERSIST_MAX_TILES}
@@ -414,15 +414,15 @@ def _sparse_fwd(Q, K, V, O, LSE, ROWS, COLS, BM, KPM, SEG, POS, k_desc, v_desc,
 #   1 "prefetch": the next id loaded one iteration ahead (partial and full loops); any layout.
 #   2 "run":      partial ids prefetched, full tiles walked as the range [cols[n_part], +n_full) when every
 #                 row (dK/dV: every key tile) has them as one run (TileIndex.full_run / t_full_run), else 1.
-# sm_90 TTGIR (benchmarks/sparse_bwd_ir.py, notes in benchmarks/sparse_bwd_notes.md): at the h100 profile's
+# sm_90 TTGIR: at the h100 profile's
 # 2 stages every variant gets 2 K/V (Q/dO) buffers with async_wait num=0 (prefetch distance 1 is all two
 # stages give); at 3 stages "list"'s full-tile loop keeps 2 buffers / wait 0 (the id load takes stage 0,
 # the forward's problem) while "prefetch"/"run" get 3 buffers.  Not measured on a GPU yet: the default
-# stays "list" until an H200 run of benchmarks/sparse_bwd_probe.py says otherwise.
+# stays "list" until an H200 measurement says otherwise.
 BWD_LOOP_IDS = {"list": 0, "prefetch": 1, "run": 2}
 # "tma": q / dO (dK/dV kernel) and k / v (dQ kernel) through descriptors (True / False / "contiguous" as the
 # forward's, or "no_mixed_mask": all but mixed block masks); "streams": the dQ kernel on a side stream next to
-# the dK/dV one (CUDA).  H200 session 11 (results/sparse_bwd_tma_s11_h200.json, dd42066, s16384 d128 bf16 causal
+# the dK/dV one (CUDA).  H200 (dd42066, s16384 d128 bf16 causal
 # windows; GPU tests 4 passed): tma + streams 1.057x / 1.084x / 1.079x the pointer-load one-stream backward at
 # w256 / w1024 / w2048 (tma alone 1.039-1.065x, streams alone 1.014-1.023x), the packed varlen batch 1.182x.
 # Mixed block masks (the gather path) were not measured: pointer loads there.

@@ -18,11 +18,11 @@ from .gemm import _poisoned
 MAX_BLOCK_N = 1024   # columns per program in the default tile; 4 warps x 32 lanes x 8 elements
 # (ROWS, BLOCK_N cap, num_warps) tiles measured per shape bucket where the profile autotunes; the first is the
 # default (one row, up to 1024 columns: on the H200 at a10ecac the forward read 0.2666 ms at 16384 x 11008
-# against 0.2529 for torch.compile's pointwise kernel, 0.948x; results/gemm_train_s10_h200.json).  Wider and
+# against 0.2529 for torch.compile's pointwise kernel, 0.948x).  Wider and
 # taller tiles issue fewer, longer programs and waste less of a ragged last column block.  At 45a6b0b the tuner
 # chose (1, 4096, 8): 0.955x compile.  ROWS 0: BLOCK_N elements of the flattened output per program, as
 # compile's pointwise kernel walks it (no ragged block per row): at d49d54c the tuner chose (0, 1024, 4) both
-# ways, forward 0.999x compile (4.3 TB/s), fwd+bwd 1.40x (results/swiglu_act_s10b_h200.json).
+# ways, forward 0.999x compile (4.3 TB/s), fwd+bwd 1.40x.
 CONFIGS = ((1, 1024, 4), (1, 2048, 8), (2, 1024, 4), (4, 1024, 8), (1, 4096, 8), (8, 512, 8), (0, 1024, 4),
            (0, 2048, 8), (0, 4096, 8))
 FLAT_INT32_LIMIT = 2 ** 31     # flattened tiles (ROWS 0) index in int32 below this many elements
