@@ -17,9 +17,12 @@ from opsadv import ops
 from .state import scope_of
 
 
+_is_compiling = torch.compiler.is_compiling
+_is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+
+
 def _exporting() -> bool:
-    comp = getattr(torch, "compiler", None)
-    return bool(comp and (comp.is_compiling() or getattr(comp, "is_exporting", lambda: False)()))
+    return bool(_is_compiling() or _is_exporting())
 
 
 class FusedRows:
@@ -32,11 +35,27 @@ class FusedRows:
 
     def get(self) -> torch.Tensor:
         ps = self.params
-        if (torch.is_grad_enabled() and any(p.requires_grad for p in ps)) or _exporting():
-            return torch.cat(list(ps), 0)          # differentiable / traceable: gradients reach each parameter
+        if torch.is_grad_enabled():
+            for p in ps:                           # (a loop: a generator for any() costs more, per call)
+                if p.requires_grad:
+                    return torch.cat(list(ps), 0)  # differentiable: gradients reach each parameter
+        if _exporting():
+            return torch.cat(list(ps), 0)          # traceable
         if self.buf is None or not self._aliased():
             self._rebuild()
         return self.buf
+
+    def get_t(self) -> torch.Tensor:
+        """get().t(), the (K, N) operand the GEMMs take; the fused buffer's transposed view is made once
+        per buffer (the differentiable / traced concatenation is transposed per call)."""
+        buf = self.get()
+        if buf is not self.buf:
+            return buf.t()
+        bt = getattr(self, "_bt", None)
+        if bt is None or bt[0] is not buf:
+            with torch.inference_mode(False):      # (kept across calls: never an inference tensor)
+                bt = self._bt = (buf, buf.t())
+        return bt[1]
 
     def _aliased(self) -> bool:
         """Each parameter is still its row block of buf (a decode step asks twice per layer, so this is
@@ -126,8 +145,7 @@ class QKVProjection(nn.Module):
         g = self.group
         if self.role == 0:
             with scope_of(self):
-                w = g.weight.get()
-                full = ops.gemm(x, w.t(), bias=g.bias.get() if g.bias is not None else None)
+                full = ops.gemm(x, g.weight.get_t(), bias=g.bias.get() if g.bias is not None else None)
             g.stash = (x, full)
             return full[..., :g.splits[0]]
         if g.stash is not None and g.stash[0] is x:
@@ -165,7 +183,7 @@ class SwiGLUMLP(nn.Module):
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         with scope_of(self):
-            h = ops.swiglu_gemm(x, self._w.get().t(), bias=self._b.get() if self._b is not None else None)
+            h = ops.swiglu_gemm(x, self._w.get_t(), bias=self._b.get() if self._b is not None else None)
         return self.down_proj(h)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -100,11 +100,22 @@ def _rows(t: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
     return t2, t2.stride(0)
 
 
+_CPU = torch.device("cpu")
+
+
 def _poisoned(shape, dtype, device) -> torch.Tensor:
     """Output buffer; NaN-filled on CPU (interpreter mode) so an element the kernel misses shows up."""
-    if device.type == "cpu":
+    if device == _CPU:                 # (a tensor's CPU device; device.type builds a string per call)
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _out_like(t: torch.Tensor) -> torch.Tensor:
+    """_poisoned(t.shape, t.dtype, t.device) for a contiguous t, in one cheaper call where nothing poisons
+    (torch.empty_like: ~0.9 us against ~2.2 for torch.empty with a shape, dtype and device on the reference CPU)."""
+    if _poisoned is not _POISONED or t.device == _CPU:       # (a test's poisoning stand-in, the interpreter)
+        return _poisoned(t.shape, t.dtype, t.device)
+    return torch.empty_like(t)
 
 
 def _stats(t: torch.Tensor) -> torch.Tensor:
@@ -112,6 +123,7 @@ def _stats(t: torch.Tensor) -> torch.Tensor:
 
 
 _K: dict = {}
+_FastLaunch = None             # the FastLaunch class, set by _kernels() (triton is imported on first use)
 
 
 def _kernels():
@@ -120,6 +132,8 @@ def _kernels():
         from ._norm_triton import _norm_bwd_kernel, _norm_bwd_reduce_kernel, _norm_fwd_kernel, _norm_fwd_loop_kernel
         from ._triton_utils import ConfigTuner, FastLaunch
         # launched once or twice per norm call, many calls per step: the launch fast path pays here
+        global _FastLaunch
+        _FastLaunch = FastLaunch
         _K.update(fwd=FastLaunch(_norm_fwd_kernel), fwd_loop=FastLaunch(_norm_fwd_loop_kernel),
                   bwd=FastLaunch(_norm_bwd_kernel), reduce=FastLaunch(_norm_bwd_reduce_kernel),
                   tuner=ConfigTuner("norm.fwd"))
@@ -138,8 +152,12 @@ def _forward(ctx, rms, x, weight, bias, eps, residual, offset, stats=True, cfg=N
     has_res = residual is not None
     r2, sr = _rows(residual, n) if has_res else (x2, sx)
     dev = x.device
-    y = _poisoned(shape, x.dtype, dev)                       # outputs: contiguous, row stride n
-    s = _poisoned(shape, x.dtype, dev) if has_res else (x.new_empty((0,)) if stats else None)
+    if x2 is x and sx == n:                                  # outputs: contiguous, row stride n
+        y = _out_like(x)
+        s = _out_like(x) if has_res else (x.new_empty((0,)) if stats else None)
+    else:
+        y = _poisoned(shape, x.dtype, dev)
+        s = _poisoned(shape, x.dtype, dev) if has_res else (x.new_empty((0,)) if stats else None)
     mean = rstd = None
     if stats:
         rstd = _poisoned(shape[:-1], torch.float32, dev)
@@ -147,19 +165,13 @@ def _forward(ctx, rms, x, weight, bias, eps, residual, offset, stats=True, cfg=N
     block = _next_pow2(n)
     st = rstd if stats else y                                # (never written without STATS)
     k = _kernels()
+    args = (x2, r2, weight if weight is not None else x2, bias if bias is not None else x2, y,
+            s if has_res else y, mean if mean is not None else st, st,
+            m, n, sx, sr, n, n, float(eps), float(offset))
 
     def go(c):
-        rows, warps, evict, chunk = c[:4]
-        n_fixed = n if len(c) > 4 and c[4] else 0            # looped tiles: the hidden size compiled in
-        args = (x2, r2, weight if weight is not None else x2, bias if bias is not None else x2, y,
-                s if has_res else y, mean if mean is not None else st, st,
-                m, n, sx, sr, n, n, float(eps), float(offset))
-        flags = dict(RMS=rms, HAS_RES=has_res, HAS_W=weight is not None, HAS_B=bias is not None, ROWS=rows,
-                     STATS=stats, num_warps=warps)
-        if chunk:
-            k["fwd_loop"][(triton_cdiv(m, rows),)](*args, CHUNK=chunk, N_FIXED=n_fixed, **flags)
-        else:
-            k["fwd"][(triton_cdiv(m, rows),)](*args, BLOCK_N=block, EVICT=evict, **flags)
+        name, rows, kw, items = _fwd_launch(c, rms, has_res, weight is not None, bias is not None, stats, n, block)
+        _run(k[name], (triton_cdiv(m, rows),), args, (kw, items))
     if cfg is None:
         key = (rms, has_res, stats, weight is not None, bias is not None, x.dtype, n, _bucket(m))
         cfg = _FWD_PICKED.get(key)          # the per-call path (host-bound decode calls): one dict lookup
@@ -171,6 +183,28 @@ def _forward(ctx, rms, x, weight, bias, eps, residual, offset, stats=True, cfg=N
                 _FWD_PICKED[key] = cfg      # measured (or read from disk): final for this process
     go(cfg)
     return y, s, mean, rstd
+
+
+_FWD_KW: dict = {}
+
+
+def _fwd_launch(c, rms, has_res, has_w, has_b, stats, n, block) -> tuple[str, int, dict, tuple]:
+    """(kernel, ROWS, keywords, their items) of a forward launch under tile c: built once per tile, flags and
+    hidden size (per call they cost a closure's dict builds and FastLaunch's items tuple)."""
+    key = (c, rms, has_res, has_w, has_b, stats, n)
+    hit = _FWD_KW.get(key)
+    if hit is None:
+        rows, warps, evict, chunk = c[:4]
+        flags = dict(RMS=rms, HAS_RES=has_res, HAS_W=has_w, HAS_B=has_b, ROWS=rows, STATS=stats, num_warps=warps)
+        if chunk:       # looped tiles: the hidden size compiled in where c[4] says so (N_FIXED)
+            name, kw = "fwd_loop", dict(CHUNK=chunk, N_FIXED=n if len(c) > 4 and c[4] else 0, **flags)
+        else:
+            name, kw = "fwd", dict(BLOCK_N=block, EVICT=evict, **flags)
+        hit = _FWD_KW[key] = (name, rows, kw, tuple(kw.items()))
+    return hit
+
+
+_POISONED = _poisoned
 
 
 # stage-2 tile: narrow column strips so even hidden 1024 gets 32 programs; 64 partial rows per step
@@ -217,30 +251,54 @@ def _backward(ctx, rms, dy, dsum, xin, weight, has_db, mean, rstd, offset, cfg=N
     has_ds = dsum.numel() > 0
     ds2, sds = _rows(dsum, n) if has_ds else (dy2, sdy)
     dev = xin.device
-    sms = (ctx.env.sm_count or 2) if dev.type == "cuda" else 2
+    sms = (ctx.env.sm_count or 2) if xin.is_cuda else 2
     block, rows, warps, progs, per_prog, progs2 = bwd_plan(n, m, sms, cfg)
     has_w = weight is not None
-    dx = _poisoned(shape, xin.dtype, dev)
+    dx = _out_like(xin) if x2 is xin and sx == n else _poisoned(shape, xin.dtype, dev)
     # the per-program float32 partials of dweight and dbias share one buffer (one allocation)
     part = _poisoned((int(has_w) + int(has_db), progs, n), torch.float32, dev) if has_w or has_db else dx
     dw_part = part[0] if has_w else dx
     db_part = part[int(has_w)] if has_db else dx
     rstd1 = _stats(rstd)
     k = _kernels()
-    k["bwd"][(progs,)](
-        dy2, ds2, x2, weight if has_w else x2, rstd1 if rms else _stats(mean), rstd1, dx, dw_part, db_part,
-        m, n, sdy, sds, sx, n, float(offset), per_prog,
-        RMS=rms, HAS_DSUM=has_ds, HAS_W=has_w, HAS_DB=has_db,
-        ROWS=rows, BLOCK_N=block, num_warps=warps)
+    _run(k["bwd"], (progs,), (dy2, ds2, x2, weight if has_w else x2, rstd1 if rms else _stats(mean), rstd1, dx,
+                              dw_part, db_part, m, n, sdy, sds, sx, n, float(offset), per_prog),
+         _kw(("bwd", rms, has_ds, has_w, has_db, rows, block, warps)))
     if not (has_w or has_db):
         return dx, None, None
     dw = _poisoned((n,), weight.dtype, dev) if has_w else None
     db = _poisoned((n,), xin.dtype, dev) if has_db else None   # (distinct: outputs never alias)
     # stage 2: a fixed-order column sum of the partials (deterministic), cast to the output dtype
-    k["reduce"][(progs2,)](
-        dw_part, db_part, dw if has_w else dx, db if has_db else dx, progs, n,
-        HAS_W=has_w, HAS_DB=has_db, BLOCK_P=REDUCE_BLOCK_P, BLOCK_N=REDUCE_BLOCK_N, num_warps=4)
+    _run(k["reduce"], (progs2,), (dw_part, db_part, dw if has_w else dx, db if has_db else dx, progs, n),
+         _kw(("reduce", has_w, has_db)))
     return dx, dw, db
+
+
+_KW: dict = {}
+
+
+def _kw(key: tuple) -> tuple[dict, tuple]:
+    """(keywords, their items) of a backward launch, built once per flag combination (FastLaunch keys on the
+    items; per call the dict and the tuple cost more than this lookup)."""
+    hit = _KW.get(key)
+    if hit is None:
+        if key[0] == "bwd":
+            _, rms, has_ds, has_w, has_db, rows, block, warps = key
+            kw = dict(RMS=rms, HAS_DSUM=has_ds, HAS_W=has_w, HAS_DB=has_db, ROWS=rows, BLOCK_N=block,
+                      num_warps=warps)
+        else:
+            _, has_w, has_db = key
+            kw = dict(HAS_W=has_w, HAS_DB=has_db, BLOCK_P=REDUCE_BLOCK_P, BLOCK_N=REDUCE_BLOCK_N, num_warps=4)
+        hit = _KW[key] = (kw, tuple(kw.items()))
+    return hit
+
+
+def _run(kern, grid, args, kw_items) -> None:
+    kw, items = kw_items
+    if type(kern) is _FastLaunch:
+        kern.launch(grid, args, kw, items)
+    else:                                                    # (a stand-in, e.g. a probe's no-op kernel)
+        kern[grid](*args, **kw)
 
 
 def _ln_fwd(ctx, x, weight, bias, eps, residual):

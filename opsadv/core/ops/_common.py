@@ -121,6 +121,14 @@ _Plain = (torch.Tensor, torch.nn.Parameter)
 
 TORCH_OPS, DIRECT, AUTOGRAD_FN = 0, 1, 2
 
+# eager_mode's global checks, bound once (each attribute hop costs on a path run ~170 times per forward; dynamo
+# knows these functions by identity, so it folds is_compiling() to True through the alias too)
+is_compiling = torch.compiler.is_compiling
+dispatch_modes = torch._C._len_torch_dispatch_stack
+function_modes = torch._C._is_torch_function_mode_enabled
+functorch_level = torch._C._functorch.peek_interpreter_stack
+grad_enabled = torch.is_grad_enabled
+
 
 def eager_mode(*tensors) -> int:
     """How a public op call runs.  Plain eager tensors outside compile/export tracing, dispatch or
@@ -128,11 +136,10 @@ def eager_mode(*tensors) -> int:
     call): DIRECT calls the router when no gradient is needed, AUTOGRAD_FN wraps the same router
     and backward in a torch.autograd.Function when one is.  Everything else takes TORCH_OPS, the
     torch.ops path with fake kernels and registered autograd.  Results are identical either way."""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() \
-            or torch._C._is_torch_function_mode_enabled() or torch._C._functorch.peek_interpreter_stack() is not None:
+    if is_compiling() or dispatch_modes() or function_modes() or functorch_level() is not None:
         return TORCH_OPS
     mode = DIRECT
-    grad = torch.is_grad_enabled()
+    grad = grad_enabled()
     for t in tensors:
         if t is None:
             continue
@@ -186,6 +193,19 @@ def resolved_autograd_function(name: str, setup_context, backward, *, stats: tup
     fn = type(name, (torch.autograd.Function,), {"forward": staticmethod(forward),
                                                  "backward": staticmethod(resolved_backward)})
     return fn.apply
+
+
+_C_APPLY = torch._C._FunctionBase.__dict__["apply"]
+transforms_active = torch._C._are_functorch_transforms_active
+unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+
+
+def raw_apply(apply):
+    """The C apply under `apply` (an autograd.Function's .apply), without Function.apply's Python layer (~1.7 us a
+    call on the reference CPU: a closure, the setup_context test, unwrap_dead_wrappers' generator).  For Functions
+    without setup_context; the caller does the rest of what Function.apply does: it calls `apply` itself while
+    transforms_active(), and passes each tensor argument through unwrap_if_dead."""
+    return _C_APPLY.__get__(None, apply.__self__)
 
 
 def _after_forward(ctx, inputs, out, setup_context, stats) -> None:

@@ -21,12 +21,14 @@ import torch
 from torch import Tensor
 
 from .. import dispatch
+from .. import policy as _policy
 from ..errors import InvalidArgumentError
 from ..kernel import CallSpec
 from ._common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, INF, TORCH_OPS, carry_policy, check_same, check_scale,
-                      check_tensor, EXACT_STRIDES, contiguous_lse, dt, eager_mode, len_bucket, own_pair_train_step,
-                      pair_backward, register_train_step, resolved_autograd_function, same_kind, traced_train,
-                      train_pair_backward)
+                      check_tensor, EXACT_STRIDES, contiguous_lse, dispatch_modes, dt, eager_mode, function_modes,
+                      functorch_level, grad_enabled, is_compiling, len_bucket, own_pair_train_step, pair_backward,
+                      raw_apply, register_train_step, resolved_autograd_function, same_kind, traced_train,
+                      train_pair_backward, transforms_active, unwrap_if_dead)
 
 OP = "flash_attention"
 
@@ -228,19 +230,57 @@ _train_autograd = resolved_autograd_function("FlashAttentionTrainFn", _setup_con
 register_train_step(OP, own_pair_train_step)
 
 
+_fast, _tracers, _scoped = dispatch._fast, dispatch._tracers, _policy._scoped
+_train_raw = raw_apply(_train_autograd)
+
+
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: float | None = None,
                     attn_mask: Tensor | None = None, return_lse: bool = False):
     """Fused softmax(q kᵀ · scale [+ mask]) v.  Returns out (b, h_q, s_q, d), or (out, lse) with
     return_lse=True (lse is not differentiable).  Gradients flow to q, k, v (not the mask)."""
+    fk = r = None
+    # the fast path (as the norms', norm.py): the exact metadata of an identical call that took the full path
+    if type(causal) is bool and (scale is None or type(scale) is float) \
+            and not (is_compiling() or dispatch_modes() or function_modes()) and functorch_level() is None:
+        try:
+            train = grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                        or attn_mask is not None and attn_mask.requires_grad)
+            lse_out = bool(return_lse)
+            fk = (OP, (_scoped.get() or _policy._global).serial, train, lse_out, causal, scale, type(q), q.dtype,
+                  q.device, q.shape, type(k), k.dtype, k.device, k.shape, type(v), v.dtype, v.device, v.shape,
+                  None if attn_mask is None else (type(attn_mask), attn_mask.dtype, attn_mask.device, attn_mask.shape))
+            r = _fast.get(fk)
+        except (AttributeError, TypeError):
+            fk = r = None
+    if r is not None:
+        if _tracers:
+            dispatch.record(r.impl.id)
+        s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        if train:
+            if transforms_active():
+                out, lse = _train_autograd(r, q, k, v, attn_mask, causal, s)
+            else:
+                out, lse = _train_raw(r, unwrap_if_dead(q), unwrap_if_dead(k), unwrap_if_dead(v),
+                                      attn_mask if attn_mask is None else unwrap_if_dead(attn_mask), causal, s)
+        elif not lse_out:
+            return r.infer(r.ctx, q, k, v, attn_mask, causal, s)[0]
+        else:
+            out, lse = r.run(r.ctx, q, k, v, attn_mask, causal, s)
+            lse = contiguous_lse(lse)
+        return (out, lse.detach()) if lse_out else out
     validate(q, k, v, attn_mask, causal, scale)
     mode = eager_mode(q, k, v, attn_mask)
     if mode == DIRECT:
         if not return_lse:
-            return _infer_route(q, k, v, attn_mask, causal, scale)
+            out = _infer_route(q, k, v, attn_mask, causal, scale)
+            dispatch.learn(fk, _key(q, k, attn_mask, causal, False, inference=True))
+            return out
         out, lse = _route(q, k, v, attn_mask, causal, scale)
+        dispatch.learn(fk, _key(q, k, attn_mask, causal, False))
     elif mode == AUTOGRAD_FN:
         s = default_scale(q, scale)
         r = _train_resolve(q, k, v, attn_mask, causal, s)
+        dispatch.learn(fk, None, r)
         dispatch.record_call(r.impl.id)
         out, lse = _train_autograd(r, q, k, v, attn_mask, causal, s)
     else:

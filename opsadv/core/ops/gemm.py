@@ -27,12 +27,15 @@ import torch
 from torch import Tensor
 
 from .. import dispatch
+from .. import policy as _policy
 from ..errors import InvalidArgumentError
 from ..kernel import CallSpec
 from ..activations import ACT
 from .swiglu import swiglu
 from ._common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, INF, TORCH_OPS, autograd_function, carry_policy,
-                      check_choice, check_same, check_tensor, eager_mode, len_bucket, none_if_empty, same_kind)
+                      check_choice, check_same, check_tensor, dispatch_modes, eager_mode, function_modes,
+                      functorch_level, grad_enabled, is_compiling, len_bucket, none_if_empty, raw_apply,
+                      resolved_autograd_function, same_kind, transforms_active, unwrap_if_dead)
 
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
 
@@ -245,26 +248,87 @@ def _composed_for_training(a, b, bias, activation, residual, alpha):
     return y + residual if residual is not None else y
 
 
+# The fast path (as the norms', norm.py): a plain eager call whose exact argument metadata (each tensor's type,
+# dtype, device and shape; activation, alpha, grad recording, the policy's serial) an identical call stored in
+# dispatch._fast after the full path validated and resolved it.  _COMPOSED marks a grad-recording call with an
+# activation, which runs _composed_for_training (its gemm() call takes its own fast path).
+_fast, _tracers, _scoped = dispatch._fast, dispatch._tracers, _policy._scoped
+_COMPOSED = "composed"
+_gemm_resolved_autograd = resolved_autograd_function("GemmFn", _gemm_setup, _gemm_bwd)   # = GemmFn, r given
+_gemm_raw = raw_apply(_gemm_resolved_autograd)
+
+
 def gemm(a: Tensor, b: Tensor, *, bias: Tensor | None = None, activation: str = "none",
          residual: Tensor | None = None, alpha: float = 1.0) -> Tensor:
     """activation(alpha · (a @ b) + bias) + residual in one fused kernel where the backend has one.
     a (..., K), b (K, N) — for an nn.Linear weight W (N, K) pass W.t().  Calls that record gradients run
     the GEMM fused with bias / alpha and the activation as torch ops (module docstring: _composed_for_training)."""
+    fk = r = None
+    if type(alpha) is float and type(activation) is str and not (is_compiling() or dispatch_modes()
+                                                                 or function_modes()) and functorch_level() is None:
+        try:
+            train = grad_enabled() and (a.requires_grad or b.requires_grad or bias is not None and bias.requires_grad
+                                        or residual is not None and residual.requires_grad)
+            fk = ("gemm", (_scoped.get() or _policy._global).serial, train, activation, alpha, type(a), a.dtype,
+                  a.device, a.shape, type(b), b.dtype, b.device, b.shape,
+                  None if bias is None else (type(bias), bias.dtype, bias.device, bias.shape),
+                  None if residual is None else (type(residual), residual.dtype, residual.device, residual.shape))
+            r = _fast.get(fk)
+        except (AttributeError, TypeError):      # not tensors: the full checks say what is wrong
+            fk = r = None
+    if r is not None:
+        if r is _COMPOSED:
+            return _composed_for_training(a, b, bias, activation, residual, alpha)
+        if _tracers:
+            dispatch.record(r.impl.id)
+        if not train:
+            return r.run(r.ctx, a, b, bias, activation, residual, alpha)
+        if transforms_active():
+            return _gemm_resolved_autograd(r, a, b, bias, activation, residual, alpha)
+        return _gemm_raw(r, unwrap_if_dead(a), unwrap_if_dead(b), bias if bias is None else unwrap_if_dead(bias),
+                         activation, residual if residual is None else unwrap_if_dead(residual), alpha)
     validate_gemm(a, b, bias, activation, residual, alpha)
     mode = eager_mode(a, b, bias, residual)
     if activation != "none" and _trains(mode, a, b, bias, residual):
+        if mode == AUTOGRAD_FN:
+            dispatch.learn(fk, None, _COMPOSED)
         return _composed_for_training(a, b, bias, activation, residual, alpha)
     op = _gemm_route if mode == DIRECT else _gemm_eager_autograd if mode == AUTOGRAD_FN else torch.ops.opsadv.gemm
-    return op(a, b, bias, activation, residual, float(alpha))
+    out = op(a, b, bias, activation, residual, float(alpha))
+    if mode != TORCH_OPS:
+        dispatch.learn(fk, _gemm_key(a, b, bias, activation, residual, alpha, False))
+    return out
 
 
 def swiglu_gemm(x: Tensor, w_gate_up: Tensor, *, bias: Tensor | None = None) -> Tensor:
     """silu(x @ W_g + b_g) * (x @ W_u + b_u) from one concatenated weight [W_g | W_u] of shape (K, 2N).
     Calls that record gradients run the GEMM through gemm() and the activation through the swiglu op, which
     keeps gate_up for its backward (module docstring)."""
+    fk = r = None
+    if not (is_compiling() or dispatch_modes() or function_modes()) and functorch_level() is None:
+        try:
+            train = grad_enabled() and (x.requires_grad or w_gate_up.requires_grad
+                                        or bias is not None and bias.requires_grad)
+            fk = ("swiglu_gemm", (_scoped.get() or _policy._global).serial, train, type(x), x.dtype, x.device,
+                  x.shape, type(w_gate_up), w_gate_up.dtype, w_gate_up.device, w_gate_up.shape,
+                  None if bias is None else (type(bias), bias.dtype, bias.device, bias.shape))
+            r = _fast.get(fk)
+        except (AttributeError, TypeError):
+            fk = r = None
+    if r is not None:
+        if r is _COMPOSED:
+            return swiglu(gemm(x, w_gate_up, bias=bias))
+        if _tracers:
+            dispatch.record(r.impl.id)
+        return r.run(r.ctx, x, w_gate_up, bias)
     validate_swiglu(x, w_gate_up, bias)
     mode = eager_mode(x, w_gate_up, bias)
     if _trains(mode, x, w_gate_up, bias):
+        if mode == AUTOGRAD_FN:
+            dispatch.learn(fk, None, _COMPOSED)
         return swiglu(gemm(x, w_gate_up, bias=bias))
     # (torch.ops.opsadv.swiglu_gemm keeps its registered autograd for callers of the op itself)
-    return (_swiglu_route if mode == DIRECT else torch.ops.opsadv.swiglu_gemm)(x, w_gate_up, bias)
+    out = (_swiglu_route if mode == DIRECT else torch.ops.opsadv.swiglu_gemm)(x, w_gate_up, bias)
+    if mode == DIRECT:
+        dispatch.learn(fk, _swiglu_key(x, w_gate_up, bias, False))
+    return out

@@ -26,11 +26,13 @@ import torch
 from torch import Tensor
 
 from .. import dispatch
+from .. import policy as _policy
 from ..errors import InvalidArgumentError
 from ..kernel import CallSpec
-from ._common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, INF, carry_policy, check_same, check_tensor, eager_mode,
-                      grad_step, len_bucket, register_train_step, resolved_autograd_function, same_kind,
-                      shared_empty)
+from ._common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, INF, carry_policy, check_same, check_tensor,
+                      dispatch_modes, eager_mode, function_modes, functorch_level, grad_enabled, grad_step,
+                      is_compiling, len_bucket, raw_apply, register_train_step, resolved_autograd_function, same_kind,
+                      shared_empty, transforms_active, unwrap_if_dead)
 
 
 def stat_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -270,16 +272,55 @@ register_train_step("rms_norm", _train_step(_rms_eager_autograd, 3))
 
 
 # ---- public ----------------------------------------------------------------------------------
+# The fast path: a plain eager call (no tracing, modes or transforms) with float eps / offset looks its exact
+# argument metadata up in dispatch._fast, stored by an identical call that took the full path (validate,
+# eager_mode, bucket key, memo).  The key holds what those read: each tensor's type, dtype, device and shape,
+# whether the call records grads, eps and offset (only validated values were stored), the policy's serial.
+_fast, _tracers, _scoped = dispatch._fast, dispatch._tracers, _policy._scoped
+_ln_raw, _rms_raw = raw_apply(_ln_eager_autograd), raw_apply(_rms_eager_autograd)
+
+
 def layer_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None, eps: float = 1e-5, *,
                residual: Tensor | None = None):
     """LayerNorm over the last dim.  With residual: returns (layer_norm(x + residual), x + residual)."""
+    fk = r = None
+    if type(eps) is float and not (is_compiling() or dispatch_modes() or function_modes()) \
+            and functorch_level() is None:
+        try:
+            train = grad_enabled() and (x.requires_grad or weight is not None and weight.requires_grad
+                                        or bias is not None and bias.requires_grad
+                                        or residual is not None and residual.requires_grad)
+            fk = ("layer_norm", (_scoped.get() or _policy._global).serial, train, type(x), x.dtype, x.device,
+                  x.shape, eps,
+                  None if weight is None else (type(weight), weight.dtype, weight.device, weight.shape),
+                  None if bias is None else (type(bias), bias.dtype, bias.device, bias.shape),
+                  None if residual is None else (type(residual), residual.dtype, residual.device, residual.shape))
+            r = _fast.get(fk)
+        except (AttributeError, TypeError):      # not tensors: the full checks say what is wrong
+            fk = r = None
+    if r is not None:
+        if _tracers:
+            dispatch.record(r.impl.id)
+        if not train:
+            y, xsum, _, _ = r.infer(r.ctx, x, weight, bias, eps, residual)
+        elif r.impl.train is not None:
+            y, xsum, _, _ = r.impl.train(r.ctx, x, weight, bias, eps, residual)
+        elif transforms_active():
+            y, xsum, _, _ = _ln_eager_autograd(r, x, weight, bias, eps, residual)
+        else:
+            y, xsum, _, _ = _ln_raw(r, unwrap_if_dead(x), weight if weight is None else unwrap_if_dead(weight),
+                                    bias if bias is None else unwrap_if_dead(bias), eps,
+                                    residual if residual is None else unwrap_if_dead(residual))
+        return (y, xsum) if residual is not None else y
     validate("layer_norm", x, weight, bias, eps, residual)
     mode = eager_mode(x, weight, bias, residual)
     eps = float(eps)
     if mode == DIRECT:          # eager no-grad: nothing reads mean / rstd, so the impl need not produce them
         y, xsum, _, _ = _layer_norm_infer(x, weight, bias, eps, residual)
+        dispatch.learn(fk, _key("layer_norm", x, weight, bias, residual, False))
     elif mode == AUTOGRAD_FN:       # one resolution picks torch's autograd (impl.train) or ours
         r = _layer_norm_train_resolve(x, weight, bias, eps, residual)
+        dispatch.learn(fk, None, r)
         dispatch.record_call(r.impl.id)
         y, xsum, _, _ = (r.impl.train(r.ctx, x, weight, bias, eps, residual) if r.impl.train is not None
                          else _ln_eager_autograd(r, x, weight, bias, eps, residual))
@@ -292,13 +333,41 @@ def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6, *, resi
              offset: float = 0.0):
     """RMSNorm over the last dim, y = x·rsqrt(mean(x²)+eps)·(offset + weight).  With residual:
     returns (rms_norm(x + residual), x + residual)."""
+    fk = r = None
+    if type(eps) is float and type(offset) is float and not (is_compiling() or dispatch_modes() or function_modes()) \
+            and functorch_level() is None:
+        try:
+            train = grad_enabled() and (x.requires_grad or weight is not None and weight.requires_grad
+                                        or residual is not None and residual.requires_grad)
+            fk = ("rms_norm", (_scoped.get() or _policy._global).serial, train, type(x), x.dtype, x.device, x.shape,
+                  eps, offset,
+                  None if weight is None else (type(weight), weight.dtype, weight.device, weight.shape),
+                  None if residual is None else (type(residual), residual.dtype, residual.device, residual.shape))
+            r = _fast.get(fk)
+        except (AttributeError, TypeError):
+            fk = r = None
+    if r is not None:
+        if _tracers:
+            dispatch.record(r.impl.id)
+        if not train:
+            y, xsum, _ = r.infer(r.ctx, x, weight, eps, residual, offset)
+        elif r.impl.train is not None:
+            y, xsum, _ = r.impl.train(r.ctx, x, weight, eps, residual, offset)
+        elif transforms_active():
+            y, xsum, _ = _rms_eager_autograd(r, x, weight, eps, residual, offset)
+        else:
+            y, xsum, _ = _rms_raw(r, unwrap_if_dead(x), weight if weight is None else unwrap_if_dead(weight), eps,
+                                  residual if residual is None else unwrap_if_dead(residual), offset)
+        return (y, xsum) if residual is not None else y
     validate("rms_norm", x, weight, None, eps, residual, offset)
     mode = eager_mode(x, weight, residual)
     eps, offset = float(eps), float(offset)
     if mode == DIRECT:
         y, xsum, _ = _rms_norm_infer(x, weight, eps, residual, offset)
+        dispatch.learn(fk, _key("rms_norm", x, weight, None, residual, False, offset))
     elif mode == AUTOGRAD_FN:
         r = _rms_norm_train_resolve(x, weight, eps, residual, offset)
+        dispatch.learn(fk, None, r)
         dispatch.record_call(r.impl.id)
         y, xsum, _ = (r.impl.train(r.ctx, x, weight, eps, residual, offset) if r.impl.train is not None
                       else _rms_eager_autograd(r, x, weight, eps, residual, offset))

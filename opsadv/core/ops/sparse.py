@@ -13,18 +13,22 @@ in its check() but need not declare (kernel.HINT_FEATURES).  Layout of out (dq, 
 (contiguous through torch.ops; the impl's own in eager calls)."""
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from .. import dispatch
+from .. import policy as _policy
 from ..errors import InvalidArgumentError
 from ..kernel import CallSpec
 from ..layout import SparseLayout
 from ._common import (AUTOGRAD_FN, DIRECT, TORCH_OPS, carry_policy, check_same, check_scale, check_tensor,
-                      EXACT_STRIDES, contiguous_lse, eager_mode, len_bucket, own_pair_train_step, pair_backward,
-                      register_train_step, resolved_autograd_function, traced_train, train_pair_backward)
+                      EXACT_STRIDES, contiguous_lse, dispatch_modes, eager_mode, function_modes, functorch_level,
+                      grad_enabled, is_compiling, len_bucket, own_pair_train_step, pair_backward, raw_apply,
+                      register_train_step, resolved_autograd_function, traced_train, train_pair_backward,
+                      transforms_active, unwrap_if_dead)
 from .attention import default_scale, lse_dtype
 
 OP = "sparse_attention"
@@ -210,10 +214,54 @@ _train_autograd = resolved_autograd_function("SparseAttentionTrainFn", _setup, _
 register_train_step(OP, own_pair_train_step)
 
 
+_fast, _tracers, _scoped = dispatch._fast, dispatch._tracers, _policy._scoped
+_train_raw = raw_apply(_train_autograd)
+
+
 def sparse_attention(q: Tensor, k: Tensor, v: Tensor, layout: SparseLayout, *, scale: float | None = None,
                      return_lse: bool = False):
     """Attention restricted to `layout` (block-sparse pattern and/or packed variable-length batch).
     Rows with no allowed key give zeros."""
+    fk = r = None
+    # the fast path (as the norms', norm.py): the exact metadata of an identical call that took the full path, the
+    # layout's fields and its tensors' type / dtype / device / shape included (all that validate() reads of it)
+    if (scale is None or type(scale) is float) and not (is_compiling() or dispatch_modes() or function_modes()) \
+            and functorch_level() is None:
+        try:
+            bm, kpm, cu = layout.block_mask, layout.key_padding_mask, layout.cu_seqlens
+            train = grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or bm.requires_grad
+                                        or kpm is not None and kpm.requires_grad
+                                        or cu is not None and cu.requires_grad)
+            lse_out = bool(return_lse)
+            fk = (OP, (_scoped.get() or _policy._global).serial, train, lse_out, scale, type(q), q.dtype, q.device,
+                  q.shape, type(k), k.dtype, k.device, k.shape, type(v), v.dtype, v.device, v.shape, type(layout),
+                  layout.seq_q, layout.seq_k, layout.block_size, layout.causal, layout.window, layout.num_global,
+                  layout.dense_blocks, layout.max_seqlen, type(bm), bm.dtype, bm.device, bm.shape,
+                  None if kpm is None else (type(kpm), kpm.dtype, kpm.device, kpm.shape),
+                  None if cu is None else (type(cu), cu.dtype, cu.device, cu.shape))
+            r = _fast.get(fk)
+        except (AttributeError, TypeError):
+            fk = r = None
+    if r is not None:
+        if _tracers:
+            dispatch.record(r.impl.id)
+        w = layout.window
+        ms = layout.max_seqlen
+        args = (q, k, v, bm, kpm, cu, layout.block_size, layout.causal, -1 if w is None else w[0],
+                -1 if w is None else w[1], layout.num_global,
+                scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]), layout.dense_blocks,
+                -1 if ms is None else ms)
+        if train:
+            if transforms_active():
+                out, lse = _train_autograd(r, *args)
+            else:
+                out, lse = _train_raw(r, unwrap_if_dead(q), unwrap_if_dead(k), unwrap_if_dead(v), *args[3:])
+        elif not lse_out:
+            return r.infer(r.ctx, *args)[0]
+        else:
+            out, lse = r.run(r.ctx, *args)
+            lse = contiguous_lse(lse)
+        return (out, lse.detach()) if lse_out else out
     validate(q, k, v, layout, scale)
     mode = eager_mode(q, k, v, layout.block_mask, layout.key_padding_mask, layout.cu_seqlens)
     args = (q, k, v, layout.block_mask, layout.key_padding_mask, layout.cu_seqlens, layout.block_size, layout.causal,
@@ -223,12 +271,17 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, layout: SparseLayout, *, s
         s = default_scale(q, scale)
         args = args[:11] + (s,) + args[12:]
         r = _train_resolve(*args)
+        dispatch.learn(fk, None, r)
         dispatch.record_call(r.impl.id)
         out, lse = _train_autograd(r, *args)
     elif mode == DIRECT:
+        bucket = _key(q, k, *args[4:11], *args[12:], False, inference=not return_lse)
         if not return_lse:
-            return _infer_route(*args)
+            out = _infer_route(*args)
+            dispatch.learn(fk, bucket)
+            return out
         out, lse = _route(*args)
+        dispatch.learn(fk, bucket)
     else:
         out, lse = torch.ops.opsadv.sparse_attention(*args, traced_train(q, k, v))
     return (out, lse.detach()) if return_lse else out

@@ -14,10 +14,12 @@ import torch
 from torch import Tensor
 
 from .. import dispatch
+from .. import policy as _policy
 from ..errors import InvalidArgumentError
 from ..kernel import CallSpec
 from ._common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, TORCH_OPS, autograd_function, carry_policy, check_tensor,
-                      eager_mode, len_bucket)
+                      dispatch_modes, eager_mode, function_modes, functorch_level, grad_enabled, is_compiling,
+                      len_bucket, raw_apply, resolved_autograd_function, transforms_active, unwrap_if_dead)
 
 OP = "swiglu"
 
@@ -88,9 +90,36 @@ _swiglu.register_autograd(_backward, setup_context=_setup)
 _eager_autograd = autograd_function("SwigluFn", _route, _setup, _backward)
 
 
+_fast, _tracers, _scoped = dispatch._fast, dispatch._tracers, _policy._scoped
+# = SwigluFn, r given (its backward returns the one gradient as a tuple, as resolved_autograd_function expects)
+_resolved_autograd = resolved_autograd_function("SwigluFn", _setup, lambda ctx, grad: (_backward(ctx, grad),))
+_raw = raw_apply(_resolved_autograd)
+
+
 def swiglu(gate_up: Tensor) -> Tensor:
     """silu(g) * u for gate_up = [g | u] along the last dim: (..., 2N) -> (..., N)."""
+    fk = r = None
+    # the fast path (as the norms', norm.py): the exact metadata of an identical call that took the full path
+    if not (is_compiling() or dispatch_modes() or function_modes()) and functorch_level() is None:
+        try:
+            train = grad_enabled() and gate_up.requires_grad
+            fk = (OP, (_scoped.get() or _policy._global).serial, train, type(gate_up), gate_up.dtype, gate_up.device,
+                  gate_up.shape)
+            r = _fast.get(fk)
+        except (AttributeError, TypeError):
+            fk = r = None
+    if r is not None:
+        if _tracers:
+            dispatch.record(r.impl.id)
+        if not train:
+            return r.run(r.ctx, gate_up)
+        if transforms_active():
+            return _resolved_autograd(r, gate_up)
+        return _raw(r, unwrap_if_dead(gate_up))
     validate_swiglu_act(gate_up)
     mode = eager_mode(gate_up)
     op = _route if mode == DIRECT else _eager_autograd if mode == AUTOGRAD_FN else torch.ops.opsadv.swiglu
-    return op(gate_up)
+    out = op(gate_up)
+    if mode != TORCH_OPS:
+        dispatch.learn(fk, _key(gate_up, False))
+    return out
