@@ -152,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_cmd_conformance)
 
     s = sub.add_parser("bench", help="speed against peers on a GPU (BENCHMARKS.md)")
-    s.add_argument("--suite", default="all", choices=["attention", "sparse", "gemm", "norm", "e2e", "all"])
+    s.add_argument("--suite", default="all", choices=["attention", "sparse", "gemm", "norm", "e2e", "models", "all"])
     s.add_argument("--quick", action="store_true")
     s.add_argument("--json", default=None, metavar="PATH")
     s.add_argument("--plot", default=None, metavar="PATH")

@@ -24,6 +24,11 @@ class BenchCase:
     setup: Callable[[], None] | None = None     # called once before timing (e.g. autotune)
     rounds: int | None = None                   # interleaved timing rounds (None: the runner's ROUNDS);
                                                 # more for host-bound cases whose time moves between rounds
+    baseline: str | None = None                 # peer key the speedup is against (None: the fastest peer);
+                                                # the row also gets `ratios`: every peer's paired ratio
+    calls: int | None = None                    # calls per contender and round, each timed on its own (CUDA
+                                                # events, the median taken), instead of a do_bench window: for
+                                                # calls of 0.1 s and more (generate, a model's training step)
 
 
 RECOMPILE_LIMIT = 256

@@ -21,7 +21,7 @@ from typing import Any
 
 from opsadv.core.tuning import MIN_CALLS, one_call_ms, sample_window  # noqa: F401  (MIN_CALLS: re-exported)
 
-SUITES = ("attention", "sparse", "gemm", "norm", "e2e")
+SUITES = ("attention", "sparse", "gemm", "norm", "e2e", "models")
 MISMATCH = 5e-2          # rel_err above this marks a case wrong (and the run fails)
 
 
@@ -50,15 +50,43 @@ ROUNDS = 5               # interleaved timing rounds per case (see time_interlea
 bench_window = sample_window
 
 
-def time_interleaved(fns: dict, rounds: int = ROUNDS, per_round: dict | None = None) -> dict:
+def calls_ms(fn, calls: int) -> float:
+    """Median ms of `calls` calls of fn, each timed on its own (CUDA events on a GPU, perf_counter elsewhere)."""
+    import torch
+    cuda = torch.cuda.is_available()
+    times = []
+    for _ in range(max(1, calls)):
+        if cuda:
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def time_interleaved(fns: dict, rounds: int = ROUNDS, per_round: dict | None = None, calls: int | None = None) -> dict:
     """Median ms of each fn, measured in `rounds` interleaved rounds (each round times every fn
     once with do_bench over a window of >= MIN_CALLS calls, the order rotated per round) and the median
     over rounds taken: clock ramps, thermal drift and order effects fall on every contender alike, not on
     whoever runs first or last.  per_round (optional) receives each fn's time in every round (paired_speedup).
-    Off a GPU: time_ms once each."""
+    `calls`: each round times that many single calls instead (calls_ms; for calls long enough that a do_bench
+    window of MIN_CALLS calls plus its estimate would take seconds), on any device.
+    Off a GPU without `calls`: time_ms once each."""
     import torch
     names = list(fns)
-    if not torch.cuda.is_available():
+    if calls is not None:
+        seen = {n: [] for n in names}
+        for r in range(rounds):
+            for n in names[r % len(names):] + names[:r % len(names)]:
+                seen[n].append(calls_ms(fns[n], calls))
+    elif not torch.cuda.is_available():
         seen = {n: [time_ms(fns[n])] for n in names}
     else:
         from triton.testing import do_bench
@@ -148,19 +176,22 @@ def run_case(case) -> list[dict[str, Any]]:
     """Measure one case; returns its JSON rows (the case, plus an "[own]" row when the
     dispatcher chose a vendor kernel and the case offers the library's own kernel)."""
     row: dict[str, Any] = {"suite": case.suite, "case": case.case, "unit": case.unit}
+
+    def extra() -> dict:
+        return {k: v for k, v in case.extra.items() if not callable(v) and k != "own_prefix"}
     try:
         if case.setup is not None:
             case.setup()
-    except Exception as e:       # the case's error row; the suite's other cases still run
+    except Exception as e:       # the case's error row (with what setup found); the suite's other cases still run
         row["error"] = f"setup: {type(e).__name__}: {str(e)[:300]}"
-        return [row]
+        return [{**extra(), **row}]
     try:
         out = case.opsadv()
         _sync()
         row["opsadv_impl"] = _chosen(case)
     except Exception as e:
         row["error"] = f"opsadv: {type(e).__name__}: {str(e)[:300]}"
-        return [row]
+        return [{**extra(), **row}]
     errors: dict[str, str] = {}
     ok: dict = {}
     for name, fn in case.peers.items():
@@ -184,7 +215,7 @@ def run_case(case) -> list[dict[str, Any]]:
     if want_own and own_err is None:
         contenders["\0own"] = own
     rounds: dict = {}
-    times = time_interleaved(contenders, case.rounds or ROUNDS, per_round=rounds)
+    times = time_interleaved(contenders, case.rounds or ROUNDS, per_round=rounds, calls=case.calls)
     ms = times.pop("\0opsadv")
     oms = times.pop("\0own", None)
     peers: dict[str, float] = times
@@ -194,14 +225,21 @@ def run_case(case) -> list[dict[str, Any]]:
         row["peer_errors"] = errors
     if peers:
         best = min(peers, key=peers.get)
-        ref = case.peers[best]()
+        # against the named baseline where it ran (the fastest peer otherwise, or where it failed: said so)
+        against = case.baseline if case.baseline in peers else best
+        if case.baseline is not None:
+            row["baseline"] = case.baseline
+            if against != case.baseline:
+                row["baseline_missing"] = True
+            row["ratios"] = {p: round(paired_speedup(rounds[p], rounds["\0opsadv"])[0], 3) for p in peers}
+        ref = case.peers[against]()
         cmp = case.compare or rel_err
         row["rel_err"] = float(f"{cmp(out, ref):.3g}")
         row["best_peer"] = best
-        row["speedup"], lo, hi = (round(x, 3) for x in paired_speedup(rounds[best], rounds["\0opsadv"]))
+        row["speedup"], lo, hi = (round(x, 3) for x in paired_speedup(rounds[against], rounds["\0opsadv"]))
         row["speedup_range"] = [lo, hi]     # over the rounds; speedup is their median (paired_speedup)
         del ref
-    row.update({k: v for k, v in case.extra.items() if not callable(v) and k != "own_prefix"})
+    row.update(extra())
     rows = [row]
     if want_own:
         orow = {"suite": case.suite, "case": case.case + " [own]", "unit": case.unit,
@@ -373,6 +411,14 @@ def run_bench(suites: list[str], quick: bool, json_path: str | None, plot_path: 
     if json_path:
         print(f"wrote {json_path}")
     if plot_path and rows:
-        write_plot(plot_path, rows, f"opsadv vs best peer, {header['device']}, commit {header['commit']}")
-        print(f"wrote {plot_path}")
+        other = [r for r in rows if r.get("suite") != "models"]
+        if other:
+            write_plot(plot_path, other, f"opsadv vs best peer, {header['device']}, commit {header['commit']}")
+            print(f"wrote {plot_path}")
+        if len(other) < len(rows):
+            # the models heatmap: from the whole JSON where there is one (the grid's other parts too)
+            from .model_report import write_heatmap
+            hpath = plot_path if not other else str(Path(plot_path).with_name(Path(plot_path).stem + "_models.png"))
+            write_heatmap(json_path, hpath, rows=None if json_path else [r for r in rows if r.get("suite") == "models"])
+            print(f"wrote {hpath}")
     return 1 if failed else 0

@@ -186,15 +186,21 @@ class SwiGLUMLP(nn.Module):
             h = ops.swiglu_gemm(x, self._w.get_t(), bias=self._b.get() if self._b is not None else None)
         return self.down_proj(h)
 
+    def _n_ff(self) -> int:
+        return self.gate_proj.out_features
+
+    def _trains(self, x: torch.Tensor) -> bool:
+        return torch.is_grad_enabled() and (x.requires_grad or self.gate_proj.weight.requires_grad)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         limit = self.row_chunk_bytes
-        n_ff = self.gate_proj.out_features
+        n_ff = self._n_ff()
         rows = x.numel() // x.shape[-1]
         if not limit or rows * n_ff * x.element_size() <= limit:
             return self._mlp(x)
         step = max(MIN_CHUNK_ROWS, limit // (n_ff * x.element_size()))
         x2 = x.reshape(rows, x.shape[-1])
-        if torch.is_grad_enabled() and (x.requires_grad or self.gate_proj.weight.requires_grad):
+        if self._trains(x):
             out = torch.cat([self._mlp(x2[i:i + step]) for i in range(0, rows, step)])
         else:                                     # no graph to keep: write each chunk into one output
             first = self._mlp(x2[:step])
@@ -203,6 +209,34 @@ class SwiGLUMLP(nn.Module):
             for i in range(step, rows, step):
                 out[i:i + step] = self._mlp(x2[i:i + step])
         return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+class FusedSwiGLUMLP(SwiGLUMLP):
+    """down_proj(silu(g) * u) for an MLP whose gate and up projections already are one Linear whose output is
+    [g | u] (Phi-3's gate_up_proj): its weight, transposed, is swiglu_gemm's [W_gate|W_up] as it stands (no
+    second buffer); the child names of the replaced module are kept."""
+
+    def __init__(self, gate_up_proj: nn.Linear, down_proj: nn.Module, names=("gate_up_proj", "down_proj")):
+        nn.Module.__init__(self)
+        self._names = names
+        self.add_module(names[0], gate_up_proj)
+        self.add_module(names[1], down_proj)
+        self._w = self._b = None
+
+    def _gate_up(self) -> nn.Linear:
+        return getattr(self, self._names[0])
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        gu = self._gate_up()
+        with scope_of(self):
+            h = ops.swiglu_gemm(x, gu.weight.t(), bias=gu.bias)
+        return getattr(self, self._names[1])(h)
+
+    def _n_ff(self) -> int:
+        return self._gate_up().out_features // 2
+
+    def _trains(self, x: torch.Tensor) -> bool:
+        return torch.is_grad_enabled() and (x.requires_grad or self._gate_up().weight.requires_grad)
 
 
 class LinearAct(nn.Module):

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .modules import DenseResidualNorm, FusedRows, LinearAct, OpsadvNorm, QKVGroup, QKVProjection, SwiGLUMLP
+from .modules import (DenseResidualNorm, FusedRows, FusedSwiGLUMLP, LinearAct, OpsadvNorm, QKVGroup, QKVProjection,
+                      SwiGLUMLP)
 from .report import ConversionReport
 
 _EPS_ATTRS = ("variance_epsilon", "eps", "epsilon", "layer_norm_eps")
@@ -232,26 +233,103 @@ def _mlp_candidate(m):
             names["dropout"] = kids["dropout"]
         return (LinearAct(names, "c_fc", act, conv1d=True, down="c_proj", dropout=drop),
                 f"Conv1D c_fc+{act} -> opsadv.gemm(activation={act!r}) + c_proj")
+    fused_gu = _fused_gate_up(m, kids)
+    if fused_gu is not None:
+        return fused_gu
+    if all(_linear(kids.get(n)) for n in ("wi_0", "wi_1", "wo")):
+        act = probe_activation(getattr(m, "act", None))
+        if act != "silu":
+            return None, (f"gated MLP (wi_0, wi_1) with activation {type(getattr(m, 'act', None)).__name__} "
+                          "(only SiLU/SwiGLU has a fused kernel)")
+    return _two_linear_mlp(m, kids)
+
+
+_ACT_ATTRS = ("act", "act_fn", "activation_fn", "activation", "intermediate_act_fn")
+
+
+def _act_of(m, kids):
+    """(attribute name, activation) of an MLP module: a known attribute that is not a Linear."""
+    for a in _ACT_ATTRS:
+        f = kids.get(a, getattr(m, a, None))
+        if f is not None and callable(f) and not isinstance(f, (nn.Linear, nn.Dropout)):
+            return a, f
     return None, None
+
+
+def _fused_gate_up(m, kids):
+    """Phi-3-style MLP: one Linear computing [gate | up] (gate_up_proj) and a down projection."""
+    gu, down = kids.get("gate_up_proj"), kids.get("down_proj")
+    if not (_linear(gu) and _linear(down)):
+        return None
+    _, act = _act_of(m, kids)
+    name = probe_activation(act)
+    if name != "silu":
+        return None, (f"fused gate_up_proj MLP with activation {type(act).__name__} "
+                      "(only SiLU/SwiGLU has a fused kernel)")
+    if gu.out_features % 2 or gu.out_features // 2 != down.in_features:
+        return None, "gate_up_proj's output is not [gate | up] of down_proj's input width"
+    return FusedSwiGLUMLP(gu, down), "fused gate_up_proj SwiGLU MLP -> opsadv.swiglu_gemm(W_gate_up) + down_proj"
+
+
+def _two_linear_mlp(m, kids):
+    """down(act(up(x))) with two nn.Linear children and an activation (GPT-NeoX, ViT's fc1/fc2): the up GEMM
+    with the activation as its epilogue.  Dropout children are allowed only where they drop nothing (their
+    place in the module's forward is unknown here)."""
+    lins = {n: k for n, k in kids.items() if _linear(k)}
+    if len(lins) != 2:
+        return None, None
+    try:
+        if len(inspect.signature(m.forward).parameters) != 1:
+            return None, None
+    except (TypeError, ValueError):
+        return None, None
+    act_name, act = _act_of(m, kids)
+    if act is None:
+        return None, None
+    rest = {n for n in kids if n not in lins and n != act_name}
+    if any(not isinstance(kids[n], nn.Dropout) for n in rest):
+        return None, None
+    if any(kids[n].p > 0 for n in rest):
+        return None, "dropout inside the MLP (p > 0): the fused epilogue has no place for it"
+    (a, la), (b, lb) = lins.items()
+    if not (la.out_features == lb.in_features and lb.out_features == la.in_features) \
+            or la.in_features == la.out_features:
+        return None, None
+    up, down = (a, b) if la.out_features > la.in_features else (b, a)     # the expanding one runs first
+    name = probe_activation(act)
+    if name is None:
+        return None, f"activation {type(act).__name__} has no gemm epilogue"
+    return (LinearAct({up: lins[up], down: lins[down]}, up, name, conv1d=False, down=down),
+            f"{up}+{name} -> opsadv.gemm(activation={name!r}) + {down}")
+
+
+def _mlp_in_features(m, new) -> int:
+    if isinstance(new, FusedSwiGLUMLP):
+        return new._gate_up().in_features
+    if isinstance(new, SwiGLUMLP):
+        return m.gate_proj.in_features
+    up = getattr(new, new._up)
+    return up.weight.shape[0] if new.conv1d else up.in_features
 
 
 def mlp_pass(model, report, undo: Undo, state) -> None:
     for path, parent, name, child in _named_parents(model):
+        if isinstance(child, (SwiGLUMLP, LinearAct)):
+            continue
         new, desc = _mlp_candidate(child)
         if new is None:
             if desc:
                 report.add("skipped", path, type(child).__name__, desc)
             continue
         w = next(child.parameters())
-        k_in = (child.gate_proj.in_features if isinstance(new, SwiGLUMLP) else
-                (child.dense.in_features if hasattr(child, "dense") else child.c_fc.weight.shape[0]))
+        k_in = _mlp_in_features(child, new)
         new._opsadv_state = state
         new.train(child.training)
         ok, err = _check_equivalent(child, new, lambda: (_rand(w, 2, 5, k_in),), w.dtype)
         if not ok:
             report.add("skipped", path, type(child).__name__, f"rewrite differs from the module (rel err {err:.3g})")
             continue
-        if isinstance(new, SwiGLUMLP):
+        if isinstance(new, SwiGLUMLP) and new._w is not None:
             undo.fused += [new._w] + ([new._b] if new._b is not None else [])
         undo.swap(parent, name, new)
         report.add("fused", path, f"{type(child).__name__}: {desc}")
@@ -263,11 +341,18 @@ def mlp_pass(model, report, undo: Undo, state) -> None:
 QKV_UNFUSED_MEM_OPT = 3
 
 
+_CROSS = ("encdecattention", "crossattention", "cross_attn", "encoder_attn")
+
+
 def qkv_pass(model, report, undo: Undo, state, mem_opt: int | None = None) -> None:
     for path, m in list(model.named_modules()):
-        for names in (("q_proj", "k_proj", "v_proj"), ("query", "key", "value")):
+        for names in (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("q", "k", "v")):
             lins = [getattr(m, n, None) for n in names]
             if not all(_linear(x) for x in lins):
+                continue
+            if any(c in path.lower() for c in _CROSS):
+                report.add("skipped", path, "q/k/v projections", "cross-attention: q reads the decoder's states, k and "
+                           "v the encoder's (one fused GEMM would compute k and v of the wrong input, then discard it)")
                 continue
             if mem_opt is not None and mem_opt >= QKV_UNFUSED_MEM_OPT:
                 report.add("skipped", path, "q/k/v projections",
