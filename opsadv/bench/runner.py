@@ -53,22 +53,9 @@ bench_window = sample_window
 def calls_ms(fn, calls: int) -> float:
     """Median ms of `calls` calls of fn, each timed on its own (CUDA events on a GPU, perf_counter elsewhere)."""
     import torch
-    cuda = torch.cuda.is_available()
-    times = []
-    for _ in range(max(1, calls)):
-        if cuda:
-            torch.cuda.synchronize()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+
+    from opsadv.core.tuning import per_call_ms
+    return statistics.median(per_call_ms(fn, calls, torch.cuda.is_available()))
 
 
 def time_interleaved(fns: dict, rounds: int = ROUNDS, per_round: dict | None = None, calls: int | None = None) -> dict:

@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 
 from opsadv.core.errors import InvalidArgumentError
+from opsadv.core.tuning import per_call_ms
 
 MODES = ("inference", "train", "generate")
 GENERATE_TOKENS = 32                  # new tokens per timed generate call (floor_mode="generate")
@@ -86,20 +87,7 @@ def wall_timer(device: torch.device) -> Timer:
         sync()
         one = max(time.perf_counter() - t0, 1e-6)
         reps = max(MIN_REPS, min(MAX_REPS, int(TARGET_S / one)))
-        times = []
-        for _ in range(reps):
-            if cuda:
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
+        return statistics.median(per_call_ms(fn, reps, cuda))
 
     return timer
 

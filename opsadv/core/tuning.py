@@ -301,3 +301,23 @@ def autotune(exp, resolved, args: tuple, timing: str = "wall"):
     store(exp.spec, resolved.ctx.env, measured)
     impl = next(i for i in accepted if i.id == winner)
     return Resolved(impl, resolved.ctx, impl.backward if exp.spec.backward else impl.fn)
+
+
+def per_call_ms(fn, calls: int, cuda: bool) -> list[float]:
+    """ms of each of `calls` calls of fn, timed on its own (CUDA events after a sync, else perf_counter)."""
+    import torch
+    times = []
+    for _ in range(max(1, calls)):
+        if cuda:
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times
