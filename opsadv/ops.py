@@ -6,9 +6,10 @@ from opsadv.core.ops import (  # noqa: F401
     gemm,
     layer_norm,
     rms_norm,
+    rotary_embedding,
     sparse_attention,
     swiglu,
     swiglu_gemm,
 )
 
-__all__ = ["flash_attention", "sparse_attention", "gemm", "swiglu_gemm", "swiglu", "layer_norm", "rms_norm"]
+__all__ = ["flash_attention", "sparse_attention", "gemm", "swiglu_gemm", "swiglu", "layer_norm", "rms_norm", "rotary_embedding"]

@@ -16,6 +16,7 @@ gemm = importlib.import_module("opsadv.core.ops.gemm")
 norm = importlib.import_module("opsadv.core.ops.norm")
 sparse = importlib.import_module("opsadv.core.ops.sparse")
 swiglu = importlib.import_module("opsadv.core.ops.swiglu")
+rotary = importlib.import_module("opsadv.core.ops.rotary")
 
 
 def _attention_buckets(mode, backward: bool, kwargs: dict[str, Any]) -> tuple[bool, bool]:
@@ -72,6 +73,11 @@ def _spec_for(op: str, args: tuple, kwargs: dict[str, Any], backward: bool):
         # an eager call that records gradients resolves in its own bucket (CallSpec.train)
         train = not backward and _ops._common.eager_mode(x, w, bias, res) == _ops._common.AUTOGRAD_FN
         return norm._spec(op, x, w, bias, res, backward, offset, train=train)
+    if op == "rotary_embedding":
+        q, k, cos, sin = get(0, "q"), get(1, "k"), get(2, "cos"), get(3, "sin")
+        pos, inter = kwargs.get("position_ids"), kwargs.get("interleaved", False)
+        rotary.validate(q, k, cos, sin, pos, inter, kwargs.get("rotary_dim"))
+        return rotary._spec(q, k, cos, pos, inter, backward)
     raise InvalidArgumentError("explain", "op", f"one of {list(OPS)}", repr(op))
 
 

@@ -227,7 +227,34 @@ for _op in ("layer_norm", "rms_norm"):
     ]
 NORMS.append(Case("rms_norm", "offset", _norm("rms_norm", (7, 128), offset=1.0), (0, 1)))
 
-CATALOGUE: list[Case] = ATTENTION + SPARSE + GEMM + SWIGLU + SWIGLU_ACT + NORMS
+
+
+# ---- rotary embedding ------------------------------------------------------------------------------------
+def _rotary(b, hq, hk, s, d, r=None, cos_batch=False, interleaved=False, positions=0, bshd=False):
+    def build(dtype, device, g):
+        rr = r or d
+        q = _r((b, s, hq, d), dtype, device, g).transpose(1, 2) if bshd else _r((b, hq, s, d), dtype, device, g)
+        k = _r((b, hk, s, d), dtype, device, g)
+        kw: dict[str, Any] = {"interleaved": interleaved}
+        if positions:               # a (P, R) table and gapped position ids
+            cos, sin = _r((positions, rr), dtype, device, g), _r((positions, rr), dtype, device, g)
+            kw["position_ids"] = torch.randint(0, positions, (b, s), generator=g).to(device)
+        else:
+            shape = (b, s, rr) if cos_batch else (s, rr)
+            cos, sin = _r(shape, dtype, device, g), _r(shape, dtype, device, g)
+        return (q, k, cos, sin), kw
+    return build
+
+
+ROTARY = [
+    Case("rotary_embedding", "one_token", _rotary(1, 1, 1, 1, 2), (0, 1)),
+    Case("rotary_embedding", "odd_gqa_bshd", _rotary(2, 3, 1, 127, 24, bshd=True, cos_batch=True), (0, 1)),
+    Case("rotary_embedding", "partial", _rotary(1, 4, 2, 5, 40, r=16), (0, 1)),
+    Case("rotary_embedding", "interleaved", _rotary(2, 2, 2, 3, 12, interleaved=True), (0, 1), quick=False),
+    Case("rotary_embedding", "position_ids", _rotary(2, 4, 4, 9, 16, positions=50), (0, 1), quick=False),
+]
+
+CATALOGUE: list[Case] = ATTENTION + SPARSE + GEMM + SWIGLU + SWIGLU_ACT + NORMS + ROTARY
 
 
 def call(case: Case, args: tuple, kwargs: dict):

@@ -16,7 +16,7 @@ from opsadv.registry import BackendInfo, ProbeResult, hookimpl
 NAME = "cuda"
 VERSION = "0.1.0"
 KERNEL_MODULES = ("attention", "gluon_attention", "sdpa", "gemm", "norm", "aten_norm", "sparse", "gluon_sparse",
-                  "gluon_gemm", "gluon_swiglu_gemm", "swiglu")
+                  "gluon_gemm", "gluon_swiglu_gemm", "swiglu", "rotary")
 
 
 def interpreter_mode(env) -> bool:

@@ -17,6 +17,7 @@ ATTN_FEATURES = frozenset({"causal", "gqa", "cross_length", "attn_mask_bool", "a
 SPARSE_FEATURES = frozenset({"causal", "gqa", "cross_length", "key_padding", "varlen", "window", "global"})
 GEMM_FEATURES = frozenset({"bias", "residual", "alpha", "batched", "act_relu", "act_gelu", "act_gelu_tanh", "act_silu"})
 NORM_FEATURES = frozenset({"weight", "bias", "residual", "offset"})
+ROTARY_FEATURES = frozenset({"interleaved", "partial", "position_ids"})
 
 
 @hookimpl
@@ -45,6 +46,7 @@ def opsadv_register_kernels(registry, env):
     registry.add(_impl("swiglu", K.swiglu_act_fwd, K.swiglu_act_bwd, frozenset({"batched"})))
     registry.add(_impl("layer_norm", K.layer_norm_fwd, K.layer_norm_bwd, NORM_FEATURES))
     registry.add(_impl("rms_norm", K.rms_norm_fwd, K.rms_norm_bwd, NORM_FEATURES))
+    registry.add(_impl("rotary_embedding", K.rotary_fwd, K.rotary_bwd, ROTARY_FEATURES))
 
 
 @hookimpl
