@@ -166,7 +166,8 @@ def test_tune_for_hardware_on_cpu():
     assert rep.calls_per_impl and all(k.startswith("reference") for k in rep.calls_per_impl)
     assert len(rep.steps) == 3 and "chosen kernels" in str(rep)
     # the padded step's causal + key padding calls run sparse_attention
-    assert set(rep.per_op) == {"flash_attention", "sparse_attention", "gemm", "swiglu_gemm", "rms_norm"}, rep.per_op
+    assert set(rep.per_op) == {"flash_attention", "sparse_attention", "gemm", "swiglu_gemm", "rms_norm",
+                               "rotary_embedding"}, rep.per_op
     assert not conv._opsadv_state.policy.autotune
     from opsadv.core.errors import InvalidArgumentError
     with pytest.raises(InvalidArgumentError, match="timing"):

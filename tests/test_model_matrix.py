@@ -316,3 +316,23 @@ def test_heatmap_and_headline_from_the_json(tmp_path):
     png = tmp_path / "h.png"
     assert R.write_heatmap(str(path), str(png)) == 7 and png.stat().st_size > 0
     assert R.main([str(path), "--heatmap", str(tmp_path / "h2.png")]) == 0
+
+
+@pytest.mark.xdist_group("model_matrix_compile")
+@pytest.mark.parametrize("arch", ["llama3", "bert"])
+def test_compiled_converted_forward_is_one_graph(arch, reference_backend):
+    """fullgraph=True: no converted module (norms, MLPs, rotary, attention) breaks torch.compile's graph (backend
+    "auto": the ambient policy, here the fixture's reference backend; an explicit backend's scope still breaks it)."""
+    import torch._dynamo
+    orig, x = _tiny(arch)
+    conv = opsadv.convert_model(copy.deepcopy(orig), example_inputs=Z.without_labels(x))
+    try:
+        with opsadv.trace() as t, torch.no_grad():
+            got = _primary(torch.compile(conv, fullgraph=True, backend="aot_eager")(**x))
+            want = _primary(orig(**x))
+    finally:
+        torch._dynamo.reset()
+    assert t.counts
+    am = x.get("attention_mask")
+    keep = am.bool() if am is not None and got.shape[:2] == am.shape else torch.ones(got.shape[:2], dtype=torch.bool)
+    torch.testing.assert_close(got[keep], want[keep], rtol=1e-4, atol=1e-5)

@@ -136,6 +136,19 @@ def test_compile_fullgraph_forward_backward():
     assert rel_err(q2.grad, q3.grad) < 1e-6 and rel_err(k2.grad, k3.grad) < 1e-6
 
 
+@pytest.mark.parametrize("backend", ["cuda", "reference"])
+def test_custom_ops_match_their_fakes(backend):
+    """Every impl's outputs have the layout the fakes promise (compiled graphs are planned with it)."""
+    q, k, cos, sin, _ = _inputs(2, 4, 2, 6, 16, 16, torch.float32, seed=5)
+    with opsadv.use_backend(backend):
+        torch.library.opcheck(torch.ops.opsadv.rotary_embedding.default, (q, k, cos, sin, None, False),
+                              test_utils=("test_schema", "test_faketensor"))
+        torch.library.opcheck(torch.ops.opsadv.rotary_embedding_backward.default, (q, k, cos, sin, None, False),
+                              test_utils=("test_schema", "test_faketensor"))
+        oq, _ = torch.ops.opsadv.rotary_embedding(q, k, cos, sin, None, False)
+    assert oq.transpose(1, 2).is_contiguous()
+
+
 def test_explain_names_the_kernel():
     q, k, cos, sin, _ = _inputs(1, 2, 1, 3, 8, 8, torch.float32)
     with opsadv.use_backend("cuda"):

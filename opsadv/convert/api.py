@@ -12,7 +12,7 @@ from opsadv.core.errors import InvalidArgumentError
 from opsadv.core.policy import Policy, use_backend
 from opsadv.core.precision import PrecisionPolicy
 
-from . import floor as _floor, hf_attention, packing, passes, release, validate as _val
+from . import floor as _floor, hf_attention, packing, passes, release, rotary, validate as _val
 from .report import ConversionReport
 from .state import RuntimeState
 
@@ -125,7 +125,7 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
                   floor_mode: str = "inference", floor_timer=None) -> nn.Module:
     """Rewrite `model` in place to run opsadv ops and return it (same object, same class).
 
-    opt_level 0: nothing; 1: attention and norms; 2: + fused QKV GEMM, dense+residual+norm, MLP GEMM
+    opt_level 0: nothing; 1: attention, rotary embedding and norms; 2: + fused QKV GEMM, dense+residual+norm, MLP GEMM
     epilogues (SwiGLU, GELU); 3: + impls marked experimental.  mem_opt (0-3, None = untouched): >= 2
     runs SwiGLU MLPs over row chunks and applies the runtime memory policy; 3 also keeps q/k/v as
     three GEMMs (lower activation peak than the fused QKV GEMM) and frees each norm's output after
@@ -278,6 +278,9 @@ def _steps(is_hf: bool, opt_level: int, mem_opt, pack_padding, state):
         if is_hf:
             out.append(("attention", "the model's own attention implementation" + (" (and padded batches run "
                         "padded)" if pack else ""), each(attention)))
+        if is_hf:
+            out.append(("rotary", "transformers' rotary embedding (apply_rotary_pos_emb)",
+                        each(lambda m, r, u: rotary.rotary_pass(m, r, u, state))))
         out.append(("norm", "the model's own norms", each(lambda m, r, u: passes.norm_pass(m, r, u, state))))
     if opt_level >= 2:
         out.append(("residual_norm", "the model's own dense + residual + norm blocks",

@@ -7,7 +7,13 @@ dispatch policy its opsadv ops run under.
   policy is cached per ambient policy so dispatch memoization keeps hitting."""
 from __future__ import annotations
 
+from contextlib import nullcontext
+
+import torch
+
 from opsadv.core import policy as _policy
+
+_compiling = torch.compiler.is_compiling
 
 
 class _NoScope:
@@ -67,7 +73,8 @@ class RuntimeState:
 
     def scope(self):
         if self.policy is None and not self.overrides:
-            return NO_SCOPE
+            # torch.compile enters only context managers made inside the traced region
+            return nullcontext() if _compiling() else NO_SCOPE
         p = self.effective()
         # already in force (a converted module called inside another one's scope): no ContextVar set / reset
         return NO_SCOPE if _policy._scoped.get() is p else _Scope(p)
@@ -78,4 +85,6 @@ class RuntimeState:
 
 def scope_of(module):
     st = getattr(module, "_opsadv_state", None)
-    return st.scope() if st is not None else NO_SCOPE
+    if st is not None:
+        return st.scope()
+    return nullcontext() if _compiling() else NO_SCOPE

@@ -136,11 +136,21 @@ def _bshd_like(x: Tensor) -> Tensor:
     return torch.empty_strided((b, h, s, d), (s * h * d, d, h * d, 1), dtype=x.dtype, device=x.device)
 
 
+def _in_fake_layout(t: Tensor) -> Tensor:
+    """t stored as the fakes say (compiled graphs plan with those strides); an impl may return another layout."""
+    b, h, s, d = t.shape
+    if t.stride() == (s * h * d, d, h * d, 1) or t.numel() == 0:
+        return t
+    out = _bshd_like(t)
+    out.copy_(t)
+    return out
+
+
 @torch.library.custom_op("opsadv::rotary_embedding", mutates_args=())
 def _rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Optional[Tensor],
             interleaved: bool) -> tuple[Tensor, Tensor]:
     oq, ok = _route(q, k, cos, sin, position_ids, interleaved)
-    return oq, ok
+    return _in_fake_layout(oq), _in_fake_layout(ok)
 
 
 @_rotary.register_fake
@@ -152,7 +162,7 @@ def _(q, k, cos, sin, position_ids, interleaved):
 def _rotary_backward(gq: Tensor, gk: Tensor, cos: Tensor, sin: Tensor, position_ids: Optional[Tensor],
                      interleaved: bool) -> tuple[Tensor, Tensor]:
     dq, dk = _bwd_route(gq, gk, cos, sin, position_ids, interleaved)
-    return dq, dk
+    return _in_fake_layout(dq), _in_fake_layout(dk)
 
 
 @_rotary_backward.register_fake
