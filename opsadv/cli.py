@@ -100,7 +100,7 @@ def _cmd_bench(args) -> int:
     import opsadv
     if args.use_experimental_kernels:
         opsadv.use_backend("auto", experimental=True)
-    suites = ["attention", "sparse", "gemm", "norm", "e2e"] if args.suite == "all" else [args.suite]
+    suites = ["attention", "sparse", "gemm", "norm", "rotary", "e2e"] if args.suite == "all" else [args.suite]
     try:
         i, n = (int(x) for x in args.part.split("/"))
         assert 1 <= i <= n
@@ -152,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_cmd_conformance)
 
     s = sub.add_parser("bench", help="speed against peers on a GPU (BENCHMARKS.md)")
-    s.add_argument("--suite", default="all", choices=["attention", "sparse", "gemm", "norm", "e2e", "models", "all"])
+    s.add_argument("--suite", default="all", choices=["attention", "sparse", "gemm", "norm", "rotary", "e2e", "models", "all"])
     s.add_argument("--quick", action="store_true")
     s.add_argument("--json", default=None, metavar="PATH")
     s.add_argument("--plot", default=None, metavar="PATH")

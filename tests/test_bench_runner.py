@@ -240,3 +240,19 @@ def test_norm_suite_backward_only_rows_time_the_backward(monkeypatch):
             assert c.work == suite_norm.bytes_moved(c.case.split()[4], int(c.case.split()[2][1:]),
                                                     int(c.case.split()[3][1:]), "residual" in c.case, "only")
     assert calls == ["layer_norm", "rms_norm"]          # one forward per contender, however many calls
+
+
+def test_rotary_suite_cases_match_transformers_expression(monkeypatch):
+    """The rotary suite's contenders agree (fwd and fwd+bwd, full and partial width) on small shapes; the rows are
+    against transformers' expression (the baseline), bytes as documented."""
+    from opsadv.bench import suite_rotary
+    monkeypatch.setattr(suite_rotary, "SHAPES", (("tiny", 2, 5, 4, 2, 8, 8), ("tiny-partial", 1, 3, 2, 2, 8, 4)))
+    with opsadv.use_backend("reference"):
+        cases = list(suite_rotary.cases(False))
+        assert [c.case for c in cases] == ["fwd bf16 tiny b2 s5 h4/2 d8", "fwd bf16 tiny-partial b1 s3 h2/2 d8 r4",
+                                           "fwd+bwd bf16 tiny b2 s5 h4/2 d8", "fwd+bwd bf16 tiny-partial b1 s3 h2/2 d8 r4"]
+        for c in cases:
+            assert c.baseline == "torch_eager" and set(c.peers) == {"torch_eager"}      # CPU: no compile / Liger
+            ours, ref = c.opsadv(), c.peers["torch_eager"]()
+            assert len(ours) == 2 and all(runner.rel_err(a, b) < 1e-2 for a, b in zip(ours, ref))
+    assert cases[0].work == suite_rotary.bytes_moved(2, 5, 4, 2, 8, 8, False) == 2 * (2 * 5 * 6 * 8 * 2) + 2 * 2 * 5 * 8 * 2

@@ -21,7 +21,7 @@ from typing import Any
 
 from opsadv.core.tuning import MIN_CALLS, one_call_ms, sample_window  # noqa: F401  (MIN_CALLS: re-exported)
 
-SUITES = ("attention", "sparse", "gemm", "norm", "e2e", "models")
+SUITES = ("attention", "sparse", "gemm", "norm", "rotary", "e2e", "models")
 MISMATCH = 5e-2          # rel_err above this marks a case wrong (and the run fails)
 
 
