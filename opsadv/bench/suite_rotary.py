@@ -94,7 +94,10 @@ def cases(quick: bool) -> Iterator[BenchCase]:
             # not change its time; the rows' rel_err is against transformers' expression, the baseline)
             ql = qp.detach().clone().requires_grad_(bwd)
             kl = kp.detach().clone().requires_grad_(bwd)
-            peers["liger"] = (lambda run=run, ql=ql, kl=kl: run(liger, qg=ql, kg=kl))
+            gql = gq.clone() if bwd else None                 # (and its backward rotates dq' / dk' in place)
+            gkl = gk.clone() if bwd else None
+            peers["liger"] = (lambda run=run, ql=ql, kl=kl, gql=gql, gkl=gkl: run(liger, qg=ql, kg=kl, gq=gql,
+                                                                                  gk=gkl))
         words = ["fwd+bwd" if bwd else "fwd", "bf16", name, f"b{b}", f"s{s}", f"h{hq}/{hk}", f"d{d}"]
         if r != d:
             words.append(f"r{r}")
