@@ -10,6 +10,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from . import registry as _registry  # noqa: E402,F401  (installs the plugin registry into core.hooks)
 from . import errors, ops  # noqa: E402  (registers the torch.library ops)
 from .core.dispatch import Trace as _Trace  # noqa: E402
 from .core.env import EnvInfo, detect  # noqa: E402
