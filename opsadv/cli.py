@@ -6,29 +6,34 @@ import json
 import logging
 import sys
 
+import opsadv
+
+from .core import tuning
+from .core.env import current_env
+from .core.errors import InvalidArgumentError, OpsadvError, UnknownOptionError
+from .core.kernel import OPS
+from .demo import run_demo
+from .registry import get_registry
+from .testing import default_device, report as _report, run_conformance
+
 
 def _cmd_info(args) -> int:
-    import opsadv
     if args.backend:
         opsadv.use_backend(args.backend)
     inf = opsadv.info(impls=args.impls)
     print(json.dumps(inf.to_dict(), indent=1, default=str) if args.json else inf)
     if args.tuning:
-        from .core import tuning
-        from .core.env import current_env
         print(tuning.report(current_env()))
     return 0
 
 
 def _cmd_demo(args) -> int:
-    from .demo import run_demo
     return run_demo(backend=args.backend, device=args.device)
 
 
 def _dtypes(spec: str) -> tuple:
     """--dtypes "float32,float16" -> torch dtypes; an unknown name is an error naming the known ones."""
     import torch
-    from opsadv.core.errors import UnknownOptionError
     known = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
              "float32": torch.float32, "fp32": torch.float32, "float64": torch.float64, "fp64": torch.float64}
     bad = [n for n in spec.split(",") if n.strip() not in known]
@@ -38,10 +43,6 @@ def _dtypes(spec: str) -> tuple:
 
 
 def _cmd_conformance(args) -> int:
-    import opsadv
-    from opsadv.testing import default_device, run_conformance
-    from opsadv.testing.report import summary, write
-
     if args.aoe_mode is not None:
         opsadv.use_backend(args.backend, aoe_mode=args.aoe_mode)
     device = args.device or default_device(args.backend)
@@ -54,7 +55,6 @@ def _cmd_conformance(args) -> int:
 
     print(f"opsadv conformance: backend {args.backend} on {device} ({'quick' if args.quick else 'full'} catalogue)",
           flush=True)
-    from opsadv.core.kernel import OPS
     pins = _impl_pins(args.impl)
     if pins and not ops:
         ops = list(pins)
@@ -69,9 +69,9 @@ def _cmd_conformance(args) -> int:
         results += run_conformance(args.backend, quick=args.quick, device=device, ops=[op], progress=progress,
                                    precision=args.precision, impls=pins or None, dtypes=dtypes)
         left = todo[i + 1:]
-        write(results, backend=args.backend, device=device, quick=args.quick, json_path=args.json,
-              markdown_path=args.markdown, note=note + (f" PARTIAL: not yet run: {left}." if left else ""))
-    s = summary(results)
+        _report.write(results, backend=args.backend, device=device, quick=args.quick, json_path=args.json,
+                      markdown_path=args.markdown, note=note + (f" PARTIAL: not yet run: {left}." if left else ""))
+    s = _report.summary(results)
     print(f"{s['pass']} passed, {s['fail']} failed, {s['skip']} skipped")
     return 1 if s["fail"] else 0
 
@@ -80,8 +80,6 @@ def _impl_pins(ids) -> dict:
     """--impl IDs -> {op: impl id} (each id's op looked up in the registry)."""
     if not ids:
         return {}
-    from opsadv.core.errors import InvalidArgumentError
-    from opsadv.registry import get_registry
     by_id = {i.id: i for impls in get_registry().impls_by_op.values() for i in impls}
     pins: dict = {}
     for i in ids:
@@ -97,7 +95,6 @@ def _cmd_bench(args) -> int:
     except ImportError as e:
         print(f"opsadv bench: the benchmark runner is not available ({e})", file=sys.stderr)
         return 2
-    import opsadv
     if args.use_experimental_kernels:
         opsadv.use_backend("auto", experimental=True)
     suites = ["attention", "sparse", "gemm", "norm", "rotary", "e2e"] if args.suite == "all" else [args.suite]
@@ -105,7 +102,6 @@ def _cmd_bench(args) -> int:
         i, n = (int(x) for x in args.part.split("/"))
         assert 1 <= i <= n
     except (ValueError, AssertionError):
-        from .core.errors import InvalidArgumentError
         raise InvalidArgumentError("bench", "--part", "I/N with 1 <= I <= N, e.g. 2/4", repr(args.part))
     return run_bench(suites, quick=args.quick, json_path=args.json, plot_path=args.plot, case_filter=args.filter,
                      part=(i, n))
@@ -173,7 +169,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(levelname)s %(name)s: %(message)s")
-    from .core.errors import OpsadvError
     try:
         return int(args.func(args) or 0)
     except OpsadvError as e:

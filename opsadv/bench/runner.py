@@ -19,7 +19,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import opsadv
+from opsadv.core.policy import current_policy
 from opsadv.core.tuning import MIN_CALLS, one_call_ms, sample_window  # noqa: F401  (MIN_CALLS: re-exported)
+from opsadv.core.tuning import per_call_ms
+
+from .model_report import write_heatmap
 
 SUITES = ("attention", "sparse", "gemm", "norm", "rotary", "e2e", "models")
 MISMATCH = 5e-2          # rel_err above this marks a case wrong (and the run fails)
@@ -54,7 +59,6 @@ def calls_ms(fn, calls: int) -> float:
     """Median ms of `calls` calls of fn, each timed on its own (CUDA events on a GPU, perf_counter elsewhere)."""
     import torch
 
-    from opsadv.core.tuning import per_call_ms
     return statistics.median(per_call_ms(fn, calls, torch.cuda.is_available()))
 
 
@@ -147,7 +151,6 @@ def _header() -> dict[str, Any]:
 
 def _chosen(case) -> str:
     """Impl ids the dispatcher ran for one opsadv call (opsadv.trace), or the case's own answer."""
-    import opsadv
     if case.impl is not None:
         try:
             return case.impl()
@@ -342,8 +345,6 @@ def run_bench(suites: list[str], quick: bool, json_path: str | None, plot_path: 
     index = 0
     import torch
 
-    import opsadv
-
     names: list[str] = []
     for s in suites:
         for n in (SUITES if s == "all" else (s,)):
@@ -354,7 +355,6 @@ def run_bench(suites: list[str], quick: bool, json_path: str | None, plot_path: 
           f"commit {header['commit']}){' quick' if quick else ''}")
     rows: list[dict[str, Any]] = []
     failed = False
-    from opsadv.core.policy import current_policy
     cur = current_policy()   # keep what the caller set (backend, experimental, ...); add measured choice
     with opsadv.use_backend(cur.backend, strict=cur.strict, profile=cur.profile, experimental=cur.experimental,
                             deterministic=cur.deterministic, precision=cur.precision, autotune=autotune,
@@ -404,7 +404,6 @@ def run_bench(suites: list[str], quick: bool, json_path: str | None, plot_path: 
             print(f"wrote {plot_path}")
         if len(other) < len(rows):
             # the models heatmap: from the whole JSON where there is one (the grid's other parts too)
-            from .model_report import write_heatmap
             hpath = plot_path if not other else str(Path(plot_path).with_name(Path(plot_path).stem + "_models.png"))
             write_heatmap(json_path, hpath, rows=None if json_path else [r for r in rows if r.get("suite") == "models"])
             print(f"wrote {hpath}")

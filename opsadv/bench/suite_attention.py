@@ -12,6 +12,10 @@ import torch
 import torch.nn.functional as F
 
 import opsadv
+from opsadv.core import dispatch
+from opsadv.core.ops import attention as A
+from opsadv.core.policy import current_policy
+from opsadv.registry import get_registry
 
 from .case import BenchCase, flex_peer
 
@@ -45,11 +49,6 @@ def _grid(quick: bool):
 def _own(q, k, causal, backward):
     """(impl, ctx) of the library's best own kernel that accepts the case (OWN), bypassing the
     dispatcher's choice (for "[own]" rows); None when none does."""
-    from opsadv.core import dispatch
-    from opsadv.core.ops import attention as A
-    from opsadv.core.policy import current_policy
-    from opsadv.registry import get_registry
-
     if "cuda" not in get_registry().backends or not get_registry().backends["cuda"].available:
         return None
     pol = dataclasses.replace(current_policy(), backend="cuda", autotune=False)

@@ -25,8 +25,10 @@ from typing import Iterator
 import torch
 
 import opsadv
+from opsadv.runtime.graphs import small_state
 
 from .case import BenchCase
+from .runner import rel_err
 
 LLAMA = dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
              intermediate_size=5632, vocab_size=32000, max_position_embeddings=4096)
@@ -186,7 +188,6 @@ STATIC_SLOTS = 512          # free StaticCache slots past the cached tokens; cou
 def _rewind(cache, cached: int) -> None:
     """Put a StaticCache's write position back to `cached` tokens (its in-place counters; the slots after
     it are masked until rewritten), so timing loops of any length stay inside the preallocated cache."""
-    from opsadv.runtime.graphs import small_state
     for t in small_state(cache):
         t.fill_(cached)
 
@@ -240,7 +241,6 @@ def _llama_decode_static(quick: bool, dev: str) -> BenchCase:
         """The timed calls leave each cache at its own position (each contender ran its own number of steps),
         so the outputs handed in are not comparable (rel err 1.1 on the H200 at 5a4f399): rewind both caches
         to `cached` tokens and compare one step of each at the same position."""
-        from .runner import rel_err
         outs = {}
         for name in ("conv", "base"):
             _rewind(st[name + "_cache"], cached)

@@ -14,6 +14,10 @@ import torch
 import torch.nn.functional as F
 
 import opsadv
+from opsadv.core import dispatch
+from opsadv.core.ops.gemm import _gemm_spec, _swiglu_spec
+from opsadv.core.policy import current_policy
+from opsadv.registry import get_registry
 
 from .case import BenchCase, compiled_peer
 
@@ -39,10 +43,6 @@ OWN_PREFIXES = ("cuda.gluon.", "cuda.triton.")   # the library's own kernels, in
 def own_impl(op: str, spec):
     """(impl, ctx) of the library's own kernel for this call: the Gluon GEMM where the policy accepts it
     (sm_90, K and N multiples of 8), else the Triton kernel (TMA variant where it serves)."""
-    from opsadv.core import dispatch
-    from opsadv.core.policy import current_policy
-    from opsadv.registry import get_registry
-
     reg = get_registry()
     if "cuda" not in reg.backends or not reg.backends["cuda"].available:
         return None
@@ -77,8 +77,6 @@ def _compiled(ep):
 
 
 def cases(quick: bool) -> Iterator[BenchCase]:
-    from opsadv.core.ops.gemm import _gemm_spec, _swiglu_spec
-
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16
     for m, n, k, ep, bwd in _grid(quick):

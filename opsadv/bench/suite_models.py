@@ -48,8 +48,12 @@ from typing import Any, Iterator
 
 import torch
 
+import opsadv
+from opsadv.convert import validate as _val
+
 from . import model_zoo as Z
 from .case import BenchCase, allow_recompiles
+from .liger_peer import apply_isolated, liger_apply_fn
 
 SIZES = ("0.5b", "1.5b")
 PREFILL_BATCHES = (1, 8)
@@ -260,7 +264,6 @@ def _report_fields(conv, extra: dict) -> None:
 
 def convert(base, cell: Cell, x: dict, val_in: dict, extra: dict):
     """opsadv.convert_model of a deep copy of base, validated on val_in, the floor timed on the cell's batch."""
-    import opsadv
     kw: dict[str, Any] = {}
     floor = FLOOR or ("off" if cell.size == "tiny" else "cell")
     extra["floor_inputs"] = floor
@@ -279,7 +282,6 @@ def convert(base, cell: Cell, x: dict, val_in: dict, extra: dict):
 
 def liger_copy(base, arch: str):
     """(Liger-patched deep copy of base, its SwappedGlobals) or (None, error text)."""
-    from .liger_peer import apply_isolated, liger_apply_fn
     e = Z.spec(arch)
     try:
         fn = liger_apply_fn(e.liger)
@@ -379,8 +381,7 @@ def grad_check(ref_model, model, x: dict, extra: dict) -> None:
 
 def _metrics(ref, new, inputs, dtype, what: str = "logits") -> dict:
     """validate.compare's numbers; `what` names the tensors ("logits": KL and top-1 too)."""
-    from opsadv.convert.validate import compare
-    m = compare({what: ref}, {what: new}, inputs, dtype)
+    m = _val.compare({what: ref}, {what: new}, inputs, dtype)
     return {k: (float(f"{v:.4g}") if isinstance(v, float) else v) for k, v in m.items()
             if k in ("rel_err", "kl", "top1_agreement", "top1_ties", "min_cosine", "passed", "tokens")}
 
@@ -399,7 +400,6 @@ def _work(model, cell: Cell) -> float:
 
 
 def _warm(fn, name: str, extra: dict, impls: dict | None = None):
-    import opsadv
     t0 = time.perf_counter()
     if impls is None:
         out = fn()

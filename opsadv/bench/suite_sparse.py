@@ -16,18 +16,19 @@ import torch.nn.functional as F
 
 import opsadv
 from opsadv import SparseLayout
+from opsadv.backends.cuda import gluon_attention
+from opsadv.core.policy import current_policy, select_profile
+from opsadv.registry import get_registry
 
 from .case import BenchCase, flex_peer
+from .runner import rel_err
 
 DENSE_MASK_MAX_BYTES = 4 << 30      # sdpa_masked only where the (s_q, s_k) bool mask stays below this
 
 
 def fwd_tiles(layout: SparseLayout, d: int) -> tuple[int, int]:
     """(visited, total) tiles of the forward kernel's grid for this layout (for work counting)."""
-    from opsadv.backends.cuda import sparse as SP
-    from opsadv.core.dispatch import select_profile
-    from opsadv.core.policy import current_policy
-    from opsadv.registry import get_registry
+    from opsadv.backends.cuda import sparse as SP     # imports triton (optional)
     prof = None
     rec = get_registry().backends.get("cuda")
     if rec is not None and rec.available:
@@ -150,7 +151,6 @@ def varlen_case(n=8, max_len=4096, h=16, d=128, causal=False, dtype=torch.bfloat
     def compare(mine, _peer):
         """The padded peer attends to padding (no mask in flash), so verify against flex, or
         against per-sequence SDPA when flex is absent."""
-        from .runner import rel_err
         if "flex" in peers:
             return rel_err(mine, peers["flex"]())
         ref = _run(lambda q_, k_, v_: torch.cat([F.scaled_dot_product_attention(
@@ -216,6 +216,5 @@ def dense_own_cases() -> Iterator[BenchCase]:
     """The dense reference rows: the Triton kernel, and the Gluon one where it can run (an sm_90 GPU with
     triton.experimental.gluon): the fastest own dense kernel is the fair denominator."""
     yield dense_own_case()
-    from opsadv.backends.cuda import gluon_attention
     if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and not gluon_attention.UNAVAILABLE:
         yield dense_own_case(impl_id=gluon_attention.IMPL_ID)

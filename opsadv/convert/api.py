@@ -11,8 +11,10 @@ from torch import nn
 from opsadv.core.errors import InvalidArgumentError
 from opsadv.core.policy import Policy, use_backend
 from opsadv.core.precision import PrecisionPolicy
+from opsadv.runtime import graphs
 
-from . import floor as _floor, hf_attention, packing, passes, release, rotary, validate as _val
+from . import floor as _floor, fx_rewrite, hf_attention, packing, passes, release, rotary, validate as _val
+from .tune import tune_for_hardware
 from .report import ConversionReport
 from .state import RuntimeState
 
@@ -99,7 +101,6 @@ class _Tuner:
         self.model = model
 
     def __call__(self, device="cuda:0", batch_size: int = 8, seq_len: int | None = None, **kw):
-        from .tune import tune_for_hardware
         return tune_for_hardware(self.model, device=device, batch_size=batch_size, seq_len=seq_len, **kw)
 
     def __reduce__(self):
@@ -248,7 +249,6 @@ def check_graph_args(model, pack_padding, cuda_graphs, max_graphs) -> None:
 
 
 def _install_graphs(root, report, undo, max_graphs):
-    from opsadv.runtime import graphs
     hint = packing.graph_hint(root) if any(c.kind == "packed" for c in report.changes) else None
     runner = graphs.install(root, max_graphs=max_graphs, hint=hint)
     undo.instance_attrs.append((root, "forward"))
@@ -289,7 +289,6 @@ def _steps(is_hf: bool, opt_level: int, mem_opt, pack_padding, state):
         out.append(("qkv", "separate q / k / v projections",
                     each(lambda m, r, u: passes.qkv_pass(m, r, u, state, mem_opt))))
     if opt_level >= 1 and not is_hf:
-        from . import fx_rewrite
         out.append(("fx", "the model's own graph (no torch.fx rewrite)",
                     lambda m, r, u: fx_rewrite.fx_pass(m, r, u, state, opt_level)))
     return out

@@ -6,6 +6,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from opsadv.core.errors import OpsadvError
+
+from . import demo as _demo
+from .api import convert_model
+from .export import Optimizer
+
 _MEM = {"none": 0, "conservative": 1, "balanced": 2, "aggressive": 3}
 
 
@@ -18,8 +24,8 @@ def _mem_policy(v: str) -> int:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    from .demo import DEMOS
-    p.add_argument("model", metavar="MODEL", help=f"local transformers model directory or one of {', '.join(DEMOS)}")
+    p.add_argument("model", metavar="MODEL",
+                   help=f"local transformers model directory or one of {', '.join(_demo.DEMOS)}")
     p.add_argument("--backend", default="auto", help="opsadv backend (default: auto)")
     p.add_argument("--device", default=None, help="device to run on (default: cuda if available, else cpu)")
     p.add_argument("--precision", default=None, choices=["fp16", "bf16", "fp32", "tf32"],
@@ -53,9 +59,8 @@ def _device(args):
 
 
 def _load(args, bar):
-    from .demo import load_model
     bar.set_description(f"loading {args.model}")
-    model = load_model(args.model)
+    model = _demo.load_model(args.model)
     model.to(_device(args))
     bar.update()
     return model
@@ -64,25 +69,23 @@ def _load(args, bar):
 def optimize_main(args) -> int:
     from tqdm.auto import tqdm
 
-    import opsadv
-    from .demo import example_inputs
     try:
         with tqdm(total=3 if args.output else 2, desc="opsadv optimize", file=sys.stderr) as bar:
             model = _load(args, bar)
             seq = args.seq_len or 32
-            x = example_inputs(model, args.batch_size, seq)
+            x = _demo.example_inputs(model, args.batch_size, seq)
             bar.set_description("converting + validating")
             opt_level = 3 if args.use_experimental_kernels else args.opt_level
-            opt = opsadv.Optimizer(device=_device(args), precision=args.precision, opt_level=opt_level,
-                                   backend=args.backend, tile_size=args.tile_size, max_streams=args.num_streams,
-                                   mem_opt=args.mem_policy)
+            opt = Optimizer(device=_device(args), precision=args.precision, opt_level=opt_level,
+                            backend=args.backend, tile_size=args.tile_size, max_streams=args.num_streams,
+                            mem_opt=args.mem_policy)
             conv = opt.compile(model, example_inputs=x)
             bar.update()
             if args.output:
                 bar.set_description(f"exporting {args.output}")
                 opt.export(conv, args.output, x)
                 bar.update()
-    except opsadv.errors.OpsadvError as e:
+    except OpsadvError as e:
         print(f"opsadv optimize: {e}", file=sys.stderr)
         return 2
     print(conv.opsadv_report)
@@ -92,17 +95,15 @@ def optimize_main(args) -> int:
 
 
 def tune_main(args) -> int:
-    import opsadv
     from tqdm.auto import tqdm
     try:
         with tqdm(total=2, desc="opsadv tune", file=sys.stderr) as bar:
             model = _load(args, bar)
             bar.set_description("converting + validating")
-            conv = opsadv.convert_model(model, backend=args.backend, precision=args.precision,
-                                        opt_level=args.opt_level)
+            conv = convert_model(model, backend=args.backend, precision=args.precision, opt_level=args.opt_level)
             bar.update()
         rep = conv.tune_for_hardware(device=str(_device(args)), batch_size=args.batch_size, seq_len=args.seq_len)
-    except opsadv.errors.OpsadvError as e:
+    except OpsadvError as e:
         print(f"opsadv tune: {e}", file=sys.stderr)
         return 2
     print(conv.opsadv_report)

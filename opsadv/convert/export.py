@@ -9,11 +9,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from opsadv import ops as _ops  # noqa: F401  (registers the opsadv::* ops a loaded program calls)
 from opsadv.core.errors import InvalidArgumentError
 from opsadv.core.precision import PrecisionPolicy
 
 from .api import _check_int, convert_model
 from .modules import unalias_fused
+from .tune import _to
 
 
 class _PlainOutputs(nn.Module):
@@ -56,7 +58,6 @@ class Optimizer:
         if self.device is not None:
             model.to(self.device)
         if example_inputs is not None and self.device is not None:
-            from .tune import _to
             example_inputs = _to(example_inputs, self.device)
         return convert_model(model, backend=self.backend, precision=self.precision, opt_level=self.opt_level,
                              validate=validate, example_inputs=example_inputs, **self.seeds)
@@ -64,7 +65,6 @@ class Optimizer:
     def export(self, model: nn.Module, path, example_inputs, validate=True) -> torch.export.ExportedProgram:
         """Convert (if needed), torch.export the model on `example_inputs` (kwargs dict, args tuple or a
         tensor) and save the program to `path` (.pt2).  Returns the ExportedProgram."""
-        from .tune import _to
         compiled = self.compile(model, example_inputs=example_inputs, validate=validate)
         dev = next(compiled.parameters()).device
         inputs = _to(example_inputs, dev)
@@ -100,7 +100,6 @@ class Optimizer:
 def load(path):
     """Load a .pt2 written by Optimizer.export.  Returns a callable module (ExportedProgram.module())
     with the program as `.exported_program`."""
-    import opsadv.ops  # noqa: F401  (registers the opsadv::* ops the program calls)
     ep = torch.export.load(str(path))
     mod = ep.module()
     mod.exported_program = ep

@@ -24,6 +24,9 @@ import torch
 from opsadv.core.errors import InvalidArgumentError
 from opsadv.core.tuning import per_call_ms
 
+from . import validate as _val
+from .hf_attention import is_transformers_model
+
 MODES = ("inference", "train", "generate")
 GENERATE_TOKENS = 32                  # new tokens per timed generate call (floor_mode="generate")
 ENV = "OPSADV_CONVERT_FLOOR"          # "0" turns the floor off by default, "1" on (the default)
@@ -96,8 +99,7 @@ def _loss_of(out) -> torch.Tensor:
     loss = getattr(out, "loss", None) if not isinstance(out, dict) else out.get("loss")
     if isinstance(loss, torch.Tensor):
         return loss
-    from .validate import primary_output
-    t, _ = primary_output(out)
+    t, _ = _val.primary_output(out)
     if t is None:
         raise InvalidArgumentError("convert_model", "floor_mode", "a model whose output has a loss or a tensor "
                                    "(floor_mode='train')", type(out).__name__)
@@ -107,7 +109,6 @@ def _loss_of(out) -> torch.Tensor:
 def _train_inputs(model, inputs):
     """Causal LMs get labels = input_ids (their loss is what a training step backpropagates)."""
     if isinstance(inputs, dict) and "labels" not in inputs and "input_ids" in inputs:
-        from .hf_attention import is_transformers_model
         if is_transformers_model(model) and getattr(model, "can_generate", lambda: False)():
             labels = inputs["input_ids"].clone()
             am = inputs.get("attention_mask")
@@ -119,9 +120,8 @@ def _train_inputs(model, inputs):
 
 def step_fn(model, inputs, mode: str) -> Callable[[], Any]:
     """The call the floor times: a no-grad forward, or forward + backward (grads cleared each call)."""
-    from .validate import run
     if mode == "inference":
-        return lambda: run(model, inputs)
+        return lambda: _val.run(model, inputs)
     if mode == "generate":
         if not callable(getattr(model, "generate", None)) or not isinstance(inputs, dict):
             raise InvalidArgumentError("convert_model", "floor_mode", "a model with .generate and dict floor inputs "

@@ -25,7 +25,6 @@ import copy
 import inspect
 import sys
 import warnings
-from typing import NamedTuple
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -33,6 +32,7 @@ from torch._subclasses.fake_tensor import is_fake
 from opsadv import ops
 from opsadv.core.layout import SparseLayout, capturing
 
+from .masks import MaskForm, causal_mask_of, form_of, key_padding_of
 from .modules import _exporting
 from .packing import pack_of
 from .state import scope_of
@@ -40,35 +40,6 @@ from .state import scope_of
 NAME = "opsadv"
 BLOCK = 128
 _registered = False
-
-
-def key_padding_of(mask: torch.Tensor | None) -> torch.Tensor | None:
-    """The (B, s_k) key padding mask when `mask` is one broadcast over queries (our mask fn's form)."""
-    if mask is None or mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1:
-        return None
-    if causal_mask_of(mask) is not None:
-        return None
-    if mask.shape[2] > 1 and mask.stride(2) != 0:
-        return None
-    return mask[:, 0, 0, :]
-
-
-class MaskForm(NamedTuple):
-    """What our masks carry (attribute `_opsadv_form`).  causal: opsadv's bottom-right alignment (the queries are
-    the last s_q keys).  key_padding: (B, s_k) bool, True = real token; None without padding.  block_mask: the
-    all-True (1, 1, ceil(s_q / BLOCK), ceil(s_k / BLOCK)) block mask of the key-padding layout (with key_padding)."""
-    causal: bool
-    key_padding: torch.Tensor | None
-    block_mask: torch.Tensor | None
-
-
-def form_of(mask) -> MaskForm | None:
-    return getattr(mask, "_opsadv_form", None) if isinstance(mask, torch.Tensor) else None
-
-
-def causal_mask_of(mask) -> MaskForm | None:
-    f = form_of(mask)
-    return f if f is not None and f.causal else None
 
 
 def _block_mask(s_q, s_k, like: torch.Tensor) -> torch.Tensor:

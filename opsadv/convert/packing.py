@@ -28,6 +28,9 @@ from torch import nn
 
 from opsadv.core.layout import SparseLayout, capturing
 
+from .masks import key_padding_of
+from .modules import _exporting
+
 # rows the packed stack has while a CUDA graph is captured (set by the graph runner's hint)
 static_rows: contextvars.ContextVar[int | None] = contextvars.ContextVar("opsadv_static_rows", default=None)
 BLOCK = 128                     # layout block size of the packed varlen layout
@@ -108,8 +111,6 @@ class PackedEncoderForward:
         self.encoder, self.orig = encoder, orig
 
     def __call__(self, hidden_states, attention_mask=None, *args, **kwargs):
-        from .hf_attention import key_padding_of
-        from .modules import _exporting
         kpm = key_padding_of(attention_mask)
         # export / compile tracing: the row count depends on mask values, so the padded layers serve
         if (kpm is None or _exporting() or args or kwargs.get("encoder_hidden_states") is not None

@@ -9,6 +9,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from opsadv.runtime import apply_memory_policy
+
 from .modules import (DenseResidualNorm, FusedRows, FusedSwiGLUMLP, LinearAct, OpsadvNorm, QKVGroup, QKVProjection,
                       SwiGLUMLP)
 from .report import ConversionReport
@@ -425,6 +427,5 @@ def memory_pass(model, report, mem_opt: int | None) -> None:
                    f"(mem_opt={mem_opt}) [{len(mlps)}x]")
     dev = next((p.device for p in model.parameters()), None)
     if dev is not None and dev.type == "cuda":
-        from opsadv.runtime import apply_memory_policy
         pol = apply_memory_policy(mem_opt, dev)
         report.add("memory", "<runtime>", f"memory policy level {mem_opt} applied: {pol}")

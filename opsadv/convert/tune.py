@@ -8,10 +8,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-import opsadv
 from opsadv.core import dispatch
 from opsadv.core.errors import InvalidArgumentError
-from opsadv.core.policy import Policy, _serial as _policy_serial
+from opsadv.core.policy import TIMINGS, Policy, _serial as _policy_serial
+from opsadv.registry import get_registry
+
+from . import hf_attention, validate as _val
 
 
 @dataclass
@@ -25,7 +27,6 @@ class TuneReport:
     @property
     def per_op(self) -> dict[str, dict[str, int]]:
         """op -> {impl id: calls}: the kernels chosen for each op."""
-        from opsadv.registry import get_registry
         op_of = {i.id: op for op, impls in get_registry().impls_by_op.items() for i in impls}
         out: dict[str, dict[str, int]] = {}
         for impl, n in self.calls_per_impl.items():
@@ -80,13 +81,10 @@ def tune_for_hardware(model, device="cuda:0", batch_size: int = 8, seq_len: int 
     are kept per timing, see opsadv.core.policy.Policy.timing)."""
     from tqdm.auto import tqdm
 
-    from . import hf_attention, validate as _val
-
     if not isinstance(batch_size, int) or batch_size < 1:
         raise InvalidArgumentError("tune_for_hardware", "batch_size", "an int >= 1", repr(batch_size))
     if seq_len is not None and (not isinstance(seq_len, int) or seq_len < 1):
         raise InvalidArgumentError("tune_for_hardware", "seq_len", "None or an int >= 1", repr(seq_len))
-    from opsadv.core.policy import TIMINGS
     if timing is not None and timing not in TIMINGS:
         raise InvalidArgumentError("tune_for_hardware", "timing", f"None or one of {list(TIMINGS)}", repr(timing))
     dev = torch.device(device)
@@ -114,7 +112,7 @@ def tune_for_hardware(model, device="cuda:0", batch_size: int = 8, seq_len: int 
     model.eval()
     names = []
     try:
-        with opsadv.trace() as t, torch.no_grad():
+        with dispatch.Trace() as t, torch.no_grad():
             for name, fn in tqdm(steps, desc="opsadv tune", disable=not progress):
                 fn()
                 names.append(name)

@@ -11,10 +11,13 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from . import hooks, tuning
 from .env import EnvInfo
-from .errors import BackendUnavailableError, InvalidArgumentError, NoKernelError
-from .kernel import CallSpec, KernelImpl, Profile, ResolveContext
-from .policy import Policy, current_policy
+from .errors import BackendUnavailableError, NoKernelError
+from .kernel import CallSpec, KernelImpl, Profile, ResolveContext, profile_with_tile_cap
+from .policy import Policy, current_policy, select_profile
+from .policy import current_policy as _scoped_or_global  # hot-path alias
+from .resolved import Resolved
 
 log = logging.getLogger("opsadv.dispatch")
 
@@ -73,19 +76,6 @@ class Explanation:
                                for c in self.candidates]}
 
 
-@dataclass(frozen=True)
-class Resolved:
-    impl: KernelImpl
-    ctx: ResolveContext
-    run: Callable[..., Any]         # impl.fn or impl.backward
-    infer: Callable[..., Any] | None = None   # call(..., inference=True): impl.inference where run is impl.fn
-
-    def __post_init__(self):
-        if self.infer is None:
-            inf = self.impl.inference
-            object.__setattr__(self, "infer", inf if inf is not None and self.run is self.impl.fn else self.run)
-
-
 # The ops' per-call fast path (core/ops/*.py): (op tag, policy serial, the call's exact argument metadata:
 # tensor types, dtypes, devices, shapes, flags and float values) -> the Resolved its memoized bucket gave.  A
 # key is stored only after that exact call passed the op's full validation and resolved, so a hit may skip
@@ -139,6 +129,9 @@ def clear_cache() -> None:
         _memo.clear()
 
 
+hooks.on_registry_reset(clear_cache)     # a rebuilt registry has other impls: no memoized choice survives
+
+
 def learn(fast_key: tuple | None, key: tuple, r: Resolved | None = None) -> None:
     """After an op call took the full path (validated, resolved under the current policy, run): remember
     the resolution of its bucket `key` (or `r`) under the call's `fast_key` for the next identical call."""
@@ -161,31 +154,12 @@ def _capped(profile: Profile, tile_size: int) -> Profile:
     key = (id(profile), tile_size)
     p = _capped_profiles.get(key)
     if p is None:
-        from .kernel import profile_with_tile_cap
         p = _capped_profiles[key] = profile_with_tile_cap(profile, tile_size)
     return p
 
 
-def select_profile(backend, policy: Policy) -> Profile | None:
-    """The backend's profile under this policy: the forced one, else the best match."""
-    profiles = backend.profiles
-    if policy.profile is not None and (policy.backend == backend.name or policy.backend == "auto"):
-        for p in profiles:
-            if p.name == policy.profile:
-                return p
-        raise InvalidArgumentError("use_backend", "profile",
-                                   f"a profile of backend {backend.name!r}: {[p.name for p in profiles]}",
-                                   repr(policy.profile))
-    from ..registry import get_registry
-    env = get_registry().env
-    matching = [p for p in profiles if p.matches is None or p.matches(env)]
-    matching.sort(key=lambda p: (-p.priority, p.name))
-    return matching[0] if matching else None
-
-
 def _selected_backends(policy: Policy, spec: CallSpec):
-    from ..registry import get_registry
-    reg = get_registry()
+    reg = hooks.get_registry()
     if policy.backend == "auto":
         return reg, [b for b in reg.available()]
     rec = reg.backends.get(policy.backend)
@@ -224,7 +198,6 @@ def explain_spec(spec: CallSpec, policy: Policy | None = None) -> tuple[Explanat
         top = accepted[0]
         why = (f"highest priority ({top.rank_priority}{': ' + top.ranked if top.ranked else ''}) "
                f"of {len(accepted)} accepted")
-        from . import tuning
         measured = tuning.lookup(spec, [c.impl.id for c in accepted], env, policy.timing)
         if measured is not None:
             chosen = next(c.impl for c in accepted if c.impl.id == measured.winner)
@@ -259,7 +232,6 @@ def resolve(key: tuple, make_spec: Callable[[], CallSpec], args: tuple | None = 
         reasons = {c.impl.id: list(c.reasons) for c in exp.candidates}
         raise NoKernelError(spec.op + (" (backward)" if spec.backward else ""), policy.describe(), reasons)
     if policy.autotune and args is not None:
-        from . import tuning
         r = tuning.autotune(exp, r, args, policy.timing) or r
     _announce(exp, r, policy)
     with _memo_lock:
@@ -274,8 +246,7 @@ def _announce(exp: Explanation, r: Resolved, policy: Policy) -> None:
         print(line, file=sys.stderr)
     log.info(line)
     if r.impl.backend == "reference" and policy.backend == "auto":
-        from ..registry import get_registry
-        device_backends = [b.name for b in get_registry().available()
+        device_backends = [b.name for b in hooks.get_registry().available()
                            if b.name != "reference" and exp.spec.device_type in b.info.device_types]
         if device_backends and exp.op not in _logged_fallback:
             _logged_fallback.add(exp.op)
@@ -324,8 +295,6 @@ def call(key: tuple, make_spec: Callable[[], CallSpec], args: tuple, inference: 
         record(r.impl.id)
     return (r.infer if inference else r.run)(r.ctx, *args)
 
-
-from .policy import current_policy as _scoped_or_global  # noqa: E402  (hot-path alias)
 
 _CALL = call
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .policy import current_policy
+from . import hooks
+from .policy import current_policy, select_profile
 
 
 @dataclass
@@ -84,10 +85,7 @@ def impl_rows(reg) -> list[dict[str, Any]]:
 
 
 def info(impls: bool = False) -> Info:
-    from ..registry import get_registry
-    from .dispatch import select_profile
-
-    reg = get_registry()
+    reg = hooks.get_registry()
     pol = current_policy()
     rows = []
     for b in reg.backends.values():

@@ -11,7 +11,9 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import hooks
 from .errors import BackendUnavailableError, InvalidArgumentError
+from .kernel import OPS, Profile
 from .precision import PrecisionPolicy
 
 _serial = itertools.count(1)
@@ -89,6 +91,22 @@ class Backend:
         _scoped.reset(self._token)
 
 
+def select_profile(backend, policy: Policy) -> Profile | None:
+    """The backend's profile under this policy: the forced one, else the best match."""
+    profiles = backend.profiles
+    if policy.profile is not None and (policy.backend == backend.name or policy.backend == "auto"):
+        for p in profiles:
+            if p.name == policy.profile:
+                return p
+        raise InvalidArgumentError("use_backend", "profile",
+                                   f"a profile of backend {backend.name!r}: {[p.name for p in profiles]}",
+                                   repr(policy.profile))
+    env = hooks.get_registry().env
+    matching = [p for p in profiles if p.matches is None or p.matches(env)]
+    matching.sort(key=lambda p: (-p.priority, p.name))
+    return matching[0] if matching else None
+
+
 _POLICY_KEYS = {"strict", "profile", "experimental", "deterministic", "autotune", "precision", "impls", "timing"}
 TIMINGS = ("wall", "graph")
 
@@ -100,7 +118,6 @@ def _check_impls(impls, reg) -> tuple[tuple[str, str], ...]:
         return ()
     if not isinstance(impls, dict):
         raise InvalidArgumentError("use_backend", "impls", "a dict {op name: impl id}", repr(impls))
-    from .kernel import OPS
     out = []
     for op, impl in impls.items():
         if op not in OPS:
@@ -118,12 +135,9 @@ def use_backend(name: str = "auto", **kwargs: Any) -> Backend:
     deterministic, autotune, precision, impls ({op: impl id} pins), timing ("wall" | "graph": how autotune
     times candidates, see Policy.timing), plus backend-specific options validated by the
     backend itself (e.g. aoe_mode for ascend, memory_budget for jetson)."""
-    from ..registry import get_registry
-    from . import dispatch
-
     if not isinstance(name, str):
         raise InvalidArgumentError("use_backend", "name", "a backend name string or 'auto'", repr(name))
-    reg = get_registry()
+    reg = hooks.get_registry()
     known = sorted(reg.backends)
     if name != "auto" and name not in reg.backends:
         failed = [f for f in reg.failures if f.name == name]
@@ -146,7 +160,7 @@ def use_backend(name: str = "auto", **kwargs: Any) -> Backend:
                                        f"{sorted(_POLICY_KEYS)})", repr(backend_opts))
         backend_opts = dict(normalized or {})
     policy = Policy(backend=name, options=tuple(sorted(backend_opts.items())), **policy_kw)
-    profile = dispatch.select_profile(primary, policy)   # validates a forced profile name
+    profile = select_profile(primary, policy)   # validates a forced profile name
     prev = _set_global(policy)
     return Backend(policy, primary.name, profile.name if profile else None, prev)
 

@@ -14,6 +14,8 @@ from typing import Any
 
 from .env import EnvInfo
 from .kernel import CallSpec
+from .resolved import Resolved
+from .train_steps import train_step
 
 
 
@@ -269,8 +271,6 @@ def time_rounds(steps: dict, device_type: str, timing: str) -> dict[str, float]:
 def autotune(exp, resolved, args: tuple, timing: str = "wall"):
     """Time every accepted impl on the real arguments (on a device, not the reference backend's);
     persist and return the winner."""
-    from .dispatch import Resolved
-
     accepted = [c.impl for c in exp.candidates if c.accepted]
     if exp.spec.device_type != "cpu" and any(i.backend != "reference" for i in accepted):
         # the reference backend is the oracle (plain torch, e.g. dense masking for sparse attention):
@@ -285,7 +285,6 @@ def autotune(exp, resolved, args: tuple, timing: str = "wall"):
             (impl.inference or impl.fn) if exp.spec.inference else impl.fn     # what the call will run
         try:
             if exp.spec.train:      # a grad-recording call: time forward + backward, as the caller pays
-                from .ops._common import train_step
                 step = train_step(exp.spec.op, impl, resolved.ctx, args)
             else:
                 step = (lambda run=run: run(resolved.ctx, *args))

@@ -17,6 +17,7 @@ from typing import Any
 
 import pluggy
 
+from ..core import hooks
 from ..core.env import EnvInfo, current_env
 from ..core.errors import PluginError
 from ..core.kernel import OPS, KernelImpl, Profile
@@ -210,9 +211,11 @@ def reset_registry(env: EnvInfo | None = None) -> Registry:
         reg = Registry(env)
         reg.load_all()
         _registry = reg
-    from ..core import dispatch
-    dispatch.clear_cache()
+    hooks.registry_reset()        # dispatch forgets its memoized choices
     return reg
+
+
+hooks.install_registry(get_registry)     # core reads the registry through core.hooks
 
 
 def _after_fork() -> None:

@@ -20,8 +20,10 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from ..core.env import current_env
 from ..core.errors import InvalidArgumentError
-from .memory import current_memory_policy, format_bytes, parse_bytes
+from ..core.policy import current_policy
+from .memory import _read_mem_available, current_memory_policy, format_bytes, parse_bytes
 
 OP = "run_batched"
 MAX_STREAMS = 8
@@ -211,9 +213,6 @@ def _validate(fn, max_streams, chunk_size, bytes_per_sample):
 def default_budget(device: torch.device) -> tuple[int | None, str]:
     """The budget when none is given: the jetson policy option, else what is free on the device
     (MemAvailable on a Jetson: unified memory), 90% of it.  (None, why) on CPU."""
-    from ..core.env import current_env
-    from ..core.policy import current_policy
-
     opts = current_policy().option_dict
     opt = opts.get("memory_budget")
     if isinstance(opt, int) and "use_backend" in str(opts.get("memory_budget_source", "use_backend")):
@@ -222,7 +221,6 @@ def default_budget(device: torch.device) -> tuple[int | None, str]:
         return None, "no prediction on CPU without bytes_per_sample"
     env = current_env()
     if env.is_jetson:
-        from .memory import _read_mem_available
         avail = _read_mem_available()
         if avail is not None:
             return int(avail * 0.9), "90% of /proc/meminfo MemAvailable"
@@ -264,7 +262,6 @@ def _default_streams(fn_or_model) -> int:
     else the current policy's option (use_backend(..., max_streams=)), else 1."""
     st = getattr(fn_or_model, "_opsadv_state", None)
     pol = st.effective() if st is not None else None
-    from opsadv.core.policy import current_policy
     for p in (pol, current_policy()):
         if p is not None and p.option_dict.get("max_streams"):
             return int(p.option_dict["max_streams"])

@@ -35,7 +35,9 @@ from typing import Any, Callable
 import torch
 from torch.utils import _pytree as pytree
 
+from opsadv.core import dispatch
 from opsadv.core.errors import InvalidArgumentError
+from opsadv.core.policy import current_policy
 
 OP = "cuda_graphs"
 _CONST = (type(None), bool, int, float, str, torch.dtype, torch.device)
@@ -162,7 +164,6 @@ class CudaGraphRunner:
 
     # ---- call ---------------------------------------------------------------------------------
     def key(self, args: tuple, kwargs: dict) -> tuple[tuple, Any, list, Any]:
-        from opsadv.core.policy import current_policy
         leaves, spec = pytree.tree_flatten((args, kwargs))
         extra, ctx = self.hint(args, kwargs) if self.hint is not None else (None, None)
         return (str(spec), signature(leaves), extra, current_policy().serial), ctx, leaves, spec
@@ -216,8 +217,7 @@ class CudaGraphRunner:
             cur.wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             try:
-                from opsadv.core.dispatch import Trace
-                with torch.cuda.graph(graph), Trace() as captured:
+                with torch.cuda.graph(graph), dispatch.Trace() as captured:
                     out = self.fn(*args, **kwargs)
             except Exception as e:
                 raise InvalidArgumentError(OP, self.name, "a forward that CUDA graphs can capture (no host reads of "
@@ -243,7 +243,6 @@ class CudaGraphRunner:
 def _record_replay(impls: dict) -> None:
     """A replay runs the impls captured in the graph: opsadv.trace() counts them as if the eager
     forward had run (which kernel ran stays answerable under graphs)."""
-    from opsadv.core import dispatch
     if dispatch._tracers and impls:
         for t in dispatch._tracers:
             for impl, n in impls.items():

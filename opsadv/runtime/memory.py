@@ -21,6 +21,7 @@ import re
 import warnings
 from dataclasses import dataclass, field
 
+from ..core.env import _mem_available, current_env
 from ..core.errors import InvalidArgumentError
 
 LEVEL_NAMES = ("off", "conservative", "balanced", "aggressive")
@@ -101,9 +102,8 @@ def current_memory_policy() -> MemoryPolicy | None:
 
 
 def _read_mem_available() -> int | None:
-    from ..core.env import _mem_available  # fresh read: MemAvailable changes as memory is used
     from pathlib import Path
-    return _mem_available(Path("/proc/meminfo"))
+    return _mem_available(Path("/proc/meminfo"))     # fresh read: MemAvailable changes as memory is used
 
 
 def _set_allocator(setting: str, applied: list[str], skipped: list[str]) -> None:
@@ -125,8 +125,6 @@ def apply_memory_policy(level=2, device=None, *, memory_budget=None) -> MemoryPo
     On a machine without CUDA nothing is touched; the returned policy says what was skipped."""
     global _current
     import torch
-
-    from ..core.env import current_env
 
     lvl = parse_level(level)
     env = current_env()

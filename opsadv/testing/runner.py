@@ -12,8 +12,9 @@ import torch
 import opsadv
 from opsadv.registry import get_registry
 from opsadv.core import dispatch
-from opsadv.core.errors import NoKernelError
+from opsadv.core.errors import BackendUnavailableError, NoKernelError
 from opsadv.core.policy import current_policy
+from opsadv.core.precision import PrecisionPolicy, parse_dtype
 
 from .cases import CATALOGUE, DTYPES, TOLERANCE, Case, call
 
@@ -95,7 +96,6 @@ def _interpreter_bf16(op: str, backend: str, device: str, dtype: torch.dtype) ->
 def _tolerance(dtype: torch.dtype, op: str, precision) -> tuple[float, float]:
     """float32 inputs computed in a lower precision (policy) are held to that precision's row."""
     if dtype == torch.float32 and precision is not None:
-        from opsadv.core.precision import PrecisionPolicy, parse_dtype
         pol = PrecisionPolicy.from_string(precision)
         cls = pol.attention if op in ("flash_attention", "sparse_attention") else pol.matmul if op in (
             "gemm", "swiglu_gemm") else "fp32"
@@ -264,10 +264,8 @@ def run_conformance(backend: str, *, quick: bool = False, device: str | None = N
                     impls: dict | None = None) -> list[Result]:
     """Every case x dtype for `backend`; returns the results (the matrix's cells).  `impls`
     ({op: impl id}) pins the kernel under test; cells it cannot serve are skipped with its reasons."""
-    from opsadv.registry import get_registry
     reg = get_registry()
     if backend not in reg.backends or not reg.backends[backend].available:
-        from opsadv.core.errors import BackendUnavailableError
         rec = reg.backends.get(backend)
         raise BackendUnavailableError(backend, list(rec.probe.reasons) if rec else [f"unknown; known: {sorted(reg.backends)}"])
     device = device or default_device(backend)

@@ -15,7 +15,7 @@ from opsadv.core.kernel import Profile
 from opsadv.registry import BackendInfo, ProbeResult, hookimpl
 
 from . import _npu
-from .aoe import aoe_cli_options  # noqa: F401  (public: the CLI's --aoe-mode)
+from .aoe import activate, aoe_cli_options  # noqa: F401  (aoe_cli_options public: the CLI's --aoe-mode)
 from .soc import SocInfo, classify_soc  # noqa: F401
 
 NAME = "ascend"
@@ -64,5 +64,4 @@ def opsadv_profiles():
 
 @hookimpl
 def opsadv_activate(options, env):
-    from .aoe import activate
     return activate(dict(options), _npu.STATE)

@@ -11,7 +11,11 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
+from opsadv.core.errors import InvalidArgumentError, UnknownOptionError
 from opsadv.registry import BackendInfo, ProbeResult, hookimpl
+from opsadv.runtime.memory import apply_memory_policy, parse_level
+
+from .profiles import PROFILES
 
 NAME = "cuda"
 VERSION = "0.1.0"
@@ -68,7 +72,6 @@ def opsadv_register_kernels(registry, env):
 
 @hookimpl
 def opsadv_profiles():
-    from .profiles import PROFILES
     return list(PROFILES)
 
 
@@ -81,9 +84,6 @@ def check_seed_options(options: dict, backend: str) -> dict:
     mem_opt (0-3 or a level name: the memory policy, applied to the allocator now); workspace_cap (bytes, an int
     >= 0: the most a kernel may allocate as scratch, e.g. the flash backward's dS workspace; 0 turns such
     variants off)."""
-    from opsadv.core.errors import InvalidArgumentError, UnknownOptionError
-    from opsadv.runtime.memory import parse_level
-
     out: dict = {}
     for name, value in options.items():
         if value is None:
@@ -111,6 +111,5 @@ def check_seed_options(options: dict, backend: str) -> dict:
 def opsadv_activate(options, env):
     out = check_seed_options(dict(options), NAME)
     if out.get("mem_opt") is not None and env.device_type == "cuda":
-        from opsadv.runtime.memory import apply_memory_policy
         apply_memory_policy(out["mem_opt"])
     return out

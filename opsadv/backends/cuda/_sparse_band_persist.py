@@ -16,7 +16,7 @@ item's last tiles) computed wrong outputs on the H200 wherever a program walked 
 and ran 1.3-2x slower: removed.
 
 Band layouts only (sparse._is_band) with a window: an all-True block mask (dense causal) has no bounded
-width.  Tile classification as sparse._band_tiles (the edge tiles take the element mask of sparse._allowed)."""
+width.  Tile classification as _sparse_common._band_tiles (the edge tiles take the element mask of _allowed)."""
 from __future__ import annotations
 
 import functools
@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .sparse import _allowed, _band_tiles, _fwd_finish, _kv_tile_unmasked, _softmax_step
+from ._sparse_common import _allowed, _band_tiles, _fwd_finish, _kv_tile_unmasked, _softmax_step
 
 INTERPRETER_PROGRAMS = 3        # under the interpreter: few programs, so each walks several items (tests)
 SMEM_PER_SM = 233472            # sm_90: 228 KB per SM, 1 KB of it reserved per resident block
@@ -38,7 +38,7 @@ _PER_SM: dict = {}
 
 @functools.lru_cache(maxsize=256)
 def band_width_tiles(sq: int, sk: int, wl: int, wr: int, causal: bool, block_m: int, block_n: int) -> int:
-    """The most key tiles any row tile of a windowed band visits (sparse._band_tiles' n_vis, maximised over
+    """The most key tiles any row tile of a windowed band visits (_band_tiles' n_vis, maximised over
     the row tiles on the host: integer arithmetic over range(cdiv(sq, block_m)), no device work)."""
     n_m = -(-sq // block_m)
     r0 = torch.arange(n_m, dtype=torch.int64) * block_m

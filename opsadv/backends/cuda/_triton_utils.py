@@ -13,6 +13,8 @@ import triton
 import triton.language as tl
 from triton import knobs
 
+from opsadv.core import tuning
+from opsadv.core.env import current_env
 from opsadv.core.ops._common import empty_bshd
 
 log = logging.getLogger("opsadv.cuda.autotune")
@@ -169,7 +171,6 @@ class ConfigTuner:
             with self._lock:
                 self.best[key] = offered
             return offered
-        from opsadv.core.tuning import time_rounds
         err: Exception | None = None
         ok = []
         for i, c in enumerate(configs):     # compile (and launch once) every config before timing any: a
@@ -183,7 +184,7 @@ class ConfigTuner:
         # the first config after the compiles runs on ramping clocks, and one short sample per config is at the
         # mercy of the H200's run-to-run swing (session 10: GEMM times moved 5-15% between rounds); a config
         # that fails here times inf
-        times = {i: t for i, t in time_rounds({i: (lambda c=configs[i]: launch(c)) for i in ok}, "cuda",
+        times = {i: t for i, t in tuning.time_rounds({i: (lambda c=configs[i]: launch(c)) for i in ok}, "cuda",
                                                "wall").items() if t != float("inf")}
         if not times:
             raise err or RuntimeError(f"{self.name}: every config failed")
@@ -203,10 +204,9 @@ def _as_json(cfg):
 
 def _configs():
     """The stored config winners (kernel_configs.json in the cache dir, read once per process)."""
-    from opsadv.core.tuning import JsonCache
     global _CONFIGS
     if _CONFIGS is None:
-        _CONFIGS = JsonCache("kernel_configs.json")
+        _CONFIGS = tuning.JsonCache("kernel_configs.json")
     return _CONFIGS
 
 
@@ -214,9 +214,7 @@ _CONFIGS = None
 
 
 def _device_section() -> str:
-    from opsadv.core.env import current_env
-    from opsadv.core.tuning import _device_key
-    return _device_key(current_env())
+    return tuning._device_key(current_env())
 
 
 def _disk_load() -> dict:

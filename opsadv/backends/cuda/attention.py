@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from opsadv.core.kernel import PRIORITY_TRITON, KernelImpl
+from opsadv.core.policy import current_policy
 
 from . import triton_device_types
 from . import _attn_dq_gemm as dq_gemm
@@ -522,7 +523,6 @@ def _bwd_ds(ctx, key, tune, tma_ok: bool, launch_kv, q, k, dq, causal, scale, pe
 
 def _check(spec, env) -> list[str]:
     """Dynamic limits: fp32 needs a half-precision attention policy; the interpreter's bf16 dot is wrong."""
-    from opsadv.core.policy import current_policy
     why = []
     cdt = spec.dtype
     if spec.dtype == torch.float32:

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from opsadv.core.activations import act_grad
+from opsadv.core.errors import InvalidArgumentError
 from opsadv.core.kernel import PRIORITY_TRITON, PRIORITY_VENDOR, KernelImpl, cap_tiles
 from opsadv.core.ops._common import len_bucket
 from opsadv.core.policy import current_policy
@@ -108,7 +109,6 @@ def _poisoned(shape, like: torch.Tensor) -> torch.Tensor:
 def _check_precision(ctx, dtype) -> None:
     prec = ctx.options.get("precision")
     if dtype == torch.float32 and (prec is None or prec.matmul != "tf32"):
-        from opsadv.core.errors import InvalidArgumentError
         raise InvalidArgumentError(ctx.spec.op, "a", "float16/bfloat16, or float32 under precision='tf32'",
                                    "float32 with precision matmul=" + (prec.matmul if prec else "fp32"))
 

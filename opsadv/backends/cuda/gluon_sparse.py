@@ -69,7 +69,8 @@ from opsadv.core.kernel import PRIORITY_TRITON, KernelImpl
 from opsadv.core.layout import tile_index
 
 from .gluon_attention import _cdiv, _desc, _tma_ready, gluon_unavailable, nvmma_layout  # (b, h, s, d) TMA descriptors shared with the dense kernel
-from .sparse import refinement_reasons
+from ._triton_utils import new_output, new_output_bshd
+from .sparse import refinement_reasons, sparse_bwd as triton_sparse_bwd
 
 try:
     from . import _gluon_sparse_kernel as _K
@@ -339,7 +340,6 @@ def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale,
     "split_empty": bool, "order": bool, "mask": a MASK_MODES name, "trace": launch_args' trace, "o_kslot": bool,
     "early_s0": bool}
     (or a VARIANTS name) over DEFAULT_VARIANT; None: auto_schedule()."""
-    from ._triton_utils import new_output, new_output_bshd
     if cu is not None:   # check() refuses these; a direct call must not get a silently wrong answer
         raise NotImplementedError(f"{IMPL_ID}: packed varlen layouts (cu_seqlens) are not supported")
     q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
@@ -374,7 +374,6 @@ def sparse_fwd_infer(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, 
 def sparse_bwd(ctx, dout, q, k, v, out, lse, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale,
                dense_blocks=False, max_seqlen=-1):
     """The Triton sparse backward (dK/dV and dQ kernels, no atomics) from out and lse."""
-    from .sparse import sparse_bwd as triton_sparse_bwd
     return triton_sparse_bwd(ctx, dout, q, k, v, out, lse, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale,
                              dense_blocks, max_seqlen)
 

@@ -13,10 +13,14 @@ from __future__ import annotations
 import dataclasses
 import warnings
 
+from opsadv.backends.cuda import check_seed_options, interpreter_mode
+from opsadv.backends.cuda.profiles import JETSON
 from opsadv.core.errors import UnknownOptionError
 from opsadv.registry import BackendInfo, ProbeResult, hookimpl
+from opsadv.runtime.memory import apply_memory_policy, parse_bytes, parse_level
 
 from .detect import compute_dtype, generation, has_bf16, l4t_version, not_jetson_reasons
+from .kernels import impls
 
 NAME = "jetson"
 VERSION = "0.1.0"
@@ -39,7 +43,6 @@ def opsadv_probe(env):
                 unified_memory=True, model=env.device_tree_model)
     what = f"Jetson {gen} ({env.device_tree_model or env.device_name or 'unknown model'})"
     if env.device_type != "cuda":
-        from opsadv.backends.cuda import interpreter_mode
         if interpreter_mode(env):
             return ProbeResult(True, (f"{what}; interpreter mode: TRITON_INTERPRET=1, kernels run on CPU tensors",),
                                caps)
@@ -56,14 +59,12 @@ def opsadv_probe(env):
 
 @hookimpl
 def opsadv_register_kernels(registry, env):
-    from .kernels import impls
     for impl in impls(env):
         registry.add(impl)
 
 
 @hookimpl
 def opsadv_profiles():
-    from opsadv.backends.cuda.profiles import JETSON
     return [dataclasses.replace(JETSON, backend=NAME, priority=10, matches=lambda env: env.is_jetson,
                                 description=JETSON.description + "; chosen by the jetson backend on any Jetson")]
 
@@ -72,8 +73,6 @@ def opsadv_profiles():
 def opsadv_activate(options, env):
     """memory_budget: bytes, "3GiB", "60%" (of MemAvailable); default MemAvailable.
     mem_opt: 0-3 or "off"|"conservative"|"balanced"|"aggressive": applied to the allocator now."""
-    from opsadv.runtime.memory import apply_memory_policy, parse_bytes, parse_level
-
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         raise UnknownOptionError("use_backend", unknown[0], f"an option of backend 'jetson': {list(OPTIONS)} "
@@ -87,7 +86,6 @@ def opsadv_activate(options, env):
         out.update(memory_budget=budget, memory_budget_source="use_backend(memory_budget=...)")
     elif env.mem_available is not None:
         out.update(memory_budget=env.mem_available, memory_budget_source="/proc/meminfo MemAvailable")
-    from opsadv.backends.cuda import check_seed_options
     out.update(check_seed_options({k: options.get(k) for k in ("tile_size", "max_streams")}, NAME))
     if options.get("mem_opt") is not None:
         level = parse_level(options["mem_opt"], op="use_backend", arg="mem_opt")

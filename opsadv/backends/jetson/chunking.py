@@ -17,6 +17,9 @@ import dataclasses
 
 import torch
 
+from opsadv.backends.cuda.profiles import JETSON
+from opsadv.core.policy import current_policy
+
 DEFAULT_CAP = 64 << 20
 MIN_ROWS = 64            # a chunk is at least one 64-row tile (unless the op is smaller)
 
@@ -226,9 +229,6 @@ def attn_bytes_per_score(impl_id: str) -> float:
 
 def policy_cap() -> int:
     """The workspace cap under the policy in force (for check(), which sees no ResolveContext)."""
-    from opsadv.backends.cuda.profiles import JETSON
-    from opsadv.core.policy import current_policy
-
     budget = current_policy().option_dict.get("memory_budget")
     cap = JETSON.workspace_cap_bytes or DEFAULT_CAP
     return min(cap, budget // 4) if isinstance(budget, int) and budget > 0 else cap

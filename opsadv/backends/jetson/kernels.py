@@ -11,6 +11,7 @@ import warnings
 
 import torch
 
+from opsadv.backends.cuda import KERNEL_MODULES, triton_device_types
 from opsadv.core.kernel import PRIORITY_GENERIC, KernelImpl
 
 from . import attention as math_attention
@@ -67,7 +68,6 @@ def _wrap(impl: KernelImpl) -> KernelImpl:
 
 
 def cuda_impls(env) -> list[KernelImpl]:
-    from opsadv.backends.cuda import KERNEL_MODULES
     out = []
     for name in KERNEL_MODULES:
         modname = f"{CUDA_PACKAGE}.{name}"
@@ -84,7 +84,6 @@ def cuda_impls(env) -> list[KernelImpl]:
 
 
 def own_impls(env) -> list[KernelImpl]:
-    from opsadv.backends.cuda import triton_device_types
     devices = triton_device_types(env)   # plain torch, but CPU only in interpreter mode (tests), like the rest
     return [KernelImpl(
         id="jetson.chunked_math_attention", op="flash_attention", backend="jetson", fn=math_attention.fwd,

@@ -8,6 +8,8 @@ import torch
 
 from .. import dispatch
 from ..errors import InvalidArgumentError
+from ..policy import _scoped, current_policy
+from ..train_steps import register_train_step, train_step  # noqa: F401  (the ops register here; tuning reads)
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -215,21 +217,6 @@ def _after_forward(ctx, inputs, out, setup_context, stats) -> None:
         ctx.mark_non_differentiable(*(out[i] for i in stats))
 
 
-_TRAIN_STEPS: dict[str, Callable] = {}
-
-
-def register_train_step(op: str, make: Callable) -> None:
-    """`make(impl, ctx, args)` returns a callable running one forward + backward of `op` through
-    `impl` (impl.train where it has one, else opsadv's autograd Function around impl.fn)."""
-    _TRAIN_STEPS[op] = make
-
-
-def train_step(op: str, impl, ctx, args: tuple) -> Callable[[], Any]:
-    """What autotune times for a CallSpec.train bucket: forward and backward together, the cost a
-    training step pays (a forward-only time would hide the backward's host and device cost)."""
-    return _TRAIN_STEPS[op](impl, ctx, args)
-
-
 class _OwnPairFn(torch.autograd.Function):
     """One attention-style impl's forward with its own backward, no dispatch (own_pair_train_step)."""
 
@@ -308,8 +295,6 @@ def carry_policy(setup_context, backward):
     """Wrap an op's (setup_context, backward) so the backward resolves under the forward's policy:
     autograd runs CUDA backwards on its own thread, where a `with use_backend(...)` scope of the
     caller's thread is not visible."""
-    from ..policy import _scoped, current_policy
-
     def setup(ctx, inputs, output):
         setup_context(ctx, inputs, output)
         ctx.opsadv_policy = current_policy()
