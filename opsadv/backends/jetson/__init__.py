@@ -10,7 +10,6 @@ the integrated GPU / compute capability (7.2, 8.7, 11.0): an integrated GPU alon
 not a Jetson.  Implements exactly the hooks a third-party plugin implements."""
 from __future__ import annotations
 
-import dataclasses
 import warnings
 
 from opsadv.core.errors import UnknownOptionError
@@ -63,9 +62,8 @@ def opsadv_register_kernels(registry, env):
 
 @hookimpl
 def opsadv_profiles():
-    from opsadv.backends.cuda.profiles import JETSON
-    return [dataclasses.replace(JETSON, backend=NAME, priority=10, matches=lambda env: env.is_jetson,
-                                description=JETSON.description + "; chosen by the jetson backend on any Jetson")]
+    from .profiles import PROFILES     # its own, and the copy it offers the cuda backend
+    return list(PROFILES)
 
 
 @hookimpl
