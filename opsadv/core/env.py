@@ -65,7 +65,7 @@ class EnvInfo:
         device_type stays consistent)."""
         if self.device_type == "cuda":
             return "hip" if self.hip_version else "cuda"
-        return self.device_type if self.device_type in ("xpu", "npu") else "cpu"
+        return self.device_type
 
     @property
     def vendor(self) -> str:
