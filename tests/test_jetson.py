@@ -291,7 +291,7 @@ def test_chunked_attention_equals_unchunked(seed, sq, sk, causal, hq, hkv, mask)
 def test_chunked_triton_attention_equals_unchunked(seed):
     _need("attention")
     from opsadv.backends.cuda.attention import flash_bwd, flash_fwd
-    from opsadv.backends.cuda.profiles import JETSON
+    from opsadv.backends.jetson.profiles import JETSON
     ctx = type("Ctx", (), {"profile": JETSON, "options": {}, "env": None, "spec": None})()
     q = torch.randn(1, 2, 100, 32, dtype=torch.float16)
     k = torch.randn(1, 1, 80, 32, dtype=torch.float16)

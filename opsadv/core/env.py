@@ -13,11 +13,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 
+RUNTIME_VENDORS = {"cuda": "NVIDIA", "hip": "AMD", "xpu": "Intel", "npu": "Huawei"}
+
+
 @dataclass(frozen=True)
 class EnvInfo:
     """What this process can run on.  Plain data: printable, comparable, JSON-able."""
 
-    device_type: str = "cpu"                     # "cuda", "npu" or "cpu": the best accelerator seen
+    device_type: str = "cpu"                     # torch device type of the best accelerator seen: "cuda" (NVIDIA,
+                                                 # or AMD under ROCm: see `runtime`), "xpu", "npu" or "cpu"
     device_name: str | None = None
     device_count: int = 0
     compute_capability: tuple[int, int] | None = None
@@ -25,6 +29,7 @@ class EnvInfo:
     total_memory: int | None = None              # bytes of device memory
     shared_memory_per_block_optin: int | None = None
     l2_cache_size: int | None = None
+    gpu_arch: str | None = None                  # ROCm gcnArchName, e.g. "gfx942:sramecc+:xnack-"
     integrated: bool = False                     # integrated GPU (memory shared with the CPU)
     unified_memory: bool = False
     tegra_release: str | None = None             # first line of /etc/nv_tegra_release
@@ -37,6 +42,8 @@ class EnvInfo:
     triton_interpret: bool = False               # TRITON_INTERPRET=1: Triton kernels run on CPU
     torch_version: str = ""
     cuda_version: str | None = None
+    hip_version: str | None = None               # torch.version.hip: set on ROCm builds (device type still "cuda")
+    xpu_version: str | None = None               # torch.version.xpu: set on Intel XPU builds
     triton_version: str | None = None
     torch_npu_version: str | None = None
     cann_version: str | None = None
@@ -52,9 +59,32 @@ class EnvInfo:
         return tegra_marker and (self.integrated or self.compute_capability in {(7, 2), (8, 7), (11, 0)}
                                  or self.device_type == "cpu")
 
+    @property
+    def runtime(self) -> str:
+        """The GPU runtime behind device_type: "cuda", "hip", "xpu", "npu" or "cpu" (derived, so a faked
+        device_type stays consistent)."""
+        if self.device_type == "cuda":
+            return "hip" if self.hip_version else "cuda"
+        return self.device_type
+
+    @property
+    def vendor(self) -> str:
+        return RUNTIME_VENDORS.get(self.runtime, "")
+
+    @property
+    def arch(self) -> str | None:
+        """The device's architecture name as its vendor spells it: "gfx942" (ROCm, without feature flags),
+        "sm_90" (CUDA); None elsewhere."""
+        if self.runtime == "hip":
+            return self.gpu_arch.split(":")[0] if self.gpu_arch else None
+        if self.runtime == "cuda" and self.compute_capability:
+            return f"sm_{self.compute_capability[0]}{self.compute_capability[1]}"
+        return None
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["is_jetson"] = self.is_jetson
+        d.update(runtime=self.runtime, vendor=self.vendor, arch=self.arch)
         return d
 
     def __str__(self) -> str:
@@ -95,16 +125,18 @@ def _version(dist: str) -> str | None:
 
 
 def _cuda_properties(errors: list[str]) -> dict[str, Any]:
-    """Device 0's properties, read without allocating anything on the device."""
+    """Device 0's properties, read without allocating anything on the device (NVIDIA, or AMD on ROCm builds)."""
     import torch
 
     try:
         if not torch.cuda.is_available():
             return {}
         p = torch.cuda.get_device_properties(0)
+        hip = getattr(torch.version, "hip", None)
         return dict(
             device_type="cuda",
             device_name=p.name,
+            gpu_arch=(getattr(p, "gcnArchName", None) or None) if hip else None,
             device_count=torch.cuda.device_count(),
             compute_capability=(p.major, p.minor),
             sm_count=p.multi_processor_count,
@@ -116,6 +148,23 @@ def _cuda_properties(errors: list[str]) -> dict[str, Any]:
         )
     except Exception as e:  # a broken driver must not break detection
         errors.append(f"cuda properties: {type(e).__name__}: {e}")
+        return {}
+
+
+def _xpu_properties(errors: list[str]) -> dict[str, Any]:
+    """Intel XPU device 0 (torch.xpu), read without allocating anything on the device."""
+    import torch
+
+    xpu = getattr(torch, "xpu", None)
+    try:
+        if xpu is None or not xpu.is_available():
+            return {}
+        p = xpu.get_device_properties(0)
+        return dict(device_type="xpu", device_name=getattr(p, "name", None), device_count=xpu.device_count(),
+                    total_memory=getattr(p, "total_memory", None),
+                    sm_count=getattr(p, "gpu_subslice_count", None) or getattr(p, "max_compute_units", None))
+    except Exception as e:  # a broken driver must not break detection
+        errors.append(f"xpu properties: {type(e).__name__}: {e}")
         return {}
 
 
@@ -139,9 +188,11 @@ def _npu_properties(errors: list[str]) -> dict[str, Any]:
 
 
 def detect(*, root: str | os.PathLike = "/", cuda_properties: Callable[[list[str]], dict] | None = None,
-           environ: dict[str, str] | None = None) -> EnvInfo:
-    """Describe this machine.  `root`, `cuda_properties` and `environ` exist so tests can fake
-    a Jetson or a GPU; normal callers pass nothing."""
+           environ: dict[str, str] | None = None,
+           xpu_properties: Callable[[list[str]], dict] | None = None) -> EnvInfo:
+    """Describe this machine.  `root`, `cuda_properties`, `xpu_properties` and `environ` exist so tests
+    can fake a Jetson or a GPU; normal callers pass nothing.  A ROCm build reports its AMD GPU through
+    the cuda properties (device type "cuda", hip_version set: runtime "hip")."""
     import torch
 
     env = os.environ if environ is None else environ
@@ -150,6 +201,8 @@ def detect(*, root: str | os.PathLike = "/", cuda_properties: Callable[[list[str
     info: dict[str, Any] = dict(
         torch_version=torch.__version__,
         cuda_version=torch.version.cuda,
+        hip_version=getattr(torch.version, "hip", None),
+        xpu_version=getattr(torch.version, "xpu", None),
         triton_version=_version("triton"),
         torch_npu_version=_version("torch-npu") or _version("torch_npu"),
         cann_version=env.get("ASCEND_TOOLKIT_VERSION") or _read_first_line(
@@ -168,6 +221,8 @@ def detect(*, root: str | os.PathLike = "/", cuda_properties: Callable[[list[str
         info["npu_installed"] = False
     info.update((cuda_properties or _cuda_properties)(errors))
     if info.get("device_type") != "cuda":
+        info.update((xpu_properties or _xpu_properties)(errors))
+    if info.get("device_type") not in ("cuda", "xpu"):
         info.update(_npu_properties(errors))
     info["errors"] = tuple(errors)
     return EnvInfo(**info)

@@ -30,10 +30,12 @@ class Info:
         e = self.env
         lines = ["opsadv info", "== hardware ==",
                  f"  device      {e.device_type} {e.device_name or ''} "
+                 + (f"({e.runtime}{' ' + e.arch if e.arch else ''}) " if e.runtime not in ("cpu", e.device_type) else "")
                  + (f"cc {e.compute_capability[0]}.{e.compute_capability[1]} " if e.compute_capability else "")
                  + (f"{e.sm_count} SMs " if e.sm_count else "")
                  + (f"{e.total_memory / 2**30:.1f} GiB" if e.total_memory else ""),
                  f"  versions    torch {e.torch_version}, triton {e.triton_version}, cuda {e.cuda_version}"
+                 + (f", hip {e.hip_version}" if e.hip_version else "")
                  + (f", torch_npu {e.torch_npu_version}" if e.torch_npu_version else ""),
                  f"  jetson      {e.is_jetson}" + (f" ({e.tegra_release})" if e.tegra_release else ""),
                  f"  triton interpreter {'on' if e.triton_interpret else 'off'}",
@@ -54,6 +56,7 @@ class Info:
                     [f"{f} forward" for f in ("inference", "train") if i.get(f)]
                 cc = "" if not (i["min_cc"] or i["max_cc"]) else \
                     f" cc {_cc(i['min_cc']) or '*'}..{_cc(i['max_cc']) or '*'}"
+                cc += f" archs {'/'.join(i['archs'])}" if i.get("archs") else ""
                 hd = f" head_dim {i['head_dims']}" if i["head_dims"] else ""
                 lines.append(f"  {i['op']}: {i['id']} prio {i['priority']}" + (f" [{', '.join(flags)}]" if flags else "")
                              + f"\n      {'/'.join(i['dtypes'])} on {'/'.join(i['device_types'])}{cc}{hd}"
@@ -77,6 +80,8 @@ def impl_rows(reg) -> list[dict[str, Any]]:
                          "device_types": list(i.device_types),
                          "head_dims": list(i.head_dims) if i.head_dims else None,
                          "min_cc": list(i.min_cc) if i.min_cc else None, "max_cc": list(i.max_cc) if i.max_cc else None,
+                         "cc_runtime": i.cc_runtime, "archs": list(i.archs) if i.archs is not None else None,
+                         "memory": i.memory.kind if i.memory is not None else None,
                          "features": sorted(i.features), "experimental": i.experimental,
                          "deterministic": i.deterministic, "description": i.description,
                          # its own forward for no-grad calls that skip statistics / for grad-recording calls

@@ -53,6 +53,38 @@ class CallSpec:
 
 
 @dataclass(frozen=True)
+class MemoryTraits:
+    """Transient device memory an impl needs beyond its inputs and outputs, declared so that backends which
+    bound workspace (jetson's chunking) read a fact instead of guessing from impl ids.
+
+    kind: "flash" (attention that never holds a score matrix: O(s) extra), "materializes_scores" (attention
+    holding bytes_per_score per query row x key per head: O(s_q x s_k)), "fused" (no temporaries, e.g. a GEMM
+    with its epilogue in registers), "temporaries" (GEMM family: temp_factor x rows x N x 4 bytes of float32
+    temporaries in the forward).  expands_kv: GQA copies K and V to every query head."""
+
+    kind: str
+    bytes_per_score: float = 0.0
+    temp_factor: float = 0.0
+    expands_kv: bool = False
+
+
+MEMORY_FLASH = MemoryTraits("flash")
+MEMORY_FUSED = MemoryTraits("fused")
+
+
+def materializes_scores(bytes_per_score: float = 8.0, *, expands_kv: bool = False) -> MemoryTraits:
+    return MemoryTraits("materializes_scores", bytes_per_score=bytes_per_score, expands_kv=expands_kv)
+
+
+def temporaries(factor: float) -> MemoryTraits:
+    return MemoryTraits("temporaries", temp_factor=factor)
+
+
+# Which vendor a compute-capability range or an arch list speaks of (KernelImpl.cc_runtime).
+CAPABILITY_VENDORS = {"cuda": "NVIDIA", "hip": "AMD", "xpu": "Intel", "npu": "Huawei"}
+
+
+@dataclass(frozen=True)
 class Profile:
     """Tuning data for a backend on a class of hardware.  Profiles are data, not code."""
 
@@ -156,6 +188,12 @@ class KernelImpl:
     # opsadv's autograd Function and no opsadv backward is dispatched (vendor impls whose host cost in
     # fwd+bwd beats the Function's Python backward; fn's outputs, statistics may be None).
     train: Callable[..., Any] | None = None
+    # the runtime whose capabilities min_cc / max_cc / archs describe ("cuda": NVIDIA compute capability;
+    # "hip": AMD gfx names): on a device of another runtime the impl is refused with that reason, so an sm_90
+    # requirement never claims (or silently refuses) an AMD GPU that also reports a "cc" through torch
+    cc_runtime: str = "cuda"
+    archs: tuple[str, ...] | None = None      # exact arch names (env.arch: "gfx942", "sm_90"); None: any
+    memory: MemoryTraits | None = None        # transient memory (None: not declared; readers assume the worst)
 
     def priority_for(self, spec: CallSpec, env: EnvInfo) -> tuple[int, str]:
         """(priority, why) for this call: rank()'s answer where it has one, else (priority, "").  A rank() that
@@ -170,6 +208,28 @@ class KernelImpl:
             return self.priority, ""
         prio, why = ranked
         return int(prio), str(why)
+
+    def capability_reasons(self, env: EnvInfo) -> list[str]:
+        """Why the device's capability (compute capability range, arch names) does not fit, judged only for
+        the runtime the impl declared them for (cc_runtime)."""
+        runtime = env.runtime
+        if runtime not in (self.cc_runtime, "cpu"):      # (no device seen: the checks below say "unknown")
+            want = CAPABILITY_VENDORS.get(self.cc_runtime, self.cc_runtime)
+            got = CAPABILITY_VENDORS.get(runtime, runtime)
+            return [f"capability requirements are for {want} ({self.cc_runtime}) devices; this device is "
+                    f"{got} ({runtime}{', ' + env.arch if env.arch else ''})"]
+        why: list[str] = []
+        if self.min_cc or self.max_cc:
+            cc = env.compute_capability
+            if cc is None:
+                why.append("compute capability unknown")
+            elif self.min_cc and cc < self.min_cc:
+                why.append(f"needs compute capability >= {self.min_cc[0]}.{self.min_cc[1]}, device has {cc[0]}.{cc[1]}")
+            elif self.max_cc and cc > self.max_cc:
+                why.append(f"needs compute capability <= {self.max_cc[0]}.{self.max_cc[1]}, device has {cc[0]}.{cc[1]}")
+        if self.archs is not None and env.arch not in self.archs:
+            why.append(f"arch {env.arch or 'unknown'} not in {list(self.archs)}")
+        return why
 
     def rejection_reasons(self, spec: CallSpec, env: EnvInfo, *, experimental_ok: bool,
                           deterministic: bool) -> list[str]:
@@ -190,14 +250,10 @@ class KernelImpl:
             why.append("does not support " + ", ".join(sorted(missing)))
         if spec.backward and self.backward is None:
             why.append("has no backward")
-        if spec.device_type == "cuda" and (self.min_cc or self.max_cc):
-            cc = env.compute_capability
-            if cc is None:
-                why.append("compute capability unknown")
-            elif self.min_cc and cc < self.min_cc:
-                why.append(f"needs compute capability >= {self.min_cc[0]}.{self.min_cc[1]}, device has {cc[0]}.{cc[1]}")
-            elif self.max_cc and cc > self.max_cc:
-                why.append(f"needs compute capability <= {self.max_cc[0]}.{self.max_cc[1]}, device has {cc[0]}.{cc[1]}")
+        # checked on cuda-type devices (NVIDIA and ROCm share it), and on any device for impls of another runtime
+        if (spec.device_type == "cuda" or (spec.device_type != "cpu" and self.cc_runtime != "cuda")) and \
+                (self.min_cc or self.max_cc or self.archs is not None):
+            why.extend(self.capability_reasons(env))
         if self.experimental and not experimental_ok:
             why.append("experimental (enable with use_backend(..., experimental=True))")
         if deterministic and not self.deterministic:

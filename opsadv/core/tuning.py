@@ -10,12 +10,76 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .env import EnvInfo
 from .kernel import CallSpec
 from .resolved import Resolved
 from .train_steps import train_step
+
+
+@dataclass(frozen=True)
+class DeviceTimer:
+    """How to time work on one torch device type.  A backend declares one through the optional hook
+    `opsadv_device_timer(device_type)`; otherwise default_timer(device_type) applies.
+
+    synchronize: waits for the device's queued work (None: calls return when done, as on the CPU).
+    event: makes a timing event with record() / synchronize() / elapsed_time(other) in ms, like
+    torch.cuda.Event(enable_timing=True) (None: the host clock around a synchronize).
+    triton_bench: triton.testing.do_bench / do_bench_cudagraph can time this device (CUDA and ROCm)."""
+
+    device_type: str
+    synchronize: Callable[[], None] | None = None
+    event: Callable[[], Any] | None = None
+    triton_bench: bool = False
+    available: Callable[[], bool] | None = None     # is a device of this type present (None: assume so)
+
+    def sync(self) -> None:
+        if self.synchronize is not None:
+            self.synchronize()
+
+
+def _torch_device_module(name: str):
+    import torch
+    return getattr(torch, name, None)
+
+
+def _module_timer(device_type: str, triton_bench: bool = False) -> DeviceTimer:
+    # looked up at call time (torch.npu appears only once torch_npu is imported; tests patch synchronize)
+    def sync():
+        _torch_device_module(device_type).synchronize()
+
+    def event():
+        return _torch_device_module(device_type).Event(enable_timing=True)
+
+    def available():
+        mod = _torch_device_module(device_type)
+        try:
+            return mod is not None and bool(mod.is_available())
+        except Exception:   # a broken driver: nothing to time on
+            return False
+    return DeviceTimer(device_type, sync, event, triton_bench, available)
+
+
+def default_timer(device_type: str) -> DeviceTimer:
+    """torch.cuda (NVIDIA and ROCm), torch.xpu or torch.npu synchronize and events; none on the CPU."""
+    if device_type in ("cuda", "xpu", "npu"):
+        return _module_timer(device_type, triton_bench=device_type == "cuda")
+    return DeviceTimer(device_type)
+
+
+_DECLARED_TIMERS: dict[str, DeviceTimer] = {}
+
+
+def declare_timers(timers: dict[str, DeviceTimer]) -> None:
+    """The timers the available backends declared, by device type (the registry sets them at discovery)."""
+    global _DECLARED_TIMERS
+    _DECLARED_TIMERS = dict(timers)
+
+
+def timer_for(device_type: str) -> DeviceTimer:
+    """The declared timer of an available backend for this device type, else the default."""
+    return _DECLARED_TIMERS.get(device_type) or default_timer(device_type)
 
 
 
@@ -153,15 +217,15 @@ def store(spec: CallSpec, env: EnvInfo, measured: Measured) -> None:
 
 
 def time_fn(fn, device_type: str, reps: int = 10, timing: str = "wall") -> float:
-    """Median milliseconds of fn(): CUDA events around back-to-back calls on GPUs (timing="wall"), or
-    the GPU time of CUDA-graph replays (timing="graph": the host cost of launching is not counted,
-    as under graphs; a function that cannot be captured raises), perf_counter elsewhere."""
-    import torch
-
-    if device_type == "cuda" and timing == "graph":
+    """Median milliseconds of fn(): on devices Triton can bench (CUDA, ROCm) do_bench around back-to-back calls
+    (timing="wall"), or the GPU time of CUDA-graph replays (timing="graph": the host cost of launching is not
+    counted, as under graphs; a function that cannot be captured raises); elsewhere perf_counter around each
+    call and the device's synchronize (timer_for(device_type): an xpu / npu call is not timed as its launch)."""
+    timer = timer_for(device_type)
+    if timer.triton_bench and timing == "graph":
         from triton.testing import do_bench_cudagraph
         return float(do_bench_cudagraph(fn, rep=40, return_mode="median"))
-    if device_type == "cuda":
+    if timer.triton_bench:
         try:
             from triton.testing import do_bench
         except ImportError:
@@ -169,15 +233,14 @@ def time_fn(fn, device_type: str, reps: int = 10, timing: str = "wall") -> float
         if do_bench is not None:
             # >= MIN_CALLS calls in the window: do_bench runs rep / (its estimate) calls, so a fixed 40 ms
             # timed a 15 ms training step two or three times
-            warmup, rep = sample_window(one_call_ms(fn))
+            warmup, rep = sample_window(one_call_ms(fn, device_type))
             return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
     fn()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
-        if device_type == "cuda":
-            torch.cuda.synchronize()
+        timer.sync()
         times.append((time.perf_counter() - t0) * 1e3)
     times.sort()
     return times[len(times) // 2]
@@ -196,13 +259,13 @@ def sample_window(est_ms: float) -> tuple[float, float]:
     return max(10.0, est), max(40.0, MIN_CALLS * est)
 
 
-def one_call_ms(fn) -> float:
-    """One call of fn on the GPU, timed with CUDA events (fn has run before: compiled, warm); 0 without a GPU
-    (tests that stand in a fake do_bench: the default window)."""
-    import torch
-    if not _gpu_present():
+def one_call_ms(fn, device_type: str = "cuda") -> float:
+    """One call of fn on the GPU, timed with its device's events (fn has run before: compiled, warm); 0 without a
+    device (tests that stand in a fake do_bench: the default window)."""
+    timer = timer_for(device_type)
+    if timer.event is None or not _device_present(device_type):
         return 0.0
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start, end = timer.event(), timer.event()
     start.record()
     fn()
     end.record()
@@ -224,19 +287,26 @@ def _gpu_present() -> bool:
     return torch.cuda.is_available()
 
 
-def _spin_up(step, ms: float = SPIN_UP_MS) -> None:
+def _device_present(device_type: str) -> bool:
+    if device_type == "cuda":
+        return _gpu_present()
+    timer = timer_for(device_type)
+    return timer.synchronize is not None and (timer.available is None or timer.available())
+
+
+def _spin_up(step, ms: float = SPIN_UP_MS, device_type: str = "cuda") -> None:
     """Run step back to back for about `ms` before anything is timed: the candidates were just compiled (seconds
     of host work with the GPU idle), and the clocks ramp back up over the next ~100 ms.  Session 12 on the
     H200: three rotated rounds straight after the compiles still timed the Gluon forward 11% slower than the
     benchmark did minutes later (fp16 b4 s4096 d128: 1.945 vs 1.754 ms), and cuDNN won that bucket."""
-    import torch
+    timer = timer_for(device_type)
     start = time.perf_counter()
     while True:
         try:
             step()
         except Exception:       # time_rounds reports a failing candidate; spinning up needs no error of its own
             return
-        torch.cuda.synchronize()
+        timer.sync()
         if (time.perf_counter() - start) * 1e3 >= ms:
             return
 
@@ -251,8 +321,8 @@ def time_rounds(steps: dict, device_type: str, timing: str) -> dict[str, float]:
     names = list(steps)
     rounds = 1 if device_type == "cpu" else TUNE_ROUNDS
     seen: dict[str, list[float]] = {n: [] for n in names}
-    if device_type == "cuda" and names and _gpu_present():
-        _spin_up(steps[names[0]])
+    if device_type != "cpu" and names and _device_present(device_type):
+        _spin_up(steps[names[0]], device_type=device_type)
     for r in range(rounds):
         if r == 1:      # (the one timed first may have run on ramping clocks: it always gets a second round)
             fastest = min((v[0] for v in seen.values() if v), default=float("inf"))
@@ -302,14 +372,15 @@ def autotune(exp, resolved, args: tuple, timing: str = "wall"):
     return Resolved(impl, resolved.ctx, impl.backward if exp.spec.backward else impl.fn)
 
 
-def per_call_ms(fn, calls: int, cuda: bool) -> list[float]:
-    """ms of each of `calls` calls of fn, timed on its own (CUDA events after a sync, else perf_counter)."""
-    import torch
+def per_call_ms(fn, calls: int, cuda: bool, device_type: str | None = None) -> list[float]:
+    """ms of each of `calls` calls of fn, timed on its own (device events after a sync, else perf_counter).
+    device_type picks the device's timer (timer_for); without it `cuda` says cuda or cpu."""
+    timer = timer_for(device_type or ("cuda" if cuda else "cpu"))
     times = []
     for _ in range(max(1, calls)):
-        if cuda:
-            torch.cuda.synchronize()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if timer.event is not None:
+            timer.sync()
+            a, b = timer.event(), timer.event()
             a.record()
             fn()
             b.record()

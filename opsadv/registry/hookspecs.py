@@ -49,7 +49,13 @@ class BackendSpec:
 
     @hookspec
     def opsadv_profiles(self) -> list:
-        """Named Profiles (data) with a matches(env) predicate."""
+        """Named Profiles (data) with a matches(env) predicate.  A profile whose `backend` names another
+        backend is offered to that one (jetson's memory-frugal profile for use_backend("cuda", profile="jetson"))."""
+
+    @hookspec
+    def opsadv_device_timer(self, device_type: str):
+        """Optional: an opsadv.core.tuning.DeviceTimer (synchronize, timing events) for this device type, used by
+        autotune when this backend is available; None or absent: the default for the device type."""
 
     @hookspec
     def opsadv_activate(self, options: dict, env) -> dict:

@@ -17,7 +17,7 @@ from typing import Any
 
 import pluggy
 
-from ..core import hooks
+from ..core import hooks, tuning
 from ..core.env import EnvInfo, current_env
 from ..core.errors import PluginError
 from ..core.kernel import OPS, KernelImpl, Profile
@@ -30,6 +30,7 @@ BUILTIN_BACKENDS = (
     "opsadv.backends.reference",
     "opsadv.backends.cuda",
     "opsadv.backends.jetson",
+    "opsadv.backends.rocm",
     "opsadv.backends.ascend",
 )
 ENTRY_POINT_GROUP = "opsadv.backends"
@@ -39,7 +40,7 @@ ENTRY_POINT_GROUP = "opsadv.backends"
 class PluginFailure:
     name: str
     version: str
-    stage: str          # "import", "info", "probe", "register", "profiles"
+    stage: str          # "import", "info", "probe", "register", "profiles", "timer"
     error: str
     detail: str = ""
 
@@ -55,7 +56,8 @@ class BackendRecord:
     source: str                       # "builtin" or "entry point <dist>"
     plugin: Any
     impls: list[KernelImpl] = field(default_factory=list)
-    profiles: list[Profile] = field(default_factory=list)
+    profiles: list[Profile] = field(default_factory=list)     # its own, then those other backends offer it
+    timers: dict[str, Any] = field(default_factory=dict)      # device type -> DeviceTimer it declared
 
     @property
     def available(self) -> bool:
@@ -99,6 +101,7 @@ class Registry:
         self.failures: list[PluginFailure] = []
         self.impls_by_op: dict[str, list[KernelImpl]] = {op: [] for op in OPS}
         self._ids: set[str] = set()
+        self._offered: list[tuple[str, Profile]] = []
         self.strict = _env_flag("OPSADV_STRICT_PLUGINS")
 
     # -- loading -------------------------------------------------------------------------
@@ -159,21 +162,45 @@ class Registry:
                 raise TypeError(f"opsadv_probe must return ProbeResult, got {type(probe).__name__}")
             record = BackendRecord(info.name, info, probe, source, plugin)
             stage = "profiles"
+            offered: list[Profile] = []
             if hasattr(plugin, "opsadv_profiles"):
-                record.profiles = list(plugin.opsadv_profiles() or [])
+                for p in plugin.opsadv_profiles() or []:
+                    (record.profiles if p.backend in ("", info.name) else offered).append(p)
             if probe.available:
                 stage = "register"
                 sink = _ImplSink(info.name, set(self._ids))
                 plugin.opsadv_register_kernels(registry=sink, env=self.env)
                 record.impls = sink.impls
+                stage = "timer"
+                if hasattr(plugin, "opsadv_device_timer"):
+                    for dt in info.device_types:
+                        timer = plugin.opsadv_device_timer(device_type=dt)
+                        if timer is not None:
+                            record.timers[dt] = timer
         except Exception as e:
             self._fail(name, version, stage, e)
             return None
         self.backends[info.name] = record
+        # profiles one backend offers another, whichever of the two loads first
+        self._offered += [(info.name, p) for p in offered]
+        record.profiles += [p for src, p in self._offered if p.backend == info.name and src != info.name]
+        for other in self.backends.values():
+            if other is not record:
+                other.profiles += [p for p in offered if p.backend == other.name]
+        if self is _registry:
+            self.publish_timers()
         for impl in record.impls:
             self._ids.add(impl.id)
             self.impls_by_op[impl.op].append(impl)
         return record
+
+    def publish_timers(self) -> None:
+        """Hand the available backends' device timers to core.tuning (the highest auto_priority per device type)."""
+        timers: dict[str, Any] = {}
+        for b in sorted(self.available(), key=lambda b: (-b.info.auto_priority, b.name)):
+            for dt, timer in b.timers.items():
+                timers.setdefault(dt, timer)
+        tuning.declare_timers(timers)
 
     # -- queries ---------------------------------------------------------------------------
     def available(self) -> list[BackendRecord]:
@@ -201,6 +228,7 @@ def get_registry() -> Registry:
             reg = Registry()
             reg.load_all()
             _registry = reg
+            reg.publish_timers()
         return _registry
 
 
@@ -211,6 +239,7 @@ def reset_registry(env: EnvInfo | None = None) -> Registry:
         reg = Registry(env)
         reg.load_all()
         _registry = reg
+        reg.publish_timers()
     hooks.registry_reset()        # dispatch forgets its memoized choices
     return reg
 

@@ -1,5 +1,7 @@
 """The CUDA backend: Triton kernels (plus vendor kernels through torch) for NVIDIA GPUs, with
-profiles `a100`, `h100`, `rtx` (and `jetson`, the memory-frugal one, which can be forced).
+profiles `a100`, `h100`, `rtx` (and `jetson`, the memory-frugal one the jetson backend offers, which can
+be forced).  ROCm builds of torch (AMD GPUs, also device type "cuda") are refused: the rocm backend
+serves them with the portable Triton kernels of this package.
 
 Implements exactly the hooks a third-party plugin implements.  Triton is imported only when
 kernels are registered, never at `import opsadv`.  Under TRITON_INTERPRET=1 the Triton impls
@@ -12,6 +14,7 @@ import importlib
 import importlib.util
 
 from opsadv.core.errors import InvalidArgumentError, UnknownOptionError
+from opsadv.core.tuning import default_timer
 from opsadv.registry import BackendInfo, ProbeResult, hookimpl
 from opsadv.runtime.memory import apply_memory_policy, parse_level
 
@@ -43,6 +46,10 @@ def opsadv_probe(env):
     reasons: list[str] = []
     caps: dict = {}
     has_triton = importlib.util.find_spec("triton") is not None
+    if env.hip_version:     # ROCm reports AMD GPUs as device type "cuda": cuDNN/cuBLAS/Gluon/TMA impls do not apply
+        where = f", {env.device_name or 'AMD GPU'} {env.arch or ''}".rstrip() if env.device_type == "cuda" else ""
+        return ProbeResult(False, (f"torch is a ROCm build (HIP {env.hip_version}{where}): NVIDIA only; "
+                                   "the 'rocm' backend serves AMD GPUs",))
     if env.device_type == "cuda":
         if env.is_jetson:
             return ProbeResult(False, ("this is a Jetson (Tegra integrated GPU): the 'jetson' backend serves it",))
@@ -73,6 +80,11 @@ def opsadv_register_kernels(registry, env):
 @hookimpl
 def opsadv_profiles():
     return list(PROFILES)
+
+
+@hookimpl
+def opsadv_device_timer(device_type):
+    return default_timer("cuda") if device_type == "cuda" else None
 
 
 OPTIONS = ("tile_size", "max_streams", "mem_opt", "workspace_cap")

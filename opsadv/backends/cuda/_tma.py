@@ -15,8 +15,8 @@ except ImportError:  # pragma: no cover
 
 @functools.lru_cache(maxsize=None)
 def sm90_plus(device_index) -> bool:
-    """Hopper or newer (TMA); read once per device."""
-    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+    """Hopper or newer (TMA); read once per device.  Never on ROCm, whose MI300 reports capability 9.4."""
+    return torch.version.hip is None and torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
 def desc_ok(t: torch.Tensor) -> bool:

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from opsadv.core.kernel import PRIORITY_TRITON, KernelImpl
+from opsadv.core.kernel import MEMORY_FLASH, PRIORITY_TRITON, KernelImpl
 from opsadv.core.policy import current_policy
 
 from . import triton_device_types
@@ -541,7 +541,7 @@ def impls(env) -> list[KernelImpl]:
         id="cuda.triton.flash_attention", op="flash_attention", backend="cuda", fn=flash_fwd, backward=flash_bwd,
         priority=PRIORITY_TRITON, device_types=triton_device_types(env),
         dtypes=(torch.float16, torch.bfloat16, torch.float32), head_dims=HEAD_DIMS, min_cc=(8, 0),
-        features=FEATURES, deterministic=True, requires_interpret_or_cuda=True, check=_check,
+        features=FEATURES, deterministic=True, requires_interpret_or_cuda=True, check=_check, memory=MEMORY_FLASH,
         description="Triton FlashAttention-2 forward/backward (online softmax, GQA by index, bottom-right causal; "
                     "TMA on Hopper; deterministic backward without atomics: dQ by its own kernel or by a GEMM over dS "
                     "kept in a capped workspace, measured per bucket)"),
@@ -550,7 +550,7 @@ def impls(env) -> list[KernelImpl]:
         backward=flash_bwd_atomic, priority=PRIORITY_TRITON + ATOMIC_DQ_PRIORITY_DELTA,
         device_types=triton_device_types(env), dtypes=(torch.float16, torch.bfloat16, torch.float32),
         head_dims=HEAD_DIMS, min_cc=(8, 0), features=FEATURES, deterministic=False, requires_interpret_or_cuda=True,
-        experimental=True, check=_check, description="the same forward; backward accumulates dQ with fp32 atomics in the dK/dV kernel "
+        experimental=True, check=_check, memory=MEMORY_FLASH, description="the same forward; backward accumulates dQ with fp32 atomics in the dK/dV kernel "
                                   "(one kernel fewer, no recomputation for dQ; not deterministic)")]
 
 

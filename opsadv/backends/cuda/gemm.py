@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from opsadv.core.activations import act_grad
 from opsadv.core.errors import InvalidArgumentError
-from opsadv.core.kernel import PRIORITY_TRITON, PRIORITY_VENDOR, KernelImpl, cap_tiles
+from opsadv.core.kernel import MEMORY_FUSED, PRIORITY_TRITON, PRIORITY_VENDOR, KernelImpl, cap_tiles, temporaries
 from opsadv.core.ops._common import len_bucket
 from opsadv.core.policy import current_policy
 
@@ -399,20 +399,21 @@ def impls(env) -> list[KernelImpl]:
     out = [
         KernelImpl("cuda.cublas.gemm", "gemm", "cuda", _cublas_gemm, _cublas_gemm_bwd, priority=PRIORITY_VENDOR,
                    dtypes=ALL, features=frozenset({"bias", "alpha", "batched", "act_relu", "act_gelu_tanh"}),
-                   check=_cublas_fused_check,
+                   check=_cublas_fused_check, memory=MEMORY_FUSED,
                    description="cuBLAS through torch.addmm / _addmm_activation (plain, +bias, bias+relu/gelu_tanh)"),
         KernelImpl("cuda.cublas.gemm_small_m", "gemm", "cuda", _cublas_gemm, _cublas_gemm_bwd, priority=250,
-                   dtypes=ALL, features=GEMM_FEATURES, check=_small_m_check,
+                   dtypes=ALL, features=GEMM_FEATURES, check=_small_m_check, memory=temporaries(2),
                    description="cuBLAS then torch epilogue, for decode shapes (M <= 64) where cuBLAS wins"),
         KernelImpl("cuda.cublas.swiglu_gemm_small_m", "swiglu_gemm", "cuda", _cublas_swiglu, _cublas_swiglu_bwd,
                    priority=250, dtypes=ALL, features=frozenset({"bias", "batched"}), check=_small_m_check,
+                   memory=temporaries(3),
                    description="one cuBLAS GEMM over [W_g | W_u] then silu(g) * u, for decode shapes (M <= 64)"),
         KernelImpl("cuda.cublas.gemm_epilogue", "gemm", "cuda", _cublas_gemm, _cublas_gemm_bwd,
                    priority=_epilogue_priority(env),
-                   dtypes=ALL, features=GEMM_FEATURES,
+                   dtypes=ALL, features=GEMM_FEATURES, memory=temporaries(2),     # activation / residual temporaries
                    description="cuBLAS (torch._addmm_activation for bias+relu/gelu_tanh) then torch epilogue"),
         KernelImpl("cuda.cublas.swiglu_gemm", "swiglu_gemm", "cuda", _cublas_swiglu, _cublas_swiglu_bwd, priority=150,
-                   dtypes=ALL, features=frozenset({"bias", "batched"}),
+                   dtypes=ALL, features=frozenset({"bias", "batched"}), memory=temporaries(3),     # gate, up, silu
                    description="one cuBLAS GEMM over [W_g | W_u], then silu(g) * u in torch"),
     ]
     if importlib.util.find_spec("triton") is None:
@@ -430,12 +431,13 @@ def impls(env) -> list[KernelImpl]:
         out += [
             KernelImpl(f"cuda.triton.gemm{sfx}", "gemm", "cuda", functools.partial(_triton_gemm, kernel=kernel),
                        functools.partial(_triton_gemm_bwd, kernel=bwd), priority=prio, device_types=dev, dtypes=ALL,
-                       features=GEMM_FEATURES, requires_interpret_or_cuda=True, **extra,
+                       features=GEMM_FEATURES, requires_interpret_or_cuda=True, memory=MEMORY_FUSED, **extra,
                        description=f"Triton GEMM, fused bias/activation/residual/alpha epilogue, {what}"),
             KernelImpl(f"cuda.triton.swiglu_gemm{sfx}", "swiglu_gemm", "cuda",
                        functools.partial(_triton_swiglu, kernel=kernel),
                        functools.partial(_triton_swiglu_bwd, kernel=bwd), priority=sprio, device_types=dev, dtypes=ALL,
-                       features=frozenset({"bias", "batched"}), requires_interpret_or_cuda=True, **extra,
+                       features=frozenset({"bias", "batched"}), requires_interpret_or_cuda=True, memory=MEMORY_FUSED,
+                       **extra,
                        description=f"Triton GEMM over [W_g | W_u], two accumulators, silu(g)*u epilogue, {what}"),
         ]
     return out

@@ -24,7 +24,7 @@ import functools
 
 import torch
 
-from opsadv.core.kernel import PRIORITY_TRITON, PRIORITY_VENDOR, KernelImpl
+from opsadv.core.kernel import MEMORY_FLASH, PRIORITY_TRITON, PRIORITY_VENDOR, KernelImpl
 
 def gluon_unavailable(e: Exception) -> str:
     """The reason every Gluon impl gives when its kernel module does not import (shared by the Gluon modules)."""
@@ -205,7 +205,7 @@ def _rank(spec, env) -> tuple[int, str] | None:
 def impls(env) -> list[KernelImpl]:
     common = dict(op="flash_attention", backend="cuda", fn=gluon_fwd, device_types=("cuda",),
                   dtypes=(torch.float16, torch.bfloat16), head_dims=HEAD_DIMS, min_cc=(9, 0), max_cc=(9, 0),
-                  features=FEATURES, check=_check)
+                  features=FEATURES, check=_check, memory=MEMORY_FLASH)
     return [KernelImpl(
         id=IMPL_ID, backward=gluon_bwd,
         # above the Triton impl (its forward is faster) and below the cuDNN / flash impls, except where rank()

@@ -27,7 +27,7 @@ import functools
 
 import torch
 
-from opsadv.core.kernel import PRIORITY_TRITON, KernelImpl
+from opsadv.core.kernel import MEMORY_FUSED, PRIORITY_TRITON, KernelImpl
 
 from .gemm import GEMM_FEATURES, _poisoned, _triton_gemm_bwd
 from .gluon_attention import _tma_ready, gluon_unavailable, nvmma_layout
@@ -261,7 +261,7 @@ def impls(env) -> list[KernelImpl]:
         id=IMPL_ID, op="gemm", backend="cuda", fn=gemm_fwd, backward=gemm_bwd,
         priority=PRIORITY_TRITON - 5,     # an unmeasured bucket keeps the Triton / cuBLAS order
         device_types=("cuda",), dtypes=(torch.float16, torch.bfloat16), min_cc=(9, 0), max_cc=(9, 0),
-        features=GEMM_FEATURES, check=_check,
+        features=GEMM_FEATURES, check=_check, memory=MEMORY_FUSED,
         description="Gluon persistent GEMM for Hopper (TMA producer warp, two consumer warpgroups taking "
                     "main-loop turns (ping-pong), mbarrier ring, fused alpha/bias/activation/residual epilogue, "
                     "TMA stores), the schedule measured per shape bucket; sm_90 only; passed every check on "

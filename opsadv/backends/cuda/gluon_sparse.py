@@ -65,7 +65,7 @@ import weakref
 
 import torch
 
-from opsadv.core.kernel import PRIORITY_TRITON, KernelImpl
+from opsadv.core.kernel import MEMORY_FLASH, PRIORITY_TRITON, KernelImpl
 from opsadv.core.layout import tile_index
 
 from .gluon_attention import _cdiv, _desc, _tma_ready, gluon_unavailable, nvmma_layout  # (b, h, s, d) TMA descriptors shared with the dense kernel
@@ -423,7 +423,7 @@ def impls(env) -> list[KernelImpl]:
         # elsewhere it serves a bucket where a measurement (autotune / the tuning cache) found it faster, or pinned
         priority=PRIORITY_TRITON - 10, device_types=("cuda",), dtypes=(torch.float16, torch.bfloat16),
         head_dims=HEAD_DIMS, min_cc=(9, 0), max_cc=(9, 0), features=FEATURES, deterministic=True,
-        check=_check, rank=_rank,
+        check=_check, rank=_rank, memory=MEMORY_FLASH,
         description="Gluon block-sparse forward for Hopper (persistent, TMA K/V ring across work items, "
                     "async wgmma, softmax/GEMM overlap; 128x128 tile lists, partial tiles element-masked; "
                     "d128 windows / causal from ~2 tiles per row: ping-pong warpgroups over a 3-stage ring, O out "

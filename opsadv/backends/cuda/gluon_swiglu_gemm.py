@@ -20,7 +20,7 @@ import functools
 
 import torch
 
-from opsadv.core.kernel import PRIORITY_TRITON, KernelImpl
+from opsadv.core.kernel import MEMORY_FUSED, PRIORITY_TRITON, KernelImpl
 
 from .gemm import _poisoned, _triton_swiglu_bwd
 from .gluon_gemm import PRODUCER_REGS, UNAVAILABLE, prepare, stream_k_args, tile_descriptors, tma_gemm_reasons
@@ -119,7 +119,7 @@ def impls(env) -> list[KernelImpl]:
         id=IMPL_ID, op="swiglu_gemm", backend="cuda", fn=swiglu_gemm_fwd, backward=swiglu_gemm_bwd,
         priority=PRIORITY_TRITON - 5,     # an unmeasured bucket keeps the Triton / cuBLAS order
         device_types=("cuda",), dtypes=(torch.float16, torch.bfloat16), min_cc=(9, 0), max_cc=(9, 0),
-        features=frozenset({"bias", "batched"}), check=_check,
+        features=frozenset({"bias", "batched"}), check=_check, memory=MEMORY_FUSED,
         description="Gluon persistent SwiGLU GEMM for Hopper (the Gluon GEMM's cooperative schedule with the gate "
                     "and up columns of [W_g | W_u] in each ring slot, two accumulators, silu(g) * u epilogue, TMA "
                     "stores), the schedule measured per shape bucket; sm_90 only; passed its H200 checks and pinned "

@@ -15,7 +15,7 @@ import importlib.util
 
 import torch
 
-from opsadv.core.kernel import PRIORITY_TRITON, KernelImpl
+from opsadv.core.kernel import MEMORY_FUSED, PRIORITY_TRITON, KernelImpl
 
 from . import triton_device_types
 
@@ -333,7 +333,7 @@ def impls(env) -> list[KernelImpl]:
         return []
     dev = triton_device_types(env)
     common = dict(priority=PRIORITY_TRITON, device_types=dev, dtypes=DTYPES, requires_interpret_or_cuda=True,
-                  check=_check)
+                  check=_check, memory=MEMORY_FUSED)
     return [
         KernelImpl("cuda.triton.layer_norm", "layer_norm", "cuda", _ln_fwd, _ln_bwd, inference=_ln_infer,
                    features=frozenset({"weight", "bias", "residual"}), **common,

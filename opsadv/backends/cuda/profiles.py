@@ -9,6 +9,11 @@ def _cc(env):
     return env.compute_capability or (0, 0)
 
 
+def _nvidia(env) -> bool:
+    # a ROCm GPU is device type "cuda" too, and MI300 reports "cc 9.4": these profiles are for NVIDIA only
+    return env.device_type == "cuda" and getattr(env, "runtime", "cuda") == "cuda"
+
+
 def _smem(env) -> int:
     return env.shared_memory_per_block_optin or 0
 
@@ -76,38 +81,28 @@ ATTN_TILES = {
         "bwd_q": {64: [_t(64, 32, 4, 2)], 128: [_t(64, 32, 4, 1)], 256: [_t(32, 16, 4, 1)]},
     },
     "interpreter": {p: {c: [_t(16, 16, 4, 1)] for c in (64, 128, 256)} for p in ("fwd", "bwd_kv", "bwd_q", "bwd_dsq")},
-    "jetson": {   # tiles <= 64x64, <= 2 stages, fixed
-        "fwd": {64: [_t(64, 64, 4, 2)], 128: [_t(64, 32, 4, 2)], 256: [_t(32, 32, 4, 1)]},
-        "bwd_kv": {64: [_t(32, 64, 4, 2)], 128: [_t(32, 32, 4, 1)], 256: [_t(16, 32, 4, 1)]},
-        "bwd_q": {64: [_t(64, 32, 4, 2)], 128: [_t(32, 32, 4, 1)], 256: [_t(32, 16, 4, 1)]},
-    },
-}
+}   # (the jetson profile's tiles live with it: opsadv/backends/jetson/profiles.py)
 
 
 H100 = Profile(
     name="h100", backend="cuda", tiles={"flash_attention": ATTN_TILES["h100"]}, description="Hopper (cc 9.x, ~227 KB smem/block): TMA, wgmma, deep pipelines",
     num_stages=3, num_warps=8, priority=30,
-    matches=lambda env: env.device_type == "cuda" and _cc(env)[0] == 9 and _smem(env) >= 200 * 1024,
+    matches=lambda env: _nvidia(env) and _cc(env)[0] == 9 and _smem(env) >= 200 * 1024,
 )
 A100 = Profile(
     name="a100", backend="cuda", tiles={"flash_attention": ATTN_TILES["a100"]}, description="Ampere datacenter (cc 8.0, ~163 KB smem/block)",
     num_stages=3, num_warps=4, priority=20,
-    matches=lambda env: env.device_type == "cuda" and _cc(env) == (8, 0) and _smem(env) >= 160 * 1024,
+    matches=lambda env: _nvidia(env) and _cc(env) == (8, 0) and _smem(env) >= 160 * 1024,
 )
 RTX = Profile(
     name="rtx", backend="cuda", tiles={"flash_attention": ATTN_TILES["rtx"]}, description="consumer / workstation parts (cc 8.6/8.9, ~99 KB smem/block)",
     num_stages=2, num_warps=4, priority=10,
-    matches=lambda env: env.device_type == "cuda" and _cc(env) >= (7, 5),
+    matches=lambda env: _nvidia(env) and _cc(env) >= (7, 5),
 )
 INTERPRETER = Profile(
     name="interpreter", backend="cuda", tiles={"flash_attention": ATTN_TILES["interpreter"]}, description="TRITON_INTERPRET=1 on CPU: small fixed tiles, no autotune",
     num_stages=1, num_warps=4, autotune=False, priority=5,
     matches=lambda env: env.device_type != "cuda" and env.triton_interpret,
 )
-JETSON = Profile(
-    name="jetson", backend="cuda", tiles={"flash_attention": ATTN_TILES["jetson"]}, description="memory-frugal: tiles <= 64x64, <= 2 stages, fixed configs, bounded workspace",
-    num_stages=2, num_warps=4, autotune=False, workspace_cap_bytes=64 << 20, memory_policy="conservative",
-    priority=0, matches=lambda env: False,   # only when forced (use_backend("cuda", profile="jetson")) or by the jetson backend
-)
-
-PROFILES = (H100, A100, RTX, INTERPRETER, JETSON)
+# use_backend("cuda", profile="jetson") still works: the jetson backend offers its profile to this one
+PROFILES = (H100, A100, RTX, INTERPRETER)

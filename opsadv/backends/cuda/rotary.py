@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from opsadv.core.kernel import PRIORITY_TRITON, KernelImpl
+from opsadv.core.kernel import MEMORY_FUSED, PRIORITY_TRITON, KernelImpl
 
 from . import triton_device_types
 
@@ -86,5 +86,5 @@ def impls(env) -> list[KernelImpl]:
         priority=PRIORITY_TRITON, device_types=triton_device_types(env),
         dtypes=(torch.float16, torch.bfloat16, torch.float32), features=frozenset({"interleaved", "partial",
                                                                                     "position_ids"}),
-        deterministic=True, requires_interpret_or_cuda=True,
+        deterministic=True, requires_interpret_or_cuda=True, memory=MEMORY_FUSED,
         description="Triton: q and k rotated in one launch, a program per token (cos / sin read once per token)")]

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from opsadv.core.kernel import PRIORITY_VENDOR, KernelImpl
+from opsadv.core.kernel import MEMORY_FLASH, PRIORITY_VENDOR, KernelImpl, MemoryTraits
 
 BASE_FEATURES = frozenset({"causal", "gqa", "cross_length"})
 MASK_FEATURES = frozenset({"attn_mask_bool", "attn_mask_float"})
@@ -268,19 +268,20 @@ def impls(env) -> list[KernelImpl]:
     return [
         KernelImpl(id="cuda.sdpa.cudnn", op="flash_attention", backend="cuda", fn=cudnn_fwd, backward=cudnn_bwd,
                    inference=cudnn_infer, priority=PRIORITY_VENDOR, dtypes=half, max_head_dim=128, min_cc=(8, 0), features=BASE_FEATURES,
-                   check=_cudnn_rule, description="cuDNN fused attention through aten (native GQA)"),
+                   check=_cudnn_rule, memory=MEMORY_FLASH, description="cuDNN fused attention through aten (native GQA)"),
         KernelImpl(id="cuda.sdpa.flash", op="flash_attention", backend="cuda", fn=flash_fwd, backward=flash_bwd,
                    priority=PRIORITY_VENDOR - 10, dtypes=half, max_head_dim=256, min_cc=(8, 0),
-                   features=BASE_FEATURES, check=_mult8,
+                   features=BASE_FEATURES, check=_mult8, memory=MEMORY_FLASH,
                    description="PyTorch's FlashAttention-2 through aten (native GQA)"),
         KernelImpl(id="cuda.sdpa.efficient", op="flash_attention", backend="cuda", fn=efficient_fwd,
                    backward=efficient_bwd, priority=PRIORITY_VENDOR - 20,
                    dtypes=(torch.float16, torch.bfloat16, torch.float32), min_cc=(5, 0),
                    features=BASE_FEATURES | MASK_FEATURES, check=_mult8,
+                   memory=MemoryTraits("flash", expands_kv=True),     # GQA: K/V repeated to the query heads
                    description="memory-efficient attention (xformers/cutlass) through aten; bool/additive masks"),
         KernelImpl(id="cuda.sdpa.flash_varlen", op="sparse_attention", backend="cuda", fn=flash_varlen_fwd,
                    backward=flash_varlen_bwd, priority=PRIORITY_VENDOR, dtypes=half, max_head_dim=256, min_cc=(8, 0),
-                   features=VARLEN_FEATURES, check=_varlen_rule,
+                   features=VARLEN_FEATURES, check=_varlen_rule, memory=MEMORY_FLASH,
                    description="PyTorch's FlashAttention-2 varlen kernel through aten: packed batches with an "
                                "all-True block mask (plain varlen layouts), causal or not, native GQA"),
     ]

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from opsadv.core.kernel import PRIORITY_TRITON, CallSpec, KernelImpl
+from opsadv.core.kernel import MEMORY_FLASH, PRIORITY_TRITON, CallSpec, KernelImpl
 from opsadv.core.layout import tile_index
 from opsadv.core.policy import current_policy
 
@@ -715,6 +715,6 @@ def impls(env) -> list[KernelImpl]:
         id="cuda.triton.sparse_attention", op=OP, backend="cuda", fn=sparse_fwd, backward=sparse_bwd,
         priority=PRIORITY_TRITON, device_types=triton_device_types(env),
         dtypes=(torch.float16, torch.bfloat16, torch.float32), head_dims=HEAD_DIMS, features=FEATURES,
-        deterministic=True, requires_interpret_or_cuda=True, check=_check,
+        deterministic=True, requires_interpret_or_cuda=True, check=_check, memory=MEMORY_FLASH,
         description="Triton block-sparse flash attention: visits only the layout's non-empty tiles "
                     "(partial tiles element-masked), packed varlen, GQA; dK/dV and dQ kernels without atomics")]

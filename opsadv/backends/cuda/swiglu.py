@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-from opsadv.core.kernel import PRIORITY_TRITON, KernelImpl
+from opsadv.core.kernel import MEMORY_FUSED, PRIORITY_TRITON, KernelImpl
 
 from . import triton_device_types
 from .gemm import _poisoned
@@ -95,4 +95,4 @@ def impls(env) -> list[KernelImpl]:
         id="cuda.triton.swiglu", op="swiglu", backend="cuda", fn=swiglu_fwd, backward=swiglu_bwd,
         priority=PRIORITY_TRITON, device_types=triton_device_types(env),
         dtypes=(torch.float16, torch.bfloat16, torch.float32), features=frozenset({"batched"}), deterministic=True,
-        description="Triton: silu(g) * u in one pass over gate_up, backward in one pass (float32 math)")]
+        memory=MEMORY_FUSED, description="Triton: silu(g) * u in one pass over gate_up, backward in one pass (float32 math)")]

@@ -10,17 +10,16 @@ the integrated GPU / compute capability (7.2, 8.7, 11.0): an integrated GPU alon
 not a Jetson.  Implements exactly the hooks a third-party plugin implements."""
 from __future__ import annotations
 
-import dataclasses
 import warnings
 
 from opsadv.backends.cuda import check_seed_options, interpreter_mode
-from opsadv.backends.cuda.profiles import JETSON
 from opsadv.core.errors import UnknownOptionError
 from opsadv.registry import BackendInfo, ProbeResult, hookimpl
 from opsadv.runtime.memory import apply_memory_policy, parse_bytes, parse_level
 
 from .detect import compute_dtype, generation, has_bf16, l4t_version, not_jetson_reasons
 from .kernels import impls
+from .profiles import PROFILES
 
 NAME = "jetson"
 VERSION = "0.1.0"
@@ -65,8 +64,7 @@ def opsadv_register_kernels(registry, env):
 
 @hookimpl
 def opsadv_profiles():
-    return [dataclasses.replace(JETSON, backend=NAME, priority=10, matches=lambda env: env.is_jetson,
-                                description=JETSON.description + "; chosen by the jetson backend on any Jetson")]
+    return list(PROFILES)               # its own, and the copy it offers the cuda backend
 
 
 @hookimpl

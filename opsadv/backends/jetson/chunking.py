@@ -9,32 +9,26 @@ gemm       over row chunks of a (..., K); db and dbias are summed over chunks in
 
 The per-op cap is the profile's workspace_cap_bytes, lowered to a quarter of the memory budget
 (use_backend("jetson", memory_budget=...)) when that is smaller.  How much transient memory an
-impl needs per query row / output row is declared per underlying impl (fused Triton kernels: none,
-so they never chunk; unfused vendor paths: their float32 temporaries)."""
+impl needs per query row / output row is what the underlying impl declares in KernelImpl.memory
+(MemoryTraits: "flash" attention and "fused" GEMMs none, so they never chunk; "materializes_scores"
+its bytes per score; "temporaries" its float32 temporaries); an impl that declares nothing is
+assumed to hold a float32 score and probability matrix / one float32 temporary."""
 from __future__ import annotations
 
 import dataclasses
 
 import torch
 
-from opsadv.backends.cuda.profiles import JETSON
 from opsadv.core.policy import current_policy
+
+from .profiles import JETSON
 
 DEFAULT_CAP = 64 << 20
 MIN_ROWS = 64            # a chunk is at least one 64-row tile (unless the op is smaller)
 
-# Bytes of transient memory per (query row x key) for attention: fused kernels (Triton, SDPA's
-# cuDNN / flash / memory-efficient) never hold a score matrix; an impl we do not know is assumed
-# to hold a float32 score and probability matrix.
-FUSED_ATTENTION_PREFIXES = ("cuda.triton.", "cuda.sdpa.")
+# An attention impl that declares no memory traits is assumed to hold a float32 score and probability
+# matrix (bytes per query row x key); a GEMM one float32 temporary of the output's size.
 ATTN_DEFAULT_BYTES_PER_SCORE = 8
-# Impls that expand K/V to the query heads for GQA (a full-size copy of K and V per call); cuDNN and
-# flash read the kv heads natively.
-KV_EXPANDING = ("cuda.sdpa.efficient",)
-# Multiples of (rows x N x 4 bytes) of temporaries per impl (forward): fused epilogues none, the
-# unfused cuBLAS paths their activation / residual / gate temporaries.
-GEMM_TEMP_FACTOR = {"cuda.cublas.gemm": 0, "cuda.cublas.gemm_epilogue": 2, "cuda.cublas.swiglu_gemm": 3}
-FUSED_GEMM_PREFIXES = ("cuda.triton.",)
 GEMM_DEFAULT_FACTOR = 1
 BWD_EXTRA_FACTOR = 2     # backward: dz plus float32 copies
 
@@ -217,14 +211,21 @@ def _rowwise_bwd(call, g2, x2, x_shape, w, bias, rows):
     return dx.reshape(x_shape), dw.to(w.dtype), dbias
 
 
-def gemm_factor(impl_id: str) -> int:
-    if impl_id in GEMM_TEMP_FACTOR:
-        return GEMM_TEMP_FACTOR[impl_id]
-    return 0 if impl_id.startswith(FUSED_GEMM_PREFIXES) else GEMM_DEFAULT_FACTOR
+def gemm_factor(impl) -> float:
+    """Multiples of (rows x N x 4 bytes) of forward temporaries, from the impl's declared memory traits."""
+    m = impl.memory
+    return GEMM_DEFAULT_FACTOR if m is None else m.temp_factor
 
 
-def attn_bytes_per_score(impl_id: str) -> float:
-    return 0 if impl_id.startswith(FUSED_ATTENTION_PREFIXES) else ATTN_DEFAULT_BYTES_PER_SCORE
+def attn_bytes_per_score(impl) -> float:
+    """Transient bytes per (query row x key), from the impl's declared memory traits ("flash": 0)."""
+    m = impl.memory
+    return ATTN_DEFAULT_BYTES_PER_SCORE if m is None else m.bytes_per_score
+
+
+def expands_kv(impl) -> bool:
+    """Does the impl copy K/V to every query head for GQA (declared memory traits)?"""
+    return impl.memory is not None and impl.memory.expands_kv
 
 
 def policy_cap() -> int:
@@ -248,4 +249,5 @@ def kv_expand_check(spec, env) -> list[str]:
 
 
 __all__ = ["chunked_attention_fwd", "chunked_attention_bwd", "chunked_gemm_fwd", "chunked_gemm_bwd",
-           "chunked_swiglu_fwd", "chunked_swiglu_bwd", "workspace_cap", "chunk_rows"]
+           "chunked_swiglu_fwd", "chunked_swiglu_bwd", "workspace_cap", "chunk_rows", "gemm_factor",
+           "attn_bytes_per_score", "expands_kv"]

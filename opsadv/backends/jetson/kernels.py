@@ -12,7 +12,7 @@ import warnings
 import torch
 
 from opsadv.backends.cuda import KERNEL_MODULES, triton_device_types
-from opsadv.core.kernel import PRIORITY_GENERIC, KernelImpl
+from opsadv.core.kernel import PRIORITY_GENERIC, KernelImpl, materializes_scores
 
 from . import attention as math_attention
 from . import chunking as C
@@ -43,10 +43,10 @@ def _with_bf16_check(check, *more):
 
 def _wrap(impl: KernelImpl) -> KernelImpl:
     fn, bwd, note, checks = impl.fn, impl.backward, "no chunking needed (fused)", ()
-    if impl.id in C.KV_EXPANDING:
+    if C.expands_kv(impl):
         checks, note = (C.kv_expand_check,), "refused when its GQA K/V expansion exceeds the workspace cap"
     if impl.op == "flash_attention":
-        per = C.attn_bytes_per_score(impl.id)
+        per = C.attn_bytes_per_score(impl)
         if per and "cross_length" in impl.features:
             fn = functools.partial(C.chunked_attention_fwd, impl.fn, per, impl=impl)
             bwd = functools.partial(C.chunked_attention_bwd, impl.backward, per, impl=impl) if impl.backward else None
@@ -54,7 +54,7 @@ def _wrap(impl: KernelImpl) -> KernelImpl:
         elif per:
             note = "not chunkable (the kernel does not take s_q != s_k)"
     elif impl.op in ("gemm", "swiglu_gemm"):
-        factor = C.gemm_factor(impl.id)
+        factor = C.gemm_factor(impl)
         if factor:
             f_fwd, f_bwd = ((C.chunked_gemm_fwd, C.chunked_gemm_bwd) if impl.op == "gemm"
                             else (C.chunked_swiglu_fwd, C.chunked_swiglu_bwd))
@@ -90,6 +90,7 @@ def own_impls(env) -> list[KernelImpl]:
         backward=math_attention.bwd, priority=PRIORITY_GENERIC, device_types=devices,
         dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64), features=ATTN_FEATURES,
         deterministic=True, check=_with_bf16_check(None),
+        memory=materializes_scores(math_attention.BYTES_PER_SCORE),     # per chunk: it bounds its own chunks
         description="torch math attention over query chunks (score matrix bounded by the workspace cap); "
                     "any head dim, masks, cc 7.2")]
 
