@@ -17,9 +17,10 @@ class Info:
     primary: str
     profile: str | None
     impls: list[dict[str, Any]] | None = None
+    version: str = ""                   # opsadv's own
 
     def to_dict(self) -> dict[str, Any]:
-        d = {"env": self.env.to_dict(), "backends": self.backends, "plugin_failures": self.failures,
+        d = {"opsadv_version": self.version, "env": self.env.to_dict(), "backends": self.backends, "plugin_failures": self.failures,
              "policy": self.policy, "primary_backend": self.primary, "profile": self.profile}
         if self.impls is not None:
             d["impls"] = self.impls
@@ -27,12 +28,12 @@ class Info:
 
     def __str__(self) -> str:
         e = self.env
-        lines = ["opsadv info", "== hardware ==",
+        lines = [f"opsadv info (opsadv {self.version})", "== hardware ==",
                  f"  device      {e.device_type} {e.device_name or ''} "
                  + (f"cc {e.compute_capability[0]}.{e.compute_capability[1]} " if e.compute_capability else "")
                  + (f"{e.sm_count} SMs " if e.sm_count else "")
                  + (f"{e.total_memory / 2**30:.1f} GiB" if e.total_memory else ""),
-                 f"  versions    torch {e.torch_version}, triton {e.triton_version}, cuda {e.cuda_version}"
+                 f"  versions    opsadv {self.version}, torch {e.torch_version}, triton {e.triton_version}, cuda {e.cuda_version}"
                  + (f", torch_npu {e.torch_npu_version}" if e.torch_npu_version else ""),
                  f"  jetson      {e.is_jetson}" + (f" ({e.tegra_release})" if e.tegra_release else ""),
                  f"  triton interpreter {'on' if e.triton_interpret else 'off'}",
@@ -101,5 +102,6 @@ def info(impls: bool = False) -> Info:
     except Exception:
         prof = None
     fails = [{"name": f.name, "version": f.version, "stage": f.stage, "error": f.error} for f in reg.failures]
+    from .. import __version__
     return Info(reg.env, rows, fails, pol.describe(), primary.name if primary else "none", prof.name if prof else None,
-                impl_rows(reg) if impls else None)
+                impl_rows(reg) if impls else None, __version__)

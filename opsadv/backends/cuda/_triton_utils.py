@@ -166,9 +166,12 @@ class ConfigTuner:
         # JSON turns tuples into lists: compare in that form, return the offered config itself
         offered = next((c for c in configs if _as_json(c) == stored), None) if stored is not None else None
         if offered is not None:                              # a config the current profile still offers
+            log.debug("%s %s: config cache hit -> %s", self.name, key, offered)
             with self._lock:
                 self.best[key] = offered
             return offered
+        log.debug("%s %s: config cache miss (%s): timing %d configs", self.name, key,
+                  "stored config no longer offered" if stored is not None else "nothing stored", len(configs))
         from opsadv.core.tuning import time_rounds
         err: Exception | None = None
         ok = []
