@@ -121,6 +121,13 @@ def _cmd_conformance(args) -> int:
     ops = _ops(args.ops) if args.ops else None
     dtypes = _dtypes(args.dtypes) if args.dtypes else None
     pins = _impl_pins(args.impl)
+    from opsadv.registry import get_registry
+    reg = get_registry()
+    if args.backend not in reg.backends or not reg.backends[args.backend].available:   # before the header line
+        from opsadv.core.errors import BackendUnavailableError
+        rec = reg.backends.get(args.backend)
+        raise BackendUnavailableError(args.backend, list(rec.probe.reasons) if rec else
+                                      [f"unknown; known: {sorted(reg.backends)}"])
     if args.aoe_mode is not None:
         opsadv.use_backend(args.backend, aoe_mode=args.aoe_mode)
     device = args.device or default_device(args.backend)

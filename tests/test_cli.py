@@ -146,9 +146,10 @@ def test_bench_refuses_a_cpu_only_machine_unless_allow_cpu(tmp_path):
     one_line_error(cli("bench", "--suite", "norm"), 2, "no CUDA GPU", "--allow-cpu")
     one_line_error(cli("bench", "--suite", "e2e", "--allow-cpu"), 2, "e2e", "norm")
     j, png = tmp_path / "n.json", tmp_path / "n.png"
-    p = cli("bench", "--suite", "norm", "--allow-cpu", "--json", str(j), "--plot", str(png))
+    p = cli("bench", "--suite", "norm", "--allow-cpu", "--json", str(j), "--plot", str(png), "--progress", "on")
     assert p.returncode in (0, 1), p.stderr[-2000:]
     assert "warning: no CUDA GPU" in p.stderr and "--allow-cpu" in p.stderr
+    assert re.search(r"bench: 100%\|.*\| 2/2 \[", p.stderr), p.stderr[-1000:]            # cases, with an ETA
     cases = json.loads(j.read_text())["cases"]
     assert cases and all(" t1024 " in c["case"] for c in cases)            # the CPU-sized quick grid
     assert png.stat().st_size > 0
