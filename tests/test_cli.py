@@ -169,7 +169,8 @@ def test_bench_plot_is_rewritten_after_every_case(tmp_path, monkeypatch):
     monkeypatch.setattr(S, "_grid", lambda quick: [("fp16", 1, 2, 1, 24, 32, c, False) for c in (False, True)])
     seen = []
     real = runner.write_plot
-    monkeypatch.setattr(runner, "write_plot", lambda path, rows, title: (seen.append(len(rows)), real(path, rows, title)))
+    monkeypatch.setattr(runner, "write_plot",
+                        lambda path, rows, title: (seen.append(len(rows)), real(path, rows, title)))
     runner.run_bench(["attention"], True, str(tmp_path / "b.json"), str(tmp_path / "b.png"), autotune=False)
     assert seen == [1, 2, 2] and (tmp_path / "b.png").stat().st_size > 0     # after each case, and at the end
 

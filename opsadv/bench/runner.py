@@ -359,7 +359,8 @@ def plot_from_json(json_path: str, plot_path: str | None = None) -> int:
                                    f"{json_path!r} ({why})") from None
     rows = [r for r in rows if isinstance(r, dict) and "error" not in r]
     if not rows:
-        raise InvalidArgumentError("bench", "--plot-only", "a results JSON with measured cases", f"{json_path!r} (none)")
+        raise InvalidArgumentError("bench", "--plot-only", "a results JSON with measured cases",
+                                   f"{json_path!r} (none)")
     for p in write_plots(plot_path or str(Path(json_path).with_suffix(".png")), rows, data, json_path):
         print(f"wrote {p}")
     return 0

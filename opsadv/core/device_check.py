@@ -45,7 +45,8 @@ def check_device(device, where: str, arg: str = "device"):
     try:
         dev = device if isinstance(device, torch.device) else torch.device(device)
     except (RuntimeError, TypeError, ValueError):
-        raise InvalidArgumentError(where, arg, "a torch device such as 'cpu', 'cuda' or 'cuda:1'", repr(device)) from None
+        raise InvalidArgumentError(where, arg, "a torch device such as 'cpu', 'cuda' or 'cuda:1'",
+                                   repr(device)) from None
     why = _why_unusable(dev)
     if why is not None:
         raise InvalidArgumentError(where, arg, why, repr(str(device)))

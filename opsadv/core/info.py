@@ -20,8 +20,9 @@ class Info:
     version: str = ""                   # opsadv's own
 
     def to_dict(self) -> dict[str, Any]:
-        d = {"opsadv_version": self.version, "env": self.env.to_dict(), "backends": self.backends, "plugin_failures": self.failures,
-             "policy": self.policy, "primary_backend": self.primary, "profile": self.profile}
+        d = {"opsadv_version": self.version, "env": self.env.to_dict(), "backends": self.backends,
+             "plugin_failures": self.failures, "policy": self.policy, "primary_backend": self.primary,
+             "profile": self.profile}
         if self.impls is not None:
             d["impls"] = self.impls
         return d
@@ -33,7 +34,8 @@ class Info:
                  + (f"cc {e.compute_capability[0]}.{e.compute_capability[1]} " if e.compute_capability else "")
                  + (f"{e.sm_count} SMs " if e.sm_count else "")
                  + (f"{e.total_memory / 2**30:.1f} GiB" if e.total_memory else ""),
-                 f"  versions    opsadv {self.version}, torch {e.torch_version}, triton {e.triton_version}, cuda {e.cuda_version}"
+                 f"  versions    opsadv {self.version}, torch {e.torch_version}, triton {e.triton_version}, "
+                 f"cuda {e.cuda_version}"
                  + (f", torch_npu {e.torch_npu_version}" if e.torch_npu_version else ""),
                  f"  jetson      {e.is_jetson}" + (f" ({e.tegra_release})" if e.tegra_release else ""),
                  f"  triton interpreter {'on' if e.triton_interpret else 'off'}",
