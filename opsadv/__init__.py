@@ -8,14 +8,13 @@ of a backend plugin, with an answer to "which kernel ran, and why".
 """
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
 from . import registry as _registry  # noqa: E402,F401  (installs the plugin registry into core.hooks)
 from . import errors, ops  # noqa: E402  (registers the torch.library ops)
 from .core.dispatch import Trace as _Trace  # noqa: E402
 from .core.env import EnvInfo, detect  # noqa: E402
 from .core.explain import explain  # noqa: E402
 from .core.info import info  # noqa: E402
+from .core.version import __version__  # noqa: E402
 from .core.kernel import CallSpec, KernelImpl, Profile, ResolveContext  # noqa: E402
 from .core import layout as _layout  # noqa: E402
 from .core.layout import SparseLayout  # noqa: E402

@@ -5,6 +5,7 @@ from opsadv.core.errors import (  # noqa: F401
     NoKernelError,
     OpsadvError,
     PluginError,
+    UnknownKeywordError,
     UnknownOptionError,
     ValidationError,
 )

@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import opsadv
+from opsadv._progress import bar, enabled, say
+from opsadv.core.errors import InvalidArgumentError
 from opsadv.core.policy import current_policy
-from opsadv.core.tuning import MIN_CALLS, one_call_ms, sample_window  # noqa: F401  (MIN_CALLS: re-exported)
-from opsadv.core.tuning import per_call_ms
+from opsadv.core.tuning import MIN_CALLS, one_call_ms, per_call_ms, sample_window  # noqa: F401  (MIN_CALLS: re-exported)
 
 from .model_report import write_heatmap
 
@@ -254,15 +255,15 @@ def run_case(case) -> list[dict[str, Any]]:
 def _print_rows(rows: list[dict[str, Any]], peer_names: list[str]) -> None:
     head = f"{'case':58} {'opsadv ms':>10} " + " ".join(f"{p:>14}" for p in peer_names) + \
            f" {'speedup':>8} {'rounds':>11} {'rate':>12} {'rel_err':>9}  impl"
-    print(head)
+    say(head)
     for r in rows:
         if "error" in r:
-            print(f"{r['case']:58} ERROR {r['error']}")
+            say(f"{r['case']:58} ERROR {r['error']}")
             continue
         cells = " ".join(f"{r['peers'][p]:>14.4f}" if p in r.get("peers", {}) else f"{'-':>14}" for p in peer_names)
         lo_hi = r.get("speedup_range")        # the lowest and highest per-round ratio (paired_speedup)
         rng = f"{lo_hi[0]:.2f}-{lo_hi[1]:.2f}" if lo_hi else "-"
-        print(f"{r['case']:58} {r['opsadv_ms']:>10.4f} {cells} {r.get('speedup', float('nan')):>8.3f} {rng:>11} "
+        say(f"{r['case']:58} {r['opsadv_ms']:>10.4f} {cells} {r.get('speedup', float('nan')):>8.3f} {rng:>11} "
               f"{r['opsadv_rate']:>8.1f} {r['unit']:<4}{r.get('rel_err', float('nan')):>9.2g}  {r['opsadv_impl']}")
 
 
@@ -332,18 +333,73 @@ def write_density_plot(path: str, rows: list[dict[str, Any]], title: str) -> Non
     plt.close(fig)
 
 
+def write_plots(plot_path: str, rows: list[dict[str, Any]], header: dict[str, Any], json_path: str | None) -> list[str]:
+    """The speedup chart of the op-suite rows and the models heatmap of the models rows (from the whole JSON
+    where there is one: the grid's other parts too); returns the paths written."""
+    written = []
+    other = [r for r in rows if r.get("suite") != "models"]
+    if other:
+        write_plot(plot_path, other, f"opsadv vs best peer, {header.get('device')}, commit {header.get('commit')}")
+        written.append(plot_path)
+    if len(other) < len(rows):
+        hpath = plot_path if not other else str(Path(plot_path).with_name(Path(plot_path).stem + "_models.png"))
+        write_heatmap(json_path, hpath, rows=None if json_path else [r for r in rows if r.get("suite") == "models"])
+        written.append(hpath)
+    return written
+
+
+def plot_from_json(json_path: str, plot_path: str | None = None) -> int:
+    """`opsadv bench --plot-only JSON [--plot PNG]`: the plots of a results file, nothing run (default PNG:
+    the JSON's name with .png)."""
+    try:
+        data = json.loads(Path(json_path).read_text())
+        rows = data["cases"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        why = "no such file" if isinstance(e, FileNotFoundError) else f"{type(e).__name__}: {e}".splitlines()[0]
+        raise InvalidArgumentError("bench", "--plot-only", "a results JSON written by `opsadv bench --json`",
+                                   f"{json_path!r} ({why})") from None
+    rows = [r for r in rows if isinstance(r, dict) and "error" not in r]
+    if not rows:
+        raise InvalidArgumentError("bench", "--plot-only", "a results JSON with measured cases",
+                                   f"{json_path!r} (none)")
+    for p in write_plots(plot_path or str(Path(json_path).with_suffix(".png")), rows, data, json_path):
+        print(f"wrote {p}")
+    return 0
+
+
+def _selected(names: list[str], quick: bool, pattern, part: tuple[int, int]) -> int:
+    """How many cases the run will time (for the progress bar's ETA): a dry pass over the suites' generators, each
+    case dropped at once (the suites make their tensors per case, so one case's worth is alive at a time)."""
+    index = n = 0
+    for name in names:
+        mod = f"opsadv.bench.suite_{name}"
+        if importlib.util.find_spec(mod) is None:
+            continue
+        for case in importlib.import_module(mod).cases(quick):
+            if pattern is not None and not pattern.search(case.case):
+                continue
+            index += 1
+            n += not (index - part[0]) % part[1]
+            del case
+    gc.collect()
+    return n
+
+
 def run_bench(suites: list[str], quick: bool, json_path: str | None, plot_path: str | None,
-              autotune: bool = True, case_filter: str | None = None, part: tuple[int, int] = (1, 1)) -> int:
+              autotune: bool = True, case_filter: str | None = None, part: tuple[int, int] = (1, 1),
+              progress: str | None = "off") -> int:
     """Run the named suites ("all" = every suite); returns the process exit code (0: every
     case ran and matched its peers).  `case_filter` (a regex) keeps the matching case names;
     `part=(i, n)` keeps every n-th case starting at the i-th, so a long grid splits over several
-    time-limited runs.  The JSON is rewritten after every case: a run stopped by a time limit
-    keeps what finished."""
+    time-limited runs.  The JSON and the plot are rewritten after every case: a run stopped by a
+    time limit keeps what finished.  `progress` ("auto", "on", "off"): a bar with an ETA on stderr."""
     import re
+
 
     pattern = re.compile(case_filter) if case_filter else None
     index = 0
     import torch
+
 
     names: list[str] = []
     for s in suites:
@@ -352,17 +408,18 @@ def run_bench(suites: list[str], quick: bool, json_path: str | None, plot_path: 
                 names.append(n)
     header = _header()
     print(f"opsadv bench on {header['device']} (torch {header['torch']}, triton {header['triton']}, "
-          f"commit {header['commit']}){' quick' if quick else ''}")
+          f"commit {header['commit']}){' quick' if quick else ''}", flush=True)
     rows: list[dict[str, Any]] = []
     failed = False
     cur = current_policy()   # keep what the caller set (backend, experimental, ...); add measured choice
+    total = _selected(names, quick, pattern, part) if enabled(progress) else None
     with opsadv.use_backend(cur.backend, strict=cur.strict, profile=cur.profile, experimental=cur.experimental,
                             deterministic=cur.deterministic, precision=cur.precision, autotune=autotune,
-                            **dict(cur.options)):
+                            **dict(cur.options)), bar(total, "bench", "case", progress) as pb:
         for name in names:
             mod = f"opsadv.bench.suite_{name}"
             if importlib.util.find_spec(mod) is None:
-                print(f"suite {name!r}: skipped ({mod} does not exist yet)")
+                say(f"suite {name!r}: skipped ({mod} does not exist yet)")
                 continue
             suite_rows: list[dict[str, Any]] = []
             peer_names: list[str] = []
@@ -375,6 +432,7 @@ def run_bench(suites: list[str], quick: bool, json_path: str | None, plot_path: 
                 for p in case.peers:
                     if p not in peer_names:
                         peer_names.append(p)
+                pb.set_postfix(f"{name}: {case.case}")
                 case_rows = run_case(case)
                 del case
                 gc.collect()
@@ -386,25 +444,30 @@ def run_bench(suites: list[str], quick: bool, json_path: str | None, plot_path: 
                         failed = True
                     if bad and "error" not in r:
                         r["mismatch"] = True
-                    print(f"  {r['case']}: " + (r.get("error") or
-                          f"{r['opsadv_ms']:.4f} ms, speedup {r.get('speedup', float('nan')):.3f}, "
-                          f"rel_err {r.get('rel_err', float('nan')):.2g}, {r['opsadv_impl']}"), flush=True)
+                    say(f"  {r['case']}: " + (r.get("error") or
+                        f"{r['opsadv_ms']:.4f} ms, speedup {r.get('speedup', float('nan')):.3f}, "
+                        f"rel_err {r.get('rel_err', float('nan')):.2g}, {r['opsadv_impl']}"))
                 suite_rows += case_rows
                 if json_path:
                     write_json(json_path, header, case_rows)
-            print(f"\nsuite {name}:")
+                if plot_path:       # rewritten after every case, as the JSON: a stopped run keeps its chart
+                    _plots_quietly(plot_path, rows + suite_rows, header, json_path)
+                pb.update()
+            say(f"\nsuite {name}:")
             _print_rows(suite_rows, peer_names)
             rows += suite_rows
     if json_path:
         print(f"wrote {json_path}")
     if plot_path and rows:
-        other = [r for r in rows if r.get("suite") != "models"]
-        if other:
-            write_plot(plot_path, other, f"opsadv vs best peer, {header['device']}, commit {header['commit']}")
-            print(f"wrote {plot_path}")
-        if len(other) < len(rows):
-            # the models heatmap: from the whole JSON where there is one (the grid's other parts too)
-            hpath = plot_path if not other else str(Path(plot_path).with_name(Path(plot_path).stem + "_models.png"))
-            write_heatmap(json_path, hpath, rows=None if json_path else [r for r in rows if r.get("suite") == "models"])
-            print(f"wrote {hpath}")
+        for p in write_plots(plot_path, rows, header, json_path):
+            print(f"wrote {p}")
     return 1 if failed else 0
+
+
+def _plots_quietly(plot_path: str, rows: list[dict[str, Any]], header: dict[str, Any], json_path: str | None) -> None:
+    # a plot that fails mid-run (no matplotlib, nothing measured yet) must not stop the benchmark
+    try:
+        write_plots(plot_path, [r for r in rows if "error" not in r], header, json_path)
+    except Exception as e:
+        import logging
+        logging.getLogger("opsadv.bench").debug("plot after the case not written: %s", e)

@@ -1,6 +1,6 @@
 """Bench suite "attention": opsadv.ops.flash_attention against SDPA with each backend forced
 (cuDNN, flash, efficient) and compiled FlexAttention, forward and forward+backward.
-Grid (BENCHMARKS.md): bf16 and fp16, d64 and d128, causal and not, (b,h,s) = (16,32,1024),
+Grid (docs/performance.md): bf16 and fp16, d64 and d128, causal and not, (b,h,s) = (16,32,1024),
 (4,32,4096), (1,32,16384), GQA 32 q heads over 8 kv heads.  FLOPs: 4*b*h*s*s*d (halved for
 causal), forward+backward 3.5x.  Tensors are made lazily, one case at a time."""
 from __future__ import annotations
@@ -27,8 +27,14 @@ SHAPES = ((16, 32, 1024), (4, 32, 4096), (1, 32, 16384))
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+# `opsadv bench --allow-cpu` without a GPU: the quick grid at sizes a CPU runs in seconds (a smoke test)
+CPU_QUICK = [("bf16", 1, 4, 4, 128, 64, False, False), ("bf16", 1, 4, 2, 128, 64, True, True)]
+
+
 def _grid(quick: bool):
     """(dtype, b, h, hkv, s, d, causal, backward)"""
+    if quick and not torch.cuda.is_available():
+        return CPU_QUICK
     if quick:
         return [("bf16", 4, 32, 32, 4096, 128, False, False), ("bf16", 4, 32, 32, 4096, 128, True, False),
                 ("bf16", 4, 32, 32, 4096, 128, True, True), ("bf16", 4, 32, 8, 4096, 128, True, False),

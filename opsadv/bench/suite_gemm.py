@@ -1,6 +1,6 @@
 """Bench suite "gemm": opsadv.ops.gemm / swiglu_gemm against cuBLAS through torch (matmul/addmm +
 activation, torch._addmm_activation) and torch.compile of the same expression.
-Grid (BENCHMARKS.md): bf16, (m, n, k) = (8192,8192,8192), (16384,12288,4096), (16384,11008,4096),
+Grid (docs/performance.md): bf16, (m, n, k) = (8192,8192,8192), (16384,12288,4096), (16384,11008,4096),
 (16384,4096,11008); epilogues none, bias+gelu_tanh, bias+silu, SwiGLU (n is the intermediate size:
 one GEMM over [W_g | W_u] of shape (k, 2n)).  The weight is an nn.Linear-style (n, k) tensor passed
 as weight.t().  FLOPs 2*m*n*k (SwiGLU 4*m*n*k); forward+backward 3x.  When the dispatcher picks
@@ -26,8 +26,14 @@ EPILOGUES = ("none", "gelu_tanh", "silu", "swiglu")
 _COMPILED: dict = {}
 
 
+# `opsadv bench --allow-cpu` without a GPU: the quick grid at sizes a CPU runs in seconds (a smoke test)
+CPU_QUICK = [(256, 256, 256, "none", False), (256, 192, 256, "swiglu", False)]
+
+
 def _grid(quick: bool):
     """(m, n, k, epilogue, backward)"""
+    if quick and not torch.cuda.is_available():
+        return CPU_QUICK
     if quick:
         return [(8192, 8192, 8192, "none", False), (16384, 12288, 4096, "gelu_tanh", False),
                 (16384, 11008, 4096, "silu", False), (16384, 11008, 4096, "swiglu", False)]

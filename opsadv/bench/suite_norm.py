@@ -1,6 +1,6 @@
 """Bench suite "norm": opsadv.ops.layer_norm / rms_norm (optionally with the fused residual add)
 against F.layer_norm / F.rms_norm (after a separate add) and torch.compile of the same expression.
-Grid (BENCHMARKS.md): bf16, (tokens, hidden) = (32768,4096), (16384,8192), (65536,1024); forward,
+Grid (docs/performance.md): bf16, (tokens, hidden) = (32768,4096), (16384,8192), (65536,1024); forward,
 forward+backward and the backward alone ("bwd" rows: the forward's graph kept, only autograd.grad timed; issue
 4's "backward >= 1.5x eager"); with and without residual.  Rate in TB/s of bytes moved: forward reads x
 (+ residual) and the weights, writes y (+ the sum); backward adds reading dy (+ dsum) and the
@@ -20,8 +20,14 @@ SHAPES = ((32768, 4096), (16384, 8192), (65536, 1024))
 _COMPILED: dict = {}
 
 
+# `opsadv bench --allow-cpu` without a GPU: the quick grid at sizes a CPU runs in seconds (a smoke test)
+CPU_QUICK = [("layer_norm", 1024, 512, False, False), ("rms_norm", 1024, 512, True, True)]
+
+
 def _grid(quick: bool):
     """(op, tokens, hidden, residual, backward)"""
+    if quick and not torch.cuda.is_available():
+        return CPU_QUICK
     if quick:
         return [("layer_norm", 32768, 4096, False, False), ("rms_norm", 32768, 4096, False, False),
                 ("rms_norm", 32768, 4096, True, False), ("layer_norm", 32768, 4096, False, True),

@@ -2,7 +2,7 @@
 mask (`flex`), SDPA with the dense boolean mask (`sdpa_masked`, where memory allows) and, for
 packed variable-length batches, dense flash attention over the padded batch (`padded_dense`).
 
-Cases (BENCHMARKS.md): s=16384 sliding window 1024 causal; global tokens + window (Longformer);
+Cases (docs/performance.md): s=16384 sliding window 1024 causal; global tokens + window (Longformer);
 a packed varlen batch with ~30% padding; plus a window-size series (extra field `density`: the
 fraction of (query, key) tiles computed) for the time-vs-density plot.  Work counts computed
 tiles only: 4*b*h*s_q*s_k*d * (visited tiles / all tiles) of the forward kernel's tile grid,

@@ -3,6 +3,7 @@ loading a local transformers model directory."""
 from __future__ import annotations
 
 import torch
+from opsadv.core.errors import InvalidArgumentError
 
 DEMOS = ("demo-llama", "demo-mistral", "demo-qwen2", "demo-bert", "demo-roberta", "demo-gpt2")
 
@@ -33,13 +34,41 @@ def demo_model(name: str, seed: int = 0, **overrides):
     return model_cls(cfg).eval()
 
 
+def check_model_spec(spec: str) -> None:
+    """Refuse (InvalidArgumentError) what load_model cannot load, before anything is imported or read: an
+    unknown demo name, a path that is not a model directory.  A name like "org/model" is left to load_model
+    (transformers' local cache, offline)."""
+    import re
+    from pathlib import Path
+
+    if spec in DEMOS:
+        return
+    expected = f"a local transformers model directory (with config.json) or one of {', '.join(DEMOS)}"
+    p = Path(spec)
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise InvalidArgumentError("load_model", "MODEL", expected, f"{spec!r} (a directory without config.json)")
+        return
+    if spec.startswith("demo-") or not re.fullmatch(r"[\w.-]+/[\w.-]+", spec):
+        import difflib
+        near = difflib.get_close_matches(spec, DEMOS, 1)
+        why = "not a directory" + (f"; did you mean {near[0]}?" if near else "")
+        raise InvalidArgumentError("load_model", "MODEL", expected, f"{spec!r} ({why})")
+
+
 def load_model(spec: str, dtype: torch.dtype | None = None):
-    """A demo name, or a local transformers model directory (loaded offline)."""
+    """A demo name, or a local transformers model directory (loaded offline: nothing is downloaded)."""
     if spec in DEMOS:
         m = demo_model(spec)
         return m.to(dtype) if dtype is not None else m
+    check_model_spec(spec)
     import transformers as tf
-    cfg = tf.AutoConfig.from_pretrained(spec, local_files_only=True)
+    try:
+        cfg = tf.AutoConfig.from_pretrained(spec, local_files_only=True)
+    except (OSError, ValueError) as e:      # e.g. an "org/model" name that is not in the local cache
+        raise InvalidArgumentError("load_model", "MODEL", "a local transformers model directory or a model in "
+                                   "transformers' local cache (nothing is downloaded)",
+                                   f"{spec!r} ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from e
     archs = getattr(cfg, "architectures", None) or []
     cls = getattr(tf, archs[0], None) if archs else None
     cls = cls or tf.AutoModel

@@ -3,17 +3,21 @@ program (.pt2) whose graph calls opsadv::* ops.  `load` reads it back with torch
 (no pickled code runs) in any process that can `import opsadv` (which registers the ops)."""
 from __future__ import annotations
 
+import difflib
 import inspect
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from opsadv import ops as _ops  # noqa: F401  (registers the opsadv::* ops a loaded program calls)
-from opsadv.core.errors import InvalidArgumentError
+from opsadv.core.device_check import check_device
+from opsadv.core.errors import InvalidArgumentError, UnknownOptionError
 from opsadv.core.precision import PrecisionPolicy
 
-from .api import _check_int, convert_model
+from opsadv import ops as _ops  # noqa: F401  (registers the opsadv::* ops a loaded program calls)
+
+from . import floor as _floor
+from .api import _check_int, check_graph_args, check_seed_args, convert_model
 from .modules import unalias_fused
 from .tune import _to
 
@@ -35,6 +39,30 @@ class _PlainOutputs(nn.Module):
         return out
 
 
+# convert_model's keywords that Optimizer sets itself (the rest are seed parameters it passes on)
+_OWN = ("backend", "precision", "opt_level", "validate", "example_inputs")
+_ALIASES = {"num_streams": "max_streams", "streams": "max_streams", "mem_policy": "mem_opt", "tile": "tile_size"}
+
+
+def _check_seeds(seeds: dict, opt_level: int) -> None:
+    """Refuse at construction what convert_model would refuse at .compile (unknown names, bad values)."""
+    params = inspect.signature(convert_model).parameters
+    known = [n for n, p in params.items() if p.kind is p.KEYWORD_ONLY and n not in _OWN]
+    for name in seeds:
+        if name not in known:
+            hint = _ALIASES.get(name) or next(iter(difflib.get_close_matches(name, known, 1)), None)
+            raise UnknownOptionError("Optimizer", name, f"a keyword of convert_model ({', '.join(known)})",
+                                     f"{name}={seeds[name]!r}" + (f" -- did you mean {hint}={seeds[name]!r}?"
+                                                                  if hint else ""))
+    get = lambda n: seeds.get(n, params[n].default)  # noqa: E731
+    try:
+        check_seed_args(opt_level, get("tile_size"), get("max_streams"), get("mem_opt"), get("use_fp16"))
+        check_graph_args(None, get("pack_padding"), get("cuda_graphs"), get("max_graphs"))
+        _floor.check_args(get("floor"), get("floor_mode"), get("floor_timer"))
+    except InvalidArgumentError as e:   # the same check, named after what the user called
+        raise type(e)("Optimizer", e.arg, e.expected, e.given) from None
+
+
 class Optimizer:
     """`Optimizer(device="cuda", precision="bf16", opt_level=2).compile(model)`; `.export(model, path,
     example_inputs)` writes a .pt2."""
@@ -45,7 +73,8 @@ class Optimizer:
                 or (isinstance(precision, str) and precision.lower() in ("fp16", "bf16", "fp32", "tf32"))):
             raise InvalidArgumentError("Optimizer", "precision", "'fp16', 'bf16', 'fp32' or a PrecisionPolicy",
                                        repr(precision))
-        self.device = torch.device(device) if device is not None else None
+        self.device = check_device(device, "Optimizer")
+        _check_seeds(seeds, opt_level)
         self.precision, self.opt_level, self.backend, self.seeds = precision, opt_level, backend, seeds
 
     def __repr__(self) -> str:

@@ -33,6 +33,10 @@ class TuneReport:
             out.setdefault(op_of.get(impl, "?"), {})[impl] = n
         return out
 
+    def to_dict(self) -> dict:
+        return {"device": self.device, "shapes": self.shapes, "steps": self.steps, "seconds": self.seconds,
+                "calls_per_impl": self.calls_per_impl, "per_op": self.per_op}
+
     def __str__(self) -> str:
         rows = [f"opsadv tune_for_hardware on {self.device}: {len(self.steps)} steps, {self.seconds:.2f} s "
                 f"(shapes {', '.join(self.shapes)})", "  chosen kernels per op (calls per impl):"]

@@ -245,6 +245,10 @@ def _announce(exp: Explanation, r: Resolved, policy: Policy) -> None:
     if os.environ.get("OPSADV_LOG_DISPATCH", "0") not in ("", "0"):
         print(line, file=sys.stderr)
     log.info(line)
+    if log.isEnabledFor(logging.DEBUG):     # memo misses only: the hot path never gets here
+        log.debug("%s candidates: %s", exp.op, "; ".join(
+            f"{c.impl.id} " + (("chosen" if c.impl.id == r.impl.id else "accepted") + f" (priority {c.rank_priority})"
+                               if c.accepted else "refused: " + ", ".join(c.reasons)) for c in exp.candidates))
     if r.impl.backend == "reference" and policy.backend == "auto":
         device_backends = [b.name for b in hooks.get_registry().available()
                            if b.name != "reference" and exp.spec.device_type in b.info.device_types]

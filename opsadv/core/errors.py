@@ -21,6 +21,10 @@ class UnknownOptionError(InvalidArgumentError):
     """An option name or value that opsadv does not know."""
 
 
+class UnknownKeywordError(UnknownOptionError, TypeError):
+    """A keyword argument that the function does not take (a TypeError too, as Python raises for one)."""
+
+
 class NoKernelError(OpsadvError, RuntimeError):
     """No kernel impl could serve a call under the current policy.  `reasons` maps each
     candidate impl id to the reasons it was rejected."""

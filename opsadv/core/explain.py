@@ -6,7 +6,7 @@ from typing import Any
 
 from . import dispatch
 from . import ops as _ops  # noqa: F401  (registers the ops first)
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, UnknownKeywordError
 from .kernel import OPS
 import importlib
 
@@ -81,9 +81,29 @@ def _spec_for(op: str, args: tuple, kwargs: dict[str, Any], backward: bool):
     raise InvalidArgumentError("explain", "op", f"one of {list(OPS)}", repr(op))
 
 
+def _check_keywords(op: str, kwargs: dict[str, Any]) -> None:
+    """The op raises TypeError for a keyword it does not take: explain must not silently ignore one (causl=True)."""
+    fn = getattr(_ops, op, None) if op in OPS else None
+    if fn is None:
+        return
+    import inspect
+    params = [n for n, p in inspect.signature(fn).parameters.items() if p.kind is not p.POSITIONAL_ONLY]
+    for name in kwargs:
+        if name not in params:
+            import difflib
+            v = kwargs[name]
+            given = f"{name}=" + (f"<{type(v).__name__}>" if hasattr(v, "shape") else repr(v))
+            near = difflib.get_close_matches(name, params, 1)
+            raise UnknownKeywordError("explain", name, f"a keyword of opsadv.ops.{op} ({', '.join(params)}) or "
+                                      "explain's own 'backward'",
+                                      given + (f" -- did you mean {near[0]}?" if near else ""))
+
+
 def explain(op: str, *args: Any, backward: bool = False, **kwargs: Any) -> dispatch.Explanation:
     """Every candidate impl for this call under the current policy, accepted or rejected, with
-    reasons, and the one that would run.  Takes the op's own arguments."""
+    reasons, and the one that would run.  Takes the op's own arguments (an unknown keyword raises
+    UnknownKeywordError, a TypeError, as the op does)."""
+    _check_keywords(op, kwargs)
     spec = _spec_for(op, args, kwargs, backward)
     spec, note = spec if isinstance(spec, tuple) else (spec, "")
     exp, _ = dispatch.explain_spec(spec)

@@ -2,6 +2,8 @@
 impls=True also every registered kernel impl and what it declares (`opsadv info --impls`)."""
 from __future__ import annotations
 
+from .version import __version__
+
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,24 +20,26 @@ class Info:
     primary: str
     profile: str | None
     impls: list[dict[str, Any]] | None = None
+    version: str = ""                   # opsadv's own
 
     def to_dict(self) -> dict[str, Any]:
-        d = {"env": self.env.to_dict(), "backends": self.backends, "plugin_failures": self.failures,
-             "policy": self.policy, "primary_backend": self.primary, "profile": self.profile}
+        d = {"opsadv_version": self.version, "env": self.env.to_dict(), "backends": self.backends,
+             "plugin_failures": self.failures, "policy": self.policy, "primary_backend": self.primary,
+             "profile": self.profile}
         if self.impls is not None:
             d["impls"] = self.impls
         return d
 
     def __str__(self) -> str:
         e = self.env
-        lines = ["opsadv info", "== hardware ==",
+        lines = [f"opsadv info (opsadv {self.version})", "== hardware ==",
                  f"  device      {e.device_type} {e.device_name or ''} "
                  + (f"({e.runtime}{' ' + e.arch if e.arch else ''}) " if e.runtime not in ("cpu", e.device_type) else "")
                  + (f"cc {e.compute_capability[0]}.{e.compute_capability[1]} " if e.compute_capability else "")
                  + (f"{e.sm_count} SMs " if e.sm_count else "")
                  + (f"{e.total_memory / 2**30:.1f} GiB" if e.total_memory else ""),
-                 f"  versions    torch {e.torch_version}, triton {e.triton_version}, cuda {e.cuda_version}"
-                 + (f", hip {e.hip_version}" if e.hip_version else "")
+                 f"  versions    opsadv {self.version}, torch {e.torch_version}, triton {e.triton_version}, "
+                 f"cuda {e.cuda_version}" + (f", hip {e.hip_version}" if e.hip_version else "")
                  + (f", torch_npu {e.torch_npu_version}" if e.torch_npu_version else ""),
                  f"  jetson      {e.is_jetson}" + (f" ({e.tegra_release})" if e.tegra_release else ""),
                  f"  triton interpreter {'on' if e.triton_interpret else 'off'}",
@@ -105,4 +109,4 @@ def info(impls: bool = False) -> Info:
         prof = None
     fails = [{"name": f.name, "version": f.version, "stage": f.stage, "error": f.error} for f in reg.failures]
     return Info(reg.env, rows, fails, pol.describe(), primary.name if primary else "none", prof.name if prof else None,
-                impl_rows(reg) if impls else None)
+                impl_rows(reg) if impls else None, __version__)

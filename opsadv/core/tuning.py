@@ -5,6 +5,7 @@ name and library versions: a new driver stack or GPU never reuses stale measurem
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -81,6 +82,7 @@ def timer_for(device_type: str) -> DeviceTimer:
     """The declared timer of an available backend for this device type, else the default."""
     return _DECLARED_TIMERS.get(device_type) or default_timer(device_type)
 
+log = logging.getLogger("opsadv.tuning")
 
 
 def cache_dir() -> Path:
@@ -116,8 +118,10 @@ class JsonCache:
         if self.data is None:
             try:
                 self.data = json.loads(self.path().read_text())
-            except (OSError, ValueError):
+                log.debug("tuning cache %s read: %d device sections", self.path(), len(self.data))
+            except (OSError, ValueError) as e:
                 self.data = {}
+                log.debug("tuning cache %s not read (%s): starting empty", self.path(), type(e).__name__)
         return self.data
 
     def reset(self) -> None:
@@ -201,9 +205,14 @@ def lookup(spec: CallSpec, accepted: list[str], env: EnvInfo, timing: str = "wal
     if len(accepted) < 2:
         return None
     timing = _timing_for(spec, timing)
-    entry = _TUNING.load().get(_device_key(env), {}).get(_entry_key(spec, timing))
+    key = _entry_key(spec, timing)
+    entry = _TUNING.load().get(_device_key(env), {}).get(key)
     if not entry or entry.get("winner") not in accepted:
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("tuning cache miss: %s (%s)", key, "stored winner %s not accepted now" % entry.get("winner")
+                      if entry else "nothing measured; priority decides unless autotune is on")
         return None
+    log.debug("tuning cache hit: %s -> %s", key, entry["winner"])
     shapes = tuple(tuple(x) for x in entry.get("shapes", ()))
     return Measured(entry["winner"], dict(entry.get("times_ms", {})), timing, shapes, tuple(spec.shapes))
 
@@ -275,8 +284,7 @@ OUT_OF_RACE = 1.5   # after the first round, candidates this much slower than th
 
 
 def _warn_failed(impl_id: str, e: Exception) -> None:
-    import logging
-    logging.getLogger("opsadv.tuning").warning("autotune: %s failed: %s", impl_id, e)
+    log.warning("autotune: %s failed: %s", impl_id, e)
 
 
 SPIN_UP_MS = 250    # GPU time run before a tuning's first round (see _spin_up)
@@ -348,6 +356,7 @@ def autotune(exp, resolved, args: tuple, timing: str = "wall"):
         accepted = [i for i in accepted if i.backend != "reference"]
     if len(accepted) < 2 or exp.why.startswith("measured"):
         return None
+    log.debug("autotune %s: timing %s", spec_key(exp.spec), ", ".join(i.id for i in accepted))
     timing = _timing_for(exp.spec, timing)
     steps: dict[str, Any] = {}
     for impl in accepted:
@@ -368,6 +377,8 @@ def autotune(exp, resolved, args: tuple, timing: str = "wall"):
     measured = Measured(winner, {k: v for k, v in times.items() if v != float("inf")}, timing,
                         tuple(tuple(x) for x in exp.spec.shapes))
     store(exp.spec, resolved.ctx.env, measured)
+    log.debug("autotune %s: %s wins (%s ms; stored in %s)", spec_key(exp.spec), winner, ", ".join(
+        f"{k} {v:.4g}" for k, v in sorted(measured.times_ms.items(), key=lambda kv: kv[1])), _TUNING.path())
     impl = next(i for i in accepted if i.id == winner)
     return Resolved(impl, resolved.ctx, impl.backward if exp.spec.backward else impl.fn)
 

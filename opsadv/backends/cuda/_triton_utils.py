@@ -13,9 +13,11 @@ import triton
 import triton.language as tl
 from triton import knobs
 
-from opsadv.core import tuning
-from opsadv.core.env import current_env
 from opsadv.core.ops._common import empty_bshd
+from opsadv.core.tuning import JsonCache
+from opsadv.core.env import current_env
+from opsadv.core.tuning import _device_key
+from opsadv.core.tuning import time_rounds
 
 log = logging.getLogger("opsadv.cuda.autotune")
 
@@ -168,9 +170,12 @@ class ConfigTuner:
         # JSON turns tuples into lists: compare in that form, return the offered config itself
         offered = next((c for c in configs if _as_json(c) == stored), None) if stored is not None else None
         if offered is not None:                              # a config the current profile still offers
+            log.debug("%s %s: config cache hit -> %s", self.name, key, offered)
             with self._lock:
                 self.best[key] = offered
             return offered
+        log.debug("%s %s: config cache miss (%s): timing %d configs", self.name, key,
+                  "stored config no longer offered" if stored is not None else "nothing stored", len(configs))
         err: Exception | None = None
         ok = []
         for i, c in enumerate(configs):     # compile (and launch once) every config before timing any: a
@@ -184,7 +189,7 @@ class ConfigTuner:
         # the first config after the compiles runs on ramping clocks, and one short sample per config is at the
         # mercy of the H200's run-to-run swing (session 10: GEMM times moved 5-15% between rounds); a config
         # that fails here times inf
-        times = {i: t for i, t in tuning.time_rounds({i: (lambda c=configs[i]: launch(c)) for i in ok}, "cuda",
+        times = {i: t for i, t in time_rounds({i: (lambda c=configs[i]: launch(c)) for i in ok}, "cuda",
                                                "wall").items() if t != float("inf")}
         if not times:
             raise err or RuntimeError(f"{self.name}: every config failed")
@@ -206,7 +211,7 @@ def _configs():
     """The stored config winners (kernel_configs.json in the cache dir, read once per process)."""
     global _CONFIGS
     if _CONFIGS is None:
-        _CONFIGS = tuning.JsonCache("kernel_configs.json")
+        _CONFIGS = JsonCache("kernel_configs.json")
     return _CONFIGS
 
 
@@ -214,7 +219,7 @@ _CONFIGS = None
 
 
 def _device_section() -> str:
-    return tuning._device_key(current_env())
+    return _device_key(current_env())
 
 
 def _disk_load() -> dict:
