@@ -431,6 +431,35 @@ def test_swiglu(npu, dtype):
     assert npu.named("npu_swiglu")[-1].kwargs["dim"] == -1
 
 
+@pytest.mark.parametrize("bshd", [True, False], ids=["bshd-stored", "bhsd"])
+@pytest.mark.parametrize("positions", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_rotary_embedding(npu, dtype, positions, bshd):
+    """npu_rotary_mul maps the op (general tables: their halves differ), forward and the -angle backward."""
+    torch.manual_seed(14)
+    b, hq, hk, s, d = 2, 4, 2, 7, 16
+    mk = (lambda h: torch.randn(b, s, h, d, dtype=dtype).transpose(1, 2)) if bshd else (
+        lambda h: torch.randn(b, h, s, d, dtype=dtype))
+    q, k = mk(hq).requires_grad_(), mk(hk).requires_grad_()
+    rows = 11 if positions else s
+    cos, sin = torch.randn(rows, d, dtype=dtype), torch.randn(rows, d, dtype=dtype)
+    pos = torch.randint(0, rows, (b, s)) if positions else None
+    fn = lambda q, k, c, sn: opsadv.ops.rotary_embedding(q, k, c, sn, position_ids=pos)  # noqa: E731
+    _compare(fn, (q, k, cos, sin), 2e-5 if dtype == torch.float32 else 4e-3)
+    assert len(npu.named("npu_rotary_mul")) >= 4        # q and k, forward and backward
+
+
+def test_rotary_partial_and_interleaved_refused_with_reasons(npu):
+    q, k = torch.randn(1, 2, 3, 8, dtype=torch.float16), torch.randn(1, 2, 3, 8, dtype=torch.float16)
+    with opsadv.use_backend("ascend"):
+        why = str(opsadv.explain("rotary_embedding", q, k, torch.randn(3, 4, dtype=torch.float16),
+                                 torch.randn(3, 4, dtype=torch.float16)))
+        assert "ascend.npu_rotary_mul" in why and "partial" in why
+        why = str(opsadv.explain("rotary_embedding", q, k, torch.randn(3, 8, dtype=torch.float16),
+                                 torch.randn(3, 8, dtype=torch.float16), interleaved=True))
+        assert "interleaved" in why
+
+
 # ---- explain reasons ----------------------------------------------------------------------------------
 def test_explain_reasons_on_a2(npu):
     with opsadv.use_backend("ascend"):

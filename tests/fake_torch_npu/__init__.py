@@ -337,6 +337,18 @@ class _Double:
         self._log("npu_gelu", (input,), dict(approximate=approximate))
         return F.gelu(input.float(), approximate=approximate).to(input.dtype)
 
+    def npu_rotary_mul(self, input, r1, r2, rotary_mode="half"):
+        """x * r1 + rotate_half(x) * r2 with r1 / r2 broadcast over x (its documented "half" mode)."""
+        self._log("npu_rotary_mul", (input, r1, r2), dict(rotary_mode=rotary_mode))
+        if rotary_mode != "half":
+            raise RuntimeError(f"npu_rotary_mul: rotary_mode {rotary_mode!r} not in the double")
+        if r1.shape[-1] != input.shape[-1] or r1.dim() != 4 or input.dim() != 4:
+            raise RuntimeError("npu_rotary_mul: 4-D input and tables of the head size")
+        x = input.float()
+        h = x.shape[-1] // 2
+        rot = torch.cat((-x[..., h:], x[..., :h]), -1)
+        return (x * r1.float() + rot * r2.float()).to(input.dtype)
+
     def npu_swiglu(self, input, dim=-1):
         self._log("npu_swiglu", (input,), dict(dim=dim))
         a, b = input.float().chunk(2, dim=dim)
@@ -353,7 +365,7 @@ def make_module(state: FakeNPU | None = None) -> types.ModuleType:
     mod.OPSADV_TEST_DOUBLE = True
     mod.state = state
     for name in ("npu_fusion_attention", "npu_fusion_attention_grad", "npu_fused_infer_attention_score", "npu_rms_norm", "npu_add_rms_norm",
-                 "npu_rms_norm_backward", "npu_gelu", "npu_swiglu"):
+                 "npu_rms_norm_backward", "npu_gelu", "npu_swiglu", "npu_rotary_mul"):
         setattr(mod, name, getattr(dbl, name))
     npu = types.SimpleNamespace()
 
