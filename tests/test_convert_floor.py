@@ -160,3 +160,70 @@ def test_generate_mode_times_generate():
     opsadv.convert_model(m, floor=True, floor_mode="generate", floor_timer=timer, floor_inputs=inp)
     from opsadv.convert.floor import GENERATE_TOKENS
     assert lens and all(n == 5 + GENERATE_TOKENS for n in lens)
+
+
+# ---- floor_compile: the model judged as torch.compile runs it ------------------------------------------------
+class CompiledTimer(FakeTimer):
+    """Costs as FakeTimer, and a record of how each timed call ran (its blocks compiled, or an OptimizedModule)."""
+
+    def __init__(self, model, cost, compiled_cost=None, base=10.0):
+        super().__init__(model, cost, base)
+        self.compiled_cost = compiled_cost or {}
+        self.seen = []
+
+    def __call__(self, fn):
+        blocks = [m for m in self.model.modules() if type(m).__name__ == "LlamaDecoderLayer"]
+        compiled = bool(blocks) and all(m._compiled_call_impl is not None for m in blocks)
+        self.seen.append(compiled)
+        ms = super().__call__(fn)
+        if compiled:
+            for m in self.model.modules():
+                ms += self.compiled_cost.get(type(m), 0.0)
+        return ms
+
+
+def test_compiled_floor_judges_each_step_compiled_and_undoes_the_loser(monkeypatch):
+    """A rewrite that wins eager but loses compiled (Inductor fuses the eager norms itself) is not applied when
+    floor_compile says the model will be compiled; the blocks are left uncompiled after conversion."""
+    from opsadv.convert import floor as F
+    monkeypatch.setitem(F.COMPILE_KWARGS, "backend", "eager")   # (dynamo only: no compiler on the test machine)
+    m = _llama()
+    ref = m(**_ids()).logits
+    timer = CompiledTimer(m, {OpsadvNorm: -1.0}, compiled_cost={OpsadvNorm: +3.0})
+    conv = opsadv.convert_model(m, floor=True, floor_timer=timer, floor_compile=True)
+    assert timer.seen and all(timer.seen)
+    by_kind = {d["kind"]: d for d in conv.opsadv_report.floor}
+    assert by_kind["norm"]["kept"] is False
+    assert not any(isinstance(x, OpsadvNorm) for x in conv.modules())
+    assert "floor timed under torch.compile (regional)" in conv.opsadv_report.notes
+    assert all(x._compiled_call_impl is None for x in conv.modules())
+    torch.testing.assert_close(conv(**_ids()).logits, ref, rtol=1e-4, atol=1e-4)
+    # the same costs judged eager keep the norms
+    m2 = _llama()
+    conv2 = opsadv.convert_model(m2, floor=True, floor_timer=CompiledTimer(m2, {OpsadvNorm: -1.0},
+                                                                            compiled_cost={OpsadvNorm: +3.0}))
+    assert any(isinstance(x, OpsadvNorm) for x in conv2.modules())
+
+
+def test_compiled_floor_runs_a_real_compile(monkeypatch):
+    """floor_compile="full" times torch.compile(model) (dynamo with the eager backend here): the timed calls run."""
+    from opsadv.convert import floor as F
+    monkeypatch.setitem(F.COMPILE_KWARGS, "backend", "eager")
+    m = _llama()
+    calls = []
+
+    def timer(fn):
+        out = fn()
+        calls.append(out is not None)
+        return 1.0
+    conv = opsadv.convert_model(m, floor=True, floor_timer=timer, floor_compile="full", floor_inputs=_ids(2, 9))
+    assert calls and all(calls)
+    assert all(d["kept"] for d in conv.opsadv_report.floor)
+    import torch._dynamo
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, "max-autotune"])
+def test_floor_compile_refuses_unknown_values(bad):
+    with pytest.raises(InvalidArgumentError, match="floor_compile"):
+        opsadv.convert_model(_llama(), floor=True, floor_compile=bad)

@@ -19,7 +19,7 @@ dynamo (the cache grows), the others with dynamic=False.
 
 Contenders, each built with its own config object: opsadv = opsadv.convert_model(copy.deepcopy(base),
 validate="warn", example_inputs=a small batch of the cell's kind, floor_inputs=the cell's batch,
-floor_mode=the cell's mode) (OPSADV_MODELS_FLOOR=default: convert_model's own floor inputs; =off: no floor,
+floor_mode=the cell's mode, floor_compile=how compiled cells compile) (OPSADV_MODELS_FLOOR=default: convert_model's own floor inputs; =off: no floor,
 the quick grid's default: timings of tiny models on a CPU decide nothing);
 peers: `unconverted` (the same model, attn_implementation "sdpa" where transformers has it, eager cells),
 `hf_compile` (compiled cells), `liger` (eager cells of architectures Liger supports: Liger-patched copy,
@@ -50,6 +50,7 @@ import torch
 
 import opsadv
 from opsadv.convert import validate as _val
+from opsadv.convert.floor import repeated_blocks
 
 from . import model_zoo as Z
 from .case import BenchCase, allow_recompiles
@@ -234,8 +235,7 @@ def compile_model(model, dynamic: bool | None):
     if hasattr(functorch_config, "donated_buffer"):
         functorch_config.donated_buffer = False
     if COMPILE != "full":
-        names = set(getattr(model, "_no_split_modules", None) or ())
-        blocks = [m for m in model.modules() if type(m).__name__ in names]
+        blocks = repeated_blocks(model)
         if blocks:
             for m in blocks:
                 m.compile(dynamic=dynamic)
@@ -272,6 +272,8 @@ def convert(base, cell: Cell, x: dict, val_in: dict, extra: dict):
     elif floor == "cell":
         kw["floor_mode"] = {"prefill": "inference", "decode": "generate", "train": "train"}[cell.family]
         kw["floor_inputs"] = x
+    if cell.compiled and floor != "off":
+        kw["floor_compile"] = "full" if COMPILE == "full" else "regional"      # judged as it will run
     t0 = time.perf_counter()
     conv = opsadv.convert_model(copy.deepcopy(base), validate="warn", example_inputs=val_in, **kw)
     _sync()

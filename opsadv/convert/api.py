@@ -123,7 +123,7 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
                   tile_size: int | None = None, use_fp16: bool | None = None, max_streams: int | None = None,
                   mem_opt: int | None = None, validate=True, example_inputs=None, pack_padding: bool | None = None,
                   cuda_graphs: bool = False, max_graphs: int = 8, floor: bool | None = None, floor_inputs=None,
-                  floor_mode: str = "inference", floor_timer=None) -> nn.Module:
+                  floor_mode: str = "inference", floor_timer=None, floor_compile=None) -> nn.Module:
     """Rewrite `model` in place to run opsadv ops and return it (same object, same class).
 
     opt_level 0: nothing; 1: attention, rotary embedding and norms; 2: + fused QKV GEMM, dense+residual+norm, MLP GEMM
@@ -148,9 +148,11 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
     so with the numbers (opsadv.convert.floor).  Timed on `floor_inputs` (give the batch you will run;
     default: the validation inputs, and on a GPU a b4 s1024 token batch for transformers text models),
     as `floor_mode` "inference" (no-grad forward), "train" (forward + backward) or "generate"; `floor_timer`
-    (fn -> ms) replaces the clock."""
+    (fn -> ms) replaces the clock.  floor_compile ("regional" / True, "full"; None: eager): for a model you will
+    run under torch.compile, each step is timed compiled that way (a rewrite that wins eager can lose to
+    Inductor's own fusion); conversion then compiles once per step."""
     check_seed_args(opt_level, tile_size, max_streams, mem_opt, use_fp16, validate)
-    _floor.check_args(floor, floor_mode, floor_timer)
+    _floor.check_args(floor, floor_mode, floor_timer, floor_compile)
     check_graph_args(model, pack_padding, cuda_graphs, max_graphs)
     if not isinstance(model, nn.Module):
         raise InvalidArgumentError("convert_model", "model", "a torch.nn.Module", type(model).__name__)
@@ -188,7 +190,9 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
         if finputs is None:
             report.notes.append("floor not measured: no inputs to time (pass floor_inputs or example_inputs)")
         else:
-            gate = _floor.Floor(finputs, floor_mode, floor_timer)
+            gate = _floor.Floor(finputs, floor_mode, floor_timer, _floor.compile_mode(floor_compile))
+            if gate.compile:
+                report.notes.append(f"floor timed under torch.compile ({gate.compile})")
     try:
         for kind, label, apply in _steps(is_hf, opt_level, mem_opt, pack_padding, state):
             root = _run_step(root, kind, label, apply, report, undo, gate)

@@ -10,13 +10,20 @@ What is timed (`mode`): "inference" = one no-grad forward; "train" = forward + b
 (labels = input_ids for causal LMs, else the sum of the primary output); "generate" = `model.generate`
 of GENERATE_TOKENS new tokens (greedy, no early stop) from the inputs, for models that decode.  Times are medians over
 repeated calls after a warm-up (CUDA events on a GPU, perf_counter elsewhere), so compilation and
-first-call resolution stay out of them.  `timer` replaces the clock (tests, custom timing)."""
+first-call resolution stay out of them.  `timer` replaces the clock (tests, custom timing).
+
+`compile` ("regional" or "full", None = eager): time the model as it will run under torch.compile, so a rewrite
+that helps eager but loses to Inductor's own fusion is not applied to a model that will be compiled.  "regional"
+compiles each repeated block (the model's _no_split_modules classes; transformers' recommendation) in place for
+the measurement and removes the compilation after it; "full" times torch.compile(model).  Every measurement
+compiles afresh (the rewrite changed the modules), so conversion takes compile time once per step."""
 from __future__ import annotations
 
 import os
 import statistics
 import time
 from dataclasses import dataclass
+from contextlib import contextmanager
 from typing import Any, Callable
 
 import torch
@@ -28,6 +35,9 @@ from . import validate as _val
 from .hf_attention import is_transformers_model
 
 MODES = ("inference", "train", "generate")
+COMPILES = (None, "regional", "full")
+COMPILE_KWARGS: dict = {}              # torch.compile's arguments for the floor's measurements (tests: a CPU backend)
+RECOMPILE_LIMIT = 256                  # each step recompiles the same block code: past dynamo's limit it runs eager
 GENERATE_TOKENS = 32                  # new tokens per timed generate call (floor_mode="generate")
 ENV = "OPSADV_CONVERT_FLOOR"          # "0" turns the floor off by default, "1" on (the default)
 TARGET_S = 0.3                        # seconds of timed calls per measurement (after the warm-up)
@@ -59,7 +69,61 @@ def default_enabled() -> bool:
     return v not in ("0", "false", "off", "no")
 
 
-def check_args(floor, mode, timer) -> None:
+def compile_mode(value) -> str | None:
+    """floor_compile as one of COMPILES (True = "regional")."""
+    if value is True:
+        return "regional"
+    if value in (None, False):
+        return None
+    if value not in COMPILES:
+        raise InvalidArgumentError("convert_model", "floor_compile", "None, False, True, 'regional' or 'full' (how the "
+                                   "model will be compiled)", repr(value))
+    return value
+
+
+def repeated_blocks(model) -> list:
+    """The model's repeated blocks (its _no_split_modules classes), the unit regional compilation compiles."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+@contextmanager
+def _recompiles_allowed():
+    import torch._dynamo.config as cfg
+    saved = {}
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(cfg, name):
+            saved[name] = getattr(cfg, name)
+            setattr(cfg, name, max(saved[name], RECOMPILE_LIMIT))
+    try:
+        yield
+    finally:
+        for name, v in saved.items():
+            setattr(cfg, name, v)
+
+
+@contextmanager
+def compiled(model, how: str | None):
+    """The model as torch.compile runs it (see the module docstring); the model is left uncompiled after."""
+    if how is None:
+        yield model
+        return
+    blocks = repeated_blocks(model) if how == "regional" else []
+    with _recompiles_allowed():
+        if not blocks:
+            yield torch.compile(model, **COMPILE_KWARGS)
+            return
+        for m in blocks:
+            m.compile(**COMPILE_KWARGS)
+        try:
+            yield model
+        finally:
+            for m in blocks:
+                m._compiled_call_impl = None
+
+
+def check_args(floor, mode, timer, compile=None) -> None:
+    compile_mode(compile)
     if floor not in (None, True, False):
         raise InvalidArgumentError("convert_model", "floor", "True, False or None (None: on unless "
                                    f"{ENV}=0)", repr(floor))
@@ -148,10 +212,11 @@ def step_fn(model, inputs, mode: str) -> Callable[[], Any]:
 class Floor:
     """Times the model around each rewrite step and decides (see the module docstring)."""
 
-    def __init__(self, inputs, mode: str = "inference", timer: Timer | None = None):
+    def __init__(self, inputs, mode: str = "inference", timer: Timer | None = None, compile: str | None = None):
         self.inputs = inputs
         self.mode = mode
         self.timer = timer
+        self.compile = compile
         self.decisions: list[Decision] = []
         self.last: float | None = None      # ms of the model as it stands (after the last kept step)
 
@@ -164,7 +229,8 @@ class Floor:
             model.train()
         try:
             timer = self.timer or wall_timer(_device_of(model))
-            return float(timer(step_fn(model, self.inputs, self.mode)))
+            with compiled(model, self.compile) as run:
+                return float(timer(step_fn(run, self.inputs, self.mode)))
         finally:
             for m, t in modes.items():
                 m.training = t
