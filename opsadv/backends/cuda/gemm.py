@@ -215,6 +215,8 @@ def _launch(ctx, a2, b, out, bias, res2, grad2, act: str, alpha: float, swiglu: 
     g = grad2 if grad2 is not None else dummy
     flags = dict(ACT=K_.ACT_IDS[act], HAS_BIAS=bias is not None, HAS_RES=res2 is not None, SWIGLU=swiglu, BWD=bwd)
     tail = (out.stride(0), out.stride(1), r.stride(0), r.stride(1), g.stride(0), g.stride(1), float(alpha))
+    if bias is not None and bias.stride(0) != 1:
+        bias = bias.contiguous()                        # the epilogue reads bias + offs_n (unit stride)
     bias_ = bias if bias is not None else dummy
     cap = _tile_cap(ctx)
     if not persistent and m <= 64:
