@@ -13,7 +13,6 @@ repeated calls after a warm-up (CUDA events on a GPU, perf_counter elsewhere), s
 first-call resolution stay out of them.  `timer` replaces the clock (tests, custom timing)."""
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from typing import Any, Callable
 
 import torch
 
+from opsadv.core.envvars import env_bool
 from opsadv.core.errors import InvalidArgumentError
 from opsadv.core.tuning import per_call_ms
 
@@ -55,8 +55,7 @@ class Decision:
 
 
 def default_enabled() -> bool:
-    v = os.environ.get(ENV, "1").strip().lower()
-    return v not in ("0", "false", "off", "no")
+    return env_bool(ENV, default=True)
 
 
 def check_args(floor, mode, timer) -> None:
