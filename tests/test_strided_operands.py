@@ -138,3 +138,33 @@ def test_rotary_cos_sin(variant):
     q, k = torch.randn(b, h, s, d, generator=g).to(DEV), torch.randn(b, h, s, d, generator=g).to(DEV)
     fn = lambda q, k, c, sn: opsadv.ops.rotary_embedding(q, k, c, sn)  # noqa: E731
     _compare(fn, [q, k], [_view((s, d), variant, g), _view((s, d), variant, g)], g)
+
+
+def _sparse_masks(variant):
+    """(block mask (1, 1, 2, 3), key padding (2, 40)), each a `variant` view."""
+    bm = torch.tensor([[True, False, True], [True, True, False]])[None, None]
+    pad = torch.ones(2, 40, dtype=torch.bool)
+    pad[0, 30:] = pad[1, :7] = False
+    if variant == "strided":
+        return torch.stack((bm, ~bm), -1)[..., 0], torch.stack((pad, ~pad), -1)[..., 0]
+    if variant == "expanded":
+        return bm[..., :1, :].expand(1, 1, 2, 3), pad[:1].expand(2, 40)
+    return (torch.cat((torch.zeros(5, dtype=torch.bool), bm.flatten()))[5:].view(1, 1, 2, 3),
+            torch.cat((torch.zeros(3, dtype=torch.bool), pad.flatten()))[3:].view(2, 40))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_sparse_attention_masks(variant):
+    from opsadv import SparseLayout
+    bm, pad = _sparse_masks(variant)
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(2, 2, 40, 16, generator=g).to(DEV) for _ in range(3))
+    layouts = (SparseLayout.from_block_mask(bm, block_size=16, seq_q=32, seq_k=40),
+               SparseLayout.from_padding_mask(pad, block_size=16))
+    for lay in layouts:
+        qq = q[:, :, :lay.seq_q]
+        outs = []
+        for backend, kw in (("cuda", {"precision": "fp16"}), ("reference", {})):
+            with opsadv.use_backend(backend, **kw):
+                outs.append(opsadv.ops.sparse_attention(qq, k, v, lay))
+        assert rel_err(outs[0], outs[1]) < 2e-2
