@@ -1,6 +1,7 @@
 """Public home of opsadv's exceptions (see opsadv.core.errors)."""
 from opsadv.core.errors import (  # noqa: F401
     BackendUnavailableError,
+    EnvVarError,
     InvalidArgumentError,
     NoKernelError,
     OpsadvError,

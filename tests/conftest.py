@@ -170,9 +170,9 @@ def gluon_marks(module):
     """(needs_gluon, requires_sm90) skip marks for a Gluon impl module's tests: the first when
     triton.experimental.gluon does not import, the second unless an sm_90 GPU, Gluon, and
     TRITON_INTERPRET=0 (this conftest turns the interpreter on by default) are all there."""
-    import os
+    from opsadv.core.envvars import triton_interpret
     has_sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-    interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    interpret = triton_interpret()
     needs_gluon = pytest.mark.skipif(bool(module.UNAVAILABLE), reason=module.UNAVAILABLE or "")
     requires_sm90 = pytest.mark.skipif(not has_sm90 or bool(module.UNAVAILABLE) or interpret,
                                        reason="needs an sm_90 GPU, Gluon, and TRITON_INTERPRET=0")

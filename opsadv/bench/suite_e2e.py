@@ -18,13 +18,13 @@ from __future__ import annotations
 import copy
 import gc
 import inspect
-import os
 import time
 from typing import Iterator
 
 import torch
 
 import opsadv
+from opsadv.core.envvars import env_bool
 from opsadv.runtime.graphs import small_state
 
 from .case import BenchCase
@@ -181,7 +181,7 @@ def _llama_decode(quick: bool, dev: str) -> BenchCase:
                      work, "TFLOP/s", extra=extra, setup=setup, rounds=DECODE_ROUNDS)
 
 
-COMPILE_STATIC = os.environ.get("OPSADV_E2E_COMPILE_STATIC") == "1"
+COMPILE_STATIC = env_bool("OPSADV_E2E_COMPILE_STATIC")
 STATIC_SLOTS = 512          # free StaticCache slots past the cached tokens; counters rewind when they run out
 
 

@@ -19,7 +19,6 @@ the measurement and removes the compilation after it; "full" times torch.compile
 compiles afresh (the rewrite changed the modules), so conversion takes compile time once per step."""
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from typing import Any, Callable
 
 import torch
 
+from opsadv.core.envvars import env_bool
 from opsadv.core.errors import InvalidArgumentError
 from opsadv.core.tuning import per_call_ms
 
@@ -65,8 +65,7 @@ class Decision:
 
 
 def default_enabled() -> bool:
-    v = os.environ.get(ENV, "1").strip().lower()
-    return v not in ("0", "false", "off", "no")
+    return env_bool(ENV, default=True)
 
 
 def compile_mode(value) -> str | None:

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from . import hooks, tuning
 from .env import EnvInfo
+from .envvars import env_bool
 from .errors import BackendUnavailableError, NoKernelError
 from .kernel import CallSpec, KernelImpl, Profile, ResolveContext, profile_with_tile_cap
 from .policy import Policy, current_policy, select_profile
@@ -164,7 +165,8 @@ def _selected_backends(policy: Policy, spec: CallSpec):
         return reg, [b for b in reg.available()]
     rec = reg.backends.get(policy.backend)
     if rec is None or not rec.available:
-        raise BackendUnavailableError(policy.backend, list(rec.probe.reasons) if rec else ["not registered"])
+        raise BackendUnavailableError(policy.backend, list(rec.probe.reasons) if rec else
+                                      [f"not registered; registered backends: {sorted(reg.backends)}"])
     return reg, [rec]
 
 
@@ -242,7 +244,7 @@ def resolve(key: tuple, make_spec: Callable[[], CallSpec], args: tuple | None = 
 def _announce(exp: Explanation, r: Resolved, policy: Policy) -> None:
     line = (f"opsadv: {exp.op}{' backward' if exp.spec.backward else ''} {exp.spec.device_type} "
             f"{str(exp.spec.dtype).replace('torch.', '')} bucket={exp.spec.bucket_text()} -> {r.impl.id} ({exp.why})")
-    if os.environ.get("OPSADV_LOG_DISPATCH", "0") not in ("", "0"):
+    if env_bool("OPSADV_LOG_DISPATCH"):
         print(line, file=sys.stderr)
     log.info(line)
     if log.isEnabledFor(logging.DEBUG):     # memo misses only: the hot path never gets here

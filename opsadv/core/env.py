@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from .envvars import triton_interpret
+
 
 RUNTIME_VENDORS = {"cuda": "NVIDIA", "hip": "AMD", "xpu": "Intel", "npu": "Huawei"}
 
@@ -209,7 +211,7 @@ def detect(*, root: str | os.PathLike = "/", cuda_properties: Callable[[list[str
             Path(env.get("ASCEND_TOOLKIT_HOME", "/usr/local/Ascend/ascend-toolkit/latest")) / "version.cfg"),
         python_version=platform.python_version(),
         machine=platform.machine(),
-        triton_interpret=env.get("TRITON_INTERPRET", "0") not in ("", "0"),
+        triton_interpret=triton_interpret(env),
         tegra_release=_read_first_line(root / "etc/nv_tegra_release"),
         device_tree_model=_read_first_line(root / "proc/device-tree/model"),
         device_tree_compatible=_read_compatible(root / "proc/device-tree/compatible"),

@@ -25,6 +25,14 @@ class UnknownKeywordError(UnknownOptionError, TypeError):
     """A keyword argument that the function does not take (a TypeError too, as Python raises for one)."""
 
 
+class EnvVarError(OpsadvError, ValueError):
+    """An OPSADV_* environment variable holds a value opsadv cannot read."""
+
+    def __init__(self, name: str, value: str, accepted: str):
+        self.name, self.value, self.accepted = name, value, accepted
+        super().__init__(f"opsadv: environment variable {name}={value!r} is not valid; accepted: {accepted}")
+
+
 class NoKernelError(OpsadvError, RuntimeError):
     """No kernel impl could serve a call under the current policy.  `reasons` maps each
     candidate impl id to the reasons it was rejected."""

@@ -49,7 +49,8 @@ class Policy:
 
 
 def _default_policy() -> Policy:
-    return Policy(backend=os.environ.get("OPSADV_BACKEND", "auto") or "auto")
+    # " reference" / "REFERENCE" name the reference backend; an unknown name fails at dispatch, listing the known ones
+    return Policy(backend=os.environ.get("OPSADV_BACKEND", "").strip().lower() or "auto")
 
 
 _global_lock = threading.Lock()
@@ -108,6 +109,7 @@ def select_profile(backend, policy: Policy) -> Profile | None:
 
 
 _POLICY_KEYS = {"strict", "profile", "experimental", "deterministic", "autotune", "precision", "impls", "timing"}
+_BOOL_KEYS = ("strict", "experimental", "deterministic", "autotune")
 TIMINGS = ("wall", "graph")
 
 
@@ -144,6 +146,10 @@ def use_backend(name: str = "auto", **kwargs: Any) -> Backend:
         reasons = [f"no backend named {name!r}; known backends: {known}"] + [str(f) for f in failed]
         raise BackendUnavailableError(name, reasons)
     policy_kw = {k: v for k, v in kwargs.items() if k in _POLICY_KEYS}
+    for k in _BOOL_KEYS:
+        # bool only: autotune="no" or strict="false" would otherwise read as true
+        if k in policy_kw and not isinstance(policy_kw[k], bool):
+            raise InvalidArgumentError("use_backend", k, "a bool (True or False)", repr(policy_kw[k]))
     backend_opts = {k: v for k, v in kwargs.items() if k not in _POLICY_KEYS}
     policy_kw["precision"] = PrecisionPolicy.from_string(policy_kw.get("precision"))
     policy_kw["impls"] = _check_impls(policy_kw.get("impls"), reg)

@@ -19,6 +19,7 @@ import pluggy
 
 from ..core import hooks, tuning
 from ..core.env import EnvInfo, current_env
+from ..core.envvars import env_bool
 from ..core.errors import PluginError
 from ..core.kernel import OPS, KernelImpl, Profile
 from . import hookspecs
@@ -89,7 +90,7 @@ class _ImplSink:
 
 
 def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "0").strip().lower() not in ("", "0", "false", "no")
+    return env_bool(name)
 
 
 class Registry:

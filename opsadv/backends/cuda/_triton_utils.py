@@ -16,6 +16,7 @@ from triton import knobs
 from opsadv.core.ops._common import empty_bshd
 from opsadv.core.tuning import JsonCache
 from opsadv.core.env import current_env
+from opsadv.core.envvars import env_bool
 from opsadv.core.tuning import _device_key
 from opsadv.core.tuning import time_rounds
 
@@ -236,8 +237,7 @@ def _disk_store(key: str, cfg: dict) -> None:
 
 def poison_enabled() -> bool:
     """OPSADV_POISON_OUTPUTS=1 (tests): output buffers start as NaN so an unwritten element shows."""
-    import os
-    return os.environ.get("OPSADV_POISON_OUTPUTS", "0") not in ("", "0")
+    return env_bool("OPSADV_POISON_OUTPUTS")
 
 
 def new_output(shape, dtype, device) -> torch.Tensor:

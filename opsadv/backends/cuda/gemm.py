@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 
 import torch
 import torch.nn.functional as F
 
 from opsadv.core.activations import act_grad
+from opsadv.core.envvars import env_bool
 from opsadv.core.errors import InvalidArgumentError
 from opsadv.core.kernel import MEMORY_FUSED, PRIORITY_TRITON, PRIORITY_VENDOR, KernelImpl, cap_tiles, temporaries
 from opsadv.core.ops._common import len_bucket
@@ -101,7 +101,7 @@ def _pname(ctx) -> str:
 def _poisoned(shape, like: torch.Tensor) -> torch.Tensor:
     """Output buffer; on CPU (interpreter mode, tests) and under OPSADV_POISON_OUTPUTS=1 (GPU probes)
     pre-filled with NaN so an unwritten element shows."""
-    if like.device.type == "cpu" or os.environ.get("OPSADV_POISON_OUTPUTS", "0") not in ("", "0"):
+    if like.device.type == "cpu" or env_bool("OPSADV_POISON_OUTPUTS"):
         return torch.full(shape, float("nan"), dtype=like.dtype, device=like.device)
     return torch.empty(shape, dtype=like.dtype, device=like.device)
 
@@ -215,6 +215,8 @@ def _launch(ctx, a2, b, out, bias, res2, grad2, act: str, alpha: float, swiglu: 
     g = grad2 if grad2 is not None else dummy
     flags = dict(ACT=K_.ACT_IDS[act], HAS_BIAS=bias is not None, HAS_RES=res2 is not None, SWIGLU=swiglu, BWD=bwd)
     tail = (out.stride(0), out.stride(1), r.stride(0), r.stride(1), g.stride(0), g.stride(1), float(alpha))
+    if bias is not None and bias.stride(0) != 1:
+        bias = bias.contiguous()                        # the epilogue reads bias + offs_n (unit stride)
     bias_ = bias if bias is not None else dummy
     cap = _tile_cap(ctx)
     if not persistent and m <= 64:

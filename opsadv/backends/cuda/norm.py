@@ -103,6 +103,12 @@ def _rows(t: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
 _CPU = torch.device("cpu")
 
 
+def _unit(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A 1-D weight / bias with unit stride (the kernels read ptr + offsets); copies only a strided,
+    expanded or otherwise non-unit-stride vector."""
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
 def _poisoned(shape, dtype, device) -> torch.Tensor:
     """Output buffer; NaN-filled on CPU (interpreter mode) so an element the kernel misses shows up."""
     if device == _CPU:                 # (a tensor's CPU device; device.type builds a string per call)
@@ -149,6 +155,7 @@ def _forward(ctx, rms, x, weight, bias, eps, residual, offset, stats=True, cfg=N
     n = shape[-1]
     m = x.numel() // n
     x2, sx = _rows(x, n)
+    weight, bias = _unit(weight), _unit(bias)
     has_res = residual is not None
     r2, sr = _rows(residual, n) if has_res else (x2, sx)
     dev = x.device
@@ -247,6 +254,7 @@ def _backward(ctx, rms, dy, dsum, xin, weight, has_db, mean, rstd, offset, cfg=N
     n = shape[-1]
     m = xin.numel() // n
     x2, sx = _rows(xin, n)
+    weight = _unit(weight)
     dy2, sdy = _rows(dy, n)
     has_ds = dsum.numel() > 0
     ds2, sds = _rows(dsum, n) if has_ds else (dy2, sdy)

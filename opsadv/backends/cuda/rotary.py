@@ -6,10 +6,10 @@ as (b, s, h, d), transformers' layout, which attention's output then keeps (cuDN
 Triton attention kernels write (b, s, h, d) memory), so the model's transpose back is free."""
 from __future__ import annotations
 
-import os
 
 import torch
 
+from opsadv.core.envvars import env_bool
 from opsadv.core.kernel import MEMORY_FUSED, PRIORITY_TRITON, KernelImpl
 
 from . import triton_device_types
@@ -30,7 +30,7 @@ def _out_like(x: torch.Tensor) -> torch.Tensor:
     b, h, s, d = x.shape
     strides = (s * h * d, d, h * d, 1)
     out = torch.empty_strided((b, h, s, d), strides, dtype=x.dtype, device=x.device)
-    if x.device.type == "cpu" or os.environ.get("OPSADV_POISON_OUTPUTS", "0") not in ("", "0"):
+    if x.device.type == "cpu" or env_bool("OPSADV_POISON_OUTPUTS"):
         out.fill_(float("nan"))          # an unwritten element shows
     return out
 
