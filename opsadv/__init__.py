@@ -15,6 +15,7 @@ from .core.env import EnvInfo, detect  # noqa: E402
 from .core.explain import explain  # noqa: E402
 from .core.info import info  # noqa: E402
 from .core.version import __version__  # noqa: E402
+from . import _hf_seam  # noqa: E402
 from .core.kernel import CallSpec, KernelImpl, Profile, ResolveContext  # noqa: E402
 from .core import layout as _layout  # noqa: E402
 from .core.layout import SparseLayout  # noqa: E402
@@ -43,3 +44,5 @@ def __getattr__(name: str):
 __all__ = ["use_backend", "ops", "explain", "info", "detect", "trace", "EnvInfo", "KernelImpl", "Profile",
            "CallSpec", "ResolveContext", "SparseLayout", "Backend", "PrecisionPolicy", "current_policy",
            "errors", "convert_model", "Optimizer", "load", "__version__"]
+
+_hf_seam.install()      # attn_implementation="opsadv" in transformers, once its modeling code loads

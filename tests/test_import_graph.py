@@ -24,6 +24,8 @@ TRITON = "triton is optional: the target imports it at module level, the importe
 LAZY: dict[tuple[str, str], str] = {
     ("opsadv", "opsadv.convert"): "`import opsadv` stays light: convert_model / Optimizer / load load on first use",
     ("opsadv", "opsadv.runtime"): "`import opsadv` stays light: opsadv.runtime loads on first use (test_runtime)",
+    ("opsadv._hf_seam", "opsadv.convert.hf_attention"): "registered only once transformers' modeling code loads "
+                                                         "(test_hf_seam): `import opsadv` stays light",
     ("opsadv.cli", "opsadv.bench.runner"): "optional CLI part: its ImportError leaves the other commands working",
     ("opsadv.cli", "opsadv.convert.cli"): "optional CLI part: its ImportError leaves the other commands working",
     ("opsadv.bench.suite_sparse", "opsadv.backends.cuda.sparse"): TRITON,
