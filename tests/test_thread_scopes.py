@@ -125,3 +125,26 @@ def test_trace_all_threads_counts_every_thread():
     assert sum(every.counts.values()) == 10
     assert sum(mine.counts.values()) == 0          # this thread made no calls
     assert sum(out[3][0].counts.values()) == 3 and sum(out[7][0].counts.values()) == 7
+
+
+def test_backward_on_another_thread_counts_in_the_forward_trace():
+    """Autograd runs CUDA backwards on its own thread: the forward's trace still counts them."""
+    from opsadv.core.ops.norm import _rms_bwd, _rms_setup
+
+    class Ctx:
+        def save_for_backward(self, *t):
+            self.saved_tensors = t
+
+    x, w = torch.randn(3, 16), torch.randn(16)
+    ctx = Ctx()
+    with opsadv.use_backend("reference"), opsadv.trace() as t:
+        y, xsum, rstd = torch.ops.opsadv.rms_norm(x, w, 1e-6, None, 0.0)
+        _rms_setup(ctx, (x, w, 1e-6, None, 0.0), (y, xsum, rstd))
+        th = threading.Thread(target=_rms_bwd, args=(ctx, torch.ones_like(y), None, None))
+        th.start()
+        th.join()
+        assert t.counts["reference.rms_norm"] == 2      # the forward and its backward
+    th = threading.Thread(target=_rms_bwd, args=(ctx, torch.ones_like(y), None, None))
+    th.start()
+    th.join()
+    assert t.counts["reference.rms_norm"] == 2          # a closed trace counts nothing more
