@@ -23,9 +23,10 @@ from .core.policy import Backend, current_policy, use_backend  # noqa: E402
 from .core.precision import PrecisionPolicy  # noqa: E402
 
 
-def trace() -> _Trace:
-    """`with opsadv.trace() as t:` counts op calls per impl; print(t) or t.counts."""
-    return _Trace()
+def trace(all_threads: bool = False) -> _Trace:
+    """`with opsadv.trace() as t:` counts this thread's (async context's) op calls per impl; print(t) or
+    t.counts.  all_threads=True: every thread's calls, process-wide."""
+    return _Trace(all_threads)
 
 
 def __getattr__(name: str):

@@ -8,5 +8,6 @@ from opsadv.core.errors import (  # noqa: F401
     PluginError,
     UnknownKeywordError,
     UnknownOptionError,
+    UnsafeArchiveError,
     ValidationError,
 )

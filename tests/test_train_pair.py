@@ -155,7 +155,8 @@ def test_gpu_compiled_training_runs_one_pair(tmp_path, monkeypatch, d):
     k, v = (torch.randn(2, 2, 1000, d, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
     fn = torch.compile(_dense, backend="aot_eager", fullgraph=True)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    with opsadv.use_backend("cuda", autotune=True), opsadv.trace() as t:
+    # all_threads: a compiled graph's backward runs on autograd's CUDA thread, outside this thread's trace
+    with opsadv.use_backend("cuda", autotune=True), opsadv.trace(all_threads=True) as t:
         (fn(*leaves) * go).sum().backward()
     assert len(t.counts) == 1 and list(t.counts.values()) == [2], str(t)
     ref = [t.float().requires_grad_() for t in (q, k, v)]

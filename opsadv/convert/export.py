@@ -1,17 +1,19 @@
 """Optimizer: convert with a device/precision/opt-level preset, and export to a torch.export
-program (.pt2) whose graph calls opsadv::* ops.  `load` reads it back with torch.export.load
-(no pickled code runs) in any process that can `import opsadv` (which registers the ops)."""
+program (.pt2) whose graph calls opsadv::* ops.  `load` reads it back with torch.export's .pt2 reader in
+any process that can `import opsadv` (which registers the ops), after refusing every entry that reader
+would unpickle (no pickled code runs: docs/security.md)."""
 from __future__ import annotations
 
 import difflib
 import inspect
+import io
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from opsadv.core.device_check import check_device
-from opsadv.core.errors import InvalidArgumentError, UnknownOptionError
+from opsadv.core.errors import InvalidArgumentError, UnknownOptionError, UnsafeArchiveError
 from opsadv.core.precision import PrecisionPolicy
 
 from opsadv import ops as _ops  # noqa: F401  (registers the opsadv::* ops a loaded program calls)
@@ -126,10 +128,79 @@ class Optimizer:
         return ep
 
 
+def _check_archive(data: bytes, path: str) -> None:
+    """Refuse every entry torch.export's loader would unpickle or execute: pickled weights / tensor
+    constants (torch.load(weights_only=False)), TorchScript and opaque objects, legacy pickled payloads,
+    AOTInductor libraries, sample inputs that are more than tensors.  Reads only JSON and raw bytes."""
+    import json
+
+    from torch.export.pt2_archive import constants as C
+    from torch.export.pt2_archive._package import PT2ArchiveReader
+
+    def refuse(entry, reason):
+        raise UnsafeArchiveError(path, entry, reason)
+
+    try:
+        reader = PT2ArchiveReader(io.BytesIO(data))
+    except Exception as e:      # not a zip / not a PyTorch archive
+        raise InvalidArgumentError("load", "path", "a .pt2 written by Optimizer.export", f"{path} ({e})") from None
+    with reader as r:
+        names = r.get_file_names()
+        for n in names:
+            if n.startswith(C.AOTINDUCTOR_DIR):
+                refuse(n, "is AOTInductor compiled code (a shared library loading would run)")
+        models = [n[len(C.MODELS_DIR):-len(".json")] for n in names
+                  if n.startswith(C.MODELS_DIR) and n.endswith(".json")]
+        if not models:
+            raise InvalidArgumentError("load", "path", "a .pt2 written by Optimizer.export",
+                                       f"{path} (no {C.MODELS_DIR}*.json program in the archive)")
+        for m in models:
+            for legacy in (f"{C.WEIGHTS_DIR}{m}.pt", f"{C.CONSTANTS_DIR}{m}.pt"):
+                if legacy in names:
+                    refuse(legacy, "is a legacy pickled payload (torch.load(weights_only=False))")
+            for cfg_name, kind in ((C.WEIGHTS_CONFIG_FILENAME_FORMAT.format(m), "weight"),
+                                   (C.CONSTANTS_CONFIG_FILENAME_FORMAT.format(m), "constant")):
+                if cfg_name not in names:
+                    continue
+                try:
+                    cfg = json.loads(r.read_string(cfg_name)).get("config", {})
+                    items = list(cfg.items())
+                except (ValueError, AttributeError) as e:
+                    refuse(cfg_name, f"is no payload config ({e})")
+                for fqn, meta in items:
+                    file = str(meta.get("path_name", "")) if isinstance(meta, dict) else ""
+                    if not isinstance(meta, dict) or meta.get("use_pickle") is not False:
+                        refuse(f"{fqn} ({file or cfg_name})", f"is a pickled {kind} (use_pickle: loading it "
+                               "runs torch.load(weights_only=False), which can execute code)")
+                    if kind == "constant" and not file.startswith(C.TENSOR_CONSTANT_FILENAME_PREFIX):
+                        what = ("a TorchScript object" if file.startswith(C.CUSTOM_OBJ_FILENAME_PREFIX) else
+                                "an opaque pickled Python object" if file.startswith(C.OPAQUE_OBJ_FILENAME_PREFIX)
+                                else "not a tensor")
+                        refuse(f"{fqn} ({file})", f"is {what} (loading it unpickles code)")
+            sample = C.SAMPLE_INPUTS_FILENAME_FORMAT.format(m)
+            if sample in names:
+                blob = r.read_bytes(sample)
+                if blob:
+                    try:       # torch.export falls back to weights_only=False where this fails
+                        torch.load(io.BytesIO(blob), weights_only=True)
+                    except Exception as e:
+                        refuse(sample, f"holds more than tensors ({type(e).__name__}: {str(e)[:200]})")
+
+
 def load(path):
     """Load a .pt2 written by Optimizer.export.  Returns a callable module (ExportedProgram.module())
-    with the program as `.exported_program`."""
-    ep = torch.export.load(str(path))
+    with the program as `.exported_program`.  Refuses (UnsafeArchiveError, naming the entry) archives
+    holding anything but plain tensors: loading those would unpickle code (docs/security.md)."""
+    from torch.export.pt2_archive._package import load_pt2
+
+    data = Path(path).read_bytes()        # one read: the checked bytes are the loaded bytes
+    _check_archive(data, str(path))
+    # load_pt2, not torch.export.load: that one falls back to a legacy zip reader that unpickles
+    eps = load_pt2(io.BytesIO(data)).exported_programs
+    if "model" not in eps:
+        raise InvalidArgumentError("load", "path", "a .pt2 written by Optimizer.export",
+                                   f"{path} (programs {sorted(eps)}, no 'model')")
+    ep = eps["model"]
     mod = ep.module()
     mod.exported_program = ep
     return mod

@@ -8,6 +8,7 @@ import sys
 import threading
 import warnings
 from collections import Counter
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -122,7 +123,10 @@ class _Memo(dict):
 _memo: dict[tuple, Resolved] = _Memo()
 _memo_lock = threading.Lock()
 _logged_fallback: set[str] = set()
-_tracers: list["Trace"] = []
+_tracers: list["Trace"] = []     # every active trace (the ops' "is anyone tracing" check); mutated in place
+_all_threads: list["Trace"] = []  # the active trace(all_threads=True) ones: they count every thread's calls
+_local: ContextVar[tuple["Trace", ...]] = ContextVar("opsadv_traces", default=())   # this context's traces
+_trace_lock = threading.Lock()
 
 
 def clear_cache() -> None:
@@ -263,25 +267,43 @@ def _announce(exp: Explanation, r: Resolved, policy: Policy) -> None:
 
 
 class Trace:
-    """`with opsadv.trace() as t:` counts op calls per impl (t.counts, str(t))."""
+    """`with opsadv.trace() as t:` counts the op calls of this thread / async context per impl (t.counts,
+    str(t)); all_threads=True counts every thread's calls (e.g. autograd's device threads running a CUDA
+    backward, which are other threads)."""
 
-    def __init__(self):
+    def __init__(self, all_threads: bool = False):
+        self.all_threads = all_threads
         self.counts: Counter[str] = Counter()
+        self._tokens: list = []
 
     def __enter__(self) -> "Trace":
-        _tracers.append(self)
+        with _trace_lock:
+            if self.all_threads:
+                _all_threads.append(self)
+            else:
+                self._tokens.append(_local.set(_local.get() + (self,)))
+            _tracers.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
-        _tracers.remove(self)
+        with _trace_lock:
+            _tracers.remove(self)
+            if self.all_threads:
+                _all_threads.remove(self)
+            else:
+                _local.reset(self._tokens.pop())
 
     def __str__(self) -> str:
         return "\n".join(f"{n:8d}  {impl}" for impl, n in self.counts.most_common()) or "(no opsadv calls)"
 
 
-def record(impl_id: str) -> None:
-    for t in _tracers:
-        t.counts[impl_id] += 1
+def record(impl_id: str, n: int = 1) -> None:
+    for t in _local.get():
+        t.counts[impl_id] += n
+    if _all_threads:
+        with _trace_lock:       # several threads add to one Counter: += is no atomic update
+            for t in _all_threads:
+                t.counts[impl_id] += n
 
 
 def record_call(impl_id: str) -> None:

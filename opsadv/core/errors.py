@@ -58,6 +58,15 @@ class BackendUnavailableError(OpsadvError, RuntimeError):
         super().__init__(msg)
 
 
+class UnsafeArchiveError(OpsadvError, ValueError):
+    """opsadv.load refused a .pt2 entry that loading would unpickle or execute (`.entry`, `.reason`)."""
+
+    def __init__(self, path: str, entry: str, reason: str):
+        self.path, self.entry, self.reason = path, entry, reason
+        super().__init__(f"opsadv.load: refused to load {path}: entry {entry!r} {reason}. opsadv.load reads only "
+                         "plain tensors; load a program you trust with torch.export.load (it runs pickled code)")
+
+
 class PluginError(OpsadvError, RuntimeError):
     """A backend plugin failed to load or register (raised only in strict mode)."""
 

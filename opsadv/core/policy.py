@@ -1,11 +1,14 @@
 """The dispatch policy: which backend(s), strictness, profile, options.
 
-`use_backend(...)` sets the process default.  Used as a context manager it is scoped to the
-current thread / async context instead, and restores what was there before."""
+`use_backend(...)` sets the process default.  `with use_backend(...):` changes only the current thread /
+async context (a ContextVar set on enter, reset on exit) and never touches the process default, so
+concurrent scopes in other threads neither see nor overwrite it."""
 from __future__ import annotations
 
+import dis
 import itertools
 import os
+import sys
 import threading
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -70,12 +73,39 @@ def _set_global(p: Policy) -> Policy:
     return prev
 
 
+def _restore_global(p: Policy, prev: Policy) -> None:
+    """Undo _set_global(p) unless another call replaced p since (that one's default stays)."""
+    global _global
+    with _global_lock:
+        if _global is p:
+            _global = prev
+
+
+# (code object, offset of the call) -> whether the call's result goes straight into a with-statement
+_with_sites: dict[tuple[Any, int], bool] = {}
+
+
+def _called_by_with(frame) -> bool:
+    """Is the call executing in `frame` the context expression of a `with` statement?  Read from the
+    caller's bytecode (once per call site): the instruction after the CALL enters the with-block."""
+    key = (frame.f_code, frame.f_lasti)
+    hit = _with_sites.get(key)
+    if hit is None:
+        after = [i.opname for i in dis.get_instructions(frame.f_code) if i.offset > frame.f_lasti][:2]
+        hit = bool(after) and (after[0] in ("BEFORE_WITH", "SETUP_WITH")           # 3.11 - 3.13 / older
+                               or after == ["COPY", "LOAD_SPECIAL"])               # 3.14
+        if len(_with_sites) < 4096:
+            _with_sites[key] = hit
+    return hit
+
+
 class Backend:
     """What `use_backend` returns: printable, and a context manager for scoped use."""
 
-    def __init__(self, policy: Policy, name: str, profile: str | None, prev: Policy):
+    def __init__(self, policy: Policy, name: str, profile: str | None, prev: Policy | None):
+        # prev: the process default this call replaced (None: called as `with use_backend(...)`, nothing replaced)
         self.policy, self.name, self.profile, self._prev = policy, name, profile, prev
-        self._token = None
+        self._tokens: list = []
 
     def __repr__(self) -> str:
         prof = f", profile={self.profile!r}" if self.profile else ""
@@ -83,13 +113,14 @@ class Backend:
         return f"Backend({self.name!r}{prof}{req})"
 
     def __enter__(self) -> "Backend":
-        # Scoped use: undo the process-wide change made by use_backend(), apply it to this context only.
-        _set_global(self._prev)
-        self._token = _scoped.set(self.policy)
+        if self._prev is not None:     # `b = use_backend(...); with b:` set the default first: undo it
+            _restore_global(self.policy, self._prev)
+            self._prev = None
+        self._tokens.append(_scoped.set(self.policy))     # a list: one Backend may be entered nested
         return self
 
     def __exit__(self, *exc) -> None:
-        _scoped.reset(self._token)
+        _scoped.reset(self._tokens.pop())
 
 
 def select_profile(backend, policy: Policy) -> Profile | None:
@@ -167,7 +198,8 @@ def use_backend(name: str = "auto", **kwargs: Any) -> Backend:
         backend_opts = dict(normalized or {})
     policy = Policy(backend=name, options=tuple(sorted(backend_opts.items())), **policy_kw)
     profile = select_profile(primary, policy)   # validates a forced profile name
-    prev = _set_global(policy)
+    # `with use_backend(...)` must not touch the process default, not even until __enter__ (other threads read it)
+    prev = None if _called_by_with(sys._getframe(1)) else _set_global(policy)
     return Backend(policy, primary.name, profile.name if profile else None, prev)
 
 

@@ -244,9 +244,8 @@ def _record_replay(impls: dict) -> None:
     """A replay runs the impls captured in the graph: opsadv.trace() counts them as if the eager
     forward had run (which kernel ran stays answerable under graphs)."""
     if dispatch._tracers and impls:
-        for t in dispatch._tracers:
-            for impl, n in impls.items():
-                t.counts[impl] += n
+        for impl, n in impls.items():
+            dispatch.record(impl, n)
 
 
 class GraphedForward:

@@ -292,18 +292,26 @@ def grad_step(forward: Callable[[], Any], args: tuple, n_out: int) -> Callable[[
 
 
 def carry_policy(setup_context, backward):
-    """Wrap an op's (setup_context, backward) so the backward resolves under the forward's policy:
-    autograd runs CUDA backwards on its own thread, where a `with use_backend(...)` scope of the
-    caller's thread is not visible."""
+    """Wrap an op's (setup_context, backward) so the backward resolves under the forward's policy and
+    counts in the forward's traces: autograd runs CUDA backwards on its own thread, where a
+    `with use_backend(...)` scope or `opsadv.trace()` of the caller's thread is not visible."""
     def setup(ctx, inputs, output):
         setup_context(ctx, inputs, output)
         ctx.opsadv_policy = current_policy()
+        ctx.opsadv_traces = dispatch._local.get()
 
     def bwd(ctx, *grads):
         token = _scoped.set(ctx.opsadv_policy)
+        carried = getattr(ctx, "opsadv_traces", ())
+        if carried:     # the forward's traces still open, plus this thread's own (each counted once)
+            here = dispatch._local.get()
+            traces = here + tuple(t for t in carried if t in dispatch._tracers and t not in here)
+            ttoken = dispatch._local.set(traces)
         try:
             return backward(ctx, *grads)
         finally:
             _scoped.reset(token)
+            if carried:
+                dispatch._local.reset(ttoken)
 
     return setup, bwd
