@@ -50,6 +50,7 @@ import torch
 
 import opsadv
 from opsadv.convert import validate as _val
+from opsadv.convert import floor as floor_mod
 from opsadv.convert.floor import repeated_blocks
 
 from . import model_zoo as Z
@@ -275,7 +276,14 @@ def convert(base, cell: Cell, x: dict, val_in: dict, extra: dict):
     if cell.compiled and floor != "off":
         kw["floor_compile"] = "full" if COMPILE == "full" else "regional"      # judged as it will run
     t0 = time.perf_counter()
-    conv = opsadv.convert_model(copy.deepcopy(base), validate="warn", example_inputs=val_in, **kw)
+    # the floor compiles as the cell's contenders do (compile_model: static shapes except decode)
+    saved = dict(floor_mod.COMPILE_KWARGS)
+    floor_mod.COMPILE_KWARGS["dynamic"] = None if cell.family == "decode" else False
+    try:
+        conv = opsadv.convert_model(copy.deepcopy(base), validate="warn", example_inputs=val_in, **kw)
+    finally:
+        floor_mod.COMPILE_KWARGS.clear()
+        floor_mod.COMPILE_KWARGS.update(saved)
     _sync()
     extra["conversion_s"] = round(time.perf_counter() - t0, 2)
     _report_fields(conv, extra)
