@@ -162,7 +162,9 @@ def test_seed_arguments_reach_the_policy():
 
 def test_tune_for_hardware_on_cpu():
     conv = opsadv.convert_model(make("llama"), backend="reference")
-    rep = conv.tune_for_hardware(device="cpu", batch_size=2, seq_len=16)
+    tuned = conv.tune_for_hardware(device="cpu", batch_size=2, seq_len=16)
+    assert tuned is conv                                     # `optimized = converted.tune_for_hardware(...)`
+    rep = conv.opsadv_tune_report
     assert rep.calls_per_impl and all(k.startswith("reference") for k in rep.calls_per_impl)
     assert len(rep.steps) == 3 and "chosen kernels" in str(rep)
     # the padded step's causal + key padding calls run sparse_attention

@@ -93,7 +93,7 @@ def _convert(base, extra: dict, tune_kw: dict | None, **options):
     extra["conversion"] = conv.opsadv_report.summary()
     if tune_kw is not None:
         t0 = time.perf_counter()
-        rep = conv.tune_for_hardware(progress=False, **tune_kw)
+        rep = conv.tune_for_hardware(progress=False, **tune_kw).opsadv_tune_report
         _sync()
         extra["tune_s"] = round(time.perf_counter() - t0, 2)
         extra["tuned_impls"] = rep.calls_per_impl

@@ -95,13 +95,16 @@ def _model_name(model) -> str:
 
 
 class _Tuner:
-    """`model.tune_for_hardware(...)`, attached per instance (the model keeps its class)."""
+    """`model.tune_for_hardware(...)`, attached per instance (the model keeps its class): tunes the model in place
+    and returns it (`optimized = converted.tune_for_hardware(...)`), the report on `model.opsadv_tune_report`."""
 
     def __init__(self, model):
         self.model = model
 
     def __call__(self, device="cuda:0", batch_size: int = 8, seq_len: int | None = None, **kw):
-        return tune_for_hardware(self.model, device=device, batch_size=batch_size, seq_len=seq_len, **kw)
+        self.model.opsadv_tune_report = tune_for_hardware(self.model, device=device, batch_size=batch_size,
+                                                          seq_len=seq_len, **kw)
+        return self.model
 
     def __reduce__(self):
         # pickle / deepcopy memoize the model before its state, so this is a back-reference, not a copy

@@ -158,7 +158,7 @@ def tune_main(args) -> int:
                                         opt_level=args.opt_level)
             bar.update()
         rep = conv.tune_for_hardware(device=str(device), batch_size=args.batch_size, seq_len=args.seq_len,
-                                     progress=enabled(args.progress))
+                                     progress=enabled(args.progress)).opsadv_tune_report
     except opsadv.errors.OpsadvError as e:
         return _fail("tune", e)
     if args.json:
