@@ -12,10 +12,12 @@ import os
 import threading
 import traceback
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import pluggy
+import torch
 
 from ..core import hooks, tuning
 from ..core.env import EnvInfo, current_env
@@ -65,9 +67,17 @@ class BackendRecord:
         return self.probe.available
 
     def call(self, hook: str, **kwargs) -> Any:
-        """Call one optional hook on this backend only; None if it does not implement it."""
+        """Call one optional hook on this backend only; None if it does not implement it.  A plugin that exits
+        (SystemExit) or raises another BaseException here raises PluginError instead of ending the program."""
         fn = getattr(self.plugin, hook, None)
-        return None if fn is None else fn(**kwargs)
+        if fn is None:
+            return None
+        try:
+            return fn(**kwargs)          # (not guarded: opsadv_activate configures the process on purpose)
+        except (KeyboardInterrupt, Exception):
+            raise
+        except BaseException as e:          # SystemExit, GeneratorExit, ...: never the plugin's call to make
+            raise PluginError(f"opsadv plugin {self.name}: {hook} raised {type(e).__name__}: {e}") from e
 
 
 class _ImplSink:
@@ -87,6 +97,61 @@ class _ImplSink:
             raise ValueError(f"impl id {impl.id!r} is registered twice")
         self._taken.add(impl.id)
         self.impls.append(impl)
+
+
+def _process_globals() -> dict[str, Any]:
+    return {"default dtype": torch.get_default_dtype(), "grad mode": torch.is_grad_enabled(),
+            "threads": torch.get_num_threads(), "environment": dict(os.environ),
+            "warning filters": list(warnings.filters)}
+
+
+def _restore(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """Put back torch's globals and the environment variables that existed before (a user's settings); what a
+    plugin added (variables, warning filters: vendor stacks set their own at import) stays, and is reported."""
+    torch.set_default_dtype(saved["default dtype"])
+    torch.set_grad_enabled(saved["grad mode"])
+    if now["threads"] != saved["threads"]:
+        torch.set_num_threads(saved["threads"])
+    env, old = now["environment"], saved["environment"]
+    for k, v in old.items():
+        if env.get(k) != v:
+            os.environ[k] = v
+    notes = [k for k in ("default dtype", "grad mode", "threads") if now[k] != saved[k]]
+    if any(env.get(k) != v for k, v in old.items()):
+        notes.append("environment (restored)")
+    added = sorted(set(env) - set(old))
+    if added:
+        notes.append(f"environment: added {', '.join(added)} (kept)")
+    if now["warning filters"] != saved["warning filters"]:
+        notes.append("warning filters (kept)")
+    return notes
+
+
+_side_effects: list[str] = []            # "plugin: what it changed", in load order
+
+
+@contextmanager
+def _guarded_globals(plugin: str, stage: str):
+    """Process globals a plugin must not change while it loads: torch's default dtype, grad mode and thread count
+    and the user's environment variables are put back; every change is recorded and warned about."""
+    saved = _process_globals()
+    try:
+        yield
+    finally:
+        now = _process_globals()
+        if any(now[k] != saved[k] for k in saved):
+            notes = _restore(saved, now)
+            what = f"{plugin}: {stage} changed {'; '.join(notes)}"
+            _side_effects.append(what)
+            if any("kept" not in n for n in notes):      # something was put back: the plugin misbehaved
+                warnings.warn(f"opsadv: plugin {what}", RuntimeWarning, stacklevel=3)
+            else:
+                log.info("plugin %s", what)
+
+
+def side_effects() -> list[str]:
+    """What plugins changed in the process's globals at load time and opsadv put back."""
+    return list(_side_effects)
 
 
 def _env_flag(name: str) -> bool:
@@ -133,8 +198,11 @@ class Registry:
 
     def _load(self, name: str, source: str, version: str, loader) -> None:
         try:
-            plugin = loader()
-        except Exception as e:
+            with _guarded_globals(name, "import"):
+                plugin = loader()
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:      # SystemExit at import too: a plugin never ends the program
             return self._fail(name, version, "import", e)
         self.register_plugin(plugin, name=name, source=source, version=version)
 
@@ -146,7 +214,9 @@ class Registry:
         pm = pluggy.PluginManager(hookspecs.PROJECT)   # validates hook names and signatures
         pm.add_hookspecs(hookspecs.BackendSpec)
         stage = "info"
+        guard = _guarded_globals(name, "registration")
         try:
+            guard.__enter__()
             pm.register(plugin, name=name)
             pm.check_pending()
             info = plugin.opsadv_backend_info()
@@ -178,9 +248,13 @@ class Registry:
                         timer = plugin.opsadv_device_timer(device_type=dt)
                         if timer is not None:
                             record.timers[dt] = timer
-        except Exception as e:
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:      # SystemExit included (see _load)
             self._fail(name, version, stage, e)
             return None
+        finally:
+            guard.__exit__(None, None, None)
         self.backends[info.name] = record
         # profiles one backend offers another, whichever of the two loads first
         self._offered += [(info.name, p) for p in offered]
