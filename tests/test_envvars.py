@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import opsadv
-from opsadv.core import dispatch, envvars, policy
+from opsadv.core import envvars, policy
 from opsadv.core.env import current_env, detect
 from opsadv.errors import BackendUnavailableError, EnvVarError, InvalidArgumentError
 from opsadv.registry import manager

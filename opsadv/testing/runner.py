@@ -11,9 +11,7 @@ import torch
 
 import opsadv
 from opsadv.registry import get_registry
-from opsadv.core import dispatch
 from opsadv.core.errors import BackendUnavailableError, NoKernelError
-from opsadv.core.policy import current_policy
 from opsadv.core.precision import PrecisionPolicy, parse_dtype
 
 from .cases import CATALOGUE, DTYPES, TOLERANCE, Case, call
