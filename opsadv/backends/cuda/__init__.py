@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import warnings
 
 from opsadv.core.errors import InvalidArgumentError, UnknownOptionError
 from opsadv.core.tuning import default_timer
@@ -28,6 +29,25 @@ KERNEL_MODULES = ("attention", "gluon_attention", "sdpa", "gemm", "norm", "aten_
 
 def interpreter_mode(env) -> bool:
     return bool(env.triton_interpret) and importlib.util.find_spec("triton") is not None
+
+
+def kernel_module_impls(env, names, who: str) -> list[tuple[str, object]]:
+    """(module, impl) for the cuda kernel modules `names` that import, for backends that re-declare cuda's impls
+    (jetson, rocm); a module that fails to import is skipped with a warning naming `who`, so one broken kernel
+    module does not take the others down."""
+    out = []
+    for name in names:
+        modname = f"{__name__}.{name}"
+        if importlib.util.find_spec(modname) is None:
+            continue
+        try:
+            mod = importlib.import_module(modname)
+        except Exception as e:
+            warnings.warn(f"opsadv {who}: cuda kernel module {name} not loaded: {type(e).__name__}: {e}",
+                          RuntimeWarning, stacklevel=3)
+            continue
+        out += [(name, impl) for impl in mod.impls(env)]
+    return out
 
 
 def triton_device_types(env) -> tuple[str, ...]:

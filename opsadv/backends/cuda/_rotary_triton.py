@@ -7,15 +7,8 @@ import triton.language as tl
 
 
 @triton.jit
-def _rotate_heads(X, O, H, x_tok, o_tok, sxh, soh, c1, c2, s1, s2, i, im, j, jm,
-                  R: tl.constexpr, HALF_P2: tl.constexpr, PASS_P2: tl.constexpr, BLOCK_H: tl.constexpr,
-                  INTERLEAVED: tl.constexpr):
-    if INTERLEAVED:
-        o1 = 2 * i
-        o2 = 2 * i + 1
-    else:
-        o1 = i
-        o2 = i + R // 2
+def _rotate_heads(X, O, H, x_tok, o_tok, sxh, soh, c1, c2, s1, s2, o1, o2, im, j, jm,
+                  R: tl.constexpr, PASS_P2: tl.constexpr, BLOCK_H: tl.constexpr):
     for h0 in range(0, H, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
         hm = h < H
@@ -50,7 +43,7 @@ def rotary_kernel(Q, K, OQ, OK, COS, SIN, POS, S, HQ, HK,
         row = b * scb + s * scs
     i = tl.arange(0, HALF_P2)
     im = i < R // 2
-    if INTERLEAVED:
+    if INTERLEAVED:                          # the feature offsets of each pair, in the tables and in q / k
         t1 = 2 * i
         t2 = 2 * i + 1
     else:
@@ -69,7 +62,7 @@ def rotary_kernel(Q, K, OQ, OK, COS, SIN, POS, S, HQ, HK,
     else:
         j = tl.arange(0, 1)
     jm = j < D - R
-    _rotate_heads(Q, OQ, HQ, b * sqb + s * sqs, b * soqb + s * soqs, sqh, soqh, c1, c2, s1, s2, i, im, j, jm,
-                  R, HALF_P2, PASS_P2, BLOCK_H, INTERLEAVED)
-    _rotate_heads(K, OK, HK, b * skb + s * sks, b * sokb + s * soks, skh, sokh, c1, c2, s1, s2, i, im, j, jm,
-                  R, HALF_P2, PASS_P2, BLOCK_H, INTERLEAVED)
+    _rotate_heads(Q, OQ, HQ, b * sqb + s * sqs, b * soqb + s * soqs, sqh, soqh, c1, c2, s1, s2, t1, t2, im, j, jm,
+                  R, PASS_P2, BLOCK_H)
+    _rotate_heads(K, OK, HK, b * skb + s * sks, b * sokb + s * soks, skh, sokh, c1, c2, s1, s2, t1, t2, im, j, jm,
+                  R, PASS_P2, BLOCK_H)

@@ -5,20 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
-import importlib.util
-import warnings
 
 import torch
 
-from opsadv.backends.cuda import KERNEL_MODULES, triton_device_types
+from opsadv.backends.cuda import KERNEL_MODULES, kernel_module_impls, triton_device_types
 from opsadv.core.kernel import PRIORITY_GENERIC, KernelImpl, materializes_scores
 
 from . import attention as math_attention
 from . import chunking as C
 from .detect import BF16_MIN_CC, has_bf16
 
-CUDA_PACKAGE = "opsadv.backends.cuda"
 ATTN_FEATURES = frozenset({"causal", "gqa", "cross_length", "attn_mask_bool", "attn_mask_float"})
 
 
@@ -68,19 +64,7 @@ def _wrap(impl: KernelImpl) -> KernelImpl:
 
 
 def cuda_impls(env) -> list[KernelImpl]:
-    out = []
-    for name in KERNEL_MODULES:
-        modname = f"{CUDA_PACKAGE}.{name}"
-        if importlib.util.find_spec(modname) is None:
-            continue
-        try:
-            mod = importlib.import_module(modname)
-        except Exception as e:   # one broken kernel module must not take the others down
-            warnings.warn(f"opsadv jetson: cuda kernel module {name} not loaded: {type(e).__name__}: {e}",
-                          RuntimeWarning, stacklevel=2)
-            continue
-        out += [_wrap(impl) for impl in mod.impls(env)]
-    return out
+    return [_wrap(impl) for _, impl in kernel_module_impls(env, KERNEL_MODULES, "jetson")]
 
 
 def own_impls(env) -> list[KernelImpl]:

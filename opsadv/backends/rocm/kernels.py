@@ -4,13 +4,10 @@ read ctx.profile, which is a rocm profile here."""
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import importlib.util
-import warnings
 
+from opsadv.backends.cuda import kernel_module_impls
 from opsadv.core.kernel import KernelImpl
 
-CUDA_PACKAGE = "opsadv.backends.cuda"
 ARCHS = ("gfx90a", "gfx942", "gfx950", "gfx1100", "gfx1101", "gfx1102", "gfx1200", "gfx1201")   # CDNA2/3/4, RDNA3/4
 # cuda impl id -> its kernel module: plain Triton kernels (pointer loads; the backward's TMA paths switch
 # themselves off on ROCm).  Left out: cuDNN / cuBLAS / aten paths, Gluon kernels (NVIDIA-only dialect),
@@ -38,16 +35,5 @@ def _rocm(impl: KernelImpl) -> KernelImpl:
 
 
 def impls(env) -> list[KernelImpl]:
-    out = []
-    for name in sorted(set(PORTABLE.values())):
-        modname = f"{CUDA_PACKAGE}.{name}"
-        if importlib.util.find_spec(modname) is None:
-            continue
-        try:
-            mod = importlib.import_module(modname)
-        except Exception as e:   # one broken kernel module must not take the others down
-            warnings.warn(f"opsadv rocm: cuda kernel module {name} not loaded: {type(e).__name__}: {e}",
-                          RuntimeWarning, stacklevel=2)
-            continue
-        out += [_rocm(i) for i in mod.impls(env) if PORTABLE.get(i.id) == name]
-    return out
+    return [_rocm(impl) for name, impl in kernel_module_impls(env, sorted(set(PORTABLE.values())), "rocm")
+            if PORTABLE.get(impl.id) == name]
