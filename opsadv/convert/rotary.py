@@ -77,7 +77,7 @@ def rebind(forward, name: str, alias: str):
     new = _copy_fn(inner, code=code)
     for i in range(len(chain) - 2, -1, -1):       # re-close each wrapper over the copy below it
         w, old = chain[i], chain[i + 1]
-        cells = w.__closure__ or ()
+        cells = getattr(w, "__closure__", None) or ()       # a decorator object has none: cannot be re-closed
         hit = [j for j, c in enumerate(cells) if _cell(c) is old]
         if len(hit) != 1:
             return None
@@ -111,9 +111,9 @@ def _cell(c):
 def _rotary_global(cls):
     """(name, function) of the rotary function the class's forward calls, else None."""
     fwd = getattr(cls, "forward", None)
-    if not isinstance(fwd, types.FunctionType):
+    if fwd is None or fwd is nn.Module.forward:
         return None
-    inner = _innermost(fwd)[-1]
+    inner = _innermost(fwd)[-1]          # (through any functools.wraps wrapper, function or object)
     if not isinstance(inner, types.FunctionType):
         return None
     for name in NAMES:
