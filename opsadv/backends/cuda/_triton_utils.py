@@ -14,7 +14,7 @@ import triton.language as tl
 from triton import knobs
 
 from opsadv.core.ops._common import empty_bshd
-from opsadv.core.tuning import JsonCache
+from opsadv.core.cachefile import JsonCache, json_depth_ok
 from opsadv.core.env import current_env
 from opsadv.core.envvars import env_bool
 from opsadv.core.tuning import _device_key
@@ -208,11 +208,16 @@ def _as_json(cfg):
     return json.loads(json.dumps(cfg))
 
 
+def _config_entry(v) -> str | None:
+    # a config is a dict / tuple of scalars (at most {"cfg": (..)} deep): anything else is not one we wrote
+    return None if json_depth_ok(v, 3) else "not a kernel config (JSON scalars in lists / objects, 3 deep)"
+
+
 def _configs():
     """The stored config winners (kernel_configs.json in the cache dir, read once per process)."""
     global _CONFIGS
     if _CONFIGS is None:
-        _CONFIGS = JsonCache("kernel_configs.json")
+        _CONFIGS = JsonCache("kernel_configs.json", _config_entry)
     return _CONFIGS
 
 
@@ -225,14 +230,11 @@ def _device_section() -> str:
 
 def _disk_load() -> dict:
     """This device's stored winners."""
-    return _configs().load().get(_device_section(), {})
+    return _configs().section(_device_section())
 
 
 def _disk_store(key: str, cfg: dict) -> None:
-    store = _configs()
-    with store.lock:
-        store.load().setdefault(_device_section(), {})[key] = cfg
-        store.write()
+    _configs().put(_device_section(), key, cfg)
 
 
 def poison_enabled() -> bool:
