@@ -254,3 +254,13 @@ def test_unreadable_cache_file_is_left_alone(cache):
     tuning.store(_spec(), current_env(), _measured("a"))
     assert (cache / "tuning.json" / "keep").read_text() == "x" and not _asides(cache)
     assert tuning.lookup(_spec(), ["a", "b"], current_env()).winner == "a"
+
+
+def test_deep_value_inside_a_valid_file(cache):
+    """Nesting that still parses (900 deep) inside an entry: dropped as malformed, info --tuning still prints."""
+    deep = "[" * 900 + "]" * 900
+    for name in ("tuning.json", "kernel_configs.json"):
+        (cache / name).write_text('{"schema": 2, "sections": {"%s": {"k": {"time": 1, "value": %s}}}}' % (HERE, deep))
+    with pytest.warns(RuntimeWarning, match="malformed"):
+        text = tuning.report(current_env())
+    assert text.count("nothing measured for this device yet") == 2

@@ -24,6 +24,7 @@ import tempfile
 import threading
 import time
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any, Callable
 
@@ -87,6 +88,7 @@ class JsonCache:
         self._pending: dict[tuple[str, str], dict] = {}            # written here, not yet on disk
         self._read_only = False                                     # a newer schema's file: never written
         self._warned_write = False
+        _INSTANCES.add(self)
 
     def path(self) -> Path:
         return cache_dir() / self.name
@@ -276,6 +278,18 @@ class JsonCache:
                 self._warned_write = True
                 log.warning("tuning cache %s not written (%s: %s): results are kept for this process only",
                             path, type(e).__name__, e)
+
+
+_INSTANCES: "weakref.WeakSet[JsonCache]" = weakref.WeakSet()
+
+
+def _after_fork() -> None:
+    for c in list(_INSTANCES):      # a lock held by another thread at fork would never be released in the child
+        c.lock = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
 
 
 def _evict(sections: dict[str, dict[str, dict]], cap: int) -> None:

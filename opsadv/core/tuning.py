@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .cachefile import JsonCache, cache_dir
+from .cachefile import JsonCache, cache_dir, json_depth_ok
 from .env import EnvInfo
 from .kernel import CallSpec
 from .resolved import Resolved
@@ -114,6 +114,12 @@ def _measured_entry(v) -> str | None:
     return None
 
 
+def kernel_config_entry(v) -> str | None:
+    """Why a kernel_configs.json value is malformed: a config is a dict / tuple of scalars, at most {"cfg": (..)}
+    deep; anything else is not one opsadv wrote."""
+    return None if json_depth_ok(v, 3) else "not a kernel config (JSON scalars in lists / objects, 3 deep)"
+
+
 _TUNING = JsonCache("tuning.json", _measured_entry)
 
 
@@ -128,8 +134,8 @@ def report(env: EnvInfo | None = None) -> str:
     lines = [f"opsadv tuning caches in {cache_dir()}"]
     for name, title in (("tuning.json", "impl measured fastest per shape bucket"),
                         ("kernel_configs.json", "kernel configs / variants measured per bucket")):
-        data = _TUNING.sections() if name == _TUNING.name else JsonCache(name).sections()
-        sections = data if env is None else {k: v for k, v in data.items() if k == _device_key(env)}
+        data = _TUNING.sections() if name == _TUNING.name else JsonCache(name, kernel_config_entry).sections()
+        sections = {k: v for k, v in data.items() if v and (env is None or k == _device_key(env))}
         lines.append(f"{name}: {title}" + ("" if sections else " -- nothing measured for this device yet"))
         for section, entries in sorted(sections.items()):
             lines.append(f"  [{section}] {len(entries)} entries")

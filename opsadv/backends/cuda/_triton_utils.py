@@ -14,10 +14,10 @@ import triton.language as tl
 from triton import knobs
 
 from opsadv.core.ops._common import empty_bshd
-from opsadv.core.cachefile import JsonCache, json_depth_ok
+from opsadv.core.cachefile import JsonCache
 from opsadv.core.env import current_env
 from opsadv.core.envvars import env_bool
-from opsadv.core.tuning import _device_key
+from opsadv.core.tuning import _device_key, kernel_config_entry
 from opsadv.core.tuning import time_rounds
 
 log = logging.getLogger("opsadv.cuda.autotune")
@@ -208,16 +208,11 @@ def _as_json(cfg):
     return json.loads(json.dumps(cfg))
 
 
-def _config_entry(v) -> str | None:
-    # a config is a dict / tuple of scalars (at most {"cfg": (..)} deep): anything else is not one we wrote
-    return None if json_depth_ok(v, 3) else "not a kernel config (JSON scalars in lists / objects, 3 deep)"
-
-
 def _configs():
     """The stored config winners (kernel_configs.json in the cache dir, read once per process)."""
     global _CONFIGS
     if _CONFIGS is None:
-        _CONFIGS = JsonCache("kernel_configs.json", _config_entry)
+        _CONFIGS = JsonCache("kernel_configs.json", kernel_config_entry)
     return _CONFIGS
 
 
