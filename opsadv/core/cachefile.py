@@ -265,8 +265,11 @@ class JsonCache:
                 _evict(disk, MAX_ENTRIES)
                 fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
                 try:
+                    # compact: json's C encoder (an indented dump is pure Python, ~5x slower at the cap)
+                    text = json.dumps({**extra, "schema": SCHEMA, "sections": disk}, sort_keys=True,
+                                      separators=(",", ":"))
                     with os.fdopen(fd, "w") as f:
-                        json.dump({**extra, "schema": SCHEMA, "sections": disk}, f, indent=1, sort_keys=True)
+                        f.write(text)
                     os.replace(tmp, path)
                 except BaseException:
                     os.unlink(tmp)

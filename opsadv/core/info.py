@@ -1,4 +1,4 @@
-"""opsadv.info(): hardware, backends with probe results, plugin failures, chosen profile; with
+"""opsadv.info(): hardware, backends with probe results, plugin failures and side effects, chosen profile; with
 impls=True also every registered kernel impl and what it declares (`opsadv info --impls`)."""
 from __future__ import annotations
 
