@@ -149,7 +149,7 @@ class ConfigTuner:
     `configs[0]` is the profile's default: taken without timing when autotuning is off
     (interpreter, jetson, CUDA-graph capture).  A config that fails to compile or launch is
     dropped with a log line; if all fail, the last error is raised (never a silent fallback).
-    Winners persist in $OPSADV_CACHE_DIR/kernel_configs.json, keyed by device and library
+    Winners persist in kernel_configs.json in the cache directory (core/cachefile.py), keyed by device and library
     versions, so a second process pays no tuning."""
 
     def __init__(self, name: str):
