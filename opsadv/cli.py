@@ -207,7 +207,7 @@ def _cmd_bench(args) -> int:
                             part=(i, n), progress=args.progress)
 
 
-INFO_HELP = "hardware, opsadv and library versions, backends, probe results, plugin failures, profile"
+INFO_HELP = "hardware, opsadv and library versions, backends, probe results, plugin failures and side effects, profile"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -463,7 +463,7 @@ def test_training_calls_tune_each_impl_forward_with_its_own_backward(tmp_path, m
         with opsadv.use_backend("auto", autotune=True), opsadv.trace() as t:
             out = opsadv.ops.flash_attention(q, k, v, causal=True)
             dq, dk, dv = torch.autograd.grad(out, (q, k, v), do)
-        entries = {key: e for dev in json.loads((tmp_path / "tuning.json").read_text()).values()
+        entries = {key: e["value"] for dev in json.loads((tmp_path / "tuning.json").read_text())["sections"].values()
                    for key, e in dev.items()}
         train = [e for key, e in entries.items() if key.startswith("flash_attention|train|")]
         assert len(train) == 1 and len(train[0]["times_ms"]) >= 2, entries

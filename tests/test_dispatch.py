@@ -267,3 +267,41 @@ def test_rank_orders_candidates_per_call_and_explains_it(widget):
         with opsadv.trace() as t:
             opsadv.ops.rms_norm(torch.randn(4, 48, dtype=torch.float16), w, 1e-6)
         assert t.counts["ranker.rms_norm"] == 1 and Widget.calls == before + 1
+
+
+def test_memo_does_not_grow_with_backend_switches():
+    """The memo is keyed on the policy's content: 61k use_backend() switches between two policies once grew it by
+    one entry per switch and bucket (61,001 entries); now a few."""
+    import dataclasses
+
+    from opsadv.core import policy as P
+    x = torch.randn(8, 16)
+    try:
+        dispatch.clear_cache()
+        for i in range(2000):
+            opsadv.use_backend("reference", strict=bool(i % 2))
+            opsadv.ops.rms_norm(x)
+            with opsadv.use_backend("reference", deterministic=True):
+                opsadv.ops.rms_norm(x)
+        assert len(dispatch._memo) <= 3, len(dispatch._memo)
+    finally:
+        opsadv.use_backend("auto")
+    a, b = P.Policy(backend="reference"), P.Policy(backend="reference")
+    assert a.serial == b.serial and P.Policy(backend="reference", strict=True).serial != a.serial
+    assert dataclasses.replace(a, strict=True).serial == P.Policy(backend="reference", strict=True).serial
+    # options read differently stay apart although they compare equal
+    assert P.Policy(options=(("x", 1),)).serial != P.Policy(options=(("x", True),)).serial
+
+
+def test_memo_is_bounded_over_distinct_policies(monkeypatch):
+    from opsadv.core import policy as P
+    monkeypatch.setattr(dispatch, "MEMO_MAX", 64)
+    x = torch.randn(8, 16)
+    dispatch.clear_cache()
+    for i in range(300):            # 300 distinct policies (an option the reference backend ignores)
+        token = P._scoped.set(P.Policy(backend="reference", options=(("n", i),)))
+        try:
+            torch.testing.assert_close(opsadv.ops.rms_norm(x), torch.nn.functional.rms_norm(x, (16,), eps=1e-6))
+        finally:
+            P._scoped.reset(token)
+        assert len(dispatch._memo) <= 64

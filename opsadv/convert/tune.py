@@ -10,7 +10,7 @@ import torch
 
 from opsadv.core import dispatch
 from opsadv.core.errors import InvalidArgumentError
-from opsadv.core.policy import TIMINGS, Policy, _serial as _policy_serial
+from opsadv.core.policy import TIMINGS, Policy
 from opsadv.registry import get_registry
 
 from . import hf_attention, validate as _val
@@ -47,7 +47,7 @@ class TuneReport:
 
 def _tuning_policy(base: Policy, timing: str | None = None) -> Policy:
     # the model's policy with autotune on (pins, options kept; a graphed model is tuned on GPU time)
-    return dataclasses.replace(base, autotune=True, timing=timing or base.timing, serial=next(_policy_serial))
+    return dataclasses.replace(base, autotune=True, timing=timing or base.timing)
 
 
 def _hf_steps(model, device, batch_size, seq_len):

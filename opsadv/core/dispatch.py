@@ -120,7 +120,8 @@ class _Memo(dict):
         _fast.clear()
 
 
-_memo: dict[tuple, Resolved] = _Memo()
+_memo: dict[tuple, Resolved] = _Memo()      # (policy serial: its content, bucket key) -> Resolved
+MEMO_MAX = 16384
 _memo_lock = threading.Lock()
 _logged_fallback: set[str] = set()
 _tracers: list["Trace"] = []     # every active trace (the ops' "is anyone tracing" check); mutated in place
@@ -241,6 +242,8 @@ def resolve(key: tuple, make_spec: Callable[[], CallSpec], args: tuple | None = 
         r = tuning.autotune(exp, r, args, policy.timing) or r
     _announce(exp, r, policy)
     with _memo_lock:
+        if len(_memo) >= MEMO_MAX:      # many distinct policies x buckets: start over rather than grow without end
+            _memo.clear()
         _memo[mkey] = r
     return r
 

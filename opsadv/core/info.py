@@ -1,4 +1,4 @@
-"""opsadv.info(): hardware, backends with probe results, plugin failures, chosen profile; with
+"""opsadv.info(): hardware, backends with probe results, plugin failures and side effects, chosen profile; with
 impls=True also every registered kernel impl and what it declares (`opsadv info --impls`)."""
 from __future__ import annotations
 
@@ -21,11 +21,12 @@ class Info:
     profile: str | None
     impls: list[dict[str, Any]] | None = None
     version: str = ""                   # opsadv's own
+    side_effects: list[str] | None = None   # process globals plugins changed while loading (registry.manager)
 
     def to_dict(self) -> dict[str, Any]:
         d = {"opsadv_version": self.version, "env": self.env.to_dict(), "backends": self.backends,
              "plugin_failures": self.failures, "policy": self.policy, "primary_backend": self.primary,
-             "profile": self.profile}
+             "profile": self.profile, "plugin_side_effects": list(self.side_effects or [])}
         if self.impls is not None:
             d["impls"] = self.impls
         return d
@@ -52,6 +53,8 @@ class Info:
                 lines.append(f"      - {r}")
         lines.append("== plugin failures ==")
         lines += [f"  {f['name']} {f['version']} at {f['stage']}: {f['error']}" for f in self.failures] or ["  none"]
+        lines.append("== plugin side effects (process globals changed while loading) ==")
+        lines += [f"  {s}" for s in self.side_effects or []] or ["  none"]
         lines += ["== policy ==", f"  {self.policy}; primary backend {self.primary}, profile {self.profile}"]
         if self.impls is not None:
             lines.append("== impls (op: id, priority, declared support) ==")
@@ -108,5 +111,6 @@ def info(impls: bool = False) -> Info:
     except Exception:
         prof = None
     fails = [{"name": f.name, "version": f.version, "stage": f.stage, "error": f.error} for f in reg.failures]
+    effects = reg.side_effects() if hasattr(reg, "side_effects") else []
     return Info(reg.env, rows, fails, pol.describe(), primary.name if primary else "none", prof.name if prof else None,
-                impl_rows(reg) if impls else None, __version__)
+                impl_rows(reg) if impls else None, __version__, effects)

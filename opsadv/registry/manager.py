@@ -8,6 +8,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import logging
+import math
 import os
 import threading
 import traceback
@@ -22,7 +23,7 @@ import torch
 from ..core import hooks, tuning
 from ..core.env import EnvInfo, current_env
 from ..core.envvars import env_bool
-from ..core.errors import PluginError
+from ..core.errors import EnvVarError, PluginError
 from ..core.kernel import OPS, KernelImpl, Profile
 from . import hookspecs
 from .hookspecs import API_VERSION, BackendInfo, ProbeResult
@@ -158,6 +159,54 @@ def _env_flag(name: str) -> bool:
     return env_bool(name)
 
 
+PROBE_TIMEOUT_S = 5.0
+
+
+def probe_timeout() -> float | None:
+    """The time a plugin's opsadv_probe may take: $OPSADV_PROBE_TIMEOUT seconds (default PROBE_TIMEOUT_S); 0 or
+    "off": no limit (the probe runs in the caller's thread)."""
+    raw = os.environ.get("OPSADV_PROBE_TIMEOUT")
+    if raw is None or not raw.strip():
+        return PROBE_TIMEOUT_S
+    if raw.strip().lower() == "off":
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not (value >= 0 and math.isfinite(value)):
+        raise EnvVarError("OPSADV_PROBE_TIMEOUT", raw, "a number of seconds >= 0 (0 or off: no limit)")
+    return value or None
+
+
+def _probe(plugin: Any, name: str, env: EnvInfo, limit: float | None) -> Any:
+    """plugin.opsadv_probe(env=env), in a daemon thread given `limit` seconds: a probe that hangs (a driver call, a
+    network mount) costs start-up that long and is then a TimeoutError (the thread is left to finish on its own)."""
+    if limit is None:
+        return plugin.opsadv_probe(env=env)
+    box: dict[str, Any] = {}
+    grad = torch.is_grad_enabled()
+
+    def run():
+        torch.set_grad_enabled(grad)           # grad mode is per thread: the probe sees the caller's
+        try:
+            box["result"] = plugin.opsadv_probe(env=env)
+        except BaseException as e:              # SystemExit too: raised again in the caller's thread
+            box["error"] = e
+        box["grad"] = torch.is_grad_enabled()
+
+    worker = threading.Thread(target=run, name=f"opsadv-probe-{name}", daemon=True)
+    worker.start()
+    worker.join(limit)
+    if worker.is_alive():
+        raise TimeoutError(f"opsadv_probe did not return within {limit:g} s (OPSADV_PROBE_TIMEOUT); "
+                           "left running in a background thread")
+    torch.set_grad_enabled(box["grad"])        # a probe that switched grad mode did it to the caller (then put back)
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
 class Registry:
     """All backends seen in this process.  Built lazily, once; `reset_registry()` rebuilds."""
 
@@ -169,6 +218,7 @@ class Registry:
         self._ids: set[str] = set()
         self._offered: list[tuple[str, Profile]] = []
         self.strict = _env_flag("OPSADV_STRICT_PLUGINS")
+        self.probe_timeout = probe_timeout()
 
     # -- loading -------------------------------------------------------------------------
     def load_all(self) -> None:
@@ -228,7 +278,7 @@ class Registry:
             if info.name in self.backends:
                 raise RuntimeError(f"backend name {info.name!r} already registered by {self.backends[info.name].source}")
             stage = "probe"
-            probe = plugin.opsadv_probe(env=self.env)
+            probe = _probe(plugin, name, self.env, self.probe_timeout)
             if not isinstance(probe, ProbeResult):
                 raise TypeError(f"opsadv_probe must return ProbeResult, got {type(probe).__name__}")
             record = BackendRecord(info.name, info, probe, source, plugin)
@@ -278,6 +328,10 @@ class Registry:
         tuning.declare_timers(timers)
 
     # -- queries ---------------------------------------------------------------------------
+    def side_effects(self) -> list[str]:
+        """What plugins changed in the process's globals while loading (see side_effects())."""
+        return side_effects()
+
     def available(self) -> list[BackendRecord]:
         return [b for b in self.backends.values() if b.available]
 

@@ -14,10 +14,10 @@ import triton.language as tl
 from triton import knobs
 
 from opsadv.core.ops._common import empty_bshd
-from opsadv.core.tuning import JsonCache
+from opsadv.core.cachefile import JsonCache
 from opsadv.core.env import current_env
 from opsadv.core.envvars import env_bool
-from opsadv.core.tuning import _device_key
+from opsadv.core.tuning import _device_key, kernel_config_entry
 from opsadv.core.tuning import time_rounds
 
 log = logging.getLogger("opsadv.cuda.autotune")
@@ -149,7 +149,7 @@ class ConfigTuner:
     `configs[0]` is the profile's default: taken without timing when autotuning is off
     (interpreter, jetson, CUDA-graph capture).  A config that fails to compile or launch is
     dropped with a log line; if all fail, the last error is raised (never a silent fallback).
-    Winners persist in $OPSADV_CACHE_DIR/kernel_configs.json, keyed by device and library
+    Winners persist in kernel_configs.json in the cache directory (core/cachefile.py), keyed by device and library
     versions, so a second process pays no tuning."""
 
     def __init__(self, name: str):
@@ -212,7 +212,7 @@ def _configs():
     """The stored config winners (kernel_configs.json in the cache dir, read once per process)."""
     global _CONFIGS
     if _CONFIGS is None:
-        _CONFIGS = JsonCache("kernel_configs.json")
+        _CONFIGS = JsonCache("kernel_configs.json", kernel_config_entry)
     return _CONFIGS
 
 
@@ -225,14 +225,11 @@ def _device_section() -> str:
 
 def _disk_load() -> dict:
     """This device's stored winners."""
-    return _configs().load().get(_device_section(), {})
+    return _configs().section(_device_section())
 
 
 def _disk_store(key: str, cfg: dict) -> None:
-    store = _configs()
-    with store.lock:
-        store.load().setdefault(_device_section(), {})[key] = cfg
-        store.write()
+    _configs().put(_device_section(), key, cfg)
 
 
 def poison_enabled() -> bool:
