@@ -23,8 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compile_sm90 import (compile_sm90, cubin_resources, ptx_sequence, sass_instructions, sass_of,  # noqa: E402
                           setmaxnreg_regions)
 
-from opsadv.backends.cuda import _gluon_fa_bwd_kernel as KB  # noqa: E402
-from opsadv.backends.cuda import gluon_attention_bwd as GB  # noqa: E402
+from opsadv.backends.cuda.flash_attention import gluon_bwd_kernel as KB  # noqa: E402
+from opsadv.backends.cuda.flash_attention import gluon_bwd as GB  # noqa: E402
 
 
 def spill_counts(sass: str) -> tuple[int, int]:

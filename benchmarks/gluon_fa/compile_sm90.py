@@ -32,8 +32,8 @@ from triton.compiler import make_backend  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
-from opsadv.backends.cuda import _gluon_fa_kernel as K  # noqa: E402
-from opsadv.backends.cuda import gluon_attention as GA  # noqa: E402
+from opsadv.backends.cuda.flash_attention import gluon_kernel as K  # noqa: E402
+from opsadv.backends.cuda.flash_attention import gluon as GA  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 128)
 BACKEND = make_backend(TARGET)

@@ -100,7 +100,7 @@ MASKED_VARIANT_CASES = [(n, 128, v) for v in ("pingpong", "st3", "pingpong_st3",
 
 def compile_case(name, d, dtype=None, variant="default", trace=False, lse=True):
     import torch
-    from opsadv.backends.cuda import _gluon_sparse_kernel as K, gluon_sparse as GS
+    from opsadv.backends.cuda.sparse_attention import gluon_kernel as K, gluon as GS
     dtype = dtype or torch.bfloat16
     lay, b, hq, hkv = layouts()[name]
     q = torch.randn(b, hq, lay.seq_q, d).to(dtype)

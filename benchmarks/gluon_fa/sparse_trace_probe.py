@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 from _sparse_windows import D, GS, H, dense_baseline, inputs, ms, report_header, window_case  # noqa: E402
-from opsadv.backends.cuda import _gluon_sparse_kernel as K  # noqa: E402
+from opsadv.backends.cuda.sparse_attention import gluon_kernel as K  # noqa: E402
 
 WINDOWS = [int(w) for w in os.environ.get("TRACE_WINDOWS", "1024,2048").split(",")]
 ALL_SCHEDULES = {"default_interval": {"persistent": True, "mask": "interval"},

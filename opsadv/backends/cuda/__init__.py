@@ -12,47 +12,24 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import warnings
 
 from opsadv.core.errors import InvalidArgumentError, UnknownOptionError
 from opsadv.core.tuning import default_timer
 from opsadv.registry import BackendInfo, ProbeResult, hookimpl
 from opsadv.runtime.memory import apply_memory_policy, parse_level
 
+from opsadv.backends import triton_common
+from opsadv.backends.triton_common import interpreter_mode
+
 from .profiles import PROFILES
 
 NAME = "cuda"
 VERSION = "0.1.0"
-KERNEL_MODULES = ("attention", "gluon_attention", "sdpa", "gemm", "norm", "aten_norm", "sparse", "gluon_sparse",
-                  "gluon_gemm", "gluon_swiglu_gemm", "swiglu", "rotary")
-
-
-def interpreter_mode(env) -> bool:
-    return bool(env.triton_interpret) and importlib.util.find_spec("triton") is not None
-
-
-def kernel_module_impls(env, names, who: str) -> list[tuple[str, object]]:
-    """(module, impl) for the cuda kernel modules `names` that import, for backends that re-declare cuda's impls
-    (jetson, rocm); a module that fails to import is skipped with a warning naming `who`, so one broken kernel
-    module does not take the others down."""
-    out = []
-    for name in names:
-        modname = f"{__name__}.{name}"
-        if importlib.util.find_spec(modname) is None:
-            continue
-        try:
-            mod = importlib.import_module(modname)
-        except Exception as e:
-            warnings.warn(f"opsadv {who}: cuda kernel module {name} not loaded: {type(e).__name__}: {e}",
-                          RuntimeWarning, stacklevel=3)
-            continue
-        out += [(name, impl) for impl in mod.impls(env)]
-    return out
-
-
-def triton_device_types(env) -> tuple[str, ...]:
-    """Device types the Triton impls take: cuda, plus cpu in interpreter mode."""
-    return ("cuda", "cpu") if interpreter_mode(env) else ("cuda",)
+# kernel modules, full dotted names: the shared Triton kernels, then this backend's own (one folder per op)
+KERNEL_MODULES = (tuple(f"{triton_common.__name__}.{m}" for m in triton_common.KERNEL_MODULES)
+                  + tuple(f"{__name__}.{m}" for m in ("flash_attention.sdpa", "flash_attention.gluon",
+                                                      "sparse_attention.gluon", "gemm.gluon", "swiglu_gemm.gluon",
+                                                      "norm.aten")))
 
 
 @hookimpl
@@ -89,8 +66,7 @@ def opsadv_probe(env):
 
 @hookimpl
 def opsadv_register_kernels(registry, env):
-    for name in KERNEL_MODULES:
-        modname = f"{__name__}.{name}"
+    for modname in KERNEL_MODULES:
         if importlib.util.find_spec(modname) is None:
             continue
         for impl in importlib.import_module(modname).impls(env):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from opsadv.backends.cuda import kernel_module_impls
+from opsadv.backends.triton_common import module_impls
 from opsadv.core.kernel import KernelImpl
 
 ARCHS = ("gfx90a", "gfx942", "gfx950", "gfx1100", "gfx1101", "gfx1102", "gfx1200", "gfx1201")   # CDNA2/3/4, RDNA3/4
@@ -13,14 +13,14 @@ ARCHS = ("gfx90a", "gfx942", "gfx950", "gfx1100", "gfx1101", "gfx1102", "gfx1200
 # themselves off on ROCm).  Left out: cuDNN / cuBLAS / aten paths, Gluon kernels (NVIDIA-only dialect),
 # the TMA / persistent GEMMs (Hopper TMA), the experimental atomic-dQ variant.
 PORTABLE = {
-    "cuda.triton.flash_attention": "attention",
-    "cuda.triton.sparse_attention": "sparse",
-    "cuda.triton.gemm": "gemm",
-    "cuda.triton.swiglu_gemm": "gemm",
-    "cuda.triton.layer_norm": "norm",
-    "cuda.triton.rms_norm": "norm",
-    "cuda.triton.swiglu": "swiglu",
-    "cuda.triton.rotary_embedding": "rotary",
+    "cuda.triton.flash_attention": "flash_attention.attention",
+    "cuda.triton.sparse_attention": "sparse_attention.sparse",
+    "cuda.triton.gemm": "gemm.gemm",
+    "cuda.triton.swiglu_gemm": "gemm.gemm",
+    "cuda.triton.layer_norm": "norm.norm",
+    "cuda.triton.rms_norm": "norm.norm",
+    "cuda.triton.swiglu": "swiglu.swiglu",
+    "cuda.triton.rotary_embedding": "rotary_embedding.rotary",
 }
 
 
@@ -35,5 +35,6 @@ def _rocm(impl: KernelImpl) -> KernelImpl:
 
 
 def impls(env) -> list[KernelImpl]:
-    return [_rocm(impl) for name, impl in kernel_module_impls(env, sorted(set(PORTABLE.values())), "rocm")
-            if PORTABLE.get(impl.id) == name]
+    modules = [f"opsadv.backends.triton_common.{m}" for m in sorted(set(PORTABLE.values()))]
+    return [_rocm(impl) for name, impl in module_impls(env, modules, "rocm")
+            if f"opsadv.backends.triton_common.{PORTABLE.get(impl.id)}" == name]

@@ -25,10 +25,11 @@ from opsadv.core.kernel import MEMORY_FLASH, PRIORITY_TRITON, CallSpec, KernelIm
 from opsadv.core.layout import tile_index
 from opsadv.core.policy import current_policy
 
-from . import _sparse_band_persist as _persist, triton_device_types
-from ._sparse_common import _allowed, _band_tiles, _fwd_finish, _kv_tile_unmasked, _softmax_step
-from ._triton_utils import load_tile, new_output, new_output_bshd
-from ._tma import desc_bhsd, run_side_by_side, tma_tiles_ok
+from .. import triton_device_types
+from . import band_persist as _persist
+from .helpers import _allowed, _band_tiles, _fwd_finish, _kv_tile_unmasked, _softmax_step
+from ..utils import load_tile, new_output, new_output_bshd
+from ..tma import desc_bhsd, run_side_by_side, tma_tiles_ok
 
 OP = "sparse_attention"
 LOG2E = 1.4426950408889634

@@ -36,10 +36,10 @@ from __future__ import annotations
 
 import torch
 
-from .gluon_attention import _desc, _tma_ready, gluon_unavailable, nvmma_layout   # shared host helpers
+from .gluon import _desc, _tma_ready, gluon_unavailable, nvmma_layout   # shared host helpers
 
 try:
-    from . import _gluon_fa_bwd_kernel as _KB
+    from . import gluon_bwd_kernel as _KB
     from triton.experimental.gluon import language as _gl
     UNAVAILABLE = ""
 except Exception as e:  # ImportError, or an older Triton whose Gluon lacks a name used here
@@ -101,7 +101,7 @@ def preprocess(out, dout, lse):
     """(delta, lse2): rowsum(dO * O) and lse in log2 units (+inf for empty rows), float32 (b, h, s_q),
     by the Triton backward's preprocess kernel."""
     import triton
-    from .attention import _bwd_pre_kernel
+    from opsadv.backends.triton_common.flash_attention.attention import _bwd_pre_kernel
     b, hq, sq, d = out.shape
     lse = lse.float().contiguous()
     delta = torch.empty((b, hq, sq), dtype=torch.float32, device=out.device)
@@ -117,7 +117,7 @@ def preprocess(out, dout, lse):
 def attention_bwd(dout, q, k, v, out, lse, causal: bool = False, scale: float | None = None,
                   stages: int = DEFAULT_STAGES, variant: str = DEFAULT_VARIANT):
     """(dq, dk, dv) of softmax attention from the forward's out and natural-log lse."""
-    from ._triton_utils import new_output_bshd
+    from opsadv.backends.triton_common.utils import new_output_bshd
     q, k, v, out, dout = (_tma_ready(t) for t in (q, k, v, out, dout))
     b, hq, sq, d = q.shape
     scale = d ** -0.5 if scale is None else scale
@@ -138,7 +138,7 @@ def impl_backward(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale):
     else the Triton FlashAttention-2 backward (today's behaviour)."""
     if USE_GLUON_BWD_IN_IMPL:
         return attention_bwd(dout, q, k, v, out, lse, causal, scale)
-    from .attention import flash_bwd
+    from opsadv.backends.triton_common.flash_attention.attention import flash_bwd
     return flash_bwd(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale)
 
 

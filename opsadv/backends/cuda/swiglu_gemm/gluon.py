@@ -22,11 +22,11 @@ import torch
 
 from opsadv.core.kernel import MEMORY_FUSED, PRIORITY_TRITON, KernelImpl
 
-from .gemm import _poisoned, _triton_swiglu_bwd
-from .gluon_gemm import PRODUCER_REGS, UNAVAILABLE, prepare, stream_k_args, tile_descriptors, tma_gemm_reasons
+from opsadv.backends.triton_common.gemm.gemm import _poisoned, _triton_swiglu_bwd
+from ..gemm.gluon import PRODUCER_REGS, UNAVAILABLE, prepare, stream_k_args, tile_descriptors, tma_gemm_reasons
 
 try:
-    from . import _gluon_swiglu_kernel as _K
+    from . import gluon_kernel as _K
     from triton.experimental.gluon import language as _gl  # noqa: F401  (the import check: see gluon_gemm.py)
 except Exception as e:  # ImportError, or an older Triton whose Gluon lacks a name used here
     _K = _gl = None
@@ -76,7 +76,7 @@ _VARIANT_TUNER = None
 def _pick_variant(ctx, x2, w_, out, bias, w_nk) -> str:
     """The schedule measured per (dtype, rows bucket, N, K, bias, weight layout) where the profile autotunes."""
     global _VARIANT_TUNER
-    from ._triton_utils import ConfigTuner, bucket
+    from opsadv.backends.triton_common.utils import ConfigTuner, bucket
     profile = getattr(ctx, "profile", None)
     if not (out.is_cuda and profile is not None and profile.autotune):
         return DEFAULT_VARIANT

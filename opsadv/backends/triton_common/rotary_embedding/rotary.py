@@ -12,7 +12,7 @@ import torch
 from opsadv.core.envvars import env_bool
 from opsadv.core.kernel import MEMORY_FUSED, PRIORITY_TRITON, KernelImpl
 
-from . import triton_device_types
+from .. import triton_device_types
 
 HEAD_ELEMS = 4096          # elements of one (BLOCK_H heads x R/2) tile: BLOCK_H = HEAD_ELEMS // (R/2) heads
 _K: dict = {}
@@ -20,8 +20,8 @@ _K: dict = {}
 
 def _kernel():
     if not _K:
-        from ._rotary_triton import rotary_kernel
-        from ._triton_utils import FastLaunch
+        from .kernels import rotary_kernel
+        from ..utils import FastLaunch
         _K["k"] = FastLaunch(rotary_kernel)
     return _K["k"]
 

@@ -17,7 +17,7 @@ import torch
 
 from opsadv.core.kernel import MEMORY_FUSED, PRIORITY_TRITON, KernelImpl
 
-from . import triton_device_types
+from .. import triton_device_types
 
 MAX_HIDDEN = 65536
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -135,8 +135,8 @@ _FastLaunch = None             # the FastLaunch class, set by _kernels() (triton
 def _kernels():
     """The Triton kernels, imported on first use (keeps triton out of `import opsadv`)."""
     if not _K:
-        from ._norm_triton import _norm_bwd_kernel, _norm_bwd_reduce_kernel, _norm_fwd_kernel, _norm_fwd_loop_kernel
-        from ._triton_utils import ConfigTuner, FastLaunch
+        from .kernels import _norm_bwd_kernel, _norm_bwd_reduce_kernel, _norm_fwd_kernel, _norm_fwd_loop_kernel
+        from ..utils import ConfigTuner, FastLaunch
         # launched once or twice per norm call, many calls per step: the launch fast path pays here
         global _FastLaunch
         _FastLaunch = FastLaunch

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._sparse_common import _allowed, _band_tiles, _fwd_finish, _kv_tile_unmasked, _softmax_step
+from .helpers import _allowed, _band_tiles, _fwd_finish, _kv_tile_unmasked, _softmax_step
 
 INTERPRETER_PROGRAMS = 3        # under the interpreter: few programs, so each walks several items (tests)
 SMEM_PER_SM = 233472            # sm_90: 228 KB per SM, 1 KB of it reserved per resident block

@@ -25,11 +25,11 @@ import triton.language as tl
 from opsadv.core.kernel import MEMORY_FLASH, PRIORITY_TRITON, KernelImpl
 from opsadv.core.policy import current_policy
 
-from . import triton_device_types
-from . import _attn_dq_gemm as dq_gemm
-from ._attn_triton_bwd import _bwd_group_sum_kernel, _bwd_kv_kernel, _bwd_pre_kernel, _bwd_q_kernel
-from ._tma import TensorDescriptor, desc_bhsd, run_side_by_side, side_stream, sm90_plus, tma_tiles_ok
-from ._triton_utils import ConfigTuner, bucket, load_tile, new_output, new_output_bshd, store_tile
+from .. import triton_device_types
+from . import dq_gemm
+from .bwd_kernels import _bwd_group_sum_kernel, _bwd_kv_kernel, _bwd_pre_kernel, _bwd_q_kernel
+from ..tma import TensorDescriptor, desc_bhsd, run_side_by_side, side_stream, sm90_plus, tma_tiles_ok
+from ..utils import ConfigTuner, bucket, load_tile, new_output, new_output_bshd, store_tile
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453

@@ -18,9 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._attn_triton_bwd import key_range
-from ._tma import TensorDescriptor, desc_bhsd
-from ._triton_utils import load_tile, store_tile
+from .bwd_kernels import key_range
+from ..tma import TensorDescriptor, desc_bhsd
+from ..utils import load_tile, store_tile
 
 # Default cap of the dS workspace and SPLIT's fp32 dK / dV shares together (bytes) when neither the workspace_cap
 # option nor the profile names one: 2 GiB of dS slabs (b4 h32 s4096 in bf16 needs 4 GiB in all: two chunks;

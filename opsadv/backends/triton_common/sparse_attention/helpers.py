@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._triton_utils import load_tile
+from ..utils import load_tile
 
 
 # ---- element mask of one (BLOCK_M x BLOCK_N) tile ---------------------------------------------------

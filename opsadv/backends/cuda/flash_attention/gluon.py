@@ -32,7 +32,7 @@ def gluon_unavailable(e: Exception) -> str:
 
 
 try:
-    from . import _gluon_fa_kernel as _K
+    from . import gluon_kernel as _K
     from triton.experimental.gluon import language as _gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _GluonTensorDescriptor
     UNAVAILABLE = ""
@@ -145,7 +145,7 @@ def launch_args(q, k, v, out, lse, causal: bool, scale: float, variant: str = "w
 def attention_fwd(q, k, v, causal: bool = False, scale: float | None = None, variant: str | None = None,
                   stages: int | None = None):
     """out (b, h_q, s_q, d) over (b, s, h, d) memory, lse (b, h_q, s_q) float32 natural log."""
-    from ._triton_utils import new_output, new_output_bshd
+    from opsadv.backends.triton_common.utils import new_output, new_output_bshd
     q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
     b, hq, sq, d = q.shape
     scale = d ** -0.5 if scale is None else scale
@@ -162,13 +162,13 @@ def gluon_fwd(ctx, q, k, v, attn_mask, causal, scale):
 
 def gluon_bwd(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale):
     """The Triton FlashAttention-2 backward (deterministic, no atomics) from out and lse."""
-    from .attention import flash_bwd
+    from opsadv.backends.triton_common.flash_attention.attention import flash_bwd
     return flash_bwd(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale)
 
 
 def gluon_bwd_atomic(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale):
     """The Triton single-kernel backward (dQ by TMA bulk reduce-adds on Hopper: not deterministic)."""
-    from .attention import flash_bwd_atomic
+    from opsadv.backends.triton_common.flash_attention.attention import flash_bwd_atomic
     return flash_bwd_atomic(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale)
 
 

@@ -12,8 +12,8 @@ import torch
 
 from opsadv.core.kernel import MEMORY_FUSED, PRIORITY_TRITON, KernelImpl
 
-from . import triton_device_types
-from .gemm import _poisoned
+from .. import triton_device_types
+from ..gemm.gemm import _poisoned
 
 MAX_BLOCK_N = 1024   # columns per program in the default tile; 4 warps x 32 lanes x 8 elements
 # (ROWS, BLOCK_N cap, num_warps) tiles measured per shape bucket where the profile autotunes; the first is the
@@ -32,8 +32,8 @@ _K: dict = {}
 def _kernels():
     """The Triton kernels behind the launch fast path, imported on first use (triton stays out of `import opsadv`)."""
     if not _K:
-        from ._swiglu_triton import swiglu_bwd_kernel, swiglu_fwd_kernel
-        from ._triton_utils import ConfigTuner, FastLaunch
+        from .kernels import swiglu_bwd_kernel, swiglu_fwd_kernel
+        from ..utils import ConfigTuner, FastLaunch
         _K.update(fwd=FastLaunch(swiglu_fwd_kernel), bwd=FastLaunch(swiglu_bwd_kernel),
                   tuner=ConfigTuner("swiglu.tile"))
     return _K
@@ -62,7 +62,7 @@ def _candidates(configs: tuple) -> list:
 
 def _launch(ctx, which: str, m: int, n: int, args: tuple, out: torch.Tensor) -> None:
     """Run kernel `which` ("fwd" / "bwd") over (m rows, n columns) with the tile measured for this bucket."""
-    from ._triton_utils import bucket
+    from ..utils import bucket
     k = _kernels()
     profile = getattr(ctx, "profile", None)
     autotune = out.is_cuda and profile is not None and profile.autotune

@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._triton_utils import load_tile, store_tile
+from ..utils import load_tile, store_tile
 
 
 @triton.jit

@@ -38,7 +38,7 @@ from opsadv.core.kernel import MEMORY_FUSED, PRIORITY_TRITON, PRIORITY_VENDOR, K
 from opsadv.core.ops._common import len_bucket
 from opsadv.core.policy import current_policy
 
-from . import triton_device_types
+from .. import triton_device_types
 
 HALF = (torch.float16, torch.bfloat16)
 ALL = (torch.float16, torch.bfloat16, torch.float32)
@@ -160,7 +160,7 @@ def _meta(cfg: tuple) -> dict:
 @functools.lru_cache(maxsize=None)
 def _autotuned(kernel: str, profile_name: str, kind: str, tile_cap: int | None = None):
     import triton
-    from . import _gemm_triton as K
+    from . import kernels as K
     hook = None if kernel == "ptr" else _set_tma_blocks
     cfgs = [triton.Config(_meta(c), num_warps=c[3], num_stages=c[4], pre_hook=hook)
             for c in _configs(profile_name, kind, tile_cap)]
@@ -200,7 +200,7 @@ def _launch(ctx, a2, b, out, bias, res2, grad2, act: str, alpha: float, swiglu: 
     kernel: one of KERNELS; config: an explicit CONFIGS entry (probes, tests) instead of the
     profile's fixed or autotuned one."""
     import triton
-    from . import _gemm_triton as K_
+    from . import kernels as K_
     m, k = a2.shape
     n = b.shape[1] // 2 if swiglu else b.shape[1]
     persistent = kernel == "persistent"

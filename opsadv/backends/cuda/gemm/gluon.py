@@ -29,11 +29,11 @@ import torch
 
 from opsadv.core.kernel import MEMORY_FUSED, PRIORITY_TRITON, KernelImpl
 
-from .gemm import GEMM_FEATURES, _poisoned, _triton_gemm_bwd
-from .gluon_attention import _tma_ready, gluon_unavailable, nvmma_layout
+from opsadv.backends.triton_common.gemm.gemm import GEMM_FEATURES, _poisoned, _triton_gemm_bwd
+from ..flash_attention.gluon import _tma_ready, gluon_unavailable, nvmma_layout
 
 try:
-    from . import _gluon_gemm_kernel as _K
+    from . import gluon_kernel as _K
     from triton.experimental.gluon import language as _gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _GluonTensorDescriptor
     UNAVAILABLE = ""
@@ -192,7 +192,7 @@ _VARIANT_TUNER = None
 def _variant_tuner():
     global _VARIANT_TUNER
     if _VARIANT_TUNER is None:
-        from ._triton_utils import ConfigTuner
+        from opsadv.backends.triton_common.utils import ConfigTuner
         _VARIANT_TUNER = ConfigTuner("gluon_gemm.variant")
     return _VARIANT_TUNER
 
@@ -200,7 +200,7 @@ def _variant_tuner():
 def _pick_variant(ctx, a2, b_, out, bias, res2, activation, alpha, b_nk) -> str:
     """The schedule for this call: measured per (dtype, rows bucket, N, K, epilogue, B layout) among VARIANTS
     where the profile autotunes (persisted like the Triton kernels' configs), else DEFAULT_VARIANT."""
-    from ._triton_utils import bucket
+    from opsadv.backends.triton_common.utils import bucket
     profile = getattr(ctx, "profile", None)
     autotune = out.is_cuda and profile is not None and profile.autotune
     if not autotune:

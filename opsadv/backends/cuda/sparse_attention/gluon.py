@@ -68,12 +68,12 @@ import torch
 from opsadv.core.kernel import MEMORY_FLASH, PRIORITY_TRITON, KernelImpl
 from opsadv.core.layout import tile_index
 
-from .gluon_attention import _cdiv, _desc, _tma_ready, gluon_unavailable, nvmma_layout  # (b, h, s, d) TMA descriptors shared with the dense kernel
-from ._triton_utils import new_output, new_output_bshd
-from .sparse import refinement_reasons, sparse_bwd as triton_sparse_bwd
+from ..flash_attention.gluon import _cdiv, _desc, _tma_ready, gluon_unavailable, nvmma_layout  # (b, h, s, d) TMA descriptors shared with the dense kernel
+from opsadv.backends.triton_common.utils import new_output, new_output_bshd
+from opsadv.backends.triton_common.sparse_attention.sparse import refinement_reasons, sparse_bwd as triton_sparse_bwd
 
 try:
-    from . import _gluon_sparse_kernel as _K
+    from . import gluon_kernel as _K
     from triton.experimental.gluon import language as _gl
     UNAVAILABLE = ""
 except Exception as e:  # ImportError, or an older Triton whose Gluon lacks a name used here

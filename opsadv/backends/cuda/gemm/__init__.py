@@ -1,0 +1,1 @@
+"""gemm on NVIDIA: the Gluon persistent GEMM for Hopper (gluon.py; kernel in gluon_kernel.py)."""

@@ -1,0 +1,1 @@
+"""layer_norm and rms_norm on NVIDIA through ATen (aten.py)."""

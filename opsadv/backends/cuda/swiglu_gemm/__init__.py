@@ -1,0 +1,1 @@
+"""swiglu_gemm on NVIDIA: the Gluon persistent SwiGLU GEMM for Hopper (gluon.py; kernel in gluon_kernel.py)."""

@@ -1,0 +1,1 @@
+"""gemm and swiglu_gemm in Triton (one kernel family, a SWIGLU flag): host and impls (gemm.py), kernels (kernels.py)."""

@@ -1,0 +1,1 @@
+"""layer_norm and rms_norm in Triton: host and impls (norm.py), kernels (kernels.py)."""

@@ -1,0 +1,1 @@
+"""rotary_embedding in Triton: host and impl (rotary.py), kernel (kernels.py)."""

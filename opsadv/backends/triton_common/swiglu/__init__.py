@@ -1,0 +1,1 @@
+"""swiglu (silu(gate) * up, elementwise) in Triton: host and impl (swiglu.py), kernels (kernels.py)."""
