@@ -289,6 +289,48 @@ def test_core_imports_nothing_above_it(opsadv_graph):
     assert not above
 
 
+# backend -> the other backends it may import; opsadv.backends.triton_common (the shared Triton kernels) is no
+# backend: any backend may import it, and it imports none
+BACKEND_IMPORTS_ALLOWED = {"jetson": {"cuda"}}
+SHARED = "triton_common"
+
+
+def _backend_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["opsadv", "backends"] else None
+
+
+def backend_violations(imports) -> list[str]:
+    """Imports from one backend into another that BACKEND_IMPORTS_ALLOWED does not allow."""
+    bad = []
+    for i in imports:
+        src, dst = _backend_of(i.importer), _backend_of(i.target)
+        if src is None or dst is None or src == dst or dst == SHARED:
+            continue
+        if src == SHARED or dst not in BACKEND_IMPORTS_ALLOWED.get(src, set()):
+            bad.append(f"{i.importer}:{i.line} imports {i.target}")
+    return bad
+
+
+def test_backends_import_no_other_backend(opsadv_graph):
+    """rocm, ascend, reference (and cuda) import no other backend; jetson alone builds on cuda; the shared
+    Triton kernels import no backend at all."""
+    index, imports, _ = opsadv_graph
+    assert {"cuda", "rocm", "jetson", "ascend", "reference", SHARED} <= {_backend_of(m) for m in index}
+    bad = backend_violations(imports)
+    assert not bad, "a backend imports another backend:\n" + "\n".join(bad)
+
+
+def test_backend_rule_on_fake_imports():
+    fake = [Import("opsadv.backends.rocm.kernels", "opsadv.backends.cuda", 3, False, False),
+            Import("opsadv.backends.jetson.kernels", "opsadv.backends.cuda", 4, False, False),
+            Import("opsadv.backends.triton_common.gemm.gemm", "opsadv.backends.cuda.profiles", 5, True, False),
+            Import("opsadv.backends.rocm.kernels", "opsadv.backends.triton_common", 6, False, False),
+            Import("opsadv.backends.ascend.gemm", "opsadv.backends.ascend.norm", 7, False, False)]
+    assert backend_violations(fake) == ["opsadv.backends.rocm.kernels:3 imports opsadv.backends.cuda",
+                                        "opsadv.backends.triton_common.gemm.gemm:5 imports opsadv.backends.cuda.profiles"]
+
+
 def test_function_level_imports_only_where_allowed(opsadv_graph):
     _, imports, _ = opsadv_graph
     lazy = [i for i in imports if i.lazy]

@@ -13,13 +13,12 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
-from opsadv.core.errors import InvalidArgumentError, UnknownOptionError
 from opsadv.core.tuning import default_timer
 from opsadv.registry import BackendInfo, ProbeResult, hookimpl
-from opsadv.runtime.memory import apply_memory_policy, parse_level
+from opsadv.runtime.memory import apply_memory_policy
 
 from opsadv.backends import triton_common
-from opsadv.backends.triton_common import interpreter_mode
+from opsadv.backends.triton_common import check_seed_options, interpreter_mode
 
 from .profiles import PROFILES
 
@@ -81,38 +80,6 @@ def opsadv_profiles():
 @hookimpl
 def opsadv_device_timer(device_type):
     return default_timer("cuda") if device_type == "cuda" else None
-
-
-OPTIONS = ("tile_size", "max_streams", "mem_opt", "workspace_cap")
-
-
-def check_seed_options(options: dict, backend: str) -> dict:
-    """The seed's options as use_backend takes them: tile_size (power of two 32-256: caps the
-    Triton tiles of the profile), max_streams (1-8: the default of opsadv.runtime.run_batched),
-    mem_opt (0-3 or a level name: the memory policy, applied to the allocator now); workspace_cap (bytes, an int
-    >= 0: the most a kernel may allocate as scratch, e.g. the flash backward's dS workspace; 0 turns such
-    variants off)."""
-    out: dict = {}
-    for name, value in options.items():
-        if value is None:
-            continue
-        if name == "tile_size":
-            if (isinstance(value, bool) or not isinstance(value, int) or not 32 <= value <= 256
-                    or value & (value - 1)):
-                raise InvalidArgumentError("use_backend", "tile_size", "a power of two in [32, 256]", repr(value))
-        elif name == "max_streams":
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 8:
-                raise InvalidArgumentError("use_backend", "max_streams", "an int in [1, 8]", repr(value))
-        elif name == "workspace_cap":
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise InvalidArgumentError("use_backend", "workspace_cap", "an int >= 0 (bytes)", repr(value))
-        elif name == "mem_opt":
-            value = parse_level(value, op="use_backend", arg="mem_opt")
-        else:
-            raise UnknownOptionError("use_backend", name, f"an option of backend {backend!r}: {list(OPTIONS)} "
-                                     "(or a policy option)", repr(value))
-        out[name] = value
-    return out
 
 
 @hookimpl

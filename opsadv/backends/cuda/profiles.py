@@ -2,6 +2,7 @@
 SM count, L2), not on names alone.  Kernels read their tiles from ctx.profile."""
 from __future__ import annotations
 
+from opsadv.backends.triton_common.profiles import INTERPRETER_TILES, interpreter_profile, tile as _t
 from opsadv.core.kernel import Profile
 
 
@@ -18,9 +19,6 @@ def _smem(env) -> int:
     return env.shared_memory_per_block_optin or 0
 
 
-def _t(bm, bn, w, s, tma=False, **flags) -> dict:
-    """One tile config; flags switch on forward kernel variants (attention._FWD_FLAGS, e.g. WS=True)."""
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s, "TMA": tma, **flags}
 
 
 # flash attention tiles per pass ("fwd", "bwd_kv", "bwd_q") and head-dim class (64: d <= 64,
@@ -80,7 +78,7 @@ ATTN_TILES = {
         "bwd_kv": {64: [_t(32, 64, 4, 2)], 128: [_t(32, 64, 4, 1)], 256: [_t(16, 32, 4, 1)]},
         "bwd_q": {64: [_t(64, 32, 4, 2)], 128: [_t(64, 32, 4, 1)], 256: [_t(32, 16, 4, 1)]},
     },
-    "interpreter": {p: {c: [_t(16, 16, 4, 1)] for c in (64, 128, 256)} for p in ("fwd", "bwd_kv", "bwd_q", "bwd_dsq")},
+    "interpreter": INTERPRETER_TILES["flash_attention"],
 }   # (the jetson profile's tiles live with it: opsadv/backends/jetson/profiles.py)
 
 
@@ -99,10 +97,6 @@ RTX = Profile(
     num_stages=2, num_warps=4, priority=10,
     matches=lambda env: _nvidia(env) and _cc(env) >= (7, 5),
 )
-INTERPRETER = Profile(
-    name="interpreter", backend="cuda", tiles={"flash_attention": ATTN_TILES["interpreter"]}, description="TRITON_INTERPRET=1 on CPU: small fixed tiles, no autotune",
-    num_stages=1, num_warps=4, autotune=False, priority=5,
-    matches=lambda env: env.device_type != "cuda" and env.triton_interpret,
-)
+INTERPRETER = interpreter_profile("cuda")
 # use_backend("cuda", profile="jetson") still works: the jetson backend offers its profile to this one
 PROFILES = (H100, A100, RTX, INTERPRETER)

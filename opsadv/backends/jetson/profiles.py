@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from opsadv.backends.cuda.profiles import _t
+from opsadv.backends.triton_common.profiles import tile as _t
 from opsadv.core.kernel import Profile
 
 ATTN_TILES = {   # tiles <= 64x64, <= 2 stages, fixed

@@ -2,9 +2,7 @@
 64 KB of LDS per compute unit and 64-wide wavefronts (no TMA configs: AMD has none); not measured yet."""
 from __future__ import annotations
 
-import dataclasses
-
-from opsadv.backends.cuda.profiles import INTERPRETER, _t
+from opsadv.backends.triton_common.profiles import interpreter_profile, tile as _t
 from opsadv.core.kernel import Profile
 
 ATTN_TILES = {
@@ -27,7 +25,6 @@ ROCM = Profile(
     description="AMD GPUs (CDNA / RDNA): no TMA, 1-2 stages, 64 KB LDS per CU; untuned first guesses",
     num_stages=1, num_warps=4, priority=10, matches=_amd,
 )
-# kernels key their smallest tiles on the name "interpreter" (TRITON_INTERPRET=1 on CPU)
-ROCM_INTERPRETER = dataclasses.replace(INTERPRETER, backend="rocm")
+ROCM_INTERPRETER = interpreter_profile("rocm")
 
 PROFILES = (ROCM, ROCM_INTERPRETER)
