@@ -273,13 +273,14 @@ def test_hopper_ranks_cublas_epilogue_above_triton():
     """On cc >= 9.0 the unfused cuBLAS epilogue path outranks the Triton GEMM (measured there);
     elsewhere Triton's fused epilogue keeps its rank.  SwiGLU keeps Triton everywhere."""
     import dataclasses
+    from opsadv.backends.cuda.gemm import cublas as CB
     from opsadv.backends.triton_common.gemm import gemm as G
     from opsadv.core.env import current_env
     base = current_env()
     rank = {}
     for cc in ((9, 0), (8, 0)):
         env = dataclasses.replace(base, device_type="cuda", compute_capability=cc)
-        rank[cc] = {i.id: i.priority for i in G.impls(env)}
+        rank[cc] = {i.id: i.priority for i in G.impls(env) + CB.impls(env)}
     h, a = rank[(9, 0)], rank[(8, 0)]
     if "cuda.triton.gemm_tma" in h:
         assert h["cuda.cublas.gemm_epilogue"] > h["cuda.triton.gemm_persistent"] > h["cuda.triton.gemm_tma"] \

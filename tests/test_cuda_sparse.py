@@ -401,10 +401,10 @@ def test_band_loop_only_for_band_layouts(monkeypatch):
 
 
 def test_long_row_tile_selection(monkeypatch):
-    """LONG_ROW_FWD applies only to long, contiguous rows without segments / padding / mixed block masks,
-    and never when the profile pins its own sparse tiles."""
-    monkeypatch.setattr(sparse_mod, "LONG_ROW_FWD", {"p": ((32, 32, 4, 1), 90)})
-    prof = SimpleNamespace(name="p", tiles={})
+    """The profile's long-row tile applies only to long, contiguous rows without segments / padding / mixed block
+    masks, and never when the profile pins bare sparse tiles or under the seed's tile_size."""
+    prof = SimpleNamespace(name="p", tiles={"sparse_attention": dict(sparse_mod.DEFAULT_TILES,
+                                                                     long_row=((32, 32, 4, 1), 90))}, extra={})
     win = SparseLayout.sliding_window(300, 80, causal=True, block_size=16)
     ti = win.tile_index(32, 16)
 
@@ -419,12 +419,24 @@ def test_long_row_tile_selection(monkeypatch):
     assert pick(glob, glob.tile_index(32, 16)) is None
     pinned = SimpleNamespace(name="p", tiles={"sparse_attention": ((32, 16, 4, 1),) * 3})
     assert pick(win, ti, pinned) is None
+    assert pick(win, ti, SimpleNamespace(name="p", tiles={}, extra={})) is None        # no long-row tile declared
+    assert pick(win, ti, SimpleNamespace(name="p[tile<=64]", tiles=prof.tiles, extra={"tile_size": 64})) is None
+
+
+_LONG_ROW_TILE = sparse_mod._long_row_tile
+
+
+def _long_row_tile_on(monkeypatch, tile):
+    """The active profile's long-row tile is `tile` (from one mean key per row on; None: no long-row tile)."""
+    rows = SimpleNamespace(name="long_row", tiles={"sparse_attention": {"long_row": (tile, 1)} if tile else {}},
+                           extra={})
+    monkeypatch.setattr(sparse_mod, "_long_row_tile", lambda profile, *args: _LONG_ROW_TILE(rows, *args))
 
 
 @pytest.mark.parametrize("name", ["window_wide", "dense_causal_cross", "window_cross"])
 def test_long_row_tile_path(name, poison, monkeypatch):
     """The forward with the long-row tile switched on (a tile index rebuilt at another shape): same function."""
-    monkeypatch.setattr(sparse_mod, "LONG_ROW_FWD", {"interpreter": ((16, 32, 4, 1), 1)})
+    _long_row_tile_on(monkeypatch, (16, 32, 4, 1))
     make, b, *heads = LOOP_PATTERNS[name]
     lay = make()
     ti = lay.tile_index(32, 16)
@@ -609,7 +621,7 @@ def test_gpu_forward_band_loop(layout, loop, seed, poison, monkeypatch):
                                                              device="cuda")}[layout]()
     pin = {"sparse_attention": "cuda.triton.sparse_attention"}
     for tile in (None, (128, 128, 8, 3)):
-        monkeypatch.setattr(sparse_mod, "LONG_ROW_FWD", {} if tile is None else {"h100": (tile, 1)})
+        _long_row_tile_on(monkeypatch, tile)
         monkeypatch.setattr(sparse_mod, "FWD_DEFAULT", {"loop": loop, "reverse": False, "tma": "contiguous"})
         _check(lay, 1, hq=4, hk=2, d=128, dtype=torch.bfloat16, device="cuda", impls=pin)
 

@@ -301,9 +301,10 @@ def test_jetson_chunking_reads_memory_traits_not_ids():
 
 def test_cuda_impls_declare_memory_traits():
     from opsadv.backends.cuda.flash_attention import sdpa
+    from opsadv.backends.cuda.gemm import cublas as CB
     from opsadv.backends.triton_common.gemm import gemm as G
     env = get_registry().env
-    by_id = {i.id: i for i in sdpa.impls(env) + G.impls(env)}
+    by_id = {i.id: i for i in sdpa.impls(env) + CB.impls(env) + G.impls(env)}
     assert by_id["cuda.sdpa.cudnn"].memory == MEMORY_FLASH and by_id["cuda.sdpa.flash"].memory.kind == "flash"
     assert by_id["cuda.sdpa.efficient"].memory.expands_kv and not by_id["cuda.sdpa.cudnn"].memory.expands_kv
     assert by_id["cuda.cublas.gemm"].memory == MEMORY_FUSED

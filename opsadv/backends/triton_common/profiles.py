@@ -15,12 +15,14 @@ def tile(bm, bn, w, s, tma=False, **flags) -> dict:
 INTERPRETER_TILES = {
     "flash_attention": {p: {c: [tile(16, 16, 4, 1)] for c in (64, 128, 256)}
                         for p in ("fwd", "bwd_kv", "bwd_q", "bwd_dsq")},
-}
+    "sparse_attention": {"small": ((32, 16, 4, 1), (16, 32, 4, 1), (32, 16, 4, 1)),
+                         "large": ((32, 16, 4, 1), (16, 32, 4, 1), (32, 16, 4, 1))},
+}   # (gemm picks its interpreter tiles from the shape: gemm.gemm._fixed_config)
 
 
 def interpreter_profile(backend: str) -> Profile:
     return Profile(
-        name="interpreter", backend=backend, tiles={"flash_attention": INTERPRETER_TILES["flash_attention"]},
+        name="interpreter", backend=backend, tiles=dict(INTERPRETER_TILES),
         description="TRITON_INTERPRET=1 on CPU: small fixed tiles, no autotune",
         num_stages=1, num_warps=4, autotune=False, priority=5,
         matches=lambda env: env.device_type != "cuda" and env.triton_interpret,

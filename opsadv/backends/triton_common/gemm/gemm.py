@@ -1,16 +1,13 @@
-"""gemm and swiglu_gemm for the cuda backend.
+"""gemm and swiglu_gemm in Triton (one kernel family; SwiGLU is a flag), shared by the GPU backends.
 
 Impls (priority; the dispatcher's measured choice per bucket overrides it under autotune=True):
-  cuda.cublas.gemm             300  torch.addmm / torch._addmm_activation: plain GEMM (+bias, alpha), and
-                                    bias+relu / bias+gelu_tanh fused in the cuBLASLt epilogue
-  cuda.cublas.gemm_small_m     250  the same torch code for M <= 64 (decode): cuBLAS wins there
   cuda.triton.gemm_persistent  212  the TMA kernel made persistent (one program per SM walks the tiles, the
                                     next tile's loads overlap this tile's epilogue; TMA stores); Hopper+
   cuda.triton.gemm_tma         210  Triton, TMA descriptors, Hopper+, 16-byte aligned K and N; fused epilogue
   cuda.triton.gemm             200  Triton, pointer loads, any strides; fused epilogue
-  cuda.cublas.gemm_epilogue    150  cuBLAS GEMM then torch activation / residual (unfused); 215 on Hopper
-  and for swiglu_gemm: cuda.cublas.swiglu_gemm_small_m 250, cuda.triton.swiglu_gemm[_tma|_persistent]
-  200/210/205, cuda.gluon.swiglu_gemm 195 (gluon_swiglu_gemm.py, Hopper), cuda.cublas.swiglu_gemm 150.
+  and for swiglu_gemm: cuda.triton.swiglu_gemm[_tma|_persistent] 200/210/205.
+The cuda backend's cuBLAS impls (cuda/gemm/cublas.py) and Gluon impls (cuda/gemm/gluon.py,
+cuda/swiglu_gemm/gluon.py) compete with them.
 Why (H200, bf16, torch 2.11, triton 3.6): the TMA kernel reaches
 0.88-0.96x cuBLAS on plain GEMMs, 0.91-0.98x torch._addmm_activation on bias+gelu_tanh, 1.01-1.08x
 addmm+silu on bias+silu and 1.07-1.22x eager on SwiGLU; at M = 8 cuBLAS is 2-5x faster.
@@ -29,12 +26,10 @@ import functools
 import importlib.util
 
 import torch
-import torch.nn.functional as F
 
-from opsadv.core.activations import act_grad
 from opsadv.core.envvars import env_bool
 from opsadv.core.errors import InvalidArgumentError
-from opsadv.core.kernel import MEMORY_FUSED, PRIORITY_TRITON, PRIORITY_VENDOR, KernelImpl, cap_tiles, temporaries
+from opsadv.core.kernel import MEMORY_FUSED, PRIORITY_TRITON, KernelImpl, cap_tiles
 from opsadv.core.ops._common import len_bucket
 from opsadv.core.policy import current_policy
 
@@ -46,45 +41,32 @@ ACT_FEATURES = frozenset({"act_relu", "act_gelu", "act_gelu_tanh", "act_silu"})
 GEMM_FEATURES = ACT_FEATURES | {"bias", "residual", "alpha", "batched"}
 _TF32_REASON = "float32 inputs need use_backend(..., precision='tf32') (tensor cores round them to tf32)"
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) per profile; "small" serves M <= 64 (decode).
-# The persistent kernel's entries add (programs per SM, EPI_SPLIT: the epilogue in two column halves).
-CONFIGS = {
-    "h100": {"gemm": [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4),
-                      (256, 128, 64, 8, 3), (128, 64, 64, 4, 4)],
-             "swiglu": [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4)],
-             "small": [(16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (32, 64, 128, 4, 4), (64, 64, 64, 4, 4)],
-             # the winners measured on an H200: 2 programs of 128x128/8 warps per SM
-             # at the BERT shapes (epilogue of one under the other's MMAs), 128x256 at 8192^3 and the
-             # gemm suite's shapes, whole-tile stores at 12288x768x768.  The 128x256 entries exceed shared
-             # memory with a residual epilogue (sm_90 compile: 245784 / 294944 B; the autotuner drops them)
-             "persistent": [(128, 128, 64, 8, 3, 2, True), (128, 256, 64, 8, 4, 1, True),
-                            (128, 256, 64, 8, 3, 1, True), (128, 128, 64, 8, 4, 1, False)],
-             "persistent_swiglu": [(128, 128, 64, 8, 3, 1, True), (128, 128, 64, 8, 4, 1, True)]},
-    "a100": {"gemm": [(128, 256, 32, 8, 3), (128, 128, 32, 4, 4), (128, 128, 64, 4, 3), (64, 128, 32, 4, 4)],
-             "swiglu": [(128, 128, 32, 8, 3), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4)],
-             "small": [(16, 64, 128, 4, 4), (16, 128, 64, 4, 4), (32, 64, 64, 4, 4)]},
-    "rtx": {"gemm": [(128, 128, 32, 4, 3), (64, 128, 32, 4, 4), (128, 64, 32, 4, 4), (64, 64, 32, 4, 4)],
-            "swiglu": [(64, 128, 32, 4, 3), (128, 64, 32, 4, 3), (64, 64, 32, 4, 4)],
-            "small": [(16, 64, 64, 4, 3), (16, 128, 64, 4, 3), (32, 64, 64, 4, 3)]},
-}
+# Tiles come from ctx.profile.tiles["gemm"][kind]: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), kinds
+# "gemm", "swiglu", "small" (M <= 64, decode), "persistent", "persistent_swiglu" (these add programs per SM and
+# EPI_SPLIT: the epilogue in two column halves); the first is the default, the list the autotune space.  The
+# tables are the backends' (e.g. opsadv/backends/cuda/profiles.py).  Used when the profile has none for a kind
+# (a third-party or future profile):
+DEFAULT_CONFIGS = {"gemm": [(64, 64, 32, 4, 2)], "swiglu": [(64, 64, 32, 4, 2)], "small": [(16, 64, 64, 4, 2)],
+                   "persistent": [(128, 128, 64, 8, 3, 1, True)], "persistent_swiglu": [(128, 128, 64, 8, 3, 1, True)]}
 GROUP_M = 8
 
 
-def _configs(profile_name: str, kind: str, tile_cap: int | None) -> list[tuple]:
-    """The autotune space of a profile, capped by the seed's tile_size (use_backend(tile_size=))."""
-    table = CONFIGS.get(profile_name, CONFIGS["rtx"]).get(kind) or CONFIGS["h100"][kind]   # persistent: Hopper only
+def _configs(tables, kind: str, tile_cap: int | None) -> list[tuple]:
+    """The autotune space of a profile's gemm tables, capped by the seed's tile_size (use_backend(tile_size=))."""
+    table = tables.get(kind) or DEFAULT_CONFIGS[kind]
     return cap_tiles(table, tile_cap) if tile_cap else list(table)
 
 
-def _fixed_config(profile_name: str, kind: str, m: int, n: int, tile_cap: int | None = None) -> tuple:
-    """One config without autotuning: the profile's first choice, bounded for jetson/interpreter."""
+def _fixed_config(profile_name: str, kind: str, m: int, n: int, tile_cap: int | None = None, tables=None) -> tuple:
+    """One config without autotuning: the profile's first choice (tables: its gemm tables), bounded for
+    jetson/interpreter."""
     if profile_name == "interpreter":                 # tiny tiles: the interpreter's cost is per element
         cfg = (16 if m <= 16 else 32, 32, 32, 4, 1)
     elif profile_name == "jetson":                    # tiles <= 64, <= 2 stages (small smem, no autotune)
         cfg = (16 if m <= 16 else 64, 64 if n > 32 else 32, 32, 4, 2)
     else:
         small = m <= 64 and not kind.startswith("persistent")     # the persistent kernel has one table
-        return _configs(profile_name, "small" if small else kind, tile_cap)[0]
+        return _configs(tables or {}, "small" if small else kind, tile_cap)[0]
     if kind.startswith("persistent"):
         cfg += (1, True)                              # one program per SM, epilogue in two halves
     return cap_tiles([cfg], tile_cap)[0] if tile_cap else cfg
@@ -96,6 +78,10 @@ def _tile_cap(ctx) -> int | None:
 
 def _pname(ctx) -> str:
     return ctx.profile.name if ctx.profile is not None else "rtx"
+
+
+def _tables(ctx):
+    return ctx.profile.tiles.get("gemm", {}) if ctx.profile is not None else {}
 
 
 def _poisoned(shape, like: torch.Tensor) -> torch.Tensor:
@@ -117,20 +103,6 @@ def _tf32_check(spec, env) -> list[str]:
     if spec.dtype == torch.float32 and current_policy().precision.matmul != "tf32":
         return [_TF32_REASON]
     return []
-
-
-def _cublas_fused_check(spec, env) -> list[str]:
-    acts = spec.features & ACT_FEATURES
-    if acts and "bias" not in spec.features:
-        return [f"cuBLASLt fuses {sorted(acts)[0][4:]} only together with a bias"]
-    return []
-
-
-SMALL_M = 64
-
-
-def _small_m_check(spec, env) -> list[str]:
-    return [] if spec.bucket[0] <= SMALL_M else [f"registered for M <= {SMALL_M} (decode); M bucket {spec.bucket[0]}"]
 
 
 def _tma_check(spec, env) -> list[str]:
@@ -158,12 +130,12 @@ def _meta(cfg: tuple) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def _autotuned(kernel: str, profile_name: str, kind: str, tile_cap: int | None = None):
+def _autotuned(kernel: str, configs: tuple):
     import triton
     from . import kernels as K
     hook = None if kernel == "ptr" else _set_tma_blocks
     cfgs = [triton.Config(_meta(c), num_warps=c[3], num_stages=c[4], pre_hook=hook)
-            for c in _configs(profile_name, kind, tile_cap)]
+            for c in configs]
     fn = {"ptr": K._gemm_kernel, "tma": K._gemm_tma_kernel, "persistent": K._gemm_persistent_kernel}[kernel]
     key = ["M_BUCKET", "N", "K"]
     if kernel == "persistent":       # the epilogue's cost (erf GELU, TMA or pointer stores) moves the best tile
@@ -197,7 +169,7 @@ def _tma_ready(t: torch.Tensor) -> bool:
 def _launch(ctx, a2, b, out, bias, res2, grad2, act: str, alpha: float, swiglu: bool, bwd: bool, kernel: str,
             config: tuple | None = None):
     """out (M, N[*2 for swiglu backward]) <- the fused GEMM; a2 (M, K), b (K, N or 2N).
-    kernel: one of KERNELS; config: an explicit CONFIGS entry (probes, tests) instead of the
+    kernel: one of KERNELS; config: an explicit config tuple (probes, tests) instead of the
     profile's fixed or autotuned one."""
     import triton
     from . import kernels as K_
@@ -219,13 +191,14 @@ def _launch(ctx, a2, b, out, bias, res2, grad2, act: str, alpha: float, swiglu: 
         bias = bias.contiguous()                        # the epilogue reads bias + offs_n (unit stride)
     bias_ = bias if bias is not None else dummy
     cap = _tile_cap(ctx)
+    tables = _tables(ctx)
     if not persistent and m <= 64:
         kind = "small"
     if config is None and not tune:
-        config = _fixed_config(pname, kind, m, n, cap)
+        config = _fixed_config(pname, kind, m, n, cap, tables)
     if config is not None:
         flags.update(_meta(config), num_warps=config[3], num_stages=config[4])
-    kern = _autotuned(kernel, pname, kind, cap) if config is None else \
+    kern = _autotuned(kernel, tuple(_configs(tables, kind, cap))) if config is None else \
         {"ptr": K_._gemm_kernel, "tma": K_._gemm_tma_kernel, "persistent": K_._gemm_persistent_kernel}[kernel]
     if kernel == "ptr":
         grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
@@ -308,75 +281,6 @@ def _triton_swiglu_bwd(ctx, grad, x, w, bias, *, kernel="ptr"):
     return _grads_from_dz(x2, w, dgu, 1.0, bias, x.shape)
 
 
-# ---- cuBLAS through torch ------------------------------------------------------------------------
-def _torch_act(y: torch.Tensor, activation: str) -> torch.Tensor:
-    if activation == "relu":
-        return y.relu_()
-    if activation == "gelu":
-        return F.gelu(y)
-    if activation == "gelu_tanh":
-        return F.gelu(y, approximate="tanh")
-    if activation == "silu":
-        return F.silu(y, inplace=True)
-    return y
-
-
-def _cublas_gemm(ctx, a, b, bias, activation, residual, alpha):
-    k, n = b.shape
-    a2 = a.reshape(-1, k)
-    # cublasLt epilogue; on CUDA its GELU is the tanh approximation (the CPU kernel's is exact erf)
-    if bias is not None and (activation == "relu" or (activation == "gelu_tanh" and a.is_cuda)):
-        y = torch._addmm_activation(bias, a2, b, alpha=alpha, use_gelu=activation == "gelu_tanh")
-        activation = "none"
-    elif bias is not None:
-        y = torch.addmm(bias, a2, b, alpha=alpha)
-    elif residual is not None and activation == "none":
-        y = torch.addmm(residual.reshape(-1, n), a2, b, alpha=alpha)   # beta=1 adds the residual
-        residual = None
-    else:
-        y = torch.mm(a2, b)
-        if alpha != 1.0:
-            y.mul_(alpha)
-    y = _torch_act(y, activation)
-    if residual is not None:
-        y.add_(residual.reshape(-1, n))
-    return y.reshape(*a.shape[:-1], n)
-
-
-def _cublas_gemm_bwd(ctx, grad, a, b, bias, activation, alpha):
-    k, n = b.shape
-    a2, g2 = a.reshape(-1, k), grad.reshape(-1, n)
-    if activation == "none":
-        dz = g2
-    else:
-        z = torch.addmm(bias, a2, b, alpha=alpha) if bias is not None else torch.mm(a2, b).mul_(alpha)
-        dz = (g2.float() * act_grad(activation, z.float())).to(a.dtype)
-    return _grads_from_dz(a2, b, dz, alpha, bias, a.shape)
-
-
-def _cublas_swiglu(ctx, x, w, bias):
-    k, n2 = w.shape
-    x2 = x.reshape(-1, k)
-    gu = torch.addmm(bias, x2, w) if bias is not None else torch.mm(x2, w)
-    g, u = gu.chunk(2, dim=-1)
-    return (F.silu(g) * u).reshape(*x.shape[:-1], n2 // 2)
-
-
-def _cublas_swiglu_bwd(ctx, grad, x, w, bias):
-    k, n2 = w.shape
-    x2, g2 = x.reshape(-1, k), grad.reshape(-1, n2 // 2).float()
-    gu = (torch.addmm(bias, x2, w) if bias is not None else torch.mm(x2, w)).float()
-    g, u = gu.chunk(2, dim=-1)
-    dgu = torch.cat([g2 * u * act_grad("silu", g), g2 * F.silu(g)], dim=-1).to(x.dtype)
-    return _grads_from_dz(x2, w, dgu, 1.0, bias, x.shape)
-
-
-# On Hopper, cuBLAS then the activation in torch beats the Triton GEMM with a fused epilogue at
-# the shapes measured (H200: bias+silu 16384x11008x4096 Triton 0.98x of addmm+silu; BERT-base FFN
-# gelu GEMM Triton ~380 TFLOP/s vs cuBLAS ~650-700 in the same model; own TMA GEMM 0.88x cuBLAS
-# plain): the unfused cuBLAS path ranks above Triton there.  Measured tuning (autotune=True /
-# tune_for_hardware) still picks per shape bucket.  SwiGLU keeps the Triton kernel (1.14x eager).
-EPILOGUE_PRIORITY_HOPPER = PRIORITY_TRITON + 15
 # The persistent kernel beat the TMA kernel at all 7 shapes measured
 # (H200: 1.04-1.14x), so it ranks above it; below the cuBLAS
 # epilogue path, which it beats with an activation (BERT FFN1 bias+erf-GELU 1.07x addmm+gelu, bias+silu
@@ -392,32 +296,8 @@ PERSISTENT_PRIORITY = PRIORITY_TRITON + 12
 BACKWARD_KERNEL = {"persistent": "tma"}
 
 
-def _epilogue_priority(env) -> int:
-    cc = getattr(env, "compute_capability", None) or (0, 0)
-    return EPILOGUE_PRIORITY_HOPPER if env.device_type == "cuda" and cc >= (9, 0) else 150
-
-
 def impls(env) -> list[KernelImpl]:
-    out = [
-        KernelImpl("cuda.cublas.gemm", "gemm", "cuda", _cublas_gemm, _cublas_gemm_bwd, priority=PRIORITY_VENDOR,
-                   dtypes=ALL, features=frozenset({"bias", "alpha", "batched", "act_relu", "act_gelu_tanh"}),
-                   check=_cublas_fused_check, memory=MEMORY_FUSED,
-                   description="cuBLAS through torch.addmm / _addmm_activation (plain, +bias, bias+relu/gelu_tanh)"),
-        KernelImpl("cuda.cublas.gemm_small_m", "gemm", "cuda", _cublas_gemm, _cublas_gemm_bwd, priority=250,
-                   dtypes=ALL, features=GEMM_FEATURES, check=_small_m_check, memory=temporaries(2),
-                   description="cuBLAS then torch epilogue, for decode shapes (M <= 64) where cuBLAS wins"),
-        KernelImpl("cuda.cublas.swiglu_gemm_small_m", "swiglu_gemm", "cuda", _cublas_swiglu, _cublas_swiglu_bwd,
-                   priority=250, dtypes=ALL, features=frozenset({"bias", "batched"}), check=_small_m_check,
-                   memory=temporaries(3),
-                   description="one cuBLAS GEMM over [W_g | W_u] then silu(g) * u, for decode shapes (M <= 64)"),
-        KernelImpl("cuda.cublas.gemm_epilogue", "gemm", "cuda", _cublas_gemm, _cublas_gemm_bwd,
-                   priority=_epilogue_priority(env),
-                   dtypes=ALL, features=GEMM_FEATURES, memory=temporaries(2),     # activation / residual temporaries
-                   description="cuBLAS (torch._addmm_activation for bias+relu/gelu_tanh) then torch epilogue"),
-        KernelImpl("cuda.cublas.swiglu_gemm", "swiglu_gemm", "cuda", _cublas_swiglu, _cublas_swiglu_bwd, priority=150,
-                   dtypes=ALL, features=frozenset({"bias", "batched"}), memory=temporaries(3),     # gate, up, silu
-                   description="one cuBLAS GEMM over [W_g | W_u], then silu(g) * u in torch"),
-    ]
+    out: list[KernelImpl] = []
     if importlib.util.find_spec("triton") is None:
         return out
     dev = triton_device_types(env)

@@ -8,8 +8,8 @@ work is proportional to the real tokens.  GQA by head index arithmetic; a row wi
 key gives zeros and lse = -inf.  Backward: a dK/dV kernel (per kv tile, over the transposed
 lists and every query head of its group) and a dQ kernel, both without atomics.
 
-Tiles come from ctx.profile.tiles["sparse_attention"] when the profile sets them, else from
-TILES below by profile name; the forward takes LONG_ROW_FWD's larger tile for long contiguous rows.
+Tiles come from ctx.profile.tiles["sparse_attention"] (the backend's profiles; DEFAULT_TILES below when it has
+none); the forward takes the profile's larger "long_row" tile for long contiguous rows.
 Forward loop structure: LOOP_IDS / FWD_DEFAULT below (full tiles walked as a column range when they
 are one run per row, else column ids prefetched one iteration ahead, so K/V loads stay pipelined).
 Backward: the same choices as BWD_LOOP_IDS / BWD_DEFAULT (still the in-loop id load until measured)."""
@@ -37,40 +37,22 @@ HEAD_DIMS = (16, 32, 64, 96, 128, 256)
 FEATURES = frozenset({"causal", "gqa", "key_padding", "varlen", "window", "global", "cross_length"})
 MAX_REFINE_CELLS = 1 << 26      # tile classification grid (gcd of block size and tile) cap
 
-# (fwd BLOCK_M, BLOCK_N, warps, stages[, rescale threshold]), (dq BLOCK_M, BLOCK_N, warps, stages), (dkdv BLOCK_M, BLOCK_N, warps, stages)
-# keyed by profile name, then head-dim class ("small" <= 128 < "large").  h100 "small": the best of a sweep
-# on an H200 (s=16384 window 1024 causal d128 bf16).
-TILES = {
-    "h100": {"small": ((64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 2)),
-             "large": ((64, 32, 8, 2), (32, 32, 4, 2), (32, 32, 8, 1))},   # d=256: fp32 accumulators fit registers
-    "a100": {"small": ((128, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 2)),
-             "large": ((64, 32, 4, 2), (64, 32, 4, 2), (32, 64, 4, 2))},
-    "rtx": {"small": ((64, 64, 4, 2), (64, 64, 4, 2), (64, 64, 4, 2)),
-            "large": ((64, 32, 4, 2), (32, 32, 4, 1), (32, 32, 4, 1))},
-    "jetson": {"small": ((64, 64, 4, 2), (64, 32, 4, 2), (32, 64, 4, 2)),
-               "large": ((32, 32, 4, 1), (32, 32, 4, 1), (32, 32, 4, 1))},
-    "interpreter": {"small": ((32, 16, 4, 1), (16, 32, 4, 1), (32, 16, 4, 1)),
-                    "large": ((32, 16, 4, 1), (16, 32, 4, 1), (32, 16, 4, 1))},
-}
-
-
-# Forward tile for long rows, by profile: (tile, min mean keys per row).  H200 (
-# causal windows, s16384 d128 bf16, "run" loop): 128x128/8/3 vs 64x64/4/3
-# w2048 1.236 vs 1.343 ms, w4096 2.111 vs 2.259, w8192 3.447 vs 3.689; but w1024 0.782 vs 0.727, w256 0.443
-# vs 0.312 and the packed varlen batch 1.693 vs 1.564 (segment edges: more masked work).  So only for
-# layouts whose full tiles are one run per row, without segments, key padding or a mixed block mask, and
-# rows that visit >= 1536 keys on average.  Shared memory at 128x128/3 stages: 229376 B of 232448 for every
-# flag combination allowed here (sm_90 compile, Triton 3.6); the excluded gather paths need more.
-LONG_ROW_FWD = {"h100": ((128, 128, 8, 3), 1536)}
+# Tiles: ctx.profile.tiles["sparse_attention"] = {"small": tiles, "large": tiles[, "long_row": (fwd tile, min mean
+# keys per row)]} by head-dim class ("small" <= 128 < "large"), tiles = ((fwd BLOCK_M, BLOCK_N, warps, stages
+# [, rescale threshold]), (dq BLOCK_M, BLOCK_N, warps, stages), (dkdv BLOCK_M, BLOCK_N, warps, stages)); the
+# tables are the backends' (e.g. opsadv/backends/cuda/profiles.py).  A bare tiles tuple there pins them for every
+# head dim (benchmarks do), and turns the long-row tile off.  Used when the profile has none:
+DEFAULT_TILES = {"small": ((64, 64, 4, 2), (64, 64, 4, 2), (64, 64, 4, 2)),
+                 "large": ((64, 32, 4, 2), (32, 32, 4, 1), (32, 32, 4, 1))}
 
 
 def tiles_for(profile, head_dim: int):
-    """((fwd), (dq), (dkdv)) tile configs: the profile's own, else TILES by name."""
+    """((fwd), (dq), (dkdv)) tile configs: the profile's own, else DEFAULT_TILES."""
     own = getattr(profile, "tiles", {}).get(OP) if profile is not None else None
     cls = "small" if head_dim <= 128 else "large"
     if own is not None:
         return own[cls] if isinstance(own, dict) else own
-    return TILES.get(getattr(profile, "name", None), TILES["rtx"])[cls]
+    return DEFAULT_TILES[cls]
 
 
 # ---- forward -------------------------------------------------------------------------------------------
@@ -553,10 +535,13 @@ def _prep(ctx, *ts):
 
 
 def _long_row_tile(profile, d, ti, block_n, cu, kpm):
-    """LONG_ROW_FWD's tile when this layout qualifies (see there), else None.  Not when the profile
-    carries its own sparse tiles (benchmarks pin them) or during CUDA graph capture (ti.tiles = -1)."""
-    cfg = LONG_ROW_FWD.get(getattr(profile, "name", None))
-    if cfg is None or OP in (getattr(profile, "tiles", None) or {}) or d > 128:
+    """The profile's long-row forward tile ("long_row" of its sparse tiles) when this layout qualifies, else None:
+    only layouts whose full tiles are one run per row, without segments, key padding or a mixed block mask, whose
+    rows visit at least the given mean number of keys.  Not when the profile pins bare tiles (benchmarks do), under
+    the seed's tile_size, or during CUDA graph capture (ti.tiles = -1)."""
+    own = (getattr(profile, "tiles", None) or {}).get(OP)
+    cfg = own.get("long_row") if isinstance(own, dict) else None
+    if cfg is None or d > 128 or (getattr(profile, "extra", None) or {}).get("tile_size"):
         return None
     if cu is not None or kpm is not None or ti.bm_mode == 2 or not ti.full_run or ti.tiles < 0:
         return None
