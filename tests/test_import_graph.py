@@ -20,6 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 TRITON = "triton is optional: the target imports it at module level, the importer does not"
+TC, CUDA = "opsadv.backends.triton_common", "opsadv.backends.cuda"
 # (importer, target) -> why the import stays inside a function
 LAZY: dict[tuple[str, str], str] = {
     ("opsadv", "opsadv.convert"): "`import opsadv` stays light: convert_model / Optimizer / load load on first use",
@@ -28,20 +29,20 @@ LAZY: dict[tuple[str, str], str] = {
                                                          "(test_hf_seam): `import opsadv` stays light",
     ("opsadv.cli", "opsadv.bench.runner"): "optional CLI part: its ImportError leaves the other commands working",
     ("opsadv.cli", "opsadv.convert.cli"): "optional CLI part: its ImportError leaves the other commands working",
-    ("opsadv.bench.suite_sparse", "opsadv.backends.triton_common.sparse_attention.sparse"): TRITON,
-    ("opsadv.backends.triton_common.gemm.gemm", "opsadv.backends.triton_common.gemm.kernels"): TRITON,
-    ("opsadv.backends.triton_common.norm.norm", "opsadv.backends.triton_common.norm.kernels"): TRITON,
-    ("opsadv.backends.triton_common.norm.norm", "opsadv.backends.triton_common.utils"): TRITON,
-    ("opsadv.backends.triton_common.rotary_embedding.rotary", "opsadv.backends.triton_common.rotary_embedding.kernels"): TRITON,
-    ("opsadv.backends.triton_common.rotary_embedding.rotary", "opsadv.backends.triton_common.utils"): TRITON,
-    ("opsadv.backends.triton_common.swiglu.swiglu", "opsadv.backends.triton_common.swiglu.kernels"): TRITON,
-    ("opsadv.backends.triton_common.swiglu.swiglu", "opsadv.backends.triton_common.utils"): TRITON,
-    ("opsadv.backends.cuda.flash_attention.gluon", "opsadv.backends.triton_common.flash_attention.attention"): TRITON,
-    ("opsadv.backends.cuda.flash_attention.gluon", "opsadv.backends.triton_common.utils"): TRITON,
-    ("opsadv.backends.cuda.flash_attention.gluon_bwd", "opsadv.backends.triton_common.flash_attention.attention"): TRITON,
-    ("opsadv.backends.cuda.flash_attention.gluon_bwd", "opsadv.backends.triton_common.utils"): TRITON,
-    ("opsadv.backends.cuda.gemm.gluon", "opsadv.backends.triton_common.utils"): TRITON,
-    ("opsadv.backends.cuda.swiglu_gemm.gluon", "opsadv.backends.triton_common.utils"): TRITON,
+    ("opsadv.bench.suite_sparse", f"{TC}.sparse_attention.sparse"): TRITON,
+    (f"{TC}.gemm.gemm", f"{TC}.gemm.kernels"): TRITON,
+    (f"{TC}.norm.norm", f"{TC}.norm.kernels"): TRITON,
+    (f"{TC}.norm.norm", f"{TC}.utils"): TRITON,
+    (f"{TC}.rotary_embedding.rotary", f"{TC}.rotary_embedding.kernels"): TRITON,
+    (f"{TC}.rotary_embedding.rotary", f"{TC}.utils"): TRITON,
+    (f"{TC}.swiglu.swiglu", f"{TC}.swiglu.kernels"): TRITON,
+    (f"{TC}.swiglu.swiglu", f"{TC}.utils"): TRITON,
+    (f"{CUDA}.flash_attention.gluon", f"{TC}.flash_attention.attention"): TRITON,
+    (f"{CUDA}.flash_attention.gluon", f"{TC}.utils"): TRITON,
+    (f"{CUDA}.flash_attention.gluon_bwd", f"{TC}.flash_attention.attention"): TRITON,
+    (f"{CUDA}.flash_attention.gluon_bwd", f"{TC}.utils"): TRITON,
+    (f"{CUDA}.gemm.gluon", f"{TC}.utils"): TRITON,
+    (f"{CUDA}.swiglu_gemm.gluon", f"{TC}.utils"): TRITON,
 }
 ABOVE_CORE = ("opsadv.backends", "opsadv.convert", "opsadv.cli", "opsadv.bench", "opsadv.registry")
 # what `import opsadv` must not load (heavy, optional, or loaded on first use)
@@ -324,11 +325,11 @@ def test_backends_import_no_other_backend(opsadv_graph):
 def test_backend_rule_on_fake_imports():
     fake = [Import("opsadv.backends.rocm.kernels", "opsadv.backends.cuda", 3, False, False),
             Import("opsadv.backends.jetson.kernels", "opsadv.backends.cuda", 4, False, False),
-            Import("opsadv.backends.triton_common.gemm.gemm", "opsadv.backends.cuda.profiles", 5, True, False),
+            Import(f"{TC}.gemm.gemm", f"{CUDA}.profiles", 5, True, False),
             Import("opsadv.backends.rocm.kernels", "opsadv.backends.triton_common", 6, False, False),
             Import("opsadv.backends.ascend.gemm", "opsadv.backends.ascend.norm", 7, False, False)]
     assert backend_violations(fake) == ["opsadv.backends.rocm.kernels:3 imports opsadv.backends.cuda",
-                                        "opsadv.backends.triton_common.gemm.gemm:5 imports opsadv.backends.cuda.profiles"]
+                                        f"{TC}.gemm.gemm:5 imports opsadv.backends.cuda.profiles"]
 
 
 def test_function_level_imports_only_where_allowed(opsadv_graph):

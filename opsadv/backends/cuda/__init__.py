@@ -25,10 +25,10 @@ from .profiles import PROFILES
 NAME = "cuda"
 VERSION = "0.1.0"
 # kernel modules, full dotted names: the shared Triton kernels, then this backend's own (one folder per op)
+OWN_MODULES = ("flash_attention.sdpa", "flash_attention.gluon", "sparse_attention.gluon", "gemm.cublas", "gemm.gluon",
+               "swiglu_gemm.gluon", "norm.aten")
 KERNEL_MODULES = (tuple(f"{triton_common.__name__}.{m}" for m in triton_common.KERNEL_MODULES)
-                  + tuple(f"{__name__}.{m}" for m in ("flash_attention.sdpa", "flash_attention.gluon",
-                                                      "sparse_attention.gluon", "gemm.cublas", "gemm.gluon", "swiglu_gemm.gluon",
-                                                      "norm.aten")))
+                  + tuple(f"{__name__}.{m}" for m in OWN_MODULES))
 
 
 @hookimpl

@@ -14,7 +14,9 @@ import warnings
 from opsadv.core.errors import InvalidArgumentError, UnknownOptionError
 from opsadv.runtime.memory import parse_level
 
-# kernel modules (relative to this package), each exposing impls(env) -> list[KernelImpl]
+# kernel modules (relative to this package), each exposing impls(env, backend="cuda") -> list[KernelImpl]: its impls
+# declared for `backend` (ids "<backend>.triton.<...>", NVIDIA compute-capability checks; another backend replaces
+# those with its own)
 KERNEL_MODULES = ("flash_attention.attention", "sparse_attention.sparse", "gemm.gemm", "norm.norm", "swiglu.swiglu",
                   "rotary_embedding.rotary")
 
@@ -28,9 +30,10 @@ def triton_device_types(env) -> tuple[str, ...]:
     return ("cuda", "cpu") if interpreter_mode(env) else ("cuda",)
 
 
-def module_impls(env, modules, who: str) -> list[tuple[str, object]]:
-    """(module, impl) for the kernel modules `modules` (full dotted names) that import; a module that fails to
-    import is skipped with a warning naming `who`, so one broken kernel module does not take the others down."""
+def module_impls(env, modules, who: str, backend: str | None = None) -> list[tuple[str, object]]:
+    """(module, impl) for the kernel modules `modules` (full dotted names) that import, their impls declared for
+    `backend` when given (this package's modules take it); a module that fails to import is skipped with a warning
+    naming `who`, so one broken kernel module does not take the others down."""
     out = []
     for modname in modules:
         if importlib.util.find_spec(modname) is None:
@@ -41,7 +44,7 @@ def module_impls(env, modules, who: str) -> list[tuple[str, object]]:
             warnings.warn(f"opsadv {who}: kernel module {modname} not loaded: {type(e).__name__}: {e}",
                           RuntimeWarning, stacklevel=3)
             continue
-        out += [(modname, impl) for impl in mod.impls(env)]
+        out += [(modname, impl) for impl in (mod.impls(env) if backend is None else mod.impls(env, backend))]
     return out
 
 

@@ -1,1 +1,2 @@
-"""gemm on NVIDIA: the Gluon persistent GEMM for Hopper (gluon.py; kernel in gluon_kernel.py)."""
+"""gemm and swiglu_gemm on NVIDIA: cuBLAS through torch (cublas.py); the Gluon persistent GEMM for Hopper
+(gluon.py; kernel in gluon_kernel.py).  The Triton kernels are in opsadv/backends/triton_common/gemm/."""

@@ -68,7 +68,8 @@ import torch
 from opsadv.core.kernel import MEMORY_FLASH, PRIORITY_TRITON, KernelImpl
 from opsadv.core.layout import tile_index
 
-from ..flash_attention.gluon import _cdiv, _desc, _tma_ready, gluon_unavailable, nvmma_layout  # (b, h, s, d) TMA descriptors shared with the dense kernel
+# (b, h, s, d) TMA descriptors shared with the dense kernel
+from ..flash_attention.gluon import _cdiv, _desc, _tma_ready, gluon_unavailable, nvmma_layout
 from opsadv.backends.triton_common.utils import new_output, new_output_bshd
 from opsadv.backends.triton_common.sparse_attention.sparse import refinement_reasons, sparse_bwd as triton_sparse_bwd
 

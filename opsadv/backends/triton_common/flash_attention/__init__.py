@@ -1,1 +1,2 @@
-"""flash_attention in Triton: forward (attention.py), backward kernels (bwd_kernels.py), the dQ GEMM over a materialized dS (dq_gemm.py)."""
+"""flash_attention in Triton: forward kernel, host and impls (attention.py), backward kernels (bwd_kernels.py),
+the dQ GEMM over a materialized dS (dq_gemm.py)."""

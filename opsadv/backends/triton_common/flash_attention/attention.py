@@ -536,9 +536,9 @@ def _check(spec, env) -> list[str]:
     return why
 
 
-def impls(env) -> list[KernelImpl]:
+def impls(env, backend: str = "cuda") -> list[KernelImpl]:
     return [KernelImpl(
-        id="cuda.triton.flash_attention", op="flash_attention", backend="cuda", fn=flash_fwd, backward=flash_bwd,
+        id=f"{backend}.triton.flash_attention", op="flash_attention", backend=backend, fn=flash_fwd, backward=flash_bwd,
         priority=PRIORITY_TRITON, device_types=triton_device_types(env),
         dtypes=(torch.float16, torch.bfloat16, torch.float32), head_dims=HEAD_DIMS, min_cc=(8, 0),
         features=FEATURES, deterministic=True, requires_interpret_or_cuda=True, check=_check, memory=MEMORY_FLASH,
@@ -546,7 +546,7 @@ def impls(env) -> list[KernelImpl]:
                     "TMA on Hopper; deterministic backward without atomics: dQ by its own kernel or by a GEMM over dS "
                     "kept in a capped workspace, measured per bucket)"),
         KernelImpl(
-        id="cuda.triton.flash_attention.atomic_dq", op="flash_attention", backend="cuda", fn=flash_fwd,
+        id=f"{backend}.triton.flash_attention.atomic_dq", op="flash_attention", backend=backend, fn=flash_fwd,
         backward=flash_bwd_atomic, priority=PRIORITY_TRITON + ATOMIC_DQ_PRIORITY_DELTA,
         device_types=triton_device_types(env), dtypes=(torch.float16, torch.bfloat16, torch.float32),
         head_dims=HEAD_DIMS, min_cc=(8, 0), features=FEATURES, deterministic=False, requires_interpret_or_cuda=True,

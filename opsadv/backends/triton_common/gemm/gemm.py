@@ -296,7 +296,7 @@ PERSISTENT_PRIORITY = PRIORITY_TRITON + 12
 BACKWARD_KERNEL = {"persistent": "tma"}
 
 
-def impls(env) -> list[KernelImpl]:
+def impls(env, backend: str = "cuda") -> list[KernelImpl]:
     out: list[KernelImpl] = []
     if importlib.util.find_spec("triton") is None:
         return out
@@ -311,11 +311,11 @@ def impls(env) -> list[KernelImpl]:
     for kernel, (sfx, prio, sprio, extra, what) in variants.items():
         bwd = BACKWARD_KERNEL.get(kernel, kernel)
         out += [
-            KernelImpl(f"cuda.triton.gemm{sfx}", "gemm", "cuda", functools.partial(_triton_gemm, kernel=kernel),
+            KernelImpl(f"{backend}.triton.gemm{sfx}", "gemm", backend, functools.partial(_triton_gemm, kernel=kernel),
                        functools.partial(_triton_gemm_bwd, kernel=bwd), priority=prio, device_types=dev, dtypes=ALL,
                        features=GEMM_FEATURES, requires_interpret_or_cuda=True, memory=MEMORY_FUSED, **extra,
                        description=f"Triton GEMM, fused bias/activation/residual/alpha epilogue, {what}"),
-            KernelImpl(f"cuda.triton.swiglu_gemm{sfx}", "swiglu_gemm", "cuda",
+            KernelImpl(f"{backend}.triton.swiglu_gemm{sfx}", "swiglu_gemm", backend,
                        functools.partial(_triton_swiglu, kernel=kernel),
                        functools.partial(_triton_swiglu_bwd, kernel=bwd), priority=sprio, device_types=dev, dtypes=ALL,
                        features=frozenset({"bias", "batched"}), requires_interpret_or_cuda=True, memory=MEMORY_FUSED,

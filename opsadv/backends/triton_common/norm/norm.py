@@ -336,17 +336,17 @@ def _rms_bwd(ctx, dy, dsum, xin, weight, rstd, offset):
     return dx, dw
 
 
-def impls(env) -> list[KernelImpl]:
+def impls(env, backend: str = "cuda") -> list[KernelImpl]:
     if importlib.util.find_spec("triton") is None:
         return []
     dev = triton_device_types(env)
     common = dict(priority=PRIORITY_TRITON, device_types=dev, dtypes=DTYPES, requires_interpret_or_cuda=True,
                   check=_check, memory=MEMORY_FUSED)
     return [
-        KernelImpl("cuda.triton.layer_norm", "layer_norm", "cuda", _ln_fwd, _ln_bwd, inference=_ln_infer,
+        KernelImpl(f"{backend}.triton.layer_norm", "layer_norm", backend, _ln_fwd, _ln_bwd, inference=_ln_infer,
                    features=frozenset({"weight", "bias", "residual"}), **common,
                    description="Triton LayerNorm, rows in registers, fp32 stats, fused residual add"),
-        KernelImpl("cuda.triton.rms_norm", "rms_norm", "cuda", _rms_fwd, _rms_bwd, inference=_rms_infer,
+        KernelImpl(f"{backend}.triton.rms_norm", "rms_norm", backend, _rms_fwd, _rms_bwd, inference=_rms_infer,
                    features=frozenset({"weight", "residual", "offset"}), **common,
                    description="Triton RMSNorm, rows in registers, fp32 stats, fused residual add, (offset + w)"),
     ]

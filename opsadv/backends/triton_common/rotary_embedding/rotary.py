@@ -80,9 +80,10 @@ def rotary_bwd(ctx, gq, gk, cos, sin, position_ids, interleaved):
     return _run(gq, gk, cos, sin, position_ids, interleaved, True)
 
 
-def impls(env) -> list[KernelImpl]:
+def impls(env, backend: str = "cuda") -> list[KernelImpl]:
     return [KernelImpl(
-        id="cuda.triton.rotary_embedding", op="rotary_embedding", backend="cuda", fn=rotary_fwd, backward=rotary_bwd,
+        id=f"{backend}.triton.rotary_embedding", op="rotary_embedding", backend=backend, fn=rotary_fwd,
+        backward=rotary_bwd,
         priority=PRIORITY_TRITON, device_types=triton_device_types(env),
         dtypes=(torch.float16, torch.bfloat16, torch.float32), features=frozenset({"interleaved", "partial",
                                                                                     "position_ids"}),

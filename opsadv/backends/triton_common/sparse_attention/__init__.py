@@ -1,1 +1,2 @@
-"""sparse_attention in Triton: host and kernels (sparse.py), shared Triton helpers (helpers.py), the persistent band forward (band_persist.py)."""
+"""sparse_attention in Triton: host, kernels and impl (sparse.py), Triton helpers both forwards share (helpers.py),
+the persistent band forward (band_persist.py)."""

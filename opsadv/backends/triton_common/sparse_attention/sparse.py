@@ -696,9 +696,9 @@ def refinement_reasons(spec: CallSpec, tile: int) -> list[str]:
             f"{cells} cells (> {MAX_REFINE_CELLS}); use a block size that is a multiple of 16"]
 
 
-def impls(env) -> list[KernelImpl]:
+def impls(env, backend: str = "cuda") -> list[KernelImpl]:
     return [KernelImpl(
-        id="cuda.triton.sparse_attention", op=OP, backend="cuda", fn=sparse_fwd, backward=sparse_bwd,
+        id=f"{backend}.triton.sparse_attention", op=OP, backend=backend, fn=sparse_fwd, backward=sparse_bwd,
         priority=PRIORITY_TRITON, device_types=triton_device_types(env),
         dtypes=(torch.float16, torch.bfloat16, torch.float32), head_dims=HEAD_DIMS, features=FEATURES,
         deterministic=True, requires_interpret_or_cuda=True, check=_check, memory=MEMORY_FLASH,

@@ -90,9 +90,9 @@ def swiglu_bwd(ctx, grad, gate_up):
     return dgu.reshape(gate_up.shape)
 
 
-def impls(env) -> list[KernelImpl]:
+def impls(env, backend: str = "cuda") -> list[KernelImpl]:
     return [KernelImpl(
-        id="cuda.triton.swiglu", op="swiglu", backend="cuda", fn=swiglu_fwd, backward=swiglu_bwd,
+        id=f"{backend}.triton.swiglu", op="swiglu", backend=backend, fn=swiglu_fwd, backward=swiglu_bwd,
         priority=PRIORITY_TRITON, device_types=triton_device_types(env),
         dtypes=(torch.float16, torch.bfloat16, torch.float32), features=frozenset({"batched"}), deterministic=True,
         memory=MEMORY_FUSED, description="Triton: silu(g) * u in one pass over gate_up, backward in one pass (float32 math)")]
