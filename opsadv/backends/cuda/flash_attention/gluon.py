@@ -20,24 +20,18 @@ When triton.experimental.gluon does not import, the impl is still registered, re
 with the import error as the reason (opsadv.explain shows it), and importing opsadv never fails."""
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from opsadv.core.kernel import MEMORY_FLASH, PRIORITY_TRITON, PRIORITY_VENDOR, KernelImpl
 
-def gluon_unavailable(e: Exception) -> str:
-    """The reason every Gluon impl gives when its kernel module does not import (shared by the Gluon modules)."""
-    return f"triton.experimental.gluon (Hopper) is not importable: {type(e).__name__}: {e}"
-
+from ..common.gluon import cdiv as _cdiv, desc as _desc, gluon_unavailable, nvmma_layout, tma_ready as _tma_ready
 
 try:
     from . import gluon_kernel as _K
     from triton.experimental.gluon import language as _gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _GluonTensorDescriptor
     UNAVAILABLE = ""
 except Exception as e:  # ImportError, or an older Triton whose Gluon lacks a name used here
-    _K = _gl = _GluonTensorDescriptor = None
+    _K = _gl = None
     UNAVAILABLE = gluon_unavailable(e)
 
 IMPL_ID = "cuda.gluon.flash_attention"
@@ -82,10 +76,6 @@ CONSUMER_REGS = 240     # per thread, each ping-pong consumer warpgroup (setmaxn
 PRODUCER_REGS = 24      # the TMA producer warp only issues copies
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def default_stages(d: int) -> int:
     return 2 if d == 128 else 3
 
@@ -94,29 +84,6 @@ def variants_for(d: int) -> list[str]:
     """The distinct schedules at head dim d: a variant whose explicit ring depth is d's default depth
     (3 stages at d64) is the same kernel as its base schedule, so it is left out."""
     return [name for name, cfg in VARIANTS.items() if cfg["STAGES"] != default_stages(d)]
-
-
-def _tma_ready(t: torch.Tensor) -> torch.Tensor:
-    """t itself when a TMA descriptor can address it (unit stride along d, 16-byte aligned base and
-    strides), else a contiguous copy."""
-    esize = t.element_size()
-    if (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-            and all(st > 0 and (st * esize) % 16 == 0 for st in t.stride()[:-1])):
-        return t
-    return t.contiguous()
-
-
-@functools.lru_cache(maxsize=None)
-def nvmma_layout(block: tuple, gdt):
-    """NVMMASharedLayout.get_default_for(block, gdt), cached: it costs ~6 us of host time per call and a
-    Gluon launch needs up to six (descriptors and smem layouts), all from a handful of (block, dtype)."""
-    return _gl.NVMMASharedLayout.get_default_for(list(block), gdt)
-
-
-def _desc(t: torch.Tensor, rows: int, gdt):
-    d = t.shape[-1]
-    layout = nvmma_layout((1, 1, rows, d), gdt)
-    return _GluonTensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, d], layout)
 
 
 def launch_args(q, k, v, out, lse, causal: bool, scale: float, variant: str = "ws", stages: int | None = None):

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from .gluon import _desc, _tma_ready, gluon_unavailable, nvmma_layout   # shared host helpers
+from ..common.gluon import desc as _desc, gluon_unavailable, nvmma_layout, tma_ready as _tma_ready
 
 try:
     from . import gluon_bwd_kernel as _KB

@@ -53,10 +53,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from .gluon_kernel import _release, _sreg     # partition barrier + arrive; a CTA-id read LLVM cannot hoist
+from ..common.gluon_kv_ring import _release      # partition barrier + arrive
 # the forward's two-descriptor TMA issue (each tile on its own barrier), here for Q and dO rows of q head
 # (b, h): S^T = K Q^T can start before dO has landed
-from .gluon_kernel import _issue_kv as _issue_q_do
+from ..common.gluon_kv_ring import _issue_kv as _issue_q_do
+from .gluon_kernel import _sreg                 # a CTA-id read LLVM cannot hoist
 
 BLOCK_M = 64        # query rows per Q/dO tile
 BLOCK_N = 128       # keys per CTA

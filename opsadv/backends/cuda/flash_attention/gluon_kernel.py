@@ -37,29 +37,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
+from ..common.gluon_kv_ring import _issue_kv, _issue_one, _release, _turn_pass, _turn_wait
+
 BLOCK_M = 128       # query rows per CTA
 BLOCK_N = 128       # key/value rows per ring stage
 NUM_WARPS = 8       # consumer warps without ping-pong (2 warpgroups, one partition)
-
-
-@gluon.jit
-def _issue_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, b, hk, row, stage, kv_view: gl.constexpr):
-    """TMA-load K and V rows [row, row + BLOCK_N) of head (b, hk) into ring slot `stage`, each on its
-    own barrier so S = Q K^T can start before V has landed.  Rows past s_k arrive as zeros."""
-    mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [b, hk, row, 0], k_ready.index(stage),
-                                    k_smem.index(stage)._reinterpret(k_desc.dtype, kv_view, k_desc.layout))
-    mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(v_desc, [b, hk, row, 0], v_ready.index(stage),
-                                    v_smem.index(stage)._reinterpret(v_desc.dtype, kv_view, v_desc.layout))
-
-
-@gluon.jit
-def _issue_one(desc, smem, ready, b, hk, row, stage, kv_view: gl.constexpr):
-    """TMA-load rows [row, row + BLOCK_N) of head (b, hk) of one of K / V into ring slot `stage`."""
-    mbarrier.expect(ready.index(stage), desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc, [b, hk, row, 0], ready.index(stage),
-                                    smem.index(stage)._reinterpret(desc.dtype, kv_view, desc.layout))
 
 
 @gluon.jit
@@ -169,27 +151,6 @@ def _sreg(dep, name: gl.constexpr):
     an operand (the asm needs one)."""
     return gl.inline_asm_elementwise("mov.u32 $0, " + name + ";", "=r,r", [dep], dtype=gl.int32,
                                      is_pure=False, pack=1)
-
-
-@gluon.jit
-def _release(bar):
-    """Every warp of this partition is done with the buffer that bar guards: one arrive."""
-    gl.thread_barrier()
-    mbarrier.arrive(bar, count=1)
-
-
-@gluon.jit
-def _turn_wait(turn, step, WG: gl.constexpr, PINGPONG: gl.constexpr):
-    """Ping-pong: wait until it is warpgroup WG's turn to issue GEMMs for `step` (its step-th turn)."""
-    if PINGPONG:
-        mbarrier.wait(turn.index(WG), step & 1)
-
-
-@gluon.jit
-def _turn_pass(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
-    """Ping-pong: this warpgroup's GEMMs are issued; the other warpgroup may issue its own."""
-    if PINGPONG:
-        mbarrier.arrive(turn.index(1 - WG), count=1)
 
 
 @gluon.jit

@@ -30,7 +30,7 @@ import torch
 from opsadv.core.kernel import MEMORY_FUSED, PRIORITY_TRITON, KernelImpl
 
 from opsadv.backends.triton_common.gemm.gemm import GEMM_FEATURES, _poisoned, _triton_gemm_bwd
-from ..flash_attention.gluon import _tma_ready, gluon_unavailable, nvmma_layout
+from ..common.gluon import gluon_unavailable, nvmma_layout, tma_ready as _tma_ready
 
 try:
     from . import gluon_kernel as _K

@@ -68,8 +68,7 @@ import torch
 from opsadv.core.kernel import MEMORY_FLASH, PRIORITY_TRITON, KernelImpl
 from opsadv.core.layout import tile_index
 
-# (b, h, s, d) TMA descriptors shared with the dense kernel
-from ..flash_attention.gluon import _cdiv, _desc, _tma_ready, gluon_unavailable, nvmma_layout
+from ..common.gluon import cdiv as _cdiv, desc as _desc, gluon_unavailable, nvmma_layout, tma_ready as _tma_ready
 from opsadv.backends.triton_common.utils import new_output, new_output_bshd
 from opsadv.backends.triton_common.sparse_attention.sparse import refinement_reasons, sparse_bwd as triton_sparse_bwd
 

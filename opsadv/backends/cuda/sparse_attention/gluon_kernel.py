@@ -63,7 +63,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 # the dense kernel's K/V TMA issue, ping-pong turn and buffer-release steps, shared (inlined the same in both)
-from ..flash_attention.gluon_kernel import _issue_kv, _issue_one, _release, _turn_pass, _turn_wait  # noqa: F401
+from ..common.gluon_kv_ring import _issue_kv, _issue_one, _release, _turn_pass, _turn_wait
 
 BLOCK_M = 128       # query rows per work item
 BLOCK_N = 128       # key/value rows per ring stage (the tile lists' column tile)

@@ -25,8 +25,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from ..gemm.gluon_kernel import (GROUP_M, _b_slot, _invalidate_ring, _producer, _release, _ring_barriers, _sigmoid,
-                                 _sk_chunk, _sk_offsets, _sk_publish, _sk_range, _sk_wait, _tile_coords)
+from ..common.gluon_gemm_ring import (GROUP_M, _b_slot, _invalidate_ring, _producer, _release, _ring_barriers,
+                                     _sigmoid, _sk_chunk, _sk_offsets, _sk_publish, _sk_range, _sk_wait, _tile_coords)
 
 
 @gluon.jit
