@@ -23,14 +23,16 @@ import torch
 from opsadv.core.kernel import MEMORY_FUSED, PRIORITY_TRITON, KernelImpl
 
 from opsadv.backends.triton_common.gemm.gemm import _poisoned, _triton_swiglu_bwd
-from ..gemm.gluon import PRODUCER_REGS, UNAVAILABLE, prepare, stream_k_args, tile_descriptors, tma_gemm_reasons
+from ..common.gluon import gluon_unavailable
+from ..common.gluon_gemm import PRODUCER_REGS, prepare, stream_k_args, tile_descriptors, tma_gemm_reasons
 
 try:
     from . import gluon_kernel as _K
-    from triton.experimental.gluon import language as _gl  # noqa: F401  (the import check: see gluon_gemm.py)
+    from triton.experimental.gluon import language as _gl  # noqa: F401  (the import check: see gemm/gluon.py)
+    UNAVAILABLE = ""
 except Exception as e:  # ImportError, or an older Triton whose Gluon lacks a name used here
     _K = _gl = None
-    UNAVAILABLE = UNAVAILABLE or f"triton.experimental.gluon is not usable here: {type(e).__name__}: {e}"
+    UNAVAILABLE = gluon_unavailable(e)
 
 IMPL_ID = "cuda.gluon.swiglu_gemm"
 # BM x BN: the output tile (each ring slot holds BN gate and BN up columns: a 128 x 256 GEMM tile, as the Gluon
