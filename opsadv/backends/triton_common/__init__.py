@@ -11,6 +11,9 @@ import importlib
 import importlib.util
 import warnings
 
+import torch
+
+from opsadv.core.envvars import env_bool
 from opsadv.core.errors import InvalidArgumentError, UnknownOptionError
 from opsadv.runtime.memory import parse_level
 
@@ -28,6 +31,14 @@ def interpreter_mode(env) -> bool:
 def triton_device_types(env) -> tuple[str, ...]:
     """Device types the Triton impls take: cuda, plus cpu in interpreter mode."""
     return ("cuda", "cpu") if interpreter_mode(env) else ("cuda",)
+
+
+def poisoned(shape, like: torch.Tensor) -> torch.Tensor:
+    """Output buffer; on CPU (interpreter mode, tests) and under OPSADV_POISON_OUTPUTS=1 (GPU probes)
+    pre-filled with NaN so an unwritten element shows."""
+    if like.device.type == "cpu" or env_bool("OPSADV_POISON_OUTPUTS"):
+        return torch.full(shape, float("nan"), dtype=like.dtype, device=like.device)
+    return torch.empty(shape, dtype=like.dtype, device=like.device)
 
 
 def module_impls(env, modules, who: str, backend: str | None = None) -> list[tuple[str, object]]:

@@ -29,7 +29,8 @@ import torch
 
 from opsadv.core.kernel import MEMORY_FUSED, PRIORITY_TRITON, KernelImpl
 
-from opsadv.backends.triton_common.gemm.gemm import GEMM_FEATURES, _poisoned, _triton_gemm_bwd
+from opsadv.backends.triton_common import poisoned as _poisoned
+from opsadv.backends.triton_common.gemm.gemm import GEMM_FEATURES, _triton_gemm_bwd
 from ..common.gluon import cdiv as _cdiv, gluon_unavailable, tma_ready as _tma_ready
 from ..common.gluon_gemm import (ALIGN, DEFAULT_SMS, PRODUCER_REGS, _descriptor, _num_sms,  # noqa: F401  (re-exported)
                                  persistent_grid, prepare, stream_k_args, stream_k_chunks, stream_k_plan,

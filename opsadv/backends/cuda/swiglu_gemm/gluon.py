@@ -22,7 +22,8 @@ import torch
 
 from opsadv.core.kernel import MEMORY_FUSED, PRIORITY_TRITON, KernelImpl
 
-from opsadv.backends.triton_common.gemm.gemm import _poisoned, _triton_swiglu_bwd
+from opsadv.backends.triton_common import poisoned as _poisoned
+from opsadv.backends.triton_common.gemm.gemm import _triton_swiglu_bwd
 from ..common.gluon import gluon_unavailable
 from ..common.gluon_gemm import PRODUCER_REGS, prepare, stream_k_args, tile_descriptors, tma_gemm_reasons
 

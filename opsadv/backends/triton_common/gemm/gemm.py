@@ -27,13 +27,12 @@ import importlib.util
 
 import torch
 
-from opsadv.core.envvars import env_bool
 from opsadv.core.errors import InvalidArgumentError
 from opsadv.core.kernel import MEMORY_FUSED, PRIORITY_TRITON, KernelImpl, cap_tiles
 from opsadv.core.ops._common import len_bucket
 from opsadv.core.policy import current_policy
 
-from .. import triton_device_types
+from .. import poisoned as _poisoned, triton_device_types
 
 HALF = (torch.float16, torch.bfloat16)
 ALL = (torch.float16, torch.bfloat16, torch.float32)
@@ -82,14 +81,6 @@ def _pname(ctx) -> str:
 
 def _tables(ctx):
     return ctx.profile.tiles.get("gemm", {}) if ctx.profile is not None else {}
-
-
-def _poisoned(shape, like: torch.Tensor) -> torch.Tensor:
-    """Output buffer; on CPU (interpreter mode, tests) and under OPSADV_POISON_OUTPUTS=1 (GPU probes)
-    pre-filled with NaN so an unwritten element shows."""
-    if like.device.type == "cpu" or env_bool("OPSADV_POISON_OUTPUTS"):
-        return torch.full(shape, float("nan"), dtype=like.dtype, device=like.device)
-    return torch.empty(shape, dtype=like.dtype, device=like.device)
 
 
 def _check_precision(ctx, dtype) -> None:

@@ -12,8 +12,7 @@ import torch
 
 from opsadv.core.kernel import MEMORY_FUSED, PRIORITY_TRITON, KernelImpl
 
-from .. import triton_device_types
-from ..gemm.gemm import _poisoned
+from .. import poisoned as _poisoned, triton_device_types
 
 MAX_BLOCK_N = 1024   # columns per program in the default tile; 4 warps x 32 lanes x 8 elements
 # (ROWS, BLOCK_N cap, num_warps) tiles measured per shape bucket where the profile autotunes; the first is the
