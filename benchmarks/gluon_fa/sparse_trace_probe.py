@@ -1,5 +1,5 @@
 """Where a work item's time goes inside the Gluon sparse forward, on an H100/H200: the TRACE build of the kernel
-(gluon_sparse.launch_args(trace=...), _gluon_sparse_kernel._stamp) writes each consumer warpgroup's %clock64 at
+(cuda/sparse_attention/gluon.py launch_args(trace=...), gluon_kernel.py _stamp) writes each consumer warpgroup's %clock64 at
 seven points of every item; this probe turns them into per-phase cycle counts at s16384 d128 bf16 b1 h32 causal
 windows, for the default and pingpong_st3 schedules with the interval mask (what auto_schedule runs).
 

@@ -58,7 +58,7 @@ ATTN_TILES = {
                   256: [_t(64, 32, 4, 2), _t(64, 64, 8, 1), _t(32, 64, 4, 2)]},
         # bwd_kv 64x64/8/2 TMA (session 13): with the dS store (the "ds" backward) the causal 64x64/4/2 kernel spills
         # 80-92 B on sm_90 (ptxas), 8 warps do not (217-226 registers; tests/test_attention_ds_backward.py); not timed yet
-        # the dQ GEMM over a materialized dS (_attn_dq_gemm.py; BLOCK_M queries x BLOCK_N keys per step): streams
+        # the dQ GEMM over a materialized dS (triton_common/flash_attention/dq_gemm.py; BLOCK_M queries x BLOCK_N keys per step): streams
         # dS from memory, so deep pipelines.  Tuned on the H200: 128x64
         # with 8 warps won every d128 bucket (3 or 4 stages); the TMA-load variants were added after that run
         "bwd_dsq": {64: [_t(128, 64, 8, 4), _t(128, 128, 8, 3), _t(64, 128, 4, 4), _t(128, 64, 4, 4),

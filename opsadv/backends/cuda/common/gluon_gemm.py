@@ -31,7 +31,7 @@ def persistent_grid(out: torch.Tensor, tiles: int, num_sms=None) -> tuple[int]:
 
 
 def stream_k_plan(tiles: int, nprog: int) -> int:
-    """DP_TILES of a stream-K launch of `tiles` output tiles on `nprog` CTAs (_gluon_gemm_kernel's stream-K notes):
+    """DP_TILES of a stream-K launch of `tiles` output tiles on `nprog` CTAs (gluon_gemm_ring.py's stream-K notes):
     every full wave but the last runs whole tiles; the last full wave and the partial one (nprog + tiles % nprog
     tiles, so each CTA's share of their K-slices is at least one tile and no tile has more than two sharers) are
     split.  All tiles (no split) where they fill whole waves or fewer than one."""

@@ -24,7 +24,7 @@ def _tile_coords(tile, num_pid_m, num_pid_n, GROUP: gl.constexpr):
     return pid_m, pid_n
 
 
-# ---- stream-K: the last waves' K-slices shared evenly by every CTA (gluon_gemm.stream_k_plan) ----
+# ---- stream-K: the last waves' K-slices shared evenly by every CTA (gluon_gemm.py stream_k_plan) ----
 # A persistent launch of T tiles on P CTAs takes ceil(T / P) tile-times while the work is T / P: at 4096 tiles on
 # 132 SMs (8192^3 with 128x128 output tiles) 32 vs 31.03, 3% idle.  With STREAM_K the first DP_TILES tiles (whole
 # waves) run as before; the K-slices of the other P + T % P tiles are cut into P equal contiguous segments, one

@@ -1,7 +1,7 @@
 """Gluon FA3-style flash-attention forward for Hopper, impl "cuda.gluon.flash_attention" of op
 "flash_attention" (issue #3).
 
-Forward: the Gluon kernel in _gluon_fa_kernel.py (TMA + async wgmma, warp-specialized K/V loads,
+Forward: the Gluon kernel in gluon_kernel.py (TMA + async wgmma, warp-specialized K/V loads,
 intra-warpgroup softmax/GEMM overlap).  Backward: the Triton FlashAttention-2 backward of
 attention.py from the saved out and lse, so training works.  Declared for sm_90 only (wgmma/TMA as
 written here; Blackwell has other instructions), bf16/fp16, head_dim 64 or 128, any s_q/s_k, causal
@@ -15,7 +15,7 @@ Triton impl and below the vendor (cuDNN / flash) impls; measurement decides betw
 tuning cache): `opsadv bench --suite attention` at 26cb27c chose it at b1 h32 s16384 d128, 1.035x cuDNN
 non-causal and 1.135x causal; at b4 s4096 the two are within 1% and the
 measured choice goes either way.  The Gluon backward of
-gluon_attention_bwd.py is correct on the H200 but slower than the Triton one, so it is not used.
+gluon_bwd.py is correct on the H200 but slower than the Triton one, so it is not used.
 When triton.experimental.gluon does not import, the impl is still registered, rejecting every call
 with the import error as the reason (opsadv.explain shows it), and importing opsadv never fails."""
 from __future__ import annotations
@@ -39,7 +39,7 @@ HEAD_DIMS = (64, 128)
 FEATURES = frozenset({"causal", "gqa", "cross_length"})
 LOG2E = 1.4426950408889634
 
-# Named kernel schedules (see _gluon_fa_kernel's docstring).  STAGES None: the deepest ring that fits
+# Named kernel schedules (see gluon_kernel's docstring).  STAGES None: the deepest ring that fits
 # 227 KB of shared memory next to Q/O (d128: 2 stages = 160 KB, 3 = 224 KB; d64: 3 stages).
 VARIANTS = {
     "ws": dict(WARP_SPEC=True, PINGPONG=False, STAGES=None),
@@ -166,7 +166,7 @@ def _rank(spec, env) -> tuple[int, str] | None:
     if s_q < RANK_MIN_SEQ or s_k != s_q or bh < RANK_MIN_BATCH_HEADS:
         return None
     return (PRIORITY_VENDOR + 10, f"no-grad d128 causal at s > {RANK_MIN_SEQ // 2}: H200-measured 1.09-1.11x "
-            f"SDPA-cuDNN (opsadv.backends.cuda.gluon_attention.RANK_MIN_SEQ)")
+            f"SDPA-cuDNN (opsadv.backends.cuda.flash_attention.gluon.RANK_MIN_SEQ)")
 
 
 def impls(env) -> list[KernelImpl]:

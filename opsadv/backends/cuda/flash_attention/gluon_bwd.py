@@ -1,4 +1,4 @@
-"""Host side of the Gluon FA3-style attention backward for Hopper (_gluon_fa_bwd_kernel.py, issue #3).
+"""Host side of the Gluon FA3-style attention backward for Hopper (gluon_bwd_kernel.py, issue #3).
 
 Status (H200, 6e8a381): correct
 (every GPU check, bf16/fp16, causal, ragged, GQA/MQA, decode, s_q != s_k with empty rows;
@@ -48,13 +48,13 @@ except Exception as e:  # ImportError, or an older Triton whose Gluon lacks a na
 
 
 # True only once the kernel beats the Triton backward on the H200 (then wire impl_backward into
-# gluon_attention.impls()).  While False, impl_backward is the Triton
+# gluon.impls()).  While False, impl_backward is the Triton
 # FlashAttention-2 backward.
 USE_GLUON_BWD_IN_IMPL = False
 LOG2E = 1.4426950408889634
 # Q/dO ring depth: 2 stages = 32 KB x 2 next to K, V (64 KB) and dS (16 KB) at d128.
 DEFAULT_STAGES = 2
-# Named kernel schedules (the kernel's constexprs; see _gluon_fa_bwd_kernel's docstring).  Only "inline"
+# Named kernel schedules (the kernel's constexprs; see gluon_bwd_kernel's docstring).  Only "inline"
 # has run on a GPU; the others are compiled (0 spills) and NOT yet run on a GPU: a GPU run checks and
 # times them next to "inline", and one becomes DEFAULT_VARIANT only if it is correct and faster there.
 VARIANTS = {

@@ -1,7 +1,7 @@
 """FA3-style flash-attention backward for Hopper (sm_90) in Gluon (triton.experimental.gluon, Triton 3.6).
 
-Imported only by gluon_attention_bwd.py, and only when triton.experimental.gluon imports.  Same tensor
-conventions as the forward (_gluon_fa_kernel.py): 4-D TMA descriptors over (b, h, s, d) strided views
+Imported only by gluon_bwd.py, and only when triton.experimental.gluon imports.  Same tensor
+conventions as the forward (gluon_kernel.py): 4-D TMA descriptors over (b, h, s, d) strided views
 with block (1, 1, rows, d); rows past a head's s are zero-filled on load and clipped on store; GQA by
 index (q head h reads kv head h // GROUP); causal is bottom-right aligned (query i sees keys
 j <= i + s_k - s_q).  Inputs from the host: lse2 = the forward's natural-log lse in log2 units with +inf
@@ -31,7 +31,7 @@ of the iteration.  Masks are applied only on tiles that can hold a masked elemen
 tiles below the diagonal band's end, and every tile of the CTA that holds the s_k tail (keys past s_k
 are zero rows of K, whose p would be exp2(-lse2) != 0, and inf * 0 could reach dQ).
 
-Schedules (constexpr; the host's gluon_attention_bwd.VARIANTS names them).  The 8 GEMM warps already
+Schedules (constexpr; the host's gluon_bwd.VARIANTS names them).  The 8 GEMM warps already
 split the key rows FA3's way: each warpgroup holds 64 of the 128 keys of dK and dV (64 x d float32),
 S/dP split along the keys and dQ_part along d, so they exchange P and dS through shared memory.
   * default ("inline"): as above, the GEMM warps issue their own TMA loads.

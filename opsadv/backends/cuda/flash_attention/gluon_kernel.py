@@ -1,6 +1,6 @@
 """FA3-style flash-attention forward for Hopper (sm_90) in Gluon (triton.experimental.gluon, Triton 3.6).
 
-Imported only by gluon_attention.py, and only when triton.experimental.gluon imports (this module
+Imported only by gluon.py, and only when triton.experimental.gluon imports (this module
 needs it at import time).  q/k/v/out are any (b, h, s, d) strided views with unit stride along d
 and 16-byte aligned strides; d in {64, 128}; bf16 or fp16.
 

@@ -71,7 +71,7 @@ VARIANTS = {
 # every GPU check (session 18) but are not among the tuned VARIANTS: on the H200 they ran 0.977-0.998x their base
 # schedule at 8192^3 and 16384 x 4096 x 11008 (median of 5 interleaved rounds)
 # -- a power-limited GEMM gains little from the idle tail's SMs -- while the SwiGLU kernel's twins won 2.4-2.7%
-# at those shapes and are tuned there (gluon_swiglu_gemm.VARIANTS).  Launchable by name (tests, probes).
+# at those shapes and are tuned there (swiglu_gemm/gluon.py VARIANTS).  Launchable by name (tests, probes).
 STREAM_K_VARIANTS = {
     "coop_sk": dict(PINGPONG=False, BM=128, BN=256, BK=64, STAGES=3, num_warps=8, STREAM_K=True),
     "coop_tanh_sk": dict(PINGPONG=False, BM=128, BN=256, BK=64, STAGES=3, num_warps=8, TANH=True, STREAM_K=True),

@@ -3,11 +3,11 @@
     C = act(alpha * A @ B + bias) (+ residual)      A (M, K), B (K, N) or, with B_NK, B^T given as (N, K)
 
 Every variant compiles for sm_90 with ptxas with no spills (tests/test_gluon_gemm.py; registers / shared
-memory in gluon_gemm.py's docstring) and passes every check against
+memory in gluon.py's docstring) and passes every check against
 float64 on the H200 (sessions 8-9, the stream-K ones and the shared main loop in session 18; pinned conformance:
 docs/conformance/cuda-h200-gluon-gemm.md).
 
-Imported only by gluon_gemm.py, and only when triton.experimental.gluon imports.
+Imported only by gluon.py, and only when triton.experimental.gluon imports.
 
 Per CTA (persistent: grid <= #SMs, each CTA walks tiles pid, pid + nprog, ... in grouped (L2-friendly)
 order):
@@ -46,7 +46,7 @@ ACT_IDS = {"none": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4}
 
 @gluon.jit
 def _act(z, ACT: gl.constexpr):
-    """The activation in float32, with the same formulas as the Triton kernels (_gemm_triton._act);
+    """The activation in float32, with the same formulas as the Triton kernels (triton_common/gemm/kernels.py's _act);
     ACT + TANH_FAST: gelu_tanh / silu with the tanh.approx sigmoid."""
     if ACT == 1:
         z = gl.maximum(z, 0.0)
@@ -169,7 +169,7 @@ def _consumer(a_desc, b_desc, c_desc, r_desc, bias_ptr, ws_ptr, flags_ptr, a_sme
         res_phase = _store_tile(acc, c_desc, r_desc, c_smem, res_bar, res_phase, bias_ptr, pid_m * BM, pid_n * BN,
                                 N, alpha, ws_ptr, False, ACT, HAS_BIAS, HAS_RES)
         local += NWG
-    if STREAM_K:      # cooperative only (gluon_gemm.VARIANTS)
+    if STREAM_K:      # cooperative only (gluon.VARIANTS)
         cur, end = _sk_range(num_pid_m * num_pid_n - DP_TILES, k_tiles)
         while cur < end:
             t, kb, ke = _sk_chunk(cur, end, k_tiles)
@@ -202,7 +202,7 @@ def gemm_kernel(a_desc, b_desc, c_desc, r_desc, bias_ptr, M, N, K, alpha, ws_ptr
     partition's tile.  num_warps: 8 cooperative, 4 ping-pong (the
     default partition is then consumer warpgroup 0).  DP_TILES: the tiles walked whole (all of them without
     STREAM_K, which only the cooperative schedule takes); with STREAM_K, ws_ptr a float32 workspace of BM x BN per
-    remaining tile and flags_ptr their int32 flags, zeroed (gluon_gemm.stream_k_plan)."""
+    remaining tile and flags_ptr their int32 flags, zeroed (common/gluon_gemm.py stream_k_plan)."""
     BM: gl.constexpr = c_desc.block_type.shape[0]
     BN: gl.constexpr = c_desc.block_type.shape[1]
     BK: gl.constexpr = a_desc.block_type.shape[1]

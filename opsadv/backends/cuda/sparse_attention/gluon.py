@@ -1,7 +1,7 @@
 """Gluon block-sparse attention forward for Hopper, impl "cuda.gluon.sparse_attention" of op
 "sparse_attention" (issue #5).
 
-Forward: the persistent, warp-specialized Gluon kernel in _gluon_sparse_kernel.py (TMA K/V ring, async
+Forward: the persistent, warp-specialized Gluon kernel in gluon_kernel.py (TMA K/V ring, async
 wgmma, softmax/GEMM overlap), walking the layout's 128 x 128 tile lists (partial tiles element-masked,
 full tiles unmasked, full runs without index loads).  Backward: the Triton sparse backward of sparse.py
 from the saved out and lse.  Declared for sm_90 only, bf16/fp16, head_dim 64 or 128; layouts: block
@@ -18,7 +18,7 @@ w256 0.326 / 0.305, w512 0.455 / 0.452, w2048 1.186 / 1.218, w4096 2.114 / 2.035
 The persistent schedule wins on short rows (w1024 0.696 vs 0.744 one item per CTA) and loses on long
 ones (w8192 3.494 vs 3.379): persistent_schedule() picks per call from the layout's tile count.
 
-Schedules (VARIANTS; _gluon_sparse_kernel's docstring):
+Schedules (VARIANTS; gluon_kernel's docstring):
   * "pingpong": the dense kernel's FA3 ping-pong.  Two consumer warpgroups of 64 rows run as separate
     partitions, each with its own Q slots and barriers, and alternate their GEMM issues through two "turn"
     mbarriers.  kv_empty counts 2 arrives.  Registers 240 / 240 / 24.
@@ -95,7 +95,7 @@ SMEM_SLACK = 1024               # barriers and the layout-conversion scratch (me
 PRODUCER_REGS = 24              # the 1-warp TMA producer (setmaxnreg); consumers get the rest
 CONSUMER_REGS = 240             # each ping-pong consumer warpgroup (2 x 240 + 24 <= 512 per thread x 128)
 DEFAULT_VARIANT: dict = {}           # {"persistent": bool, "stages": int, ...}: overrides auto_schedule()
-# Named schedules for the benchmarks and tests (see _gluon_sparse_kernel's docstring); all checked and timed
+# Named schedules for the benchmarks and tests (see gluon_kernel's docstring); all checked and timed
 # on the H200.
 VARIANTS = {
     "default": {},                                  # 8 consumer warps, 2 Q slots, STAGES[d]
@@ -413,7 +413,7 @@ def _rank(spec, env) -> tuple[int, str] | None:
     if len(bucket) < 4 or bucket[3] < RANK_MIN_WINDOW_SPAN or bucket[1] < RANK_MIN_SEQ:
         return None
     return (PRIORITY_TRITON + 10, f"d128 window span > {RANK_MIN_WINDOW_SPAN // 2} keys at s_q > {RANK_MIN_SEQ // 2}: "
-            f"H200-measured 1.05-1.19x the Triton sparse kernel (opsadv.backends.cuda.gluon_sparse.RANK_MIN_WINDOW_SPAN)")
+            f"H200-measured 1.05-1.19x the Triton sparse kernel (opsadv.backends.cuda.sparse_attention.gluon.RANK_MIN_WINDOW_SPAN)")
 
 
 def impls(env) -> list[KernelImpl]:

@@ -1,7 +1,7 @@
 """Block-sparse flash-attention forward for Hopper (sm_90) in Gluon (triton.experimental.gluon, Triton 3.6).
 
-Imported only by gluon_sparse.py, and only when triton.experimental.gluon imports.  The dense FA3-style
-schedule of _gluon_fa_kernel.py (TMA K/V ring with ready/empty mbarriers, async wgmma, S_{j+1} issued
+Imported only by gluon.py, and only when triton.experimental.gluon imports.  The dense FA3-style
+schedule of flash_attention/gluon_kernel.py (TMA K/V ring with ready/empty mbarriers, async wgmma, S_{j+1} issued
 before the softmax of S_j's successor, P in registers), driven by the layout's tile lists
 (opsadv.core.layout.TileIndex at 128 x 128) instead of a dense column range:
 
@@ -26,7 +26,7 @@ before the softmax of S_j's successor, P in registers), driven by the layout's t
     room for (1 x 32 KB of Q + 3 x 64 KB of K/V).  (With ping-pong the TMA store through the slot
     compiled with spills; the register store and the opaque per-item values of _item/_pid compile
     with none.)
-  * PINGPONG (FA3 3.1, as in _gluon_fa_kernel.py): each consumer warpgroup is its own partition owning
+  * PINGPONG (FA3 3.1, as in flash_attention/gluon_kernel.py): each consumer warpgroup is its own partition owning
     64 of the item's 128 rows, with its own Q slot(s) and barriers; both walk the same items and
     tiles.  They take turns issuing their GEMMs through a pair of "turn" mbarriers (warpgroup 0
     pre-armed, a turn counter carried across items), so one warpgroup's softmax runs while the
@@ -71,11 +71,11 @@ NUM_WARPS = 8       # consumer warps: 2 warpgroups of 64 rows, one instruction s
 PINGPONG_WARPS = 4  # with PINGPONG: one warpgroup per consumer partition (the default partition is one of them)
 # MASK_MODE of a partial tile: the element predicate of _allowed; per-row key intervals (_row_interval_mask, band
 # layouts only: no mixed block mask, globals or key padding); or none at all -- a probe's control that times the
-# tile walk without the masks' arithmetic (wrong results: never reachable from the op, see gluon_sparse.MASK_MODES)
+# tile walk without the masks' arithmetic (wrong results: never reachable from the op, see gluon.MASK_MODES)
 MASK_ELEMENT: gl.constexpr = gl.constexpr(0)
 MASK_INTERVAL: gl.constexpr = gl.constexpr(1)
 MASK_NONE_PROBE: gl.constexpr = gl.constexpr(2)
-# TRACE build: %clock64 stamps per work item and consumer warpgroup (gluon_sparse.launch_args' trace buffer is
+# TRACE build: %clock64 stamps per work item and consumer warpgroup (gluon.launch_args' trace buffer is
 # int64 (n_items, 2, TRACE_STAMPS)); in time order 0 start, 11 item decoded, 1 Q ready, 2 S_0 retired, 3 its softmax,
 # 4 tile loops done, 5 last P V retired, 8 its slot released, 9 item decoded again, 10 lse stored, 6 O stored
 TRACE_STAMPS: gl.constexpr = gl.constexpr(16)
@@ -142,7 +142,7 @@ def _maybe_opaque(x, OPAQUE: gl.constexpr):
 
 @gluon.jit
 def _work_item(slot, perm_ptr, ORDER: gl.constexpr):
-    """The work item at this CTA's slot: ORDER, perm[slot] (gluon_sparse.item_order: longest items first, dealt
+    """The work item at this CTA's slot: ORDER, perm[slot] (gluon.item_order: longest items first, dealt
     so that a persistent grid's CTAs get near-equal tile counts); else the slot itself (round-robin)."""
     if ORDER:
         # volatile: the consumer's second read after the tile loops must not be merged with the first (the
@@ -699,7 +699,7 @@ def sparse_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, o_ptr, rows_ptr, 
     the same swizzle.  o_ptr/s_o*: out and its (b, h, s) strides, for the O_REGS register store.
     rows/cols: TileIndex.rows/cols at 128 x 128 with their (b, h, row) strides (0 on broadcast dims);
     bm/kpm: the int8 block mask / key padding (or any tensor when unused); perm: with ORDER the int32 work item of
-    each slot (gluon_sparse.item_order), CTA c walking slots c, c + grid, ..."""
+    each slot (gluon.item_order), CTA c walking slots c, c + grid, ..."""
     BQ: gl.constexpr = q_desc.block_type.shape[2]                    # rows per consumer partition
     D: gl.constexpr = q_desc.block_type.shape[3]
     BN: gl.constexpr = k_desc.block_type.shape[2]

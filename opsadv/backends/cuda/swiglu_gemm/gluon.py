@@ -4,7 +4,7 @@
 
 Why: the Triton SwiGLU GEMM (cuda.triton.swiglu_gemm_tma) ran at 653-665 TFLOP/s on the H200 where the Gluon
 GEMM's cooperative schedule ran plain GEMMs at 691-694 (9bd6b69); SwiGLU is
-one GEMM of twice the columns, so it should run at the GEMM's rate.  The kernel (_gluon_swiglu_kernel.py) is
+one GEMM of twice the columns, so it should run at the GEMM's rate.  The kernel (gluon_kernel.py) is
 that schedule with two B boxes (gate and up columns of the same weight) per ring slot and two accumulators.
 
 Not experimental: on the H200 at 7a12dcb (session 17) its 42 GPU tests passed (tests/test_gluon_swiglu_gemm.py -k gpu:
@@ -12,7 +12,7 @@ every variant vs float64, odd M / N / K tails, both weight layouts, bias, capped
 (docs/conformance/cuda-h200-gluon-swiglu.md, 6 pass / 0 fail); the suite's four SwiGLU shapes then ran at 696-709
 TFLOP/s (1.10-1.22x eager, 1.05-1.07x torch.compile).  The dispatcher measures it
 per shape bucket against the Triton and cuBLAS impls like every other impl.  Host side as
-cuda.gluon.gemm (gluon_gemm.py): leading dims of x flattened, TMA descriptors (K and N multiples of 8), an
+cuda.gluon.gemm (gemm/gluon.py): leading dims of x flattened, TMA descriptors (K and N multiples of 8), an
 nn.Linear-style weight.t() read as (2N, K) rows without a copy.  Backward: the Triton TMA SwiGLU backward."""
 from __future__ import annotations
 
@@ -42,8 +42,8 @@ IMPL_ID = "cuda.gluon.swiglu_gemm"
 #   coop_st3:  3-stage ring (176 KB)
 #   coop_tanh: coop with the sigmoid through one tanh.approx (the Gluon GEMM's TANH_FAST; relative error ~2^-11)
 #   coop_sk / coop_tanh_sk: coop / coop_tanh with stream-K (the last waves' K-slices shared evenly by the CTAs: a
-#              launch of 4096 tiles on 132 SMs otherwise idles 3%; gluon_gemm.stream_k_plan).  H200, session 18
-#              (median of 5 interleaved rounds): 1.024-1.027x coop and
+#              launch of 4096 tiles on 132 SMs otherwise idles 3%; common/gluon_gemm.py stream_k_plan).  H200,
+#              session 18 (median of 5 interleaved rounds): 1.024-1.027x coop and
 #              1.013-1.026x coop_tanh at 8192^3 and 16384 x 4096 x 11008 (4096 tiles each); the suite's SwiGLU
 #              rows then ran at 700-726 TFLOP/s, 1.153-1.228x eager.
 VARIANTS = {
@@ -58,7 +58,7 @@ DEFAULT_VARIANT = "coop"
 
 def launch_args(x2, w, out, bias=None, variant=None, w_nk=False, num_sms=None):
     """(grid, args, kwargs) of one swiglu_gemm_kernel launch writing out (M, N) from x2 (M, K) and w (K, 2N),
-    or w as (2N, K) rows with w_nk; all already TMA-ready (gluon_gemm.prepare)."""
+    or w as (2N, K) rows with w_nk; all already TMA-ready (common/gluon_gemm.py prepare)."""
     if _K is None:
         raise RuntimeError(f"{IMPL_ID}: {UNAVAILABLE}")
     cfg = VARIANTS[variant or DEFAULT_VARIANT]

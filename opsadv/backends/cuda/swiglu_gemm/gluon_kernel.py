@@ -3,7 +3,7 @@ silu(g) * u in the epilogue, so gate_up never reaches memory.
 
     out = silu(x @ W_g + b_g) * (x @ W_u + b_u)      W = [W_g | W_u] (K, 2N), or its transpose given as (2N, K) rows
 
-The cooperative schedule of _gluon_gemm_kernel.py (its producer with TWO_B, tile order, ring barriers, slot release,
+The cooperative schedule of gemm/gluon_kernel.py (its producer with TWO_B, tile order, ring barriers, slot release,
 stream-K helpers and sigmoid are reused): a
 persistent grid, one producer warp filling a STAGES-deep ring of TMA slots, one 8-warp consumer partition (two
 warpgroups stacked along M) on a BM x BN output tile.  What differs:
@@ -15,9 +15,9 @@ warpgroups stacked along M) on a BM x BN output tile.  What differs:
     pair in flight (num_outstanding=2: each async wgmma is one group).
   * the epilogue adds the biases (b_g at n, b_u at N + n), computes silu(g) * u in float32 and stores a
     BM x BN tile by TMA, in two column halves (half the epilogue's registers live at a time).
-  * STREAM_K: the last waves' K-slices split evenly over the CTAs (see _gluon_gemm_kernel's stream-K notes); a
+  * STREAM_K: the last waves' K-slices split evenly over the CTAs (see common/gluon_gemm_ring.py's stream-K notes); a
     shared tile's two partial sums (gate and up) meet in a float32 workspace before the SwiGLU epilogue.
-Imported only by gluon_swiglu_gemm.py, and only when triton.experimental.gluon imports."""
+Imported only by gluon.py, and only when triton.experimental.gluon imports."""
 from __future__ import annotations
 
 from triton.experimental import gluon
@@ -135,7 +135,7 @@ def swiglu_gemm_kernel(a_desc, b_desc, c_desc, bias_ptr, M, N, K, ws_ptr, flags_
     """Persistent grid (min(tiles, #SMs),).  a_desc block (BM, BK); b_desc (BK, BN) over the whole (K, 2N)
     weight, or (BN, BK) over its (2N, K) rows with B_NK; c_desc (BM, BN) over the (M, N) output.
     DP_TILES: the tiles walked whole (all of them without STREAM_K); with STREAM_K, ws_ptr a float32 workspace of
-    2 x BM x BN per remaining tile and flags_ptr their int32 flags, zeroed (gluon_gemm.stream_k_plan)."""
+    2 x BM x BN per remaining tile and flags_ptr their int32 flags, zeroed (common/gluon_gemm.py stream_k_plan)."""
     BM: gl.constexpr = c_desc.block_type.shape[0]
     BN: gl.constexpr = c_desc.block_type.shape[1]
     BK: gl.constexpr = a_desc.block_type.shape[1]

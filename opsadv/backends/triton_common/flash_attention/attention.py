@@ -8,11 +8,11 @@ j <= i + s_k - s_q); a row that sees no key gets zeros and lse = -inf.
 On Hopper, full kv blocks can come through TMA tensor descriptors (config flag TMA); in the backward the flag
 loads the streamed tiles (q / dO in the dK/dV kernel, k / v in the dQ kernel) through (b, h, s, d) descriptors.
 
-Backward (deterministic, no atomics; kernels in _attn_triton_bwd.py): a preprocess kernel (delta = rowsum(dO * O),
+Backward (deterministic, no atomics; kernels in bwd_kernels.py): a preprocess kernel (delta = rowsum(dO * O),
 lse in log2 units), a dK/dV kernel (one program per kv block and kv head, looping over the q blocks of every q head
 of its group, so GQA's sum over the group happens in registers), then dQ either by a dQ kernel (one program per q
 block, looping over kv blocks; 7 GEMMs per tile pair in all) or, variant "ds", by a GEMM over the dS the dK/dV
-kernel wrote to a capped workspace (_attn_dq_gemm.py; 5 GEMMs); which one per shape bucket is measured.
+kernel wrote to a capped workspace (dq_gemm.py; 5 GEMMs); which one per shape bucket is measured.
 
 Tiles come from ctx.profile.tiles["flash_attention"][pass][head-dim class]: the first config
 is the default, the list is the autotune space (GPU only, when profile.autotune)."""
@@ -320,7 +320,7 @@ CONCURRENT_BWD = True
 
 def _bwd(ctx, dout, q, k, v, out, lse, causal, scale, atomic_dq: bool, variant: str | None = None):
     """variant (deterministic backward only): None = measured per bucket among "kernels" (dK/dV + dQ kernels)
-    and "ds" / "ds_pipe" (dK/dV kernel writing dS, dQ by a GEMM over it: _attn_dq_gemm.py) where the dS
+    and "ds" / "ds_pipe" (dK/dV kernel writing dS, dQ by a GEMM over it: dq_gemm.py) where the dS
     workspace fits its cap; a name forces that variant (tests, probes) and raises if it cannot run."""
     in_dtype = q.dtype
     cdt = _compute_dtype(ctx, in_dtype)
@@ -476,7 +476,7 @@ DS_BACKWARD = True
 
 
 def _bwd_ds(ctx, key, tune, tma_ok: bool, launch_kv, q, k, dq, causal, scale, per_chunk: int, pipelined: bool) -> None:
-    """dK/dV kernel writing dS^T, then dQ = scale * dS K by _attn_dq_gemm, per chunk of per_chunk kv heads.
+    """dK/dV kernel writing dS^T, then dQ = scale * dS K by dq_gemm, per chunk of per_chunk kv heads.
     pipelined: two workspaces; chunk i's dQ GEMM (memory-bound) runs on a side stream while chunk i+1's
     dK/dV kernel (compute-bound) runs on the caller's, each workspace reused once its GEMM has read it."""
     b, hq, sq, d = q.shape

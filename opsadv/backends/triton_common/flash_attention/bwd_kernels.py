@@ -3,7 +3,7 @@
 A preprocess kernel (delta = rowsum(dO * O), lse in log2 units); a dK/dV kernel (one program per kv block and kv
 head, looping over the q blocks of every q head of its group, so GQA's sum over the group happens in registers --
 or, SPLIT, one program per kv block and q head with the group's shares added by _bwd_group_sum_kernel;
-optionally dQ by fp32 atomics, or dS^T written to a workspace for _attn_dq_gemm.py's dQ GEMM); a dQ kernel (one
+optionally dQ by fp32 atomics, or dS^T written to a workspace for dq_gemm.py's dQ GEMM); a dQ kernel (one
 program per q block, looping over kv blocks, recomputing S and dP).  With TMA the streamed tiles come through
 (b, h, s, d) descriptors."""
 from __future__ import annotations
@@ -70,7 +70,7 @@ def _bwd_kv_inner(dk, dv, k, v, q_base, do_base, q_desc, do_desc, off_b, off_h, 
         dv += tl.dot(p_t.to(do.dtype), do)
         dp_t = tl.dot(v, tl.trans(do))
         ds_t = p_t * (dp_t - delta[None, :])
-        if DS_STORE:  # dS^T kept for the dQ GEMM (_attn_dq_gemm.py): keys past s_k stored as 0, not p * (0 - delta)
+        if DS_STORE:  # dS^T kept for the dQ GEMM (dq_gemm.py): keys past s_k stored as 0, not p * (0 - delta)
             if not EVEN_N:
                 ds_t = tl.where(offs_n[:, None] < SK, ds_t, 0.0)
             ds_h = ds_t.to(q.dtype)
@@ -135,7 +135,7 @@ def _bwd_kv_kernel(Q, K, V, DO, DK, DV, LSE2, DELTA, DQA, dq_desc, q_desc, do_de
                    DS=None, s_dss=0, s_dsn=0, BHK0=0, DS_STORE: tl.constexpr = False, DS_TMA: tl.constexpr = False,
                    LPT: tl.constexpr = False, s_dkg=0, s_dvg=0, SPLIT: tl.constexpr = False):
     """DS_STORE: also write dS^T (key rows, query columns; q's dtype) of q head slab (program_id(1) * GROUP + g)
-    into the workspace DS, for a chunk of kv heads starting at BHK0 (the dQ GEMM of _attn_dq_gemm.py reads it);
+    into the workspace DS, for a chunk of kv heads starting at BHK0 (the dQ GEMM of dq_gemm.py reads it);
     DS_TMA: DS is a (slabs, s_k, s_q) descriptor of (1, BLOCK_N, BLOCK_M) blocks.
     SPLIT (GQA): one program per kv block and q head instead of per kv block and kv head (GROUP times as many,
     GROUP times shorter programs: a chunk of one kv head is GROUP times wider); each writes its q head's share

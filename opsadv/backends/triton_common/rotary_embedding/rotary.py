@@ -1,6 +1,6 @@
 """The rotary_embedding op (opsadv.core.ops.rotary) for the cuda backend: impl "cuda.triton.rotary_embedding".
 
-One launch rotates q and k (_rotary_triton.py): a program per token reads its cos / sin row once and every
+One launch rotates q and k (kernels.py): a program per token reads its cos / sin row once and every
 head of q and k once, and writes q' and k' once, a memory-bound pass.  Outputs are (b, h, s, d) tensors stored
 as (b, s, h, d), transformers' layout, which attention's output then keeps (cuDNN follows q's layout; the
 Triton attention kernels write (b, s, h, d) memory), so the model's transpose back is free."""

@@ -16,7 +16,7 @@ item's last tiles) computed wrong outputs on the H200 wherever a program walked 
 and ran 1.3-2x slower: removed.
 
 Band layouts only (sparse._is_band) with a window: an all-True block mask (dense causal) has no bounded
-width.  Tile classification as _sparse_common._band_tiles (the edge tiles take the element mask of _allowed)."""
+width.  Tile classification as helpers._band_tiles (the edge tiles take the element mask of _allowed)."""
 from __future__ import annotations
 
 import functools

@@ -1,5 +1,5 @@
 """Triton helpers of the sparse-attention forward kernels that both sparse.py's kernels and the persistent
-band kernel (_sparse_band_persist.py) call: the element mask, the online-softmax step, K/V tile loads, the
+band kernel (band_persist.py) call: the element mask, the online-softmax step, K/V tile loads, the
 epilogue, and the band tile classification."""
 from __future__ import annotations
 

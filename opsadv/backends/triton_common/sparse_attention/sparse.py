@@ -79,7 +79,7 @@ def tiles_for(profile, head_dim: int):
 #                 loads' latency, not the order.)
 #   6 "band_fused": band tiles in one loop in column order (the "fused" structure): the masked edge tiles take the
 #                 element mask in a uniform branch, so one pipeline covers the program (no refill between loops).
-#   7 "band_persist": windowed bands only (else "band"): the persistent kernel of _sparse_band_persist.py, a
+#   7 "band_persist": windowed bands only (else "band"): the persistent kernel of band_persist.py, a
 #                 program walking (head, q tile) items, each running the band's widest tile count.  Faster than
 #                 "band" only for narrow bands (session 16: w128 / w256 1.03-1.04x, w1024 0.95x): the default
 #                 takes it for bands of <= PERSIST_MAX_TILES key tiles (below).

@@ -1,7 +1,7 @@
 """The swiglu op (opsadv.core.ops.swiglu) for the cuda backend: impl "cuda.triton.swiglu".
 
 Forward reads gate_up once and writes y once; backward reads gate_up and grad once and writes d gate_up once
-(_swiglu_triton.py), float32 math for every storage dtype.  These are memory-bound passes: a (rows, 2N) bf16
+(kernels.py), float32 math for every storage dtype.  These are memory-bound passes: a (rows, 2N) bf16
 gate_up at the H200's ~4 TB/s takes rows * N * 6 bytes / 4e12 s forward, 10 bytes per (row, col) backward.
 Rows are the flattened leading dims; a gate_up whose last dim is strided is copied first."""
 from __future__ import annotations
