@@ -1,13 +1,15 @@
 """The CUDA backend: Triton kernels (plus vendor kernels through torch) for NVIDIA GPUs, with
 profiles `a100`, `h100`, `rtx` (and `jetson`, the memory-frugal one the jetson backend offers, which can
 be forced).  ROCm builds of torch (AMD GPUs, also device type "cuda") are refused: the rocm backend
-serves them with the portable Triton kernels of this package.
+serves them with the shared Triton kernels (opsadv/backends/triton_common).
 
 Implements exactly the hooks a third-party plugin implements.  Triton is imported only when
 kernels are registered, never at `import opsadv`.  Under TRITON_INTERPRET=1 the Triton impls
 also accept CPU tensors ("interpreter mode"), so CI runs the real kernel code without a GPU.
 
-Kernel modules: each module in KERNEL_MODULES exposes `impls(env) -> list[KernelImpl]`."""
+Kernel modules: each module in KERNEL_MODULES exposes `impls(env) -> list[KernelImpl]`: the shared Triton
+kernels' modules (triton_common.KERNEL_MODULES, declared for "cuda") and this backend's own, one folder per op
+(OWN_MODULES; docs/backends/cuda.md)."""
 from __future__ import annotations
 
 import importlib
