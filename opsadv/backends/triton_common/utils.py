@@ -1,4 +1,4 @@
-"""Helpers shared by the cuda backend's Triton kernel modules: masked tile loads/stores and a
+"""Helpers shared by the Triton kernel modules (and the cuda backend's Gluon hosts): masked tile loads/stores and a
 small per-shape-bucket config autotuner (GPU only; the interpreter always takes the profile's
 first config)."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""layer_norm and rms_norm (optionally fused with the residual add) for the cuda backend.
+"""layer_norm and rms_norm (optionally fused with the residual add) in Triton, for the GPU backends.
 
 cuda.triton.layer_norm / cuda.triton.rms_norm (priority 200): one program per row, or several rows
 per program when the hidden size is small; whole rows in registers (hidden up to 65536, any size),
