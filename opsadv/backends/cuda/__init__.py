@@ -8,8 +8,8 @@ kernels are registered, never at `import opsadv`.  Under TRITON_INTERPRET=1 the 
 also accept CPU tensors ("interpreter mode"), so CI runs the real kernel code without a GPU.
 
 Kernel modules: each module in KERNEL_MODULES exposes `impls(env) -> list[KernelImpl]`: the shared Triton
-kernels' modules (triton_common.KERNEL_MODULES, declared for "cuda") and this backend's own, one folder per op
-(OWN_MODULES; docs/backends/cuda.md)."""
+kernels' modules (triton_common.KERNEL_MODULES, declared for "cuda") and this backend's own (OWN_MODULES), each
+op folder listing its modules in IMPL_MODULES (docs/backends/cuda.md)."""
 from __future__ import annotations
 
 import importlib
@@ -26,11 +26,10 @@ from .profiles import PROFILES
 
 NAME = "cuda"
 VERSION = "0.1.0"
-# kernel modules, full dotted names: the shared Triton kernels, then this backend's own (one folder per op)
-OWN_MODULES = ("flash_attention.sdpa", "flash_attention.gluon", "sparse_attention.gluon", "gemm.cublas", "gemm.gluon",
-               "swiglu_gemm.gluon", "norm.aten")
-KERNEL_MODULES = (tuple(f"{triton_common.__name__}.{m}" for m in triton_common.KERNEL_MODULES)
-                  + tuple(f"{__name__}.{m}" for m in OWN_MODULES))
+# kernel modules, full dotted names: the shared Triton kernels, then this backend's own (each op folder lists its
+# own in IMPL_MODULES)
+OWN_MODULES = triton_common.folder_modules(__name__, __path__)
+KERNEL_MODULES = triton_common.KERNEL_MODULES + OWN_MODULES
 
 
 @hookimpl

@@ -24,5 +24,5 @@ def _amd(impl: KernelImpl) -> KernelImpl:
 
 
 def impls(env) -> list[KernelImpl]:
-    modules = [f"{triton_common.__name__}.{m}" for m in triton_common.KERNEL_MODULES]
-    return [_amd(impl) for _, impl in module_impls(env, modules, "rocm", backend="rocm") if impl.id in PORTABLE]
+    return [_amd(impl) for _, impl in module_impls(env, triton_common.KERNEL_MODULES, "rocm", backend="rocm")
+            if impl.id in PORTABLE]

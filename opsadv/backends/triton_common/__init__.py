@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import pkgutil
 import warnings
 
 import torch
@@ -17,11 +18,18 @@ from opsadv.core.envvars import env_bool
 from opsadv.core.errors import InvalidArgumentError, UnknownOptionError
 from opsadv.runtime.memory import parse_level
 
-# kernel modules (relative to this package), each exposing impls(env, backend="cuda") -> list[KernelImpl]: its impls
-# declared for `backend` (ids "<backend>.triton.<...>", NVIDIA compute-capability checks; another backend replaces
-# those with its own)
-KERNEL_MODULES = ("flash_attention.attention", "sparse_attention.sparse", "gemm.gemm", "norm.norm", "swiglu.swiglu",
-                  "rotary_embedding.rotary")
+
+
+def folder_modules(package: str, path) -> tuple[str, ...]:
+    """The kernel modules of a package's op folders, full dotted names: each subpackage (one per op) lists the
+    modules of its own that declare impls in IMPL_MODULES; a folder without it (common/) has none.  Importing an
+    op folder's __init__ imports no kernel (Triton stays unloaded until the modules are)."""
+    out: list[str] = []
+    for info in pkgutil.iter_modules(path):
+        if info.ispkg:
+            folder = importlib.import_module(f"{package}.{info.name}")
+            out += [f"{folder.__name__}.{m}" for m in getattr(folder, "IMPL_MODULES", ())]
+    return tuple(out)
 
 
 def interpreter_mode(env) -> bool:
@@ -90,3 +98,8 @@ def check_seed_options(options: dict, backend: str) -> dict:
                                      "(or a policy option)", repr(value))
         out[name] = value
     return out
+
+
+# this package's kernel modules, each exposing impls(env, backend="cuda") -> list[KernelImpl]: its impls declared
+# for `backend` (ids "<backend>.triton.<...>", NVIDIA compute-capability checks; another backend replaces those)
+KERNEL_MODULES = folder_modules(__name__, __path__)
