@@ -11,7 +11,7 @@ import torch
 
 import opsadv
 from opsadv import KernelImpl
-from opsadv.backends.cuda import sdpa
+from opsadv.backends.cuda.flash_attention import sdpa
 from opsadv.backends.reference import ATTN_FEATURES
 from opsadv.backends.reference import kernels as K
 from opsadv.core import dispatch

@@ -71,7 +71,7 @@ def test_backward_tma_loads_match_reference(b, hq, hkv, sq, sk, d, causal, seed,
     """The backward with its streamed tiles (q / dO, k / v) loaded through (b, h, s, d) descriptors, as the h100
     profile's TMA configs run it: ragged tails (zero rows from the descriptor bounds), GQA / MQA, s_q != s_k,
     decode.  Head dim 96 is padded to 128 in registers: no descriptor path there."""
-    from opsadv.backends.cuda import attention as A
+    from opsadv.backends.triton_common.flash_attention import attention as A
     monkeypatch.setenv("OPSADV_POISON_OUTPUTS", "1")
     orig, real = A._configs, A.desc_bhsd
     monkeypatch.setattr(A, "_configs", lambda ctx, which, d_, tma_ok: [
@@ -86,7 +86,7 @@ def test_backward_tma_loads_match_reference(b, hq, hkv, sq, sk, d, causal, seed,
 @pytest.mark.parametrize("b,hq,hkv,sq,sk,d,causal", [CASES[1], CASES[3], CASES[4], CASES[6]])
 def test_atomic_dq_backward_matches_reference(b, hq, hkv, sq, sk, d, causal, seed, monkeypatch):
     """The experimental non-deterministic variant (dQ by fp32 atomics in the dK/dV kernel)."""
-    from opsadv.backends.cuda import attention as A
+    from opsadv.backends.triton_common.flash_attention import attention as A
     from opsadv.core import dispatch
     from opsadv.core.ops import attention as OA
     monkeypatch.setenv("OPSADV_POISON_OUTPUTS", "1")
@@ -146,7 +146,7 @@ def test_non_contiguous_inputs_and_deterministic_policy(seed):
 
 
 def test_profiles_carry_attention_tiles_and_interpreter_does_not_autotune():
-    from opsadv.backends.cuda import attention as A
+    from opsadv.backends.triton_common.flash_attention import attention as A
     from opsadv.backends.cuda.profiles import PROFILES
     for p in PROFILES:
         tiles = p.tiles["flash_attention"]
@@ -169,7 +169,7 @@ def test_profiles_carry_attention_tiles_and_interpreter_does_not_autotune():
     (2, 8, 2, 1000, 1000, 128, True), (1, 4, 4, 333, 200, 128, True), (1, 4, 4, 1, 1000, 64, False),
     (1, 4, 2, 300, 300, 256, True), (1, 4, 2, 257, 257, 96, False)])
 def test_gpu_triton(b, hq, hkv, sq, sk, d, causal, dtype, seed, monkeypatch):
-    from opsadv.backends.cuda import attention as A
+    from opsadv.backends.triton_common.flash_attention import attention as A
     monkeypatch.setattr(A, "_autotune", lambda ctx, device: False)   # the profile's default tiles (fast to compile)
     monkeypatch.setenv("OPSADV_POISON_OUTPUTS", "1")
     tol = 1.5e-2 if dtype == torch.bfloat16 else 3e-3
@@ -187,7 +187,7 @@ def test_gpu_triton(b, hq, hkv, sq, sk, d, causal, dtype, seed, monkeypatch):
     (1, 4, 1, 300, 517, 64, True)])
 def test_gpu_triton_backward_tma_loads(b, hq, hkv, sq, sk, d, causal, dtype, seed, monkeypatch):
     """The backward's descriptor loads (every TMA config of the h100 space forced in turn) on the GPU."""
-    from opsadv.backends.cuda import attention as A
+    from opsadv.backends.triton_common.flash_attention import attention as A
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("TMA needs sm_90+")
     monkeypatch.setattr(A, "_autotune", lambda ctx, device: False)
@@ -210,7 +210,7 @@ def test_gpu_triton_backward_tma_loads(b, hq, hkv, sq, sk, d, causal, dtype, see
 @pytest.mark.parametrize("b,hq,hkv,sq,sk,d,causal", [(2, 8, 2, 1000, 1000, 128, True), (1, 4, 4, 333, 200, 64, True),
                                                       (1, 4, 2, 257, 300, 96, False)])
 def test_gpu_triton_atomic_dq_backward(b, hq, hkv, sq, sk, d, causal, seed, monkeypatch):
-    from opsadv.backends.cuda import attention as A
+    from opsadv.backends.triton_common.flash_attention import attention as A
     monkeypatch.setattr(A, "_autotune", lambda ctx, device: False)
     from opsadv.core import dispatch
     from opsadv.core.ops import attention as OA
@@ -296,7 +296,7 @@ def test_gpu_every_forward_with_every_backward(seed):
 def _every_tile_config(device, dtype, d, tma_ok, profile=None):
     """Each config of the profile's autotune space (TMA ones included on a GPU), forced in turn,
     on ragged shapes (s_q > s_k, causal: rows with no key), forward and backward."""
-    from opsadv.backends.cuda import attention as A
+    from opsadv.backends.triton_common.flash_attention import attention as A
     from opsadv.core import dispatch
     from opsadv.core.ops import attention as OA
     q = torch.randn(1, 4, 133, d, device=device, dtype=dtype)
@@ -377,7 +377,7 @@ FWD_VARIANTS = [  # forward kernel variants a profile config may switch on
 def test_forward_variants_match_reference(flags, b, hq, hkv, sq, sk, d, causal, seed, monkeypatch):
     """Conditional rescaling and the software-pipelined kv loop compute the same function: scores
     scaled so that row maxima grow across kv blocks (the rescale path is taken and skipped)."""
-    from opsadv.backends.cuda import attention as A
+    from opsadv.backends.triton_common.flash_attention import attention as A
     from opsadv.core import dispatch
     from opsadv.core.ops import attention as OA
     monkeypatch.setenv("OPSADV_POISON_OUTPUTS", "1")
@@ -406,7 +406,7 @@ def test_efficient_masked_backward_recompute_matches_reference(causal, mask_kind
     """The masked half-precision backward of cuda.sdpa.efficient (recomputed through SDPA's own
     autograd; MATH on CPU here, the efficient kernel on a GPU): gradients equal the reference's,
     rows the mask empties give zero gradients, GQA reduced back to the kv heads."""
-    from opsadv.backends.cuda import sdpa as S
+    from opsadv.backends.cuda.flash_attention import sdpa as S
     g = torch.Generator().manual_seed(3)
     b, hq, hk, s, d = 1, 4, 2, 19, 16
     q = torch.randn(b, hq, s, d, generator=g, dtype=torch.float64)
@@ -429,7 +429,7 @@ def test_efficient_backward_gets_out_in_its_own_layout():
     """The cutlass backward reads out with a row stride of heads * head_dim, whatever the tensor says, so
     cuda.sdpa.efficient hands it out in (b, s, h, d) memory: a (b, h, s, d)-contiguous out (cuDNN's) is
     copied, one already in that memory (the efficient / Triton / Gluon forwards') is passed as is."""
-    from opsadv.backends.cuda import sdpa as S
+    from opsadv.backends.cuda.flash_attention import sdpa as S
     bhsd = torch.randn(2, 3, 5, 8)
     got = S._bmhk(bhsd)
     assert got.transpose(1, 2).is_contiguous() and torch.equal(got, bhsd) and got.data_ptr() != bhsd.data_ptr()
@@ -496,7 +496,7 @@ import json, os, re
 os.environ.pop("TRITON_INTERPRET", None)
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
-from opsadv.backends.cuda import attention as A
+from opsadv.backends.triton_common.flash_attention import attention as A
 from opsadv.testing.sm90 import compile_sm90
 fn = A._bwd_kv_kernel
 b, hq, hkv, sq, sk, d, bm, bn = 1, 4, 2, 1000, 1000, 128, 64, 128
@@ -521,7 +521,7 @@ _BWD_LOADS_COMPILE = r"""
 import json, os
 os.environ.pop("TRITON_INTERPRET", None)
 import torch
-from opsadv.backends.cuda import attention as A
+from opsadv.backends.triton_common.flash_attention import attention as A
 from opsadv.testing.sm90 import compile_sm90
 b, h, s, d, bm, bn = 4, 32, 4096, 128, 64, 64
 q = torch.randn(b, h, s, d, dtype=torch.bfloat16)
@@ -563,7 +563,7 @@ def test_atomic_dq_backward_reduces_through_tma_on_sm90():
 def test_gpu_two_stream_backward_identical_and_graph_capturable(seed, monkeypatch):
     """CONCURRENT_BWD (dQ kernel on a side stream): the same bits as one stream, and the fork / join records into
     a CUDA graph whose replay gives the eager gradients."""
-    from opsadv.backends.cuda import attention as A
+    from opsadv.backends.triton_common.flash_attention import attention as A
     monkeypatch.setattr(A, "_autotune", lambda ctx, device: False)
     q, k, v, do = (torch.randn(2, 8, 700, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     pin = {"flash_attention": TRITON_ID}

@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from opsadv.backends.cuda import _triton_utils as U  # noqa: E402
+from opsadv.backends.triton_common import utils as U  # noqa: E402
 from opsadv.core.tuning import TUNE_ROUNDS  # noqa: E402
 
 

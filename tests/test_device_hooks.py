@@ -105,9 +105,9 @@ def test_rocm_probes_and_declares_on_a_faked_mi300(tmp_path, hip_build, registry
         assert not rocm.impls
         return
     ids = {i.id for i in rocm.impls}
-    for mod, expect in (("attention", "rocm.triton.flash_attention"), ("gemm", "rocm.triton.gemm"),
-                        ("norm", "rocm.triton.rms_norm"), ("swiglu", "rocm.triton.swiglu")):
-        if importlib.util.find_spec(f"opsadv.backends.cuda.{mod}") is not None:
+    for mod, expect in (("flash_attention.attention", "rocm.triton.flash_attention"), ("gemm.gemm", "rocm.triton.gemm"),
+                        ("norm.norm", "rocm.triton.rms_norm"), ("swiglu.swiglu", "rocm.triton.swiglu")):
+        if importlib.util.find_spec(f"opsadv.backends.triton_common.{mod}") is not None:
             assert expect in ids, ids
     assert all(i.startswith("rocm.triton.") for i in ids)
     assert not any(w in i for i in ids for w in ("gluon", "cublas", "sdpa", "_tma", "persistent", "aten")), ids
@@ -300,10 +300,11 @@ def test_jetson_chunking_reads_memory_traits_not_ids():
 
 
 def test_cuda_impls_declare_memory_traits():
-    from opsadv.backends.cuda import sdpa
-    from opsadv.backends.cuda import gemm as G
+    from opsadv.backends.cuda.flash_attention import sdpa
+    from opsadv.backends.cuda.gemm import cublas as CB
+    from opsadv.backends.triton_common.gemm import gemm as G
     env = get_registry().env
-    by_id = {i.id: i for i in sdpa.impls(env) + G.impls(env)}
+    by_id = {i.id: i for i in sdpa.impls(env) + CB.impls(env) + G.impls(env)}
     assert by_id["cuda.sdpa.cudnn"].memory == MEMORY_FLASH and by_id["cuda.sdpa.flash"].memory.kind == "flash"
     assert by_id["cuda.sdpa.efficient"].memory.expands_kv and not by_id["cuda.sdpa.cudnn"].memory.expands_kv
     assert by_id["cuda.cublas.gemm"].memory == MEMORY_FUSED
@@ -311,7 +312,7 @@ def test_cuda_impls_declare_memory_traits():
     assert by_id["cuda.cublas.swiglu_gemm"].memory == temporaries(3)
     if HAS_TRITON:
         assert by_id["cuda.triton.gemm"].memory == MEMORY_FUSED
-        from opsadv.backends.cuda import attention
+        from opsadv.backends.triton_common.flash_attention import attention
         assert all(i.memory == MEMORY_FLASH for i in attention.impls(env))
 
 

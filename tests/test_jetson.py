@@ -153,9 +153,9 @@ def test_jetson_impls_reuse_cuda_kernels(tmp_path, registry_with):
     ids = {i.id for i in reg.backends["jetson"].impls}
     assert ids and all(i.startswith("jetson.") for i in ids)
     assert "jetson.chunked_math_attention" in ids
-    for mod, expect in (("attention", "jetson.triton.flash_attention"), ("gemm", "jetson.triton.gemm"),
-                        ("gemm", "jetson.cublas.gemm_epilogue")):
-        if importlib.util.find_spec(f"opsadv.backends.cuda.{mod}") is not None:
+    for mod, expect in (("flash_attention.attention", "jetson.triton.flash_attention"),
+                        ("gemm.gemm", "jetson.triton.gemm"), ("gemm.gemm", "jetson.cublas.gemm_epilogue")):
+        if importlib.util.find_spec(f"opsadv.backends.triton_common.{mod}") is not None:
             assert expect in ids
     assert all(i.backend == "jetson" for i in reg.backends["jetson"].impls)
 
@@ -178,8 +178,8 @@ def test_xavier_rejects_bf16_with_a_reason(tmp_path, registry_with):
 
 # ---- kernels under the jetson profile (Triton interpreter on CPU) -------------------------------
 def _need(mod):
-    if importlib.util.find_spec(f"opsadv.backends.cuda.{mod}") is None:
-        pytest.skip(f"opsadv.backends.cuda.{mod} is not written yet")
+    if importlib.util.find_spec(f"opsadv.backends.triton_common.{mod}") is None:
+        pytest.skip(f"opsadv.backends.triton_common.{mod} is not written yet")
 
 
 @pytest.fixture
@@ -190,7 +190,7 @@ def orin(tmp_path, registry_with):
 
 
 def test_flash_attention_jetson_matches_reference(orin, seed):
-    _need("attention")
+    _need("flash_attention.attention")
     for b, hq, hkv, sq, sk, d, causal in ((1, 2, 1, 37, 70, 32, True), (2, 2, 2, 65, 65, 64, False)):
         q = torch.randn(b, hq, sq, d, dtype=torch.float16, requires_grad=True)
         k = torch.randn(b, hkv, sk, d, dtype=torch.float16, requires_grad=True)
@@ -210,7 +210,7 @@ def test_flash_attention_jetson_matches_reference(orin, seed):
 
 
 def test_gemm_jetson_matches_reference(orin, seed):
-    _need("gemm")
+    _need("gemm.gemm")
     a = torch.randn(3, 45, 96, dtype=torch.float16)
     w = torch.randn(96, 80, dtype=torch.float16) / 10
     bias = torch.randn(80, dtype=torch.float16)
@@ -222,7 +222,7 @@ def test_gemm_jetson_matches_reference(orin, seed):
 
 
 def test_norm_jetson_matches_reference(orin, seed):
-    _need("norm")
+    _need("norm.norm")
     x = torch.randn(7, 130, dtype=torch.float16)
     w = torch.randn(130, dtype=torch.float16)
     with opsadv.trace() as t:
@@ -289,8 +289,8 @@ def test_chunked_attention_equals_unchunked(seed, sq, sk, causal, hq, hkv, mask)
 
 
 def test_chunked_triton_attention_equals_unchunked(seed):
-    _need("attention")
-    from opsadv.backends.cuda.attention import flash_bwd, flash_fwd
+    _need("flash_attention.attention")
+    from opsadv.backends.triton_common.flash_attention.attention import flash_bwd, flash_fwd
     from opsadv.backends.jetson.profiles import JETSON
     ctx = type("Ctx", (), {"profile": JETSON, "options": {}, "env": None, "spec": None})()
     q = torch.randn(1, 2, 100, 32, dtype=torch.float16)
@@ -349,7 +349,7 @@ def test_conformance_kit_passes_on_a_faked_orin(tmp_path, registry_with):
                                                         if r.status == "fail"]
     impls = {r.impl for r in res if r.status == "pass"}
     assert "jetson.chunked_math_attention" in impls
-    if importlib.util.find_spec("opsadv.backends.cuda.attention") is not None:
+    if importlib.util.find_spec("opsadv.backends.triton_common.flash_attention.attention") is not None:
         assert any(i.startswith("jetson.triton.flash_attention") for i in impls)
 
 
@@ -358,7 +358,7 @@ def test_gqa_kv_expanding_impls_refused_above_the_cap(tmp_path, registry_with):
     reg = registry_with(env)
     jet = {i.id: i for i in reg.backends["jetson"].impls}
     if "jetson.sdpa.efficient" not in jet:
-        pytest.skip("opsadv.backends.cuda.sdpa is not written yet")
+        pytest.skip("opsadv.backends.cuda.flash_attention.sdpa is not written yet")
 
     def spec(s):
         return CallSpec("flash_attention", "cuda", torch.float16, frozenset({"causal", "gqa"}), (s, s, 32),

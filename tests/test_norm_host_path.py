@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import opsadv
-from opsadv.backends.cuda import norm as N
+from opsadv.backends.triton_common.norm import norm as N
 from opsadv.core.dispatch import Resolved
 from opsadv.core.errors import InvalidArgumentError
 from opsadv.core.kernel import KernelImpl

@@ -21,7 +21,7 @@ from opsadv.core.ops import sparse as sparse_op
 
 from conftest import rel_err
 
-sdpa = pytest.importorskip("opsadv.backends.cuda.sdpa")
+sdpa = pytest.importorskip("opsadv.backends.cuda.flash_attention.sdpa")
 IMPL = "cuda.sdpa.flash_varlen"
 H200 = EnvInfo(device_type="cuda", compute_capability=(9, 0))
 
@@ -208,7 +208,7 @@ def test_build_pack_bounds_every_segment(rows):
 def test_split_filler_layout_triton_kernel_matches_reference(monkeypatch):
     """The Triton sparse kernel (interpreter) over a graph-path packed layout (filler split into
     <= s segments, some empty, tile index built as under capture) equals the reference."""
-    pytest.importorskip("opsadv.backends.cuda.sparse")
+    pytest.importorskip("opsadv.backends.triton_common.sparse_attention.sparse")
     from opsadv.convert import packing
     from opsadv.core import layout as layout_mod
     torch.manual_seed(0)
