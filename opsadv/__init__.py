@@ -8,6 +8,7 @@ of a backend plugin, with an answer to "which kernel ran, and why".
 """
 from __future__ import annotations
 
+import importlib
 from . import registry as _registry  # noqa: E402,F401  (installs the plugin registry into core.hooks)
 from . import errors, ops  # noqa: E402  (registers the torch.library ops)
 from .core.dispatch import Trace as _Trace  # noqa: E402
@@ -17,8 +18,8 @@ from .core.info import info  # noqa: E402
 from .core.version import __version__  # noqa: E402
 from . import _hf_seam  # noqa: E402
 from .core.kernel import CallSpec, KernelImpl, Profile, ResolveContext  # noqa: E402
-from .core import layout as _layout  # noqa: E402
-from .core.layout import SparseLayout  # noqa: E402
+from .ops.sparse_attention import layout as _layout  # noqa: E402
+from .ops.sparse_attention.layout import SparseLayout  # noqa: E402
 from .core.policy import Backend, current_policy, use_backend  # noqa: E402
 from .core.precision import PrecisionPolicy  # noqa: E402
 

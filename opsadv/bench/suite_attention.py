@@ -5,6 +5,7 @@ Grid (docs/performance.md): bf16 and fp16, d64 and d128, causal and not, (b,h,s)
 causal), forward+backward 3.5x.  Tensors are made lazily, one case at a time."""
 from __future__ import annotations
 
+import importlib
 import dataclasses
 from typing import Iterator
 
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 
 import opsadv
 from opsadv.core import dispatch
-from opsadv.core.ops import attention as A
+A = importlib.import_module("opsadv.ops.flash_attention")
 from opsadv.core.policy import current_policy
 from opsadv.registry import get_registry
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import opsadv
 from opsadv.core import dispatch
-from opsadv.core.ops.gemm import _gemm_spec, _swiglu_spec
+from opsadv.ops.gemm import _gemm_spec, _swiglu_spec
 from opsadv.core.policy import current_policy
 from opsadv.registry import get_registry
 

@@ -5,26 +5,26 @@ import dataclasses
 from typing import Any
 
 from . import dispatch
-from . import ops as _ops  # noqa: F401  (registers the ops first)
+from . import op_common as _common
 from .errors import InvalidArgumentError, UnknownKeywordError
 from .kernel import OPS
 import importlib
 
-# modules, not the same-named op functions that opsadv.core.ops re-exports
-attention = importlib.import_module("opsadv.core.ops.attention")
-gemm = importlib.import_module("opsadv.core.ops.gemm")
-norm = importlib.import_module("opsadv.core.ops.norm")
-sparse = importlib.import_module("opsadv.core.ops.sparse")
-swiglu = importlib.import_module("opsadv.core.ops.swiglu")
-rotary = importlib.import_module("opsadv.core.ops.rotary")
+# modules, not the same-named op functions that opsadv.ops re-exports
+attention = importlib.import_module("opsadv.ops.flash_attention")
+gemm = importlib.import_module("opsadv.ops.gemm")
+norm = importlib.import_module("opsadv.ops.norm")
+sparse = importlib.import_module("opsadv.ops.sparse_attention")
+swiglu = importlib.import_module("opsadv.ops.swiglu")
+rotary = importlib.import_module("opsadv.ops.rotary_embedding")
 
 
 def _attention_buckets(mode, backward: bool, kwargs: dict[str, Any]) -> tuple[bool, bool]:
     """(train, inference) of an attention call, as the op itself routes it (attention.flash_attention,
     sparse.sparse_attention): grad-recording eager calls in the train bucket, no-grad ones that do not return lse
     in the inference bucket."""
-    train = not backward and mode == _ops._common.AUTOGRAD_FN
-    inference = not backward and mode == _ops._common.DIRECT and not kwargs.get("return_lse", False)
+    train = not backward and mode == _common.AUTOGRAD_FN
+    inference = not backward and mode == _common.DIRECT and not kwargs.get("return_lse", False)
     return train, inference
 
 
@@ -36,12 +36,12 @@ def _spec_for(op: str, args: tuple, kwargs: dict[str, Any], backward: bool):
         q, k, v = get(0, "q"), get(1, "k"), get(2, "v")
         mask, causal, scale = kwargs.get("attn_mask"), kwargs.get("causal", False), kwargs.get("scale")
         attention.validate(q, k, v, mask, causal, scale)
-        train, inference = _attention_buckets(_ops._common.eager_mode(q, k, v, mask), backward, kwargs)
+        train, inference = _attention_buckets(_common.eager_mode(q, k, v, mask), backward, kwargs)
         return attention._spec(q, k, mask, causal, backward, train=train, inference=inference)
     if op == "sparse_attention":
         q, k, v, layout = get(0, "q"), get(1, "k"), get(2, "v"), get(3, "layout")
         sparse.validate(q, k, v, layout, kwargs.get("scale"))
-        mode = _ops._common.eager_mode(q, k, v, layout.block_mask, layout.key_padding_mask, layout.cu_seqlens)
+        mode = _common.eager_mode(q, k, v, layout.block_mask, layout.key_padding_mask, layout.cu_seqlens)
         return sparse.layout_spec(q, k, layout, backward, *_attention_buckets(mode, backward, kwargs))
     if op == "gemm":
         a, b = get(0, "a"), get(1, "b")
@@ -71,7 +71,7 @@ def _spec_for(op: str, args: tuple, kwargs: dict[str, Any], backward: bool):
         res, offset = kwargs.get("residual"), kwargs.get("offset", 0.0)
         norm.validate(op, x, w, bias, eps, res, offset)
         # an eager call that records gradients resolves in its own bucket (CallSpec.train)
-        train = not backward and _ops._common.eager_mode(x, w, bias, res) == _ops._common.AUTOGRAD_FN
+        train = not backward and _common.eager_mode(x, w, bias, res) == _common.AUTOGRAD_FN
         return norm._spec(op, x, w, bias, res, backward, offset, train=train)
     if op == "rotary_embedding":
         q, k, cos, sin = get(0, "q"), get(1, "k"), get(2, "cos"), get(3, "sin")
@@ -83,7 +83,7 @@ def _spec_for(op: str, args: tuple, kwargs: dict[str, Any], backward: bool):
 
 def _check_keywords(op: str, kwargs: dict[str, Any]) -> None:
     """The op raises TypeError for a keyword it does not take: explain must not silently ignore one (causl=True)."""
-    fn = getattr(_ops, op, None) if op in OPS else None
+    fn = getattr(importlib.import_module("opsadv.ops"), op, None) if op in OPS else None
     if fn is None:
         return
     import inspect

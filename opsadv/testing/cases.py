@@ -11,7 +11,7 @@ from typing import Any, Callable
 import torch
 
 import opsadv
-from opsadv.core.layout import SparseLayout
+from opsadv.ops.sparse_attention.layout import SparseLayout
 
 # relative-norm error allowed per input dtype (forward, backward); float32 allows tf32 dots on GPUs
 TOLERANCE = {

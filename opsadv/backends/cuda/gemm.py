@@ -35,7 +35,7 @@ from opsadv.core.activations import act_grad
 from opsadv.core.envvars import env_bool
 from opsadv.core.errors import InvalidArgumentError
 from opsadv.core.kernel import MEMORY_FUSED, PRIORITY_TRITON, PRIORITY_VENDOR, KernelImpl, cap_tiles, temporaries
-from opsadv.core.ops._common import len_bucket
+from opsadv.core.op_common import len_bucket
 from opsadv.core.policy import current_policy
 
 from . import triton_device_types

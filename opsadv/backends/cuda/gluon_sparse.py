@@ -66,7 +66,7 @@ import weakref
 import torch
 
 from opsadv.core.kernel import MEMORY_FLASH, PRIORITY_TRITON, KernelImpl
-from opsadv.core.layout import tile_index
+from opsadv.ops.sparse_attention.layout import tile_index
 
 from .gluon_attention import _cdiv, _desc, _tma_ready, gluon_unavailable, nvmma_layout  # (b, h, s, d) TMA descriptors shared with the dense kernel
 from ._triton_utils import new_output, new_output_bshd

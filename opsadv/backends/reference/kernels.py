@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from opsadv.core.activations import ACT, act_grad, swiglu_grad
-from opsadv.core.layout import dense_mask
+from opsadv.ops.sparse_attention.layout import dense_mask
 
 
 def _acc(t: Tensor | None) -> Tensor | None:

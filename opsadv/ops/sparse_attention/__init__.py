@@ -19,17 +19,17 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import dispatch
-from .. import policy as _policy
-from ..errors import InvalidArgumentError
-from ..kernel import CallSpec
-from ..layout import SparseLayout
-from ._common import (AUTOGRAD_FN, DIRECT, TORCH_OPS, carry_policy, check_same, check_scale, check_tensor,
+from opsadv.core import dispatch
+from opsadv.core import policy as _policy
+from opsadv.core.errors import InvalidArgumentError
+from opsadv.core.kernel import CallSpec
+from .layout import SparseLayout
+from opsadv.core.op_common import (AUTOGRAD_FN, DIRECT, TORCH_OPS, carry_policy, check_same, check_scale, check_tensor,
                       EXACT_STRIDES, contiguous_lse, dispatch_modes, eager_mode, function_modes, functorch_level,
                       grad_enabled, is_compiling, len_bucket, own_pair_train_step, pair_backward, raw_apply,
                       register_train_step, resolved_autograd_function, traced_train, train_pair_backward,
                       transforms_active, unwrap_if_dead)
-from .attention import default_scale, lse_dtype
+from ..flash_attention import default_scale, lse_dtype
 
 OP = "sparse_attention"
 

@@ -26,13 +26,13 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import dispatch
-from .. import policy as _policy
-from ..errors import InvalidArgumentError
-from ..kernel import CallSpec
-from ..activations import ACT
-from .swiglu import swiglu
-from ._common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, INF, TORCH_OPS, autograd_function, carry_policy,
+from opsadv.core import dispatch
+from opsadv.core import policy as _policy
+from opsadv.core.errors import InvalidArgumentError
+from opsadv.core.kernel import CallSpec
+from opsadv.core.activations import ACT
+from ..swiglu import swiglu
+from opsadv.core.op_common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, INF, TORCH_OPS, autograd_function, carry_policy,
                       check_choice, check_same, check_tensor, dispatch_modes, eager_mode, function_modes,
                       functorch_level, grad_enabled, is_compiling, len_bucket, none_if_empty, raw_apply,
                       resolved_autograd_function, same_kind, transforms_active, unwrap_if_dead)

@@ -39,7 +39,7 @@ from typing import NamedTuple, Sequence
 import torch
 from torch import Tensor
 
-from .errors import InvalidArgumentError
+from opsadv.core.errors import InvalidArgumentError
 
 OP = "sparse_attention"
 

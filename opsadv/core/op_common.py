@@ -6,10 +6,10 @@ from typing import Any, Callable
 
 import torch
 
-from .. import dispatch
-from ..errors import InvalidArgumentError
-from ..policy import _scoped, current_policy
-from ..train_steps import register_train_step, train_step  # noqa: F401  (the ops register here; tuning reads)
+from . import dispatch
+from .errors import InvalidArgumentError
+from .policy import _scoped, current_policy
+from .train_steps import register_train_step, train_step  # noqa: F401  (the ops register here; tuning reads)
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

@@ -18,10 +18,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import dispatch
-from ..errors import InvalidArgumentError
-from ..kernel import CallSpec
-from ._common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, TORCH_OPS, autograd_function, carry_policy, check_tensor,
+from opsadv.core import dispatch
+from opsadv.core.errors import InvalidArgumentError
+from opsadv.core.kernel import CallSpec
+from opsadv.core.op_common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, TORCH_OPS, autograd_function, carry_policy, check_tensor,
                       dt, eager_mode, len_bucket)
 
 OP = "rotary_embedding"

@@ -25,11 +25,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import dispatch
-from .. import policy as _policy
-from ..errors import InvalidArgumentError
-from ..kernel import CallSpec
-from ._common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, INF, carry_policy, check_same, check_tensor,
+from opsadv.core import dispatch
+from opsadv.core import policy as _policy
+from opsadv.core.errors import InvalidArgumentError
+from opsadv.core.kernel import CallSpec
+from opsadv.core.op_common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, INF, carry_policy, check_same, check_tensor,
                       dispatch_modes, eager_mode, function_modes, functorch_level, grad_enabled, grad_step,
                       is_compiling, len_bucket, raw_apply, register_train_step, resolved_autograd_function, same_kind,
                       shared_empty, transforms_active, unwrap_if_dead)
