@@ -211,7 +211,7 @@ def test_split_filler_layout_triton_kernel_matches_reference(monkeypatch):
     <= s segments, some empty, tile index built as under capture) equals the reference."""
     pytest.importorskip("opsadv.backends.cuda.sparse")
     from opsadv.convert import packing
-    from opsadv.ops.sparse_attention import layout as layout_mod
+    from opsadv.core import sparse_tiles as layout_mod
     torch.manual_seed(0)
     b, s = 3, 24
     kpm = torch.arange(s)[None] < torch.tensor([[20], [0], [9]])

@@ -66,7 +66,7 @@ import weakref
 import torch
 
 from opsadv.core.kernel import MEMORY_FLASH, PRIORITY_TRITON, KernelImpl
-from opsadv.ops.sparse_attention.layout import tile_index
+from opsadv.core.sparse_tiles import tile_index
 
 from .gluon_attention import _cdiv, _desc, _tma_ready, gluon_unavailable, nvmma_layout  # (b, h, s, d) TMA descriptors shared with the dense kernel
 from ._triton_utils import new_output, new_output_bshd
@@ -151,7 +151,7 @@ def _s3(t: torch.Tensor) -> tuple[int, int, int]:
 
 
 def layout_index(block_mask, kpm, cu, bs, causal, wl, wr, ng, sq, sk):
-    """The TileIndex the kernel walks (128 x 128 tiles; cached by core.layout)."""
+    """The TileIndex the kernel walks (128 x 128 tiles; cached by core.sparse_tiles)."""
     return tile_index(block_mask, kpm, cu, bs, causal, wl, wr, ng, sq, sk, TILE, TILE)
 
 

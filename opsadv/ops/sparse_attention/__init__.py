@@ -1,4 +1,4 @@
-"""sparse_attention: attention restricted by a SparseLayout (see opsadv.core.layout).
+"""sparse_attention: attention restricted by a SparseLayout (see .layout).
 
 Impl contract:  fn(ctx, q, k, v, block_mask, key_padding_mask, cu_seqlens, block_size, causal,
                    window_left, window_right, num_global, scale: float, dense_blocks: bool,
