@@ -8,7 +8,6 @@ of a backend plugin, with an answer to "which kernel ran, and why".
 """
 from __future__ import annotations
 
-import importlib
 from . import registry as _registry  # noqa: E402,F401  (installs the plugin registry into core.hooks)
 from . import errors, ops  # noqa: E402  (registers the torch.library ops)
 from .core.dispatch import Trace as _Trace  # noqa: E402

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import opsadv
-from opsadv.backends.reference import kernels as R
+from opsadv.ops.flash_attention import reference as R
 from opsadv.errors import NoKernelError
 
 from conftest import rel_err, requires_gpu

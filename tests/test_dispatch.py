@@ -30,7 +30,7 @@ class Widget:
     @staticmethod
     def rms(ctx, x, weight, eps, residual, offset):
         Widget.calls += 1
-        from opsadv.backends.reference.kernels import rms_norm_fwd
+        from opsadv.ops.norm.reference import rms_norm_fwd
         return rms_norm_fwd(ctx, x, weight, eps, residual, offset)
 
     @hookimpl

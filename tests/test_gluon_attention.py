@@ -20,7 +20,7 @@ import torch
 pytestmark = pytest.mark.xdist_group("gluon_attention")
 
 import opsadv
-from opsadv.backends.reference import kernels as R
+from opsadv.ops.flash_attention import reference as R
 from opsadv.core.kernel import CallSpec
 
 from barrier_sim import Bar, Ring, run

@@ -30,12 +30,14 @@ from opsadv.core import dispatch
 from opsadv.core import policy as _policy
 from opsadv.core.errors import InvalidArgumentError
 from opsadv.core.kernel import CallSpec
+from opsadv.core.opdef import OpDef, Reference, arg
 from opsadv.core.activations import ACT
 from ..swiglu import swiglu
 from opsadv.core.op_common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, INF, TORCH_OPS, autograd_function, carry_policy,
                       check_choice, check_same, check_tensor, dispatch_modes, eager_mode, function_modes,
                       functorch_level, grad_enabled, is_compiling, len_bucket, none_if_empty, raw_apply,
                       resolved_autograd_function, same_kind, transforms_active, unwrap_if_dead)
+from . import cases as _cases, reference as _reference
 
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
 
@@ -332,3 +334,34 @@ def swiglu_gemm(x: Tensor, w_gate_up: Tensor, *, bias: Tensor | None = None) -> 
     if mode == DIRECT:
         dispatch.learn(fk, _swiglu_key(x, w_gate_up, bias, False))
     return out
+
+
+# ---- the ops' definitions ----------------------------------------------------------------------------------
+def explain_gemm(args: tuple, kwargs: dict, backward: bool):
+    a, b = arg(args, kwargs, 0, "a"), arg(args, kwargs, 1, "b")
+    bias, act, res, alpha = (kwargs.get("bias"), kwargs.get("activation", "none"), kwargs.get("residual"),
+                             kwargs.get("alpha", 1.0))
+    validate_gemm(a, b, bias, act, res, alpha)
+    if act != "none" and _records_grad(a, b, bias, res):     # as _composed_for_training runs it
+        return _gemm_spec(a, b, bias, "none", None, alpha, backward), (
+            f"grad-recording call: this GEMM runs with activation 'none', then {act}"
+            + (" and the residual add" if res is not None else "") + " as torch ops (z kept for the backward)")
+    return _gemm_spec(a, b, bias, act, res, alpha, backward)
+
+
+def explain_swiglu_gemm(args: tuple, kwargs: dict, backward: bool):
+    x, w, bias = arg(args, kwargs, 0, "x"), arg(args, kwargs, 1, "w_gate_up"), kwargs.get("bias")
+    validate_swiglu(x, w, bias)
+    if _records_grad(x, w, bias):
+        return _gemm_spec(x, w, bias, "none", None, 1.0, backward), (
+            "grad-recording call: this GEMM runs alone, then the swiglu op (opsadv.explain('swiglu', gate_up))")
+    return _swiglu_spec(x, w, bias, backward)
+
+
+GEMM = OpDef("gemm", gemm, Reference(_reference.gemm_fwd, _reference.gemm_bwd, _reference.FEATURES), explain_gemm,
+             custom_ops=(_gemm, _gemm_backward), cases=tuple(_cases.CASES), demo=_cases.demo, precision="matmul")
+SWIGLU_GEMM = OpDef("swiglu_gemm", swiglu_gemm,
+                    Reference(_reference.swiglu_fwd, _reference.swiglu_bwd, _reference.SWIGLU_FEATURES),
+                    explain_swiglu_gemm, custom_ops=(_swiglu_gemm, _swiglu_gemm_backward),
+                    cases=tuple(_cases.SWIGLU_CASES), demo=_cases.demo_swiglu, precision="matmul")
+OPDEFS = (GEMM, SWIGLU_GEMM)

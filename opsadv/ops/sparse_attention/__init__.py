@@ -29,7 +29,10 @@ from opsadv.core.op_common import (AUTOGRAD_FN, DIRECT, TORCH_OPS, carry_policy,
                       grad_enabled, is_compiling, len_bucket, own_pair_train_step, pair_backward, raw_apply,
                       register_train_step, resolved_autograd_function, traced_train, train_pair_backward,
                       transforms_active, unwrap_if_dead)
-from ..flash_attention import default_scale, lse_dtype
+from opsadv.core.opdef import OpDef, Reference, arg
+from ..flash_attention import attention_buckets, default_scale, lse_dtype
+from . import cases as _cases, reference as _reference
+
 
 OP = "sparse_attention"
 
@@ -285,3 +288,18 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, layout: SparseLayout, *, s
     else:
         out, lse = torch.ops.opsadv.sparse_attention(*args, traced_train(q, k, v))
     return (out, lse.detach()) if return_lse else out
+
+
+# ---- the op's definition -----------------------------------------------------------------------------------
+def explain_spec(args: tuple, kwargs: dict, backward: bool) -> CallSpec:
+    q, k, v, layout = (arg(args, kwargs, 0, "q"), arg(args, kwargs, 1, "k"), arg(args, kwargs, 2, "v"),
+                       arg(args, kwargs, 3, "layout"))
+    validate(q, k, v, layout, kwargs.get("scale"))
+    mode = eager_mode(q, k, v, layout.block_mask, layout.key_padding_mask, layout.cu_seqlens)
+    return layout_spec(q, k, layout, backward, *attention_buckets(mode, backward, kwargs))
+
+
+OPDEF = OpDef(OP, sparse_attention, Reference(_reference.sparse_fwd, _reference.sparse_bwd, _reference.FEATURES),
+              explain_spec, custom_ops=(_sparse_attention, _sparse_attention_backward), cases=tuple(_cases.CASES),
+              demo=_cases.demo, precision="attention")
+OPDEFS = (OPDEF,)

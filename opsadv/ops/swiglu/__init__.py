@@ -17,9 +17,12 @@ from opsadv.core import dispatch
 from opsadv.core import policy as _policy
 from opsadv.core.errors import InvalidArgumentError
 from opsadv.core.kernel import CallSpec
+from opsadv.core.opdef import OpDef, Reference, arg
 from opsadv.core.op_common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, TORCH_OPS, autograd_function, carry_policy, check_tensor,
                       dispatch_modes, eager_mode, function_modes, functorch_level, grad_enabled, is_compiling,
                       len_bucket, raw_apply, resolved_autograd_function, transforms_active, unwrap_if_dead)
+
+from . import cases as _cases, reference as _reference
 
 OP = "swiglu"
 
@@ -123,3 +126,15 @@ def swiglu(gate_up: Tensor) -> Tensor:
     if mode != TORCH_OPS:
         dispatch.learn(fk, _key(gate_up, False))
     return out
+
+
+# ---- the op's definition -----------------------------------------------------------------------------------
+def explain_spec(args: tuple, kwargs: dict, backward: bool) -> CallSpec:
+    gate_up = arg(args, kwargs, 0, "gate_up")
+    validate_swiglu_act(gate_up)
+    return _spec(gate_up, backward)
+
+
+OPDEF = OpDef(OP, swiglu, Reference(_reference.swiglu_act_fwd, _reference.swiglu_act_bwd, _reference.FEATURES),
+              explain_spec, custom_ops=(_swiglu, _swiglu_backward), cases=tuple(_cases.CASES), demo=_cases.demo)
+OPDEFS = (OPDEF,)
