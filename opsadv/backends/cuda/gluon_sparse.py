@@ -409,7 +409,7 @@ def _rank(spec, env) -> tuple[int, str] | None:
     """KernelImpl.rank: above the Triton impl where the H200 measured this kernel faster (see RANK_*)."""
     if spec.backward or spec.head_dim != 128 or "window" not in spec.features or spec.features & RANK_EXCLUDED:
         return None
-    bucket = spec.bucket            # (block_size, s_q, s_k, window span) buckets: core.ops.sparse._spec
+    bucket = spec.bucket            # (block_size, s_q, s_k, window span) buckets: opsadv.ops.sparse_attention._spec
     if len(bucket) < 4 or bucket[3] < RANK_MIN_WINDOW_SPAN or bucket[1] < RANK_MIN_SEQ:
         return None
     return (PRIORITY_TRITON + 10, f"d128 window span > {RANK_MIN_WINDOW_SPAN // 2} keys at s_q > {RANK_MIN_SEQ // 2}: "

@@ -242,7 +242,7 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, sc
     """Fused softmax(q kᵀ · scale [+ mask]) v.  Returns out (b, h_q, s_q, d), or (out, lse) with
     return_lse=True (lse is not differentiable).  Gradients flow to q, k, v (not the mask)."""
     fk = r = None
-    # the fast path (as the norms', norm.py): the exact metadata of an identical call that took the full path
+    # the fast path (as the norms', ops/norm): the exact metadata of an identical call that took the full path
     if type(causal) is bool and (scale is None or type(scale) is float) \
             and not (is_compiling() or dispatch_modes() or function_modes()) and functorch_level() is None:
         try:

@@ -13,7 +13,7 @@ Impl contract:
 
 Grad-recording calls with an activation (and every grad-recording swiglu_gemm) are composed: the GEMM (+ bias,
 alpha) through this op with activation "none", the activation and residual add through torch's differentiable
-ops (_composed_for_training; for swiglu_gemm the swiglu op, swiglu.py: one pass over gate_up each way).  The
+ops (_composed_for_training; for swiglu_gemm the swiglu op, ops/swiglu: one pass over gate_up each way).  The
 pre-activation z is kept, so the backward runs two GEMMs (da, db) on grad * act'(z) from one pointwise kernel;
 an impl's own activation backward has only a, b, bias and recomputes z with a third GEMM (H200,
 16384x12288x4096 bias+gelu_tanh fwd+bwd: 10.71 ms that way vs 7.74 for torch.compile;
@@ -250,7 +250,7 @@ def _composed_for_training(a, b, bias, activation, residual, alpha):
     return y + residual if residual is not None else y
 
 
-# The fast path (as the norms', norm.py): a plain eager call whose exact argument metadata (each tensor's type,
+# The fast path (as the norms', ops/norm): a plain eager call whose exact argument metadata (each tensor's type,
 # dtype, device and shape; activation, alpha, grad recording, the policy's serial) an identical call stored in
 # dispatch._fast after the full path validated and resolved it.  _COMPOSED marks a grad-recording call with an
 # activation, which runs _composed_for_training (its gemm() call takes its own fast path).

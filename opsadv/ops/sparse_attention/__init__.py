@@ -226,7 +226,7 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, layout: SparseLayout, *, s
     """Attention restricted to `layout` (block-sparse pattern and/or packed variable-length batch).
     Rows with no allowed key give zeros."""
     fk = r = None
-    # the fast path (as the norms', norm.py): the exact metadata of an identical call that took the full path, the
+    # the fast path (as the norms', ops/norm): the exact metadata of an identical call that took the full path, the
     # layout's fields and its tensors' type / dtype / device / shape included (all that validate() reads of it)
     if (scale is None or type(scale) is float) and not (is_compiling() or dispatch_modes() or function_modes()) \
             and functorch_level() is None:

@@ -2,7 +2,7 @@
 
 The same halves as swiglu_gemm's [W_g | W_u] output, so `swiglu(x @ w_gate_up)` equals `swiglu_gemm(x, w_gate_up)`.
 It serves models whose gate and up projections are separate GEMMs, and swiglu_gemm's training calls
-(gemm.py): there the GEMM runs alone and this op keeps gate_up for its backward, one pass over memory each way
+(ops/gemm): there the GEMM runs alone and this op keeps gate_up for its backward, one pass over memory each way
 (torch's silu-then-mul takes five forward and about thirteen backward passes of (rows, N), and saves silu(g) too).
 
 Impl contract:
@@ -102,7 +102,7 @@ _raw = raw_apply(_resolved_autograd)
 def swiglu(gate_up: Tensor) -> Tensor:
     """silu(g) * u for gate_up = [g | u] along the last dim: (..., 2N) -> (..., N)."""
     fk = r = None
-    # the fast path (as the norms', norm.py): the exact metadata of an identical call that took the full path
+    # the fast path (as the norms', ops/norm): the exact metadata of an identical call that took the full path
     if not (is_compiling() or dispatch_modes() or function_modes()) and functorch_level() is None:
         try:
             train = grad_enabled() and gate_up.requires_grad
