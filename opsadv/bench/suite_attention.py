@@ -5,7 +5,6 @@ Grid (docs/performance.md): bf16 and fp16, d64 and d128, causal and not, (b,h,s)
 causal), forward+backward 3.5x.  Tensors are made lazily, one case at a time."""
 from __future__ import annotations
 
-import importlib
 import dataclasses
 from typing import Iterator
 
@@ -14,8 +13,8 @@ import torch.nn.functional as F
 
 import opsadv
 from opsadv.core import dispatch
-A = importlib.import_module("opsadv.ops.flash_attention")
 from opsadv.core.policy import current_policy
+from opsadv.ops.flash_attention import _spec as attention_spec
 from opsadv.registry import get_registry
 
 from .case import BenchCase, flex_peer
@@ -59,7 +58,7 @@ def _own(q, k, causal, backward):
     if "cuda" not in get_registry().backends or not get_registry().backends["cuda"].available:
         return None
     pol = dataclasses.replace(current_policy(), backend="cuda", autotune=False)
-    exp, r = dispatch.explain_spec(A._spec(q, k, None, causal, backward), pol)
+    exp, r = dispatch.explain_spec(attention_spec(q, k, None, causal, backward), pol)
     if r is None:
         return None
     accepted = {c.impl.id for c in exp.candidates if c.accepted}
