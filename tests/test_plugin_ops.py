@@ -211,6 +211,10 @@ def test_installed_op_plugin_passes_opsadv_conformance(toyop_site, tmp_path):
     assert data["summary"]["fail"] == 0 and by[("strided", "float64")]["status"] == "pass"
     assert by[("odd", "float32")]["impl"] == "toyop.scaled_tanh"
     assert by[("odd", "bfloat16")]["status"] == "skip"
+    p = subprocess.run([sys.executable, "-m", "opsadv", "info", "--json"], capture_output=True, text=True,
+                       env=_env(toyop_site), timeout=300)
+    toyop = next(b for b in json.loads(p.stdout)["backends"] if b["name"] == "toyop")
+    assert toyop["ops"] == ["scaled_tanh"] and toyop["impls"] == 1
     # without the plugin the op is unknown, and refused with the valid names
     p = subprocess.run([sys.executable, "-m", "opsadv", "conformance", "--backend", "reference", "--ops", "scaled_tanh"],
                        capture_output=True, text=True, env=_env(toyop_site, OPSADV_PLUGINS="none"), timeout=300)

@@ -277,7 +277,7 @@ class Registry:
             self._add_impl(impl)
         ref = self.backends.get("reference")
         if ref is not None and ref is not record and ref.available:
-            for d in new_ops:          # the reference backend registered the ops defined before it loaded
+            for d in new_ops:          # defined after the reference backend loaded (its hook served the earlier)
                 impl = d.reference_impl()
                 if impl.id not in self._ids:
                     ref.impls.append(impl)
