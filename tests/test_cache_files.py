@@ -114,7 +114,7 @@ def test_bad_entries_are_dropped_and_the_rest_used(cache):
 
 def test_kernel_config_cache_of_the_wrong_shape(cache, monkeypatch):
     pytest.importorskip("triton")
-    from opsadv.backends.cuda import _triton_utils as U
+    from opsadv.backends.triton_common import utils as U
     monkeypatch.setattr(U, "_CONFIGS", None)
     monkeypatch.setattr(U.torch.cuda, "is_current_stream_capturing", lambda: False)
     import triton.testing

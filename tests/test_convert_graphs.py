@@ -8,7 +8,7 @@ import torch
 
 import opsadv
 from opsadv import SparseLayout
-from opsadv.core import layout as layout_mod
+from opsadv.core import sparse_tiles as layout_mod
 from opsadv.errors import InvalidArgumentError
 from opsadv.runtime import graphs
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from opsadv.backends.cuda.norm import aten as A
-from opsadv.backends.reference import kernels as R
+from opsadv.ops.norm import reference as R
 
 from conftest import rel_err
 

@@ -4,13 +4,14 @@ backward; declared limits; and, on a GPU, bf16/fp16 plus the SDPA vendor impls a
 choice per bucket."""
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
 import torch
 
 import opsadv
-from opsadv.backends.reference import kernels as R
+from opsadv.ops.flash_attention import reference as R
 from opsadv.errors import NoKernelError
 
 from conftest import rel_err, requires_gpu
@@ -88,7 +89,7 @@ def test_atomic_dq_backward_matches_reference(b, hq, hkv, sq, sk, d, causal, see
     """The experimental non-deterministic variant (dQ by fp32 atomics in the dK/dV kernel)."""
     from opsadv.backends.triton_common.flash_attention import attention as A
     from opsadv.core import dispatch
-    from opsadv.core.ops import attention as OA
+    OA = importlib.import_module("opsadv.ops.flash_attention")
     monkeypatch.setenv("OPSADV_POISON_OUTPUTS", "1")
     q = torch.randn(b, hq, sq, d, dtype=torch.float16)
     k = torch.randn(b, hkv, sk, d, dtype=torch.float16)
@@ -213,7 +214,7 @@ def test_gpu_triton_atomic_dq_backward(b, hq, hkv, sq, sk, d, causal, seed, monk
     from opsadv.backends.triton_common.flash_attention import attention as A
     monkeypatch.setattr(A, "_autotune", lambda ctx, device: False)
     from opsadv.core import dispatch
-    from opsadv.core.ops import attention as OA
+    OA = importlib.import_module("opsadv.ops.flash_attention")
     q = torch.randn(b, hq, sq, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(b, hkv, sk, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
@@ -233,7 +234,7 @@ def test_gpu_triton_atomic_dq_backward(b, hq, hkv, sq, sk, d, causal, seed, monk
 @pytest.mark.parametrize("impl_id", ["cuda.sdpa.cudnn", "cuda.sdpa.flash", "cuda.sdpa.efficient"])
 def test_gpu_vendor_impls(impl_id, seed):
     from opsadv.core import dispatch
-    from opsadv.core.ops import attention as A
+    A = importlib.import_module("opsadv.ops.flash_attention")
     from opsadv.registry import get_registry
     impl = next(i for i in get_registry().impls_by_op["flash_attention"] if i.id == impl_id)
     q = torch.randn(2, 8, 300, 64, device="cuda", dtype=torch.bfloat16)
@@ -256,7 +257,7 @@ def _cross_pairs(device, dtype, ids, tol, shape=(2, 8, 2, 300, 300, 128)):
     """The dispatcher resolves forward and backward separately (each bucket measured on its own), so any
     impl's backward may run on another impl's (out, lse): every ordered pair must give the float64 grads."""
     from opsadv.core import dispatch
-    from opsadv.core.ops import attention as A
+    A = importlib.import_module("opsadv.ops.flash_attention")
     from opsadv.registry import get_registry
     b, hq, hkv, sq, sk, d = shape
     q = torch.randn(b, hq, sq, d, device=device, dtype=dtype)
@@ -298,7 +299,7 @@ def _every_tile_config(device, dtype, d, tma_ok, profile=None):
     on ragged shapes (s_q > s_k, causal: rows with no key), forward and backward."""
     from opsadv.backends.triton_common.flash_attention import attention as A
     from opsadv.core import dispatch
-    from opsadv.core.ops import attention as OA
+    OA = importlib.import_module("opsadv.ops.flash_attention")
     q = torch.randn(1, 4, 133, d, device=device, dtype=dtype)
     k = torch.randn(1, 2, 100, d, device=device, dtype=dtype)
     v = torch.randn_like(k)
@@ -379,7 +380,7 @@ def test_forward_variants_match_reference(flags, b, hq, hkv, sq, sk, d, causal, 
     scaled so that row maxima grow across kv blocks (the rescale path is taken and skipped)."""
     from opsadv.backends.triton_common.flash_attention import attention as A
     from opsadv.core import dispatch
-    from opsadv.core.ops import attention as OA
+    OA = importlib.import_module("opsadv.ops.flash_attention")
     monkeypatch.setenv("OPSADV_POISON_OUTPUTS", "1")
     q = torch.randn(b, hq, sq, d, dtype=torch.float16)
     k = torch.randn(b, hkv, sk, d, dtype=torch.float16) * torch.linspace(0.2, 2.0, sk).view(1, 1, sk, 1).half()

@@ -7,7 +7,7 @@ import torch
 import opsadv
 from opsadv.core import dispatch
 from opsadv.core.kernel import ResolveContext
-from opsadv.core.ops.gemm import _gemm_spec, _swiglu_spec
+from opsadv.ops.gemm import _gemm_spec, _swiglu_spec
 from opsadv.errors import NoKernelError
 from opsadv.registry import get_registry
 

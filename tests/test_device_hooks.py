@@ -11,7 +11,9 @@ import torch
 import opsadv
 from opsadv.backends.jetson import chunking as C
 from opsadv.backends.jetson.kernels import _wrap
-from opsadv.backends.reference import kernels as REF
+from opsadv.ops.flash_attention.reference import attention_bwd, attention_fwd
+from opsadv.ops.gemm.reference import gemm_fwd
+from opsadv.ops.norm.reference import rms_norm_fwd
 from opsadv.core import tuning
 from opsadv.core.errors import BackendUnavailableError
 from opsadv.core.env import current_env, detect
@@ -187,8 +189,8 @@ def test_rocm_runs_the_cuda_triton_kernels_under_the_interpreter(tmp_path, hip_b
         q = torch.randn(1, 2, 33, 32, dtype=torch.float16)
         o = opsadv.ops.flash_attention(q, q, q, causal=True)
     assert set(t.counts) == {"rocm.triton.rms_norm", "rocm.triton.flash_attention"}, t.counts
-    assert rel_err(y, REF.rms_norm_fwd(None, x.double(), w.double(), 1e-6, None, 0.0)[0]) < 2e-3
-    want, _ = REF.attention_fwd(None, q.double(), q.double(), q.double(), None, True, 32 ** -0.5)
+    assert rel_err(y, rms_norm_fwd(None, x.double(), w.double(), 1e-6, None, 0.0)[0]) < 2e-3
+    want, _ = attention_fwd(None, q.double(), q.double(), q.double(), None, True, 32 ** -0.5)
     assert rel_err(o, want) < 2e-3
 
 
@@ -276,7 +278,7 @@ def test_a_backend_declares_its_device_timer(monkeypatch):
 
 # ---- jetson reads memory traits --------------------------------------------------------------------------
 def _attn(id_, memory, features=frozenset({"causal", "cross_length"})):
-    return KernelImpl(id_, "flash_attention", "cuda", REF.attention_fwd, REF.attention_bwd, features=features,
+    return KernelImpl(id_, "flash_attention", "cuda", attention_fwd, attention_bwd, features=features,
                       memory=memory)
 
 
@@ -284,14 +286,14 @@ def test_jetson_chunking_reads_memory_traits_not_ids():
     assert C.attn_bytes_per_score(_attn("mycorp.flash", MEMORY_FLASH)) == 0
     assert C.attn_bytes_per_score(_attn("cuda.triton.unfused", materializes_scores(12))) == 12
     assert C.attn_bytes_per_score(_attn("cuda.sdpa.x", None)) == C.ATTN_DEFAULT_BYTES_PER_SCORE     # undeclared
-    gemm = KernelImpl("cuda.triton.gemm_x", "gemm", "cuda", REF.gemm_fwd, memory=temporaries(2))
+    gemm = KernelImpl("cuda.triton.gemm_x", "gemm", "cuda", gemm_fwd, memory=temporaries(2))
     assert C.gemm_factor(gemm) == 2 and C.gemm_factor(dataclasses.replace(gemm, memory=MEMORY_FUSED)) == 0
     assert C.gemm_factor(dataclasses.replace(gemm, memory=None)) == C.GEMM_DEFAULT_FACTOR
     # a "cuda.triton." id that declares a score matrix is chunked; a third party's flash kernel is not
     chunked = _wrap(_attn("cuda.triton.unfused", materializes_scores(8)))
-    assert chunked.fn is not REF.attention_fwd and "query-chunked" in chunked.description
+    assert chunked.fn is not attention_fwd and "query-chunked" in chunked.description
     fused = _wrap(_attn("mycorp.flash", MEMORY_FLASH))
-    assert fused.fn is REF.attention_fwd and "no chunking needed" in fused.description
+    assert fused.fn is attention_fwd and "no chunking needed" in fused.description
     expanding = _wrap(_attn("mycorp.efficient", dataclasses.replace(MEMORY_FLASH, expands_kv=True)))
     assert "GQA K/V expansion" in expanding.description
     gqa = CallSpec("flash_attention", "cuda", torch.float16, frozenset({"causal", "gqa"}), (8192, 8192, 32),

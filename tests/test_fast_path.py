@@ -11,12 +11,12 @@ import torch
 import opsadv
 from opsadv.core import dispatch
 from opsadv.core.errors import InvalidArgumentError
-from opsadv.core.layout import SparseLayout
+from opsadv.ops.sparse_attention.layout import SparseLayout
 
-N = importlib.import_module("opsadv.core.ops.norm")
-G = importlib.import_module("opsadv.core.ops.gemm")
-A = importlib.import_module("opsadv.core.ops.attention")
-S = importlib.import_module("opsadv.core.ops.sparse")
+N = importlib.import_module("opsadv.ops.norm")
+G = importlib.import_module("opsadv.ops.gemm")
+A = importlib.import_module("opsadv.ops.flash_attention")
+S = importlib.import_module("opsadv.ops.sparse_attention")
 ops = opsadv.ops
 
 

@@ -8,6 +8,7 @@ GPU (sm_90 only): forward + backward through opsadv.ops.flash_attention pinned t
 float64 reference, with NaN-poisoned outputs; every schedule's forward directly."""
 from __future__ import annotations
 
+import importlib
 import math
 import os
 
@@ -19,7 +20,7 @@ import torch
 pytestmark = pytest.mark.xdist_group("gluon_attention")
 
 import opsadv
-from opsadv.backends.reference import kernels as R
+from opsadv.ops.flash_attention import reference as R
 from opsadv.core.kernel import CallSpec
 
 from barrier_sim import Bar, Ring, run
@@ -140,7 +141,7 @@ def test_rank_above_cudnn_only_where_the_h200_measured_it_faster():
     """rank(): the Gluon forward outranks cuDNN (without autotune) for no-grad d128 causal self-attention at
     s > 2048 with batch * heads > 16, nowhere else; the specs are the op's own (attention._spec, meta tensors)."""
     from opsadv.core.kernel import PRIORITY_VENDOR
-    from opsadv.core.ops import attention as A
+    A = importlib.import_module("opsadv.ops.flash_attention")
 
     def rank(b=1, h=32, hkv=None, s=16384, sk=None, d=128, causal=True, backward=False, train=False, inference=True,
              mask=False):

@@ -1099,7 +1099,7 @@ def test_rank_above_triton_only_where_the_h200_measured_it_faster():
     """rank(): the Gluon impl outranks the Triton one (without autotune) for d128 windows of > 512 keys over
     s_q > 8192 and nowhere else; the specs are the op's own (layout_spec), on meta tensors."""
     from opsadv.core.kernel import PRIORITY_TRITON
-    from opsadv.core.ops.sparse import layout_spec
+    from opsadv.ops.sparse_attention import layout_spec
 
     def rank(w=1024, s=16384, d=128, causal=True, hkv=32, sk=None, backward=False, train=False, **kw):
         q = torch.empty(1, 32, s, d, device="meta", dtype=torch.bfloat16)

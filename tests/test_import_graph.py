@@ -332,6 +332,15 @@ def test_core_imports_nothing_above_it(opsadv_graph):
     assert not above
 
 
+def test_op_folders_import_only_core_and_ops(opsadv_graph):
+    """opsadv.ops (the op folders: definitions, reference impls, cases) stands on core alone: no backend, registry,
+    testing or convert import, so every backend and the conformance kit can import the ops."""
+    _, imports, _ = opsadv_graph
+    bad = [f"{i.importer}:{i.line} imports {i.target}" for i in imports
+           if i.importer.startswith("opsadv.ops") and not i.target.startswith(("opsadv.core", "opsadv.ops"))]
+    assert not bad, "opsadv.ops imports from above it:\n" + "\n".join(bad)
+
+
 def test_function_level_imports_only_where_allowed(opsadv_graph):
     _, imports, _ = opsadv_graph
     lazy = [i for i in imports if i.lazy]

@@ -30,7 +30,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from opsadv import ops
-from opsadv.core.layout import SparseLayout, capturing
+from opsadv.ops.sparse_attention.layout import SparseLayout, capturing
 
 from .masks import MaskForm, causal_mask_of, form_of, key_padding_of
 from .modules import _exporting

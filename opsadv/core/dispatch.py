@@ -78,7 +78,7 @@ class Explanation:
                                for c in self.candidates]}
 
 
-# The ops' per-call fast path (core/ops/*.py): (op tag, policy serial, the call's exact argument metadata:
+# The ops' per-call fast path (opsadv/ops/<op>/): (op tag, policy serial, the call's exact argument metadata:
 # tensor types, dtypes, devices, shapes, flags and float values) -> the Resolved its memoized bucket gave.  A
 # key is stored only after that exact call passed the op's full validation and resolved, so a hit may skip
 # both (everything they read is in the key).  Derived from _memo: every write to _memo empties it.

@@ -48,7 +48,7 @@ class Info:
         for b in self.backends:
             state = "available" if b["available"] else "unavailable"
             lines.append(f"  {b['name']:10s} {state:11s} v{b['version']} ({b['source']}), {b['impls']} impls, "
-                         f"profiles {b['profiles']}")
+                         f"profiles {b['profiles']}" + (f", defines ops {b['ops']}" if b.get("ops") else ""))
             for r in b["reasons"]:
                 lines.append(f"      - {r}")
         lines.append("== plugin failures ==")
@@ -104,7 +104,7 @@ def info(impls: bool = False) -> Info:
         rows.append({"name": b.name, "available": b.available, "version": b.info.version, "source": b.source,
                      "vendor": b.info.vendor, "device_types": list(b.info.device_types),
                      "reasons": list(b.probe.reasons), "capabilities": {k: str(v) for k, v in b.probe.capabilities.items()},
-                     "impls": len(b.impls), "profiles": [p.name for p in b.profiles]})
+                     "impls": len(b.impls), "profiles": [p.name for p in b.profiles], "ops": list(b.ops)})
     primary = reg.auto_backend() if pol.backend == "auto" else reg.backends.get(pol.backend)
     try:
         prof = select_profile(primary, pol) if primary is not None and primary.profiles else None

@@ -12,8 +12,6 @@ import torch
 
 from .env import EnvInfo
 
-OPS = ("flash_attention", "sparse_attention", "gemm", "swiglu_gemm", "swiglu", "layer_norm", "rms_norm", "rotary_embedding")
-
 # Conventional priority levels; spaced so a third party can slot between them.
 PRIORITY_VENDOR = 300
 PRIORITY_TRITON = 200

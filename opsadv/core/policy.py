@@ -16,7 +16,8 @@ from typing import Any
 
 from . import hooks
 from .errors import BackendUnavailableError, InvalidArgumentError
-from .kernel import OPS, Profile
+from .kernel import Profile
+from .opdef import OPS
 from .precision import PrecisionPolicy
 
 _serial = itertools.count(1)

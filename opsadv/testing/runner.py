@@ -14,7 +14,9 @@ from opsadv.registry import get_registry
 from opsadv.core.errors import BackendUnavailableError, NoKernelError
 from opsadv.core.precision import PrecisionPolicy, parse_dtype
 
-from .cases import CATALOGUE, DTYPES, TOLERANCE, Case, call
+from opsadv.core.opdef import get_op
+
+from .cases import CATALOGUE, DTYPES, Case, call
 
 DT = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float64: "float64"}
 
@@ -81,25 +83,23 @@ def _explain(case: Case, args, kwargs, backward: bool):
     return opsadv.explain(case.op, *args, backward=backward, **kwargs)
 
 
-_DOT_OPS = {"flash_attention", "sparse_attention", "gemm", "swiglu_gemm"}
-
-
 def _interpreter_bf16(op: str, backend: str, device: str, dtype: torch.dtype) -> bool:
-    """triton 3.6's interpreter computes bf16 tl.dot wrongly: those cells belong on a GPU."""
+    """triton 3.6's interpreter computes bf16 tl.dot wrongly: the cells of ops with dot products (those whose
+    OpDef names a precision field) belong on a GPU."""
     env = get_registry().env
     return (backend != "reference" and device == "cpu" and env.triton_interpret and dtype == torch.bfloat16
-            and op in _DOT_OPS)
+            and get_op(op).precision is not None)
 
 
 def _tolerance(dtype: torch.dtype, op: str, precision) -> tuple[float, float]:
-    """float32 inputs computed in a lower precision (policy) are held to that precision's row."""
-    if dtype == torch.float32 and precision is not None:
-        pol = PrecisionPolicy.from_string(precision)
-        cls = pol.attention if op in ("flash_attention", "sparse_attention") else pol.matmul if op in (
-            "gemm", "swiglu_gemm") else "fp32"
+    """The op's tolerance row; float32 inputs computed in a lower precision (policy) are held to that
+    precision's row."""
+    d = get_op(op)
+    if dtype == torch.float32 and precision is not None and d.precision is not None:
+        cls = getattr(PrecisionPolicy.from_string(precision), d.precision)
         if cls in ("fp16", "bf16"):
-            return TOLERANCE[parse_dtype(cls)]
-    return TOLERANCE[dtype]
+            return d.tolerance[parse_dtype(cls)]
+    return d.tolerance[dtype]
 
 
 def run_case(case: Case, backend: str, dtype: torch.dtype, device: str, *, seed: int | None = None,

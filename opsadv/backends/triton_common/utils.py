@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from triton import knobs
 
-from opsadv.core.ops._common import empty_bshd
+from opsadv.core.op_common import empty_bshd
 from opsadv.core.cachefile import JsonCache
 from opsadv.core.env import current_env
 from opsadv.core.envvars import env_bool

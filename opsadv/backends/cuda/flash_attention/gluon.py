@@ -162,7 +162,7 @@ def _rank(spec, env) -> tuple[int, str] | None:
     if (spec.backward or not spec.inference or spec.head_dim != 128 or "causal" not in spec.features
             or spec.features - {"causal", "gqa"} or len(spec.bucket) != 3):
         return None
-    s_q, s_k, bh = spec.bucket       # (s_q, s_k, batch * heads) buckets: core.ops.attention._spec
+    s_q, s_k, bh = spec.bucket       # (s_q, s_k, batch * heads) buckets: opsadv.ops.flash_attention._spec
     if s_q < RANK_MIN_SEQ or s_k != s_q or bh < RANK_MIN_BATCH_HEADS:
         return None
     return (PRIORITY_VENDOR + 10, f"no-grad d128 causal at s > {RANK_MIN_SEQ // 2}: H200-measured 1.09-1.11x "

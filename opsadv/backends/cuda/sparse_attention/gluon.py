@@ -66,7 +66,7 @@ import weakref
 import torch
 
 from opsadv.core.kernel import MEMORY_FLASH, PRIORITY_TRITON, KernelImpl
-from opsadv.core.layout import tile_index
+from opsadv.core.sparse_tiles import tile_index
 
 from ..common.gluon import cdiv as _cdiv, desc as _desc, gluon_unavailable, nvmma_layout, tma_ready as _tma_ready
 from opsadv.backends.triton_common.utils import new_output, new_output_bshd
@@ -151,7 +151,7 @@ def _s3(t: torch.Tensor) -> tuple[int, int, int]:
 
 
 def layout_index(block_mask, kpm, cu, bs, causal, wl, wr, ng, sq, sk):
-    """The TileIndex the kernel walks (128 x 128 tiles; cached by core.layout)."""
+    """The TileIndex the kernel walks (128 x 128 tiles; cached by core.sparse_tiles)."""
     return tile_index(block_mask, kpm, cu, bs, causal, wl, wr, ng, sq, sk, TILE, TILE)
 
 
@@ -409,7 +409,7 @@ def _rank(spec, env) -> tuple[int, str] | None:
     """KernelImpl.rank: above the Triton impl where the H200 measured this kernel faster (see RANK_*)."""
     if spec.backward or spec.head_dim != 128 or "window" not in spec.features or spec.features & RANK_EXCLUDED:
         return None
-    bucket = spec.bucket            # (block_size, s_q, s_k, window span) buckets: core.ops.sparse._spec
+    bucket = spec.bucket            # (block_size, s_q, s_k, window span) buckets: opsadv.ops.sparse_attention._spec
     if len(bucket) < 4 or bucket[3] < RANK_MIN_WINDOW_SPAN or bucket[1] < RANK_MIN_SEQ:
         return None
     return (PRIORITY_TRITON + 10, f"d128 window span > {RANK_MIN_WINDOW_SPAN // 2} keys at s_q > {RANK_MIN_SEQ // 2}: "

@@ -3,7 +3,7 @@
 Imported only by gluon.py, and only when triton.experimental.gluon imports.  The dense FA3-style
 schedule of flash_attention/gluon_kernel.py (TMA K/V ring with ready/empty mbarriers, async wgmma, S_{j+1} issued
 before the softmax of S_j's successor, P in registers), driven by the layout's tile lists
-(opsadv.core.layout.TileIndex at 128 x 128) instead of a dense column range:
+(opsadv.core.sparse_tiles.TileIndex at 128 x 128) instead of a dense column range:
 
   * A work item is one 128-row query tile of one (batch, head).  Its list holds n_part partial tiles
     first (column ids in COLS), then n_all - n_part full ones.  With FULL_RUN (TileIndex.full_run:
@@ -264,7 +264,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
 def _allowed(rows, cols, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, SQ, SK, OFF, WL, WR, NG, BS,
              CAUSAL: gl.constexpr, HAS_WIN: gl.constexpr, HAS_GLOBAL: gl.constexpr, BM_MODE: gl.constexpr,
              HAS_KPM: gl.constexpr):
-    """allowed(i, j) as opsadv.core.layout defines it (sparse.py's _allowed without packed segments),
+    """allowed(i, j) as opsadv.ops.sparse_attention.layout defines it (sparse.py's _allowed without packed segments),
     for query rows `rows` x key columns `cols` of one tile, in the score tile's layout."""
     i = gl.expand_dims(rows, 1)
     j = gl.expand_dims(cols, 0)

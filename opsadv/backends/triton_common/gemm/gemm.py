@@ -29,7 +29,7 @@ import torch
 
 from opsadv.core.errors import InvalidArgumentError
 from opsadv.core.kernel import MEMORY_FUSED, PRIORITY_TRITON, KernelImpl, cap_tiles
-from opsadv.core.ops._common import len_bucket
+from opsadv.core.op_common import len_bucket
 from opsadv.core.policy import current_policy
 
 from .. import poisoned as _poisoned, triton_device_types

@@ -1,4 +1,4 @@
-"""The rotary_embedding op (opsadv.core.ops.rotary) for the cuda backend: impl "cuda.triton.rotary_embedding".
+"""The rotary_embedding op (opsadv.ops.rotary_embedding) for the cuda backend: impl "cuda.triton.rotary_embedding".
 
 One launch rotates q and k (kernels.py): a program per token reads its cos / sin row once and every
 head of q and k once, and writes q' and k' once, a memory-bound pass.  Outputs are (b, h, s, d) tensors stored

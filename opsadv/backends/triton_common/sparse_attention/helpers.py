@@ -14,7 +14,7 @@ from ..utils import load_tile
 def _allowed(offs_m, offs_n, bm_ptr, s_bm_q, s_bm_k, kpm_ptr, seg_ptr, pos_ptr, SQ, SK, OFF, WL, WR, NG, BS,
              CAUSAL: tl.constexpr, HAS_WIN: tl.constexpr, HAS_GLOBAL: tl.constexpr, BM_MODE: tl.constexpr,
              HAS_KPM: tl.constexpr, HAS_SEG: tl.constexpr, INTERVAL: tl.constexpr = False):
-    """allowed(i, j) as opsadv.core.layout defines it, for rows offs_m and columns offs_n.  INTERVAL (the
+    """allowed(i, j) as opsadv.ops.sparse_attention.layout defines it, for rows offs_m and columns offs_n.  INTERVAL (the
     forward kernels): band layouts (a window and/or causal over an all-True or all-False block mask; no globals,
     key padding or segments) take the same mask as one key interval [lo_i, hi_i] per row, two compares per
     element instead of the predicate chain (the Gluon kernel's interval mask: 0.680 vs 0.726 ms at s16384 w1024

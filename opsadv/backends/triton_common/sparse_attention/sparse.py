@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from opsadv.core.kernel import MEMORY_FLASH, PRIORITY_TRITON, CallSpec, KernelImpl
-from opsadv.core.layout import tile_index
+from opsadv.core.sparse_tiles import tile_index
 from opsadv.core.policy import current_policy
 
 from .. import triton_device_types

@@ -1,4 +1,4 @@
-"""The swiglu op (opsadv.core.ops.swiglu) for the cuda backend: impl "cuda.triton.swiglu".
+"""The swiglu op (opsadv.ops.swiglu) for the cuda backend: impl "cuda.triton.swiglu".
 
 Forward reads gate_up once and writes y once; backward reads gate_up and grad once and writes d gate_up once
 (kernels.py), float32 math for every storage dtype.  These are memory-bound passes: a (rows, 2N) bf16

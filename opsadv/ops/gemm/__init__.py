@@ -13,7 +13,7 @@ Impl contract:
 
 Grad-recording calls with an activation (and every grad-recording swiglu_gemm) are composed: the GEMM (+ bias,
 alpha) through this op with activation "none", the activation and residual add through torch's differentiable
-ops (_composed_for_training; for swiglu_gemm the swiglu op, swiglu.py: one pass over gate_up each way).  The
+ops (_composed_for_training; for swiglu_gemm the swiglu op, ops/swiglu: one pass over gate_up each way).  The
 pre-activation z is kept, so the backward runs two GEMMs (da, db) on grad * act'(z) from one pointwise kernel;
 an impl's own activation backward has only a, b, bias and recomputes z with a third GEMM (H200,
 16384x12288x4096 bias+gelu_tanh fwd+bwd: 10.71 ms that way vs 7.74 for torch.compile;
@@ -26,16 +26,18 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import dispatch
-from .. import policy as _policy
-from ..errors import InvalidArgumentError
-from ..kernel import CallSpec
-from ..activations import ACT
-from .swiglu import swiglu
-from ._common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, INF, TORCH_OPS, autograd_function, carry_policy,
+from opsadv.core import dispatch
+from opsadv.core import policy as _policy
+from opsadv.core.errors import InvalidArgumentError
+from opsadv.core.kernel import CallSpec
+from opsadv.core.opdef import OpDef, Reference, arg
+from opsadv.core.activations import ACT
+from ..swiglu import swiglu
+from opsadv.core.op_common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, INF, TORCH_OPS, autograd_function, carry_policy,
                       check_choice, check_same, check_tensor, dispatch_modes, eager_mode, function_modes,
                       functorch_level, grad_enabled, is_compiling, len_bucket, none_if_empty, raw_apply,
                       resolved_autograd_function, same_kind, transforms_active, unwrap_if_dead)
+from . import cases as _cases, reference as _reference
 
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
 
@@ -248,7 +250,7 @@ def _composed_for_training(a, b, bias, activation, residual, alpha):
     return y + residual if residual is not None else y
 
 
-# The fast path (as the norms', norm.py): a plain eager call whose exact argument metadata (each tensor's type,
+# The fast path (as the norms', ops/norm): a plain eager call whose exact argument metadata (each tensor's type,
 # dtype, device and shape; activation, alpha, grad recording, the policy's serial) an identical call stored in
 # dispatch._fast after the full path validated and resolved it.  _COMPOSED marks a grad-recording call with an
 # activation, which runs _composed_for_training (its gemm() call takes its own fast path).
@@ -332,3 +334,34 @@ def swiglu_gemm(x: Tensor, w_gate_up: Tensor, *, bias: Tensor | None = None) -> 
     if mode == DIRECT:
         dispatch.learn(fk, _swiglu_key(x, w_gate_up, bias, False))
     return out
+
+
+# ---- the ops' definitions ----------------------------------------------------------------------------------
+def explain_gemm(args: tuple, kwargs: dict, backward: bool):
+    a, b = arg(args, kwargs, 0, "a"), arg(args, kwargs, 1, "b")
+    bias, act, res, alpha = (kwargs.get("bias"), kwargs.get("activation", "none"), kwargs.get("residual"),
+                             kwargs.get("alpha", 1.0))
+    validate_gemm(a, b, bias, act, res, alpha)
+    if act != "none" and _records_grad(a, b, bias, res):     # as _composed_for_training runs it
+        return _gemm_spec(a, b, bias, "none", None, alpha, backward), (
+            f"grad-recording call: this GEMM runs with activation 'none', then {act}"
+            + (" and the residual add" if res is not None else "") + " as torch ops (z kept for the backward)")
+    return _gemm_spec(a, b, bias, act, res, alpha, backward)
+
+
+def explain_swiglu_gemm(args: tuple, kwargs: dict, backward: bool):
+    x, w, bias = arg(args, kwargs, 0, "x"), arg(args, kwargs, 1, "w_gate_up"), kwargs.get("bias")
+    validate_swiglu(x, w, bias)
+    if _records_grad(x, w, bias):
+        return _gemm_spec(x, w, bias, "none", None, 1.0, backward), (
+            "grad-recording call: this GEMM runs alone, then the swiglu op (opsadv.explain('swiglu', gate_up))")
+    return _swiglu_spec(x, w, bias, backward)
+
+
+GEMM = OpDef("gemm", gemm, Reference(_reference.gemm_fwd, _reference.gemm_bwd, _reference.FEATURES), explain_gemm,
+             custom_ops=(_gemm, _gemm_backward), cases=tuple(_cases.CASES), demo=_cases.demo, precision="matmul")
+SWIGLU_GEMM = OpDef("swiglu_gemm", swiglu_gemm,
+                    Reference(_reference.swiglu_fwd, _reference.swiglu_bwd, _reference.SWIGLU_FEATURES),
+                    explain_swiglu_gemm, custom_ops=(_swiglu_gemm, _swiglu_gemm_backward),
+                    cases=tuple(_cases.SWIGLU_CASES), demo=_cases.demo_swiglu, precision="matmul")
+OPDEFS = (GEMM, SWIGLU_GEMM)

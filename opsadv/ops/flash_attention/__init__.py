@@ -20,15 +20,18 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import dispatch
-from .. import policy as _policy
-from ..errors import InvalidArgumentError
-from ..kernel import CallSpec
-from ._common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, INF, TORCH_OPS, carry_policy, check_same, check_scale,
+from opsadv.core import dispatch
+from opsadv.core import policy as _policy
+from opsadv.core.errors import InvalidArgumentError
+from opsadv.core.kernel import CallSpec
+from opsadv.core.opdef import OpDef, Reference, arg
+from opsadv.core.op_common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, INF, TORCH_OPS, carry_policy, check_same, check_scale,
                       check_tensor, EXACT_STRIDES, contiguous_lse, dispatch_modes, dt, eager_mode, function_modes,
                       functorch_level, grad_enabled, is_compiling, len_bucket, own_pair_train_step, pair_backward,
                       raw_apply, register_train_step, resolved_autograd_function, same_kind, traced_train,
                       train_pair_backward, transforms_active, unwrap_if_dead)
+
+from . import cases as _cases, reference as _reference
 
 OP = "flash_attention"
 
@@ -239,7 +242,7 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, sc
     """Fused softmax(q kᵀ · scale [+ mask]) v.  Returns out (b, h_q, s_q, d), or (out, lse) with
     return_lse=True (lse is not differentiable).  Gradients flow to q, k, v (not the mask)."""
     fk = r = None
-    # the fast path (as the norms', norm.py): the exact metadata of an identical call that took the full path
+    # the fast path (as the norms', ops/norm): the exact metadata of an identical call that took the full path
     if type(causal) is bool and (scale is None or type(scale) is float) \
             and not (is_compiling() or dispatch_modes() or function_modes()) and functorch_level() is None:
         try:
@@ -286,3 +289,26 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, sc
     else:
         out, lse = torch.ops.opsadv.flash_attention(q, k, v, attn_mask, causal, scale, traced_train(q, k, v))
     return (out, lse.detach()) if return_lse else out
+
+
+# ---- the op's definition -----------------------------------------------------------------------------------
+def attention_buckets(mode, backward: bool, kwargs: dict) -> tuple[bool, bool]:
+    """(train, inference) of an attention call, as the attention ops route it: grad-recording eager calls in the
+    train bucket, no-grad ones that do not return lse in the inference bucket."""
+    train = not backward and mode == AUTOGRAD_FN
+    inference = not backward and mode == DIRECT and not kwargs.get("return_lse", False)
+    return train, inference
+
+
+def explain_spec(args: tuple, kwargs: dict, backward: bool) -> CallSpec:
+    q, k, v = arg(args, kwargs, 0, "q"), arg(args, kwargs, 1, "k"), arg(args, kwargs, 2, "v")
+    mask, causal, scale = kwargs.get("attn_mask"), kwargs.get("causal", False), kwargs.get("scale")
+    validate(q, k, v, mask, causal, scale)
+    train, inference = attention_buckets(eager_mode(q, k, v, mask), backward, kwargs)
+    return _spec(q, k, mask, causal, backward, train=train, inference=inference)
+
+
+OPDEF = OpDef(OP, flash_attention, Reference(_reference.attention_fwd, _reference.attention_bwd, _reference.FEATURES),
+              explain_spec, custom_ops=(_flash_attention, _flash_attention_backward), cases=tuple(_cases.CASES),
+              demo=_cases.demo, precision="attention")
+OPDEFS = (OPDEF,)

@@ -6,10 +6,10 @@ from typing import Any, Callable
 
 import torch
 
-from .. import dispatch
-from ..errors import InvalidArgumentError
-from ..policy import _scoped, current_policy
-from ..train_steps import register_train_step, train_step  # noqa: F401  (the ops register here; tuning reads)
+from . import dispatch
+from .errors import InvalidArgumentError
+from .policy import _scoped, current_policy
+from .train_steps import register_train_step, train_step  # noqa: F401  (the ops register here; tuning reads)
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -315,3 +315,17 @@ def carry_policy(setup_context, backward):
                 dispatch._local.reset(ttoken)
 
     return setup, bwd
+
+
+# ---- reference impls (opsadv/ops/<op>/reference.py): plain torch, written for clarity; half inputs compute in
+# float32, float64 stays float64, outputs come back in the input dtype
+def acc(t: torch.Tensor | None) -> torch.Tensor | None:
+    """t in its accumulation dtype (float64 stays float64, anything else float32)."""
+    if t is None:
+        return None
+    return t if t.dtype == torch.float64 else t.float()
+
+
+def acc_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype of saved statistics (lse, mean, rstd) for inputs like t."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32

@@ -18,11 +18,14 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import dispatch
-from ..errors import InvalidArgumentError
-from ..kernel import CallSpec
-from ._common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, TORCH_OPS, autograd_function, carry_policy, check_tensor,
+from opsadv.core import dispatch
+from opsadv.core.errors import InvalidArgumentError
+from opsadv.core.kernel import CallSpec
+from opsadv.core.opdef import OpDef, Reference, arg
+from opsadv.core.op_common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, TORCH_OPS, autograd_function, carry_policy, check_tensor,
                       dt, eager_mode, len_bucket)
+
+from . import cases as _cases, reference as _reference
 
 OP = "rotary_embedding"
 _INT_DTYPES = (torch.int32, torch.int64)
@@ -243,3 +246,17 @@ def rotary_embedding(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, position
     if mode == AUTOGRAD_FN:
         return _eager_autograd(q, k, cos, sin, position_ids, interleaved)
     return torch.ops.opsadv.rotary_embedding(q, k, cos, sin, position_ids, interleaved)
+
+
+# ---- the op's definition -----------------------------------------------------------------------------------
+def explain_spec(args: tuple, kwargs: dict, backward: bool) -> CallSpec:
+    q, k, cos, sin = (arg(args, kwargs, 0, "q"), arg(args, kwargs, 1, "k"), arg(args, kwargs, 2, "cos"),
+                      arg(args, kwargs, 3, "sin"))
+    pos, inter = kwargs.get("position_ids"), kwargs.get("interleaved", False)
+    validate(q, k, cos, sin, pos, inter, kwargs.get("rotary_dim"))
+    return _spec(q, k, cos, pos, inter, backward)
+
+
+OPDEF = OpDef(OP, rotary_embedding, Reference(_reference.rotary_fwd, _reference.rotary_bwd, _reference.FEATURES),
+              explain_spec, custom_ops=(_rotary, _rotary_backward), cases=tuple(_cases.CASES), demo=_cases.demo)
+OPDEFS = (OPDEF,)

@@ -1,4 +1,4 @@
-"""sparse_attention: attention restricted by a SparseLayout (see opsadv.core.layout).
+"""sparse_attention: attention restricted by a SparseLayout (see .layout).
 
 Impl contract:  fn(ctx, q, k, v, block_mask, key_padding_mask, cu_seqlens, block_size, causal,
                    window_left, window_right, num_global, scale: float, dense_blocks: bool,
@@ -19,17 +19,20 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import dispatch
-from .. import policy as _policy
-from ..errors import InvalidArgumentError
-from ..kernel import CallSpec
-from ..layout import SparseLayout
-from ._common import (AUTOGRAD_FN, DIRECT, TORCH_OPS, carry_policy, check_same, check_scale, check_tensor,
+from opsadv.core import dispatch
+from opsadv.core import policy as _policy
+from opsadv.core.errors import InvalidArgumentError
+from opsadv.core.kernel import CallSpec
+from .layout import SparseLayout
+from opsadv.core.op_common import (AUTOGRAD_FN, DIRECT, TORCH_OPS, carry_policy, check_same, check_scale, check_tensor,
                       EXACT_STRIDES, contiguous_lse, dispatch_modes, eager_mode, function_modes, functorch_level,
                       grad_enabled, is_compiling, len_bucket, own_pair_train_step, pair_backward, raw_apply,
                       register_train_step, resolved_autograd_function, traced_train, train_pair_backward,
                       transforms_active, unwrap_if_dead)
-from .attention import default_scale, lse_dtype
+from opsadv.core.opdef import OpDef, Reference, arg
+from ..flash_attention import attention_buckets, default_scale, lse_dtype
+from . import cases as _cases, reference as _reference
+
 
 OP = "sparse_attention"
 
@@ -223,7 +226,7 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, layout: SparseLayout, *, s
     """Attention restricted to `layout` (block-sparse pattern and/or packed variable-length batch).
     Rows with no allowed key give zeros."""
     fk = r = None
-    # the fast path (as the norms', norm.py): the exact metadata of an identical call that took the full path, the
+    # the fast path (as the norms', ops/norm): the exact metadata of an identical call that took the full path, the
     # layout's fields and its tensors' type / dtype / device / shape included (all that validate() reads of it)
     if (scale is None or type(scale) is float) and not (is_compiling() or dispatch_modes() or function_modes()) \
             and functorch_level() is None:
@@ -285,3 +288,18 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, layout: SparseLayout, *, s
     else:
         out, lse = torch.ops.opsadv.sparse_attention(*args, traced_train(q, k, v))
     return (out, lse.detach()) if return_lse else out
+
+
+# ---- the op's definition -----------------------------------------------------------------------------------
+def explain_spec(args: tuple, kwargs: dict, backward: bool) -> CallSpec:
+    q, k, v, layout = (arg(args, kwargs, 0, "q"), arg(args, kwargs, 1, "k"), arg(args, kwargs, 2, "v"),
+                       arg(args, kwargs, 3, "layout"))
+    validate(q, k, v, layout, kwargs.get("scale"))
+    mode = eager_mode(q, k, v, layout.block_mask, layout.key_padding_mask, layout.cu_seqlens)
+    return layout_spec(q, k, layout, backward, *attention_buckets(mode, backward, kwargs))
+
+
+OPDEF = OpDef(OP, sparse_attention, Reference(_reference.sparse_fwd, _reference.sparse_bwd, _reference.FEATURES),
+              explain_spec, custom_ops=(_sparse_attention, _sparse_attention_backward), cases=tuple(_cases.CASES),
+              demo=_cases.demo, precision="attention")
+OPDEFS = (OPDEF,)

@@ -2,7 +2,7 @@
 
 The same halves as swiglu_gemm's [W_g | W_u] output, so `swiglu(x @ w_gate_up)` equals `swiglu_gemm(x, w_gate_up)`.
 It serves models whose gate and up projections are separate GEMMs, and swiglu_gemm's training calls
-(gemm.py): there the GEMM runs alone and this op keeps gate_up for its backward, one pass over memory each way
+(ops/gemm): there the GEMM runs alone and this op keeps gate_up for its backward, one pass over memory each way
 (torch's silu-then-mul takes five forward and about thirteen backward passes of (rows, N), and saves silu(g) too).
 
 Impl contract:
@@ -13,13 +13,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import dispatch
-from .. import policy as _policy
-from ..errors import InvalidArgumentError
-from ..kernel import CallSpec
-from ._common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, TORCH_OPS, autograd_function, carry_policy, check_tensor,
+from opsadv.core import dispatch
+from opsadv.core import policy as _policy
+from opsadv.core.errors import InvalidArgumentError
+from opsadv.core.kernel import CallSpec
+from opsadv.core.opdef import OpDef, Reference, arg
+from opsadv.core.op_common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, TORCH_OPS, autograd_function, carry_policy, check_tensor,
                       dispatch_modes, eager_mode, function_modes, functorch_level, grad_enabled, is_compiling,
                       len_bucket, raw_apply, resolved_autograd_function, transforms_active, unwrap_if_dead)
+
+from . import cases as _cases, reference as _reference
 
 OP = "swiglu"
 
@@ -99,7 +102,7 @@ _raw = raw_apply(_resolved_autograd)
 def swiglu(gate_up: Tensor) -> Tensor:
     """silu(g) * u for gate_up = [g | u] along the last dim: (..., 2N) -> (..., N)."""
     fk = r = None
-    # the fast path (as the norms', norm.py): the exact metadata of an identical call that took the full path
+    # the fast path (as the norms', ops/norm): the exact metadata of an identical call that took the full path
     if not (is_compiling() or dispatch_modes() or function_modes()) and functorch_level() is None:
         try:
             train = grad_enabled() and gate_up.requires_grad
@@ -123,3 +126,15 @@ def swiglu(gate_up: Tensor) -> Tensor:
     if mode != TORCH_OPS:
         dispatch.learn(fk, _key(gate_up, False))
     return out
+
+
+# ---- the op's definition -----------------------------------------------------------------------------------
+def explain_spec(args: tuple, kwargs: dict, backward: bool) -> CallSpec:
+    gate_up = arg(args, kwargs, 0, "gate_up")
+    validate_swiglu_act(gate_up)
+    return _spec(gate_up, backward)
+
+
+OPDEF = OpDef(OP, swiglu, Reference(_reference.swiglu_act_fwd, _reference.swiglu_act_bwd, _reference.FEATURES),
+              explain_spec, custom_ops=(_swiglu, _swiglu_backward), cases=tuple(_cases.CASES), demo=_cases.demo)
+OPDEFS = (OPDEF,)

@@ -25,14 +25,17 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import dispatch
-from .. import policy as _policy
-from ..errors import InvalidArgumentError
-from ..kernel import CallSpec
-from ._common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, INF, carry_policy, check_same, check_tensor,
+from opsadv.core import dispatch
+from opsadv.core import policy as _policy
+from opsadv.core.errors import InvalidArgumentError
+from opsadv.core.kernel import CallSpec
+from opsadv.core.opdef import OpDef, Reference, arg
+from opsadv.core.op_common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, INF, carry_policy, check_same, check_tensor,
                       dispatch_modes, eager_mode, function_modes, functorch_level, grad_enabled, grad_step,
                       is_compiling, len_bucket, raw_apply, register_train_step, resolved_autograd_function, same_kind,
                       shared_empty, transforms_active, unwrap_if_dead)
+
+from . import cases as _cases, reference as _reference
 
 
 def stat_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -374,3 +377,27 @@ def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6, *, resi
     else:
         y, xsum, _ = torch.ops.opsadv.rms_norm(x, weight, eps, residual, offset)
     return (y, xsum) if residual is not None else y
+
+
+# ---- the ops' definitions ----------------------------------------------------------------------------------
+def _explain(op: str):
+    def explain_spec(args: tuple, kwargs: dict, backward: bool) -> CallSpec:
+        x, w = arg(args, kwargs, 0, "x"), arg(args, kwargs, 1, "weight")
+        bias = arg(args, kwargs, 2, "bias") if op == "layer_norm" else None
+        eps = arg(args, kwargs, 3 if op == "layer_norm" else 2, "eps", 1e-5)
+        res, offset = kwargs.get("residual"), kwargs.get("offset", 0.0)
+        validate(op, x, w, bias, eps, res, offset)
+        # an eager call that records gradients resolves in its own bucket (CallSpec.train)
+        train = not backward and eager_mode(x, w, bias, res) == AUTOGRAD_FN
+        return _spec(op, x, w, bias, res, backward, offset, train=train)
+    return explain_spec
+
+
+LAYER_NORM = OpDef("layer_norm", layer_norm,
+                   Reference(_reference.layer_norm_fwd, _reference.layer_norm_bwd, _reference.FEATURES),
+                   _explain("layer_norm"), custom_ops=(_layer_norm, _layer_norm_backward),
+                   cases=tuple(c for c in _cases.CASES if c.op == "layer_norm"), demo=_cases.demo("layer_norm"))
+RMS_NORM = OpDef("rms_norm", rms_norm, Reference(_reference.rms_norm_fwd, _reference.rms_norm_bwd, _reference.FEATURES),
+                 _explain("rms_norm"), custom_ops=(_rms_norm, _rms_norm_backward),
+                 cases=tuple(c for c in _cases.CASES if c.op == "rms_norm"), demo=_cases.demo("rms_norm"))
+OPDEFS = (LAYER_NORM, RMS_NORM)
