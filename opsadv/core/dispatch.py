@@ -246,8 +246,11 @@ def resolve(key: tuple, make_spec: Callable[[], CallSpec], args: tuple | None = 
 
 
 def _announce(exp: Explanation, r: Resolved, policy: Policy) -> None:
+    why = exp.why
+    if r.why:       # autotune replaced the explanation's choice: say what decided, and what it replaced
+        why = r.why + (f"; priority alone would pick {exp.chosen}" if exp.chosen and exp.chosen != r.impl.id else "")
     line = (f"opsadv: {exp.op}{' backward' if exp.spec.backward else ''} {exp.spec.device_type} "
-            f"{str(exp.spec.dtype).replace('torch.', '')} bucket={exp.spec.bucket_text()} -> {r.impl.id} ({exp.why})")
+            f"{str(exp.spec.dtype).replace('torch.', '')} bucket={exp.spec.bucket_text()} -> {r.impl.id} ({why})")
     if env_bool("OPSADV_LOG_DISPATCH"):
         print(line, file=sys.stderr)
     log.info(line)
