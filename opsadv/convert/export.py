@@ -115,10 +115,15 @@ class Optimizer:
 
     def __init__(self, device=None, precision="fp32", opt_level: int = 2, backend: str = "auto", **seeds):
         _check_int("opt_level", opt_level, 0, 3, allow_none=False)
-        if not (precision is None or isinstance(precision, PrecisionPolicy)
-                or (isinstance(precision, str) and precision.lower() in ("fp16", "bf16", "fp32", "tf32"))):
-            raise InvalidArgumentError("Optimizer", "precision", "'fp16', 'bf16', 'fp32' or a PrecisionPolicy",
-                                       repr(precision))
+        if isinstance(precision, dict):
+            try:
+                PrecisionPolicy.from_dict(precision)
+            except InvalidArgumentError as e:       # the same check, named after what the user called
+                raise type(e)("Optimizer", e.arg, e.expected, e.given) from None
+        elif not (precision is None or isinstance(precision, PrecisionPolicy)
+                  or (isinstance(precision, str) and precision.lower() in ("fp16", "bf16", "fp32", "tf32"))):
+            raise InvalidArgumentError("Optimizer", "precision", "'fp16', 'bf16', 'fp32', 'tf32', a precision dict "
+                                       "or a PrecisionPolicy", repr(precision))
         self.device = check_device(device, "Optimizer")
         _check_seeds(seeds, opt_level)
         self.precision, self.opt_level, self.backend, self.seeds = precision, opt_level, backend, seeds

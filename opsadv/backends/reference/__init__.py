@@ -34,6 +34,7 @@ def opsadv_probe(env):
 def _impl(op, fn, bwd, features):
     return KernelImpl(id=f"reference.{op}", op=op, backend=NAME, fn=fn, backward=bwd, priority=PRIORITY_REFERENCE,
                       device_types=DEVICE_TYPES, dtypes=DTYPES, features=features, deterministic=True,
+                      honours=frozenset({"matmul", "attention", "norm", "softmax"}),
                       description="plain torch (float32 accumulation; float64 stays float64)")
 
 

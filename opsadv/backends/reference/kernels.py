@@ -20,12 +20,46 @@ def _lse_dtype(t: Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
+# ---- the precision policy (PrecisionPolicy; float64 inputs always compute in float64) ---------------------------
+_HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _policy(ctx):
+    opts = getattr(ctx, "options", None)
+    return opts.get("precision") if opts else None
+
+
+def _round_tf32(x: Tensor) -> Tensor:
+    """float32 -> the nearest TF32 value (10 mantissa bits, what tensor cores read), still float32."""
+    bits = (x.contiguous().view(torch.int32) + 0x1000) & -0x2000
+    return torch.where(torch.isfinite(x), bits.view(torch.float32), x)
+
+
+def _operand(ctx, t: Tensor | None, field: str) -> Tensor | None:
+    """A float32 operand as the policy's `field` ("matmul" / "attention") has the GEMMs read it: rounded to
+    tf32 / fp16 / bf16, products accumulated in float32 (tensor cores); other dtypes as _acc."""
+    if t is None or t.dtype != torch.float32:
+        return _acc(t)
+    want = getattr(_policy(ctx), field, "fp32")
+    if want == "tf32":
+        return _round_tf32(t)
+    return t.to(_HALF[want]).float() if want in _HALF else t
+
+
+def _stats_dtype(ctx, x: Tensor, field: str) -> torch.dtype | None:
+    """The dtype the policy asks statistics in (norm="fp64", softmax="bf16"); None: the default."""
+    if x.dtype == torch.float64:
+        return None
+    want = getattr(_policy(ctx), field, "fp32")
+    return {"fp64": torch.float64, "bf16": torch.bfloat16}.get(want)
+
+
 # ---- attention ---------------------------------------------------------------------------------
-def _scores(q, k, attn_mask, causal, scale):
+def _scores(q, k, attn_mask, causal, scale, ctx=None):
     """float scores with -inf where masked (bool mask False, causal, or additive -inf)."""
     rep = q.shape[1] // k.shape[1]
-    kf = _acc(k).repeat_interleave(rep, dim=1)
-    s = (_acc(q) @ kf.transpose(-1, -2)) * scale
+    kf = _operand(ctx, k, "attention").repeat_interleave(rep, dim=1)
+    s = (_operand(ctx, q, "attention") @ kf.transpose(-1, -2)) * scale
     sq, sk = q.shape[2], k.shape[2]
     if causal:
         i = torch.arange(sq, device=q.device)[:, None]
@@ -39,25 +73,30 @@ def _scores(q, k, attn_mask, causal, scale):
     return s
 
 
-def _probs(s):
+def _probs(s, stats: torch.dtype | None = None):
+    """Probabilities and row logsumexp; `stats` (softmax="bf16"): row max, sum and probabilities in that dtype."""
+    acc = s.dtype
+    if stats is not None:
+        s = s.to(stats)
     lse = torch.logsumexp(s, dim=-1)
     # fully masked rows: lse = -inf, probabilities 0 (not NaN)
     p = torch.exp(s - lse.masked_fill(torch.isinf(lse), 0.0)[..., None])
     p = p.masked_fill(torch.isinf(lse)[..., None], 0.0)
-    return p, lse
+    return p.to(acc), lse.to(acc)
 
 
 def attention_fwd(ctx, q, k, v, attn_mask, causal, scale):
-    s = _scores(q, k, attn_mask, causal, scale)
-    p, lse = _probs(s)
+    s = _scores(q, k, attn_mask, causal, scale, ctx)
+    p, lse = _probs(s, _stats_dtype(ctx, q, "softmax"))
     rep = q.shape[1] // k.shape[1]
-    out = p @ _acc(v).repeat_interleave(rep, dim=1)
+    pv = _operand(ctx, p, "attention") if q.dtype == torch.float32 else p    # tensor cores read P as they read V
+    out = pv @ _operand(ctx, v, "attention").repeat_interleave(rep, dim=1)
     return out.to(q.dtype), lse.to(_lse_dtype(q))
 
 
 def attention_bwd(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale):
     rep = q.shape[1] // k.shape[1]
-    s = _scores(q, k, attn_mask, causal, scale)
+    s = _scores(q, k, attn_mask, causal, scale, ctx)
     l = _acc(lse)
     p = torch.exp(s - l.masked_fill(torch.isinf(l), 0.0)[..., None]).masked_fill(torch.isinf(l)[..., None], 0.0)
     do, vf, kf = _acc(dout), _acc(v).repeat_interleave(rep, dim=1), _acc(k).repeat_interleave(rep, dim=1)
@@ -93,7 +132,7 @@ def sparse_bwd(ctx, dout, q, k, v, out, lse, block_mask, kpm, cu, bs, causal, wl
 
 # ---- gemm ----------------------------------------------------------------------------------------
 def gemm_fwd(ctx, a, b, bias, activation, residual, alpha):
-    z = alpha * (_acc(a) @ _acc(b))
+    z = alpha * (_operand(ctx, a, "matmul") @ _operand(ctx, b, "matmul"))
     if bias is not None:
         z = z + _acc(bias)
     y = ACT[activation](z)
@@ -103,7 +142,7 @@ def gemm_fwd(ctx, a, b, bias, activation, residual, alpha):
 
 
 def gemm_bwd(ctx, grad, a, b, bias, activation, alpha):
-    af, bf, g = _acc(a), _acc(b), _acc(grad)
+    af, bf, g = _operand(ctx, a, "matmul"), _operand(ctx, b, "matmul"), _acc(grad)
     z = alpha * (af @ bf) + (_acc(bias) if bias is not None else 0)
     dz = g * act_grad(activation, z)
     k, n = b.shape
@@ -115,13 +154,13 @@ def gemm_bwd(ctx, grad, a, b, bias, activation, alpha):
 
 
 def swiglu_fwd(ctx, x, w, bias):
-    gu = _acc(x) @ _acc(w) + (_acc(bias) if bias is not None else 0)
+    gu = _operand(ctx, x, "matmul") @ _operand(ctx, w, "matmul") + (_acc(bias) if bias is not None else 0)
     g, u = gu.chunk(2, dim=-1)
     return (F.silu(g) * u).to(x.dtype)
 
 
 def swiglu_bwd(ctx, grad, x, w, bias):
-    xf, wf = _acc(x), _acc(w)
+    xf, wf = _operand(ctx, x, "matmul"), _operand(ctx, w, "matmul")
     dgu = swiglu_grad(_acc(grad), xf @ wf + (_acc(bias) if bias is not None else 0))
     k, n2 = w.shape
     dx = dgu @ wf.t()
@@ -142,6 +181,8 @@ def swiglu_act_bwd(ctx, grad, gate_up):
 # ---- norms ---------------------------------------------------------------------------------------
 def layer_norm_fwd(ctx, x, weight, bias, eps, residual):
     s = _acc(x) + _acc(residual) if residual is not None else _acc(x)
+    xsum = s.to(x.dtype) if residual is not None else x.new_empty((0,))
+    s = s.to(_stats_dtype(ctx, x, "norm") or s.dtype)       # norm="fp64": statistics in float64
     mean = s.mean(-1)
     var = ((s - mean[..., None]) ** 2).mean(-1)
     rstd = torch.rsqrt(var + eps)
@@ -150,7 +191,6 @@ def layer_norm_fwd(ctx, x, weight, bias, eps, residual):
         y = y * _acc(weight)
     if bias is not None:
         y = y + _acc(bias)
-    xsum = s.to(x.dtype) if residual is not None else x.new_empty((0,))
     sd = _lse_dtype(x)
     return y.to(x.dtype), xsum, mean.to(sd), rstd.to(sd)
 
@@ -170,11 +210,12 @@ def layer_norm_bwd(ctx, dy, dsum, xin, weight, bias, mean, rstd):
 
 def rms_norm_fwd(ctx, x, weight, eps, residual, offset):
     s = _acc(x) + _acc(residual) if residual is not None else _acc(x)
+    xsum = s.to(x.dtype) if residual is not None else x.new_empty((0,))
+    s = s.to(_stats_dtype(ctx, x, "norm") or s.dtype)       # norm="fp64": statistics in float64
     rstd = torch.rsqrt((s * s).mean(-1) + eps)
     y = s * rstd[..., None]
     if weight is not None:
         y = y * (offset + _acc(weight))
-    xsum = s.to(x.dtype) if residual is not None else x.new_empty((0,))
     return y.to(x.dtype), xsum, rstd.to(_lse_dtype(x))
 
 
