@@ -212,3 +212,42 @@ def test_cublas_gemm_runs_in_the_policy_matmul_precision(monkeypatch):
     assert seen[-1] == (before, torch.float32)
     da, db, _ = G._cublas_gemm_bwd(ctx(matmul="fp16"), torch.randn(8, 5), a, b, None, "none", 1.0)
     assert da.dtype == db.dtype == torch.float32
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("hidden", [257, 5000])           # whole rows in registers; long rows in chunks (looped)
+def test_triton_norms_compute_fp64_statistics(op, hidden):
+    from opsadv.registry import get_registry
+    impl = f"cuda.triton.{op}"
+    if impl not in {i.id for i in get_registry().impls_by_op.get(op, [])} or "cuda" not in get_registry().backends \
+            or not get_registry().backends["cuda"].available:
+        pytest.skip("the cuda backend's Triton kernels are not registered here (no TRITON_INTERPRET)")
+    g = torch.Generator().manual_seed(hidden)
+    x = 3000 + torch.randn(6, hidden, generator=g)
+    w, b = torch.randn(hidden, generator=g), torch.randn(hidden, generator=g)
+    r = torch.randn(6, hidden, generator=g)
+
+    def run(prec):
+        with opsadv.use_backend("cuda", precision=prec, impls={op: impl}), torch.no_grad():
+            if op == "layer_norm":
+                return opsadv.ops.layer_norm(x, w, b, 1e-5, residual=r)[0]
+            return opsadv.ops.rms_norm(x, w, 1e-5, residual=r)[0]
+    base, f64 = run(None), run({"layer_norm": "fp64"})
+    s = (x + r).double()     # (the residual sum is formed in float32, as the kernel forms it)
+    if op == "layer_norm":
+        want = torch.nn.functional.layer_norm(s, (hidden,), w.double(), b.double(), 1e-5)
+    else:
+        want = s * torch.rsqrt((s * s).mean(-1, keepdim=True) + 1e-5) * w.double()
+    err, err_base = (f64.double() - want).abs().max().item(), (base.double() - want).abs().max().item()
+    assert not torch.equal(f64, base)
+    assert err <= 0.5 * err_base and err < 1e-5, (err, err_base)
+    if hidden > 4096:           # the looped kernel (a tile the tuner may pick for long rows), run directly
+        from opsadv.backends.cuda import norm as N
+        ctx = SimpleNamespace(options={"precision": PrecisionPolicy(norm="fp64")}, profile=None)
+        y = N._forward(ctx, op == "rms_norm", x, w, b if op == "layer_norm" else None, 1e-5, r, 0.0,
+                       cfg=(1, 4, True, 1024))[0]
+        assert (y.double() - want).abs().max().item() <= 0.5 * err_base
+    with opsadv.use_backend("cuda", precision={"layer_norm": "fp64"}):
+        c = next(c for c in opsadv.explain(op, x, w, *([b] if op == "layer_norm" else [])).candidates
+                 if c.impl.id == impl)
+    assert c.applies == ("norm=fp64",)
