@@ -55,21 +55,20 @@ def _named(model: nn.Module, fixed: dict, names: list[str], keyword: bool) -> _P
     return Named(model, fixed)
 
 
-# what "auto" makes dynamic, by input name: (dim, Dim name); the batch is one Dim for every input
-_TOKEN_DIMS = ((0, "batch"), (1, "seq"))
-_DECODER_DIMS = ((0, "batch"), (1, "decoder_seq"))
-AUTO_DIMS = {"input_ids": _TOKEN_DIMS, "attention_mask": _TOKEN_DIMS, "token_type_ids": _TOKEN_DIMS,
-             "position_ids": _TOKEN_DIMS, "decoder_input_ids": _DECODER_DIMS,
-             "decoder_attention_mask": _DECODER_DIMS, "pixel_values": ((0, "batch"),),
-             "input_features": ((0, "batch"),)}
+# what "auto" makes dynamic, by input name: the batch dim and, for token inputs, the (decoder) sequence dim
+_TOKENS = (0, 1)
+AUTO_DIMS = {"input_ids": _TOKENS, "attention_mask": _TOKENS, "token_type_ids": _TOKENS, "position_ids": _TOKENS,
+             "decoder_input_ids": _TOKENS, "decoder_attention_mask": _TOKENS, "pixel_values": (0,),
+             "input_features": (0,)}
 
 
 def auto_dynamic_shapes(inputs: dict) -> dict:
     """The batch and sequence dims of a transformers model's inputs (AUTO_DIMS) as torch.export dims; other
     inputs static.  Dim.DYNAMIC: export keeps what the model's code leaves dynamic (and its bounds: a learned
-    position table caps the sequence) instead of failing, and Optimizer.export reports any dim it pinned."""
+    position table caps the sequence; inputs that must agree, e.g. ids and mask, are unified) instead of failing,
+    and Optimizer.export reports any dim the model's code fixed."""
     dyn = torch.export.Dim.DYNAMIC
-    return {k: ({d: dyn for d, _ in AUTO_DIMS[k] if d < v.dim()} if k in AUTO_DIMS and isinstance(v, torch.Tensor)
+    return {k: ({d: dyn for d in AUTO_DIMS[k] if d < v.dim()} if k in AUTO_DIMS and isinstance(v, torch.Tensor)
                 else None) for k, v in inputs.items()}
 
 
