@@ -57,6 +57,9 @@ def resolve_precision(precision, use_fp16) -> tuple[PrecisionPolicy, torch.dtype
         precision = names[precision]
     if isinstance(precision, PrecisionPolicy):
         return precision, None, str(precision)
+    if isinstance(precision, dict):               # the precision dict: the policy only, the model keeps its dtype
+        pol = PrecisionPolicy.from_dict(precision)
+        return pol, None, ", ".join(f"{k}={v}" for k, v in precision.items())
     if isinstance(precision, str) and precision.lower() in ("float16", "half", "bfloat16", "float32"):
         precision = {"float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float32": "fp32"}[precision.lower()]
     pol = PrecisionPolicy.from_string(precision)   # raises InvalidArgumentError for anything else

@@ -101,8 +101,15 @@ def tune_for_hardware(model, device="cuda:0", batch_size: int = 8, seq_len: int 
     if p is not None and p.device != dev:
         model.to(dev)
     t0 = time.perf_counter()
-    if hf_attention.is_transformers_model(model) and example_inputs is None:
+    is_hf = hf_attention.is_transformers_model(model)
+    text = is_hf and getattr(model, "main_input_name", "input_ids") == "input_ids" and not getattr(
+        model.config, "is_encoder_decoder", False)
+    if text and example_inputs is None:
         steps, shapes = _hf_steps(model, dev, batch_size, seq_len)
+    elif is_hf and example_inputs is None:      # vision / audio / encoder-decoder: inputs from the config
+        gen = _val.hf_validation_inputs(model, batch=batch_size, seq=seq_len or 128)
+        steps = [(f"forward generated b{batch_size}", lambda: _val.run(model, gen))]
+        shapes = [", ".join(f"{k} {tuple(v.shape)}" for k, v in gen.items())]
     else:
         inputs = example_inputs if example_inputs is not None else getattr(model, "_opsadv_example_inputs", None)
         if inputs is None:

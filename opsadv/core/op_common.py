@@ -329,3 +329,37 @@ def acc(t: torch.Tensor | None) -> torch.Tensor | None:
 def acc_dtype(t: torch.Tensor) -> torch.dtype:
     """The dtype of saved statistics (lse, mean, rstd) for inputs like t."""
     return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+# ---- the precision policy as the reference impls honour it (PrecisionPolicy; float64 inputs stay float64) ------
+_HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def precision_of(ctx):
+    opts = getattr(ctx, "options", None)
+    return opts.get("precision") if opts else None
+
+
+def round_tf32(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> the nearest TF32 value (10 mantissa bits, what tensor cores read), still float32."""
+    bits = (x.contiguous().view(torch.int32) + 0x1000) & -0x2000
+    return torch.where(torch.isfinite(x), bits.view(torch.float32), x)
+
+
+def operand(ctx, t: torch.Tensor | None, field: str) -> torch.Tensor | None:
+    """A float32 operand as the policy's `field` ("matmul" / "attention") has the GEMMs read it: rounded to
+    tf32 / fp16 / bf16, products accumulated in float32 (tensor cores); other dtypes as acc."""
+    if t is None or t.dtype != torch.float32:
+        return acc(t)
+    want = getattr(precision_of(ctx), field, "fp32")
+    if want == "tf32":
+        return round_tf32(t)
+    return t.to(_HALF[want]).float() if want in _HALF else t
+
+
+def stats_dtype(ctx, x: torch.Tensor, field: str) -> torch.dtype | None:
+    """The dtype the policy asks statistics in (norm="fp64", softmax="bf16"); None: the default."""
+    if x.dtype == torch.float64:
+        return None
+    want = getattr(precision_of(ctx), field, "fp32")
+    return {"fp64": torch.float64, "bf16": torch.bfloat16}.get(want)

@@ -106,6 +106,7 @@ class OpDef:
         return KernelImpl(id=f"{REFERENCE_BACKEND}.{self.name}", op=self.name, backend=REFERENCE_BACKEND, fn=r.fn,
                           backward=r.backward, priority=PRIORITY_REFERENCE, device_types=REFERENCE_DEVICE_TYPES,
                           dtypes=REFERENCE_DTYPES, features=r.features, deterministic=True,
+                          honours=frozenset({"matmul", "attention", "norm", "softmax"}),
                           description="plain torch (float32 accumulation; float64 stays float64)")
 
 

@@ -61,6 +61,7 @@ class Policy:
         extra += [k for k in ("strict", "experimental", "deterministic", "autotune") if getattr(self, k)]
         extra += [f"{op} pinned to {impl}" for op, impl in self.impls]
         extra += [f"timing={self.timing}"] if self.timing != "wall" else []
+        extra += [f"precision {k}={v}" for k, v in self.precision.changed().items()]
         return f"backend={self.backend!r}" + (" (" + ", ".join(extra) + ")" if extra else "")
 
     @property

@@ -357,7 +357,8 @@ def autotune(exp, resolved, args: tuple, timing: str = "wall"):
     log.debug("autotune %s: %s wins (%s ms; stored in %s)", spec_key(exp.spec), winner, ", ".join(
         f"{k} {v:.4g}" for k, v in sorted(measured.times_ms.items(), key=lambda kv: kv[1])), _TUNING.path())
     impl = next(i for i in accepted if i.id == winner)
-    return Resolved(impl, resolved.ctx, impl.backward if exp.spec.backward else impl.fn)
+    return Resolved(impl, resolved.ctx, impl.backward if exp.spec.backward else impl.fn,
+                    why="autotune: " + measured.describe())
 
 
 def per_call_ms(fn, calls: int, cuda: bool, device_type: str | None = None) -> list[float]:

@@ -3,17 +3,17 @@ from __future__ import annotations
 
 import torch
 
-from opsadv.core.op_common import acc, acc_dtype
+from opsadv.core.op_common import acc, acc_dtype, operand, stats_dtype
 
 FEATURES = frozenset({"causal", "gqa", "cross_length", "attn_mask_bool", "attn_mask_float"})
 
 
 # ---- attention ---------------------------------------------------------------------------------
-def _scores(q, k, attn_mask, causal, scale):
+def _scores(q, k, attn_mask, causal, scale, ctx=None):
     """float scores with -inf where masked (bool mask False, causal, or additive -inf)."""
     rep = q.shape[1] // k.shape[1]
-    kf = acc(k).repeat_interleave(rep, dim=1)
-    s = (acc(q) @ kf.transpose(-1, -2)) * scale
+    kf = operand(ctx, k, "attention").repeat_interleave(rep, dim=1)
+    s = (operand(ctx, q, "attention") @ kf.transpose(-1, -2)) * scale
     sq, sk = q.shape[2], k.shape[2]
     if causal:
         i = torch.arange(sq, device=q.device)[:, None]
@@ -27,25 +27,30 @@ def _scores(q, k, attn_mask, causal, scale):
     return s
 
 
-def _probs(s):
+def _probs(s, stats: torch.dtype | None = None):
+    """Probabilities and row logsumexp; `stats` (softmax="bf16"): row max, sum and probabilities in that dtype."""
+    acc_t = s.dtype
+    if stats is not None:
+        s = s.to(stats)
     lse = torch.logsumexp(s, dim=-1)
     # fully masked rows: lse = -inf, probabilities 0 (not NaN)
     p = torch.exp(s - lse.masked_fill(torch.isinf(lse), 0.0)[..., None])
     p = p.masked_fill(torch.isinf(lse)[..., None], 0.0)
-    return p, lse
+    return p.to(acc_t), lse.to(acc_t)
 
 
 def attention_fwd(ctx, q, k, v, attn_mask, causal, scale):
-    s = _scores(q, k, attn_mask, causal, scale)
-    p, lse = _probs(s)
+    s = _scores(q, k, attn_mask, causal, scale, ctx)
+    p, lse = _probs(s, stats_dtype(ctx, q, "softmax"))
     rep = q.shape[1] // k.shape[1]
-    out = p @ acc(v).repeat_interleave(rep, dim=1)
+    pv = operand(ctx, p, "attention") if q.dtype == torch.float32 else p    # tensor cores read P as they read V
+    out = pv @ operand(ctx, v, "attention").repeat_interleave(rep, dim=1)
     return out.to(q.dtype), lse.to(acc_dtype(q))
 
 
 def attention_bwd(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale):
     rep = q.shape[1] // k.shape[1]
-    s = _scores(q, k, attn_mask, causal, scale)
+    s = _scores(q, k, attn_mask, causal, scale, ctx)
     l = acc(lse)
     p = torch.exp(s - l.masked_fill(torch.isinf(l), 0.0)[..., None]).masked_fill(torch.isinf(l)[..., None], 0.0)
     do, vf, kf = acc(dout), acc(v).repeat_interleave(rep, dim=1), acc(k).repeat_interleave(rep, dim=1)

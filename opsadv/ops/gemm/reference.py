@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 
 from opsadv.core.activations import ACT, act_grad, swiglu_grad
-from opsadv.core.op_common import acc
+from opsadv.core.op_common import acc, operand
 
 FEATURES = frozenset({"bias", "residual", "alpha", "batched", "act_relu", "act_gelu", "act_gelu_tanh", "act_silu"})
 SWIGLU_FEATURES = frozenset({"bias", "batched"})
@@ -12,7 +12,7 @@ SWIGLU_FEATURES = frozenset({"bias", "batched"})
 
 # ---- gemm ----------------------------------------------------------------------------------------
 def gemm_fwd(ctx, a, b, bias, activation, residual, alpha):
-    z = alpha * (acc(a) @ acc(b))
+    z = alpha * (operand(ctx, a, "matmul") @ operand(ctx, b, "matmul"))
     if bias is not None:
         z = z + acc(bias)
     y = ACT[activation](z)
@@ -22,7 +22,7 @@ def gemm_fwd(ctx, a, b, bias, activation, residual, alpha):
 
 
 def gemm_bwd(ctx, grad, a, b, bias, activation, alpha):
-    af, bf, g = acc(a), acc(b), acc(grad)
+    af, bf, g = operand(ctx, a, "matmul"), operand(ctx, b, "matmul"), acc(grad)
     z = alpha * (af @ bf) + (acc(bias) if bias is not None else 0)
     dz = g * act_grad(activation, z)
     k, n = b.shape
@@ -34,13 +34,13 @@ def gemm_bwd(ctx, grad, a, b, bias, activation, alpha):
 
 
 def swiglu_fwd(ctx, x, w, bias):
-    gu = acc(x) @ acc(w) + (acc(bias) if bias is not None else 0)
+    gu = operand(ctx, x, "matmul") @ operand(ctx, w, "matmul") + (acc(bias) if bias is not None else 0)
     g, u = gu.chunk(2, dim=-1)
     return (F.silu(g) * u).to(x.dtype)
 
 
 def swiglu_bwd(ctx, grad, x, w, bias):
-    xf, wf = acc(x), acc(w)
+    xf, wf = operand(ctx, x, "matmul"), operand(ctx, w, "matmul")
     dgu = swiglu_grad(acc(grad), xf @ wf + (acc(bias) if bias is not None else 0))
     k, n2 = w.shape
     dx = dgu @ wf.t()

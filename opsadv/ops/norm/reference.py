@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from opsadv.core.op_common import acc, acc_dtype
+from opsadv.core.op_common import acc, acc_dtype, stats_dtype
 
 FEATURES = frozenset({"weight", "bias", "residual", "offset"})
 
@@ -12,6 +12,8 @@ FEATURES = frozenset({"weight", "bias", "residual", "offset"})
 # ---- norms ---------------------------------------------------------------------------------------
 def layer_norm_fwd(ctx, x, weight, bias, eps, residual):
     s = acc(x) + acc(residual) if residual is not None else acc(x)
+    xsum = s.to(x.dtype) if residual is not None else x.new_empty((0,))
+    s = s.to(stats_dtype(ctx, x, "norm") or s.dtype)        # norm="fp64": statistics in float64
     mean = s.mean(-1)
     var = ((s - mean[..., None]) ** 2).mean(-1)
     rstd = torch.rsqrt(var + eps)
@@ -20,7 +22,6 @@ def layer_norm_fwd(ctx, x, weight, bias, eps, residual):
         y = y * acc(weight)
     if bias is not None:
         y = y + acc(bias)
-    xsum = s.to(x.dtype) if residual is not None else x.new_empty((0,))
     sd = acc_dtype(x)
     return y.to(x.dtype), xsum, mean.to(sd), rstd.to(sd)
 
@@ -40,11 +41,12 @@ def layer_norm_bwd(ctx, dy, dsum, xin, weight, bias, mean, rstd):
 
 def rms_norm_fwd(ctx, x, weight, eps, residual, offset):
     s = acc(x) + acc(residual) if residual is not None else acc(x)
+    xsum = s.to(x.dtype) if residual is not None else x.new_empty((0,))
+    s = s.to(stats_dtype(ctx, x, "norm") or s.dtype)        # norm="fp64": statistics in float64
     rstd = torch.rsqrt((s * s).mean(-1) + eps)
     y = s * rstd[..., None]
     if weight is not None:
         y = y * (offset + acc(weight))
-    xsum = s.to(x.dtype) if residual is not None else x.new_empty((0,))
     return y.to(x.dtype), xsum, rstd.to(acc_dtype(x))
 
 

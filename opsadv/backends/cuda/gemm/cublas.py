@@ -11,12 +11,15 @@ The Triton GEMMs they compete with live in opsadv/backends/triton_common/gemm/ge
 faster than the Triton kernels (H200, bf16)."""
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from opsadv.backends.triton_common.gemm.gemm import ACT_FEATURES, ALL, GEMM_FEATURES, _grads_from_dz
 from opsadv.core.activations import act_grad
 from opsadv.core.kernel import MEMORY_FUSED, PRIORITY_TRITON, PRIORITY_VENDOR, KernelImpl, temporaries
+from opsadv.core.precision import float32_matmul_scope
 
 
 def _cublas_fused_check(spec, env) -> list[str]:
@@ -33,6 +36,30 @@ def _small_m_check(spec, env) -> list[str]:
     return [] if spec.bucket[0] <= SMALL_M else [f"registered for M <= {SMALL_M} (decode); M bucket {spec.bucket[0]}"]
 
 
+CUBLAS_HONOURS = frozenset({"matmul"})                # no tiles of ours (cuBLAS picks its own); see _policy_matmul
+
+
+def _policy_matmul(fn):
+    """cuBLAS on float32 inputs in the policy's matmul precision: tf32 -> torch's TF32 mode for the call
+    (float32_matmul_scope, restored after); fp16 / bf16 -> the call on inputs cast to that dtype, outputs cast
+    back to float32; fp32 -> torch's own setting."""
+    @functools.wraps(fn)
+    def run(ctx, *args):
+        prec = ctx.options.get("precision") if ctx is not None else None
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if prec is None or first is None or first.dtype != torch.float32 or prec.matmul == "fp32":
+            return fn(ctx, *args)
+        if prec.matmul == "tf32":
+            with float32_matmul_scope(prec):
+                return fn(ctx, *args)
+        dt = torch.float16 if prec.matmul == "fp16" else torch.bfloat16
+        out = fn(ctx, *(a.to(dt) if isinstance(a, torch.Tensor) and a.dtype == torch.float32 else a for a in args))
+        if isinstance(out, tuple):
+            return tuple(o.float() if isinstance(o, torch.Tensor) and o.dtype == dt else o for o in out)
+        return out.float()
+    return run
+
+
 def _torch_act(y: torch.Tensor, activation: str) -> torch.Tensor:
     if activation == "relu":
         return y.relu_()
@@ -45,6 +72,7 @@ def _torch_act(y: torch.Tensor, activation: str) -> torch.Tensor:
     return y
 
 
+@_policy_matmul
 def _cublas_gemm(ctx, a, b, bias, activation, residual, alpha):
     k, n = b.shape
     a2 = a.reshape(-1, k)
@@ -67,6 +95,7 @@ def _cublas_gemm(ctx, a, b, bias, activation, residual, alpha):
     return y.reshape(*a.shape[:-1], n)
 
 
+@_policy_matmul
 def _cublas_gemm_bwd(ctx, grad, a, b, bias, activation, alpha):
     k, n = b.shape
     a2, g2 = a.reshape(-1, k), grad.reshape(-1, n)
@@ -78,6 +107,7 @@ def _cublas_gemm_bwd(ctx, grad, a, b, bias, activation, alpha):
     return _grads_from_dz(a2, b, dz, alpha, bias, a.shape)
 
 
+@_policy_matmul
 def _cublas_swiglu(ctx, x, w, bias):
     k, n2 = w.shape
     x2 = x.reshape(-1, k)
@@ -86,6 +116,7 @@ def _cublas_swiglu(ctx, x, w, bias):
     return (F.silu(g) * u).reshape(*x.shape[:-1], n2 // 2)
 
 
+@_policy_matmul
 def _cublas_swiglu_bwd(ctx, grad, x, w, bias):
     k, n2 = w.shape
     x2, g2 = x.reshape(-1, k), grad.reshape(-1, n2 // 2).float()
@@ -113,19 +144,19 @@ def impls(env) -> list[KernelImpl]:
         KernelImpl("cuda.cublas.gemm", "gemm", "cuda", _cublas_gemm, _cublas_gemm_bwd, priority=PRIORITY_VENDOR,
                    dtypes=ALL, features=frozenset({"bias", "alpha", "batched", "act_relu", "act_gelu_tanh"}),
                    check=_cublas_fused_check, memory=MEMORY_FUSED,
-                   description="cuBLAS through torch.addmm / _addmm_activation (plain, +bias, bias+relu/gelu_tanh)"),
+                   honours=CUBLAS_HONOURS, description="cuBLAS through torch.addmm / _addmm_activation (plain, +bias, bias+relu/gelu_tanh)"),
         KernelImpl("cuda.cublas.gemm_small_m", "gemm", "cuda", _cublas_gemm, _cublas_gemm_bwd, priority=250,
                    dtypes=ALL, features=GEMM_FEATURES, check=_small_m_check, memory=temporaries(2),
-                   description="cuBLAS then torch epilogue, for decode shapes (M <= 64) where cuBLAS wins"),
+                   honours=CUBLAS_HONOURS, description="cuBLAS then torch epilogue, for decode shapes (M <= 64) where cuBLAS wins"),
         KernelImpl("cuda.cublas.swiglu_gemm_small_m", "swiglu_gemm", "cuda", _cublas_swiglu, _cublas_swiglu_bwd,
                    priority=250, dtypes=ALL, features=frozenset({"bias", "batched"}), check=_small_m_check,
                    memory=temporaries(3),
-                   description="one cuBLAS GEMM over [W_g | W_u] then silu(g) * u, for decode shapes (M <= 64)"),
+                   honours=CUBLAS_HONOURS, description="one cuBLAS GEMM over [W_g | W_u] then silu(g) * u, for decode shapes (M <= 64)"),
         KernelImpl("cuda.cublas.gemm_epilogue", "gemm", "cuda", _cublas_gemm, _cublas_gemm_bwd,
                    priority=_epilogue_priority(env),
                    dtypes=ALL, features=GEMM_FEATURES, memory=temporaries(2),     # activation / residual temporaries
-                   description="cuBLAS (torch._addmm_activation for bias+relu/gelu_tanh) then torch epilogue"),
+                   honours=CUBLAS_HONOURS, description="cuBLAS (torch._addmm_activation for bias+relu/gelu_tanh) then torch epilogue"),
         KernelImpl("cuda.cublas.swiglu_gemm", "swiglu_gemm", "cuda", _cublas_swiglu, _cublas_swiglu_bwd, priority=150,
                    dtypes=ALL, features=frozenset({"bias", "batched"}), memory=temporaries(3),     # gate, up, silu
-                   description="one cuBLAS GEMM over [W_g | W_u], then silu(g) * u in torch"),
+                   honours=CUBLAS_HONOURS, description="one cuBLAS GEMM over [W_g | W_u], then silu(g) * u in torch"),
     ]

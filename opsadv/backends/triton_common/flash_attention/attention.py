@@ -536,13 +536,18 @@ def _check(spec, env) -> list[str]:
     return why
 
 
+# the profile's tiles are capped by the seed's tile_size; fp32 inputs run in the policy's attention dtype; the
+# softmax statistics stay float32 (online softmax in registers)
+HONOURS = frozenset({"tile_size", "attention"})
+
+
 def impls(env, backend: str = "cuda") -> list[KernelImpl]:
     return [KernelImpl(
         id=f"{backend}.triton.flash_attention", op="flash_attention", backend=backend, fn=flash_fwd, backward=flash_bwd,
         priority=PRIORITY_TRITON, device_types=triton_device_types(env),
         dtypes=(torch.float16, torch.bfloat16, torch.float32), head_dims=HEAD_DIMS, min_cc=(8, 0),
         features=FEATURES, deterministic=True, requires_interpret_or_cuda=True, check=_check, memory=MEMORY_FLASH,
-        description="Triton FlashAttention-2 forward/backward (online softmax, GQA by index, bottom-right causal; "
+        honours=HONOURS, description="Triton FlashAttention-2 forward/backward (online softmax, GQA by index, bottom-right causal; "
                     "TMA on Hopper; deterministic backward without atomics: dQ by its own kernel or by a GEMM over dS "
                     "kept in a capped workspace, measured per bucket)"),
         KernelImpl(
@@ -550,7 +555,7 @@ def impls(env, backend: str = "cuda") -> list[KernelImpl]:
         backward=flash_bwd_atomic, priority=PRIORITY_TRITON + ATOMIC_DQ_PRIORITY_DELTA,
         device_types=triton_device_types(env), dtypes=(torch.float16, torch.bfloat16, torch.float32),
         head_dims=HEAD_DIMS, min_cc=(8, 0), features=FEATURES, deterministic=False, requires_interpret_or_cuda=True,
-        experimental=True, check=_check, memory=MEMORY_FLASH, description="the same forward; backward accumulates dQ with fp32 atomics in the dK/dV kernel "
+        experimental=True, check=_check, memory=MEMORY_FLASH, honours=HONOURS, description="the same forward; backward accumulates dQ with fp32 atomics in the dK/dV kernel "
                                   "(one kernel fewer, no recomputation for dQ; not deterministic)")]
 
 

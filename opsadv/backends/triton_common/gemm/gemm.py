@@ -31,6 +31,7 @@ from opsadv.core.errors import InvalidArgumentError
 from opsadv.core.kernel import MEMORY_FUSED, PRIORITY_TRITON, KernelImpl, cap_tiles
 from opsadv.core.op_common import len_bucket
 from opsadv.core.policy import current_policy
+from opsadv.core.precision import float32_matmul_scope
 
 from .. import poisoned as _poisoned, triton_device_types
 
@@ -272,6 +273,9 @@ def _triton_swiglu_bwd(ctx, grad, x, w, bias, *, kernel="ptr"):
     return _grads_from_dz(x2, w, dgu, 1.0, bias, x.shape)
 
 
+TRITON_HONOURS = frozenset({"tile_size", "matmul"})   # tiles capped by tile_size; fp32 only under tf32 (_tf32_check)
+
+
 # The persistent kernel beat the TMA kernel at all 7 shapes measured
 # (H200: 1.04-1.14x), so it ranks above it; below the cuBLAS
 # epilogue path, which it beats with an activation (BERT FFN1 bias+erf-GELU 1.07x addmm+gelu, bias+silu
@@ -305,12 +309,13 @@ def impls(env, backend: str = "cuda") -> list[KernelImpl]:
             KernelImpl(f"{backend}.triton.gemm{sfx}", "gemm", backend, functools.partial(_triton_gemm, kernel=kernel),
                        functools.partial(_triton_gemm_bwd, kernel=bwd), priority=prio, device_types=dev, dtypes=ALL,
                        features=GEMM_FEATURES, requires_interpret_or_cuda=True, memory=MEMORY_FUSED, **extra,
+                       honours=TRITON_HONOURS,
                        description=f"Triton GEMM, fused bias/activation/residual/alpha epilogue, {what}"),
             KernelImpl(f"{backend}.triton.swiglu_gemm{sfx}", "swiglu_gemm", backend,
                        functools.partial(_triton_swiglu, kernel=kernel),
                        functools.partial(_triton_swiglu_bwd, kernel=bwd), priority=sprio, device_types=dev, dtypes=ALL,
                        features=frozenset({"bias", "batched"}), requires_interpret_or_cuda=True, memory=MEMORY_FUSED,
-                       **extra,
+                       **extra, honours=TRITON_HONOURS,
                        description=f"Triton GEMM over [W_g | W_u], two accumulators, silu(g)*u epilogue, {what}"),
         ]
     return out

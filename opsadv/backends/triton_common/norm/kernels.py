@@ -17,12 +17,14 @@ def _norm_fwd_kernel(x_ptr, r_ptr, w_ptr, b_ptr, y_ptr, s_ptr, mean_ptr, rstd_pt
                      M, N, s_xm, s_rm, s_ym, s_sm, eps, offset,
                      RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STATS: tl.constexpr = True,
-                     EVICT: tl.constexpr = False):
+                     EVICT: tl.constexpr = False, F64: tl.constexpr = False):
     # STATS=False: inference, nobody reads mean / rstd (their pointers are not written).
     # EVICT: cache hints as Inductor's norm kernels carry them: rows are read once (evict first from L2), the
     # weight / bias by every program (evict last); a tuner candidate (norm.fwd_candidates)
+    # F64: statistics (and the normalization) in float64 (the precision policy's norm="fp64")
     STREAM: tl.constexpr = "evict_first" if EVICT else ""
     KEEP: tl.constexpr = "evict_last" if EVICT else ""
+    ACC: tl.constexpr = tl.float64 if F64 else tl.float32
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
     rmask = rows < M
@@ -34,24 +36,32 @@ def _norm_fwd_kernel(x_ptr, r_ptr, w_ptr, b_ptr, y_ptr, s_ptr, mean_ptr, rstd_pt
         x += tl.load(r_ptr + rows64 * s_rm + cols[None, :], mask=mask, other=0.0,
                      eviction_policy=STREAM).to(tl.float32)
         tl.store(s_ptr + rows64 * s_sm + cols[None, :], x.to(s_ptr.dtype.element_ty), mask=mask)
+    x = x.to(ACC)
     if RMS:
-        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
+        rstd = _rsqrt(tl.sum(x * x, axis=1) / N + eps, F64)
         xhat = x * rstd[:, None]
     else:
         mean = tl.sum(x, axis=1) / N
         xc = tl.where(mask, x - mean[:, None], 0.0)           # padding columns must not count in var
-        rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / N + eps)
+        rstd = _rsqrt(tl.sum(xc * xc, axis=1) / N + eps, F64)
         xhat = xc * rstd[:, None]
         if STATS:
-            tl.store(mean_ptr + rows, mean, mask=rmask)
+            tl.store(mean_ptr + rows, mean.to(tl.float32), mask=rmask)
     if STATS:
-        tl.store(rstd_ptr + rows, rstd, mask=rmask)
+        tl.store(rstd_ptr + rows, rstd.to(tl.float32), mask=rmask)
     if HAS_W:
-        w = tl.load(w_ptr + cols, mask=cmask, other=0.0, eviction_policy=KEEP).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=cmask, other=0.0, eviction_policy=KEEP).to(ACC)
         xhat = xhat * (w + offset)[None, :]                  # offset: Gemma's (1 + w); 0 for LayerNorm
     if HAS_B:
-        xhat += tl.load(b_ptr + cols, mask=cmask, other=0.0, eviction_policy=KEEP).to(tl.float32)[None, :]
+        xhat += tl.load(b_ptr + cols, mask=cmask, other=0.0, eviction_policy=KEEP).to(ACC)[None, :]
     tl.store(y_ptr + rows64 * s_ym + cols[None, :], xhat.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rsqrt(v, F64: tl.constexpr):
+    if F64:
+        return 1.0 / tl.sqrt(v)
+    return tl.rsqrt(v)
 
 
 @triton.jit
@@ -69,54 +79,57 @@ def _norm_fwd_loop_kernel(x_ptr, r_ptr, w_ptr, b_ptr, y_ptr, s_ptr, mean_ptr, rs
                           M, N, s_xm, s_rm, s_ym, s_sm, eps, offset,
                           RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
                           ROWS: tl.constexpr, CHUNK: tl.constexpr, STATS: tl.constexpr = True,
-                          N_FIXED: tl.constexpr = 0):
+                          N_FIXED: tl.constexpr = 0, F64: tl.constexpr = False):
     # Long rows in CHUNK-column pieces, as Inductor's looped reductions: the statistics pass streams the row
     # from HBM and asks L2 to keep it (evict_last), the output pass re-reads it from L2 (evict_first).  Fewer
     # registers per row than _norm_fwd_kernel -> more rows in flight per SM (RMSNorm 16384 x 8192: compile's
     # looped kernel 0.129 ms vs 0.135 whole-row).
     # N_FIXED (> 0: the hidden size, compiled in, as Inductor's kernel has it): constant trip counts and, when
     # CHUNK divides it, no column masks -- the loops unroll and the chunks' loads can all be in flight at once.
+    # F64: statistics (and the normalization) in float64 (the precision policy's norm="fp64")
+    ACC: tl.constexpr = tl.float64 if F64 else tl.float32
     if N_FIXED > 0:
         N = N_FIXED
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     rmask = rows < M
     rows64 = rows.to(tl.int64)[:, None]
-    acc = tl.zeros([ROWS, CHUNK], dtype=tl.float32)
+    acc = tl.zeros([ROWS, CHUNK], dtype=ACC)
     for c0 in range(0, N, CHUNK):
         cols = c0 + tl.arange(0, CHUNK)
         mask = rmask[:, None] & (cols < N)[None, :]
         x = _row_chunk(x_ptr, r_ptr, rows64, s_xm, s_rm, cols, mask, HAS_RES, "evict_last")
         if HAS_RES:
             tl.store(s_ptr + rows64 * s_sm + cols[None, :], x.to(s_ptr.dtype.element_ty), mask=mask)
+        x = x.to(ACC)
         acc += x * x if RMS else x                          # masked columns loaded as 0: they add nothing
     if RMS:
-        mean = tl.zeros([ROWS], dtype=tl.float32)
-        rstd = tl.rsqrt(tl.sum(acc, axis=1) / N + eps)
+        mean = tl.zeros([ROWS], dtype=ACC)
+        rstd = _rsqrt(tl.sum(acc, axis=1) / N + eps, F64)
     else:
         mean = tl.sum(acc, axis=1) / N
-        acc = tl.zeros([ROWS, CHUNK], dtype=tl.float32)
+        acc = tl.zeros([ROWS, CHUNK], dtype=ACC)
         for c0 in range(0, N, CHUNK):                       # variance around the mean (not E[x^2] - mean^2)
             cols = c0 + tl.arange(0, CHUNK)
             mask = rmask[:, None] & (cols < N)[None, :]
-            x = _row_chunk(x_ptr, r_ptr, rows64, s_xm, s_rm, cols, mask, HAS_RES, "evict_last")
+            x = _row_chunk(x_ptr, r_ptr, rows64, s_xm, s_rm, cols, mask, HAS_RES, "evict_last").to(ACC)
             xc = tl.where(mask, x - mean[:, None], 0.0)
             acc += xc * xc
-        rstd = tl.rsqrt(tl.sum(acc, axis=1) / N + eps)
+        rstd = _rsqrt(tl.sum(acc, axis=1) / N + eps, F64)
         if STATS:
-            tl.store(mean_ptr + rows, mean, mask=rmask)
+            tl.store(mean_ptr + rows, mean.to(tl.float32), mask=rmask)
     if STATS:
-        tl.store(rstd_ptr + rows, rstd, mask=rmask)
+        tl.store(rstd_ptr + rows, rstd.to(tl.float32), mask=rmask)
     for c0 in range(0, N, CHUNK):
         cols = c0 + tl.arange(0, CHUNK)
         cmask = cols < N
         mask = rmask[:, None] & cmask[None, :]
-        x = _row_chunk(x_ptr, r_ptr, rows64, s_xm, s_rm, cols, mask, HAS_RES, "evict_first")
+        x = _row_chunk(x_ptr, r_ptr, rows64, s_xm, s_rm, cols, mask, HAS_RES, "evict_first").to(ACC)
         xhat = (x - mean[:, None]) * rstd[:, None]
         if HAS_W:
-            w = tl.load(w_ptr + cols, mask=cmask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            w = tl.load(w_ptr + cols, mask=cmask, other=0.0, eviction_policy="evict_last").to(ACC)
             xhat = xhat * (w + offset)[None, :]
         if HAS_B:
-            xhat += tl.load(b_ptr + cols, mask=cmask, other=0.0, eviction_policy="evict_last").to(tl.float32)[None, :]
+            xhat += tl.load(b_ptr + cols, mask=cmask, other=0.0, eviction_policy="evict_last").to(ACC)[None, :]
         tl.store(y_ptr + rows64 * s_ym + cols[None, :], xhat.to(y_ptr.dtype.element_ty), mask=mask)
 
 

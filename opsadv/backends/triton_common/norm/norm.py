@@ -176,11 +176,14 @@ def _forward(ctx, rms, x, weight, bias, eps, residual, offset, stats=True, cfg=N
             s if has_res else y, mean if mean is not None else st, st,
             m, n, sx, sr, n, n, float(eps), float(offset))
 
+    f64 = _stats_f64(ctx, x)
+
     def go(c):
-        name, rows, kw, items = _fwd_launch(c, rms, has_res, weight is not None, bias is not None, stats, n, block)
+        name, rows, kw, items = _fwd_launch(c, rms, has_res, weight is not None, bias is not None, stats, n, block,
+                                            f64)
         _run(k[name], (triton_cdiv(m, rows),), args, (kw, items))
     if cfg is None:
-        key = (rms, has_res, stats, weight is not None, bias is not None, x.dtype, n, _bucket(m))
+        key = (rms, has_res, stats, weight is not None, bias is not None, x.dtype, n, _bucket(m), f64)
         cfg = _FWD_PICKED.get(key)          # the per-call path (host-bound decode calls): one dict lookup
         if cfg is None:
             autotune = _autotunes(ctx, x)
@@ -195,14 +198,22 @@ def _forward(ctx, rms, x, weight, bias, eps, residual, offset, stats=True, cfg=N
 _FWD_KW: dict = {}
 
 
-def _fwd_launch(c, rms, has_res, has_w, has_b, stats, n, block) -> tuple[str, int, dict, tuple]:
+def _stats_f64(ctx, x: torch.Tensor) -> bool:
+    """The precision policy's norm="fp64": statistics in float64 (float64 inputs already are)."""
+    prec = ctx.options.get("precision") if getattr(ctx, "options", None) else None
+    return prec is not None and prec.norm == "fp64" and x.dtype != torch.float64
+
+
+def _fwd_launch(c, rms, has_res, has_w, has_b, stats, n, block, f64=False) -> tuple[str, int, dict, tuple]:
     """(kernel, ROWS, keywords, their items) of a forward launch under tile c: built once per tile, flags and
     hidden size (per call they cost a closure's dict builds and FastLaunch's items tuple)."""
-    key = (c, rms, has_res, has_w, has_b, stats, n)
+    key = (c, rms, has_res, has_w, has_b, stats, n, f64)
     hit = _FWD_KW.get(key)
     if hit is None:
         rows, warps, evict, chunk = c[:4]
         flags = dict(RMS=rms, HAS_RES=has_res, HAS_W=has_w, HAS_B=has_b, ROWS=rows, STATS=stats, num_warps=warps)
+        if f64:         # (left out otherwise: the float32 launches keep their compiled signature)
+            flags["F64"] = True
         if chunk:       # looped tiles: the hidden size compiled in where c[4] says so (N_FIXED)
             name, kw = "fwd_loop", dict(CHUNK=chunk, N_FIXED=n if len(c) > 4 and c[4] else 0, **flags)
         else:
@@ -341,12 +352,13 @@ def impls(env, backend: str = "cuda") -> list[KernelImpl]:
         return []
     dev = triton_device_types(env)
     common = dict(priority=PRIORITY_TRITON, device_types=dev, dtypes=DTYPES, requires_interpret_or_cuda=True,
-                  check=_check, memory=MEMORY_FUSED)
+                  check=_check, memory=MEMORY_FUSED, honours=frozenset({"norm"}))
     return [
         KernelImpl(f"{backend}.triton.layer_norm", "layer_norm", backend, _ln_fwd, _ln_bwd, inference=_ln_infer,
                    features=frozenset({"weight", "bias", "residual"}), **common,
-                   description="Triton LayerNorm, rows in registers, fp32 stats, fused residual add"),
+                   description="Triton LayerNorm, rows in registers, fp32 stats (fp64 under norm='fp64'), fused residual add"),
         KernelImpl(f"{backend}.triton.rms_norm", "rms_norm", backend, _rms_fwd, _rms_bwd, inference=_rms_infer,
                    features=frozenset({"weight", "residual", "offset"}), **common,
-                   description="Triton RMSNorm, rows in registers, fp32 stats, fused residual add, (offset + w)"),
+                   description="Triton RMSNorm, rows in registers, fp32 stats (fp64 under norm='fp64'), fused residual add, "
+                               "(offset + w)"),
     ]

@@ -702,5 +702,6 @@ def impls(env, backend: str = "cuda") -> list[KernelImpl]:
         priority=PRIORITY_TRITON, device_types=triton_device_types(env),
         dtypes=(torch.float16, torch.bfloat16, torch.float32), head_dims=HEAD_DIMS, features=FEATURES,
         deterministic=True, requires_interpret_or_cuda=True, check=_check, memory=MEMORY_FLASH,
+        honours=frozenset({"attention"}),     # its tiles are its own (no profile tiles to cap)
         description="Triton block-sparse flash attention: visits only the layout's non-empty tiles "
                     "(partial tiles element-masked), packed varlen, GQA; dK/dV and dQ kernels without atomics")]
