@@ -90,6 +90,33 @@ def contiguous_lse(lse: torch.Tensor) -> torch.Tensor:
     return lse if lse.is_contiguous() else lse.contiguous()
 
 
+# ---- the weight gradient's layout (gemm and swiglu_gemm backward) ----------------------------------------------
+# b (K, N) is mostly an nn.Linear weight W (N, K) passed as W.t(): its gradient is wanted as W's layout, i.e. with
+# b's strides.  Computed as a2^T @ dz it is (K, N) row-major, and autograd's AccumulateGrad then copies it into W's
+# layout (a transposing copy of every weight gradient, every step); computed as (dz^T @ a2)^T it is one GEMM of
+# the same cost that lands in W's layout (what torch's own mm backward does for a transposed mat2).
+def transposed_weight(b: torch.Tensor) -> bool:
+    """b (K, N) is the transpose of a row-major (N, K) tensor (weight.t()) and not row-major itself."""
+    return b.stride(0) == 1 and b.stride(1) == b.shape[0] and not b.is_contiguous()
+
+
+def weight_grad(a2: torch.Tensor, dz2: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a2^T @ dz2 (a2 (M, K), dz2 (M, N)) laid out as b: transposed where b is a weight.t(), else row-major."""
+    return (dz2.t() @ a2).t() if transposed_weight(b) else a2.t() @ dz2
+
+
+def empty_weight_grad(b: torch.Tensor) -> torch.Tensor:
+    """An empty tensor of b's shape in the layout weight_grad gives (the backward ops' fake kernels)."""
+    return b.new_empty((b.shape[1], b.shape[0])).t() if transposed_weight(b) else b.new_empty(b.shape)
+
+
+def as_weight_grad_layout(db: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """db in the layout empty_weight_grad promises (a copy only where an impl returned another)."""
+    if transposed_weight(b):
+        return db if db.t().is_contiguous() else db.t().contiguous().t()
+    return db if db.is_contiguous() else db.contiguous()
+
+
 def len_bucket(n: int) -> int:
     """Sequence/row counts bucket to the next power of two (min 16)."""
     return 16 if n <= 16 else 1 << (n - 1).bit_length()

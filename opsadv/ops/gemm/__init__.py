@@ -36,7 +36,8 @@ from ..swiglu import swiglu
 from opsadv.core.op_common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, INF, TORCH_OPS, autograd_function, carry_policy,
                       check_choice, check_same, check_tensor, dispatch_modes, eager_mode, function_modes,
                       functorch_level, grad_enabled, is_compiling, len_bucket, none_if_empty, raw_apply,
-                      resolved_autograd_function, same_kind, transforms_active, unwrap_if_dead)
+                      resolved_autograd_function, same_kind, transforms_active, unwrap_if_dead,
+                      as_weight_grad_layout, empty_weight_grad)
 from . import cases as _cases, reference as _reference
 
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
@@ -144,8 +145,9 @@ def _(a, b, bias, activation, residual, alpha):
 
 def _gemm_bwd_route(grad, a, b, bias, activation, alpha):
     key = _gemm_key(a, b, bias, activation, None, alpha, True)
-    return dispatch.call(key, lambda: _gemm_spec(a, b, bias, activation, None, alpha, True),
-                         (grad, a, b, bias, activation, alpha))
+    da, db, dbias = dispatch.call(key, lambda: _gemm_spec(a, b, bias, activation, None, alpha, True),
+                                  (grad, a, b, bias, activation, alpha))
+    return da, as_weight_grad_layout(db, b), dbias      # b's layout, as the fake says (_common.weight_grad)
 
 
 @torch.library.custom_op("opsadv::gemm_backward", mutates_args=())
@@ -156,7 +158,7 @@ def _gemm_backward(grad: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor], a
 
 @_gemm_backward.register_fake
 def _(grad, a, b, bias, activation, alpha):
-    return a.new_empty(a.shape), b.new_empty(b.shape), (bias.new_empty(bias.shape) if bias is not None else a.new_empty((0,)))
+    return a.new_empty(a.shape), empty_weight_grad(b), (bias.new_empty(bias.shape) if bias is not None else a.new_empty((0,)))
 
 
 def _gemm_setup(ctx, inputs, output):
@@ -208,13 +210,14 @@ def _(x, w_gate_up, bias):
 @torch.library.custom_op("opsadv::swiglu_gemm_backward", mutates_args=())
 def _swiglu_gemm_backward(grad: Tensor, x: Tensor, w_gate_up: Tensor,
                           bias: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-    return dispatch.call(_swiglu_key(x, w_gate_up, bias, True), lambda: _swiglu_spec(x, w_gate_up, bias, True),
-                         (grad, x, w_gate_up, bias))
+    dx, dw, dbias = dispatch.call(_swiglu_key(x, w_gate_up, bias, True),
+                                  lambda: _swiglu_spec(x, w_gate_up, bias, True), (grad, x, w_gate_up, bias))
+    return dx, as_weight_grad_layout(dw, w_gate_up), dbias
 
 
 @_swiglu_gemm_backward.register_fake
 def _(grad, x, w_gate_up, bias):
-    return x.new_empty(x.shape), w_gate_up.new_empty(w_gate_up.shape), (bias.new_empty(bias.shape) if bias is not None else x.new_empty((0,)))
+    return x.new_empty(x.shape), empty_weight_grad(w_gate_up), (bias.new_empty(bias.shape) if bias is not None else x.new_empty((0,)))
 
 
 def _swiglu_setup(ctx, inputs, output):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 
 from opsadv.core.activations import ACT, act_grad, swiglu_grad
-from opsadv.core.op_common import acc, operand
+from opsadv.core.op_common import acc, operand, weight_grad
 
 FEATURES = frozenset({"bias", "residual", "alpha", "batched", "act_relu", "act_gelu", "act_gelu_tanh", "act_silu"})
 SWIGLU_FEATURES = frozenset({"bias", "batched"})
@@ -28,7 +28,7 @@ def gemm_bwd(ctx, grad, a, b, bias, activation, alpha):
     k, n = b.shape
     a2, dz2 = af.reshape(-1, k), dz.reshape(-1, n)
     da = alpha * (dz @ bf.t())
-    db = alpha * (a2.t() @ dz2)
+    db = alpha * weight_grad(a2, dz2, bf)
     dbias = dz2.sum(0).to(bias.dtype) if bias is not None else a.new_empty((0,))
     return da.to(a.dtype), db.to(b.dtype), dbias
 
@@ -44,6 +44,6 @@ def swiglu_bwd(ctx, grad, x, w, bias):
     dgu = swiglu_grad(acc(grad), xf @ wf + (acc(bias) if bias is not None else 0))
     k, n2 = w.shape
     dx = dgu @ wf.t()
-    dw = xf.reshape(-1, k).t() @ dgu.reshape(-1, n2)
+    dw = weight_grad(xf.reshape(-1, k), dgu.reshape(-1, n2), wf)
     dbias = dgu.reshape(-1, n2).sum(0).to(bias.dtype) if bias is not None else x.new_empty((0,))
     return dx.to(x.dtype), dw.to(w.dtype), dbias

@@ -29,7 +29,7 @@ import torch
 
 from opsadv.core.errors import InvalidArgumentError
 from opsadv.core.kernel import MEMORY_FUSED, PRIORITY_TRITON, KernelImpl, cap_tiles
-from opsadv.core.op_common import len_bucket
+from opsadv.core.op_common import len_bucket, weight_grad
 from opsadv.core.policy import current_policy
 from opsadv.core.precision import float32_matmul_scope
 
@@ -235,9 +235,10 @@ def _triton_gemm(ctx, a, b, bias, activation, residual, alpha, *, kernel="ptr"):
 
 
 def _grads_from_dz(a2, b, dz, alpha, bias, a_shape):
-    """da = alpha dz b^T, db = alpha a^T dz (cuBLAS), dbias = sum dz (float32 accumulation)."""
+    """da = alpha dz b^T, db = alpha a^T dz (cuBLAS; db in b's layout, _common.weight_grad), dbias = sum dz
+    (float32 accumulation)."""
     da = dz @ b.t()
-    db = a2.t() @ dz
+    db = weight_grad(a2, dz, b)
     if alpha != 1.0:
         da.mul_(alpha)
         db.mul_(alpha)
