@@ -253,6 +253,27 @@ def test_gpu_vendor_impls(impl_id, seed):
         assert rel_err(x, ref) < 1.5e-2
 
 
+@requires_gpu
+def test_gpu_cudnn_training_calls_run_under_torch_autograd(seed):
+    """cuda.sdpa.cudnn's `train` forward: an eager training call runs cuDNN's aten op under torch's own autograd
+    (no opsadv Function, no backward dispatch), on q / k / v / dout laid out as transformers hands them ((b, s, h, d)
+    memory, GQA), on the full and the fast path; forward, lse and gradients against float64."""
+    b, hq, hkv, s, d = 2, 8, 2, 300, 64
+    qkv = torch.randn(b, s, hq + 2 * hkv, d, device="cuda", dtype=torch.bfloat16)
+    q, k, v = (t.transpose(1, 2) for t in qkv.split([hq, hkv, hkv], dim=2))
+    do = torch.randn(b, s, hq, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    ro, rl, ref = _ref(q, k, v, do, True, 0.125)
+    for _ in range(2):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        with opsadv.use_backend("cuda", impls={"flash_attention": "cuda.sdpa.cudnn"}), opsadv.trace() as t:
+            out, lse = opsadv.ops.flash_attention(*leaves, causal=True, scale=0.125, return_lse=True)
+            out.backward(do)
+        assert "FlashAttentionTrainFn" not in type(out.grad_fn).__name__ and t.counts["cuda.sdpa.cudnn"] == 1
+        assert rel_err(out, ro) < 1.5e-2 and rel_err(lse, rl) < 1e-5
+        for x, want in zip(leaves, ref):
+            assert rel_err(x.grad, want) < 1.5e-2
+
+
 def _cross_pairs(device, dtype, ids, tol, shape=(2, 8, 2, 300, 300, 128)):
     """The dispatcher resolves forward and backward separately (each bucket measured on its own), so any
     impl's backward may run on another impl's (out, lse): every ordered pair must give the float64 grads."""

@@ -12,7 +12,7 @@ from torch.nn import functional as F
 
 import opsadv
 from opsadv.convert.modules import FusedSwiGLUMLP, SwiGLUMLP
-from opsadv.core.ops._common import as_weight_grad_layout, empty_weight_grad, transposed_weight, weight_grad
+from opsadv.core.op_common import as_weight_grad_layout, empty_weight_grad, transposed_weight, weight_grad
 from opsadv.registry import get_registry
 
 from conftest import HAS_CUDA, rel_err

@@ -265,7 +265,7 @@ class _OwnPairFn(torch.autograd.Function):
 def own_pair_train_step(impl, rctx, args: tuple) -> Callable[[], Any]:
     """autotune's training step for the attention ops (fn(ctx, q, k, v, *rest) -> (out, lse);
     backward(ctx, dout, q, k, v, out, lse, *rest) -> (dq, dk, dv)): the impl's forward with its own
-    backward.  The call's backward then runs that same impl's backward (pair_backward): the pair is what was
+    backward (an impl with a `train` forward: that forward under torch's autograd, as its calls run).  The call's backward then runs that same impl's backward (pair_backward): the pair is what was
     timed.  (Until session 11 the backward was dispatched in its own bucket, timed on that forward's out and
     lse; on the H200 that bucket once chose cuDNN's backward after the Gluon forward by a 6% margin, and the
     pair then ran 1.13 ms against 0.93 for Gluon + its own backward: the backward bucket's timing did not
@@ -275,8 +275,10 @@ def own_pair_train_step(impl, rctx, args: tuple) -> Callable[[], Any]:
     if not (q.requires_grad or k.requires_grad or v.requires_grad):
         q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     args = (q, k, v, *rest)
+    train = getattr(impl, "train", None)        # a `train` forward runs under torch's autograd (as the call will)
+    fwd = (lambda: train(rctx, *args)) if train is not None else (lambda: _OwnPairFn.apply(impl, rctx, *args))
     with torch.enable_grad():
-        step = grad_step(lambda: _OwnPairFn.apply(impl, rctx, *args), args, 1)
+        step = grad_step(fwd, args, 1)
 
     def run():
         with torch.enable_grad():

@@ -227,7 +227,9 @@ def _backward(ctx, dout, dlse):
 _setup_context, _backward = carry_policy(_setup_context, _backward)   # backward resolves under the forward's policy
 _flash_attention.register_autograd(_backward, setup_context=_setup_context)
 # training calls: the impl the train bucket chose (timing each impl's forward + own backward) runs forward and its
-# own backward: eager ones through this Function (pair_backward), traced ones through the ops' train=True
+# own backward: eager ones through this Function (pair_backward), or, for an impl with a `train` forward (an aten
+# op with torch's derivative, e.g. cuDNN's), that forward under torch's own autograd, which skips the Function's
+# Python forward and backward and the backward's dispatch (host cost); traced ones through the ops' train=True
 _train_autograd = resolved_autograd_function("FlashAttentionTrainFn", _setup_context, _backward, stats=(1,),
                                              finish=lambda o: (o[0], contiguous_lse(o[1])))
 register_train_step(OP, own_pair_train_step)
@@ -260,7 +262,10 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, sc
             dispatch.record(r.impl.id)
         s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
         if train:
-            if transforms_active():
+            if r.impl.train is not None:            # torch's own autograd (KernelImpl.train)
+                out, lse = r.impl.train(r.ctx, q, k, v, attn_mask, causal, s)
+                lse = contiguous_lse(lse)
+            elif transforms_active():
                 out, lse = _train_autograd(r, q, k, v, attn_mask, causal, s)
             else:
                 out, lse = _train_raw(r, unwrap_if_dead(q), unwrap_if_dead(k), unwrap_if_dead(v),
@@ -285,7 +290,11 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, sc
         r = _train_resolve(q, k, v, attn_mask, causal, s)
         dispatch.learn(fk, None, r)
         dispatch.record_call(r.impl.id)
-        out, lse = _train_autograd(r, q, k, v, attn_mask, causal, s)
+        if r.impl.train is not None:        # an impl built from torch's differentiable ops: torch's autograd
+            out, lse = r.impl.train(r.ctx, q, k, v, attn_mask, causal, s)
+            lse = contiguous_lse(lse)
+        else:
+            out, lse = _train_autograd(r, q, k, v, attn_mask, causal, s)
     else:
         out, lse = torch.ops.opsadv.flash_attention(q, k, v, attn_mask, causal, scale, traced_train(q, k, v))
     return (out, lse.detach()) if return_lse else out

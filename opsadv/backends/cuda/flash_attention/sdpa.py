@@ -267,7 +267,7 @@ def impls(env) -> list[KernelImpl]:
     half = (torch.float16, torch.bfloat16)
     return [
         KernelImpl(id="cuda.sdpa.cudnn", op="flash_attention", backend="cuda", fn=cudnn_fwd, backward=cudnn_bwd,
-                   inference=cudnn_infer, priority=PRIORITY_VENDOR, dtypes=half, max_head_dim=128, min_cc=(8, 0), features=BASE_FEATURES,
+                   inference=cudnn_infer, train=cudnn_fwd, priority=PRIORITY_VENDOR, dtypes=half, max_head_dim=128, min_cc=(8, 0), features=BASE_FEATURES,
                    check=_cudnn_rule, memory=MEMORY_FLASH, description="cuDNN fused attention through aten (native GQA)"),
         KernelImpl(id="cuda.sdpa.flash", op="flash_attention", backend="cuda", fn=flash_fwd, backward=flash_bwd,
                    priority=PRIORITY_VENDOR - 10, dtypes=half, max_head_dim=256, min_cc=(8, 0),
