@@ -24,11 +24,12 @@ from .. import dispatch
 from .. import policy as _policy
 from ..errors import InvalidArgumentError
 from ..kernel import CallSpec
-from ._common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, INF, TORCH_OPS, carry_policy, check_same, check_scale,
-                      check_tensor, EXACT_STRIDES, contiguous_lse, dispatch_modes, dt, eager_mode, function_modes,
-                      functorch_level, grad_enabled, is_compiling, len_bucket, own_pair_train_step, pair_backward,
-                      raw_apply, register_train_step, resolved_autograd_function, same_kind, traced_train,
-                      train_pair_backward, transforms_active, unwrap_if_dead)
+from ..policy import in_scope, op_scope
+from ._common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, INF, TORCH_OPS, carry_policy, carry_scope, check_same,
+                      check_scale, check_tensor, EXACT_STRIDES, contiguous_lse, dispatch_modes, dt, eager_mode,
+                      function_modes, functorch_level, grad_enabled, is_compiling, len_bucket, own_pair_train_step,
+                      pair_backward, raw_apply, register_train_step, resolved_autograd_function, same_kind,
+                      traced_train, train_pair_backward, transforms_active, unwrap_if_dead)
 
 OP = "flash_attention"
 
@@ -164,9 +165,15 @@ def _bwd_route(dout, q, k, v, out, lse, attn_mask, causal, scale):
 
 @torch.library.custom_op("opsadv::flash_attention", mutates_args=(), tags=EXACT_STRIDES)
 def _flash_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], causal: bool,
-                     scale: Optional[float], train: bool = False) -> tuple[Tensor, Tensor]:
+                     scale: Optional[float], train: bool = False, scope: int = 0) -> tuple[Tensor, Tensor]:
     """train: a traced grad-recording call (torch.compile / export of a training step): resolved in the train
-    bucket like an eager one, and flash_attention_backward(train=True) runs the same impl's backward."""
+    bucket like an eager one, and flash_attention_backward(train=True) runs the same impl's backward.
+    scope: the converted model's scope id the call carries (core.policy.op_scope; 0: the policy in force)."""
+    with in_scope(scope):
+        return _flash_attention_impl(q, k, v, attn_mask, causal, scale, train)
+
+
+def _flash_attention_impl(q, k, v, attn_mask, causal, scale, train):
     if train:
         s = default_scale(q, scale)
         r = _train_resolve(q, k, v, attn_mask, causal, s)
@@ -179,25 +186,26 @@ def _flash_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor
 
 
 @_flash_attention.register_fake
-def _(q, k, v, attn_mask, causal, scale, train=False):
+def _(q, k, v, attn_mask, causal, scale, train=False, scope=0):
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=lse_dtype(q.dtype))
 
 
 @torch.library.custom_op("opsadv::flash_attention_backward", mutates_args=(), tags=EXACT_STRIDES)
 def _flash_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                               attn_mask: Optional[Tensor], causal: bool, scale: Optional[float],
-                              train: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                              train: bool = False, scope: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """train: the backward of the impl the train bucket resolves for this forward (what
     flash_attention(train=True) ran; the bucket's choice is memoized, so it is the same impl)."""
     s = default_scale(q, scale)
-    grads = train_pair_backward(_train_resolve(q, k, v, attn_mask, causal, s) if train else None,
-                                dout, q, k, v, out, lse, (attn_mask, causal, s))
-    dq, dk, dv = grads if grads is not None else _bwd_route(dout, q, k, v, out, lse, attn_mask, causal, scale)
+    with in_scope(scope):
+        grads = train_pair_backward(_train_resolve(q, k, v, attn_mask, causal, s) if train else None,
+                                    dout, q, k, v, out, lse, (attn_mask, causal, s))
+        dq, dk, dv = grads if grads is not None else _bwd_route(dout, q, k, v, out, lse, attn_mask, causal, scale)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @_flash_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, attn_mask, causal, scale, train=False):
+def _(dout, q, k, v, out, lse, attn_mask, causal, scale, train=False, scope=0):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -217,12 +225,14 @@ def _backward(ctx, dout, dlse):
     if eager_mode(dout, q, k, v) != TORCH_OPS:     # eager: the router directly (no torch.library boundary)
         return (*_bwd_route(dout, q, k, v, out, lse, attn_mask, ctx.causal, ctx.scale), *none)
     dq, dk, dv = torch.ops.opsadv.flash_attention_backward(dout, q, k, v, out, lse, attn_mask, ctx.causal, ctx.scale,
-                                                           ctx.train)
+                                                           ctx.train, op_scope())
     return (dq, dk, dv, *none)
 
 
-_setup_context, _backward = carry_policy(_setup_context, _backward)   # backward resolves under the forward's policy
-_flash_attention.register_autograd(_backward, setup_context=_setup_context)
+# the backward resolves under the forward's policy (the torch.ops path: the scope its call carried)
+_op_setup, _op_backward = carry_scope(_setup_context, _backward)
+_flash_attention.register_autograd(_op_backward, setup_context=_op_setup)
+_setup_context, _backward = carry_policy(_setup_context, _backward)
 # training calls: the impl the train bucket chose (timing each impl's forward + own backward) runs forward and its
 # own backward: eager ones through this Function (pair_backward), traced ones through the ops' train=True
 _train_autograd = resolved_autograd_function("FlashAttentionTrainFn", _setup_context, _backward, stats=(1,),
@@ -284,5 +294,6 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, sc
         dispatch.record_call(r.impl.id)
         out, lse = _train_autograd(r, q, k, v, attn_mask, causal, s)
     else:
-        out, lse = torch.ops.opsadv.flash_attention(q, k, v, attn_mask, causal, scale, traced_train(q, k, v))
+        out, lse = torch.ops.opsadv.flash_attention(q, k, v, attn_mask, causal, scale, traced_train(q, k, v),
+                                                    op_scope())
     return (out, lse.detach()) if return_lse else out

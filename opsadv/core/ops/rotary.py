@@ -21,8 +21,9 @@ from torch import Tensor
 from .. import dispatch
 from ..errors import InvalidArgumentError
 from ..kernel import CallSpec
-from ._common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, TORCH_OPS, autograd_function, carry_policy, check_tensor,
-                      dt, eager_mode, len_bucket)
+from ..policy import in_scope, op_scope
+from ._common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, TORCH_OPS, autograd_function, carry_policy, carry_scope,
+                      check_tensor, dt, eager_mode, len_bucket)
 
 OP = "rotary_embedding"
 _INT_DTYPES = (torch.int32, torch.int64)
@@ -148,25 +149,28 @@ def _in_fake_layout(t: Tensor) -> Tensor:
 
 @torch.library.custom_op("opsadv::rotary_embedding", mutates_args=())
 def _rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Optional[Tensor],
-            interleaved: bool) -> tuple[Tensor, Tensor]:
-    oq, ok = _route(q, k, cos, sin, position_ids, interleaved)
+            interleaved: bool, scope: int = 0) -> tuple[Tensor, Tensor]:
+    """scope: the converted model's scope id the call carries (core.policy.op_scope; 0: the policy in force)."""
+    with in_scope(scope):
+        oq, ok = _route(q, k, cos, sin, position_ids, interleaved)
     return _in_fake_layout(oq), _in_fake_layout(ok)
 
 
 @_rotary.register_fake
-def _(q, k, cos, sin, position_ids, interleaved):
+def _(q, k, cos, sin, position_ids, interleaved, scope=0):
     return _bshd_like(q), _bshd_like(k)
 
 
 @torch.library.custom_op("opsadv::rotary_embedding_backward", mutates_args=())
 def _rotary_backward(gq: Tensor, gk: Tensor, cos: Tensor, sin: Tensor, position_ids: Optional[Tensor],
-                     interleaved: bool) -> tuple[Tensor, Tensor]:
-    dq, dk = _bwd_route(gq, gk, cos, sin, position_ids, interleaved)
+                     interleaved: bool, scope: int = 0) -> tuple[Tensor, Tensor]:
+    with in_scope(scope):
+        dq, dk = _bwd_route(gq, gk, cos, sin, position_ids, interleaved)
     return _in_fake_layout(dq), _in_fake_layout(dk)
 
 
 @_rotary_backward.register_fake
-def _(gq, gk, cos, sin, position_ids, interleaved):
+def _(gq, gk, cos, sin, position_ids, interleaved, scope=0):
     return _bshd_like(gq), _bshd_like(gk)
 
 
@@ -186,8 +190,10 @@ def _backward(ctx, gq, gk):
         gq = torch.zeros(qs, dtype=dtype, device=dev)
     if gk is None:
         gk = torch.zeros(ks, dtype=dtype, device=dev)
-    bwd = _bwd_route if eager_mode(gq, gk, cos) != TORCH_OPS else torch.ops.opsadv.rotary_embedding_backward
-    dq, dk = bwd(gq, gk, cos, sin, position_ids, ctx.interleaved)
+    if eager_mode(gq, gk, cos) != TORCH_OPS:
+        dq, dk = _bwd_route(gq, gk, cos, sin, position_ids, ctx.interleaved)
+    else:
+        dq, dk = torch.ops.opsadv.rotary_embedding_backward(gq, gk, cos, sin, position_ids, ctx.interleaved, op_scope())
     dcos = dsin = None
     if ctx.table_grad:
         dcos, dsin = table_grads(qk[0], qk[1], gq, gk, cos, position_ids, ctx.interleaved)
@@ -225,9 +231,9 @@ def table_grads(q, k, gq, gk, cos, position_ids, interleaved):
     return tuple(t.sum_to_size(shape).reshape(cos.shape).to(cos.dtype) for t in (dc, ds))
 
 
-_setup, _backward = carry_policy(_setup, _backward)
-_rotary.register_autograd(_backward, setup_context=_setup)
-_eager_autograd = autograd_function("RotaryEmbeddingFn", _route, _setup, _backward)
+_setup_op, _backward_op = carry_scope(_setup, _backward)
+_rotary.register_autograd(_backward_op, setup_context=_setup_op)
+_eager_autograd = autograd_function("RotaryEmbeddingFn", _route, *carry_policy(_setup, _backward))
 
 
 def rotary_embedding(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, position_ids: Tensor | None = None,
@@ -242,4 +248,4 @@ def rotary_embedding(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, position
         return _route(q, k, cos, sin, position_ids, interleaved)
     if mode == AUTOGRAD_FN:
         return _eager_autograd(q, k, cos, sin, position_ids, interleaved)
-    return torch.ops.opsadv.rotary_embedding(q, k, cos, sin, position_ids, interleaved)
+    return torch.ops.opsadv.rotary_embedding(q, k, cos, sin, position_ids, interleaved, op_scope())
