@@ -4,7 +4,9 @@ Layout (batch, heads, seq, head_dim).  GQA/MQA when q heads are a multiple of kv
 q and kv lengths may differ; causal is aligned bottom-right (query i sees keys
 j <= i + s_k - s_q, as when decoding with a KV cache).  `attn_mask` is a bool mask
 (True = attend, SDPA's convention) or an additive float mask, broadcastable to
-(b, h_q, s_q, s_k).  A fully masked row yields zeros and lse = -inf (never NaN).
+(b, h_q, s_q, s_k).  A fully masked row yields zeros and lse = -inf (never NaN).  Gradients flow to q, k, v
+and to an additive float mask that requires one (T5's relative position bias reaches the scores that way): the
+mask's is dS, recomputed in torch in the op's backward (the kernels compute dS but return none).
 
 Impl contract:  fn(ctx, q, k, v, attn_mask, causal, scale: float) -> (out, lse)
                 backward(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale) -> (dq, dk, dv)
@@ -214,11 +216,33 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, attn_mask)
     ctx.causal, ctx.scale, ctx.train, ctx.n_inputs = causal, scale, bool(train and train[0]), len(inputs)
+    ctx.mask_grad = attn_mask is not None and attn_mask.requires_grad and attn_mask.is_floating_point()
+
+
+def mask_grad(dout, q, k, v, attn_mask, causal, scale) -> Tensor:
+    """The gradient of an additive float mask: dS = P * (dO Vᵀ - rowsum(P * dO Vᵀ)), P the softmax recomputed from
+    q, k and the mask (float32; float64 stays float64), summed to the mask's (broadcast) shape.  Fully masked rows
+    have no probability and give none."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    rep = q.shape[1] // k.shape[1]
+    kf, vf = (t.to(acc).repeat_interleave(rep, dim=1) for t in (k, v))
+    s = (q.to(acc) @ kf.transpose(-1, -2)) * default_scale(q, scale) + attn_mask.to(acc)
+    sq, sk = q.shape[2], k.shape[2]
+    if causal:
+        i = torch.arange(sq, device=q.device)[:, None]
+        j = torch.arange(sk, device=q.device)[None, :]
+        s = s.masked_fill(j > i + (sk - sq), float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    dp = dout.to(acc) @ vf.transpose(-1, -2)
+    ds = p * (dp - (p * dp).sum(-1, keepdim=True))
+    return ds.sum_to_size(attn_mask.shape).to(attn_mask.dtype)
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, attn_mask = ctx.saved_tensors
-    none = (None,) * (ctx.n_inputs - 3)
+    # the mask's slot, then the plain values
+    none = (mask_grad(dout, q, k, v, attn_mask, ctx.causal, ctx.scale) if ctx.mask_grad else None,
+            *(None,) * (ctx.n_inputs - 4))
     pair = pair_backward(ctx, dout, q, k, v, out, lse, (attn_mask, ctx.causal, ctx.scale))   # eager training call
     if pair is not None:
         return (*pair, *none)
@@ -247,7 +271,7 @@ _train_raw = raw_apply(_train_autograd)
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: float | None = None,
                     attn_mask: Tensor | None = None, return_lse: bool = False):
     """Fused softmax(q kᵀ · scale [+ mask]) v.  Returns out (b, h_q, s_q, d), or (out, lse) with
-    return_lse=True (lse is not differentiable).  Gradients flow to q, k, v (not the mask)."""
+    return_lse=True (lse is not differentiable).  Gradients flow to q, k, v and to a float mask that requires one."""
     fk = r = None
     # the fast path (as the norms', norm.py): the exact metadata of an identical call that took the full path
     if type(causal) is bool and (scale is None or type(scale) is float) \
