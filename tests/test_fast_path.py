@@ -36,6 +36,7 @@ X, W, R, B = torch.randn(2, 3, 8), torch.randn(8), torch.randn(2, 3, 8), torch.r
 Q, K, V = torch.randn(1, 2, 5, 8), torch.randn(1, 1, 5, 8), torch.randn(1, 1, 5, 8)
 LAY = SparseLayout.sliding_window(5, 2, block_size=16)
 GU = torch.randn(2, 3, 16)
+COS = torch.randn(5, 8)
 BAD = {
     "rms eps<0": (lambda: ops.rms_norm(X, W, 1e-6), lambda: ops.rms_norm(X, W, -1e-6)),
     "rms eps nan": (lambda: ops.rms_norm(X, W, 1e-6), lambda: ops.rms_norm(X, W, float("nan"))),
@@ -68,6 +69,14 @@ BAD = {
                              lambda: ops.sparse_attention(Q, K, V, SparseLayout.sliding_window(6, 2, block_size=16))),
     "sparse scale inf": (lambda: ops.sparse_attention(Q, K, V, LAY, scale=0.5),
                          lambda: ops.sparse_attention(Q, K, V, LAY, scale=float("inf"))),
+    "rotary_dim float": (lambda: ops.rotary_embedding(Q, K, COS, COS, rotary_dim=8),
+                         lambda: ops.rotary_embedding(Q, K, COS, COS, rotary_dim=8.0)),
+    "rotary interleaved int": (lambda: ops.rotary_embedding(Q, K, COS, COS, interleaved=True),
+                               lambda: ops.rotary_embedding(Q, K, COS, COS, interleaved=1)),
+    "rotary sin dtype": (lambda: ops.rotary_embedding(Q, K, COS, COS),
+                         lambda: ops.rotary_embedding(Q, K, COS, COS.double())),
+    "rotary position_ids dtype": (lambda: ops.rotary_embedding(Q, K, COS, COS, position_ids=torch.arange(5)),
+                                  lambda: ops.rotary_embedding(Q, K, COS, COS, position_ids=torch.arange(5.0))),
 }
 
 
@@ -191,6 +200,13 @@ def _calls():
         "sparse_attention": (lambda q, k, v: ops.sparse_attention(q, k, v, SparseLayout.sliding_window(5, 2,
                                                                                                         block_size=16)),
                              (r(1, 2, 5, 8), r(1, 2, 5, 8), r(1, 2, 5, 8))),
+        # q and k laid out (b, s, h, d) as transformers hands them over; cos / sin trained too (their gradients)
+        "rotary_embedding": (lambda q, k, c, s: _both(ops.rotary_embedding(q.transpose(1, 2), k.transpose(1, 2), c, s)),
+                             (r(2, 5, 3, 8), r(2, 5, 1, 8), r(5, 6), r(5, 6))),
+        "rotary_embedding positions": (lambda q, k, c: _both(ops.rotary_embedding(q, k, c, c * 0.5,
+                                                                                  position_ids=torch.tensor([4, 0, 2]),
+                                                                                  interleaved=True)),
+                                       (r(1, 2, 3, 8), r(1, 2, 3, 8), r(7, 8))),
     }
 
 
@@ -223,7 +239,15 @@ def test_outputs_of_the_fast_path_keep_their_autograd_node_names():
     with opsadv.use_backend("reference"):
         names = {ops.rms_norm(x, w, 1e-6).grad_fn.name() for _ in range(3)}
         gnames = {ops.gemm(x, torch.randn(8, 4, requires_grad=True)).grad_fn.name() for _ in range(3)}
+    q, k = torch.randn(1, 2, 5, 8, requires_grad=True), torch.randn(1, 1, 5, 8, requires_grad=True)
+    with opsadv.use_backend("reference"):
+        rnames = set()
+        for _ in range(4):
+            out = ops.rotary_embedding(q, k, COS, COS)
+            rnames.add(out[0].grad_fn.name())
+            out[0].sum().backward()
     assert names == {"RmsNormFnBackward"} and gnames == {"GemmFnBackward"}
+    assert rnames == {"RotaryEmbeddingFnBackward"}, rnames
 
 
 def test_fused_rows_transposed_view_follows_the_buffer():
@@ -247,3 +271,39 @@ def test_norm_output_buffer_like_the_input():
     assert (y.shape, y.dtype, y.device, y.is_contiguous()) == (x.shape, x.dtype, x.device, True)
     c = CN._out_like(torch.empty(2, 8))                    # CPU (the interpreter): NaN-poisoned
     assert c.isnan().all()
+
+
+def test_rotary_fast_backward_keeps_the_forwards_policy_and_traces():
+    """A fast-path training call runs the backward impl resolved with its forward: under the forward's policy and
+    counted in the forward's trace, wherever and under whatever scope .backward() runs (autograd's device thread)."""
+    import threading
+    R = importlib.import_module("opsadv.ops.rotary_embedding")
+    q, k = torch.randn(1, 2, 5, 8, requires_grad=True), torch.randn(1, 1, 5, 8, requires_grad=True)
+    cos, sin = torch.randn(5, 8), torch.randn(5, 8)
+    calls = []
+    real = R.validate
+    with opsadv.use_backend("reference"):        # (one scope: one policy serial, as the fast key holds)
+        for _ in range(3):                       # full path, full path (both directions resolved), then fast
+            y = ops.rotary_embedding(q, k, cos, sin)
+            (y[0].sum() + y[1].sum()).backward()
+        R.validate = lambda *a: calls.append(a) or real(*a)
+        try:
+            with opsadv.trace() as t:
+                y = ops.rotary_embedding(q, k, cos, sin)
+        finally:
+            R.validate = real
+    assert not calls, "not a fast-path call"
+    errors = []
+
+    def backward():
+        try:
+            with opsadv.use_backend("cuda"):
+                (y[0].sum() + y[1].sum()).backward()
+        except Exception as e:           # noqa: BLE001  (reported below)
+            errors.append(repr(e))
+    th = threading.Thread(target=backward)
+    with t:                                  # the forward's trace, open again while another thread runs backward
+        th.start()
+        th.join(60)
+    assert not errors, errors
+    assert t.counts == {"reference.rotary_embedding": 2}, t.counts

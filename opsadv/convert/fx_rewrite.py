@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import operator
-import weakref
 from contextlib import nullcontext
 
 import torch
@@ -17,14 +16,19 @@ from torch import fx, nn
 from torch.nn import functional as F
 
 from opsadv import ops
+from opsadv.core import policy as _policy
 
 from . import modules as _mods
 
-_STATES: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+_dynamo_compiling = torch.compiler.is_dynamo_compiling
+_exporting = torch.compiler.is_exporting
 
 
 def _scope(sid: int):
-    st = _STATES.get(sid)
+    """The scope of the state registered as `sid` (RuntimeState.sid); while dynamo traces, the id the ops carry."""
+    if _dynamo_compiling():
+        return nullcontext() if _exporting() else _policy.TracedScope(sid)
+    st = _policy.scope_source(sid)
     return st.scope() if st is not None else nullcontext()
 
 
@@ -362,8 +366,7 @@ def rewrite_graph(mod: nn.Module, sid: int, opt_level: int):
 def fx_pass(model: nn.Module, report, undo, state, opt_level: int) -> nn.Module:
     """Rewrite model's submodules (children first) and then the model itself; returns the new root
     (the model itself unless its own forward had to be rewritten, then a GraphModule)."""
-    sid = id(state)
-    _STATES[sid] = state
+    sid = state.sid
 
     def visit(mod, path, parent, name):
         if getattr(mod, "_opsadv_fx", False) or type(mod).__module__.startswith("opsadv."):

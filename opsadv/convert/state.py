@@ -4,7 +4,11 @@ dispatch policy its opsadv ops run under.
 - an explicit backend at conversion: that policy, always;
 - backend "auto": the policy in force at call time (`use_backend` still steers the model), with
   the conversion's overrides (precision, experimental, seed options) applied on top; the derived
-  policy is cached per ambient policy so dispatch memoization keeps hitting."""
+  policy is cached per ambient policy so dispatch memoization keeps hitting.
+
+Eager calls enter the policy as a ContextVar scope.  While dynamo traces, a state with a policy of its own enters
+a TracedScope instead: the ops' torch.library calls carry the state's id (core.policy.op_scope) and set its
+policy at run time, so torch.compile(fullgraph=True) traces a converted model as one graph."""
 from __future__ import annotations
 
 from contextlib import nullcontext
@@ -12,36 +16,11 @@ from contextlib import nullcontext
 import torch
 
 from opsadv.core import policy as _policy
+from opsadv.core.policy import NO_SCOPE, PolicyScope, TracedScope
 
 _compiling = torch.compiler.is_compiling
-
-
-class _NoScope:
-    """The scope of a model that runs under the ambient policy: one shared no-op context (every converted
-    module enters one per op call; a fresh contextlib.nullcontext() per call cost ~0.1 us more)."""
-    __slots__ = ()
-
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return None
-
-
-NO_SCOPE = _NoScope()
-
-
-class _Scope:
-    __slots__ = ("policy", "token")
-
-    def __init__(self, policy):
-        self.policy = policy
-
-    def __enter__(self):
-        self.token = _policy._scoped.set(self.policy)
-
-    def __exit__(self, *exc):
-        _policy._scoped.reset(self.token)
+_dynamo_compiling = torch.compiler.is_dynamo_compiling
+_exporting = torch.compiler.is_exporting
 
 
 class RuntimeState:
@@ -52,6 +31,15 @@ class RuntimeState:
         self.overrides = overrides or None
         self.fallbacks: dict[str, int] = {}
         self._derived: dict[int, _policy.Policy] = {}
+        self.sid = _policy.register_scope(self)
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k != "sid"}
+
+    def __setstate__(self, state):
+        # a copy (deepcopy of the model, pickling) is a scope of its own: its own id, registered here
+        self.__dict__.update(state)
+        self.sid = _policy.register_scope(self)
 
     def effective(self) -> "_policy.Policy":
         if self.policy is not None:
@@ -75,9 +63,12 @@ class RuntimeState:
         if self.policy is None and not self.overrides:
             # torch.compile enters only context managers made inside the traced region
             return nullcontext() if _compiling() else NO_SCOPE
+        if _dynamo_compiling():
+            # the ops carry this state's id (exported programs none: ids do not outlive the process)
+            return nullcontext() if _exporting() else TracedScope(self.sid)
         p = self.effective()
         # already in force (a converted module called inside another one's scope): no ContextVar set / reset
-        return NO_SCOPE if _policy._scoped.get() is p else _Scope(p)
+        return NO_SCOPE if _policy._scoped.get() is p else PolicyScope(p)
 
     def note_fallback(self, what: str) -> None:
         self.fallbacks[what] = self.fallbacks.get(what, 0) + 1

@@ -330,6 +330,21 @@ def record(impl_id: str, n: int = 1) -> None:
                 t.counts[impl_id] += n
 
 
+def record_carried(impl_id: str, carried: tuple) -> None:
+    """record() for a backward that may run outside its forward's context (autograd's device thread): counted in
+    this context's traces and in the forward's (`carried`, those still open), each once."""
+    here = _local.get()
+    for t in here:
+        t.counts[impl_id] += 1
+    for t in carried:
+        if t not in here and t in _tracers:
+            t.counts[impl_id] += 1
+    if _all_threads:
+        with _trace_lock:
+            for t in _all_threads:
+                t.counts[impl_id] += 1
+
+
 def record_call(impl_id: str) -> None:
     """For ops that run a resolved impl themselves (not through call()): count it in active traces."""
     if _tracers:

@@ -8,7 +8,7 @@ import torch
 
 from . import dispatch
 from .errors import InvalidArgumentError
-from .policy import _scoped, current_policy
+from .policy import _scope_arg, _scoped, current_policy, scope_policy
 from .train_steps import register_train_step, train_step  # noqa: F401  (the ops register here; tuning reads)
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -324,22 +324,44 @@ def carry_policy(setup_context, backward):
     """Wrap an op's (setup_context, backward) so the backward resolves under the forward's policy and
     counts in the forward's traces: autograd runs CUDA backwards on its own thread, where a
     `with use_backend(...)` scope or `opsadv.trace()` of the caller's thread is not visible."""
+    return _carry(setup_context, backward, False)
+
+
+def carry_scope(setup_context, backward):
+    """carry_policy for an op's registered autograd (torch.library), whose last input is the scope id the call
+    carried (core.policy.op_scope): the op's setup / backward see the other inputs, the backward runs under that
+    scope's policy (0: the forward's policy in force) and its torch.ops calls carry the same id, so a compiled
+    graph's backward op runs under its model's policy as the forward did."""
+    return _carry(setup_context, backward, True)
+
+
+def _carry(setup_context, backward, scoped: bool):
     def setup(ctx, inputs, output):
+        if scoped:
+            ctx.opsadv_scope = inputs[-1]
+            inputs = inputs[:-1]
         setup_context(ctx, inputs, output)
         ctx.opsadv_policy = current_policy()
         ctx.opsadv_traces = dispatch._local.get()
 
     def bwd(ctx, *grads):
-        token = _scoped.set(ctx.opsadv_policy)
+        sid = ctx.opsadv_scope if scoped else 0
+        token = _scoped.set(scope_policy(sid) if sid else ctx.opsadv_policy)
+        stoken = _scope_arg.set(sid) if scoped else None
         carried = getattr(ctx, "opsadv_traces", ())
         if carried:     # the forward's traces still open, plus this thread's own (each counted once)
             here = dispatch._local.get()
             traces = here + tuple(t for t in carried if t in dispatch._tracers and t not in here)
             ttoken = dispatch._local.set(traces)
         try:
-            return backward(ctx, *grads)
+            grads = backward(ctx, *grads)
+            if not scoped:
+                return grads
+            return (*grads, None) if isinstance(grads, tuple) else (grads, None)   # none for the scope id
         finally:
             _scoped.reset(token)
+            if scoped:
+                _scope_arg.reset(stoken)
             if carried:
                 dispatch._local.reset(ttoken)
 

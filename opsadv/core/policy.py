@@ -2,7 +2,11 @@
 
 `use_backend(...)` sets the process default.  `with use_backend(...):` changes only the current thread /
 async context (a ContextVar set on enter, reset on exit) and never touches the process default, so
-concurrent scopes in other threads neither see nor overwrite it."""
+concurrent scopes in other threads neither see nor overwrite it.
+
+A converted model's scope is a registered *scope source* (register_scope): its id is what the ops' torch.library
+calls carry as their last argument (op_scope), so a compiled graph runs each op under its model's policy without a
+ContextVar in the traced code (dynamo cannot trace one: it broke the graph once per converted module)."""
 from __future__ import annotations
 
 import dis
@@ -10,9 +14,12 @@ import itertools
 import os
 import sys
 import threading
+import weakref
 from contextvars import ContextVar
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+import torch
 
 from . import hooks
 from .errors import BackendUnavailableError, InvalidArgumentError
@@ -82,6 +89,106 @@ _scoped: ContextVar[Policy | None] = ContextVar("opsadv_policy", default=None)
 def current_policy() -> Policy:
     """The policy in force here (a `with use_backend(...)` scope, else the process default)."""
     return _scoped.get() or _global
+
+
+class PolicyScope:
+    """`with PolicyScope(p):` runs opsadv ops of this thread / context under p (a ContextVar set / reset)."""
+    __slots__ = ("policy", "token")
+
+    def __init__(self, policy: Policy):
+        self.policy = policy
+
+    def __enter__(self):
+        self.token = _scoped.set(self.policy)
+
+    def __exit__(self, *exc):
+        _scoped.reset(self.token)
+
+
+class _NoScope:
+    """The no-op scope: one shared object (a fresh contextlib.nullcontext() per op call costs ~0.1 us more)."""
+    __slots__ = ()
+
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return None
+
+
+NO_SCOPE = _NoScope()
+
+# ---- scopes the ops' torch.library calls carry (compiled graphs) ----------------------------------------------
+# id -> a source: an object whose .effective() is the policy its ops run under (a converted model's RuntimeState)
+_sources: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+# the scope id a torch.ops call made here carries when no traced scope says otherwise (an op backward: its forward's)
+_scope_arg: ContextVar[int] = ContextVar("opsadv_scope_arg", default=0)
+
+
+def register_scope(source) -> int:
+    """A process-wide id for `source` (held weakly) that op calls can carry: op_scope() / in_scope()."""
+    sid = next(_serial)
+    _sources[sid] = source
+    return sid
+
+
+class _Trace:
+    """What dynamo reads while it traces: the id of the innermost TracedScope (0: none, the ambient policy)."""
+    sid = 0
+
+
+TRACE = _Trace()
+
+
+class TracedScope:
+    """The scope a converted module enters while dynamo traces it: plain attribute writes dynamo folds into
+    constants (a ContextVar would break the graph).  The ops traced inside carry `sid` as their scope argument;
+    no policy is set, in the trace or at run time (the op calls set it, in_scope)."""
+    __slots__ = ("sid", "prev")
+
+    def __init__(self, sid: int):
+        self.sid = sid
+
+    def __enter__(self):
+        self.prev = TRACE.sid
+        TRACE.sid = self.sid
+
+    def __exit__(self, *exc):
+        TRACE.sid = self.prev
+
+
+_dynamo_compiling = torch.compiler.is_dynamo_compiling
+_exporting = torch.compiler.is_exporting
+
+
+def op_scope() -> int:
+    """The scope argument of a torch.ops.opsadv call made here: under dynamo the traced scope's id (a constant
+    of the graph); in an op's backward its forward's; otherwise 0 (the op runs under the policy in force).
+    Exported programs carry none (0): ids are this process's, a program outlives it."""
+    if _dynamo_compiling():
+        return 0 if _exporting() else TRACE.sid
+    return 0 if _exporting() else _scope_arg.get()
+
+
+def scope_source(sid: int):
+    """The live source registered as `sid`, or None."""
+    return _sources.get(sid)
+
+
+def scope_policy(sid: int) -> Policy:
+    src = _sources.get(sid)
+    if src is None:
+        raise InvalidArgumentError("opsadv op", "scope", "0 or the scope id of a live converted model in this process",
+                                   f"{sid!r} (its model was freed, or the graph was traced in another process)")
+    return src.effective()
+
+
+def in_scope(sid: int):
+    """Inside a torch.ops.opsadv op: run under scope `sid`'s policy (0: the policy in force, nothing to do)."""
+    if not sid:
+        return NO_SCOPE
+    p = scope_policy(sid)
+    return NO_SCOPE if _scoped.get() is p else PolicyScope(p)
 
 
 def _set_global(p: Policy) -> Policy:

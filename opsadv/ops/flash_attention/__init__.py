@@ -4,7 +4,9 @@ Layout (batch, heads, seq, head_dim).  GQA/MQA when q heads are a multiple of kv
 q and kv lengths may differ; causal is aligned bottom-right (query i sees keys
 j <= i + s_k - s_q, as when decoding with a KV cache).  `attn_mask` is a bool mask
 (True = attend, SDPA's convention) or an additive float mask, broadcastable to
-(b, h_q, s_q, s_k).  A fully masked row yields zeros and lse = -inf (never NaN).
+(b, h_q, s_q, s_k).  A fully masked row yields zeros and lse = -inf (never NaN).  Gradients flow to q, k, v
+and to an additive float mask that requires one (T5's relative position bias reaches the scores that way): the
+mask's is dS, recomputed in torch in the op's backward (the kernels compute dS but return none).
 
 Impl contract:  fn(ctx, q, k, v, attn_mask, causal, scale: float) -> (out, lse)
                 backward(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale) -> (dq, dk, dv)
@@ -24,8 +26,9 @@ from opsadv.core import dispatch
 from opsadv.core import policy as _policy
 from opsadv.core.errors import InvalidArgumentError
 from opsadv.core.kernel import CallSpec
+from opsadv.core.policy import in_scope, op_scope
 from opsadv.core.opdef import OpDef, Reference, arg
-from opsadv.core.op_common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, INF, TORCH_OPS, carry_policy, check_same, check_scale,
+from opsadv.core.op_common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, INF, TORCH_OPS, carry_policy, carry_scope, check_same, check_scale,
                       check_tensor, EXACT_STRIDES, contiguous_lse, dispatch_modes, dt, eager_mode, function_modes,
                       functorch_level, grad_enabled, is_compiling, len_bucket, own_pair_train_step, pair_backward,
                       raw_apply, register_train_step, resolved_autograd_function, same_kind, traced_train,
@@ -167,9 +170,15 @@ def _bwd_route(dout, q, k, v, out, lse, attn_mask, causal, scale):
 
 @torch.library.custom_op("opsadv::flash_attention", mutates_args=(), tags=EXACT_STRIDES)
 def _flash_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], causal: bool,
-                     scale: Optional[float], train: bool = False) -> tuple[Tensor, Tensor]:
+                     scale: Optional[float], train: bool = False, scope: int = 0) -> tuple[Tensor, Tensor]:
     """train: a traced grad-recording call (torch.compile / export of a training step): resolved in the train
-    bucket like an eager one, and flash_attention_backward(train=True) runs the same impl's backward."""
+    bucket like an eager one, and flash_attention_backward(train=True) runs the same impl's backward.
+    scope: the converted model's scope id the call carries (core.policy.op_scope; 0: the policy in force)."""
+    with in_scope(scope):
+        return _flash_attention_impl(q, k, v, attn_mask, causal, scale, train)
+
+
+def _flash_attention_impl(q, k, v, attn_mask, causal, scale, train):
     if train:
         s = default_scale(q, scale)
         r = _train_resolve(q, k, v, attn_mask, causal, s)
@@ -182,25 +191,26 @@ def _flash_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor
 
 
 @_flash_attention.register_fake
-def _(q, k, v, attn_mask, causal, scale, train=False):
+def _(q, k, v, attn_mask, causal, scale, train=False, scope=0):
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=lse_dtype(q.dtype))
 
 
 @torch.library.custom_op("opsadv::flash_attention_backward", mutates_args=(), tags=EXACT_STRIDES)
 def _flash_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                               attn_mask: Optional[Tensor], causal: bool, scale: Optional[float],
-                              train: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                              train: bool = False, scope: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """train: the backward of the impl the train bucket resolves for this forward (what
     flash_attention(train=True) ran; the bucket's choice is memoized, so it is the same impl)."""
     s = default_scale(q, scale)
-    grads = train_pair_backward(_train_resolve(q, k, v, attn_mask, causal, s) if train else None,
-                                dout, q, k, v, out, lse, (attn_mask, causal, s))
-    dq, dk, dv = grads if grads is not None else _bwd_route(dout, q, k, v, out, lse, attn_mask, causal, scale)
+    with in_scope(scope):
+        grads = train_pair_backward(_train_resolve(q, k, v, attn_mask, causal, s) if train else None,
+                                    dout, q, k, v, out, lse, (attn_mask, causal, s))
+        dq, dk, dv = grads if grads is not None else _bwd_route(dout, q, k, v, out, lse, attn_mask, causal, scale)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @_flash_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, attn_mask, causal, scale, train=False):
+def _(dout, q, k, v, out, lse, attn_mask, causal, scale, train=False, scope=0):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -209,23 +219,47 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, attn_mask)
     ctx.causal, ctx.scale, ctx.train, ctx.n_inputs = causal, scale, bool(train and train[0]), len(inputs)
+    ctx.mask_grad = attn_mask is not None and attn_mask.requires_grad and attn_mask.is_floating_point()
+
+
+def mask_grad(dout, q, k, v, attn_mask, causal, scale) -> Tensor:
+    """The gradient of an additive float mask: dS = P * (dO Vᵀ - rowsum(P * dO Vᵀ)), P the softmax recomputed from
+    q, k and the mask (float32; float64 stays float64), summed to the mask's (broadcast) shape.  Fully masked rows
+    have no probability and give none."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    rep = q.shape[1] // k.shape[1]
+    kf, vf = (t.to(acc).repeat_interleave(rep, dim=1) for t in (k, v))
+    s = (q.to(acc) @ kf.transpose(-1, -2)) * default_scale(q, scale) + attn_mask.to(acc)
+    sq, sk = q.shape[2], k.shape[2]
+    if causal:
+        i = torch.arange(sq, device=q.device)[:, None]
+        j = torch.arange(sk, device=q.device)[None, :]
+        s = s.masked_fill(j > i + (sk - sq), float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    dp = dout.to(acc) @ vf.transpose(-1, -2)
+    ds = p * (dp - (p * dp).sum(-1, keepdim=True))
+    return ds.sum_to_size(attn_mask.shape).to(attn_mask.dtype)
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, attn_mask = ctx.saved_tensors
-    none = (None,) * (ctx.n_inputs - 3)
+    # the mask's slot, then the plain values
+    none = (mask_grad(dout, q, k, v, attn_mask, ctx.causal, ctx.scale) if ctx.mask_grad else None,
+            *(None,) * (ctx.n_inputs - 4))
     pair = pair_backward(ctx, dout, q, k, v, out, lse, (attn_mask, ctx.causal, ctx.scale))   # eager training call
     if pair is not None:
         return (*pair, *none)
     if eager_mode(dout, q, k, v) != TORCH_OPS:     # eager: the router directly (no torch.library boundary)
         return (*_bwd_route(dout, q, k, v, out, lse, attn_mask, ctx.causal, ctx.scale), *none)
     dq, dk, dv = torch.ops.opsadv.flash_attention_backward(dout, q, k, v, out, lse, attn_mask, ctx.causal, ctx.scale,
-                                                           ctx.train)
+                                                           ctx.train, op_scope())
     return (dq, dk, dv, *none)
 
 
-_setup_context, _backward = carry_policy(_setup_context, _backward)   # backward resolves under the forward's policy
-_flash_attention.register_autograd(_backward, setup_context=_setup_context)
+# the backward resolves under the forward's policy (the torch.ops path: the scope its call carried)
+_op_setup, _op_backward = carry_scope(_setup_context, _backward)
+_flash_attention.register_autograd(_op_backward, setup_context=_op_setup)
+_setup_context, _backward = carry_policy(_setup_context, _backward)
 # training calls: the impl the train bucket chose (timing each impl's forward + own backward) runs forward and its
 # own backward: eager ones through this Function (pair_backward), or, for an impl with a `train` forward (an aten
 # op with torch's derivative, e.g. cuDNN's), that forward under torch's own autograd, which skips the Function's
@@ -242,7 +276,7 @@ _train_raw = raw_apply(_train_autograd)
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: float | None = None,
                     attn_mask: Tensor | None = None, return_lse: bool = False):
     """Fused softmax(q kᵀ · scale [+ mask]) v.  Returns out (b, h_q, s_q, d), or (out, lse) with
-    return_lse=True (lse is not differentiable).  Gradients flow to q, k, v (not the mask)."""
+    return_lse=True (lse is not differentiable).  Gradients flow to q, k, v and to a float mask that requires one."""
     fk = r = None
     # the fast path (as the norms', ops/norm): the exact metadata of an identical call that took the full path
     if type(causal) is bool and (scale is None or type(scale) is float) \
@@ -296,7 +330,8 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, sc
         else:
             out, lse = _train_autograd(r, q, k, v, attn_mask, causal, s)
     else:
-        out, lse = torch.ops.opsadv.flash_attention(q, k, v, attn_mask, causal, scale, traced_train(q, k, v))
+        out, lse = torch.ops.opsadv.flash_attention(q, k, v, attn_mask, causal, scale, traced_train(q, k, v),
+                                                    op_scope())
     return (out, lse.detach()) if return_lse else out
 
 

@@ -30,10 +30,11 @@ from opsadv.core import dispatch
 from opsadv.core import policy as _policy
 from opsadv.core.errors import InvalidArgumentError
 from opsadv.core.kernel import CallSpec
+from opsadv.core.policy import in_scope, op_scope
 from opsadv.core.opdef import OpDef, Reference, arg
 from opsadv.core.activations import ACT
 from ..swiglu import swiglu
-from opsadv.core.op_common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, INF, TORCH_OPS, autograd_function, carry_policy,
+from opsadv.core.op_common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, INF, TORCH_OPS, autograd_function, carry_policy, carry_scope,
                       check_choice, check_same, check_tensor, dispatch_modes, eager_mode, function_modes,
                       functorch_level, grad_enabled, is_compiling, len_bucket, none_if_empty, raw_apply,
                       resolved_autograd_function, same_kind, transforms_active, unwrap_if_dead,
@@ -134,12 +135,14 @@ def _gemm_route(a, b, bias, activation, residual, alpha):
 
 @torch.library.custom_op("opsadv::gemm", mutates_args=())
 def _gemm(a: Tensor, b: Tensor, bias: Optional[Tensor], activation: str, residual: Optional[Tensor],
-          alpha: float) -> Tensor:
-    return _gemm_route(a, b, bias, activation, residual, alpha)
+          alpha: float, scope: int = 0) -> Tensor:
+    """scope: the converted model's scope id the call carries (core.policy.op_scope; 0: the policy in force)."""
+    with in_scope(scope):
+        return _gemm_route(a, b, bias, activation, residual, alpha)
 
 
 @_gemm.register_fake
-def _(a, b, bias, activation, residual, alpha):
+def _(a, b, bias, activation, residual, alpha, scope=0):
     return a.new_empty(tuple(a.shape[:-1]) + (b.shape[1],))
 
 
@@ -152,12 +155,13 @@ def _gemm_bwd_route(grad, a, b, bias, activation, alpha):
 
 @torch.library.custom_op("opsadv::gemm_backward", mutates_args=())
 def _gemm_backward(grad: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor], activation: str,
-                   alpha: float) -> tuple[Tensor, Tensor, Tensor]:
-    return _gemm_bwd_route(grad, a, b, bias, activation, alpha)
+                   alpha: float, scope: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    with in_scope(scope):
+        return _gemm_bwd_route(grad, a, b, bias, activation, alpha)
 
 
 @_gemm_backward.register_fake
-def _(grad, a, b, bias, activation, alpha):
+def _(grad, a, b, bias, activation, alpha, scope=0):
     return a.new_empty(a.shape), empty_weight_grad(b), (bias.new_empty(bias.shape) if bias is not None else a.new_empty((0,)))
 
 
@@ -170,13 +174,16 @@ def _gemm_setup(ctx, inputs, output):
 def _gemm_bwd(ctx, grad):
     a, b, bias = ctx.saved_tensors
     # eager: the router directly (no torch.library boundary: tens of us per call); traced: the op
-    bwd = _gemm_bwd_route if eager_mode(grad, a, b, bias) != TORCH_OPS else torch.ops.opsadv.gemm_backward
-    da, db, dbias = bwd(grad, a, b, bias, ctx.activation, ctx.alpha)
+    if eager_mode(grad, a, b, bias) != TORCH_OPS:
+        da, db, dbias = _gemm_bwd_route(grad, a, b, bias, ctx.activation, ctx.alpha)
+    else:
+        da, db, dbias = torch.ops.opsadv.gemm_backward(grad, a, b, bias, ctx.activation, ctx.alpha, op_scope())
     return da, db, none_if_empty(dbias) if bias is not None else None, None, (grad if ctx.has_residual else None), None
 
 
+_gemm_op_setup, _gemm_op_bwd = carry_scope(_gemm_setup, _gemm_bwd)
+_gemm.register_autograd(_gemm_op_bwd, setup_context=_gemm_op_setup)
 _gemm_setup, _gemm_bwd = carry_policy(_gemm_setup, _gemm_bwd)
-_gemm.register_autograd(_gemm_bwd, setup_context=_gemm_setup)
 _gemm_eager_autograd = autograd_function("GemmFn", _gemm_route, _gemm_setup, _gemm_bwd)
 
 
@@ -198,25 +205,27 @@ def _swiglu_route(x, w_gate_up, bias):
 
 
 @torch.library.custom_op("opsadv::swiglu_gemm", mutates_args=())
-def _swiglu_gemm(x: Tensor, w_gate_up: Tensor, bias: Optional[Tensor]) -> Tensor:
-    return _swiglu_route(x, w_gate_up, bias)
+def _swiglu_gemm(x: Tensor, w_gate_up: Tensor, bias: Optional[Tensor], scope: int = 0) -> Tensor:
+    with in_scope(scope):
+        return _swiglu_route(x, w_gate_up, bias)
 
 
 @_swiglu_gemm.register_fake
-def _(x, w_gate_up, bias):
+def _(x, w_gate_up, bias, scope=0):
     return x.new_empty(tuple(x.shape[:-1]) + (w_gate_up.shape[1] // 2,))
 
 
 @torch.library.custom_op("opsadv::swiglu_gemm_backward", mutates_args=())
 def _swiglu_gemm_backward(grad: Tensor, x: Tensor, w_gate_up: Tensor,
-                          bias: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-    dx, dw, dbias = dispatch.call(_swiglu_key(x, w_gate_up, bias, True),
-                                  lambda: _swiglu_spec(x, w_gate_up, bias, True), (grad, x, w_gate_up, bias))
+                          bias: Optional[Tensor], scope: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    with in_scope(scope):
+        dx, dw, dbias = dispatch.call(_swiglu_key(x, w_gate_up, bias, True),
+                                      lambda: _swiglu_spec(x, w_gate_up, bias, True), (grad, x, w_gate_up, bias))
     return dx, as_weight_grad_layout(dw, w_gate_up), dbias
 
 
 @_swiglu_gemm_backward.register_fake
-def _(grad, x, w_gate_up, bias):
+def _(grad, x, w_gate_up, bias, scope=0):
     return x.new_empty(x.shape), empty_weight_grad(w_gate_up), (bias.new_empty(bias.shape) if bias is not None else x.new_empty((0,)))
 
 
@@ -226,11 +235,11 @@ def _swiglu_setup(ctx, inputs, output):
 
 def _swiglu_bwd(ctx, grad):
     x, w, bias = ctx.saved_tensors
-    dx, dw, dbias = torch.ops.opsadv.swiglu_gemm_backward(grad, x, w, bias)
+    dx, dw, dbias = torch.ops.opsadv.swiglu_gemm_backward(grad, x, w, bias, op_scope())
     return dx, dw, (dbias if bias is not None else None)
 
 
-_swiglu_setup, _swiglu_bwd = carry_policy(_swiglu_setup, _swiglu_bwd)
+_swiglu_setup, _swiglu_bwd = carry_scope(_swiglu_setup, _swiglu_bwd)
 _swiglu_gemm.register_autograd(_swiglu_bwd, setup_context=_swiglu_setup)
 
 
@@ -298,10 +307,10 @@ def gemm(a: Tensor, b: Tensor, *, bias: Tensor | None = None, activation: str = 
         if mode == AUTOGRAD_FN:
             dispatch.learn(fk, None, _COMPOSED)
         return _composed_for_training(a, b, bias, activation, residual, alpha)
-    op = _gemm_route if mode == DIRECT else _gemm_eager_autograd if mode == AUTOGRAD_FN else torch.ops.opsadv.gemm
-    out = op(a, b, bias, activation, residual, float(alpha))
-    if mode != TORCH_OPS:
-        dispatch.learn(fk, _gemm_key(a, b, bias, activation, residual, alpha, False))
+    if mode == TORCH_OPS:
+        return torch.ops.opsadv.gemm(a, b, bias, activation, residual, float(alpha), op_scope())
+    out = (_gemm_route if mode == DIRECT else _gemm_eager_autograd)(a, b, bias, activation, residual, float(alpha))
+    dispatch.learn(fk, _gemm_key(a, b, bias, activation, residual, alpha, False))
     return out
 
 
@@ -333,7 +342,8 @@ def swiglu_gemm(x: Tensor, w_gate_up: Tensor, *, bias: Tensor | None = None) -> 
             dispatch.learn(fk, None, _COMPOSED)
         return swiglu(gemm(x, w_gate_up, bias=bias))
     # (torch.ops.opsadv.swiglu_gemm keeps its registered autograd for callers of the op itself)
-    out = (_swiglu_route if mode == DIRECT else torch.ops.opsadv.swiglu_gemm)(x, w_gate_up, bias)
+    out = _swiglu_route(x, w_gate_up, bias) if mode == DIRECT else torch.ops.opsadv.swiglu_gemm(x, w_gate_up, bias,
+                                                                                                 op_scope())
     if mode == DIRECT:
         dispatch.learn(fk, _swiglu_key(x, w_gate_up, bias, False))
     return out

@@ -29,8 +29,9 @@ from opsadv.core import dispatch
 from opsadv.core import policy as _policy
 from opsadv.core.errors import InvalidArgumentError
 from opsadv.core.kernel import CallSpec
+from opsadv.core.policy import in_scope, op_scope
 from opsadv.core.opdef import OpDef, Reference, arg
-from opsadv.core.op_common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, INF, carry_policy, check_same, check_tensor,
+from opsadv.core.op_common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, INF, carry_policy, carry_scope, check_same, check_tensor,
                       dispatch_modes, eager_mode, function_modes, functorch_level, grad_enabled, grad_step,
                       is_compiling, len_bucket, raw_apply, register_train_step, resolved_autograd_function, same_kind,
                       shared_empty, transforms_active, unwrap_if_dead)
@@ -121,12 +122,14 @@ def _layer_norm_train_resolve(x, weight, bias, eps, residual):
 
 @torch.library.custom_op("opsadv::layer_norm", mutates_args=())
 def _layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
-                residual: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _layer_norm_route(x, weight, bias, eps, residual)
+                residual: Optional[Tensor], scope: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """scope: the converted model's scope id the call carries (core.policy.op_scope; 0: the policy in force)."""
+    with in_scope(scope):
+        return _layer_norm_route(x, weight, bias, eps, residual)
 
 
 @_layer_norm.register_fake
-def _(x, weight, bias, eps, residual):
+def _(x, weight, bias, eps, residual, scope=0):
     st = x.new_empty(x.shape[:-1], dtype=stat_dtype(x.dtype))
     return x.new_empty(x.shape), (x.new_empty(x.shape) if residual is not None else x.new_empty((0,))), st, st.clone()
 
@@ -140,14 +143,15 @@ def _layer_norm_backward_route(dy, dsum, xin, weight, bias, mean, rstd):
 
 @torch.library.custom_op("opsadv::layer_norm_backward", mutates_args=())
 def _layer_norm_backward(dy: Tensor, dsum: Tensor, xin: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
-                         mean: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    dx, dw, db = _layer_norm_backward_route(dy, dsum, xin, weight, bias, mean, rstd)
+                         mean: Tensor, rstd: Tensor, scope: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    with in_scope(scope):
+        dx, dw, db = _layer_norm_backward_route(dy, dsum, xin, weight, bias, mean, rstd)
     # custom ops return tensors: an impl's None for an absent gradient becomes a 0-element tensor
     return dx, (dw if dw is not None else xin.new_empty((0,))), (db if db is not None else xin.new_empty((0,)))
 
 
 @_layer_norm_backward.register_fake
-def _(dy, dsum, xin, weight, bias, mean, rstd):
+def _(dy, dsum, xin, weight, bias, mean, rstd, scope=0):
     return (xin.new_empty(xin.shape), weight.new_empty(weight.shape) if weight is not None else xin.new_empty((0,)),
             bias.new_empty(bias.shape) if bias is not None else xin.new_empty((0,)))
 
@@ -170,14 +174,17 @@ def _ln_bwd(ctx, dy, dsum, dmean, drstd):
     # the eager direct call reads the 0-element stand-in only, so it can be a shared one (no allocation)
     if not ctx.has_residual or dsum is None:
         dsum = shared_empty(xin) if direct else xin.new_empty((0,))
-    bwd = _layer_norm_backward_route if direct else torch.ops.opsadv.layer_norm_backward
-    dx, dw, db = bwd(dy, dsum, xin, weight, bias, mean, rstd)
+    if direct:
+        dx, dw, db = _layer_norm_backward_route(dy, dsum, xin, weight, bias, mean, rstd)
+    else:
+        dx, dw, db = torch.ops.opsadv.layer_norm_backward(dy, dsum, xin, weight, bias, mean, rstd, op_scope())
     return (dx, dw if weight is not None else None, db if bias is not None else None, None,
             dx if ctx.has_residual else None)
 
 
+_ln_op_setup, _ln_op_bwd = carry_scope(_ln_setup, _ln_bwd)
+_layer_norm.register_autograd(_ln_op_bwd, setup_context=_ln_op_setup)
 _ln_setup, _ln_bwd = carry_policy(_ln_setup, _ln_bwd)
-_layer_norm.register_autograd(_ln_bwd, setup_context=_ln_setup)
 _ln_eager_autograd = resolved_autograd_function("LayerNormFn", _ln_setup, _ln_bwd, stats=(2, 3))
 
 
@@ -218,12 +225,14 @@ def _rms_norm_train_resolve(x, weight, eps, residual, offset):
 
 @torch.library.custom_op("opsadv::rms_norm", mutates_args=())
 def _rms_norm(x: Tensor, weight: Optional[Tensor], eps: float, residual: Optional[Tensor],
-              offset: float) -> tuple[Tensor, Tensor, Tensor]:
-    return _rms_norm_route(x, weight, eps, residual, offset)
+              offset: float, scope: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    """scope: the converted model's scope id the call carries (core.policy.op_scope; 0: the policy in force)."""
+    with in_scope(scope):
+        return _rms_norm_route(x, weight, eps, residual, offset)
 
 
 @_rms_norm.register_fake
-def _(x, weight, eps, residual, offset):
+def _(x, weight, eps, residual, offset, scope=0):
     return (x.new_empty(x.shape), x.new_empty(x.shape) if residual is not None else x.new_empty((0,)),
             x.new_empty(x.shape[:-1], dtype=stat_dtype(x.dtype)))
 
@@ -237,13 +246,14 @@ def _rms_norm_backward_route(dy, dsum, xin, weight, rstd, offset):
 
 @torch.library.custom_op("opsadv::rms_norm_backward", mutates_args=())
 def _rms_norm_backward(dy: Tensor, dsum: Tensor, xin: Tensor, weight: Optional[Tensor], rstd: Tensor,
-                       offset: float) -> tuple[Tensor, Tensor]:
-    dx, dw = _rms_norm_backward_route(dy, dsum, xin, weight, rstd, offset)
+                       offset: float, scope: int = 0) -> tuple[Tensor, Tensor]:
+    with in_scope(scope):
+        dx, dw = _rms_norm_backward_route(dy, dsum, xin, weight, rstd, offset)
     return dx, (dw if dw is not None else xin.new_empty((0,)))     # (an impl's None: absent gradient)
 
 
 @_rms_norm_backward.register_fake
-def _(dy, dsum, xin, weight, rstd, offset):
+def _(dy, dsum, xin, weight, rstd, offset, scope=0):
     return xin.new_empty(xin.shape), (weight.new_empty(weight.shape) if weight is not None else xin.new_empty((0,)))
 
 
@@ -261,13 +271,16 @@ def _rms_bwd(ctx, dy, dsum, drstd):
     direct = eager_mode(dy, xin, weight) == DIRECT
     if not ctx.has_residual or dsum is None:        # (as in _ln_bwd)
         dsum = shared_empty(xin) if direct else xin.new_empty((0,))
-    bwd = _rms_norm_backward_route if direct else torch.ops.opsadv.rms_norm_backward
-    dx, dw = bwd(dy, dsum, xin, weight, rstd, ctx.offset)
+    if direct:
+        dx, dw = _rms_norm_backward_route(dy, dsum, xin, weight, rstd, ctx.offset)
+    else:
+        dx, dw = torch.ops.opsadv.rms_norm_backward(dy, dsum, xin, weight, rstd, ctx.offset, op_scope())
     return dx, (dw if weight is not None else None), None, (dx if ctx.has_residual else None), None
 
 
+_rms_op_setup, _rms_op_bwd = carry_scope(_rms_setup, _rms_bwd)
+_rms_norm.register_autograd(_rms_op_bwd, setup_context=_rms_op_setup)
 _rms_setup, _rms_bwd = carry_policy(_rms_setup, _rms_bwd)
-_rms_norm.register_autograd(_rms_bwd, setup_context=_rms_setup)
 _rms_eager_autograd = resolved_autograd_function("RmsNormFn", _rms_setup, _rms_bwd, stats=(2,))
 
 
@@ -328,7 +341,7 @@ def layer_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = No
         y, xsum, _, _ = (r.impl.train(r.ctx, x, weight, bias, eps, residual) if r.impl.train is not None
                          else _ln_eager_autograd(r, x, weight, bias, eps, residual))
     else:
-        y, xsum, _, _ = torch.ops.opsadv.layer_norm(x, weight, bias, eps, residual)
+        y, xsum, _, _ = torch.ops.opsadv.layer_norm(x, weight, bias, eps, residual, op_scope())
     return (y, xsum) if residual is not None else y
 
 
@@ -375,7 +388,7 @@ def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6, *, resi
         y, xsum, _ = (r.impl.train(r.ctx, x, weight, eps, residual, offset) if r.impl.train is not None
                       else _rms_eager_autograd(r, x, weight, eps, residual, offset))
     else:
-        y, xsum, _ = torch.ops.opsadv.rms_norm(x, weight, eps, residual, offset)
+        y, xsum, _ = torch.ops.opsadv.rms_norm(x, weight, eps, residual, offset, op_scope())
     return (y, xsum) if residual is not None else y
 
 

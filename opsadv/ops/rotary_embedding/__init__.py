@@ -19,11 +19,15 @@ import torch
 from torch import Tensor
 
 from opsadv.core import dispatch
+from opsadv.core import policy as _policy
 from opsadv.core.errors import InvalidArgumentError
 from opsadv.core.kernel import CallSpec
 from opsadv.core.opdef import OpDef, Reference, arg
-from opsadv.core.op_common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, TORCH_OPS, autograd_function, carry_policy, check_tensor,
-                      dt, eager_mode, len_bucket)
+from opsadv.core.policy import current_policy, in_scope, op_scope
+from opsadv.core.op_common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, TORCH_OPS, autograd_function, carry_policy,
+                                   carry_scope, check_tensor, dispatch_modes, dt, eager_mode, function_modes,
+                                   functorch_level, grad_enabled, is_compiling, len_bucket, raw_apply,
+                                   transforms_active, unwrap_if_dead)
 
 from . import cases as _cases, reference as _reference
 
@@ -55,7 +59,8 @@ def _well_formed(q, k, cos, sin, position_ids) -> bool:
 def validate(q, k, cos, sin, position_ids=None, interleaved=False, rotary_dim=None) -> None:
     if not isinstance(interleaved, bool):
         raise InvalidArgumentError(OP, "interleaved", "a bool", repr(interleaved))
-    if _well_formed(q, k, cos, sin, position_ids) and (rotary_dim is None or rotary_dim == cos.shape[-1]):
+    if _well_formed(q, k, cos, sin, position_ids) and (rotary_dim is None or (type(rotary_dim) is int
+                                                                             and rotary_dim == cos.shape[-1])):
         return
     check_tensor(OP, "q", q, ndim=4)
     check_tensor(OP, "k", k, ndim=4)
@@ -151,25 +156,28 @@ def _in_fake_layout(t: Tensor) -> Tensor:
 
 @torch.library.custom_op("opsadv::rotary_embedding", mutates_args=())
 def _rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Optional[Tensor],
-            interleaved: bool) -> tuple[Tensor, Tensor]:
-    oq, ok = _route(q, k, cos, sin, position_ids, interleaved)
+            interleaved: bool, scope: int = 0) -> tuple[Tensor, Tensor]:
+    """scope: the converted model's scope id the call carries (core.policy.op_scope; 0: the policy in force)."""
+    with in_scope(scope):
+        oq, ok = _route(q, k, cos, sin, position_ids, interleaved)
     return _in_fake_layout(oq), _in_fake_layout(ok)
 
 
 @_rotary.register_fake
-def _(q, k, cos, sin, position_ids, interleaved):
+def _(q, k, cos, sin, position_ids, interleaved, scope=0):
     return _bshd_like(q), _bshd_like(k)
 
 
 @torch.library.custom_op("opsadv::rotary_embedding_backward", mutates_args=())
 def _rotary_backward(gq: Tensor, gk: Tensor, cos: Tensor, sin: Tensor, position_ids: Optional[Tensor],
-                     interleaved: bool) -> tuple[Tensor, Tensor]:
-    dq, dk = _bwd_route(gq, gk, cos, sin, position_ids, interleaved)
+                     interleaved: bool, scope: int = 0) -> tuple[Tensor, Tensor]:
+    with in_scope(scope):
+        dq, dk = _bwd_route(gq, gk, cos, sin, position_ids, interleaved)
     return _in_fake_layout(dq), _in_fake_layout(dk)
 
 
 @_rotary_backward.register_fake
-def _(gq, gk, cos, sin, position_ids, interleaved):
+def _(gq, gk, cos, sin, position_ids, interleaved, scope=0):
     return _bshd_like(gq), _bshd_like(gk)
 
 
@@ -182,19 +190,30 @@ def _setup(ctx, inputs, output):
     ctx.save_for_backward(cos, sin, position_ids, *((q, k) if ctx.table_grad else ()))
 
 
-def _backward(ctx, gq, gk):
-    cos, sin, position_ids, *qk = ctx.saved_tensors
+def _materialized(ctx, gq, gk):
     qs, ks, dtype, dev = ctx.meta
     if gq is None:                      # an output nobody used
         gq = torch.zeros(qs, dtype=dtype, device=dev)
     if gk is None:
         gk = torch.zeros(ks, dtype=dtype, device=dev)
-    bwd = _bwd_route if eager_mode(gq, gk, cos) != TORCH_OPS else torch.ops.opsadv.rotary_embedding_backward
-    dq, dk = bwd(gq, gk, cos, sin, position_ids, ctx.interleaved)
+    return gq, gk
+
+
+def _with_table_grads(ctx, dq, dk, gq, gk, cos, position_ids, qk):
     dcos = dsin = None
     if ctx.table_grad:
         dcos, dsin = table_grads(qk[0], qk[1], gq, gk, cos, position_ids, ctx.interleaved)
     return dq, dk, dcos, dsin, None, None
+
+
+def _backward(ctx, gq, gk):
+    cos, sin, position_ids, *qk = ctx.saved_tensors
+    gq, gk = _materialized(ctx, gq, gk)
+    if eager_mode(gq, gk, cos) != TORCH_OPS:
+        dq, dk = _bwd_route(gq, gk, cos, sin, position_ids, ctx.interleaved)
+    else:
+        dq, dk = torch.ops.opsadv.rotary_embedding_backward(gq, gk, cos, sin, position_ids, ctx.interleaved, op_scope())
+    return _with_table_grads(ctx, dq, dk, gq, gk, cos, position_ids, qk)
 
 
 def _pairs(t: Tensor, r: int, interleaved: bool) -> tuple[Tensor, Tensor]:
@@ -228,9 +247,41 @@ def table_grads(q, k, gq, gk, cos, position_ids, interleaved):
     return tuple(t.sum_to_size(shape).reshape(cos.shape).to(cos.dtype) for t in (dc, ds))
 
 
-_setup, _backward = carry_policy(_setup, _backward)
-_rotary.register_autograd(_backward, setup_context=_setup)
-_eager_autograd = autograd_function("RotaryEmbeddingFn", _route, _setup, _backward)
+_setup_op, _backward_op = carry_scope(_setup, _backward)
+_rotary.register_autograd(_backward_op, setup_context=_setup_op)
+_carried_setup, _carried_backward = carry_policy(_setup, _backward)
+_eager_autograd = autograd_function("RotaryEmbeddingFn", _route, _carried_setup, _carried_backward)
+
+
+class RotaryEmbeddingFn(torch.autograd.Function):
+    """An eager training call of the fast path, whose forward impl r and backward impl rb are both resolved (under
+    the call's policy, in its buckets): the backward runs rb with no dispatch (no bucket key, no policy scope, no
+    mode check beyond one), counted in the forward's traces.  Backward under a dispatch / function mode or a
+    functorch transform: _backward as the full path runs it.  (Named as the full path's Function: the same node
+    name in autograd graphs either way.)"""
+
+    @staticmethod
+    def forward(ctx, r, rb, q, k, cos, sin, position_ids, interleaved):
+        out = r.run(r.ctx, q, k, cos, sin, position_ids, interleaved)
+        _setup(ctx, (q, k, cos, sin, position_ids, interleaved), out)
+        ctx.rb, ctx.opsadv_traces, ctx.opsadv_policy = rb, dispatch._local.get(), current_policy()
+        return out
+
+    @staticmethod
+    def backward(ctx, gq, gk):
+        if dispatch_modes() or function_modes() or functorch_level() is not None:
+            return (None, None, *_carried_backward(ctx, gq, gk))
+        cos, sin, position_ids, *qk = ctx.saved_tensors
+        gq, gk = _materialized(ctx, gq, gk)
+        rb = ctx.rb
+        if _tracers or ctx.opsadv_traces:
+            dispatch.record_carried(rb.impl.id, ctx.opsadv_traces)
+        dq, dk = rb.run(rb.ctx, gq, gk, cos, sin, position_ids, ctx.interleaved)
+        return (None, None, *_with_table_grads(ctx, dq, dk, gq, gk, cos, position_ids, qk))
+
+
+_fast, _tracers, _scoped = dispatch._fast, dispatch._tracers, _policy._scoped
+_resolved_raw = raw_apply(RotaryEmbeddingFn.apply)
 
 
 def rotary_embedding(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, position_ids: Tensor | None = None,
@@ -239,13 +290,48 @@ def rotary_embedding(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, position
     position_ids (S,) / (1 or B, S) a (P, R) table).  The first R = cos.shape[-1] features of each head rotate
     (rotary_dim, if given, must equal R), the rest pass through.  interleaved: pairs (x[2i], x[2i+1]) instead of
     (x[i], x[i + R/2])."""
+    fk = hit = None
+    # the fast path (as the norms', norm.py): the exact metadata of an identical call that took the full path
+    if type(interleaved) is bool and not (is_compiling() or dispatch_modes() or function_modes()) \
+            and functorch_level() is None:
+        try:
+            train = grad_enabled() and (q.requires_grad or k.requires_grad or cos.requires_grad or sin.requires_grad)
+            fk = (OP, (_scoped.get() or _policy._global).serial, train, interleaved, type(rotary_dim), rotary_dim,
+                  type(q), q.dtype, q.device, q.shape, type(k), k.dtype, k.device, k.shape, type(cos), cos.dtype,
+                  cos.device, cos.shape, type(sin), sin.dtype, sin.device, sin.shape,
+                  None if position_ids is None else (type(position_ids), position_ids.dtype, position_ids.device,
+                                                     position_ids.shape))
+            hit = _fast.get(fk)
+        except (AttributeError, TypeError):
+            fk = hit = None
+    if hit is not None:
+        if not train:
+            if _tracers:
+                dispatch.record(hit.impl.id)
+            return hit.run(hit.ctx, q, k, cos, sin, position_ids, interleaved)
+        r, rb = hit
+        if _tracers:
+            dispatch.record(r.impl.id)
+        if transforms_active():
+            return RotaryEmbeddingFn.apply(r, rb, q, k, cos, sin, position_ids, interleaved)
+        return _resolved_raw(r, rb, unwrap_if_dead(q), unwrap_if_dead(k), unwrap_if_dead(cos), unwrap_if_dead(sin),
+                             position_ids if position_ids is None else unwrap_if_dead(position_ids), interleaved)
     validate(q, k, cos, sin, position_ids, interleaved, rotary_dim)
     mode = eager_mode(q, k, cos, sin)
     if mode == DIRECT:
-        return _route(q, k, cos, sin, position_ids, interleaved)
+        out = _route(q, k, cos, sin, position_ids, interleaved)
+        dispatch.learn(fk, _key(q, k, cos, position_ids, interleaved, False))
+        return out
     if mode == AUTOGRAD_FN:
-        return _eager_autograd(q, k, cos, sin, position_ids, interleaved)
-    return torch.ops.opsadv.rotary_embedding(q, k, cos, sin, position_ids, interleaved)
+        out = _eager_autograd(q, k, cos, sin, position_ids, interleaved)
+        if fk is not None:           # both directions resolved (after a first backward): the fast path from now on
+            serial = current_policy().serial
+            r = dispatch._memo.get((serial, _key(q, k, cos, position_ids, interleaved, False)))
+            rb = dispatch._memo.get((serial, _key(q, k, cos, position_ids, interleaved, True)))
+            if r is not None and rb is not None:
+                dispatch.learn(fk, None, (r, rb))
+        return out
+    return torch.ops.opsadv.rotary_embedding(q, k, cos, sin, position_ids, interleaved, op_scope())
 
 
 # ---- the op's definition -----------------------------------------------------------------------------------

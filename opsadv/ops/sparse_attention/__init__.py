@@ -23,8 +23,9 @@ from opsadv.core import dispatch
 from opsadv.core import policy as _policy
 from opsadv.core.errors import InvalidArgumentError
 from opsadv.core.kernel import CallSpec
+from opsadv.core.policy import in_scope, op_scope
 from .layout import SparseLayout
-from opsadv.core.op_common import (AUTOGRAD_FN, DIRECT, TORCH_OPS, carry_policy, check_same, check_scale, check_tensor,
+from opsadv.core.op_common import (AUTOGRAD_FN, DIRECT, TORCH_OPS, carry_policy, carry_scope, check_same, check_scale, check_tensor,
                       EXACT_STRIDES, contiguous_lse, dispatch_modes, eager_mode, function_modes, functorch_level,
                       grad_enabled, is_compiling, len_bucket, own_pair_train_step, pair_backward, raw_apply,
                       register_train_step, resolved_autograd_function, traced_train, train_pair_backward,
@@ -148,9 +149,17 @@ def _bwd_route(dout, q, k, v, out, lse, block_mask, key_padding_mask, cu_seqlens
 def _sparse_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: Tensor, key_padding_mask: Optional[Tensor],
                       cu_seqlens: Optional[Tensor], block_size: int, causal: bool, window_left: int,
                       window_right: int, num_global: int, scale: Optional[float], dense_blocks: bool = False,
-                      max_seqlen: int = -1, train: bool = False) -> tuple[Tensor, Tensor]:
+                      max_seqlen: int = -1, train: bool = False, scope: int = 0) -> tuple[Tensor, Tensor]:
     """train: a traced grad-recording call, resolved in the train bucket as an eager one is, the backward
-    (sparse_attention_backward(train=True)) then runs the same impl's (see flash_attention)."""
+    (sparse_attention_backward(train=True)) then runs the same impl's (see flash_attention).  scope: the
+    converted model's scope id the call carries (core.policy.op_scope; 0: the policy in force)."""
+    with in_scope(scope):
+        return _sparse_attention_impl(q, k, v, block_mask, key_padding_mask, cu_seqlens, block_size, causal,
+                                      window_left, window_right, num_global, scale, dense_blocks, max_seqlen, train)
+
+
+def _sparse_attention_impl(q, k, v, block_mask, key_padding_mask, cu_seqlens, block_size, causal, window_left,
+                           window_right, num_global, scale, dense_blocks, max_seqlen, train):
     if train:
         args = (q, k, v, block_mask, key_padding_mask, cu_seqlens, block_size, causal, window_left, window_right,
                 num_global, default_scale(q, scale), dense_blocks, max_seqlen)
@@ -166,7 +175,7 @@ def _sparse_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: Tensor, key_p
 
 @_sparse_attention.register_fake
 def _(q, k, v, block_mask, key_padding_mask, cu_seqlens, block_size, causal, window_left, window_right,
-      num_global, scale, dense_blocks=False, max_seqlen=-1, train=False):
+      num_global, scale, dense_blocks=False, max_seqlen=-1, train=False, scope=0):
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=lse_dtype(q.dtype))
 
 
@@ -175,13 +184,15 @@ def _sparse_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, ou
                                block_mask: Tensor, key_padding_mask: Optional[Tensor], cu_seqlens: Optional[Tensor],
                                block_size: int, causal: bool, window_left: int, window_right: int,
                                num_global: int, scale: Optional[float], dense_blocks: bool = False,
-                               max_seqlen: int = -1, train: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                               max_seqlen: int = -1, train: bool = False,
+                               scope: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """train: the backward of the impl the train bucket resolves for this forward (the memoized choice
     sparse_attention(train=True) ran)."""
     rest = (block_mask, key_padding_mask, cu_seqlens, block_size, causal, window_left, window_right, num_global,
             default_scale(q, scale), dense_blocks, max_seqlen)
-    grads = train_pair_backward(_train_resolve(q, k, v, *rest) if train else None, dout, q, k, v, out, lse, rest)
-    dq, dk, dv = grads if grads is not None else _bwd_route(dout, q, k, v, out, lse, *rest)
+    with in_scope(scope):
+        grads = train_pair_backward(_train_resolve(q, k, v, *rest) if train else None, dout, q, k, v, out, lse, rest)
+        dq, dk, dv = grads if grads is not None else _bwd_route(dout, q, k, v, out, lse, *rest)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
@@ -204,12 +215,15 @@ def _backward(ctx, dout, dlse):
         return (*pair, *none)
     if eager_mode(dout, q, k, v) != TORCH_OPS:    # eager: the router directly (no torch.library boundary)
         return (*_bwd_route(dout, q, k, v, out, lse, bm, kpm, cu, *ctx.rest), *none)
-    dq, dk, dv = torch.ops.opsadv.sparse_attention_backward(dout, q, k, v, out, lse, bm, kpm, cu, *ctx.rest, ctx.train)
+    dq, dk, dv = torch.ops.opsadv.sparse_attention_backward(dout, q, k, v, out, lse, bm, kpm, cu, *ctx.rest, ctx.train,
+                                                            op_scope())
     return (dq, dk, dv, *none)
 
 
-_setup, _backward = carry_policy(_setup, _backward)   # backward resolves under the forward's policy
-_sparse_attention.register_autograd(_backward, setup_context=_setup)
+# the backward resolves under the forward's policy (the torch.ops path: the scope its call carried)
+_op_setup, _op_backward = carry_scope(_setup, _backward)
+_sparse_attention.register_autograd(_op_backward, setup_context=_op_setup)
+_setup, _backward = carry_policy(_setup, _backward)
 # training calls: the impl the train bucket chose runs forward and its own backward (eager: pair_backward; traced:
 # the ops' train=True)
 _train_autograd = resolved_autograd_function("SparseAttentionTrainFn", _setup, _backward, stats=(1,),
@@ -286,7 +300,7 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, layout: SparseLayout, *, s
         out, lse = _route(*args)
         dispatch.learn(fk, bucket)
     else:
-        out, lse = torch.ops.opsadv.sparse_attention(*args, traced_train(q, k, v))
+        out, lse = torch.ops.opsadv.sparse_attention(*args, traced_train(q, k, v), op_scope())
     return (out, lse.detach()) if return_lse else out
 
 

@@ -17,8 +17,9 @@ from opsadv.core import dispatch
 from opsadv.core import policy as _policy
 from opsadv.core.errors import InvalidArgumentError
 from opsadv.core.kernel import CallSpec
+from opsadv.core.policy import in_scope, op_scope
 from opsadv.core.opdef import OpDef, Reference, arg
-from opsadv.core.op_common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, TORCH_OPS, autograd_function, carry_policy, check_tensor,
+from opsadv.core.op_common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, TORCH_OPS, autograd_function, carry_policy, carry_scope, check_tensor,
                       dispatch_modes, eager_mode, function_modes, functorch_level, grad_enabled, is_compiling,
                       len_bucket, raw_apply, resolved_autograd_function, transforms_active, unwrap_if_dead)
 
@@ -54,12 +55,14 @@ def _route(gate_up: Tensor) -> Tensor:
 
 
 @torch.library.custom_op("opsadv::swiglu", mutates_args=())
-def _swiglu(gate_up: Tensor) -> Tensor:
-    return _route(gate_up)
+def _swiglu(gate_up: Tensor, scope: int = 0) -> Tensor:
+    """scope: the converted model's scope id the call carries (core.policy.op_scope; 0: the policy in force)."""
+    with in_scope(scope):
+        return _route(gate_up)
 
 
 @_swiglu.register_fake
-def _(gate_up):
+def _(gate_up, scope=0):
     return gate_up.new_empty(tuple(gate_up.shape[:-1]) + (gate_up.shape[-1] // 2,))
 
 
@@ -68,12 +71,13 @@ def _bwd_route(grad: Tensor, gate_up: Tensor) -> Tensor:
 
 
 @torch.library.custom_op("opsadv::swiglu_backward", mutates_args=())
-def _swiglu_backward(grad: Tensor, gate_up: Tensor) -> Tensor:
-    return _bwd_route(grad, gate_up)
+def _swiglu_backward(grad: Tensor, gate_up: Tensor, scope: int = 0) -> Tensor:
+    with in_scope(scope):
+        return _bwd_route(grad, gate_up)
 
 
 @_swiglu_backward.register_fake
-def _(grad, gate_up):
+def _(grad, gate_up, scope=0):
     return gate_up.new_empty(gate_up.shape)
 
 
@@ -84,12 +88,15 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, grad):
     (gate_up,) = ctx.saved_tensors
     # eager: the router directly; traced: the op
-    bwd = _bwd_route if eager_mode(grad, gate_up) != TORCH_OPS else torch.ops.opsadv.swiglu_backward
-    return bwd(grad, gate_up)          # impls take any strides (the Triton one copies only a strided last dim)
+    # (impls take any strides: the Triton one copies only a strided last dim)
+    if eager_mode(grad, gate_up) != TORCH_OPS:
+        return _bwd_route(grad, gate_up)
+    return torch.ops.opsadv.swiglu_backward(grad, gate_up, op_scope())
 
 
+_op_setup, _op_backward = carry_scope(_setup, _backward)
+_swiglu.register_autograd(_op_backward, setup_context=_op_setup)
 _setup, _backward = carry_policy(_setup, _backward)
-_swiglu.register_autograd(_backward, setup_context=_setup)
 _eager_autograd = autograd_function("SwigluFn", _route, _setup, _backward)
 
 
@@ -121,10 +128,10 @@ def swiglu(gate_up: Tensor) -> Tensor:
         return _raw(r, unwrap_if_dead(gate_up))
     validate_swiglu_act(gate_up)
     mode = eager_mode(gate_up)
-    op = _route if mode == DIRECT else _eager_autograd if mode == AUTOGRAD_FN else torch.ops.opsadv.swiglu
-    out = op(gate_up)
-    if mode != TORCH_OPS:
-        dispatch.learn(fk, _key(gate_up, False))
+    if mode == TORCH_OPS:
+        return torch.ops.opsadv.swiglu(gate_up, op_scope())
+    out = (_route if mode == DIRECT else _eager_autograd)(gate_up)
+    dispatch.learn(fk, _key(gate_up, False))
     return out
 
 

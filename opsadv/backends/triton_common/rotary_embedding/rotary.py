@@ -26,11 +26,11 @@ def _kernel():
     return _K["k"]
 
 
-def _out_like(x: torch.Tensor) -> torch.Tensor:
+def _out_like(x: torch.Tensor, poison: bool) -> torch.Tensor:
     b, h, s, d = x.shape
     strides = (s * h * d, d, h * d, 1)
     out = torch.empty_strided((b, h, s, d), strides, dtype=x.dtype, device=x.device)
-    if x.device.type == "cpu" or env_bool("OPSADV_POISON_OUTPUTS"):
+    if poison:
         out.fill_(float("nan"))          # an unwritten element shows
     return out
 
@@ -48,7 +48,8 @@ def _run(q, k, cos, sin, position_ids, interleaved, backward):
     b, hq, s, d = q.shape
     hk = k.shape[1]
     r = cos.shape[-1]
-    oq, ok = _out_like(q), _out_like(k)
+    poison = q.device.type == "cpu" or env_bool("OPSADV_POISON_OUTPUTS")     # (read once a call: ~2 us each)
+    oq, ok = _out_like(q, poison), _out_like(k, poison)
     if cos.dim() == 3:
         scb = cos.stride(0) if cos.shape[0] > 1 else 0
         scs = cos.stride(1)
