@@ -7,6 +7,8 @@ import itertools
 import sys
 import types
 
+import inspect
+
 import pytest
 import torch
 from torch import nn
@@ -65,7 +67,7 @@ def test_only_the_converted_model_changes(reference_backend):
     a, b = Z.build("llama3", "tiny"), Z.build("llama3", "tiny")
     cls = type(a.model.layers[0].self_attn)
     fwd = cls.forward
-    glob = fwd.__wrapped__.__globals__ if hasattr(fwd, "__wrapped__") else fwd.__globals__
+    glob = inspect.unwrap(fwd).__globals__          # through every decorator (deprecate_kwarg, kernels' hub layer)
     fn = glob["apply_rotary_pos_emb"]
     x = Z.inputs("llama3", a.config, 2, 9)
     _convert(a, x)
