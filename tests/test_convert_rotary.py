@@ -3,11 +3,10 @@ per attention instance of the converted model only; checked numerically before i
 decoding, training and torch.compile give the original's results."""
 import copy
 import functools
+import inspect
 import itertools
 import sys
 import types
-
-import inspect
 
 import pytest
 import torch
