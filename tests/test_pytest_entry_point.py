@@ -68,11 +68,17 @@ def test_entry_point_stays_light_and_documents_its_options(tmp_path, ep_site):
     assert off.returncode != 0 and "--opsadv-backend" in off.stderr    # `-p no:opsadv` turns it off
 
 
+def _installed():
+    """The installed opsadv distribution: the one pip recorded (direct_url.json), not a build's opsadv.egg-info
+    that the checkout's root (on sys.path) also holds."""
+    dists = [d for d in importlib.metadata.distributions() if (d.metadata["Name"] or "").lower() == "opsadv"]
+    return next((d for d in dists if d.read_text("direct_url.json")), dists[0] if dists else None)
+
+
 def _installed_here() -> str | None:
     """Why the installed opsadv cannot be tested here (None: it is this checkout and declares the entry point)."""
-    try:
-        dist = importlib.metadata.distribution("opsadv")
-    except importlib.metadata.PackageNotFoundError:
+    dist = _installed()
+    if dist is None:
         return "opsadv is not installed (pip install -e . from this checkout tests the installed entry point)"
     url = json.loads(dist.read_text("direct_url.json") or "{}").get("url", "")
     where = url.removeprefix("file://")
@@ -85,7 +91,7 @@ def _installed_here() -> str | None:
 
 @pytest.mark.skipif(_installed_here() is not None, reason=str(_installed_here()))
 def test_installed_distribution_registers_the_plugin(tmp_path):
-    dist = importlib.metadata.distribution("opsadv")
+    dist = _installed()
     eps = {ep.name: ep.value for ep in dist.entry_points if ep.group == "pytest11"}
     assert eps == DECLARED
     assert _passed(_pytest(tmp_path, "--opsadv-backend", "reference", "--opsadv-quick", "-k", "rms_norm")) > 0
