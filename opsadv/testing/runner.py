@@ -81,16 +81,6 @@ def _explain(case: Case, args, kwargs, backward: bool):
     return opsadv.explain(case.op, *args, backward=backward, **kwargs)
 
 
-_DOT_OPS = {"flash_attention", "sparse_attention", "gemm", "swiglu_gemm"}
-
-
-def _interpreter_bf16(op: str, backend: str, device: str, dtype: torch.dtype) -> bool:
-    """triton 3.6's interpreter computes bf16 tl.dot wrongly: those cells belong on a GPU."""
-    env = get_registry().env
-    return (backend != "reference" and device == "cpu" and env.triton_interpret and dtype == torch.bfloat16
-            and op in _DOT_OPS)
-
-
 def _tolerance(dtype: torch.dtype, op: str, precision) -> tuple[float, float]:
     """float32 inputs computed in a lower precision (policy) are held to that precision's row."""
     if dtype == torch.float32 and precision is not None:
@@ -128,9 +118,6 @@ def _run(case, res, backend, dtype, device, seed, check_determinism, precision, 
     if impls:
         # pinning is how an experimental impl earns conformance: the pin is the explicit opt-in
         pol.update(impls=impls, experimental=True)
-    if _interpreter_bf16(case.op, backend, device, dtype):
-        res.status, res.reason = "skip", "bf16 tl.dot is wrong in the Triton interpreter (triton 3.6): run on a GPU"
-        return
     g = torch.Generator().manual_seed(seed)
     args, kwargs = case.build(dtype, device, g)
     with opsadv.use_backend(backend, **pol):

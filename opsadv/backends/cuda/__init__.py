@@ -14,6 +14,8 @@ import importlib
 import importlib.util
 import warnings
 
+import torch
+
 from opsadv.core.errors import InvalidArgumentError, UnknownOptionError
 from opsadv.core.tuning import default_timer
 from opsadv.registry import BackendInfo, ProbeResult, hookimpl
@@ -53,6 +55,18 @@ def kernel_module_impls(env, names, who: str) -> list[tuple[str, object]]:
 def triton_device_types(env) -> tuple[str, ...]:
     """Device types the Triton impls take: cuda, plus cpu in interpreter mode."""
     return ("cuda", "cpu") if interpreter_mode(env) else ("cuda",)
+
+
+INTERPRETER_BF16_REASON = ("bfloat16 is not exact in the Triton interpreter (its bf16 tl.dot is wrong); "
+                           "use fp16 on CPU, or run on a GPU")
+
+
+def interpreter_bf16_reasons(spec, compute_dtype=None) -> list[str]:
+    """The refusal every tl.dot-based Triton impl gives a CPU (interpreter) call computing in bfloat16:
+    triton 3.6's interpreter returns garbage for bf16 dots.  compute_dtype: the dtype the kernel's dots run
+    in when a precision policy changes it (float32 inputs under precision='bf16'); else the inputs' dtype."""
+    cdt = compute_dtype or spec.dtype
+    return [INTERPRETER_BF16_REASON] if spec.device_type == "cpu" and cdt == torch.bfloat16 else []
 
 
 @hookimpl

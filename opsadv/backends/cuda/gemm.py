@@ -38,7 +38,7 @@ from opsadv.core.kernel import MEMORY_FUSED, PRIORITY_TRITON, PRIORITY_VENDOR, K
 from opsadv.core.ops._common import len_bucket
 from opsadv.core.policy import current_policy
 
-from . import triton_device_types
+from . import interpreter_bf16_reasons, triton_device_types
 
 HALF = (torch.float16, torch.bfloat16)
 ALL = (torch.float16, torch.bfloat16, torch.float32)
@@ -114,9 +114,10 @@ def _check_precision(ctx, dtype) -> None:
 
 
 def _tf32_check(spec, env) -> list[str]:
+    """The Triton GEMM impls' dispatch check: float32 only as tf32, and no bf16 dot in the interpreter."""
     if spec.dtype == torch.float32 and current_policy().precision.matmul != "tf32":
         return [_TF32_REASON]
-    return []
+    return interpreter_bf16_reasons(spec)
 
 
 def _cublas_fused_check(spec, env) -> list[str]:

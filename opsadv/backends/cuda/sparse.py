@@ -25,7 +25,7 @@ from opsadv.core.kernel import MEMORY_FLASH, PRIORITY_TRITON, CallSpec, KernelIm
 from opsadv.core.layout import tile_index
 from opsadv.core.policy import current_policy
 
-from . import _sparse_band_persist as _persist, triton_device_types
+from . import _sparse_band_persist as _persist, interpreter_bf16_reasons, triton_device_types
 from ._sparse_common import _allowed, _band_tiles, _fwd_finish, _kv_tile_unmasked, _softmax_step
 from ._triton_utils import load_tile, new_output, new_output_bshd
 from ._tma import desc_bhsd, run_side_by_side, tma_tiles_ok
@@ -690,9 +690,13 @@ def sparse_bwd(ctx, dout, q, k, v, out, lse, block_mask, kpm, cu, bs, causal, wl
 
 def _check(spec: CallSpec, env) -> list[str]:
     why = []
+    cdt = spec.dtype
     if spec.dtype == torch.float32:
-        if current_policy().precision.attention not in ("fp16", "bf16"):
+        prec = current_policy().precision.attention
+        if prec not in ("fp16", "bf16"):
             why.append("float32 inputs need precision policy attention='fp16' or 'bf16' (tensor-core kernel)")
+        cdt = torch.bfloat16 if prec == "bf16" else torch.float16
+    why.extend(interpreter_bf16_reasons(spec, cdt))
     why.extend(refinement_reasons(spec, 16))
     return why
 
