@@ -13,12 +13,19 @@ import torch
 import opsadv
 from opsadv.core.layout import SparseLayout
 
-# relative-norm error allowed per input dtype (forward, backward); float32 allows tf32 dots on GPUs
-TOLERANCE = {
+# The conformance rule (after FlashAttention-3's test suite): against the float64 oracle, an impl's error may be at
+# most BASELINE_FACTOR x the error of the reference backend run on the same low-precision inputs (plain torch,
+# float32 accumulation, outputs stored in the input dtype), plus a floor relative to the oracle's norm:
+#     ||impl - oracle|| <= k * ||baseline - oracle|| + floor * ||oracle||      (forward outputs, then gradients)
+# The floors stay below 1% so a 1% error fails in every dtype; the "tf32" row holds float32 cells computed in tf32
+# under a precision policy (precision="tf32"), float32's own row true float32 kernels.
+BASELINE_FACTOR = (3.0, 3.0)            # (forward, backward)
+TOLERANCE = {                           # floor (forward, backward), relative to the oracle's norm
     torch.float64: (1e-9, 1e-8),
-    torch.float32: (3e-3, 5e-3),
-    torch.float16: (5e-3, 1e-2),
-    torch.bfloat16: (3e-2, 5e-2),
+    torch.float32: (1e-5, 2e-5),
+    "tf32": (2e-3, 3e-3),
+    torch.float16: (1e-3, 2e-3),
+    torch.bfloat16: (2e-3, 3e-3),
 }
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

@@ -95,4 +95,4 @@ def impls(env) -> list[KernelImpl]:
         id="cuda.triton.swiglu", op="swiglu", backend="cuda", fn=swiglu_fwd, backward=swiglu_bwd,
         priority=PRIORITY_TRITON, device_types=triton_device_types(env),
         dtypes=(torch.float16, torch.bfloat16, torch.float32), features=frozenset({"batched"}), deterministic=True,
-        memory=MEMORY_FUSED, description="Triton: silu(g) * u in one pass over gate_up, backward in one pass (float32 math)")]
+        requires_interpret_or_cuda=True, memory=MEMORY_FUSED, description="Triton: silu(g) * u in one pass over gate_up, backward in one pass (float32 math)")]
