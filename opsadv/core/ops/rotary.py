@@ -22,7 +22,7 @@ from .. import dispatch
 from ..errors import InvalidArgumentError
 from ..kernel import CallSpec
 from ._common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, TORCH_OPS, autograd_function, carry_policy, check_tensor,
-                      dt, eager_mode, len_bucket)
+                      dt, eager_mode, is_empty_call, len_bucket)
 
 OP = "rotary_embedding"
 _INT_DTYPES = (torch.int32, torch.int64)
@@ -54,15 +54,15 @@ def validate(q, k, cos, sin, position_ids=None, interleaved=False, rotary_dim=No
         raise InvalidArgumentError(OP, "interleaved", "a bool", repr(interleaved))
     if _well_formed(q, k, cos, sin, position_ids) and (rotary_dim is None or rotary_dim == cos.shape[-1]):
         return
-    check_tensor(OP, "q", q, ndim=4)
-    check_tensor(OP, "k", k, ndim=4)
+    check_tensor(OP, "q", q, ndim=4, allow_empty=True)
+    check_tensor(OP, "k", k, ndim=4, allow_empty=True)
     if k.dtype != q.dtype:
         raise InvalidArgumentError(OP, "k", f"dtype {dt(q.dtype)} (same as q)", dt(k.dtype))
     b, _, s, d = q.shape
     if (k.shape[0], k.shape[2], k.shape[3]) != (b, s, d):
         raise InvalidArgumentError(OP, "k", f"shape (B={b}, Hk, S={s}, D={d}) (q is (B, Hq, S, D))", tuple(k.shape))
-    check_tensor(OP, "cos", cos, ndim=(2, 3))
-    check_tensor(OP, "sin", sin, ndim=(2, 3))
+    check_tensor(OP, "cos", cos, ndim=(2, 3), allow_empty=True)
+    check_tensor(OP, "sin", sin, ndim=(2, 3), allow_empty=True)
     if sin.shape != cos.shape or sin.dtype != cos.dtype:
         raise InvalidArgumentError(OP, "sin", f"shape {tuple(cos.shape)} and dtype {dt(cos.dtype)} (same as cos)",
                                    f"shape {tuple(sin.shape)}, dtype {dt(sin.dtype)}")
@@ -91,6 +91,34 @@ def validate(q, k, cos, sin, position_ids=None, interleaved=False, rotary_dim=No
         raise InvalidArgumentError(OP, "position_ids", f"shape (S={s},) or (1 or B={b}, S={s})", ps)
     if cos.dim() != 2:
         raise InvalidArgumentError(OP, "cos", "a (P, R) table (with position_ids)", tuple(cos.shape))
+
+
+def _rotate_plain(x: Tensor, cos: Tensor, sin: Tensor, position_ids, interleaved: bool) -> Tensor:
+    """One tensor rotated in plain differentiable torch (the reference's maths)."""
+    r = cos.shape[-1]
+    cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    c, sn = cos.to(cdt), sin.to(cdt)
+    if position_ids is not None:
+        c, sn = c[position_ids], sn[position_ids]
+    if c.dim() == 2:
+        c, sn = c[None], sn[None]
+    c, sn = c[:, None], sn[:, None]
+    xf = x.to(cdt)
+    xr, xp = xf[..., :r], xf[..., r:]
+    if interleaved:
+        x1, x2, c1, c2, s1, s2 = xr[..., 0::2], xr[..., 1::2], c[..., 0::2], c[..., 1::2], sn[..., 0::2], sn[..., 1::2]
+    else:
+        h = r // 2
+        x1, x2, c1, c2, s1, s2 = xr[..., :h], xr[..., h:], c[..., :h], c[..., h:], sn[..., :h], sn[..., h:]
+    y1, y2 = x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
+    yr = torch.stack((y1, y2), -1).flatten(-2) if interleaved else torch.cat((y1, y2), -1)
+    return torch.cat((yr, xp), -1).to(x.dtype)
+
+
+def _empty_result(q, k, cos, sin, position_ids, interleaved):
+    """rotary_embedding with an empty operand (batch, heads or sequence of 0, or R = 0), in plain differentiable
+    torch: empty results and gradients, the other tensor rotated as usual; no kernel runs."""
+    return _rotate_plain(q, cos, sin, position_ids, interleaved), _rotate_plain(k, cos, sin, position_ids, interleaved)
 
 
 def _features(cos: Tensor, d: int, position_ids, interleaved: bool) -> frozenset:
@@ -237,6 +265,8 @@ def rotary_embedding(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, position
     (rotary_dim, if given, must equal R), the rest pass through.  interleaved: pairs (x[2i], x[2i+1]) instead of
     (x[i], x[i + R/2])."""
     validate(q, k, cos, sin, position_ids, interleaved, rotary_dim)
+    if is_empty_call(q, k, cos, sin):
+        return _empty_result(q, k, cos, sin, position_ids, interleaved)
     mode = eager_mode(q, k, cos, sin)
     if mode == DIRECT:
         return _route(q, k, cos, sin, position_ids, interleaved)
