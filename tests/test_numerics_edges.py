@@ -180,6 +180,19 @@ def test_empty_refusals_still_name_the_argument():
 
 
 # ---- the NaN / Inf policy -----------------------------------------------------------------------------
+def attention64(q, k, v, mask=None):
+    """Plain softmax attention in float64 with the policy's edge rules (tests/test_bad_inputs.py has the same):
+    a row with no key gives 0 and lse -inf, a row with a +inf or NaN score NaN and lse NaN."""
+    s = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
+    lse = torch.logsumexp(s, -1)
+    lse = lse.masked_fill(torch.isposinf(lse), float("nan"))
+    empty = torch.isneginf(lse)
+    p = torch.exp(s - lse.masked_fill(empty, 0.0)[..., None]).masked_fill(empty[..., None], 0.0)
+    return p @ v, lse
+
+
 def _nan_cases():
     g = torch.Generator().manual_seed(3)
     base = [torch.randn(1, 2, 9, 32, generator=g).half() for _ in range(3)]
@@ -210,8 +223,8 @@ NAN_CASES = _nan_cases()
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", list(NAN_CASES))
-def test_attention_nan_inf_policy_follows_sdpa(backend, name):
-    """out is NaN / Inf exactly where SDPA's (float64) is, and equal elsewhere; a fully masked row gives out 0 and
+def test_attention_nan_inf_policy(backend, name):
+    """out is NaN / Inf exactly where plain softmax attention's (float64) is, and equal elsewhere; a fully masked row gives out 0 and
     lse -inf; a row with a +inf or NaN score gives lse NaN (the reference gave out 0 and lse +inf before)."""
     q, k, v, m = NAN_CASES[name]
     with opsadv.use_backend(backend):
@@ -219,9 +232,10 @@ def test_attention_nan_inf_policy_follows_sdpa(backend, name):
             if not any(c.chosen for c in opsadv.explain("flash_attention", q, k, v, attn_mask=m).candidates):
                 pytest.skip("no cuda impl takes this mask on CPU")
         out, lse = opsadv.ops.flash_attention(q, k, v, attn_mask=m, return_lse=True)
-    want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(),
-                                          attn_mask=None if m is None else m if m.dtype == torch.bool else m.double())
+    want, want_lse = attention64(q.double(), k.double(), v.double(),
+                                 None if m is None else m if m.dtype == torch.bool else m.double())
     out = out.double()
+    assert torch.equal(torch.isnan(lse), torch.isnan(want_lse)) and torch.equal(torch.isinf(lse), torch.isinf(want_lse))
     assert torch.equal(torch.isnan(out), torch.isnan(want)), name
     assert torch.equal(torch.isfinite(out), torch.isfinite(want)), name
     fin = torch.isfinite(want)
