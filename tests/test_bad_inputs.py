@@ -202,3 +202,15 @@ def test_bad_input_gives_a_clear_error_or_the_right_result(backend, op, mutation
         assert torch.equal(torch.isnan(g), torch.isnan(w)) and torch.equal(torch.isinf(g), torch.isinf(w)), mutation
         fin = torch.isfinite(w)
         torch.testing.assert_close(g[fin], w[fin], atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("activation", ["none", "relu", "gelu", "gelu_tanh", "silu"])
+def test_gemm_epilogues_keep_a_nan_row_nan(backend, activation):
+    """A NaN in row 2 of a gives NaN across row 2 of every epilogue and nothing elsewhere (relu too: torch.relu
+    keeps NaN, where the Triton epilogue's tl.maximum(z, 0) would give 0 on a GPU)."""
+    a, b = _r(6, 32), _r(32, 16) / 4
+    a[2, 5] = float("nan")
+    with opsadv.use_backend(backend):
+        y = opsadv.ops.gemm(a, b, activation=activation)
+    assert torch.isnan(y).any(-1).tolist() == [False, False, True, False, False, False] and torch.isnan(y[2]).all()
