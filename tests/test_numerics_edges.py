@@ -265,3 +265,9 @@ def test_nan_stays_in_its_row_for_norms_and_gemm(backend):
         bad = torch.isnan(y).any(-1)
         assert bad.tolist() == [False, False, True, False, False, False], op
         assert torch.isnan(y[2]).all(), op
+
+
+def test_explain_says_an_empty_call_runs_no_kernel():
+    exp = opsadv.explain("gemm", torch.randn(0, 8), torch.randn(8, 4))
+    assert exp.chosen is None and "no kernel runs" in exp.why and not any(c.chosen for c in exp.candidates)
+    assert opsadv.explain("gemm", torch.randn(2, 8), torch.randn(8, 4)).chosen is not None

@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
+
 from . import dispatch
 from . import ops as _ops  # noqa: F401  (registers the ops first)
 from .errors import InvalidArgumentError, UnknownKeywordError
@@ -107,4 +109,10 @@ def explain(op: str, *args: Any, backward: bool = False, **kwargs: Any) -> dispa
     spec = _spec_for(op, args, kwargs, backward)
     spec, note = spec if isinstance(spec, tuple) else (spec, "")
     exp, _ = dispatch.explain_spec(spec)
+    tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+    if _ops._common.is_empty_call(*tensors):       # the op answers these itself (docs/conformance.md)
+        return dataclasses.replace(exp, chosen=None, candidates=tuple(dataclasses.replace(c, chosen=False)
+                                                                      for c in exp.candidates),
+                                   why="an operand is empty: the op computes the (empty / zero) result itself in "
+                                       "plain torch, and no kernel runs")
     return dataclasses.replace(exp, why=f"{exp.why}; {note}") if note else exp
