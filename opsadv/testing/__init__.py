@@ -7,10 +7,10 @@ matrix as JSON / Markdown.
 """
 from __future__ import annotations
 
-from .cases import CATALOGUE, TOLERANCE, Case
+from .cases import BASELINE_FACTOR, CATALOGUE, TOLERANCE, Case
 from .runner import Result, default_device, iter_cases, run_case, run_conformance, run_graph_checks
 
-__all__ = ["CATALOGUE", "TOLERANCE", "Case", "Result", "run_case", "run_conformance", "run_graph_checks",
+__all__ = ["BASELINE_FACTOR", "CATALOGUE", "TOLERANCE", "Case", "Result", "run_case", "run_conformance", "run_graph_checks",
            "iter_cases", "default_device"]
 
 
