@@ -99,7 +99,8 @@ def _judge(xs, bases, oracles, k: float, floor: float) -> _Verdict:
         # the error's component along the oracle (a scale error) under the same rule: rounding noise has almost
         # none, so a 0.5% scale error hidden in bf16 noise still shows
         if on > 0.0:
-            bias, biasb = abs(((x - o) * o).sum().item()) / on ** 2, abs(((bs - o) * o).sum().item()) / on ** 2
+            # (along the unit vector o / ||o||, relative to the floored scale: bounded by rel for a ~0 oracle)
+            bias, biasb = (abs(((t - o) * o).sum().item()) / (on * scale) for t in (x, bs))
             if not bias <= k * biasb + floor:
                 return _Verdict(False, rel, relb, f"output {i}: scale error {bias:.3g} > {k:g} x baseline "
                                                   f"{biasb:.3g} + {floor:g} (rel err {rel:.3g})")
