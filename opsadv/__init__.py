@@ -17,8 +17,8 @@ from .core.info import info  # noqa: E402
 from .core.version import __version__  # noqa: E402
 from . import _hf_seam  # noqa: E402
 from .core.kernel import CallSpec, KernelImpl, Profile, ResolveContext  # noqa: E402
-from .core import layout as _layout  # noqa: E402
-from .core.layout import SparseLayout  # noqa: E402
+from .ops.sparse_attention import layout as _layout  # noqa: E402
+from .ops.sparse_attention.layout import SparseLayout  # noqa: E402
 from .core.policy import Backend, current_policy, use_backend  # noqa: E402
 from .core.precision import PrecisionPolicy  # noqa: E402
 

@@ -21,7 +21,7 @@ from .core import tuning
 from .core.device_check import check_device
 from .core.env import current_env
 from .core.errors import BackendUnavailableError, InvalidArgumentError, OpsadvError, UnknownOptionError
-from .core.kernel import OPS
+from .core.opdef import OPS
 from .demo import run_demo
 
 log = logging.getLogger("opsadv")
@@ -98,6 +98,8 @@ def _dtypes(spec: str) -> tuple:
 def _ops(spec: str) -> list[str]:
     """--ops "gemm,rms_norm" -> op names; an unknown one (a typo ran nothing and passed) is refused."""
     names = _split(spec)
+    if any(n not in OPS for n in names):
+        get_registry()          # plugins' ops (opsadv_register_ops) are known once discovery ran
     bad = [n for n in names if n not in OPS] or ([] if names else [spec])
     if bad:
         import difflib
@@ -207,7 +209,7 @@ def _cmd_bench(args) -> int:
                             part=(i, n), progress=args.progress)
 
 
-INFO_HELP = "hardware, opsadv and library versions, backends, probe results, plugin failures, profile"
+INFO_HELP = "hardware, opsadv and library versions, backends, probe results, plugin failures and side effects, profile"
 
 
 def build_parser() -> argparse.ArgumentParser:

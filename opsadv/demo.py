@@ -8,6 +8,7 @@ import torch
 
 import opsadv
 from opsadv.core.device_check import check_device
+from opsadv.core.opdef import get_op, op_defs
 
 
 def _rel(a, b) -> float:
@@ -16,25 +17,13 @@ def _rel(a, b) -> float:
 
 
 def _cases(device: str, dtype: torch.dtype):
+    """(op, args, kwargs) for every registered op that has demo inputs (OpDef.demo), GPU-sized on a GPU."""
     g = torch.Generator().manual_seed(int(time.time()))
-    r = lambda *s: torch.randn(*s, generator=g).to(device=device, dtype=dtype)  # noqa: E731
     big = device.startswith("cuda")
-    b, h, hkv, s, d = (2, 16, 4, 1024, 128) if big else (1, 4, 2, 100, 64)
-    q, k, v = r(b, h, s, d), r(b, hkv, s, d), r(b, hkv, s, d)
-    m, kk, n = (4096, 2048, 2048) if big else (100, 96, 80)
-    x, w, w2, bias = r(m, kk), r(kk, n) * kk ** -0.5, r(kk, 2 * n) * kk ** -0.5, r(n)
-    hid = r(m, kk)
-    bs = 64 if big else 16
-    nb = -(-s // bs)
-    layout = opsadv.SparseLayout(s, s, bs, torch.zeros(1, 1, nb, nb, dtype=torch.bool, device=device),
-                                 causal=True, window=(4 * bs, 0))
-    yield "flash_attention", (q, k, v), {"causal": True}
-    yield "sparse_attention", (q, k, v, layout), {}
-    yield "gemm", (x, w), {"bias": bias, "activation": "gelu_tanh"}
-    yield "swiglu_gemm", (x, w2), {}
-    yield "swiglu", (r(m, 2 * n),), {}
-    yield "layer_norm", (hid, r(kk), r(kk), 1e-5), {"residual": r(m, kk)}
-    yield "rms_norm", (hid, r(kk), 1e-6), {"residual": r(m, kk)}
+    for d in op_defs():
+        if d.demo is not None:
+            args, kwargs = d.demo(device, dtype, g, big)
+            yield d.name, args, kwargs
 
 
 def _to64(x):
@@ -61,7 +50,7 @@ def run_demo(backend: str = "auto", device: str | None = None, as_json: bool = F
     bad = 0
     rows = []
     for op, args, kwargs in _cases(device, dtype):
-        fn = getattr(opsadv.ops, op)
+        fn = get_op(op).fn
         with opsadv.trace() as t:
             out = fn(*args, **kwargs)
         if cuda:
@@ -72,7 +61,7 @@ def run_demo(backend: str = "auto", device: str | None = None, as_json: bool = F
             torch.cuda.synchronize()
         ms = (time.perf_counter() - t0) * 1e3
         with opsadv.use_backend("reference"):
-            ref = getattr(opsadv.ops, op)(*[_to64(a) for a in args], **{k: _to64(v) for k, v in kwargs.items()})
+            ref = fn(*[_to64(a) for a in args], **{k: _to64(v) for k, v in kwargs.items()})
         outs = out if isinstance(out, tuple) else (out,)
         refs = ref if isinstance(ref, tuple) else (ref,)
         err = max(_rel(o, r) for o, r in zip(outs, refs))
@@ -81,14 +70,14 @@ def run_demo(backend: str = "auto", device: str | None = None, as_json: bool = F
         impl = ", ".join(t.counts) or "?"
         rows.append({"op": op, "impl": impl, "rel_err": err, "tolerance": tol, "ms": ms, "ok": ok})
         say(f"{op:18s} {impl:40s} {err:9.2e}  {ms:8.3f}  {'ok' if ok else 'MISMATCH'}")
-    _, args, kwargs = next(_cases(device, dtype))
-    exp = opsadv.explain("flash_attention", *args, **kwargs)
+    op, args, kwargs = next(_cases(device, dtype))
+    exp = opsadv.explain(op, *args, **kwargs)
     if as_json:
         import json
         print(json.dumps({"backend": str(b), "device": device, "dtype": str(dtype).replace("torch.", ""),
                           "opsadv": opsadv.__version__, "ops": rows, "failed": bad,
-                          "explain_flash_attention": exp.to_dict()}, indent=1))
+                          f"explain_{op}": exp.to_dict()}, indent=1))
         return 1 if bad else 0
-    print("\nwhy these kernels: opsadv.explain(op, *args) — e.g. for flash_attention:\n")
+    print(f"\nwhy these kernels: opsadv.explain(op, *args) — e.g. for {op}:\n")
     print(exp)
     return 1 if bad else 0

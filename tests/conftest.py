@@ -161,7 +161,7 @@ def load_without_gluon(monkeypatch, module, kernel_module_suffix: str):
     spec = importlib.util.spec_from_file_location(module.__name__ + "_nogluon", module.__file__,
                                                   submodule_search_locations=None)
     mod = importlib.util.module_from_spec(spec)
-    mod.__package__ = "opsadv.backends.cuda"
+    mod.__package__ = module.__package__
     spec.loader.exec_module(mod)
     return mod
 

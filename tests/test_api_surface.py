@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import opsadv
-from opsadv.core.kernel import OPS
+from opsadv.core.opdef import OPS
 from opsadv.errors import InvalidArgumentError, OpsadvError, UnknownKeywordError
 
 

@@ -4,14 +4,15 @@ workspace NaN-filled (an element a sum reads without the dK/dV kernel having wri
 by a small cap, odd lengths, causal with s_q != s_k, GQA / MQA; on a GPU, bf16 and the two-stream pipeline."""
 from __future__ import annotations
 
+import importlib
 import pytest
 import torch
 
 import opsadv
-from opsadv.backends.cuda import _attn_dq_gemm as G
-from opsadv.backends.cuda import attention as A
+from opsadv.backends.triton_common.flash_attention import dq_gemm as G
+from opsadv.backends.triton_common.flash_attention import attention as A
 from opsadv.core import dispatch
-from opsadv.core.ops import attention as OA
+OA = importlib.import_module("opsadv.ops.flash_attention")
 
 from conftest import rel_err, requires_gpu
 from test_cuda_attention import CASES, _ref
@@ -333,8 +334,8 @@ import json, os, re
 os.environ.pop("TRITON_INTERPRET", None)
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
-from opsadv.backends.cuda import _attn_dq_gemm as G
-from opsadv.backends.cuda import attention as A
+from opsadv.backends.triton_common.flash_attention import dq_gemm as G
+from opsadv.backends.triton_common.flash_attention import attention as A
 from opsadv.testing.sm90 import compile_sm90
 b, h, s, d = 4, 32, 4096, 128
 q = torch.randn(b, h, s, d, dtype=torch.bfloat16)
@@ -378,7 +379,7 @@ import json, os
 os.environ.pop("TRITON_INTERPRET", None)
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
-from opsadv.backends.cuda import attention as A
+from opsadv.backends.triton_common.flash_attention import attention as A
 from opsadv.testing.sm90 import compile_sm90
 b, h, g, s, d = 1, 32, 4, 16384, 128
 q = torch.randn(b, h, s, d, dtype=torch.bfloat16)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import opsadv
-from opsadv.core.layout import SparseLayout
+from opsadv.ops.sparse_attention.layout import SparseLayout
 
 
 def _backends():

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import opsadv
 from opsadv.core.errors import InvalidArgumentError, NoKernelError
-from opsadv.core.layout import SparseLayout
+from opsadv import SparseLayout
 
 BACKENDS = ("reference", "cuda")
 DT = torch.float16          # every cuda impl serves it under the interpreter

@@ -138,7 +138,7 @@ def test_gemm_own_row_prefers_gluon_then_triton():
     kernel: under the interpreter Gluon refuses (even with experimental kernels allowed), so Triton."""
     import opsadv
     import opsadv.bench.suite_gemm as S
-    from opsadv.core.ops.gemm import _gemm_spec
+    from opsadv.ops.gemm import _gemm_spec
     from opsadv.registry import get_registry
     assert S.OWN_PREFIXES == ("cuda.gluon.", "cuda.triton.")
     a, b = torch.randn(64, 32, dtype=torch.float16), torch.randn(32, 48, dtype=torch.float16)

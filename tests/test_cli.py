@@ -79,7 +79,7 @@ class Twin:
     @_hook
     def opsadv_register_kernels(self, registry, env):
         from opsadv import KernelImpl
-        from opsadv.backends.reference.kernels import rms_norm_fwd
+        from opsadv.ops.norm.reference import rms_norm_fwd
         registry.add(KernelImpl(id="twin.rms_norm", op="rms_norm", backend="twin", fn=rms_norm_fwd, priority=150,
                                 device_types=("cpu",), dtypes=(torch.float32,), features=frozenset({"weight"})))
 

@@ -11,9 +11,9 @@ import torch
 
 import opsadv
 from opsadv import KernelImpl
-from opsadv.backends.cuda import sdpa
-from opsadv.backends.reference import ATTN_FEATURES
-from opsadv.backends.reference import kernels as K
+from opsadv.backends.cuda.flash_attention import sdpa
+from opsadv.ops.flash_attention import reference as K
+from opsadv.ops.flash_attention.reference import FEATURES as ATTN_FEATURES
 from opsadv.core import dispatch
 from opsadv.registry import BackendInfo, ProbeResult, hookimpl
 

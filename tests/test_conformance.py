@@ -64,7 +64,7 @@ class _CpuToyBackend:
 
 def _rms_norm_without_weight(ctx, x, weight, eps, residual, offset):
     """The reference rms_norm forward that forgets the weight: the toy backends' planted bug."""
-    from opsadv.backends.reference.kernels import rms_norm_fwd
+    from opsadv.ops.norm.reference import rms_norm_fwd
     return rms_norm_fwd(ctx, x, None, eps, residual, offset)
 
 
@@ -135,7 +135,7 @@ class WrongInference(_CpuToyBackend):
 
     @hookimpl
     def opsadv_register_kernels(self, registry, env):
-        from opsadv.backends.reference.kernels import rms_norm_bwd, rms_norm_fwd
+        from opsadv.ops.norm.reference import rms_norm_bwd, rms_norm_fwd
         registry.add(KernelImpl(id="wronginf.rms_norm", op="rms_norm", backend="wronginf", fn=rms_norm_fwd,
                                 backward=rms_norm_bwd, inference=_rms_norm_without_weight, device_types=("cpu",),
                                 dtypes=(torch.float32,), features=frozenset({"weight"})))

@@ -8,7 +8,7 @@ import torch
 
 import opsadv
 from opsadv import SparseLayout
-from opsadv.core import layout as layout_mod
+from opsadv.core import sparse_tiles as layout_mod
 from opsadv.errors import InvalidArgumentError
 from opsadv.runtime import graphs
 
@@ -133,7 +133,7 @@ def test_static_tile_index_lists_same_tiles(monkeypatch, make):
 def test_static_packed_layout_kernel_matches_reference(monkeypatch):
     """The cuda backend's sparse kernel (Triton interpreter) over a packed layout with a filler
     segment and a statically built tile index equals the reference on the real rows."""
-    pytest.importorskip("opsadv.backends.cuda.sparse")
+    pytest.importorskip("opsadv.backends.triton_common.sparse_attention.sparse")
     torch.manual_seed(0)
     n, rows = 51, 70
     cu = torch.tensor([0, 20, 20, 51, rows], dtype=torch.int32)

@@ -10,7 +10,7 @@ import torch
 
 import opsadv
 from opsadv.convert import hf_attention as H
-from opsadv.core.layout import SparseLayout
+from opsadv.ops.sparse_attention.layout import SparseLayout
 from opsadv.core.precision import PrecisionPolicy
 
 from conftest import rel_err

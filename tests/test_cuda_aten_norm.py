@@ -4,8 +4,8 @@ import zlib
 import pytest
 import torch
 
-from opsadv.backends.cuda import aten_norm as A
-from opsadv.backends.reference import kernels as R
+from opsadv.backends.cuda.norm import aten as A
+from opsadv.ops.norm import reference as R
 
 from conftest import rel_err
 
@@ -74,7 +74,7 @@ needs_fused_rms = pytest.mark.skipif(not FUSED_RMS, reason="aten._fused_rms_norm
 def test_rms_forward_stats_feed_the_triton_backward(residual):
     """aten's RMSNorm forward has no backward impl: its rstd must be what the Triton backward reads."""
     import types
-    from opsadv.backends.cuda.norm import _backward
+    from opsadv.backends.triton_common.norm.norm import _backward
     g = torch.Generator().manual_seed(3)
     x, w, dy = torch.randn(7, 33, generator=g), torch.randn(33, generator=g), torch.randn(7, 33, generator=g)
     res = torch.randn(7, 33, generator=g) if residual else None

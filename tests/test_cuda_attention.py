@@ -4,13 +4,14 @@ backward; declared limits; and, on a GPU, bf16/fp16 plus the SDPA vendor impls a
 choice per bucket."""
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
 import torch
 
 import opsadv
-from opsadv.backends.reference import kernels as R
+from opsadv.ops.flash_attention import reference as R
 from opsadv.errors import NoKernelError
 
 from conftest import rel_err, requires_gpu
@@ -71,7 +72,7 @@ def test_backward_tma_loads_match_reference(b, hq, hkv, sq, sk, d, causal, seed,
     """The backward with its streamed tiles (q / dO, k / v) loaded through (b, h, s, d) descriptors, as the h100
     profile's TMA configs run it: ragged tails (zero rows from the descriptor bounds), GQA / MQA, s_q != s_k,
     decode.  Head dim 96 is padded to 128 in registers: no descriptor path there."""
-    from opsadv.backends.cuda import attention as A
+    from opsadv.backends.triton_common.flash_attention import attention as A
     monkeypatch.setenv("OPSADV_POISON_OUTPUTS", "1")
     orig, real = A._configs, A.desc_bhsd
     monkeypatch.setattr(A, "_configs", lambda ctx, which, d_, tma_ok: [
@@ -86,9 +87,9 @@ def test_backward_tma_loads_match_reference(b, hq, hkv, sq, sk, d, causal, seed,
 @pytest.mark.parametrize("b,hq,hkv,sq,sk,d,causal", [CASES[1], CASES[3], CASES[4], CASES[6]])
 def test_atomic_dq_backward_matches_reference(b, hq, hkv, sq, sk, d, causal, seed, monkeypatch):
     """The experimental non-deterministic variant (dQ by fp32 atomics in the dK/dV kernel)."""
-    from opsadv.backends.cuda import attention as A
+    from opsadv.backends.triton_common.flash_attention import attention as A
     from opsadv.core import dispatch
-    from opsadv.core.ops import attention as OA
+    OA = importlib.import_module("opsadv.ops.flash_attention")
     monkeypatch.setenv("OPSADV_POISON_OUTPUTS", "1")
     q = torch.randn(b, hq, sq, d, dtype=torch.float16)
     k = torch.randn(b, hkv, sk, d, dtype=torch.float16)
@@ -146,7 +147,7 @@ def test_non_contiguous_inputs_and_deterministic_policy(seed):
 
 
 def test_profiles_carry_attention_tiles_and_interpreter_does_not_autotune():
-    from opsadv.backends.cuda import attention as A
+    from opsadv.backends.triton_common.flash_attention import attention as A
     from opsadv.backends.cuda.profiles import PROFILES
     for p in PROFILES:
         tiles = p.tiles["flash_attention"]
@@ -169,7 +170,7 @@ def test_profiles_carry_attention_tiles_and_interpreter_does_not_autotune():
     (2, 8, 2, 1000, 1000, 128, True), (1, 4, 4, 333, 200, 128, True), (1, 4, 4, 1, 1000, 64, False),
     (1, 4, 2, 300, 300, 256, True), (1, 4, 2, 257, 257, 96, False)])
 def test_gpu_triton(b, hq, hkv, sq, sk, d, causal, dtype, seed, monkeypatch):
-    from opsadv.backends.cuda import attention as A
+    from opsadv.backends.triton_common.flash_attention import attention as A
     monkeypatch.setattr(A, "_autotune", lambda ctx, device: False)   # the profile's default tiles (fast to compile)
     monkeypatch.setenv("OPSADV_POISON_OUTPUTS", "1")
     tol = 1.5e-2 if dtype == torch.bfloat16 else 3e-3
@@ -187,7 +188,7 @@ def test_gpu_triton(b, hq, hkv, sq, sk, d, causal, dtype, seed, monkeypatch):
     (1, 4, 1, 300, 517, 64, True)])
 def test_gpu_triton_backward_tma_loads(b, hq, hkv, sq, sk, d, causal, dtype, seed, monkeypatch):
     """The backward's descriptor loads (every TMA config of the h100 space forced in turn) on the GPU."""
-    from opsadv.backends.cuda import attention as A
+    from opsadv.backends.triton_common.flash_attention import attention as A
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("TMA needs sm_90+")
     monkeypatch.setattr(A, "_autotune", lambda ctx, device: False)
@@ -210,10 +211,10 @@ def test_gpu_triton_backward_tma_loads(b, hq, hkv, sq, sk, d, causal, dtype, see
 @pytest.mark.parametrize("b,hq,hkv,sq,sk,d,causal", [(2, 8, 2, 1000, 1000, 128, True), (1, 4, 4, 333, 200, 64, True),
                                                       (1, 4, 2, 257, 300, 96, False)])
 def test_gpu_triton_atomic_dq_backward(b, hq, hkv, sq, sk, d, causal, seed, monkeypatch):
-    from opsadv.backends.cuda import attention as A
+    from opsadv.backends.triton_common.flash_attention import attention as A
     monkeypatch.setattr(A, "_autotune", lambda ctx, device: False)
     from opsadv.core import dispatch
-    from opsadv.core.ops import attention as OA
+    OA = importlib.import_module("opsadv.ops.flash_attention")
     q = torch.randn(b, hq, sq, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(b, hkv, sk, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
@@ -233,7 +234,7 @@ def test_gpu_triton_atomic_dq_backward(b, hq, hkv, sq, sk, d, causal, seed, monk
 @pytest.mark.parametrize("impl_id", ["cuda.sdpa.cudnn", "cuda.sdpa.flash", "cuda.sdpa.efficient"])
 def test_gpu_vendor_impls(impl_id, seed):
     from opsadv.core import dispatch
-    from opsadv.core.ops import attention as A
+    A = importlib.import_module("opsadv.ops.flash_attention")
     from opsadv.registry import get_registry
     impl = next(i for i in get_registry().impls_by_op["flash_attention"] if i.id == impl_id)
     q = torch.randn(2, 8, 300, 64, device="cuda", dtype=torch.bfloat16)
@@ -252,11 +253,32 @@ def test_gpu_vendor_impls(impl_id, seed):
         assert rel_err(x, ref) < 1.5e-2
 
 
+@requires_gpu
+def test_gpu_cudnn_training_calls_run_under_torch_autograd(seed):
+    """cuda.sdpa.cudnn's `train` forward: an eager training call runs cuDNN's aten op under torch's own autograd
+    (no opsadv Function, no backward dispatch), on q / k / v / dout laid out as transformers hands them ((b, s, h, d)
+    memory, GQA), on the full and the fast path; forward, lse and gradients against float64."""
+    b, hq, hkv, s, d = 2, 8, 2, 300, 64
+    qkv = torch.randn(b, s, hq + 2 * hkv, d, device="cuda", dtype=torch.bfloat16)
+    q, k, v = (t.transpose(1, 2) for t in qkv.split([hq, hkv, hkv], dim=2))
+    do = torch.randn(b, s, hq, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    ro, rl, ref = _ref(q, k, v, do, True, 0.125)
+    for _ in range(2):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        with opsadv.use_backend("cuda", impls={"flash_attention": "cuda.sdpa.cudnn"}), opsadv.trace() as t:
+            out, lse = opsadv.ops.flash_attention(*leaves, causal=True, scale=0.125, return_lse=True)
+            out.backward(do)
+        assert "FlashAttentionTrainFn" not in type(out.grad_fn).__name__ and t.counts["cuda.sdpa.cudnn"] == 1
+        assert rel_err(out, ro) < 1.5e-2 and rel_err(lse, rl) < 1e-5
+        for x, want in zip(leaves, ref):
+            assert rel_err(x.grad, want) < 1.5e-2
+
+
 def _cross_pairs(device, dtype, ids, tol, shape=(2, 8, 2, 300, 300, 128)):
     """The dispatcher resolves forward and backward separately (each bucket measured on its own), so any
     impl's backward may run on another impl's (out, lse): every ordered pair must give the float64 grads."""
     from opsadv.core import dispatch
-    from opsadv.core.ops import attention as A
+    A = importlib.import_module("opsadv.ops.flash_attention")
     from opsadv.registry import get_registry
     b, hq, hkv, sq, sk, d = shape
     q = torch.randn(b, hq, sq, d, device=device, dtype=dtype)
@@ -296,9 +318,9 @@ def test_gpu_every_forward_with_every_backward(seed):
 def _every_tile_config(device, dtype, d, tma_ok, profile=None):
     """Each config of the profile's autotune space (TMA ones included on a GPU), forced in turn,
     on ragged shapes (s_q > s_k, causal: rows with no key), forward and backward."""
-    from opsadv.backends.cuda import attention as A
+    from opsadv.backends.triton_common.flash_attention import attention as A
     from opsadv.core import dispatch
-    from opsadv.core.ops import attention as OA
+    OA = importlib.import_module("opsadv.ops.flash_attention")
     q = torch.randn(1, 4, 133, d, device=device, dtype=dtype)
     k = torch.randn(1, 2, 100, d, device=device, dtype=dtype)
     v = torch.randn_like(k)
@@ -377,9 +399,9 @@ FWD_VARIANTS = [  # forward kernel variants a profile config may switch on
 def test_forward_variants_match_reference(flags, b, hq, hkv, sq, sk, d, causal, seed, monkeypatch):
     """Conditional rescaling and the software-pipelined kv loop compute the same function: scores
     scaled so that row maxima grow across kv blocks (the rescale path is taken and skipped)."""
-    from opsadv.backends.cuda import attention as A
+    from opsadv.backends.triton_common.flash_attention import attention as A
     from opsadv.core import dispatch
-    from opsadv.core.ops import attention as OA
+    OA = importlib.import_module("opsadv.ops.flash_attention")
     monkeypatch.setenv("OPSADV_POISON_OUTPUTS", "1")
     q = torch.randn(b, hq, sq, d, dtype=torch.float16)
     k = torch.randn(b, hkv, sk, d, dtype=torch.float16) * torch.linspace(0.2, 2.0, sk).view(1, 1, sk, 1).half()
@@ -406,7 +428,7 @@ def test_efficient_masked_backward_recompute_matches_reference(causal, mask_kind
     """The masked half-precision backward of cuda.sdpa.efficient (recomputed through SDPA's own
     autograd; MATH on CPU here, the efficient kernel on a GPU): gradients equal the reference's,
     rows the mask empties give zero gradients, GQA reduced back to the kv heads."""
-    from opsadv.backends.cuda import sdpa as S
+    from opsadv.backends.cuda.flash_attention import sdpa as S
     g = torch.Generator().manual_seed(3)
     b, hq, hk, s, d = 1, 4, 2, 19, 16
     q = torch.randn(b, hq, s, d, generator=g, dtype=torch.float64)
@@ -429,7 +451,7 @@ def test_efficient_backward_gets_out_in_its_own_layout():
     """The cutlass backward reads out with a row stride of heads * head_dim, whatever the tensor says, so
     cuda.sdpa.efficient hands it out in (b, s, h, d) memory: a (b, h, s, d)-contiguous out (cuDNN's) is
     copied, one already in that memory (the efficient / Triton / Gluon forwards') is passed as is."""
-    from opsadv.backends.cuda import sdpa as S
+    from opsadv.backends.cuda.flash_attention import sdpa as S
     bhsd = torch.randn(2, 3, 5, 8)
     got = S._bmhk(bhsd)
     assert got.transpose(1, 2).is_contiguous() and torch.equal(got, bhsd) and got.data_ptr() != bhsd.data_ptr()
@@ -463,7 +485,7 @@ def test_training_calls_tune_each_impl_forward_with_its_own_backward(tmp_path, m
         with opsadv.use_backend("auto", autotune=True), opsadv.trace() as t:
             out = opsadv.ops.flash_attention(q, k, v, causal=True)
             dq, dk, dv = torch.autograd.grad(out, (q, k, v), do)
-        entries = {key: e for dev in json.loads((tmp_path / "tuning.json").read_text()).values()
+        entries = {key: e["value"] for dev in json.loads((tmp_path / "tuning.json").read_text())["sections"].values()
                    for key, e in dev.items()}
         train = [e for key, e in entries.items() if key.startswith("flash_attention|train|")]
         assert len(train) == 1 and len(train[0]["times_ms"]) >= 2, entries
@@ -496,7 +518,7 @@ import json, os, re
 os.environ.pop("TRITON_INTERPRET", None)
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
-from opsadv.backends.cuda import attention as A
+from opsadv.backends.triton_common.flash_attention import attention as A
 from opsadv.testing.sm90 import compile_sm90
 fn = A._bwd_kv_kernel
 b, hq, hkv, sq, sk, d, bm, bn = 1, 4, 2, 1000, 1000, 128, 64, 128
@@ -521,7 +543,7 @@ _BWD_LOADS_COMPILE = r"""
 import json, os
 os.environ.pop("TRITON_INTERPRET", None)
 import torch
-from opsadv.backends.cuda import attention as A
+from opsadv.backends.triton_common.flash_attention import attention as A
 from opsadv.testing.sm90 import compile_sm90
 b, h, s, d, bm, bn = 4, 32, 4096, 128, 64, 64
 q = torch.randn(b, h, s, d, dtype=torch.bfloat16)
@@ -563,7 +585,7 @@ def test_atomic_dq_backward_reduces_through_tma_on_sm90():
 def test_gpu_two_stream_backward_identical_and_graph_capturable(seed, monkeypatch):
     """CONCURRENT_BWD (dQ kernel on a side stream): the same bits as one stream, and the fork / join records into
     a CUDA graph whose replay gives the eager gradients."""
-    from opsadv.backends.cuda import attention as A
+    from opsadv.backends.triton_common.flash_attention import attention as A
     monkeypatch.setattr(A, "_autotune", lambda ctx, device: False)
     q, k, v, do = (torch.randn(2, 8, 700, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     pin = {"flash_attention": TRITON_ID}

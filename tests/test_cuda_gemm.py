@@ -7,7 +7,7 @@ import torch
 import opsadv
 from opsadv.core import dispatch
 from opsadv.core.kernel import ResolveContext
-from opsadv.core.ops.gemm import _gemm_spec, _swiglu_spec
+from opsadv.ops.gemm import _gemm_spec, _swiglu_spec
 from opsadv.errors import NoKernelError
 from opsadv.registry import get_registry
 
@@ -75,7 +75,7 @@ PERSISTENT_CONFIGS = [(32, 32, 32, 4, 1, 1, False), (32, 32, 32, 4, 1, 3, True),
 def test_persistent_kernel_configs(config, dtype):
     """The persistent kernel under explicit configs, every epilogue, into NaN-poisoned outputs:
     odd M (1, 3, 127), K and N not multiples of the tiles, b as (K, N) and as nn.Linear (N, K)."""
-    from opsadv.backends.cuda.gemm import _launch
+    from opsadv.backends.triton_common.gemm.gemm import _launch
     for i, (m, k, n) in enumerate([(1, 40, 24), (3, 200, 56), (127, 24, 136)]):
         a, b, bias, res = _inputs(m, k, n, dtype, transposed=i % 2 == 0, seed=10 + i)
         for j, act in enumerate(ACTS):
@@ -235,7 +235,7 @@ def test_tma_rejects_unaligned_rows():
 
 @pytest.mark.parametrize("profile", ["jetson", "interpreter"])
 def test_profiles_fixed_tiles(profile):
-    from opsadv.backends.cuda.gemm import _fixed_config
+    from opsadv.backends.triton_common.gemm.gemm import _fixed_config
     bm, bn, bk, w, s = _fixed_config(profile, "gemm", 4096, 4096)
     if profile == "jetson":
         assert max(bm, bn, bk) <= 64 and s <= 2
@@ -273,13 +273,14 @@ def test_hopper_ranks_cublas_epilogue_above_triton():
     """On cc >= 9.0 the unfused cuBLAS epilogue path outranks the Triton GEMM (measured there);
     elsewhere Triton's fused epilogue keeps its rank.  SwiGLU keeps Triton everywhere."""
     import dataclasses
-    from opsadv.backends.cuda import gemm as G
+    from opsadv.backends.cuda.gemm import cublas as CB
+    from opsadv.backends.triton_common.gemm import gemm as G
     from opsadv.core.env import current_env
     base = current_env()
     rank = {}
     for cc in ((9, 0), (8, 0)):
         env = dataclasses.replace(base, device_type="cuda", compute_capability=cc)
-        rank[cc] = {i.id: i.priority for i in G.impls(env)}
+        rank[cc] = {i.id: i.priority for i in G.impls(env) + CB.impls(env)}
     h, a = rank[(9, 0)], rank[(8, 0)]
     if "cuda.triton.gemm_tma" in h:
         assert h["cuda.cublas.gemm_epilogue"] > h["cuda.triton.gemm_persistent"] > h["cuda.triton.gemm_tma"] \

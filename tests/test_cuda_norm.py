@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import opsadv
-from opsadv.backends.cuda.norm import MAX_HIDDEN
+from opsadv.backends.triton_common.norm.norm import MAX_HIDDEN
 
 from conftest import HAS_CUDA, rel_err, requires_gpu
 
@@ -118,7 +118,7 @@ def test_gpu_norm_bf16(op, n):
 
 
 def test_backward_config_fits_register_file():
-    from opsadv.backends.cuda.norm import bwd_config
+    from opsadv.backends.triton_common.norm.norm import bwd_config
     for n in (1, 64, 1000, 1024, 4096, 8192, 16384, 65536):
         block, rows, warps, per_sm = bwd_config(n)
         assert block >= n and block & (block - 1) == 0 and rows >= 1 and 4 <= warps <= 16
@@ -134,7 +134,7 @@ def test_every_forward_candidate_matches_reference(rms, n):
     normalization: 37 rows (not a multiple of any ROWS), a residual, NaN-poisoned outputs."""
     from types import SimpleNamespace
 
-    from opsadv.backends.cuda.norm import _forward, fwd_candidates
+    from opsadv.backends.triton_common.norm.norm import _forward, fwd_candidates
     g = torch.Generator().manual_seed(n + rms)
     x, res = (torch.randn(37, n, generator=g).to(DEV) for _ in range(2))
     w, b = torch.randn(n, generator=g).to(DEV), torch.randn(n, generator=g).to(DEV)
@@ -160,8 +160,8 @@ def test_gpu_every_forward_candidate_bf16(rms, n, monkeypatch):
     a residual, 37 rows, NaN-poisoned outputs, against float64."""
     from types import SimpleNamespace
 
-    from opsadv.backends.cuda import norm as N
-    from opsadv.backends.cuda.norm import _forward, fwd_candidates
+    from opsadv.backends.triton_common.norm import norm as N
+    from opsadv.backends.triton_common.norm.norm import _forward, fwd_candidates
     # NaN outputs on the GPU too (the library poisons only in the interpreter: this buffer is on every call's path)
     monkeypatch.setattr(N, "_poisoned", lambda shape, dtype, dev: torch.full(shape, float("nan"), dtype=dtype,
                                                                                device=dev))
@@ -183,7 +183,7 @@ def test_gpu_every_forward_candidate_bf16(rms, n, monkeypatch):
 
 
 def test_forward_candidates_fit():
-    from opsadv.backends.cuda.norm import LOOP_MIN_BLOCK, fwd_candidates, fwd_config
+    from opsadv.backends.triton_common.norm.norm import LOOP_MIN_BLOCK, fwd_candidates, fwd_config
     for n in (1, 64, 1000, 1024, 4096, 8192, 65536):
         block, rows, warps = fwd_config(n)
         cands = fwd_candidates(n)
@@ -210,7 +210,7 @@ def test_looped_forward_matches_reference(rms, n, chunk, rows, fixed):
     rstd statistics, NaN-poisoned outputs; against float64.  fixed: the hidden size compiled in (N_FIXED)."""
     from types import SimpleNamespace
 
-    from opsadv.backends.cuda.norm import _forward
+    from opsadv.backends.triton_common.norm.norm import _forward
     g = torch.Generator().manual_seed(n + 7 * rms)
     x, res = (torch.randn(37, n, generator=g).to(DEV) + 3.0 for _ in range(2))   # a mean far from 0 for LayerNorm
     w, b = torch.randn(n, generator=g).to(DEV), torch.randn(n, generator=g).to(DEV)
@@ -244,7 +244,7 @@ def test_forward_tile_is_picked_once_per_key(monkeypatch):
     lookup (the per-call path of host-bound decode calls) and never ask the tuner again."""
     from types import SimpleNamespace
 
-    from opsadv.backends.cuda import norm as N
+    from opsadv.backends.triton_common.norm import norm as N
     N._kernels()
     asked = []
 

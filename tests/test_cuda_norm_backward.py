@@ -1,4 +1,4 @@
-"""The cuda backend's persistent norm backward kernel (opsadv.backends.cuda.norm._backward) under
+"""The cuda backend's persistent norm backward kernel (opsadv.backends.triton_common.norm.norm._backward) under
 the interpreter, against autograd of the float64 formula: odd hidden sizes, 1 / 3 / 127 rows,
 tiles of several rows, few programs (each walks many tiles, the last one a ragged run), with and
 without the residual gradient, weight, bias and offset; dx, dweight and dbias."""
@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-from opsadv.backends.cuda.norm import _backward, _next_pow2
+from opsadv.backends.triton_common.norm.norm import _backward, _next_pow2
 
 from conftest import rel_err
 
@@ -71,7 +71,7 @@ def test_backward_kernel_without_weight_noncontiguous_fp16():
 def test_stage2_reduce_kernel(p, n, parts):
     """Stage 2 alone: column sums of (P, N) float32 partials over several BLOCK_P steps (P > 64 on a
     GPU with many programs), ragged column strips, cast to the output dtype; outputs poisoned first."""
-    from opsadv.backends.cuda import norm as N
+    from opsadv.backends.triton_common.norm import norm as N
     g = torch.Generator().manual_seed(p * 100 + n)
     dw_part, db_part = torch.randn(p, n, generator=g), torch.randn(p, n, generator=g)
     dw = torch.full((n,), float("nan"), dtype=torch.float16)

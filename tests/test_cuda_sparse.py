@@ -12,7 +12,7 @@ from opsadv.core import dispatch
 
 from conftest import rel_err, requires_gpu
 
-sparse_mod = pytest.importorskip("opsadv.backends.cuda.sparse")
+sparse_mod = pytest.importorskip("opsadv.backends.triton_common.sparse_attention.sparse")
 triton = pytest.importorskip("triton")
 tl = triton.language
 
@@ -303,7 +303,7 @@ def test_forward_band_loop(name, loop, poison, monkeypatch):
 def test_band_width_tiles_is_the_widest_row_tile(name):
     """The persistent band kernel runs band_width_tiles() tiles per item: exactly the most any row tile visits
     (fewer would drop keys, more costs dummy tiles), from host arithmetic alone."""
-    from opsadv.backends.cuda._sparse_band_persist import band_width_tiles
+    from opsadv.backends.triton_common.sparse_attention.band_persist import band_width_tiles
     lay = BAND_LAYOUTS[name]()
     bm, bn = 32, 16
     ti = lay.tile_index(bm, bn)
@@ -334,7 +334,7 @@ def _fwd_loops(monkeypatch) -> list:
 
 def _persist_grids(monkeypatch) -> list:
     """The grids the persistent band kernel is launched with from now on (it still runs)."""
-    from opsadv.backends.cuda import _sparse_band_persist as P
+    from opsadv.backends.triton_common.sparse_attention import band_persist as P
     ran = []
     real = P._sparse_fwd_band_persist
 
@@ -352,7 +352,7 @@ def test_forward_band_persist(name, tma, poison, monkeypatch):
     """The persistent band forward (3 programs under the interpreter, so each walks several (head, q tile) items,
     with leading dummy tiles where a row tile is narrower than the widest): the reference's function, with K/V
     through descriptors or pointers; the kernel is the one that ran."""
-    from opsadv.backends.cuda import _sparse_band_persist as P
+    from opsadv.backends.triton_common.sparse_attention import band_persist as P
     ran = _persist_grids(monkeypatch)
     monkeypatch.setattr(sparse_mod, "FWD_DEFAULT", {"loop": "band_persist", "reverse": False, "tma": tma})
     make, b, *heads = LOOP_PATTERNS[name]
@@ -363,7 +363,7 @@ def test_forward_band_persist(name, tma, poison, monkeypatch):
 def test_default_takes_the_persistent_kernel_for_narrow_bands(monkeypatch):
     """FWD_DEFAULT: a band of <= PERSIST_MAX_TILES key tiles runs the persistent kernel, a wider one LOOP "band"
     (the interpreter's 32x16 tile); the reference's function either way."""
-    from opsadv.backends.cuda import _sparse_band_persist as P
+    from opsadv.backends.triton_common.sparse_attention import band_persist as P
     persist, loops = _persist_grids(monkeypatch), _fwd_loops(monkeypatch)
     narrow = SparseLayout.sliding_window(150, 20, causal=True, block_size=16)
     assert P.band_width_tiles(150, 150, 20, 0, True, 32, 16) <= sparse_mod.PERSIST_MAX_TILES
@@ -380,7 +380,7 @@ def test_band_persist_grid_follows_the_compiled_kernel():
     """The persistent grid's programs per SM come from the compiled kernel's shared memory and registers (sm_90
     compiles of 64x64 d128 kernels: 155,672 B / 219 registers -> 1, 106,512 / 163 and 114,712 / 179 -> 2; registers
     bind at 8 warps x 255)."""
-    from opsadv.backends.cuda._sparse_band_persist import resident_per_sm
+    from opsadv.backends.triton_common.sparse_attention.band_persist import resident_per_sm
     assert resident_per_sm(155672, 219, 4) == 1
     assert resident_per_sm(106512, 163, 4) == 2 and resident_per_sm(114712, 179, 4) == 2
     assert resident_per_sm(40000, 255, 8) == 1 and resident_per_sm(300000, 32, 4) == 1
@@ -401,10 +401,10 @@ def test_band_loop_only_for_band_layouts(monkeypatch):
 
 
 def test_long_row_tile_selection(monkeypatch):
-    """LONG_ROW_FWD applies only to long, contiguous rows without segments / padding / mixed block masks,
-    and never when the profile pins its own sparse tiles."""
-    monkeypatch.setattr(sparse_mod, "LONG_ROW_FWD", {"p": ((32, 32, 4, 1), 90)})
-    prof = SimpleNamespace(name="p", tiles={})
+    """The profile's long-row tile applies only to long, contiguous rows without segments / padding / mixed block
+    masks, and never when the profile pins bare sparse tiles or under the seed's tile_size."""
+    prof = SimpleNamespace(name="p", tiles={"sparse_attention": dict(sparse_mod.DEFAULT_TILES,
+                                                                     long_row=((32, 32, 4, 1), 90))}, extra={})
     win = SparseLayout.sliding_window(300, 80, causal=True, block_size=16)
     ti = win.tile_index(32, 16)
 
@@ -419,12 +419,24 @@ def test_long_row_tile_selection(monkeypatch):
     assert pick(glob, glob.tile_index(32, 16)) is None
     pinned = SimpleNamespace(name="p", tiles={"sparse_attention": ((32, 16, 4, 1),) * 3})
     assert pick(win, ti, pinned) is None
+    assert pick(win, ti, SimpleNamespace(name="p", tiles={}, extra={})) is None        # no long-row tile declared
+    assert pick(win, ti, SimpleNamespace(name="p[tile<=64]", tiles=prof.tiles, extra={"tile_size": 64})) is None
+
+
+_LONG_ROW_TILE = sparse_mod._long_row_tile
+
+
+def _long_row_tile_on(monkeypatch, tile):
+    """The active profile's long-row tile is `tile` (from one mean key per row on; None: no long-row tile)."""
+    rows = SimpleNamespace(name="long_row", tiles={"sparse_attention": {"long_row": (tile, 1)} if tile else {}},
+                           extra={})
+    monkeypatch.setattr(sparse_mod, "_long_row_tile", lambda profile, *args: _LONG_ROW_TILE(rows, *args))
 
 
 @pytest.mark.parametrize("name", ["window_wide", "dense_causal_cross", "window_cross"])
 def test_long_row_tile_path(name, poison, monkeypatch):
     """The forward with the long-row tile switched on (a tile index rebuilt at another shape): same function."""
-    monkeypatch.setattr(sparse_mod, "LONG_ROW_FWD", {"interpreter": ((16, 32, 4, 1), 1)})
+    _long_row_tile_on(monkeypatch, (16, 32, 4, 1))
     make, b, *heads = LOOP_PATTERNS[name]
     lay = make()
     ti = lay.tile_index(32, 16)
@@ -554,7 +566,7 @@ def test_training_calls_tune_each_impl_forward_with_its_own_backward(tmp_path, m
         with opsadv.use_backend("auto", autotune=True), opsadv.trace() as t:
             out = opsadv.ops.sparse_attention(q, k, v, lay)
             grads = torch.autograd.grad(out, (q, k, v), do)
-        entries = {key: e for dev in json.loads((tmp_path / "tuning.json").read_text()).values()
+        entries = {key: e["value"] for dev in json.loads((tmp_path / "tuning.json").read_text())["sections"].values()
                    for key, e in dev.items()}
         train = [e for key, e in entries.items() if key.startswith("sparse_attention|train|")]
         assert len(train) == 1 and len(train[0]["times_ms"]) >= 2, entries
@@ -609,7 +621,7 @@ def test_gpu_forward_band_loop(layout, loop, seed, poison, monkeypatch):
                                                              device="cuda")}[layout]()
     pin = {"sparse_attention": "cuda.triton.sparse_attention"}
     for tile in (None, (128, 128, 8, 3)):
-        monkeypatch.setattr(sparse_mod, "LONG_ROW_FWD", {} if tile is None else {"h100": (tile, 1)})
+        _long_row_tile_on(monkeypatch, tile)
         monkeypatch.setattr(sparse_mod, "FWD_DEFAULT", {"loop": loop, "reverse": False, "tma": "contiguous"})
         _check(lay, 1, hq=4, hk=2, d=128, dtype=torch.bfloat16, device="cuda", impls=pin)
 
@@ -655,7 +667,7 @@ from types import SimpleNamespace
 os.environ.pop("TRITON_INTERPRET", None)
 import torch
 from opsadv import SparseLayout
-from opsadv.backends.cuda import sparse as SP
+from opsadv.backends.triton_common.sparse_attention import sparse as SP
 from opsadv.backends.cuda.profiles import PROFILES
 from opsadv.testing.sm90 import compile_sm90
 captured = {}

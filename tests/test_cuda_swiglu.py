@@ -41,10 +41,10 @@ def test_triton_swiglu_matches_float64(shape, dtype):
     assert counts["cuda.triton.swiglu"] == 2                    # forward and backward both ran the kernels
 
 
-@pytest.mark.parametrize("cfg", __import__("opsadv.backends.cuda.swiglu", fromlist=["CONFIGS"]).CONFIGS)
+@pytest.mark.parametrize("cfg", __import__("opsadv.backends.triton_common.swiglu.swiglu", fromlist=["CONFIGS"]).CONFIGS)
 def test_every_tile_config_matches_float64(cfg, monkeypatch):
     """Each (ROWS, BLOCK_N cap, warps) tile the tuner may pick, forced: ragged rows and columns, 3-D input."""
-    from opsadv.backends.cuda import swiglu as S
+    from opsadv.backends.triton_common.swiglu import swiglu as S
     monkeypatch.setattr(S, "CONFIGS", (cfg,))
     for shape in [(5, 2 * 1100), (3, 3, 2 * 65), (1, 2)]:
         torch.manual_seed(len(shape) + shape[-1])
@@ -53,7 +53,7 @@ def test_every_tile_config_matches_float64(cfg, monkeypatch):
 
 def test_flat_tiles_with_int64_indices(monkeypatch):
     """The flattened tiles' int64 path (taken past 2^31 elements), forced at a small shape."""
-    from opsadv.backends.cuda import swiglu as S
+    from opsadv.backends.triton_common.swiglu import swiglu as S
     monkeypatch.setattr(S, "CONFIGS", ((0, 64, 4),))
     monkeypatch.setattr(S, "FLAT_INT32_LIMIT", 16)
     torch.manual_seed(5)
@@ -115,7 +115,7 @@ import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
-from opsadv.backends.cuda import _swiglu_triton as K, swiglu as S
+from opsadv.backends.triton_common.swiglu import kernels as K, swiglu as S
 target = GPUTarget("cuda", 90, 128)
 backend = make_backend(target)
 m, n = 16384, 11008
@@ -144,7 +144,7 @@ def test_every_tile_config_compiles_for_sm90_with_vector_loads():
     import json
     from conftest import run_sm90_compile
     r = json.loads(run_sm90_compile(["-c", _SM90_COMPILE]).strip().splitlines()[-1])
-    from opsadv.backends.cuda import swiglu as S
+    from opsadv.backends.triton_common.swiglu import swiglu as S
     assert len(r) == 2 * len(S.CONFIGS)
     for key, v in r.items():
         assert v["local"] == 0, key

@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from opsadv.backends.cuda import _triton_utils as U  # noqa: E402
+from opsadv.backends.triton_common import utils as U  # noqa: E402
 from opsadv.core.tuning import TUNE_ROUNDS  # noqa: E402
 
 
@@ -22,7 +22,9 @@ def test_winner_is_stored_and_reused(tmp_path, monkeypatch):
     best = U.ConfigTuner("t.fwd").pick(("k", 1), configs, lambda c: c["BLOCK_M"], autotune=True)
     assert best == {"BLOCK_M": 32} and len(timed) == 3 * TUNE_ROUNDS
     data = json.loads((tmp_path / "kernel_configs.json").read_text())
-    assert list(data.values())[0] == {"t.fwd|('k', 1)": {"BLOCK_M": 32}}
+    assert data["schema"] == 2
+    (section,) = data["sections"].values()
+    assert list(section) == ["t.fwd|('k', 1)"] and section["t.fwd|('k', 1)"]["value"] == {"BLOCK_M": 32}
     monkeypatch.setattr(U, "_CONFIGS", None)                                # "a new process"
     again = U.ConfigTuner("t.fwd").pick(("k", 1), configs, lambda c: 1 / 0, autotune=True)
     assert again == {"BLOCK_M": 32} and len(timed) == 3 * TUNE_ROUNDS       # nothing timed or launched

@@ -11,7 +11,9 @@ import torch
 import opsadv
 from opsadv.backends.jetson import chunking as C
 from opsadv.backends.jetson.kernels import _wrap
-from opsadv.backends.reference import kernels as REF
+from opsadv.ops.flash_attention.reference import attention_bwd, attention_fwd
+from opsadv.ops.gemm.reference import gemm_fwd
+from opsadv.ops.norm.reference import rms_norm_fwd
 from opsadv.core import tuning
 from opsadv.core.errors import BackendUnavailableError
 from opsadv.core.env import current_env, detect
@@ -105,9 +107,9 @@ def test_rocm_probes_and_declares_on_a_faked_mi300(tmp_path, hip_build, registry
         assert not rocm.impls
         return
     ids = {i.id for i in rocm.impls}
-    for mod, expect in (("attention", "rocm.triton.flash_attention"), ("gemm", "rocm.triton.gemm"),
-                        ("norm", "rocm.triton.rms_norm"), ("swiglu", "rocm.triton.swiglu")):
-        if importlib.util.find_spec(f"opsadv.backends.cuda.{mod}") is not None:
+    for mod, expect in (("flash_attention.attention", "rocm.triton.flash_attention"), ("gemm.gemm", "rocm.triton.gemm"),
+                        ("norm.norm", "rocm.triton.rms_norm"), ("swiglu.swiglu", "rocm.triton.swiglu")):
+        if importlib.util.find_spec(f"opsadv.backends.triton_common.{mod}") is not None:
             assert expect in ids, ids
     assert all(i.startswith("rocm.triton.") for i in ids)
     assert not any(w in i for i in ids for w in ("gluon", "cublas", "sdpa", "_tma", "persistent", "aten")), ids
@@ -187,8 +189,8 @@ def test_rocm_runs_the_cuda_triton_kernels_under_the_interpreter(tmp_path, hip_b
         q = torch.randn(1, 2, 33, 32, dtype=torch.float16)
         o = opsadv.ops.flash_attention(q, q, q, causal=True)
     assert set(t.counts) == {"rocm.triton.rms_norm", "rocm.triton.flash_attention"}, t.counts
-    assert rel_err(y, REF.rms_norm_fwd(None, x.double(), w.double(), 1e-6, None, 0.0)[0]) < 2e-3
-    want, _ = REF.attention_fwd(None, q.double(), q.double(), q.double(), None, True, 32 ** -0.5)
+    assert rel_err(y, rms_norm_fwd(None, x.double(), w.double(), 1e-6, None, 0.0)[0]) < 2e-3
+    want, _ = attention_fwd(None, q.double(), q.double(), q.double(), None, True, 32 ** -0.5)
     assert rel_err(o, want) < 2e-3
 
 
@@ -276,7 +278,7 @@ def test_a_backend_declares_its_device_timer(monkeypatch):
 
 # ---- jetson reads memory traits --------------------------------------------------------------------------
 def _attn(id_, memory, features=frozenset({"causal", "cross_length"})):
-    return KernelImpl(id_, "flash_attention", "cuda", REF.attention_fwd, REF.attention_bwd, features=features,
+    return KernelImpl(id_, "flash_attention", "cuda", attention_fwd, attention_bwd, features=features,
                       memory=memory)
 
 
@@ -284,14 +286,14 @@ def test_jetson_chunking_reads_memory_traits_not_ids():
     assert C.attn_bytes_per_score(_attn("mycorp.flash", MEMORY_FLASH)) == 0
     assert C.attn_bytes_per_score(_attn("cuda.triton.unfused", materializes_scores(12))) == 12
     assert C.attn_bytes_per_score(_attn("cuda.sdpa.x", None)) == C.ATTN_DEFAULT_BYTES_PER_SCORE     # undeclared
-    gemm = KernelImpl("cuda.triton.gemm_x", "gemm", "cuda", REF.gemm_fwd, memory=temporaries(2))
+    gemm = KernelImpl("cuda.triton.gemm_x", "gemm", "cuda", gemm_fwd, memory=temporaries(2))
     assert C.gemm_factor(gemm) == 2 and C.gemm_factor(dataclasses.replace(gemm, memory=MEMORY_FUSED)) == 0
     assert C.gemm_factor(dataclasses.replace(gemm, memory=None)) == C.GEMM_DEFAULT_FACTOR
     # a "cuda.triton." id that declares a score matrix is chunked; a third party's flash kernel is not
     chunked = _wrap(_attn("cuda.triton.unfused", materializes_scores(8)))
-    assert chunked.fn is not REF.attention_fwd and "query-chunked" in chunked.description
+    assert chunked.fn is not attention_fwd and "query-chunked" in chunked.description
     fused = _wrap(_attn("mycorp.flash", MEMORY_FLASH))
-    assert fused.fn is REF.attention_fwd and "no chunking needed" in fused.description
+    assert fused.fn is attention_fwd and "no chunking needed" in fused.description
     expanding = _wrap(_attn("mycorp.efficient", dataclasses.replace(MEMORY_FLASH, expands_kv=True)))
     assert "GQA K/V expansion" in expanding.description
     gqa = CallSpec("flash_attention", "cuda", torch.float16, frozenset({"causal", "gqa"}), (8192, 8192, 32),
@@ -300,10 +302,11 @@ def test_jetson_chunking_reads_memory_traits_not_ids():
 
 
 def test_cuda_impls_declare_memory_traits():
-    from opsadv.backends.cuda import sdpa
-    from opsadv.backends.cuda import gemm as G
+    from opsadv.backends.cuda.flash_attention import sdpa
+    from opsadv.backends.cuda.gemm import cublas as CB
+    from opsadv.backends.triton_common.gemm import gemm as G
     env = get_registry().env
-    by_id = {i.id: i for i in sdpa.impls(env) + G.impls(env)}
+    by_id = {i.id: i for i in sdpa.impls(env) + CB.impls(env) + G.impls(env)}
     assert by_id["cuda.sdpa.cudnn"].memory == MEMORY_FLASH and by_id["cuda.sdpa.flash"].memory.kind == "flash"
     assert by_id["cuda.sdpa.efficient"].memory.expands_kv and not by_id["cuda.sdpa.cudnn"].memory.expands_kv
     assert by_id["cuda.cublas.gemm"].memory == MEMORY_FUSED
@@ -311,7 +314,7 @@ def test_cuda_impls_declare_memory_traits():
     assert by_id["cuda.cublas.swiglu_gemm"].memory == temporaries(3)
     if HAS_TRITON:
         assert by_id["cuda.triton.gemm"].memory == MEMORY_FUSED
-        from opsadv.backends.cuda import attention
+        from opsadv.backends.triton_common.flash_attention import attention
         assert all(i.memory == MEMORY_FLASH for i in attention.impls(env))
 
 

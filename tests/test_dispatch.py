@@ -1,4 +1,5 @@
 """Resolution with reasons, explain, trace, policy scoping, strictness and fallback warnings."""
+import importlib
 import logging
 import threading
 import warnings
@@ -29,7 +30,7 @@ class Widget:
     @staticmethod
     def rms(ctx, x, weight, eps, residual, offset):
         Widget.calls += 1
-        from opsadv.backends.reference.kernels import rms_norm_fwd
+        from opsadv.ops.norm.reference import rms_norm_fwd
         return rms_norm_fwd(ctx, x, weight, eps, residual, offset)
 
     @hookimpl
@@ -151,7 +152,7 @@ def test_fully_masked_rows_give_zeros():
 
 def test_backward_resolves_under_forward_policy_on_another_thread():
     """Autograd may run backward on another thread (CUDA does): it must use the forward's policy."""
-    from opsadv.core.ops.norm import _rms_bwd, _rms_setup
+    from opsadv.ops.norm import _rms_bwd, _rms_setup
 
     class Ctx:
         def save_for_backward(self, *t):
@@ -203,7 +204,7 @@ def test_explain_names_the_bucket_entries():
         assert "bucket=(s_q<=512, s_k<=512, batch*heads<=16)" in text
         x, w = torch.randn(5, 64), torch.randn(64, 32)
         assert "bucket=(rows<=16, K=64, N=32)" in str(opsadv.explain("gemm", x, w))
-    from opsadv.core.ops import attention as A
+    A = importlib.import_module("opsadv.ops.flash_attention")
     spec = A._spec(q, q, None, True, False)
     assert spec == dataclasses.replace(spec, bucket_names=()) and hash(spec) == hash(dataclasses.replace(spec, bucket_names=()))
     assert dataclasses.replace(spec, bucket_names=("a",)).bucket_text() == str(spec.bucket)   # names must match
@@ -267,3 +268,41 @@ def test_rank_orders_candidates_per_call_and_explains_it(widget):
         with opsadv.trace() as t:
             opsadv.ops.rms_norm(torch.randn(4, 48, dtype=torch.float16), w, 1e-6)
         assert t.counts["ranker.rms_norm"] == 1 and Widget.calls == before + 1
+
+
+def test_memo_does_not_grow_with_backend_switches():
+    """The memo is keyed on the policy's content: 61k use_backend() switches between two policies once grew it by
+    one entry per switch and bucket (61,001 entries); now a few."""
+    import dataclasses
+
+    from opsadv.core import policy as P
+    x = torch.randn(8, 16)
+    try:
+        dispatch.clear_cache()
+        for i in range(2000):
+            opsadv.use_backend("reference", strict=bool(i % 2))
+            opsadv.ops.rms_norm(x)
+            with opsadv.use_backend("reference", deterministic=True):
+                opsadv.ops.rms_norm(x)
+        assert len(dispatch._memo) <= 3, len(dispatch._memo)
+    finally:
+        opsadv.use_backend("auto")
+    a, b = P.Policy(backend="reference"), P.Policy(backend="reference")
+    assert a.serial == b.serial and P.Policy(backend="reference", strict=True).serial != a.serial
+    assert dataclasses.replace(a, strict=True).serial == P.Policy(backend="reference", strict=True).serial
+    # options read differently stay apart although they compare equal
+    assert P.Policy(options=(("x", 1),)).serial != P.Policy(options=(("x", True),)).serial
+
+
+def test_memo_is_bounded_over_distinct_policies(monkeypatch):
+    from opsadv.core import policy as P
+    monkeypatch.setattr(dispatch, "MEMO_MAX", 64)
+    x = torch.randn(8, 16)
+    dispatch.clear_cache()
+    for i in range(300):            # 300 distinct policies (an option the reference backend ignores)
+        token = P._scoped.set(P.Policy(backend="reference", options=(("n", i),)))
+        try:
+            torch.testing.assert_close(opsadv.ops.rms_norm(x), torch.nn.functional.rms_norm(x, (16,), eps=1e-6))
+        finally:
+            P._scoped.reset(token)
+        assert len(dispatch._memo) <= 64

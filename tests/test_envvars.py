@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import opsadv
-from opsadv.core import envvars, policy
+from opsadv.core import dispatch, envvars, policy
 from opsadv.core.env import current_env, detect
 from opsadv.errors import BackendUnavailableError, EnvVarError, InvalidArgumentError
 from opsadv.registry import manager
@@ -53,7 +53,8 @@ def test_triton_interpret_unset():
 
 
 def _dispatch_once(n):
-    with opsadv.use_backend("reference"):     # a fresh policy: its first call resolves (and announces)
+    dispatch.clear_cache()                    # the memo is per policy content: empty it so this call resolves (and announces)
+    with opsadv.use_backend("reference"):
         opsadv.ops.rms_norm(torch.randn(2, n), torch.randn(n))
 
 

@@ -1,4 +1,4 @@
-"""The Triton launch fast path (opsadv.backends.cuda._triton_utils.FastLaunch): a launch reuses the
+"""The Triton launch fast path (opsadv.backends.triton_common.utils.FastLaunch): a launch reuses the
 compiled kernel only under the same specialization (tensor dtype / 16-byte alignment, int == 1, % 16,
 32- vs 64-bit, keywords), passes arguments in signature order, and takes Triton's path otherwise.
 CPU: a fake JIT function records what each path receives.  GPU: real kernels, fast vs Triton's path."""
@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from opsadv.backends.cuda import _triton_utils as U
+from opsadv.backends.triton_common import utils as U
 
 
 class FakeKernel:

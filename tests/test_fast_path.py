@@ -11,12 +11,12 @@ import torch
 import opsadv
 from opsadv.core import dispatch
 from opsadv.core.errors import InvalidArgumentError
-from opsadv.core.layout import SparseLayout
+from opsadv.ops.sparse_attention.layout import SparseLayout
 
-N = importlib.import_module("opsadv.core.ops.norm")
-G = importlib.import_module("opsadv.core.ops.gemm")
-A = importlib.import_module("opsadv.core.ops.attention")
-S = importlib.import_module("opsadv.core.ops.sparse")
+N = importlib.import_module("opsadv.ops.norm")
+G = importlib.import_module("opsadv.ops.gemm")
+A = importlib.import_module("opsadv.ops.flash_attention")
+S = importlib.import_module("opsadv.ops.sparse_attention")
 ops = opsadv.ops
 
 
@@ -241,7 +241,7 @@ def test_fused_rows_transposed_view_follows_the_buffer():
 
 
 def test_norm_output_buffer_like_the_input():
-    from opsadv.backends.cuda import norm as CN
+    from opsadv.backends.triton_common.norm import norm as CN
     x = torch.empty(2, 3, 8, dtype=torch.float16, device="meta")
     y = CN._out_like(x)
     assert (y.shape, y.dtype, y.device, y.is_contiguous()) == (x.shape, x.dtype, x.device, True)

@@ -10,8 +10,8 @@ import torch
 from opsadv.convert.modules import FusedRows
 from opsadv.core.errors import InvalidArgumentError
 
-G = importlib.import_module("opsadv.core.ops.gemm")
-A = importlib.import_module("opsadv.core.ops.attention")
+G = importlib.import_module("opsadv.ops.gemm")
+A = importlib.import_module("opsadv.ops.flash_attention")
 
 a, b = torch.randn(2, 3, 8), torch.randn(8, 6)
 GEMM_OK = dict(a=a, b=b, bias=torch.randn(6), activation="gelu", residual=torch.randn(2, 3, 6), alpha=2.0)

@@ -8,6 +8,7 @@ GPU (sm_90 only): forward + backward through opsadv.ops.flash_attention pinned t
 float64 reference, with NaN-poisoned outputs; every schedule's forward directly."""
 from __future__ import annotations
 
+import importlib
 import math
 import os
 
@@ -19,14 +20,14 @@ import torch
 pytestmark = pytest.mark.xdist_group("gluon_attention")
 
 import opsadv
-from opsadv.backends.reference import kernels as R
+from opsadv.ops.flash_attention import reference as R
 from opsadv.core.kernel import CallSpec
 
 from barrier_sim import Bar, Ring, run
 from conftest import (assert_attention_matches, ATTENTION_GPU_CASES, fake_cuda_env, gluon_marks, load_without_gluon,
                       rel_err)
 
-GA = pytest.importorskip("opsadv.backends.cuda.gluon_attention")
+GA = pytest.importorskip("opsadv.backends.cuda.flash_attention.gluon")
 IMPL_ID = GA.IMPL_ID
 needs_gluon, requires_sm90 = gluon_marks(GA)
 
@@ -51,7 +52,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import make_backend
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import create_function_from_signature
-from opsadv.backends.cuda import _gluon_fa_kernel as K, gluon_attention as GA
+from opsadv.backends.cuda.flash_attention import gluon_kernel as K, gluon as GA
 target = GPUTarget("cuda", 90, 128)
 backend = make_backend(target)
 fn = K.fa_fwd_kernel
@@ -140,7 +141,7 @@ def test_rank_above_cudnn_only_where_the_h200_measured_it_faster():
     """rank(): the Gluon forward outranks cuDNN (without autotune) for no-grad d128 causal self-attention at
     s > 2048 with batch * heads > 16, nowhere else; the specs are the op's own (attention._spec, meta tensors)."""
     from opsadv.core.kernel import PRIORITY_VENDOR
-    from opsadv.core.ops import attention as A
+    A = importlib.import_module("opsadv.ops.flash_attention")
 
     def rank(b=1, h=32, hkv=None, s=16384, sk=None, d=128, causal=True, backward=False, train=False, inference=True,
              mask=False):
@@ -188,7 +189,7 @@ def test_rejection_reasons():
 def test_unavailable_without_gluon(monkeypatch):
     """With triton.experimental.gluon unimportable the module still imports and the impl rejects every
     call, naming the import failure."""
-    mod = load_without_gluon(monkeypatch, GA, "._gluon_fa_kernel")
+    mod = load_without_gluon(monkeypatch, GA, "flash_attention.gluon_kernel")
     assert "triton.experimental.gluon" in mod.UNAVAILABLE
     for impl in mod.impls(_env()):             # the impl and its atomic-dQ twin
         why = impl.rejection_reasons(_spec(), _env(), experimental_ok=True, deterministic=False)
@@ -464,7 +465,7 @@ def _run_exp2_poly_ptx(x: "np.ndarray") -> "np.ndarray":
     """Executes _gluon_fa_kernel._EXP2_POLY (the polynomial half of the mixed exp2) on float32 x, one PTX
     instruction at a time with float32 / int32 semantics, so a wrong constant, operand or order shows."""
     import numpy as np
-    from opsadv.backends.cuda import _gluon_fa_kernel as K
+    from opsadv.backends.cuda.flash_attention import gluon_kernel as K
 
     def val(tok, regs):
         tok = tok.strip().rstrip(";")
@@ -510,7 +511,7 @@ def test_exp2_polynomial_ptx_matches_exp2():
 
 
 def test_exp2_mixed_asm_sends_one_element_per_pack_to_the_polynomial():
-    from opsadv.backends.cuda import _gluon_fa_kernel as K
+    from opsadv.backends.cuda.flash_attention import gluon_kernel as K
     for pack, asm in ((2, K.EXP2_ASM_2.value), (4, K.EXP2_ASM_4.value)):
         assert asm.count("ex2.approx.ftz.f32") == pack - 1 and asm.count("fma.rn.f32") == 3
         assert f"max.f32 t, ${2 * pack - 1}," in asm and f"mov.b32 ${pack - 1}, pb;" in asm

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.xdist_group("gluon_attention_bwd")
 from barrier_sim import Bar, Ring, run
 from conftest import ATTENTION_GPU_CASES, gluon_marks, load_without_gluon
 
-GB = pytest.importorskip("opsadv.backends.cuda.gluon_attention_bwd")
+GB = pytest.importorskip("opsadv.backends.cuda.flash_attention.gluon_bwd")
 needs_gluon, requires_sm90 = gluon_marks(GB)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BLOCK_M, BLOCK_N = 64, 128          # the kernel's tiles (asserted against the module where it imports)
@@ -182,7 +182,7 @@ def test_emulation_detects_a_wrong_mask():
 
 @needs_gluon
 def test_tile_constants_match_the_kernel():
-    from opsadv.backends.cuda import _gluon_fa_bwd_kernel as KB
+    from opsadv.backends.cuda.flash_attention import gluon_bwd_kernel as KB
     assert (KB.BLOCK_M, KB.BLOCK_N) == (BLOCK_M, BLOCK_N)
 
 
@@ -377,7 +377,7 @@ def test_default_variant_is_the_gpu_measured_schedule():
 
 # ---- host side without a GPU -----------------------------------------------------------------------------
 def test_unavailable_without_gluon(monkeypatch):
-    mod = load_without_gluon(monkeypatch, GB, "._gluon_fa_bwd_kernel")
+    mod = load_without_gluon(monkeypatch, GB, "flash_attention.gluon_bwd_kernel")
     assert "triton.experimental.gluon" in mod.UNAVAILABLE
     with pytest.raises(RuntimeError, match="not importable"):
         mod.launch_args(*(torch.empty(1, 1, 1, 64),) * 7, torch.empty(1), torch.empty(1), False, 0.1)
@@ -385,7 +385,7 @@ def test_unavailable_without_gluon(monkeypatch):
 
 def test_impl_backward_follows_the_switch(monkeypatch):
     """impl_backward is the Triton backward until USE_GLUON_BWD_IN_IMPL is flipped (after a GPU check)."""
-    from opsadv.backends.cuda import attention
+    from opsadv.backends.triton_common.flash_attention import attention
     calls = []
     monkeypatch.setattr(attention, "flash_bwd", lambda *a: calls.append("triton") or "triton")
     monkeypatch.setattr(GB, "attention_bwd", lambda *a: calls.append("gluon") or "gluon")
@@ -402,7 +402,7 @@ GPU_CASES = ATTENTION_GPU_CASES
 
 
 def _gpu_check(b, hq, hkv, sq, sk, d, causal, dtype, bshd=False, variant=None):
-    from opsadv.backends.cuda import gluon_attention as GA
+    from opsadv.backends.cuda.flash_attention import gluon as GA
 
     def make(h, s):
         if bshd:   # transformers' projections: (b, s, h, d) memory seen as (b, h, s, d)

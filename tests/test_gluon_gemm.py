@@ -26,7 +26,7 @@ from barrier_sim import Bar, Ring, run
 from conftest import (SM90_SCRIPT_PRELUDE, assert_gemm_close, assert_sm90_clean, assert_sm90_impl_rejections,
                       fake_cuda_env, gluon_marks, load_without_gluon, registered_impl)
 
-GG = pytest.importorskip("opsadv.backends.cuda.gluon_gemm")
+GG = pytest.importorskip("opsadv.backends.cuda.gemm.gluon")
 IMPL_ID = GG.IMPL_ID
 needs_gluon, requires_sm90 = gluon_marks(GG)
 
@@ -36,7 +36,7 @@ needs_gluon, requires_sm90 = gluon_marks(GG)
 # specialize like JITFunction.run, compile for sm_90 (launches nothing), count STL/LDL in the SASS, and the
 # highest register each setmaxnreg region uses.
 _COMPILE_SCRIPT = SM90_SCRIPT_PRELUDE + r"""
-from opsadv.backends.cuda import _gluon_gemm_kernel as K, gluon_gemm as GG
+from opsadv.backends.cuda.gemm import gluon_kernel as K, gluon as GG
 for variant, act, dt, bias, res, b_nk in json.loads(sys.argv[1]):
     dtype = getattr(torch, dt)
     m, n, k = 1000, 520, 264                         # tails in M, N and K
@@ -133,7 +133,7 @@ def _reasons(spec, env, experimental_ok=True):
 
 @needs_gluon
 def test_declared_support_accepts_sm90_bf16_fp16_every_feature():
-    from opsadv.backends.cuda.gemm import GEMM_FEATURES
+    from opsadv.backends.triton_common.gemm.gemm import GEMM_FEATURES
     for dt in (torch.bfloat16, torch.float16):
         for feats in ((), ("bias", "act_gelu_tanh"), tuple(sorted(GEMM_FEATURES - {"act_relu", "act_gelu",
                                                                                  "act_gelu_tanh"}))):
@@ -157,7 +157,7 @@ def test_rejection_reasons():
 def test_unavailable_without_gluon(monkeypatch):
     """With triton.experimental.gluon unimportable the module still imports and the impl rejects every
     call, naming the import failure."""
-    mod = load_without_gluon(monkeypatch, GG, "._gluon_gemm_kernel")
+    mod = load_without_gluon(monkeypatch, GG, "gemm.gluon_kernel")
     assert "triton.experimental.gluon" in mod.UNAVAILABLE
     (impl,) = mod.impls(fake_cuda_env())
     assert impl.rejection_reasons(_spec(), fake_cuda_env(), experimental_ok=True, deterministic=False) == \

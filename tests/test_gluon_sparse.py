@@ -31,7 +31,7 @@ from opsadv.core.kernel import CallSpec
 
 from conftest import assert_attention_matches, fake_cuda_env, gluon_marks, load_without_gluon, rel_err
 
-GS = pytest.importorskip("opsadv.backends.cuda.gluon_sparse")
+GS = pytest.importorskip("opsadv.backends.cuda.sparse_attention.gluon")
 IMPL_ID = GS.IMPL_ID
 needs_gluon, requires_sm90 = gluon_marks(GS)
 
@@ -326,7 +326,7 @@ def test_register_o_store_refuses_strides_off_the_8_element_grid():
 def test_unavailable_without_gluon(monkeypatch):
     """With triton.experimental.gluon unimportable the module still imports and the impl rejects every
     call, naming the import failure."""
-    mod = load_without_gluon(monkeypatch, GS, "._gluon_sparse_kernel")
+    mod = load_without_gluon(monkeypatch, GS, "sparse_attention.gluon_kernel")
     assert "triton.experimental.gluon" in mod.UNAVAILABLE
     (impl,) = mod.impls(_env())
     why = impl.rejection_reasons(_spec(), _env(), experimental_ok=True, deterministic=False)
@@ -1099,7 +1099,7 @@ def test_rank_above_triton_only_where_the_h200_measured_it_faster():
     """rank(): the Gluon impl outranks the Triton one (without autotune) for d128 windows of > 512 keys over
     s_q > 8192 and nowhere else; the specs are the op's own (layout_spec), on meta tensors."""
     from opsadv.core.kernel import PRIORITY_TRITON
-    from opsadv.core.ops.sparse import layout_spec
+    from opsadv.ops.sparse_attention import layout_spec
 
     def rank(w=1024, s=16384, d=128, causal=True, hkv=32, sk=None, backward=False, train=False, **kw):
         q = torch.empty(1, 32, s, d, device="meta", dtype=torch.bfloat16)

@@ -19,12 +19,12 @@ from opsadv.core.kernel import CallSpec  # noqa: E402
 from conftest import (SM90_SCRIPT_PRELUDE, assert_gemm_close, assert_sm90_clean, assert_sm90_impl_rejections,
                       fake_cuda_env, gluon_marks, load_without_gluon, registered_impl)  # noqa: E402
 
-GS = pytest.importorskip("opsadv.backends.cuda.gluon_swiglu_gemm")
+GS = pytest.importorskip("opsadv.backends.cuda.swiglu_gemm.gluon")
 IMPL_ID = GS.IMPL_ID
 needs_gluon, requires_sm90 = gluon_marks(GS)
 
 _COMPILE_SCRIPT = SM90_SCRIPT_PRELUDE + r"""
-from opsadv.backends.cuda import _gluon_swiglu_kernel as K, gluon_swiglu_gemm as GS
+from opsadv.backends.cuda.swiglu_gemm import gluon_kernel as K, gluon as GS
 for variant, dt, bias, w_nk in json.loads(sys.argv[1]):
     dtype = getattr(torch, dt)
     m, n, k = 1000, 520, 264                         # tails in M, N and K
@@ -99,7 +99,7 @@ def test_rejection_reasons():
 
 
 def test_without_gluon_the_impl_registers_with_the_reason(monkeypatch):
-    mod = load_without_gluon(monkeypatch, GS, "_gluon_swiglu_kernel")
+    mod = load_without_gluon(monkeypatch, GS, "swiglu_gemm.gluon_kernel")
     assert mod.UNAVAILABLE
     (impl,) = mod.impls(fake_cuda_env())
     why = impl.rejection_reasons(_spec(), fake_cuda_env(), experimental_ok=True, deterministic=False)

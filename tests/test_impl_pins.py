@@ -87,7 +87,7 @@ def test_conformance_pin_runs_an_experimental_impl():
     import dataclasses
 
     from opsadv import KernelImpl
-    from opsadv.backends.reference import kernels as R
+    from opsadv.ops.norm import reference as R
     from opsadv.registry import BackendInfo, ProbeResult, hookimpl, reset_registry
     from opsadv.testing.runner import run_conformance
 

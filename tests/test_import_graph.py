@@ -20,6 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 TRITON = "triton is optional: the target imports it at module level, the importer does not"
+TC, CUDA = "opsadv.backends.triton_common", "opsadv.backends.cuda"
 # (importer, target) -> why the import stays inside a function
 LAZY: dict[tuple[str, str], str] = {
     ("opsadv", "opsadv.convert"): "`import opsadv` stays light: convert_model / Optimizer / load load on first use",
@@ -28,20 +29,20 @@ LAZY: dict[tuple[str, str], str] = {
                                                          "(test_hf_seam): `import opsadv` stays light",
     ("opsadv.cli", "opsadv.bench.runner"): "optional CLI part: its ImportError leaves the other commands working",
     ("opsadv.cli", "opsadv.convert.cli"): "optional CLI part: its ImportError leaves the other commands working",
-    ("opsadv.bench.suite_sparse", "opsadv.backends.cuda.sparse"): TRITON,
-    ("opsadv.backends.cuda.gemm", "opsadv.backends.cuda._gemm_triton"): TRITON,
-    ("opsadv.backends.cuda.norm", "opsadv.backends.cuda._norm_triton"): TRITON,
-    ("opsadv.backends.cuda.norm", "opsadv.backends.cuda._triton_utils"): TRITON,
-    ("opsadv.backends.cuda.rotary", "opsadv.backends.cuda._rotary_triton"): TRITON,
-    ("opsadv.backends.cuda.rotary", "opsadv.backends.cuda._triton_utils"): TRITON,
-    ("opsadv.backends.cuda.swiglu", "opsadv.backends.cuda._swiglu_triton"): TRITON,
-    ("opsadv.backends.cuda.swiglu", "opsadv.backends.cuda._triton_utils"): TRITON,
-    ("opsadv.backends.cuda.gluon_attention", "opsadv.backends.cuda.attention"): TRITON,
-    ("opsadv.backends.cuda.gluon_attention", "opsadv.backends.cuda._triton_utils"): TRITON,
-    ("opsadv.backends.cuda.gluon_attention_bwd", "opsadv.backends.cuda.attention"): TRITON,
-    ("opsadv.backends.cuda.gluon_attention_bwd", "opsadv.backends.cuda._triton_utils"): TRITON,
-    ("opsadv.backends.cuda.gluon_gemm", "opsadv.backends.cuda._triton_utils"): TRITON,
-    ("opsadv.backends.cuda.gluon_swiglu_gemm", "opsadv.backends.cuda._triton_utils"): TRITON,
+    ("opsadv.bench.suite_sparse", f"{TC}.sparse_attention.sparse"): TRITON,
+    (f"{TC}.gemm.gemm", f"{TC}.gemm.kernels"): TRITON,
+    (f"{TC}.norm.norm", f"{TC}.norm.kernels"): TRITON,
+    (f"{TC}.norm.norm", f"{TC}.utils"): TRITON,
+    (f"{TC}.rotary_embedding.rotary", f"{TC}.rotary_embedding.kernels"): TRITON,
+    (f"{TC}.rotary_embedding.rotary", f"{TC}.utils"): TRITON,
+    (f"{TC}.swiglu.swiglu", f"{TC}.swiglu.kernels"): TRITON,
+    (f"{TC}.swiglu.swiglu", f"{TC}.utils"): TRITON,
+    (f"{CUDA}.flash_attention.gluon", f"{TC}.flash_attention.attention"): TRITON,
+    (f"{CUDA}.flash_attention.gluon", f"{TC}.utils"): TRITON,
+    (f"{CUDA}.flash_attention.gluon_bwd", f"{TC}.flash_attention.attention"): TRITON,
+    (f"{CUDA}.flash_attention.gluon_bwd", f"{TC}.utils"): TRITON,
+    (f"{CUDA}.gemm.gluon", f"{TC}.utils"): TRITON,
+    (f"{CUDA}.swiglu_gemm.gluon", f"{TC}.utils"): TRITON,
 }
 ABOVE_CORE = ("opsadv.backends", "opsadv.convert", "opsadv.cli", "opsadv.bench", "opsadv.registry")
 # what `import opsadv` must not load (heavy, optional, or loaded on first use)
@@ -279,6 +280,48 @@ def test_no_import_cycles(opsadv_graph):
     assert not cycles, "import cycles in opsadv:\n" + "\n".join(describe(graph, c) for c in cycles)
 
 
+# backend -> the other backends it may import; opsadv.backends.triton_common (the shared Triton kernels) is no
+# backend: any backend may import it, and it imports none
+BACKEND_IMPORTS_ALLOWED = {"jetson": {"cuda"}}
+SHARED = "triton_common"
+
+
+def _backend_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["opsadv", "backends"] else None
+
+
+def backend_violations(imports) -> list[str]:
+    """Imports from one backend into another that BACKEND_IMPORTS_ALLOWED does not allow."""
+    bad = []
+    for i in imports:
+        src, dst = _backend_of(i.importer), _backend_of(i.target)
+        if src is None or dst is None or src == dst or dst == SHARED:
+            continue
+        if src == SHARED or dst not in BACKEND_IMPORTS_ALLOWED.get(src, set()):
+            bad.append(f"{i.importer}:{i.line} imports {i.target}")
+    return bad
+
+
+def test_backends_import_no_other_backend(opsadv_graph):
+    """rocm, ascend, reference (and cuda) import no other backend; jetson alone builds on cuda; the shared
+    Triton kernels import no backend at all."""
+    index, imports, _ = opsadv_graph
+    assert {"cuda", "rocm", "jetson", "ascend", "reference", SHARED} <= {_backend_of(m) for m in index}
+    bad = backend_violations(imports)
+    assert not bad, "a backend imports another backend:\n" + "\n".join(bad)
+
+
+def test_backend_rule_on_fake_imports():
+    fake = [Import("opsadv.backends.rocm.kernels", "opsadv.backends.cuda", 3, False, False),
+            Import("opsadv.backends.jetson.kernels", "opsadv.backends.cuda", 4, False, False),
+            Import(f"{TC}.gemm.gemm", f"{CUDA}.profiles", 5, True, False),
+            Import("opsadv.backends.rocm.kernels", "opsadv.backends.triton_common", 6, False, False),
+            Import("opsadv.backends.ascend.gemm", "opsadv.backends.ascend.norm", 7, False, False)]
+    assert backend_violations(fake) == ["opsadv.backends.rocm.kernels:3 imports opsadv.backends.cuda",
+                                        f"{TC}.gemm.gemm:5 imports opsadv.backends.cuda.profiles"]
+
+
 def test_core_imports_nothing_above_it(opsadv_graph):
     """opsadv.core imports only opsadv.core (a registry fact it needs comes through core.hooks)."""
     _, imports, _ = opsadv_graph
@@ -287,6 +330,15 @@ def test_core_imports_nothing_above_it(opsadv_graph):
     assert not bad, "opsadv.core imports from above it:\n" + "\n".join(bad)
     above = [i for i in imports if i.importer.startswith("opsadv.core") and i.target.startswith(ABOVE_CORE)]
     assert not above
+
+
+def test_op_folders_import_only_core_and_ops(opsadv_graph):
+    """opsadv.ops (the op folders: definitions, reference impls, cases) stands on core alone: no backend, registry,
+    testing or convert import, so every backend and the conformance kit can import the ops."""
+    _, imports, _ = opsadv_graph
+    bad = [f"{i.importer}:{i.line} imports {i.target}" for i in imports
+           if i.importer.startswith("opsadv.ops") and not i.target.startswith(("opsadv.core", "opsadv.ops"))]
+    assert not bad, "opsadv.ops imports from above it:\n" + "\n".join(bad)
 
 
 def test_function_level_imports_only_where_allowed(opsadv_graph):

@@ -13,7 +13,9 @@ from opsadv.backends.jetson import detect as D
 from opsadv.backends.jetson import opsadv_probe
 from opsadv.backends.jetson.attention import _bwd as math_bwd
 from opsadv.backends.jetson.attention import _fwd as math_fwd
-from opsadv.backends.reference import kernels as REF
+from opsadv.ops.flash_attention.reference import attention_bwd, attention_fwd
+from opsadv.ops.gemm.reference import gemm_bwd, gemm_fwd, swiglu_bwd, swiglu_fwd
+from opsadv.ops.norm.reference import rms_norm_fwd
 from opsadv.core.errors import BackendUnavailableError, InvalidArgumentError, UnknownOptionError
 from opsadv.core.kernel import CallSpec, Profile
 from opsadv.registry import get_registry, reset_registry
@@ -153,9 +155,9 @@ def test_jetson_impls_reuse_cuda_kernels(tmp_path, registry_with):
     ids = {i.id for i in reg.backends["jetson"].impls}
     assert ids and all(i.startswith("jetson.") for i in ids)
     assert "jetson.chunked_math_attention" in ids
-    for mod, expect in (("attention", "jetson.triton.flash_attention"), ("gemm", "jetson.triton.gemm"),
-                        ("gemm", "jetson.cublas.gemm_epilogue")):
-        if importlib.util.find_spec(f"opsadv.backends.cuda.{mod}") is not None:
+    for mod, expect in (("flash_attention.attention", "jetson.triton.flash_attention"),
+                        ("gemm.gemm", "jetson.triton.gemm"), ("gemm.gemm", "jetson.cublas.gemm_epilogue")):
+        if importlib.util.find_spec(f"opsadv.backends.triton_common.{mod}") is not None:
             assert expect in ids
     assert all(i.backend == "jetson" for i in reg.backends["jetson"].impls)
 
@@ -178,8 +180,8 @@ def test_xavier_rejects_bf16_with_a_reason(tmp_path, registry_with):
 
 # ---- kernels under the jetson profile (Triton interpreter on CPU) -------------------------------
 def _need(mod):
-    if importlib.util.find_spec(f"opsadv.backends.cuda.{mod}") is None:
-        pytest.skip(f"opsadv.backends.cuda.{mod} is not written yet")
+    if importlib.util.find_spec(f"opsadv.backends.triton_common.{mod}") is None:
+        pytest.skip(f"opsadv.backends.triton_common.{mod} is not written yet")
 
 
 @pytest.fixture
@@ -190,7 +192,7 @@ def orin(tmp_path, registry_with):
 
 
 def test_flash_attention_jetson_matches_reference(orin, seed):
-    _need("attention")
+    _need("flash_attention.attention")
     for b, hq, hkv, sq, sk, d, causal in ((1, 2, 1, 37, 70, 32, True), (2, 2, 2, 65, 65, 64, False)):
         q = torch.randn(b, hq, sq, d, dtype=torch.float16, requires_grad=True)
         k = torch.randn(b, hkv, sk, d, dtype=torch.float16, requires_grad=True)
@@ -198,37 +200,37 @@ def test_flash_attention_jetson_matches_reference(orin, seed):
         with opsadv.trace() as t:
             o = opsadv.ops.flash_attention(q, k, v, causal=causal)
         assert t.counts and all(i.startswith("jetson.triton.flash_attention") for i in t.counts), t.counts
-        want, _ = REF.attention_fwd(None, q.double(), k.double(), v.double(), None, causal, d ** -0.5)
+        want, _ = attention_fwd(None, q.double(), k.double(), v.double(), None, causal, d ** -0.5)
         assert rel_err(o, want) < 2e-3
         g = torch.randn_like(o)
         o.backward(g)
-        dq, dk, dv = REF.attention_bwd(None, g.double(), q.double(), k.double(), v.double(), want,
-                                       REF.attention_fwd(None, q.double(), k.double(), v.double(), None, causal,
+        dq, dk, dv = attention_bwd(None, g.double(), q.double(), k.double(), v.double(), want,
+                                       attention_fwd(None, q.double(), k.double(), v.double(), None, causal,
                                                          d ** -0.5)[1], None, causal, d ** -0.5)
         for got, ref in ((q.grad, dq), (k.grad, dk), (v.grad, dv)):
             assert rel_err(got, ref) < 5e-3
 
 
 def test_gemm_jetson_matches_reference(orin, seed):
-    _need("gemm")
+    _need("gemm.gemm")
     a = torch.randn(3, 45, 96, dtype=torch.float16)
     w = torch.randn(96, 80, dtype=torch.float16) / 10
     bias = torch.randn(80, dtype=torch.float16)
     with opsadv.trace() as t:
         out = opsadv.ops.gemm(a, w, bias=bias, activation="gelu_tanh")
     assert all(i.startswith("jetson.") for i in t.counts)
-    want = REF.gemm_fwd(None, a.double(), w.double(), bias.double(), "gelu_tanh", None, 1.0)
+    want = gemm_fwd(None, a.double(), w.double(), bias.double(), "gelu_tanh", None, 1.0)
     assert rel_err(out, want) < 2e-3
 
 
 def test_norm_jetson_matches_reference(orin, seed):
-    _need("norm")
+    _need("norm.norm")
     x = torch.randn(7, 130, dtype=torch.float16)
     w = torch.randn(130, dtype=torch.float16)
     with opsadv.trace() as t:
         y = opsadv.ops.rms_norm(x, w, eps=1e-6)
     assert all(i.startswith("jetson.") for i in t.counts)
-    want = REF.rms_norm_fwd(None, x.double(), w.double(), 1e-6, None, 0.0)[0]
+    want = rms_norm_fwd(None, x.double(), w.double(), 1e-6, None, 0.0)[0]
     assert rel_err(y, want) < 2e-3
 
 
@@ -239,7 +241,7 @@ def test_math_attention_through_the_op_chunks_under_a_small_budget(tmp_path, reg
     k = torch.randn(2, 2, 90, 24, dtype=torch.float64, requires_grad=True)
     v = torch.randn(2, 2, 90, 24, dtype=torch.float64, requires_grad=True)
     mask = torch.rand(1, 1, 100, 90) > 0.2
-    want, lse = REF.attention_fwd(None, q, k, v, mask, True, 0.3)
+    want, lse = attention_fwd(None, q, k, v, mask, True, 0.3)
     # per query row: b*hq*sk*16 bytes = 11520; a budget of 4 * 64 rows' worth forces two chunks
     with opsadv.use_backend("jetson", memory_budget=4 * 64 * 11520):
         assert C.chunk_rows(100, 11520, 64 * 11520) == 64
@@ -249,7 +251,7 @@ def test_math_attention_through_the_op_chunks_under_a_small_budget(tmp_path, reg
         g = torch.randn_like(o)
         o.backward(g)
     assert rel_err(o, want) < 1e-12
-    for got, ref in zip((q.grad, k.grad, v.grad), REF.attention_bwd(None, g, q, k, v, want, lse, mask, True, 0.3)):
+    for got, ref in zip((q.grad, k.grad, v.grad), attention_bwd(None, g, q, k, v, want, lse, mask, True, 0.3)):
         assert rel_err(got, ref) < 1e-12
 
 
@@ -278,19 +280,19 @@ def test_chunked_attention_equals_unchunked(seed, sq, sk, causal, hq, hkv, mask)
     ctx = _ctx(64 * per_row)                          # 64-row chunks
     assert C.attention_rows(ctx, q, k, 8) == 64
     o1, l1 = C.chunked_attention_fwd(math_fwd, 8, ctx, q, k, v, m, causal, 0.25)
-    o0, l0 = REF.attention_fwd(None, q, k, v, m, causal, 0.25)
+    o0, l0 = attention_fwd(None, q, k, v, m, causal, 0.25)
     assert torch.allclose(o1, o0, atol=1e-12) and torch.equal(torch.isinf(l1), torch.isinf(l0))
     assert torch.allclose(l1[~torch.isinf(l0)], l0[~torch.isinf(l0)], atol=1e-12)
     dout = torch.randn_like(o0)
     g1 = C.chunked_attention_bwd(math_bwd, 8, ctx, dout, q, k, v, o1, l1, m, causal, 0.25)
-    g0 = REF.attention_bwd(None, dout, q, k, v, o0, l0, m, causal, 0.25)
+    g0 = attention_bwd(None, dout, q, k, v, o0, l0, m, causal, 0.25)
     for a, b in zip(g1, g0):
         assert a.shape == b.shape and torch.allclose(a, b, atol=1e-10)
 
 
 def test_chunked_triton_attention_equals_unchunked(seed):
-    _need("attention")
-    from opsadv.backends.cuda.attention import flash_bwd, flash_fwd
+    _need("flash_attention.attention")
+    from opsadv.backends.triton_common.flash_attention.attention import flash_bwd, flash_fwd
     from opsadv.backends.jetson.profiles import JETSON
     ctx = type("Ctx", (), {"profile": JETSON, "options": {}, "env": None, "spec": None})()
     q = torch.randn(1, 2, 100, 32, dtype=torch.float16)
@@ -316,18 +318,18 @@ def test_chunked_gemm_equals_unchunked(seed):
     bias = torch.randn(40, dtype=torch.float64)
     res = torch.randn(2, 100, 40, dtype=torch.float64)
     ctx = _ctx(64 * 40 * 4 * 2)                       # factor 2: 64-row chunks over 200 rows
-    out = C.chunked_gemm_fwd(REF.gemm_fwd, 2, ctx, a, w, bias, "silu", res, 0.5)
-    assert torch.allclose(out, REF.gemm_fwd(None, a, w, bias, "silu", res, 0.5), atol=1e-12)
+    out = C.chunked_gemm_fwd(gemm_fwd, 2, ctx, a, w, bias, "silu", res, 0.5)
+    assert torch.allclose(out, gemm_fwd(None, a, w, bias, "silu", res, 0.5), atol=1e-12)
     g = torch.randn_like(out)
-    got = C.chunked_gemm_bwd(REF.gemm_bwd, 0, ctx, g, a, w, bias, "silu", 0.5)
-    for x, y in zip(got, REF.gemm_bwd(None, g, a, w, bias, "silu", 0.5)):
+    got = C.chunked_gemm_bwd(gemm_bwd, 0, ctx, g, a, w, bias, "silu", 0.5)
+    for x, y in zip(got, gemm_bwd(None, g, a, w, bias, "silu", 0.5)):
         assert torch.allclose(x, y, atol=1e-10)
     wgu = torch.randn(24, 80, dtype=torch.float64)
-    out = C.chunked_swiglu_fwd(REF.swiglu_fwd, 2, ctx, a, wgu, None)
-    assert torch.allclose(out, REF.swiglu_fwd(None, a, wgu, None), atol=1e-12)
+    out = C.chunked_swiglu_fwd(swiglu_fwd, 2, ctx, a, wgu, None)
+    assert torch.allclose(out, swiglu_fwd(None, a, wgu, None), atol=1e-12)
     g = torch.randn_like(out)
-    got = C.chunked_swiglu_bwd(REF.swiglu_bwd, 0, ctx, g, a, wgu, None)
-    for x, y in zip(got, REF.swiglu_bwd(None, g, a, wgu, None)):
+    got = C.chunked_swiglu_bwd(swiglu_bwd, 0, ctx, g, a, wgu, None)
+    for x, y in zip(got, swiglu_bwd(None, g, a, wgu, None)):
         assert torch.allclose(x, y, atol=1e-10)
 
 
@@ -349,7 +351,7 @@ def test_conformance_kit_passes_on_a_faked_orin(tmp_path, registry_with):
                                                         if r.status == "fail"]
     impls = {r.impl for r in res if r.status == "pass"}
     assert "jetson.chunked_math_attention" in impls
-    if importlib.util.find_spec("opsadv.backends.cuda.attention") is not None:
+    if importlib.util.find_spec("opsadv.backends.triton_common.flash_attention.attention") is not None:
         assert any(i.startswith("jetson.triton.flash_attention") for i in impls)
 
 
@@ -358,7 +360,7 @@ def test_gqa_kv_expanding_impls_refused_above_the_cap(tmp_path, registry_with):
     reg = registry_with(env)
     jet = {i.id: i for i in reg.backends["jetson"].impls}
     if "jetson.sdpa.efficient" not in jet:
-        pytest.skip("opsadv.backends.cuda.sdpa is not written yet")
+        pytest.skip("opsadv.backends.cuda.flash_attention.sdpa is not written yet")
 
     def spec(s):
         return CallSpec("flash_attention", "cuda", torch.float16, frozenset({"causal", "gqa"}), (s, s, 32),
@@ -381,7 +383,7 @@ def test_chunking_respects_the_underlying_check(seed):
 
     def fn(ctx, q, k, v, m, causal, scale):
         seen.append((q.shape[2], k.shape[2]))
-        return REF.attention_fwd(ctx, q, k, v, m, causal, scale)
+        return attention_fwd(ctx, q, k, v, m, causal, scale)
 
     def top_left_only(spec, env):
         return ["causal needs s_q == s_k"] if {"causal", "cross_length"} <= spec.features else []
@@ -392,7 +394,7 @@ def test_chunking_respects_the_underlying_check(seed):
     ctx.spec = CallSpec("flash_attention", "cpu", torch.float64, frozenset({"causal"}), (), head_dim=16,
                         shapes=(tuple(q.shape), tuple(q.shape)))
     o, _ = C.chunked_attention_fwd(fn, 8, ctx, q, q, q, None, True, 0.25, impl=impl)
-    assert seen == [(130, 130)] and torch.allclose(o, REF.attention_fwd(None, q, q, q, None, True, 0.25)[0])
+    assert seen == [(130, 130)] and torch.allclose(o, attention_fwd(None, q, q, q, None, True, 0.25)[0])
     seen.clear()
     ctx.spec = dataclasses.replace(ctx.spec, features=frozenset())
     C.chunked_attention_fwd(fn, 8, ctx, q, q, q, None, False, 0.25, impl=impl)   # non-causal chunks are fine

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 import opsadv
-from opsadv.backends.cuda import norm as N
+from opsadv.backends.triton_common.norm import norm as N
 from opsadv.core.dispatch import Resolved
 from opsadv.core.errors import InvalidArgumentError
 from opsadv.core.kernel import KernelImpl
-from opsadv.core.ops import _common
-from opsadv.core.ops.norm import _well_formed, validate
+from opsadv.core import op_common as _common
+from opsadv.ops.norm import _well_formed, validate
 
 from conftest import rel_err
 

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import opsadv
 from opsadv.core.errors import NoKernelError
-from opsadv.core.layout import SparseLayout
+from opsadv import SparseLayout
 
 BACKENDS = ("reference", "cuda")     # cuda: its Triton kernels under the interpreter (conftest)
 

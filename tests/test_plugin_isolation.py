@@ -107,3 +107,68 @@ def test_additions_are_recorded_without_a_warning(monkeypatch, recwarn):
     monkeypatch.delenv("OPSADV_TEST_ADDED_VAR")
     assert not [w for w in recwarn if "adds_a_variable" in str(w.message)]
     assert any(s.startswith("adds_a_variable:") and "(kept)" in s for s in side_effects())
+
+
+def test_a_hung_probe_is_a_timeout_failure(monkeypatch):
+    """A probe that never returns costs start-up OPSADV_PROBE_TIMEOUT seconds and is recorded as the plugin's
+    failure; the registry does not wait for it (the probe is still blocked when registration returns)."""
+    import threading
+    release, entered = threading.Event(), threading.Event()
+
+    def hang():
+        entered.set()
+        release.wait(60)
+    monkeypatch.setenv("OPSADV_PROBE_TIMEOUT", "0.2")
+    reg = Registry()
+    try:
+        with pytest.warns(RuntimeWarning, match="skipping plugin hangs_in_probe"):
+            assert reg.register_plugin(_plugin("hangs_in_probe", probe=hang)) is None
+        assert entered.is_set() and not release.is_set()
+    finally:
+        release.set()
+    (f,) = [f for f in reg.failures if f.name == "hangs_in_probe"]
+    assert f.stage == "probe" and f.error.startswith("TimeoutError") and "OPSADV_PROBE_TIMEOUT" in f.error
+    assert "hangs_in_probe" not in reg.backends
+    assert reg.register_plugin(_plugin("quick_probe")) is not None       # the next plugin loads normally
+
+
+def test_probe_timeout_setting(monkeypatch):
+    import threading
+
+    from opsadv.errors import EnvVarError
+    from opsadv.registry import manager
+    monkeypatch.delenv("OPSADV_PROBE_TIMEOUT", raising=False)
+    assert Registry().probe_timeout == manager.PROBE_TIMEOUT_S == 5.0
+    for raw, want in (("2.5", 2.5), (" 10 ", 10.0), ("0", None), ("off", None)):
+        monkeypatch.setenv("OPSADV_PROBE_TIMEOUT", raw)
+        assert Registry().probe_timeout == want
+    for bad in ("-1", "soon", "nan", "inf"):
+        monkeypatch.setenv("OPSADV_PROBE_TIMEOUT", bad)
+        with pytest.raises(EnvVarError, match="OPSADV_PROBE_TIMEOUT"):
+            Registry()
+    monkeypatch.setenv("OPSADV_PROBE_TIMEOUT", "0")         # no limit: the probe runs in the caller's thread
+    where = []
+    assert Registry().register_plugin(_plugin("inline", probe=lambda: where.append(threading.current_thread())))
+    assert where == [threading.current_thread()]
+
+
+def test_side_effects_shown_by_info(monkeypatch, capsys):
+    import json
+
+    from opsadv import cli
+    monkeypatch.delenv("OPSADV_TEST_INFO_VAR", raising=False)
+
+    def add():
+        import os
+        os.environ["OPSADV_TEST_INFO_VAR"] = "1"
+    Registry().register_plugin(_plugin("shows_in_info", probe=add))
+    monkeypatch.delenv("OPSADV_TEST_INFO_VAR")
+    inf = opsadv.info()
+    (note,) = [s for s in inf.to_dict()["plugin_side_effects"] if s.startswith("shows_in_info:")]
+    assert "added OPSADV_TEST_INFO_VAR (kept)" in note
+    text = str(inf)
+    assert "== plugin side effects" in text and note in text
+    assert cli.main(["info", "--json"]) == 0
+    assert note in json.loads(capsys.readouterr().out)["plugin_side_effects"]
+    assert cli.main(["info"]) == 0
+    assert note in capsys.readouterr().out

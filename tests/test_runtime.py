@@ -232,3 +232,36 @@ def test_default_budget_follows_the_jetson_option(tmp_path):
             assert default_budget(torch.device("cpu"))[0] is None
     finally:
         reset_registry()
+
+
+def test_run_batched_retries_a_legacy_oom_runtime_error(seed):
+    """Older torch builds and some extensions raise a plain RuntimeError for an out-of-memory: retried the same."""
+    calls = []
+
+    def fn(x):
+        calls.append(x.shape[0])
+        if x.shape[0] > 3:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB (GPU 0; legacy message)")
+        return x * 2
+    x = torch.randn(10, 4)
+    st = {}
+    assert torch.equal(run_batched(fn, x, chunk_size=8, stats=st), x * 2)
+    assert st["retries"] == 2 and sum(st["chunks"]) == 10 and max(st["chunks"]) <= 3     # 8 -> 4 -> 2
+    with pytest.raises(RuntimeError, match="shape mismatch"):          # any other RuntimeError is the caller's
+        run_batched(lambda x: (_ for _ in ()).throw(RuntimeError("shape mismatch")), x, chunk_size=8)
+    with pytest.raises(RuntimeError, match="out of memory"):            # and one sample that does not fit raises
+        run_batched(lambda x: (_ for _ in ()).throw(RuntimeError("CUDA error: out of memory")), x, chunk_size=1)
+
+
+@pytest.mark.parametrize("where", ["tensor", "dict"])
+def test_run_batched_refuses_chunks_of_another_dtype(where):
+    """A later chunk in another dtype (autocast toggled, a dtype chosen per input) raises instead of being cast."""
+    seen = []
+
+    def fn(x):
+        seen.append(1)
+        y = x.cumsum(-1)
+        y = y if len(seen) == 1 else y.half()
+        return y if where == "tensor" else {"y": y, "n": x.shape[1]}
+    with pytest.raises(InvalidArgumentError, match=r"float32 in every chunk.*float16 for samples 4:8"):
+        run_batched(fn, torch.randn(10, 3), chunk_size=4)

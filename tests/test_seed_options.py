@@ -64,7 +64,7 @@ def test_max_streams_validated():
 def test_tile_size_reaches_the_kernels_and_stays_correct():
     """Under tile_size=32 the resolved context's profile is capped, the GEMM's fixed config is
     capped, and the capped kernels still match the reference."""
-    from opsadv.backends.cuda import gemm as G
+    from opsadv.backends.triton_common.gemm import gemm as G
     torch.manual_seed(0)
     a = torch.randn(37, 70, dtype=torch.float16)
     b = torch.randn(70, 45, dtype=torch.float16)

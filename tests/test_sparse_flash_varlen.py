@@ -5,6 +5,7 @@ and the wrapper's layout plumbing against an emulated FA2 on CPU.  The real kern
 (the last tests skip without CUDA)."""
 from __future__ import annotations
 
+import importlib
 import dataclasses
 
 import pytest
@@ -17,11 +18,11 @@ from opsadv.core import dispatch
 from opsadv.core.env import EnvInfo
 from opsadv.core.errors import InvalidArgumentError
 from opsadv.core.kernel import CallSpec, KernelImpl
-from opsadv.core.ops import sparse as sparse_op
+sparse_op = importlib.import_module("opsadv.ops.sparse_attention")
 
 from conftest import rel_err
 
-sdpa = pytest.importorskip("opsadv.backends.cuda.sdpa")
+sdpa = pytest.importorskip("opsadv.backends.cuda.flash_attention.sdpa")
 IMPL = "cuda.sdpa.flash_varlen"
 H200 = EnvInfo(device_type="cuda", compute_capability=(9, 0))
 
@@ -208,9 +209,9 @@ def test_build_pack_bounds_every_segment(rows):
 def test_split_filler_layout_triton_kernel_matches_reference(monkeypatch):
     """The Triton sparse kernel (interpreter) over a graph-path packed layout (filler split into
     <= s segments, some empty, tile index built as under capture) equals the reference."""
-    pytest.importorskip("opsadv.backends.cuda.sparse")
+    pytest.importorskip("opsadv.backends.triton_common.sparse_attention.sparse")
     from opsadv.convert import packing
-    from opsadv.core import layout as layout_mod
+    from opsadv.core import sparse_tiles as layout_mod
     torch.manual_seed(0)
     b, s = 3, 24
     kpm = torch.arange(s)[None] < torch.tensor([[20], [0], [9]])

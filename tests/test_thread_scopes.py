@@ -129,7 +129,7 @@ def test_trace_all_threads_counts_every_thread():
 
 def test_backward_on_another_thread_counts_in_the_forward_trace():
     """Autograd runs CUDA backwards on its own thread: the forward's trace still counts them."""
-    from opsadv.core.ops.norm import _rms_bwd, _rms_setup
+    from opsadv.ops.norm import _rms_bwd, _rms_setup
 
     class Ctx:
         def save_for_backward(self, *t):

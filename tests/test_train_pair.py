@@ -12,8 +12,8 @@ import torch
 
 import opsadv
 from opsadv import KernelImpl, SparseLayout
-from opsadv.backends.reference import ATTN_FEATURES, SPARSE_FEATURES
-from opsadv.backends.reference import kernels as K
+from opsadv.ops.flash_attention.reference import FEATURES as ATTN_FEATURES, attention_bwd, attention_fwd
+from opsadv.ops.sparse_attention.reference import FEATURES as SPARSE_FEATURES, sparse_bwd, sparse_fwd
 from opsadv.core import dispatch
 from opsadv.registry import BackendInfo, ProbeResult, hookimpl
 
@@ -44,8 +44,8 @@ class Pairs:
 
     @hookimpl
     def opsadv_register_kernels(self, registry, env):
-        for op, fwd, bwd, feats in (("flash_attention", K.attention_fwd, K.attention_bwd, ATTN_FEATURES),
-                                    ("sparse_attention", K.sparse_fwd, K.sparse_bwd, SPARSE_FEATURES)):
+        for op, fwd, bwd, feats in (("flash_attention", attention_fwd, attention_bwd, ATTN_FEATURES),
+                                    ("sparse_attention", sparse_fwd, sparse_bwd, SPARSE_FEATURES)):
             for name, prio, check in (("a", 400, _no_backward_bucket), ("b", 300, None)):
                 registry.add(KernelImpl(id=f"pairs.{name}.{op}", op=op, backend="pairs",
                                         fn=_counted(fwd, f"{name}.fwd"), backward=_counted(bwd, f"{name}.bwd"),

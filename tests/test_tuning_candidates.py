@@ -46,8 +46,8 @@ def _tune_two(monkeypatch, spec, seen, timing="wall"):
     exp = SimpleNamespace(spec=spec, why="highest priority",
                           candidates=[SimpleNamespace(impl=i, accepted=True) for i in impls])
     data = {}
-    monkeypatch.setattr(tuning._TUNING, "load", lambda: data)
-    monkeypatch.setattr(tuning._TUNING, "write", lambda: None)
+    monkeypatch.setattr(tuning._TUNING, "get", lambda sec, key: data.get(sec, {}).get(key))
+    monkeypatch.setattr(tuning._TUNING, "put", lambda sec, key, v: data.setdefault(sec, {}).__setitem__(key, v))
     monkeypatch.setattr(tuning, "_device_key", lambda env: "dev")
     ms = {"cuda.triton.x": 1.0, "cuda.vendor.x": 2.0}
     monkeypatch.setattr(tuning, "time_fn", lambda fn, dt, timing="wall": seen.append(timing) or ms[fn()])

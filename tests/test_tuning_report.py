@@ -11,7 +11,9 @@ from opsadv.core.env import current_env
 
 
 def _write(tmp_path, name, data):
-    (tmp_path / name).write_text(json.dumps(data))
+    """data: {section: {key: value}} in the cache file's schema (core/cachefile.py)."""
+    sections = {s: {k: {"value": v, "time": 1.0} for k, v in entries.items()} for s, entries in data.items()}
+    (tmp_path / name).write_text(json.dumps({"schema": 2, "sections": sections}))
 
 
 def test_report_lists_this_devices_winners_and_configs(tmp_path, monkeypatch):

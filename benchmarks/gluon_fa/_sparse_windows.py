@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import opsadv  # noqa: E402
 from opsadv import SparseLayout  # noqa: E402
-from opsadv.backends.cuda import gluon_sparse as GS  # noqa: E402
+from opsadv.backends.cuda.sparse_attention import gluon as GS  # noqa: E402
 from opsadv.bench.suite_sparse import fwd_tiles  # noqa: E402
 
 S, H, D = 16384, 32, 128

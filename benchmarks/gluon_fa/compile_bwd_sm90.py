@@ -1,8 +1,8 @@
-"""Compile the Gluon attention backward (opsadv/backends/cuda/_gluon_fa_bwd_kernel.py) for sm_90 on a
+"""Compile the Gluon attention backward (opsadv/backends/cuda/flash_attention/gluon_bwd_kernel.py) for sm_90 on a
 CPU-only machine: d 128/64, bf16/fp16, causal or not, with the real launch arguments of CPU tensors
 (same method as compile_sm90.py).  Prints registers, spill instructions (STL/LDL in the SASS), stack,
 shared memory, the wgmma/wait sequence and the setmaxnreg levels, for every schedule of
-gluon_attention_bwd.VARIANTS (or --variants=a,b); writes summary.json (+ .ttgir/.ptx) to OUT_DIR if given.
+cuda/flash_attention/gluon_bwd.py VARIANTS (or --variants=a,b); writes summary.json (+ .ttgir/.ptx) to OUT_DIR if given.
 
   PYTHONPATH=. python benchmarks/gluon_fa/compile_bwd_sm90.py [OUT_DIR] [--stages=2] [--variants=inline,ws]
 """
@@ -23,8 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compile_sm90 import (compile_sm90, cubin_resources, ptx_sequence, sass_instructions, sass_of,  # noqa: E402
                           setmaxnreg_regions)
 
-from opsadv.backends.cuda import _gluon_fa_bwd_kernel as KB  # noqa: E402
-from opsadv.backends.cuda import gluon_attention_bwd as GB  # noqa: E402
+from opsadv.backends.cuda.flash_attention import gluon_bwd_kernel as KB  # noqa: E402
+from opsadv.backends.cuda.flash_attention import gluon_bwd as GB  # noqa: E402
 
 
 def spill_counts(sass: str) -> tuple[int, int]:

@@ -1,5 +1,5 @@
-"""Compile the Gluon attention forward (opsadv/backends/cuda/_gluon_fa_kernel.py) for sm_90 on a CPU-only
-machine (no GPU, no driver): every schedule of gluon_attention.VARIANTS, d 128/64, bf16/fp16, causal or not.
+"""Compile the Gluon attention forward (opsadv/backends/cuda/flash_attention/gluon_kernel.py) for sm_90 on a CPU-only
+machine (no GPU, no driver): every schedule of cuda/flash_attention/gluon.py VARIANTS, d 128/64, bf16/fp16, causal or not.
 
 Builds the real launch arguments on CPU tensors (TensorDescriptors only need data_ptr/shape/stride),
 binds and specializes them like JITFunction.run, and compiles through Gluon's own AST source class
@@ -32,8 +32,8 @@ from triton.compiler import make_backend  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
-from opsadv.backends.cuda import _gluon_fa_kernel as K  # noqa: E402
-from opsadv.backends.cuda import gluon_attention as GA  # noqa: E402
+from opsadv.backends.cuda.flash_attention import gluon_kernel as K  # noqa: E402
+from opsadv.backends.cuda.flash_attention import gluon as GA  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 128)
 BACKEND = make_backend(TARGET)

@@ -1,10 +1,10 @@
-"""Compile the Gluon block-sparse forward (opsadv/backends/cuda/_gluon_sparse_kernel.py) for sm_90 on a
+"""Compile the Gluon block-sparse forward (opsadv/backends/cuda/sparse_attention/gluon_kernel.py) for sm_90 on a
 CPU-only machine (no GPU): one launch per mask mode, from real launch arguments on CPU tensors.  Prints a
 JSON report per case: shared memory, spill instructions (STL/LDL) in all and inside the K/V tile loops.
 
   PYTHONPATH=. python benchmarks/gluon_fa/sparse_compile_sm90.py [OUT_DIR] [--masked]   (OUT_DIR gets .ptx/.sass)
 
-Cases: every mask mode with the default schedule, then the new schedules of gluon_sparse.VARIANTS on the
+Cases: every mask mode with the default schedule, then the new schedules of cuda/sparse_attention/gluon.py VARIANTS on the
 timed layouts (--masked: also on block-mask / global-token layouts).  "stack" and "setmaxnreg" (the
 per-partition register counts) come from the cubin / SASS.
 
@@ -72,7 +72,7 @@ def layouts():
 
 CASES = [("window_causal", 128), ("window_causal", 64), ("causal", 128), ("bigbird", 128), ("padding_causal", 64),
          ("global_window", 128), ("dilated_not_one_run", 128)]
-# The schedules added for issue #5 (gluon_sparse.VARIANTS, not run on a GPU yet), on the layouts the probe
+# The schedules added for issue #5 (cuda/sparse_attention/gluon.py VARIANTS, not run on a GPU yet), on the layouts the probe
 # times (causal sliding windows; dense causal) where each must compile with 0 spills (tests assert it).
 # Masked modes (block masks, global tokens) with them: see MASKED_VARIANT_CASES.
 VARIANT_CASES = [("window_causal", 128, "pingpong"), ("causal", 128, "pingpong"), ("window_causal", 64, "pingpong"),
@@ -100,7 +100,7 @@ MASKED_VARIANT_CASES = [(n, 128, v) for v in ("pingpong", "st3", "pingpong_st3",
 
 def compile_case(name, d, dtype=None, variant="default", trace=False, lse=True):
     import torch
-    from opsadv.backends.cuda import _gluon_sparse_kernel as K, gluon_sparse as GS
+    from opsadv.backends.cuda.sparse_attention import gluon_kernel as K, gluon as GS
     dtype = dtype or torch.bfloat16
     lay, b, hq, hkv = layouts()[name]
     q = torch.randn(b, hq, lay.seq_q, d).to(dtype)

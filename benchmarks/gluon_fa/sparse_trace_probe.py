@@ -1,5 +1,5 @@
 """Where a work item's time goes inside the Gluon sparse forward, on an H100/H200: the TRACE build of the kernel
-(gluon_sparse.launch_args(trace=...), _gluon_sparse_kernel._stamp) writes each consumer warpgroup's %clock64 at
+(cuda/sparse_attention/gluon.py launch_args(trace=...), gluon_kernel.py _stamp) writes each consumer warpgroup's %clock64 at
 seven points of every item; this probe turns them into per-phase cycle counts at s16384 d128 bf16 b1 h32 causal
 windows, for the default and pingpong_st3 schedules with the interval mask (what auto_schedule runs).
 
@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 from _sparse_windows import D, GS, H, dense_baseline, inputs, ms, report_header, window_case  # noqa: E402
-from opsadv.backends.cuda import _gluon_sparse_kernel as K  # noqa: E402
+from opsadv.backends.cuda.sparse_attention import gluon_kernel as K  # noqa: E402
 
 WINDOWS = [int(w) for w in os.environ.get("TRACE_WINDOWS", "1024,2048").split(",")]
 ALL_SCHEDULES = {"default_interval": {"persistent": True, "mask": "interval"},

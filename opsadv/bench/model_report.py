@@ -84,9 +84,9 @@ def write_heatmap(json_path: str | None, png_path: str, rows: list[dict[str, Any
     ax.set_yticks([i + 0.5 for i in range(len(models))], models, fontsize=7)
     sm = plt.cm.ScalarMappable(norm=norm, cmap=cmap)
     fig.colorbar(sm, ax=ax, fraction=0.03, pad=0.01).set_label("converted / baseline speed (paired ratio)", fontsize=7)
-    ax.set_title(title or "opsadv.convert_model vs the unconverted model (eager cells) / torch.compile of it "
-                 f"(compiled cells)\n{head.get('device', '')}, torch {head.get('torch', '')}, commit "
-                 f"{head.get('commit', '')}", fontsize=7)
+    ax.set_title(title or "opsadv.convert_model vs the unconverted model (eager cells)\n/ torch.compile of it "
+                 f"(compiled cells)\n{head.get('device', '')}, torch {head.get('torch', '')}, "
+                 f"\n{_commits(rows, head)}", fontsize=7)
     fig.tight_layout()
     Path(png_path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png_path, dpi=130)
@@ -121,13 +121,19 @@ def headline(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _commits(rows: list[dict[str, Any]], head: dict) -> str:
+    """'commit X' or 'rows at commits X, Y': each row names the commit it measured."""
+    seen = _order(r.get("commit") or head.get("commit", "?") for r in rows) or [head.get("commit", "?")]
+    return f"commit {seen[0]}" if len(seen) == 1 else "rows at commits " + ", ".join(seen)
+
+
 def headline_markdown(json_path: str) -> str:
     """The README's headline table (markdown) from the models JSON."""
     data = json.loads(Path(json_path).read_text())
     rows = load_rows(json_path)
     f = lambda v: "-" if v is None else f"{v:.2f}x"   # noqa: E731
-    lines = [f"Models matrix on {data.get('device', '?')} (torch {data.get('torch', '?')}, commit "
-             f"{data.get('commit', '?')}): converted vs the unconverted model in the same mode (eager vs eager, "
+    lines = [f"Models matrix on {data.get('device', '?')} (torch {data.get('torch', '?')}, "
+             f"{_commits(rows, data)}): converted vs the unconverted model in the same mode (eager vs eager, "
              "compiled vs compiled), paired per-round ratios, >1 = converted faster.", "",
              "| mode | cells | median | lowest cell | cells >= 1.0x | median vs Liger |",
              "|---|---|---|---|---|---|"]

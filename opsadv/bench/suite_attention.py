@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 import opsadv
 from opsadv.core import dispatch
-from opsadv.core.ops import attention as A
 from opsadv.core.policy import current_policy
+from opsadv.ops.flash_attention import _spec as attention_spec
 from opsadv.registry import get_registry
 
 from .case import BenchCase, flex_peer
@@ -58,7 +58,7 @@ def _own(q, k, causal, backward):
     if "cuda" not in get_registry().backends or not get_registry().backends["cuda"].available:
         return None
     pol = dataclasses.replace(current_policy(), backend="cuda", autotune=False)
-    exp, r = dispatch.explain_spec(A._spec(q, k, None, causal, backward), pol)
+    exp, r = dispatch.explain_spec(attention_spec(q, k, None, causal, backward), pol)
     if r is None:
         return None
     accepted = {c.impl.id for c in exp.candidates if c.accepted}

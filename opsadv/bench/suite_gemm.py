@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import opsadv
 from opsadv.core import dispatch
-from opsadv.core.ops.gemm import _gemm_spec, _swiglu_spec
+from opsadv.ops.gemm import _gemm_spec, _swiglu_spec
 from opsadv.core.policy import current_policy
 from opsadv.registry import get_registry
 
@@ -114,7 +114,7 @@ def cases(quick: bool) -> Iterator[BenchCase]:
         extra = {}
         if bwd:
             # training calls run the GEMM (+ bias) through the op and the activation as torch ops
-            # (opsadv.core.ops.gemm._composed_for_training): the [own] row pins that GEMM to our kernel
+            # (opsadv.ops.gemm._composed_for_training): the [own] row pins that GEMM to our kernel
             own = own_impl("gemm", _gemm_spec(a, wt, bias, "none", None, 1.0, False))
             if own is not None:
                 def own_fn(impl_id=own[0].id, mine=mine):

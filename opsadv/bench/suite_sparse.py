@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import opsadv
 from opsadv import SparseLayout
-from opsadv.backends.cuda import gluon_attention
+from opsadv.backends.cuda.flash_attention import gluon as gluon_attention
 from opsadv.core.policy import current_policy, select_profile
 from opsadv.registry import get_registry
 
@@ -28,7 +28,7 @@ DENSE_MASK_MAX_BYTES = 4 << 30      # sdpa_masked only where the (s_q, s_k) bool
 
 def fwd_tiles(layout: SparseLayout, d: int) -> tuple[int, int]:
     """(visited, total) tiles of the forward kernel's grid for this layout (for work counting)."""
-    from opsadv.backends.cuda import sparse as SP     # imports triton (optional)
+    from opsadv.backends.triton_common.sparse_attention import sparse as SP     # imports triton (optional)
     prof = None
     rec = get_registry().backends.get("cuda")
     if rec is not None and rec.available:

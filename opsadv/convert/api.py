@@ -57,6 +57,9 @@ def resolve_precision(precision, use_fp16) -> tuple[PrecisionPolicy, torch.dtype
         precision = names[precision]
     if isinstance(precision, PrecisionPolicy):
         return precision, None, str(precision)
+    if isinstance(precision, dict):               # the precision dict: the policy only, the model keeps its dtype
+        pol = PrecisionPolicy.from_dict(precision)
+        return pol, None, ", ".join(f"{k}={v}" for k, v in precision.items())
     if isinstance(precision, str) and precision.lower() in ("float16", "half", "bfloat16", "float32"):
         precision = {"float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float32": "fp32"}[precision.lower()]
     pol = PrecisionPolicy.from_string(precision)   # raises InvalidArgumentError for anything else
@@ -111,6 +114,30 @@ class _Tuner:
         return (_Tuner, (self.model,))
 
 
+class _Originals:
+    """A model's parameters and buffers (the objects and their data) before convert_model casts it: a conversion
+    that is refused or fails puts them back exactly, not cast back (fp32 -> fp16 -> fp32 loses bits).  Until then
+    the originals stay referenced, so a cast model briefly holds both copies."""
+
+    def __init__(self, model: nn.Module):
+        # (a cast changes .data of the parameter objects and of their .grad objects, and replaces buffers)
+        self.params = [(m, n, p, p.data, p.grad, None if p.grad is None else p.grad.data)
+                       for m in model.modules() for n, p in m._parameters.items() if p is not None]
+        self.buffers = [(m, n, b) for m in model.modules() for n, b in m._buffers.items() if b is not None]
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for m, n, p, data, grad, grad_data in self.params:
+                p.grad = None
+                p.data = data
+                if grad is not None:
+                    grad.data = grad_data
+                p.grad = grad
+                m._parameters[n] = p
+            for m, n, b in self.buffers:
+                m._buffers[n] = b
+
+
 def _eval_mode(model):
     modes = {m: m.training for m in model.modules()}
     model.eval()
@@ -137,7 +164,8 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
     original on `example_inputs` (a dict of kwargs, a tuple of args or a tensor; generated for
     transformers models); beyond the limits (see opsadv.convert.validate) the conversion is undone
     and ValidationError raised with the numbers, unless validate="warn" (kept, flagged in the
-    report) or False.  `precision` ("fp16"/"bf16"/"fp32") casts the model first; the seed
+    report) or False.  `precision` ("fp16"/"bf16"/"fp32") casts the model first (a refused or failed conversion
+    puts the original parameters and buffers back, dtypes and values); the seed
     parameters tile_size/max_streams/mem_opt are validated and handed to the kernels as options.
 
     pack_padding (None = on at opt_level >= 2): BERT-style encoders run padded batches on their real
@@ -165,81 +193,87 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
     prev_state = getattr(model, "_opsadv_state", None)
     if prev_state is not None:
         raise InvalidArgumentError("convert_model", "model", "a model not converted yet", "an opsadv-converted model")
+    before = _Originals(model) if cast is not None else None
     if cast is not None:
         model.to(cast)
-    report = ConversionReport(_model_name(model), opt_level, backend, label)
-    if opt_level >= 3:
-        report.notes.append("opt_level 3: experimental kernels allowed")
-    is_hf = hf_attention.is_transformers_model(model)
-    inputs = example_inputs
-    if inputs is None and is_hf:
-        inputs = _val.hf_validation_inputs(model)
-    if validate and opt_level > 0 and inputs is None:
-        raise InvalidArgumentError("convert_model", "example_inputs",
-                                   "validation inputs (kwargs dict, args tuple or tensor) for a model that is not a "
-                                   "transformers model, or validate=False", None)
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    modes = _eval_mode(model)
     try:
-        ref = _val.run(model, inputs) if validate and opt_level > 0 else None
-    finally:
-        _restore_modes(modes)
-    undo = passes.Undo()
-    root = model
-    use_floor = opt_level > 0 and (_floor.default_enabled() if floor is None else floor)
-    gate = None
-    if use_floor:
-        finputs = floor_inputs if floor_inputs is not None else _default_floor_inputs(model, is_hf, inputs)
-        if finputs is None:
-            report.notes.append("floor not measured: no inputs to time (pass floor_inputs or example_inputs)")
-        else:
-            gate = _floor.Floor(finputs, floor_mode, floor_timer, _floor.compile_mode(floor_compile))
-            if gate.compile:
-                report.notes.append(f"floor timed under torch.compile ({gate.compile})")
-    try:
-        for kind, label, apply in _steps(is_hf, opt_level, mem_opt, pack_padding, state):
-            root = _run_step(root, kind, label, apply, report, undo, gate)
-        passes.memory_pass(model, report, mem_opt)
-        if mem_opt is not None and mem_opt >= release.RELEASE_MEM_OPT and opt_level >= 1:
-            modes = _eval_mode(root)             # probe the model as it will run (after the fx rewrite)
-            try:
-                release.release_pass(root, report, undo, inputs, _val.run)
-            finally:
-                _restore_modes(modes)
-        runner = _install_graphs(root, report, undo, max_graphs) if cuda_graphs else None
-    except Exception:
-        undo.revert()
-        raise
-    if ref is not None:
-        modes = _eval_mode(root)
+        report = ConversionReport(_model_name(model), opt_level, backend, label)
+        if opt_level >= 3:
+            report.notes.append("opt_level 3: experimental kernels allowed")
+        is_hf = hf_attention.is_transformers_model(model)
+        inputs = example_inputs
+        if inputs is None and is_hf:
+            inputs = _val.hf_validation_inputs(model)
+        if validate and opt_level > 0 and inputs is None:
+            raise InvalidArgumentError("convert_model", "example_inputs",
+                                       "validation inputs (kwargs dict, args tuple or tensor) for a model that is not a "
+                                       "transformers model, or validate=False", None)
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        modes = _eval_mode(model)
         try:
-            new = _val.run(root, inputs)
+            ref = _val.run(model, inputs) if validate and opt_level > 0 else None
+        finally:
+            _restore_modes(modes)
+        undo = passes.Undo()
+        root = model
+        use_floor = opt_level > 0 and (_floor.default_enabled() if floor is None else floor)
+        gate = None
+        if use_floor:
+            finputs = floor_inputs if floor_inputs is not None else _default_floor_inputs(model, is_hf, inputs)
+            if finputs is None:
+                report.notes.append("floor not measured: no inputs to time (pass floor_inputs or example_inputs)")
+            else:
+                gate = _floor.Floor(finputs, floor_mode, floor_timer, _floor.compile_mode(floor_compile))
+                if gate.compile:
+                    report.notes.append(f"floor timed under torch.compile ({gate.compile})")
+        try:
+            for kind, label, apply in _steps(is_hf, opt_level, mem_opt, pack_padding, state):
+                root = _run_step(root, kind, label, apply, report, undo, gate)
+            passes.memory_pass(model, report, mem_opt)
+            if mem_opt is not None and mem_opt >= release.RELEASE_MEM_OPT and opt_level >= 1:
+                modes = _eval_mode(root)             # probe the model as it will run (after the fx rewrite)
+                try:
+                    release.release_pass(root, report, undo, inputs, _val.run)
+                finally:
+                    _restore_modes(modes)
+            runner = _install_graphs(root, report, undo, max_graphs) if cuda_graphs else None
         except Exception:
             undo.revert()
             raise
-        finally:
-            _restore_modes(modes)
-        metrics = _val.compare(ref, new, inputs, dtype)
-        report.validation = metrics
-        if not metrics["passed"]:
-            if validate is True:
+        if ref is not None:
+            modes = _eval_mode(root)
+            try:
+                new = _val.run(root, inputs)
+            except Exception:
                 undo.revert()
-                raise _val.ValidationError(report.model, metrics)
-            report.status = "converted (validation FAILED; kept because validate='warn')"
-            warnings.warn(f"opsadv.convert_model: {report.model} differs from the original beyond the limits: "
-                          f"{metrics}", RuntimeWarning, stacklevel=2)
-    elif opt_level > 0:
-        report.notes.append("not validated (validate=False)")
-    if gate is not None:
-        report.floor = [d.to_dict() for d in gate.decisions]
-    report.seconds = time.perf_counter() - t0
-    root._opsadv_state = state
-    root._opsadv_example_inputs = inputs
-    root.opsadv_report = report
-    root.tune_for_hardware = _Tuner(root)
-    if runner is not None:
-        root.opsadv_graphs = runner
-    return root
+                raise
+            finally:
+                _restore_modes(modes)
+            metrics = _val.compare(ref, new, inputs, dtype)
+            report.validation = metrics
+            if not metrics["passed"]:
+                if validate is True:
+                    undo.revert()
+                    raise _val.ValidationError(report.model, metrics)
+                report.status = "converted (validation FAILED; kept because validate='warn')"
+                warnings.warn(f"opsadv.convert_model: {report.model} differs from the original beyond the limits: "
+                              f"{metrics}", RuntimeWarning, stacklevel=2)
+        elif opt_level > 0:
+            report.notes.append("not validated (validate=False)")
+        if gate is not None:
+            report.floor = [d.to_dict() for d in gate.decisions]
+        report.seconds = time.perf_counter() - t0
+        root._opsadv_state = state
+        root._opsadv_example_inputs = inputs
+        root.opsadv_report = report
+        root.tune_for_hardware = _Tuner(root)
+        if runner is not None:
+            root.opsadv_graphs = runner
+        return root
+    except BaseException:
+        if before is not None:      # refused or failed: the model goes back to its own dtypes and values
+            before.restore()
+        raise
 
 
 def check_graph_args(model, pack_padding, cuda_graphs, max_graphs) -> None:

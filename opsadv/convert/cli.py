@@ -8,6 +8,7 @@ import opsadv
 from opsadv._progress import bar as progress_bar, enabled
 from opsadv.cli_support import Parser as _Parser, report_error
 from opsadv.core.device_check import check_device
+from opsadv.registry import get_registry
 
 from .demo import DEMOS, check_model_spec, example_inputs, load_model
 
@@ -64,6 +65,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--opt-level", type=int, default=2, choices=[0, 1, 2, 3],
                    help="0: nothing; 1: attention and norms; 2 (default): + fused QKV, residual + norm and MLP "
                         "GEMM epilogues; 3: + experimental kernels")
+    p.add_argument("--aoe-mode", type=int, default=None, metavar="N",
+                   help="Ascend AOE tuning mode (1 subgraph, 2 operator, 4 gradient split) for the ascend backend; "
+                        "with another backend it is checked and reported as having no effect")
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     p.add_argument("--progress", default=None, choices=["auto", "on", "off"],
                    help="progress bar on stderr: auto (default, $OPSADV_PROGRESS: only on a terminal), on, off")
@@ -108,6 +112,28 @@ def _load(args, bar, device):
     return model
 
 
+def _aoe_mode(args) -> str | None:
+    """--aoe-mode N: on the ascend backend (named, or what "auto" picks) the run goes under
+    use_backend(..., aoe_mode=N), which switches CANN's AOE on; with any other backend N is checked as the ascend
+    backend checks it and the report says it had no effect.  Returns the line for the report."""
+    if args.aoe_mode is None:
+        return None
+    reg = get_registry()
+    ascend = reg.backends.get("ascend")
+    check = getattr(ascend.plugin, "aoe_cli_options", None) if ascend is not None else None
+    if check is not None:
+        check(args.aoe_mode)                    # the value refused the same way with or without an NPU
+    if args.backend != "auto" and args.backend not in reg.backends:
+        opsadv.use_backend(args.backend)        # an unknown name: the error lists the known ones
+    name = reg.auto_backend().name if args.backend == "auto" else args.backend
+    if name == "ascend":
+        opsadv.use_backend(args.backend, aoe_mode=args.aoe_mode)
+        return f"--aoe-mode {args.aoe_mode}: AOE tuning on for the ascend backend"
+    return (f"--aoe-mode {args.aoe_mode} had no effect: AOE tunes the ascend backend, this run's backend is "
+            f"{name!r}" + ("" if ascend is None or ascend.available else
+                           f" (ascend unavailable: {'; '.join(ascend.probe.reasons) or 'no reason given'})"))
+
+
 def _fail(command: str, e: Exception) -> int:
     report_error(command, e)
     return 2
@@ -118,6 +144,7 @@ def optimize_main(args) -> int:
     try:
         device = _device(args)
         check_model_spec(args.model)
+        aoe = _aoe_mode(args)
         opt_level = 3 if args.use_experimental_kernels else args.opt_level
         # built (and its options checked) before the model loads
         opt = opsadv.Optimizer(device=device, precision=args.precision, opt_level=opt_level,
@@ -129,6 +156,8 @@ def optimize_main(args) -> int:
             x = example_inputs(model, args.batch_size, seq)
             bar.set_description("converting + validating")
             conv = opt.compile(model, example_inputs=x)
+            if aoe:
+                conv.opsadv_report.notes.append(aoe)
             bar.update()
             if args.output:
                 bar.set_description(f"exporting {args.output}")
@@ -151,11 +180,14 @@ def tune_main(args) -> int:
     try:
         device = _device(args)
         check_model_spec(args.model)
+        aoe = _aoe_mode(args)
         with progress_bar(2, "opsadv tune", "step", args.progress) as bar:
             model = _load(args, bar, device)
             bar.set_description("converting + validating")
             conv = opsadv.convert_model(model, backend=args.backend, precision=args.precision,
                                         opt_level=args.opt_level)
+            if aoe:
+                conv.opsadv_report.notes.append(aoe)
             bar.update()
         rep = conv.tune_for_hardware(device=str(device), batch_size=args.batch_size, seq_len=args.seq_len,
                                      progress=enabled(args.progress)).opsadv_tune_report

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from opsadv.core.errors import InvalidArgumentError
 
+from .validate import hf_validation_inputs
+
 DEMOS = ("demo-llama", "demo-mistral", "demo-qwen2", "demo-bert", "demo-roberta", "demo-gpt2")
 
 _DEC = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -77,6 +79,12 @@ def load_model(spec: str, dtype: torch.dtype | None = None):
 
 
 def example_inputs(model, batch: int = 2, seq: int = 32, device=None) -> dict:
+    """Unpadded token ids for a text model; for vision, audio and encoder-decoder models the inputs validation
+    generates from the config (pixel_values, input_features, decoder_input_ids)."""
+    if getattr(model, "main_input_name", "input_ids") != "input_ids" or getattr(model.config, "is_encoder_decoder",
+                                                                                 False):
+        x = hf_validation_inputs(model, batch, seq)
+        return {k: v.to(device) for k, v in x.items()} if device is not None else x
     vocab = int(getattr(model.config, "vocab_size", 512))
     ids = torch.randint(0, vocab, (batch, seq))
     am = torch.ones(batch, seq, dtype=torch.long)

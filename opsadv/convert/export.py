@@ -18,10 +18,11 @@ from opsadv.core.precision import PrecisionPolicy
 
 from opsadv import ops as _ops  # noqa: F401  (registers the opsadv::* ops a loaded program calls)
 
-from . import floor as _floor
+from . import floor as _floor, hf_attention
 from .api import _check_int, check_graph_args, check_seed_args, convert_model
 from .modules import unalias_fused
 from .tune import _to
+from .validate import hf_validation_inputs
 
 
 class _PlainOutputs(nn.Module):
@@ -39,6 +40,48 @@ class _PlainOutputs(nn.Module):
         if isinstance(out, dict):                 # transformers ModelOutput is an OrderedDict
             return {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
         return out
+
+
+def _named(model: nn.Module, fixed: dict, names: list[str], keyword: bool) -> _PlainOutputs:
+    """_PlainOutputs whose forward names its inputs (keyword-only `names`, or positional ones): torch.export
+    matches dynamic_shapes to the forward's parameter names and cannot match entries of **kwargs / *args."""
+    kind = inspect.Parameter.KEYWORD_ONLY if keyword else inspect.Parameter.POSITIONAL_OR_KEYWORD
+
+    class Named(_PlainOutputs):
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)
+    Named.forward.__signature__ = inspect.Signature(
+        [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)] + [inspect.Parameter(n, kind) for n in names])
+    return Named(model, fixed)
+
+
+# what "auto" makes dynamic, by input name: the batch dim and, for token inputs, the (decoder) sequence dim
+_TOKENS = (0, 1)
+AUTO_DIMS = {"input_ids": _TOKENS, "attention_mask": _TOKENS, "token_type_ids": _TOKENS, "position_ids": _TOKENS,
+             "decoder_input_ids": _TOKENS, "decoder_attention_mask": _TOKENS, "pixel_values": (0,),
+             "input_features": (0,)}
+
+
+def auto_dynamic_shapes(inputs: dict) -> dict:
+    """The batch and sequence dims of a transformers model's inputs (AUTO_DIMS) as torch.export dims; other
+    inputs static.  Dim.DYNAMIC: export keeps what the model's code leaves dynamic (and its bounds: a learned
+    position table caps the sequence; inputs that must agree, e.g. ids and mask, are unified) instead of failing,
+    and Optimizer.export reports any dim the model's code fixed."""
+    dyn = torch.export.Dim.DYNAMIC
+    return {k: ({d: dyn for d in AUTO_DIMS[k] if d < v.dim()} if k in AUTO_DIMS and isinstance(v, torch.Tensor)
+                else None) for k, v in inputs.items()}
+
+
+def _pinned_dims(ep, names: list[str], shapes: dict) -> list[str]:
+    """The dims asked to be dynamic that the exported program fixed (the model's code specialized them)."""
+    nodes = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
+    out = []
+    for name, node in zip(names, ep.graph_signature.user_inputs):
+        val = nodes[node].meta.get("val") if node in nodes else None
+        spec = shapes.get(name)
+        if isinstance(spec, dict) and isinstance(val, torch.Tensor):
+            out += [f"{name} dim {d} (fixed at {val.shape[d]})" for d in spec if isinstance(val.shape[d], int)]
+    return out
 
 
 # convert_model's keywords that Optimizer sets itself (the rest are seed parameters it passes on)
@@ -66,15 +109,20 @@ def _check_seeds(seeds: dict, opt_level: int) -> None:
 
 
 class Optimizer:
-    """`Optimizer(device="cuda", precision="bf16", opt_level=2).compile(model)`; `.export(model, path,
-    example_inputs)` writes a .pt2."""
+    """`Optimizer(device="cuda", precision="bf16", opt_level=2).compile(model)`; `.export(model, path)` writes a
+    .pt2 (batch and sequence dims dynamic for transformers models)."""
 
     def __init__(self, device=None, precision="fp32", opt_level: int = 2, backend: str = "auto", **seeds):
         _check_int("opt_level", opt_level, 0, 3, allow_none=False)
-        if not (precision is None or isinstance(precision, PrecisionPolicy)
-                or (isinstance(precision, str) and precision.lower() in ("fp16", "bf16", "fp32", "tf32"))):
-            raise InvalidArgumentError("Optimizer", "precision", "'fp16', 'bf16', 'fp32' or a PrecisionPolicy",
-                                       repr(precision))
+        if isinstance(precision, dict):
+            try:
+                PrecisionPolicy.from_dict(precision)
+            except InvalidArgumentError as e:       # the same check, named after what the user called
+                raise type(e)("Optimizer", e.arg, e.expected, e.given) from None
+        elif not (precision is None or isinstance(precision, PrecisionPolicy)
+                  or (isinstance(precision, str) and precision.lower() in ("fp16", "bf16", "fp32", "tf32"))):
+            raise InvalidArgumentError("Optimizer", "precision", "'fp16', 'bf16', 'fp32', 'tf32', a precision dict "
+                                       "or a PrecisionPolicy", repr(precision))
         self.device = check_device(device, "Optimizer")
         _check_seeds(seeds, opt_level)
         self.precision, self.opt_level, self.backend, self.seeds = precision, opt_level, backend, seeds
@@ -93,28 +141,59 @@ class Optimizer:
         return convert_model(model, backend=self.backend, precision=self.precision, opt_level=self.opt_level,
                              validate=validate, example_inputs=example_inputs, **self.seeds)
 
-    def export(self, model: nn.Module, path, example_inputs, validate=True) -> torch.export.ExportedProgram:
+    def export(self, model: nn.Module, path, example_inputs=None, validate=True,
+               dynamic_shapes="auto") -> torch.export.ExportedProgram:
         """Convert (if needed), torch.export the model on `example_inputs` (kwargs dict, args tuple or a
-        tensor) and save the program to `path` (.pt2).  Returns the ExportedProgram."""
+        tensor; None: generated for transformers models, as convert_model validates them) and save the program to
+        `path` (.pt2).  Returns the ExportedProgram.
+
+        dynamic_shapes: "auto" (default): for a transformers model the batch and sequence dims of its inputs are
+        dynamic (token ids and masks: batch and sequence; decoder ids: batch and decoder sequence; pixel_values /
+        input_features: batch), so the program runs at other batch sizes and lengths; other models get fixed
+        shapes.  None: fixed shapes.  Anything else is handed to torch.export.export as is (keyed by input name
+        for a kwargs dict, by position for an args tuple)."""
+        if isinstance(dynamic_shapes, str) and dynamic_shapes != "auto":
+            raise InvalidArgumentError("Optimizer.export", "dynamic_shapes", "'auto', None, or torch.export "
+                                       "dynamic shapes (a dict by input name, a tuple by position)",
+                                       repr(dynamic_shapes))
         compiled = self.compile(model, example_inputs=example_inputs, validate=validate)
         dev = next(compiled.parameters()).device
+        is_hf = hf_attention.is_transformers_model(compiled)
+        if example_inputs is None:
+            example_inputs = getattr(compiled, "_opsadv_example_inputs", None)
+            if example_inputs is None and is_hf:
+                example_inputs = hf_validation_inputs(compiled)
+            if example_inputs is None:
+                raise InvalidArgumentError("Optimizer.export", "example_inputs", "inputs to trace the model on (kwargs "
+                                           "dict, args tuple or tensor) for a model that is not a transformers model",
+                                           None)
         inputs = _to(example_inputs, dev)
         if isinstance(inputs, dict):
             args, kwargs = (), dict(inputs)
         else:
             args, kwargs = (tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)), {}
+        if isinstance(dynamic_shapes, str):
+            dynamic_shapes = auto_dynamic_shapes(kwargs) if is_hf and kwargs else None
         fixed = {}
         try:
             if "use_cache" in inspect.signature(compiled.forward).parameters and "use_cache" not in kwargs:
                 fixed["use_cache"] = False        # a KV cache object is no program output
         except (TypeError, ValueError):
             pass
+        if dynamic_shapes is None:
+            wrapper = _PlainOutputs(compiled, fixed)
+        elif kwargs:
+            wrapper = _named(compiled, fixed, list(kwargs), keyword=True)
+        else:
+            wrapper = _named(compiled, fixed, [f"arg{i}" for i in range(len(args))], keyword=False)
+            if isinstance(dynamic_shapes, (tuple, list)):
+                dynamic_shapes = {f"arg{i}": d for i, d in enumerate(dynamic_shapes)}
         was = compiled.training
         compiled.eval()
         unalias_fused(compiled)
         try:
             with torch.no_grad():
-                ep = torch.export.export(_PlainOutputs(compiled, fixed), args, kwargs, strict=False)
+                ep = torch.export.export(wrapper, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
         finally:
             compiled.train(was)
         n_ops = sum(1 for n in ep.graph.nodes if n.op == "call_function" and "opsadv" in str(n.target))
@@ -124,7 +203,15 @@ class Optimizer:
         torch.export.save(ep, str(Path(path)))
         report = getattr(compiled, "opsadv_report", None)
         if report is not None:
-            report.notes.append(f"exported to {path}: {n_ops} opsadv op calls in the graph")
+            shapes = "fixed shapes"
+            if dynamic_shapes is not None and isinstance(dynamic_shapes, dict) and kwargs:
+                pinned = _pinned_dims(ep, list(kwargs), dynamic_shapes)
+                dyn = sorted({f"{k} dim {d}" for k, v in dynamic_shapes.items() if isinstance(v, dict) for d in v})
+                shapes = "dynamic " + ", ".join(dyn) + (f"; the model's code fixed {', '.join(pinned)}" if pinned
+                                                        else "")
+            elif dynamic_shapes is not None:
+                shapes = "dynamic shapes as given"
+            report.notes.append(f"exported to {path}: {n_ops} opsadv op calls in the graph ({shapes})")
         return ep
 
 

@@ -30,7 +30,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from opsadv import ops
-from opsadv.core.layout import SparseLayout, capturing
+from opsadv.ops.sparse_attention.layout import SparseLayout, capturing
 
 from .masks import MaskForm, causal_mask_of, form_of, key_padding_of
 from .modules import _exporting
@@ -42,9 +42,12 @@ BLOCK = 128
 _registered = False
 
 
-def _block_mask(s_q, s_k, like: torch.Tensor) -> torch.Tensor:
+def _block_mask(s_q, s_k, like: torch.Tensor) -> torch.Tensor | None:
     """The layout's all-True block mask: the cached one where values can be read (eager, CUDA-graph capture after
     an eager warm-up), else one made in the traced graph (once per forward: the mask function runs once)."""
+    if not (isinstance(s_q, int) and isinstance(s_k, int)):
+        return None     # symbolic lengths (export with dynamic shapes): no layout is built, and a (1, 1, nb, nb)
+        #                 tensor of symbolic nb made torch.export specialize nb (its channels-last check)
     if _values_unreadable(like):
         return torch.ones(1, 1, -(-s_q // BLOCK), -(-s_k // BLOCK), dtype=torch.bool, device=like.device)
     return SparseLayout.dense(s_q, s_k, block_size=BLOCK, device=like.device).block_mask
@@ -72,8 +75,8 @@ def _padding_layout(mask: torch.Tensor, kpm: torch.Tensor, s_q, s_k, causal: boo
     key padding, and causal, serves then)."""
     global _last
     if _values_unreadable(kpm):
-        if block_mask is None:
-            return None
+        if block_mask is None or not (isinstance(s_q, int) and isinstance(s_k, int)):
+            return None         # (symbolic lengths: an export with dynamic shapes; a layout takes ints)
         return SparseLayout(s_q, s_k, BLOCK, block_mask, causal, key_padding_mask=kpm)
     m, version, lay = _last
     if m is mask and version == _version(mask):
@@ -100,7 +103,7 @@ def _dense_block_mask(s_q: int, s_k: int, device) -> torch.Tensor:
 def _attend_causal(mask, cm: MaskForm, query, key, value, scaling):
     """A call with our causal mask: causal (bottom-right) + key padding kernels."""
     s_q, s_k = query.shape[2], key.shape[2]
-    causal = s_q > 1                              # one query sees every key either way
+    causal = bool(s_q > 1)                        # one query sees every key either way (bool: s_q may be symbolic)
     kpm = cm.key_padding
     if kpm is None:
         return ops.flash_attention(query, key, value, causal=causal, scale=scaling)

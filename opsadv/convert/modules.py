@@ -4,8 +4,9 @@ under the converted model's policy (see state.py).
 
 Fused weights ([W_q|W_k|W_v], [W_gate|W_up]) live in one buffer whose row blocks *are* the
 original parameters (their .data are views of it): no second copy, and optimizer steps or
-load_state_dict (in-place) stay visible.  With gradients enabled the concatenation is rebuilt
-differentiably each call so training updates the original parameters."""
+load_state_dict (in-place) stay visible.  With gradients enabled the buffer enters the graph as a differentiable
+function of the parameters (no copy; the gradient's row blocks become each parameter's .grad), so training
+updates the original parameters."""
 from __future__ import annotations
 
 import torch
@@ -25,6 +26,22 @@ def _exporting() -> bool:
     return bool(_is_compiling() or _is_exporting())
 
 
+class _RowsOf(torch.autograd.Function):
+    """buf, whose row blocks the parameters are, as a differentiable function of them: no copy forward (the
+    concatenation already exists); backward, the gradient's row blocks, which are views and contiguous where the
+    gradient is (a weight gradient in the weight's layout: core/ops/_common.weight_grad), so AccumulateGrad keeps
+    them as each parameter's .grad without a copy."""
+
+    @staticmethod
+    def forward(ctx, buf, *params):
+        ctx.rows = [p.shape[0] for p in params]
+        return buf.view_as(buf)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (None, *grad.split(ctx.rows, 0))
+
+
 class FusedRows:
     """Row-concatenation of 2-D parameters (and of 1-D biases) kept as one buffer."""
 
@@ -38,7 +55,11 @@ class FusedRows:
         if torch.is_grad_enabled():
             for p in ps:                           # (a loop: a generator for any() costs more, per call)
                 if p.requires_grad:
-                    return torch.cat(list(ps), 0)  # differentiable: gradients reach each parameter
+                    # differentiable: gradients reach each parameter; the fused buffer itself where the parameters
+                    # still are its rows (eager), else a concatenation (traced, or after .to() / a fresh load)
+                    if self.buf is not None and not _exporting() and self._aliased():
+                        return _RowsOf.apply(self.buf, *ps)
+                    return torch.cat(list(ps), 0)
         if _exporting():
             return torch.cat(list(ps), 0)          # traceable
         if self.buf is None or not self._aliased():
@@ -47,7 +68,7 @@ class FusedRows:
 
     def get_t(self) -> torch.Tensor:
         """get().t(), the (K, N) operand the GEMMs take; the fused buffer's transposed view is made once
-        per buffer (the differentiable / traced concatenation is transposed per call)."""
+        per buffer (the differentiable / traced one is transposed per call)."""
         buf = self.get()
         if buf is not self.buf:
             return buf.t()

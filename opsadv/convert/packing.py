@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from opsadv.core.layout import SparseLayout, capturing
+from opsadv.ops.sparse_attention.layout import SparseLayout, capturing
 
 from .masks import key_padding_of
 from .modules import _exporting

@@ -10,7 +10,7 @@ import torch
 
 from opsadv.core import dispatch
 from opsadv.core.errors import InvalidArgumentError
-from opsadv.core.policy import TIMINGS, Policy, _serial as _policy_serial
+from opsadv.core.policy import TIMINGS, Policy
 from opsadv.registry import get_registry
 
 from . import hf_attention, validate as _val
@@ -47,7 +47,7 @@ class TuneReport:
 
 def _tuning_policy(base: Policy, timing: str | None = None) -> Policy:
     # the model's policy with autotune on (pins, options kept; a graphed model is tuned on GPU time)
-    return dataclasses.replace(base, autotune=True, timing=timing or base.timing, serial=next(_policy_serial))
+    return dataclasses.replace(base, autotune=True, timing=timing or base.timing)
 
 
 def _hf_steps(model, device, batch_size, seq_len):
@@ -101,8 +101,15 @@ def tune_for_hardware(model, device="cuda:0", batch_size: int = 8, seq_len: int 
     if p is not None and p.device != dev:
         model.to(dev)
     t0 = time.perf_counter()
-    if hf_attention.is_transformers_model(model) and example_inputs is None:
+    is_hf = hf_attention.is_transformers_model(model)
+    text = is_hf and getattr(model, "main_input_name", "input_ids") == "input_ids" and not getattr(
+        model.config, "is_encoder_decoder", False)
+    if text and example_inputs is None:
         steps, shapes = _hf_steps(model, dev, batch_size, seq_len)
+    elif is_hf and example_inputs is None:      # vision / audio / encoder-decoder: inputs from the config
+        gen = _val.hf_validation_inputs(model, batch=batch_size, seq=seq_len or 128)
+        steps = [(f"forward generated b{batch_size}", lambda: _val.run(model, gen))]
+        shapes = [", ".join(f"{k} {tuple(v.shape)}" for k, v in gen.items())]
     else:
         inputs = example_inputs if example_inputs is not None else getattr(model, "_opsadv_example_inputs", None)
         if inputs is None:

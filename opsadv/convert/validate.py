@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from opsadv.core.errors import OpsadvError
+from opsadv.core.errors import InvalidArgumentError, OpsadvError
 
 REL_LIMIT = {torch.float32: 1e-3, torch.float64: 1e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 KL_LIMIT = 0.01
@@ -35,19 +35,59 @@ def primary_output(out) -> tuple[torch.Tensor | None, str]:
     return None, "none"
 
 
+def _image_size(cfg) -> tuple[int, int]:
+    size = getattr(cfg, "image_size", None) or 224
+    return (int(size[0]), int(size[-1])) if isinstance(size, (tuple, list)) else (int(size), int(size))
+
+
+def _audio_frames(cfg) -> int:
+    """Mel frames an audio encoder takes: Whisper-style encoders take exactly 2 x max_source_positions (two
+    stride-2 convolutions), others any length."""
+    src = getattr(cfg, "max_source_positions", None)
+    return 2 * int(src) if src else 3000
+
+
 def hf_validation_inputs(model, batch: int = 2, seq: int = 24, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random token ids (real vocabulary range) with a right-padded second row."""
+    """Inputs generated from a transformers model's config, by what its forward takes (`main_input_name`):
+    token ids (real vocabulary range) with a right-padded last row; `pixel_values` (vision: channels x
+    image_size^2); `input_features` (audio: mel bins x the frames the encoder takes); for encoder-decoder models
+    also `decoder_input_ids` (starting with the decoder start token; another length than the encoder's).
+    Any other input kind raises InvalidArgumentError naming what to pass as `example_inputs`."""
     cfg = model.config
-    vocab = getattr(cfg, "vocab_size", None) or 1000
+    main = getattr(model, "main_input_name", "input_ids")
+    dev = next(model.parameters()).device
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    vocab = int(getattr(cfg, "vocab_size", None) or 1000)
     maxpos = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or seq
     seq = max(2, min(seq, int(maxpos)))
-    dev = next(model.parameters()).device
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, int(vocab), (batch, seq), generator=gen)
-    am = torch.ones(batch, seq, dtype=torch.long)
-    if batch > 1:
-        am[-1, seq - seq // 3:] = 0               # right padding on the last row
-    return {"input_ids": ids.to(dev), "attention_mask": am.to(dev)}
+    out: dict[str, torch.Tensor] = {}
+    if main == "input_ids":
+        ids = torch.randint(0, vocab, (batch, seq), generator=gen)
+        am = torch.ones(batch, seq, dtype=torch.long)
+        if batch > 1:
+            am[-1, seq - seq // 3:] = 0               # right padding on the last row
+        out.update(input_ids=ids, attention_mask=am)
+    elif main == "pixel_values":
+        h, w = _image_size(cfg)
+        out["pixel_values"] = torch.randn(batch, int(getattr(cfg, "num_channels", 3)), h, w, generator=gen).to(dtype)
+    elif main == "input_features":
+        mels = int(getattr(cfg, "num_mel_bins", None) or getattr(cfg, "feature_size", 80))
+        out["input_features"] = torch.randn(batch, mels, _audio_frames(cfg), generator=gen).to(dtype)
+    else:
+        raise InvalidArgumentError(
+            "convert_model", "example_inputs", f"inputs for {type(model).__name__} (a kwargs dict with its "
+            f"'{main}'): opsadv generates token ids, pixel_values and input_features only", None)
+    if getattr(cfg, "is_encoder_decoder", False):
+        dec_max = getattr(cfg, "max_target_positions", None) or maxpos
+        dec = max(2, min(seq // 2 + 1, int(dec_max)))
+        dec = dec if dec != seq else dec - 1          # validation masks by the encoder's mask only at its length
+        start = getattr(cfg, "decoder_start_token_id", None)
+        dids = torch.randint(0, vocab, (batch, dec), generator=gen)
+        if start is not None and 0 <= int(start) < vocab:
+            dids[:, 0] = int(start)
+        out["decoder_input_ids"] = dids
+    return {k: v.to(dev) for k, v in out.items()}
 
 
 def run(model, inputs) -> Any:

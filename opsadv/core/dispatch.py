@@ -18,6 +18,7 @@ from .envvars import env_bool
 from .errors import BackendUnavailableError, NoKernelError
 from .kernel import CallSpec, KernelImpl, Profile, ResolveContext, profile_with_tile_cap
 from .policy import Policy, current_policy, select_profile
+from .precision import requested
 from .policy import current_policy as _scoped_or_global  # hot-path alias
 from .resolved import Resolved
 
@@ -32,6 +33,8 @@ class Candidate:
     chosen: bool = False
     priority: int | None = None     # for this call (KernelImpl.priority_for); None: the static one
     ranked: str = ""                # why it differs from the static priority ("" where it does not)
+    applies: tuple[str, ...] = ()   # the call's policy requests (tile_size, precision fields) it applies ...
+    ignores: tuple[str, ...] = ()   # ... and those it ignores (KernelImpl.honours), as "softmax=bf16"
 
     @property
     def rank_priority(self) -> int:
@@ -61,6 +64,9 @@ class Explanation:
             verdict = "accepted" if c.accepted else "rejected: " + "; ".join(c.reasons)
             if c.accepted and c.reasons:
                 verdict += " (" + "; ".join(c.reasons) + ")"
+            if c.accepted and (c.applies or c.ignores):
+                verdict += " (" + "; ".join(f"{w} {', '.join(x)}" for w, x in (("applies", c.applies),
+                                                                                ("ignores", c.ignores)) if x) + ")"
             if c.ranked:
                 verdict += f" [priority {c.rank_priority} here, {c.impl.priority} static: {c.ranked}]"
             rows.append(f"  {mark} {c.impl.id:42} {c.rank_priority:>5}  {verdict}")
@@ -74,11 +80,12 @@ class Explanation:
         return {"op": self.op, "policy": self.policy, "chosen": self.chosen, "why": self.why,
                 "candidates": [{"impl": c.impl.id, "backend": c.impl.backend, "priority": c.rank_priority,
                                 "static_priority": c.impl.priority, "ranked": c.ranked,
-                                "accepted": c.accepted, "chosen": c.chosen, "reasons": list(c.reasons)}
+                                "accepted": c.accepted, "chosen": c.chosen, "reasons": list(c.reasons),
+                                "applies": list(c.applies), "ignores": list(c.ignores)}
                                for c in self.candidates]}
 
 
-# The ops' per-call fast path (core/ops/*.py): (op tag, policy serial, the call's exact argument metadata:
+# The ops' per-call fast path (opsadv/ops/<op>/): (op tag, policy serial, the call's exact argument metadata:
 # tensor types, dtypes, devices, shapes, flags and float values) -> the Resolved its memoized bucket gave.  A
 # key is stored only after that exact call passed the op's full validation and resolved, so a hit may skip
 # both (everything they read is in the key).  Derived from _memo: every write to _memo empties it.
@@ -120,7 +127,8 @@ class _Memo(dict):
         _fast.clear()
 
 
-_memo: dict[tuple, Resolved] = _Memo()
+_memo: dict[tuple, Resolved] = _Memo()      # (policy serial: its content, bucket key) -> Resolved
+MEMO_MAX = 16384
 _memo_lock = threading.Lock()
 _logged_fallback: set[str] = set()
 _tracers: list["Trace"] = []     # every active trace (the ops' "is anyone tracing" check); mutated in place
@@ -210,7 +218,7 @@ def explain_spec(spec: CallSpec, policy: Policy | None = None) -> tuple[Explanat
             why = measured.describe()
     cands.sort(key=lambda c: (not c.accepted, -c.rank_priority, c.impl.id))
     cands = [Candidate(c.impl, c.accepted, c.reasons, chosen is not None and c.impl.id == chosen.id, c.priority,
-                       c.ranked) for c in cands]
+                       c.ranked, *_requests(c, spec, policy)) for c in cands]
     exp = Explanation(spec.op, spec, policy.describe(), tuple(cands), chosen.id if chosen else None, why)
     if chosen is None:
         return exp, None
@@ -223,6 +231,17 @@ def explain_spec(spec: CallSpec, policy: Policy | None = None) -> tuple[Explanat
                                                              "deterministic": policy.deterministic}, spec=spec)
     run = chosen.backward if spec.backward else chosen.fn
     return exp, Resolved(chosen, ctx, run)
+
+
+def _requests(c: Candidate, spec: CallSpec, policy: Policy) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(applied, ignored) policy requests of an accepted candidate: the seed's tile_size (where the policy's
+    options reach its backend) and the precision fields that concern this op and dtype."""
+    if not c.accepted:
+        return (), ()
+    tile = policy.option_dict.get("tile_size") if policy.backend in (c.impl.backend, "auto") else None
+    req = requested(policy.precision, spec.op, spec.dtype, tile)
+    applies = tuple(f"{k}={v}" for k, v in req.items() if k in c.impl.honours)
+    return applies, tuple(f"{k}={v}" for k, v in req.items() if k not in c.impl.honours)
 
 
 def resolve(key: tuple, make_spec: Callable[[], CallSpec], args: tuple | None = None) -> Resolved:
@@ -241,13 +260,18 @@ def resolve(key: tuple, make_spec: Callable[[], CallSpec], args: tuple | None = 
         r = tuning.autotune(exp, r, args, policy.timing) or r
     _announce(exp, r, policy)
     with _memo_lock:
+        if len(_memo) >= MEMO_MAX:      # many distinct policies x buckets: start over rather than grow without end
+            _memo.clear()
         _memo[mkey] = r
     return r
 
 
 def _announce(exp: Explanation, r: Resolved, policy: Policy) -> None:
+    why = exp.why
+    if r.why:       # autotune replaced the explanation's choice: say what decided, and what it replaced
+        why = r.why + (f"; priority alone would pick {exp.chosen}" if exp.chosen and exp.chosen != r.impl.id else "")
     line = (f"opsadv: {exp.op}{' backward' if exp.spec.backward else ''} {exp.spec.device_type} "
-            f"{str(exp.spec.dtype).replace('torch.', '')} bucket={exp.spec.bucket_text()} -> {r.impl.id} ({exp.why})")
+            f"{str(exp.spec.dtype).replace('torch.', '')} bucket={exp.spec.bucket_text()} -> {r.impl.id} ({why})")
     if env_bool("OPSADV_LOG_DISPATCH"):
         print(line, file=sys.stderr)
     log.info(line)

@@ -1,4 +1,4 @@
-"""opsadv.info(): hardware, backends with probe results, plugin failures, chosen profile; with
+"""opsadv.info(): hardware, backends with probe results, plugin failures and side effects, chosen profile; with
 impls=True also every registered kernel impl and what it declares (`opsadv info --impls`)."""
 from __future__ import annotations
 
@@ -21,11 +21,12 @@ class Info:
     profile: str | None
     impls: list[dict[str, Any]] | None = None
     version: str = ""                   # opsadv's own
+    side_effects: list[str] | None = None   # process globals plugins changed while loading (registry.manager)
 
     def to_dict(self) -> dict[str, Any]:
         d = {"opsadv_version": self.version, "env": self.env.to_dict(), "backends": self.backends,
              "plugin_failures": self.failures, "policy": self.policy, "primary_backend": self.primary,
-             "profile": self.profile}
+             "profile": self.profile, "plugin_side_effects": list(self.side_effects or [])}
         if self.impls is not None:
             d["impls"] = self.impls
         return d
@@ -47,11 +48,13 @@ class Info:
         for b in self.backends:
             state = "available" if b["available"] else "unavailable"
             lines.append(f"  {b['name']:10s} {state:11s} v{b['version']} ({b['source']}), {b['impls']} impls, "
-                         f"profiles {b['profiles']}")
+                         f"profiles {b['profiles']}" + (f", defines ops {b['ops']}" if b.get("ops") else ""))
             for r in b["reasons"]:
                 lines.append(f"      - {r}")
         lines.append("== plugin failures ==")
         lines += [f"  {f['name']} {f['version']} at {f['stage']}: {f['error']}" for f in self.failures] or ["  none"]
+        lines.append("== plugin side effects (process globals changed while loading) ==")
+        lines += [f"  {s}" for s in self.side_effects or []] or ["  none"]
         lines += ["== policy ==", f"  {self.policy}; primary backend {self.primary}, profile {self.profile}"]
         if self.impls is not None:
             lines.append("== impls (op: id, priority, declared support) ==")
@@ -101,12 +104,13 @@ def info(impls: bool = False) -> Info:
         rows.append({"name": b.name, "available": b.available, "version": b.info.version, "source": b.source,
                      "vendor": b.info.vendor, "device_types": list(b.info.device_types),
                      "reasons": list(b.probe.reasons), "capabilities": {k: str(v) for k, v in b.probe.capabilities.items()},
-                     "impls": len(b.impls), "profiles": [p.name for p in b.profiles]})
+                     "impls": len(b.impls), "profiles": [p.name for p in b.profiles], "ops": list(b.ops)})
     primary = reg.auto_backend() if pol.backend == "auto" else reg.backends.get(pol.backend)
     try:
         prof = select_profile(primary, pol) if primary is not None and primary.profiles else None
     except Exception:
         prof = None
     fails = [{"name": f.name, "version": f.version, "stage": f.stage, "error": f.error} for f in reg.failures]
+    effects = reg.side_effects() if hasattr(reg, "side_effects") else []
     return Info(reg.env, rows, fails, pol.describe(), primary.name if primary else "none", prof.name if prof else None,
-                impl_rows(reg) if impls else None, __version__)
+                impl_rows(reg) if impls else None, __version__, effects)

@@ -12,8 +12,6 @@ import torch
 
 from .env import EnvInfo
 
-OPS = ("flash_attention", "sparse_attention", "gemm", "swiglu_gemm", "swiglu", "layer_norm", "rms_norm", "rotary_embedding")
-
 # Conventional priority levels; spaced so a third party can slot between them.
 PRIORITY_VENDOR = 300
 PRIORITY_TRITON = 200
@@ -194,6 +192,10 @@ class KernelImpl:
     cc_runtime: str = "cuda"
     archs: tuple[str, ...] | None = None      # exact arch names (env.arch: "gfx942", "sm_90"); None: any
     memory: MemoryTraits | None = None        # transient memory (None: not declared; readers assume the worst)
+    # the policy requests this impl applies (core.precision.requested): "tile_size" and the PrecisionPolicy fields
+    # "matmul", "attention", "norm", "softmax".  Never a reason to refuse it: explain() lists per candidate which
+    # requests of the call apply and which it ignores
+    honours: frozenset[str] = frozenset()
 
     def priority_for(self, spec: CallSpec, env: EnvInfo) -> tuple[int, str]:
         """(priority, why) for this call: rank()'s answer where it has one, else (priority, "").  A rank() that

@@ -11,15 +11,19 @@ import os
 import sys
 import threading
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from . import hooks
 from .errors import BackendUnavailableError, InvalidArgumentError
-from .kernel import OPS, Profile
+from .kernel import Profile
+from .opdef import OPS
 from .precision import PrecisionPolicy
 
 _serial = itertools.count(1)
+_serials: dict[str, int] = {}           # policy content -> serial
+_serials_lock = threading.Lock()
+SERIALS_MAX = 4096
 
 
 @dataclass(frozen=True)
@@ -37,13 +41,27 @@ class Policy:
     # eager calls (host cost counts where it dominates: eager code); "graph" = GPU time of CUDA-graph
     # replays (code that runs under CUDA graphs, e.g. convert_model(cuda_graphs=True))
     timing: str = "wall"
-    serial: int = field(default_factory=lambda: next(_serial), compare=False)
+    # the dispatch memo's key: equal content, equal serial (set in __post_init__; dataclasses.replace recomputes it),
+    # so switching between a few policies any number of times keeps the memo at a few entries per bucket
+    serial: int = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self):
+        # repr, not ==: 1, 1.0 and True are equal but may be read differently by a backend's options
+        key = repr(tuple(getattr(self, f.name) for f in fields(self) if f.name != "serial"))
+        with _serials_lock:
+            serial = _serials.get(key)
+            if serial is None:
+                if len(_serials) >= SERIALS_MAX:     # bounded: a forgotten policy only costs a memo miss
+                    _serials.clear()
+                serial = _serials[key] = next(_serial)
+        object.__setattr__(self, "serial", serial)
 
     def describe(self) -> str:
         extra = [f"profile={self.profile}"] if self.profile else []
         extra += [k for k in ("strict", "experimental", "deterministic", "autotune") if getattr(self, k)]
         extra += [f"{op} pinned to {impl}" for op, impl in self.impls]
         extra += [f"timing={self.timing}"] if self.timing != "wall" else []
+        extra += [f"precision {k}={v}" for k, v in self.precision.changed().items()]
         return f"backend={self.backend!r}" + (" (" + ", ".join(extra) + ")" if extra else "")
 
     @property
@@ -204,8 +222,9 @@ def use_backend(name: str = "auto", **kwargs: Any) -> Backend:
 
 
 def _reset_lock_after_fork() -> None:
-    global _global_lock
+    global _global_lock, _serials_lock
     _global_lock = threading.Lock()
+    _serials_lock = threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):

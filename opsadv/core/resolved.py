@@ -14,6 +14,8 @@ class Resolved:
     ctx: ResolveContext
     run: Callable[..., Any]         # impl.fn or impl.backward
     infer: Callable[..., Any] | None = None   # call(..., inference=True): impl.inference where run is impl.fn
+    # why this impl where the resolution's explanation no longer says it (autotune replaced its choice)
+    why: str = ""
 
     def __post_init__(self):
         if self.infer is None:

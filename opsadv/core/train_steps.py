@@ -1,5 +1,5 @@
 """The training step autotune times per op (CallSpec.train buckets).  The ops register their step
-makers here (core/ops); tuning reads them without importing the ops."""
+makers here (opsadv/ops); tuning reads them without importing the ops."""
 from __future__ import annotations
 
 from typing import Any, Callable

@@ -1,22 +1,22 @@
 """Measured impl choice per shape bucket, persisted as JSON so a second process pays nothing.
 
-The cache file lives in $OPSADV_CACHE_DIR (default ~/.cache/opsadv) and is keyed by device
-name and library versions: a new driver stack or GPU never reuses stale measurements."""
+The cache file lives in cache_dir() ($OPSADV_CACHE_DIR, else $XDG_CACHE_HOME/opsadv, else ~/.cache/opsadv) and
+is keyed by device name and library versions, opsadv's included: a new driver stack, GPU or opsadv release
+never reuses stale measurements.  How the file is validated, locked and merged: core/cachefile.py."""
 from __future__ import annotations
 
 import json
 import logging
-import os
-import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
+from .cachefile import JsonCache, cache_dir, json_depth_ok
 from .env import EnvInfo
 from .kernel import CallSpec
 from .resolved import Resolved
 from .train_steps import train_step
+from .version import __version__
 
 
 @dataclass(frozen=True)
@@ -85,12 +85,10 @@ def timer_for(device_type: str) -> DeviceTimer:
 log = logging.getLogger("opsadv.tuning")
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("OPSADV_CACHE_DIR") or Path.home() / ".cache" / "opsadv")
-
-
 def _device_key(env: EnvInfo) -> str:
-    return f"{env.device_name or env.device_type}|torch {env.torch_version}|triton {env.triton_version}"
+    # opsadv's version too: another release's kernels (or their configs) may have other winners
+    return (f"{env.device_name or env.device_type}|torch {env.torch_version}|triton {env.triton_version}"
+            f"|opsadv {__version__}")
 
 
 def spec_key(spec: CallSpec) -> str:
@@ -101,47 +99,28 @@ def spec_key(spec: CallSpec) -> str:
             f"{spec.device_type}|{spec.bucket}|{','.join(sorted(spec.features))}{hd}")
 
 
-class JsonCache:
-    """One JSON file in cache_dir(): read once per process, rewritten atomically (a concurrent process
-    never reads a torn file); a read-only cache dir never breaks the caller.  Shared by the measured
-    impl choice (tuning.json) and the cuda kernels' config tuner (kernel_configs.json)."""
-
-    def __init__(self, name: str):
-        self.name = name
-        self.data: dict | None = None
-        self.lock = threading.Lock()
-
-    def path(self) -> Path:
-        return cache_dir() / self.name
-
-    def load(self) -> dict:
-        if self.data is None:
-            try:
-                self.data = json.loads(self.path().read_text())
-                log.debug("tuning cache %s read: %d device sections", self.path(), len(self.data))
-            except (OSError, ValueError) as e:
-                self.data = {}
-                log.debug("tuning cache %s not read (%s): starting empty", self.path(), type(e).__name__)
-        return self.data
-
-    def reset(self) -> None:
-        """Forget what was read (the next load reads the file again)."""
-        with self.lock:
-            self.data = None
-
-    def write(self) -> None:
-        """Persist `data` (call with `lock` held, after updating what load() returned)."""
-        path = self.path()
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(self.data, indent=1, sort_keys=True))
-            os.replace(tmp, path)
-        except OSError:
-            pass
+def _measured_entry(v) -> str | None:
+    """Why a tuning.json value is malformed (None: a winner with its times and shapes)."""
+    if not isinstance(v, dict) or not isinstance(v.get("winner"), str):
+        return "no 'winner' string"
+    times = v.get("times_ms", {})
+    if not isinstance(times, dict) or not all(isinstance(t, (int, float)) and not isinstance(t, bool)
+                                              for t in times.values()):
+        return "'times_ms' is not an object of numbers"
+    shapes = v.get("shapes", [])
+    if not isinstance(shapes, list) or not all(isinstance(x, list) and all(isinstance(n, int) for n in x)
+                                               for x in shapes):
+        return "'shapes' is not a list of integer lists"
+    return None
 
 
-_TUNING = JsonCache("tuning.json")
+def kernel_config_entry(v) -> str | None:
+    """Why a kernel_configs.json value is malformed: a config is a dict / tuple of scalars, at most {"cfg": (..)}
+    deep; anything else is not one opsadv wrote."""
+    return None if json_depth_ok(v, 3) else "not a kernel config (JSON scalars in lists / objects, 3 deep)"
+
+
+_TUNING = JsonCache("tuning.json", _measured_entry)
 
 
 def reload() -> None:
@@ -155,8 +134,8 @@ def report(env: EnvInfo | None = None) -> str:
     lines = [f"opsadv tuning caches in {cache_dir()}"]
     for name, title in (("tuning.json", "impl measured fastest per shape bucket"),
                         ("kernel_configs.json", "kernel configs / variants measured per bucket")):
-        data = _TUNING.load() if name == _TUNING.name else JsonCache(name).load()
-        sections = data if env is None else {k: v for k, v in data.items() if k == _device_key(env)}
+        data = _TUNING.sections() if name == _TUNING.name else JsonCache(name, kernel_config_entry).sections()
+        sections = {k: v for k, v in data.items() if v and (env is None or k == _device_key(env))}
         lines.append(f"{name}: {title}" + ("" if sections else " -- nothing measured for this device yet"))
         for section, entries in sorted(sections.items()):
             lines.append(f"  [{section}] {len(entries)} entries")
@@ -206,7 +185,7 @@ def lookup(spec: CallSpec, accepted: list[str], env: EnvInfo, timing: str = "wal
         return None
     timing = _timing_for(spec, timing)
     key = _entry_key(spec, timing)
-    entry = _TUNING.load().get(_device_key(env), {}).get(key)
+    entry = _TUNING.get(_device_key(env), key)
     if not entry or entry.get("winner") not in accepted:
         if log.isEnabledFor(logging.DEBUG):
             log.debug("tuning cache miss: %s (%s)", key, "stored winner %s not accepted now" % entry.get("winner")
@@ -218,11 +197,9 @@ def lookup(spec: CallSpec, accepted: list[str], env: EnvInfo, timing: str = "wal
 
 
 def store(spec: CallSpec, env: EnvInfo, measured: Measured) -> None:
-    with _TUNING.lock:
-        _TUNING.load().setdefault(_device_key(env), {})[_entry_key(spec, measured.timing)] = {
-            "winner": measured.winner, "times_ms": measured.times_ms, "date": time.strftime("%Y-%m-%d"),
-            "shapes": [list(x) for x in measured.shapes]}
-        _TUNING.write()
+    _TUNING.put(_device_key(env), _entry_key(spec, measured.timing), {
+        "winner": measured.winner, "times_ms": measured.times_ms, "date": time.strftime("%Y-%m-%d"),
+        "shapes": [list(x) for x in measured.shapes]})
 
 
 def time_fn(fn, device_type: str, reps: int = 10, timing: str = "wall") -> float:
@@ -380,7 +357,8 @@ def autotune(exp, resolved, args: tuple, timing: str = "wall"):
     log.debug("autotune %s: %s wins (%s ms; stored in %s)", spec_key(exp.spec), winner, ", ".join(
         f"{k} {v:.4g}" for k, v in sorted(measured.times_ms.items(), key=lambda kv: kv[1])), _TUNING.path())
     impl = next(i for i in accepted if i.id == winner)
-    return Resolved(impl, resolved.ctx, impl.backward if exp.spec.backward else impl.fn)
+    return Resolved(impl, resolved.ctx, impl.backward if exp.spec.backward else impl.fn,
+                    why="autotune: " + measured.describe())
 
 
 def per_call_ms(fn, calls: int, cuda: bool, device_type: str | None = None) -> list[float]:

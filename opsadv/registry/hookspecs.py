@@ -44,6 +44,13 @@ class BackendSpec:
         """Can this backend run here?  Cheap: no device or NPU initialization."""
 
     @hookspec
+    def opsadv_register_ops(self) -> list:
+        """Optional: new ops this plugin defines, as opsadv.core.opdef.OpDef (name, public function, reference impl,
+        spec builder, conformance cases).  Collected at discovery whether or not the probe says available, before
+        the kernels, so this plugin's impls (and any other's) may serve them; the reference backend serves each with
+        the OpDef's reference and the conformance kit covers it.  A name that another definition holds is refused."""
+
+    @hookspec
     def opsadv_register_kernels(self, registry, env) -> None:
         """Add KernelImpls with `registry.add(impl)`.  Called only if the probe said available."""
 

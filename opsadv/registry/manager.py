@@ -8,6 +8,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import logging
+import math
 import os
 import threading
 import traceback
@@ -22,8 +23,9 @@ import torch
 from ..core import hooks, tuning
 from ..core.env import EnvInfo, current_env
 from ..core.envvars import env_bool
-from ..core.errors import PluginError
-from ..core.kernel import OPS, KernelImpl, Profile
+from ..core.errors import EnvVarError, PluginError
+from ..core.kernel import KernelImpl, Profile
+from ..core.opdef import OPS, OpDef, get_op, op_source, register_op
 from . import hookspecs
 from .hookspecs import API_VERSION, BackendInfo, ProbeResult
 
@@ -43,7 +45,7 @@ ENTRY_POINT_GROUP = "opsadv.backends"
 class PluginFailure:
     name: str
     version: str
-    stage: str          # "import", "info", "probe", "register", "profiles", "timer"
+    stage: str          # "import", "info", "probe", "profiles", "ops", "register", "timer"
     error: str
     detail: str = ""
 
@@ -61,6 +63,7 @@ class BackendRecord:
     impls: list[KernelImpl] = field(default_factory=list)
     profiles: list[Profile] = field(default_factory=list)     # its own, then those other backends offer it
     timers: dict[str, Any] = field(default_factory=dict)      # device type -> DeviceTimer it declared
+    ops: list[str] = field(default_factory=list)               # the ops it defines (opsadv_register_ops)
 
     @property
     def available(self) -> bool:
@@ -83,14 +86,15 @@ class BackendRecord:
 class _ImplSink:
     """What `opsadv_register_kernels` receives: collects impls of one backend and checks them."""
 
-    def __init__(self, backend: str, taken: set[str]):
+    def __init__(self, backend: str, taken: set[str], own_ops: set[str] = frozenset()):
         self.backend, self._taken, self.impls = backend, taken, []
+        self._own_ops = own_ops           # ops this plugin defines (opsadv_register_ops)
 
     def add(self, impl: KernelImpl) -> None:
         if not isinstance(impl, KernelImpl):
             raise TypeError(f"registry.add expects a KernelImpl, got {type(impl).__name__}")
-        if impl.op not in OPS:
-            raise ValueError(f"impl {impl.id!r}: unknown op {impl.op!r}; ops are {list(OPS)}")
+        if impl.op not in OPS and impl.op not in self._own_ops:
+            raise ValueError(f"impl {impl.id!r}: unknown op {impl.op!r}; ops are {[*OPS, *sorted(self._own_ops)]}")
         if impl.backend != self.backend:
             raise ValueError(f"impl {impl.id!r} says backend {impl.backend!r} but is registered by {self.backend!r}")
         if impl.id in self._taken:
@@ -158,6 +162,54 @@ def _env_flag(name: str) -> bool:
     return env_bool(name)
 
 
+PROBE_TIMEOUT_S = 5.0
+
+
+def probe_timeout() -> float | None:
+    """The time a plugin's opsadv_probe may take: $OPSADV_PROBE_TIMEOUT seconds (default PROBE_TIMEOUT_S); 0 or
+    "off": no limit (the probe runs in the caller's thread)."""
+    raw = os.environ.get("OPSADV_PROBE_TIMEOUT")
+    if raw is None or not raw.strip():
+        return PROBE_TIMEOUT_S
+    if raw.strip().lower() == "off":
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not (value >= 0 and math.isfinite(value)):
+        raise EnvVarError("OPSADV_PROBE_TIMEOUT", raw, "a number of seconds >= 0 (0 or off: no limit)")
+    return value or None
+
+
+def _probe(plugin: Any, name: str, env: EnvInfo, limit: float | None) -> Any:
+    """plugin.opsadv_probe(env=env), in a daemon thread given `limit` seconds: a probe that hangs (a driver call, a
+    network mount) costs start-up that long and is then a TimeoutError (the thread is left to finish on its own)."""
+    if limit is None:
+        return plugin.opsadv_probe(env=env)
+    box: dict[str, Any] = {}
+    grad = torch.is_grad_enabled()
+
+    def run():
+        torch.set_grad_enabled(grad)           # grad mode is per thread: the probe sees the caller's
+        try:
+            box["result"] = plugin.opsadv_probe(env=env)
+        except BaseException as e:              # SystemExit too: raised again in the caller's thread
+            box["error"] = e
+        box["grad"] = torch.is_grad_enabled()
+
+    worker = threading.Thread(target=run, name=f"opsadv-probe-{name}", daemon=True)
+    worker.start()
+    worker.join(limit)
+    if worker.is_alive():
+        raise TimeoutError(f"opsadv_probe did not return within {limit:g} s (OPSADV_PROBE_TIMEOUT); "
+                           "left running in a background thread")
+    torch.set_grad_enabled(box["grad"])        # a probe that switched grad mode did it to the caller (then put back)
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
 class Registry:
     """All backends seen in this process.  Built lazily, once; `reset_registry()` rebuilds."""
 
@@ -165,10 +217,11 @@ class Registry:
         self.env = env or current_env()
         self.backends: dict[str, BackendRecord] = {}
         self.failures: list[PluginFailure] = []
-        self.impls_by_op: dict[str, list[KernelImpl]] = {op: [] for op in OPS}
+        self.impls_by_op: dict[str, list[KernelImpl]] = {op: [] for op in OPS}     # plugins' ops join at discovery
         self._ids: set[str] = set()
         self._offered: list[tuple[str, Profile]] = []
         self.strict = _env_flag("OPSADV_STRICT_PLUGINS")
+        self.probe_timeout = probe_timeout()
 
     # -- loading -------------------------------------------------------------------------
     def load_all(self) -> None:
@@ -228,7 +281,7 @@ class Registry:
             if info.name in self.backends:
                 raise RuntimeError(f"backend name {info.name!r} already registered by {self.backends[info.name].source}")
             stage = "probe"
-            probe = plugin.opsadv_probe(env=self.env)
+            probe = _probe(plugin, name, self.env, self.probe_timeout)
             if not isinstance(probe, ProbeResult):
                 raise TypeError(f"opsadv_probe must return ProbeResult, got {type(probe).__name__}")
             record = BackendRecord(info.name, info, probe, source, plugin)
@@ -237,9 +290,12 @@ class Registry:
             if hasattr(plugin, "opsadv_profiles"):
                 for p in plugin.opsadv_profiles() or []:
                     (record.profiles if p.backend in ("", info.name) else offered).append(p)
+            stage = "ops"
+            defs = self._plugin_ops(plugin) if hasattr(plugin, "opsadv_register_ops") else []
+            record.ops = [d.name for d in defs]
             if probe.available:
                 stage = "register"
-                sink = _ImplSink(info.name, set(self._ids))
+                sink = _ImplSink(info.name, set(self._ids), {d.name for d in defs})
                 plugin.opsadv_register_kernels(registry=sink, env=self.env)
                 record.impls = sink.impls
                 stage = "timer"
@@ -256,6 +312,9 @@ class Registry:
         finally:
             guard.__exit__(None, None, None)
         self.backends[info.name] = record
+        new_ops = [d for d in defs if register_op(d, source=f"plugin {info.name} ({source})")]
+        for d in defs:
+            self.impls_by_op.setdefault(d.name, [])
         # profiles one backend offers another, whichever of the two loads first
         self._offered += [(info.name, p) for p in offered]
         record.profiles += [p for src, p in self._offered if p.backend == info.name and src != info.name]
@@ -265,9 +324,34 @@ class Registry:
         if self is _registry:
             self.publish_timers()
         for impl in record.impls:
-            self._ids.add(impl.id)
-            self.impls_by_op[impl.op].append(impl)
+            self._add_impl(impl)
+        ref = self.backends.get("reference")
+        if ref is not None and ref is not record and ref.available:
+            for d in new_ops:          # defined after the reference backend loaded (its hook served the earlier)
+                impl = d.reference_impl()
+                if impl.id not in self._ids:
+                    ref.impls.append(impl)
+                    self._add_impl(impl)
         return record
+
+    def _add_impl(self, impl: KernelImpl) -> None:
+        self._ids.add(impl.id)
+        self.impls_by_op.setdefault(impl.op, []).append(impl)
+
+    @staticmethod
+    def _plugin_ops(plugin: Any) -> list[OpDef]:
+        """The ops a plugin defines (opsadv_register_ops), checked; core's op registry takes them once the plugin
+        has loaded whole (a plugin that fails later defines nothing)."""
+        defs = list(plugin.opsadv_register_ops() or [])
+        for d in defs:
+            if not isinstance(d, OpDef):
+                raise TypeError(f"opsadv_register_ops must return OpDefs, got {type(d).__name__}")
+            held = get_op(d.name)
+            if held is not None and held != d and held.fn is not d.fn:
+                raise ValueError(f"op {d.name!r} is already defined by {op_source(d.name)}")
+        if len({d.name for d in defs}) != len(defs):
+            raise ValueError(f"opsadv_register_ops returned an op name twice: {[d.name for d in defs]}")
+        return defs
 
     def publish_timers(self) -> None:
         """Hand the available backends' device timers to core.tuning (the highest auto_priority per device type)."""
@@ -278,6 +362,10 @@ class Registry:
         tuning.declare_timers(timers)
 
     # -- queries ---------------------------------------------------------------------------
+    def side_effects(self) -> list[str]:
+        """What plugins changed in the process's globals while loading (see side_effects())."""
+        return side_effects()
+
     def available(self) -> list[BackendRecord]:
         return [b for b in self.backends.values() if b.available]
 

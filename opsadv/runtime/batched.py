@@ -5,11 +5,12 @@ a tuple of positional tensors, or a dict of keyword tensors such as a Hugging Fa
 other values are passed whole to every chunk).  On a GPU the chunk size is PREDICTED from the
 first chunk(s) — a linear fit of the peak allocated bytes (torch.cuda.max_memory_allocated minus
 what was allocated before the chunk) against the chunk size — so that the memory allocated above
-the call's starting point stays within the budget.  An out-of-memory error halves the chunk and
-retries it; results are committed only after a chunk succeeds, so nothing is lost, duplicated or
-reordered.  The result is what the unbatched call returns: tensors, tuples, dicts and
-transformers ModelOutputs are merged field by field into preallocated outputs (no 2x copy at the
-end).  run_batched resets CUDA peak-memory statistics per chunk; `stats` reports the peak."""
+the call's starting point stays within the budget.  An out-of-memory error (torch.OutOfMemoryError,
+or a plain RuntimeError saying "out of memory" as older builds raise) halves the chunk and retries it;
+results are committed only after a chunk succeeds, so nothing is lost, duplicated or reordered.
+Every chunk must return the first chunk's dtypes (raised, never cast).  The result is what the
+unbatched call returns: tensors, tuples, dicts and transformers ModelOutputs are merged field by
+field into preallocated outputs (no 2x copy at the end).  run_batched resets CUDA peak-memory statistics per chunk; `stats` reports the peak."""
 from __future__ import annotations
 
 import gc
@@ -140,6 +141,10 @@ class _Merger:
                     got = tuple(leaf.shape) if isinstance(leaf, Tensor) else type(leaf).__name__
                     raise InvalidArgumentError(OP, "fn", f"{path} shaped {(b - a,) + tuple(slot.shape[1:])} for a "
                                                f"chunk of {b - a}", got)
+                if leaf.dtype != slot.dtype:
+                    # copy_ would cast it to the first chunk's dtype without a word
+                    raise InvalidArgumentError(OP, "fn", f"{path} of dtype {_dt(slot.dtype)} in every chunk (as in "
+                                               f"the first)", f"{_dt(leaf.dtype)} for samples {a}:{b}")
                 slot[a:b].copy_(leaf)
             elif not _same(slot, leaf):
                 raise InvalidArgumentError(OP, "fn", f"non-tensor output {path} equal in every chunk",
@@ -147,6 +152,16 @@ class _Merger:
 
     def result(self):
         return _rebuild(self.template, iter(self.slots))
+
+
+def _dt(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _is_oom(e: BaseException) -> bool:
+    """torch.OutOfMemoryError, or the plain RuntimeError older torch builds and some extensions raise for it
+    ("CUDA out of memory. Tried to allocate ...", "CUDA error: out of memory", HIP / NPU alike)."""
+    return isinstance(e, torch.OutOfMemoryError) or (isinstance(e, RuntimeError) and "out of memory" in str(e))
 
 
 def _same(a, b) -> bool:
@@ -338,8 +353,8 @@ def run_batched(fn_or_model: Callable, inputs, *, memory_budget=None, max_stream
             if meter:
                 peak_abs = max(peak_abs, meter.peak())
                 model.add(n, transient)
-        except torch.OutOfMemoryError:
-            if n == 1:
+        except RuntimeError as e:
+            if not _is_oom(e) or n == 1:
                 raise
             oom = True
         if oom:                        # outside the except block: the traceback no longer pins tensors

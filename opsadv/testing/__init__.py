@@ -3,9 +3,12 @@ reference backend in float64 (forward and backward), and the backend x op x dtyp
 matrix as JSON / Markdown.
 
     opsadv conformance --backend NAME [--quick] [--json PATH] [--markdown PATH]
-    pytest -p opsadv.testing --opsadv-backend NAME [--opsadv-quick]
+    pytest --opsadv-backend NAME [--opsadv-quick]      (installed opsadv: the pytest11 entry point)
+    pytest -p opsadv.testing --opsadv-backend NAME     (a source checkout on PYTHONPATH)
 """
 from __future__ import annotations
+
+from pytest_opsadv import add_options
 
 from .cases import BASELINE_FACTOR, CATALOGUE, TOLERANCE, Case
 from .runner import Result, default_device, iter_cases, run_case, run_conformance, run_graph_checks
@@ -14,16 +17,18 @@ __all__ = ["BASELINE_FACTOR", "CATALOGUE", "TOLERANCE", "Case", "Result", "run_c
            "iter_cases", "default_device"]
 
 
-# ---- pytest plugin (enabled with `pytest -p opsadv.testing`) ---------------------------------------
+# ---- pytest plugin: `pytest -p opsadv.testing`, or without -p where opsadv is installed (its pytest11 entry point,
+# the top-level module pytest_opsadv, adds the same options and collects through collect_conformance_items)
 def pytest_addoption(parser):
-    group = parser.getgroup("opsadv", "opsadv conformance")
-    group.addoption("--opsadv-backend", action="append", default=[],
-                    help="run the opsadv conformance catalogue against this backend (repeatable)")
-    group.addoption("--opsadv-quick", action="store_true", help="quick catalogue")
-    group.addoption("--opsadv-device", default=None, help="device for the backend's tensors (default: its own)")
+    add_options(parser)
 
 
 def pytest_collection_modifyitems(session, config, items):
+    collect_conformance_items(session, config, items)
+
+
+def collect_conformance_items(session, config, items):
+    """One pytest item per (backend, case, dtype) of --opsadv-backend's catalogue."""
     import pytest
 
     backends = config.getoption("--opsadv-backend")

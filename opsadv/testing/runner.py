@@ -14,7 +14,9 @@ from opsadv.registry import get_registry
 from opsadv.core.errors import BackendUnavailableError, NoKernelError
 from opsadv.core.precision import PrecisionPolicy, parse_dtype
 
-from .cases import BASELINE_FACTOR, CATALOGUE, DTYPES, TOLERANCE, Case, call
+from opsadv.core.opdef import get_op
+
+from .cases import BASELINE_FACTOR, CATALOGUE, DTYPES, Case, call
 
 DT = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float64: "float64"}
 
@@ -33,7 +35,7 @@ class Result:
     bwd_err: float | None = None            # the same over the input gradients
     fwd_base: float | None = None           # the baseline's (reference on the low-precision inputs) error there
     bwd_base: float | None = None
-    tol: tuple[float, float] | None = None  # the floors (forward, backward); see cases.BASELINE_FACTOR
+    tol: tuple[float, float] | None = None  # the floors (forward, backward); see core.opdef.BASELINE_FACTOR
     seed: int | None = None
     seconds: float = 0.0
     checks: list[str] = field(default_factory=list)
@@ -131,12 +133,12 @@ def _explain(case: Case, args, kwargs, backward: bool):
 
 
 def _policy_class(dtype: torch.dtype, op: str, precision) -> str | None:
-    """The precision class ("fp16", "bf16", "tf32") a policy computes float32 inputs of `op` in, else None."""
-    if dtype != torch.float32 or precision is None:
+    """The precision class ("fp16", "bf16", "tf32") a policy computes float32 inputs of `op` in (the PrecisionPolicy
+    field its OpDef names governs its products), else None."""
+    field_name = get_op(op).precision
+    if dtype != torch.float32 or precision is None or field_name is None:
         return None
-    pol = PrecisionPolicy.from_string(precision)
-    cls = pol.attention if op in ("flash_attention", "sparse_attention") else pol.matmul if op in (
-        "gemm", "swiglu_gemm") else "fp32"
+    cls = getattr(PrecisionPolicy.from_string(precision), field_name)
     return cls if cls in ("fp16", "bf16", "tf32") else None
 
 
@@ -147,9 +149,12 @@ def _compute_dtype(dtype: torch.dtype, op: str, precision) -> torch.dtype:
 
 
 def _tolerance(dtype: torch.dtype, op: str, precision) -> tuple[float, float]:
-    """The floors of a cell: its dtype's, or those of the precision a policy computes it in."""
-    cls = _policy_class(dtype, op, precision)
-    return TOLERANCE["tf32" if cls == "tf32" else _compute_dtype(dtype, op, precision)]
+    """The floors of a cell, from the op's tolerance rows: its dtype's, or those of the precision a policy computes
+    it in (an OpDef's own table without a "tf32" row holds tf32 cells to its float32 row)."""
+    tol = get_op(op).tolerance
+    if _policy_class(dtype, op, precision) == "tf32":
+        return tol.get("tf32", tol[torch.float32])
+    return tol[_compute_dtype(dtype, op, precision)]
 
 
 def _cast(x, dtype: torch.dtype):

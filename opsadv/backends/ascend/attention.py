@@ -26,7 +26,7 @@ from torch import Tensor
 
 from opsadv.core.errors import NoKernelError
 from opsadv.core.kernel import PRIORITY_VENDOR, KernelImpl
-from opsadv.core.layout import dense_mask
+from opsadv.ops.sparse_attention.layout import dense_mask
 
 from . import _npu
 

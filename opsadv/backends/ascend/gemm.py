@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from opsadv.core.activations import act_grad, swiglu_grad
 from opsadv.core.kernel import PRIORITY_VENDOR, KernelImpl
+from opsadv.core.op_common import weight_grad
 
 from . import _npu
 from .norm import _bf16_check
@@ -44,7 +45,7 @@ def _weight_grads(dz, a, b, bias, alpha: float):
     k, n = b.shape
     dz2, a2 = dz.reshape(-1, n), a.reshape(-1, k)
     da = torch.mm(dz2, b.t()).reshape(a.shape)
-    db = torch.mm(a2.t(), dz2)
+    db = weight_grad(a2, dz2, b)
     if alpha != 1.0:
         da, db = da * alpha, db * alpha
     dbias = dz2.float().sum(0).to(bias.dtype) if bias is not None else a.new_empty((0,))

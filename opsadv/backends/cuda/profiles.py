@@ -1,7 +1,12 @@
 """CUDA profiles: data keyed on device properties read at run time (shared memory per block,
-SM count, L2), not on names alone.  Kernels read their tiles from ctx.profile."""
+SM count, L2), not on names alone.  Kernels read their tiles from ctx.profile.  Every per-hardware tile and config
+table of the cuda backend's Triton kernels is here (flash attention, sparse attention, gemm / swiglu_gemm); the
+interpreter's small tiles are triton_common's (opsadv/backends/triton_common/profiles.py), the jetson profile's the
+jetson backend's.  Kernel-specific candidate lists that a kernel's own tuner measures per shape (swiglu, norm) and
+the Gluon kernels' named variants stay with their kernels."""
 from __future__ import annotations
 
+from opsadv.backends.triton_common.profiles import INTERPRETER_TILES, interpreter_profile, tile as _t
 from opsadv.core.kernel import Profile
 
 
@@ -18,9 +23,6 @@ def _smem(env) -> int:
     return env.shared_memory_per_block_optin or 0
 
 
-def _t(bm, bn, w, s, tma=False, **flags) -> dict:
-    """One tile config; flags switch on forward kernel variants (attention._FWD_FLAGS, e.g. WS=True)."""
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s, "TMA": tma, **flags}
 
 
 # flash attention tiles per pass ("fwd", "bwd_kv", "bwd_q") and head-dim class (64: d <= 64,
@@ -56,7 +58,7 @@ ATTN_TILES = {
                   256: [_t(64, 32, 4, 2), _t(64, 64, 8, 1), _t(32, 64, 4, 2)]},
         # bwd_kv 64x64/8/2 TMA (session 13): with the dS store (the "ds" backward) the causal 64x64/4/2 kernel spills
         # 80-92 B on sm_90 (ptxas), 8 warps do not (217-226 registers; tests/test_attention_ds_backward.py); not timed yet
-        # the dQ GEMM over a materialized dS (_attn_dq_gemm.py; BLOCK_M queries x BLOCK_N keys per step): streams
+        # the dQ GEMM over a materialized dS (triton_common/flash_attention/dq_gemm.py; BLOCK_M queries x BLOCK_N keys per step): streams
         # dS from memory, so deep pipelines.  Tuned on the H200: 128x64
         # with 8 warps won every d128 bucket (3 or 4 stages); the TMA-load variants were added after that run
         "bwd_dsq": {64: [_t(128, 64, 8, 4), _t(128, 128, 8, 3), _t(64, 128, 4, 4), _t(128, 64, 4, 4),
@@ -80,29 +82,80 @@ ATTN_TILES = {
         "bwd_kv": {64: [_t(32, 64, 4, 2)], 128: [_t(32, 64, 4, 1)], 256: [_t(16, 32, 4, 1)]},
         "bwd_q": {64: [_t(64, 32, 4, 2)], 128: [_t(64, 32, 4, 1)], 256: [_t(32, 16, 4, 1)]},
     },
-    "interpreter": {p: {c: [_t(16, 16, 4, 1)] for c in (64, 128, 256)} for p in ("fwd", "bwd_kv", "bwd_q", "bwd_dsq")},
+    "interpreter": INTERPRETER_TILES["flash_attention"],
 }   # (the jetson profile's tiles live with it: opsadv/backends/jetson/profiles.py)
 
 
+# gemm / swiglu_gemm Triton configs (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) per profile; "small" serves
+# M <= 64 (decode).  The persistent kernel's entries add (programs per SM, EPI_SPLIT: the epilogue in two column
+# halves).
+GEMM_CONFIGS = {
+    "h100": {"gemm": [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4),
+                      (256, 128, 64, 8, 3), (128, 64, 64, 4, 4)],
+             "swiglu": [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4)],
+             "small": [(16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (32, 64, 128, 4, 4), (64, 64, 64, 4, 4)],
+             # the winners measured on an H200: 2 programs of 128x128/8 warps per SM
+             # at the BERT shapes (epilogue of one under the other's MMAs), 128x256 at 8192^3 and the
+             # gemm suite's shapes, whole-tile stores at 12288x768x768.  The 128x256 entries exceed shared
+             # memory with a residual epilogue (sm_90 compile: 245784 / 294944 B; the autotuner drops them)
+             "persistent": [(128, 128, 64, 8, 3, 2, True), (128, 256, 64, 8, 4, 1, True),
+                            (128, 256, 64, 8, 3, 1, True), (128, 128, 64, 8, 4, 1, False)],
+             "persistent_swiglu": [(128, 128, 64, 8, 3, 1, True), (128, 128, 64, 8, 4, 1, True)]},
+    "a100": {"gemm": [(128, 256, 32, 8, 3), (128, 128, 32, 4, 4), (128, 128, 64, 4, 3), (64, 128, 32, 4, 4)],
+             "swiglu": [(128, 128, 32, 8, 3), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4)],
+             "small": [(16, 64, 128, 4, 4), (16, 128, 64, 4, 4), (32, 64, 64, 4, 4)]},
+    "rtx": {"gemm": [(128, 128, 32, 4, 3), (64, 128, 32, 4, 4), (128, 64, 32, 4, 4), (64, 64, 32, 4, 4)],
+            "swiglu": [(64, 128, 32, 4, 3), (128, 64, 32, 4, 3), (64, 64, 32, 4, 4)],
+            "small": [(16, 64, 64, 4, 3), (16, 128, 64, 4, 3), (32, 64, 64, 4, 3)]},
+}
+
+
+# sparse attention tiles (fwd BLOCK_M, BLOCK_N, warps, stages[, rescale threshold]), (dq BLOCK_M, BLOCK_N, warps,
+# stages), (dkdv BLOCK_M, BLOCK_N, warps, stages) keyed by profile name, then head-dim class ("small" <= 128 <
+# "large").  h100 "small": the best of a sweep on an H200 (s=16384 window 1024 causal d128 bf16).
+SPARSE_TILES = {
+    "h100": {"small": ((64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 2)),
+             "large": ((64, 32, 8, 2), (32, 32, 4, 2), (32, 32, 8, 1))},   # d=256: fp32 accumulators fit registers
+    "a100": {"small": ((128, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 2)),
+             "large": ((64, 32, 4, 2), (64, 32, 4, 2), (32, 64, 4, 2))},
+    "rtx": {"small": ((64, 64, 4, 2), (64, 64, 4, 2), (64, 64, 4, 2)),
+            "large": ((64, 32, 4, 2), (32, 32, 4, 1), (32, 32, 4, 1))},
+}
+
+
+# sparse attention's forward tile for long rows, by profile: (tile, min mean keys per row).  H200 (
+# causal windows, s16384 d128 bf16, "run" loop): 128x128/8/3 vs 64x64/4/3
+# w2048 1.236 vs 1.343 ms, w4096 2.111 vs 2.259, w8192 3.447 vs 3.689; but w1024 0.782 vs 0.727, w256 0.443
+# vs 0.312 and the packed varlen batch 1.693 vs 1.564 (segment edges: more masked work).  So only for
+# layouts whose full tiles are one run per row, without segments, key padding or a mixed block mask, and
+# rows that visit >= 1536 keys on average.  Shared memory at 128x128/3 stages: 229376 B of 232448 for every
+# flag combination allowed here (sm_90 compile, Triton 3.6); the excluded gather paths need more.
+LONG_ROW_FWD = {"h100": ((128, 128, 8, 3), 1536)}
+
+
+def _tiles(name: str) -> dict:
+    """A profile's tables per op.  The persistent GEMM runs on Hopper only: every profile carries the h100 tables
+    for it (a profile forced onto an H100 still finds them)."""
+    gemm = {k: v for k, v in GEMM_CONFIGS["h100"].items() if k.startswith("persistent")}
+    sparse = dict(SPARSE_TILES[name], **({"long_row": LONG_ROW_FWD[name]} if name in LONG_ROW_FWD else {}))
+    return {"flash_attention": ATTN_TILES[name], "gemm": {**gemm, **GEMM_CONFIGS[name]}, "sparse_attention": sparse}
+
+
 H100 = Profile(
-    name="h100", backend="cuda", tiles={"flash_attention": ATTN_TILES["h100"]}, description="Hopper (cc 9.x, ~227 KB smem/block): TMA, wgmma, deep pipelines",
+    name="h100", backend="cuda", tiles=_tiles("h100"), description="Hopper (cc 9.x, ~227 KB smem/block): TMA, wgmma, deep pipelines",
     num_stages=3, num_warps=8, priority=30,
     matches=lambda env: _nvidia(env) and _cc(env)[0] == 9 and _smem(env) >= 200 * 1024,
 )
 A100 = Profile(
-    name="a100", backend="cuda", tiles={"flash_attention": ATTN_TILES["a100"]}, description="Ampere datacenter (cc 8.0, ~163 KB smem/block)",
+    name="a100", backend="cuda", tiles=_tiles("a100"), description="Ampere datacenter (cc 8.0, ~163 KB smem/block)",
     num_stages=3, num_warps=4, priority=20,
     matches=lambda env: _nvidia(env) and _cc(env) == (8, 0) and _smem(env) >= 160 * 1024,
 )
 RTX = Profile(
-    name="rtx", backend="cuda", tiles={"flash_attention": ATTN_TILES["rtx"]}, description="consumer / workstation parts (cc 8.6/8.9, ~99 KB smem/block)",
+    name="rtx", backend="cuda", tiles=_tiles("rtx"), description="consumer / workstation parts (cc 8.6/8.9, ~99 KB smem/block)",
     num_stages=2, num_warps=4, priority=10,
     matches=lambda env: _nvidia(env) and _cc(env) >= (7, 5),
 )
-INTERPRETER = Profile(
-    name="interpreter", backend="cuda", tiles={"flash_attention": ATTN_TILES["interpreter"]}, description="TRITON_INTERPRET=1 on CPU: small fixed tiles, no autotune",
-    num_stages=1, num_warps=4, autotune=False, priority=5,
-    matches=lambda env: env.device_type != "cuda" and env.triton_interpret,
-)
+INTERPRETER = interpreter_profile("cuda")
 # use_backend("cuda", profile="jetson") still works: the jetson backend offers its profile to this one
 PROFILES = (H100, A100, RTX, INTERPRETER)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import warnings
 
-from opsadv.backends.cuda import check_seed_options, interpreter_mode
+from opsadv.backends.triton_common import check_seed_options, interpreter_mode
 from opsadv.core.errors import UnknownOptionError
 from opsadv.registry import BackendInfo, ProbeResult, hookimpl
 from opsadv.runtime.memory import apply_memory_policy, parse_bytes, parse_level

@@ -8,7 +8,8 @@ import functools
 
 import torch
 
-from opsadv.backends.cuda import KERNEL_MODULES, kernel_module_impls, triton_device_types
+from opsadv.backends.cuda import KERNEL_MODULES
+from opsadv.backends.triton_common import module_impls, triton_device_types
 from opsadv.core.kernel import PRIORITY_GENERIC, KernelImpl, materializes_scores
 
 from . import attention as math_attention
@@ -64,7 +65,7 @@ def _wrap(impl: KernelImpl) -> KernelImpl:
 
 
 def cuda_impls(env) -> list[KernelImpl]:
-    return [_wrap(impl) for _, impl in kernel_module_impls(env, KERNEL_MODULES, "jetson")]
+    return [_wrap(impl) for _, impl in module_impls(env, KERNEL_MODULES, "jetson")]
 
 
 def own_impls(env) -> list[KernelImpl]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from opsadv.backends.cuda import check_seed_options
+from opsadv.backends.triton_common import check_seed_options, interpreter_mode
 from opsadv.core.tuning import default_timer
 from opsadv.registry import BackendInfo, ProbeResult, hookimpl
 from opsadv.runtime.memory import apply_memory_policy
@@ -21,12 +21,7 @@ from .profiles import PROFILES
 
 NAME = "rocm"
 VERSION = "0.1.0"
-OPTIONS = ("tile_size", "max_streams", "mem_opt", "workspace_cap")
 # AMD targets of Triton's AMD backend: CDNA2 (MI200), CDNA3 (MI300), CDNA4 (MI350), RDNA3 / RDNA4
-
-
-def _interpreter_mode(env) -> bool:
-    return bool(env.triton_interpret) and importlib.util.find_spec("triton") is not None
 
 
 @hookimpl
@@ -45,7 +40,7 @@ def opsadv_probe(env):
         return ProbeResult(False, (f"ROCm build (HIP {env.hip_version}), but triton is not installed "
                                    "(pytorch-triton-rocm): the rocm backend has Triton kernels only",))
     if env.device_type != "cuda":
-        if _interpreter_mode(env):
+        if interpreter_mode(env):
             return ProbeResult(True, (f"ROCm build (HIP {env.hip_version}); interpreter mode: TRITON_INTERPRET=1, "
                                       "Triton kernels run on CPU tensors",), {"interpreter": True})
         return ProbeResult(False, (f"ROCm build (HIP {env.hip_version}), but torch sees no AMD GPU",))

@@ -5,24 +5,24 @@ Conformance must fail every cell each of them serves (tests/test_conformance_rul
 import torch
 
 from opsadv import KernelImpl
-from opsadv.backends.reference import kernels as K
+from opsadv.ops.flash_attention import reference as FA
+from opsadv.ops.gemm import reference as GM
+from opsadv.ops.norm import reference as NM
+from opsadv.ops.rotary_embedding import reference as RO
+from opsadv.ops.sparse_attention import reference as SP
+from opsadv.ops.swiglu import reference as SW
 from opsadv.registry import BackendInfo, ProbeResult, hookimpl
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-ATTN = frozenset({"causal", "gqa", "cross_length", "attn_mask_bool", "attn_mask_float"})
-SPARSE = frozenset({"causal", "gqa", "cross_length", "key_padding", "varlen", "window", "global"})
-GEMM = frozenset({"bias", "residual", "alpha", "batched", "act_relu", "act_gelu", "act_gelu_tanh", "act_silu"})
-NORM = frozenset({"weight", "bias", "residual", "offset"})
-ROTARY = frozenset({"interleaved", "partial", "position_ids"})
-# op: (forward, backward, features)
-OPS = {"flash_attention": (K.attention_fwd, K.attention_bwd, ATTN),
-       "sparse_attention": (K.sparse_fwd, K.sparse_bwd, SPARSE),
-       "gemm": (K.gemm_fwd, K.gemm_bwd, GEMM),
-       "swiglu_gemm": (K.swiglu_fwd, K.swiglu_bwd, frozenset({"bias", "batched"})),
-       "swiglu": (K.swiglu_act_fwd, K.swiglu_act_bwd, frozenset({"batched"})),
-       "layer_norm": (K.layer_norm_fwd, K.layer_norm_bwd, NORM),
-       "rms_norm": (K.rms_norm_fwd, K.rms_norm_bwd, NORM),
-       "rotary_embedding": (K.rotary_fwd, K.rotary_bwd, ROTARY)}
+# op: (forward, backward, features) -- the reference impls each op folder's reference.py holds, and their features
+OPS = {"flash_attention": (FA.attention_fwd, FA.attention_bwd, FA.FEATURES),
+       "sparse_attention": (SP.sparse_fwd, SP.sparse_bwd, SP.FEATURES),
+       "gemm": (GM.gemm_fwd, GM.gemm_bwd, GM.FEATURES),
+       "swiglu_gemm": (GM.swiglu_fwd, GM.swiglu_bwd, GM.SWIGLU_FEATURES),
+       "swiglu": (SW.swiglu_act_fwd, SW.swiglu_act_bwd, SW.FEATURES),
+       "layer_norm": (NM.layer_norm_fwd, NM.layer_norm_bwd, NM.FEATURES),
+       "rms_norm": (NM.rms_norm_fwd, NM.rms_norm_bwd, NM.FEATURES),
+       "rotary_embedding": (RO.rotary_fwd, RO.rotary_bwd, RO.FEATURES)}
 ERR = 1.01
 
 
@@ -82,9 +82,9 @@ OUT = Planted("planted_out", {op: (_scaled(f), b) for op, (f, b, _) in OPS.items
 # eps x 1e4 (a 0.25-0.5% output scale at unit variance) and a 1% gradient are within 3x bf16's rounding noise (its
 # ulp is 0.4-0.8%) in some small cells: these two serve float16 / float32 / float64, where every cell must fail
 SHARP = (torch.float16, torch.float32, torch.float64)
-EPS = Planted("planted_eps", {"rms_norm": (_rms_eps(K.rms_norm_fwd, 3), K.rms_norm_bwd)}, SHARP)
+EPS = Planted("planted_eps", {"rms_norm": (_rms_eps(NM.rms_norm_fwd, 3), NM.rms_norm_bwd)}, SHARP)
 # scale is the last argument of the attention forwards (before sparse's optional dense_blocks / max_seqlen)
-SOFTMAX = Planted("planted_softmax", {"flash_attention": (_attn_scale(K.attention_fwd, 6), _attn_scale(K.attention_bwd, 9)),
-                                      "sparse_attention": (_attn_scale(K.sparse_fwd, 12), _attn_scale(K.sparse_bwd, 15))})
+SOFTMAX = Planted("planted_softmax", {"flash_attention": (_attn_scale(FA.attention_fwd, 6), _attn_scale(FA.attention_bwd, 9)),
+                                      "sparse_attention": (_attn_scale(SP.sparse_fwd, 12), _attn_scale(SP.sparse_bwd, 15))})
 GRAD = Planted("planted_grad", {op: (f, _scaled(b)) for op, (f, b, _) in OPS.items()}, SHARP)
 BACKENDS = (OUT, EPS, SOFTMAX, GRAD)

@@ -1,0 +1,190 @@
+"""Which (block_m x block_n) tiles a block-sparse attention kernel visits: the TileIndex that the cuda and
+rocm sparse kernels walk, built from a SparseLayout's tensors (opsadv.ops.sparse_attention.layout) and cached
+on them.  Kernel metadata of no backend in particular, so core holds it and backends import it from here."""
+from __future__ import annotations
+
+import math
+import weakref
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+
+def _nblocks(n: int, bs: int) -> int:
+    return -(-n // bs)
+
+
+def capturing(t: Tensor | None) -> bool:
+    """True while the current CUDA stream is being captured into a graph (t on CUDA): host reads of
+    device values are not allowed then."""
+    return t is not None and t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+# ---- tile index: which (block_m x block_n) tiles a kernel visits -------------------------------------
+class TileIndex(NamedTuple):
+    """Row-major lists of the tiles with at least one allowed pair, per (b|1, h|1, row tile):
+    `rows` (Bb, Hb, n_rows, 2) int32 = (number of partial tiles, number of tiles); `cols`
+    (Bb, Hb, n_rows, max(1, width)) int32 column-tile ids, partial tiles first (they need element
+    masks), then full ones.  `t_rows`/`t_cols`: the same by column tile (for dK/dV).  Token
+    tables for element masks: `seg` (segment id) and `pos` (position in segment), int32 (s,).
+    `bm_mode`: 0 block mask all False, 1 all True, 2 mixed (kernels gather it)."""
+    rows: Tensor
+    cols: Tensor
+    t_rows: Tensor
+    t_cols: Tensor
+    seg: Tensor | None
+    pos: Tensor | None
+    bm_mode: int
+    bm8: Tensor         # the block mask as int8 (kernels cannot load torch.bool)
+    kpm8: Tensor | None
+    tiles: int          # visited tiles (all b, h of the index); -1 when built during CUDA graph capture
+    total_tiles: int    # Bb * Hb * n_row_tiles * n_col_tiles
+    full_run: bool = False   # every row's full tiles are consecutive columns (kernels may walk them as a range)
+    t_full_run: bool = False  # the same for t_rows / t_cols: every key tile's full query tiles are one run
+
+
+_tile_cache: dict[int, tuple] = {}
+
+
+def _pool(x: Tensor, dim: int, n_tiles: int, tile: int, pad, op) -> Tensor:
+    """Reduce x along `dim` in groups of `tile` after padding to n_tiles * tile with `pad`."""
+    x = x.movedim(dim, -1)
+    need = n_tiles * tile - x.shape[-1]
+    if need > 0:
+        x = torch.cat([x, x.new_full((*x.shape[:-1], need), pad)], -1)
+    x = x[..., :n_tiles * tile].reshape(*x.shape[:-1], n_tiles, tile)
+    return op(x).movedim(-1, dim)
+
+
+def _lists(any_: Tensor, full: Tensor, static: bool = False) -> tuple[Tensor, Tensor]:
+    """(counts, padded column ids with partial tiles first) from (..., n_rows, n_cols) bool tiles.
+    static: the lists are as wide as the tile grid (no host read of the widest row)."""
+    partial = any_ & ~full
+    key = torch.where(partial, 0, torch.where(full, 1, 2)).to(torch.int8)   # partial < full < empty
+    order = torch.sort(key, dim=-1, stable=True).indices
+    n_part, n_all = partial.sum(-1), any_.sum(-1)
+    width = max(1, any_.shape[-1] if static else int(n_all.max()))
+    return (torch.stack([n_part, n_all], -1).to(torch.int32).contiguous(),
+            order[..., :width].to(torch.int32).contiguous())
+
+
+def tile_index(block_mask: Tensor, kpm: Tensor | None, cu: Tensor | None, bs: int, causal: bool, wl: int,
+               wr: int, ng: int, sq: int, sk: int, block_m: int, block_n: int) -> TileIndex:
+    """Cached on the layout's tensors (identity + version) and the tile shape."""
+    key = (id(kpm), None if kpm is None else kpm._version, id(cu), None if cu is None else cu._version,
+           block_mask._version, bs, causal, wl, wr, ng, sq, sk, block_m, block_n)
+    slot = _tile_cache.get(id(block_mask))
+    if slot is not None and slot[0]() is block_mask:
+        hit = slot[1].get(key)
+        if hit is not None and hit[0] is kpm and hit[1] is cu:
+            return hit[2]
+    else:
+        slot = (weakref.ref(block_mask), {})
+        _tile_cache[id(block_mask)] = slot
+        weakref.finalize(block_mask, _tile_cache.pop, id(block_mask), None)
+    ti = _build_tile_index(block_mask, kpm, cu, bs, causal, wl, wr, ng, sq, sk, block_m, block_n)
+    slot[1][key] = (kpm, cu, ti)
+    return ti
+
+
+def _build_tile_index(bm, kpm, cu, bs, causal, wl, wr, ng, sq, sk, M, N) -> TileIndex:
+    """Built from the layout's device tensors.  While a CUDA graph is captured it reads nothing back
+    to the host (lists as wide as the grid, block-mask mode from an earlier eager build or 2 =
+    gather, tiles = -1): replays then recompute it from the current mask / cu_seqlens values."""
+    dev = bm.device
+    static = capturing(bm)
+    nqt, nkt = _nblocks(sq, M), _nblocks(sk, N)
+    off = sk - sq
+    qlo = torch.arange(nqt, device=dev) * M
+    qhi = torch.clamp(qlo + M, max=sq) - 1                  # last real row of each row tile
+    klo = torch.arange(nkt, device=dev) * N
+    khi = torch.clamp(klo + N, max=sk) - 1
+    QL, QH, KL, KH = qlo[:, None], qhi[:, None], klo[None, :], khi[None, :]
+    true = torch.ones(nqt, nkt, dtype=torch.bool, device=dev)
+    c_any, c_full = (KL <= QH + off, KH <= QL + off) if causal else (true, true)
+    bounds_full = ((QH - QL + 1) == M) & ((KH - KL + 1) == N)
+    # block mask, refined to a common grid then pooled to tiles
+    gq, gk = math.gcd(bs, M), math.gcd(bs, N)
+    fine = bm.repeat_interleave(bs // gq, 2).repeat_interleave(bs // gk, 3)
+    fine = fine[:, :, :_nblocks(sq, gq), :_nblocks(sk, gk)]
+    b_any = _pool(_pool(fine, 2, nqt, M // gq, False, lambda x: x.any(-1)), 3, nkt, N // gk, False, lambda x: x.any(-1))
+    b_full = _pool(_pool(fine, 2, nqt, M // gq, True, lambda x: x.all(-1)), 3, nkt, N // gk, True, lambda x: x.all(-1))
+    bm_mode = _bm_mode(bm, static)
+    # window band (clipped by causal: the band's part above the diagonal is masked anyway)
+    if wl >= 0:
+        r = min(wr, 0) if causal else wr
+        w_any = (KL <= QH + off + r) & (KH >= QL + off - wl)
+        w_full = (KH <= QL + off + r) & (KL >= QH + off - wl)
+    else:
+        w_any = w_full = ~true
+    # segments and per-segment global tokens
+    seg = pos = None
+    if cu is not None:
+        cu64 = cu.to(torch.int64)
+        tok = torch.arange(sq, device=dev)
+        seg = torch.searchsorted(cu64, tok, right=True) - 1
+        pos = tok - cu64[seg]
+        smin_q = _pool(seg, 0, nqt, M, sq, lambda x: x.min(-1).values)
+        smax_q = _pool(seg, 0, nqt, M, -1, lambda x: x.max(-1).values)
+        smin_k = _pool(seg, 0, nkt, N, sk, lambda x: x.min(-1).values)
+        smax_k = _pool(seg, 0, nkt, N, -1, lambda x: x.max(-1).values)
+        s_any = (smin_q[:, None] <= smax_k[None, :]) & (smin_k[None, :] <= smax_q[:, None])
+        s_full = (smin_q == smax_q)[:, None] & (smin_k == smax_k)[None, :] & (smin_q[:, None] == smin_k[None, :])
+        pos_q, pos_k = pos, pos
+        seg, pos = seg.to(torch.int32).contiguous(), pos.to(torch.int32).contiguous()
+    else:
+        s_any = s_full = true
+        pos_q, pos_k = torch.arange(sq, device=dev), torch.arange(sk, device=dev)
+    if ng > 0:
+        gq_tok, gk_tok = pos_q < ng, pos_k < ng
+        g_any = _pool(gq_tok, 0, nqt, M, False, lambda x: x.any(-1))[:, None] \
+            | _pool(gk_tok, 0, nkt, N, False, lambda x: x.any(-1))[None, :]
+        g_full = _pool(gq_tok, 0, nqt, M, True, lambda x: x.all(-1))[:, None] \
+            | _pool(gk_tok, 0, nkt, N, True, lambda x: x.all(-1))[None, :]
+    else:
+        g_any = g_full = ~true
+    if kpm is not None:
+        k_any = _pool(kpm, 1, nkt, N, False, lambda x: x.any(-1))[:, None, None, :]    # (B, 1, 1, nkt)
+        k_full = _pool(kpm, 1, nkt, N, True, lambda x: x.all(-1))[:, None, None, :]
+    else:
+        k_any = k_full = true
+    any_ = (((b_any | g_any) & c_any) | w_any) & s_any & k_any
+    full = (b_full | w_full | g_full) & c_full & s_full & k_full & bounds_full & any_
+    Bb = max(any_.shape[0], full.shape[0])
+    any_ = any_.expand(Bb, *any_.shape[1:]).contiguous()
+    full = full.expand(Bb, *any_.shape[1:]).contiguous()
+    rows, cols = _lists(any_, full, static)
+    t_rows, t_cols = _lists(any_.transpose(-1, -2), full.transpose(-1, -2), static)
+    return TileIndex(rows, cols, t_rows, t_cols, seg, pos, bm_mode, bm.to(torch.int8).contiguous(),
+                     None if kpm is None else kpm.to(torch.int8).contiguous(), -1 if static else int(any_.sum()),
+                     any_.numel(), False if static else _full_run(rows, cols),
+                     False if static else _full_run(t_rows, t_cols))
+
+
+def _full_run(rows: Tensor, cols: Tensor) -> bool:
+    """True when each row's full tiles (listed after its partial ones, in ascending column order) are
+    consecutive columns: cols[n_all - 1] - cols[n_part] + 1 == n_all - n_part wherever a row has any."""
+    n_part, n_all = rows[..., 0].long(), rows[..., 1].long()
+    last_slot = cols.shape[-1] - 1
+    first = cols.gather(-1, n_part.clamp(max=last_slot).unsqueeze(-1)).squeeze(-1).long()
+    last = cols.gather(-1, (n_all - 1).clamp(0, last_slot).unsqueeze(-1)).squeeze(-1).long()
+    n_full = n_all - n_part
+    return bool(((n_full == 0) | (last - first + 1 == n_full)).all())
+
+
+_bm_modes: dict[int, tuple] = {}      # id(block mask) -> (weakref, version, mode): read once on the host
+
+
+def _bm_mode(bm: Tensor, static: bool) -> int:
+    """0 block mask all False, 1 all True, 2 mixed; 2 (always correct) when it cannot be read now."""
+    hit = _bm_modes.get(id(bm))
+    if hit is not None and hit[0]() is bm and hit[1] == bm._version:
+        return hit[2]
+    if static:
+        return 2
+    mode = 2 if bool(bm.any()) and not bool(bm.all()) else int(bool(bm.all()))
+    if hit is None:
+        weakref.finalize(bm, _bm_modes.pop, id(bm), None)
+    _bm_modes[id(bm)] = (weakref.ref(bm), bm._version, mode)
+    return mode

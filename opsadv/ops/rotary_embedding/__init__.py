@@ -1,0 +1,292 @@
+"""rotary_embedding: rotary position embedding applied to q and k in one call, (q', k').
+
+q (B, Hq, S, D) and k (B, Hk, S, D), any strides (transformers' (b, s, h, d) memory viewed as (b, h, s, d)
+included); cos and sin (S, R), (1 or B, S, R), or with position_ids a (P, R) table indexed by position_ids
+(S,) / (1 or B, S).  R = cos.shape[-1] (even, <= D) is the rotated width: the first R features of each head
+rotate, the other D - R pass through (partial rotary: GPT-NeoX, Phi).  Half layout (default): the pairs are
+(x[i], x[i + R/2]) with cos / sin laid out as transformers' `cat(freqs, freqs)`; interleaved: (x[2i], x[2i+1]).
+    y1 = x1 * c1 - x2 * s1        y2 = x2 * c2 + x1 * s2          (transformers' x * cos + rotate_half(x) * sin)
+Outputs have the inputs' dtype; float32 math.  Gradients flow to q and k (and to cos / sin where they need one).
+
+Impl contract:
+  fn(ctx, q, k, cos, sin, position_ids, interleaved) -> (q', k')
+  backward(ctx, dq', dk', cos, sin, position_ids, interleaved) -> (dq, dk)      (the rotation by -angle)"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from opsadv.core import dispatch
+from opsadv.core.errors import InvalidArgumentError
+from opsadv.core.kernel import CallSpec
+from opsadv.core.opdef import OpDef, Reference, arg
+from opsadv.core.op_common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, TORCH_OPS, autograd_function, carry_policy, check_tensor,
+                      dt, eager_mode, is_empty_call, len_bucket)
+
+from . import cases as _cases, reference as _reference
+
+OP = "rotary_embedding"
+_INT_DTYPES = (torch.int32, torch.int64)
+
+
+def _well_formed(q, k, cos, sin, position_ids) -> bool:
+    """The common call (transformers' layout, no position ids), recognized in few operations."""
+    if position_ids is not None or not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(cos, Tensor)
+                                        and isinstance(sin, Tensor)):
+        return False
+    if q.dim() != 4 or k.dim() != 4 or q.dtype not in FLOAT_DTYPES or k.dtype is not q.dtype:
+        return False
+    b, _, s, d = q.shape
+    kb, _, ks, kd = k.shape
+    if kb != b or ks != s or kd != d or not q.numel() or not k.numel():
+        return False
+    cs = cos.shape
+    if cos.dtype not in FLOAT_DTYPES or sin.dtype is not cos.dtype or sin.shape != cs or cos.device != q.device \
+            or sin.device != q.device or k.device != q.device:
+        return False
+    r = cs[-1]
+    if r % 2 or not 0 < r <= d:
+        return False
+    return (cos.dim() == 2 and cs[0] == s) or (cos.dim() == 3 and cs[1] == s and cs[0] in (1, b))
+
+
+def validate(q, k, cos, sin, position_ids=None, interleaved=False, rotary_dim=None) -> None:
+    if not isinstance(interleaved, bool):
+        raise InvalidArgumentError(OP, "interleaved", "a bool", repr(interleaved))
+    if _well_formed(q, k, cos, sin, position_ids) and (rotary_dim is None or rotary_dim == cos.shape[-1]):
+        return
+    check_tensor(OP, "q", q, ndim=4, allow_empty=True)
+    check_tensor(OP, "k", k, ndim=4, allow_empty=True)
+    if k.dtype != q.dtype:
+        raise InvalidArgumentError(OP, "k", f"dtype {dt(q.dtype)} (same as q)", dt(k.dtype))
+    b, _, s, d = q.shape
+    if (k.shape[0], k.shape[2], k.shape[3]) != (b, s, d):
+        raise InvalidArgumentError(OP, "k", f"shape (B={b}, Hk, S={s}, D={d}) (q is (B, Hq, S, D))", tuple(k.shape))
+    check_tensor(OP, "cos", cos, ndim=(2, 3), allow_empty=True)
+    check_tensor(OP, "sin", sin, ndim=(2, 3), allow_empty=True)
+    if sin.shape != cos.shape or sin.dtype != cos.dtype:
+        raise InvalidArgumentError(OP, "sin", f"shape {tuple(cos.shape)} and dtype {dt(cos.dtype)} (same as cos)",
+                                   f"shape {tuple(sin.shape)}, dtype {dt(sin.dtype)}")
+    for name, t in (("k", k), ("cos", cos), ("sin", sin), ("position_ids", position_ids)):
+        if t is not None and t.device != q.device:
+            raise InvalidArgumentError(OP, name, f"on device {q.device} (same as q)", str(t.device))
+    r = cos.shape[-1]
+    if r % 2 or r > d:
+        raise InvalidArgumentError(OP, "cos", f"an even last dim (the rotated width) <= head dim {d}", f"{r}")
+    if rotary_dim is not None and (not isinstance(rotary_dim, int) or isinstance(rotary_dim, bool) or rotary_dim != r):
+        raise InvalidArgumentError(OP, "rotary_dim", f"None or cos.shape[-1] = {r} (the rotated width)",
+                                   repr(rotary_dim))
+    if position_ids is None:
+        ok = (cos.dim() == 2 and cos.shape[0] == s) or (cos.dim() == 3 and cos.shape[1] == s
+                                                         and cos.shape[0] in (1, b))
+        if not ok:
+            raise InvalidArgumentError(OP, "cos", f"shape (S={s}, R) or (1 or B={b}, S={s}, R) (without position_ids)",
+                                       tuple(cos.shape))
+        return
+    if not isinstance(position_ids, Tensor) or position_ids.dtype not in _INT_DTYPES:
+        raise InvalidArgumentError(OP, "position_ids", "None or an int32 / int64 tensor",
+                                   dt(position_ids.dtype) if isinstance(position_ids, Tensor)
+                                   else type(position_ids).__name__)
+    ps = tuple(position_ids.shape)
+    if not (ps == (s,) or (len(ps) == 2 and ps[1] == s and ps[0] in (1, b))):
+        raise InvalidArgumentError(OP, "position_ids", f"shape (S={s},) or (1 or B={b}, S={s})", ps)
+    if cos.dim() != 2:
+        raise InvalidArgumentError(OP, "cos", "a (P, R) table (with position_ids)", tuple(cos.shape))
+
+
+def _rotate_plain(x: Tensor, cos: Tensor, sin: Tensor, position_ids, interleaved: bool) -> Tensor:
+    """One tensor rotated in plain differentiable torch (the reference's maths)."""
+    r = cos.shape[-1]
+    cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    c, sn = cos.to(cdt), sin.to(cdt)
+    if position_ids is not None:
+        c, sn = c[position_ids], sn[position_ids]
+    if c.dim() == 2:
+        c, sn = c[None], sn[None]
+    c, sn = c[:, None], sn[:, None]
+    xf = x.to(cdt)
+    xr, xp = xf[..., :r], xf[..., r:]
+    if interleaved:
+        x1, x2, c1, c2, s1, s2 = xr[..., 0::2], xr[..., 1::2], c[..., 0::2], c[..., 1::2], sn[..., 0::2], sn[..., 1::2]
+    else:
+        h = r // 2
+        x1, x2, c1, c2, s1, s2 = xr[..., :h], xr[..., h:], c[..., :h], c[..., h:], sn[..., :h], sn[..., h:]
+    y1, y2 = x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
+    yr = torch.stack((y1, y2), -1).flatten(-2) if interleaved else torch.cat((y1, y2), -1)
+    return torch.cat((yr, xp), -1).to(x.dtype)
+
+
+def _empty_result(q, k, cos, sin, position_ids, interleaved):
+    """rotary_embedding with an empty operand (batch, heads or sequence of 0, or R = 0), in plain differentiable
+    torch: empty results and gradients, the other tensor rotated as usual; no kernel runs."""
+    return _rotate_plain(q, cos, sin, position_ids, interleaved), _rotate_plain(k, cos, sin, position_ids, interleaved)
+
+
+def _features(cos: Tensor, d: int, position_ids, interleaved: bool) -> frozenset:
+    f = set()
+    if interleaved:
+        f.add("interleaved")
+    if cos.shape[-1] < d:
+        f.add("partial")
+    if position_ids is not None:
+        f.add("position_ids")
+    return frozenset(f)
+
+
+def _key(q: Tensor, k: Tensor, cos: Tensor, position_ids, interleaved: bool, backward: bool) -> tuple:
+    b, hq, s, d = q.shape
+    return (OP, backward, q.device.type, q.dtype, cos.dtype, len_bucket(b * s), hq, k.shape[1], d, cos.shape[-1],
+            interleaved, position_ids is not None)
+
+
+def _spec(q: Tensor, k: Tensor, cos: Tensor, position_ids, interleaved: bool, backward: bool) -> CallSpec:
+    b, hq, s, d = q.shape
+    return CallSpec(OP, q.device.type, q.dtype, _features(cos, d, position_ids, interleaved),
+                    (len_bucket(b * s), hq, k.shape[1], cos.shape[-1]), head_dim=d,
+                    shapes=(tuple(q.shape), tuple(k.shape), tuple(cos.shape)), backward=backward,
+                    bucket_names=("tokens<=", "Hq=", "Hk=", "R="))
+
+
+def _route(q, k, cos, sin, position_ids, interleaved):
+    return dispatch.call(_key(q, k, cos, position_ids, interleaved, False),
+                         lambda: _spec(q, k, cos, position_ids, interleaved, False),
+                         (q, k, cos, sin, position_ids, interleaved))
+
+
+def _bwd_route(gq, gk, cos, sin, position_ids, interleaved):
+    return dispatch.call(_key(gq, gk, cos, position_ids, interleaved, True),
+                         lambda: _spec(gq, gk, cos, position_ids, interleaved, True),
+                         (gq, gk, cos, sin, position_ids, interleaved))
+
+
+def _bshd_like(x: Tensor) -> Tensor:
+    """An empty (b, h, s, d) tensor stored as (b, s, h, d): transformers' layout, which attention keeps."""
+    b, h, s, d = x.shape
+    return torch.empty_strided((b, h, s, d), (s * h * d, d, h * d, 1), dtype=x.dtype, device=x.device)
+
+
+def _in_fake_layout(t: Tensor) -> Tensor:
+    """t stored as the fakes say (compiled graphs plan with those strides); an impl may return another layout."""
+    b, h, s, d = t.shape
+    if t.stride() == (s * h * d, d, h * d, 1) or t.numel() == 0:
+        return t
+    out = _bshd_like(t)
+    out.copy_(t)
+    return out
+
+
+@torch.library.custom_op("opsadv::rotary_embedding", mutates_args=())
+def _rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Optional[Tensor],
+            interleaved: bool) -> tuple[Tensor, Tensor]:
+    oq, ok = _route(q, k, cos, sin, position_ids, interleaved)
+    return _in_fake_layout(oq), _in_fake_layout(ok)
+
+
+@_rotary.register_fake
+def _(q, k, cos, sin, position_ids, interleaved):
+    return _bshd_like(q), _bshd_like(k)
+
+
+@torch.library.custom_op("opsadv::rotary_embedding_backward", mutates_args=())
+def _rotary_backward(gq: Tensor, gk: Tensor, cos: Tensor, sin: Tensor, position_ids: Optional[Tensor],
+                     interleaved: bool) -> tuple[Tensor, Tensor]:
+    dq, dk = _bwd_route(gq, gk, cos, sin, position_ids, interleaved)
+    return _in_fake_layout(dq), _in_fake_layout(dk)
+
+
+@_rotary_backward.register_fake
+def _(gq, gk, cos, sin, position_ids, interleaved):
+    return _bshd_like(gq), _bshd_like(gk)
+
+
+def _setup(ctx, inputs, output):
+    q, k, cos, sin, position_ids, interleaved = inputs
+    ctx.interleaved = interleaved
+    ctx.meta = (q.shape, k.shape, q.dtype, q.device)
+    ctx.table_grad = cos.requires_grad or sin.requires_grad
+    # q and k are kept only where cos / sin need a gradient (rare: transformers' tables are buffers)
+    ctx.save_for_backward(cos, sin, position_ids, *((q, k) if ctx.table_grad else ()))
+
+
+def _backward(ctx, gq, gk):
+    cos, sin, position_ids, *qk = ctx.saved_tensors
+    qs, ks, dtype, dev = ctx.meta
+    if gq is None:                      # an output nobody used
+        gq = torch.zeros(qs, dtype=dtype, device=dev)
+    if gk is None:
+        gk = torch.zeros(ks, dtype=dtype, device=dev)
+    bwd = _bwd_route if eager_mode(gq, gk, cos) != TORCH_OPS else torch.ops.opsadv.rotary_embedding_backward
+    dq, dk = bwd(gq, gk, cos, sin, position_ids, ctx.interleaved)
+    dcos = dsin = None
+    if ctx.table_grad:
+        dcos, dsin = table_grads(qk[0], qk[1], gq, gk, cos, position_ids, ctx.interleaved)
+    return dq, dk, dcos, dsin, None, None
+
+
+def _pairs(t: Tensor, r: int, interleaved: bool) -> tuple[Tensor, Tensor]:
+    t = t[..., :r]
+    return (t[..., 0::2], t[..., 1::2]) if interleaved else (t[..., : r // 2], t[..., r // 2:])
+
+
+def _join(a: Tensor, b: Tensor, interleaved: bool) -> Tensor:
+    return torch.stack((a, b), -1).flatten(-2) if interleaved else torch.cat((a, b), -1)
+
+
+def table_grads(q, k, gq, gk, cos, position_ids, interleaved):
+    """(dcos, dsin) in torch (float32): per position, summed over heads (and the batch where cos is shared)."""
+    r = cos.shape[-1]
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dc = ds = 0
+    for x, g in ((q, gq), (k, gk)):
+        x1, x2 = _pairs(x.to(acc), r, interleaved)
+        g1, g2 = _pairs(g.to(acc), r, interleaved)
+        dc = dc + _join(g1 * x1, g2 * x2, interleaved).sum(1)          # (B, S, R)
+        ds = ds + _join(-g1 * x2, g2 * x1, interleaved).sum(1)
+    if position_ids is not None:
+        pos = position_ids.expand(dc.shape[0], dc.shape[1]) if position_ids.dim() == 2 else \
+            position_ids.expand(dc.shape[0], -1)
+        out = []
+        for t in (dc, ds):
+            tab = torch.zeros(cos.shape, dtype=acc, device=cos.device)
+            out.append(tab.index_put_((pos.reshape(-1),), t.reshape(-1, r), accumulate=True).to(cos.dtype))
+        return tuple(out)
+    shape = cos.shape if cos.dim() == 3 else (1,) + tuple(cos.shape)
+    return tuple(t.sum_to_size(shape).reshape(cos.shape).to(cos.dtype) for t in (dc, ds))
+
+
+_setup, _backward = carry_policy(_setup, _backward)
+_rotary.register_autograd(_backward, setup_context=_setup)
+_eager_autograd = autograd_function("RotaryEmbeddingFn", _route, _setup, _backward)
+
+
+def rotary_embedding(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, position_ids: Tensor | None = None,
+                     interleaved: bool = False, rotary_dim: int | None = None) -> tuple[Tensor, Tensor]:
+    """(q', k'): q (B, Hq, S, D) and k (B, Hk, S, D) rotated by cos / sin ((S, R) or (1 or B, S, R); with
+    position_ids (S,) / (1 or B, S) a (P, R) table).  The first R = cos.shape[-1] features of each head rotate
+    (rotary_dim, if given, must equal R), the rest pass through.  interleaved: pairs (x[2i], x[2i+1]) instead of
+    (x[i], x[i + R/2])."""
+    validate(q, k, cos, sin, position_ids, interleaved, rotary_dim)
+    if is_empty_call(q, k, cos, sin):
+        return _empty_result(q, k, cos, sin, position_ids, interleaved)
+    mode = eager_mode(q, k, cos, sin)
+    if mode == DIRECT:
+        return _route(q, k, cos, sin, position_ids, interleaved)
+    if mode == AUTOGRAD_FN:
+        return _eager_autograd(q, k, cos, sin, position_ids, interleaved)
+    return torch.ops.opsadv.rotary_embedding(q, k, cos, sin, position_ids, interleaved)
+
+
+# ---- the op's definition -----------------------------------------------------------------------------------
+def explain_spec(args: tuple, kwargs: dict, backward: bool) -> CallSpec:
+    q, k, cos, sin = (arg(args, kwargs, 0, "q"), arg(args, kwargs, 1, "k"), arg(args, kwargs, 2, "cos"),
+                      arg(args, kwargs, 3, "sin"))
+    pos, inter = kwargs.get("position_ids"), kwargs.get("interleaved", False)
+    validate(q, k, cos, sin, pos, inter, kwargs.get("rotary_dim"))
+    return _spec(q, k, cos, pos, inter, backward)
+
+
+OPDEF = OpDef(OP, rotary_embedding, Reference(_reference.rotary_fwd, _reference.rotary_bwd, _reference.FEATURES),
+              explain_spec, custom_ops=(_rotary, _rotary_backward), cases=tuple(_cases.CASES), demo=_cases.demo)
+OPDEFS = (OPDEF,)
