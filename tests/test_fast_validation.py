@@ -17,7 +17,6 @@ a, b = torch.randn(2, 3, 8), torch.randn(8, 6)
 GEMM_OK = dict(a=a, b=b, bias=torch.randn(6), activation="gelu", residual=torch.randn(2, 3, 6), alpha=2.0)
 GEMM_BAD = [
     ("a", dict(a=torch.randn(())), "rank"),
-    ("a", dict(a=torch.randn(2, 0, 8)), "non-empty"),
     ("a", dict(a=torch.ones(2, 8, dtype=torch.int64)), "dtype"),
     ("b", dict(b=torch.randn(8, 6, 1)), "rank"),
     ("b", dict(b=torch.randn(7, 6)), "K = 8"),
@@ -50,7 +49,6 @@ def test_gemm_common_calls_are_fast():
 
 
 SWIGLU_BAD = [
-    ("x", dict(x=torch.randn(0, 8)), "non-empty"),
     ("w_gate_up", dict(w=torch.randn(8, 7)), "even"),
     ("w_gate_up", dict(w=torch.randn(9, 6)), "K = 8"),
     ("w_gate_up", dict(w=torch.randn(8, 6, dtype=torch.float64)), "dtype"),
@@ -78,7 +76,7 @@ ATT_BAD = [
     ("v", dict(v=torch.randn(2, 2, 5, 8)), "head_dim"),
     ("k/v", dict(k=torch.randn(1, 2, 5, 16), v=torch.randn(1, 2, 5, 16)), "batch"),
     ("k", dict(k=torch.randn(2, 2, 5, 16, dtype=torch.float64)), "dtype"),
-    ("v", dict(v=torch.randn(2, 2, 0, 16)), "non-empty"),
+    ("q", dict(q=torch.randn(2, 8, 3, 0)), "head_dim >= 1"),
     ("causal", dict(causal=1), "a bool"),
     ("scale", dict(scale=0.0), "> 0"),
     ("scale", dict(scale=float("inf")), "finite"),

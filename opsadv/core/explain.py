@@ -6,8 +6,11 @@ import difflib
 import inspect
 from typing import Any
 
+import torch
+
 from . import dispatch
 from .errors import InvalidArgumentError, UnknownKeywordError
+from .op_common import is_empty_call
 from .opdef import OPS, OpDef, get_op
 
 
@@ -37,4 +40,11 @@ def explain(op: str, *args: Any, backward: bool = False, **kwargs: Any) -> dispa
     spec = d.spec(args, kwargs, backward)
     spec, note = spec if isinstance(spec, tuple) else (spec, "")
     exp, _ = dispatch.explain_spec(spec)
+    tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+    # opsadv's own ops answer a call with an empty operand themselves (docs/conformance.md); a plugin's op dispatches
+    if (getattr(d.fn, "__module__", "") or "").startswith("opsadv.ops") and is_empty_call(*tensors):
+        return dataclasses.replace(exp, chosen=None, candidates=tuple(dataclasses.replace(c, chosen=False)
+                                                                      for c in exp.candidates),
+                                   why="an operand is empty: the op computes the (empty / zero) result itself in "
+                                       "plain torch, and no kernel runs")
     return dataclasses.replace(exp, why=f"{exp.why}; {note}") if note else exp

@@ -34,6 +34,12 @@ def check_tensor(op: str, name: str, t, *, ndim: int | tuple[int, ...] | None = 
         raise InvalidArgumentError(op, name, "a non-empty tensor", f"shape {tuple(t.shape)} with 0 elements")
 
 
+def is_empty_call(*tensors) -> bool:
+    """Some operand has no elements: the op's result follows from the maths without a kernel (each op's
+    _empty_result, plain differentiable torch on the empty operands, so gradients are the zero / empty ones)."""
+    return any(t is not None and t.numel() == 0 for t in tensors)
+
+
 def check_same(op: str, ref_name: str, ref: torch.Tensor, **others) -> None:
     """Others must share ref's dtype and device."""
     for name, t in others.items():

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from pytest_opsadv import add_options
 
-from .cases import CATALOGUE, TOLERANCE, Case
+from .cases import BASELINE_FACTOR, CATALOGUE, TOLERANCE, Case
 from .runner import Result, default_device, iter_cases, run_case, run_conformance, run_graph_checks
 
-__all__ = ["CATALOGUE", "TOLERANCE", "Case", "Result", "run_case", "run_conformance", "run_graph_checks",
+__all__ = ["BASELINE_FACTOR", "CATALOGUE", "TOLERANCE", "Case", "Result", "run_case", "run_conformance", "run_graph_checks",
            "iter_cases", "default_device"]
 
 

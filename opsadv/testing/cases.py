@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from opsadv.core.opdef import DTYPES, TOLERANCE, Case, get_op, op_defs
+from opsadv.core.opdef import BASELINE_FACTOR, DTYPES, TOLERANCE, Case, get_op, op_defs
 from opsadv.registry import get_registry
 
-__all__ = ["CATALOGUE", "DTYPES", "TOLERANCE", "Case", "call", "catalogue"]
+__all__ = ["BASELINE_FACTOR", "CATALOGUE", "DTYPES", "TOLERANCE", "Case", "call", "catalogue"]
 
 
 def catalogue() -> list[Case]:

@@ -32,7 +32,8 @@ def to_markdown(results, *, backend: str, device: str, quick: bool, note: str = 
              f"{'quick' if quick else 'full'} catalogue, {time.strftime('%Y-%m-%d')}.",
              "",
              f"**{s['pass']} pass, {s['skip']} skip, {s['fail']} fail.** Every cell compares the backend's impl with the "
-             "reference backend in float64 (relative-norm error, forward and backward; fresh random inputs, seed recorded).",
+             "float64 reference: error at most 3x the reference backend's on the same low-precision inputs plus a floor, "
+             "forward and backward (docs/conformance.md); fresh random inputs, seed recorded.",
              ""]
     if note:
         lines += [note, ""]

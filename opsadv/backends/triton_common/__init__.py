@@ -41,6 +41,18 @@ def triton_device_types(env) -> tuple[str, ...]:
     return ("cuda", "cpu") if interpreter_mode(env) else ("cuda",)
 
 
+INTERPRETER_BF16_REASON = ("bfloat16 is not exact in the Triton interpreter (its bf16 tl.dot is wrong); "
+                           "use fp16 on CPU, or run on a GPU")
+
+
+def interpreter_bf16_reasons(spec, compute_dtype=None) -> list[str]:
+    """The refusal every tl.dot-based Triton impl gives a CPU (interpreter) call computing in bfloat16:
+    triton 3.6's interpreter returns garbage for bf16 dots.  compute_dtype: the dtype the kernel's dots run
+    in when a precision policy changes it (float32 inputs under precision='bf16'); else the inputs' dtype."""
+    cdt = compute_dtype or spec.dtype
+    return [INTERPRETER_BF16_REASON] if spec.device_type == "cpu" and cdt == torch.bfloat16 else []
+
+
 def poisoned(shape, like: torch.Tensor) -> torch.Tensor:
     """Output buffer; on CPU (interpreter mode, tests) and under OPSADV_POISON_OUTPUTS=1 (GPU probes)
     pre-filled with NaN so an unwritten element shows."""

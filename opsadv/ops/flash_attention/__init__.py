@@ -4,9 +4,10 @@ Layout (batch, heads, seq, head_dim).  GQA/MQA when q heads are a multiple of kv
 q and kv lengths may differ; causal is aligned bottom-right (query i sees keys
 j <= i + s_k - s_q, as when decoding with a KV cache).  `attn_mask` is a bool mask
 (True = attend, SDPA's convention) or an additive float mask, broadcastable to
-(b, h_q, s_q, s_k).  A fully masked row yields zeros and lse = -inf (never NaN).  Gradients flow to q, k, v
-and to an additive float mask that requires one (T5's relative position bias reaches the scores that way): the
-mask's is dS, recomputed in torch in the op's backward (the kernels compute dS but return none).
+(b, h_q, s_q, s_k).  A fully masked row yields zeros and lse = -inf (never NaN); a row with a +inf or NaN
+score yields NaN out and lse, as SDPA; empty operands give the empty / zero result without a kernel.  Gradients
+flow to q, k, v and to an additive float mask that requires one (T5's relative position bias reaches the scores
+that way): the mask's is dS, recomputed in torch in the op's backward (the kernels compute dS but return none).
 
 Impl contract:  fn(ctx, q, k, v, attn_mask, causal, scale: float) -> (out, lse)
                 backward(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale) -> (dq, dk, dv)
@@ -30,7 +31,7 @@ from opsadv.core.policy import in_scope, op_scope
 from opsadv.core.opdef import OpDef, Reference, arg
 from opsadv.core.op_common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, INF, TORCH_OPS, carry_policy, carry_scope, check_same, check_scale,
                       check_tensor, EXACT_STRIDES, contiguous_lse, dispatch_modes, dt, eager_mode, function_modes,
-                      functorch_level, grad_enabled, is_compiling, len_bucket, own_pair_train_step, pair_backward,
+                      functorch_level, grad_enabled, is_compiling, is_empty_call, len_bucket, own_pair_train_step, pair_backward,
                       raw_apply, register_train_step, resolved_autograd_function, same_kind, traced_train,
                       train_pair_backward, transforms_active, unwrap_if_dead)
 
@@ -71,9 +72,10 @@ def validate(q, k, v, attn_mask, causal, scale) -> None:
     if _well_formed(q, k, v, attn_mask, causal, scale):
         return
     for name, t in (("q", q), ("k", k), ("v", v)):
-        check_tensor(OP, name, t, ndim=4)
+        check_tensor(OP, name, t, ndim=4, allow_empty=True)
     check_same(OP, "q", q, k=k, v=v)
     b, hq, sq, d = q.shape
+    check_head_dim(OP, d)
     if k.shape[0] != b or v.shape[0] != b:
         raise InvalidArgumentError(OP, "k/v", f"batch {b} (same as q)", f"k {tuple(k.shape)}, v {tuple(v.shape)}")
     if k.shape[-1] != d:
@@ -83,7 +85,7 @@ def validate(q, k, v, attn_mask, causal, scale) -> None:
     if v.shape[-1] != d:
         raise InvalidArgumentError(OP, "v", f"head_dim {d} (same as q)", f"head_dim {v.shape[-1]}")
     hkv = k.shape[1]
-    if hq % hkv:
+    if hq % hkv if hkv else hq:
         raise InvalidArgumentError(OP, "k", f"a number of heads dividing q's {hq} (GQA/MQA)", f"{hkv} heads")
     if not isinstance(causal, bool):
         raise InvalidArgumentError(OP, "causal", "a bool", repr(causal))
@@ -103,6 +105,27 @@ def validate(q, k, v, attn_mask, causal, scale) -> None:
         if not ok:
             raise InvalidArgumentError(OP, "attn_mask", f"broadcastable to (b, h_q, s_q, s_k) = {(b, hq, sq, k.shape[2])}",
                                        tuple(attn_mask.shape))
+
+
+def check_head_dim(op: str, d: int) -> None:
+    if d < 1:
+        raise InvalidArgumentError(op, "q", "head_dim >= 1 (the softmax scale is 1 / sqrt(head_dim))", f"head_dim {d}")
+
+
+def empty_result(q, k, v, attn_mask, causal, scale):
+    """(out, lse) of attention on empty operands (batch, heads, s_q or s_k of 0; shared with sparse_attention), in
+    plain differentiable torch: a row with no keys gives out 0 and lse -inf (the NaN / Inf policy), gradients are
+    the zero / empty ones, and no kernel runs."""
+    cdt = lse_dtype(q.dtype)
+    hq, hk = q.shape[1], k.shape[1]
+    rep = hq // hk if hk else 1
+    kf, vf = k.to(cdt).repeat_interleave(rep, 1), v.to(cdt).repeat_interleave(rep, 1)
+    s = (q.to(cdt) @ kf.transpose(-1, -2)) * default_scale(q, scale)      # no element: causality cannot matter
+    if attn_mask is not None:
+        s = s.masked_fill(~attn_mask, -INF) if attn_mask.dtype == torch.bool else s + attn_mask.to(cdt)
+    lse = torch.logsumexp(s, -1)
+    out = torch.softmax(s, -1) @ vf
+    return out.to(q.dtype), lse
 
 
 def features(q, k, attn_mask, causal) -> frozenset[str]:
@@ -311,6 +334,9 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, sc
             lse = contiguous_lse(lse)
         return (out, lse.detach()) if lse_out else out
     validate(q, k, v, attn_mask, causal, scale)
+    if is_empty_call(q, k, v):
+        out, lse = empty_result(q, k, v, attn_mask, causal, scale)
+        return (out, lse.detach()) if return_lse else out
     mode = eager_mode(q, k, v, attn_mask)
     if mode == DIRECT:
         if not return_lse:

@@ -33,9 +33,12 @@ def _probs(s, stats: torch.dtype | None = None):
     if stats is not None:
         s = s.to(stats)
     lse = torch.logsumexp(s, dim=-1)
-    # fully masked rows: lse = -inf, probabilities 0 (not NaN)
-    p = torch.exp(s - lse.masked_fill(torch.isinf(lse), 0.0)[..., None])
-    p = p.masked_fill(torch.isinf(lse)[..., None], 0.0)
+    # fully masked rows: lse = -inf, probabilities 0 (not NaN); a row with a +inf or NaN score gives out and lse NaN,
+    # as SDPA (out) and the Triton kernels do (docs/conformance.md, "NaN and Inf")
+    lse = lse.masked_fill(torch.isposinf(lse), float("nan"))
+    empty = torch.isneginf(lse)
+    p = torch.exp(s - lse.masked_fill(empty, 0.0)[..., None])
+    p = p.masked_fill(empty[..., None], 0.0)
     return p.to(acc_t), lse.to(acc_t)
 
 
@@ -52,7 +55,8 @@ def attention_bwd(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale):
     rep = q.shape[1] // k.shape[1]
     s = _scores(q, k, attn_mask, causal, scale, ctx)
     l = acc(lse)
-    p = torch.exp(s - l.masked_fill(torch.isinf(l), 0.0)[..., None]).masked_fill(torch.isinf(l)[..., None], 0.0)
+    empty = torch.isneginf(l)
+    p = torch.exp(s - l.masked_fill(empty, 0.0)[..., None]).masked_fill(empty[..., None], 0.0)
     do, vf, kf = acc(dout), acc(v).repeat_interleave(rep, dim=1), acc(k).repeat_interleave(rep, dim=1)
     dp = do @ vf.transpose(-1, -2)
     delta = (do * acc(out)).sum(-1, keepdim=True)

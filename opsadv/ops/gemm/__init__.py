@@ -36,7 +36,7 @@ from opsadv.core.activations import ACT
 from ..swiglu import swiglu
 from opsadv.core.op_common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, INF, TORCH_OPS, autograd_function, carry_policy, carry_scope,
                       check_choice, check_same, check_tensor, dispatch_modes, eager_mode, function_modes,
-                      functorch_level, grad_enabled, is_compiling, len_bucket, none_if_empty, raw_apply,
+                      functorch_level, grad_enabled, is_compiling, is_empty_call, len_bucket, none_if_empty, raw_apply,
                       resolved_autograd_function, same_kind, transforms_active, unwrap_if_dead,
                       as_weight_grad_layout, empty_weight_grad)
 from . import cases as _cases, reference as _reference
@@ -64,19 +64,19 @@ def validate_gemm(a, b, bias, activation, residual, alpha) -> None:
     if _gemm_well_formed(a, b, bias, activation, residual, alpha):
         return
     op = "gemm"
-    check_tensor(op, "a", a, min_ndim=1)
-    check_tensor(op, "b", b, ndim=2)
+    check_tensor(op, "a", a, min_ndim=1, allow_empty=True)
+    check_tensor(op, "b", b, ndim=2, allow_empty=True)
     check_same(op, "a", a, b=b, bias=bias, residual=residual)
     if a.shape[-1] != b.shape[0]:
         raise InvalidArgumentError(op, "b", f"shape (K, N) with K = {a.shape[-1]} (a's last dim)", tuple(b.shape))
     n = b.shape[1]
     if bias is not None:
-        check_tensor(op, "bias", bias, ndim=1)
+        check_tensor(op, "bias", bias, ndim=1, allow_empty=True)
         if bias.shape[0] != n:
             raise InvalidArgumentError(op, "bias", f"shape ({n},)", tuple(bias.shape))
     check_choice(op, "activation", activation, ACTIVATIONS)
     if residual is not None:
-        check_tensor(op, "residual", residual)
+        check_tensor(op, "residual", residual, allow_empty=True)
         want = tuple(a.shape[:-1]) + (n,)
         if tuple(residual.shape) != want:
             raise InvalidArgumentError(op, "residual", f"shape {want} (the output's)", tuple(residual.shape))
@@ -98,16 +98,43 @@ def validate_swiglu(x, w, bias) -> None:
     if _swiglu_well_formed(x, w, bias):
         return
     op = "swiglu_gemm"
-    check_tensor(op, "x", x, min_ndim=1)
-    check_tensor(op, "w_gate_up", w, ndim=2)
+    check_tensor(op, "x", x, min_ndim=1, allow_empty=True)
+    check_tensor(op, "w_gate_up", w, ndim=2, allow_empty=True)
     check_same(op, "x", x, w_gate_up=w, bias=bias)
     if w.shape[0] != x.shape[-1] or w.shape[1] % 2:
         raise InvalidArgumentError(op, "w_gate_up", f"shape (K, 2N) with K = {x.shape[-1]} and an even second dim",
                                    tuple(w.shape))
     if bias is not None:
-        check_tensor(op, "bias", bias, ndim=1)
+        check_tensor(op, "bias", bias, ndim=1, allow_empty=True)
         if bias.shape[0] != w.shape[1]:
             raise InvalidArgumentError(op, "bias", f"shape ({w.shape[1]},) (gate|up)", tuple(bias.shape))
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _gemm_empty(a, b, bias, activation, residual, alpha):
+    """gemm on empty operands (no rows, K = 0 or N = 0), in plain differentiable torch: with K = 0 the product is
+    zero and the epilogue still applies (activation(bias) + residual); no kernel runs."""
+    cdt = _acc_dtype(a.dtype)
+    z = alpha * (a.to(cdt) @ b.to(cdt))
+    if bias is not None:
+        z = z + bias.to(cdt)
+    y = ACT[activation](z)
+    if residual is not None:
+        y = y + residual.to(cdt)
+    return y.to(a.dtype)
+
+
+def _swiglu_empty(x, w, bias):
+    """swiglu_gemm on empty operands, as _gemm_empty."""
+    cdt = _acc_dtype(x.dtype)
+    gu = x.to(cdt) @ w.to(cdt)
+    if bias is not None:
+        gu = gu + bias.to(cdt)
+    n = w.shape[1] // 2
+    return (torch.nn.functional.silu(gu[..., :n]) * gu[..., n:]).to(x.dtype)
 
 
 def _rows(a: Tensor) -> int:
@@ -302,6 +329,8 @@ def gemm(a: Tensor, b: Tensor, *, bias: Tensor | None = None, activation: str = 
         return _gemm_raw(r, unwrap_if_dead(a), unwrap_if_dead(b), bias if bias is None else unwrap_if_dead(bias),
                          activation, residual if residual is None else unwrap_if_dead(residual), alpha)
     validate_gemm(a, b, bias, activation, residual, alpha)
+    if is_empty_call(a, b, bias, residual):
+        return _gemm_empty(a, b, bias, activation, residual, alpha)
     mode = eager_mode(a, b, bias, residual)
     if activation != "none" and _trains(mode, a, b, bias, residual):
         if mode == AUTOGRAD_FN:
@@ -336,6 +365,8 @@ def swiglu_gemm(x: Tensor, w_gate_up: Tensor, *, bias: Tensor | None = None) -> 
             dispatch.record(r.impl.id)
         return r.run(r.ctx, x, w_gate_up, bias)
     validate_swiglu(x, w_gate_up, bias)
+    if is_empty_call(x, w_gate_up, bias):
+        return _swiglu_empty(x, w_gate_up, bias)
     mode = eager_mode(x, w_gate_up, bias)
     if _trains(mode, x, w_gate_up, bias):
         if mode == AUTOGRAD_FN:

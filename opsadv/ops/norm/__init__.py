@@ -31,7 +31,7 @@ from opsadv.core.errors import InvalidArgumentError
 from opsadv.core.kernel import CallSpec
 from opsadv.core.policy import in_scope, op_scope
 from opsadv.core.opdef import OpDef, Reference, arg
-from opsadv.core.op_common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, INF, carry_policy, carry_scope, check_same, check_tensor,
+from opsadv.core.op_common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, INF, carry_policy, carry_scope, check_same, check_tensor, is_empty_call,
                       dispatch_modes, eager_mode, function_modes, functorch_level, grad_enabled, grad_step,
                       is_compiling, len_bucket, raw_apply, register_train_step, resolved_autograd_function, same_kind,
                       shared_empty, transforms_active, unwrap_if_dead)
@@ -63,22 +63,40 @@ def _well_formed(x, weight, bias, eps, residual, offset) -> bool:
 def validate(op, x, weight, bias, eps, residual, offset=0.0) -> None:
     if _well_formed(x, weight, bias, eps, residual, offset):
         return
-    check_tensor(op, "x", x, min_ndim=1)
+    check_tensor(op, "x", x, min_ndim=1, allow_empty=True)
     check_same(op, "x", x, weight=weight, bias=bias, residual=residual)
     n = x.shape[-1]
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None:
-            check_tensor(op, name, t, ndim=1)
+            check_tensor(op, name, t, ndim=1, allow_empty=True)
             if t.shape[0] != n:
                 raise InvalidArgumentError(op, name, f"shape ({n},) (x's last dim)", tuple(t.shape))
     if residual is not None:
-        check_tensor(op, "residual", residual)
+        check_tensor(op, "residual", residual, allow_empty=True)
         if residual.shape != x.shape:
             raise InvalidArgumentError(op, "residual", f"shape {tuple(x.shape)} (same as x)", tuple(residual.shape))
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not (eps >= 0 and math.isfinite(eps)):
         raise InvalidArgumentError(op, "eps", "a finite float >= 0", repr(eps))
     if not isinstance(offset, (int, float)) or isinstance(offset, bool) or not math.isfinite(offset):
         raise InvalidArgumentError(op, "offset", "a finite float", repr(offset))
+
+
+def _empty_result(op, x, weight, bias, eps, residual, offset=0.0):
+    """The norms on empty operands (no rows, or a last dim of 0), in plain differentiable torch: the maths of the
+    reference, so gradients are the zero / empty ones, and no kernel runs."""
+    cdt = stat_dtype(x.dtype)
+    s = x.to(cdt) + residual.to(cdt) if residual is not None else x.to(cdt)
+    if op == "layer_norm":
+        c = s - s.mean(-1, keepdim=True)
+        y = c * torch.rsqrt((c * c).mean(-1, keepdim=True) + eps)
+    else:
+        y = s * torch.rsqrt((s * s).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * (offset + weight.to(cdt))
+    if bias is not None:
+        y = y + bias.to(cdt)
+    y = y.to(x.dtype)
+    return (y, s.to(x.dtype)) if residual is not None else y
 
 
 def _rows(x: Tensor) -> int:
@@ -329,6 +347,8 @@ def layer_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = No
                                     residual if residual is None else unwrap_if_dead(residual))
         return (y, xsum) if residual is not None else y
     validate("layer_norm", x, weight, bias, eps, residual)
+    if is_empty_call(x, weight, bias):
+        return _empty_result("layer_norm", x, weight, bias, eps, residual)
     mode = eager_mode(x, weight, bias, residual)
     eps = float(eps)
     if mode == DIRECT:          # eager no-grad: nothing reads mean / rstd, so the impl need not produce them
@@ -376,6 +396,8 @@ def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6, *, resi
                                   residual if residual is None else unwrap_if_dead(residual), offset)
         return (y, xsum) if residual is not None else y
     validate("rms_norm", x, weight, None, eps, residual, offset)
+    if is_empty_call(x, weight):
+        return _empty_result("rms_norm", x, weight, None, eps, residual, offset)
     mode = eager_mode(x, weight, residual)
     eps, offset = float(eps), float(offset)
     if mode == DIRECT:

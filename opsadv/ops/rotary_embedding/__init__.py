@@ -25,7 +25,7 @@ from opsadv.core.kernel import CallSpec
 from opsadv.core.opdef import OpDef, Reference, arg
 from opsadv.core.policy import current_policy, in_scope, op_scope
 from opsadv.core.op_common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, TORCH_OPS, autograd_function, carry_policy,
-                                   carry_scope, check_tensor, dispatch_modes, dt, eager_mode, function_modes,
+                                   carry_scope, check_tensor, dispatch_modes, dt, eager_mode, function_modes, is_empty_call,
                                    functorch_level, grad_enabled, is_compiling, len_bucket, raw_apply,
                                    transforms_active, unwrap_if_dead)
 
@@ -62,15 +62,15 @@ def validate(q, k, cos, sin, position_ids=None, interleaved=False, rotary_dim=No
     if _well_formed(q, k, cos, sin, position_ids) and (rotary_dim is None or (type(rotary_dim) is int
                                                                              and rotary_dim == cos.shape[-1])):
         return
-    check_tensor(OP, "q", q, ndim=4)
-    check_tensor(OP, "k", k, ndim=4)
+    check_tensor(OP, "q", q, ndim=4, allow_empty=True)
+    check_tensor(OP, "k", k, ndim=4, allow_empty=True)
     if k.dtype != q.dtype:
         raise InvalidArgumentError(OP, "k", f"dtype {dt(q.dtype)} (same as q)", dt(k.dtype))
     b, _, s, d = q.shape
     if (k.shape[0], k.shape[2], k.shape[3]) != (b, s, d):
         raise InvalidArgumentError(OP, "k", f"shape (B={b}, Hk, S={s}, D={d}) (q is (B, Hq, S, D))", tuple(k.shape))
-    check_tensor(OP, "cos", cos, ndim=(2, 3))
-    check_tensor(OP, "sin", sin, ndim=(2, 3))
+    check_tensor(OP, "cos", cos, ndim=(2, 3), allow_empty=True)
+    check_tensor(OP, "sin", sin, ndim=(2, 3), allow_empty=True)
     if sin.shape != cos.shape or sin.dtype != cos.dtype:
         raise InvalidArgumentError(OP, "sin", f"shape {tuple(cos.shape)} and dtype {dt(cos.dtype)} (same as cos)",
                                    f"shape {tuple(sin.shape)}, dtype {dt(sin.dtype)}")
@@ -99,6 +99,34 @@ def validate(q, k, cos, sin, position_ids=None, interleaved=False, rotary_dim=No
         raise InvalidArgumentError(OP, "position_ids", f"shape (S={s},) or (1 or B={b}, S={s})", ps)
     if cos.dim() != 2:
         raise InvalidArgumentError(OP, "cos", "a (P, R) table (with position_ids)", tuple(cos.shape))
+
+
+def _rotate_plain(x: Tensor, cos: Tensor, sin: Tensor, position_ids, interleaved: bool) -> Tensor:
+    """One tensor rotated in plain differentiable torch (the reference's maths)."""
+    r = cos.shape[-1]
+    cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    c, sn = cos.to(cdt), sin.to(cdt)
+    if position_ids is not None:
+        c, sn = c[position_ids], sn[position_ids]
+    if c.dim() == 2:
+        c, sn = c[None], sn[None]
+    c, sn = c[:, None], sn[:, None]
+    xf = x.to(cdt)
+    xr, xp = xf[..., :r], xf[..., r:]
+    if interleaved:
+        x1, x2, c1, c2, s1, s2 = xr[..., 0::2], xr[..., 1::2], c[..., 0::2], c[..., 1::2], sn[..., 0::2], sn[..., 1::2]
+    else:
+        h = r // 2
+        x1, x2, c1, c2, s1, s2 = xr[..., :h], xr[..., h:], c[..., :h], c[..., h:], sn[..., :h], sn[..., h:]
+    y1, y2 = x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
+    yr = torch.stack((y1, y2), -1).flatten(-2) if interleaved else torch.cat((y1, y2), -1)
+    return torch.cat((yr, xp), -1).to(x.dtype)
+
+
+def _empty_result(q, k, cos, sin, position_ids, interleaved):
+    """rotary_embedding with an empty operand (batch, heads or sequence of 0, or R = 0), in plain differentiable
+    torch: empty results and gradients, the other tensor rotated as usual; no kernel runs."""
+    return _rotate_plain(q, cos, sin, position_ids, interleaved), _rotate_plain(k, cos, sin, position_ids, interleaved)
 
 
 def _features(cos: Tensor, d: int, position_ids, interleaved: bool) -> frozenset:
@@ -317,6 +345,8 @@ def rotary_embedding(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, position
         return _resolved_raw(r, rb, unwrap_if_dead(q), unwrap_if_dead(k), unwrap_if_dead(cos), unwrap_if_dead(sin),
                              position_ids if position_ids is None else unwrap_if_dead(position_ids), interleaved)
     validate(q, k, cos, sin, position_ids, interleaved, rotary_dim)
+    if is_empty_call(q, k, cos, sin):
+        return _empty_result(q, k, cos, sin, position_ids, interleaved)
     mode = eager_mode(q, k, cos, sin)
     if mode == DIRECT:
         out = _route(q, k, cos, sin, position_ids, interleaved)

@@ -27,11 +27,11 @@ from opsadv.core.policy import in_scope, op_scope
 from .layout import SparseLayout
 from opsadv.core.op_common import (AUTOGRAD_FN, DIRECT, TORCH_OPS, carry_policy, carry_scope, check_same, check_scale, check_tensor,
                       EXACT_STRIDES, contiguous_lse, dispatch_modes, eager_mode, function_modes, functorch_level,
-                      grad_enabled, is_compiling, len_bucket, own_pair_train_step, pair_backward, raw_apply,
+                      grad_enabled, is_compiling, is_empty_call, len_bucket, own_pair_train_step, pair_backward, raw_apply,
                       register_train_step, resolved_autograd_function, traced_train, train_pair_backward,
                       transforms_active, unwrap_if_dead)
 from opsadv.core.opdef import OpDef, Reference, arg
-from ..flash_attention import attention_buckets, default_scale, lse_dtype
+from ..flash_attention import attention_buckets, check_head_dim, default_scale, empty_result, lse_dtype
 from . import cases as _cases, reference as _reference
 
 
@@ -40,15 +40,16 @@ OP = "sparse_attention"
 
 def validate(q, k, v, layout, scale) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
-        check_tensor(OP, name, t, ndim=4)
+        check_tensor(OP, name, t, ndim=4, allow_empty=True)
     check_same(OP, "q", q, k=k, v=v)
     if not isinstance(layout, SparseLayout):
         raise InvalidArgumentError(OP, "layout", "an opsadv.SparseLayout", type(layout).__name__)
     b, hq, sq, d = q.shape
+    check_head_dim(OP, d)
     if k.shape[0] != b or v.shape[:3] != k.shape[:3] or k.shape[-1] != d or v.shape[-1] != d:
         raise InvalidArgumentError(OP, "k/v", f"(b={b}, h_kv, s_k, d={d}) with v shaped like k",
                                    f"k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if hq % k.shape[1]:
+    if hq % k.shape[1] if k.shape[1] else hq:
         raise InvalidArgumentError(OP, "k", f"a number of heads dividing q's {hq}", k.shape[1])
     if (layout.seq_q, layout.seq_k) != (sq, k.shape[2]):
         raise InvalidArgumentError(OP, "layout", f"built for s_q={sq}, s_k={k.shape[2]}", (layout.seq_q, layout.seq_k))
@@ -280,6 +281,9 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, layout: SparseLayout, *, s
             lse = contiguous_lse(lse)
         return (out, lse.detach()) if lse_out else out
     validate(q, k, v, layout, scale)
+    if is_empty_call(q, k, v):      # every row is empty: the layout's mask cannot matter
+        out, lse = empty_result(q, k, v, None, False, scale)
+        return (out, lse.detach()) if return_lse else out
     mode = eager_mode(q, k, v, layout.block_mask, layout.key_padding_mask, layout.cu_seqlens)
     args = (q, k, v, layout.block_mask, layout.key_padding_mask, layout.cu_seqlens, layout.block_size, layout.causal,
             layout.window_left, layout.window_right, layout.num_global, scale, layout.dense_blocks,

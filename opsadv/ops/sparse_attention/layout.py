@@ -78,8 +78,8 @@ class SparseLayout:
         if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
             raise InvalidArgumentError(OP, "layout.block_size", "an int >= 1", repr(bs))
         if not all(isinstance(n, int) and not isinstance(n, bool) for n in (self.seq_q, self.seq_k)) \
-                or self.seq_q < 1 or self.seq_k < 1:
-            raise InvalidArgumentError(OP, "layout.seq_q/seq_k", "positive int lengths", (self.seq_q, self.seq_k))
+                or self.seq_q < 0 or self.seq_k < 0:      # 0: an empty sequence (sparse_attention returns empties)
+            raise InvalidArgumentError(OP, "layout.seq_q/seq_k", "int lengths >= 0", (self.seq_q, self.seq_k))
         nq, nk = _nblocks(self.seq_q, bs), _nblocks(self.seq_k, bs)
         bm = self.block_mask
         if not isinstance(bm, Tensor) or bm.dtype != torch.bool or bm.dim() != 4 or tuple(bm.shape[2:]) != (nq, nk):

@@ -32,10 +32,16 @@ def validate_swiglu_act(gate_up) -> None:
     if isinstance(gate_up, Tensor) and gate_up.dtype in FLOAT_DTYPES and gate_up.dim() and gate_up.numel() \
             and gate_up.shape[-1] % 2 == 0:
         return
-    check_tensor(OP, "gate_up", gate_up, min_ndim=1)
+    check_tensor(OP, "gate_up", gate_up, min_ndim=1, allow_empty=True)
     if gate_up.shape[-1] % 2:
         raise InvalidArgumentError(OP, "gate_up", "an even last dim (the gate half, then the up half)",
                                    f"shape {tuple(gate_up.shape)}")
+
+
+def _empty_result(gate_up: Tensor) -> Tensor:
+    """swiglu of an empty gate_up, in plain differentiable torch (empty result, empty gradient); no kernel runs."""
+    n = gate_up.shape[-1] // 2
+    return torch.nn.functional.silu(gate_up[..., :n]) * gate_up[..., n:]
 
 
 def _key(gate_up: Tensor, backward: bool) -> tuple:
@@ -127,6 +133,8 @@ def swiglu(gate_up: Tensor) -> Tensor:
             return _resolved_autograd(r, gate_up)
         return _raw(r, unwrap_if_dead(gate_up))
     validate_swiglu_act(gate_up)
+    if gate_up.numel() == 0:
+        return _empty_result(gate_up)
     mode = eager_mode(gate_up)
     if mode == TORCH_OPS:
         return torch.ops.opsadv.swiglu(gate_up, op_scope())

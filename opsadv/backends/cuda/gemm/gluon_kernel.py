@@ -49,7 +49,7 @@ def _act(z, ACT: gl.constexpr):
     """The activation in float32, with the same formulas as the Triton kernels (triton_common/gemm/kernels.py's _act);
     ACT + TANH_FAST: gelu_tanh / silu with the tanh.approx sigmoid."""
     if ACT == 1:
-        z = gl.maximum(z, 0.0)
+        z = gl.where(z < 0.0, 0.0, z)       # NaN stays NaN, as torch.relu (gl.maximum would return 0)
     elif ACT == 2:
         z = 0.5 * z * (1.0 + gl.erf(z * 0.7071067811865476))
     elif ACT % TANH_FAST == 3:

@@ -25,7 +25,7 @@ import triton.language as tl
 from opsadv.core.kernel import MEMORY_FLASH, PRIORITY_TRITON, KernelImpl
 from opsadv.core.policy import current_policy
 
-from .. import triton_device_types
+from .. import interpreter_bf16_reasons, triton_device_types
 from . import dq_gemm
 from .bwd_kernels import _bwd_group_sum_kernel, _bwd_kv_kernel, _bwd_pre_kernel, _bwd_q_kernel
 from ..tma import TensorDescriptor, desc_bhsd, run_side_by_side, side_stream, sm90_plus, tma_tiles_ok
@@ -531,9 +531,7 @@ def _check(spec, env) -> list[str]:
             why.append("float32 inputs need precision attention 'fp16' or 'bf16' "
                        "(use_backend(..., precision='bf16')); this kernel computes in half precision")
         cdt = torch.bfloat16 if prec == "bf16" else torch.float16
-    if spec.device_type == "cpu" and cdt == torch.bfloat16:
-        why.append("bfloat16 is not exact in the Triton interpreter (its bf16 dot is wrong); use fp16 on CPU")
-    return why
+    return why + interpreter_bf16_reasons(spec, cdt)
 
 
 # the profile's tiles are capped by the seed's tile_size; fp32 inputs run in the policy's attention dtype; the

@@ -33,7 +33,7 @@ from opsadv.core.op_common import len_bucket, weight_grad
 from opsadv.core.policy import current_policy
 from opsadv.core.precision import float32_matmul_scope
 
-from .. import poisoned as _poisoned, triton_device_types
+from .. import interpreter_bf16_reasons, poisoned as _poisoned, triton_device_types
 
 HALF = (torch.float16, torch.bfloat16)
 ALL = (torch.float16, torch.bfloat16, torch.float32)
@@ -92,9 +92,10 @@ def _check_precision(ctx, dtype) -> None:
 
 
 def _tf32_check(spec, env) -> list[str]:
+    """The Triton GEMM impls' dispatch check: float32 only as tf32, and no bf16 dot in the interpreter."""
     if spec.dtype == torch.float32 and current_policy().precision.matmul != "tf32":
         return [_TF32_REASON]
-    return []
+    return interpreter_bf16_reasons(spec)
 
 
 def _tma_check(spec, env) -> list[str]:

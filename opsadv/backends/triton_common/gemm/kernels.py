@@ -21,7 +21,7 @@ ACT_IDS = {"none": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4}
 @triton.jit
 def _act(z, ACT: tl.constexpr):
     if ACT == 1:
-        z = tl.maximum(z, 0.0)
+        z = tl.where(z < 0.0, 0.0, z)       # NaN stays NaN, as torch.relu (GPU tl.maximum would return 0)
     elif ACT == 2:
         z = 0.5 * z * (1.0 + tl.erf(z * 0.7071067811865476))
     elif ACT == 3:

@@ -25,7 +25,7 @@ from opsadv.core.kernel import MEMORY_FLASH, PRIORITY_TRITON, CallSpec, KernelIm
 from opsadv.core.sparse_tiles import tile_index
 from opsadv.core.policy import current_policy
 
-from .. import triton_device_types
+from .. import interpreter_bf16_reasons, triton_device_types
 from . import band_persist as _persist
 from .helpers import _allowed, _band_tiles, _fwd_finish, _kv_tile_unmasked, _softmax_step
 from ..utils import load_tile, new_output, new_output_bshd
@@ -676,9 +676,13 @@ def sparse_bwd(ctx, dout, q, k, v, out, lse, block_mask, kpm, cu, bs, causal, wl
 
 def _check(spec: CallSpec, env) -> list[str]:
     why = []
+    cdt = spec.dtype
     if spec.dtype == torch.float32:
-        if current_policy().precision.attention not in ("fp16", "bf16"):
+        prec = current_policy().precision.attention
+        if prec not in ("fp16", "bf16"):
             why.append("float32 inputs need precision policy attention='fp16' or 'bf16' (tensor-core kernel)")
+        cdt = torch.bfloat16 if prec == "bf16" else torch.float16
+    why.extend(interpreter_bf16_reasons(spec, cdt))
     why.extend(refinement_reasons(spec, 16))
     return why
 

@@ -94,4 +94,4 @@ def impls(env, backend: str = "cuda") -> list[KernelImpl]:
         id=f"{backend}.triton.swiglu", op="swiglu", backend=backend, fn=swiglu_fwd, backward=swiglu_bwd,
         priority=PRIORITY_TRITON, device_types=triton_device_types(env),
         dtypes=(torch.float16, torch.bfloat16, torch.float32), features=frozenset({"batched"}), deterministic=True,
-        memory=MEMORY_FUSED, description="Triton: silu(g) * u in one pass over gate_up, backward in one pass (float32 math)")]
+        requires_interpret_or_cuda=True, memory=MEMORY_FUSED, description="Triton: silu(g) * u in one pass over gate_up, backward in one pass (float32 math)")]
