@@ -8,6 +8,7 @@ import torch
 
 import opsadv
 from opsadv import SparseLayout
+from opsadv.backends.triton_common.profiles import interpreter_profile
 from opsadv.core import dispatch
 
 from conftest import rel_err, requires_gpu
@@ -500,7 +501,7 @@ def test_backward_loop_variants(case, poison, monkeypatch):
             assert not torch.isnan(x).any(), f"{loop} {gname}: NaN"
             small = (x.double() - y).abs().max() < 1e-3
             assert rel_err(x, y) < 2e-2 or small, f"{loop} {gname}: rel err {rel_err(x, y):.2e}"
-        tiles = sparse_mod.tiles_for(SimpleNamespace(name="interpreter", tiles={}), d)
+        tiles = sparse_mod.tiles_for(interpreter_profile("cuda"), d)
         ti_kv, ti_q = (lay.tile_index(*tiles[i][:2]) for i in (2, 1))
         want = {"list": [0, 0], "prefetch": [1, 1],
                 "run": [2 if ti_kv.t_full_run else 1, 2 if ti_q.full_run else 1]}[loop]
