@@ -68,7 +68,7 @@ VARIANTS = {
 }
 # coop / coop_tanh with stream-K: the K-slices of the last waves' tiles shared evenly by the CTAs (stream_k_plan),
 # for tile counts that leave a partial wave (8192^3: 2048 tiles of 128 x 256 on 132 SMs, 15.5 waves).  They pass
-# every GPU check (session 18) but are not among the tuned VARIANTS: on the H200 they ran 0.977-0.998x their base
+# every GPU check but are not among the tuned VARIANTS: on the H200 they ran 0.977-0.998x their base
 # schedule at 8192^3 and 16384 x 4096 x 11008 (median of 5 interleaved rounds)
 # -- a power-limited GEMM gains little from the idle tail's SMs -- while the SwiGLU kernel's twins won 2.4-2.7%
 # at those shapes and are tuned there (swiglu_gemm/gluon.py VARIANTS).  Launchable by name (tests, probes).

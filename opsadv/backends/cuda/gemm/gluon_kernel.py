@@ -4,7 +4,7 @@
 
 Every variant compiles for sm_90 with ptxas with no spills (tests/test_gluon_gemm.py; registers / shared
 memory in gluon.py's docstring) and passes every check against
-float64 on the H200 (sessions 8-9, the stream-K ones and the shared main loop in session 18; pinned conformance:
+float64 on the H200 (pinned conformance:
 docs/conformance/cuda-h200-gluon-gemm.md).
 
 Imported only by gluon.py, and only when triton.experimental.gluon imports.

@@ -43,7 +43,7 @@ IMPL_ID = "cuda.gluon.swiglu_gemm"
 #   coop_tanh: coop with the sigmoid through one tanh.approx (the Gluon GEMM's TANH_FAST; relative error ~2^-11)
 #   coop_sk / coop_tanh_sk: coop / coop_tanh with stream-K (the last waves' K-slices shared evenly by the CTAs: a
 #              launch of 4096 tiles on 132 SMs otherwise idles 3%; common/gluon_gemm.py stream_k_plan).  H200,
-#              session 18 (median of 5 interleaved rounds): 1.024-1.027x coop and
+#              on the H200 (median of 5 interleaved rounds): 1.024-1.027x coop and
 #              1.013-1.026x coop_tanh at 8192^3 and 16384 x 4096 x 11008 (4096 tiles each); the suite's SwiGLU
 #              rows then ran at 700-726 TFLOP/s, 1.153-1.228x eager.
 VARIANTS = {
