@@ -227,3 +227,21 @@ def test_compiled_floor_runs_a_real_compile(monkeypatch):
 def test_floor_compile_refuses_unknown_values(bad):
     with pytest.raises(InvalidArgumentError, match="floor_compile"):
         opsadv.convert_model(_llama(), floor=True, floor_compile=bad)
+
+
+def test_eager_floor_retimes_the_model_after_a_kept_step():
+    """Each step is judged against a fresh sample of the model as it stands, not the kept step's own "with" sample
+    (which would carry that sample's noise into the next decision)."""
+    m = _llama()
+    n = {"calls": 0}
+
+    def timer(fn):                     # every sample 0.1 ms faster than the one before: every step is kept
+        fn()
+        n["calls"] += 1
+        return 10.0 - 0.1 * n["calls"]
+    conv = opsadv.convert_model(m, floor=True, floor_timer=timer, floor_inputs=_ids(3, 17, seed=2))
+    floor = conv.opsadv_report.floor
+    assert len(floor) >= 3 and all(d["kept"] for d in floor)
+    for before, after in zip(floor, floor[1:]):
+        assert after["ms_without"] < before["ms_with"]       # a new sample, taken after the kept one
+    assert n["calls"] == 2 * len(floor)

@@ -612,3 +612,22 @@ def test_gpu_two_stream_backward_identical_and_graph_capturable(seed, monkeypatc
     g.replay()
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(one, static))
+
+
+def test_cudnn_ranks_below_flash_for_decode_shapes():
+    """A decode step (a few queries against a longer cache) ranks cuDNN below FlashAttention-2; prefill, square and
+    backward calls keep the static order (the rank is a pure function of the call's buckets)."""
+    from opsadv.backends.cuda.flash_attention import sdpa
+    from opsadv.core.kernel import PRIORITY_VENDOR
+    from opsadv.ops.flash_attention import _spec
+
+    def spec(sq, sk, backward=False):
+        q, k = torch.empty(8, 15, sq, 64), torch.empty(8, 5, sk, 64)
+        return _spec(q, k, None, False, backward)
+    flash = PRIORITY_VENDOR - 10
+    prio, why = sdpa._cudnn_rank(spec(1, 517), None)
+    assert prio < flash and "decode" in why
+    assert sdpa._cudnn_rank(spec(16, 4096), None)[0] < flash
+    assert sdpa._cudnn_rank(spec(2048, 2048), None) is None
+    assert sdpa._cudnn_rank(spec(1, 12), None) is None           # the keys fit the queries' bucket: not a cache
+    assert sdpa._cudnn_rank(spec(1, 517, backward=True), None) is None

@@ -340,10 +340,14 @@ def _run_step(root, kind, label, apply, report, undo, gate):
     step = passes.Undo()
     first = len(report.changes)
     notes = len(report.notes)
-    # the model as it stands was timed after the last step that changed it (or is timed now, once)
-    ms_without = (gate.last if gate.last is not None else gate.time(root)) if gate is not None else None
+    # the model as it stands: after a kept step, eager floors time it afresh (judging the next step against the
+    # kept step's own "with" sample carried that sample's noise into the next decision); compiled floors reuse it,
+    # since each measurement there is a fresh compilation
+    ms_without = None
     if gate is not None:
-        gate.last = ms_without
+        if gate.last is None or (gate.last_is_with and gate.compile is None):
+            gate.last = gate.time(root)
+        ms_without, gate.last_is_with = gate.last, False
     new_root = apply(root, report, step)
     if gate is None or step.empty():
         undo.extend(step)
@@ -356,7 +360,7 @@ def _run_step(root, kind, label, apply, report, undo, gate):
     d = gate.decide(kind, label, ms_without, ms_with)
     if d.kept:
         undo.extend(step)
-        gate.last = ms_with
+        gate.last, gate.last_is_with = ms_with, True
         return new_root
     step.revert()
     del report.changes[first:]

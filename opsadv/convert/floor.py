@@ -2,7 +2,8 @@
 
 convert_model applies its rewrites in steps of one kind each (attention, norms, residual+norm, MLP
 epilogues, fused QKV, packing, graph rewrites).  With the floor on, each step is timed on the floor
-inputs right before and right after it is applied, and undone when the model got slower; the report
+inputs right before and right after it is applied (eager: "before" is a fresh sample after a kept step, never
+the kept step's own "with" sample), and undone when the model got slower; the report
 says which kind was kept as it was and by how much ("kept the model's own norms: measured 0.93x").
 Greedy and in application order, so every undo is of the last step applied (an undo log is LIFO).
 
@@ -218,6 +219,7 @@ class Floor:
         self.compile = compile
         self.decisions: list[Decision] = []
         self.last: float | None = None      # ms of the model as it stands (after the last kept step)
+        self.last_is_with = False           # `last` is a kept step's "with" sample (eager floors re-time it)
 
     def time(self, model) -> float:
         modes = {m: m.training for m in model.modules()}

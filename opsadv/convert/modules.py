@@ -204,7 +204,13 @@ class SwiGLUMLP(nn.Module):
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         with scope_of(self):
-            h = ops.swiglu_gemm(x, self._w.get_t(), bias=self._b.get() if self._b is not None else None)
+            if self._trains(x):
+                # training: the [W_g|W_u] GEMM as torch's linear (cuBLAS forward and backward; the mlp bench suite
+                # measured opsadv's gemm backward slower at small hidden sizes), the gate as the swiglu op
+                b = self._b.get() if self._b is not None else None
+                h = ops.swiglu(F.linear(x, self._w.get(), b))
+            else:
+                h = ops.swiglu_gemm(x, self._w.get_t(), bias=self._b.get() if self._b is not None else None)
         return self.down_proj(h)
 
     def _n_ff(self) -> int:
@@ -250,7 +256,7 @@ class FusedSwiGLUMLP(SwiGLUMLP):
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         gu = self._gate_up()
         with scope_of(self):
-            h = ops.swiglu_gemm(x, gu.weight.t(), bias=gu.bias)
+            h = ops.swiglu(gu(x)) if self._trains(x) else ops.swiglu_gemm(x, gu.weight.t(), bias=gu.bias)
         return getattr(self, self._names[1])(h)
 
     def _n_ff(self) -> int:
