@@ -36,6 +36,7 @@ LAZY: dict[tuple[str, str], str] = {
     (f"{TC}.rotary_embedding.rotary", f"{TC}.rotary_embedding.kernels"): TRITON,
     (f"{TC}.rotary_embedding.rotary", f"{TC}.utils"): TRITON,
     (f"{TC}.swiglu.swiglu", f"{TC}.swiglu.kernels"): TRITON,
+    (f"{TC}.linear_cross_entropy.linear_cross_entropy", f"{TC}.linear_cross_entropy.kernels"): TRITON,
     (f"{TC}.swiglu.swiglu", f"{TC}.utils"): TRITON,
     (f"{CUDA}.flash_attention.gluon", f"{TC}.flash_attention.attention"): TRITON,
     (f"{CUDA}.flash_attention.gluon", f"{TC}.utils"): TRITON,

@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import opsadv
+from opsadv.convert.modules import SwiGLUMLP
 
 from .case import BenchCase, compiled_peer
 
@@ -57,8 +58,6 @@ def _grads(fn, leaves, g):
 
 
 def cases(quick: bool) -> Iterator[BenchCase]:
-    from opsadv.convert.modules import SwiGLUMLP
-
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     silu_mul = _liger_silu_mul() if dev == "cuda" else None
