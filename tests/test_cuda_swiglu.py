@@ -1,6 +1,6 @@
-"""The swiglu op (silu(g) * u over gate_up = [g | u]): the cuda backend's Triton kernels under the interpreter
-(fp32 / fp16) against the reference backend in float64, forward and backward, odd and strided shapes, poisoned
-outputs; argument errors; bf16 on a real GPU."""
+"""The swiglu op (act(g) * u over gate_up = [g | u], act silu or gelu_tanh (GeGLU)): the cuda backend's Triton
+kernels under the interpreter (fp32 / fp16) against float64, forward and backward, odd and strided shapes, poisoned
+outputs; argument errors; bf16 on a real GPU.  GeGLU's op paths, opcheck and conversion: test_geglu.py."""
 import pytest
 import torch
 
@@ -13,19 +13,22 @@ DEV = "cuda" if HAS_CUDA else "cpu"
 TOL = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
-def _ref(gate_up: torch.Tensor) -> torch.Tensor:
+def _ref(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """float64 oracle, independent of opsadv's activation helpers: torch's silu / tanh-GELU."""
     g, u = gate_up.chunk(2, dim=-1)
-    return torch.nn.functional.silu(g) * u
+    act = torch.nn.functional.silu(g) if activation == "silu" else torch.nn.functional.gelu(g, approximate="tanh")
+    return act * u
 
 
-def _check(gate_up, dtype, *, backend="cuda"):
+def _check(gate_up, dtype, *, backend="cuda", activation="silu"):
     x = gate_up.detach().requires_grad_()
+    kw = {} if activation == "silu" else {"activation": activation}
     with opsadv.use_backend(backend), opsadv.trace() as t:
-        y = opsadv.ops.swiglu(x)
+        y = opsadv.ops.swiglu(x, **kw)
         go = torch.randn_like(y)
         (dx,) = torch.autograd.grad(y, x, go)
     x64 = gate_up.detach().double().requires_grad_()
-    ref = _ref(x64)
+    ref = _ref(x64, activation)
     (rdx,) = torch.autograd.grad(ref, x64, go.double())
     assert y.shape == ref.shape and dx.shape == x.shape
     assert not y.isnan().any() and not dx.isnan().any()          # outputs are NaN-poisoned before the kernel
@@ -33,22 +36,26 @@ def _check(gate_up, dtype, *, backend="cuda"):
     return t.counts
 
 
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("shape", [(1, 2), (3, 2 * 3), (127, 2 * 65), (2, 3, 2 * 1100), (4, 2 * 1024)])
-def test_triton_swiglu_matches_float64(shape, dtype):
+def test_triton_swiglu_matches_float64(shape, dtype, activation):
     torch.manual_seed(sum(shape))
-    counts = _check(torch.randn(*shape, dtype=dtype, device=DEV) * 3, dtype)
+    counts = _check(torch.randn(*shape, dtype=dtype, device=DEV) * 3, dtype, activation=activation)
     assert counts["cuda.triton.swiglu"] == 2                    # forward and backward both ran the kernels
 
 
 @pytest.mark.parametrize("cfg", __import__("opsadv.backends.triton_common.swiglu.swiglu", fromlist=["CONFIGS"]).CONFIGS)
 def test_every_tile_config_matches_float64(cfg, monkeypatch):
-    """Each (ROWS, BLOCK_N cap, warps) tile the tuner may pick, forced: ragged rows and columns, 3-D input."""
+    """Each (ROWS, BLOCK_N cap, warps) tile the tuner may pick, forced: ragged rows and columns, 3-D input; SwiGLU
+    and GeGLU."""
     from opsadv.backends.triton_common.swiglu import swiglu as S
     monkeypatch.setattr(S, "CONFIGS", (cfg,))
     for shape in [(5, 2 * 1100), (3, 3, 2 * 65), (1, 2)]:
-        torch.manual_seed(len(shape) + shape[-1])
-        assert _check(torch.randn(*shape, device=DEV) * 3, torch.float32)["cuda.triton.swiglu"] == 2
+        for act in ("silu", "gelu_tanh"):
+            torch.manual_seed(len(shape) + shape[-1])
+            assert _check(torch.randn(*shape, device=DEV) * 3, torch.float32,
+                          activation=act)["cuda.triton.swiglu"] == 2
 
 
 def test_flat_tiles_with_int64_indices(monkeypatch):
@@ -61,10 +68,12 @@ def test_flat_tiles_with_int64_indices(monkeypatch):
     assert _check(torch.randn(40, 2 * 33, device=DEV)[::3], torch.float32)["cuda.triton.swiglu"] == 2
 
 
-def test_strided_rows_and_a_strided_last_dim():
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_strided_rows_and_a_strided_last_dim(activation):
     base = torch.randn(10, 2 * 40, device=DEV)
-    assert _check(base[::2], torch.float32)["cuda.triton.swiglu"] == 2          # every other row
-    assert _check(torch.randn(2 * 40, 7, device=DEV).t(), torch.float32)["cuda.triton.swiglu"] == 2   # copied
+    kw = dict(activation=activation)
+    assert _check(base[::2], torch.float32, **kw)["cuda.triton.swiglu"] == 2          # every other row
+    assert _check(torch.randn(2 * 40, 7, device=DEV).t(), torch.float32, **kw)["cuda.triton.swiglu"] == 2  # copied
 
 
 def test_swiglu_of_a_gemm_equals_swiglu_gemm():
@@ -100,12 +109,14 @@ def test_explain_names_the_kernel():
 
 
 @requires_gpu
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(1, 2), (127, 2 * 65), (4096, 2 * 2752)])
-def test_gpu_swiglu(shape, dtype, monkeypatch):
+def test_gpu_swiglu(shape, dtype, activation, monkeypatch):
     monkeypatch.setenv("OPSADV_POISON_OUTPUTS", "1")
     torch.manual_seed(1)
-    assert _check(torch.randn(*shape, dtype=dtype, device="cuda") * 3, dtype)["cuda.triton.swiglu"] == 2
+    assert _check(torch.randn(*shape, dtype=dtype, device="cuda") * 3, dtype,
+                  activation=activation)["cuda.triton.swiglu"] == 2
 
 
 _SM90_COMPILE = r"""
@@ -122,8 +133,10 @@ m, n = 16384, 11008
 gu, y = torch.empty(m, 2 * n, dtype=torch.bfloat16), torch.empty(m, n, dtype=torch.bfloat16)
 res = {}
 for cfg in S.CONFIGS:
+  for act, act_id in S.ACT_IDS.items():
     t = S._tile(m, n, cfg)
     t.pop("grid")
+    t["ACT"] = act_id
     warps = t.pop("num_warps")
     for name, fn, args in (("fwd", K.swiglu_fwd_kernel, (gu, y, m, n, 2 * n, n)),
                            ("bwd", K.swiglu_bwd_kernel, (gu, y, gu, m, n, 2 * n, n, 2 * n))):
@@ -133,19 +146,20 @@ for cfg in S.CONFIGS:
         options, signature, constexprs, attrs = fn._pack_args(backend, opts, bound, spec, None)
         ptx = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
                              options=options.__dict__).asm["ptx"]
-        res[f"{cfg} {name}"] = {"local": len(re.findall(r"\b(?:ld|st)\.local", ptx)),
-                                "v4_loads": len(re.findall(r"ld\.global(?:\.\w+)*\.v4", ptx))}
+        res[f"{cfg} {act} {name}"] = {"local": len(re.findall(r"\b(?:ld|st)\.local", ptx)),
+                                      "v4_loads": len(re.findall(r"ld\.global(?:\.\w+)*\.v4", ptx))}
 print(json.dumps(res))
 """
 
 
 def test_every_tile_config_compiles_for_sm90_with_vector_loads():
-    """Each config compiles for sm_90 (bf16, 16384 x 11008) without local memory, loading 16 bytes per access."""
+    """Each config compiles for sm_90 (bf16, 16384 x 11008), SwiGLU and GeGLU, without local memory, loading 16 bytes
+    per access."""
     import json
     from conftest import run_sm90_compile
     r = json.loads(run_sm90_compile(["-c", _SM90_COMPILE]).strip().splitlines()[-1])
     from opsadv.backends.triton_common.swiglu import swiglu as S
-    assert len(r) == 2 * len(S.CONFIGS)
+    assert len(r) == 2 * len(S.ACT_IDS) * len(S.CONFIGS)
     for key, v in r.items():
         assert v["local"] == 0, key
         assert v["v4_loads"] > 0, key

@@ -126,32 +126,39 @@ def test_core_fixes_an_impl_that_returns_another_layout(monkeypatch):
 
 
 # ---- the converted MLPs in training ----------------------------------------------------------------------------
+ACTS = {"silu": F.silu, "gelu_tanh": lambda z: F.gelu(z, approximate="tanh")}
+
+
 class LlamaLikeMLP(nn.Module):
-    def __init__(self, hidden, inter, bias):
+    """Llama's MLP (act silu) or Gemma's (act gelu_tanh: GeGLU)."""
+
+    def __init__(self, hidden, inter, bias, act="silu"):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, inter, bias=bias)
         self.up_proj = nn.Linear(hidden, inter, bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.act = act
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(ACTS[self.act](self.gate_proj(x)) * self.up_proj(x))
 
 
 class Phi3LikeMLP(nn.Module):
-    def __init__(self, hidden, inter, bias):
+    def __init__(self, hidden, inter, bias, act="silu"):
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.act = act
 
     def forward(self, x):
         g, u = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(g) * u)
+        return self.down_proj(ACTS[self.act](g) * u)
 
 
 def _converted(orig):
     m = copy.deepcopy(orig)
-    new = (SwiGLUMLP(m.gate_proj, m.up_proj, m.down_proj) if isinstance(m, LlamaLikeMLP)
-           else FusedSwiGLUMLP(m.gate_up_proj, m.down_proj))
+    new = (SwiGLUMLP(m.gate_proj, m.up_proj, m.down_proj, activation=m.act) if isinstance(m, LlamaLikeMLP)
+           else FusedSwiGLUMLP(m.gate_up_proj, m.down_proj, activation=m.act))
     with torch.no_grad():
         new(torch.randn(2, orig.down_proj.out_features))          # an inference call fuses [W_gate|W_up]
     return new
@@ -177,13 +184,14 @@ def _check_training(orig, conv, x, go, backend, tol):
     return dp
 
 
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("backend", ["reference", "cuda"])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [(3, 7, 24, 40), (1, 1, 8, 16), (2, 33, 40, 56)])
-def test_swiglu_mlp_training_matches_float64(backend, bias, shape):
+def test_swiglu_mlp_training_matches_float64(backend, bias, shape, act):
     b, s, hidden, inter = shape
     torch.manual_seed(sum(shape) + bias)
-    orig = LlamaLikeMLP(hidden, inter, bias).to(DEV)
+    orig = LlamaLikeMLP(hidden, inter, bias, act).to(DEV)
     conv = _converted(orig)
     x, go = torch.randn(b, s, hidden, device=DEV), torch.randn(b, s, hidden, device=DEV)
     with opsadv.trace() as t:
@@ -197,10 +205,11 @@ def test_swiglu_mlp_training_matches_float64(backend, bias, shape):
     assert uw.data_ptr() - gw.data_ptr() == gw.numel() * gw.element_size()
 
 
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("backend", ["reference", "cuda"])
-def test_strided_input_and_gradient_accumulation(backend):
+def test_strided_input_and_gradient_accumulation(backend, act):
     torch.manual_seed(11)
-    orig = LlamaLikeMLP(24, 40, True).to(DEV)
+    orig = LlamaLikeMLP(24, 40, True, act).to(DEV)
     conv = _converted(orig)
     xs = torch.randn(5, 2, 24, device=DEV).transpose(0, 1)        # a non-contiguous (2, 5, 24) input
     assert not xs.is_contiguous()
@@ -244,11 +253,12 @@ def test_optimizer_step_then_train_again(backend):
         assert rel_err(p.grad, q.grad) < 1e-6, n
 
 
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("backend", ["reference", "cuda"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_phi3_gate_up_mlp_training(backend, bias):
+def test_phi3_gate_up_mlp_training(backend, bias, act):
     torch.manual_seed(13 + bias)
-    orig = Phi3LikeMLP(24, 40, bias).to(DEV)
+    orig = Phi3LikeMLP(24, 40, bias, act).to(DEV)
     conv = _converted(orig)
     x, go = torch.randn(2, 9, 24, device=DEV), torch.randn(2, 9, 24, device=DEV)
     dp = _check_training(orig, conv, x, go, backend, 1e-4)
@@ -276,3 +286,59 @@ def test_qkv_fused_weight_gradients_share_one_buffer():
         assert rel_err(lin.weight.grad, r.weight.grad) < 1e-5 and rel_err(lin.bias.grad, r.bias.grad) < 1e-5
     ptrs = {lin.weight.grad.untyped_storage().data_ptr() for lin in lins}
     assert len(ptrs) == 1
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_no_grad_calls_run_swiglu_gemm_for_silu_only(act, fused):
+    """Inference: SwiGLU runs the fused-epilogue swiglu_gemm; GeGLU (no gelu_tanh epilogue there) runs the GEMM
+    then swiglu(activation="gelu_tanh"); both match float64."""
+    torch.manual_seed(16 + fused)
+    orig = (Phi3LikeMLP if fused else LlamaLikeMLP)(24, 40, True, act)
+    conv = _converted(orig)
+    x = torch.randn(3, 5, 24)
+    with opsadv.use_backend("reference"), opsadv.trace() as t, torch.no_grad():
+        out = conv(x)
+    assert rel_err(out, copy.deepcopy(orig).double()(x.double())) < 1e-5
+    if act == "silu":
+        assert "reference.swiglu_gemm" in t.counts and "reference.swiglu" not in t.counts, t.counts
+    else:
+        assert t.counts.get("reference.swiglu") == 1 and "reference.swiglu_gemm" not in t.counts, t.counts
+    assert conv.activation == act and f"activation={act}" in repr(conv)
+
+
+@pytest.mark.parametrize("act_name,kind", [("silu", "SwiGLU"), ("gelu_pytorch_tanh", "GeGLU"), ("gelu_new", "GeGLU"),
+                                           ("gelu", None), ("relu", None)])
+def test_the_mlp_pass_recognizes_gated_activations(act_name, kind):
+    """transformers' activation modules decide by what they compute: SiLU -> SwiGLU, tanh GELU (GELUTanh /
+    PytorchGELUTanh, NewGELU) -> GeGLU, the others are reported with the reason; a GeGLU conversion trains like the
+    original (float64)."""
+    from transformers.activations import ACT2FN
+    from opsadv.convert.passes import _mlp_candidate
+
+    class HFMLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_proj, self.up_proj, self.down_proj = nn.Linear(16, 24), nn.Linear(16, 24), nn.Linear(24, 16)
+            self.act_fn = ACT2FN[act_name]
+
+        def forward(self, x):
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+    torch.manual_seed(15)
+    orig = HFMLP()
+    new, desc = _mlp_candidate(copy.deepcopy(orig))
+    if kind is None:
+        assert new is None and "gated kernels" in desc
+        return
+    assert isinstance(new, SwiGLUMLP) and desc.startswith(kind)
+    assert new.activation == ("silu" if kind == "SwiGLU" else "gelu_tanh")
+    x, go = torch.randn(2, 5, 16), torch.randn(2, 5, 16)
+    xd = x.double().requires_grad_()
+    o64 = copy.deepcopy(orig).double()
+    o64(xd).backward(go.double())
+    xc = x.clone().requires_grad_()
+    with opsadv.use_backend("reference"):
+        new(xc).backward(go)
+    assert rel_err(xc.grad, xd.grad) < 1e-5
+    for (n, p), q in zip(new.named_parameters(), o64.parameters()):
+        assert rel_err(p.grad, q.grad) < 1e-5, n

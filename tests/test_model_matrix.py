@@ -99,8 +99,13 @@ def test_tiny_converts_and_validates(arch, reference_backend):
         assert {SwiGLUMLP, QKVProjection} <= kinds
     if arch in ("gpt_neox", "vit", "gpt2", "bert"):
         assert LinearAct in kinds
-    if arch in ("gemma2", "t5"):     # gated GELU: no kernel, said so
-        assert "only SiLU/SwiGLU has a fused kernel" in text
+    if arch == "gemma2":             # GeGLU (gelu_pytorch_tanh): linear over [W_gate|W_up] + swiglu(gelu_tanh)
+        mlps = [m for m in conv.modules() if isinstance(m, SwiGLUMLP)]
+        assert mlps and all(m.activation == "gelu_tanh" for m in mlps), kinds
+        assert "GeGLU MLP" in text
+        assert any(k == "reference.swiglu" for k in t.counts), t.counts
+    if arch == "t5":                 # T5's gated GELU (wi_0, wi_1): not converted, said so
+        assert "the wi_0/wi_1 layout is not rewritten" in text
     if arch == "t5":                 # self-attention fused, cross-attention left alone with the reason
         assert "cross-attention" in text and QKVProjection in kinds
     assert "0 layers" not in text

@@ -157,8 +157,8 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
     """Rewrite `model` in place to run opsadv ops and return it (same object, same class).
 
     opt_level 0: nothing; 1: attention, rotary embedding and norms; 2: + fused QKV GEMM, dense+residual+norm, MLP GEMM
-    epilogues (SwiGLU, GELU); 3: + impls marked experimental.  mem_opt (0-3, None = untouched): >= 2
-    runs SwiGLU MLPs over row chunks and applies the runtime memory policy; 3 also keeps q/k/v as
+    epilogues (SwiGLU, GeGLU, GELU); 3: + impls marked experimental.  mem_opt (0-3, None = untouched): >= 2
+    runs gated (SwiGLU / GeGLU) MLPs over row chunks and applies the runtime memory policy; 3 also keeps q/k/v as
     three GEMMs (lower activation peak than the fused QKV GEMM) and frees each norm's output after
     its last reader in no-grad calls (readers found by a probe forward; opsadv.convert.release).  The result is validated against the
     original on `example_inputs` (a dict of kwargs, a tuple of args or a tensor; generated for

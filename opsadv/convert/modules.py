@@ -190,13 +190,22 @@ MIN_CHUNK_ROWS = 64          # row chunks below this make the GEMMs inefficient
 
 
 class SwiGLUMLP(nn.Module):
-    """down_proj(silu(gate_proj(x)) * up_proj(x)) as swiglu_gemm over [W_gate|W_up], then down_proj."""
+    """down_proj(act(gate_proj(x)) * up_proj(x)) over [W_gate|W_up], then down_proj.  act silu (SwiGLU): no-grad
+    calls run swiglu_gemm (one GEMM with the silu(g) * u epilogue), grad-recording calls torch's linear then the
+    swiglu op.  act gelu_tanh (GeGLU, Gemma's MLP): torch's linear then swiglu(activation="gelu_tanh") in both
+    (swiglu_gemm's epilogue is silu only)."""
 
-    def __init__(self, gate_proj: nn.Linear, up_proj: nn.Linear, down_proj: nn.Module):
+    activation = "silu"      # (class default: a module pickled before GeGLU support has no instance attribute)
+
+    def __init__(self, gate_proj: nn.Linear, up_proj: nn.Linear, down_proj: nn.Module, activation: str = "silu"):
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+        self.activation = activation
         self._w = FusedRows([gate_proj.weight, up_proj.weight])
         self._b = FusedRows([gate_proj.bias, up_proj.bias]) if gate_proj.bias is not None else None
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation}"
 
     # mem_opt >= 2 sets this: the (rows, intermediate) activation never exceeds it; the MLP runs over
     # row chunks (swiglu_gemm + down_proj per chunk), so its intermediate is never whole in memory
@@ -204,11 +213,12 @@ class SwiGLUMLP(nn.Module):
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         with scope_of(self):
-            if self._trains(x):
+            if self.activation != "silu" or self._trains(x):
                 # training: the [W_g|W_u] GEMM as torch's linear (cuBLAS forward and backward; the mlp bench suite
-                # measured opsadv's gemm backward slower at small hidden sizes), the gate as the swiglu op
+                # measured opsadv's gemm backward slower at small hidden sizes), the gate as the swiglu op; GeGLU
+                # runs so in inference too (no fused-epilogue GEMM for gelu_tanh)
                 b = self._b.get() if self._b is not None else None
-                h = ops.swiglu(F.linear(x, self._w.get(), b))
+                h = ops.swiglu(F.linear(x, self._w.get(), b), activation=self.activation)
             else:
                 h = ops.swiglu_gemm(x, self._w.get_t(), bias=self._b.get() if self._b is not None else None)
         return self.down_proj(h)
@@ -239,13 +249,15 @@ class SwiGLUMLP(nn.Module):
 
 
 class FusedSwiGLUMLP(SwiGLUMLP):
-    """down_proj(silu(g) * u) for an MLP whose gate and up projections already are one Linear whose output is
+    """down_proj(act(g) * u) for an MLP whose gate and up projections already are one Linear whose output is
     [g | u] (Phi-3's gate_up_proj): its weight, transposed, is swiglu_gemm's [W_gate|W_up] as it stands (no
-    second buffer); the child names of the replaced module are kept."""
+    second buffer); the child names of the replaced module are kept.  act silu or gelu_tanh, as SwiGLUMLP."""
 
-    def __init__(self, gate_up_proj: nn.Linear, down_proj: nn.Module, names=("gate_up_proj", "down_proj")):
+    def __init__(self, gate_up_proj: nn.Linear, down_proj: nn.Module, names=("gate_up_proj", "down_proj"),
+                 activation: str = "silu"):
         nn.Module.__init__(self)
         self._names = names
+        self.activation = activation
         self.add_module(names[0], gate_up_proj)
         self.add_module(names[1], down_proj)
         self._w = self._b = None
@@ -256,7 +268,10 @@ class FusedSwiGLUMLP(SwiGLUMLP):
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         gu = self._gate_up()
         with scope_of(self):
-            h = ops.swiglu(gu(x)) if self._trains(x) else ops.swiglu_gemm(x, gu.weight.t(), bias=gu.bias)
+            if self.activation != "silu" or self._trains(x):
+                h = ops.swiglu(gu(x), activation=self.activation)
+            else:
+                h = ops.swiglu_gemm(x, gu.weight.t(), bias=gu.bias)
         return getattr(self, self._names[1])(h)
 
     def _n_ff(self) -> int:

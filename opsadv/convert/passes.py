@@ -208,16 +208,23 @@ def _rand(w: torch.Tensor, *shape):
     return torch.randn(*shape, generator=gen, dtype=torch.float32).to(device=w.device, dtype=w.dtype)
 
 
+GATED_ACTS = ("silu", "gelu_tanh")      # the swiglu op's activations: SwiGLU, GeGLU (Gemma's gelu_pytorch_tanh)
+_GATED_KERNELS = "gated kernels: SiLU (SwiGLU) and tanh GELU (GeGLU)"
+
+
 def _mlp_candidate(m):
     """(new module, description) for a supported MLP structure, else (None, reason or None)."""
     kids = dict(m.named_children())
     if all(_linear(kids.get(n)) for n in ("gate_proj", "up_proj", "down_proj")) and hasattr(m, "act_fn"):
         act = probe_activation(m.act_fn)
         g, u = kids["gate_proj"], kids["up_proj"]
-        if act != "silu":
-            return None, f"gated MLP with activation {type(m.act_fn).__name__} (only SiLU/SwiGLU has a fused kernel)"
+        if act not in GATED_ACTS:
+            return None, f"gated MLP with activation {type(m.act_fn).__name__} ({_GATED_KERNELS})"
         if g.weight.shape != u.weight.shape or (g.bias is None) != (u.bias is None):
             return None, "gate_proj and up_proj differ in shape or bias"
+        if act == "gelu_tanh":
+            return (SwiGLUMLP(g, u, kids["down_proj"], activation=act),
+                    "GeGLU MLP -> linear([W_gate|W_up]) + opsadv.swiglu(activation='gelu_tanh') + down_proj")
         return SwiGLUMLP(g, u, kids["down_proj"]), "SwiGLU MLP -> opsadv.swiglu_gemm([W_gate|W_up]) + down_proj"
     if _linear(kids.get("dense")) and hasattr(m, "intermediate_act_fn") and \
             set(kids) <= {"dense", "intermediate_act_fn"}:
@@ -242,7 +249,8 @@ def _mlp_candidate(m):
         act = probe_activation(getattr(m, "act", None))
         if act != "silu":
             return None, (f"gated MLP (wi_0, wi_1) with activation {type(getattr(m, 'act', None)).__name__} "
-                          "(only SiLU/SwiGLU has a fused kernel)")
+                          "(the wi_0/wi_1 layout is not rewritten: gated kernels serve gate_proj/up_proj and "
+                          "gate_up_proj MLPs)")
     return _two_linear_mlp(m, kids)
 
 
@@ -265,11 +273,13 @@ def _fused_gate_up(m, kids):
         return None
     _, act = _act_of(m, kids)
     name = probe_activation(act)
-    if name != "silu":
-        return None, (f"fused gate_up_proj MLP with activation {type(act).__name__} "
-                      "(only SiLU/SwiGLU has a fused kernel)")
+    if name not in GATED_ACTS:
+        return None, f"fused gate_up_proj MLP with activation {type(act).__name__} ({_GATED_KERNELS})"
     if gu.out_features % 2 or gu.out_features // 2 != down.in_features:
         return None, "gate_up_proj's output is not [gate | up] of down_proj's input width"
+    if name == "gelu_tanh":
+        return (FusedSwiGLUMLP(gu, down, activation=name),
+                "fused gate_up_proj GeGLU MLP -> gate_up_proj + opsadv.swiglu(activation='gelu_tanh') + down_proj")
     return FusedSwiGLUMLP(gu, down), "fused gate_up_proj SwiGLU MLP -> opsadv.swiglu_gemm(W_gate_up) + down_proj"
 
 

@@ -29,8 +29,8 @@ def act_grad(activation: str, z: Tensor) -> Tensor:
     raise ValueError(f"unknown activation {activation!r}")
 
 
-def swiglu_grad(grad: Tensor, gate_up: Tensor) -> Tensor:
-    """d gate_up of silu(g) * u for gate_up = [g | u]: [grad * u * silu'(g) | grad * silu(g)] (compute in
-    float32 or float64)."""
+def swiglu_grad(grad: Tensor, gate_up: Tensor, activation: str = "silu") -> Tensor:
+    """d gate_up of act(g) * u for gate_up = [g | u]: [grad * u * act'(g) | grad * act(g)] (compute in float32
+    or float64); act silu (SwiGLU) or gelu_tanh (GeGLU)."""
     g, u = gate_up.chunk(2, dim=-1)
-    return torch.cat([grad * u * act_grad("silu", g), grad * F.silu(g)], dim=-1)
+    return torch.cat([grad * u * act_grad(activation, g), grad * ACT[activation](g)], dim=-1)

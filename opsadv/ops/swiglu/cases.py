@@ -6,11 +6,13 @@ import torch
 from opsadv.core.opdef import Case, rand
 
 
-def _swiglu_act(shape, noncontig=False):
+def _swiglu_act(shape, noncontig=False, activation=None):
+    kw = {"activation": activation} if activation else {}
+
     def build(dtype, device, g):
         if noncontig:          # gate_up rows strided (every other row of a larger buffer)
-            return (rand((2 * shape[0],) + shape[1:], dtype, device, g)[::2],), {}
-        return (rand(shape, dtype, device, g),), {}
+            return (rand((2 * shape[0],) + shape[1:], dtype, device, g)[::2],), dict(kw)
+        return (rand(shape, dtype, device, g),), dict(kw)
     return build
 
 
@@ -19,6 +21,10 @@ CASES = [
     Case("swiglu", "odd", _swiglu_act((127, 2 * 65)), (0,)),
     Case("swiglu", "batched_wide", _swiglu_act((2, 3, 2 * 1100)), (0,), quick=False),
     Case("swiglu", "strided_rows", _swiglu_act((5, 2 * 40), noncontig=True), (0,), quick=False),
+    # GeGLU (Gemma's MLP): act gelu_tanh, the call feature act_gelu_tanh
+    Case("swiglu", "geglu_odd", _swiglu_act((127, 2 * 65), activation="gelu_tanh"), (0,)),
+    Case("swiglu", "geglu_strided_batched", _swiglu_act((3, 2, 2 * 33), noncontig=True, activation="gelu_tanh"), (0,),
+         quick=False),
 ]
 
 

@@ -1,4 +1,5 @@
-"""The swiglu op (opsadv.ops.swiglu) for the cuda backend: impl "cuda.triton.swiglu".
+"""The swiglu op (opsadv.ops.swiglu) for the cuda backend: impl "cuda.triton.swiglu", SwiGLU (silu) and GeGLU
+(gelu_tanh, feature act_gelu_tanh).
 
 Forward reads gate_up once and writes y once; backward reads gate_up and grad once and writes d gate_up once
 (kernels.py), float32 math for every storage dtype.  These are memory-bound passes: a (rows, 2N) bf16
@@ -59,33 +60,39 @@ def _candidates(configs: tuple) -> list:
     return [{"cfg": c} for c in configs]
 
 
-def _launch(ctx, which: str, m: int, n: int, args: tuple, out: torch.Tensor) -> None:
+ACT_IDS = {"silu": 4, "gelu_tanh": 3}     # the kernels' ACT constexpr (gemm/kernels.py ACT_IDS)
+
+
+def _launch(ctx, which: str, m: int, n: int, args: tuple, out: torch.Tensor, activation: str) -> None:
     """Run kernel `which` ("fwd" / "bwd") over (m rows, n columns) with the tile measured for this bucket."""
     from ..utils import bucket
     k = _kernels()
     profile = getattr(ctx, "profile", None)
     autotune = out.is_cuda and profile is not None and profile.autotune
+    act = ACT_IDS[activation]
 
     def go(cfg):
         t = _tile(m, n, cfg["cfg"])
-        k[which][t.pop("grid")](*args, **t)
-    cfg = k["tuner"].pick((which, str(out.dtype), bucket(m), n), _candidates(CONFIGS), go, autotune)
+        k[which][t.pop("grid")](*args, ACT=act, **t)
+    # (SwiGLU keeps its tuner key; GeGLU's tile is measured on its own: more math per element)
+    key = (which, str(out.dtype), bucket(m), n) + (() if activation == "silu" else (activation,))
+    cfg = k["tuner"].pick(key, _candidates(CONFIGS), go, autotune)
     go(cfg)
 
 
-def swiglu_fwd(ctx, gate_up):
+def swiglu_fwd(ctx, gate_up, activation="silu"):
     gu = _rows(gate_up)
     m, n = gu.shape[0], gu.shape[1] // 2
     y = _poisoned((m, n), gu)
-    _launch(ctx, "fwd", m, n, (gu, y, m, n, gu.stride(0), y.stride(0)), y)
+    _launch(ctx, "fwd", m, n, (gu, y, m, n, gu.stride(0), y.stride(0)), y, activation)
     return y.reshape(*gate_up.shape[:-1], n)
 
 
-def swiglu_bwd(ctx, grad, gate_up):
+def swiglu_bwd(ctx, grad, gate_up, activation="silu"):
     gu, dy = _rows(gate_up), _rows(grad)
     m, n = gu.shape[0], gu.shape[1] // 2
     dgu = _poisoned((m, 2 * n), gu)
-    _launch(ctx, "bwd", m, n, (gu, dy, dgu, m, n, gu.stride(0), dy.stride(0), dgu.stride(0)), dgu)
+    _launch(ctx, "bwd", m, n, (gu, dy, dgu, m, n, gu.stride(0), dy.stride(0), dgu.stride(0)), dgu, activation)
     return dgu.reshape(gate_up.shape)
 
 
@@ -93,5 +100,7 @@ def impls(env, backend: str = "cuda") -> list[KernelImpl]:
     return [KernelImpl(
         id=f"{backend}.triton.swiglu", op="swiglu", backend=backend, fn=swiglu_fwd, backward=swiglu_bwd,
         priority=PRIORITY_TRITON, device_types=triton_device_types(env),
-        dtypes=(torch.float16, torch.bfloat16, torch.float32), features=frozenset({"batched"}), deterministic=True,
-        requires_interpret_or_cuda=True, memory=MEMORY_FUSED, description="Triton: silu(g) * u in one pass over gate_up, backward in one pass (float32 math)")]
+        dtypes=(torch.float16, torch.bfloat16, torch.float32), features=frozenset({"batched", "act_gelu_tanh"}),
+        deterministic=True, requires_interpret_or_cuda=True, memory=MEMORY_FUSED,
+        description="Triton: silu(g) * u or gelu_tanh(g) * u in one pass over gate_up, backward in one pass "
+                    "(float32 math)")]
