@@ -1,0 +1,89 @@
+"""Bench suite "lce": opsadv.ops.linear_cross_entropy (a causal LM's head + loss without the logits in memory)
+against transformers' way (`torch_eager`: logits = h @ W^T in bf16, upcast to float32, F.cross_entropy),
+torch.compile of that expression and Liger-Kernel's fused linear cross-entropy where it is installed.
+Forward + backward (the gradients of hidden and weight), bf16, hidden 4096 / vocabulary 128256 (Llama-3) at 8192
+and 32768 tokens, 10% of the labels ignored.  Rate in TFLOP/s of the three GEMMs (6 N H V); every row also
+carries each contender's peak memory beyond its inputs (`peak_mib`), measured once before the timing."""
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+
+import opsadv
+
+from .case import BenchCase, compiled_peer
+
+# (name, tokens, hidden, vocab)
+SHAPES = (("llama3-8b-head", 8192, 4096, 128256), ("llama3-8b-head", 32768, 4096, 128256))
+CPU_QUICK = (("tiny", 256, 64, 1000),)
+_COMPILED: dict = {}
+
+
+def hf_loss(h, w, labels):
+    """transformers' ForCausalLMLoss on already shifted labels: float32 logits, mean over the labels kept."""
+    return F.cross_entropy((h @ w.t()).float(), labels, ignore_index=-100)
+
+
+def _liger():
+    try:
+        from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+    except Exception:                     # noqa: BLE001 - not installed (or broken): the peer is left out
+        return None
+
+    def loss(h, w, labels):
+        out = LigerFusedLinearCrossEntropyFunction.apply(h, w, labels)
+        return out[0] if isinstance(out, tuple) else out
+    return loss
+
+
+def _peak_mib(fn) -> float | None:
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    return round(peak / 2 ** 20, 1)
+
+
+def cases(quick: bool) -> Iterator[BenchCase]:
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    shapes = CPU_QUICK if dev == "cpu" else SHAPES[:1] if quick else SHAPES
+    liger = _liger() if dev == "cuda" else None
+    for name, n, h, v in shapes:
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        hidden = torch.randn(n, h, generator=gen).to(dev, dtype).requires_grad_()
+        weight = (torch.randn(v, h, generator=gen) / h ** 0.5).to(dev, dtype).requires_grad_()
+        labels = torch.randint(0, v, (n,), generator=gen)
+        labels[torch.rand(n, generator=gen) < 0.1] = -100
+        labels = labels.to(dev)
+
+        def step(fn, hidden=hidden, weight=weight, labels=labels):
+            loss = fn(hidden, weight, labels)
+            return (loss.detach(), *torch.autograd.grad(loss, (hidden, weight)))
+
+        calls = {"opsadv": lambda step=step: step(opsadv.ops.linear_cross_entropy),
+                 "torch_eager": lambda step=step: step(hf_loss)}
+        if dev == "cuda":
+            if "hf" not in _COMPILED:
+                _COMPILED["hf"] = compiled_peer(hf_loss)
+            calls["torch_compile"] = lambda step=step: step(_COMPILED["hf"])
+            if liger is not None:
+                calls["liger"] = lambda step=step: step(liger)
+        extra: dict = {}
+
+        def setup(every=dict(calls), extra=extra):
+            for k, fn in every.items():
+                fn()                                      # (compilation and autotuning stay out of the peak)
+                extra[f"{k}_peak_mib"] = _peak_mib(fn)
+
+        words = ["fwd+bwd", "bf16" if dtype == torch.bfloat16 else "fp32", name, f"N{n}", f"h{h}", f"V{v}"]
+        yield BenchCase(suite="lce", case=" ".join(words), opsadv=calls.pop("opsadv"), peers=calls,
+                        work=6.0 * n * h * v, baseline="torch_eager", extra=extra,
+                        setup=setup if dev == "cuda" else None)
