@@ -176,10 +176,20 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, grad, *_unused):
     if ctx.grads_in_forward:
+        # scaled in place: a second weight-sized gradient would double the op's peak memory; so a second backward
+        # through the same graph (retain_graph) is refused rather than scaled twice
+        if getattr(ctx, "consumed", False):
+            raise RuntimeError("opsadv.linear_cross_entropy: a call whose gradients were computed in the forward "
+                               "(reduction 'mean' / 'sum') supports one backward; use reduction='none' and sum it to "
+                               "backpropagate twice")
+        ctx.consumed = True
         dh, dw, db = ctx.saved_tensors
         g = grad.to(dh.dtype) if grad.dtype != dh.dtype else grad
-        dbias = db * g.to(db.dtype) if ctx.has_bias else None
-        return (dh * g, dw * g.to(dw.dtype), None, dbias, *(None,) * 6)
+        # in place only on eager tensors: a traced backward (AOT, functionalized) must stay out of place
+        eager = not torch.compiler.is_compiling() and all(type(t) is torch.Tensor for t in (dh, dw, g))
+        scale = torch.Tensor.mul_ if eager else torch.mul
+        dbias = scale(db, g.to(db.dtype)) if ctx.has_bias else None
+        return (scale(dh, g), scale(dw, g.to(dw.dtype)), None, dbias, *(None,) * 6)
     hidden, weight, labels, bias, lse = ctx.saved_tensors
     if eager_mode(grad, hidden, weight) != TORCH_OPS:
         dh, dw, db = _bwd_route(grad, hidden, weight, labels, bias, lse, *ctx.args)
