@@ -92,16 +92,17 @@ def test_causal_form_without_padding():
               attention_mask=torch.ones(2, 5, dtype=torch.long), device="cpu")
     assert H.opsadv_mask(**kw) is None             # plain causal: the attention's is_causal
     m = H.opsadv_mask(**{**kw, "allow_is_causal_skip": False})
-    assert H.causal_mask_of(m) == (True, None, None) and torch.equal(m, _sdpa(**kw))
+    assert H.causal_mask_of(m) == (True, None, None, None) and torch.equal(m, _sdpa(**kw))
     # chunked prefill over a cache without padding: causal bottom-right, never a crop of the keys
     kw2 = dict(batch_size=1, q_length=3, kv_length=8, q_offset=5, mask_function=mu.causal_mask_function,
                device="cpu")
     m2 = H.opsadv_mask(**kw2)
-    assert H.causal_mask_of(m2) == (True, None, None) and torch.equal(m2, _sdpa(**kw2))
+    assert H.causal_mask_of(m2) == (True, None, None, None) and torch.equal(m2, _sdpa(**kw2))
 
 
 @pytest.mark.parametrize("change", [dict(kv_offset=2), dict(q_offset=1), dict(local_size=4),
-                                    dict(mask_function=mu.sliding_window_causal_mask_function(3)),
+                                    dict(mask_function=mu.chunked_causal_mask_function(3, torch.zeros(2, dtype=int)),
+                                         local_size=3),
                                     dict(q_offset=torch.tensor(0))])
 def test_other_masks_stay_transformers_masks(change):
     kw = dict(batch_size=2, q_length=6, kv_length=6, mask_function=mu.causal_mask_function,

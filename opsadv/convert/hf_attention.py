@@ -11,7 +11,13 @@ own backward; packed encoders: varlen) instead of a dense masked one:
   of the keys as with a DynamicCache): the materialized bool mask (the values transformers' sdpa
   mask has, for any other reader) carrying a MaskForm: causal, the key padding mask it was built
   from (causal_mask_of).  The attention then knows the call is causal + key padding; it never
-  infers it.
+  infers it;
+- a plain sliding-window causal mask (transformers' sliding_window_causal_mask_function(w): Mistral,
+  Qwen2 with use_sliding_window, Gemma-2/3 local layers): the same causal form with the window
+  (w - 1 keys before each query) where it excludes a key, else the plain causal form.  The attention
+  runs causal + window (+ key padding) sparse_attention over the keys the window reaches; a one-query
+  step without padding, the dense kernel over the last w keys.  Windowed masks with a static cache's
+  tensor offset, an overlay, packed sequences or symbolic lengths stay transformers' (counted).
 Both forms are built without reading mask values, so they hold under torch.compile / export and
 CUDA-graph capture as well.  Their MaskForm also carries the layout's all-True block mask, made once
 per forward with the mask, so every layer's layout shares it (and the kernel's tile index, cached on
@@ -51,6 +57,15 @@ def _block_mask(s_q, s_k, like: torch.Tensor) -> torch.Tensor | None:
     if _values_unreadable(like):
         return torch.ones(1, 1, -(-s_q // BLOCK), -(-s_k // BLOCK), dtype=torch.bool, device=like.device)
     return SparseLayout.dense(s_q, s_k, block_size=BLOCK, device=like.device).block_mask
+
+
+def _window_block_mask(s_q: int, s_k: int, left: int, like: torch.Tensor) -> torch.Tensor:
+    """The window layout's all-False block mask (the band allows): the cached one where values can be read, else
+    one made in the traced graph (once per forward)."""
+    if _values_unreadable(like):
+        return torch.zeros(1, 1, -(-s_q // BLOCK), -(-s_k // BLOCK), dtype=torch.bool, device=like.device)
+    return SparseLayout.sliding_window(s_q, (left, 0), seq_k=s_k, causal=True, block_size=BLOCK,
+                                       device=like.device).block_mask
 
 
 def _values_unreadable(t: torch.Tensor | None) -> bool:
@@ -100,8 +115,51 @@ def _dense_block_mask(s_q: int, s_k: int, device) -> torch.Tensor:
     return SparseLayout.dense(s_q, s_k, block_size=BLOCK, device=device).block_mask
 
 
+# (mask tensor, its version, (s_q, s_k, window), its window layout): as _last, for the sliding-window layers (a
+# model mixing local and global layers keeps one entry of each kind per forward)
+_last_window: tuple = (None, -1, None, None)
+
+
+def _window_layout(mask, kpm, s_q: int, s_k: int, left: int, block_mask, device):
+    """SparseLayout for causal + window (+ key padding), built once per mask and lengths (layers share the mask).
+    Tracing / CUDA-graph capture: from the tensors (the form's block mask, made once per forward), no value read."""
+    global _last_window
+    if _values_unreadable(mask):
+        if block_mask is None or tuple(block_mask.shape[2:]) != (-(-s_q // BLOCK), -(-s_k // BLOCK)):
+            block_mask = torch.zeros(1, 1, -(-s_q // BLOCK), -(-s_k // BLOCK), dtype=torch.bool, device=device)
+        return SparseLayout(s_q, s_k, BLOCK, block_mask, True, (left, 0),
+                            key_padding_mask=None if kpm is None else kpm.contiguous())
+    key = (s_q, s_k, left)
+    m, version, k, lay = _last_window
+    if m is mask and version == _version(mask) and k == key:
+        return lay
+    lay = SparseLayout.sliding_window(s_q, (left, 0), seq_k=s_k, causal=True, block_size=BLOCK, device=device)
+    if kpm is not None:
+        lay = lay.with_(key_padding_mask=kpm.contiguous())
+    _last_window = (mask, _version(mask), key, lay)
+    return lay
+
+
+def _attend_window(mask, cm: MaskForm, query, key, value, scaling):
+    """A call with our sliding-window form: causal + window (+ key padding) sparse_attention; one query without
+    padding (decode): the dense kernel over the last window + 1 keys."""
+    s_q, s_k = query.shape[2], key.shape[2]
+    left, kpm = cm.window, cm.key_padding
+    reach = s_q + left                            # the keys any query's window reaches: the last s_q + left
+    if s_k > reach:                               # a cache holding more (a DynamicCache without sliding layers)
+        key, value = key[:, :, s_k - reach:], value[:, :, s_k - reach:]
+        kpm = None if kpm is None else kpm[:, s_k - reach:]
+        s_k = reach
+    if s_q == 1 and kpm is None:                  # the one query sees all the keys left: no mask, no layout
+        return ops.flash_attention(query, key, value, causal=False, scale=scaling)
+    layout = _window_layout(mask, kpm, s_q, s_k, left, cm.block_mask, query.device)
+    return ops.sparse_attention(query, key, value, layout, scale=scaling)
+
+
 def _attend_causal(mask, cm: MaskForm, query, key, value, scaling):
-    """A call with our causal mask: causal (bottom-right) + key padding kernels."""
+    """A call with our causal mask: causal (bottom-right) + key padding kernels (+ a window: _attend_window)."""
+    if cm.window is not None:
+        return _attend_window(mask, cm, query, key, value, scaling)
     s_q, s_k = query.shape[2], key.shape[2]
     causal = bool(s_q > 1)                        # one query sees every key either way (bool: s_q may be symbolic)
     kpm = cm.key_padding
@@ -135,6 +193,9 @@ def opsadv_attention_forward(module, query, key, value, attention_mask, dropout:
         with scope_of(module):
             out = _attend_causal(mask, cm, query, key, value, scaling)
         return out.transpose(1, 2).contiguous(), None
+    if kwargs.get("sliding_window") is not None and isinstance(mask, torch.Tensor) and form_of(mask) is None \
+            and pack_of(mask) is None and not _exporting():
+        _note_window_mask(module)
     if position_bias is not None:
         from transformers.integrations.sdpa_attention import create_position_bias_mask
         mask = create_position_bias_mask(position_bias, mask, bool(causal_flag) and s_q > 1, query, key)
@@ -164,6 +225,21 @@ def opsadv_attention_forward(module, query, key, value, attention_mask, dropout:
                 mask = kpm[:, None, None, :]      # (B, 1, 1, s_k): broadcast, never materialized
             out = ops.flash_attention(query, key, value, causal=causal, scale=scaling, attn_mask=mask)
     return out.transpose(1, 2).contiguous(), None
+
+
+WINDOW_MASK_NOTE = "sliding window with transformers' mask (static cache / overlay / packed) -> masked flash_attention"
+
+
+def _note_window_mask(module) -> None:
+    """A windowed call whose mask our mask function left to transformers (a static cache's tensor offset, an
+    overlay, packed sequences, symbolic lengths): the dense masked kernel serves it; counted, warned once."""
+    st = getattr(module, "_opsadv_state", None)
+    if st is not None:
+        st.note_fallback(WINDOW_MASK_NOTE)
+    if ("window", "mask") not in _warned:
+        _warned.add(("window", "mask"))
+        warnings.warn(f"opsadv attention: {WINDOW_MASK_NOTE} (counted in the model's state fallbacks)",
+                      RuntimeWarning, stacklevel=4)
 
 
 # ---- calls without an opsadv kernel: the model's original attention implementation --------------------------
@@ -260,35 +336,91 @@ def _plain_int(x) -> bool:
     return isinstance(x, (int, torch.SymInt)) and not isinstance(x, bool)
 
 
-def _causal_form(mu, kwargs):
-    """Our causal mask for a plain causal call (no overlay, no local window, int offsets with the queries at
-    the end of the keys: no cache or a DynamicCache), else NotImplemented (transformers' sdpa mask serves)."""
+def _causal_form(mu, kwargs, window: int | None = None):
+    """Our causal mask for a plain causal call (no overlay, int offsets with the queries at the end of the keys: no
+    cache or a DynamicCache, sliding-window layers' included), with transformers' sliding window `window` (w keys:
+    each query sees itself and the w - 1 before it) when given, else NotImplemented (transformers' sdpa mask
+    serves).  The materialized values are those of transformers' sdpa mask (other readers: fallbacks, eager)."""
     b, q_len, kv_len = kwargs.get("batch_size"), kwargs.get("q_length"), kwargs.get("kv_length")
     q_off, kv_off = kwargs.get("q_offset", 0), kwargs.get("kv_offset", 0)
     pad = kwargs.get("attention_mask")
-    if not all(_plain_int(x) for x in (b, q_len, kv_len, q_off, kv_off)) or kwargs.get("local_size") is not None:
-        return NotImplemented
-    if kv_off != 0 or q_off + q_len != kv_len:
-        return NotImplemented
+    if not all(_plain_int(x) for x in (b, q_len, kv_len, q_off, kv_off)):
+        return NotImplemented                     # a tensor q_offset (static cache): transformers' mask
+    if window is None and kwargs.get("local_size") is not None:
+        return NotImplemented                     # a local pattern we did not recognise (chunks)
+    if q_off + q_len != kv_off + kv_len:
+        return NotImplemented                     # queries not at the end of the keys: no bottom-right form
+    if window is not None:
+        if not all(isinstance(x, int) for x in (q_len, kv_len, q_off, kv_off)):
+            return NotImplemented                 # symbolic lengths: a window layout takes ints (transformers' mask)
+        if window >= kv_len:
+            window = None                         # every key is within every query's window: plain causal
     if pad is not None and (not isinstance(pad, torch.Tensor) or pad.dim() != 2 or pad.shape[0] != b):
         return NotImplemented
     device = kwargs.get("device", pad.device if pad is not None else "cpu")
     kpm = None
-    if pad is not None:
-        kpm = mu.prepare_padding_mask(pad.to(device=device, dtype=torch.bool), kv_len, 0)[:, :kv_len].contiguous()
+    if pad is not None:                           # transformers indexes the padding mask by absolute key position
+        kpm = mu.prepare_padding_mask(pad.to(device=device, dtype=torch.bool), kv_len, kv_off)
+        kpm = kpm[:, kv_off:kv_off + kv_len].contiguous()
         if not capturing(kpm) and not _values_unreadable(kpm) and bool(kpm.all()):
             kpm = None                            # no padding: plain causal (transformers reads the mask here too)
-    if kpm is None and kwargs.get("allow_is_causal_skip", True) and (q_len == 1 or q_len == kv_len):
+    if window is None and kpm is None and kwargs.get("allow_is_causal_skip", True) and (q_len == 1 or q_len == kv_len):
         return None                               # the attention's is_causal says it (as transformers' sdpa)
     rows = torch.arange(q_len, device=device) + q_off
-    tri = (torch.arange(kv_len, device=device)[None, :] <= rows[:, None])[None, None]
+    cols = torch.arange(kv_len, device=device) + kv_off
+    allowed = cols[None, :] <= rows[:, None]
+    if window is not None:
+        allowed = allowed & (cols[None, :] > rows[:, None] - window)     # transformers' sliding_window_overlay
+    allowed = allowed[None, None]
+    left = None if window is None else window - 1
     if kpm is None:
-        m = tri.expand(b, 1, q_len, kv_len)
-        m._opsadv_form = MaskForm(True, None, None)
+        m = allowed.expand(b, 1, q_len, kv_len)
+        bm = None if left is None else _window_block_mask(q_len, kv_len, left, m)
+        m._opsadv_form = MaskForm(True, None, bm, left)
     else:
-        m = tri & kpm[:, None, None, :]
-        m._opsadv_form = MaskForm(True, kpm, _block_mask(q_len, kv_len, kpm))
+        m = allowed & kpm[:, None, None, :]
+        bm = _block_mask(q_len, kv_len, kpm) if left is None else _window_block_mask(q_len, kv_len, left, kpm)
+        m._opsadv_form = MaskForm(True, kpm, bm, left)
     return m
+
+
+def _may_be_sliding_window(mu, fn, kwargs) -> bool:
+    """Whether `fn` may be transformers' plain sliding-window causal function (_sliding_window_of decides).  While
+    dynamo traces, only a call of create_sliding_window_causal_mask's plain path gets that far: dynamo cannot make a
+    constant of a closure holding a traced tensor (chunks' left padding, packed positions, block ids: a graph break)."""
+    if fn is None or not hasattr(mu, "and_masks"):
+        return False
+    if not torch.compiler.is_compiling():
+        return True                               # eager: the closures are read exactly
+    cfg, local = kwargs.get("config"), kwargs.get("local_size")
+    return (getattr(fn, "__code__", None) is mu.and_masks(mu.causal_mask_function).__code__
+            and not kwargs.get("use_vmap") and bool(kwargs.get("allow_is_causal_skip", True))
+            and isinstance(local, int) and local == getattr(cfg, "sliding_window", None)
+            and local != getattr(cfg, "attention_chunk_size", None))
+
+
+@torch.compiler.assume_constant_result
+def _sliding_window_of(fn) -> int | None:
+    """w when `fn` is transformers' sliding_window_causal_mask_function(w) (and_masks(sliding_window_overlay(w),
+    causal_mask_function)), read from the closures; None for anything else (overlays on it, chunks, packing).
+    A constant while dynamo traces: closure cells are not traceable, and w is the config's (which dynamo guards)."""
+    from transformers import masking_utils as mu
+    if not (hasattr(mu, "and_masks") and hasattr(mu, "sliding_window_overlay")):
+        return None                               # another transformers: its masks serve
+    cells = _cells(fn, mu.and_masks(mu.causal_mask_function).__code__)
+    fns = None if cells is None else cells.get("mask_functions")
+    if not isinstance(fns, tuple) or len(fns) != 2 or fns[1] is not mu.causal_mask_function:
+        return None
+    overlay = _cells(fns[0], mu.sliding_window_overlay(1).__code__)
+    w = None if overlay is None else overlay.get("sliding_window")
+    return w if isinstance(w, int) and not isinstance(w, bool) and w >= 1 else None
+
+
+def _cells(fn, code) -> dict | None:
+    """The closure variables of `fn` when it is a closure of `code`."""
+    if getattr(fn, "__code__", None) is not code or getattr(fn, "__closure__", None) is None:
+        return None
+    return {name: cell.cell_contents for name, cell in zip(code.co_freevars, fn.__closure__)}
 
 
 def opsadv_mask(*args, **kwargs):
@@ -299,6 +431,12 @@ def opsadv_mask(*args, **kwargs):
     fn = kwargs.get("mask_function")
     if not args and fn is getattr(mu, "causal_mask_function", None):
         m = _causal_form(mu, kwargs)
+        if m is not NotImplemented:
+            return m
+        return mu.sdpa_mask(*args, **kwargs)
+    window = _sliding_window_of(fn) if not args and _may_be_sliding_window(mu, fn, kwargs) else None
+    if window is not None and kwargs.get("local_size") in (None, window):
+        m = _causal_form(mu, kwargs, window)
         if m is not NotImplemented:
             return m
         return mu.sdpa_mask(*args, **kwargs)
@@ -429,9 +567,30 @@ def attention_pass(model, report, undo, state) -> bool:
     model.set_attn_implementation(NAME)
     report.add("attention", "", f"{type(model).__name__}: attention implementation {before!r} -> 'opsadv' "
                f"(opsadv.flash_attention; causal + padded batches and padded encoders -> key-padding "
-               f"sparse_attention; {len(mods)} layers; calls with dropout / softcapping / sinks, which have no "
-               f"opsadv kernel, run the model's original attention ({_fallback_note(originals or [before])}))")
+               f"sparse_attention; {len(mods)} layers{_window_note(mods)}; calls with dropout / softcapping / sinks, "
+               f"which have no opsadv kernel, run the model's original attention "
+               f"({_fallback_note(originals or [before])}))")
     return True
+
+
+def _layer_window(m) -> int | None:
+    """The sliding window a transformers attention module passes (its own attribute, else its config's)."""
+    if "sliding_window" in vars(m) or hasattr(type(m), "sliding_window"):
+        w = getattr(m, "sliding_window", None)
+    else:
+        w = getattr(getattr(m, "config", None), "sliding_window", None)
+    return w if isinstance(w, int) and not isinstance(w, bool) else None
+
+
+def _window_note(mods) -> str:
+    windows = sorted({w for w in (_layer_window(m) for _, m in mods) if w is not None})
+    if not windows:
+        return ""
+    n = sum(1 for _, m in mods if _layer_window(m) is not None)
+    return (f"; {n} sliding-window layers (window {', '.join(map(str, windows))}) -> causal + window sparse_attention, "
+            f"one-query decode without padding -> flash_attention over the window's keys; static caches, mask "
+            f"overlays, packed sequences and symbolic lengths keep transformers' window mask (masked flash_attention, "
+            f"counted in fallbacks)")
 
 
 def _fallback_note(originals) -> str:

@@ -22,10 +22,14 @@ def key_padding_of(mask: torch.Tensor | None) -> torch.Tensor | None:
 class MaskForm(NamedTuple):
     """What our masks carry (attribute `_opsadv_form`).  causal: opsadv's bottom-right alignment (the queries are
     the last s_q keys).  key_padding: (B, s_k) bool, True = real token; None without padding.  block_mask: the
-    all-True (1, 1, ceil(s_q / BLOCK), ceil(s_k / BLOCK)) block mask of the key-padding layout (with key_padding)."""
+    (1, 1, ceil(s_q / BLOCK), ceil(s_k / BLOCK)) block mask of the layout: all True for key padding (with
+    key_padding), all False for a window (the window band is the layout's allowing term).  window: a causal
+    sliding window's left reach in keys (each query sees itself and the `window` keys before it: transformers'
+    sliding_window w is window = w - 1), None without one."""
     causal: bool
     key_padding: torch.Tensor | None
     block_mask: torch.Tensor | None
+    window: int | None = None
 
 
 def form_of(mask) -> MaskForm | None:
