@@ -34,6 +34,22 @@ class BenchCase:
 RECOMPILE_LIMIT = 256
 
 
+def peak_mib(fn) -> float | None:
+    """MiB that one call of fn allocates beyond what was allocated before it (torch.cuda.max_memory_allocated);
+    None off CUDA.  Call fn once before (compilation and autotuning stay out of the peak)."""
+    import torch
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    return round(peak / 2 ** 20, 1)
+
+
 def allow_recompiles() -> None:
     """Lift dynamo's recompile limit (8 per code object) for the compiled peers: every case (shape, grad mode)
     is one more compile of the same function, and past the limit dynamo runs it eagerly, silently (session

@@ -8,7 +8,8 @@ training), the Liger-Kernel apply function where Liger supports the architecture
   "vision"  ViT (pixel_values; image-classification labels)
   "seq2seq" T5 (encoder ids + mask, decoder_input_ids / labels)
 Sizes: "tiny" (CPU tests: two layers, hidden 64), "0.5b" and "1.5b": the dimensions of the real model named in
-`like` (where no model of that architecture exists at that size, the nearest shape, said so there).
+`like` (where no model of that architecture exists at that size, the nearest shape, said so there); llama3 also has
+"8b-4l" (Llama-3-8B cut to 4 layers: the models suite's causal-LM loss cell).
 Class names are strings, resolved on build: the catalogue imports without transformers, and an entry whose
 class a transformers version lacks fails on build only."""
 from __future__ import annotations
@@ -68,8 +69,16 @@ _ENTRIES = [
                          num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=131072,
                          rope_parameters=_rope(500000.0, rope_type="llama3", factor=32.0, low_freq_factor=1.0,
                                                high_freq_factor=4.0, original_max_position_embeddings=8192)),
+            # the models suite's causal-LM loss cell (suite_models.LM_LOSS_CELL): the 8B's head and loss, its
+            # vocabulary's logits the step's largest tensor
+            "8b-4l": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=4, num_attention_heads=32,
+                          num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=131072,
+                          tie_word_embeddings=False,
+                          rope_parameters=_rope(500000.0, rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                high_freq_factor=4.0, original_max_position_embeddings=8192)),
         },
-        like={"0.5b": "SmolLM2-360M (Llama architecture; no Llama-3 of this size)", "1.5b": "Llama-3.2-1B"}),
+        like={"0.5b": "SmolLM2-360M (Llama architecture; no Llama-3 of this size)", "1.5b": "Llama-3.2-1B",
+              "8b-4l": "Llama-3-8B's dimensions (untied 128256 vocabulary), 4 of its 32 layers"}),
     ModelSpec(
         "qwen2", "Qwen2Config", "Qwen2ForCausalLM", "causal", liger="apply_liger_kernel_to_qwen2",
         features="qkv bias, tied embeddings, GQA 7:1",

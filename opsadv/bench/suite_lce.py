@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import opsadv
 
-from .case import BenchCase, compiled_peer
+from .case import BenchCase, compiled_peer, peak_mib
 
 # (name, tokens, hidden, vocab)
 SHAPES = (("llama3-8b-head", 8192, 4096, 128256), ("llama3-8b-head", 32768, 4096, 128256))
@@ -36,19 +36,6 @@ def _liger():
         out = LigerFusedLinearCrossEntropyFunction.apply(h, w, labels)
         return out[0] if isinstance(out, tuple) else out
     return loss
-
-
-def _peak_mib(fn) -> float | None:
-    if not torch.cuda.is_available():
-        return None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    out = fn()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    del out
-    return round(peak / 2 ** 20, 1)
 
 
 def cases(quick: bool) -> Iterator[BenchCase]:
@@ -81,7 +68,7 @@ def cases(quick: bool) -> Iterator[BenchCase]:
         def setup(every=dict(calls), extra=extra):
             for k, fn in every.items():
                 fn()                                      # (compilation and autotuning stay out of the peak)
-                extra[f"{k}_peak_mib"] = _peak_mib(fn)
+                extra[f"{k}_peak_mib"] = peak_mib(fn)
 
         words = ["fwd+bwd", "bf16" if dtype == torch.bfloat16 else "fp32", name, f"N{n}", f"h{h}", f"V{v}"]
         yield BenchCase(suite="lce", case=" ".join(words), opsadv=calls.pop("opsadv"), peers=calls,

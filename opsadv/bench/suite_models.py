@@ -11,7 +11,12 @@ modes of its kind (labels in `mode`, the heatmap's columns):
   train / train padded    forward + backward + AdamW step (lr 1e-6: parameters stay put), causal LMs b4
                           s2048, padded = the last row right-padded by 300 tokens (labels -100 there);
                           encoders b32 s512 sequence classification (padded ~30%); ViT b32; T5 b8 s512/128
-and each again " compiled": compiled converted vs compiled unconverted.  Compilation (OPSADV_MODELS_COMPILE):
+and each again " compiled": compiled converted vs compiled unconverted.  One more cell, GPU only (left out on a
+CPU), the causal-LM loss: "train bf16 b4 s2048 llama3 8b-4l", Llama-3-8B's dimensions (hidden 4096, 32/8 heads,
+intermediate 14336, untied vocabulary 128256) cut to 4 layers, where the (b*s, V) float32 logits of the unconverted
+model's loss are the step's largest tensors (convert_model's lm_loss rewrite and Liger's fused linear cross-entropy
+compute the loss without them).  Every train row on a GPU carries each contender's peak memory of one step beyond
+what was allocated before it (`<contender>_peak_mib`: opsadv, unconverted / hf_compile, liger).  Compilation (OPSADV_MODELS_COMPILE):
 "regional" (default; every repeated block, the model's _no_split_modules, compiled with torch.compile, as
 transformers recommends to bound compile time: one layer is compiled, not 24) or "full"
 (torch.compile(model)); the row says which (`compile`).  Decode cells compile with dynamic shapes left to
@@ -54,7 +59,7 @@ from opsadv.convert import floor as floor_mod
 from opsadv.convert.floor import repeated_blocks
 
 from . import model_zoo as Z
-from .case import BenchCase, allow_recompiles
+from .case import BenchCase, allow_recompiles, peak_mib
 from .liger_peer import apply_isolated, liger_apply_fn
 
 SIZES = ("0.5b", "1.5b")
@@ -66,6 +71,9 @@ S2S = (8, 512, 128)            # T5: batch, encoder seq, decoder seq
 DECODE_BATCHES = (1, 8)
 PROMPT, NEW_TOKENS = 512, 128
 TRAIN = (4, 2048)
+# the causal-LM loss cell (see the module docstring): model_zoo's llama3 "8b-4l", GPU only
+LM_LOSS_SIZE = "8b-4l"
+GPU_ONLY_SIZES = (LM_LOSS_SIZE,)
 PAD_TOKENS = 300               # padded causal training: the last row right-padded by this many tokens
 LR = 1e-6
 ROUNDS = 3
@@ -191,6 +199,9 @@ def cells(quick: bool, dtype: str = "bf16") -> list[Cell]:
                 if q and (arch not in q["compiled_archs"] or c.mode not in q["compiled_modes"]):
                     continue
                 out.append(Cell(**{**c.__dict__, "compiled": True}))
+    if not q:
+        b, s = TRAIN
+        out.append(Cell(arch="llama3", size=LM_LOSS_SIZE, family="train", batch=b, seq=s, dtype=dtype))
     return out
 
 
@@ -491,6 +502,8 @@ def make_case(cell: Cell, device: str, dtype: torch.dtype, quick: bool = False) 
                 fn = train_fn(m, _optimizer(getattr(m, "_orig_mod", m)), x, p)
             try:
                 _warm(fn, name, extra, impls if name == "opsadv" else None)
+                if train and device == "cuda":
+                    extra[f"{name}_peak_mib"] = peak_mib(fn)      # one more step (after the warm-up's)
             except Exception as ex:
                 if name == "opsadv":
                     raise
@@ -562,5 +575,7 @@ def cases(quick: bool) -> Iterator[BenchCase]:
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     label = "bf16" if dtype == torch.bfloat16 else "fp32"
     for cell in cells(quick, label):
+        if cell.size in GPU_ONLY_SIZES and dev != "cuda":
+            continue                        # (an 8B-wide step on a CPU measures nothing of use)
         yield make_case(cell, dev, dtype, quick)
     _free()

@@ -13,12 +13,14 @@ from opsadv.core.policy import Policy, use_backend
 from opsadv.core.precision import PrecisionPolicy
 from opsadv.runtime import graphs
 
-from . import floor as _floor, fx_rewrite, hf_attention, packing, passes, release, rotary, validate as _val
+from . import floor as _floor, fx_rewrite, hf_attention, lm_loss, packing, passes, release, rotary, validate as _val
 from .tune import tune_for_hardware
 from .report import ConversionReport
 from .state import RuntimeState
 
 _CAST = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "tf32": torch.float32}
+# the rewrite kinds, in application order (convert_model(rewrites={kind: False}) turns one off)
+REWRITE_KINDS = ("attention", "rotary", "norm", "residual_norm", "mlp", "qkv", "lm_loss", "fx")
 
 
 def _check_int(arg: str, value, lo: int, hi: int, allow_none: bool = True) -> None:
@@ -40,6 +42,15 @@ def check_seed_args(opt_level, tile_size, max_streams, mem_opt, use_fp16=None, v
         raise InvalidArgumentError("convert_model", "use_fp16", "a bool or None", repr(use_fp16))
     if validate not in (True, False, "warn"):
         raise InvalidArgumentError("convert_model", "validate", "True, False or 'warn'", repr(validate))
+
+
+def check_rewrites(rewrites) -> None:
+    if rewrites is None:
+        return
+    if not isinstance(rewrites, dict) or any(k not in REWRITE_KINDS or not isinstance(v, bool)
+                                             for k, v in rewrites.items()):
+        raise InvalidArgumentError("convert_model", "rewrites", f"None or a dict {{kind: bool}} over the kinds "
+                                   f"{list(REWRITE_KINDS)} (False: not applied)", repr(rewrites))
 
 
 def resolve_precision(precision, use_fp16) -> tuple[PrecisionPolicy, torch.dtype | None, str]:
@@ -153,7 +164,8 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
                   tile_size: int | None = None, use_fp16: bool | None = None, max_streams: int | None = None,
                   mem_opt: int | None = None, validate=True, example_inputs=None, pack_padding: bool | None = None,
                   cuda_graphs: bool = False, max_graphs: int = 8, floor: bool | None = None, floor_inputs=None,
-                  floor_mode: str = "inference", floor_timer=None, floor_compile=None) -> nn.Module:
+                  floor_mode: str = "inference", floor_timer=None, floor_compile=None,
+                  rewrites: dict | None = None) -> nn.Module:
     """Rewrite `model` in place to run opsadv ops and return it (same object, same class).
 
     opt_level 0: nothing; 1: attention, rotary embedding and norms; 2: + fused QKV GEMM, dense+residual+norm, MLP GEMM
@@ -181,8 +193,14 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
     as `floor_mode` "inference" (no-grad forward), "train" (forward + backward) or "generate"; `floor_timer`
     (fn -> ms) replaces the clock.  floor_compile ("regional" / True, "full"; None: eager): for a model you will
     run under torch.compile, each step is timed compiled that way (a rewrite that wins eager can lose to
-    Inductor's own fusion); conversion then compiles once per step."""
+    Inductor's own fusion); conversion then compiles once per step.  The "lm_loss" kind (a causal LM's loss
+    from its final hidden states, opsadv.convert.lm_loss) changes only training calls with labels: the floor
+    times it in floor_mode "train" alone and applies it untimed otherwise.
+
+    rewrites: {kind: False} leaves that rewrite kind out (kinds: REWRITE_KINDS; True: as opt_level says), e.g.
+    rewrites={"lm_loss": False} keeps the model's logits and loss in training."""
     check_seed_args(opt_level, tile_size, max_streams, mem_opt, use_fp16, validate)
+    check_rewrites(rewrites)
     _floor.check_args(floor, floor_mode, floor_timer, floor_compile)
     check_graph_args(model, pack_padding, cuda_graphs, max_graphs)
     if not isinstance(model, nn.Module):
@@ -228,7 +246,15 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
                     report.notes.append(f"floor timed under torch.compile ({gate.compile})")
         try:
             for kind, label, apply in _steps(is_hf, opt_level, mem_opt, pack_padding, state):
-                root = _run_step(root, kind, label, apply, report, undo, gate)
+                if rewrites is not None and rewrites.get(kind, True) is False:
+                    report.add("kept", "", label, f"rewrites={{{kind!r}: False}}")
+                    continue
+                timed = gate is not None and _floor.times(kind, gate.mode)
+                n = len(report.changes)
+                root = _run_step(root, kind, label, apply, report, undo, gate if timed else None)
+                if gate is not None and not timed and any(c.kind != "skipped" for c in report.changes[n:]):
+                    report.notes.append(f"floor: {kind} not timed ({_floor.UNTIMED_WHY[kind]} and floor_mode="
+                                        f"{gate.mode!r})")
             passes.memory_pass(model, report, mem_opt)
             if mem_opt is not None and mem_opt >= release.RELEASE_MEM_OPT and opt_level >= 1:
                 modes = _eval_mode(root)             # probe the model as it will run (after the fx rewrite)
@@ -329,6 +355,8 @@ def _steps(is_hf: bool, opt_level: int, mem_opt, pack_padding, state):
         out.append(("mlp", "the model's own MLPs", each(lambda m, r, u: passes.mlp_pass(m, r, u, state))))
         out.append(("qkv", "separate q / k / v projections",
                     each(lambda m, r, u: passes.qkv_pass(m, r, u, state, mem_opt))))
+        if is_hf:
+            out.append((lm_loss.KIND, lm_loss.LABEL, each(lambda m, r, u: lm_loss.lm_loss_pass(m, r, u, state))))
     if opt_level >= 1 and not is_hf:
         out.append(("fx", "the model's own graph (no torch.fx rewrite)",
                     lambda m, r, u: fx_rewrite.fx_pass(m, r, u, state, opt_level)))

@@ -19,7 +19,7 @@ from opsadv.core.precision import PrecisionPolicy
 from opsadv import ops as _ops  # noqa: F401  (registers the opsadv::* ops a loaded program calls)
 
 from . import floor as _floor, hf_attention
-from .api import _check_int, check_graph_args, check_seed_args, convert_model
+from .api import _check_int, check_graph_args, check_rewrites, check_seed_args, convert_model
 from .modules import unalias_fused
 from .tune import _to
 from .validate import hf_validation_inputs
@@ -104,6 +104,7 @@ def _check_seeds(seeds: dict, opt_level: int) -> None:
         check_seed_args(opt_level, get("tile_size"), get("max_streams"), get("mem_opt"), get("use_fp16"))
         check_graph_args(None, get("pack_padding"), get("cuda_graphs"), get("max_graphs"))
         _floor.check_args(get("floor"), get("floor_mode"), get("floor_timer"), get("floor_compile"))
+        check_rewrites(get("rewrites"))
     except InvalidArgumentError as e:   # the same check, named after what the user called
         raise type(e)("Optimizer", e.arg, e.expected, e.given) from None
 

@@ -45,6 +45,15 @@ TARGET_S = 0.3                        # seconds of timed calls per measurement (
 MIN_REPS, MAX_REPS = 3, 30
 
 Timer = Callable[[Callable[[], Any]], float]     # fn -> ms of one call
+# rewrite kinds that change only some modes' calls: timed in those modes, applied untimed in the others (they
+# change nothing there); their gain elsewhere is measured by the bench (lm_loss: memory and time of a training step)
+TIMED_MODES = {"lm_loss": ("train",)}
+UNTIMED_WHY = {"lm_loss": "it changes only training calls with labels"}
+
+
+def times(kind: str, mode: str) -> bool:
+    """Whether the floor times rewrite `kind` in floor mode `mode`."""
+    return mode in TIMED_MODES.get(kind, MODES)
 
 
 @dataclass

@@ -1,0 +1,258 @@
+"""The lm_loss pass: a transformers causal LM's training loss through `opsadv.ops.linear_cross_entropy`, without the
+(tokens, vocab) logits in memory.
+
+transformers' *ForCausalLM forward computes `logits = self.lm_head(hidden)` (hidden sliced by `logits_to_keep`) and,
+given labels, `loss = self.loss_function(logits, labels, vocab_size, **kwargs)`: ForCausalLMLoss (float32 logits,
+labels shifted by one with ignore_index padding or the `shift_labels` kwarg, the mean over the labels kept, or the
+sum / `num_items_in_batch` where that is passed); Gemma-2 softcaps the logits first (`final_logit_softcapping`).  At
+a 128k vocabulary those logits are b*s*V float32 (4 GiB at b4 s2048).  Three hooks, no modeling code:
+
+- a forward pre-hook (with kwargs) on the model: in training mode with labels, the call's labels become None (so
+  the model computes no loss of its own) and are kept for the call with `shift_labels`, `num_items_in_batch` and
+  `ignore_index` (those stay in the kwargs: the model passes them on as it did);
+- a forward pre-hook on lm_head: while such a call runs, the loss is computed from lm_head's input, weight and bias
+  (softcapped where the model's forward reads final_logit_softcapping), and lm_head itself runs on zero tokens, so
+  the logits are an empty placeholder and whatever the model does to them costs nothing;
+- a forward hook on the model (always_call: an exception drops the call's state too): the output gets the loss and
+  `logits=None`, as Liger-Kernel's fused linear cross-entropy returns them (a tuple output: loss first, no logits).
+
+Eval mode, or a call without labels, changes nothing (logits as before).  The pass refuses, with the reason in the
+report, a model without an lm_head Linear, one whose loss is not ForCausalLMLoss (another loss_type, a loss_function
+of its own), one whose forward does not compute its loss through `self.loss_function`, one that adds a router's
+auxiliary loss when labels are passed (Mixtral), and one whose fused loss differs from its own on a probe batch
+(a logit scale the fused loss does not apply, e.g. Cohere's logit_scale)."""
+from __future__ import annotations
+
+import inspect
+from contextlib import nullcontext
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from opsadv import ops
+
+from . import validate as _val
+from .hf_attention import is_transformers_model
+from .report import ConversionReport
+from .rotary import _innermost
+
+KIND = "lm_loss"
+LABEL = "the model's own loss (logits + transformers' ForCausalLMLoss)"
+
+
+class _Call:
+    """One training call with labels: what its loss needs, and the loss once lm_head's input has given it."""
+    __slots__ = ("labels", "shift_labels", "num_items", "ignore_index", "softcap", "loss")
+
+    def __init__(self, labels, shift_labels, num_items, ignore_index, softcap):
+        self.labels, self.shift_labels, self.num_items = labels, shift_labels, num_items
+        self.ignore_index, self.softcap, self.loss = ignore_index, softcap, None
+
+
+class LossSeam:
+    """The hooks of one converted causal LM and the state of its calls in flight (a stack: one entry per call of the
+    model's forward, None where the call runs unchanged, so a re-entered forward pairs its own hooks)."""
+
+    def __init__(self, state, labels_at: int | None, softcap: bool, causal_loss, loss_mapping):
+        self.state = state                  # the converted model's RuntimeState (the op runs under its policy)
+        self.labels_at = labels_at          # position of `labels` among the forward's positional arguments
+        self.softcap = softcap              # the forward applies config.final_logit_softcapping
+        self.causal_loss = causal_loss      # transformers' ForCausalLMLoss
+        self.loss_mapping = loss_mapping    # transformers' LOSS_MAPPING (loss_type -> loss function)
+        self.calls: list = []
+        self.force = False                  # the conversion's probe: the fused path in eval mode
+
+    def __getstate__(self):
+        # a copy of the model starts with no call in flight
+        return {**self.__dict__, "calls": [], "force": False}
+
+    def uses_causal_loss(self, model) -> bool:
+        """model.loss_function is ForCausalLMLoss (what the property resolves to, without its warning)."""
+        fn = getattr(model, "_loss_function", None)
+        if fn is not None:
+            return fn is self.causal_loss
+        return self.loss_mapping.get(getattr(model, "loss_type", None), self.causal_loss) is self.causal_loss
+
+    def model_pre_hook(self, model, args, kwargs):
+        at = self.labels_at
+        positional = at is not None and len(args) > at
+        labels = args[at] if positional else kwargs.get("labels")
+        if labels is None or not (model.training or self.force) or not self.uses_causal_loss(model):
+            self.calls.append(None)
+            return None
+        softcap = getattr(model.config, "final_logit_softcapping", None) if self.softcap else None
+        self.calls.append(_Call(labels, kwargs.get("shift_labels"), kwargs.get("num_items_in_batch"),
+                                kwargs.get("ignore_index", -100), softcap))
+        if positional:
+            return args[:at] + (None,) + args[at + 1:], kwargs
+        return args, {**kwargs, "labels": None}
+
+    def head_pre_hook(self, head, args):
+        call = self.calls[-1] if self.calls else None
+        if call is None or call.loss is not None or len(args) != 1:
+            return None                     # not a fused call, or a second lm_head call in it: as it was
+        hidden = args[0]
+        call.loss = self.loss(hidden, head, call)
+        return (hidden.narrow(-2, 0, 0),)   # lm_head on zero tokens: the logits placeholder costs nothing
+
+    def model_post_hook(self, model, args, kwargs, output):
+        call = self.calls.pop() if self.calls else None
+        if call is None or output is None:  # (None: the forward raised; its state is dropped all the same)
+            return None
+        if call.loss is None:
+            raise RuntimeError(f"opsadv lm_loss: {type(model).__name__}'s forward did not call its lm_head in a "
+                               "training call with labels; convert it with rewrites={'lm_loss': False}")
+        return with_loss(output, call.loss)
+
+    def loss(self, hidden: torch.Tensor, head: nn.Linear, call: _Call) -> torch.Tensor:
+        """ForCausalLMLoss(lm_head(hidden), labels, ...) as transformers computes it, through the fused op."""
+        labels = call.shift_labels
+        if labels is None:                  # tokens < n predict n; the last one predicts nothing
+            labels = F.pad(call.labels, (0, 1), value=call.ignore_index)[..., 1:]
+        h = hidden.reshape(-1, hidden.shape[-1])
+        labels = labels.reshape(-1).to(h.device)
+        weight, bias = head.weight, head.bias
+        dev = h.device.type
+        if torch.is_autocast_enabled(dev):  # autocast would run lm_head in its dtype
+            dt = torch.get_autocast_dtype(dev)
+            h, weight = h.to(dt), weight.to(dt)
+            bias = bias.to(dt) if bias is not None else None
+        elif h.dtype != weight.dtype:
+            h = h.to(weight.dtype)
+        reduction = "mean" if call.num_items is None else "sum"
+        with self.state.scope() if self.state is not None else nullcontext():
+            loss = ops.linear_cross_entropy(h, weight, labels, bias=bias, ignore_index=call.ignore_index,
+                                            reduction=reduction, softcap=call.softcap)
+        if call.num_items is not None:
+            n = call.num_items
+            loss = loss / (n.to(loss.device) if isinstance(n, torch.Tensor) else n)
+        return loss
+
+
+def with_loss(output, loss):
+    """The model's output with `loss` set and no logits (a tuple: the placeholder logits in front replaced)."""
+    if isinstance(output, tuple):
+        return (loss,) + tuple(output[1:])
+    rest = {k: v for k, v in output.items() if k not in ("loss", "logits")}
+    return type(output)(loss=loss, **rest)
+
+
+def seam_of(model) -> LossSeam | None:
+    return model.__dict__.get("_opsadv_lm_loss")
+
+
+def _head(model):
+    try:
+        head = model.get_output_embeddings()
+    except Exception:                       # noqa: BLE001 - a model without one
+        head = None
+    return head if head is not None else getattr(model, "lm_head", None)
+
+
+def _is_lm(model) -> bool:
+    try:
+        if model.can_generate():
+            return True
+    except Exception:                       # noqa: BLE001 - (older transformers: an instance method that may raise)
+        pass
+    name = type(model).__name__
+    return "CausalLM" in name or "LMHead" in name
+
+
+def _why_not(model, head, code) -> str | None:
+    from transformers.modeling_utils import PreTrainedModel
+    if not isinstance(head, nn.Linear):
+        return (f"no lm_head nn.Linear (output embeddings: {type(head).__name__}); the fused loss reads the output "
+                "projection's weight")
+    if inspect.getattr_static(type(model), "loss_function", None) is not \
+            inspect.getattr_static(PreTrainedModel, "loss_function"):
+        return f"{type(model).__name__} defines its own loss_function"
+    if "loss_function" not in code.co_names:
+        return "its forward computes the loss without self.loss_function (transformers' ForCausalLMLoss seam)"
+    if any("aux_loss" in n for n in code.co_names + code.co_varnames):
+        return "its forward adds a router's auxiliary loss to the loss when labels are passed"
+    return None
+
+
+def _probe(model, seam: LossSeam, dtype, kwargs: dict) -> str | None:
+    """The model's own loss and the fused one on a small batch (eval mode, no grad), within the conversion's
+    validation limit (validate.REL_LIMIT); why they differ, or None."""
+    modes = {m: m.training for m in model.modules()}
+    try:
+        x = {**_val.hf_validation_inputs(model, batch=2, seq=11), **kwargs}
+        labels = x["input_ids"].masked_fill(x["attention_mask"] == 0, -100)
+        labels[0, 3] = -100
+        model.eval()
+        with torch.no_grad():
+            ref = model(**x, labels=labels)
+            seam.force = True
+            try:
+                got = model(**x, labels=labels)
+            finally:
+                seam.force = False
+    except Exception as e:                  # noqa: BLE001 - a model the seam cannot serve
+        return f"the probe call failed: {type(e).__name__}: {str(e)[:200]}"
+    finally:
+        for m, t in modes.items():
+            m.training = t
+    a, b = getattr(ref, "loss", None), getattr(got, "loss", None)
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return "the probe call returned no loss"
+    if getattr(got, "logits", None) is not None:
+        return "the probe call still returned logits"
+    err = (abs(float(a) - float(b)) / max(abs(float(a)), 1e-30))
+    if not err <= _val.REL_LIMIT.get(dtype, 3e-2):
+        return (f"the fused loss differs from the model's own on a probe batch (rel err {err:.3g}): its forward "
+                "does more to the logits than lm_head and final_logit_softcapping")
+    return None
+
+
+def lm_loss_pass(model: nn.Module, report: ConversionReport, undo, state) -> bool:
+    """Install the seam on a transformers causal LM (see the module docstring); True where installed.  Models whose
+    forward takes no labels, and models with labels but neither output embeddings nor a language model's name or
+    generate (classifiers), are left without a word (no language model's loss to compute)."""
+    if not is_transformers_model(model) or seam_of(model) is not None:
+        return False
+    try:
+        params = list(inspect.signature(type(model).forward).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    names = [p.name for p in params]
+    if "labels" not in names:
+        return False
+    what = f"{type(model).__name__}: logits + ForCausalLMLoss"
+    head = _head(model)
+    if head is None and not _is_lm(model):
+        return False                        # a classification head's labels: not a language model's loss
+    code = _innermost(type(model).forward)[-1].__code__
+    why = _why_not(model, head, code)
+    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+    p = params[names.index("labels")]
+    labels_at = names.index("labels") - 1 if p.kind is p.POSITIONAL_OR_KEYWORD else None     # (- self)
+    seam = LossSeam(state, labels_at, "final_logit_softcapping" in code.co_names, ForCausalLMLoss, LOSS_MAPPING)
+    if why is None and not seam.uses_causal_loss(model):
+        why = f"loss_type {getattr(model, 'loss_type', None)!r}: its loss is not ForCausalLMLoss"
+    if why is not None:
+        report.add("skipped", "", what, why)
+        return False
+    hooks = [model.register_forward_pre_hook(seam.model_pre_hook, with_kwargs=True),
+             head.register_forward_pre_hook(seam.head_pre_hook),
+             model.register_forward_hook(seam.model_post_hook, with_kwargs=True, always_call=True)]
+    dtype = head.weight.dtype
+    why = _probe(model, seam, dtype, {"use_cache": False} if "use_cache" in names else {})
+    if why is not None:
+        for h in hooks:
+            h.remove()
+        report.add("skipped", "", what, why)
+        return False
+    undo.hooks += hooks
+    model.__dict__["_opsadv_lm_loss"] = seam
+    undo.instance_attrs.append((model, "_opsadv_lm_loss"))
+    where = next((n for n, m in model.named_modules() if m is head), "lm_head")
+    report.add("fused", where, f"{what} -> opsadv.linear_cross_entropy from the final hidden states "
+               "(training calls with labels; they return logits=None)")
+    return True
+
+
+__all__ = ["lm_loss_pass", "LossSeam", "seam_of", "with_loss", "KIND", "LABEL"]
