@@ -131,8 +131,24 @@ def _rotary():
             lambda d: {**d, "q": d["q"][:0], "k": d["k"][:0]})
 
 
+def _qk_norm_rotary():
+    def make():
+        return {"q": _r(1, 2, 5, 16), "k": _r(1, 1, 5, 16), "cos": _r(5, 16), "sin": _r(5, 16), "q_weight": _r(16),
+                "k_weight": _r(16)}
+
+    def ref(d):
+        def norm(x, w):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+        return (_rot64(norm(d["q"], d["q_weight"]), d["cos"], d["sin"]),
+                _rot64(norm(d["k"], d["k_weight"]), d["cos"], d["sin"]))
+    return (make, lambda d, **kw: opsadv.ops.qk_norm_rotary(d["q"], d["k"], d["cos"], d["sin"], d["q_weight"],
+                                                            d["k_weight"], **kw),
+            ref, "q", "k", lambda d: {**d, "q": d["q"][:0], "k": d["k"][:0]})
+
+
 OPS = {"flash_attention": _flash(), "sparse_attention": _sparse(), "gemm": _gemm(), "swiglu_gemm": _swiglu_gemm(),
-       "swiglu": _swiglu(), "layer_norm": _layer_norm(), "rms_norm": _rms_norm(), "rotary_embedding": _rotary()}
+       "swiglu": _swiglu(), "layer_norm": _layer_norm(), "rms_norm": _rms_norm(), "rotary_embedding": _rotary(),
+       "qk_norm_rotary": _qk_norm_rotary()}
 
 
 def _mutations(primary, secondary, empty):

@@ -256,3 +256,17 @@ def test_rotary_suite_cases_match_transformers_expression(monkeypatch):
             ours, ref = c.opsadv(), c.peers["torch_eager"]()
             assert len(ours) == 2 and all(runner.rel_err(a, b) < 1e-2 for a, b in zip(ours, ref))
     assert cases[0].work == suite_rotary.bytes_moved(2, 5, 4, 2, 8, 8, False) == 2 * (2 * 5 * 6 * 8 * 2) + 2 * 2 * 5 * 8 * 2
+
+
+def test_rotary_suite_qk_norm_rows_match_qwen3_expression():
+    """The qk_norm rows (GPU only in the suite): opsadv's qk_norm_rotary and transformers' Qwen3 lines (norms on
+    the (b, s, h, d) projections, transpose, rotary) agree, forward and every gradient, on a small CPU shape."""
+    from opsadv.bench import suite_rotary
+    with opsadv.use_backend("reference"):
+        cases = list(suite_rotary.qk_cases(False, "cpu", shapes=(("tiny", 2, 5, 4, 2, 8),)))
+        assert [c.case for c in cases] == ["fwd fp32 qk_norm tiny b2 s5 h4/2 d8", "fwd+bwd fp32 qk_norm tiny b2 s5 h4/2 d8"]
+        for c in cases:
+            assert c.baseline == "torch_eager" and set(c.peers) == {"torch_eager"}
+            ours, ref = c.opsadv(), c.peers["torch_eager"]()
+            assert len(ours) == len(ref) and all(runner.rel_err(a, b) < 1e-5 for a, b in zip(ours, ref))
+    assert cases[0].work == suite_rotary.qk_bytes_moved(2, 5, 4, 2, 8, False) == 2 * (2 * 5 * 6 * 8 * 2) + 2 * 2 * 5 * 8 * 2

@@ -1,6 +1,7 @@
 """The rotary conversion pass (opsadv.convert.rotary): transformers' apply_rotary_pos_emb -> opsadv.rotary_embedding
 per attention instance of the converted model only; checked numerically before it is swapped; undone cleanly;
 decoding, training and torch.compile give the original's results."""
+import collections
 import copy
 import functools
 import inspect
@@ -24,6 +25,8 @@ from opsadv.bench import model_zoo as Z  # noqa: E402
 
 _SERIAL = itertools.count()
 ROTARY_ARCHS = ["llama3", "qwen2", "qwen3", "mistral", "gemma2", "phi3", "gpt_neox"]
+QK_NORM_ARCHS = ("qwen3",)
+_ROPE_OPS = collections.Counter({"reference.rotary_embedding": 1, "reference.qk_norm_rotary": 1})
 
 
 def _convert(model, x, **kw):
@@ -46,7 +49,8 @@ def test_every_rotary_architecture_runs_the_op(arch, reference_backend):
     assert len(_rotary_changes(rep)) == n_layers, str(rep)
     with opsadv.trace() as t, torch.no_grad():
         out = conv(**x).logits
-    assert t.counts.get("reference.rotary_embedding") == n_layers, t.counts
+    op = "qk_norm_rotary" if arch in QK_NORM_ARCHS else "rotary_embedding"      # (Qwen3: its q / k norms fuse)
+    assert t.counts.get(f"reference.{op}") == n_layers and len(t.counts & _ROPE_OPS) == 1, t.counts
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
 
 
@@ -266,3 +270,184 @@ def test_compiled_forward_uses_the_op(reference_backend):
         torch._dynamo.reset()
     for a, b in zip(got, _half_rope(q, k, c, s)):
         torch.testing.assert_close(a, b)
+
+
+# ---- per-head q / k norms fused into qk_norm_rotary (Qwen3, Gemma-3) ---------------------------------------------
+def _tiny_hf(config_cls: str, model_cls: str, **kw):
+    """A tiny randomly initialized transformers model (weights perturbed: Gemma's norms start at w = 0)."""
+    cfg = getattr(tf, config_cls)(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                  max_position_embeddings=64, **kw)
+    torch.manual_seed(0)
+    m = getattr(tf, model_cls)(cfg).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    gc = getattr(m, "generation_config", None)
+    if gc is not None:
+        gc.eos_token_id, gc.pad_token_id = None, 0
+    return m
+
+
+def _ids(batch, seq, vocab=128):
+    g = torch.Generator().manual_seed(5)
+    return {"input_ids": torch.randint(0, vocab, (batch, seq), generator=g),
+            "attention_mask": torch.ones(batch, seq, dtype=torch.long)}
+
+
+def test_norm_sites_reads_qwen3_and_gemma3_and_refuses_olmo2_and_llama():
+    from transformers.models.gemma3 import modeling_gemma3
+    from transformers.models.llama import modeling_llama
+    from transformers.models.olmo2 import modeling_olmo2
+    from transformers.models.qwen3 import modeling_qwen3
+    name = "apply_rotary_pos_emb"
+    assert R.norm_sites(modeling_qwen3.Qwen3Attention.forward, name) == ({"q": "q_norm", "k": "k_norm"}, "")
+    assert R.norm_sites(modeling_gemma3.Gemma3Attention.forward, name) == ({"q": "q_norm", "k": "k_norm"}, "")
+    sites, why = R.norm_sites(modeling_olmo2.Olmo2Attention.forward, name)   # a norm over the whole projection
+    assert sites is None and "does not come straight from a norm module" in why
+    assert R.norm_sites(modeling_llama.LlamaAttention.forward, name)[0] is None
+
+
+def _qk_norm_class(body: str):
+    """A module whose forward(x, cos, sin) runs `body` (which ends in the rotary call) over q_norm / k_norm."""
+    name = f"fake_modeling_qknorm_{next(_SERIAL)}"
+    mod = types.ModuleType(name)
+    sys.modules[name] = mod
+    mod.torch, mod.apply_rotary_pos_emb = torch, _half_rope
+    src = "def forward(self, x, cos, sin):\n" + "".join(f"    {line}\n" for line in body.strip().splitlines())
+    exec(compile(src, f"{name}.py", "exec"), mod.__dict__)
+    import linecache                       # (inspect.getsource reads the source through linecache)
+    linecache.cache[f"{name}.py"] = (len(src), None, src.splitlines(True), f"{name}.py")
+
+    def init(self):
+        nn.Module.__init__(self)
+        self.q_norm = tf.models.qwen3.modeling_qwen3.Qwen3RMSNorm(8, eps=1e-6)
+        self.k_norm = tf.models.qwen3.modeling_qwen3.Qwen3RMSNorm(8, eps=1e-6)
+        with torch.no_grad():
+            self.q_norm.weight.normal_()
+            self.k_norm.weight.normal_()
+    return type("FakeQkAttention", (nn.Module,), {"__init__": init, "forward": mod.forward})
+
+
+_FUSES = """
+q = self.q_norm(x.view(1, 5, 2, 8)).transpose(1, 2)
+k = self.k_norm(x.view(1, 5, 2, 8)[:, :, :1]).transpose(1, 2)
+q, k = apply_rotary_pos_emb(q, k, cos, sin)
+return q, k
+"""
+_READ_BETWEEN = """
+q = self.q_norm(x.view(1, 5, 2, 8)).transpose(1, 2)
+k = self.k_norm(x.view(1, 5, 2, 8)[:, :, :1]).transpose(1, 2)
+s = q.sum()
+q, k = apply_rotary_pos_emb(q, k, cos, sin)
+return q + s, k
+"""
+_LAST_DIM = """
+q = self.q_norm(x.view(1, 5, 2, 8)).transpose(1, 2)
+k = self.k_norm(x.view(1, 5, 2, 8)[:, :, :1]).transpose(2, 3).transpose(2, 3).transpose(1, 2)
+q, k = apply_rotary_pos_emb(q, k, cos, sin)
+return q, k
+"""
+
+
+@pytest.mark.parametrize("body,fused", [(_FUSES, True), (_READ_BETWEEN, False), (_LAST_DIM, True)],
+                         ids=["fuses", "read_between", "last_dim_transposed"])
+def test_deferred_norms_give_the_original_results(body, fused, reference_backend):
+    """Sources that read a normed q between the norm and the rotary call keep plain rotary (norm_sites); a
+    transpose that moves the last dim runs the norm first (Deferred.transpose); a forward hook on a norm module
+    makes the call run the modules (the hook sees its call); every variant gives the original's results."""
+    cls = _qk_norm_class(body)
+    m = cls()
+    x = torch.randn(1, 5, 16)
+    _, c, s_ = _qkcs()[1:]
+    with torch.no_grad():
+        want = m(x, c, s_)
+    n, rep, undo = _run_pass(m)
+    assert n == 1 and ("qk_norm_rotary" in str(rep)) == fused, str(rep)
+    with opsadv.trace() as t, torch.no_grad():
+        got = m(x, c, s_)
+    assert sum(t.counts.values()) == 1 and ("reference.qk_norm_rotary" in t.counts) == (fused and body == _FUSES)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    if fused:
+        seen = []
+        h = m.q_norm.register_forward_hook(lambda mod, i, o: seen.append(o.shape))
+        with opsadv.trace() as t, torch.no_grad():
+            got = m(x, c, s_)
+        h.remove()
+        assert seen == [(1, 5, 2, 8)] and "reference.rotary_embedding" in t.counts, t.counts
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    undo.revert()
+    assert not [k for k in m.__dict__ if k.startswith("_opsadv")]
+
+
+def test_qwen3_training_gradients_match_with_fused_norms(reference_backend):
+    """Loss and every gradient (the q_norm / k_norm weights included) as the unconverted model's."""
+    m = Z.build("qwen3", "tiny", train=True)
+    with torch.no_grad():                       # (norm weights start at 1: make them matter)
+        for name, p in m.named_parameters():
+            if "q_norm" in name or "k_norm" in name:
+                p.normal_(1.0, 0.3)
+    x = Z.inputs("qwen3", m.config, 2, 11, labels=True)
+    conv = _convert(copy.deepcopy(m), x).train()
+    m.train()
+    lo = m(**x).loss
+    lo.backward()
+    with opsadv.trace() as t:
+        lc = conv(**x).loss
+        lc.backward()
+    assert t.counts["reference.qk_norm_rotary"] == 2 * m.config.num_hidden_layers, t.counts   # fwd + bwd
+    assert abs(lo.item() - lc.item()) <= 1e-5 * abs(lo.item())
+    g = Z.grad_errors(m, conv)
+    assert not g["missing"] and g["max_rel_err"] < 1e-4, g
+    qn = conv.model.layers[0].self_attn.q_norm.weight
+    assert qn.grad is not None and qn.grad.abs().sum() > 0
+
+
+def test_qwen3_generate_with_cache_matches(reference_backend):
+    m = Z.build("qwen3", "tiny")
+    x = Z.inputs("qwen3", m.config, 2, 6)
+    kw = dict(max_new_tokens=5, do_sample=False, min_new_tokens=5)
+    with torch.no_grad():
+        want = m.generate(**x, **kw)
+    conv = _convert(copy.deepcopy(m), x)
+    twin = copy.deepcopy(conv)               # a deepcopy's deferrals read the copy's own modules
+    attn = twin.model.layers[0].self_attn
+    assert attn._opsadv_q_norm.__self__ is attn and attn._opsadv_qk_probed["q_norm"][0] is not None
+    with opsadv.trace() as t, torch.no_grad():
+        got = conv.generate(**x, **kw)
+        got2 = twin.generate(**x, **kw)
+    assert torch.equal(got, want) and torch.equal(got2, want)
+    assert t.counts.get("reference.qk_norm_rotary", 0) >= 2 * 5 * m.config.num_hidden_layers, t.counts
+    assert "reference.rotary_embedding" not in t.counts
+
+
+def test_gemma3_fuses_with_offset_and_olmo2_keeps_rotary(reference_backend):
+    """Gemma-3's (1 + w) norms fuse (weight_offset 1); OLMo-2's norms span the whole projection: rotary alone."""
+    for cfg, cls, kw, op in (("Gemma3TextConfig", "Gemma3ForCausalLM", {"sliding_window": 8}, "qk_norm_rotary"),
+                             ("Olmo2Config", "Olmo2ForCausalLM", {}, "rotary_embedding")):
+        m = _tiny_hf(cfg, cls, **kw)
+        x = _ids(2, 11)
+        with torch.no_grad():
+            ref = m(**x).logits
+        conv = opsadv.convert_model(copy.deepcopy(m), backend="reference", example_inputs=x)
+        with opsadv.trace() as t, torch.no_grad():
+            out = conv(**x).logits
+        assert t.counts.get(f"reference.{op}") == 2 and len(t.counts & _ROPE_OPS) == 1, (cls, t.counts)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_compiled_qwen3_with_fused_norms_is_one_graph(reference_backend):
+    import torch._dynamo
+    m = Z.build("qwen3", "tiny")
+    x = Z.inputs("qwen3", m.config, 2, 7)
+    conv = _convert(copy.deepcopy(m), x)
+    try:
+        with torch.no_grad(), opsadv.trace() as t:
+            got = torch.compile(conv, fullgraph=True, backend="aot_eager")(**x).logits
+    finally:
+        torch._dynamo.reset()
+    assert t.counts["reference.qk_norm_rotary"] == m.config.num_hidden_layers, t.counts
+    with torch.no_grad():
+        torch.testing.assert_close(got, m(**x).logits, rtol=1e-4, atol=1e-5)

@@ -35,6 +35,8 @@ LAZY: dict[tuple[str, str], str] = {
     (f"{TC}.norm.norm", f"{TC}.utils"): TRITON,
     (f"{TC}.rotary_embedding.rotary", f"{TC}.rotary_embedding.kernels"): TRITON,
     (f"{TC}.rotary_embedding.rotary", f"{TC}.utils"): TRITON,
+    (f"{TC}.qk_norm_rotary.qk_norm_rotary", f"{TC}.qk_norm_rotary.kernels"): TRITON,
+    (f"{TC}.qk_norm_rotary.qk_norm_rotary", f"{TC}.utils"): TRITON,
     (f"{TC}.swiglu.swiglu", f"{TC}.swiglu.kernels"): TRITON,
     (f"{TC}.linear_cross_entropy.linear_cross_entropy", f"{TC}.linear_cross_entropy.kernels"): TRITON,
     (f"{TC}.swiglu.swiglu", f"{TC}.utils"): TRITON,
