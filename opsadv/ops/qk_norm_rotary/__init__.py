@@ -38,7 +38,7 @@ from opsadv.core.op_common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, INF, TORCH
                                    carry_policy, carry_scope, check_tensor, dispatch_modes, dt, eager_mode,
                                    function_modes, functorch_level, grad_enabled, is_compiling, is_empty_call,
                                    len_bucket, raw_apply, same_kind, transforms_active, unwrap_if_dead)
-from opsadv.ops.rotary_embedding import table_grads, validate as _rotary_validate
+from opsadv.ops.rotary_embedding import _features, table_grads, validate as _rotary_validate
 
 from . import cases as _cases, reference as _reference
 
@@ -102,17 +102,6 @@ def _empty_result(q, k, cos, sin, q_weight, k_weight, eps, offset, position_ids,
     differentiable torch: empty results and gradients, the other tensor as usual; no kernel runs."""
     return (_plain(q, q_weight, cos, sin, eps, offset, position_ids, interleaved),
             _plain(k, k_weight, cos, sin, eps, offset, position_ids, interleaved))
-
-
-def _features(cos: Tensor, d: int, position_ids, interleaved: bool) -> frozenset:
-    f = set()
-    if interleaved:
-        f.add("interleaved")
-    if cos.shape[-1] < d:
-        f.add("partial")
-    if position_ids is not None:
-        f.add("position_ids")
-    return frozenset(f)
 
 
 def _key(q: Tensor, k: Tensor, cos: Tensor, position_ids, interleaved: bool, backward: bool) -> tuple:

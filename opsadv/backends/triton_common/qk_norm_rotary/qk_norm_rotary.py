@@ -12,6 +12,7 @@ from opsadv.core.envvars import env_bool
 from opsadv.core.kernel import MEMORY_FUSED, PRIORITY_TRITON, KernelImpl
 
 from .. import triton_device_types
+from ..rotary_embedding.rotary import _last_unit, _out_like, _pow2
 
 HEAD_ELEMS = 4096          # elements of one forward (BLOCK_H heads x R/2) tile
 HEAD_ELEMS_BWD = 2048      # the backward holds x and dy of a tile: half as many
@@ -30,22 +31,6 @@ def _kernels():
 
 def _poison() -> bool:
     return env_bool("OPSADV_POISON_OUTPUTS")
-
-
-def _out_like(x: torch.Tensor, poison: bool) -> torch.Tensor:
-    b, h, s, d = x.shape
-    out = torch.empty_strided((b, h, s, d), (s * h * d, d, h * d, 1), dtype=x.dtype, device=x.device)
-    if poison:
-        out.fill_(float("nan"))          # an unwritten element shows
-    return out
-
-
-def _last_unit(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _pow2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 def _tables(cos, position_ids):
