@@ -28,7 +28,7 @@ def _qknr(b, hq, hk, s, d, r=None, cos_batch=False, interleaved=False, positions
 _G = (0, 1, 4, 5)        # q, k and both weights get gradients
 CASES = [
     Case("qk_norm_rotary", "one_token", _qknr(1, 1, 1, 1, 2), _G),
-    Case("qk_norm_rotary", "odd_gqa_bshd", _qknr(2, 3, 1, 127, 24, bshd=True, cos_batch=True), _G),
+    Case("qk_norm_rotary", "odd_gqa_bshd", _qknr(2, 3, 1, 37, 24, bshd=True, cos_batch=True), _G),
     Case("qk_norm_rotary", "partial", _qknr(1, 4, 2, 5, 40, r=16), _G),
     Case("qk_norm_rotary", "gemma_offset", _qknr(1, 2, 1, 3, 64, offset=1.0), _G),
     Case("qk_norm_rotary", "interleaved", _qknr(2, 2, 2, 3, 12, interleaved=True), _G, quick=False),

@@ -27,7 +27,7 @@ def _rotary(b, hq, hk, s, d, r=None, cos_batch=False, interleaved=False, positio
 
 CASES = [
     Case("rotary_embedding", "one_token", _rotary(1, 1, 1, 1, 2), (0, 1)),
-    Case("rotary_embedding", "odd_gqa_bshd", _rotary(2, 3, 1, 127, 24, bshd=True, cos_batch=True), (0, 1)),
+    Case("rotary_embedding", "odd_gqa_bshd", _rotary(2, 3, 1, 37, 24, bshd=True, cos_batch=True), (0, 1)),
     Case("rotary_embedding", "partial", _rotary(1, 4, 2, 5, 40, r=16), (0, 1)),
     Case("rotary_embedding", "interleaved", _rotary(2, 2, 2, 3, 12, interleaved=True), (0, 1), quick=False),
     Case("rotary_embedding", "position_ids", _rotary(2, 4, 4, 9, 16, positions=50), (0, 1), quick=False),
