@@ -28,7 +28,7 @@ log = logging.getLogger("opsadv")
 
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 CPU_SUITES = ("attention", "gemm", "norm", "mlp", "lce", "models")   # their quick grids shrink to CPU sizes without a GPU
-BENCH_DOC = "docs/performance.md (Reproducing); committed results: benchmarks/README.md"
+BENCH_DOC = "benchmarks/README.md (how a suite measures, committed results); where each op stands: docs/performance.md"
 
 
 def _log_level(v: str) -> str:

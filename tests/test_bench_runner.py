@@ -1,4 +1,4 @@
-"""`opsadv bench` runner: the JSON schema of docs/performance.md, merging by case name, the plot and
+"""`opsadv bench` runner: the JSON schema of benchmarks/README.md, merging by case name, the plot and
 skipping of suites that do not exist yet (on CPU: the attention suite shrunk to one tiny case,
 run through the interpreter; speed is never asserted)."""
 import json

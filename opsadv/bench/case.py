@@ -2,7 +2,7 @@
 
 A suite module `opsadv/bench/suite_<name>.py` exposes `cases(quick: bool) -> Iterable[BenchCase]`.
 The runner warms up, verifies opsadv's output against the best peer's (rel_err), times each
-callable with triton.testing.do_bench (median), and writes the JSON schema of docs/performance.md."""
+callable with triton.testing.do_bench (median), and writes the JSON schema of benchmarks/README.md."""
 from __future__ import annotations
 
 import functools
@@ -15,7 +15,7 @@ class BenchCase:
     suite: str                                  # "attention", "sparse", "gemm", "norm", "e2e"
     case: str                                   # "fwd bf16 b4 h32 s4096 d128 causal"
     opsadv: Callable[[], Any]                   # runs opsadv's op (through the dispatcher)
-    peers: dict[str, Callable[[], Any]]         # peer key (docs/performance.md) -> callable
+    peers: dict[str, Callable[[], Any]]         # peer key (benchmarks/README.md) -> callable
     work: float                                 # FLOPs or bytes of one call
     unit: str = "TFLOP/s"                       # or "TB/s"
     impl: Callable[[], str] | None = None       # which impl the dispatcher chose (after a call)

@@ -4,7 +4,7 @@ For each case (opsadv/bench/case.py): setup, one warm-up call of opsadv and of e
 (compilation, autotuning and cuDNN plan selection stay out of the numbers), timing with
 triton.testing.do_bench (median; CUDA events) in interleaved rounds (time_interleaved), then verification of opsadv's output against the
 fastest peer's (rel_err), so a fast wrong kernel never counts.  The JSON (schema in
-docs/performance.md) is merged by case name into an existing file, so suites run separately
+benchmarks/README.md) is merged by case name into an existing file, so suites run separately
 accumulate."""
 from __future__ import annotations
 

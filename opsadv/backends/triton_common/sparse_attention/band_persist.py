@@ -1,7 +1,7 @@
 """Persistent sparse-attention forward for windowed band layouts (sparse.py's LOOP "band_persist").
 
 Why: at s16384 and a 1024-key causal window the Triton sparse forward spends a fixed ~5 us per (64-row q
-tile, head) program outside its K/V loop (session 14/15 analysis in docs/performance.md): the Q load and
+tile, head) program outside its K/V loop: the Q load and
 the first K/V tiles' latency, the refill of the masked edge tiles' loop, the epilogue.  Here a program walks
 many (head, q tile) work items, every item running the same NT key tiles (the band's widest row tile;
 narrower ones get leading dummy tiles, fully masked).
