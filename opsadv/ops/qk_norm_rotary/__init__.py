@@ -34,11 +34,11 @@ from opsadv.core.errors import InvalidArgumentError
 from opsadv.core.kernel import CallSpec
 from opsadv.core.opdef import OpDef, Reference, arg
 from opsadv.core.policy import current_policy, in_scope, op_scope
-from opsadv.core.op_common import (AUTOGRAD_FN, DIRECT, FLOAT_DTYPES, INF, TORCH_OPS, autograd_function,
+from opsadv.core.op_common import (AUTOGRAD_FN, DIRECT, INF, TORCH_OPS, autograd_function,
                                    carry_policy, carry_scope, check_tensor, dispatch_modes, dt, eager_mode,
                                    function_modes, functorch_level, grad_enabled, is_compiling, is_empty_call,
-                                   len_bucket, raw_apply, same_kind, transforms_active, unwrap_if_dead)
-from opsadv.ops.rotary_embedding import _features, table_grads, validate as _rotary_validate
+                                   raw_apply, same_kind, transforms_active, unwrap_if_dead)
+from opsadv.ops.rotary_embedding import bshd_like, call_key, call_spec, table_grads, validate as _rotary_validate
 
 from . import cases as _cases, reference as _reference
 
@@ -78,8 +78,8 @@ def validate(q, k, cos, sin, q_weight, k_weight, eps=1e-6, weight_offset=0.0, po
         if w.device != q.device:
             raise InvalidArgumentError(OP, name, f"on device {q.device} (same as q)", str(w.device))
         if tuple(w.shape) != (d,):
-            extra = (f" (= heads x head_dim: a norm over the whole projection, as OLMo-2's, is not a per-head "
-                     f"norm; normalize before splitting heads and use rotary_embedding)"
+            extra = (" (= heads x head_dim: a norm over the whole projection, as OLMo-2's, is not a per-head "
+                     "norm; normalize before splitting heads and use rotary_embedding)"
                      if w.dim() == 1 and w.shape[0] > d and w.shape[0] % d == 0 else "")
             raise InvalidArgumentError(OP, name, f"shape (D={d},): a per-head norm's weight over head_dim "
                                        "(Qwen3, Gemma-3)", f"{tuple(w.shape)}{extra}")
@@ -104,18 +104,12 @@ def _empty_result(q, k, cos, sin, q_weight, k_weight, eps, offset, position_ids,
             _plain(k, k_weight, cos, sin, eps, offset, position_ids, interleaved))
 
 
-def _key(q: Tensor, k: Tensor, cos: Tensor, position_ids, interleaved: bool, backward: bool) -> tuple:
-    b, hq, s, d = q.shape
-    return (OP, backward, q.device.type, q.dtype, cos.dtype, len_bucket(b * s), hq, k.shape[1], d, cos.shape[-1],
-            interleaved, position_ids is not None)
+def _key(q, k, cos, position_ids, interleaved, backward):
+    return call_key(OP, q, k, cos, position_ids, interleaved, backward)
 
 
-def _spec(q: Tensor, k: Tensor, cos: Tensor, position_ids, interleaved: bool, backward: bool) -> CallSpec:
-    b, hq, s, d = q.shape
-    return CallSpec(OP, q.device.type, q.dtype, _features(cos, d, position_ids, interleaved),
-                    (len_bucket(b * s), hq, k.shape[1], cos.shape[-1]), head_dim=d,
-                    shapes=(tuple(q.shape), tuple(k.shape), tuple(cos.shape)), backward=backward,
-                    bucket_names=("tokens<=", "Hq=", "Hk=", "R="))
+def _spec(q, k, cos, position_ids, interleaved, backward):
+    return call_spec(OP, q, k, cos, position_ids, interleaved, backward)
 
 
 def _route(q, k, cos, sin, q_weight, k_weight, eps, offset, position_ids, interleaved):
@@ -130,18 +124,12 @@ def _bwd_route(gq, gk, q, k, cos, sin, q_weight, k_weight, eps, offset, position
                          (gq, gk, q, k, cos, sin, q_weight, k_weight, eps, offset, position_ids, interleaved))
 
 
-def _bshd_like(x: Tensor) -> Tensor:
-    """An empty (b, h, s, d) tensor stored as (b, s, h, d): transformers' layout, which attention keeps."""
-    b, h, s, d = x.shape
-    return torch.empty_strided((b, h, s, d), (s * h * d, d, h * d, 1), dtype=x.dtype, device=x.device)
-
-
 def _in_fake_layout(t: Tensor) -> Tensor:
     """t stored as the fakes say (compiled graphs plan with those strides); an impl may return another layout."""
     b, h, s, d = t.shape
     if t.stride() == (s * h * d, d, h * d, 1) or t.numel() == 0:
         return t
-    out = _bshd_like(t)
+    out = bshd_like(t)
     out.copy_(t)
     return out
 
@@ -162,7 +150,7 @@ def _qknr(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, q_weight: Tensor, k_we
 
 @_qknr.register_fake
 def _(q, k, cos, sin, q_weight, k_weight, eps, weight_offset, position_ids, interleaved, scope=0):
-    return _bshd_like(q), _bshd_like(k)
+    return bshd_like(q), bshd_like(k)
 
 
 @torch.library.custom_op("opsadv::qk_norm_rotary_backward", mutates_args=())
@@ -177,7 +165,7 @@ def _qknr_backward(gq: Tensor, gk: Tensor, q: Tensor, k: Tensor, cos: Tensor, si
 
 @_qknr_backward.register_fake
 def _(gq, gk, q, k, cos, sin, q_weight, k_weight, eps, weight_offset, position_ids, interleaved, scope=0):
-    return _bshd_like(q), _bshd_like(k), q_weight.new_empty(q_weight.shape), k_weight.new_empty(k_weight.shape)
+    return bshd_like(q), bshd_like(k), q_weight.new_empty(q_weight.shape), k_weight.new_empty(k_weight.shape)
 
 
 def _setup(ctx, inputs, output):

@@ -140,18 +140,29 @@ def _features(cos: Tensor, d: int, position_ids, interleaved: bool) -> frozenset
     return frozenset(f)
 
 
-def _key(q: Tensor, k: Tensor, cos: Tensor, position_ids, interleaved: bool, backward: bool) -> tuple:
+def call_key(op: str, q: Tensor, k: Tensor, cos: Tensor, position_ids, interleaved: bool, backward: bool) -> tuple:
+    """The dispatch-cache key of a rotary-shaped call of `op` (rotary_embedding, qk_norm_rotary)."""
     b, hq, s, d = q.shape
-    return (OP, backward, q.device.type, q.dtype, cos.dtype, len_bucket(b * s), hq, k.shape[1], d, cos.shape[-1],
+    return (op, backward, q.device.type, q.dtype, cos.dtype, len_bucket(b * s), hq, k.shape[1], d, cos.shape[-1],
             interleaved, position_ids is not None)
 
 
-def _spec(q: Tensor, k: Tensor, cos: Tensor, position_ids, interleaved: bool, backward: bool) -> CallSpec:
+def call_spec(op: str, q: Tensor, k: Tensor, cos: Tensor, position_ids, interleaved: bool,
+              backward: bool) -> CallSpec:
+    """The CallSpec of a rotary-shaped call of `op`: features from the table, buckets tokens / heads / R."""
     b, hq, s, d = q.shape
-    return CallSpec(OP, q.device.type, q.dtype, _features(cos, d, position_ids, interleaved),
+    return CallSpec(op, q.device.type, q.dtype, _features(cos, d, position_ids, interleaved),
                     (len_bucket(b * s), hq, k.shape[1], cos.shape[-1]), head_dim=d,
                     shapes=(tuple(q.shape), tuple(k.shape), tuple(cos.shape)), backward=backward,
                     bucket_names=("tokens<=", "Hq=", "Hk=", "R="))
+
+
+def _key(q, k, cos, position_ids, interleaved, backward):
+    return call_key(OP, q, k, cos, position_ids, interleaved, backward)
+
+
+def _spec(q, k, cos, position_ids, interleaved, backward):
+    return call_spec(OP, q, k, cos, position_ids, interleaved, backward)
 
 
 def _route(q, k, cos, sin, position_ids, interleaved):
@@ -166,7 +177,7 @@ def _bwd_route(gq, gk, cos, sin, position_ids, interleaved):
                          (gq, gk, cos, sin, position_ids, interleaved))
 
 
-def _bshd_like(x: Tensor) -> Tensor:
+def bshd_like(x: Tensor) -> Tensor:
     """An empty (b, h, s, d) tensor stored as (b, s, h, d): transformers' layout, which attention keeps."""
     b, h, s, d = x.shape
     return torch.empty_strided((b, h, s, d), (s * h * d, d, h * d, 1), dtype=x.dtype, device=x.device)
@@ -177,7 +188,7 @@ def _in_fake_layout(t: Tensor) -> Tensor:
     b, h, s, d = t.shape
     if t.stride() == (s * h * d, d, h * d, 1) or t.numel() == 0:
         return t
-    out = _bshd_like(t)
+    out = bshd_like(t)
     out.copy_(t)
     return out
 
@@ -193,7 +204,7 @@ def _rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Option
 
 @_rotary.register_fake
 def _(q, k, cos, sin, position_ids, interleaved, scope=0):
-    return _bshd_like(q), _bshd_like(k)
+    return bshd_like(q), bshd_like(k)
 
 
 @torch.library.custom_op("opsadv::rotary_embedding_backward", mutates_args=())
@@ -206,7 +217,7 @@ def _rotary_backward(gq: Tensor, gk: Tensor, cos: Tensor, sin: Tensor, position_
 
 @_rotary_backward.register_fake
 def _(gq, gk, cos, sin, position_ids, interleaved, scope=0):
-    return _bshd_like(gq), _bshd_like(gk)
+    return bshd_like(gq), bshd_like(gk)
 
 
 def _setup(ctx, inputs, output):
