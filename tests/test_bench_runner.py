@@ -173,7 +173,7 @@ def test_sparse_backward_only_rows_time_autograd_grad_alone():
 
 def test_flex_peer_stays_compiled_across_cases():
     """The flex peer compiles once per case (shape, mask, grad mode): past dynamo's default recompile
-    limit (8) it silently ran unfused, ~200x slower (session 9's window series), and the backward-only
+    limit (8) it silently runs unfused, ~200x slower (seen in the window series), and the backward-only
     rows' retain_graph=True needs a compiled backward without donated buffers."""
     import torch._dynamo.config as dynamo_config
     import torch._functorch.config as functorch_config

@@ -562,7 +562,7 @@ print(json.dumps(out))
 
 def test_backward_tma_loads_cut_spills_on_sm90():
     """The dK/dV kernel at the h100 default tile (64x64/4/2, d128, b4 s4096, non-causal): pointer loads of q and dO
-    spill (session 10: 44 B), descriptor loads do not; this is why the TMA configs are in the h100 space."""
+    spill (44 B), descriptor loads do not; this is why the TMA configs are in the h100 space."""
     import json
     from conftest import run_sm90_compile
     r = json.loads(run_sm90_compile(["-c", _BWD_LOADS_COMPILE]).strip().splitlines()[-1])

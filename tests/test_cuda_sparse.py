@@ -595,7 +595,7 @@ def test_gpu_forward_tma_loads(layout, tma, seed, poison, monkeypatch):
     real = sparse_mod.desc_bhsd
     monkeypatch.setattr(sparse_mod, "desc_bhsd", lambda t, rows: made.append(rows) or real(t, rows))
     monkeypatch.setattr(sparse_mod, "FWD_DEFAULT", {"loop": "run", "reverse": False, "tma": tma})
-    # the backward's own descriptors (BWD_DEFAULT "tma", on since session 11) must not count as the forward's
+    # the backward's own descriptors (BWD_DEFAULT "tma" is on) must not count as the forward's
     monkeypatch.setattr(sparse_mod, "BWD_DEFAULT", {**sparse_mod.BWD_DEFAULT, "tma": False})
     lay = {"window": lambda: SparseLayout.sliding_window(1000, 300, causal=True, block_size=128, device="cuda"),
            "varlen": lambda: SparseLayout.varlen([300, 1, 517, 182], causal=True, block_size=128, device="cuda"),
@@ -630,10 +630,10 @@ def test_gpu_forward_band_loop(layout, loop, seed, poison, monkeypatch):
 @requires_gpu
 @pytest.mark.parametrize("window,loop", [(128, None), (1000, None), (1000, "band_persist")])
 def test_gpu_forward_many_items_per_program(window, loop, seed, poison, monkeypatch):
-    """On the GPU (bf16, d128, GQA 16:4, s4096: 1024 (head, q tile) items, several per persistent program -- where
-    session 16 found Triton's fused item / tile loops wrong, though every smaller check passed): the default forward
-    at a narrow window (the persistent kernel) and a wider one ("band"), and "band_persist" forced there, vs
-    float32 (at the narrow window the persistent kernel is the one that ran)."""
+    """On the GPU (bf16, d128, GQA 16:4, s4096: 1024 (head, q tile) items, several per persistent program --
+    guards against wrong outputs like those of Triton's fused item / tile loops, which every smaller check passed):
+    the default forward at a narrow window (the persistent kernel) and a wider one ("band"), and "band_persist"
+    forced there, vs float32 (at the narrow window the persistent kernel is the one that ran)."""
     ran = _persist_grids(monkeypatch)
     lay = SparseLayout.sliding_window(4096, window, causal=True, block_size=128, device="cuda")
     if loop is not None:
@@ -710,8 +710,8 @@ print(json.dumps(out))
 
 def test_tma_variants_compile_for_sm90():
     """The three kernels at the h100 tiles (w1024 causal, d128 bf16), compiled for sm_90 on CPU with and without
-    descriptor loads: TMA loads only in the TMA build; it uses fewer registers and spills no more (session 11:
-    forward 174 -> 164 registers, dK/dV spills 48 -> 36 B, dQ 193 -> 178 registers; H200 timing in
+    descriptor loads: TMA loads only in the TMA build; it uses fewer registers and spills no more (forward
+    174 -> 164 registers, dK/dV spills 48 -> 36 B, dQ 193 -> 178 registers; H200 timing in
     the sparse suite's rows)."""
     import json
     from conftest import run_sm90_compile

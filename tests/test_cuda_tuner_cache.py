@@ -73,7 +73,7 @@ def test_configs_are_timed_in_rotated_rounds(tmp_path, monkeypatch):
 
 def test_tuple_configs_are_reused_from_disk(tmp_path, monkeypatch):
     """Configs with tuples (the norm forward's (ROWS, warps), swiglu's {"cfg": (...)}) read back from JSON as
-    lists: a second process must still find its stored winner (it re-tuned every process before session 12)."""
+    lists: a second process must still find its stored winner (guards against re-tuning in every process)."""
     monkeypatch.setenv("OPSADV_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(U, "_CONFIGS", None)
     monkeypatch.setattr(U.torch.cuda, "is_current_stream_capturing", lambda: False)

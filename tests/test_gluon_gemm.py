@@ -144,7 +144,7 @@ def test_declared_support_accepts_sm90_bf16_fp16_every_feature():
 
 def test_rejection_reasons():
     env = fake_cuda_env()
-    # pinned H200 conformance passed (session 9): not experimental
+    # pinned H200 conformance passed (b28714e): not experimental
     assert_sm90_impl_rejections(_impl(), _reasons, _spec)
     if not GG.UNAVAILABLE:
         assert _reasons(_spec(), env, experimental_ok=False) == []

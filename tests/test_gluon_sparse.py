@@ -169,7 +169,7 @@ def test_no_lse_build_compiles_without_spills_in_tile_loops(sm90_compile_report)
 def test_trace_build_stamps_only_when_asked(sm90_compile_report):
     """The probes' TRACE build reads %clock64 at the 11 stamps of each consumer warpgroup and spills nothing inside
     the tile loops; every other build has no clock read at all (TRACE compiles away: the sm_90 SASS of the untraced
-    kernel was byte-identical before and after the stamps were added, session 19)."""
+    kernel was byte-identical before and after the stamps were added)."""
     for case, r in sm90_compile_report.items():
         if r["trace"]:
             assert r["clock_reads"] == 11 * (2 if r["pingpong"] else 1), r
@@ -1011,7 +1011,7 @@ def test_schedule_persistent_for_short_rows_only():
 
 def test_auto_schedule_pingpong_st3_for_long_d128_windows_only():
     """auto_schedule: pingpong_st3_kslot on d128 window / causal layouts from SCHEDULE_PINGPONG_MIN_TILES tiles
-    per row (H200, session 20: w128 and longer at s16384), its own persistent crossover; the default schedule for
+    per row (H200: w128 and longer at s16384), its own persistent crossover; the default schedule for
     rows of ~1 tile, d64, and masked layouts (block masks, key padding, global tokens spill in the ping-pong kernels);
     the interval mask on band layouts (windows / causal) only."""
     s = 16384

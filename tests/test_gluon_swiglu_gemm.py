@@ -85,7 +85,7 @@ def _reasons(spec, env, experimental_ok=True):
 
 def test_rejection_reasons():
     env = fake_cuda_env()
-    # its H200 checks and pinned conformance passed (session 17): not experimental
+    # its H200 checks and pinned conformance passed (7a12dcb): not experimental
     assert_sm90_impl_rejections(_impl(), _reasons, _spec)
     if not GS.UNAVAILABLE:
         assert _reasons(_spec(), env) == []

@@ -1,8 +1,8 @@
 """Training calls of the attention ops run the forward + backward pair of one impl, the pair their train bucket
 timed, eager and traced alike.  A device-less test backend offers two impls of each op: `pairs.a.*` ranks first
 but refuses the backward bucket (as an impl whose backward loses there would), `pairs.b.*` serves everything.
-Re-dispatching the backward in its own bucket runs b's backward after a's forward: the case these tests catch
-(traced calls did so until session 12; eager ones until session 11)."""
+Re-dispatching the backward in its own bucket runs b's backward after a's forward: these tests guard against that,
+traced and eager."""
 import dataclasses
 import warnings
 from collections import Counter

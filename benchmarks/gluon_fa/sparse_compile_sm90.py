@@ -82,11 +82,11 @@ VARIANT_CASES = [("window_causal", 128, "pingpong"), ("causal", 128, "pingpong")
                  # the interval mask (band layouts): the default schedule's rule (no spill inside the tile loops),
                  # 0 spills with pingpong_st3
                  ("window_causal", 128, "interval"), ("causal", 128, "interval"), ("window_causal", 64, "interval"),
-                 # O out through the last K tile (session 20): 0 spills like pingpong_st3
+                 # O out through the last K tile: 0 spills like pingpong_st3
                  ("window_causal", 128, "pingpong_st3_kslot"), ("causal", 128, "pingpong_st3_kslot"),
                  ("window_causal", 128, "pingpong_st3_interval"), ("causal", 128, "pingpong_st3_interval"),
                  ("window_causal", 64, "pingpong_st3_interval"),
-                 # + the epilogue under the next item's S_0 (session 22): 7 spills outside the tile loops
+                 # + the epilogue under the next item's S_0: 7 spills outside the tile loops
                  ("window_causal", 128, "pingpong_st3_kslot_es0"), ("causal", 128, "pingpong_st3_kslot_es0")]
 # The no-lse build (need_lse=False: no-grad calls through the op) of what auto_schedule runs.
 NOLSE_CASES = [("window_causal", 128, "pingpong_st3_kslot"), ("window_causal", 128, "interval")]

@@ -52,8 +52,8 @@ def peak_mib(fn) -> float | None:
 
 def allow_recompiles() -> None:
     """Lift dynamo's recompile limit (8 per code object) for the compiled peers: every case (shape, grad mode)
-    is one more compile of the same function, and past the limit dynamo runs it eagerly, silently (session
-    12: the norm suite's torch_compile peer read the eager time in its last 14 rows, 0.2041 vs 0.2040 ms)."""
+    is one more compile of the same function, and past the limit dynamo runs it eagerly, silently (the norm
+    suite's torch_compile peer read the eager time in its last 14 rows, 0.2041 vs 0.2040 ms)."""
     import torch._dynamo.config as dynamo_config
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(dynamo_config, name):
@@ -83,7 +83,7 @@ def flex_peer():
         return None, None
     import torch._functorch.config as functorch_config
 
-    # past dynamo's recompile limit flex ran unfused, 200x slower (session 9's sparse window series)
+    # past dynamo's recompile limit flex runs unfused, 200x slower (seen in the sparse window series)
     allow_recompiles()
     # the backward-only rows call autograd.grad(retain_graph=True), which a compiled backward with donated
     # buffers refuses; donation only saves memory

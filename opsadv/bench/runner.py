@@ -95,8 +95,8 @@ def time_interleaved(fns: dict, rounds: int = ROUNDS, per_round: dict | None = N
 
 def paired_speedup(peer_rounds: list, ours_rounds: list) -> tuple[float, float, float]:
     """(median, min, max) over rounds of peer / ours timed in the same round.  Two contenders timed
-    seconds apart share the clock state of that moment; a drift between rounds (session 10: the same
-    cuDNN kernel 7.19 ms as the peer, 7.55 through the op, in medians of 3 rounds) cancels in the
+    seconds apart share the clock state of that moment; a drift between rounds (the same
+    cuDNN kernel once 7.19 ms as the peer, 7.55 through the op, in medians of 3 rounds) cancels in the
     per-round ratio, where it moves a ratio of medians taken over different rounds."""
     ratios = [p / o for p, o in zip(peer_rounds, ours_rounds)]
     return statistics.median(ratios), min(ratios), max(ratios)

@@ -69,7 +69,7 @@ def _own(q, k, causal, backward):
     return None
 
 
-# Sub-millisecond cases move more between rounds: in session 9's suite the s1024 d128 forward's SDPA-cuDNN peer
+# Sub-millisecond cases move more between rounds: in one suite run the s1024 d128 forward's SDPA-cuDNN peer
 # read 0.462 ms against 0.479 for the dispatcher running the same cuDNN kernel, while 5 interleaved rounds of
 # the same kernels put both at 0.492-0.496 ms
 SHORT_CASE_ROUNDS = 7

@@ -271,12 +271,13 @@ class _OwnPairFn(torch.autograd.Function):
 def own_pair_train_step(impl, rctx, args: tuple) -> Callable[[], Any]:
     """autotune's training step for the attention ops (fn(ctx, q, k, v, *rest) -> (out, lse);
     backward(ctx, dout, q, k, v, out, lse, *rest) -> (dq, dk, dv)): the impl's forward with its own
-    backward (an impl with a `train` forward: that forward under torch's autograd, as its calls run).  The call's backward then runs that same impl's backward (pair_backward): the pair is what was
-    timed.  (Until session 11 the backward was dispatched in its own bucket, timed on that forward's out and
-    lse; on the H200 that bucket once chose cuDNN's backward after the Gluon forward by a 6% margin, and the
-    pair then ran 1.13 ms against 0.93 for Gluon + its own backward: the backward bucket's timing did not
-    carry over to the call.)  A traced training call resolves inside the compiled forward, under no_grad and
-    on tensors that do not require grad: the step then differentiates detached leaves, with grad enabled."""
+    backward (an impl with a `train` forward: that forward under torch's autograd, as its calls run).  The call's
+    backward then runs that same impl's backward (pair_backward): the pair is what was timed.  (A backward
+    dispatched in its own bucket, timed on that forward's out and lse, does not carry over to the call: on the
+    H200 such a bucket chose cuDNN's backward after the Gluon forward by a 6% margin, and the pair then ran
+    1.13 ms against 0.93 for Gluon + its own backward.)  A traced training call resolves inside the compiled
+    forward, under no_grad and on tensors that do not require grad: the step then differentiates detached
+    leaves, with grad enabled."""
     q, k, v, *rest = args
     if not (q.requires_grad or k.requires_grad or v.requires_grad):
         q, k, v = (t.detach().requires_grad_() for t in (q, k, v))

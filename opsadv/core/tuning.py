@@ -232,14 +232,14 @@ def time_fn(fn, device_type: str, reps: int = 10, timing: str = "wall") -> float
     return times[len(times) // 2]
 
 
-TUNE_ROUNDS = 5   # on a device: interleaved rounds, median per impl (see time_rounds; 3 until session 12)
+TUNE_ROUNDS = 5   # on a device: interleaved rounds, median per impl (see time_rounds)
 MIN_CALLS = 8     # calls per timed sample on a GPU (time_fn)
 
 
 def sample_window(est_ms: float) -> tuple[float, float]:
     """(warmup, rep) in ms for do_bench around a call of about est_ms: do_bench runs rep / est calls, so a
-    fixed 40 ms window timed a 29 ms fwd+bwd once (session 12: the same cuDNN kernel read 0.951-1.000x its
-    peer over five such rounds); at least MIN_CALLS calls, warm-up >= one call.  The tuner's samples and the
+    fixed 40 ms window times a 29 ms fwd+bwd once (the same cuDNN kernel then read 0.951-1.000x its peer over
+    five such rounds); at least MIN_CALLS calls, warm-up >= one call.  The tuner's samples and the
     bench runner's rounds both use it."""
     est = max(float(est_ms), 0.0)
     return max(10.0, est), max(40.0, MIN_CALLS * est)
@@ -281,8 +281,8 @@ def _device_present(device_type: str) -> bool:
 
 def _spin_up(step, ms: float = SPIN_UP_MS, device_type: str = "cuda") -> None:
     """Run step back to back for about `ms` before anything is timed: the candidates were just compiled (seconds
-    of host work with the GPU idle), and the clocks ramp back up over the next ~100 ms.  Session 12 on the
-    H200: three rotated rounds straight after the compiles still timed the Gluon forward 11% slower than the
+    of host work with the GPU idle), and the clocks ramp back up over the next ~100 ms.  Without it, on the
+    H200, three rotated rounds straight after the compiles timed the Gluon forward 11% slower than the
     benchmark did minutes later (fp16 b4 s4096 d128: 1.945 vs 1.754 ms), and cuDNN won that bucket."""
     timer = timer_for(device_type)
     start = time.perf_counter()

@@ -41,12 +41,11 @@ ATTN_TILES = {
                 128: [_t(64, 64, 4, 3), _t(128, 128, 8, 3), _t(128, 64, 8, 3), _t(128, 128, 8, 3, True),
                       _t(128, 128, 8, 3, WS=True), _t(128, 128, 8, 3, True, WS=True)],
                 256: [_t(64, 64, 4, 2), _t(128, 64, 8, 2, True), _t(64, 32, 4, 2), _t(128, 64, 8, 2)]},
-        # backward TMA configs (session 10; streamed tiles through descriptors): compiled for sm_90 they cut the
-        # dK/dV kernel's spills (64x64/4/2 d128 b4 s4096: 44 B -> 0 non-causal, 68 -> 32 causal) and the dQ
-        # kernel's registers (128x64/8/3: 206 -> 158).  Timed on the H200 in session 11
-        # (pinned kernel pairs): d128 with both kernels' TMA tiles 1.040x / 1.028x / 0.995x /
-        # 1.057x the plain defaults (b4 s4096, causal, s16384 causal, GQA causal), so d128 starts with them; at d64
-        # no TMA pair won (0.99x), so they stay in the space there
+        # backward TMA configs (streamed tiles through descriptors): compiled for sm_90 they cut the dK/dV
+        # kernel's spills (64x64/4/2 d128 b4 s4096: 44 B -> 0 non-causal, 68 -> 32 causal) and the dQ kernel's
+        # registers (128x64/8/3: 206 -> 158).  H200 (pinned kernel pairs): d128 with both kernels' TMA tiles
+        # 1.040x / 1.028x / 0.995x / 1.057x the plain defaults (b4 s4096, causal, s16384 causal, GQA causal), so
+        # d128 starts with them; at d64 no TMA pair won (0.99x), so they stay in the space there
         "bwd_kv": {64: [_t(64, 64, 4, 3), _t(32, 64, 4, 3), _t(32, 128, 4, 5), _t(64, 64, 4, 2),
                         _t(64, 64, 4, 3, True), _t(64, 64, 4, 2, True)],
                    128: [_t(64, 64, 4, 2, True), _t(64, 64, 4, 2), _t(32, 64, 4, 3), _t(64, 128, 8, 2),
@@ -56,7 +55,7 @@ ATTN_TILES = {
                   128: [_t(128, 64, 8, 3, True), _t(128, 64, 8, 3), _t(64, 64, 4, 2), _t(64, 32, 4, 3),
                         _t(128, 64, 8, 2)],
                   256: [_t(64, 32, 4, 2), _t(64, 64, 8, 1), _t(32, 64, 4, 2)]},
-        # bwd_kv 64x64/8/2 TMA (session 13): with the dS store (the "ds" backward) the causal 64x64/4/2 kernel spills
+        # bwd_kv 64x64/8/2 TMA: with the dS store (the "ds" backward) the causal 64x64/4/2 kernel spills
         # 80-92 B on sm_90 (ptxas), 8 warps do not (217-226 registers; tests/test_attention_ds_backward.py); not timed yet
         # the dQ GEMM over a materialized dS (triton_common/flash_attention/dq_gemm.py; BLOCK_M queries x BLOCK_N keys per step): streams
         # dS from memory, so deep pipelines.  Tuned on the H200: 128x64

@@ -188,7 +188,7 @@ class ConfigTuner:
                 log.info("%s: config %s failed: %s", self.name, c, str(e).splitlines()[0] if str(e) else e)
         # interleaved rounds, the order rotated (as the impl-level autotune does): timed once each, in order,
         # the first config after the compiles runs on ramping clocks, and one short sample per config is at the
-        # mercy of the H200's run-to-run swing (session 10: GEMM times moved 5-15% between rounds); a config
+        # mercy of the H200's run-to-run swing (GEMM times moved 5-15% between rounds); a config
         # that fails here times inf
         times = {i: t for i, t in time_rounds({i: (lambda c=configs[i]: launch(c)) for i in ok}, "cuda",
                                                "wall").items() if t != float("inf")}

@@ -184,7 +184,7 @@ def impls(env) -> list[KernelImpl]:
                     "wgmma turns (ping-pong), 3-stage K/V ring, softmax/GEMM overlap; "
                     "ragged s, bottom-right causal, GQA by index); Triton backward from out + lse", **common),
         # the same forward with the single-kernel backward whose dQ goes through TMA reduce-adds: correct on the
-        # H200 but slower than the deterministic two-kernel backward (session 10: 8.09 vs 6.85 ms at b4 s4096
+        # H200 but slower than the deterministic two-kernel backward (8.09 vs 6.85 ms at b4 s4096
         # d128), so it stays experimental
         KernelImpl(
         id=IMPL_ID + ".atomic_dq", backward=gluon_bwd_atomic, priority=PRIORITY_TRITON + 5, deterministic=False,

@@ -10,7 +10,7 @@ TFLOP/s vs our ~390): a producer warp (the consumers issue TMA loads themselves)
 another warp instead of atomics from the GEMM warps.  (The key rows are already split FA3's way: each
 of the two GEMM warpgroups holds 64 of the 128 keys of dK/dV.)
 
-Session 6 schedules, VARIANTS (compiled for sm_90 on CPU, 0 STL/LDL and 0 stack at d64/d128, bf16/fp16,
+Schedules, VARIANTS (compiled for sm_90 on CPU, 0 STL/LDL and 0 stack at d64/d128, bf16/fp16,
 causal or not).  H200 at b82d17a: ws and ws_dqw pass every
 check, and none wins: b4 h32 s4096 d128 bf16, ms inline / ws / ws st3 / ws_dqw / Triton / cuDNN:
 non-causal 7.05 / 6.99 / 7.01 / 7.37 / 6.76 / 5.46, causal 3.85 / 3.82 / 3.83 / 4.06 / 3.34 / 2.86, GQA 32/8

@@ -2,10 +2,10 @@
 
     out = act(alpha * a @ b + bias) + residual      a (..., K), b (K, N); bf16 / fp16, fp32 accumulation
 
-Not experimental since session 9: pinned H200 conformance at b28714e passed (10 pass, 0 fail; the skips are
-K / N not multiples of 8 and fp32 / fp64: docs/conformance/cuda-h200-gluon-gemm.md), and every variant passes
-every check against float64 (odd M 1 / 7 / 127, capped persistent grids, every
-epilogue; sessions 8 and 9).  It ranks below the Triton impls (PRIORITY_TRITON - 5): the dispatcher's
+Not experimental: pinned H200 conformance at b28714e passed (10 pass, 0 fail; the skips are
+K / N not multiples of 8 and fp32 / fp64: docs/conformance/cuda-h200-gluon-gemm.md), and on the H200 every variant
+passes every check against float64 (odd M 1 / 7 / 127, capped persistent grids, every
+epilogue).  It ranks below the Triton impls (PRIORITY_TRITON - 5): the dispatcher's
 measurement decides per shape bucket.
 
 Forward: the Gluon kernel, its schedule (VARIANTS) measured per shape bucket (_pick_variant).  Host side: leading dims of a are
@@ -19,8 +19,7 @@ the import error as the reason, and importing opsadv never fails.
 sm_90 compile (GPUTarget("cuda", 90, 128), triton 3.6.0, on CPU; tests/test_gluon_gemm.py checks every
 variant x activation x dtype x residual): 0 spills / stack 0 everywhere; consumers setmaxnreg 240 with up to
 R237 used (gelu_tanh / silu with a residual), producer warp 24; shared memory coop / coop_256x128 213,204 B, pingpong
-196,888 B, pingpong_st5 229,688 B (sm_90 limit 232,448).  On the H200 (session 8): every variant passes every
-check vs float64."""
+196,888 B, pingpong_st5 229,688 B (sm_90 limit 232,448)."""
 from __future__ import annotations
 
 import functools
@@ -61,7 +60,7 @@ VARIANTS = {
     "pingpong": dict(PINGPONG=True, BM=128, BN=128, BK=64, STAGES=4, num_warps=4),
     "pingpong_st5": dict(PINGPONG=True, BM=128, BN=128, BK=64, STAGES=5, num_warps=4),
     # gelu_tanh / silu through one tanh.approx per element instead of ex2 + reciprocal (the kernel's
-    # TANH_FAST); other activations compile to the base schedule.  H200 (sessions 9-10): pass every check; faster
+    # TANH_FAST); other activations compile to the base schedule.  H200: pass every check; faster
     # on silu in warm timing, within run-to-run noise on gelu_tanh; the per-bucket measurement decides.
     "coop_tanh": dict(PINGPONG=False, BM=128, BN=256, BK=64, STAGES=3, num_warps=8, TANH=True),
     "pingpong_tanh": dict(PINGPONG=True, BM=128, BN=128, BK=64, STAGES=4, num_warps=4, TANH=True),

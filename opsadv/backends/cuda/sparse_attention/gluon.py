@@ -27,7 +27,7 @@ Schedules (VARIANTS; gluon_kernel's docstring):
   * "st3": d128 3-stage K/V ring with one Q slot.  "pingpong_st3": both.
   * "q1": 1 Q slot at 2 stages, the control that separates st3's ring depth from its one-slot Q.
   All five store O from registers and free each Q slot after the item's last S = Q K^T (O_REGS).
-  * "pingpong_st3_kslot" (session 20; what auto_schedule runs on d128 band layouts): pingpong_st3 with the
+  * "pingpong_st3_kslot" (what auto_schedule runs on d128 band layouts): pingpong_st3 with the
     interval mask whose O leaves by TMA through the rows of the item's last K tile (O_KSLOT), the copy's slot
     freed under the next item's first S, the next item's tile counts read during the epilogue.  H200 at
     3717140 (benchmarks/gluon_fa/sparse_trace_probe.py): per-item fixed cost 3.8k cycles vs 7.3k with the register
@@ -40,10 +40,10 @@ H200 at b82d17a (every schedule passed every probe check,
 both grids), s16384 causal windows d128 bf16 b1 h32, ms default / pingpong_st3 (persistent, one item per CTA) /
 Triton sparse / flex: w1024 0.703 / 0.698, 0.772 / 0.691 / 0.847; w2048 ~1.26 / 1.091, 1.169 / 1.233 / 1.414;
 w4096 2.08 / 1.887, 1.966 / 2.089 / 2.444; w8192 3.50 / 3.219, 2.991 / 3.385 / 4.077; w128-w512 the
-default (pingpong_st3 0.379 / 0.423 / 0.506 vs 0.26-0.45).  So auto_schedule() took pingpong_st3 on d128
-window/causal layouts from SCHEDULE_PINGPONG_MIN_TILES visited tiles per row, its persistent grid up to
-PINGPONG_PERSISTENT_MAX_TILES, and the default schedule elsewhere; since session 20 it takes pingpong_st3_kslot
-there, which beats the default from ~2 tiles per row (the threshold's comment has the numbers).
+default (pingpong_st3 0.379 / 0.423 / 0.506 vs 0.26-0.45).  auto_schedule() takes pingpong_st3_kslot
+on d128 window/causal layouts from SCHEDULE_PINGPONG_MIN_TILES visited tiles per row (it beats the default from
+~2 tiles per row: the threshold's comment has the numbers), its persistent grid up to PINGPONG_PERSISTENT_MAX_TILES,
+and the default schedule elsewhere.
 No-grad calls that do not ask for the lse (the op's inference bucket) run `sparse_fwd_infer`: the kernel built with
 WRITE_LSE off (H200: +3.0% at w256, +0.2-0.4% at w1024 / w2048).
 Masks (MASK_MODES): band layouts (windows / causal; no mixed block mask, key padding or global tokens) take the
@@ -108,7 +108,7 @@ VARIANTS = {
     "interval": {"mask": "interval"},
     "pingpong_st3_interval": {"pingpong": True, "stages": 3, "mask": "interval"},
     # O out by TMA through the rows of the item's last K tile (its slot freed after the copy) instead of from registers
-    # (measured where the ping-pong epilogue's time went: sparse_trace_probe.py, session 20)
+    # (sparse_trace_probe.py measured where the ping-pong epilogue's time went)
     "pingpong_st3_kslot": {"pingpong": True, "stages": 3, "mask": "interval", "o_kslot": True},
     # the same with each item's epilogue (normalization, lse, O copy) run under the next item's first S = Q K^T
     # (a CPU timing model ranked it +3.6% at w1024).  H200
@@ -126,8 +126,8 @@ MASK_MODES = {"element": 0, "interval": 1, "unmasked_probe": 2}
 PERSISTENT_MAX_TILES = 24          # mean visited tiles per (b, h, query tile) up to which persistent wins
 # pingpong_st3 (module docstring, b82d17a): faster than the default from ~17 tiles per row (w2048: 1.09 vs
 # 1.26 ms), a tie at ~9 (w1024), slower below; its persistent grid wins at ~33 (w4096: 1.887 vs 1.966) and
-# loses at ~65 (w8192: 3.219 vs 2.991).  Thresholds sit between the measured points.  Session 20 (c7efee3,
-# persistent, ms default / pingpong_st3_kslot): with O leaving through the
+# loses at ~65 (w8192: 3.219 vs 2.991).  Thresholds sit between the measured points.  H200 at c7efee3
+# (persistent, ms default / pingpong_st3_kslot): with O leaving through the
 # last K tile the ping-pong schedule wins from ~3 tiles per row: w256 0.312 / 0.267, w512 0.438 / 0.364, w1024
 # 0.684 / 0.577, w2048 1.145 / 0.969, w4096 2.015 / 1.707; and at w128 (~2 tiles per row, 0db51d2)
 # 0.295 / 0.260.  Rows of ~1 tile were not measured.

@@ -31,15 +31,15 @@ before the softmax of S_j's successor, P in registers), driven by the layout's t
     tiles.  They take turns issuing their GEMMs through a pair of "turn" mbarriers (warpgroup 0
     pre-armed, a turn counter carried across items), so one warpgroup's softmax runs while the
     other's GEMMs hold the tensor cores.  kv_empty counts one arrive per warpgroup.
-  * O_KSLOT (with O_REGS' early Q release; session 20): O leaves by TMA through the partition's rows of the
+  * O_KSLOT (with O_REGS' early Q release): O leaves by TMA through the partition's rows of the
     item's last K tile instead of from registers.  Every S that read the tile has retired (this partition's
     in its tile loops, the other warpgroup's by k_done: one arrive per warpgroup and item), and the ring slot
     is released only after the copy has read it -- at the next item's first S, so nothing waits for the copy
     at the boundary; the next item's tile counts are loaded during the epilogue for the same reason.  Items
-    with no tile store their zeros from registers.  (The register store wrote 2-byte pieces until session 20:
-    it now writes 4-byte ones; either costs far more per item than one TMA copy, sparse_trace_probe.py.)
+    with no tile store their zeros from registers.  (The register store, even in 4-byte pieces, costs far more
+    per item than one TMA copy: sparse_trace_probe.py.)
   * WRITE_LSE=False (no-grad calls through KernelImpl.inference): the lse is neither computed nor stored.
-  * EARLY_S0 (with O_KSLOT; session 22): an item's epilogue (1 / l, the lse,
+  * EARLY_S0 (with O_KSLOT): an item's epilogue (1 / l, the lse,
     O into its last K tile and the copy) runs in the next turn of the item loop, under that item's first S = Q K^T
     (or, for an empty item, before its idle turn's end), and one extra empty turn past the CTA's last item runs the
     last one; the copy's slot is released once that S has retired.  k_done then counts only items with tiles: with

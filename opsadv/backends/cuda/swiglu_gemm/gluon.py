@@ -7,7 +7,7 @@ GEMM's cooperative schedule ran plain GEMMs at 691-694 (9bd6b69); SwiGLU is
 one GEMM of twice the columns, so it should run at the GEMM's rate.  The kernel (gluon_kernel.py) is
 that schedule with two B boxes (gate and up columns of the same weight) per ring slot and two accumulators.
 
-Not experimental: on the H200 at 7a12dcb (session 17) its 42 GPU tests passed (tests/test_gluon_swiglu_gemm.py -k gpu:
+Not experimental: on the H200 at 7a12dcb its 42 GPU tests passed (tests/test_gluon_swiglu_gemm.py -k gpu:
 every variant vs float64, odd M / N / K tails, both weight layouts, bias, capped grids) and so did pinned conformance
 (docs/conformance/cuda-h200-gluon-swiglu.md, 6 pass / 0 fail); the suite's four SwiGLU shapes then ran at 696-709
 TFLOP/s (1.10-1.22x eager, 1.05-1.07x torch.compile).  The dispatcher measures it

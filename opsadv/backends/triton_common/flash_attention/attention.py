@@ -35,13 +35,10 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 HEAD_DIMS = (32, 64, 96, 128, 256)
 FEATURES = frozenset({"causal", "gqa", "cross_length"})
-# H200 (bf16, d128, s4096): the atomic-dQ backward took 7.8 ms against 6.7 ms for the two-kernel one
-# (fp32 element atomics in the dK/dV kernel cost more than recomputing QK^T and dP in a dQ kernel), so it
-# ranks below and is experimental (use_backend(..., experimental=True) to measure it).  Since session 9 it
-# reduces dQ on Hopper with one TMA bulk reduce-add per tile (_dq_tma_ok).  Measured in session 10
-# (correct, rel err 2.5e-3 vs float64): still slower, b4 s4096 d128
-# 8.09 ms vs 6.85 deterministic and 5.34 cuDNN (causal 4.43 / 3.66 / 2.96; s16384 causal 15.00 / 13.08 / 10.58;
-# d64 causal 2.36 / 2.02 / 1.81), so it stays experimental.
+# The atomic-dQ backward (dQ by one TMA bulk reduce-add per tile on Hopper, _dq_tma_ok; fp32 element atomics
+# elsewhere) is correct but slower than the two-kernel one, so it ranks below and is experimental
+# (use_backend(..., experimental=True) to measure it).  H200, TMA reduce, b4 s4096 d128: 8.09 ms vs 6.85
+# deterministic and 5.34 cuDNN (causal 4.43 / 3.66 / 2.96); element atomics, bf16 d128 s4096: 7.8 vs 6.7 ms.
 ATOMIC_DQ_PRIORITY_DELTA = -10
 
 
@@ -311,8 +308,7 @@ def _dq_tma_ok(q: torch.Tensor, d: int, block_d: int) -> bool:
             and sm90_plus(q.device.index))
 
 
-# The deterministic backward's dK/dV and dQ kernels on two streams (CUDA only).  H200 session 11
-# (gradients bit-identical):
+# The deterministic backward's dK/dV and dQ kernels on two streams (CUDA only).  H200 (gradients bit-identical):
 # 1.006-1.057x the one-stream backward in 8 of 8 cases (b4 s4096 d128 6.535 vs 6.572 ms, causal 3.560 vs
 # 3.631, GQA causal 3.465 vs 3.661, s16384 1.013-1.015x, d64 1.021x).
 CONCURRENT_BWD = True
@@ -443,9 +439,8 @@ def _bwd(ctx, dout, q, k, v, out, lse, causal, scale, atomic_dq: bool, variant: 
 
 def _with_lpt(cfgs: list[dict], causal: bool, q: torch.Tensor) -> list[dict]:
     """cfgs, then each again with a longest-first launch order of the dK/dV programs (LPT) for causal masks on a
-    GPU, for the tuner to measure: added in session 13 for the GQA dS backward (4x longer programs per chunk, lost
-    0.93x), offered to the two-kernel backward in session 14 (the variant GQA s16384 causal runs; not picked there
-    at 0a99afe)."""
+    GPU, for the tuner to measure: for the GQA dS backward (4x longer programs per chunk; it lost, 0.93x) and the
+    two-kernel backward (the variant GQA s16384 causal runs; LPT not picked there at 0a99afe)."""
     if not causal or q.device.type != "cuda":
         return cfgs
     return cfgs + [{**c, "LPT": True} for c in cfgs]
@@ -454,16 +449,16 @@ def _with_lpt(cfgs: list[dict], causal: bool, q: torch.Tensor) -> list[dict]:
 def _split_bytes(group: int, kv_heads: int, sk: int, d: int) -> int:
     """Bytes of SPLIT's fp32 dK / dV shares for a launch over kv_heads: scratch that counts against the
     workspace cap with the dS workspace (a chunk of the dS variant: both together).  GQA 32/8 s16384 d128: one
-    kv head's dS slabs take 2 GiB and its shares 64 MiB, inside the 2.25 GiB default (at the 2 GiB default of
-    sessions 13-15 SPLIT was offered there only to the two-kernel variant, all kv heads' shares: 512 MiB)."""
+    kv head's dS slabs take 2 GiB and its shares 64 MiB, inside the 2.25 GiB default (a 2 GiB cap would leave
+    SPLIT there only to the two-kernel variant, all kv heads' shares: 512 MiB)."""
     return 2 * group * kv_heads * sk * d * 4
 
 
 def _with_split(cfgs: list[dict], group: int, q: torch.Tensor, fits: bool = True) -> list[dict]:
     """cfgs, then each again with one dK/dV program per q head (SPLIT) for GQA on a GPU, for the tuner to measure:
     the dS backward's chunks of one kv head (s16384: 2 GiB holds one head's 4 q-head slabs) launched only 256
-    programs of up to 4 x 256 q blocks each, under one wave of the H200's slots (session 14: ds not chosen for
-    GQA s16384 causal, own fwd+bwd 1.467x SDPA-flash); SPLIT gives GROUP times as many, GROUP times shorter ones,
+    programs of up to 4 x 256 q blocks each, under one wave of the H200's slots (without SPLIT ds was not chosen
+    for GQA s16384 causal, own fwd+bwd 1.467x SDPA-flash); SPLIT gives GROUP times as many, GROUP times shorter ones,
     for an fp32 write and read of the group's dK / dV shares (offered only where they fit the workspace cap:
     fits)."""
     if group == 1 or q.device.type != "cuda" or not fits:
@@ -491,7 +486,7 @@ def _bwd_ds(ctx, key, tune, tma_ok: bool, launch_kv, q, k, dq, causal, scale, pe
 
     first = chunks[0]
     kv_cfgs = _configs(ctx, "bwd_kv", d, tma_ok)
-    if tma_ok:      # dS out through a descriptor: it won every d128 bucket of session 13 against plain stores
+    if tma_ok:      # dS out through a descriptor: it won every d128 bucket timed against plain stores
         kv_cfgs = [{**c, "DS_TMA": True} for c in kv_cfgs]
     scratch = sum(w.numel() * w.element_size() for w in bufs) + _split_bytes(group, per_chunk, sk, d)
     kv_cfgs = _with_lpt(_with_split(kv_cfgs, group, q, scratch <= dq_gemm.workspace_cap(ctx)), causal, q)

@@ -26,7 +26,7 @@ from ..utils import load_tile, store_tile
 # option nor the profile names one: 2 GiB of dS slabs (b4 h32 s4096 in bf16 needs 4 GiB in all: two chunks;
 # s16384: four q heads per chunk) and room for the shares of the chunk (GQA 32/8 s16384 d128: 64 MiB per kv head).
 # At 2 GiB flat, GQA 32/8 s16384 could not take the dS variant with SPLIT (one kv head's 2 GiB of slabs filled the
-# cap), which session 16's probe timed at 12.46 ms against 12.95 for the two-kernel backward the tuner chose
+# cap), which the dS probe timed (b86c2f6) at 12.46 ms against 12.95 for the two-kernel backward the tuner chose
 # (backward alone).  Chunks are balanced (kv_heads_per_chunk), so the extra room does not
 # turn b4 s4096's two chunks of 64 heads into 72 + 56.
 DS_WORKSPACE_CAP = (2 << 30) + (256 << 20)

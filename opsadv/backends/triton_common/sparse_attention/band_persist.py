@@ -10,8 +10,8 @@ Measured on the H200 (5859e0a; s16384 causal
 windows, d128 bf16, 64x64 tiles, K/V through descriptors, ms persistent / LOOP "band"): w128 0.2265 / 0.2349,
 w256 0.2837 / 0.2922, w1024 0.712 / 0.680, w2048 1.29 / 1.17.  So it pays only where an item is short:
 sparse.py takes it by default for bands at most PERSIST_MAX_TILES key tiles wide.  The loops fused by Triton
-(`tl.range(..., flatten=True)`, written in session 15 so the next item's loads would issue under the current
-item's last tiles) computed wrong outputs on the H200 wherever a program walked several items (relative error
+(`tl.range(..., flatten=True)`, meant to issue the next item's loads under the current item's last tiles)
+computed wrong outputs on the H200 wherever a program walked several items (relative error
 0.17-0.94 against SDPA at the timing shapes; right at the small check shapes, where each program had one item)
 and ran 1.3-2x slower: removed.
 

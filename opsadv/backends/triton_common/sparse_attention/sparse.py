@@ -75,13 +75,13 @@ def tiles_for(profile, head_dim: int):
 #                 with the row, so the program derives its tiles from (row tile, window, causal) with no index
 #                 loads (_band_tiles); the full tiles first (the pipelined loop's first K/V loads issue at the
 #                 program's start, not after two dependent list loads), then the masked edge tiles.
-#                 (Session 15 also timed the masked tiles first: the same within 1%, so the saving is the index
-#                 loads' latency, not the order.)
+#                 (The masked tiles first timed the same within 1%: the saving is the index loads' latency, not
+#                 the order.)
 #   6 "band_fused": band tiles in one loop in column order (the "fused" structure): the masked edge tiles take the
 #                 element mask in a uniform branch, so one pipeline covers the program (no refill between loops).
 #   7 "band_persist": windowed bands only (else "band"): the persistent kernel of band_persist.py, a
 #                 program walking (head, q tile) items, each running the band's widest tile count.  Faster than
-#                 "band" only for narrow bands (session 16: w128 / w256 1.03-1.04x, w1024 0.95x): the default
+#                 "band" only for narrow bands (H200, 5859e0a: w128 / w256 1.03-1.04x, w1024 0.95x): the default
 #                 takes it for bands of <= PERSIST_MAX_TILES key tiles (below).
 LOOP_IDS = {"list": 0, "prefetch": 1, "run": 2, "fused": 3, "fused_run": 4, "band": 5, "band_fused": 6,
             "band_persist": 7}
@@ -98,8 +98,8 @@ LOOP_IDS = {"list": 0, "prefetch": 1, "run": 2, "fused": 3, "fused_run": 4, "ban
 # ms band / run): 64x64 w128 0.234 / 0.248, w256 0.299 / 0.310, w1024 0.691 / 0.707, w2048 1.200 / 1.240; 128x128
 # w2048 1.161 / 1.184; the masked tiles first the same within 1%.
 # Layouts that are not bands take "run".
-# "persist_max_tiles": "band" becomes "band_persist" where the band is at most this many key tiles wide (session 16,
-# 64x64 tiles: w128 = 3 tiles 0.2265 vs 0.2349 ms, w256 = 5 tiles
+# "persist_max_tiles": "band" becomes "band_persist" where the band is at most this many key tiles wide (H200,
+# 5859e0a, 64x64 tiles: w128 = 3 tiles 0.2265 vs 0.2349 ms, w256 = 5 tiles
 # 0.2837 vs 0.2922; w1024 = 17 tiles 0.712 vs 0.680).  Only without a variant: one naming its loop runs it as named.
 PERSIST_MAX_TILES = 5
 FWD_DEFAULT = {"loop": "band", "reverse": False, "tma": "contiguous", "persist_max_tiles": PERSIST_MAX_TILES}
@@ -578,7 +578,7 @@ def sparse_fwd(ctx, q, k, v, block_mask, kpm, cu, bs, causal, wl, wr, ng, scale,
     if loop == 7 and (wl < 0 or ti.bm_mode != 0 or ti.tiles < 0 or long is not None):
         loop = 5    # persistent band: a window over an all-False block mask only (an all-True one has no bounded
         #             width), not under graph capture, not at the long-row tile (never measured there: the long
-        #             rows are where "band" beat it, session 16)
+        #             rows are where "band" beat it)
     if loop >= 5 and not _is_band(ti, cu, kpm, wl, ng):
         loop = 4 if loop == 6 else 2                # not a band: the tile lists
     if loop in (2, 4) and not ti.full_run:          # full tiles not one run per row: the general list path
