@@ -270,6 +270,54 @@ def test_empty_batch_and_empty_queries():
     assert out.shape == (0, 2, 16) and lse.shape == (0, 2)
 
 
+_SM90_COMPILE = r"""
+import json, os, sys
+os.environ.pop("TRITON_INTERPRET", None)
+import torch
+from opsadv.testing.sm90 import compile_sm90
+from opsadv.backends.triton_common.paged_attention import kernels as K, paged_attention as PA
+from opsadv.ops.paged_attention.cases import paged_inputs
+FNS = {"attn": K.paged_attn_kernel, "merge": K.merge_kernel, "append": K.append_kernel}
+calls = []
+class Rec:                                 # records each launch the host wrapper makes
+    def __init__(self, name):
+        self.name = name
+    def __getitem__(self, grid):
+        return lambda *args, **kw: calls.append((self.name, args, kw))
+PA._K.update({n: Rec(n) for n in FNS})
+res = {}
+for label, dtype, shape in (
+        ("decode gqa bf16 d128 split append", torch.bfloat16, dict(hq=32, hkv=8, d=128, page=16, lens=[4096],
+                                                                   append=True)),
+        ("decode mqa fp16 d128 page128 split", torch.float16, dict(hq=32, hkv=1, d=128, page=128, lens=[300] * 70)),
+        ("prefill gqa bf16 d128", torch.bfloat16, dict(hq=32, hkv=8, d=128, page=16, lens=[600] * 8, s_q=300)),
+        ("varlen fp16 d64", torch.float16, dict(hq=8, hkv=2, d=64, page=16, lens=[600, 700], q_counts=[5, 7],
+                                                append=True)),
+        ("prefill bf16 d256", torch.bfloat16, dict(hq=16, hkv=4, d=256, page=16, lens=[200] * 4, s_q=100)),
+        ("decode fp32 d128", torch.float32, dict(hq=32, hkv=8, d=128, page=16, lens=[300] * 2))):
+    calls.clear()
+    args, kw = paged_inputs(dtype, "cpu", torch.Generator().manual_seed(0), **shape)
+    PA.paged_fwd(None, *args, kw.get("cu_seqlens_q"), kw.get("k_new"), kw.get("v_new"), True, 0.1)
+    for name, a, k in calls:
+        fn, k = FNS[name], dict(k)
+        warps = k.pop("num_warps")
+        r = compile_sm90(fn, {**dict(zip(fn.arg_names, a)), **k}, warps, 3)
+        res[f"{label} {name}"] = r["spill_stores"] + r["spill_loads"]
+print(json.dumps(res))
+"""
+
+
+def test_kernels_compile_for_sm90_without_spills():
+    """The launches the host wrapper makes (decode with split-KV and append, MQA on 128-token pages, prefill d128 /
+    d256, packed fp16, fp32) compile for sm_90 (no interpreter) without register spills."""
+    import json
+    from conftest import run_sm90_compile
+    r = json.loads(run_sm90_compile(["-c", _SM90_COMPILE]).strip().splitlines()[-1])
+    assert {"decode gqa bf16 d128 split append append", "decode gqa bf16 d128 split append merge",
+            "varlen fp16 d64 append"} <= set(r)
+    assert len(r) == 11 and not any(r.values()), r
+
+
 @requires_gpu
 def test_bf16_on_gpu_long_context_split(monkeypatch):
     """b2 x 4k context, GQA 32 / 8, d128, pages of 16: the heuristic splits; against the oracle of the reference."""

@@ -10,7 +10,7 @@ float32; merge_kernel then combines the slices.  append_kernel writes k_new / v_
 import triton
 import triton.language as tl
 
-LN2: tl.constexpr = 0.6931471805599453
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -97,12 +97,12 @@ def paged_attn_kernel(Q, KC, VC, BT, SEQ, CU, O, LSE, S_Q, HKV, G, NUM_SPLITS, q
         km = kpos < hi
         page = tl.load(bt_row + (kpos // PAGE) * sbp, mask=km, other=0).to(tl.int64)
         slot = kpos % PAGE
-        k = tl.load(KC + (page * skp + slot * skt + kvh * skh)[None, :] + d[:, None] * skd,
-                    mask=km[None, :] & dm[:, None], other=0.0)
+        k = tl.load(KC + (page * skp + slot * skt + kvh * skh)[:, None] + d[None, :] * skd,
+                    mask=km[:, None] & dm[None, :], other=0.0)          # (BLOCK_N, BLOCK_D): rows of d contiguous
         if IEEE:
-            s = tl.dot(q, k, input_precision="ieee")
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
-            s = tl.dot(q, k)
+            s = tl.dot(q, tl.trans(k))
         s = s * qk_scale
         ok = km[None, :] & row_ok[:, None]
         if CAUSAL:

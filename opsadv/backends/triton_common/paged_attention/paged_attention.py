@@ -67,12 +67,12 @@ def _new(shape, dtype, device, poison):
 
 
 def _tiles(d_pad: int, rows: int, dtype) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps): rows per program (query x group heads), keys per step."""
-    block_m = max(16, min(_pow2(rows), 64))
-    block_n = 64 if d_pad <= 128 else 32
-    if dtype == torch.float32 and d_pad >= 128:
-        block_n = 32
-    return block_m, block_n, 4 if block_m * d_pad <= 64 * 128 else 8
+    """(BLOCK_M, BLOCK_N, num_warps): rows per program (query x group heads), keys per step.  Compiled for sm_90
+    without spills (tests/test_paged_attention.py::test_kernels_compile_for_sm90_without_spills)."""
+    wide = dtype == torch.float32 or d_pad > 128        # fp32 (FMA dots) and d256 tiles: smaller, or they spill
+    block_m = max(16, min(_pow2(rows), 32 if wide else 64))
+    block_n = 32 if wide else 64
+    return block_m, block_n, 8 if dtype == torch.float32 or block_m * d_pad > 64 * 128 else 4
 
 
 def paged_fwd(ctx, q, k_cache, v_cache, block_table, seqlens_k, cu_seqlens_q, k_new, v_new, causal, scale):
