@@ -231,7 +231,7 @@ BAD = {
     "page size not pow2": (lambda d: d.update(k_cache=d["k_cache"][:, :6], v_cache=d["v_cache"][:, :6]), "k_cache",
                            "power of two"),
     "heads not dividing": (lambda d: d.update(q=d["q"][:, :, :3]), "k_cache", "dividing"),
-    "head dim": (lambda d: d.update(q=d["q"][..., :8]), "q", "head_dim 16"),
+    "head dim": (lambda d: d.update(q=d["q"][..., :8]), "k_cache", "head_dim (last dim) 8"),
     "block table dtype": (lambda d: d.update(block_table=d["block_table"].long()), "block_table", "int32"),
     "seqlens shape": (lambda d: d.update(seqlens_k=d["seqlens_k"][:1]), "seqlens_k", "(2,)"),
     "block table out of range": (lambda d: d["block_table"].__setitem__((1, 0), 99), "block_table", "page 99"),

@@ -71,13 +71,14 @@ def validate(q, k_cache, v_cache, block_table, seqlens_k, cu_seqlens_q=None, cau
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dtype != q.dtype:
             raise InvalidArgumentError(OP, name, f"dtype {dt(q.dtype)} (same as q)", dt(t.dtype))
+    if k_cache.shape[-1] != q.shape[-1]:
+        raise InvalidArgumentError(OP, "k_cache", f"head_dim (last dim) {q.shape[-1]} (as q)",
+                                   f"head_dim {k_cache.shape[-1]}")
     if v_cache.shape != k_cache.shape:
         raise InvalidArgumentError(OP, "v_cache", f"shape {tuple(k_cache.shape)} (same as k_cache: num_pages, "
                                    "page_size, Hkv, D)", tuple(v_cache.shape))
     npages, ps, hkv, d = k_cache.shape
     hq = q.shape[-2]
-    if q.shape[-1] != d:
-        raise InvalidArgumentError(OP, "q", f"head_dim {d} (as k_cache)", f"head_dim {q.shape[-1]}")
     if not 1 <= d <= MAX_HEAD_DIM:
         raise InvalidArgumentError(OP, "k_cache", f"head_dim in [1, {MAX_HEAD_DIM}]", f"head_dim {d}")
     if not _pow2(ps) or ps < 8:

@@ -84,7 +84,7 @@ def paged_fwd(ctx, q, k_cache, v_cache, block_table, seqlens_k, cu_seqlens_q, k_
     npages, page, hkv, _ = k_cache.shape
     batch, width = block_table.shape
     g = hq // hkv
-    q3 = q.reshape(-1, hq, d) if not varlen else q          # a view (q's last two dims are (Hq, D))
+    q3 = q.reshape(-1, hq, d) if not varlen else q          # (a view where q's strides allow)
     rows = q3.shape[0]
     s_q = rows if varlen else q.shape[1]                    # a bound on any sequence's query count
     cu = cu_seqlens_q if varlen else seqlens_k              # (unused without varlen)
