@@ -29,6 +29,8 @@ def append_kernel(KN, VN, KC, VC, BT, SEQ, CU, S_NEW, HKV,
     else:
         r0 = b * S_NEW
         n = S_NEW
+    if tb * BLOCK_T >= n:
+        return
     kv_len = tl.load(SEQ + b)
     i = tb * BLOCK_T + tl.arange(0, BLOCK_T)
     pos = kv_len - n + i
@@ -67,6 +69,8 @@ def paged_attn_kernel(Q, KC, VC, BT, SEQ, CU, O, LSE, S_Q, HKV, G, NUM_SPLITS, q
     else:
         r0 = b * S_Q
         n = S_Q
+    if mb * BLOCK_M >= n * G:                 # past this sequence's rows (packed q: the grid's bound is total_q)
+        return
     kv_len = tl.load(SEQ + b)
     rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     qi = rows // G

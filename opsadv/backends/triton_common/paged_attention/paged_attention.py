@@ -100,7 +100,9 @@ def paged_fwd(ctx, q, k_cache, v_cache, block_table, seqlens_k, cu_seqlens_q, k_
             PAGE=page, D=d, BLOCK_T=bt, BLOCK_D=d_pad, VARLEN=varlen, num_warps=4)
     block_m, block_n, warps = _tiles(d_pad, s_q * g, q.dtype)
     mblocks = -(-(s_q * g) // block_m)
-    splits = num_splits(batch * hkv * mblocks, width * page, _sms(ctx, dev))
+    # the programs that have rows (packed q: its mean count per sequence; the grid's bound leaves the rest idle)
+    busy = mblocks if not varlen else -(-(-(-rows // max(batch, 1)) * g) // block_m)
+    splits = num_splits(batch * hkv * busy, width * page, _sms(ctx, dev))
     out = _new((rows, hq, d), q.dtype, dev, poison)
     lse = _new((rows, hq), torch.float32, dev, poison)
     if splits > 1:
