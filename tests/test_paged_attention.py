@@ -263,6 +263,32 @@ def test_bad_inputs_name_op_and_argument(name):
     assert "paged_attention" in msg and f"'{argname}'" in msg and match in msg, msg
 
 
+def test_fast_path_repeats_the_full_paths_call(monkeypatch):
+    """A repeated identical no-grad call runs the stored resolution (no validation: a spy on validate sees one
+    call), counts in traces, gives the same result, follows a policy change, and still checks the index values on
+    CPU (they are not in the key)."""
+    M = importlib.import_module("opsadv.ops.paged_attention")
+    args, kw = _build(torch.float32, seed=9, hq=4, hkv=2, d=16, page=8, lens=[5, 9])
+    seen = []
+    real = M.validate
+    monkeypatch.setattr(M, "validate", lambda *a, **k: (seen.append(1), real(*a, **k)))
+    with opsadv.use_backend("cuda"), opsadv.trace() as t:
+        o1, l1 = opsadv.ops.paged_attention(*args, **kw)
+        o2, l2 = opsadv.ops.paged_attention(*args, **kw)
+    assert len(seen) == 1 and t.counts == {"cuda.triton.paged_attention": 2}
+    assert torch.equal(o1, o2) and torch.equal(l1, l2)
+    with opsadv.use_backend("reference"), opsadv.trace() as t:
+        opsadv.ops.paged_attention(*args, **kw)
+    assert t.counts == {"reference.paged_attention": 1}
+    bad = args[3].clone()
+    bad[0, 0] = 77
+    with opsadv.use_backend("cuda"):
+        with pytest.raises(InvalidArgumentError, match="page 77"):
+            opsadv.ops.paged_attention(*args[:3], bad, args[4], **kw)
+        with pytest.raises(InvalidArgumentError, match="'k_cache'"):      # other metadata: the full checks
+            opsadv.ops.paged_attention(args[0], args[1].double(), *args[2:], **kw)
+
+
 def test_empty_batch_and_empty_queries():
     args, kw = _build(torch.float32, hq=2, hkv=1, d=16, page=8, lens=[5, 9], q_counts=[0, 0])
     with opsadv.use_backend("cuda"):

@@ -43,7 +43,9 @@ from opsadv.core import dispatch
 from opsadv.core.errors import InvalidArgumentError
 from opsadv.core.kernel import CallSpec
 from opsadv.core.opdef import OpDef, Reference, arg
-from opsadv.core.op_common import (FLOAT_DTYPES, TORCH_OPS, check_scale, check_tensor, dt, eager_mode, len_bucket)
+from opsadv.core import policy as _policy
+from opsadv.core.op_common import (TORCH_OPS, check_scale, check_tensor, dispatch_modes, dt, eager_mode,
+                                   function_modes, functorch_level, grad_enabled, is_compiling, len_bucket)
 from opsadv.core.policy import in_scope, op_scope
 
 from . import cases as _cases, reference as _reference
@@ -245,11 +247,43 @@ def _empty_result(q):
     return q.new_zeros(q.shape), q.new_full(q.shape[:-1], float("-inf"), dtype=lse_dtype(q.dtype))
 
 
+_fast, _tracers, _scoped = dispatch._fast, dispatch._tracers, _policy._scoped
+
+
+def _meta(t):
+    return None if t is None else (type(t), t.dtype, t.device, t.shape)
+
+
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seqlens_k: Tensor, *,
                     cu_seqlens_q: Tensor | None = None, causal: bool = True, scale: float | None = None,
                     k_new: Tensor | None = None, v_new: Tensor | None = None, return_lse: bool = False):
     """Attention of q over a paged KV cache (module docstring): out (q's shape), or (out, lse) with return_lse.
     seqlens_k counts each sequence's cached tokens after k_new / v_new (if given) are appended in place."""
+    fk = hit = None
+    # the fast path (as rotary's): the exact metadata of an identical no-grad call that took the full path, which
+    # validated everything the key holds (a decode loop repeats its shapes every layer; seqlens_k's values change,
+    # and they are read by the kernel, or by check_values on CPU, which runs on every call)
+    if type(causal) is bool and (scale is None or type(scale) is float) \
+            and not (is_compiling() or dispatch_modes() or function_modes()) and functorch_level() is None:
+        try:
+            if not (grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad
+                                        or k_new is not None and k_new.requires_grad
+                                        or v_new is not None and v_new.requires_grad)):
+                fk = (OP, (_scoped.get() or _policy._global).serial, causal, scale, _meta(q), _meta(k_cache),
+                      _meta(v_cache), _meta(block_table), _meta(seqlens_k), _meta(cu_seqlens_q), _meta(k_new),
+                      _meta(v_new))
+                hit = _fast.get(fk)
+        except (AttributeError, TypeError):
+            fk = hit = None
+    if hit is not None:
+        if q.device.type == "cpu":
+            check_values(q, k_cache, block_table, seqlens_k, cu_seqlens_q, k_new)
+        if _tracers:
+            dispatch.record(hit.impl.id)
+        s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        out, lse = _contiguous(*hit.run(hit.ctx, q, k_cache, v_cache, block_table, seqlens_k, cu_seqlens_q, k_new,
+                                        v_new, causal, s))
+        return (out, lse) if return_lse else out
     validate(q, k_cache, v_cache, block_table, seqlens_k, cu_seqlens_q, causal, scale, k_new, v_new)
     _refuse_grad(q=q, k_cache=k_cache, v_cache=v_cache, k_new=k_new, v_new=v_new)
     mode = eager_mode(q, k_cache, v_cache, block_table, seqlens_k, cu_seqlens_q, k_new, v_new)
@@ -262,6 +296,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Te
     elif mode != TORCH_OPS:
         out, lse = _contiguous(*_route(q, k_cache, v_cache, block_table, seqlens_k, cu_seqlens_q, k_new, v_new,
                                        causal, s))
+        dispatch.learn(fk, _key(q, k_cache, block_table, cu_seqlens_q, k_new, causal))
     elif k_new is None:
         out, lse = torch.ops.opsadv.paged_attention(q, k_cache, v_cache, block_table, seqlens_k, cu_seqlens_q, causal,
                                                     s, op_scope())
