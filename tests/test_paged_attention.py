@@ -193,6 +193,24 @@ def test_compile_fullgraph_decode_step():
     assert torch.equal(args[1].nan_to_num(), eager_args[1].nan_to_num())
 
 
+def test_export_decode_step_keeps_the_cache_write():
+    """torch.export of a decode step: the appending op in the graph, and the exported program writes the cache."""
+    args, kw = _build(torch.float32, seed=8, hq=4, hkv=2, d=16, page=8, lens=[9, 12], append=True)
+
+    class Step(torch.nn.Module):
+        def forward(self, q, kc, vc, bt, sk, kn, vn):
+            return opsadv.ops.paged_attention(q, kc, vc, bt, sk, k_new=kn, v_new=vn)
+    eager = [a.clone() for a in args]
+    with opsadv.use_backend("cuda"):
+        want = Step()(*eager, kw["k_new"], kw["v_new"])
+        ep = torch.export.export(Step(), (*[a.clone() for a in args], kw["k_new"], kw["v_new"]))
+        assert any("paged_attention_append" in str(n.target) for n in ep.graph.nodes)
+        got = ep.module()(*args, kw["k_new"], kw["v_new"])
+    assert rel_err(got, want) < 1e-6
+    assert torch.equal(args[1].nan_to_num(), eager[1].nan_to_num()) and torch.equal(args[2].nan_to_num(),
+                                                                                     eager[2].nan_to_num())
+
+
 def test_gradients_are_refused_clearly():
     args, kw = _build(torch.float32, hq=2, hkv=1, d=16, page=8, lens=[5])
     q = args[0].requires_grad_()
