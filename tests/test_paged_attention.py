@@ -143,6 +143,7 @@ def test_split_heuristic():
     assert PA.num_splits(8, 1024, 132) == 4               # short contexts: slices of >= 256 keys
     assert PA.num_splits(8, 300, 132) == 1
     assert PA.num_splits(16, 8192, 132) == 17
+    assert PA.num_splits(8, 131072, 132, {"waves": 4, "max_splits": 48}) == 48       # a profile's tiles
 
 
 def test_decode_loop_appends_one_token_per_step():

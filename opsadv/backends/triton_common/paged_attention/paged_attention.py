@@ -40,16 +40,26 @@ def _pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
-def num_splits(programs: int, context: int, sms: int) -> int:
+def num_splits(programs: int, context: int, sms: int, tiles=None) -> int:
     """KV splits for a grid of `programs` (sequences x kv heads x query blocks) over contexts of at most `context`
     keys on a GPU of `sms` SMs: 1 where the grid fills WAVES waves or the context is short; else as many as
-    bring it to WAVES waves, each split keeping >= MIN_SPLIT_KEYS keys, at most MAX_SPLITS."""
+    bring it to WAVES waves, each split keeping >= MIN_SPLIT_KEYS keys, at most MAX_SPLITS.  tiles: the profile's
+    tiles["paged_attention"] may set "waves", "min_split_keys" and "max_splits" (no profile does yet: the
+    defaults are unmeasured)."""
     if SPLITS_OVERRIDE is not None:
         return max(1, SPLITS_OVERRIDE)
-    target = WAVES * sms
+    t = tiles or {}
+    target = t.get("waves", WAVES) * sms
     if programs >= target:
         return 1
-    return max(1, min(-(-target // programs), context // MIN_SPLIT_KEYS, MAX_SPLITS))
+    return max(1, min(-(-target // programs), context // t.get("min_split_keys", MIN_SPLIT_KEYS),
+                      t.get("max_splits", MAX_SPLITS)))
+
+
+def _profile_tiles(ctx) -> dict | None:
+    tiles = getattr(getattr(ctx, "profile", None), "tiles", None) or {}
+    t = tiles.get("paged_attention")
+    return t if isinstance(t, dict) else None
 
 
 def _sms(ctx, device) -> int:
@@ -102,7 +112,7 @@ def paged_fwd(ctx, q, k_cache, v_cache, block_table, seqlens_k, cu_seqlens_q, k_
     mblocks = -(-(s_q * g) // block_m)
     # the programs that have rows (packed q: its mean count per sequence; the grid's bound leaves the rest idle)
     busy = mblocks if not varlen else -(-(-(-rows // max(batch, 1)) * g) // block_m)
-    splits = num_splits(batch * hkv * busy, width * page, _sms(ctx, dev))
+    splits = num_splits(batch * hkv * busy, width * page, _sms(ctx, dev), _profile_tiles(ctx))
     out = _new((rows, hq, d), q.dtype, dev, poison)
     lse = _new((rows, hq), torch.float32, dev, poison)
     if splits > 1:
