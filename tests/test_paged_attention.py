@@ -308,6 +308,20 @@ def test_fast_path_repeats_the_full_paths_call(monkeypatch):
             opsadv.ops.paged_attention(args[0], args[1].double(), *args[2:], **kw)
 
 
+@pytest.mark.parametrize("backend,splits", [("cuda", 1), ("cuda", 3), ("reference", None)])
+def test_nan_and_inf_queries_poison_their_rows_only(backend, splits, monkeypatch):
+    """A NaN or +-inf in a query gives NaN out and lse on that (query, head) row alone (flash_attention's policy)."""
+    monkeypatch.setattr(PA, "SPLITS_OVERRIDE", splits)
+    args, kw = _build(torch.float32, seed=4, hq=4, hkv=2, d=16, page=8, lens=[12, 20], s_q=2)
+    q = args[0].clone()
+    q[0, 1, 2, 3], q[1, 0, 1, 0] = float("nan"), float("inf")
+    with opsadv.use_backend(backend):
+        out, lse = opsadv.ops.paged_attention(q, *args[1:], **kw)
+    bad = torch.zeros(2, 2, 4, dtype=torch.bool)
+    bad[0, 1, 2] = bad[1, 0, 1] = True
+    assert torch.equal(lse.isnan(), bad) and torch.equal(out.isnan().all(-1), bad) and not out[~bad].isnan().any()
+
+
 def test_empty_batch_and_empty_queries():
     args, kw = _build(torch.float32, hq=2, hkv=1, d=16, page=8, lens=[5, 9], q_counts=[0, 0])
     with opsadv.use_backend("cuda"):

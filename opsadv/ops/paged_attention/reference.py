@@ -63,6 +63,7 @@ def paged_fwd(ctx, q, k_cache, v_cache, block_table, seqlens_k, cu_seqlens_q, k_
             j = torch.arange(kv_len, device=q.device)[None, :]
             s = s.masked_fill(j > i + (kv_len - n), float("-inf"))
         m = torch.logsumexp(s, -1)                                  # (Hkv, G, n)
+        m = m.masked_fill(torch.isposinf(m), float("nan"))         # a +inf score: out and lse NaN (as flash)
         empty = torch.isneginf(m)
         p = torch.exp(s - m.masked_fill(empty, 0.0)[..., None]).masked_fill(empty[..., None], 0.0)
         o = torch.einsum("kgnl,lkd->nkgd", p, v)

@@ -124,9 +124,9 @@ def paged_attn_kernel(Q, KC, VC, BT, SEQ, CU, O, LSE, S_Q, HKV, G, NUM_SPLITS, q
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    seen = l_i > 0.0
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
+    none = l_i == 0.0                          # no key seen: 0 and -inf (a NaN / +inf score: NaN goes through)
+    out = acc / tl.where(none, 1.0, l_i)[:, None]
+    lse = tl.where(none, float("-inf"), (m_i + tl.log2(tl.where(none, 1.0, l_i))) * LN2)
     o_off = (r0 + qi).to(tl.int64) * sot + head.to(tl.int64) * soh
     l_off = (r0 + qi).to(tl.int64) * slt + head.to(tl.int64) * slh
     if SPLIT:
@@ -160,8 +160,8 @@ def merge_kernel(OP, LP, O, LSE, H, NUM_SPLITS, sos, sls, sot, soh, slt,
         den = den * a + w
         acc = acc * a[:, None] + w[:, None] * os
         m = m_new
-    seen = den > 0.0
-    out = acc / tl.where(seen, den, 1.0)[:, None]
-    lse = tl.where(seen, m + tl.log(tl.where(seen, den, 1.0)), float("-inf"))
+    none = den == 0.0
+    out = acc / tl.where(none, 1.0, den)[:, None]
+    lse = tl.where(none, float("-inf"), m + tl.log(tl.where(none, 1.0, den)))
     tl.store(O + t * sot + h[:, None] * soh + d[None, :], out.to(O.dtype.element_ty), mask=m2)
     tl.store(LSE + t * slt + h, lse, mask=hm)
