@@ -188,7 +188,7 @@ def _cmd_bench(args) -> int:
     import torch
 
     quick = args.quick
-    suites = ["attention", "sparse", "gemm", "norm", "rotary", "mlp", "lce", "e2e"] if args.suite == "all" else [args.suite]
+    suites = ["attention", "sparse", "gemm", "norm", "rotary", "mlp", "lce", "e2e", "decode"] if args.suite == "all" else [args.suite]
     if not torch.cuda.is_available():
         if not args.allow_cpu:
             raise OpsadvError(f"no CUDA GPU here (torch {torch.__version__}): the suites time GPU kernels against "
@@ -263,8 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description=f"Time opsadv's ops against their peers on a GPU and check every result against "
                                    f"the fastest peer's. How the runner times, the JSON schema and how to rerun the "
                                    f"committed numbers: {BENCH_DOC}.")
-    s.add_argument("--suite", default="all", choices=["attention", "sparse", "gemm", "norm", "rotary", "mlp", "lce", "e2e", "models", "all"],
-                   help="all: the eight op suites (not models)")
+    s.add_argument("--suite", default="all", choices=["attention", "sparse", "gemm", "norm", "rotary", "mlp", "lce", "e2e", "decode", "models",
+                                                      "all"],
+                   help="all: the nine op suites (not models)")
     s.add_argument("--quick", action="store_true", help="a few cases per suite")
     s.add_argument("--json", default=None, metavar="PATH", help="merge the rows into this file (after every case)")
     s.add_argument("--plot", default=None, metavar="PATH", help="speedup chart, rewritten after every case")

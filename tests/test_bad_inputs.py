@@ -146,9 +146,30 @@ def _qk_norm_rotary():
             ref, "q", "k", lambda d: {**d, "q": d["q"][:0], "k": d["k"][:0]})
 
 
+def _paged():
+    def make():
+        # pages of 8 tokens, out of order; sequence 1 shares sequence 0's first page
+        return {"q": _r(2, 3, 4, 16), "k_cache": _r(5, 8, 2, 16), "v_cache": _r(5, 8, 2, 16),
+                "block_table": torch.tensor([[3, 0], [3, 4]], dtype=torch.int32),
+                "seqlens_k": torch.tensor([10, 13], dtype=torch.int32)}
+
+    def ref(d):
+        outs = []
+        for b in range(d["q"].shape[0]):
+            n = int(d["seqlens_k"][b])
+            pages = d["block_table"][b].long()
+            k = d["k_cache"][pages].reshape(-1, 2, 16)[:n].transpose(0, 1)[None]
+            v = d["v_cache"][pages].reshape(-1, 2, 16)[:n].transpose(0, 1)[None]
+            outs.append(_attn64(d["q"][b:b + 1].transpose(1, 2), k, v, causal=True).transpose(1, 2))
+        return torch.cat(outs)
+    return (make, lambda d, **kw: opsadv.ops.paged_attention(d["q"], d["k_cache"], d["v_cache"], d["block_table"],
+                                                             d["seqlens_k"], **kw),
+            ref, "q", "k_cache", lambda d: {**d, "q": d["q"][:, :0]})
+
+
 OPS = {"flash_attention": _flash(), "sparse_attention": _sparse(), "gemm": _gemm(), "swiglu_gemm": _swiglu_gemm(),
        "swiglu": _swiglu(), "layer_norm": _layer_norm(), "rms_norm": _rms_norm(), "rotary_embedding": _rotary(),
-       "qk_norm_rotary": _qk_norm_rotary()}
+       "qk_norm_rotary": _qk_norm_rotary(), "paged_attention": _paged()}
 
 
 def _mutations(primary, secondary, empty):

@@ -270,3 +270,20 @@ def test_rotary_suite_qk_norm_rows_match_qwen3_expression():
             ours, ref = c.opsadv(), c.peers["torch_eager"]()
             assert len(ours) == len(ref) and all(runner.rel_err(a, b) < 1e-5 for a, b in zip(ours, ref))
     assert cases[0].work == suite_rotary.qk_bytes_moved(2, 5, 4, 2, 8, False) == 2 * (2 * 5 * 6 * 8 * 2) + 2 * 2 * 5 * 8 * 2
+
+
+def test_decode_suite_grid_and_tiny_cases_on_cpu():
+    """The decode suite's grid (44 cases, 4 quick; b64 x 128k left out) and its contenders agreeing on tiny shapes:
+    the paged cache and the peers' contiguous copy hold the same K / V."""
+    from opsadv.bench import suite_decode
+    full, quick = suite_decode.grid(False), suite_decode.grid(True)
+    assert len(full) == 2 * 2 * 3 * 4 - 2 * 2 and len(quick) == 4 and set(quick) <= set(full)
+    assert ("gqa", 32, 8, 16, 1, 131072) in full and not any(b == 64 and s == 131072 for *_, b, s in full)
+    with opsadv.use_backend("reference"):
+        cases = list(suite_decode.cases(False, shapes=[("gqa", 4, 2, 16, 2, 37, 16), ("mqa", 4, 1, 8, 1, 50, 16)]))
+        assert [c.case for c in cases] == ["fwd fp32 decode gqa b2 ctx37 h4/2 d16 page16",
+                                           "fwd fp32 decode mqa b1 ctx50 h4/1 d16 page8"]
+        for c in cases:
+            assert c.unit == "TB/s" and set(c.peers) == {"sdpa"} and c.baseline == "sdpa"
+            assert runner.rel_err(c.opsadv(), c.peers["sdpa"]()) < 1e-5
+    assert cases[0].work == suite_decode.bytes_moved(2, 37, 4, 2, 16, 4) == 2 * 2 * 37 * 2 * 16 * 4 + 2 * 2 * 4 * 16 * 4

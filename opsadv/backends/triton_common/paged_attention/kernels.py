@@ -1,0 +1,167 @@
+"""Triton kernels of the paged_attention op (paged_attention.py).
+
+paged_attn_kernel: one program per (KV split, sequence x kv head, query-row block).  Its rows are (query, head)
+pairs of the G = Hq / Hkv query heads that share the program's kv head (row r: query r // G, head r % G), so a
+decode step (one query) puts the whole GQA group in one tile and K / V are read once per kv head.  Keys are read
+through the block table a BLOCK_N-key tile at a time (each key's page looked up: any page size), online softmax
+in float32 (exp2), causal bottom-right (query i of n sees keys j <= L - n + i).  With SPLIT the program covers
+one of NUM_SPLITS slices of the key range (flash-decoding) and writes its normalized partial out and lse in
+float32; merge_kernel then combines the slices.  append_kernel writes k_new / v_new into the pages first."""
+import triton
+import triton.language as tl
+
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def append_kernel(KN, VN, KC, VC, BT, SEQ, CU, S_NEW, HKV,
+                  snt, snh, snd, svnt, svnh, svnd,
+                  skp, skt, skh, skd, svp, svt, svh, svd, sbb, sbp,
+                  PAGE: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                  VARLEN: tl.constexpr):
+    """Program (sequence b, block of its new tokens): token i of the n new ones goes to cache position
+    seqlens_k[b] - n + i, page block_table[b, pos // PAGE], slot pos % PAGE, every kv head."""
+    b = tl.program_id(0)
+    tb = tl.program_id(1)
+    if VARLEN:
+        r0 = tl.load(CU + b)
+        n = tl.load(CU + b + 1) - r0
+    else:
+        r0 = b * S_NEW
+        n = S_NEW
+    if tb * BLOCK_T >= n:
+        return
+    kv_len = tl.load(SEQ + b)
+    i = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+    pos = kv_len - n + i
+    tm = (i < n) & (pos >= 0)
+    page = tl.load(BT + b.to(tl.int64) * sbb + (pos // PAGE) * sbp, mask=tm, other=0).to(tl.int64)
+    slot = pos % PAGE
+    d = tl.arange(0, BLOCK_D)
+    m = tm[:, None] & (d < D)[None, :]
+    row = (r0 + i).to(tl.int64)
+    for h in range(HKV):
+        k = tl.load(KN + row[:, None] * snt + h * snh + d[None, :] * snd, mask=m)
+        v = tl.load(VN + row[:, None] * svnt + h * svnh + d[None, :] * svnd, mask=m)
+        tl.store(KC + (page * skp + slot * skt + h * skh)[:, None] + d[None, :] * skd, k.to(KC.dtype.element_ty),
+                 mask=m)
+        tl.store(VC + (page * svp + slot * svt + h * svh)[:, None] + d[None, :] * svd, v.to(VC.dtype.element_ty),
+                 mask=m)
+
+
+@triton.jit
+def paged_attn_kernel(Q, KC, VC, BT, SEQ, CU, O, LSE, S_Q, HKV, G, NUM_SPLITS, qk_scale,
+                      sqt, sqh, sqd, skp, skt, skh, skd, svp, svt, svh, svd, sbb, sbp,
+                      sot, soh, sod, slt, slh, sos, sls,
+                      PAGE: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_D: tl.constexpr, VARLEN: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr,
+                      IEEE: tl.constexpr):
+    """qk_scale = scale * log2(e).  O / LSE: the output and lse ((rows, Hq, D) / (rows, Hq)), or with SPLIT the
+    float32 partials, split s at offset s * sos / s * sls."""
+    split = tl.program_id(0)
+    bh = tl.program_id(1)
+    mb = tl.program_id(2)
+    b = bh // HKV
+    kvh = bh % HKV
+    if VARLEN:
+        r0 = tl.load(CU + b)
+        n = tl.load(CU + b + 1) - r0
+    else:
+        r0 = b * S_Q
+        n = S_Q
+    if mb * BLOCK_M >= n * G:                 # past this sequence's rows (packed q: the grid's bound is total_q)
+        return
+    kv_len = tl.load(SEQ + b)
+    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    qi = rows // G
+    head = kvh * G + rows % G
+    row_ok = qi < n
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
+    q_off = (r0 + qi).to(tl.int64) * sqt + head.to(tl.int64) * sqh
+    q = tl.load(Q + q_off[:, None] + d[None, :] * sqd, mask=row_ok[:, None] & dm[None, :], other=0.0)
+    # this program's keys: its split's slice of [0, L), cut at the last key its rows see (causal)
+    if SPLIT:
+        chunk = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, kv_len)
+    else:
+        lo = 0
+        hi = kv_len
+    if CAUSAL:
+        last_q = tl.minimum((mb * BLOCK_M + BLOCK_M - 1) // G, n - 1)
+        hi = tl.minimum(hi, kv_len - n + last_q + 1)
+    diag = kv_len - n + qi                     # causal: row sees keys <= diag
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    bt_row = BT + b.to(tl.int64) * sbb
+    for start in range(lo, hi, BLOCK_N):
+        kpos = start + tl.arange(0, BLOCK_N)
+        km = kpos < hi
+        page = tl.load(bt_row + (kpos // PAGE) * sbp, mask=km, other=0).to(tl.int64)
+        slot = kpos % PAGE
+        k = tl.load(KC + (page * skp + slot * skt + kvh * skh)[:, None] + d[None, :] * skd,
+                    mask=km[:, None] & dm[None, :], other=0.0)          # (BLOCK_N, BLOCK_D): rows of d contiguous
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * qk_scale
+        ok = km[None, :] & row_ok[:, None]
+        if CAUSAL:
+            ok = ok & (kpos[None, :] <= diag[:, None])
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(VC + (page * svp + slot * svt + kvh * svh)[:, None] + d[None, :] * svd,
+                    mask=km[:, None] & dm[None, :], other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    none = l_i == 0.0                          # no key seen: 0 and -inf (a NaN / +inf score: NaN goes through)
+    out = acc / tl.where(none, 1.0, l_i)[:, None]
+    lse = tl.where(none, float("-inf"), (m_i + tl.log2(tl.where(none, 1.0, l_i))) * LN2)
+    o_off = (r0 + qi).to(tl.int64) * sot + head.to(tl.int64) * soh
+    l_off = (r0 + qi).to(tl.int64) * slt + head.to(tl.int64) * slh
+    if SPLIT:
+        o_off += split.to(tl.int64) * sos
+        l_off += split.to(tl.int64) * sls
+    tl.store(O + o_off[:, None] + d[None, :] * sod, out.to(O.dtype.element_ty), mask=row_ok[:, None] & dm[None, :])
+    tl.store(LSE + l_off, lse, mask=row_ok)
+
+
+@triton.jit
+def merge_kernel(OP, LP, O, LSE, H, NUM_SPLITS, sos, sls, sot, soh, slt,
+                 D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program (query row t, block of heads): out = sum_s w_s o_s, w_s = exp(lse_s - lse), lse = log sum_s
+    exp(lse_s) over the splits' partials (float32, contiguous (splits, rows, H, D) / (splits, rows, H)); a row no
+    split saw gives 0 and -inf."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hm = h < H
+    d = tl.arange(0, BLOCK_D)
+    m2 = hm[:, None] & (d < D)[None, :]
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    den = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for s in range(NUM_SPLITS):
+        ls = tl.load(LP + s * sls + t * H + h, mask=hm, other=float("-inf"))
+        os = tl.load(OP + s * sos + t * H * D + h[:, None] * D + d[None, :], mask=m2, other=0.0)
+        m_new = tl.maximum(m, ls)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        a = tl.exp(m - m_safe)
+        w = tl.exp(ls - m_safe)
+        den = den * a + w
+        acc = acc * a[:, None] + w[:, None] * os
+        m = m_new
+    none = den == 0.0
+    out = acc / tl.where(none, 1.0, den)[:, None]
+    lse = tl.where(none, float("-inf"), m + tl.log(tl.where(none, 1.0, den)))
+    tl.store(O + t * sot + h[:, None] * soh + d[None, :], out.to(O.dtype.element_ty), mask=m2)
+    tl.store(LSE + t * slt + h, lse, mask=hm)

@@ -1,0 +1,153 @@
+"""The paged_attention op (opsadv.ops.paged_attention) for the cuda backend (and rocm / jetson, which run the same
+kernels): impl "cuda.triton.paged_attention".
+
+Per call: the append kernel (k_new / v_new into their pages, when given), then the attention kernel over a grid
+(KV splits, batch x kv heads, query-row blocks) and, with more than one split, the merge kernel (kernels.py).
+
+Split-KV (flash-decoding): a decode batch has batch x kv_heads programs, 8 for b1 with 8 kv heads, which leaves
+most of a 132-SM GPU idle however long the context.  When the programs fall short of two waves of the SM count
+(num_splits), the key range is cut into slices of at least MIN_SPLIT_KEYS keys, as many as bring the grid to two
+waves (at most MAX_SPLITS), each slice's partial (out, lse) kept in float32 and merged by a second kernel.  The
+count comes from the host-known bound on the context (block_table's width x page_size), so choosing it reads no
+tensor value; each program cuts its own sequence's length into the same number of slices."""
+from __future__ import annotations
+
+import torch
+
+from opsadv.core.envvars import env_bool
+from opsadv.core.kernel import MEMORY_FLASH, PRIORITY_TRITON, KernelImpl
+
+from .. import interpreter_bf16_reasons, triton_device_types
+
+LOG2E = 1.4426950408889634
+CPU_SMS = 132                 # the SM count the split heuristic assumes where there is no GPU (an H100 SXM)
+MIN_SPLIT_KEYS = 256          # a split covers at least this many keys of the context bound
+MAX_SPLITS = 64
+WAVES = 2
+SPLITS_OVERRIDE: int | None = None      # tests: force this many splits (1: none)
+_K: dict = {}
+
+
+def _kernels():
+    if not _K:
+        from .kernels import append_kernel, merge_kernel, paged_attn_kernel
+        from ..utils import FastLaunch
+        _K.update(attn=FastLaunch(paged_attn_kernel), merge=FastLaunch(merge_kernel), append=FastLaunch(append_kernel))
+    return _K
+
+
+def _pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def num_splits(programs: int, context: int, sms: int, tiles=None) -> int:
+    """KV splits for a grid of `programs` (sequences x kv heads x query blocks) over contexts of at most `context`
+    keys on a GPU of `sms` SMs: 1 where the grid fills WAVES waves or the context is short; else as many as
+    bring it to WAVES waves, each split keeping >= MIN_SPLIT_KEYS keys, at most MAX_SPLITS.  tiles: the profile's
+    tiles["paged_attention"] may set "waves", "min_split_keys" and "max_splits" (no profile does yet: the
+    defaults are unmeasured)."""
+    if SPLITS_OVERRIDE is not None:
+        return max(1, SPLITS_OVERRIDE)
+    t = tiles or {}
+    target = t.get("waves", WAVES) * sms
+    if programs >= target:
+        return 1
+    return max(1, min(-(-target // programs), context // t.get("min_split_keys", MIN_SPLIT_KEYS),
+                      t.get("max_splits", MAX_SPLITS)))
+
+
+def _profile_tiles(ctx) -> dict | None:
+    tiles = getattr(getattr(ctx, "profile", None), "tiles", None) or {}
+    t = tiles.get("paged_attention")
+    return t if isinstance(t, dict) else None
+
+
+def _sms(ctx, device) -> int:
+    if device.type != "cuda":
+        return CPU_SMS
+    env = getattr(ctx, "env", None)
+    n = getattr(env, "sm_count", None)
+    return n or torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _new(shape, dtype, device, poison):
+    if poison:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _tiles(d_pad: int, rows: int, dtype) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps): rows per program (query x group heads), keys per step.  Compiled for sm_90
+    without spills (tests/test_paged_attention.py::test_kernels_compile_for_sm90_without_spills)."""
+    wide = dtype == torch.float32 or d_pad > 128        # fp32 (FMA dots) and d256 tiles: smaller, or they spill
+    block_m = max(16, min(_pow2(rows), 32 if wide else 64))
+    block_n = 32 if wide else 64
+    return block_m, block_n, 8 if dtype == torch.float32 or block_m * d_pad > 64 * 128 else 4
+
+
+def paged_fwd(ctx, q, k_cache, v_cache, block_table, seqlens_k, cu_seqlens_q, k_new, v_new, causal, scale):
+    k = _kernels()
+    dev = q.device
+    poison = dev.type == "cpu" or env_bool("OPSADV_POISON_OUTPUTS")
+    varlen = cu_seqlens_q is not None
+    hq, d = q.shape[-2:]
+    npages, page, hkv, _ = k_cache.shape
+    batch, width = block_table.shape
+    g = hq // hkv
+    q3 = q.reshape(-1, hq, d) if not varlen else q          # (a view where q's strides allow)
+    rows = q3.shape[0]
+    s_q = rows if varlen else q.shape[1]                    # a bound on any sequence's query count
+    cu = cu_seqlens_q if varlen else seqlens_k              # (unused without varlen)
+    d_pad = max(16, _pow2(d))
+    if k_new is not None:
+        kn = k_new.reshape(-1, hkv, d) if not varlen else k_new
+        vn = v_new.reshape(-1, hkv, d) if not varlen else v_new
+        bt = 16
+        k["append"][(batch, -(-s_q // bt))](
+            kn, vn, k_cache, v_cache, block_table, seqlens_k, cu, s_q, hkv,
+            kn.stride(0), kn.stride(1), kn.stride(2), vn.stride(0), vn.stride(1), vn.stride(2),
+            *k_cache.stride(), *v_cache.stride(), block_table.stride(0), block_table.stride(1),
+            PAGE=page, D=d, BLOCK_T=bt, BLOCK_D=d_pad, VARLEN=varlen, num_warps=4)
+    block_m, block_n, warps = _tiles(d_pad, s_q * g, q.dtype)
+    mblocks = -(-(s_q * g) // block_m)
+    # the programs that have rows (packed q: its mean count per sequence; the grid's bound leaves the rest idle)
+    busy = mblocks if not varlen else -(-(-(-rows // max(batch, 1)) * g) // block_m)
+    splits = num_splits(batch * hkv * busy, width * page, _sms(ctx, dev), _profile_tiles(ctx))
+    out = _new((rows, hq, d), q.dtype, dev, poison)
+    lse = _new((rows, hq), torch.float32, dev, poison)
+    if splits > 1:
+        o_dst = _new((splits, rows, hq, d), torch.float32, dev, poison)
+        l_dst = _new((splits, rows, hq), torch.float32, dev, poison)
+        sos, sls = o_dst.stride(0), l_dst.stride(0)
+    else:
+        o_dst, l_dst, sos, sls = out, lse, 0, 0
+    ot, lt = o_dst.stride(-3), l_dst.stride(-2)
+    k["attn"][(splits, batch * hkv, mblocks)](
+        q3, k_cache, v_cache, block_table, seqlens_k, cu, o_dst, l_dst, s_q, hkv, g, splits, scale * LOG2E,
+        q3.stride(0), q3.stride(1), q3.stride(2), *k_cache.stride(), *v_cache.stride(),
+        block_table.stride(0), block_table.stride(1),
+        ot, o_dst.stride(-2), o_dst.stride(-1), lt, l_dst.stride(-1), sos, sls,
+        PAGE=page, D=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=d_pad, VARLEN=varlen, CAUSAL=causal,
+        SPLIT=splits > 1, IEEE=q.dtype == torch.float32, num_warps=warps)
+    if splits > 1:
+        block_h = min(_pow2(hq), max(1, 4096 // d_pad))
+        k["merge"][(rows, -(-hq // block_h))](
+            o_dst, l_dst, out, lse, hq, splits, sos, sls, out.stride(0), out.stride(1), lse.stride(0),
+            D=d, BLOCK_H=block_h, BLOCK_D=d_pad, num_warps=4)
+    return out.view(q.shape), lse.view(q.shape[:-1])
+
+
+def _check(spec, env) -> list[str]:
+    return interpreter_bf16_reasons(spec)
+
+
+def impls(env, backend: str = "cuda") -> list[KernelImpl]:
+    return [KernelImpl(
+        id=f"{backend}.triton.paged_attention", op="paged_attention", backend=backend, fn=paged_fwd,
+        priority=PRIORITY_TRITON, device_types=triton_device_types(env),
+        dtypes=(torch.float16, torch.bfloat16, torch.float32), max_head_dim=256,
+        features=frozenset({"causal", "gqa", "varlen", "append"}), deterministic=True,
+        requires_interpret_or_cuda=True, check=_check, memory=MEMORY_FLASH,
+        description="Triton: pages read through the block table, a GQA group per program (K / V read once per kv "
+                    "head), split-KV with a merge kernel when batch x kv heads leaves SMs idle; append kernel for "
+                    "k_new / v_new")]

@@ -1,0 +1,72 @@
+"""The paged_attention reference impl (the oracle): plain torch, float32 accumulation (float64 stays float64).
+
+It walks the sequences on the host (seqlens_k and cu_seqlens_q read once), gathers each sequence's pages through
+its block-table row into contiguous K / V, and runs a plain softmax; GQA by a (kv head, group) view of q, no K / V
+copy per query head.  k_new / v_new are first written into the cache pages in place (append_kv)."""
+from __future__ import annotations
+
+import torch
+
+from opsadv.core.op_common import acc, acc_dtype
+
+FEATURES = frozenset({"causal", "gqa", "varlen", "append"})
+
+
+def segments(q, block_table, cu_seqlens_q) -> list[tuple[int, int]]:
+    """(first query row, query count) of each sequence in q's rows (q packed as (total_q, Hq, D))."""
+    b = block_table.shape[0]
+    if cu_seqlens_q is not None:
+        cu = cu_seqlens_q.tolist()
+        return [(cu[i], cu[i + 1] - cu[i]) for i in range(b)]
+    s = q.shape[1]
+    return [(i * s, s) for i in range(b)]
+
+
+def append_kv(k_cache, v_cache, block_table, seqlens_k, segs, k_new, v_new) -> None:
+    """k_new / v_new rows of sequence b (packed like q) written in place at cache positions
+    seqlens_k[b] - n_b .. seqlens_k[b] - 1 (seqlens_k counts the tokens after appending)."""
+    ps = k_cache.shape[1]
+    kn, vn = k_new.reshape(-1, *k_new.shape[-2:]), v_new.reshape(-1, *v_new.shape[-2:])
+    lens = seqlens_k.tolist()
+    for b, (r0, n) in enumerate(segs):
+        if n == 0:
+            continue
+        pos = torch.arange(lens[b] - n, lens[b], device=k_cache.device)
+        page = block_table[b].to(device=k_cache.device, dtype=torch.long)[pos // ps]
+        k_cache[page, pos % ps] = kn[r0:r0 + n].to(k_cache.dtype)
+        v_cache[page, pos % ps] = vn[r0:r0 + n].to(v_cache.dtype)
+
+
+def paged_fwd(ctx, q, k_cache, v_cache, block_table, seqlens_k, cu_seqlens_q, k_new, v_new, causal, scale):
+    segs = segments(q, block_table, cu_seqlens_q)
+    if k_new is not None:
+        append_kv(k_cache, v_cache, block_table, seqlens_k, segs, k_new, v_new)
+    hq, d = q.shape[-2:]
+    ps, hkv = k_cache.shape[1], k_cache.shape[2]
+    g = hq // hkv
+    qr = q.reshape(-1, hq, d)
+    cdt = acc_dtype(q)
+    out = torch.zeros(qr.shape, dtype=cdt, device=q.device)
+    lse = torch.full(qr.shape[:-1], float("-inf"), dtype=cdt, device=q.device)
+    lens = seqlens_k.tolist()
+    for b, (r0, n) in enumerate(segs):
+        kv_len = lens[b]
+        if n == 0 or kv_len == 0:
+            continue                                    # no keys: out 0, lse -inf
+        pages = block_table[b, : -(-kv_len // ps)].to(device=k_cache.device, dtype=torch.long)
+        k = acc(k_cache[pages].reshape(-1, hkv, d)[:kv_len])        # (L, Hkv, D)
+        v = acc(v_cache[pages].reshape(-1, hkv, d)[:kv_len])
+        qb = acc(qr[r0:r0 + n]).reshape(n, hkv, g, d)
+        s = torch.einsum("nkgd,lkd->kgnl", qb, k) * scale           # (Hkv, G, n, L)
+        if causal:                                                  # bottom-right: query i sees j <= L - n + i
+            i = torch.arange(n, device=q.device)[:, None]
+            j = torch.arange(kv_len, device=q.device)[None, :]
+            s = s.masked_fill(j > i + (kv_len - n), float("-inf"))
+        m = torch.logsumexp(s, -1)                                  # (Hkv, G, n)
+        m = m.masked_fill(torch.isposinf(m), float("nan"))         # a +inf score: out and lse NaN (as flash)
+        empty = torch.isneginf(m)
+        p = torch.exp(s - m.masked_fill(empty, 0.0)[..., None]).masked_fill(empty[..., None], 0.0)
+        o = torch.einsum("kgnl,lkd->nkgd", p, v)
+        out[r0:r0 + n] = o.reshape(n, hq, d)
+        lse[r0:r0 + n] = m.permute(2, 0, 1).reshape(n, hq)
+    return out.to(q.dtype).reshape(q.shape), lse.reshape(q.shape[:-1])
