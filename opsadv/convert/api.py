@@ -364,13 +364,17 @@ def _steps(is_hf: bool, opt_level: int, mem_opt, pack_padding, state):
 
 
 def _run_step(root, kind, label, apply, report, undo, gate):
-    """Apply one rewrite step into `undo`; with the floor on, time it both ways and undo it where slower."""
+    """Apply one rewrite step into `undo`; with the floor on, time it both ways and undo it where slower.
+
+    Eager floors time without / with / without again (the step reverted for the second "without", re-applied if
+    kept) and judge "with" against the mean of the two: a drift of the machine over the conversion (clocks, the
+    allocator's state) cancels instead of reading as a rewrite's cost.  Compiled floors time each side once, since
+    each of their measurements is a fresh compilation."""
     step = passes.Undo()
     first = len(report.changes)
     notes = len(report.notes)
     # the model as it stands: after a kept step, eager floors time it afresh (judging the next step against the
-    # kept step's own "with" sample carried that sample's noise into the next decision); compiled floors reuse it,
-    # since each measurement there is a fresh compilation
+    # kept step's own "with" sample carried that sample's noise into the next decision); compiled floors reuse it
     ms_without = None
     if gate is not None:
         if gate.last is None or (gate.last_is_with and gate.compile is None):
@@ -385,14 +389,29 @@ def _run_step(root, kind, label, apply, report, undo, gate):
     except Exception:
         step.revert()
         raise
-    d = gate.decide(kind, label, ms_without, ms_with)
+
+    def drop():
+        step.revert()
+        del report.changes[first:]
+        del report.notes[notes:]
+
+    samples = (ms_without,)
+    if gate.compile is None:
+        drop()
+        ms_again = gate.time(root)
+        gate.last = ms_again               # a fresh sample of the model as it stands, for the next step
+        samples = (ms_without, ms_again)
+        ms_without = (ms_without + ms_again) / 2
+    d = gate.decide(kind, label, ms_without, ms_with, samples)
     if d.kept:
+        if gate.compile is None:           # re-applied: the timed step was reverted for the second sample
+            step = passes.Undo()
+            new_root = apply(root, report, step)
         undo.extend(step)
         gate.last, gate.last_is_with = ms_with, True
         return new_root
-    step.revert()
-    del report.changes[first:]
-    del report.notes[notes:]
+    if gate.compile is not None:
+        drop()
     report.add("kept", "", label, f"opsadv's {kind} rewrite measured {d.ratio:.3f}x ({ms_with:.4g} ms with it vs "
                f"{ms_without:.4g} ms without, {gate.mode}): not applied")
     return root

@@ -2,8 +2,9 @@
 
 convert_model applies its rewrites in steps of one kind each (attention, norms, residual+norm, MLP
 epilogues, fused QKV, packing, graph rewrites).  With the floor on, each step is timed on the floor
-inputs right before and right after it is applied (eager: "before" is a fresh sample after a kept step, never
-the kept step's own "with" sample), and undone when the model got slower; the report
+inputs without it, with it and (eager) without it again, and undone when "with" is slower than the mean of the
+"without" samples, so a drift of the machine over the conversion cancels (eager: the first "without" is a fresh
+sample after a kept step, never the kept step's own "with" sample); the report
 says which kind was kept as it was and by how much ("kept the model's own norms: measured 0.93x").
 Greedy and in application order, so every undo is of the last step applied (an undo log is LIFO).
 
@@ -63,6 +64,7 @@ class Decision:
     ms_without: float
     ms_with: float
     kept: bool                # True: the rewrite stays
+    without_samples: tuple = ()   # eager floors: the "without" samples before and after "with" (ms_without: mean)
 
     @property
     def ratio(self) -> float:
@@ -71,7 +73,9 @@ class Decision:
 
     def to_dict(self) -> dict:
         return {"kind": self.kind, "kept": self.kept, "ratio": round(self.ratio, 4),
-                "ms_without": round(self.ms_without, 4), "ms_with": round(self.ms_with, 4)}
+                "ms_without": round(self.ms_without, 4), "ms_with": round(self.ms_with, 4),
+                **({"without_samples": [round(x, 4) for x in self.without_samples]}
+                   if len(self.without_samples) > 1 else {})}
 
 
 def default_enabled() -> bool:
@@ -247,7 +251,7 @@ class Floor:
             for p, g in grads.items():
                 p.grad = g
 
-    def decide(self, kind: str, label: str, ms_without: float, ms_with: float) -> Decision:
-        d = Decision(kind, label, ms_without, ms_with, kept=ms_with <= ms_without)
+    def decide(self, kind: str, label: str, ms_without: float, ms_with: float, samples: tuple = ()) -> Decision:
+        d = Decision(kind, label, ms_without, ms_with, kept=ms_with <= ms_without, without_samples=tuple(samples))
         self.decisions.append(d)
         return d
