@@ -14,6 +14,18 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
+def _segment(CU, b, S, VARLEN: tl.constexpr):
+    """Sequence b's first row and row count: from cu_seqlens (packed) or S rows each."""
+    if VARLEN:
+        r0 = tl.load(CU + b)
+        n = tl.load(CU + b + 1) - r0
+    else:
+        r0 = b * S
+        n = S
+    return r0, n
+
+
+@triton.jit
 def append_kernel(KN, VN, KC, VC, BT, SEQ, CU, S_NEW, HKV,
                   snt, snh, snd, svnt, svnh, svnd,
                   skp, skt, skh, skd, svp, svt, svh, svd, sbb, sbp,
@@ -23,12 +35,7 @@ def append_kernel(KN, VN, KC, VC, BT, SEQ, CU, S_NEW, HKV,
     seqlens_k[b] - n + i, page block_table[b, pos // PAGE], slot pos % PAGE, every kv head."""
     b = tl.program_id(0)
     tb = tl.program_id(1)
-    if VARLEN:
-        r0 = tl.load(CU + b)
-        n = tl.load(CU + b + 1) - r0
-    else:
-        r0 = b * S_NEW
-        n = S_NEW
+    r0, n = _segment(CU, b, S_NEW, VARLEN)
     if tb * BLOCK_T >= n:
         return
     kv_len = tl.load(SEQ + b)
@@ -63,12 +70,7 @@ def paged_attn_kernel(Q, KC, VC, BT, SEQ, CU, O, LSE, S_Q, HKV, G, NUM_SPLITS, q
     mb = tl.program_id(2)
     b = bh // HKV
     kvh = bh % HKV
-    if VARLEN:
-        r0 = tl.load(CU + b)
-        n = tl.load(CU + b + 1) - r0
-    else:
-        r0 = b * S_Q
-        n = S_Q
+    r0, n = _segment(CU, b, S_Q, VARLEN)
     if mb * BLOCK_M >= n * G:                 # past this sequence's rows (packed q: the grid's bound is total_q)
         return
     kv_len = tl.load(SEQ + b)
