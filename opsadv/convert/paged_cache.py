@@ -44,9 +44,12 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from opsadv import ops
 from opsadv.core.errors import InvalidArgumentError
+from opsadv.core.explain import explain as _explain
 
+from . import hf_attention as H
 from .hf_attention import paged_pending as _pending
 from .masks import causal_mask_of, form_of
+from .state import scope_of
 
 NAME = "PagedKVCache"
 
@@ -338,7 +341,6 @@ class PagedKVCache(Cache):
         if self._step is None:
             self._step = self._plan(mask, query.shape[2])
         st = self._step
-        from .state import scope_of
         q = query.transpose(1, 2)                 # (b, s, Hq, D) from transformers' (b, Hq, s, D)
         k, v = key.transpose(1, 2), value.transpose(1, 2)
         pages = self.layers[layer]
@@ -423,9 +425,8 @@ class PagedKVCache(Cache):
         """opsadv.explain of the last step's paged_attention call (layer 0): which kernel served it, and why."""
         if self._last_call is None:
             raise RuntimeError(f"{NAME}.explain: no forward has run through this cache yet")
-        from opsadv.core.explain import explain
         args, kw = self._last_call
-        return explain("paged_attention", *args, **kw)
+        return _explain("paged_attention", *args, **kw)
 
     def __repr__(self) -> str:
         return (f"{NAME}(layers={len(self.layers)}, page_size={self.page_size}, num_pages={self.num_pages}, "
@@ -437,7 +438,6 @@ class PagedKVCache(Cache):
 def _attention_layers(model) -> list:
     """The model's attention modules by layer_idx (0..L-1, each once), all running opsadv's attention; raises with
     the reason for a model the paged cache cannot serve exactly."""
-    from . import hf_attention as H
     if not H.is_transformers_model(model):
         raise InvalidArgumentError(NAME, "model", "a transformers PreTrainedModel converted with opsadv.convert_model",
                                    type(model).__name__)
