@@ -216,3 +216,25 @@ def test_refuses_dropout():
     conv.eval()
     with pytest.raises(InvalidArgumentError, match="does not require grad"):    # paged_attention is inference only
         conv(input_ids=ids, **{KW: opsadv.PagedKVCache(conv, max_cache_len=64)})
+
+
+def test_static_decode_step_compiles_fullgraph():
+    """A static cache's decode step traces as one graph (torch.compile fullgraph=True, eager backend) and gives the
+    DynamicCache's logits.  (Each position still recompiles: transformers' mask sizing reads the position count.)"""
+    orig, conv = models("qwen2")
+    ids, _ = prompts("b3-left-padded")
+    cache = opsadv.PagedKVCache(conv, page_size=8, max_cache_len=32, max_batch_size=3, static=True)
+    dc = DynamicCache()
+    torch._dynamo.reset()
+    step = torch.compile(lambda tok, pos: conv(input_ids=tok, position_ids=pos, **{KW: cache}).logits[:, -1],
+                         fullgraph=True, backend="eager")
+    with torch.no_grad():
+        got = conv(input_ids=ids, **{KW: cache}).logits[:, -1]
+        want = orig(input_ids=ids, **{KW: dc}).logits[:, -1]
+        for i in range(3):
+            tok = want.argmax(-1, keepdim=True)
+            pos = torch.full((3, 1), ids.shape[1] + i)
+            got = step(tok, pos)
+            want = orig(input_ids=tok, position_ids=pos, **{KW: dc}).logits[:, -1]
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert cache.lengths == [ids.shape[1] + 3] * 3 and cache.calls["decode"] == 0   # compiled calls are not counted

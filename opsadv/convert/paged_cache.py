@@ -169,11 +169,12 @@ class PagedKVCache(Cache):
     # ---- state ---------------------------------------------------------------------------------------------------
     def _clear(self) -> None:
         self._seen = 0                            # positions processed, padding included (get_seq_length)
+        self._bound = 0                           # the longest sequence's real tokens (host; static decode adds)
         self._batch = None
         self._lens: list[int] = []                # real tokens cached per sequence (host)
         self._pages: list[list[int]] = []         # each sequence's pages, in order
         self._free = list(range(self.num_pages - 1, -1, -1)) if self.num_pages is not None else []
-        self._real: list = []                     # per forward: a (batch, q_len) bool host tensor, or q_len (no pad)
+        self._real: list = []                     # (first position, (batch, n) bool host tensor) of padded forwards
         self._table = self._table_dev = self._lens_dev = None
         self._step: _Step | None = None
         self._next_layer = 0                      # the layer whose update comes next in this forward (0: none open)
@@ -188,7 +189,12 @@ class PagedKVCache(Cache):
     @property
     def lengths(self) -> list[int]:
         """The real (non-padding) tokens cached per sequence."""
-        return list(self._lens)
+        return list(self._host_lens())
+
+    def _host_lens(self) -> list[int]:
+        if self._lens is None:                    # static decode steps kept them on the device only
+            self._lens = self._lens_dev.tolist()
+        return self._lens
 
     @property
     def batch_size(self) -> int:
@@ -296,8 +302,9 @@ class PagedKVCache(Cache):
         if keep == self._seen or self._batch is None:
             return
         real = self._real_mask()[:, :keep]        # (batch, positions kept): which of them are real tokens
-        self._real = [real]
+        self._real = [(0, real)]
         self._lens = real.sum(1).tolist()
+        self._bound = max(self._lens, default=0)
         self._seen = keep
         if not self.static:
             for b, n in enumerate(self._lens):    # pages past the kept tokens go back to the pool
@@ -307,8 +314,11 @@ class PagedKVCache(Cache):
         self._lens_dev.copy_(torch.tensor(self._lens, dtype=torch.int32))
 
     def _real_mask(self) -> torch.Tensor:
-        parts = [torch.ones(self._batch, r, dtype=torch.bool) if isinstance(r, int) else r for r in self._real]
-        return torch.cat(parts, 1) if parts else torch.ones(self._batch, 0, dtype=torch.bool)
+        """(batch, positions seen) bool: which positions hold real tokens."""
+        m = torch.ones(self._batch, self._seen, dtype=torch.bool)
+        for start, real in self._real:
+            m[:, start:start + real.shape[1]] = real
+        return m
 
     def reorder_cache(self, beam_idx) -> None:
         raise NotImplementedError(f"{NAME} does not support beam search (reorder_cache): sequences own their pages; "
@@ -357,9 +367,10 @@ class PagedKVCache(Cache):
                           k_new=k.reshape(b * s, *k.shape[2:])[st.rows], v_new=v.reshape(b * s, *v.shape[2:])[st.rows])
                 outp = ops.paged_attention(*args, **kw)
                 out = outp.new_zeros(b * s, *outp.shape[1:]).index_copy_(0, st.rows, outp).view(q.shape)
-        self.calls["decode" if st.q_len == 1 else "prefill"] += 1
-        if layer == 0:
-            self._last_call = (args, kw)
+        if not torch.compiler.is_compiling():    # (host counters would make a compiled step recompile)
+            self.calls["decode" if st.q_len == 1 else "prefill"] += 1
+            if layer == 0:
+                self._last_call = (args, kw)
         if layer == len(self.layers) - 1:
             self._in_forward = False              # the forward's every layer appended: the step is complete
         return out, None
@@ -371,11 +382,15 @@ class PagedKVCache(Cache):
         dev = self._table_dev.device
         if kpm is None:                           # every new token real
             counts = None
-            if self.static:                       # no host read or allocation: lengths on the device
+            if self.static:                       # no host read or allocation: lengths on the device only
+                if self._bound + q_len > self.max_cache_len:
+                    raise InvalidArgumentError(NAME, "sequence length", f"<= max_cache_len = {self.max_cache_len}",
+                                               f"{self._bound + q_len} tokens in the longest sequence")
+                self._bound += q_len
                 seqlens = self._lens_dev + q_len
                 self._lens_dev.copy_(seqlens)
-                self._lens = [n + q_len for n in self._lens]
-                self._commit(q_len, None)
+                self._lens = None                 # stale on the host (lengths reads the device copy)
+                self._seen += q_len               # (all real: nothing to record for crop)
                 return _Step(q_len, seqlens, None, None)
             counts = [q_len] * self._batch
         else:
@@ -384,7 +399,7 @@ class PagedKVCache(Cache):
                                            f"({self._batch}, {q_len})", f"{tuple(kpm.shape)}")
             kh = kpm.to("cpu", torch.bool)        # a padded forward reads its padding once (prefill)
             counts = kh.sum(1).tolist()
-        new = [a + c for a, c in zip(self._lens, counts)]
+        new = [a + c for a, c in zip(self._host_lens(), counts)]
         for b, n in enumerate(new):
             if n > self.max_cache_len:
                 raise InvalidArgumentError(NAME, "sequence length", f"<= max_cache_len = {self.max_cache_len}",
@@ -405,6 +420,7 @@ class PagedKVCache(Cache):
         if grew:
             self._table_dev.copy_(self._table, non_blocking=True)
         self._lens = new
+        self._bound = max(new, default=0)
         seqlens = torch.tensor(new, dtype=torch.int32).to(dev, non_blocking=True)
         self._lens_dev.copy_(seqlens)
         rows = cu = None
@@ -418,8 +434,9 @@ class PagedKVCache(Cache):
         return _Step(q_len, seqlens, rows, cu)
 
     def _commit(self, q_len: int, real) -> None:
+        if real is not None:                      # positions past the recorded ones are real tokens (crop)
+            self._real.append((self._seen, real))
         self._seen += q_len
-        self._real.append(q_len if real is None else real)
 
     def explain(self):
         """opsadv.explain of the last step's paged_attention call (layer 0): which kernel served it, and why."""
@@ -430,7 +447,7 @@ class PagedKVCache(Cache):
 
     def __repr__(self) -> str:
         return (f"{NAME}(layers={len(self.layers)}, page_size={self.page_size}, num_pages={self.num_pages}, "
-                f"max_cache_len={self.max_cache_len}, static={self.static}, lengths={self._lens}, "
+                f"max_cache_len={self.max_cache_len}, static={self.static}, lengths={self.lengths}, "
                 f"positions={self._seen}, calls={self.calls})")
 
 
