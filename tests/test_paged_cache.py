@@ -107,6 +107,8 @@ def test_crop_and_reset():
     cache = opsadv.PagedKVCache(conv, page_size=8, max_cache_len=64)
     ref = generate(conv, ids, am, cache)
     lens, seen = cache.lengths, cache.get_seq_length()
+    cache.crop(0)                               # transformers calls crop(0) between steps: nothing removed
+    assert cache.lengths == lens and cache.get_seq_length() == seen and cache.is_croppable
     cache.crop(-5)                              # the last 5 positions (all real): each sequence loses 5 tokens
     assert cache.lengths == [n - 5 for n in lens] and cache.get_seq_length() == seen - 5
     assert all(len(p) == -(-n // 8) for p, n in zip(cache._pages, cache.lengths))   # freed pages back in the pool

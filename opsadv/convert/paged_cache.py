@@ -59,6 +59,7 @@ class PagedLayer(CacheLayerMixin):
 
     is_compileable = False
     is_sliding = False
+    is_croppable = True                           # crop puts lengths and pages back exactly
     supports_early_init = False
 
     def __init__(self, cache: "PagedKVCache", layer_idx: int):
@@ -291,10 +292,13 @@ class PagedKVCache(Cache):
         return self.max_cache_len
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last positions: crop(-n) removes n; crop(n >= 0) keeps n (transformers' older meaning)."""
+        """Drop the last positions: crop(-n) removes n; crop(n > 0) keeps n (transformers' older meaning); crop(0)
+        does nothing."""
         self._check_idle("crop")
         if not isinstance(tokens_to_remove, int) or isinstance(tokens_to_remove, bool):
             raise InvalidArgumentError(NAME, "crop", "an int", repr(tokens_to_remove))
+        if tokens_to_remove == 0:
+            return                                # transformers' crop(0): nothing to remove
         keep = self._seen + tokens_to_remove if tokens_to_remove < 0 else min(tokens_to_remove, self._seen)
         if keep < 0:
             raise InvalidArgumentError(NAME, "crop", f">= -{self._seen} (the positions cached)",
