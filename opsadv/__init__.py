@@ -34,6 +34,9 @@ def __getattr__(name: str):
     if name in ("convert_model", "Optimizer", "load"):
         from . import convert
         return getattr(convert, name)
+    if name == "PagedKVCache":                   # imports transformers: only when asked for
+        from .convert.paged_cache import PagedKVCache
+        return PagedKVCache
     if name == "runtime":
         import importlib
         return importlib.import_module("opsadv.runtime")
@@ -44,6 +47,6 @@ def __getattr__(name: str):
 
 __all__ = ["use_backend", "ops", "explain", "info", "detect", "trace", "EnvInfo", "KernelImpl", "Profile",
            "CallSpec", "ResolveContext", "SparseLayout", "Backend", "PrecisionPolicy", "current_policy",
-           "errors", "convert_model", "Optimizer", "load", "__version__"]
+           "errors", "convert_model", "Optimizer", "load", "PagedKVCache", "__version__"]
 
 _hf_seam.install()      # attn_implementation="opsadv" in transformers, once its modeling code loads

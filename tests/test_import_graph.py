@@ -24,6 +24,8 @@ TC, CUDA = "opsadv.backends.triton_common", "opsadv.backends.cuda"
 # (importer, target) -> why the import stays inside a function
 LAZY: dict[tuple[str, str], str] = {
     ("opsadv", "opsadv.convert"): "`import opsadv` stays light: convert_model / Optimizer / load load on first use",
+    ("opsadv", "opsadv.convert.paged_cache"): "`import opsadv` stays light: PagedKVCache imports transformers' cache "
+                                              "code on first use",
     ("opsadv", "opsadv.runtime"): "`import opsadv` stays light: opsadv.runtime loads on first use (test_runtime)",
     ("opsadv._hf_seam", "opsadv.convert.hf_attention"): "registered only once transformers' modeling code loads "
                                                          "(test_hf_seam): `import opsadv` stays light",

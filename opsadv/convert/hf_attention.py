@@ -46,6 +46,15 @@ from .state import scope_of
 NAME = "opsadv"
 BLOCK = 128
 _registered = False
+# an opsadv.PagedKVCache's update that no attention has consumed yet: (cache, layer_idx, key, value)
+# (convert/paged_cache.py; kept here so this module does not import transformers' cache code)
+paged_pending: list = [None]
+
+
+def pending_for(key):
+    """The PagedKVCache whose pending update `key` is (the attention then runs through it), else None."""
+    p = paged_pending[0]
+    return p[0] if p is not None and p[2] is key else None
 
 
 def _block_mask(s_q, s_k, like: torch.Tensor) -> torch.Tensor | None:
@@ -180,6 +189,10 @@ def opsadv_attention_forward(module, query, key, value, attention_mask, dropout:
                              position_bias=None, **kwargs):
     """Same contract as transformers' sdpa_attention_forward: (b, h, s, d) inputs, returns
     ((b, s, h, d) output, None)."""
+    paged = pending_for(key)
+    if paged is not None:                         # key is an opsadv.PagedKVCache's new tokens: it appends and attends
+        return paged.attend(module, query, key, value, attention_mask, dropout, scaling, is_causal, position_bias,
+                            kwargs)
     why = _unserved(dropout, kwargs)
     if why is not None:
         return _fallback(module, why, query, key, value, attention_mask, dropout, scaling, is_causal, position_bias,
@@ -566,7 +579,8 @@ def attention_pass(model, report, undo, state) -> bool:
     _own_configs(model, undo)
     model.set_attn_implementation(NAME)
     report.add("attention", "", f"{type(model).__name__}: attention implementation {before!r} -> 'opsadv' "
-               f"(opsadv.flash_attention; causal + padded batches and padded encoders -> key-padding "
+               f"(opsadv.flash_attention; generate(past_key_values=opsadv.PagedKVCache(model)): prefill and "
+               f"decode -> paged_attention; causal + padded batches and padded encoders -> key-padding "
                f"sparse_attention; {len(mods)} layers{_window_note(mods)}; calls with dropout / softcapping / sinks, "
                f"which have no opsadv kernel, run the model's original attention "
                f"({_fallback_note(originals or [before])}))")

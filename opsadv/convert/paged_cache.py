@@ -1,0 +1,529 @@
+"""PagedKVCache: a transformers `Cache` whose keys and values live in opsadv's paged KV cache, so that a converted
+model's `generate` runs prefill and decode through `opsadv.ops.paged_attention` (append + attend in one call).
+
+    model = opsadv.convert_model(model)
+    cache = opsadv.PagedKVCache(model, max_cache_len=4096, page_size=16)
+    out = model.generate(**batch, past_key_values=cache, max_new_tokens=256)
+
+Layout: per layer one page pool k/v (num_pages, page_size, Hkv, D); one block table (batch, pages per sequence)
+shared by every layer; pages are taken from a free list as sequences grow (static=True: each sequence owns a fixed
+run of pages from the start, nothing is allocated later).
+
+The seam.  A transformers attention module calls `past_key_values.update(k, v, layer_idx)` BEFORE its attention
+function, and that function gets only (module, query, key, value, mask, **kwargs).  transformers' own paged cache
+(continuous batching) avoids the problem by passing `past_key_values=None` and the cache through kwargs, which only
+its own batching loop does; `generate` passes the cache to the layers.  So here `update` writes nothing: it records
+the new tokens as this cache's pending update of that layer and returns them unchanged, and opsadv's attention
+function (convert/hf_attention.py), finding its `key` argument to be exactly that pending tensor, hands the call to
+the cache, which runs paged_attention(q, pages, block table, lengths, k_new=key, v_new=value).  Any other attention
+function would see only the new tokens, so that is made impossible or loud:
+- the cache is built for one converted model and refuses a model whose attention layers are not all transformers
+  interface layers running opsadv's attention, or that needs what paged_attention does not compute (sliding window,
+  softcapping, sinks, cross-attention); `update` re-checks the layer's attention implementation each call;
+- an update that no opsadv attention consumed raises at the next `update` / mask sizing (the next layer, or the
+  next forward of a one-layer model); a forward that stopped half-way leaves the cache refusing use until reset();
+- the attention refuses (raises, never falls back) calls with dropout, softcapping, sinks, a position bias, a window
+  or a mask that is not transformers' plain causal one.
+
+Padding.  Keys are stored compacted: only real tokens (the 2-D attention_mask's ones) enter the pages, so each
+sequence has its own length and no step needs a key mask; a padded prefill runs packed (cu_seqlens_q) over the real
+query rows, whose outputs are scattered back (padded rows get 0).  get_mask_sizes reports the new tokens only
+(kv_length = query length, kv_offset = positions seen), so opsadv's mask function hands over exactly the padding of
+the new tokens.  get_seq_length is the number of positions processed (padding included), which is what
+transformers derives positions from; `lengths` are the real tokens cached per sequence.
+
+Not supported (refused with an error): beam search (reorder_cache and friends), sliding-window layers, encoder-decoder
+caches, offloading."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from opsadv import ops
+from opsadv.core.errors import InvalidArgumentError
+from opsadv.core.explain import explain as _explain
+
+from . import hf_attention as H
+from .hf_attention import paged_pending as _pending
+from .masks import causal_mask_of, form_of
+from .state import scope_of
+
+NAME = "PagedKVCache"
+
+
+class PagedLayer(CacheLayerMixin):
+    """One layer's page pool.  The cache (PagedKVCache) owns the block table and the lengths; this holds the pages."""
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = True                           # crop puts lengths and pages back exactly
+    supports_early_init = False
+
+    def __init__(self, cache: "PagedKVCache", layer_idx: int):
+        super().__init__()
+        self.cache, self.layer_idx = cache, layer_idx
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        c = self.cache
+        shape = (c.num_pages, c.page_size, key_states.shape[1], key_states.shape[-1])
+        dtype = c.dtype or key_states.dtype
+        self.keys = torch.zeros(shape, dtype=dtype, device=key_states.device)
+        self.values = torch.zeros(shape, dtype=dtype, device=key_states.device)
+        if not torch.compiler.is_compiling():      # fixed addresses: CUDA graphs replay over the same pages
+            torch._dynamo.mark_static_address(self.keys)
+            torch._dynamo.mark_static_address(self.values)
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        kc = self.keys
+        if key_states.shape[1] != kc.shape[2] or key_states.shape[-1] != kc.shape[3] \
+                or key_states.dtype != kc.dtype or key_states.device != kc.device:
+            raise InvalidArgumentError(NAME, f"layer {self.layer_idx} key_states",
+                                       f"(batch, {kc.shape[2]} kv heads, s, {kc.shape[3]}) {kc.dtype} on {kc.device} "
+                                       "(the pages' heads, head_dim, dtype and device)",
+                                       f"{tuple(key_states.shape)} {key_states.dtype} on {key_states.device}")
+        return key_states, value_states           # the new tokens: opsadv's attention appends them (module docstring)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, self.cache._seen
+
+    def get_seq_length(self) -> int:
+        return self.cache._seen
+
+    def get_max_length(self) -> int:
+        return self.cache.max_cache_len
+
+    def reset(self) -> None:
+        pass                                      # the cache resets its lengths and pages; contents need no zeroing
+
+    def crop(self, tokens_to_remove: int) -> None:
+        pass                                      # the cache crops (lengths are shared by the layers)
+
+
+@dataclass
+class _Step:
+    """One forward's metadata, made at the first layer and shared by the others."""
+    q_len: int
+    seqlens: torch.Tensor                 # int32 (batch,), lengths after this step's append
+    rows: torch.Tensor | None             # packed prefill: the real (batch * q_len) rows, else None
+    cu: torch.Tensor | None               # packed prefill: cu_seqlens_q
+
+
+class PagedKVCache(Cache):
+    """A paged KV cache for `model.generate(..., past_key_values=cache)` on an opsadv-converted transformers model
+    (module docstring).
+
+    model: the converted model (convert_model(model)); its attention layers must all run opsadv's attention.
+    max_cache_len: the most tokens one sequence may hold (default: the config's max_position_embeddings).
+    max_batch_size: the most sequences (default 1 for static, else taken from the first forward).
+    page_size: tokens per page (a power of two >= 8; 16 by default).
+    num_pages: the pool size shared by the sequences (default: enough for max_batch_size sequences of
+      max_cache_len, the batch taken from the first forward when max_batch_size is None).
+    dtype: the pages' dtype (default: the keys' dtype); static: every sequence owns ceil(max_cache_len / page_size)
+      pages from the start and no step allocates or reads lengths on the host (decode steps capture in CUDA graphs).
+    """
+
+    def __init__(self, model, *, max_cache_len: int | None = None, max_batch_size: int | None = None,
+                 page_size: int = 16, num_pages: int | None = None, dtype: torch.dtype | None = None,
+                 static: bool = False):
+        self.modules_by_layer = _attention_layers(model)
+        n = len(self.modules_by_layer)
+        cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+        if max_cache_len is None:
+            max_cache_len = getattr(cfg, "max_position_embeddings", None)
+            if not isinstance(max_cache_len, int):
+                raise InvalidArgumentError(NAME, "max_cache_len", "an int (the config has no max_position_embeddings)",
+                                           repr(max_cache_len))
+        for arg, v, lo in (("max_cache_len", max_cache_len, 1), ("page_size", page_size, 8),
+                           ("max_batch_size", max_batch_size, 1), ("num_pages", num_pages, 1)):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < lo):
+                raise InvalidArgumentError(NAME, arg, f"an int >= {lo}", repr(v))
+        if page_size & (page_size - 1):
+            raise InvalidArgumentError(NAME, "page_size", "a power of two >= 8 (paged_attention's pages)",
+                                       repr(page_size))
+        if dtype is not None and dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise InvalidArgumentError(NAME, "dtype", "None, float16, bfloat16 or float32", str(dtype))
+        if not isinstance(static, bool):
+            raise InvalidArgumentError(NAME, "static", "a bool", repr(static))
+        self.max_cache_len, self.page_size, self.dtype, self.static = max_cache_len, page_size, dtype, static
+        self.pages_per_seq = -(-max_cache_len // page_size)
+        if static and max_batch_size is None:
+            max_batch_size = 1
+        self.max_batch_size = max_batch_size
+        self._num_pages_arg = num_pages
+        self.num_pages = num_pages if num_pages is not None else (
+            max_batch_size * self.pages_per_seq if max_batch_size is not None else None)
+        if static and self.num_pages < max_batch_size * self.pages_per_seq:
+            raise InvalidArgumentError(NAME, "num_pages", f">= max_batch_size x ceil(max_cache_len / page_size) = "
+                                       f"{max_batch_size * self.pages_per_seq} (static: every sequence owns its pages)",
+                                       repr(num_pages))
+        super().__init__(layers=[PagedLayer(self, i) for i in range(n)])
+        self.calls = {"prefill": 0, "decode": 0}  # paged_attention calls served, by kind
+        self._last_call = None                    # the last call's arguments (explain())
+        self._clear()
+
+    # ---- state ---------------------------------------------------------------------------------------------------
+    def _clear(self) -> None:
+        self._seen = 0                            # positions processed, padding included (get_seq_length)
+        self._bound = 0                           # the longest sequence's real tokens (host; static decode adds)
+        self._batch = None
+        self._lens: list[int] = []                # real tokens cached per sequence (host)
+        self._pages: list[list[int]] = []         # each sequence's pages, in order
+        self._free = list(range(self.num_pages - 1, -1, -1)) if self.num_pages is not None else []
+        self._real: list = []                     # (first position, (batch, n) bool host tensor) of padded forwards
+        self._table = self._table_dev = self._lens_dev = None
+        self._step: _Step | None = None
+        self._next_layer = 0                      # the layer whose update comes next in this forward (0: none open)
+        self._in_forward = False
+        if _pending[0] is not None and _pending[0][0] is self:
+            _pending[0] = None
+
+    def reset(self) -> None:
+        """Forget every sequence (pages back to the pool; a later forward may use another batch size)."""
+        self._clear()
+
+    @property
+    def lengths(self) -> list[int]:
+        """The real (non-padding) tokens cached per sequence."""
+        return list(self._host_lens())
+
+    def _host_lens(self) -> list[int]:
+        if self._lens is None:                    # static decode steps kept them on the device only
+            self._lens = self._lens_dev.tolist()
+        return self._lens
+
+    @property
+    def batch_size(self) -> int:
+        return -1 if self._batch is None else self._batch
+
+    @property
+    def is_compileable(self) -> bool:
+        return False                              # generate must not auto-compile (prefill allocates on the host)
+
+    def _check_idle(self, what: str) -> None:
+        if _pending[0] is not None and _pending[0][0] is self:
+            layer = _pending[0][1]
+            _pending[0] = None
+            self._in_forward = True               # what was appended is unknown now: refuse until reset
+            raise RuntimeError(
+                f"{NAME}: layer {layer}'s new keys were not consumed by opsadv's attention before {what}: the layer "
+                "ran another attention implementation, which saw only the new tokens (its output is wrong). "
+                "PagedKVCache serves only models converted with opsadv.convert_model whose layers run opsadv's "
+                "attention; call cache.reset() before reusing this cache")
+        if self._in_forward:
+            raise RuntimeError(f"{NAME}: an earlier forward stopped before its last layer ({what} now), so the cache "
+                               "holds a partial step; call cache.reset() (and generate again) to use it")
+
+    # ---- transformers' Cache API ---------------------------------------------------------------------------------
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if layer_idx == 0:
+            self._check_idle("the next forward's first layer")
+            self._start(key_states)
+        elif layer_idx != self._next_layer:
+            if _pending[0] is not None and _pending[0][0] is self:
+                self._check_idle(f"layer {layer_idx}'s update")
+            raise RuntimeError(f"{NAME}: layers must update in order 0..{len(self.layers) - 1} once per forward; "
+                               f"expected layer {self._next_layer}, got layer {layer_idx}")
+        elif _pending[0] is not None:
+            self._check_idle(f"layer {layer_idx}'s update")
+        mod = self.modules_by_layer[layer_idx]
+        impl = getattr(getattr(mod, "config", None), "_attn_implementation", None)
+        if impl != "opsadv":
+            self._in_forward = True
+            raise RuntimeError(f"{NAME}: layer {layer_idx} runs attention implementation {impl!r}, not 'opsadv': "
+                               "only opsadv's attention appends to the paged cache (convert the model with "
+                               "opsadv.convert_model and keep its attention implementation); call cache.reset()")
+        k, v = self.layers[layer_idx].update(key_states, value_states)
+        if k.shape[2] != self._step_q_len:
+            raise InvalidArgumentError(NAME, f"layer {layer_idx} key_states", f"{self._step_q_len} new tokens (as "
+                                       "layer 0 in this forward)", f"{k.shape[2]}")
+        _pending[0] = (self, layer_idx, k, v)
+        self._next_layer = layer_idx + 1
+        return k, v
+
+    def _start(self, key_states) -> None:
+        """A forward begins (layer 0's update): the batch is fixed by the first forward after a reset."""
+        b = key_states.shape[0]
+        if self._batch is None:
+            if self.max_batch_size is not None and b > self.max_batch_size:
+                raise InvalidArgumentError(NAME, "batch", f"<= max_batch_size = {self.max_batch_size}", str(b))
+            if self.num_pages is None:           # the pool sized by the first batch
+                self.num_pages = b * self.pages_per_seq
+                self._free = list(range(self.num_pages - 1, -1, -1))
+            self._batch = b
+            self._lens = [0] * b
+            self._pages = [[] for _ in range(b)]
+            dev = key_states.device
+            self._table = torch.zeros(b, self.pages_per_seq, dtype=torch.int32)
+            if self.static:
+                if b * self.pages_per_seq > self.num_pages:
+                    raise InvalidArgumentError(NAME, "batch", f"<= {self.num_pages // self.pages_per_seq} (static: "
+                                               "every sequence owns ceil(max_cache_len / page_size) pages)", str(b))
+                for i in range(b):
+                    self._pages[i] = list(range(i * self.pages_per_seq, (i + 1) * self.pages_per_seq))
+                    self._table[i] = torch.tensor(self._pages[i], dtype=torch.int32)
+                self._free = []
+            self._table_dev = self._table.to(dev)
+            self._lens_dev = torch.zeros(b, dtype=torch.int32, device=dev)
+            if not torch.compiler.is_compiling():
+                torch._dynamo.mark_static_address(self._table_dev)
+                torch._dynamo.mark_static_address(self._lens_dev)
+        elif b != self._batch:
+            raise InvalidArgumentError(NAME, "batch", f"{self._batch} (the batch this cache holds; reset() first "
+                                       "for another)", str(b))
+        self._step_q_len = key_states.shape[2]
+        self._step = None
+        self._next_layer = 0
+        self._in_forward = True
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._seen
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        self._check_idle("the next forward's mask")
+        return query_length, self._seen
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return self.max_cache_len
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last positions: crop(-n) removes n; crop(n > 0) keeps n (transformers' older meaning); crop(0)
+        does nothing."""
+        self._check_idle("crop")
+        if not isinstance(tokens_to_remove, int) or isinstance(tokens_to_remove, bool):
+            raise InvalidArgumentError(NAME, "crop", "an int", repr(tokens_to_remove))
+        if tokens_to_remove == 0:
+            return                                # transformers' crop(0): nothing to remove
+        keep = self._seen + tokens_to_remove if tokens_to_remove < 0 else min(tokens_to_remove, self._seen)
+        if keep < 0:
+            raise InvalidArgumentError(NAME, "crop", f">= -{self._seen} (the positions cached)",
+                                       str(tokens_to_remove))
+        if keep == self._seen or self._batch is None:
+            return
+        real = self._real_mask()[:, :keep]        # (batch, positions kept): which of them are real tokens
+        self._real = [(0, real)]
+        self._lens = real.sum(1).tolist()
+        self._bound = max(self._lens, default=0)
+        self._seen = keep
+        if not self.static:
+            for b, n in enumerate(self._lens):    # pages past the kept tokens go back to the pool
+                need = -(-n // self.page_size)
+                while len(self._pages[b]) > need:
+                    self._free.append(self._pages[b].pop())
+        self._lens_dev.copy_(torch.tensor(self._lens, dtype=torch.int32))
+
+    def _real_mask(self) -> torch.Tensor:
+        """(batch, positions seen) bool: which positions hold real tokens."""
+        m = torch.ones(self._batch, self._seen, dtype=torch.bool)
+        for start, real in self._real:
+            m[:, start:start + real.shape[1]] = real
+        return m
+
+    def reorder_cache(self, beam_idx) -> None:
+        raise NotImplementedError(f"{NAME} does not support beam search (reorder_cache): sequences own their pages; "
+                                  "use greedy or sampling, or transformers' DynamicCache for beam search")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError(f"{NAME} does not support batch_repeat_interleave (beam search / contrastive "
+                                  "search); use greedy or sampling")
+
+    def batch_select_indices(self, indices) -> None:
+        raise NotImplementedError(f"{NAME} does not support batch_select_indices (beam search / contrastive search); "
+                                  "use greedy or sampling")
+
+    def early_initialization(self, *args, **kwargs) -> None:
+        raise NotImplementedError(f"{NAME} initializes its pages at the first forward (torch.export of the cache "
+                                  "is not supported)")
+
+    # ---- the attention (called by opsadv's attention function) ----------------------------------------------------
+    def attend(self, module, query, key, value, mask, dropout, scaling, is_causal, position_bias, kwargs):
+        """paged_attention over this cache with the pending new tokens appended; ((b, s, Hq, D) output, None)."""
+        layer = _pending[0][1]
+        _pending[0] = None
+        why = _refused_call(module, layer, dropout, is_causal, position_bias, kwargs)
+        if why is None:
+            why = _mask_refusal(mask, query)
+        if why is not None:
+            self._in_forward = True               # nothing appended for this layer: the cache needs a reset
+            raise InvalidArgumentError(NAME, f"layer {layer} attention call", "a plain causal call opsadv's "
+                                       "paged_attention computes exactly", why)
+        if self._step is None:
+            self._step = self._plan(mask, query.shape[2])
+        st = self._step
+        q = query.transpose(1, 2)                 # (b, s, Hq, D) from transformers' (b, Hq, s, D)
+        k, v = key.transpose(1, 2), value.transpose(1, 2)
+        pages = self.layers[layer]
+        with scope_of(module):
+            if st.rows is None:
+                args = (q.contiguous(), pages.keys, pages.values, self._table_dev, st.seqlens)
+                kw = dict(causal=True, scale=scaling, k_new=k.contiguous(), v_new=v.contiguous())
+                out = ops.paged_attention(*args, **kw)
+            else:                                 # padded prefill: the real rows packed
+                b, s = q.shape[:2]
+                qp = q.reshape(b * s, *q.shape[2:])[st.rows]
+                args = (qp, pages.keys, pages.values, self._table_dev, st.seqlens)
+                kw = dict(cu_seqlens_q=st.cu, causal=True, scale=scaling,
+                          k_new=k.reshape(b * s, *k.shape[2:])[st.rows], v_new=v.reshape(b * s, *v.shape[2:])[st.rows])
+                outp = ops.paged_attention(*args, **kw)
+                out = outp.new_zeros(b * s, *outp.shape[1:]).index_copy_(0, st.rows, outp).view(q.shape)
+        if not torch.compiler.is_compiling():    # (host counters would make a compiled step recompile)
+            self.calls["decode" if st.q_len == 1 else "prefill"] += 1
+            if layer == 0:
+                self._last_call = (args, kw)
+        if layer == len(self.layers) - 1:
+            self._in_forward = False              # the forward's every layer appended: the step is complete
+        return out, None
+
+    def _plan(self, mask, q_len: int) -> _Step:
+        """The step's lengths, pages and (padded prefill) packed rows; commits the lengths."""
+        cm = causal_mask_of(mask)
+        kpm = None if cm is None else cm.key_padding
+        dev = self._table_dev.device
+        if kpm is None:                           # every new token real
+            counts = None
+            if self.static:                       # no host read or allocation: lengths on the device only
+                if self._bound + q_len > self.max_cache_len:
+                    raise InvalidArgumentError(NAME, "sequence length", f"<= max_cache_len = {self.max_cache_len}",
+                                               f"{self._bound + q_len} tokens in the longest sequence")
+                self._bound += q_len
+                seqlens = self._lens_dev + q_len
+                self._lens_dev.copy_(seqlens)
+                self._lens = None                 # stale on the host (lengths reads the device copy)
+                self._seen += q_len               # (all real: nothing to record for crop)
+                return _Step(q_len, seqlens, None, None)
+            counts = [q_len] * self._batch
+        else:
+            if tuple(kpm.shape) != (self._batch, q_len):
+                raise InvalidArgumentError(NAME, "attention mask", f"key padding of the {q_len} new tokens "
+                                           f"({self._batch}, {q_len})", f"{tuple(kpm.shape)}")
+            kh = kpm.to("cpu", torch.bool)        # a padded forward reads its padding once (prefill)
+            counts = kh.sum(1).tolist()
+        new = [a + c for a, c in zip(self._host_lens(), counts)]
+        for b, n in enumerate(new):
+            if n > self.max_cache_len:
+                raise InvalidArgumentError(NAME, "sequence length", f"<= max_cache_len = {self.max_cache_len}",
+                                           f"{n} tokens in sequence {b}")
+        grew = False
+        if not self.static:
+            for b, n in enumerate(new):
+                need = -(-n // self.page_size)
+                while len(self._pages[b]) < need:
+                    if not self._free:
+                        raise InvalidArgumentError(
+                            NAME, "num_pages", f"enough pages: {sum(-(-x // self.page_size) for x in new)} needed",
+                            f"a pool of {self.num_pages} pages of {self.page_size} tokens (pass a larger num_pages)")
+                    p = self._free.pop()
+                    self._table[b, len(self._pages[b])] = p
+                    self._pages[b].append(p)
+                    grew = True
+        if grew:
+            self._table_dev.copy_(self._table, non_blocking=True)
+        self._lens = new
+        self._bound = max(new, default=0)
+        seqlens = torch.tensor(new, dtype=torch.int32).to(dev, non_blocking=True)
+        self._lens_dev.copy_(seqlens)
+        rows = cu = None
+        if kpm is not None:
+            self._commit(q_len, kh)
+            if not all(c == q_len for c in counts):
+                rows = kh.reshape(-1).nonzero().squeeze(1).to(dev)
+                cu = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(dev)
+        else:
+            self._commit(q_len, None)
+        return _Step(q_len, seqlens, rows, cu)
+
+    def _commit(self, q_len: int, real) -> None:
+        if real is not None:                      # positions past the recorded ones are real tokens (crop)
+            self._real.append((self._seen, real))
+        self._seen += q_len
+
+    def explain(self):
+        """opsadv.explain of the last step's paged_attention call (layer 0): which kernel served it, and why."""
+        if self._last_call is None:
+            raise RuntimeError(f"{NAME}.explain: no forward has run through this cache yet")
+        args, kw = self._last_call
+        return _explain("paged_attention", *args, **kw)
+
+    def __repr__(self) -> str:
+        return (f"{NAME}(layers={len(self.layers)}, page_size={self.page_size}, num_pages={self.num_pages}, "
+                f"max_cache_len={self.max_cache_len}, static={self.static}, lengths={self.lengths}, "
+                f"positions={self._seen}, calls={self.calls})")
+
+
+# ---- what the cache serves ---------------------------------------------------------------------------------------
+def _attention_layers(model) -> list:
+    """The model's attention modules by layer_idx (0..L-1, each once), all running opsadv's attention; raises with
+    the reason for a model the paged cache cannot serve exactly."""
+    if not H.is_transformers_model(model):
+        raise InvalidArgumentError(NAME, "model", "a transformers PreTrainedModel converted with opsadv.convert_model",
+                                   type(model).__name__)
+    cfg = model.config
+    if getattr(cfg, "is_encoder_decoder", False):
+        raise InvalidArgumentError(NAME, "model", "a decoder-only model (encoder-decoder caches are not supported)",
+                                   type(model).__name__)
+    mods = [m for _, m in H.attention_modules(model)]
+    if not mods:
+        raise InvalidArgumentError(NAME, "model", "a model with transformers attention layers", type(model).__name__)
+    by_layer = {}
+    for m in mods:
+        idx = getattr(m, "layer_idx", None)
+        impl = getattr(getattr(m, "config", None), "_attn_implementation", None)
+        if impl != "opsadv" or getattr(m, "_opsadv_state", None) is None:
+            raise InvalidArgumentError(NAME, "model", "a model converted with opsadv.convert_model (every attention "
+                                       "layer running opsadv's attention)",
+                                       f"{type(m).__name__} with attention implementation {impl!r}")
+        if not isinstance(idx, int) or idx in by_layer:
+            raise InvalidArgumentError(NAME, "model", "attention layers with distinct layer_idx",
+                                       f"{type(m).__name__} with layer_idx {idx!r}")
+        w = H._layer_window(m)
+        if w is not None:
+            raise InvalidArgumentError(NAME, "model", "full causal attention layers (paged_attention has no sliding "
+                                       "window)", f"layer {idx} with sliding window {w}")
+        if getattr(m, "sinks", None) is not None:
+            raise InvalidArgumentError(NAME, "model", "attention without sinks", f"layer {idx} with attention sinks")
+        if getattr(m, "is_causal", True) is False:
+            raise InvalidArgumentError(NAME, "model", "causal self-attention", f"layer {idx} with is_causal=False")
+        by_layer[idx] = m
+    text = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
+    for attr in ("attn_logit_softcapping",):
+        if getattr(text, attr, None) is not None:
+            raise InvalidArgumentError(NAME, "model", "attention without logit softcapping",
+                                       f"{attr}={getattr(text, attr)}")
+    n = getattr(text, "num_hidden_layers", None)
+    if sorted(by_layer) != list(range(len(by_layer))) or (isinstance(n, int) and n != len(by_layer)):
+        raise InvalidArgumentError(NAME, "model", f"attention layers 0..{(n or len(by_layer)) - 1}, every layer an "
+                                   "attention layer", f"layer_idx {sorted(by_layer)}")
+    return [by_layer[i] for i in range(len(by_layer))]
+
+
+def _refused_call(module, layer, dropout, is_causal, position_bias, kwargs) -> str | None:
+    if getattr(module, "layer_idx", layer) != layer:
+        return f"module of layer {module.layer_idx} attending layer {layer}'s new keys"
+    if dropout and dropout > 0:
+        return f"attention dropout {dropout} (training mode; the paged cache is for inference)"
+    if is_causal is False:
+        return "is_causal=False"
+    if position_bias is not None:
+        return "a position bias"
+    for k in ("softcap", "s_aux", "sliding_window"):
+        if kwargs.get(k) is not None:
+            return f"{k}={kwargs[k]!r}"
+    return None
+
+
+def _mask_refusal(mask, query) -> str | None:
+    if mask is None:
+        return None
+    cm = causal_mask_of(mask)
+    if cm is None:
+        f = form_of(mask)
+        return ("a mask opsadv's mask function did not build (a custom 4-D mask, packed sequences or an overlay)"
+                if f is None else "a non-causal mask")
+    if cm.window is not None:
+        return "a sliding-window mask"
+    return None
