@@ -21,6 +21,7 @@ import dataclasses
 
 import torch
 
+from opsadv.backends.triton_common.paged_attention.paged_attention import MAX_SPLITS
 from opsadv.core.policy import current_policy
 
 from .profiles import JETSON
@@ -260,7 +261,6 @@ def bounded_paged_fwd(fn, ctx, q, *args):
     prof = ctx.profile if ctx.profile is not None else JETSON
     hit = _SPLIT_CAPPED.get((id(prof), limit))
     if hit is None or hit[0] is not prof:
-        from opsadv.backends.triton_common.paged_attention.paged_attention import MAX_SPLITS
         t = dict((prof.tiles or {}).get("paged_attention") or {})
         t["max_splits"] = min(t.get("max_splits", MAX_SPLITS), limit)
         hit = (prof, dataclasses.replace(prof, tiles={**prof.tiles, "paged_attention": t}))
