@@ -153,7 +153,7 @@ def _check(soc):
         if not soc.infer_attention:
             why.append(f"npu_fused_infer_attention_score needs Atlas A2/A3; this NPU is {soc.description} "
                        f"(SoC {soc.code})")
-        ps = spec.bucket[3] if len(spec.bucket) > 3 else None
+        ps = spec.shapes[1][1] if len(spec.shapes) >= 2 else None        # k_cache (num_pages, page_size, Hkv, D)
         if ps is not None and ps % DECODE_PAGE_ALIGN:
             why.append(f"page_size {ps}: PageAttention needs block_size a multiple of {DECODE_PAGE_ALIGN} for "
                        f"float16 / bfloat16 caches (and 128..512, a multiple of 128, with more than one query per "
