@@ -399,3 +399,43 @@ def test_chunking_respects_the_underlying_check(seed):
     ctx.spec = dataclasses.replace(ctx.spec, features=frozenset())
     C.chunked_attention_fwd(fn, 8, ctx, q, q, q, None, False, 0.25, impl=impl)   # non-causal chunks are fine
     assert seen == [(64, 130), (64, 130), (2, 130)]
+
+
+# ---- paged_attention: split-KV partials under the workspace cap ---------------------------------------
+def test_paged_split_partials_bounded_by_the_cap(seed):
+    """The split count the kernel may choose is capped so that its float32 partials (rows x Hq x (D + 1) x 4
+    bytes per split) fit the workspace cap; a cap below one split's partials leaves a single split."""
+    from opsadv.backends.triton_common.paged_attention.paged_attention import num_splits
+    q = torch.randn(8, 1, 32, 128, dtype=torch.float16)
+    per = C.paged_split_bytes(q)
+    assert per == 8 * 32 * 129 * 4
+    seen = []
+    for cap, want in ((3 * per + 5, 3), (per // 2, 1), (1 << 40, None)):
+        C.bounded_paged_fwd(lambda ctx, *a: seen.append(ctx.profile.tiles["paged_attention"]["max_splits"]),
+                            _ctx(cap), q)
+        assert seen[-1] == (want or 64)                 # (64: the kernel's own MAX_SPLITS, never raised)
+        # a decode grid far below the SM count would take 64 splits; the capped tiles allow `seen[-1]`
+        assert num_splits(2, 1 << 20, 132, {"max_splits": seen[-1]}) == seen[-1]
+
+
+def test_paged_attention_jetson_splits_within_budget(orin, seed, monkeypatch):
+    """Through the op on a faked Orin (Triton interpreter): a decode over a long context would split 8 ways;
+    a budget whose cap holds two splits' partials gets 2, and the result still matches the reference."""
+    _need("paged_attention.paged_attention")
+    import opsadv.backends.triton_common.paged_attention.paged_attention as P
+    from opsadv.ops.paged_attention.cases import paged_inputs
+    chosen = []
+    real = P.num_splits
+    monkeypatch.setattr(P, "num_splits", lambda *a, **k: chosen.append(real(*a, **k)) or chosen[-1])
+    args, kw = paged_inputs(torch.float16, "cpu", torch.Generator().manual_seed(0), hq=2, hkv=1, d=32, page=16,
+                            lens=[2048])
+    per = C.paged_split_bytes(args[0])
+    with torch.no_grad(), opsadv.trace() as t:
+        base = opsadv.ops.paged_attention(*args, **kw)
+    assert set(t.counts) == {"jetson.triton.paged_attention"} and chosen[-1] == 8
+    with torch.no_grad(), opsadv.use_backend("jetson", memory_budget=4 * (2 * per + 1)):
+        out = opsadv.ops.paged_attention(*args, **kw)
+    assert chosen[-1] == 2
+    with torch.no_grad(), opsadv.use_backend("reference"):
+        want = opsadv.ops.paged_attention(*(a.double() if a.is_floating_point() else a for a in args), **kw)
+    assert rel_err(out, want) < 2e-3 and rel_err(base, want) < 2e-3

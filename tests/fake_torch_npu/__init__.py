@@ -14,6 +14,8 @@ torch_npu documentation, not the hardware's numerics:
   specified by the docs: the double returns NaN there, so a caller must handle such rows itself.
 - npu_fused_infer_attention_score: the same masking (spelled pre_tokens/next_tokens), GQA by
   num_key_value_heads, softmax_lse (B, N, S_q, 1) when softmax_lse_flag=True.
+- npu_fused_infer_attention_score with block_table (PageAttention): _paged_infer's docstring;
+  npu_scatter_nd_update_: in-place scatter of rows by (..., a) indices.
 - npu_fusion_attention_grad: recomputes p = exp(s - softmax_max) / softmax_sum from the given
   statistics and uses attention_in for the softmax backward; dk/dv summed over a GQA group.
 - npu_rms_norm / npu_rms_norm_backward / npu_add_rms_norm / npu_gelu / npu_swiglu, and
@@ -144,6 +146,150 @@ def _tnd_bounds(q, k, qlen, kvlen):
     return qs, ks
 
 
+def _int_list(name, xs, batch):
+    """A documented SymInt[] length argument: plain ints, length 1 (every batch) or >= batch (the first batch)."""
+    if isinstance(xs, torch.Tensor) or not all(isinstance(x, int) for x in xs):
+        raise TypeError(f"{name} is an int list (SymInt[]), got {type(xs).__name__}")
+    xs = list(xs)
+    if len(xs) == 1:
+        return xs * batch
+    if len(xs) < batch:
+        raise RuntimeError(f"{name} has {len(xs)} entries for batch {batch} (1 or >= batch)")
+    if any(x < 0 for x in xs):
+        raise RuntimeError(f"{name} must not be negative: {xs}")
+    return xs[:batch]
+
+
+def _paged_infer(query, key, value, block_table, block_size, qlens, kvlens, num_heads, num_kv, scale, layout,
+                 sparse_mode, atten_mask, lse_flag):
+    """npu_fused_infer_attention_score with PageAttention, as its reference documents it (float64 here):
+    - key / value: the cache as (blocknum, blocksize, H) (any of BSH/BSND/BNSD queries) or (blocknum, KV_N,
+      blocksize, D) (BNSD queries only), contiguous, same shape; block_table int32 (B, >= max pages per sequence);
+      actual_seq_lengths_kv required (key lengths per batch); blocknum >= the sum of the pages the batches use;
+    - Q_S = 1 (IncreFlashAttention branch): block_size a multiple of 16 (fp16 / bf16); sparse_mode, the mask and
+      actual_seq_lengths are ignored: the query sees its L keys;
+    - Q_S > 1 (PromptFlashAttention branch): block_size in 128..512, a multiple of 128; D a multiple of 16;
+      actual_seq_lengths (per batch, <= Q_S; default Q_S) are the valid leading query rows; sparse_mode 0 without
+      a mask (all L keys) or 3 (bottom-right causal aligned per batch: row i sees j <= i + L - n) with the
+      compressed 2048 x 2048 mask;
+    - out has query's layout; softmax_lse (B, N, Q_S, 1) float32 with softmax_lse_flag, else a [1] zero tensor.
+    Rows the docs leave unspecified (padding rows past actual_seq_lengths, rows that see no key) come back NaN."""
+    if layout not in ("BSH", "BSND", "BNSD"):
+        raise NotImplementedError(f"the double models PageAttention with BSH/BSND/BNSD queries, got {layout!r}")
+    if query.dtype not in (torch.float16, torch.bfloat16) or key.dtype != query.dtype or value.dtype != query.dtype:
+        raise RuntimeError(f"PageAttention takes float16/bfloat16 query, key, value of one dtype, got "
+                           f"{query.dtype}/{key.dtype}/{value.dtype}")
+    if not (query.is_contiguous() and key.is_contiguous() and value.is_contiguous()):
+        raise RuntimeError("query, key and value must be contiguous")
+    if tuple(key.shape) != tuple(value.shape):
+        raise RuntimeError(f"key and value shapes differ: {tuple(key.shape)} vs {tuple(value.shape)}")
+    if block_table.dtype != torch.int32 or block_table.dim() != 2:
+        raise RuntimeError(f"block_table must be 2-D int32, got {block_table.dim()}-D {block_table.dtype}")
+    qb = _to_bnsd(query, layout, num_heads)
+    b, n, q_s, d = qb.shape
+    if n != num_heads:
+        raise RuntimeError(f"num_heads {num_heads} does not match the query's {n} heads")
+    n2 = num_kv or num_heads
+    if num_heads % n2 or num_heads // n2 > 64:
+        raise RuntimeError(f"num_heads {num_heads} must be a multiple of num_key_value_heads {n2}, ratio <= 64")
+    if d > 512:
+        raise RuntimeError(f"D {d} > 512")
+    if key.dim() == 3:
+        blocknum, bs, h = key.shape
+        if h != n2 * d:
+            raise RuntimeError(f"cache H {h} != num_key_value_heads {n2} x D {d}")
+        if h > 65535:
+            raise RuntimeError(f"cache (blocknum, blocksize, H) with H {h} >= 64k")
+        kc, vc = key.view(blocknum, bs, n2, d), value.view(blocknum, bs, n2, d)
+    elif key.dim() == 4:
+        if layout != "BNSD":
+            raise RuntimeError("a (blocknum, KV_N, blocksize, D) cache needs BNSD queries")
+        blocknum, kvn, bs, dk = key.shape
+        if kvn != n2 or dk != d:
+            raise RuntimeError(f"cache {tuple(key.shape)} does not match num_key_value_heads {n2} / D {d}")
+        kc, vc = key.transpose(1, 2), value.transpose(1, 2)
+    else:
+        raise RuntimeError(f"a paged key is 3-D or 4-D, got {key.dim()}-D")
+    if bs != block_size:
+        raise RuntimeError(f"block_size {block_size} != the cache's block dim {bs}")
+    if q_s == 1:
+        if block_size % 16:
+            raise RuntimeError(f"block_size {block_size}: a multiple of 16 for float16/bfloat16 (Q_S = 1)")
+    else:
+        if not (128 <= block_size <= 512 and block_size % 128 == 0):
+            raise RuntimeError(f"block_size {block_size}: 128..512, a multiple of 128 (Q_S > 1)")
+        if d % 16:
+            raise RuntimeError(f"D {d}: a multiple of 16 for float16/bfloat16 (Q_S > 1)")
+    if block_table.shape[0] != b:
+        raise RuntimeError(f"block_table has {block_table.shape[0]} rows for batch {b}")
+    if kvlens is None:
+        raise RuntimeError("PageAttention needs actual_seq_lengths_kv")
+    lens = _int_list("actual_seq_lengths_kv", kvlens, b)
+    need = [-(-x // bs) for x in lens]
+    if block_table.shape[1] < max(need, default=0):
+        raise RuntimeError(f"block_table has {block_table.shape[1]} columns, a batch needs {max(need)}")
+    if blocknum < sum(need):
+        raise RuntimeError(f"blocknum {blocknum} < the {sum(need)} blocks actual_seq_lengths_kv needs in all")
+    if q_s == 1:
+        nq, causal = [1] * b, False                   # sparse_mode / mask / actual_seq_lengths are ignored
+    else:
+        nq = [q_s] * b if qlens is None else _int_list("actual_seq_lengths", qlens, b)
+        if any(x > q_s for x in nq):
+            raise RuntimeError(f"actual_seq_lengths {nq} exceed Q_S {q_s}")
+        if sparse_mode == 3:
+            if not _is_compressed(atten_mask):
+                raise RuntimeError("sparse_mode 3 needs the compressed 2048x2048 triu mask")
+            causal = True
+        elif sparse_mode == 0 and atten_mask is None:
+            causal = False
+        else:
+            raise NotImplementedError(f"the double models PageAttention with sparse_mode 0 (no mask) or 3, got "
+                                      f"{sparse_mode}")
+    out = torch.full((b, n, q_s, d), float("nan"), dtype=torch.float64)
+    lse = torch.full((b, n, q_s), float("nan"), dtype=torch.float64)
+    table = block_table.cpu().long()
+    for bi in range(b):
+        pages = table[bi, :need[bi]]
+        if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= blocknum):
+            raise RuntimeError(f"block_table[{bi}] reads block {pages.tolist()} outside [0, {blocknum})")
+        length, rows = lens[bi], nq[bi]
+        k = kc[pages].reshape(-1, n2, d)[:length].transpose(0, 1)     # (N2, L, D)
+        v = vc[pages].reshape(-1, n2, d)[:length].transpose(0, 1)
+        i = torch.arange(rows)[:, None]
+        j = torch.arange(length)[None, :]
+        s = _scores(qb[bi, :, :rows], k, scale, (j > i + length - rows) if causal else None)
+        m = torch.logsumexp(s, -1)                                      # -inf where no key is visible
+        p = torch.exp(s - m[..., None])
+        o = p @ v.double().repeat_interleave(num_heads // n2, 0)
+        dead = torch.isneginf(m)                                        # unspecified: NaN
+        out[bi, :, :rows] = o.masked_fill(dead[..., None], float("nan"))
+        lse[bi, :, :rows] = m.masked_fill(dead, float("nan"))
+    res = _from_bnsd(out.to(query.dtype), layout).contiguous()
+    return res, (lse[..., None].float() if lse_flag else torch.zeros(1, dtype=torch.float32))
+
+
+def _scatter_nd_update(input, indices, updates):
+    """input[indices[..., 0], ..., indices[..., a - 1]] = updates, in place (npu_scatter_nd_update_'s contract:
+    indices int32/int64, >= 2-D, last dim a <= input.dim(); updates shape indices.shape[:-1] + input.shape[a:],
+    input's dtype; indices must be in range)."""
+    if indices.dtype not in (torch.int32, torch.int64) or indices.dim() < 2:
+        raise RuntimeError(f"indices must be int32/int64 with >= 2 dims, got {indices.dim()}-D {indices.dtype}")
+    if input.dtype not in (torch.float32, torch.float16, torch.bool, torch.bfloat16, torch.int64, torch.int8):
+        raise RuntimeError(f"input dtype {input.dtype} not supported")
+    a = indices.shape[-1]
+    if a > input.dim():
+        raise RuntimeError(f"indices' last dim {a} > input's {input.dim()} dims")
+    want = (*indices.shape[:-1], *input.shape[a:])
+    if tuple(updates.shape) != want or updates.dtype != input.dtype:
+        raise RuntimeError(f"updates must be {want} {input.dtype}, got {tuple(updates.shape)} {updates.dtype}")
+    flat = indices.reshape(-1, a).long().cpu()
+    for c in range(a):
+        if flat.numel() and (int(flat[:, c].min()) < 0 or int(flat[:, c].max()) >= input.shape[c]):
+            raise RuntimeError(f"indices column {c} out of range [0, {input.shape[c]})")
+    input[tuple(flat.T.to(input.device))] = updates.reshape(-1, *input.shape[a:])
+    return input
+
+
 class _Double:
     def __init__(self, state: FakeNPU):
         self.state = state
@@ -221,21 +367,29 @@ class _Double:
 
     # npu_fused_infer_attention_score (A2/A3 inference) --------------------------------------------
     def npu_fused_infer_attention_score(self, query, key, value, *, pse_shift=None, atten_mask=None,
-                                        actual_seq_lengths=None, actual_seq_lengths_kv=None, num_heads=1, scale=1.0,
-                                        pre_tokens=FULL, next_tokens=FULL, input_layout="BSH", num_key_value_heads=0,
-                                        sparse_mode=0, inner_precise=0, block_size=0, antiquant_mode=0,
-                                        softmax_lse_flag=False, **quant_and_paged):
+                                        actual_seq_lengths=None, actual_seq_lengths_kv=None, block_table=None,
+                                        num_heads=1, scale=1.0, pre_tokens=FULL, next_tokens=FULL, input_layout="BSH",
+                                        num_key_value_heads=0, sparse_mode=0, inner_precise=0, block_size=0,
+                                        antiquant_mode=0, softmax_lse_flag=False, **quant_and_more):
         """Same masking semantics as npu_fusion_attention (pre_tokens/next_tokens spelled so here);
         GQA by num_key_value_heads (0 = num_heads); softmax_lse (B, N, S_q, 1) float32 only with
-        softmax_lse_flag=True, else a 0-element tensor."""
+        softmax_lse_flag=True, else a 0-element tensor.  With block_table: PageAttention (_paged_infer)."""
         kw = dict(atten_mask=atten_mask, num_heads=num_heads, scale=scale, pre_tokens=pre_tokens,
                   next_tokens=next_tokens, input_layout=input_layout, num_key_value_heads=num_key_value_heads,
-                  sparse_mode=sparse_mode, softmax_lse_flag=softmax_lse_flag)
+                  sparse_mode=sparse_mode, softmax_lse_flag=softmax_lse_flag, block_table=block_table,
+                  block_size=block_size, actual_seq_lengths=actual_seq_lengths,
+                  actual_seq_lengths_kv=actual_seq_lengths_kv)
         self._log("npu_fused_infer_attention_score", (query, key, value), kw)
-        if any(v is not None for v in quant_and_paged.values()) or pse_shift is not None:
-            raise NotImplementedError("the double does not model quantized, paged or pse inputs")
+        if any(v is not None for v in quant_and_more.values()) or pse_shift is not None:
+            raise NotImplementedError("the double does not model quantized, prefix, rope or pse inputs")
         if self.state.soc_version not in range(220, 226) and self.state.soc_version not in range(250, 257):
             raise RuntimeError(f"npu_fused_infer_attention_score: SoC {self.state.soc_version} is not Atlas A2/A3")
+        if block_table is not None:
+            return _paged_infer(query, key, value, block_table, block_size, actual_seq_lengths, actual_seq_lengths_kv,
+                                num_heads, num_key_value_heads, scale, input_layout, sparse_mode, atten_mask,
+                                softmax_lse_flag)
+        if actual_seq_lengths is not None or actual_seq_lengths_kv is not None:
+            raise NotImplementedError("the double models actual_seq_lengths(_kv) only with PageAttention")
         if input_layout not in ("BNSD", "BSND", "BSH") or query.shape[-1] > 512:
             raise RuntimeError("the double models BNSD/BSND/BSH with head_dim <= 512")
         n2 = num_key_value_heads or num_heads
@@ -248,6 +402,10 @@ class _Double:
         del self.state.calls[state_calls:]          # record only the op the caller called
         lse = (smax[..., :1] + torch.log(ssum[..., :1])) if softmax_lse_flag else query.new_empty((0,), dtype=torch.float32)
         return out, lse
+
+    def npu_scatter_nd_update_(self, input, indices, updates):
+        self._log("npu_scatter_nd_update_", (input, indices.clone(), updates), {})
+        return _scatter_nd_update(input, indices, updates)
 
     # helpers ---------------------------------------------------------------------------------------
     @staticmethod
@@ -365,7 +523,7 @@ def make_module(state: FakeNPU | None = None) -> types.ModuleType:
     mod.OPSADV_TEST_DOUBLE = True
     mod.state = state
     for name in ("npu_fusion_attention", "npu_fusion_attention_grad", "npu_fused_infer_attention_score", "npu_rms_norm", "npu_add_rms_norm",
-                 "npu_rms_norm_backward", "npu_gelu", "npu_swiglu", "npu_rotary_mul"):
+                 "npu_rms_norm_backward", "npu_gelu", "npu_swiglu", "npu_rotary_mul", "npu_scatter_nd_update_"):
         setattr(mod, name, getattr(dbl, name))
     npu = types.SimpleNamespace()
 

@@ -6,6 +6,8 @@ attention  over query chunks.  Causal attention is bottom-right aligned (query i
            lse is per row, so the backward reuses each chunk's rows of out and lse; dK and dV are
            summed over chunks in float32.
 gemm       over row chunks of a (..., K); db and dbias are summed over chunks in float32.
+paged_attention  not chunked: its split-KV (flash-decoding) partials, float32 (out, lse) per split, are bounded
+           by capping the number of splits (the profile's tiles["paged_attention"]["max_splits"]) so that they fit.
 
 The per-op cap is the profile's workspace_cap_bytes, lowered to a quarter of the memory budget
 (use_backend("jetson", memory_budget=...)) when that is smaller.  How much transient memory an
@@ -19,6 +21,7 @@ import dataclasses
 
 import torch
 
+from opsadv.backends.triton_common.paged_attention.paged_attention import MAX_SPLITS
 from opsadv.core.policy import current_policy
 
 from .profiles import JETSON
@@ -228,6 +231,45 @@ def expands_kv(impl) -> bool:
     return impl.memory is not None and impl.memory.expands_kv
 
 
+# ---- paged_attention: split-KV partials ----------------------------------------------------------------
+def paged_split_bytes(q) -> int:
+    """Bytes one KV split of paged_attention keeps: float32 partial out (rows, Hq, D) and lse (rows, Hq)."""
+    d = q.shape[-1]
+    return q.numel() // max(d, 1) * (d + 1) * 4
+
+
+class _BoundedCtx:
+    """The impl's context with the split-capped profile (ResolveContext's attributes)."""
+    __slots__ = ("env", "profile", "options", "spec")
+
+    def __init__(self, env, profile, options, spec):
+        self.env, self.profile, self.options, self.spec = env, profile, options, spec
+
+
+_SPLIT_CAPPED: dict[tuple[int, int], tuple] = {}    # (id(profile), max splits) -> (profile, its capped copy)
+
+
+def max_paged_splits(ctx, q) -> int:
+    """The most KV splits whose partials fit the workspace cap (1: no split, no partials)."""
+    return max(1, workspace_cap(ctx) // max(1, paged_split_bytes(q)))
+
+
+def bounded_paged_fwd(fn, ctx, q, *args):
+    """paged_attention's fn with at most max_paged_splits splits (the kernel's num_splits reads
+    tiles["paged_attention"]["max_splits"])."""
+    limit = max_paged_splits(ctx, q)
+    prof = ctx.profile if ctx.profile is not None else JETSON
+    hit = _SPLIT_CAPPED.get((id(prof), limit))
+    if hit is None or hit[0] is not prof:
+        t = dict((prof.tiles or {}).get("paged_attention") or {})
+        t["max_splits"] = min(t.get("max_splits", MAX_SPLITS), limit)
+        hit = (prof, dataclasses.replace(prof, tiles={**prof.tiles, "paged_attention": t}))
+        if len(_SPLIT_CAPPED) > 64:
+            _SPLIT_CAPPED.clear()
+        _SPLIT_CAPPED[(id(prof), limit)] = hit
+    return fn(_BoundedCtx(ctx.env, hit[1], ctx.options, ctx.spec), q, *args)
+
+
 def policy_cap() -> int:
     """The workspace cap under the policy in force (for check(), which sees no ResolveContext)."""
     budget = current_policy().option_dict.get("memory_budget")
@@ -250,4 +292,4 @@ def kv_expand_check(spec, env) -> list[str]:
 
 __all__ = ["chunked_attention_fwd", "chunked_attention_bwd", "chunked_gemm_fwd", "chunked_gemm_bwd",
            "chunked_swiglu_fwd", "chunked_swiglu_bwd", "workspace_cap", "chunk_rows", "gemm_factor",
-           "attn_bytes_per_score", "expands_kv"]
+           "attn_bytes_per_score", "expands_kv", "paged_split_bytes", "max_paged_splits", "bounded_paged_fwd"]

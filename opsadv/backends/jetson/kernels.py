@@ -50,6 +50,9 @@ def _wrap(impl: KernelImpl) -> KernelImpl:
             note = "query-chunked above the workspace cap"
         elif per:
             note = "not chunkable (the kernel does not take s_q != s_k)"
+    elif impl.op == "paged_attention":
+        fn = functools.partial(C.bounded_paged_fwd, impl.fn)
+        note = "split-KV partials bounded by the workspace cap (fewer splits)"
     elif impl.op in ("gemm", "swiglu_gemm"):
         factor = C.gemm_factor(impl)
         if factor:
