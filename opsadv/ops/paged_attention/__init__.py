@@ -28,8 +28,9 @@ forward only (inference).
   arithmetic as above.  k_new / v_new are quantized on append: clamp(float32(x) / scale, -448, 448) rounded to
   nearest even into e4m3 (quantize_kv; kv_scales(x) gives amax / 448 per head to build a cache from bf16 K / V).
   Round trip: e4m3 keeps 3 mantissa bits, so |fp8 * scale - x| <= 2^-4 |x| per element where |x| / scale lies
-  in [2^-6, 448] (below 2^-6 the error is at most 2^-10 * scale; above 448 the value clamps).  The attention
-  itself over an fp8 cache matches the bf16 / fp16 path's accuracy on the dequantized K / V.
+  in [2^-6, 448] (below 2^-6 the error is at most 2^-10 * scale; above 448 the value clamps), up to float32's
+  rounding of x / scale.  The attention itself over an fp8 cache matches the bf16 / fp16 path's accuracy on the
+  dequantized K / V.
 - Returns out (q's shape and dtype) or (out, lse) with return_lse: lse (q's shape without D), float32 (float64
   for float64), natural log.  No gradients: a call whose inputs require grad (with grad enabled) is refused.
 
@@ -60,7 +61,7 @@ from opsadv.core.op_common import (TORCH_OPS, check_scale, check_tensor, dispatc
 from opsadv.core.policy import in_scope, op_scope
 
 from . import cases as _cases, reference as _reference
-from .reference import FP8, FP8_MAX, kv_scales, quantize_kv
+from .reference import FP8, FP8_MAX, kv_scales, quantize_kv  # noqa: F401  (public: building an fp8 cache)
 
 OP = "paged_attention"
 _INDEX = (torch.int32,)

@@ -21,7 +21,8 @@ def quantize_kv(x, scale):
     """x (..., Hkv, D) (any float dtype) as a float8_e4m3fn cache with per-kv-head scales (Hkv,) (or one scalar):
     clamp(float32(x) / scale, -448, 448) rounded to nearest even.  NaN stays NaN.  fp8 * scale gives x back within
     a relative 2^-4 per element (3 mantissa bits) where |x| / scale >= 2^-6 (e4m3's smallest normal; below it
-    the error is at most 2^-10 * scale absolute), and clamped at 448 * scale."""
+    the error is at most 2^-10 * scale absolute), up to float32's rounding of x / scale, and clamped at
+    448 * scale."""
     s = scale.to(torch.float32).reshape(-1, 1)
     return (x.to(torch.float32) / s).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
