@@ -202,22 +202,27 @@ def test_compile_fullgraph_decode_step():
     assert torch.equal(args[1].nan_to_num(), eager_args[1].nan_to_num())
 
 
-def test_export_decode_step_keeps_the_cache_write():
-    """torch.export of a decode step: the appending op in the graph, and the exported program writes the cache."""
-    args, kw = _build(torch.float32, seed=8, hq=4, hkv=2, d=16, page=8, lens=[9, 12], append=True)
+@pytest.mark.parametrize("fp8", [False, True])
+def test_export_decode_step_keeps_the_cache_write(fp8):
+    """torch.export of a decode step: the appending op in the graph, and the exported program writes the cache
+    (fp8: quantized, with the scales passed through the op)."""
+    shape = dict(seed=8, hq=4, hkv=2, d=16, page=8, lens=[9, 12], append=True)
+    args, kw = _build_fp8(torch.float32, **shape) if fp8 else _build(torch.float32, **shape)
+    sc = (kw["k_scale"], kw["v_scale"]) if fp8 else (None, None)
 
     class Step(torch.nn.Module):
-        def forward(self, q, kc, vc, bt, sk, kn, vn):
-            return opsadv.ops.paged_attention(q, kc, vc, bt, sk, k_new=kn, v_new=vn)
+        def forward(self, q, kc, vc, bt, sk, kn, vn, ks=None, vs=None):
+            return opsadv.ops.paged_attention(q, kc, vc, bt, sk, k_new=kn, v_new=vn, k_scale=ks, v_scale=vs)
     eager = [a.clone() for a in args]
     with opsadv.use_backend("cuda"):
-        want = Step()(*eager, kw["k_new"], kw["v_new"])
-        ep = torch.export.export(Step(), (*[a.clone() for a in args], kw["k_new"], kw["v_new"]))
+        want = Step()(*eager, kw["k_new"], kw["v_new"], *sc)
+        ep = torch.export.export(Step(), (*[a.clone() for a in args], kw["k_new"], kw["v_new"], *sc))
         assert any("paged_attention_append" in str(n.target) for n in ep.graph.nodes)
-        got = ep.module()(*args, kw["k_new"], kw["v_new"])
+        got = ep.module()(*args, kw["k_new"], kw["v_new"], *sc)
     assert rel_err(got, want) < 1e-6
-    assert torch.equal(args[1].nan_to_num(), eager[1].nan_to_num()) and torch.equal(args[2].nan_to_num(),
-                                                                                     eager[2].nan_to_num())
+    for a, b in ((args[1], eager[1]), (args[2], eager[2])):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if fp8 else \
+            torch.equal(a.nan_to_num(), b.nan_to_num())
 
 
 def test_gradients_are_refused_clearly():
