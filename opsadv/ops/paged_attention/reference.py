@@ -24,15 +24,20 @@ def quantize_kv(x, scale):
     the error is at most 2^-10 * scale absolute), up to float32's rounding of x / scale, and clamped at
     448 * scale."""
     s = scale.to(torch.float32).reshape(-1, 1)
-    return (x.to(torch.float32) / s).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    # fp16 / bf16 / fp32 x: the division promotes to float32 itself (one temporary the size of x in float32)
+    y = (x.to(torch.float32) if x.dtype == torch.float64 else x) / s
+    return y.clamp_(-FP8_MAX, FP8_MAX).to(FP8)
 
 
 def kv_scales(x, dim: int = -2):
     """Per-head scales for quantize_kv: amax(|x|) over every dim but `dim` (the kv-head dim of x, default -2 of
     (..., Hkv, D)) / 448, float32 (Hkv,); non-finite values are ignored, and a head of zeros gets scale 1."""
-    a = x.detach().to(torch.float32).nan_to_num(0.0, 0.0, 0.0).abs()
+    x = x.detach()
     dim = dim % x.dim()
-    amax = a.movedim(dim, 0).reshape(x.shape[dim], -1).amax(1) if x.numel() else a.new_zeros(x.shape[dim])
+    if x.numel() == 0:
+        return torch.ones(x.shape[dim], dtype=torch.float32, device=x.device)
+    a = torch.where(x.isfinite(), x.abs(), 0)               # in x's dtype: amax is exact there
+    amax = a.amax(dim=tuple(i for i in range(x.dim()) if i != dim)).to(torch.float32)
     return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
 
 
