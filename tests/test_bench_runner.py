@@ -274,16 +274,31 @@ def test_rotary_suite_qk_norm_rows_match_qwen3_expression():
 
 def test_decode_suite_grid_and_tiny_cases_on_cpu():
     """The decode suite's grid (44 cases, 4 quick; b64 x 128k left out) and its contenders agreeing on tiny shapes:
-    the paged cache and the peers' contiguous copy hold the same K / V."""
+    the paged cache and the peers' contiguous copy hold the same K / V.  fp8 rows: after their case's row, against
+    opsadv's own kernel over the dequantized cache (agreeing closely), and close to the bf16 row's output (the
+    quantization's error only); 1 byte per K / V element of work; two of the quick grid's cases get one."""
     from opsadv.bench import suite_decode
     full, quick = suite_decode.grid(False), suite_decode.grid(True)
     assert len(full) == 2 * 2 * 3 * 4 - 2 * 2 and len(quick) == 4 and set(quick) <= set(full)
     assert ("gqa", 32, 8, 16, 1, 131072) in full and not any(b == 64 and s == 131072 for *_, b, s in full)
+    assert {(lab, p, b, s) for lab, _, _, p, b, s in quick} >= set(suite_decode.QUICK_FP8)
+    shapes = [("gqa", 4, 2, 16, 2, 37, 16), ("mqa", 4, 1, 8, 1, 50, 16)]
     with opsadv.use_backend("reference"):
-        cases = list(suite_decode.cases(False, shapes=[("gqa", 4, 2, 16, 2, 37, 16), ("mqa", 4, 1, 8, 1, 50, 16)]))
+        cases = list(suite_decode.cases(False, shapes=shapes))
         assert [c.case for c in cases] == ["fwd fp32 decode gqa b2 ctx37 h4/2 d16 page16",
-                                           "fwd fp32 decode mqa b1 ctx50 h4/1 d16 page8"]
-        for c in cases:
+                                           "fwd fp32 fp8kv decode gqa b2 ctx37 h4/2 d16 page16",
+                                           "fwd fp32 decode mqa b1 ctx50 h4/1 d16 page8",
+                                           "fwd fp32 fp8kv decode mqa b1 ctx50 h4/1 d16 page8"]
+        for c, c8 in zip(cases[::2], cases[1::2]):
             assert c.unit == "TB/s" and set(c.peers) == {"sdpa"} and c.baseline == "sdpa"
-            assert runner.rel_err(c.opsadv(), c.peers["sdpa"]()) < 1e-5
+            ours = c.opsadv()
+            assert runner.rel_err(ours, c.peers["sdpa"]()) < 1e-5
+            assert set(c8.peers) == {"opsadv_bf16"} and c8.baseline == "opsadv_bf16" and c8.unit == "TB/s"
+            ours8 = c8.opsadv()
+            assert runner.rel_err(ours8, c8.peers["opsadv_bf16"]()) < 1e-6
+            assert 1e-3 < runner.rel_err(ours8, ours) < 5e-2                 # e4m3's error, not a bf16 copy's
+        assert [c.case for c in suite_decode.cases(False, shapes=shapes, fp8_shapes=shapes[1:])][1:] == \
+            ["fwd fp32 decode mqa b1 ctx50 h4/1 d16 page8", "fwd fp32 fp8kv decode mqa b1 ctx50 h4/1 d16 page8"]
     assert cases[0].work == suite_decode.bytes_moved(2, 37, 4, 2, 16, 4) == 2 * 2 * 37 * 2 * 16 * 4 + 2 * 2 * 4 * 16 * 4
+    assert cases[1].work == suite_decode.bytes_moved(2, 37, 4, 2, 16, 4, kv_es=1) == \
+        2 * 2 * 37 * 2 * 16 * 1 + 2 * 2 * 4 * 16 * 4

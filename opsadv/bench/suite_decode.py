@@ -8,7 +8,14 @@ allocator's free list leaves them); every sequence holds the full context.  No a
 do not write a cache): the attention alone.
 
 Rate in TB/s of bytes moved: K and V of every cached token read once, q read and out written (the block table is
-negligible).  opsadv's row also says which impl ran; split-KV shows in b1 / long-context rows."""
+negligible).  opsadv's row also says which impl ran; split-KV shows in b1 / long-context rows.
+
+fp8 rows ("fwd bf16 fp8kv decode ..."): opsadv over an fp8 (e4m3) cache with per-kv-head scales, built from the
+same K / V (kv_scales, quantize_kv), against opsadv's own bf16 kernel as the one contender `opsadv_bf16` (the
+peers have no fp8 cache): its speedup is the bf16 time over the fp8 time, paired per round (issue 39's target:
+>= 1.7x, half the bytes).  The bf16 contender reads the fp8 cache dequantized to bf16 (the same values up to bf16
+rounding, the same shapes and bytes as the bf16 row), so rel_err measures the kernel, not the quantization.  Work
+counts 1 byte per K / V element.  Every case of the full grid gets one; the quick grid only QUICK_FP8's."""
 from __future__ import annotations
 
 from typing import Iterator
@@ -17,6 +24,9 @@ import torch
 import torch.nn.functional as F
 
 import opsadv
+
+from opsadv.ops.paged_attention import kv_scales, quantize_kv
+from opsadv.ops.paged_attention.reference import dequantize_kv
 
 from .case import BenchCase, flex_peer
 
@@ -28,6 +38,7 @@ BATCHES = (1, 8, 64)
 CONTEXTS = (1024, 8192, 32768, 131072)
 MAX_CACHE_TOKENS = 1 << 22          # b x context: b64 x 128k (8M tokens, 34 GB of K / V per copy at GQA) left out
 QUICK = (("gqa", 16, 1, 8192), ("gqa", 16, 1, 131072), ("gqa", 128, 8, 32768), ("mqa", 16, 64, 8192))
+QUICK_FP8 = (("gqa", 16, 1, 131072), ("gqa", 128, 8, 32768))      # the quick grid's cases that get an fp8 row
 
 
 def grid(quick: bool) -> list[tuple[str, int, int, int, int, int]]:
@@ -39,8 +50,22 @@ def grid(quick: bool) -> list[tuple[str, int, int, int, int, int]]:
             if b * s <= MAX_CACHE_TOKENS]
 
 
-def bytes_moved(b: int, s: int, hq: int, hkv: int, d: int, es: int = 2) -> float:
-    return float(2 * b * s * hkv * d * es + 2 * b * hq * d * es)
+def bytes_moved(b: int, s: int, hq: int, hkv: int, d: int, es: int = 2, kv_es: int | None = None) -> float:
+    """K and V read (kv_es bytes an element, default es: 1 for an fp8 cache), q read and out written (es)."""
+    return float(2 * b * s * hkv * d * (es if kv_es is None else kv_es) + 2 * b * hq * d * es)
+
+
+def fp8_cache(kc, vc, dtype):
+    """(k_cache, v_cache, k_scale, v_scale) in fp8 with per-kv-head scales, and the same values dequantized to
+    dtype (k, v; float32 products rounded once, a chunk of pages at a time to bound the temporaries)."""
+    out = []
+    for c in (kc, vc):
+        s = kv_scales(c)
+        c8 = quantize_kv(c, s)
+        deq = torch.cat([dequantize_kv(part, s, torch.float32).to(dtype) for part in c8.split(4096)])
+        out.append((c8, s, deq))
+    (k8, ks, kd), (v8, vs, vd) = out
+    return k8, v8, ks, vs, kd, vd
 
 
 def paged_cache(b, s, hkv, d, page, dtype, dev, seed=0):
@@ -59,9 +84,10 @@ def paged_cache(b, s, hkv, d, page, dtype, dev, seed=0):
     return kc, vc, table, lens, contiguous(kc), contiguous(vc)
 
 
-def cases(quick: bool, shapes=None) -> Iterator[BenchCase]:
+def cases(quick: bool, shapes=None, fp8_shapes=None) -> Iterator[BenchCase]:
     """shapes: (label, hq, hkv, page, batch, context[, head_dim]) tuples instead of grid(quick) (tests: tiny shapes
-    on CPU)."""
+    on CPU); fp8_shapes: those of them that get an fp8 row (default: every case, or QUICK_FP8's in the quick
+    grid).  Each fp8 row follows its case's bf16 row."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -98,6 +124,31 @@ def cases(quick: bool, shapes=None) -> Iterator[BenchCase]:
             peers = {"sdpa": (lambda sdpa=sdpa: sdpa(None))}
         words = ["fwd", "bf16" if dtype == torch.bfloat16 else "fp32", "decode", label, f"b{b}", f"ctx{s}",
                  f"h{hq}/{hkv}", f"d{d}", f"page{page}"]
+        rounds = 7 if b * s <= 65536 else None
         yield BenchCase(suite="decode", case=" ".join(words), opsadv=mine, peers=peers,
                         work=bytes_moved(b, s, hq, hkv, d, dtype.itemsize), unit="TB/s",
-                        baseline="sdpa_flash" if dev == "cuda" else "sdpa", rounds=7 if b * s <= 65536 else None)
+                        baseline="sdpa_flash" if dev == "cuda" else "sdpa", rounds=rounds)
+        if fp8_shapes is not None:
+            wants_fp8 = (label, hq, hkv, page, b, s, *rest) in [tuple(x) for x in fp8_shapes]
+        else:
+            wants_fp8 = not quick or (label, page, b, s) in QUICK_FP8
+        if not wants_fp8:
+            continue
+        del k, v, peers                                  # the peers' contiguous copies: not needed by the fp8 row
+        k8, v8, ks, vs, kd, vd = fp8_cache(kc, vc, dtype)
+
+        def mine_fp8(q=q, k8=k8, v8=v8, table=table, lens=lens, ks=ks, vs=vs):
+            with torch.no_grad():
+                return opsadv.ops.paged_attention(q, k8, v8, table, lens, k_scale=ks, v_scale=vs).transpose(1, 2)
+
+        def bf16_same_values(q=q, kd=kd, vd=vd, table=table, lens=lens):
+            with torch.no_grad():
+                return opsadv.ops.paged_attention(q, kd, vd, table, lens).transpose(1, 2)
+
+        yield BenchCase(suite="decode", case=" ".join(words[:2] + ["fp8kv"] + words[2:]), opsadv=mine_fp8,
+                        peers={"opsadv_bf16": bf16_same_values},
+                        work=bytes_moved(b, s, hq, hkv, d, dtype.itemsize, kv_es=1), unit="TB/s",
+                        baseline="opsadv_bf16", rounds=rounds,
+                        extra={"kv_cache": "float8_e4m3fn, per-kv-head scales (kv_scales, quantize_kv)",
+                               "baseline_note": "opsadv_bf16: opsadv's bf16 kernel over the fp8 cache dequantized "
+                                                "to bf16 (same table, same shapes)"})

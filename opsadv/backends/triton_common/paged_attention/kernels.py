@@ -6,7 +6,11 @@ decode step (one query) puts the whole GQA group in one tile and K / V are read 
 through the block table a BLOCK_N-key tile at a time (each key's page looked up: any page size), online softmax
 in float32 (exp2), causal bottom-right (query i of n sees keys j <= L - n + i).  With SPLIT the program covers
 one of NUM_SPLITS slices of the key range (flash-decoding) and writes its normalized partial out and lse in
-float32; merge_kernel then combines the slices.  append_kernel writes k_new / v_new into the pages first."""
+float32; merge_kernel then combines the slices.  append_kernel writes k_new / v_new into the pages first.
+
+FP8 (an e4m3 cache with per-kv-head scales): the attention kernel widens each K / V tile exactly to q's dtype (e4m3
+fits in fp16 / bf16 / fp32) and folds k_scale into the qk scale and v_scale into the normalized output, so the
+tile loop does no extra multiply; the append kernel quantizes (_quantize_e4m3)."""
 import triton
 import triton.language as tl
 
@@ -26,13 +30,30 @@ def _segment(CU, b, S, VARLEN: tl.constexpr):
 
 
 @triton.jit
-def append_kernel(KN, VN, KC, VC, BT, SEQ, CU, S_NEW, HKV,
+def _quantize_e4m3(x, scale):
+    """clamp(x / scale, -448, 448) rounded to nearest even onto the e4m3 grid, as float32 values the cast to e4m3
+    then keeps exactly: torch's .to(float8_e4m3fn) bit for bit.  The rounding is done here rather than by the
+    cast because triton 3.6's interpreter casts float32 -> e4m3 wrongly (ties away from zero, and a round-up that
+    carries into the exponent loses it: 124.7 -> 64)."""
+    y = tl.clamp(tl.div_rn(x, scale), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+    bits = y.to(tl.int32, bitcast=True)
+    e = (bits >> 23) & 0xFF                                           # biased float32 exponent of |y|
+    ulp = ((tl.maximum(e, 127 - 6) - 3) << 23).to(tl.float32, bitcast=True)   # e4m3's spacing (2^-9 below 2^-6)
+    r = tl.abs(y) / ulp                                               # exact: a power of two; r < 2^4
+    r = (r + 12582912.0) - 12582912.0                                 # round half to even (1.5 * 2^23)
+    a = (r * ulp).to(tl.int32, bitcast=True)
+    return (a | (bits & -2147483648)).to(tl.float32, bitcast=True)   # y's sign back (-0.0 too)
+
+
+@triton.jit
+def append_kernel(KN, VN, KC, VC, BT, SEQ, CU, S_NEW, HKV, KS, VS, sks, svs,
                   snt, snh, snd, svnt, svnh, svnd,
                   skp, skt, skh, skd, svp, svt, svh, svd, sbb, sbp,
                   PAGE: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-                  VARLEN: tl.constexpr):
+                  VARLEN: tl.constexpr, FP8: tl.constexpr):
     """Program (sequence b, block of its new tokens): token i of the n new ones goes to cache position
-    seqlens_k[b] - n + i, page block_table[b, pos // PAGE], slot pos % PAGE, every kv head."""
+    seqlens_k[b] - n + i, page block_table[b, pos // PAGE], slot pos % PAGE, every kv head.  FP8: quantized with
+    kv head h's scales KS[h * sks] / VS[h * svs] (stride 0: one scale)."""
     b = tl.program_id(0)
     tb = tl.program_id(1)
     r0, n = _segment(CU, b, S_NEW, VARLEN)
@@ -50,6 +71,9 @@ def append_kernel(KN, VN, KC, VC, BT, SEQ, CU, S_NEW, HKV,
     for h in range(HKV):
         k = tl.load(KN + row[:, None] * snt + h * snh + d[None, :] * snd, mask=m)
         v = tl.load(VN + row[:, None] * svnt + h * svnh + d[None, :] * svnd, mask=m)
+        if FP8:
+            k = _quantize_e4m3(k.to(tl.float32), tl.load(KS + h * sks))
+            v = _quantize_e4m3(v.to(tl.float32), tl.load(VS + h * svs))
         tl.store(KC + (page * skp + slot * skt + h * skh)[:, None] + d[None, :] * skd, k.to(KC.dtype.element_ty),
                  mask=m)
         tl.store(VC + (page * svp + slot * svt + h * svh)[:, None] + d[None, :] * svd, v.to(VC.dtype.element_ty),
@@ -57,14 +81,15 @@ def append_kernel(KN, VN, KC, VC, BT, SEQ, CU, S_NEW, HKV,
 
 
 @triton.jit
-def paged_attn_kernel(Q, KC, VC, BT, SEQ, CU, O, LSE, S_Q, HKV, G, NUM_SPLITS, qk_scale,
+def paged_attn_kernel(Q, KC, VC, BT, SEQ, CU, O, LSE, S_Q, HKV, G, NUM_SPLITS, qk_scale, KS, VS, sks, svs,
                       sqt, sqh, sqd, skp, skt, skh, skd, svp, svt, svh, svd, sbb, sbp,
                       sot, soh, sod, slt, slh, sos, sls,
                       PAGE: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_D: tl.constexpr, VARLEN: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr,
-                      IEEE: tl.constexpr):
+                      IEEE: tl.constexpr, FP8: tl.constexpr):
     """qk_scale = scale * log2(e).  O / LSE: the output and lse ((rows, Hq, D) / (rows, Hq)), or with SPLIT the
-    float32 partials, split s at offset s * sos / s * sls."""
+    float32 partials, split s at offset s * sos / s * sls.  FP8: e4m3 K / V with the kv head's scales at
+    KS[kvh * sks] / VS[kvh * svs] (stride 0: one scale)."""
     split = tl.program_id(0)
     bh = tl.program_id(1)
     mb = tl.program_id(2)
@@ -82,6 +107,8 @@ def paged_attn_kernel(Q, KC, VC, BT, SEQ, CU, O, LSE, S_Q, HKV, G, NUM_SPLITS, q
     dm = d < D
     q_off = (r0 + qi).to(tl.int64) * sqt + head.to(tl.int64) * sqh
     q = tl.load(Q + q_off[:, None] + d[None, :] * sqd, mask=row_ok[:, None] & dm[None, :], other=0.0)
+    if FP8:
+        qk_scale = qk_scale * tl.load(KS + kvh * sks)      # K = fp8 * k_scale: one multiply per program
     # this program's keys: its split's slice of [0, L), cut at the last key its rows see (causal)
     if SPLIT:
         chunk = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -105,6 +132,8 @@ def paged_attn_kernel(Q, KC, VC, BT, SEQ, CU, O, LSE, S_Q, HKV, G, NUM_SPLITS, q
         slot = kpos % PAGE
         k = tl.load(KC + (page * skp + slot * skt + kvh * skh)[:, None] + d[None, :] * skd,
                     mask=km[:, None] & dm[None, :], other=0.0)          # (BLOCK_N, BLOCK_D): rows of d contiguous
+        if FP8:
+            k = k.to(q.dtype)                                            # exact: e4m3 fits fp16 / bf16 / fp32
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -121,6 +150,8 @@ def paged_attn_kernel(Q, KC, VC, BT, SEQ, CU, O, LSE, S_Q, HKV, G, NUM_SPLITS, q
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(VC + (page * svp + slot * svt + kvh * svh)[:, None] + d[None, :] * svd,
                     mask=km[:, None] & dm[None, :], other=0.0)
+        if FP8:
+            v = v.to(q.dtype)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         else:
@@ -128,6 +159,8 @@ def paged_attn_kernel(Q, KC, VC, BT, SEQ, CU, O, LSE, S_Q, HKV, G, NUM_SPLITS, q
         m_i = m_new
     none = l_i == 0.0                          # no key seen: 0 and -inf (a NaN / +inf score: NaN goes through)
     out = acc / tl.where(none, 1.0, l_i)[:, None]
+    if FP8:
+        out = out * tl.load(VS + kvh * svs)                # V = fp8 * v_scale (the merge is linear in out)
     lse = tl.where(none, float("-inf"), (m_i + tl.log2(tl.where(none, 1.0, l_i))) * LN2)
     o_off = (r0 + qi).to(tl.int64) * sot + head.to(tl.int64) * soh
     l_off = (r0 + qi).to(tl.int64) * slt + head.to(tl.int64) * slh

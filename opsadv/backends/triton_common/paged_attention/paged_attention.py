@@ -85,8 +85,20 @@ def _tiles(d_pad: int, rows: int, dtype) -> tuple[int, int, int]:
     return block_m, block_n, 8 if dtype == torch.float32 or block_m * d_pad > 64 * 128 else 4
 
 
-def paged_fwd(ctx, q, k_cache, v_cache, block_table, seqlens_k, cu_seqlens_q, k_new, v_new, causal, scale):
+def _scale_arg(t, like):
+    """(pointer, stride) of a per-kv-head scale (stride 0 for one scalar); (like, 0) without an fp8 cache (the
+    kernels never read it then)."""
+    if t is None:
+        return like, 0
+    return t, (t.stride(0) if t.dim() and t.shape[0] > 1 else 0)
+
+
+def paged_fwd(ctx, q, k_cache, v_cache, block_table, seqlens_k, cu_seqlens_q, k_new, v_new, causal, scale,
+              k_scale=None, v_scale=None):
     k = _kernels()
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    ks, sks = _scale_arg(k_scale, seqlens_k)
+    vs, svs = _scale_arg(v_scale, seqlens_k)
     dev = q.device
     poison = dev.type == "cpu" or env_bool("OPSADV_POISON_OUTPUTS")
     varlen = cu_seqlens_q is not None
@@ -104,10 +116,10 @@ def paged_fwd(ctx, q, k_cache, v_cache, block_table, seqlens_k, cu_seqlens_q, k_
         vn = v_new.reshape(-1, hkv, d) if not varlen else v_new
         bt = 16
         k["append"][(batch, -(-s_q // bt))](
-            kn, vn, k_cache, v_cache, block_table, seqlens_k, cu, s_q, hkv,
+            kn, vn, k_cache, v_cache, block_table, seqlens_k, cu, s_q, hkv, ks, vs, sks, svs,
             kn.stride(0), kn.stride(1), kn.stride(2), vn.stride(0), vn.stride(1), vn.stride(2),
             *k_cache.stride(), *v_cache.stride(), block_table.stride(0), block_table.stride(1),
-            PAGE=page, D=d, BLOCK_T=bt, BLOCK_D=d_pad, VARLEN=varlen, num_warps=4)
+            PAGE=page, D=d, BLOCK_T=bt, BLOCK_D=d_pad, VARLEN=varlen, FP8=fp8, num_warps=4)
     block_m, block_n, warps = _tiles(d_pad, s_q * g, q.dtype)
     mblocks = -(-(s_q * g) // block_m)
     # the programs that have rows (packed q: its mean count per sequence; the grid's bound leaves the rest idle)
@@ -124,11 +136,12 @@ def paged_fwd(ctx, q, k_cache, v_cache, block_table, seqlens_k, cu_seqlens_q, k_
     ot, lt = o_dst.stride(-3), l_dst.stride(-2)
     k["attn"][(splits, batch * hkv, mblocks)](
         q3, k_cache, v_cache, block_table, seqlens_k, cu, o_dst, l_dst, s_q, hkv, g, splits, scale * LOG2E,
+        ks, vs, sks, svs,
         q3.stride(0), q3.stride(1), q3.stride(2), *k_cache.stride(), *v_cache.stride(),
         block_table.stride(0), block_table.stride(1),
         ot, o_dst.stride(-2), o_dst.stride(-1), lt, l_dst.stride(-1), sos, sls,
         PAGE=page, D=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=d_pad, VARLEN=varlen, CAUSAL=causal,
-        SPLIT=splits > 1, IEEE=q.dtype == torch.float32, num_warps=warps)
+        SPLIT=splits > 1, IEEE=q.dtype == torch.float32, FP8=fp8, num_warps=warps)
     if splits > 1:
         block_h = min(_pow2(hq), max(1, 4096 // d_pad))
         k["merge"][(rows, -(-hq // block_h))](
@@ -137,17 +150,28 @@ def paged_fwd(ctx, q, k_cache, v_cache, block_table, seqlens_k, cu_seqlens_q, k_
     return out.view(q.shape), lse.view(q.shape[:-1])
 
 
+FP8_MIN_CC = (8, 9)            # Triton's e4m3 (fp8e4nv) type needs sm_89+ (Ada, Hopper): not A100, not Jetson Orin
+
+
 def _check(spec, env) -> list[str]:
-    return interpreter_bf16_reasons(spec)
+    reasons = interpreter_bf16_reasons(spec)
+    cc = getattr(env, "compute_capability", None)
+    if "fp8_kv" in spec.features and spec.device_type == "cuda" and cc is not None and tuple(cc) < FP8_MIN_CC:
+        reasons.append(f"an fp8 (e4m3) KV cache needs compute capability >= {FP8_MIN_CC} (Triton's fp8e4nv); this "
+                       f"GPU is {tuple(cc)}")
+    return reasons
 
 
 def impls(env, backend: str = "cuda") -> list[KernelImpl]:
+    # fp8 caches on cuda only: AMD's CDNA3 fp8 is e4m3fnuz, and the e4m3fn path is untested on ROCm
+    fp8 = {"fp8_kv"} if backend == "cuda" else set()
     return [KernelImpl(
         id=f"{backend}.triton.paged_attention", op="paged_attention", backend=backend, fn=paged_fwd,
         priority=PRIORITY_TRITON, device_types=triton_device_types(env),
         dtypes=(torch.float16, torch.bfloat16, torch.float32), max_head_dim=256,
-        features=frozenset({"causal", "gqa", "varlen", "append"}), deterministic=True,
+        features=frozenset({"causal", "gqa", "varlen", "append", *fp8}), deterministic=True,
         requires_interpret_or_cuda=True, check=_check, memory=MEMORY_FLASH,
         description="Triton: pages read through the block table, a GQA group per program (K / V read once per kv "
                     "head), split-KV with a merge kernel when batch x kv heads leaves SMs idle; append kernel for "
-                    "k_new / v_new")]
+                    "k_new / v_new" + ("; fp8 (e4m3) caches with per-head scales, quantized on append" if fp8
+                                       else ""))]
