@@ -100,7 +100,9 @@ def _append(npu, k_cache, v_cache, block_table, lens, counts, k_new, v_new):
     npu.npu_scatter_nd_update_(v_cache, idx, v_new.reshape(total, hkv, d))
 
 
-def paged_fwd(ctx, q, k_cache, v_cache, block_table, seqlens_k, cu_seqlens_q, k_new, v_new, causal, scale):
+def paged_fwd(ctx, q, k_cache, v_cache, block_table, seqlens_k, cu_seqlens_q, k_new, v_new, causal, scale,
+              k_scale=None, v_scale=None):
+    # k_scale / v_scale belong to fp8 caches, which this impl does not declare (fp8_kv): never given here
     npu = _npu.torch_npu()
     npages, ps, hkv, d = k_cache.shape
     hq = q.shape[-2]
