@@ -8,6 +8,16 @@ modes of its kind (labels in `mode`, the heatmap's columns):
   decode bN dynamic/static  generate(128 new tokens, greedy) at b1 and b8 from a 512-token prompt, over a
                           DynamicCache and a StaticCache (cache_implementation="static"; generate's own
                           auto-compile of static caches off: disable_compile=True, eager is eager)
+  decode bN paged         llama3 1.5b (Llama-3.2-1B's dimensions) only, b1 / b8 / b32, 512-token prompt, 256 new
+                          tokens (quick: llama3 tiny b2): the converted model's generate over opsadv.PagedKVCache
+                          (prompt + new tokens per sequence, pages of 16) against `hf_static_compile` (the baseline:
+                          the unconverted model, generate(cache_implementation="static") with its own auto-compile,
+                          CompileConfig's defaults on CUDA, the eager backend on a CPU; a peer generate left
+                          uncompiled is an error), `unconverted` (DynamicCache, eager) and `liger`; rate in tok/s
+                          (new tokens x batch / s); the row's `paged` names the kernel that served decode
+                          (cache.explain()) and the calls per generate, `tokens_equal_<peer>` the greedy tokens'
+                          agreement (position by position, and `tokens_equal_prefix_<peer>` before the first
+                          difference) with the unconverted model's and the baseline's
   train / train padded    forward + backward + AdamW step (lr 1e-6: parameters stay put), causal LMs b4
                           s2048, padded = the last row right-padded by 300 tokens (labels -100 there);
                           encoders b32 s512 sequence classification (padded ~30%); ViT b32; T5 b8 s512/128
