@@ -296,8 +296,9 @@ def test_models_suite_quick_cases_construct():
     assert len(names) == len(set(names)) and {c.extra["arch"] for c in cases} == set(Z.ZOO)
     for c in cases:
         assert c.suite == "models" and c.baseline in c.peers and c.calls and c.setup is not None
-        assert c.baseline == ("hf_compile" if c.case.endswith(" compiled") else "unconverted")
-        assert ("liger" in c.peers) == (bool(Z.spec(c.extra["arch"]).liger) and c.baseline == "unconverted")
+        assert c.baseline == ("hf_compile" if c.case.endswith(" compiled") else
+                              "hf_static_compile" if " paged " in c.case else "unconverted")
+        assert ("liger" in c.peers) == (bool(Z.spec(c.extra["arch"]).liger) and not c.case.endswith(" compiled"))
     full = S.cells(False)
     assert len(full) > 250 and all(c.size in ("0.5b", "1.5b") for c in full if c.size != S.LM_LOSS_SIZE)
     lm = [c for c in full if c.size == S.LM_LOSS_SIZE]         # the causal-LM loss cell, GPU only
@@ -337,6 +338,38 @@ def test_models_case_runs_and_reports(family, reference_backend):
     else:                            # the cached decode's step logits against a no-cache forward on the same tokens
         assert r["generated_tokens"] == 3 and r["check"]["top1_agreement"] == 1.0 and r["check"]["kl"] < 1e-6
         assert r["rel_err"] == pytest.approx(r["check"]["rel_err"], rel=1e-2) and r["rel_err"] < 1e-5
+    json.dumps(r)
+
+
+def test_models_paged_case_runs_and_reports(reference_backend):
+    """The quick grid's paged cell through the runner: the converted model's generate over opsadv.PagedKVCache
+    against DynamicCache (eager) and StaticCache under generate's auto-compile (eager backend on a CPU)."""
+    from opsadv.bench import runner, suite_models as S
+    paged = [c for c in S.cells(True, "fp32") if c.cache == "paged"]
+    assert [c.name for c in paged] == ["decode fp32 b2 new4 paged llama3 tiny"]
+    full = [c.name for c in S.cells(False) if c.cache == "paged"]
+    assert full == [f"decode bf16 b{b} new256 paged llama3 1.5b" for b in (1, 8, 32)]
+    cfg = Z.make_config(S.PAGED_ARCH, S.PAGED_SIZE)             # Llama-3.2-1B's dimensions
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+            cfg.intermediate_size, cfg.vocab_size, cfg.tie_word_embeddings) == (2048, 16, 32, 8, 64, 8192, 128256, True)
+    try:
+        rows = runner.run_case(S.make_case(paged[0], "cpu", torch.float32, quick=True))
+    finally:
+        S._free()
+    r = rows[0]
+    assert "error" not in r and set(r.get("peer_errors", {})) <= {"liger"}, r     # (liger_kernel may be missing)
+    assert r["unit"] == "tok/s" and r["mode"] == "decode b2 paged"
+    assert r["baseline"] == "hf_static_compile" and r["speedup"] == r["ratios"]["hf_static_compile"]
+    assert {"hf_static_compile", "unconverted"} <= set(r["peers"]) <= {"hf_static_compile", "unconverted", "liger"}
+    assert r["opsadv_rate"] == pytest.approx(2 * 4 / (r["opsadv_ms"] / 1e3), rel=1e-3)     # new tokens x batch / s
+    assert r["static_compile"]["backend"] == "eager"
+    layers = Z.make_config("llama3", "tiny").num_hidden_layers
+    assert r["paged"]["calls_per_generate"] == {"prefill": layers, "decode": layers * 3}
+    assert r["paged"]["page_size"] == 16 and r["paged"]["max_cache_len"] == 16 + 4
+    assert r["paged"]["decode_kernel"].startswith("reference.") and "paged_attention" in r["opsadv_impl"]
+    for peer in ("unconverted", "hf_static_compile"):           # fp32: the same greedy tokens
+        assert r[f"tokens_equal_{peer}"] == 1.0 and r[f"tokens_equal_prefix_{peer}"] == 1.0
+    assert r["generated_tokens"] == 4 and r["check"]["top1_agreement"] == 1.0 and r["rel_err"] < 1e-5
     json.dumps(r)
 
 

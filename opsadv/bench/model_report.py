@@ -4,10 +4,11 @@
   python -m opsadv.bench.model_report benchmarks/results/models_h200.json --table     # markdown on stdout
 
 Rows of the models suite carry `arch`, `size` and `mode` (suite_models.py) and `speedup`: the paired ratio
-against the cell's baseline (unconverted eager, or torch.compile of it for the compiled cells).  The heatmap
+against the cell's baseline (unconverted eager, torch.compile of it for the compiled cells, transformers'
+StaticCache under generate's auto-compile for the paged decode cells).  The heatmap
 puts "arch size" on one axis and the mode on the other, colour = that ratio with 1.0 in the middle, the
 number in each cell; cells that failed are grey and say so.  The headline table groups the cells by mode
-family (prefill / decode / train / padded train, eager or compiled): cells, median ratio over them, the
+family (prefill / decode / decode paged / train / padded train, eager or compiled): cells, median ratio over them, the
 lowest cell, how many reach 1.0, and the median ratio against Liger where it ran."""
 from __future__ import annotations
 
@@ -95,11 +96,14 @@ def write_heatmap(json_path: str | None, png_path: str, rows: list[dict[str, Any
 
 
 def family(mode: str) -> str:
-    """The headline group of a mode label: "prefill", "decode", "train", "train padded", + " compiled"."""
+    """The headline group of a mode label: "prefill", "decode", "decode paged", "train", "train padded",
+    + " compiled"."""
     words = mode.split()
     fam = words[0] if words else "?"
     if fam == "train" and "padded" in words:
         fam = "train padded"
+    if fam == "decode" and "paged" in words:     # its baseline is the static-compiled peer, not the eager model
+        fam = "decode paged"
     return fam + (" compiled" if "compiled" in words else "")
 
 

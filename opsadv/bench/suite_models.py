@@ -8,6 +8,16 @@ modes of its kind (labels in `mode`, the heatmap's columns):
   decode bN dynamic/static  generate(128 new tokens, greedy) at b1 and b8 from a 512-token prompt, over a
                           DynamicCache and a StaticCache (cache_implementation="static"; generate's own
                           auto-compile of static caches off: disable_compile=True, eager is eager)
+  decode bN paged         llama3 1.5b (Llama-3.2-1B's dimensions) only, b1 / b8 / b32, 512-token prompt, 256 new
+                          tokens (quick: llama3 tiny b2): the converted model's generate over opsadv.PagedKVCache
+                          (prompt + new tokens per sequence, pages of 16) against `hf_static_compile` (the baseline:
+                          the unconverted model, generate(cache_implementation="static") with its own auto-compile,
+                          CompileConfig's defaults on CUDA, the eager backend on a CPU; a peer generate left
+                          uncompiled is an error), `unconverted` (DynamicCache, eager) and `liger`; rate in tok/s
+                          (new tokens x batch / s); the row's `paged` names the kernel that served decode
+                          (cache.explain()) and the calls per generate, `tokens_equal_<peer>` the greedy tokens'
+                          agreement (position by position, and `tokens_equal_prefix_<peer>` before the first
+                          difference) with the unconverted model's and the baseline's
   train / train padded    forward + backward + AdamW step (lr 1e-6: parameters stay put), causal LMs b4
                           s2048, padded = the last row right-padded by 300 tokens (labels -100 there);
                           encoders b32 s512 sequence classification (padded ~30%); ViT b32; T5 b8 s512/128
@@ -79,10 +89,15 @@ LR = 1e-6
 ROUNDS = 3
 CALLS = {"prefill": 5, "decode": 1, "train": 3}
 DEEP = 40                      # layers from which decode cells take 2 rounds (a generate call is seconds)
+# decode over opsadv.PagedKVCache (issue 39): llama3 "1.5b" is Llama-3.2-1B's dimensions (model_zoo's `like`)
+PAGED_ARCH, PAGED_SIZE = "llama3", "1.5b"
+PAGED_BATCHES = (1, 8, 32)
+PAGED_PROMPT, PAGED_NEW = 512, 256
+PAGE_SIZE = 16
 
 QUICK = dict(sizes=("tiny",), prefill_batches=(2,), seq=32, enc=(4, 32), vision_batch=4, s2s=(2, 32, 8),
              decode_batches=(2,), prompt=16, new_tokens=4, train=(2, 32), pad_tokens=8, rounds=2, calls=1,
-             compiled_archs=("llama3",), compiled_modes=("prefill", "train"))
+             compiled_archs=("llama3",), compiled_modes=("prefill", "train"), paged_size="tiny", paged_batches=(2,))
 
 COMPILE = os.environ.get("OPSADV_MODELS_COMPILE", "regional")
 FLOOR = os.environ.get("OPSADV_MODELS_FLOOR")     # "cell" (default), "default", "off" (quick's default)
@@ -116,7 +131,7 @@ class Cell:
     batch: int
     seq: int                  # sequence (causal / encoder / T5 encoder), prompt for decode, image side for ViT
     padded: bool = False
-    cache: str | None = None  # decode: "dynamic" | "static"
+    cache: str | None = None  # decode: "dynamic" | "static" | "paged" (opsadv.PagedKVCache vs static-compiled)
     dec_seq: int | None = None
     new_tokens: int = 0
     pad_tokens: int = 0
@@ -195,6 +210,10 @@ def cells(quick: bool, dtype: str = "bf16") -> list[Cell]:
                     b, s, d = q["s2s"] if q else S2S
                     base.append(Cell(family="train", batch=b, seq=s, dec_seq=d, padded=padded, **kw))
             out += base
+            if arch == PAGED_ARCH and size == (q["paged_size"] if q else PAGED_SIZE):
+                p, n = (q["prompt"], q["new_tokens"]) if q else (PAGED_PROMPT, PAGED_NEW)
+                out += [Cell(family="decode", batch=b, seq=p, cache="paged", new_tokens=n, **kw)
+                        for b in (q["paged_batches"] if q else PAGED_BATCHES)]
             for c in base:
                 if q and (arch not in q["compiled_archs"] or c.mode not in q["compiled_modes"]):
                     continue
@@ -353,6 +372,52 @@ def generate_kwargs(cell: Cell) -> dict:
     return kw
 
 
+def cache_kwarg(model) -> str:
+    """generate's cache argument: transformers newer than 5.17 renamed past_key_values to cache."""
+    return "cache" if _takes(getattr(model, "_orig_mod", model), "cache") else "past_key_values"
+
+
+def paged_cache(model, cell: Cell):
+    """The opsadv contender's cache of a paged cell: prompt + new tokens per sequence, pages of PAGE_SIZE."""
+    return opsadv.PagedKVCache(model, max_cache_len=cell.seq + cell.new_tokens, page_size=PAGE_SIZE,
+                               max_batch_size=cell.batch, static=False)
+
+
+def paged_generate_fn(model, x: dict, cell: Cell, cache):
+    kw = {**generate_kwargs(cell), cache_kwarg(model): cache}
+    gen = getattr(model, "_orig_mod", model).generate
+
+    def f():
+        cache.reset()                         # every call generates from an empty cache (its pages stay allocated)
+        with torch.no_grad():
+            return gen(**x, **kw)
+    return f
+
+
+def static_compile_config():
+    """generate's auto-compile of the StaticCache peer: transformers' CompileConfig defaults (inductor,
+    reduce-overhead) on CUDA; on a CPU the eager backend, forced on (CPU runs check the code path, not speed)."""
+    from transformers import CompileConfig
+    if torch.cuda.is_available():
+        return CompileConfig()
+    cc = CompileConfig(backend="eager", mode=None)      # (the eager backend takes no mode)
+    cc._compile_all_devices = True            # transformers auto-compiles on accelerators only unless this is set
+    return cc
+
+
+def static_compile_generate_fn(model, x: dict, cell: Cell, cc):
+    """transformers' StaticCache under torch.compile: generate(cache_implementation="static") with its own
+    auto-compile of the decode step (compile_config cc)."""
+    kw = dict(max_new_tokens=cell.new_tokens, do_sample=False, use_cache=True, cache_implementation="static",
+              compile_config=cc, disable_compile=False)
+    gen = getattr(model, "_orig_mod", model).generate
+
+    def f():
+        with torch.no_grad():
+            return gen(**x, **kw)
+    return f
+
+
 def generate_fn(model, x: dict, cell: Cell, patch=None):
     kw = generate_kwargs(cell)
     gen = getattr(model, "_orig_mod", model).generate
@@ -408,6 +473,8 @@ def _metrics(ref, new, inputs, dtype, what: str = "logits") -> dict:
 
 
 def _work(model, cell: Cell) -> float:
+    if cell.cache == "paged":                 # tok/s: the runner's rate is work / ms / 1e9
+        return cell.batch * cell.new_tokens * 1e12
     emb = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding))
     n = max(Z.n_params(model) - emb, 1)
     if cell.family == "decode":
@@ -436,8 +503,11 @@ def _warm(fn, name: str, extra: dict, impls: dict | None = None):
 # ---- the case ------------------------------------------------------------------------------------------
 def make_case(cell: Cell, device: str, dtype: torch.dtype, quick: bool = False) -> BenchCase:
     e = Z.spec(cell.arch)
-    baseline = "hf_compile" if cell.compiled else "unconverted"
-    peer_names = [baseline] + (["liger"] if e.liger and not cell.compiled else [])
+    paged = cell.cache == "paged"
+    # paged cells: against transformers' StaticCache under torch.compile (issue 39's target), DynamicCache eager too
+    baseline = "hf_compile" if cell.compiled else "hf_static_compile" if paged else "unconverted"
+    peer_names = [baseline] + (["unconverted"] if paged else []) + (["liger"] if e.liger and not cell.compiled
+                                                                     else [])
     st: dict = {}
     extra: dict[str, Any] = {"arch": cell.arch, "size": cell.size, "mode": cell.mode, "like": e.like.get(cell.size, "")}
     if cell.compiled:
@@ -476,6 +546,11 @@ def make_case(cell: Cell, device: str, dtype: torch.dtype, quick: bool = False) 
             contenders = {"opsadv": compile_model(conv, dyn), "hf_compile": compile_model(hf, dyn)}
         else:
             contenders["unconverted"] = base
+        if paged:
+            st["paged"] = paged_cache(conv, cell)
+            contenders["hf_static_compile"] = copy.deepcopy(base)
+            cc = static_compile_config()
+            extra["static_compile"] = cc.to_dict()
         patches: dict = {}
         if "liger" in peer_names:              # built last: after the other models exist
             lig, patch = liger_copy(base, cell.arch)
@@ -496,12 +571,21 @@ def make_case(cell: Cell, device: str, dtype: torch.dtype, quick: bool = False) 
             p = patches.get(name)
             if cell.family == "prefill":
                 fn = forward_fn(m, x, keep_last, p)
+            elif paged and name == "opsadv":
+                fn = paged_generate_fn(m, x, cell, st["paged"])
+            elif name == "hf_static_compile":
+                fn = static_compile_generate_fn(m, x, cell, cc)
             elif cell.family == "decode":
                 fn = generate_fn(m, x, cell, p)
             else:
                 fn = train_fn(m, _optimizer(getattr(m, "_orig_mod", m)), x, p)
             try:
                 _warm(fn, name, extra, impls if name == "opsadv" else None)
+                if name == "hf_static_compile" and not hasattr(m, "_compiled_call"):
+                    raise RuntimeError("generate ran the StaticCache peer uncompiled (its auto-compile criteria "
+                                       "were not met)")
+                if paged and name == "opsadv":
+                    _paged_fields(m, cell, st["paged"], extra)
                 if train and device == "cuda":
                     extra[f"{name}_peak_mib"] = peak_mib(fn)      # one more step (after the warm-up's)
             except Exception as ex:
@@ -530,12 +614,13 @@ def make_case(cell: Cell, device: str, dtype: torch.dtype, quick: bool = False) 
                          "last_hidden_state" if cell.kind in ("encoder", "vision") else "logits")
             extra["check"] = m
             return m["rel_err"]
-        return _decode_check(cell, st, extra, dtype)
+        return _decode_check(cell, st, extra, dtype, ref)
 
     rounds, calls = (QUICK["rounds"], QUICK["calls"]) if quick else (ROUNDS, CALLS[cell.family])
     if cell.family == "decode" and _layers(e, cell.size) >= DEEP:
         rounds = min(rounds, 2)
-    case = BenchCase("models", cell.name, run_opsadv, {p: peer(p) for p in peer_names}, 1.0, "TFLOP/s",
+    case = BenchCase("models", cell.name, run_opsadv, {p: peer(p) for p in peer_names}, 1.0,
+                     "tok/s" if paged else "TFLOP/s",
                      impl=impl, compare=compare, extra=extra, setup=setup, rounds=rounds, baseline=baseline,
                      calls=calls)
     return case
@@ -547,26 +632,60 @@ def _layers(e, size: str) -> int:
         int(kw.get("num_decoder_layers") or 0)
 
 
-def _decode_check(cell: Cell, st: dict, extra: dict, dtype) -> float:
+def _paged_fields(model, cell: Cell, cache, extra: dict) -> None:
+    """The paged cache's shape and what served its one (warm-up) generate; raises unless paged_attention served
+    every layer's prefill and each decode step (no other attention path may have run)."""
+    layers = model.config.num_hidden_layers
+    want = {"prefill": layers, "decode": layers * (cell.new_tokens - 1)}    # the last new token is not fed back
+    if cache.calls != want:
+        raise RuntimeError(f"PagedKVCache served {cache.calls} paged_attention calls in one generate, expected {want}")
+    extra["paged"] = {"page_size": cache.page_size, "num_pages": cache.num_pages, "max_cache_len": cache.max_cache_len,
+                      "calls_per_generate": dict(cache.calls), "decode_kernel": cache.explain().chosen}
+
+
+def _decode_check(cell: Cell, st: dict, extra: dict, dtype, ref=None) -> float:
     """The opsadv contender's generate, its step logits against the unconverted model's logits on the same
-    tokens (one forward over prompt + generated tokens, no cache): the cached decode path checked."""
+    tokens (one forward over prompt + generated tokens, no cache): the cached decode path checked.  Paged cells
+    also compare the greedy tokens with the unconverted model's (DynamicCache, eager) and with the baseline's
+    (`ref`): the share of equal new tokens, and the share before each row's first differing token."""
     m = st["models"]["opsadv"]
     gen = getattr(m, "_orig_mod", m).generate
     x, base = st["x"], st["base"]
+    kw = generate_kwargs(cell)
+    if cell.cache == "paged":
+        st["paged"].reset()
+        kw[cache_kwarg(m)] = st["paged"]
     with torch.no_grad():
-        out = gen(**x, **generate_kwargs(cell), output_logits=True, return_dict_in_generate=True)
+        out = gen(**x, **kw, output_logits=True, return_dict_in_generate=True)
         new = torch.stack(out.logits, 1)
         seq = out.sequences
         if cell.kind == "seq2seq":
-            ref = base(**x, decoder_input_ids=seq[:, :-1]).logits
+            ref_logits = base(**x, decoder_input_ids=seq[:, :-1]).logits
         else:
             p = x["input_ids"].shape[1]
             ids = seq[:, :-1]
-            ref = base(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits[:, p - 1:]
+            ref_logits = base(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits[:, p - 1:]
     extra["generated_tokens"] = int(new.shape[1])
-    mt = _metrics(ref.float(), new.float(), {}, dtype)
+    if cell.cache == "paged":
+        p = x["input_ids"].shape[1]
+        with torch.no_grad():
+            want = base.generate(**x, **generate_kwargs(cell))          # DynamicCache (no cache_implementation)
+        extra.update(_token_agreement(seq[:, p:], want[:, p:], "unconverted"))
+        if isinstance(ref, torch.Tensor) and ref.shape == seq.shape:
+            extra.update(_token_agreement(seq[:, p:], ref[:, p:], "hf_static_compile"))
+    mt = _metrics(ref_logits.float(), new.float(), {}, dtype)
     extra["check"] = mt
     return mt["rel_err"]
+
+
+def _token_agreement(got: torch.Tensor, want: torch.Tensor, peer: str) -> dict:
+    """Greedy new tokens against a peer's: the share equal position by position, and the share before each row's
+    first difference (one differing token changes every later step's input)."""
+    eq = (got == want)
+    first = torch.where(eq.all(1), eq.shape[1], (~eq).int().argmax(1))
+    n = eq.numel()
+    return {f"tokens_equal_{peer}": round(eq.sum().item() / n, 4),
+            f"tokens_equal_prefix_{peer}": round(first.sum().item() / n, 4)}
 
 
 def cases(quick: bool) -> Iterator[BenchCase]:
