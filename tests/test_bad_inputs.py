@@ -167,9 +167,28 @@ def _paged():
             ref, "q", "k_cache", lambda d: {**d, "q": d["q"][:, :0]})
 
 
+def _varlen():
+    def make():
+        # query segments of 2 and 3 rows against 5 and 9 keys (packed), GQA 4 / 2
+        return {"q": _r(5, 4, 16), "k": _r(14, 2, 16), "v": _r(14, 2, 16),
+                "cu_seqlens_q": torch.tensor([0, 2, 5], dtype=torch.int32),
+                "cu_seqlens_k": torch.tensor([0, 5, 14], dtype=torch.int32)}
+
+    def ref(d):
+        cq, ck = d["cu_seqlens_q"].tolist(), d["cu_seqlens_k"].tolist()
+        return torch.cat([_attn64(d["q"][None, cq[b]:cq[b + 1]].transpose(1, 2),
+                                  d["k"][None, ck[b]:ck[b + 1]].transpose(1, 2),
+                                  d["v"][None, ck[b]:ck[b + 1]].transpose(1, 2), causal=True)[0].transpose(0, 1)
+                          for b in range(2)])
+    return (make, lambda d, **kw: opsadv.ops.varlen_attention(d["q"], d["k"], d["v"], d["cu_seqlens_q"],
+                                                              d["cu_seqlens_k"], causal=True, **kw),
+            ref, "q", "k", lambda d: {**d, "q": d["q"][:0], "cu_seqlens_q": torch.zeros(3, dtype=torch.int32)})
+
+
 OPS = {"flash_attention": _flash(), "sparse_attention": _sparse(), "gemm": _gemm(), "swiglu_gemm": _swiglu_gemm(),
        "swiglu": _swiglu(), "layer_norm": _layer_norm(), "rms_norm": _rms_norm(), "rotary_embedding": _rotary(),
-       "qk_norm_rotary": _qk_norm_rotary(), "paged_attention": _paged()}
+       "qk_norm_rotary": _qk_norm_rotary(), "paged_attention": _paged(),
+       "varlen_attention": _varlen()}
 
 
 def _mutations(primary, secondary, empty):

@@ -50,7 +50,7 @@ def _wrap(impl: KernelImpl) -> KernelImpl:
             note = "query-chunked above the workspace cap"
         elif per:
             note = "not chunkable (the kernel does not take s_q != s_k)"
-    elif impl.op == "paged_attention":
+    elif impl.op in ("paged_attention", "varlen_attention"):     # the same kernel and split heuristic
         fn = functools.partial(C.bounded_paged_fwd, impl.fn)
         note = "split-KV partials bounded by the workspace cap (fewer splits)"
     elif impl.op in ("gemm", "swiglu_gemm"):

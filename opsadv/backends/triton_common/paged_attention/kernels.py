@@ -10,7 +10,11 @@ float32; merge_kernel then combines the slices.  append_kernel writes k_new / v_
 
 FP8 (an e4m3 cache with per-kv-head scales): the attention kernel widens each K / V tile exactly to q's dtype (e4m3
 fits in fp16 / bf16 / fp32) and folds k_scale into the qk scale and v_scale into the normalized output, so the
-tile loop does no extra multiply; the append kernel quantizes (_quantize_e4m3)."""
+tile loop does no extra multiply; the append kernel quantizes (_quantize_e4m3).
+
+KV_CONTIG (varlen_attention): K / V are packed (total_k, Hkv, D) tensors instead of pages; BT is cu_seqlens_k, and
+sequence b's key j is row cu_seqlens_k[b] + j (SEQ, PAGE and the page strides are unused).  The flag is a
+constexpr: with it off the kernel compiles to the paged code as before."""
 import triton
 import triton.language as tl
 
@@ -86,7 +90,7 @@ def paged_attn_kernel(Q, KC, VC, BT, SEQ, CU, O, LSE, S_Q, HKV, G, NUM_SPLITS, q
                       sot, soh, sod, slt, slh, sos, sls,
                       PAGE: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_D: tl.constexpr, VARLEN: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr,
-                      IEEE: tl.constexpr, FP8: tl.constexpr):
+                      IEEE: tl.constexpr, FP8: tl.constexpr, KV_CONTIG: tl.constexpr = False):
     """qk_scale = scale * log2(e).  O / LSE: the output and lse ((rows, Hq, D) / (rows, Hq)), or with SPLIT the
     float32 partials, split s at offset s * sos / s * sls.  FP8: e4m3 K / V with the kv head's scales at
     KS[kvh * sks] / VS[kvh * svs] (stride 0: one scale)."""
@@ -98,7 +102,11 @@ def paged_attn_kernel(Q, KC, VC, BT, SEQ, CU, O, LSE, S_Q, HKV, G, NUM_SPLITS, q
     r0, n = _segment(CU, b, S_Q, VARLEN)
     if mb * BLOCK_M >= n * G:                 # past this sequence's rows (packed q: the grid's bound is total_q)
         return
-    kv_len = tl.load(SEQ + b)
+    if KV_CONTIG:
+        k0 = tl.load(BT + b)                   # BT is cu_seqlens_k: keys are rows k0 .. k0 + kv_len - 1
+        kv_len = tl.load(BT + b + 1) - k0
+    else:
+        kv_len = tl.load(SEQ + b)
     rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     qi = rows // G
     head = kvh * G + rows % G
@@ -128,10 +136,15 @@ def paged_attn_kernel(Q, KC, VC, BT, SEQ, CU, O, LSE, S_Q, HKV, G, NUM_SPLITS, q
     for start in range(lo, hi, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
         km = kpos < hi
-        page = tl.load(bt_row + (kpos // PAGE) * sbp, mask=km, other=0).to(tl.int64)
-        slot = kpos % PAGE
-        k = tl.load(KC + (page * skp + slot * skt + kvh * skh)[:, None] + d[None, :] * skd,
-                    mask=km[:, None] & dm[None, :], other=0.0)          # (BLOCK_N, BLOCK_D): rows of d contiguous
+        if KV_CONTIG:
+            krow = (k0 + kpos).to(tl.int64)
+            k = tl.load(KC + (krow * skt + kvh * skh)[:, None] + d[None, :] * skd,
+                        mask=km[:, None] & dm[None, :], other=0.0)
+        else:
+            page = tl.load(bt_row + (kpos // PAGE) * sbp, mask=km, other=0).to(tl.int64)
+            slot = kpos % PAGE
+            k = tl.load(KC + (page * skp + slot * skt + kvh * skh)[:, None] + d[None, :] * skd,
+                        mask=km[:, None] & dm[None, :], other=0.0)      # (BLOCK_N, BLOCK_D): rows of d contiguous
         if FP8:
             k = k.to(q.dtype)                                            # exact: e4m3 fits fp16 / bf16 / fp32
         if IEEE:
@@ -148,8 +161,12 @@ def paged_attn_kernel(Q, KC, VC, BT, SEQ, CU, O, LSE, S_Q, HKV, G, NUM_SPLITS, q
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(VC + (page * svp + slot * svt + kvh * svh)[:, None] + d[None, :] * svd,
-                    mask=km[:, None] & dm[None, :], other=0.0)
+        if KV_CONTIG:
+            v = tl.load(VC + (krow * svt + kvh * svh)[:, None] + d[None, :] * svd,
+                        mask=km[:, None] & dm[None, :], other=0.0)
+        else:
+            v = tl.load(VC + (page * svp + slot * svt + kvh * svh)[:, None] + d[None, :] * svd,
+                        mask=km[:, None] & dm[None, :], other=0.0)
         if FP8:
             v = v.to(q.dtype)
         if IEEE:

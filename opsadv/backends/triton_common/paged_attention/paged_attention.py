@@ -9,7 +9,12 @@ most of a 132-SM GPU idle however long the context.  When the programs fall shor
 (num_splits), the key range is cut into slices of at least MIN_SPLIT_KEYS keys, as many as bring the grid to two
 waves (at most MAX_SPLITS), each slice's partial (out, lse) kept in float32 and merged by a second kernel.  The
 count comes from the host-known bound on the context (block_table's width x page_size), so choosing it reads no
-tensor value; each program cuts its own sequence's length into the same number of slices."""
+tensor value; each program cuts its own sequence's length into the same number of slices.
+
+varlen_attention (impl "cuda.triton.varlen_attention", varlen_fwd) runs the same attention and merge kernels with
+KV_CONTIG: K / V packed (total_k, Hkv, D), sequence b's keys at rows cu_seqlens_k[b]:cu_seqlens_k[b+1].  Its split
+count takes max_seqlen_k (else total_k) as the context bound; max_seqlen_q only sharpens the idle-SM estimate.
+Neither bounds the grid (that stays total_q rows), so a wrong hint costs speed, never a row."""
 from __future__ import annotations
 
 import torch
@@ -150,6 +155,47 @@ def paged_fwd(ctx, q, k_cache, v_cache, block_table, seqlens_k, cu_seqlens_q, k_
     return out.view(q.shape), lse.view(q.shape[:-1])
 
 
+def varlen_fwd(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale):
+    """varlen_attention: q (total_q, Hq, D) against packed k / v (total_k, Hkv, D) per cu_seqlens segment."""
+    kern = _kernels()
+    dev = q.device
+    poison = dev.type == "cpu" or env_bool("OPSADV_POISON_OUTPUTS")
+    rows, hq, d = q.shape
+    total_k, hkv = k.shape[0], k.shape[1]
+    batch = cu_seqlens_q.shape[0] - 1
+    g = hq // hkv
+    d_pad = max(16, _pow2(d))
+    # the grid's row bound is total_q (correct for any segment lengths); max_seqlen_q only tunes the tiles / splits
+    hint_q = min(max_seqlen_q, rows) if max_seqlen_q is not None else -(-rows // max(batch, 1))
+    block_m, block_n, warps = _tiles(d_pad, max(hint_q, 1) * g, q.dtype)
+    mblocks = -(-(rows * g) // block_m)
+    busy = -(-(max(hint_q, 1) * g) // block_m)
+    context = min(max_seqlen_k, total_k) if max_seqlen_k is not None else total_k
+    splits = num_splits(batch * hkv * busy, context, _sms(ctx, dev), _profile_tiles(ctx))
+    out = _new((rows, hq, d), q.dtype, dev, poison)
+    lse = _new((rows, hq), torch.float32, dev, poison)
+    if splits > 1:
+        o_dst = _new((splits, rows, hq, d), torch.float32, dev, poison)
+        l_dst = _new((splits, rows, hq), torch.float32, dev, poison)
+        sos, sls = o_dst.stride(0), l_dst.stride(0)
+    else:
+        o_dst, l_dst, sos, sls = out, lse, 0, 0
+    kern["attn"][(splits, batch * hkv, mblocks)](
+        q, k, v, cu_seqlens_k, cu_seqlens_k, cu_seqlens_q, o_dst, l_dst, rows, hkv, g, splits, scale * LOG2E,
+        cu_seqlens_k, cu_seqlens_k, 0, 0,                           # (fp8 scales: unused)
+        q.stride(0), q.stride(1), q.stride(2), 0, k.stride(0), k.stride(1), k.stride(2),
+        0, v.stride(0), v.stride(1), v.stride(2), 0, 0,            # (page strides and block table: unused)
+        o_dst.stride(-3), o_dst.stride(-2), o_dst.stride(-1), l_dst.stride(-2), l_dst.stride(-1), sos, sls,
+        PAGE=1, D=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=d_pad, VARLEN=True, CAUSAL=causal,
+        SPLIT=splits > 1, IEEE=q.dtype == torch.float32, FP8=False, KV_CONTIG=True, num_warps=warps)
+    if splits > 1:
+        block_h = min(_pow2(hq), max(1, 4096 // d_pad))
+        kern["merge"][(rows, -(-hq // block_h))](
+            o_dst, l_dst, out, lse, hq, splits, sos, sls, out.stride(0), out.stride(1), lse.stride(0),
+            D=d, BLOCK_H=block_h, BLOCK_D=d_pad, num_warps=4)
+    return out, lse
+
+
 FP8_MIN_CC = (8, 9)            # Triton's e4m3 (fp8e4nv) type needs sm_89+ (Ada, Hopper): not A100, not Jetson Orin
 
 
@@ -174,4 +220,12 @@ def impls(env, backend: str = "cuda") -> list[KernelImpl]:
         description="Triton: pages read through the block table, a GQA group per program (K / V read once per kv "
                     "head), split-KV with a merge kernel when batch x kv heads leaves SMs idle; append kernel for "
                     "k_new / v_new" + ("; fp8 (e4m3) caches with per-head scales, quantized on append" if fp8
-                                       else ""))]
+                                       else "")),
+        KernelImpl(
+        id=f"{backend}.triton.varlen_attention", op="varlen_attention", backend=backend, fn=varlen_fwd,
+        priority=PRIORITY_TRITON, device_types=triton_device_types(env),
+        dtypes=(torch.float16, torch.bfloat16, torch.float32), max_head_dim=256,
+        features=frozenset({"causal", "gqa"}), deterministic=True, requires_interpret_or_cuda=True,
+        check=lambda spec, env: interpreter_bf16_reasons(spec), memory=MEMORY_FLASH,
+        description="Triton: the paged_attention kernel reading packed K / V at cu_seqlens_k offsets, a GQA group "
+                    "per program, split-KV with a merge kernel when batch x kv heads leaves SMs idle")]
