@@ -76,6 +76,24 @@ def append_kv(k_cache, v_cache, block_table, seqlens_k, segs, k_new, v_new, k_sc
         v_cache[page, pos % ps] = vn[r0:r0 + n].to(v_cache.dtype)
 
 
+
+def attend(qb, k, v, scale, causal):
+    """One sequence's attention: qb (n, Hkv, G, D) against k / v (L, Hkv, D), causal bottom-right (query i sees
+    keys j <= L - n + i) -> (out (n, Hq, D), lse (n, Hq)); a row with no key gives 0 and -inf."""
+    n, hkv, g, d = qb.shape
+    kv_len = k.shape[0]
+    s = torch.einsum("nkgd,lkd->kgnl", qb, k) * scale           # (Hkv, G, n, L)
+    if causal:
+        i = torch.arange(n, device=qb.device)[:, None]
+        j = torch.arange(kv_len, device=qb.device)[None, :]
+        s = s.masked_fill(j > i + (kv_len - n), float("-inf"))
+    m = torch.logsumexp(s, -1)                                  # (Hkv, G, n)
+    m = m.masked_fill(torch.isposinf(m), float("nan"))         # a +inf score: out and lse NaN (as flash)
+    empty = torch.isneginf(m)
+    p = torch.exp(s - m.masked_fill(empty, 0.0)[..., None]).masked_fill(empty[..., None], 0.0)
+    o = torch.einsum("kgnl,lkd->nkgd", p, v.to(p.dtype))
+    return o.reshape(n, hkv * g, d), m.permute(2, 0, 1).reshape(n, hkv * g)
+
 def paged_fwd(ctx, q, k_cache, v_cache, block_table, seqlens_k, cu_seqlens_q, k_new, v_new, causal, scale,
               k_scale=None, v_scale=None):
     segs = segments(q, block_table, cu_seqlens_q)
@@ -97,16 +115,5 @@ def paged_fwd(ctx, q, k_cache, v_cache, block_table, seqlens_k, cu_seqlens_q, k_
         k = dequantize_kv(k_cache[pages].reshape(-1, hkv, d)[:kv_len], k_scale, cdt)        # (L, Hkv, D)
         v = dequantize_kv(v_cache[pages].reshape(-1, hkv, d)[:kv_len], v_scale, cdt)
         qb = acc(qr[r0:r0 + n]).reshape(n, hkv, g, d)
-        s = torch.einsum("nkgd,lkd->kgnl", qb, k) * scale           # (Hkv, G, n, L)
-        if causal:                                                  # bottom-right: query i sees j <= L - n + i
-            i = torch.arange(n, device=q.device)[:, None]
-            j = torch.arange(kv_len, device=q.device)[None, :]
-            s = s.masked_fill(j > i + (kv_len - n), float("-inf"))
-        m = torch.logsumexp(s, -1)                                  # (Hkv, G, n)
-        m = m.masked_fill(torch.isposinf(m), float("nan"))         # a +inf score: out and lse NaN (as flash)
-        empty = torch.isneginf(m)
-        p = torch.exp(s - m.masked_fill(empty, 0.0)[..., None]).masked_fill(empty[..., None], 0.0)
-        o = torch.einsum("kgnl,lkd->nkgd", p, v)
-        out[r0:r0 + n] = o.reshape(n, hq, d)
-        lse[r0:r0 + n] = m.permute(2, 0, 1).reshape(n, hq)
+        out[r0:r0 + n], lse[r0:r0 + n] = attend(qb, k, v, scale, causal)
     return out.to(q.dtype).reshape(q.shape), lse.reshape(q.shape[:-1])

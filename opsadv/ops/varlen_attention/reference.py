@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from opsadv.core.op_common import acc, acc_dtype
+from opsadv.ops.paged_attention.reference import attend
 
 FEATURES = frozenset({"causal", "gqa"})
 
@@ -25,15 +26,5 @@ def varlen_fwd(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
             continue                                    # no keys: out 0, lse -inf
         kb, vb = acc(k[k0:k0 + kv_len]), acc(v[k0:k0 + kv_len])            # (L, Hkv, D)
         qb = acc(q[r0:r0 + n]).reshape(n, hkv, g, d)
-        s = torch.einsum("nkgd,lkd->kgnl", qb, kb) * scale           # (Hkv, G, n, L)
-        if causal:                                                  # bottom-right: query i sees j <= L - n + i
-            i = torch.arange(n, device=q.device)[:, None]
-            j = torch.arange(kv_len, device=q.device)[None, :]
-            s = s.masked_fill(j > i + (kv_len - n), float("-inf"))
-        m = torch.logsumexp(s, -1)                                  # (Hkv, G, n)
-        m = m.masked_fill(torch.isposinf(m), float("nan"))         # a +inf score: out and lse NaN (as flash)
-        empty = torch.isneginf(m)
-        p = torch.exp(s - m.masked_fill(empty, 0.0)[..., None]).masked_fill(empty[..., None], 0.0)
-        out[r0:r0 + n] = torch.einsum("kgnl,lkd->nkgd", p, vb.to(p.dtype)).reshape(n, hq, d)
-        lse[r0:r0 + n] = m.permute(2, 0, 1).reshape(n, hq)
+        out[r0:r0 + n], lse[r0:r0 + n] = attend(qb, kb, vb, scale, causal)
     return out.to(q.dtype), lse
