@@ -12,7 +12,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from . import hooks, tuning
+from . import devices, hooks, tuning
 from .env import EnvInfo
 from .envvars import env_bool
 from .errors import BackendUnavailableError, NoKernelError
@@ -187,7 +187,7 @@ def explain_spec(spec: CallSpec, policy: Policy | None = None) -> tuple[Explanat
     policy = policy or current_policy()
     reg, selected = _selected_backends(policy, spec)
     names = {b.name for b in selected}
-    env: EnvInfo = reg.env
+    env: EnvInfo = reg.env.for_device(spec.device_index)
     cands: list[Candidate] = []
     pinned = dict(policy.impls).get(spec.op)
     for impl in reg.impls_by_op.get(spec.op, []):
@@ -223,14 +223,14 @@ def explain_spec(spec: CallSpec, policy: Policy | None = None) -> tuple[Explanat
     if chosen is None:
         return exp, None
     backend = reg.backends[chosen.backend]
-    profile = select_profile(backend, policy) if backend.profiles else None
+    profile = select_profile(backend, policy, env) if backend.profiles else None
     options = policy.option_dict if policy.backend in (chosen.backend, "auto") else {}
     if profile is not None and options.get("tile_size"):
         profile = _capped(profile, options["tile_size"])
     ctx = ResolveContext(env=env, profile=profile, options={**options, "precision": policy.precision,
                                                              "deterministic": policy.deterministic}, spec=spec)
     run = chosen.backward if spec.backward else chosen.fn
-    return exp, Resolved(chosen, ctx, run)
+    return exp, devices.guarded(Resolved(chosen, ctx, run))
 
 
 def _requests(c: Candidate, spec: CallSpec, policy: Policy) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -257,7 +257,8 @@ def resolve(key: tuple, make_spec: Callable[[], CallSpec], args: tuple | None = 
         reasons = {c.impl.id: list(c.reasons) for c in exp.candidates}
         raise NoKernelError(spec.op + (" (backward)" if spec.backward else ""), policy.describe(), reasons)
     if policy.autotune and args is not None:
-        r = tuning.autotune(exp, r, args, policy.timing) or r
+        with devices.inputs_device(args):
+            r = devices.guarded(tuning.autotune(exp, r, args, policy.timing) or r)
     _announce(exp, r, policy)
     with _memo_lock:
         if len(_memo) >= MEMO_MAX:      # many distinct policies x buckets: start over rather than grow without end

@@ -3,6 +3,7 @@ properties but creates no tensors on a device and never imports torch_npu."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.metadata
 import importlib.util
 import os
@@ -16,6 +17,24 @@ from .envvars import triton_interpret
 
 
 RUNTIME_VENDORS = {"cuda": "NVIDIA", "hip": "AMD", "xpu": "Intel", "npu": "Huawei"}
+
+
+@dataclass(frozen=True)
+class DeviceProps:
+    """One GPU's facts (the EnvInfo fields that differ between the GPUs of a mixed node)."""
+
+    index: int
+    device_name: str | None = None
+    compute_capability: tuple[int, int] | None = None
+    sm_count: int | None = None
+    total_memory: int | None = None
+    shared_memory_per_block_optin: int | None = None
+    l2_cache_size: int | None = None
+    gpu_arch: str | None = None
+    integrated: bool = False
+
+    def kind(self) -> tuple:
+        return (self.device_name, self.compute_capability, self.gpu_arch)
 
 
 @dataclass(frozen=True)
@@ -52,6 +71,19 @@ class EnvInfo:
     python_version: str = ""
     machine: str = ""
     errors: tuple[str, ...] = ()                 # what could not be read, and why
+    devices: tuple[DeviceProps, ...] = ()        # every CUDA GPU torch sees; the fields above describe device 0
+
+    @property
+    def mixed_devices(self) -> bool:
+        """GPUs of more than one kind (name, capability, arch): resolution and tuning then go per device."""
+        return len({d.kind() for d in self.devices}) > 1
+
+    def for_device(self, index: int | None) -> "EnvInfo":
+        """This environment as seen from GPU `index`: its name, capability, SMs and memory in the top-level
+        fields (device 0, an unknown index or a node of one kind of GPU: self)."""
+        if not index or index >= len(self.devices) or not self.mixed_devices:
+            return self
+        return _for_device(self, index)
 
     @property
     def is_jetson(self) -> bool:
@@ -126,27 +158,50 @@ def _version(dist: str) -> str | None:
         return None
 
 
+@functools.lru_cache(maxsize=64)
+def _for_device(env: EnvInfo, index: int) -> EnvInfo:
+    d = env.devices[index]
+    return dataclasses.replace(env, device_name=d.device_name, compute_capability=d.compute_capability,
+                               sm_count=d.sm_count, total_memory=d.total_memory,
+                               shared_memory_per_block_optin=d.shared_memory_per_block_optin,
+                               l2_cache_size=d.l2_cache_size, gpu_arch=d.gpu_arch, integrated=d.integrated,
+                               unified_memory=d.integrated)
+
+
+def _device_props(index: int, p, hip) -> DeviceProps:
+    return DeviceProps(index=index, device_name=p.name, compute_capability=(p.major, p.minor),
+                       sm_count=p.multi_processor_count, total_memory=p.total_memory,
+                       shared_memory_per_block_optin=getattr(p, "shared_memory_per_block_optin", None),
+                       l2_cache_size=getattr(p, "L2_cache_size", None),
+                       gpu_arch=(getattr(p, "gcnArchName", None) or None) if hip else None,
+                       integrated=bool(getattr(p, "is_integrated", False)))
+
+
 def _cuda_properties(errors: list[str]) -> dict[str, Any]:
-    """Device 0's properties, read without allocating anything on the device (NVIDIA, or AMD on ROCm builds)."""
+    """Every GPU's properties (device 0's in the top-level fields), read without allocating anything on a
+    device (NVIDIA, or AMD on ROCm builds)."""
     import torch
 
     try:
         if not torch.cuda.is_available():
             return {}
-        p = torch.cuda.get_device_properties(0)
         hip = getattr(torch.version, "hip", None)
+        devices = tuple(_device_props(i, torch.cuda.get_device_properties(i), hip)
+                        for i in range(torch.cuda.device_count()))
+        d = devices[0]
         return dict(
             device_type="cuda",
-            device_name=p.name,
-            gpu_arch=(getattr(p, "gcnArchName", None) or None) if hip else None,
-            device_count=torch.cuda.device_count(),
-            compute_capability=(p.major, p.minor),
-            sm_count=p.multi_processor_count,
-            total_memory=p.total_memory,
-            shared_memory_per_block_optin=getattr(p, "shared_memory_per_block_optin", None),
-            l2_cache_size=getattr(p, "L2_cache_size", None),
-            integrated=bool(getattr(p, "is_integrated", False)),
-            unified_memory=bool(getattr(p, "is_integrated", False)),
+            device_name=d.device_name,
+            gpu_arch=d.gpu_arch,
+            device_count=len(devices),
+            compute_capability=d.compute_capability,
+            sm_count=d.sm_count,
+            total_memory=d.total_memory,
+            shared_memory_per_block_optin=d.shared_memory_per_block_optin,
+            l2_cache_size=d.l2_cache_size,
+            integrated=d.integrated,
+            unified_memory=d.integrated,
+            devices=devices,
         )
     except Exception as e:  # a broken driver must not break detection
         errors.append(f"cuda properties: {type(e).__name__}: {e}")

@@ -43,6 +43,7 @@ class CallSpec:
     # what each bucket entry is, with its relation ("s_q<=" for a power-of-two bound, "K=" for an exact
     # value): explain() and the dispatch log print `s_q<=512` instead of a bare number; not part of equality
     bucket_names: tuple[str, ...] = field(default=(), compare=False)
+    device_index: int | None = None   # the GPU it resolves for, on a node of mixed GPUs only (devices.device_index)
 
     def bucket_text(self) -> str:
         if len(self.bucket_names) != len(self.bucket):

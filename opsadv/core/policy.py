@@ -248,8 +248,9 @@ class Backend:
         _scoped.reset(self._tokens.pop())
 
 
-def select_profile(backend, policy: Policy) -> Profile | None:
-    """The backend's profile under this policy: the forced one, else the best match."""
+def select_profile(backend, policy: Policy, env=None) -> Profile | None:
+    """The backend's profile under this policy: the forced one, else the best match for `env` (the
+    registry's, or one GPU's view of it on a node of mixed GPUs)."""
     profiles = backend.profiles
     if policy.profile is not None and (policy.backend == backend.name or policy.backend == "auto"):
         for p in profiles:
@@ -258,7 +259,7 @@ def select_profile(backend, policy: Policy) -> Profile | None:
         raise InvalidArgumentError("use_backend", "profile",
                                    f"a profile of backend {backend.name!r}: {[p.name for p in profiles]}",
                                    repr(policy.profile))
-    env = hooks.get_registry().env
+    env = env or hooks.get_registry().env
     matching = [p for p in profiles if p.matches is None or p.matches(env)]
     matching.sort(key=lambda p: (-p.priority, p.name))
     return matching[0] if matching else None

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from opsadv.core import dispatch
+from opsadv.core.devices import device_index, device_key
 from opsadv.core import policy as _policy
 from opsadv.core.errors import InvalidArgumentError
 from opsadv.core.kernel import CallSpec
@@ -145,7 +146,7 @@ def _key(q, k, attn_mask, causal, backward: bool, train: bool = False, inference
     # Everything the verdict of any impl may depend on, cheaply (no allocation).
     b, hq, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
-    return (OP, backward, q.device.type, q.dtype, d, causal,
+    return (OP, backward, device_key(q), q.dtype, d, causal,
             None if attn_mask is None else attn_mask.dtype, hq // hk, sq != sk,
             len_bucket(sq), len_bucket(sk), len_bucket(b * hq),
             sq == 1, sk == 1,   # single-token q/kv: some vendor kernels refuse them
@@ -156,7 +157,8 @@ def _spec(q, k, attn_mask, causal, backward: bool, train: bool = False, inferenc
     return CallSpec(op=OP, device_type=q.device.type, dtype=q.dtype, features=features(q, k, attn_mask, causal),
                     bucket=(len_bucket(q.shape[2]), len_bucket(k.shape[2]), len_bucket(q.shape[0] * q.shape[1])),
                     head_dim=q.shape[-1], shapes=(tuple(q.shape), tuple(k.shape)), backward=backward,
-                    train=train, inference=inference, bucket_names=("s_q<=", "s_k<=", "batch*heads<="))
+                    train=train, inference=inference, bucket_names=("s_q<=", "s_k<=", "batch*heads<="),
+                    device_index=device_index(q))
 
 
 def _route(q, k, v, attn_mask, causal, scale):

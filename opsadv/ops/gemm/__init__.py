@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from opsadv.core import dispatch
+from opsadv.core.devices import device_index, device_key
 from opsadv.core import policy as _policy
 from opsadv.core.errors import InvalidArgumentError
 from opsadv.core.kernel import CallSpec
@@ -143,7 +144,7 @@ def _rows(a: Tensor) -> int:
 
 def _gemm_key(a, b, bias, activation, residual, alpha, backward):
     k, n = b.shape
-    return ("gemm", backward, a.device.type, a.dtype, activation, bias is not None, residual is not None,
+    return ("gemm", backward, device_key(a), a.dtype, activation, bias is not None, residual is not None,
             alpha != 1.0, len_bucket(a.numel() // k if k else 0), k, n)
 
 
@@ -152,7 +153,8 @@ def _gemm_spec(a, b, bias, activation, residual, alpha, backward) -> CallSpec:
     f |= {n for n, on in (("bias", bias is not None), ("residual", residual is not None), ("alpha", alpha != 1.0),
                           ("batched", a.dim() > 2)) if on}
     return CallSpec("gemm", a.device.type, a.dtype, frozenset(f), (len_bucket(_rows(a)), b.shape[0], b.shape[1]),
-                    shapes=(tuple(a.shape), tuple(b.shape)), backward=backward, bucket_names=("rows<=", "K=", "N="))
+                    shapes=(tuple(a.shape), tuple(b.shape)), backward=backward, bucket_names=("rows<=", "K=", "N="),
+                    device_index=device_index(a))
 
 
 def _gemm_route(a, b, bias, activation, residual, alpha):
@@ -216,14 +218,15 @@ _gemm_eager_autograd = autograd_function("GemmFn", _gemm_route, _gemm_setup, _ge
 
 def _swiglu_key(x, w, bias, backward):
     k, n2 = w.shape
-    return ("swiglu_gemm", backward, x.device.type, x.dtype, bias is not None, len_bucket(x.numel() // k if k else 0),
+    return ("swiglu_gemm", backward, device_key(x), x.dtype, bias is not None, len_bucket(x.numel() // k if k else 0),
             k, n2)
 
 
 def _swiglu_spec(x, w, bias, backward) -> CallSpec:
     f = frozenset(n for n, on in (("bias", bias is not None), ("batched", x.dim() > 2)) if on)
     return CallSpec("swiglu_gemm", x.device.type, x.dtype, f, (len_bucket(_rows(x)), w.shape[0], w.shape[1]),
-                    shapes=(tuple(x.shape), tuple(w.shape)), backward=backward, bucket_names=("rows<=", "K=", "2N="))
+                    shapes=(tuple(x.shape), tuple(w.shape)), backward=backward, bucket_names=("rows<=", "K=", "2N="),
+                    device_index=device_index(x))
 
 
 def _swiglu_route(x, w_gate_up, bias):

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from opsadv.core import dispatch
+from opsadv.core.devices import device_index, device_key
 from opsadv.core.errors import InvalidArgumentError
 from opsadv.core.kernel import CallSpec
 from opsadv.core.opdef import OpDef, Reference, arg
@@ -92,7 +93,7 @@ def _features(bias, label_smoothing, reduction, z_loss, softcap) -> frozenset:
 
 
 def _key(hidden, weight, bias, label_smoothing, reduction, z_loss, softcap, backward) -> tuple:
-    return (OP, backward, hidden.device.type, hidden.dtype, len_bucket(hidden.shape[0]), weight.shape[0],
+    return (OP, backward, device_key(hidden), hidden.dtype, len_bucket(hidden.shape[0]), weight.shape[0],
             hidden.shape[1], bias is not None, bool(label_smoothing), reduction, bool(z_loss), softcap is not None)
 
 
@@ -100,7 +101,7 @@ def _spec(hidden, weight, bias, label_smoothing, reduction, z_loss, softcap, bac
     return CallSpec(OP, hidden.device.type, hidden.dtype, _features(bias, label_smoothing, reduction, z_loss, softcap),
                     (len_bucket(hidden.shape[0]), weight.shape[0], hidden.shape[1]),
                     shapes=(tuple(hidden.shape), tuple(weight.shape)), backward=backward,
-                    bucket_names=("tokens<=", "V=", "H="))
+                    bucket_names=("tokens<=", "V=", "H="), device_index=device_index(hidden))
 
 
 def _route(hidden, weight, labels, bias, ignore_index, label_smoothing, reduction, z_loss, softcap, grads_in_forward):

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from opsadv.core import dispatch
+from opsadv.core.devices import device_index, device_key
 from opsadv.core import policy as _policy
 from opsadv.core.errors import InvalidArgumentError
 from opsadv.core.kernel import CallSpec
@@ -105,7 +106,7 @@ def _rows(x: Tensor) -> int:
 
 def _key(op, x, weight, bias, residual, backward, offset=0.0, train=False):
     n = x.shape[-1]
-    return (op, "train" if train else backward, x.device.type, x.dtype, n, weight is not None, bias is not None,
+    return (op, "train" if train else backward, device_key(x), x.dtype, n, weight is not None, bias is not None,
             residual is not None, len_bucket(x.numel() // n), offset != 0.0)
 
 
@@ -113,7 +114,8 @@ def _spec(op, x, weight, bias, residual, backward, offset=0.0, train=False) -> C
     f = frozenset(n for n, on in (("weight", weight is not None), ("bias", bias is not None),
                                   ("residual", residual is not None), ("offset", offset != 0.0)) if on)
     return CallSpec(op, x.device.type, x.dtype, f, (x.shape[-1], len_bucket(_rows(x))),
-                    shapes=(tuple(x.shape),), backward=backward, train=train, bucket_names=("hidden=", "rows<="))
+                    shapes=(tuple(x.shape),), backward=backward, train=train, bucket_names=("hidden=", "rows<="),
+                    device_index=device_index(x))
 
 
 # ---- layer_norm ----------------------------------------------------------------------------

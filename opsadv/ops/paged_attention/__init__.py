@@ -52,6 +52,7 @@ import torch
 from torch import Tensor
 
 from opsadv.core import dispatch
+from opsadv.core.devices import device_index, device_key
 from opsadv.core.errors import InvalidArgumentError
 from opsadv.core.kernel import CallSpec
 from opsadv.core.opdef import OpDef, Reference, arg
@@ -207,7 +208,7 @@ def _rows(q) -> int:
 
 def _key(q, k_cache, block_table, cu_seqlens_q, k_new, causal) -> tuple:
     npages, ps, hkv, d = k_cache.shape
-    return (OP, q.device.type, q.dtype, k_cache.dtype, d, causal, q.shape[-2] // hkv, q.shape[-2] != hkv, ps,
+    return (OP, device_key(q), q.dtype, k_cache.dtype, d, causal, q.shape[-2] // hkv, q.shape[-2] != hkv, ps,
             cu_seqlens_q is not None, k_new is not None, len_bucket(_rows(q)),
             len_bucket(block_table.shape[1] * ps), len_bucket(block_table.shape[0] * hkv))
 
@@ -219,7 +220,8 @@ def _spec(q, k_cache, block_table, cu_seqlens_q, k_new, causal, backward: bool =
                      len_bucket(block_table.shape[0] * k_cache.shape[2]), ps),
                     head_dim=k_cache.shape[-1], backward=backward,
                     shapes=(tuple(q.shape), tuple(k_cache.shape), tuple(block_table.shape)),
-                    bucket_names=("q_rows<=", "context<=", "batch*kv_heads<=", "page_size="))
+                    bucket_names=("q_rows<=", "context<=", "batch*kv_heads<=", "page_size="),
+                    device_index=device_index(q))
 
 
 def _route(q, k_cache, v_cache, block_table, seqlens_k, cu_seqlens_q, k_new, v_new, causal, scale, k_scale,

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from opsadv.core import dispatch
+from opsadv.core.devices import device_index, device_key
 from opsadv.core import policy as _policy
 from opsadv.core.errors import InvalidArgumentError
 from opsadv.core.kernel import CallSpec
@@ -143,7 +144,7 @@ def _features(cos: Tensor, d: int, position_ids, interleaved: bool) -> frozenset
 def call_key(op: str, q: Tensor, k: Tensor, cos: Tensor, position_ids, interleaved: bool, backward: bool) -> tuple:
     """The dispatch-cache key of a rotary-shaped call of `op` (rotary_embedding, qk_norm_rotary)."""
     b, hq, s, d = q.shape
-    return (op, backward, q.device.type, q.dtype, cos.dtype, len_bucket(b * s), hq, k.shape[1], d, cos.shape[-1],
+    return (op, backward, device_key(q), q.dtype, cos.dtype, len_bucket(b * s), hq, k.shape[1], d, cos.shape[-1],
             interleaved, position_ids is not None)
 
 
@@ -154,7 +155,7 @@ def call_spec(op: str, q: Tensor, k: Tensor, cos: Tensor, position_ids, interlea
     return CallSpec(op, q.device.type, q.dtype, _features(cos, d, position_ids, interleaved),
                     (len_bucket(b * s), hq, k.shape[1], cos.shape[-1]), head_dim=d,
                     shapes=(tuple(q.shape), tuple(k.shape), tuple(cos.shape)), backward=backward,
-                    bucket_names=("tokens<=", "Hq=", "Hk=", "R="))
+                    bucket_names=("tokens<=", "Hq=", "Hk=", "R="), device_index=device_index(q))
 
 
 def _key(q, k, cos, position_ids, interleaved, backward):

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from opsadv.core import dispatch
+from opsadv.core.devices import device_index, device_key
 from opsadv.core import policy as _policy
 from opsadv.core.errors import InvalidArgumentError
 from opsadv.core.kernel import CallSpec
@@ -83,7 +84,7 @@ def _window_bucket(wl: int, wr: int) -> int:
 
 
 def _key(q, k, kpm, cu, bs, causal, wl, wr, ng, dense, ms, backward, train=False, inference=False):
-    return (OP, backward, q.device.type, q.dtype, q.shape[-1], bs, causal, _window_bucket(wl, wr), ng > 0,
+    return (OP, backward, device_key(q), q.dtype, q.shape[-1], bs, causal, _window_bucket(wl, wr), ng > 0,
             kpm is not None, cu is not None, q.shape[1] // k.shape[1], len_bucket(q.shape[2]),
             len_bucket(k.shape[2]), dense, ms >= 0, train, inference)
 
@@ -92,7 +93,8 @@ def _spec(q, k, kpm, cu, bs, causal, wl, wr, ng, dense, ms, backward, train=Fals
     return CallSpec(OP, q.device.type, q.dtype, _features(q, k, kpm, cu, causal, wl, ng, dense, ms),
                     (bs, len_bucket(q.shape[2]), len_bucket(k.shape[2]), _window_bucket(wl, wr)),
                     head_dim=q.shape[-1], shapes=(tuple(q.shape), tuple(k.shape)), backward=backward,
-                    train=train, inference=inference, bucket_names=("block_size=", "s_q<=", "s_k<=", "window_span<="))
+                    train=train, inference=inference, bucket_names=("block_size=", "s_q<=", "s_k<=", "window_span<="),
+                    device_index=device_index(q))
 
 
 def layout_spec(q, k, layout: SparseLayout, backward: bool, train: bool = False, inference: bool = False) -> CallSpec:

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from opsadv.core import dispatch
+from opsadv.core.devices import device_index, device_key
 from opsadv.core import policy as _policy
 from opsadv.core.errors import InvalidArgumentError
 from opsadv.core.kernel import CallSpec
@@ -57,7 +58,7 @@ def _empty_result(gate_up: Tensor, activation: str) -> Tensor:
 
 def _key(gate_up: Tensor, backward: bool, activation: str = "silu") -> tuple:
     n2 = gate_up.shape[-1]
-    return (OP, backward, gate_up.device.type, gate_up.dtype, len_bucket(gate_up.numel() // n2), n2, activation)
+    return (OP, backward, device_key(gate_up), gate_up.dtype, len_bucket(gate_up.numel() // n2), n2, activation)
 
 
 def _spec(gate_up: Tensor, backward: bool, activation: str = "silu") -> CallSpec:
@@ -67,7 +68,7 @@ def _spec(gate_up: Tensor, backward: bool, activation: str = "silu") -> CallSpec
         feats.add("act_" + activation)          # impls that lack it are refused for the call, with the reason
     return CallSpec(OP, gate_up.device.type, gate_up.dtype, frozenset(feats),
                     (len_bucket(gate_up.numel() // n2), n2 // 2), shapes=(tuple(gate_up.shape),), backward=backward,
-                    bucket_names=("rows<=", "N="))
+                    bucket_names=("rows<=", "N="), device_index=device_index(gate_up))
 
 
 def _args(gate_up: Tensor, activation: str) -> tuple:

@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from opsadv.core import dispatch
+from opsadv.core.devices import device_index, device_key
 from opsadv.core.errors import InvalidArgumentError
 from opsadv.core.kernel import CallSpec
 from opsadv.core.opdef import OpDef, Reference, arg
@@ -114,7 +115,7 @@ def features(q, k, causal) -> frozenset[str]:
 
 def _key(q, k, cu_seqlens_q, causal) -> tuple:
     hkv = k.shape[1]
-    return (OP, q.device.type, q.dtype, q.shape[2], causal, q.shape[1] // hkv, q.shape[1] != hkv,
+    return (OP, device_key(q), q.dtype, q.shape[2], causal, q.shape[1] // hkv, q.shape[1] != hkv,
             len_bucket(q.shape[0]), len_bucket(k.shape[0]), len_bucket((cu_seqlens_q.shape[0] - 1) * hkv))
 
 
@@ -124,7 +125,7 @@ def _spec(q, k, cu_seqlens_q, causal, backward: bool = False) -> CallSpec:
                      len_bucket((cu_seqlens_q.shape[0] - 1) * k.shape[1])),
                     head_dim=q.shape[2], backward=backward,
                     shapes=(tuple(q.shape), tuple(k.shape), tuple(cu_seqlens_q.shape)),
-                    bucket_names=("total_q<=", "total_k<=", "batch*kv_heads<="))
+                    bucket_names=("total_q<=", "total_k<=", "batch*kv_heads<="), device_index=device_index(q))
 
 
 def _route(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale):
