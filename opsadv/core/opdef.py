@@ -57,6 +57,9 @@ class Case:
     quick: bool = True                            # part of --quick
     multi_output: bool = False                    # op returns (y, sum) (norms with residual)
     tags: frozenset[str] = field(default_factory=frozenset)
+    # positional indices and keyword names every call gets as built, never cast to the compared dtypes: data
+    # in a storage format and its scales (an fp8 cache and its float32 scales are the format, not a precision)
+    kept: frozenset = field(default_factory=frozenset)
 
     @property
     def name(self) -> str:

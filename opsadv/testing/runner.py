@@ -208,14 +208,15 @@ def _run(case, res, backend, dtype, device, seed, check_determinism, precision, 
         fwd_floor, bwd_floor = fwd_floor + INTERPRETER_BF16_ROOM, bwd_floor + INTERPRETER_BF16_ROOM
         res.tol = (fwd_floor, bwd_floor)
     with opsadv.use_backend("reference"):
-        rargs = [_to64(a) for a in args]
+        rargs = [a if i in case.kept else _to64(a) for i, a in enumerate(args)]
         rargs = [a.requires_grad_(True) if i in case.grad_args else a for i, a in enumerate(rargs)]
-        routs = _outputs(call(case, tuple(rargs), {k: _to64(v) for k, v in kwargs.items()}))
+        routs = _outputs(call(case, tuple(rargs), {k: v if k in case.kept else _to64(v) for k, v in kwargs.items()}))
         # the baseline: plain torch on the same low-precision inputs (rounded to the compute dtype of a policy cell)
         cdt = _compute_dtype(dtype, case.op, precision)
-        bargs = [_cast(a, cdt) for a in args]
+        bargs = [a if i in case.kept else _cast(a, cdt) for i, a in enumerate(args)]
         bargs = [a.requires_grad_(True) if i in case.grad_args else a for i, a in enumerate(bargs)]
-        bouts = _outputs(call(case, tuple(bargs), {k: _cast(v, cdt) for k, v in kwargs.items()}))
+        bouts = _outputs(call(case, tuple(bargs), {k: v if k in case.kept else _cast(v, cdt)
+                                                   for k, v in kwargs.items()}))
     v = _judge(outs, bouts, routs, fwd_k, fwd_floor)
     res.fwd_err, res.fwd_base = v.err, v.base
     if not v.ok:

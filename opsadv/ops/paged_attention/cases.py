@@ -11,6 +11,8 @@ import torch
 
 from opsadv.core.opdef import Case, rand
 
+from .reference import kv_scales, quantize_kv
+
 
 def paged_inputs(dtype, device, g, *, hq, hkv, d, page, lens, q_counts=None, s_q=1, append=False,
                  shared_prefix=0, extra_pages=2, spare_table=1):
@@ -51,12 +53,19 @@ def paged_inputs(dtype, device, g, *, hq, hkv, d, page, lens, q_counts=None, s_q
     return (q, kc, vc, table.to(device), torch.tensor(lens, dtype=torch.int32, device=device)), kw
 
 
-def _paged(causal=True, lse=False, **shape):
+def _paged(causal=True, lse=False, fp8=False, **shape):
     def build(dtype, device, g):
         args, kw = paged_inputs(dtype, device, g, **shape)
         kw.update(causal=causal, return_lse=lse)
+        if fp8:     # the cache in e4m3 with per-kv-head scales (appends are quantized by the op)
+            q, kc, vc, table, lens = args
+            kw.update(k_scale=kv_scales(kc), v_scale=kv_scales(vc))
+            args = (q, quantize_kv(kc, kw["k_scale"]), quantize_kv(vc, kw["v_scale"]), table, lens)
         return args, kw
     return build
+
+
+_FP8_KEPT = frozenset({1, 2, "k_scale", "v_scale"})
 
 
 CASES = [
@@ -69,6 +78,8 @@ CASES = [
          _paged(causal=False, hq=6, hkv=2, d=16, page=8, lens=[33, 41], s_q=3, shared_prefix=2), (), quick=False),
     Case("paged_attention", "d128_page64_empty_seq",
          _paged(lse=True, hq=8, hkv=2, d=128, page=64, lens=[130, 0], s_q=2, append=False), (), quick=False),
+    Case("paged_attention", "fp8_cache_append_gqa",
+         _paged(fp8=True, lse=True, hq=4, hkv=2, d=64, page=16, lens=[1, 37, 70], append=True), (), kept=_FP8_KEPT),
 ]
 
 
