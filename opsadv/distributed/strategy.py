@@ -52,7 +52,7 @@ class Arg:
 
     @property
     def sharded(self) -> bool:
-        return isinstance(self.placement, Shard)
+        return isinstance(self.placement, Shard) and not isinstance(self.placement, _StridedShard)
 
     @property
     def strided(self) -> bool:
@@ -61,7 +61,7 @@ class Arg:
     @property
     def dim(self) -> int | None:
         """The (non-negative) tensor dim a Shard / _StridedShard splits; None when replicated or partial."""
-        return self.placement.dim % self.ndim if isinstance(self.placement, Shard) else None
+        return self.placement.dim % self.ndim if isinstance(self.placement, (Shard, _StridedShard)) else None
 
 
 class Call:
