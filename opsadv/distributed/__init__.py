@@ -16,12 +16,19 @@ _registered = False
 def register() -> None:
     """Register every op's rule with DTensor (idempotent; loads torch.distributed.tensor)."""
     global _registered
-    if _registered:
+    if _registered or _submodule_initializing():
         return
     _registered = True
     from . import explain, rules
     rules.register_all()
     explain.install()
+
+
+def _submodule_initializing() -> bool:
+    """One of this package's rule modules is mid-import (it imported torch.distributed.tensor first): registering
+    now would import it half-done; its importer calls register() (or the next DTensor load does)."""
+    return any(getattr(getattr(m, "__spec__", None), "_initializing", False)
+               for n, m in list(sys.modules.items()) if n.startswith(__name__ + "."))
 
 
 class _Loader(importlib.abc.Loader):
