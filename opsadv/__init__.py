@@ -16,6 +16,7 @@ from .core.explain import explain  # noqa: E402
 from .core.info import info  # noqa: E402
 from .core.version import __version__  # noqa: E402
 from . import _hf_seam  # noqa: E402
+from . import distributed as _distributed  # noqa: E402
 from .core.kernel import CallSpec, KernelImpl, Profile, ResolveContext  # noqa: E402
 from .ops.sparse_attention import layout as _layout  # noqa: E402
 from .ops.sparse_attention.layout import SparseLayout  # noqa: E402
@@ -50,3 +51,4 @@ __all__ = ["use_backend", "ops", "explain", "info", "detect", "trace", "EnvInfo"
            "errors", "convert_model", "Optimizer", "load", "PagedKVCache", "__version__"]
 
 _hf_seam.install()      # attn_implementation="opsadv" in transformers, once its modeling code loads
+_distributed.install()  # the ops' DTensor sharding rules, once torch.distributed.tensor loads

@@ -6,6 +6,7 @@ from opsadv.core.errors import (  # noqa: F401
     NoKernelError,
     OpsadvError,
     PluginError,
+    ShardingError,
     UnknownKeywordError,
     UnknownOptionError,
     UnsafeArchiveError,

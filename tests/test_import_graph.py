@@ -29,6 +29,10 @@ LAZY: dict[tuple[str, str], str] = {
     ("opsadv", "opsadv.runtime"): "`import opsadv` stays light: opsadv.runtime loads on first use (test_runtime)",
     ("opsadv._hf_seam", "opsadv.convert.hf_attention"): "registered only once transformers' modeling code loads "
                                                          "(test_hf_seam): `import opsadv` stays light",
+    ("opsadv.distributed", "opsadv.distributed.rules"): "`import opsadv` stays light: the sharding rules import "
+                                                        "torch.distributed.tensor (~0.6 s), loaded when it loads",
+    ("opsadv.distributed", "opsadv.distributed.explain"): "as opsadv.distributed.rules (imports torch.distributed.tensor)",
+    ("opsadv.distributed", "opsadv.distributed.gate_up"): "as opsadv.distributed.rules (imports torch.distributed.tensor)",
     ("opsadv.cli", "opsadv.bench.runner"): "optional CLI part: its ImportError leaves the other commands working",
     ("opsadv.cli", "opsadv.convert.cli"): "optional CLI part: its ImportError leaves the other commands working",
     ("opsadv.bench.suite_sparse", f"{TC}.sparse_attention.sparse"): TRITON,
@@ -54,7 +58,7 @@ LAZY: dict[tuple[str, str], str] = {
 ABOVE_CORE = ("opsadv.backends", "opsadv.convert", "opsadv.cli", "opsadv.bench", "opsadv.registry")
 # what `import opsadv` must not load (heavy, optional, or loaded on first use)
 NOT_AT_IMPORT = ("transformers", "matplotlib", "triton", "opsadv.convert", "opsadv.runtime", "opsadv.backends",
-                 "opsadv.bench")
+                 "opsadv.bench", "torch.distributed.tensor", "opsadv.distributed.rules")
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,7 @@ class Explanation:
     candidates: tuple[Candidate, ...]
     chosen: str | None
     why: str
+    placements: str = ""     # a call on DTensors: input placements -> the ones it runs with => output placements
 
     def __str__(self) -> str:
         head = (f"opsadv.{self.op} [{self.spec.device_type} {str(self.spec.dtype).replace('torch.', '')}"
@@ -58,7 +59,8 @@ class Explanation:
                 f"{' backward' if self.spec.backward else ''}"
                 f"{' train (grad-recording forward: timed fwd+bwd)' if self.spec.train else ''}"
                 f"{' inference (no-grad forward, statistics unread)' if self.spec.inference else ''}] under {self.policy}")
-        rows = [head, f"  {'':2} {'impl':42} {'prio':>5}  verdict"]
+        rows = [head] + ([f"  placements (per mesh dim): {self.placements}"] if self.placements else [])
+        rows.append(f"  {'':2} {'impl':42} {'prio':>5}  verdict")
         for c in self.candidates:
             mark = "->" if c.chosen else "  "
             verdict = "accepted" if c.accepted else "rejected: " + "; ".join(c.reasons)
@@ -78,6 +80,7 @@ class Explanation:
 
     def to_dict(self) -> dict[str, Any]:
         return {"op": self.op, "policy": self.policy, "chosen": self.chosen, "why": self.why,
+                "placements": self.placements,
                 "candidates": [{"impl": c.impl.id, "backend": c.impl.backend, "priority": c.rank_priority,
                                 "static_priority": c.impl.priority, "ranked": c.ranked,
                                 "accepted": c.accepted, "chosen": c.chosen, "reasons": list(c.reasons),

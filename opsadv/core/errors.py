@@ -17,6 +17,13 @@ class InvalidArgumentError(OpsadvError, ValueError):
         super().__init__(f"opsadv.{op}: argument '{arg}' must be {expected}; got {given}")
 
 
+class ShardingError(InvalidArgumentError, NotImplementedError):
+    """A DTensor argument whose placement the op's sharding rule cannot run with (opsadv.distributed): the message
+    names the op, the argument, the placements it accepts on that mesh dim and the one given, with the reason.
+    A NotImplementedError too (this placement is not implemented): DTensor's dispatcher passes that class through
+    as raised, where it would wrap any other exception in a RuntimeError."""
+
+
 class UnknownOptionError(InvalidArgumentError):
     """An option name or value that opsadv does not know."""
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -29,6 +29,16 @@ def _check_keywords(d: OpDef, kwargs: dict[str, Any]) -> None:
                                       given + (f" -- did you mean {near[0]}?" if near else ""))
 
 
+# opsadv.distributed installs this once DTensor loads: (op name, args, kwargs, backward) -> None for a call without
+# DTensor arguments, else (args, kwargs) as each rank's kernel sees them (local shards) and the placements text
+_placement_planner: Callable[[str, tuple, dict, bool], Any] | None = None
+
+
+def install_placement_planner(fn: Callable[[str, tuple, dict, bool], Any]) -> None:
+    global _placement_planner
+    _placement_planner = fn
+
+
 def explain(op: str, *args: Any, backward: bool = False, **kwargs: Any) -> dispatch.Explanation:
     """Every candidate impl for this call under the current policy, accepted or rejected, with
     reasons, and the one that would run.  Takes the op's own arguments (an unknown keyword raises
@@ -37,9 +47,15 @@ def explain(op: str, *args: Any, backward: bool = False, **kwargs: Any) -> dispa
     if d is None:
         raise InvalidArgumentError("explain", "op", f"one of {list(OPS)}", repr(op))
     _check_keywords(d, kwargs)
+    placements = ""
+    planned = _placement_planner(d.name, args, kwargs, backward) if _placement_planner is not None else None
+    if planned is not None:      # DTensor arguments: the kernel runs on each rank's shards, as the rule placed them
+        args, kwargs, placements = planned
     spec = d.spec(args, kwargs, backward)
     spec, note = spec if isinstance(spec, tuple) else (spec, "")
     exp, _ = dispatch.explain_spec(spec)
+    if placements:
+        exp = dataclasses.replace(exp, placements=placements)
     tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
     # opsadv's own ops answer a call with an empty operand themselves (docs/conformance.md); a plugin's op dispatches
     if (getattr(d.fn, "__module__", "") or "").startswith("opsadv.ops") and is_empty_call(*tensors):

@@ -1,0 +1,78 @@
+"""opsadv on torch.distributed: sharding rules so every opsadv op runs on DTensors (docs/distributed.md).
+
+The rules (rules.py, through strategy.py) are registered with DTensor's sharding propagator as soon as
+torch.distributed.tensor is loaded, or at once where it already is: `import opsadv` never imports it (about 0.6 s),
+and no DTensor can exist before it is.  shard_gate_up builds swiglu_gemm's column-parallel weight."""
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import sys
+
+TARGET = "torch.distributed.tensor"
+_registered = False
+
+
+def register() -> None:
+    """Register every op's rule with DTensor (idempotent; loads torch.distributed.tensor)."""
+    global _registered
+    if _registered or _submodule_initializing():
+        return
+    _registered = True
+    from . import explain, rules
+    rules.register_all()
+    explain.install()
+
+
+def _submodule_initializing() -> bool:
+    """One of this package's rule modules is mid-import (it imported torch.distributed.tensor first): registering
+    now would import it half-done; its importer calls register() (or the next DTensor load does)."""
+    return any(getattr(getattr(m, "__spec__", None), "_initializing", False)
+               for n, m in list(sys.modules.items()) if n.startswith(__name__ + "."))
+
+
+class _Loader(importlib.abc.Loader):
+    """The real loader of torch.distributed.tensor, then the registration."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        self.loader.exec_module(module)
+        register()
+
+    def __getattr__(self, name):
+        return getattr(self.loader, name)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != TARGET:
+            return None
+        sys.meta_path.remove(self)           # one shot; the other finders locate the real module
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return None
+        spec.loader = _Loader(spec.loader)
+        return spec
+
+
+def install() -> None:
+    """Called by `import opsadv`: register now if DTensor is loaded, else when it loads."""
+    if TARGET in sys.modules:
+        register()
+    elif not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())
+
+
+def shard_gate_up(w_gate_up, mesh, mesh_dim: int = 0):
+    """swiglu_gemm's [W_g | W_u] (K, 2N) as a column-parallel DTensor on `mesh`: placement
+    _StridedShard(1, split_factor=2) on mesh_dim (Replicate on the others), so each rank holds its W_g columns and
+    the matching W_u columns, [W_g,r | W_u,r], which its local swiglu_gemm / swiglu pair correctly.  A plain
+    Shard(1) would give one rank gate columns and another up columns, and is refused.  The DTensor's global value is
+    the unsharded [W_g | W_u] (full_tensor() and state dicts are unchanged)."""
+    from .gate_up import shard_gate_up as impl
+    return impl(w_gate_up, mesh, mesh_dim)

@@ -1,0 +1,360 @@
+"""DTensor sharding rules (opsadv.distributed): each op's forward and backward on DTensors over a 2-rank gloo mesh
+equals the unsharded call on the full tensors (float64, reference backend, odd sizes), and bad placements raise
+ShardingError.  Spawning costs seconds, so one spawn runs every case (the workers return their verdicts) and the
+tests below read them."""
+from __future__ import annotations
+
+import socket
+import traceback
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.xdist_group("distributed")
+
+DT = torch.float64
+TOL = 1e-9
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- the cases: each builds full tensors, the DTensor call and the plain call -----------------------------------
+def _close(name, got, want, out: dict) -> None:
+    from torch.distributed.tensor import DTensor
+    g = got.full_tensor() if isinstance(got, DTensor) else got
+    err = (g.double() - want.double()).abs().max().item() if want.numel() else 0.0
+    if not (g.shape == want.shape and err <= TOL):
+        out.setdefault("fail", []).append(f"{name}: shape {tuple(g.shape)} vs {tuple(want.shape)}, max err {err:.3g}")
+
+
+def _check(op_name, fn, inputs: dict, placements: dict, mesh, out_placements=None, grad_of=None):
+    """fn(**inputs) on plain tensors vs on DTensors placed as `placements` (name -> list of placements); grads of
+    every float input that requires grad, for a random output gradient."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    res: dict = {}
+    plain = {n: (t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t)
+             for n, t in inputs.items()}
+    dist_in = {n: (distribute_tensor(t.detach(), mesh, placements[n]).requires_grad_(t.requires_grad)
+                   if isinstance(t, torch.Tensor) else t) for n, t in inputs.items()}
+    want = fn(**plain)
+    got = fn(**dist_in)
+    want = want if isinstance(want, tuple) else (want,)
+    got = got if isinstance(got, tuple) else (got,)
+    if out_placements is not None:
+        seen = [tuple(g.placements) for g in got]
+        if seen != [tuple(p) for p in out_placements]:
+            res.setdefault("fail", []).append(f"output placements {seen}, expected {out_placements}")
+    for i, (g, w) in enumerate(zip(got, want)):
+        _close(f"out{i}", g, w, res)
+    grads = [torch.randn_like(w) for w in want] if grad_of is None else grad_of(want)
+    leaves = [n for n, t in plain.items() if isinstance(t, torch.Tensor) and t.requires_grad]
+    if leaves:
+        torch.autograd.backward([w for w, gr in zip(want, grads) if gr is not None], [gr for gr in grads if gr is not None])
+        full = [g.full_tensor() if isinstance(g, DTensor) else g for g in got]
+        torch.autograd.backward([f for f, gr in zip(full, grads) if gr is not None], [gr for gr in grads if gr is not None])
+        for n in leaves:
+            _close(f"grad {n}", dist_in[n].grad, plain[n].grad, res)
+    return res.get("fail", [])
+
+
+def _cases(mesh, world: int):
+    """name -> a thunk returning a list of failures (empty: passed)."""
+    import opsadv
+    from opsadv.distributed import shard_gate_up
+    from opsadv.ops.sparse_attention.layout import SparseLayout
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+    ops = opsadv.ops
+    Rp, S = [Replicate()], (lambda d: [Shard(d)])
+
+    def rnd(*shape, grad=True):
+        return torch.randn(*shape, dtype=DT, requires_grad=grad)
+
+    h = 3 * world                                  # 3 heads per rank
+    cases = {}
+
+    def attn(split, hkv, mask=None):
+        def run():
+            q, k, v = rnd(2, h, 37, 8), rnd(2, hkv, 29, 8), rnd(2, hkv, 29, 8)
+            ins, pl = dict(q=q, k=k, v=v), dict(q=S(split), k=S(split), v=S(split))
+            if mask is not None:
+                ins["attn_mask"], pl["attn_mask"] = mask(), Rp
+            return _check("flash_attention", lambda **a: ops.flash_attention(**a, causal=True), ins, pl, mesh,
+                          out_placements=[S(split)])
+        return run
+
+    cases["flash_attention heads"] = attn(1, h)
+    cases["flash_attention heads gqa"] = attn(1, world)
+    cases["flash_attention batch"] = attn(0, h)
+    cases["flash_attention heads additive mask broadcast on heads"] = attn(
+        1, h, mask=lambda: torch.randn(2, 1, 37, 29, dtype=DT))
+
+    def sparse():
+        q, k, v = rnd(1, h, 40, 8), rnd(1, h, 40, 8), rnd(1, h, 40, 8)
+        bm = torch.rand(1, 1, 5, 5) > 0.4
+        bm[..., torch.arange(5), torch.arange(5)] = True
+        plain = SparseLayout(block_mask=bm, block_size=8, seq_q=40, seq_k=40, causal=True)
+        from torch.distributed.tensor import distribute_tensor
+        dlay = SparseLayout(block_mask=distribute_tensor(bm, mesh, Rp), block_size=8, seq_q=40, seq_k=40, causal=True)
+        return _check("sparse_attention",
+                      lambda q, k, v: ops.sparse_attention(q, k, v, dlay if hasattr(q, "placements") else plain),
+                      dict(q=q, k=k, v=v), dict(q=S(1), k=S(1), v=S(1)), mesh, out_placements=[S(1)])
+    cases["sparse_attention heads, layout replicated"] = sparse
+
+    def varlen():
+        cu = torch.tensor([0, 11, 30, 37], dtype=torch.int32)
+        cuk = torch.tensor([0, 13, 30, 41], dtype=torch.int32)
+        q, k, v = rnd(37, h, 8, grad=False), rnd(41, world, 8, grad=False), rnd(41, world, 8, grad=False)
+        return _check("varlen_attention", lambda q, k, v, cu, cuk: ops.varlen_attention(q, k, v, cu, cuk, causal=True),
+                      dict(q=q, k=k, v=v, cu=cu, cuk=cuk), dict(q=S(1), k=S(1), v=S(1), cu=Rp, cuk=Rp), mesh,
+                      out_placements=[S(1)])
+    cases["varlen_attention heads gqa"] = varlen
+
+    def gemm(kind, act="none", bias=True, residual=False):
+        def run():
+            a, b = rnd(3, 37, 10), rnd(10, 6 * world + 2)
+            ins = dict(a=a, b=b)
+            col = {"column": S(1), "row": S(0), "batch": Rp}[kind]
+            pl = dict(a={"column": Rp, "row": S(2), "batch": S(1)}[kind], b=col)
+            if bias:
+                ins["bias"], pl["bias"] = rnd(b.shape[1]), (S(0) if kind == "column" else Rp)
+            if residual:
+                ins["residual"] = rnd(3, 37, b.shape[1])
+                pl["residual"] = {"column": S(2), "row": Rp, "batch": S(1)}[kind]
+            outp = {"column": S(2), "row": [Partial()], "batch": S(1)}[kind]
+            return _check("gemm", lambda **x: ops.gemm(**x, activation=act, alpha=0.5), ins, pl, mesh,
+                          out_placements=None if act != "none" else [outp])
+        return run
+
+    cases["gemm column-parallel bias residual"] = gemm("column", residual=True)
+    cases["gemm column-parallel gelu"] = gemm("column", act="gelu")
+    cases["gemm row-parallel bias residual (Partial)"] = gemm("row", residual=True)
+    cases["gemm row-parallel gelu training (activation after the reduction)"] = gemm("row", act="gelu")
+    cases["gemm batch-parallel bias"] = gemm("batch")
+
+    def swiglu_gemm(kind):
+        def run():
+            x, w, bias = rnd(37, 12), rnd(12, 2 * (3 * world)), rnd(2 * 3 * world)
+            if kind == "column":
+                pl = dict(x=Rp, w_gate_up=[_StridedShard(1, split_factor=2)], bias=[_StridedShard(0, split_factor=2)])
+            else:
+                pl = dict(x=S(0), w_gate_up=Rp, bias=Rp)
+            fails = _check("swiglu_gemm", lambda **a: ops.swiglu_gemm(**a), dict(x=x, w_gate_up=w, bias=bias), pl, mesh,
+                           out_placements=[S(1) if kind == "column" else S(0)])
+            with torch.no_grad():                # the no-grad call runs the fused op itself
+                fails += _check("swiglu_gemm", lambda **a: ops.swiglu_gemm(**a),
+                                dict(x=x.detach(), w_gate_up=w.detach(), bias=bias.detach()), pl, mesh)
+            if kind == "column":
+                from torch.distributed.tensor import distribute_tensor
+                d = shard_gate_up(w.detach(), mesh)
+                if not torch.equal(d.full_tensor(), w.detach()) or d.placements[0] != _StridedShard(1, split_factor=2):
+                    fails.append("shard_gate_up: wrong global value or placement")
+                n = w.shape[1] // 2
+                loc = d.to_local()
+                r = torch.distributed.get_rank()
+                if not torch.equal(loc, torch.cat([w[:, r * n // world:(r + 1) * n // world],
+                                                   w[:, n + r * n // world:n + (r + 1) * n // world]], 1).detach()):
+                    fails.append("shard_gate_up: a rank's shard is not [W_g,r | W_u,r]")
+                del distribute_tensor
+            return fails
+        return run
+
+    cases["swiglu_gemm column-parallel (gate/up strided)"] = swiglu_gemm("column")
+    cases["swiglu_gemm token-parallel"] = swiglu_gemm("batch")
+
+    def swiglu(pl, outp):
+        def run():
+            return _check("swiglu", lambda gate_up: ops.swiglu(gate_up), dict(gate_up=rnd(5, 37, 4 * world)),
+                          dict(gate_up=pl), mesh, out_placements=[outp])
+        return run
+    cases["swiglu tokens"] = swiglu(S(1), S(1))
+    cases["swiglu last dim as [g_r | u_r]"] = swiglu([_StridedShard(2, split_factor=2)], S(2))
+
+    def norm(which, residual):
+        def run():
+            x = rnd(37, 5, 24)
+            ins, pl = dict(x=x, weight=rnd(24)), dict(x=S(0), weight=Rp)
+            if which == "layer_norm":
+                ins["bias"], pl["bias"] = rnd(24), Rp
+            if residual:
+                ins["residual"], pl["residual"] = rnd(37, 5, 24), S(0)
+            fn = getattr(ops, which)
+            return _check(which, lambda **a: fn(**a), ins, pl, mesh,
+                          out_placements=[S(0), S(0)] if residual else [S(0)])
+        return run
+    for which in ("layer_norm", "rms_norm"):
+        cases[f"{which} sequence-parallel"] = norm(which, False)
+        cases[f"{which} sequence-parallel residual"] = norm(which, True)
+
+    def rotary(split, qknr=False):
+        def run():
+            q, k = rnd(2, h, 37, 16), rnd(2, world, 37, 16)
+            cos, sin = torch.randn(37, 16, dtype=DT), torch.randn(37, 16, dtype=DT)
+            ins = dict(q=q, k=k, cos=cos, sin=sin)
+            pl = dict(q=S(split), k=S(split), cos=Rp, sin=Rp)
+            if qknr:
+                ins.update(q_weight=rnd(16), k_weight=rnd(16))
+                pl.update(q_weight=Rp, k_weight=Rp)
+                return _check("qk_norm_rotary", lambda **a: ops.qk_norm_rotary(**a), ins, pl, mesh,
+                              out_placements=[S(split), S(split)])
+            return _check("rotary_embedding", lambda **a: ops.rotary_embedding(**a), ins, pl, mesh,
+                          out_placements=[S(split), S(split)])
+        return run
+    cases["rotary_embedding heads"] = rotary(1)
+    cases["rotary_embedding batch"] = rotary(0)
+    cases["qk_norm_rotary heads"] = rotary(1, True)
+    cases["qk_norm_rotary batch"] = rotary(0, True)
+
+    def lce(reduction):
+        def run():
+            hid, w, bias = rnd(37, 12), rnd(23, 12), rnd(23)
+            labels = torch.randint(0, 23, (37,))
+            labels[::5] = -100
+            outp = [Partial()] if reduction == "sum" else S(0)
+            return _check("linear_cross_entropy",
+                          lambda **a: ops.linear_cross_entropy(**a, reduction=reduction),
+                          dict(hidden=hid, weight=w, labels=labels, bias=bias),
+                          dict(hidden=S(0), weight=Rp, labels=S(0), bias=Rp), mesh, out_placements=[outp])
+        return run
+    cases["linear_cross_entropy tokens sum (Partial)"] = lce("sum")
+    cases["linear_cross_entropy tokens none"] = lce("none")
+    cases.update(_refusals(mesh, world))
+    return cases
+
+
+def _refusals(mesh, world: int):
+    """name -> a thunk returning failures: the call must raise ShardingError naming the op and the argument."""
+    import opsadv
+    from opsadv.errors import ShardingError
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    ops = opsadv.ops
+
+    def d(t, *p):
+        return distribute_tensor(t, mesh, list(p))
+
+    def r(*s):
+        return torch.randn(*s, dtype=DT)
+
+    h = 3 * world
+    wants = {
+        "refuse flash_attention head_dim": (lambda: ops.flash_attention(d(r(2, h, 9, 8), Shard(3)), d(r(2, h, 9, 8), Shard(3)),
+                                                                         d(r(2, h, 9, 8), Shard(3))),
+                                            "flash_attention: argument 'q'", "Shard(3)"),
+        "refuse flash_attention kv heads not divisible": (
+            lambda: ops.flash_attention(d(r(2, h, 9, 8), Shard(1)), d(r(2, 1, 9, 8), Shard(1)),
+                                        d(r(2, 1, 9, 8), Shard(1))), "argument 'k'", "whole GQA groups"),
+        "refuse flash_attention mask sharded on heads": (
+            lambda: ops.flash_attention(*(d(r(2, h, 9, 8), Shard(1)) for _ in range(3)),
+                                        attn_mask=d(r(2, h, 9, 9), Shard(2))), "argument 'attn_mask'", "Shard(1)"),
+        "refuse gemm row-parallel no-grad activation": (
+            lambda: ops.gemm(d(r(5, 8), Shard(1)), d(r(8, 4), Shard(0)), activation="gelu"),
+            "gemm: argument 'activation'", "follow the all-reduce"),
+        "refuse swiglu_gemm plain Shard(1)": (
+            lambda: ops.swiglu_gemm(d(r(5, 8), Replicate()), d(r(8, 4 * world), Shard(1))),
+            "swiglu_gemm: argument 'w_gate_up'", "_StridedShard(1, split_factor=2)"),
+        "refuse swiglu last dim plain Shard": (lambda: ops.swiglu(d(r(5, 4 * world), Shard(1))),
+                                               "swiglu: argument 'gate_up'", "gate features"),
+        "refuse layer_norm hidden dim": (lambda: ops.layer_norm(d(r(5, 8), Shard(1)), d(r(8), Replicate())),
+                                         "layer_norm: argument 'x'", "hidden (last) dim"),
+        "refuse rms_norm hidden dim": (lambda: ops.rms_norm(d(r(5, 8), Shard(1)), d(r(8), Replicate())),
+                                       "rms_norm: argument 'x'", "Shard(1)"),
+        "refuse rotary cos sharded": (
+            lambda: ops.rotary_embedding(d(r(2, h, 8, 8), Shard(1)), d(r(2, h, 8, 8), Shard(1)), d(r(8, 8), Shard(0)),
+                                         d(r(8, 8), Replicate())), "rotary_embedding: argument 'cos'", "Replicate()"),
+        "refuse linear_cross_entropy mean over sharded tokens": (
+            lambda: ops.linear_cross_entropy(d(r(6, 4), Shard(0)), d(r(7, 4), Replicate()),
+                                             d(torch.randint(0, 7, (6,)), Shard(0))),
+            "linear_cross_entropy: argument 'reduction'", "reduction='sum'"),
+        "refuse linear_cross_entropy vocab-sharded weight": (
+            lambda: ops.linear_cross_entropy(d(r(6, 4), Shard(0)), d(r(8, 4), Shard(0)),
+                                             d(torch.randint(0, 7, (6,)), Shard(0)), reduction="sum"),
+            "linear_cross_entropy: argument 'weight'", "vocab-parallel"),
+    }
+
+    def thunk(call, *needles):
+        def run():
+            try:
+                call()
+            except ShardingError as e:
+                return [f"message lacks {n!r}: {e}" for n in needles if n not in str(e)]
+            return ["no ShardingError raised"]
+        return run
+    return {name: thunk(call, *needles) for name, (call, *needles) in wants.items()}
+
+
+def _explain_case(mesh):
+    import opsadv
+    from torch.distributed.tensor import Shard, distribute_tensor
+    q = distribute_tensor(torch.randn(2, 6, 9, 8, dtype=DT), mesh, [Shard(1)])
+    e = opsadv.explain("flash_attention", q, q, q, causal=True)
+    text = str(e)
+    fails = [f"explain lacks {n!r}:\n{text}" for n in ("q [Shard(1)]", "out [Shard(1)]") if n not in text]
+    if e.spec.shapes[0] != (2, 3, 9, 8):
+        fails.append(f"explain's spec is not the local call's: {e.spec.shapes}")
+    return fails
+
+
+def _worker(rank: int, world: int, port: int, results) -> None:
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        import opsadv
+        from torch.distributed.device_mesh import init_device_mesh
+        opsadv.use_backend("reference")
+        mesh = init_device_mesh("cpu", (world,))
+        cases = _cases(mesh, world)
+        cases["explain shows the placements"] = lambda: _explain_case(mesh)
+        out = {}
+        for i, (name, run) in enumerate(cases.items()):
+            torch.manual_seed(1000 + i)          # the same inputs on every rank, fresh per case
+            try:
+                out[name] = run()
+            except Exception:                    # noqa: BLE001 - a case's crash is its failure
+                out[name] = [traceback.format_exc(limit=6)]
+        results[rank] = out
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def verdicts():
+    import torch.multiprocessing as mp
+    world = 2
+    with mp.Manager() as m:
+        results = m.dict()
+        mp.spawn(_worker, args=(world, _port(), results), nprocs=world)
+        return {rank: dict(v) for rank, v in results.items()}
+
+
+def _names():
+    return ["flash_attention heads", "flash_attention heads gqa", "flash_attention batch",
+            "flash_attention heads additive mask broadcast on heads", "sparse_attention heads, layout replicated",
+            "varlen_attention heads gqa", "gemm column-parallel bias residual", "gemm column-parallel gelu",
+            "gemm row-parallel bias residual (Partial)",
+            "gemm row-parallel gelu training (activation after the reduction)", "gemm batch-parallel bias",
+            "swiglu_gemm column-parallel (gate/up strided)", "swiglu_gemm token-parallel", "swiglu tokens",
+            "swiglu last dim as [g_r | u_r]", "layer_norm sequence-parallel", "layer_norm sequence-parallel residual",
+            "rms_norm sequence-parallel", "rms_norm sequence-parallel residual", "rotary_embedding heads",
+            "rotary_embedding batch", "qk_norm_rotary heads", "qk_norm_rotary batch",
+            "linear_cross_entropy tokens sum (Partial)", "linear_cross_entropy tokens none",
+            "refuse flash_attention head_dim", "refuse flash_attention kv heads not divisible",
+            "refuse flash_attention mask sharded on heads", "refuse gemm row-parallel no-grad activation",
+            "refuse swiglu_gemm plain Shard(1)", "refuse swiglu last dim plain Shard", "refuse layer_norm hidden dim",
+            "refuse rms_norm hidden dim", "refuse rotary cos sharded",
+            "refuse linear_cross_entropy mean over sharded tokens",
+            "refuse linear_cross_entropy vocab-sharded weight", "explain shows the placements"]
+
+
+def test_every_case_ran(verdicts):
+    for rank, v in verdicts.items():
+        assert sorted(v) == sorted(_names()), f"rank {rank}: the worker's cases and this file's list differ"
+
+
+@pytest.mark.parametrize("case", _names())
+def test_case(verdicts, case):
+    for rank, v in sorted(verdicts.items()):
+        assert v.get(case) == [], f"rank {rank}: " + "\n".join(v.get(case) or ["not run"])
