@@ -10,8 +10,8 @@ granularities it takes.  Unmeasured: the lead's H200 run of `opsadv bench --suit
 Per call: one launch of scaled_gemm_kernel (kernels.py); with out_fp8 the kernel writes float32 y into a
 workspace and reduces the tiles' amax into one float32 by atomic max, then quantize_kernel writes the fp8 result
 and its scale (the op's module docstring: current per-tensor scaling needs every tile's amax first).
-Tiles: ctx.profile.tiles["scaled_gemm"] ("gemm"; "small" for M <= 64): (BLOCK_M, BLOCK_N, BLOCK_K, warps,
-stages), the first the default, the list the autotune space; BLOCK_K divides 128 (a block-scale step lies in one
+Tiles: ctx.profile.tiles["scaled_gemm"] ("gemm"; "block" with block scales; "small" for M <= 64): (BLOCK_M,
+BLOCK_N, BLOCK_K, warps, stages), the first the default, the list the autotune space; BLOCK_K divides 128 (a block-scale step lies in one
 scale block)."""
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ ACT_IDS = {"none": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4}     # gem
 FP8_MIN_CC = (8, 9)
 SMALL_M = 64
 GROUP_M = 8
-DEFAULT_CONFIGS = {"gemm": [(128, 128, 128, 8, 3)], "small": [(64, 64, 128, 4, 3)]}
+DEFAULT_CONFIGS = {"gemm": [(128, 128, 128, 8, 3)], "block": [(128, 128, 128, 8, 3)], "small": [(64, 64, 128, 4, 3)]}
 INTERPRETER_CONFIG = (32, 32, 32, 4, 1)        # the interpreter's cost is per element: small tiles
 QUANTIZE_BLOCK = 1024
 _K: dict = {}
@@ -127,7 +127,8 @@ def _run(ctx, a, b, a_scale, b_scale, bias, activation, residual, out_dtype, out
     else:
         a_desc, b_desc, a_ptr, b_ptr = a, b, a, b
         strides = (a.stride(0), a.stride(1), b.stride(0), b.stride(1))
-    kind = "small" if m <= SMALL_M else "gemm"
+    # block scales keep a second accumulator tile (each K step's partial): "block" holds the tiles that fit registers
+    kind = "small" if m <= SMALL_M else "block" if a_block or b_block else "gemm"
     tune = ctx is not None and ctx.profile is not None and ctx.profile.autotune and dev.type == "cuda"
     if config is None and dev.type == "cpu":
         config = INTERPRETER_CONFIG
