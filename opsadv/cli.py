@@ -264,8 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    f"the fastest peer's. How the runner times, the JSON schema and how to rerun the "
                                    f"committed numbers: {BENCH_DOC}.")
     s.add_argument("--suite", default="all", choices=["attention", "sparse", "gemm", "norm", "rotary", "mlp", "lce", "e2e", "decode", "models",
-                                                      "all"],
-                   help="all: the nine op suites (not models)")
+                                                      "fp8", "all"],
+                   help="all: the nine op suites (not models, not fp8: FP8 GPUs only)")
     s.add_argument("--quick", action="store_true", help="a few cases per suite")
     s.add_argument("--json", default=None, metavar="PATH", help="merge the rows into this file (after every case)")
     s.add_argument("--plot", default=None, metavar="PATH", help="speedup chart, rewritten after every case")

@@ -46,6 +46,7 @@ LAZY: dict[tuple[str, str], str] = {
     (f"{TC}.swiglu.swiglu", f"{TC}.swiglu.kernels"): TRITON,
     (f"{TC}.paged_attention.paged_attention", f"{TC}.paged_attention.kernels"): TRITON,
     (f"{TC}.paged_attention.paged_attention", f"{TC}.utils"): TRITON,
+    (f"{TC}.scaled_gemm.scaled_gemm", f"{TC}.scaled_gemm.kernels"): TRITON,
     (f"{TC}.linear_cross_entropy.linear_cross_entropy", f"{TC}.linear_cross_entropy.kernels"): TRITON,
     (f"{TC}.swiglu.swiglu", f"{TC}.utils"): TRITON,
     (f"{CUDA}.flash_attention.gluon", f"{TC}.flash_attention.attention"): TRITON,

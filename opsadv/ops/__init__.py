@@ -18,12 +18,13 @@ from .qk_norm_rotary import OPDEFS as _qk_norm_rotary, qk_norm_rotary
 from .linear_cross_entropy import OPDEFS as _linear_cross_entropy, linear_cross_entropy
 from .paged_attention import OPDEFS as _paged_attention, paged_attention
 from .varlen_attention import OPDEFS as _varlen_attention, varlen_attention
+from .scaled_gemm import OPDEFS as _scaled_gemm, scaled_gemm
 
 BUILTIN = (*_flash_attention, *_sparse_attention, *_gemm, *_swiglu, *_norm, *_rotary_embedding,
-           *_qk_norm_rotary, *_linear_cross_entropy, *_paged_attention, *_varlen_attention)
+           *_qk_norm_rotary, *_linear_cross_entropy, *_paged_attention, *_varlen_attention, *_scaled_gemm)
 for _d in BUILTIN:
     register_op(_d)
 
 __all__ = ["flash_attention", "sparse_attention", "gemm", "swiglu_gemm", "swiglu", "layer_norm", "rms_norm",
            "rotary_embedding",
-           "qk_norm_rotary", "linear_cross_entropy", "paged_attention", "varlen_attention"]
+           "qk_norm_rotary", "linear_cross_entropy", "paged_attention", "varlen_attention", "scaled_gemm"]

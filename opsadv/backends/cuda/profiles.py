@@ -109,6 +109,23 @@ GEMM_CONFIGS = {
 }
 
 
+# scaled_gemm (FP8) Triton configs (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); "small" serves M <= 64.
+# BLOCK_K divides 128 (a block-scale step lies in one 128-wide scale block).  Unmeasured first choices (fp8 tiles
+# hold twice the K of bf16 ones in the same shared memory); the autotuner picks among them on the GPU.  No a100
+# entry: FP8 tensor cores start at sm_89.
+SCALED_GEMM_CONFIGS = {
+    "h100": {"gemm": [(128, 256, 128, 8, 3), (128, 128, 128, 8, 4), (256, 128, 128, 8, 3), (128, 128, 128, 4, 4),
+                      (128, 256, 64, 8, 4), (64, 128, 128, 4, 4)],
+             # block scales: a second float32 tile per K step; 128x256 spills at 255 registers (sm_90 compile,
+             # Triton 3.6), 128x128 / 8 warps fits in 202
+             "block": [(128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (64, 128, 128, 4, 4), (128, 128, 64, 8, 4)],
+             "small": [(64, 64, 128, 4, 4), (64, 128, 128, 4, 4), (64, 256, 128, 8, 3)]},
+    "rtx": {"gemm": [(128, 128, 64, 4, 3), (64, 128, 64, 4, 4), (128, 64, 128, 4, 3)],
+            "block": [(128, 128, 64, 4, 3), (64, 128, 64, 4, 4)],
+            "small": [(64, 64, 64, 4, 3), (64, 128, 64, 4, 3)]},
+}
+
+
 # sparse attention tiles (fwd BLOCK_M, BLOCK_N, warps, stages[, rescale threshold]), (dq BLOCK_M, BLOCK_N, warps,
 # stages), (dkdv BLOCK_M, BLOCK_N, warps, stages) keyed by profile name, then head-dim class ("small" <= 128 <
 # "large").  h100 "small": the best of a sweep on an H200 (s=16384 window 1024 causal d128 bf16).
@@ -137,7 +154,8 @@ def _tiles(name: str) -> dict:
     for it (a profile forced onto an H100 still finds them)."""
     gemm = {k: v for k, v in GEMM_CONFIGS["h100"].items() if k.startswith("persistent")}
     sparse = dict(SPARSE_TILES[name], **({"long_row": LONG_ROW_FWD[name]} if name in LONG_ROW_FWD else {}))
-    return {"flash_attention": ATTN_TILES[name], "gemm": {**gemm, **GEMM_CONFIGS[name]}, "sparse_attention": sparse}
+    return {"flash_attention": ATTN_TILES[name], "gemm": {**gemm, **GEMM_CONFIGS[name]}, "sparse_attention": sparse,
+            **({"scaled_gemm": SCALED_GEMM_CONFIGS[name]} if name in SCALED_GEMM_CONFIGS else {})}
 
 
 H100 = Profile(

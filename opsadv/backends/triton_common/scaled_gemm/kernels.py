@@ -1,0 +1,123 @@
+"""Triton kernels of scaled_gemm (imported only when triton is installed).
+
+scaled_gemm_kernel: one output tile per program (grouped order, gemm's _group_ids), fp8 x fp8 tl.dot with float32
+accumulation over K in BLOCK_K steps, operands through pointer loads (any strides, sm_89+) or host-built TMA
+descriptors (TMA, Hopper; b read as (N, K) rows under B_NK, the K-major layout fp8 wgmma wants).
+Scales: per tensor / row / column scales are applied once in the epilogue (acc * sa[m] * sb[n]); block scales
+(A_BLOCK: a's 1x128 along K, B_BLOCK: b's 128x128) multiply each BLOCK_K step's partial product before it joins
+the accumulator (BLOCK_K divides 128, so a step lies in one scale block).  Then gemm's epilogue (bias, activation,
+residual) in float32, and either the store in out's dtype or, OUT_FP8, the float32 value into a workspace and the
+tile's amax (finite |y|) into amax_ptr by an atomic max; quantize_kernel then scales and rounds the workspace into
+fp8 once the amax of every tile is known."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..gemm.kernels import _act, _group_ids
+
+FLT_MAX = 3.4028234663852886e38
+
+
+@triton.jit
+def scaled_gemm_kernel(a_ptr, b_ptr, a_desc, b_desc, out_ptr, bias_ptr, res_ptr, sa_ptr, sb_ptr, amax_ptr,
+                       M, N, K, M_BUCKET,
+                       s_am, s_ak, s_bk, s_bn, s_om, s_on, s_rm, s_rn, s_sam, s_sak, s_sbk, s_sbn,
+                       TMA: tl.constexpr, B_NK: tl.constexpr, A_BLOCK: tl.constexpr, B_BLOCK: tl.constexpr,
+                       ACT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, OUT_FP8: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """sa / sb strides: s_sam (per a row), s_sak (per 128 of K), s_sbk (per 128 of K), s_sbn (per b column
+    (B_BLOCK: per 128 columns)); 0 where the scale is broadcast (per tensor)."""
+    pid_m, pid_n = _group_ids(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    rm = off_m + tl.arange(0, BLOCK_M)
+    rn = off_n + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    mm = rm < M
+    nm = rn < N
+    rm64 = rm.to(tl.int64)
+    sa_rows = sa_ptr + rm64 * s_sam                       # this tile's rows of a_scale
+    if B_BLOCK:
+        sb_cols = sb_ptr + (rn // 128) * s_sbn            # this tile's column blocks of b_scale
+    else:
+        sb_cols = sb_ptr + rn * s_sbn
+    a_ptrs = a_ptr + rm64[:, None] * s_am + rk[None, :] * s_ak
+    b_ptrs = b_ptr + rk[:, None] * s_bk + rn[None, :] * s_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for ki in range(0, tl.cdiv(K, BLOCK_K)):
+        off_k = ki * BLOCK_K
+        if TMA:
+            a = a_desc.load([off_m, off_k])               # out-of-bounds rows / columns read as zero
+            if B_NK:
+                b = b_desc.load([off_n, off_k]).T
+            else:
+                b = b_desc.load([off_k, off_n])
+        else:
+            km = rk < K - off_k                           # K tail
+            a = tl.load(a_ptrs, mask=mm[:, None] & km[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=km[:, None] & nm[None, :], other=0.0)
+            a_ptrs += BLOCK_K * s_ak
+            b_ptrs += BLOCK_K * s_bk
+        if A_BLOCK or B_BLOCK:
+            part = tl.dot(a, b)
+            kb = off_k // 128                             # the scale block of this step
+            if A_BLOCK:
+                part = part * tl.load(sa_rows + kb * s_sak, mask=mm, other=0.0)[:, None]
+            if B_BLOCK:
+                part = part * tl.load(sb_cols + kb * s_sbk, mask=nm, other=0.0)[None, :]
+            acc += part
+        else:
+            acc = tl.dot(a, b, acc)
+    # the scales constant over K
+    if not A_BLOCK:
+        acc = acc * tl.load(sa_rows, mask=mm, other=0.0)[:, None]
+    if not B_BLOCK:
+        acc = acc * tl.load(sb_cols, mask=nm, other=0.0)[None, :]
+    y = acc
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rn, mask=nm, other=0.0).to(tl.float32)[None, :]
+    y = _act(y, ACT)
+    mask = mm[:, None] & nm[None, :]
+    if HAS_RES:
+        y += tl.load(res_ptr + rm64[:, None] * s_rm + rn[None, :] * s_rn, mask=mask, other=0.0).to(tl.float32)
+    out_ptrs = out_ptr + rm64[:, None] * s_om + rn[None, :] * s_on
+    if OUT_FP8:
+        tl.store(out_ptrs, y, mask=mask)                  # the float32 workspace
+        ay = tl.abs(y)
+        ay = tl.where(mask & (ay <= FLT_MAX), ay, 0.0)    # finite values only (NaN compares false)
+        tl.atomic_max(amax_ptr, tl.max(tl.max(ay, axis=1), axis=0))
+    else:
+        tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _round_fp8(y, FMAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr):
+    """clamp(y, -FMAX, FMAX) rounded to nearest even onto the fp8 grid of MANT mantissa bits and smallest normal
+    exponent EMIN, as float32 values the cast to fp8 keeps exactly (torch's cast bit for bit).  Rounded here, not
+    by the cast: triton 3.6's interpreter casts float32 -> fp8 wrongly (ties away from zero, carries lost; the
+    paged_attention append kernel's _quantize_e4m3 is this for e4m3)."""
+    y = tl.clamp(y, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
+    bits = y.to(tl.int32, bitcast=True)
+    e = (bits >> 23) & 0xFF                                            # biased float32 exponent of |y|
+    ulp = ((tl.maximum(e, 127 + EMIN) - MANT) << 23).to(tl.float32, bitcast=True)   # the fp8 spacing there
+    r = tl.abs(y) / ulp                                                # exact: a power of two
+    r = (r + 12582912.0) - 12582912.0                                  # round half to even (1.5 * 2^23)
+    a = (r * ulp).to(tl.int32, bitcast=True)
+    return (a | (bits & -2147483648)).to(tl.float32, bitcast=True)    # y's sign back (-0.0 too)
+
+
+@triton.jit
+def quantize_kernel(y_ptr, q_ptr, amax_ptr, scale_ptr, numel, FMAX: tl.constexpr, MANT: tl.constexpr,
+                    EMIN: tl.constexpr, BLOCK: tl.constexpr):
+    """q = round(clamp(y / scale)), scale = amax / FMAX (1 for amax 0), over a contiguous float32 workspace;
+    program 0 also writes the scale."""
+    amax = tl.load(amax_ptr)
+    scale = tl.where(amax > 0.0, tl.div_rn(amax, FMAX), 1.0)     # torch's float32 division
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < numel
+    y = tl.load(y_ptr + offs, mask=m, other=0.0)
+    q = _round_fp8(tl.div_rn(y, scale), FMAX, MANT, EMIN)
+    tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=m)
+    if tl.program_id(0) == 0:
+        tl.store(scale_ptr, scale)
