@@ -16,6 +16,17 @@ DT = torch.float64
 TOL = 1e-9
 
 
+def _split_fp8_out(mesh, world):
+    import opsadv
+    from opsadv.ops.scaled_gemm import quantize_fp8
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    a8, sa = quantize_fp8(torch.randn(5, 32), "tensor")
+    b8, sb = quantize_fp8(torch.randn(32, 16 * world), "tensor")
+    d = (lambda t, p: distribute_tensor(t, mesh, [p], src_data_rank=None))
+    return opsadv.ops.scaled_gemm(d(a8, Replicate()), d(b8, Shard(1)), d(sa, Replicate()), d(sb, Replicate()),
+                                  out_fp8=True)
+
+
 def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -136,6 +147,34 @@ def _cases(mesh, world: int):
     cases["gemm row-parallel gelu training (activation after the reduction)"] = gemm("row", act="gelu")
     cases["gemm batch-parallel bias"] = gemm("batch")
 
+    def scaled_gemm(kind):
+        """FP8 operands with row / column / block scales, placed without communication (gloo carries no fp8)."""
+        def run():
+            from opsadv.ops.scaled_gemm import quantize_fp8
+            from torch.distributed.tensor import DTensor, distribute_tensor
+            a8, sa = quantize_fp8(torch.randn(37, 256), "block1x128" if kind == "row" else "row")
+            b8, sb = quantize_fp8(torch.randn(256, 16 * world), "block128x128" if kind == "row" else "col")
+            bias, res = torch.randn(16 * world), torch.randn(37, 16 * world)
+            pl = {"column": dict(a=Rp, sa=Rp, b=S(1), sb=S(1), bias=S(0), res=S(1)),
+                  "row": dict(a=S(1), sa=S(1), b=S(0), sb=S(0), bias=Rp, res=Rp),
+                  "batch": dict(a=S(0), sa=S(0), b=Rp, sb=Rp, bias=Rp, res=S(0))}[kind]
+            full = dict(a=a8, sa=sa, b=b8, sb=sb, bias=bias, res=res)
+            placed = {n: distribute_tensor(t, mesh, pl[n], src_data_rank=None) for n, t in full.items()}
+
+            def call(x):
+                return ops.scaled_gemm(x["a"], x["b"], x["sa"], x["sb"], bias=x["bias"], residual=x["res"],
+                                       out_dtype=torch.float32)
+            want, got = call(full), call(placed)
+            outp = {"column": S(1), "row": [Partial()], "batch": S(0)}[kind]
+            fails = [] if list(got.placements) == outp else [f"output placements {got.placements}, expected {outp}"]
+            err = (got.full_tensor() - want).abs().max().item()
+            return fails + ([] if err <= 1e-4 * want.abs().max().item() else [f"max err {err:.3g}"])
+        return run
+
+    cases["scaled_gemm column-parallel col scales"] = scaled_gemm("column")
+    cases["scaled_gemm row-parallel block scales (Partial)"] = scaled_gemm("row")
+    cases["scaled_gemm batch-parallel row scales"] = scaled_gemm("batch")
+
     def swiglu_gemm(kind):
         def run():
             x, w, bias = rnd(37, 12), rnd(12, 2 * (3 * world)), rnd(2 * 3 * world)
@@ -253,6 +292,8 @@ def _refusals(mesh, world: int):
         "refuse gemm row-parallel no-grad activation": (
             lambda: ops.gemm(d(r(5, 8), Shard(1)), d(r(8, 4), Shard(0)), activation="gelu"),
             "gemm: argument 'activation'", "follow the all-reduce"),
+        "refuse scaled_gemm split fp8 output": (
+            lambda: _split_fp8_out(mesh, world), "scaled_gemm: argument 'out_fp8'", "per-tensor scale"),
         "refuse swiglu_gemm plain Shard(1)": (
             lambda: ops.swiglu_gemm(d(r(5, 8), Replicate()), d(r(8, 4 * world), Shard(1))),
             "swiglu_gemm: argument 'w_gate_up'", "_StridedShard(1, split_factor=2)"),
@@ -336,6 +377,8 @@ def _names():
             "varlen_attention heads gqa", "gemm column-parallel bias residual", "gemm column-parallel gelu",
             "gemm row-parallel bias residual (Partial)",
             "gemm row-parallel gelu training (activation after the reduction)", "gemm batch-parallel bias",
+            "scaled_gemm column-parallel col scales", "scaled_gemm row-parallel block scales (Partial)",
+            "scaled_gemm batch-parallel row scales", "refuse scaled_gemm split fp8 output",
             "swiglu_gemm column-parallel (gate/up strided)", "swiglu_gemm token-parallel", "swiglu tokens",
             "swiglu last dim as [g_r | u_r]", "layer_norm sequence-parallel", "layer_norm sequence-parallel residual",
             "rms_norm sequence-parallel", "rms_norm sequence-parallel residual", "rotary_embedding heads",

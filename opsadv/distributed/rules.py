@@ -189,6 +189,48 @@ def gemm_backward(c: Call):
     return outs, {n: p for n, p in ins.items() if c[n] is not None}
 
 
+def _scale_split(scale: Arg, d: int | None, of: str) -> Placement:
+    """A dequantization scale's placement when its operand is split on dim d: a per-tensor scale, and a row / column
+    scale whose broadcast dim is the split one, stay replicated; a per-row, per-column or block scale splits with
+    the operand on the same dim (block scales: the split must fall on whole 128-blocks)."""
+    if d is None or scale.ndim == 0 or scale.shape[d] == 1:
+        return R
+    return Shard(d)
+
+
+_FP8_OUT = ("out_fp8=None unless the output is replicated (its one per-tensor scale comes from the amax of the "
+            "whole result; split, each rank would pick its own); return a bf16 / fp32 output and quantize it after")
+
+
+def scaled_gemm(c: Call):
+    """As gemm's column / row / batch modes; the scales follow their operands (scaled_gemm: a (M, K), b (K, N))."""
+    mode, d = _gemm_mode(c, "a", "b")
+    if c["out_fp8"] is not None and mode != "replicate":
+        c.refuse("out_fp8", _FP8_OUT, repr(c["out_fp8"]))
+    ins: dict[str, Placement] = {}
+    if mode == "column":
+        wp = c["b"].placement
+        if not c["b"].sharded:
+            c.refuse("b", "Replicate(), Shard(0) (row-parallel) or Shard(1) (column-parallel)")
+        out = Shard(1)
+        ins = {"a": R, "a_scale": R, "b": wp, "b_scale": _scale_split(c["b_scale"], 1, "b"), "bias": Shard(0),
+               "residual": out}
+    elif mode == "row":
+        if c["activation"] != "none":
+            c.refuse("activation", _ROW_ACT.replace("call gemm", "call scaled_gemm"))
+        out = P
+        ins = {"a": Shard(1), "a_scale": _scale_split(c["a_scale"], 1, "a"), "b": Shard(0),
+               "b_scale": _scale_split(c["b_scale"], 0, "b"), "bias": P, "residual": P}
+    elif mode == "batch":
+        out = Shard(0)
+        ins = {"a": out, "a_scale": _scale_split(c["a_scale"], 0, "a"), "b": R, "b_scale": R, "bias": R,
+               "residual": out}
+    else:
+        out = R
+        ins = {n: R for n in ("a", "a_scale", "b", "b_scale", "bias", "residual")}
+    return (out, R), {n: p for n, p in ins.items() if c[n] is not None}
+
+
 GATE_UP = "_StridedShard(1, split_factor=2) (opsadv.distributed.shard_gate_up): each rank holds matching W_g and W_u columns"
 
 
@@ -390,6 +432,7 @@ ALL = {
     "varlen_attention": (varlen_attention, ()),
     "gemm": (gemm, ()),
     "gemm_backward": (gemm_backward, ("grad",)),
+    "scaled_gemm": (scaled_gemm, ()),
     "swiglu_gemm": (swiglu_gemm, ()),
     "swiglu_gemm_backward": (swiglu_gemm_backward, ("grad",)),
     "swiglu": (swiglu, ()),
