@@ -151,7 +151,17 @@ def test_empty_and_k_zero():
     assert torch.equal(y, F.relu(bias).expand(3, 16))
 
 
-# ---- the Triton kernels (interpreter) --------------------------------------------------------------------------
+# ---- the Triton kernels (the interpreter on CPU tensors, or the GPU) ---------------------------------------------
+KERNEL_DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# Hopper's FP8 MMA accumulates with fewer than fp32's bits between the kernel's fp32 promotions (DeepSeek-V3 4.2.1);
+# the interpreter's dot is exact float32
+KERNEL_TOL = 1e-6 if KERNEL_DEV == "cpu" else 2e-3
+
+
+def _on_kernel_dev(*ts):
+    return tuple(t.to(KERNEL_DEV) for t in ts)        # .to keeps a column-major b column-major
+
+
 @pytest.mark.parametrize("impl", TRITON)
 @pytest.mark.parametrize("m,k,n,ga,gb,kw", [
     (1, 128, 48, "tensor", "tensor", {}),
@@ -162,40 +172,40 @@ def test_empty_and_k_zero():
 ])
 def test_triton_kernel_matches_reference(impl, m, k, n, ga, gb, kw):
     kw = dict(kw)
-    a8, b8, sa, sb = _operands(m, k, n, ga, gb, b_col_major=not kw.pop("b_row_major", False))
+    a8, b8, sa, sb = _on_kernel_dev(*_operands(m, k, n, ga, gb, b_col_major=not kw.pop("b_row_major", False)))
     if kw.pop("bias", False):
-        kw["bias"] = torch.randn(n, dtype=torch.float16)
+        kw["bias"] = torch.randn(n, dtype=torch.float16, device=KERNEL_DEV)
     if kw.pop("residual", False):
-        kw["residual"] = torch.randn(m, n)
+        kw["residual"] = torch.randn(m, n, device=KERNEL_DEV)
     with opsadv.use_backend("reference"):
         want = opsadv.ops.scaled_gemm(a8, b8, sa, sb, out_dtype=torch.float32, **kw)
     with opsadv.use_backend("cuda", strict=True, impls={"scaled_gemm": impl}), opsadv.trace() as t:
         got = opsadv.ops.scaled_gemm(a8, b8, sa, sb, out_dtype=torch.float32, **kw)
     assert set(t.counts) == {impl}
-    assert _rel(got, want) < 1e-6
+    assert _rel(got, want) < KERNEL_TOL
 
 
 @pytest.mark.parametrize("impl", TRITON)
 @pytest.mark.parametrize("fp8", [E4M3, E5M2])
 def test_triton_fp8_output_amax_and_rounding(impl, fp8):
-    a8, b8, sa, sb = _operands(37, 256, 160, "row", "col", db=E5M2)
+    a8, b8, sa, sb = _on_kernel_dev(*_operands(37, 256, 160, "row", "col", db=E5M2))
     with opsadv.use_backend("reference"):
         w8, ws = opsadv.ops.scaled_gemm(a8, b8, sa, sb, activation="gelu_tanh", out_fp8=fp8)
     with opsadv.use_backend("cuda", strict=True, impls={"scaled_gemm": impl}):
         y8, ys = opsadv.ops.scaled_gemm(a8, b8, sa, sb, activation="gelu_tanh", out_fp8=fp8)
     assert y8.dtype == fp8 and ys.shape == ()
-    assert abs(ys.item() - ws.item()) <= 2e-7 * ws.item()          # the amax of every tile, atomically reduced
+    assert abs(ys.item() - ws.item()) <= max(2e-7, KERNEL_TOL) * ws.item()   # every tile's amax, atomically reduced
     # the same fp8 values but for elements whose float32 y sits on a rounding tie's edge
-    assert (y8.float() != w8.float()).float().mean().item() < 0.01
+    assert (y8.float() != w8.float()).float().mean().item() < (0.01 if KERNEL_DEV == "cpu" else 0.05)
 
 
 def test_explain_names_granularities_and_refusals():
-    a8, b8, sa, sb = _operands(3, 256, 48, "block1x128", "block128x128", db=E5M2, b_col_major=False)
+    a8, b8, sa, sb = _on_kernel_dev(*_operands(3, 256, 48, "block1x128", "block128x128", db=E5M2, b_col_major=False))
     with opsadv.use_backend("cuda"):
         e = opsadv.explain("scaled_gemm", a8, b8, sa, sb)
     assert {"scale_a_block", "scale_b_block", "b_e5m2", "b_row_major"} <= e.spec.features
     reasons = {c.impl.id: " ".join(c.reasons) for c in e.candidates}
-    assert "b_row_major" in reasons["cuda.cublas.scaled_gemm"] and e.chosen in TRITON
+    assert "b_row_major" in reasons["cuda.cublas.scaled_gemm"] and e.chosen != "cuda.cublas.scaled_gemm"
 
 
 # ---- bad inputs ----------------------------------------------------------------------------------------------

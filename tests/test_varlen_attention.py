@@ -147,8 +147,9 @@ def test_max_seqlen_hints_set_the_split_count_not_the_result(monkeypatch):
     with opsadv.use_backend("cuda", strict=True):
         for hints in ({}, dict(max_seqlen_k=300), dict(max_seqlen_q=1, max_seqlen_k=1000)):
             outs.append(opsadv.ops.varlen_attention(*args, **kw, **hints))
-        with pytest.raises(InvalidArgumentError, match="varlen_attention.*'max_seqlen_k'.*longest segment.*300"):
-            opsadv.ops.varlen_attention(*args, **kw, max_seqlen_k=299)
+        if args[0].device.type == "cpu":       # the hint is checked against the lengths on CPU only (no sync)
+            with pytest.raises(InvalidArgumentError, match="varlen_attention.*'max_seqlen_k'.*longest segment.*300"):
+                opsadv.ops.varlen_attention(*args, **kw, max_seqlen_k=299)
         with pytest.raises(InvalidArgumentError, match="'max_seqlen_q'.*None or an int"):
             opsadv.ops.varlen_attention(*args, **kw, max_seqlen_q=1.5)
     # 4 sequences x 2 kv heads = 8 programs: total_k = 1200 -> 4 splits of >= 256 keys, 300 -> 1 (no split)

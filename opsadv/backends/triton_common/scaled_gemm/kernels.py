@@ -16,7 +16,7 @@ import triton.language as tl
 
 from ..gemm.kernels import _act, _group_ids
 
-FLT_MAX = 3.4028234663852886e38
+FLT_MAX = tl.constexpr(3.4028234663852886e38)      # a jit function reads only constexpr globals
 
 
 @triton.jit
