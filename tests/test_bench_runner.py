@@ -302,3 +302,25 @@ def test_decode_suite_grid_and_tiny_cases_on_cpu():
     assert cases[0].work == suite_decode.bytes_moved(2, 37, 4, 2, 16, 4) == 2 * 2 * 37 * 2 * 16 * 4 + 2 * 2 * 4 * 16 * 4
     assert cases[1].work == suite_decode.bytes_moved(2, 37, 4, 2, 16, 4, kv_es=1) == \
         2 * 2 * 37 * 2 * 16 * 1 + 2 * 2 * 4 * 16 * 4
+
+
+def test_decode_flex_paged_peer_on_cpu():
+    """The flex_paged contender (FlexAttention over the paged cache in place, block mask from the block table through
+    torch's PagedAttention helper), built with eager flex_attention on CPU: opsadv's paged_attention's output over
+    shuffled pages, sequences of unequal lengths (one ending mid-page), GQA."""
+    pytest.importorskip("torch.nn.attention.experimental._paged_attention")
+    import warnings
+
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from opsadv.bench import suite_decode
+    kc, vc, table, lens, _, _ = suite_decode.paged_cache(2, 40, 2, 16, 16, torch.float32, "cpu")
+    lens = torch.tensor([40, 23], dtype=torch.int32)
+    q = torch.randn(2, 1, 4, 16, generator=torch.Generator().manual_seed(2))
+    run = suite_decode.flex_paged_peer(flex_attention, q, kc, vc, table, lens)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")                       # eager flex warns that it is not compiled
+        got = run()
+    with opsadv.use_backend("reference"), torch.no_grad():
+        want = opsadv.ops.paged_attention(q, kc, vc, table, lens).transpose(1, 2)
+    assert runner.rel_err(got, want) < 1e-5

@@ -1,6 +1,6 @@
 """opsadv.PagedKVCache: a converted model's generate over the paged KV cache (paged_attention appends and attends)
 gives transformers' own greedy tokens (DynamicCache, unconverted model) at float32, with per-step scores close;
-batch 1 and a left-padded batch, pages of 8 and 16 tokens crossed by prompts and decode; crop / reset; refusals."""
+batch 1 and a left-padded batch, pages of 8 and 16 tokens crossed by prompts and decode; crop / reset; refusals.  Beam search and batch expansion: test_paged_cache_beams.py."""
 import copy
 import inspect
 import warnings
@@ -194,11 +194,10 @@ def test_refuses_sliding_window_and_softcap():
         opsadv.PagedKVCache(m)
 
 
-def test_refuses_beam_search_pool_and_length():
+def test_refuses_pool_and_length():
+    """(Beam search is served: tests/test_paged_cache_beams.py.)"""
     orig, conv = models("llama")
     ids, am = prompts("b1")
-    with pytest.raises(NotImplementedError, match="beam search"):
-        generate(conv, ids, am, opsadv.PagedKVCache(conv, max_cache_len=64), num_beams=2)
     with pytest.raises(InvalidArgumentError, match="num_pages"):
         generate(conv, ids, am, opsadv.PagedKVCache(conv, max_cache_len=64, page_size=8, num_pages=2))
     with pytest.raises(InvalidArgumentError, match="max_cache_len"):

@@ -1,7 +1,7 @@
 """Bench suite "decode": opsadv.ops.paged_attention for one decode step (one query per sequence, bf16) over a paged
 KV cache, against SDPA's flash and cuDNN backends and FlexAttention (compiled) over a contiguous cache of the same
-contents (BENCHMARKS.md's decode peers; Flex here without a paged block mask: over the contiguous cache, the
-simple setup).  Grid: GQA 32 / 8 and MQA 32 / 1 at d128, pages of 16 and 128, batch 1 / 8 / 64 x context 1k / 8k /
+contents (BENCHMARKS.md's decode peers), and FlexAttention over the same paged cache ("flex_paged": the pages read in
+place through a block mask converted from the block table by torch's PagedAttention helper, flex_paged_peer).  Grid: GQA 32 / 8 and MQA 32 / 1 at d128, pages of 16 and 128, batch 1 / 8 / 64 x context 1k / 8k /
 32k / 128k (cases whose paged cache would exceed MAX_CACHE_TOKENS tokens, b64 x 128k, left out: with the contiguous
 copy the peers need it would not fit next to the others).  The cache's pages are handed out shuffled (as an
 allocator's free list leaves them); every sequence holds the full context.  No append in the timed call (the peers
@@ -84,6 +84,38 @@ def paged_cache(b, s, hkv, d, page, dtype, dev, seed=0):
     return kc, vc, table, lens, contiguous(kc), contiguous(vc)
 
 
+def flex_paged_peer(flex, q, kc, vc, table, lens):
+    """A call of `flex` (flex_attention, compiled or not) attending q (b, 1, Hq, D) over the paged cache itself,
+    returning (b, Hq, 1, D): the pool viewed as one sequence (1, Hkv, pages x page_size, D) (no copy), and a block
+    mask whose kv blocks are pages: the logical mask (key < seqlens_k[b], blocks of page_size) mapped onto physical
+    pages by torch.nn.attention.experimental._paged_attention.PagedAttention (page table and its inverse filled from
+    block_table).  None where that helper is missing."""
+    try:
+        from torch.nn.attention.experimental._paged_attention import PagedAttention
+        from torch.nn.attention.flex_attention import create_block_mask
+    except ImportError:
+        return None
+    n, page, hkv, d = kc.shape
+    b, per = table.shape
+    dev = kc.device
+    paged = PagedAttention(n, page, b, device=dev)
+    paged.page_table[:, :per] = table.long()
+    seq = torch.arange(b, device=dev).repeat_interleave(per)
+    paged.physical_to_logical[seq, table.reshape(-1).long()] = torch.arange(per, device=dev).repeat(b)
+    paged.capacity[:] = per * page
+    kv_len = lens.long()
+    logical = create_block_mask(lambda bi, h, qi, kv: kv < kv_len[bi], b, None, 1, per * page, device=dev,
+                                BLOCK_SIZE=(128, page))
+    mask = paged.convert_logical_block_mask(logical, kv_len=kv_len)
+    kf, vf = (c.view(1, n * page, hkv, d).transpose(1, 2) for c in (kc, vc))
+    qh, gqa = q.transpose(1, 2), q.shape[2] != hkv
+
+    def run():
+        with torch.no_grad():
+            return flex(qh, kf, vf, block_mask=mask, enable_gqa=gqa)
+    return run
+
+
 def cases(quick: bool, shapes=None, fp8_shapes=None) -> Iterator[BenchCase]:
     """shapes: (label, hq, hkv, page, batch, context[, head_dim]) tuples instead of grid(quick) (tests: tiny shapes
     on CPU); fp8_shapes: those of them that get an fp8 row (default: every case, or QUICK_FP8's in the quick
@@ -120,6 +152,9 @@ def cases(quick: bool, shapes=None, fp8_shapes=None) -> Iterator[BenchCase]:
                     with torch.no_grad():
                         return flex(qh, k, v, enable_gqa=gqa)
                 peers["flex"] = fx
+                fp = flex_paged_peer(flex, q, kc, vc, table, lens)
+                if fp is not None:
+                    peers["flex_paged"] = fp
         else:
             peers = {"sdpa": (lambda sdpa=sdpa: sdpa(None))}
         words = ["fwd", "bf16" if dtype == torch.bfloat16 else "fp32", "decode", label, f"b{b}", f"ctx{s}",

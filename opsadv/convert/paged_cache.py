@@ -32,8 +32,20 @@ query rows, whose outputs are scattered back (padded rows get 0).  get_mask_size
 the new tokens.  get_seq_length is the number of positions processed (padding included), which is what
 transformers derives positions from; `lengths` are the real tokens cached per sequence.
 
-Not supported (refused with an error): beam search (reorder_cache and friends), sliding-window layers, encoder-decoder
-caches, offloading."""
+Beam search and batch expansion.  transformers 5.25's generate expands the prompt (num_beams or num_return_sequences
+copies, `_expand_inputs_for_generation`) BEFORE prefill, so each copy's prompt is prefilled into its own pages; beam
+search then calls `reorder_cache(beam_idx)` after every step (its first call gathers every beam from beam 0, so the
+copies' pages go back to the pool at once); sampling with num_return_sequences only has a larger batch.  generate
+calls neither batch_repeat_interleave nor batch_select_indices (callers of their own do); the three go through one
+seam, _select_sequences: block table rows gathered, so beams share the pages of their common prefix (counted in
+_refs, which only holds pages of more than one sequence: the no-beam path never touches it); pages no sequence holds
+go back to the free list; a shared, partly filled last page is copied (every layer) just before a sequence appends
+into it (copy-on-write, in _plan), so appends never write into another sequence's tokens.  With static=True the
+fixed runs stay each sequence's: a reorder copies the selected sequences' used pages into the runs (one gather per
+layer on the device, no host read unless a padded prefill's record must follow; transformers' StaticCache also
+copies), so the batch (num_beams x prompts) must fit max_batch_size.
+
+Not supported (refused with an error): sliding-window layers, encoder-decoder caches, offloading."""
 from __future__ import annotations
 
 import math
@@ -103,6 +115,9 @@ class PagedLayer(CacheLayerMixin):
 
     def crop(self, tokens_to_remove: int) -> None:
         pass                                      # the cache crops (lengths are shared by the layers)
+
+    def reorder_cache(self, beam_idx) -> None:
+        pass                                      # the cache reorders its block table (shared by the layers)
 
 
 @dataclass
@@ -175,6 +190,7 @@ class PagedKVCache(Cache):
         self._lens: list[int] = []                # real tokens cached per sequence (host)
         self._pages: list[list[int]] = []         # each sequence's pages, in order
         self._free = list(range(self.num_pages - 1, -1, -1)) if self.num_pages is not None else []
+        self._refs: dict[int, int] = {}           # page -> sequences holding it, for pages held by more than one
         self._real: list = []                     # (first position, (batch, n) bool host tensor) of padded forwards
         self._table = self._table_dev = self._lens_dev = None
         self._step: _Step | None = None
@@ -314,7 +330,7 @@ class PagedKVCache(Cache):
             for b, n in enumerate(self._lens):    # pages past the kept tokens go back to the pool
                 need = -(-n // self.page_size)
                 while len(self._pages[b]) > need:
-                    self._free.append(self._pages[b].pop())
+                    self._release(self._pages[b].pop())
         self._lens_dev.copy_(torch.tensor(self._lens, dtype=torch.int32))
 
     def _real_mask(self) -> torch.Tensor:
@@ -324,17 +340,147 @@ class PagedKVCache(Cache):
             m[:, start:start + real.shape[1]] = real
         return m
 
+    # ---- beam search and batch expansion: sequences share pages -------------------------------------------------
     def reorder_cache(self, beam_idx) -> None:
-        raise NotImplementedError(f"{NAME} does not support beam search (reorder_cache): sequences own their pages; "
-                                  "use greedy or sampling, or transformers' DynamicCache for beam search")
+        """Beam search's step: sequence i continues sequence beam_idx[i] (block table rows gathered, pages shared)."""
+        self._select_sequences("reorder_cache", beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError(f"{NAME} does not support batch_repeat_interleave (beam search / contrastive "
-                                  "search); use greedy or sampling")
+        """Each sequence becomes `repeats` consecutive copies that share its pages (nothing is copied now; a shared,
+        partly filled last page is copied when a copy first appends into it)."""
+        if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+            raise InvalidArgumentError(NAME, "batch_repeat_interleave repeats", "an int >= 1", repr(repeats))
+        if self._batch is not None and repeats > 1:
+            self._select_sequences("batch_repeat_interleave", torch.arange(self._batch).repeat_interleave(repeats))
 
     def batch_select_indices(self, indices) -> None:
-        raise NotImplementedError(f"{NAME} does not support batch_select_indices (beam search / contrastive search); "
-                                  "use greedy or sampling")
+        """Keep the sequences `indices` (ints, in the new order, repeats allowed, or a (batch,) bool mask)."""
+        self._select_sequences("batch_select_indices", indices)
+
+    def _select_sequences(self, what: str, idx) -> None:
+        """The batch becomes sequences idx (each an index into the current batch): the one seam of reorder / expand /
+        select.  Paged: block table rows gathered, page refcounts recounted, pages no sequence holds freed.
+        Static: the selected sequences' used pages copied into the fixed runs (no host read of idx or lengths)."""
+        self._check_idle(what)
+        if self._batch is None:
+            return                                # nothing cached yet: the next forward fixes the batch
+        b = self._batch
+        idx = torch.as_tensor(idx)
+        if idx.dtype == torch.bool:
+            if tuple(idx.shape) != (b,):
+                raise InvalidArgumentError(NAME, f"{what} indices", f"a ({b},) bool mask", f"{tuple(idx.shape)}")
+            idx = idx.nonzero().squeeze(1)
+        if idx.ndim != 1 or idx.numel() == 0 or idx.dtype.is_floating_point or idx.is_complex():
+            raise InvalidArgumentError(NAME, f"{what} indices", "a non-empty 1-D integer tensor of sequence indices",
+                                       f"{tuple(idx.shape)} {idx.dtype}")
+        nb = idx.numel()
+        if self.max_batch_size is not None and nb > self.max_batch_size:
+            raise InvalidArgumentError(NAME, f"{what} batch", f"<= max_batch_size = {self.max_batch_size}", str(nb))
+        host = idx.cpu() if (not self.static or self._real or idx.device.type == "cpu") else None
+        if host is not None and (int(host.min()) < 0 or int(host.max()) >= b):
+            raise InvalidArgumentError(NAME, f"{what} indices", f"in [0, {b}) (the cached sequences)",
+                                       f"[{int(host.min())}, {int(host.max())}]")
+        if self.static:
+            self._select_static(idx, nb)
+        else:
+            self._select_paged(host)
+        if self._real:                            # crop's record of padding follows the sequences
+            self._real = [(start, real[host]) for start, real in self._real]
+        self._batch = nb
+
+    def _select_paged(self, idx: torch.Tensor) -> None:
+        order = idx.tolist()
+        if order == list(range(self._batch)):
+            return                                # beams kept their places (a common beam step): nothing moves
+        lens = self._host_lens()
+        pages = [list(self._pages[i]) for i in order]
+        held: dict[int, int] = {}
+        for row in pages:
+            for p in row:
+                held[p] = held.get(p, 0) + 1
+        dropped = {p for row in self._pages for p in row}.difference(held)
+        self._free.extend(sorted(dropped, reverse=True))          # (the free list pops its end: low pages first)
+        self._refs = {p: n for p, n in held.items() if n > 1}
+        self._pages = pages
+        self._lens = [lens[i] for i in order]
+        self._bound = max(self._lens, default=0)
+        self._table = self._table[idx]            # rows past a sequence's pages are rewritten before they are read
+        dev = self._table_dev.device
+        lens_dev = torch.tensor(self._lens, dtype=torch.int32)
+        if len(order) == self._table_dev.shape[0]:
+            self._table_dev.copy_(self._table, non_blocking=True)
+            self._lens_dev.copy_(lens_dev)
+        else:
+            self._table_dev, self._lens_dev = self._table.to(dev), lens_dev.to(dev)
+            if not torch.compiler.is_compiling():
+                torch._dynamo.mark_static_address(self._table_dev)
+                torch._dynamo.mark_static_address(self._lens_dev)
+
+    def _select_static(self, idx: torch.Tensor, nb: int) -> None:
+        if nb * self.pages_per_seq > self.num_pages:
+            raise InvalidArgumentError(NAME, "batch", f"<= {self.num_pages // self.pages_per_seq} (static: every "
+                                       "sequence owns ceil(max_cache_len / page_size) pages)", str(nb))
+        dev = self._table_dev.device
+        idx = idx.to(dev)
+        old_table = self._table_dev
+        if nb != self._batch:                     # the fixed runs of the new batch
+            self._table = torch.arange(nb * self.pages_per_seq, dtype=torch.int32).view(nb, self.pages_per_seq)
+            self._pages = [row.tolist() for row in self._table]
+            self._table_dev = self._table.to(dev)
+            self._lens_dev = self._lens_dev[idx]
+            if not torch.compiler.is_compiling():
+                torch._dynamo.mark_static_address(self._table_dev)
+                torch._dynamo.mark_static_address(self._lens_dev)
+        else:
+            self._lens_dev.copy_(self._lens_dev[idx])
+        self._lens = None                         # on the device only (lengths reads them back)
+        used = -(-self._bound // self.page_size)  # pages per sequence that can hold tokens
+        if used:                                  # each sequence's pages copied into its run (gather, then write)
+            src = old_table[idx, :used].reshape(-1).long()
+            dst = self._table_dev[:, :used].reshape(-1).long()
+            for layer in self.layers:
+                if layer.is_initialized:
+                    layer.keys[dst] = layer.keys[src]
+                    layer.values[dst] = layer.values[src]
+
+    def _release(self, page: int) -> None:
+        """A sequence lets go of a page: back to the pool unless another sequence still holds it."""
+        n = self._refs.get(page, 1)
+        if n > 2:
+            self._refs[page] = n - 1
+        elif n == 2:
+            del self._refs[page]
+        else:
+            self._free.append(page)
+
+    def _own_last_pages(self, new: list[int]) -> bool:
+        """Copy-on-write: a sequence about to append into a partly filled last page that another sequence also holds
+        gets its own copy of that page first (every layer's keys and values).  True if a table row changed."""
+        src, dst = [], []
+        for b, (have, n) in enumerate(zip(self._lens, new)):
+            if n == have or have % self.page_size == 0:
+                continue                          # no append, or it starts a fresh page
+            p = self._pages[b][-1]
+            if self._refs.get(p, 1) == 1:
+                continue
+            if not self._free:
+                raise InvalidArgumentError(NAME, "num_pages", "a free page to copy a shared page into before a beam "
+                                           "appends to it", f"a pool of {self.num_pages} pages, all held "
+                                           "(pass a larger num_pages)")
+            q = self._free.pop()
+            self._release(p)
+            self._pages[b][-1] = q
+            self._table[b, len(self._pages[b]) - 1] = q
+            src.append(p)
+            dst.append(q)
+        if not src:
+            return False
+        dev = self._table_dev.device
+        s, d = torch.tensor(src, device=dev), torch.tensor(dst, device=dev)
+        for layer in self.layers:
+            layer.keys[d] = layer.keys[s]
+            layer.values[d] = layer.values[s]
+        return True
 
     def early_initialization(self, *args, **kwargs) -> None:
         raise NotImplementedError(f"{NAME} initializes its pages at the first forward (torch.export of the cache "
@@ -410,6 +556,8 @@ class PagedKVCache(Cache):
                                            f"{n} tokens in sequence {b}")
         grew = False
         if not self.static:
+            if self._refs:                        # beams share pages: copy a shared last page before writing into it
+                grew = self._own_last_pages(new)
             for b, n in enumerate(new):
                 need = -(-n // self.page_size)
                 while len(self._pages[b]) < need:

@@ -4,7 +4,8 @@ backend calls, computed with plain torch on CPU tensors, and a record of every c
 It is what the contract tests run the backend against when no NPU is present.  It follows the
 torch_npu documentation, not the hardware's numerics:
 - npu_fusion_attention: `scale` defaults to 1.0; atten_mask True = masked out; layouts BNSD, BSND,
-  BSH, SBH and TND (actual_seq_qlen/kvlen are cumulative lengths); GQA by head_num = query heads;
+  BSH, SBH and TND (the varlen layout: actual_seq_qlen/kvlen are cumulative lengths, at most 1K sequences and
+  1M tokens, a sequence may have no queries but queries need keys); GQA by head_num = query heads;
   sparse_mode 0 (mask as given, plus the pre/next band, top-left origin, when a mask is given),
   1 (full mask), 2/3 (causal top-left / bottom-right) and 4 (band, bottom-right origin), the last
   three requiring the compressed 2048x2048 upper-triangular mask; with atten_mask=None the op
@@ -143,6 +144,13 @@ def _tnd_bounds(q, k, qlen, kvlen):
         raise RuntimeError("actual_seq_qlen/kvlen are cumulative (non-decreasing) lengths, e.g. [2, 4, 6]")
     if qs[-1] != q.shape[0] or ks[-1] != k.shape[0]:
         raise RuntimeError(f"cumulative lengths end at {qs[-1]}/{ks[-1]}, tensors have {q.shape[0]}/{k.shape[0]} tokens")
+    if len(qs) - 1 > 1024:
+        raise RuntimeError(f"varlen: actual_seq_qlen has {len(qs) - 1} entries (at most 1K)")
+    if max(qs[-1], ks[-1]) > 1 << 20:
+        raise RuntimeError(f"varlen: T {max(qs[-1], ks[-1])} > 1M")
+    for n, (a, b, c, e) in enumerate(zip(qs, qs[1:], ks, ks[1:])):
+        if b > a and e == c:                          # documented: S = 0 for queries, not keys under queries
+            raise RuntimeError(f"varlen sequence {n} has {b - a} queries and no keys (not documented)")
     return qs, ks
 
 
