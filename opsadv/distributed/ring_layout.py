@@ -89,6 +89,9 @@ def zigzag_unshard(shards: Sequence[Tensor], *, dim: int = 2) -> Tensor:
         raise InvalidArgumentError(op, "shards", "a non-empty list of tensors, rank order", type(shards).__name__)
     world = len(shards)
     n = sum(s.shape[dim] for s in shards)
+    if n < 2 * world:
+        raise InvalidArgumentError(op, "shards", f"at least 2 * {world} tokens in all (one per zig-zag chunk)",
+                                   f"{n} tokens")
     layout = RingLayout(n, world, True)
     firsts, seconds = [], []
     for r, s in enumerate(shards):

@@ -1,0 +1,211 @@
+"""opsadv.distributed.ring_attention on gloo (CPU, reference backend, float64) against single-process attention on
+the full sequence: 2 and 4 ranks, causal and not, zig-zag and contiguous shares, GQA, odd lengths (37, 101),
+out, lse and dq / dk / dv; sliding windows against sparse_attention's; a subgroup with non-contiguous global ranks;
+inputs that every rank must refuse with the same error.  One spawn per world size runs all its cases (a spawn
+costs seconds); each rank writes the failures it saw, the test asserts there are none.  Single-process parts:
+the zig-zag helpers, the lse merge of empty rows, the ring's causal steps doing even work."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+
+from opsadv.distributed import zigzag_shard, zigzag_unshard
+from opsadv.distributed.lse_merge import empty_accumulators, merge_into
+from opsadv.distributed.ring_layout import RingLayout
+from opsadv.distributed.ring_steps import step_block
+from opsadv.errors import InvalidArgumentError
+
+pytestmark = pytest.mark.xdist_group("ring_attention")
+TOL = 1e-10
+OP = "opsadv.distributed.ring_attention"
+
+
+# ---- the worker (one process per rank) ------------------------------------------------------------------------
+def _share(x, rank, world, zigzag):
+    return zigzag_shard(x, rank, world) if zigzag else torch.tensor_split(x, world, dim=2)[rank]
+
+
+def _inputs(n, hq, hkv, seed, d=8):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, h, n, d, generator=g, dtype=torch.float64) for h in (hq, hkv, hkv))
+    return q, k, v, torch.randn(2, hq, n, d, generator=g, dtype=torch.float64)
+
+
+def _full(q, k, v, do, causal, window):
+    """(out, lse, dq, dk, dv) of single-process attention over the whole sequence."""
+    from opsadv.ops.flash_attention import flash_attention
+    from opsadv.ops.sparse_attention import sparse_attention
+    from opsadv import SparseLayout
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    if window is None:
+        out, lse = flash_attention(q, k, v, causal=causal, return_lse=True)
+    else:
+        out, lse = sparse_attention(q, k, v, SparseLayout.sliding_window(q.shape[2], window, causal=True),
+                                    return_lse=True)
+    return (out, lse, *torch.autograd.grad(out, (q, k, v), do))
+
+
+def _check(fails, name, rank, world, n, hq, hkv, causal, zigzag, window=None, group=None, seed=0, seq_len=None):
+    from opsadv.distributed import ring_attention
+    q, k, v, do = _inputs(n, hq, hkv, seed)
+    want = _full(q, k, v, do, causal, window)
+    ql, kl, vl = (_share(t, rank, world, zigzag).requires_grad_() for t in (q, k, v))
+    out, lse = ring_attention(ql, kl, vl, causal=causal, load_balance=zigzag, window=window, group=group,
+                              seq_len=seq_len, return_lse=True)
+    got = (out, lse, *torch.autograd.grad(out, (ql, kl, vl), _share(do, rank, world, zigzag)))
+    for what, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        err = (a - _share(b, rank, world, zigzag)).abs().max().item()
+        if not err <= TOL:
+            fails.append(f"{name} rank {rank}: {what} max error {err:.3g}")
+
+
+def _expect_error(fails, name, rank, fn, *needles):
+    try:
+        fn()
+    except InvalidArgumentError as e:
+        msg = str(e)
+        if not msg.startswith(OP) or not all(s in msg for s in needles):
+            fails.append(f"{name} rank {rank}: message {msg!r} lacks one of {needles}")
+        return
+    except Exception as e:  # noqa: BLE001 - any other exception is the failure reported
+        fails.append(f"{name} rank {rank}: raised {type(e).__name__}: {e}")
+        return
+    fails.append(f"{name} rank {rank}: no error")
+
+
+def _cases(fails, rank, world):
+    import torch.distributed as dist
+    from opsadv.distributed import ring_attention
+    for n in (37, 101):
+        for zigzag in (False, True):
+            for causal in (False, True):
+                hkv = 2 if causal else 4          # GQA on the causal cases
+                _check(fails, f"n{n} zigzag={zigzag} causal={causal} h4/{hkv}", rank, world, n, 4, hkv, causal,
+                       zigzag, seed=n)
+    for zigzag in (False, True):
+        shortest = RingLayout(37, world, zigzag).chunk_len(2 * world - 2 if zigzag else world - 2)
+        for w in (0, 3, shortest):
+            _check(fails, f"window {w} zigzag={zigzag}", rank, world, 37, 4, 2, True, zigzag, window=w, seed=w)
+    _check(fails, "seq_len given", rank, world, 37, 2, 2, True, True, seq_len=37)
+    # a subgroup whose ranks are not 0..W'-1 (every rank creates every group, in the same order)
+    members = [1, 3] if world == 4 else [0, 1]
+    sub = dist.new_group(members)
+    singles = [dist.new_group([r]) for r in range(world)]
+    if rank in members:
+        _check(fails, f"subgroup {members}", members.index(rank), len(members), 37, 4, 2, True, True, group=sub)
+    _check(fails, "one-rank group", 0, 1, 37, 4, 2, True, True, group=singles[rank])
+
+    # bad inputs: every rank raises, none hangs; the group works afterwards
+    q, k, v, _ = _inputs(37, 2, 2, 0)
+    ql, kl, vl = (_share(t, rank, world, True) for t in (q, k, v))
+    longer = (1 if rank == 0 else -1 if rank == world - 1 else 0)
+    qb, kb, vb = (_share(t, rank, world, True)[:, :, :ql.shape[2] + longer] if longer <= 0
+                  else torch.cat((_share(t, rank, world, True), t[:, :, :1]), dim=2) for t in (q, k, v))
+    _expect_error(fails, "shares not zigzag_shard's", rank, lambda: ring_attention(qb, kb, vb, causal=True),
+                  "argument 'q'", "tokens by rank", "zigzag_shard")
+    qh = ql.repeat(1, 2, 1, 1) if rank == 1 else ql
+    _expect_error(fails, "heads differ across ranks", rank, lambda: ring_attention(qh, kl, vl), "q heads", "rank 1")
+    kbad = kl[:, :1].repeat(1, 3, 1, 1) if rank == 0 else kl           # 3 kv heads do not divide 2
+    needle = "dividing q's 2" if rank == 0 else "rank(s) [0] refused"
+    _expect_error(fails, "one rank's k refused", rank, lambda: ring_attention(ql, kbad, kbad), needle)
+    _expect_error(fails, "window wider than a chunk", rank,
+                  lambda: ring_attention(ql, kl, vl, causal=True, window=10), "argument 'window'", "shortest chunk")
+    _expect_error(fails, "window without causal", rank, lambda: ring_attention(ql, kl, vl, window=2),
+                  "argument 'window'", "causal=True")
+    _expect_error(fails, "wrong seq_len", rank, lambda: ring_attention(ql, kl, vl, seq_len=37 + 2 * world),
+                  "argument 'q'", "tokens by rank")
+    _expect_error(fails, "too short for zig-zag", rank,
+                  lambda: ring_attention(ql[:, :, :1], kl[:, :, :1], vl[:, :, :1]), f"at least {2 * world} tokens")
+    _check(fails, "after the errors", rank, world, 37, 2, 2, True, True)
+
+
+def _worker(rank, world, port, out_dir):
+    import torch.distributed as dist
+    import opsadv
+    torch.set_num_threads(1)
+    fails = []
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))   # a hang fails the run instead of stalling CI
+    try:
+        with opsadv.use_backend("reference"):
+            _cases(fails, rank, world)
+    except Exception:  # noqa: BLE001 - reported as this rank's failure
+        fails.append(f"rank {rank}: {traceback.format_exc()}")
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(fails, f)
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_attention_matches_full_attention(world, tmp_path):
+    import torch.multiprocessing as mp
+    mp.spawn(_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world)
+    fails = [f for r in range(world) for f in json.loads((tmp_path / f"rank{r}.json").read_text())]
+    assert not fails, "\n".join(fails)
+
+
+# ---- single process -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n, world", [(37, 2), (101, 4), (8, 4)])
+def test_zigzag_shard_round_trip_and_layout(n, world):
+    x = torch.arange(n).view(1, 1, n, 1)
+    shards = [zigzag_shard(x, r, world) for r in range(world)]
+    layout = RingLayout(n, world, True)
+    assert [s.shape[2] for s in shards] == [layout.local_len(r) for r in range(world)]
+    assert torch.equal(zigzag_unshard(shards), x)
+    for r, s in enumerate(shards):
+        a, b = layout.chunks_of(r)
+        want = [*range(layout.chunk_start(a), layout.chunk_start(a) + layout.chunk_len(a)),
+                *range(layout.chunk_start(b), layout.chunk_start(b) + layout.chunk_len(b))]
+        assert s.flatten().tolist() == want
+    with pytest.raises(InvalidArgumentError, match="zigzag_shard: argument 'x' must be at least"):
+        zigzag_shard(torch.zeros(1, 1, 2 * world - 1, 1), 0, world)
+    if n % (2 * world) not in (0, 2 * world - 1):        # one token more on rank 0 changes the split
+        with pytest.raises(InvalidArgumentError, match="zigzag_unshard: argument 'shards\\[0\\]'"):
+            zigzag_unshard([torch.cat((shards[0], shards[0][:, :, :1]), dim=2), *shards[1:]])
+
+
+def test_merge_keeps_rows_without_keys_finite():
+    q = torch.zeros(1, 1, 3, 2, dtype=torch.float64)
+    acc_out, acc_lse = empty_accumulators(q)
+    ninf = float("-inf")
+    merge_into(acc_out, acc_lse, torch.zeros(1, 1, 3, 2, dtype=torch.float64), torch.tensor([[[ninf, 0.0, ninf]]]))
+    merge_into(acc_out, acc_lse, torch.ones(1, 1, 3, 2, dtype=torch.float64), torch.tensor([[[ninf, 0.0, 1.0]]]))
+    assert not acc_out.isnan().any()
+    assert acc_lse[0, 0, 0] == ninf and acc_out[0, 0, 0].eq(0).all()                     # no key anywhere
+    assert torch.allclose(acc_out[0, 0, 1], torch.full((2,), 0.5, dtype=torch.float64))  # equal weights
+    assert torch.allclose(acc_lse[0, 0, 1], torch.tensor(2.0, dtype=torch.float64).log())
+    assert acc_out[0, 0, 2].eq(1).all() and acc_lse[0, 0, 2] == 1.0
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_zigzag_causal_steps_do_even_work(world):
+    """Score elements each rank computes over the causal ring (a diagonal step counted as its causal half):
+    zig-zag shares make them equal up to the rounding of uneven chunks; contiguous ones do not."""
+    def work(layout, rank):
+        total = 0
+        for src in range(world):
+            block = step_block(layout, rank, src, True)
+            if block is None:
+                continue
+            rows, cols, diag = block
+            nq = len(range(layout.local_len(rank))[rows])
+            nk = len(range(layout.local_len(src))[cols])
+            total += nq * (nk + 1) // 2 if diag else nq * nk
+        return total
+    zz = [work(RingLayout(64 * world, world, True), r) for r in range(world)]
+    assert max(zz) - min(zz) <= 64 * world, zz
+    flat = [work(RingLayout(64 * world, world, False), r) for r in range(world)]
+    assert max(flat) > 1.5 * min(flat)
