@@ -209,3 +209,19 @@ def test_zigzag_causal_steps_do_even_work(world):
     assert max(zz) - min(zz) <= 64 * world, zz
     flat = [work(RingLayout(64 * world, world, False), r) for r in range(world)]
     assert max(flat) > 1.5 * min(flat)
+
+
+def test_bench_suite_ring_runs_on_the_cpu(tmp_path, monkeypatch):
+    """`opsadv bench --suite ring`'s cases build and run end to end (tiny chunks here; the GPU grid is 4k-16k), the
+    ring step agreeing with single-GPU flash_attention: out forward, dk / dv backward."""
+    from opsadv.bench import runner, suite_ring
+    monkeypatch.setattr(suite_ring, "CPU_QUICK", [(24, 2, 16, step, bwd) for bwd in (False, True)
+                                                  for step in suite_ring.STEPS])
+    assert not runner.run_bench(["ring"], True, str(tmp_path / "r.json"), None, autotune=False)
+    rows = json.loads((tmp_path / "r.json").read_text())["cases"]
+    assert [r["case"].split()[0] for r in rows] == ["fwd", "fwd", "bwd", "bwd"]
+    assert all(r["rel_err"] < 1e-2 and r["baseline"] == "flash_attention" for r in rows)
+    assert rows[0]["case"] == "fwd bf16 b1 h2 chunk24 d16 diagonal step"
+    assert suite_ring.flops(4096, 32, 128, True, False) == 2 * 4096 * 4096 * 32 * 128
+    grid = suite_ring._grid(False)                                          # the GPU grid
+    assert {(c, h, d) for c, h, d, _, _ in grid} == {(c, 32, 128) for c in (4096, 8192, 16384)} and len(grid) == 12

@@ -43,6 +43,33 @@ def _rows(t: Tensor, s: slice) -> Tensor:
     return t if s == ALL else t[:, :, s]
 
 
+def forward_step(q: Tensor, kv: Tensor, block: tuple[slice, slice, bool], scale: float, acc_out: Tensor,
+                 acc_lse: Tensor) -> None:
+    """One step's partial attention (with lse) of q's `rows` over kv's `cols`, merged into the accumulators."""
+    rows, cols, diag = block
+    out, lse = flash_attention(_rows(q, rows), kv[0][:, :, cols], kv[1][:, :, cols], causal=diag, scale=scale,
+                               return_lse=True)
+    merge_into(_rows(acc_out, rows), _rows(acc_lse, rows), out, lse)
+
+
+def backward_step(dout: Tensor, q: Tensor, kv: Tensor, out: Tensor, lse: Tensor, block: tuple[slice, slice, bool],
+                  scale: float, dq: Tensor) -> tuple[Tensor, Tensor]:
+    """One step's share of the gradients: dq added into dq's rows; (dk, dv) of kv's cols returned (the final out and
+    lse make the step's probabilities the whole row's softmax restricted to these keys)."""
+    rows, cols, diag = block
+    dq_step, dk, dv = torch.ops.opsadv.flash_attention_backward(
+        _rows(dout, rows), _rows(q, rows), kv[0][:, :, cols], kv[1][:, :, cols], _rows(out, rows), _rows(lse, rows),
+        None, diag, scale)
+    _rows(dq, rows).add_(dq_step)
+    return dk, dv
+
+
+def add_kv_grads(dkv: Tensor, block: tuple[slice, slice, bool], dk: Tensor, dv: Tensor) -> None:
+    cols = block[1]
+    dkv[0][:, :, cols].add_(dk)
+    dkv[1][:, :, cols].add_(dv)
+
+
 def ring_forward(q: Tensor, k: Tensor, v: Tensor, ring: RingGroup, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
     acc_out, acc_lse = empty_accumulators(q)
     kv = torch.stack((k, v))                   # K and V travel as one message
@@ -54,10 +81,7 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, ring: RingGroup, causal: bool,
             hop = ring.pass_on(kv, nxt)        # posted before the compute: the transfer overlaps it
         block = step_block(ring.layout, ring.rank, src, causal)
         if block is not None:
-            rows, cols, diag = block
-            kk, vv = kv[0][:, :, cols], kv[1][:, :, cols]
-            out, lse = flash_attention(_rows(q, rows), kk, vv, causal=diag, scale=scale, return_lse=True)
-            merge_into(_rows(acc_out, rows), _rows(acc_lse, rows), out, lse)
+            forward_step(q, kv, block, scale, acc_out, acc_lse)
         if not last:
             wait(hop)
             kv = nxt
@@ -77,13 +101,7 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
             nxt = _kv_buffer(kv, ring.layout, (src - 1) % ring.world)
             hop = ring.pass_on(kv, nxt)
         block = step_block(ring.layout, ring.rank, src, causal)
-        grads = None
-        if block is not None:
-            rows, cols, diag = block
-            grads = torch.ops.opsadv.flash_attention_backward(
-                _rows(dout, rows), _rows(q, rows), kv[0][:, :, cols], kv[1][:, :, cols], _rows(out, rows),
-                _rows(lse, rows), None, diag, scale)
-            _rows(dq, rows).add_(grads[0])
+        grads = None if block is None else backward_step(dout, q, kv, out, lse, block, scale, dq)
         # src's dk / dv so far (ranks src .. r-1 added theirs): arrived during this step's compute
         if t == 0:
             dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
@@ -91,8 +109,7 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
             wait(dkv_hop)
             dkv = dkv_in
         if grads is not None:
-            dkv[0][:, :, cols].add_(grads[1])
-            dkv[1][:, :, cols].add_(grads[2])
+            add_kv_grads(dkv, block, *grads)
         if ring.world > 1:                     # on to the rank that holds src's K/V next (after the last step:
             dkv_in = _kv_buffer(kv, ring.layout, (src - 1) % ring.world, acc)   # the owner, with all W shares)
             dkv_hop = ring.pass_on(dkv, dkv_in)
