@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from opsadv.core.op_common import carry_policy
 from opsadv.ops.flash_attention import flash_attention
 
 from .lse_merge import empty_accumulators, merge_into
@@ -122,19 +123,30 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
+def _setup_context(ctx, inputs, output):
+    q, k, v, ring, causal, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.ring, ctx.causal, ctx.scale = ring, causal, scale
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.ring, ctx.causal, ctx.scale)
+    return dq, dk, dv, None, None, None
+
+
+# the backward resolves its kernels under the forward's policy (autograd may run it on another thread)
+_setup_context, _backward = carry_policy(_setup_context, _backward)
+
+
 class RingAttentionFunction(torch.autograd.Function):
     """out, lse = ring attention of the local q over every rank's k / v (lse is not differentiable)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring: RingGroup, causal: bool, scale: float):
-        out, lse = ring_forward(q, k, v, ring, causal, scale)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.causal, ctx.scale = ring, causal, scale
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+    def forward(q, k, v, ring: RingGroup, causal: bool, scale: float):
+        return ring_forward(q, k, v, ring, causal, scale)
 
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.ring, ctx.causal, ctx.scale)
-        return dq, dk, dv, None, None, None
+    setup_context = staticmethod(_setup_context)
+    backward = staticmethod(_backward)
