@@ -1,8 +1,8 @@
 """opsadv.distributed.ring_attention on gloo (CPU, reference backend, float64) against single-process attention on
-the full sequence: 2 and 4 ranks, causal and not, zig-zag and contiguous shares, GQA, odd lengths (37, 101),
+the full sequence: 4 ranks, and 2 (two pairs at once), causal and not, zig-zag and contiguous shares, GQA, odd lengths (37, 101),
 out, lse and dq / dk / dv; sliding windows against sparse_attention's; a subgroup with non-contiguous global ranks;
-inputs that every rank must refuse with the same error.  One spawn per world size runs all its cases (a spawn
-costs seconds); each rank writes the failures it saw, the test asserts there are none.  Single-process parts:
+inputs that every rank must refuse with the same error.  One spawn runs all the cases (a spawn costs seconds);
+each rank writes the failures it saw, the test asserts there are none.  Single-process parts:
 the zig-zag helpers, the lse merge of empty rows, the ring's causal steps doing even work."""
 from __future__ import annotations
 
@@ -79,27 +79,26 @@ def _expect_error(fails, name, rank, fn, *needles):
     fails.append(f"{name} rank {rank}: no error")
 
 
-def _cases(fails, rank, world):
-    import torch.distributed as dist
+def _cases(fails, rank, world, group, tag):
+    """Every case on `group` (world ranks, this one `rank` in it); failures named with `tag`."""
     from opsadv.distributed import ring_attention
+
+    def check(name, *args, **kw):
+        _check(fails, f"{tag} {name}", rank, world, *args, group=group, **kw)
+
+    def refused(name, fn, *needles):
+        _expect_error(fails, f"{tag} {name}", rank, fn, *needles)
+
     for n in (37, 101):
         for zigzag in (False, True):
             for causal in (False, True):
                 hkv = 2 if causal else 4          # GQA on the causal cases
-                _check(fails, f"n{n} zigzag={zigzag} causal={causal} h4/{hkv}", rank, world, n, 4, hkv, causal,
-                       zigzag, seed=n)
+                check(f"n{n} zigzag={zigzag} causal={causal} h4/{hkv}", n, 4, hkv, causal, zigzag, seed=n)
     for zigzag in (False, True):
         shortest = RingLayout(37, world, zigzag).chunk_len(2 * world - 2 if zigzag else world - 2)
         for w in (0, 3, shortest):
-            _check(fails, f"window {w} zigzag={zigzag}", rank, world, 37, 4, 2, True, zigzag, window=w, seed=w)
-    _check(fails, "seq_len given", rank, world, 37, 2, 2, True, True, seq_len=37)
-    # a subgroup whose ranks are not 0..W'-1 (every rank creates every group, in the same order)
-    members = [1, 3] if world == 4 else [0, 1]
-    sub = dist.new_group(members)
-    singles = [dist.new_group([r]) for r in range(world)]
-    if rank in members:
-        _check(fails, f"subgroup {members}", members.index(rank), len(members), 37, 4, 2, True, True, group=sub)
-    _check(fails, "one-rank group", 0, 1, 37, 4, 2, True, True, group=singles[rank])
+            check(f"window {w} zigzag={zigzag}", 37, 4, 2, True, zigzag, window=w, seed=w)
+    check("seq_len given", 37, 2, 2, True, True, seq_len=37)
 
     # bad inputs: every rank raises, none hangs; the group works afterwards
     q, k, v, _ = _inputs(37, 2, 2, 0)
@@ -107,25 +106,27 @@ def _cases(fails, rank, world):
     longer = (1 if rank == 0 else -1 if rank == world - 1 else 0)
     qb, kb, vb = (_share(t, rank, world, True)[:, :, :ql.shape[2] + longer] if longer <= 0
                   else torch.cat((_share(t, rank, world, True), t[:, :, :1]), dim=2) for t in (q, k, v))
-    _expect_error(fails, "shares not zigzag_shard's", rank, lambda: ring_attention(qb, kb, vb, causal=True),
-                  "argument 'q'", "tokens by rank", "zigzag_shard")
+    refused("shares not zigzag_shard's", lambda: ring_attention(qb, kb, vb, causal=True, group=group),
+            "argument 'q'", "tokens by rank", "zigzag_shard")
     qh = ql.repeat(1, 2, 1, 1) if rank == 1 else ql
-    _expect_error(fails, "heads differ across ranks", rank, lambda: ring_attention(qh, kl, vl), "q heads", "rank 1")
+    refused("heads differ across ranks", lambda: ring_attention(qh, kl, vl, group=group), "q heads", "rank 1")
     kbad = kl[:, :1].repeat(1, 3, 1, 1) if rank == 0 else kl           # 3 kv heads do not divide 2
-    needle = "dividing q's 2" if rank == 0 else "rank(s) [0] refused"
-    _expect_error(fails, "one rank's k refused", rank, lambda: ring_attention(ql, kbad, kbad), needle)
-    _expect_error(fails, "window wider than a chunk", rank,
-                  lambda: ring_attention(ql, kl, vl, causal=True, window=10), "argument 'window'", "shortest chunk")
-    _expect_error(fails, "window without causal", rank, lambda: ring_attention(ql, kl, vl, window=2),
-                  "argument 'window'", "causal=True")
-    _expect_error(fails, "wrong seq_len", rank, lambda: ring_attention(ql, kl, vl, seq_len=37 + 2 * world),
-                  "argument 'q'", "tokens by rank")
-    _expect_error(fails, "too short for zig-zag", rank,
-                  lambda: ring_attention(ql[:, :, :1], kl[:, :, :1], vl[:, :, :1]), f"at least {2 * world} tokens")
-    _check(fails, "after the errors", rank, world, 37, 2, 2, True, True)
+    refused("one rank's k refused", lambda: ring_attention(ql, kbad, kbad, group=group),
+            "dividing q's 2" if rank == 0 else "rank(s) [0] refused")
+    refused("window wider than a chunk", lambda: ring_attention(ql, kl, vl, causal=True, window=10, group=group),
+            "argument 'window'", "shortest chunk")
+    refused("window without causal", lambda: ring_attention(ql, kl, vl, window=2, group=group),
+            "argument 'window'", "causal=True")
+    refused("wrong seq_len", lambda: ring_attention(ql, kl, vl, seq_len=37 + 2 * world, group=group),
+            "argument 'q'", "tokens by rank")
+    refused("too short for zig-zag", lambda: ring_attention(ql[:, :, :1], kl[:, :, :1], vl[:, :, :1], group=group),
+            f"at least {2 * world} tokens")
+    check("after the errors", 37, 2, 2, True, True)
 
 
 def _worker(rank, world, port, out_dir):
+    """4 ranks: every case on the whole group, then on the pairs {0, 1} and {2, 3} at once (2-rank rings), on
+    {1, 3} (a subgroup whose global ranks are not its ranks) and on one-rank groups."""
     import torch.distributed as dist
     import opsadv
     torch.set_num_threads(1)
@@ -133,8 +134,16 @@ def _worker(rank, world, port, out_dir):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))   # a hang fails the run instead of stalling CI
     try:
+        # every rank creates every group, in the same order (new_group is collective over the default group)
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        odd = dist.new_group([1, 3])
+        singles = [dist.new_group([r]) for r in range(world)]
         with opsadv.use_backend("reference"):
-            _cases(fails, rank, world)
+            _cases(fails, rank, world, None, f"W{world}")
+            _cases(fails, rank % 2, 2, pairs[rank // 2], f"W2 pair {rank // 2}")
+            if rank in (1, 3):
+                _check(fails, "subgroup [1, 3]", rank // 2, 2, 37, 4, 2, True, True, group=odd)
+            _check(fails, "one-rank group", 0, 1, 37, 4, 2, True, True, group=singles[rank])
     except Exception:  # noqa: BLE001 - reported as this rank's failure
         fails.append(f"rank {rank}: {traceback.format_exc()}")
     finally:
@@ -149,9 +158,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_ring_attention_matches_full_attention(world, tmp_path):
+def test_ring_attention_matches_full_attention(tmp_path):
     import torch.multiprocessing as mp
+    world = 4
     mp.spawn(_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world)
     fails = [f for r in range(world) for f in json.loads((tmp_path / f"rank{r}.json").read_text())]
     assert not fails, "\n".join(fails)
@@ -215,6 +224,7 @@ def test_bench_suite_ring_runs_on_the_cpu(tmp_path, monkeypatch):
     """`opsadv bench --suite ring`'s cases build and run end to end (tiny chunks here; the GPU grid is 4k-16k), the
     ring step agreeing with single-GPU flash_attention: out forward, dk / dv backward."""
     from opsadv.bench import runner, suite_ring
+    monkeypatch.setattr(runner, "ROUNDS", 1)
     monkeypatch.setattr(suite_ring, "CPU_QUICK", [(24, 2, 16, step, bwd) for bwd in (False, True)
                                                   for step in suite_ring.STEPS])
     assert not runner.run_bench(["ring"], True, str(tmp_path / "r.json"), None, autotune=False)
