@@ -3,7 +3,8 @@ the full sequence: 4 ranks, and 2 (two pairs at once), causal and not, zig-zag a
 out, lse and dq / dk / dv; sliding windows against sparse_attention's; a subgroup with non-contiguous global ranks;
 inputs that every rank must refuse with the same error.  One spawn runs all the cases (a spawn costs seconds);
 each rank writes the failures it saw, the test asserts there are none.  Single-process parts:
-the zig-zag helpers, the lse merge of empty rows, the ring's causal steps doing even work."""
+the zig-zag helpers, the lse merge of empty rows, the ring's causal steps doing even work, the step code on
+the Triton kernels (interpreter), the bench suite's cases."""
 from __future__ import annotations
 
 import json
@@ -235,3 +236,33 @@ def test_bench_suite_ring_runs_on_the_cpu(tmp_path, monkeypatch):
     assert suite_ring.flops(4096, 32, 128, True, False) == 2 * 4096 * 4096 * 32 * 128
     grid = suite_ring._grid(False)                                          # the GPU grid
     assert {(c, h, d) for c, h, d, _, _ in grid} == {(c, 32, 128) for c in (4096, 8192, 16384)} and len(grid) == 12
+
+
+def test_ring_steps_on_the_triton_kernels():
+    """The ring's step code on the cuda backend's Triton kernels (the interpreter here): a past chunk in full and
+    the own chunk causal over row / column slices of q and the stacked K/V, GQA, fp16, merged by lse; then the
+    backward steps with the merged out and lse.  Against the reference with the equivalent mask."""
+    import opsadv
+    from opsadv.distributed.ring_steps import ALL, add_kv_grads, backward_step, forward_step
+    from opsadv.ops.flash_attention import flash_attention
+    g = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(1, h, 40, 32, generator=g).half() for h in (4, 2, 2, 4))
+    kv, scale = torch.stack((k, v)), 32 ** -0.5
+    steps = ((ALL, slice(0, 24), False), (slice(24, None), slice(24, None), True))
+    i, j = torch.arange(40)[:, None], torch.arange(40)[None]
+    mask = (j < 24) | ((i >= 24) & (j <= i))
+    leaves = tuple(t.float().requires_grad_() for t in (q, k, v))
+    with opsadv.use_backend("reference"):
+        want, want_lse = flash_attention(*leaves, attn_mask=mask, return_lse=True)
+        grads = torch.autograd.grad(want, leaves, do.float())
+    with opsadv.use_backend("cuda", strict=True), opsadv.trace() as t:
+        acc_out, acc_lse = empty_accumulators(q)
+        for step in steps:
+            forward_step(q, kv, step, scale, acc_out, acc_lse)
+        dq, dkv = torch.zeros(q.shape), torch.zeros(kv.shape)
+        for step in steps:
+            add_kv_grads(dkv, step, *backward_step(do, q, kv, acc_out.half(), acc_lse, step, scale, dq))
+    assert set(t.counts) == {"cuda.triton.flash_attention"} and sum(t.counts.values()) == 4, str(t)
+    assert (acc_out - want).abs().max() < 2e-3 and (acc_lse - want_lse).abs().max() < 1e-4
+    for got, ref in zip((dq, dkv[0], dkv[1]), grads):
+        assert (got - ref).abs().max() < 3e-3
