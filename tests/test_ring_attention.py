@@ -1,9 +1,9 @@
 """opsadv.distributed.ring_attention on gloo (CPU, reference backend, float64) against single-process attention on
 the full sequence: 4 ranks, and 2 (two pairs at once), causal and not, zig-zag and contiguous shares, GQA, odd
-lengths (37, 101), out, lse and dq / dk / dv; sliding windows against sparse_attention's; a subgroup with non-contiguous global ranks;
-inputs that every rank must refuse with the same error.  One spawn runs all the cases (a spawn costs seconds);
-each rank writes the failures it saw, the test asserts there are none.  Single-process parts:
-the zig-zag helpers, the lse merge of empty rows, the ring's causal steps doing even work, the step code on
+lengths (37, 101), out, lse and dq / dk / dv; sliding windows against sparse_attention's; a subgroup with
+non-contiguous global ranks; inputs that every rank must refuse with the same error.  One spawn runs all the cases
+(a spawn costs seconds); each rank writes the failures it saw, the test asserts there are none.  Single-process
+parts: the zig-zag helpers, the lse merge of empty rows, the ring's causal steps doing even work, the step code on
 the Triton kernels (interpreter), the bench suite's cases."""
 from __future__ import annotations
 
