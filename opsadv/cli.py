@@ -27,7 +27,7 @@ from .demo import run_demo
 log = logging.getLogger("opsadv")
 
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-CPU_SUITES = ("attention", "gemm", "norm", "mlp", "lce", "models")   # their quick grids shrink to CPU sizes without a GPU
+CPU_SUITES = ("attention", "gemm", "norm", "mlp", "lce", "models", "ring")   # their quick grids shrink to CPU sizes without a GPU
 BENCH_DOC = "benchmarks/README.md (how a suite measures, committed results); where each op stands: docs/performance.md"
 
 
@@ -264,8 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    f"the fastest peer's. How the runner times, the JSON schema and how to rerun the "
                                    f"committed numbers: {BENCH_DOC}.")
     s.add_argument("--suite", default="all", choices=["attention", "sparse", "gemm", "norm", "rotary", "mlp", "lce", "e2e", "decode", "models",
-                                                      "fp8", "all"],
-                   help="all: the nine op suites (not models, not fp8: FP8 GPUs only)")
+                                                      "fp8", "ring", "all"],
+                   help="all: the nine op suites (not models; not fp8: FP8 GPUs only; not ring: one ring_attention "
+                        "step per chunk)")
     s.add_argument("--quick", action="store_true", help="a few cases per suite")
     s.add_argument("--json", default=None, metavar="PATH", help="merge the rows into this file (after every case)")
     s.add_argument("--plot", default=None, metavar="PATH", help="speedup chart, rewritten after every case")

@@ -27,7 +27,7 @@ from opsadv.core.tuning import MIN_CALLS, one_call_ms, per_call_ms, sample_windo
 
 from .model_report import write_heatmap
 
-SUITES = ("attention", "sparse", "gemm", "norm", "rotary", "mlp", "lce", "e2e", "decode", "models", "fp8")
+SUITES = ("attention", "sparse", "gemm", "norm", "rotary", "mlp", "lce", "e2e", "decode", "models", "fp8", "ring")
 MISMATCH = 5e-2          # rel_err above this marks a case wrong (and the run fails)
 
 

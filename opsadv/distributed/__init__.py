@@ -2,7 +2,8 @@
 
 The rules (rules.py, through strategy.py) are registered with DTensor's sharding propagator as soon as
 torch.distributed.tensor is loaded, or at once where it already is: `import opsadv` never imports it (about 0.6 s),
-and no DTensor can exist before it is.  shard_gate_up builds swiglu_gemm's column-parallel weight."""
+and no DTensor can exist before it is.  shard_gate_up builds swiglu_gemm's column-parallel weight.  ring_attention
+(context parallelism) and its zig-zag helpers load on first use."""
 from __future__ import annotations
 
 import importlib.abc
@@ -76,3 +77,14 @@ def shard_gate_up(w_gate_up, mesh, mesh_dim: int = 0):
     the unsharded [W_g | W_u] (full_tensor() and state dicts are unchanged)."""
     from .gate_up import shard_gate_up as impl
     return impl(w_gate_up, mesh, mesh_dim)
+
+
+_LAZY = {"ring_attention": "ring_attention", "zigzag_shard": "ring_layout", "zigzag_unshard": "ring_layout"}
+
+
+def __getattr__(name: str):
+    """ring_attention, zigzag_shard, zigzag_unshard: imported on first use (`import opsadv` stays light)."""
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
