@@ -51,11 +51,8 @@ class Undo:
             setattr(parent, name, old)
         for obj, name in reversed(self.instance_attrs):
             obj.__dict__.pop(name, None)          # the class attribute shows through again
-        with torch.no_grad():
-            for f in self.fused:                  # parameters stop being views of the fused buffer
-                for p in f.params:
-                    if p is not None:
-                        p.data = p.data.clone()
+        for f in self.fused:                      # parameters stop being views of the fused buffer
+            f.unalias()
         for model, before in reversed(self.attn):
             model.set_attn_implementation(before)
         self.swaps.clear()
