@@ -77,6 +77,12 @@ class FusedRows:
         if self.sharded or not self._own_params(ps):
             # another owner's parameters (FSDP2's unsharded ones, a TP plan's DTensors): never aliased into the
             # buffer (their storage is theirs), concatenated per call; DTensors by this rank's shards
+            for p, o in zip(ps, self.owners):
+                if o is not None and tp.is_dtensor(p) and tp.is_fsdp_module(o[0]):
+                    raise RuntimeError(
+                        f"opsadv: a fused weight's part ({type(o[0]).__name__}.{o[1]}) is sharded by FSDP2 on its own "
+                        "while another part runs: fully_shard the module that holds the whole fused group (the "
+                        "decoder layer, the attention or MLP block), not its projections one by one")
             return torch.cat([tp.local(p) for p in ps], 0)
         if torch.is_grad_enabled():
             for p in ps:                           # (a loop: a generator for any() costs more, per call)

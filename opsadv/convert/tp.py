@@ -115,8 +115,18 @@ def colwise_output(out: torch.Tensor, mesh, width: int, as_dtensor: bool) -> tor
     return DTensor.from_local(out, mesh, [Shard(out.dim() - 1)], run_check=False, shape=shape, stride=stride)
 
 
-def fsdp_managed(module: torch.nn.Module) -> bool:
-    """`module` or a submodule has been wrapped by FSDP2's fully_shard (its class is then an FSDPModule)."""
+def _fsdp_class():
     fsdp = sys.modules.get("torch.distributed.fsdp")
-    cls = getattr(fsdp, "FSDPModule", None) if fsdp is not None else None
+    return getattr(fsdp, "FSDPModule", None) if fsdp is not None else None
+
+
+def is_fsdp_module(module: torch.nn.Module) -> bool:
+    """`module` was wrapped by FSDP2's fully_shard (its class is then an FSDPModule)."""
+    cls = _fsdp_class()
+    return cls is not None and isinstance(module, cls)
+
+
+def fsdp_managed(module: torch.nn.Module) -> bool:
+    """`module` or a submodule was wrapped by FSDP2's fully_shard."""
+    cls = _fsdp_class()
     return cls is not None and any(isinstance(m, cls) for m in module.modules())
