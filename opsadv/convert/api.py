@@ -13,7 +13,7 @@ from opsadv.core.policy import Policy, use_backend
 from opsadv.core.precision import PrecisionPolicy
 from opsadv.runtime import graphs
 
-from . import floor as _floor, fx_rewrite, hf_attention, lm_loss, packing, passes, release, rotary, validate as _val
+from . import floor as _floor, fx_rewrite, hf_attention, lm_loss, packing, passes, release, rotary, tp, validate as _val
 from .tune import tune_for_hardware
 from .report import ConversionReport
 from .state import RuntimeState
@@ -211,6 +211,7 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
     prev_state = getattr(model, "_opsadv_state", None)
     if prev_state is not None:
         raise InvalidArgumentError("convert_model", "model", "a model not converted yet", "an opsadv-converted model")
+    check_not_wrapped(model)
     before = _Originals(model) if cast is not None else None
     if cast is not None:
         model.to(cast)
@@ -235,6 +236,10 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
         undo = passes.Undo()
         root = model
         use_floor = opt_level > 0 and (_floor.default_enabled() if floor is None else floor)
+        if use_floor and tp.any_dtensor(model):
+            use_floor = False
+            report.notes.append("floor not measured: tensor-parallel model (each rank would time, and keep or undo "
+                                "rewrites, on its own; all ranks must convert alike)")
         gate = None
         if use_floor:
             finputs = floor_inputs if floor_inputs is not None else _default_floor_inputs(model, is_hf, inputs)
@@ -300,6 +305,18 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
         if before is not None:      # refused or failed: the model goes back to its own dtypes and values
             before.restore()
         raise
+
+
+def check_not_wrapped(model) -> None:
+    """Data-parallel wrappers come after conversion: FSDP2's fully_shard leaves each module's parameters sharded
+    outside its forward (the conversion's probes and fused weights would read shards), and DDP registered its
+    gradient hooks for the module it wraps."""
+    if tp.fsdp_managed(model):
+        raise InvalidArgumentError("convert_model", "model", "a model not sharded by FSDP2 yet: convert first, then "
+                                   "fully_shard (docs/distributed.md)", "a model wrapped by fully_shard")
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        raise InvalidArgumentError("convert_model", "model", "a model not wrapped in DistributedDataParallel yet: "
+                                   "convert it first, then wrap it (docs/distributed.md)", "a DistributedDataParallel")
 
 
 def check_graph_args(model, pack_padding, cuda_graphs, max_graphs) -> None:

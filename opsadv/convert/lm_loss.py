@@ -32,7 +32,7 @@ from torch.nn import functional as F
 
 from opsadv import ops
 
-from . import validate as _val
+from . import tp, validate as _val
 from .hf_attention import is_transformers_model
 from .report import ConversionReport
 from .rotary import _innermost
@@ -43,11 +43,12 @@ LABEL = "the model's own loss (logits + transformers' ForCausalLMLoss)"
 
 class _Call:
     """One training call with labels: what its loss needs, and the loss once lm_head's input has given it."""
-    __slots__ = ("labels", "shift_labels", "num_items", "ignore_index", "softcap", "loss")
+    __slots__ = ("labels", "shift_labels", "num_items", "ignore_index", "softcap", "loss", "from_logits")
 
     def __init__(self, labels, shift_labels, num_items, ignore_index, softcap):
         self.labels, self.shift_labels, self.num_items = labels, shift_labels, num_items
         self.ignore_index, self.softcap, self.loss = ignore_index, softcap, None
+        self.from_logits = False            # lm_head is tensor-parallel: the loss comes from the logits
 
 
 class LossSeam:
@@ -93,6 +94,9 @@ class LossSeam:
         if call is None or call.loss is not None or len(args) != 1:
             return None                     # not a fused call, or a second lm_head call in it: as it was
         hidden = args[0]
+        if tp.is_dtensor(head.weight):       # sharded after conversion: lm_head runs under its plan, the loss
+            call.from_logits = True          # comes from its logits (model_post_hook)
+            return None
         call.loss = self.loss(hidden, head, call)
         return (hidden.narrow(-2, 0, 0),)   # lm_head on zero tokens: the logits placeholder costs nothing
 
@@ -100,10 +104,25 @@ class LossSeam:
         call = self.calls.pop() if self.calls else None
         if call is None or output is None:  # (None: the forward raised; its state is dropped all the same)
             return None
+        if call.from_logits:
+            return self.loss_of_logits(model, output, call)
         if call.loss is None:
             raise RuntimeError(f"opsadv lm_loss: {type(model).__name__}'s forward did not call its lm_head in a "
                                "training call with labels; convert it with rewrites={'lm_loss': False}")
         return with_loss(output, call.loss)
+
+    def loss_of_logits(self, model, output, call: _Call):
+        """The model's own loss of the call, from its logits (a tensor-parallel lm_head: no fused loss)."""
+        logits = output[0] if isinstance(output, tuple) else output.logits     # (softcapped by the forward)
+        kw = {"ignore_index": call.ignore_index}
+        if call.shift_labels is not None:
+            kw["shift_labels"] = call.shift_labels
+        if call.num_items is not None:
+            kw["num_items_in_batch"] = call.num_items
+        loss = self.causal_loss(logits, call.labels, model.config.get_text_config().vocab_size, **kw)
+        if isinstance(output, tuple):
+            return (loss,) + tuple(output)
+        return type(output)(**{**output, "loss": loss})
 
     def loss(self, hidden: torch.Tensor, head: nn.Linear, call: _Call) -> torch.Tensor:
         """ForCausalLMLoss(lm_head(hidden), labels, ...) as transformers computes it, through the fused op."""
@@ -165,6 +184,9 @@ def _why_not(model, head, code) -> str | None:
     if not isinstance(head, nn.Linear):
         return (f"no lm_head nn.Linear (output embeddings: {type(head).__name__}); the fused loss reads the output "
                 "projection's weight")
+    if tp.is_dtensor(head.weight):
+        return ("lm_head is tensor-parallel (a DTensor weight): the fused loss has no vocab-parallel form; the "
+                "model's logits and loss are kept")
     if inspect.getattr_static(type(model), "loss_function", None) is not \
             inspect.getattr_static(PreTrainedModel, "loss_function"):
         return f"{type(model).__name__} defines its own loss_function"

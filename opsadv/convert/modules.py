@@ -15,6 +15,7 @@ from torch.nn import functional as F
 
 from opsadv import ops
 
+from . import tp
 from .state import scope_of
 
 
@@ -43,15 +44,46 @@ class _RowsOf(torch.autograd.Function):
 
 
 class FusedRows:
-    """Row-concatenation of 2-D parameters (and of 1-D biases) kept as one buffer."""
+    """Row-concatenation of 2-D parameters (and of 1-D biases) kept as one buffer.
+
+    The parameters are read from the modules holding them at call time (`own`): a wrapper that replaces a module's
+    parameters (FSDP2's fully_shard, a tensor-parallel plan, load_state_dict(assign=True)) is followed.  Only the
+    parameters fused at conversion become row blocks of the buffer; any others are concatenated per call
+    (differentiable), and DTensors sharded for tensor parallelism by their local shards (convert/tp.py)."""
 
     def __init__(self, params: list[nn.Parameter]):
-        self.params = params
+        self.fused = list(params)                 # the parameters fused at conversion
+        self.owners: list = [None] * len(self.fused)   # (module, name) holding each one now, where known
+        self.sharded = any(tp.is_dtensor(p) for p in self.fused)   # tensor-parallel shards: never aliased
         self.buf: torch.Tensor | None = None
         self._layout: tuple = ()                  # per parameter: (byte offset in buf, numel), set by _rebuild
 
+    def own(self, i: int, module: nn.Module, name: str) -> None:
+        """Parameter i is read from module.<name> from now on."""
+        self.owners[i] = (module, name)
+
+    @property
+    def params(self) -> list:
+        return [f if o is None else o[0]._parameters.get(o[1]) for f, o in zip(self.fused, self.owners)]
+
+    def _own_params(self, ps) -> bool:
+        for p, f in zip(ps, self.fused):
+            if p is not f:
+                return False
+        return True
+
     def get(self) -> torch.Tensor:
         ps = self.params
+        if self.sharded or not self._own_params(ps):
+            # another owner's parameters (FSDP2's unsharded ones, a TP plan's DTensors): never aliased into the
+            # buffer (their storage is theirs), concatenated per call; DTensors by this rank's shards
+            for p, o in zip(ps, self.owners):
+                if o is not None and tp.is_dtensor(p) and tp.is_fsdp_module(o[0]):
+                    raise RuntimeError(
+                        f"opsadv: a fused weight's part ({type(o[0]).__name__}.{o[1]}) is sharded by FSDP2 on its own "
+                        "while another part runs: fully_shard the module that holds the whole fused group (the "
+                        "decoder layer, the attention or MLP block), not its projections one by one")
+            return torch.cat([tp.local(p) for p in ps], 0)
         if torch.is_grad_enabled():
             for p in ps:                           # (a loop: a generator for any() costs more, per call)
                 if p.requires_grad:
@@ -83,10 +115,10 @@ class FusedRows:
         kept to a few C calls per parameter: address, size, layout, dtype, device index).  buf keeps its
         storage alive, so no other tensor can start at those addresses."""
         buf, layout = self.buf, getattr(self, "_layout", ())
-        if len(layout) != len(self.params):
+        if len(layout) != len(self.fused):
             return False
         base, dt, dev = buf.data_ptr(), buf.dtype, buf.get_device()
-        for p, (off, numel) in zip(self.params, layout):
+        for p, (off, numel) in zip(self.fused, layout):
             if (p.data_ptr() != base + off or p.numel() != numel or p.dtype is not dt or p.get_device() != dev
                     or not p.is_contiguous()):
                 return False
@@ -96,14 +128,30 @@ class FusedRows:
         # (after .to(), deepcopy or a fresh load the views are gone: fuse again, re-point the params).
         # Never inside inference mode: parameters must not become inference tensors.
         with torch.inference_mode(False), torch.no_grad():
-            buf = torch.cat([p.detach() for p in self.params], 0).contiguous()
+            buf = torch.cat([p.detach() for p in self.fused], 0).contiguous()
             row, layout, step = 0, [], buf.stride(0) * buf.element_size()
-            for p in self.params:
+            for p in self.fused:
                 n = p.shape[0]
                 p.data = buf[row:row + n]         # the parameter becomes a view of its rows of buf
                 layout.append((row * step, p.numel()))
                 row += n
         self.buf, self._layout = buf, tuple(layout)
+
+    def unalias(self) -> None:
+        """The fused parameters get their own storage again; the next eager call re-fuses."""
+        with torch.no_grad():
+            for p in self.fused:
+                if p is not None and not tp.is_dtensor(p):
+                    p.data = p.data.clone()
+        self.buf = None
+
+    def __setstate__(self, state):
+        # (a FusedRows pickled before owners existed held its parameters as `params`)
+        if "params" in state:
+            state["fused"] = state.pop("params")
+            state["owners"] = [None] * len(state["fused"])
+            state["sharded"] = False
+        self.__dict__.update(state)
 
 
 def unalias_fused(model: nn.Module) -> None:
@@ -116,10 +164,7 @@ def unalias_fused(model: nn.Module) -> None:
         for f in rows:
             if f is not None and id(f) not in seen:
                 seen.add(id(f))
-                with torch.no_grad():
-                    for p in f.params:
-                        p.data = p.data.clone()
-                f.buf = None
+                f.unalias()
 
 
 class OpsadvNorm(nn.Module):
@@ -148,22 +193,32 @@ class OpsadvNorm(nn.Module):
             return ops.layer_norm(x, w, b, self.eps, residual=residual)
 
 
-class QKVProjection(nn.Module):
+class QKVProjection(nn.Linear):
     """One of q/k/v.  The q projection runs one GEMM over [W_q|W_k|W_v] and leaves k and v for
     the next two calls made on the *same* input tensor; any other input (cross-attention, an
-    unexpected call order) gets its own plain projection, so results never depend on order."""
+    unexpected call order) gets its own plain projection, so results never depend on order.
+
+    An nn.Linear (its own weight and bias, no Linear code run) so that a tensor-parallel plan applied after
+    conversion takes it as the Linear it replaces.  With q, k and v column-parallel (convert/tp.py) each rank's GEMM
+    runs over its own row blocks [q_r|k_r|v_r] and each projection hands on its columns; other layouts run each
+    projection as the Linear it is, under the plan's hooks."""
 
     def __init__(self, linear: nn.Linear, role: int, group: "QKVGroup"):
-        super().__init__()
+        nn.Module.__init__(self)
         self.weight, self.bias = linear.weight, linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.role, self.group = role, group
+        group.weight.own(role, self, "weight")
+        if group.bias is not None:
+            group.bias.own(role, self, "bias")
 
     def extra_repr(self) -> str:
         return f"{'qkv'[self.role]} of fused qkv, in={self.in_features}, out={self.out_features}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g = self.group
+        if g.weight.sharded or type(self.weight) is not nn.Parameter and tp.is_dtensor(self.weight):
+            return self._forward_sharded(x)
         if self.role == 0:
             with scope_of(self):
                 full = ops.gemm(x, g.weight.get_t(), bias=g.bias.get() if g.bias is not None else None)
@@ -177,6 +232,40 @@ class QKVProjection(nn.Module):
             return full[..., lo:lo + self.out_features]
         return F.linear(x, self.weight, self.bias)
 
+    def _forward_sharded(self, x: torch.Tensor) -> torch.Tensor:
+        """Tensor-parallel weights: column-parallel q, k and v fuse into this rank's GEMM; any other layout runs the
+        Linear as DTensor math (the plan's hooks, if any, made x a DTensor)."""
+        g = self.group
+        ws = g.weight.params
+        bs = g.bias.params if g.bias is not None else []
+        mesh = tp.colwise_mesh(ws + bs)
+        if mesh is None:
+            if not tp.is_dtensor(x):
+                raise RuntimeError(f"opsadv: fused {'qkv'[self.role]} projection with tensor-parallel weights of a "
+                                   f"layout it does not serve ({[tuple(w.placements) for w in ws]}) got a plain "
+                                   "input; parallelize q/k/v with ColwiseParallel, or convert with "
+                                   "rewrites={'qkv': False}")
+            return F.linear(x, self.weight, self.bias)
+        key = tp.input_key(x)
+        if self.role == 0:
+            xl, as_dt = tp.colwise_input(x, mesh)
+            with scope_of(self):
+                w = g.weight.get()                # this rank's [q_r|k_r|v_r]
+                full = ops.gemm(xl, w.t(), bias=g.bias.get() if g.bias is not None else None)
+            splits = tuple(tp.local(p).shape[0] for p in ws)
+            g.stash = (key, full, splits, as_dt)
+            return tp.colwise_output(full[..., :splits[0]], mesh, self.out_features, as_dt)
+        st = g.stash
+        if st is not None and tp.same_input(st[0], key):
+            full, splits = st[1], st[2]
+            lo = splits[0] if self.role == 1 else splits[0] + splits[1]
+            if self.role == 2:
+                g.stash = None
+            return tp.colwise_output(full[..., lo:lo + splits[self.role]], mesh, self.out_features, st[3])
+        xl, as_dt = tp.colwise_input(x, mesh)
+        out = F.linear(xl, tp.local(self.weight), tp.local(self.bias))
+        return tp.colwise_output(out, mesh, self.out_features, as_dt)
+
 
 class QKVGroup:
     def __init__(self, q: nn.Linear, k: nn.Linear, v: nn.Linear):
@@ -185,6 +274,9 @@ class QKVGroup:
         self.bias = FusedRows([q.bias, k.bias, v.bias]) if q.bias is not None else None
         self.stash = None
 
+
+# the gated activations in torch (the unfused path of tensor-parallel layouts the fused modules do not serve)
+_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}
 
 MIN_CHUNK_ROWS = 64          # row chunks below this make the GEMMs inefficient
 
@@ -203,6 +295,10 @@ class SwiGLUMLP(nn.Module):
         self.activation = activation
         self._w = FusedRows([gate_proj.weight, up_proj.weight])
         self._b = FusedRows([gate_proj.bias, up_proj.bias]) if gate_proj.bias is not None else None
+        for i, lin in enumerate((gate_proj, up_proj)):
+            self._w.own(i, lin, "weight")
+            if self._b is not None:
+                self._b.own(i, lin, "bias")
 
     def extra_repr(self) -> str:
         return f"activation={self.activation}"
@@ -212,6 +308,8 @@ class SwiGLUMLP(nn.Module):
     row_chunk_bytes: int | None = None
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        if self._w.sharded or tp.is_dtensor(self.gate_proj.weight):
+            return self._mlp_sharded(x)
         with scope_of(self):
             if self.activation != "silu" or self._trains(x):
                 # training: the [W_g|W_u] GEMM as torch's linear (cuBLAS forward and backward; the mlp bench suite
@@ -221,6 +319,25 @@ class SwiGLUMLP(nn.Module):
                 h = ops.swiglu(F.linear(x, self._w.get(), b), activation=self.activation)
             else:
                 h = ops.swiglu_gemm(x, self._w.get_t(), bias=self._b.get() if self._b is not None else None)
+        return self.down_proj(h)
+
+    def _mlp_sharded(self, x: torch.Tensor) -> torch.Tensor:
+        """Tensor-parallel weights: gate and up column-parallel and down_proj row-parallel on one mesh run this
+        rank's [gate_r|up_r] GEMM, whose output columns are down_proj's input shard; any other layout runs the
+        three projections as they are (under the plan's hooks)."""
+        ws = self._w.params
+        mesh = tp.colwise_mesh(ws + (self._b.params if self._b is not None else []))
+        if mesh is None or tp.is_dtensor(x) or not tp.rowwise_on(self.down_proj.weight, mesh):
+            act = _ACTIVATIONS[self.activation]
+            return self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))
+        xl, _ = tp.colwise_input(x, mesh)
+        w = self._w.get()                         # this rank's [gate_r|up_r]
+        b = self._b.get() if self._b is not None else None
+        with scope_of(self):
+            if self.activation != "silu" or self._trains(x):
+                h = ops.swiglu(F.linear(xl, w, b), activation=self.activation)
+            else:
+                h = ops.swiglu_gemm(xl, w.t(), bias=b)
         return self.down_proj(h)
 
     def _n_ff(self) -> int:
@@ -268,7 +385,8 @@ class FusedSwiGLUMLP(SwiGLUMLP):
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         gu = self._gate_up()
         with scope_of(self):
-            if self.activation != "silu" or self._trains(x):
+            # (tensor-parallel weights: gate_up_proj runs as the module it is, under its plan's hooks)
+            if self.activation != "silu" or self._trains(x) or tp.is_dtensor(gu.weight):
                 h = ops.swiglu(gu(x), activation=self.activation)
             else:
                 h = ops.swiglu_gemm(x, gu.weight.t(), bias=gu.bias)

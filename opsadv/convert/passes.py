@@ -13,6 +13,7 @@ from opsadv.runtime import apply_memory_policy
 
 from .modules import (DenseResidualNorm, FusedRows, FusedSwiGLUMLP, LinearAct, OpsadvNorm, QKVGroup, QKVProjection,
                       SwiGLUMLP)
+from . import tp
 from .report import ConversionReport
 
 _EPS_ATTRS = ("variance_epsilon", "eps", "epsilon", "layer_norm_eps")
@@ -51,11 +52,8 @@ class Undo:
             setattr(parent, name, old)
         for obj, name in reversed(self.instance_attrs):
             obj.__dict__.pop(name, None)          # the class attribute shows through again
-        with torch.no_grad():
-            for f in self.fused:                  # parameters stop being views of the fused buffer
-                for p in f.params:
-                    if p is not None:
-                        p.data = p.data.clone()
+        for f in self.fused:                      # parameters stop being views of the fused buffer
+            f.unalias()
         for model, before in reversed(self.attn):
             model.set_attn_implementation(before)
         self.swaps.clear()
@@ -164,6 +162,11 @@ def norm_pass(model, report: ConversionReport, undo: Undo, state) -> None:
         if id(child) in seen:                       # a shared module: reuse its replacement
             if seen[id(child)] is not None:
                 undo.swap(parent, name, seen[id(child)])
+            continue
+        if tp.is_dtensor(_param_tensor(child, "weight", 1)) and not any(True for _ in child.children()):
+            seen[id(child)] = None
+            report.add("skipped", path, type(child).__name__, "tensor-parallel norm (a DTensor weight, e.g. "
+                       "SequenceParallel): kept as the model's, which its plan's hooks serve")
             continue
         found = probe_norm(child)
         if found is None:
@@ -376,6 +379,10 @@ def qkv_pass(model, report, undo: Undo, state, mem_opt: int | None = None) -> No
                     or len({(x.weight.dtype, x.weight.device) for x in lins}) != 1:
                 report.add("skipped", path, "q/k/v projections", "different inputs, dtypes or bias settings")
                 continue
+            why = _tp_qkv_why_not(lins)
+            if why is not None:
+                report.add("skipped", path, "q/k/v projections", why)
+                continue
             group = QKVGroup(q, k, v)
             undo.fused += [group.weight] + ([group.bias] if group.bias is not None else [])
             for role, (n, lin) in enumerate(zip(names, lins)):
@@ -384,6 +391,31 @@ def qkv_pass(model, report, undo: Undo, state, mem_opt: int | None = None) -> No
                 new.train(lin.training)
                 undo.swap(m, n, new)
             report.add("fused", path, f"{type(m).__name__}: {'|'.join(names)} -> one opsadv.gemm over [W_q|W_k|W_v]")
+
+
+def _tp_qkv_why_not(lins) -> str | None:
+    """Why tensor-parallel q/k/v projections cannot fuse (None: they can, or are not tensor-parallel).  The fused
+    module serves one layout (convert/tp.py): each weight (and bias) Shard(0) on one 1-D mesh, each projection
+    handing on plain local columns of a replicated input (ColwiseParallel with use_local_output=True), which a
+    probe call of each projection checks (the same seeded input on every rank)."""
+    ps = [t for lin in lins for t in (lin.weight, lin.bias) if t is not None]
+    if not any(tp.is_dtensor(t) for t in ps):
+        return None
+    mesh = tp.colwise_mesh(ps)
+    if mesh is None:
+        return ("tensor-parallel q/k/v not all column-parallel (DTensor Shard(0)) on one 1-D mesh: the fused GEMM "
+                "would mix their shards; kept as three projections under their plan")
+    x = _rand(lins[0].weight, 2, 3, lins[0].in_features)
+    for lin in lins:
+        try:
+            got = _eval_call([lin], lambda: lin(x))
+        except Exception as e:  # noqa: BLE001 - a plan the probe input does not fit
+            return f"tensor-parallel q/k/v: the probe call of a projection failed ({type(e).__name__}: {e})"[:300]
+        want = F.linear(x, tp.local(lin.weight).detach(), None if lin.bias is None else tp.local(lin.bias).detach())
+        if tp.is_dtensor(got) or got.shape != want.shape or _rel(got, want) > _tol(want.dtype):
+            return ("tensor-parallel q/k/v whose plan does not hand on each rank's columns as a plain tensor of the "
+                    "replicated input (ColwiseParallel with use_local_output=True): kept as three projections")
+    return None
 
 
 def residual_norm_pass(model, report, undo: Undo, state) -> None:
