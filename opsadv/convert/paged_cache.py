@@ -165,7 +165,7 @@ class PagedKVCache(Cache):
             raise InvalidArgumentError(NAME, "dtype", "None, float16, bfloat16 or float32", str(dtype))
         if not isinstance(static, bool):
             raise InvalidArgumentError(NAME, "static", "a bool", repr(static))
-        self.max_cache_len, self.page_size, self.dtype, self.static = max_cache_len, page_size, dtype, static
+        self._max_cache_len, self.page_size, self.dtype, self.static = max_cache_len, page_size, dtype, static
         self.pages_per_seq = -(-max_cache_len // page_size)
         if static and max_batch_size is None:
             max_batch_size = 1
@@ -181,6 +181,11 @@ class PagedKVCache(Cache):
         self.calls = {"prefill": 0, "decode": 0}  # paged_attention calls served, by kind
         self._last_call = None                    # the last call's arguments (explain())
         self._clear()
+
+    @property
+    def max_cache_len(self) -> int:
+        # a property of our own: transformers < 5.25's Cache defines a read-only one (over its layers)
+        return self._max_cache_len
 
     # ---- state ---------------------------------------------------------------------------------------------------
     def _clear(self) -> None:
