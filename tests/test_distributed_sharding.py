@@ -14,6 +14,7 @@ pytestmark = pytest.mark.xdist_group("distributed")
 
 DT = torch.float64
 TOL = 1e-9
+HD = 8                 # attention head dim (the interpreter pass uses one the Triton kernels take)
 
 
 def _split_fp8_out(mesh, world):
@@ -90,7 +91,7 @@ def _cases(mesh, world: int):
 
     def attn(split, hkv, mask=None):
         def run():
-            q, k, v = rnd(2, h, 37, 8), rnd(2, hkv, 29, 8), rnd(2, hkv, 29, 8)
+            q, k, v = rnd(2, h, 37, HD), rnd(2, hkv, 29, HD), rnd(2, hkv, 29, HD)
             ins, pl = dict(q=q, k=k, v=v), dict(q=S(split), k=S(split), v=S(split))
             if mask is not None:
                 ins["attn_mask"], pl["attn_mask"] = mask(), Rp
@@ -105,7 +106,7 @@ def _cases(mesh, world: int):
         1, h, mask=lambda: torch.randn(2, 1, 37, 29, dtype=DT))
 
     def sparse():
-        q, k, v = rnd(1, h, 40, 8), rnd(1, h, 40, 8), rnd(1, h, 40, 8)
+        q, k, v = rnd(1, h, 40, HD), rnd(1, h, 40, HD), rnd(1, h, 40, HD)
         bm = torch.rand(1, 1, 5, 5) > 0.4
         bm[..., torch.arange(5), torch.arange(5)] = True
         plain = SparseLayout(block_mask=bm, block_size=8, seq_q=40, seq_k=40, causal=True)
@@ -127,7 +128,7 @@ def _cases(mesh, world: int):
 
     def gemm(kind, act="none", bias=True, residual=False):
         def run():
-            a, b = rnd(3, 37, 10), rnd(10, 6 * world + 2)
+            a, b = rnd(3, 37, 12), rnd(12, 6 * world + 4)
             ins = dict(a=a, b=b)
             col = {"column": S(1), "row": S(0), "batch": Rp}[kind]
             pl = dict(a={"column": Rp, "row": S(2), "batch": S(1)}[kind], b=col)
@@ -356,6 +357,21 @@ def _worker(rank: int, world: int, port: int, results) -> None:
                 out[name] = run()
             except Exception:                    # noqa: BLE001 - a case's crash is its failure
                 out[name] = [traceback.format_exc(limit=6)]
+        # the cuda backend's Triton kernels (the interpreter) on the local shards, float32
+        global DT, TOL, HD
+        DT, TOL, HD = torch.float32, 2e-3, 32
+        cases = _cases(mesh, world)
+        with opsadv.use_backend("cuda", strict=True, precision={"matmul": "tf32", "attention": "fp16"}):
+            for i, name in enumerate(INTERPRETED):
+                torch.manual_seed(2000 + i)
+                try:
+                    with opsadv.trace() as t:
+                        fails = cases[name]()
+                    if not any(k.startswith("cuda.") for k in t.counts):
+                        fails = fails + [f"no cuda kernel ran: {dict(t.counts)}"]
+                    out["interpreter: " + name] = fails
+                except Exception:                # noqa: BLE001
+                    out["interpreter: " + name] = [traceback.format_exc(limit=6)]
         results[rank] = out
     finally:
         dist.destroy_process_group()
@@ -369,6 +385,10 @@ def verdicts():
         results = m.dict()
         mp.spawn(_worker, args=(world, _port(), results), nprocs=world)
         return {rank: dict(v) for rank, v in results.items()}
+
+
+INTERPRETED = ("flash_attention heads gqa", "gemm column-parallel bias residual", "gemm row-parallel bias residual (Partial)",
+               "rms_norm sequence-parallel residual", "rotary_embedding heads", "sparse_attention heads, layout replicated")
 
 
 def _names():
@@ -389,7 +409,8 @@ def _names():
             "refuse swiglu_gemm plain Shard(1)", "refuse swiglu last dim plain Shard", "refuse layer_norm hidden dim",
             "refuse rms_norm hidden dim", "refuse rotary cos sharded",
             "refuse linear_cross_entropy mean over sharded tokens",
-            "refuse linear_cross_entropy vocab-sharded weight", "explain shows the placements"]
+            "refuse linear_cross_entropy vocab-sharded weight", "explain shows the placements"] + \
+        ["interpreter: " + n for n in INTERPRETED]
 
 
 def test_every_case_ran(verdicts):
