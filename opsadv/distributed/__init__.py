@@ -86,5 +86,7 @@ def __getattr__(name: str):
     """ring_attention, zigzag_shard, zigzag_unshard: imported on first use (`import opsadv` stays light)."""
     if name in _LAZY:
         import importlib
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value     # importing the submodule ring_attention bound that name to the module
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
