@@ -57,6 +57,7 @@ from opsadv.core.kernel import CallSpec
 from opsadv.core.opdef import TOLERANCE as _DEFAULT_TOLERANCE, OpDef, Reference, arg
 from opsadv.core.op_common import (TORCH_OPS, carry_policy, check_scale, check_tensor, dt, eager_mode, len_bucket)
 from opsadv.core.policy import in_scope, op_scope
+from opsadv.ops.flash_attention import validate as _attn_validate
 
 from . import cases as _cases, reference as _reference
 from .reference import (E4M3, FMAX, dequantize_heads, descale_kind, quantize_heads,  # noqa: F401  (public helpers)
@@ -64,12 +65,13 @@ from .reference import (E4M3, FMAX, dequantize_heads, descale_kind, quantize_hea
 
 OP = "fp8_attention"
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-# Conformance floors (relative to ||oracle||): the kernel rounds P to e4m3 (3 mantissa bits: a relative rounding
-# error <= 2^-4 per probability, ~2^-4 / sqrt(3) rms, averaging over the keys a row sees), measured at 0.3-1.2% of
-# ||out|| on the catalogue's shapes under the interpreter; 3% leaves room for short rows (few keys average less).
-# float64 keeps the default rows (only the reference serves it).
-TOLERANCE = {**_DEFAULT_TOLERANCE, torch.float32: (3e-2, 3e-2), torch.float16: (3e-2, 3e-2),
-             torch.bfloat16: (3e-2, 3e-2)}
+# Conformance floors (relative to ||oracle||): the Triton kernel rounds P to e4m3 (3 mantissa bits: a relative
+# error up to 2^-4 per probability, ~2.5% rms).  With random v the output is itself an average of random vectors, as
+# small as that error's own average, so the relative error does not shrink with the row length: 0.7-2.4% on the
+# catalogue's and the tests' shapes under the interpreter (and ~2.5% expected at s 4096 on a GPU); 5% leaves room
+# for the seeds.  float64 keeps the default rows (only the reference serves it).
+TOLERANCE = {**_DEFAULT_TOLERANCE, torch.float32: (5e-2, 5e-2), torch.float16: (5e-2, 5e-2),
+             torch.bfloat16: (5e-2, 5e-2)}
 
 
 def default_scale(d: int, scale: float | None) -> float:
@@ -266,7 +268,6 @@ def fp8_attention_from_bf16(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = F
     e4m3 per (batch, head) (granularity "head"; or "tensor") from this call's amax (current scaling), fp8_attention
     computes out in q's dtype, and the backward is flash_attention's (bf16 / fp16 GEMMs) on the dequantized
     inputs, its gradients passed straight through the quantization to q, k, v (module docstring)."""
-    from opsadv.ops.flash_attention import validate as _attn_validate
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(OP, name, t, ndim=4, dtypes=TRAIN_DTYPES, allow_empty=True)
     _attn_validate(q, k, v, None, causal, scale)

@@ -21,6 +21,7 @@ from opsadv.core.op_common import empty_bshd
 from opsadv.core.envvars import env_bool
 
 from .. import triton_device_types
+from ..tma import TensorDescriptor, desc_ok, sm90_plus      # (triton's host descriptors, imported guarded)
 
 E4M3 = torch.float8_e4m3fn
 FP8_MIN_CC = (8, 9)
@@ -36,10 +37,8 @@ _K: dict = {}
 def _kernels():
     if not _K:
         from . import kernels
-        from ..tma import TensorDescriptor, sm90_plus
         from ..utils import ConfigTuner
-        _K.update(fwd=kernels.fp8_attention_fwd_kernel, desc=TensorDescriptor, sm90=sm90_plus,
-                  tuner=ConfigTuner("fp8_attention.fwd"))
+        _K.update(fwd=kernels.fp8_attention_fwd_kernel, tuner=ConfigTuner("fp8_attention.fwd"))
     return _K
 
 
@@ -64,12 +63,11 @@ def _descale_args(t: torch.Tensor, b: int) -> tuple[torch.Tensor, int, int, int]
 def _tma_ok(q, k, v_op, d: int, block_d: int, v_t: bool) -> bool:
     """Full kv blocks through descriptors: host descriptors, an unpadded head dim, contiguous K and V operand
     (descriptor views (b*h_kv*s_k, d) / (b*h_kv*d, s_k)), 16-byte rows; Hopper, or the interpreter."""
-    from ..tma import desc_ok
-    if _kernels()["desc"] is None or d != block_d or not (k.is_contiguous() and v_op.is_contiguous()):
+    if TensorDescriptor is None or d != block_d or not (k.is_contiguous() and v_op.is_contiguous()):
         return False
     if not (desc_ok(k) and desc_ok(v_op)):
         return False
-    return _kernels()["sm90"](q.device.index) if q.device.type == "cuda" else True
+    return sm90_plus(q.device.index) if q.device.type == "cuda" else True
 
 
 def fp8_fwd(ctx, q, k, v, q_descale, k_descale, v_descale, causal, scale, out_dtype, *, config: dict | None = None):
@@ -116,7 +114,7 @@ def fp8_fwd(ctx, q, k, v, q_descale, k_descale, v_descale, causal, scale, out_dt
         tma = bool(cfg["TMA"]) and _tma_ok(q, k, vt_view, d, block_d, v_t)
         dk_ = dv_ = None
         if tma:
-            desc = K["desc"]
+            desc = TensorDescriptor
             dk_ = desc(k, [b * hkv * sk, d], [d, 1], [bn, d])
             dv_ = desc(vt_view, [b * hkv * d, sk], [sk, 1], [d, bn]) if v_t else \
                 desc(vo, [b * hkv * sk, d], [d, 1], [bn, d])
