@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from opsadv.core.opdef import Case, rand
+from opsadv.core.opdef import Case
 
 from .reference import quantize_heads
 

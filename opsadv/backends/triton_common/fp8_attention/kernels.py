@@ -24,7 +24,6 @@ import triton.language as tl
 from ..scaled_gemm.kernels import _round_fp8
 from ..utils import load_tile, store_tile
 
-LOG2E = 1.4426950408889634
 P_SHIFT = tl.constexpr(8.0)        # log2 of P's fp8 scale (256)
 
 
