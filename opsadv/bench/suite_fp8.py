@@ -37,6 +37,8 @@ import torch.nn.functional as F
 import opsadv
 from opsadv.core import dispatch
 from opsadv.core.policy import current_policy
+from opsadv.ops.fp8_attention import dequantize_heads, quantize_qkv
+from opsadv.ops.fp8_attention.reference import fp8_attention_fwd
 from opsadv.ops.scaled_gemm import _spec as _scaled_spec, validate as _validate
 from opsadv.ops.scaled_gemm.reference import dequantize_fp8, quantize_fp8, requantize
 from opsadv.registry import get_registry
@@ -101,7 +103,6 @@ def _attn_grid(quick: bool):
 def _attention_reference(args, causal: bool, chunk: int = 4) -> torch.Tensor:
     """The exact attention of the dequantized inputs, float32, a few q heads at a time (an s 16384 score matrix of
     every head at once would not fit)."""
-    from opsadv.ops.fp8_attention.reference import fp8_attention_fwd
     q8, k8, v8, qd, kd, vd = args
     hq, hkv = q8.shape[1], k8.shape[1]
     grp = hq // hkv
@@ -117,7 +118,6 @@ def _attention_reference(args, causal: bool, chunk: int = 4) -> torch.Tensor:
 def attention_cases(quick: bool) -> Iterator[BenchCase]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from opsadv.ops.fp8_attention import dequantize_heads, quantize_qkv
     dev = "cuda"
     for b, h, hkv, s, d, causal in _attn_grid(quick):
         torch.manual_seed(0)
