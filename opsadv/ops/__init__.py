@@ -19,12 +19,15 @@ from .linear_cross_entropy import OPDEFS as _linear_cross_entropy, linear_cross_
 from .paged_attention import OPDEFS as _paged_attention, paged_attention
 from .varlen_attention import OPDEFS as _varlen_attention, varlen_attention
 from .scaled_gemm import OPDEFS as _scaled_gemm, scaled_gemm
+from .fp8_attention import OPDEFS as _fp8_attention, fp8_attention
 
 BUILTIN = (*_flash_attention, *_sparse_attention, *_gemm, *_swiglu, *_norm, *_rotary_embedding,
-           *_qk_norm_rotary, *_linear_cross_entropy, *_paged_attention, *_varlen_attention, *_scaled_gemm)
+           *_qk_norm_rotary, *_linear_cross_entropy, *_paged_attention, *_varlen_attention, *_scaled_gemm,
+           *_fp8_attention)
 for _d in BUILTIN:
     register_op(_d)
 
 __all__ = ["flash_attention", "sparse_attention", "gemm", "swiglu_gemm", "swiglu", "layer_norm", "rms_norm",
            "rotary_embedding",
-           "qk_norm_rotary", "linear_cross_entropy", "paged_attention", "varlen_attention", "scaled_gemm"]
+           "qk_norm_rotary", "linear_cross_entropy", "paged_attention", "varlen_attention", "scaled_gemm",
+           "fp8_attention"]

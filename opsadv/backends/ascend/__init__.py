@@ -20,7 +20,8 @@ from .soc import SocInfo, classify_soc  # noqa: F401
 
 NAME = "ascend"
 VERSION = "0.1.0"
-KERNEL_MODULES = ("attention", "norm", "gemm", "rotary", "paged_attention", "varlen_attention", "scaled_gemm")
+KERNEL_MODULES = ("attention", "norm", "gemm", "rotary", "paged_attention", "varlen_attention", "scaled_gemm",
+                  "fp8_attention")
 
 
 @hookimpl

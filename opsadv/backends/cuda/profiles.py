@@ -126,6 +126,21 @@ SCALED_GEMM_CONFIGS = {
 }
 
 
+# fp8_attention forward tiles per head-dim class, as ATTN_TILES' "fwd" (flag V_T: V read from a seq-contiguous copy,
+# the K-major operand of the FP8 P V wgmma).  Unmeasured first choices; every one compiles for sm_90 without spills
+# (Triton 3.6, ptxas; d128: 128x128/8/3 TMA V_T 192 registers non-causal, 205 causal; d256 64x64/4/2 232) with
+# both dots as e4m3 wgmma.  rtx (sm_89): no TMA, no wgmma (mma.sync e4m3).  No a100 entry: FP8 starts at sm_89.
+FP8_ATTN_TILES = {
+    "h100": {"fwd": {64: [_t(128, 128, 8, 3, True, V_T=True), _t(128, 64, 4, 3, True, V_T=True),
+                          _t(64, 64, 4, 3, V_T=True)],
+                     128: [_t(128, 128, 8, 3, True, V_T=True), _t(64, 128, 4, 3, True, V_T=True),
+                           _t(128, 64, 4, 3, True, V_T=True), _t(128, 128, 8, 3, V_T=True), _t(128, 128, 8, 3)],
+                     256: [_t(64, 64, 4, 2, True, V_T=True), _t(128, 64, 8, 2, True, V_T=True)]}},
+    "rtx": {"fwd": {64: [_t(64, 64, 4, 2), _t(128, 64, 4, 2)], 128: [_t(64, 64, 4, 2), _t(128, 32, 4, 2)],
+                    256: [_t(64, 32, 4, 1)]}},
+}
+
+
 # sparse attention tiles (fwd BLOCK_M, BLOCK_N, warps, stages[, rescale threshold]), (dq BLOCK_M, BLOCK_N, warps,
 # stages), (dkdv BLOCK_M, BLOCK_N, warps, stages) keyed by profile name, then head-dim class ("small" <= 128 <
 # "large").  h100 "small": the best of a sweep on an H200 (s=16384 window 1024 causal d128 bf16).
@@ -155,7 +170,8 @@ def _tiles(name: str) -> dict:
     gemm = {k: v for k, v in GEMM_CONFIGS["h100"].items() if k.startswith("persistent")}
     sparse = dict(SPARSE_TILES[name], **({"long_row": LONG_ROW_FWD[name]} if name in LONG_ROW_FWD else {}))
     return {"flash_attention": ATTN_TILES[name], "gemm": {**gemm, **GEMM_CONFIGS[name]}, "sparse_attention": sparse,
-            **({"scaled_gemm": SCALED_GEMM_CONFIGS[name]} if name in SCALED_GEMM_CONFIGS else {})}
+            **({"scaled_gemm": SCALED_GEMM_CONFIGS[name]} if name in SCALED_GEMM_CONFIGS else {}),
+            **({"fp8_attention": FP8_ATTN_TILES[name]} if name in FP8_ATTN_TILES else {})}
 
 
 H100 = Profile(
