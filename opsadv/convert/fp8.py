@@ -31,6 +31,7 @@ and any unit failing alone, stay bf16).  Cost: 2 forwards when all fp8 passes, e
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -118,6 +119,12 @@ class _Fp8Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        state = ctx.gemm.state
+        with state.scope() if state is not None else nullcontext():     # the model's policy, as in forward
+            return _Fp8Linear._backward(ctx, dy)
+
+    @staticmethod
+    def _backward(ctx, dy):
         x8, x_scale, w8, w_scale = ctx.saved_tensors
         dy = dy.contiguous()
         g_scale = ctx.gemm.g_history.scale(_amax(dy), E5M2)
@@ -140,8 +147,10 @@ class Fp8Gemm:
     returns the output, or None where the caller's bf16 path should run (disabled, or a grad-recording call with
     the training recipe off)."""
 
-    def __init__(self, source, bias_source=None, *, conv1d: bool = False, recipe: Fp8Recipe = Fp8Recipe()):
+    def __init__(self, source, bias_source=None, *, conv1d: bool = False, recipe: Fp8Recipe = Fp8Recipe(),
+                 state=None):
         self.source, self.bias_source, self.conv1d, self.recipe = source, bias_source, conv1d, recipe
+        self.state = state            # the converted model's RuntimeState: the backward GEMMs run under its policy
         self.enabled = True
         self.x_history = AmaxHistory(recipe.amax_history_len)
         self.g_history = AmaxHistory(recipe.amax_history_len)
@@ -204,11 +213,12 @@ class Fp8Linear(nn.Linear):
 
     _opsadv_fx = True                # a leaf for opsadv's fx rewrite
 
-    def __init__(self, linear: nn.Linear, recipe: Fp8Recipe):
+    def __init__(self, linear: nn.Linear, recipe: Fp8Recipe, state=None):
         nn.Module.__init__(self)
         self.weight, self.bias = linear.weight, linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self._fp8 = Fp8Gemm(self, self if linear.bias is not None else None, recipe=recipe)
+        self._opsadv_state = state
+        self._fp8 = Fp8Gemm(self, self if linear.bias is not None else None, recipe=recipe, state=state)
         self.train(linear.training)
 
     def extra_repr(self) -> str:
@@ -251,7 +261,7 @@ def _unit_of(path: str, lists: set[str]) -> str:
     return path
 
 
-def find_sites(model: nn.Module, recipe: Fp8Recipe, report) -> list[Site]:
+def find_sites(model: nn.Module, recipe: Fp8Recipe, report, state) -> list[Site]:
     lists = {p for p, m in model.named_modules() if isinstance(m, nn.ModuleList)}
     out_emb = None
     get_out = getattr(model, "get_output_embeddings", None)
@@ -273,30 +283,30 @@ def find_sites(model: nn.Module, recipe: Fp8Recipe, report) -> list[Site]:
             if m.role != 0 or g.weight.sharded or tp.is_dtensor(m.weight):
                 continue
             parent = path.rsplit(".", 1)[0] if "." in path else ""
-            add(parent, "fused q|k|v projection", Fp8Gemm(g.weight, g.bias, recipe=recipe), g, "fp8",
+            add(parent, "fused q|k|v projection", Fp8Gemm(g.weight, g.bias, recipe=recipe, state=state), g, "fp8",
                 k=m.in_features, n=sum(g.splits))
         elif isinstance(m, FusedSwiGLUMLP):
             gu = m._gate_up()
             covered.add(id(gu))
             if not tp.is_dtensor(gu.weight):
                 add(path, f"{m._names[0]} ([W_gate|W_up]) + opsadv.swiglu",
-                    Fp8Gemm(gu, gu if gu.bias is not None else None, recipe=recipe), m, "_fp8",
+                    Fp8Gemm(gu, gu if gu.bias is not None else None, recipe=recipe, state=state), m, "_fp8",
                     k=gu.in_features, n=gu.out_features)
         elif isinstance(m, SwiGLUMLP):
             covered.update((id(m.gate_proj), id(m.up_proj)))
             if not (m._w.sharded or tp.is_dtensor(m.gate_proj.weight)):
-                add(path, "fused gate|up projection + opsadv.swiglu", Fp8Gemm(m._w, m._b, recipe=recipe), m, "_fp8",
+                add(path, "fused gate|up projection + opsadv.swiglu", Fp8Gemm(m._w, m._b, recipe=recipe, state=state), m, "_fp8",
                     k=m.gate_proj.in_features, n=2 * m.gate_proj.out_features)
         elif isinstance(m, LinearAct):
             up = getattr(m, m._up)
             covered.add(id(up))
             k, n = (up.weight.shape if m.conv1d else up.weight.shape[::-1])
             add(path, f"{m._up} + {m.activation} epilogue", Fp8Gemm(up, up if up.bias is not None else None,
-                conv1d=m.conv1d, recipe=recipe), m, "_fp8", k=k, n=n)
+                conv1d=m.conv1d, recipe=recipe, state=state), m, "_fp8", k=k, n=n)
         elif isinstance(m, DenseResidualNorm):
             covered.add(id(m.dense))
             add(path, "dense (+ bias)", Fp8Gemm(m.dense, m.dense if m.dense.bias is not None else None,
-                recipe=recipe), m, "_fp8", k=m.dense.in_features, n=m.dense.out_features)
+                recipe=recipe, state=state), m, "_fp8", k=m.dense.in_features, n=m.dense.out_features)
     for path, parent, name, child in _named_children(model):
         if type(child) is not nn.Linear or id(child) in covered:
             continue
@@ -308,8 +318,7 @@ def find_sites(model: nn.Module, recipe: Fp8Recipe, report) -> list[Site]:
         if tp.is_dtensor(child.weight):
             report.add("skipped", path, "Linear", "tensor-parallel weight: FP8 GEMMs of DTensor shards not wired")
             continue
-        new = Fp8Linear(child, recipe)
-        new._opsadv_state = getattr(model, "_opsadv_state", None)
+        new = Fp8Linear(child, recipe, state)
         add(path, "Linear", new._fp8, parent, name, swap=new, k=child.in_features, n=child.out_features)
     return sites
 
@@ -322,20 +331,25 @@ def _named_children(model):
 
 def kernel_check(device: torch.device, k: int, n: int, backend: str) -> str | None:
     """Why no FP8 kernel serves a (tokens, K) x (K, N) scaled_gemm on this device under the policy in force (None:
-    one does).  The reference impl (float32 dequantize + matmul) counts on CPU, where it is the only impl, and
-    where the user pinned backend="reference"; on an accelerator it would be slower than bf16."""
+    one does): the explanation of a probe call with the operand layouts the sites use (nothing runs)."""
     a = torch.empty(16, k, dtype=E4M3, device=device)
     b = torch.empty(n, k, dtype=E4M3, device=device).t()
     sa = torch.ones(16, 1, dtype=torch.float32, device=device)
     sb = torch.ones(1, n, dtype=torch.float32, device=device)
-    exp = explain("scaled_gemm", a, b, sa, sb)
+    return why_no_fp8(explain("scaled_gemm", a, b, sa, sb), device.type, backend)
+
+
+def why_no_fp8(exp, device_type: str, backend: str) -> str | None:
+    """The reason in a scaled_gemm explanation that no FP8 kernel serves, or None.  The reference impl (float32
+    dequantize + matmul) counts on the CPU, where it is the only one, and where the user pinned backend="reference";
+    on an accelerator it would be slower than the bf16 GEMMs it replaces."""
     chosen = next((c for c in exp.candidates if c.chosen), None)
     refused = "; ".join(f"{c.impl.id}: {', '.join(c.reasons)}" for c in exp.candidates if not c.accepted)
     if chosen is None:
-        return f"no scaled_gemm kernel serves {device.type} ({refused or exp.why})"
-    if chosen.impl.backend == "reference" and device.type != "cpu" and backend != "reference":
-        return (f"only the reference scaled_gemm (float32 dequantize + matmul) serves {device.type}: no FP8 tensor-core "
-                f"kernel" + (f" ({refused})" if refused else ""))
+        return f"no scaled_gemm kernel serves {device_type} ({refused or exp.why})"
+    if chosen.impl.backend == "reference" and device_type != "cpu" and backend != "reference":
+        return (f"only the reference scaled_gemm (float32 dequantize + matmul) serves {device_type}: no FP8 "
+                "tensor-core kernel" + (f" ({refused})" if refused else ""))
     return None
 
 
@@ -393,7 +407,7 @@ def decide_units(units: list[str], set_fp8, measure) -> tuple[set[str], dict[str
 def fp8_pass(root: nn.Module, report, undo, state, *, recipe: Fp8Recipe, inputs, backend: str, memo: dict) -> None:
     """Put the model's GEMMs on scaled_gemm where an FP8 kernel serves and the per-block validation keeps them
     (module docstring).  `memo` carries the decision across a floor's re-application of this step."""
-    sites = find_sites(root, recipe, report)
+    sites = find_sites(root, recipe, report, state)
     if not sites:
         report.notes.append("precision fp8: no GEMM to put in FP8")
         return
