@@ -230,3 +230,12 @@ def test_loss_curve_tracks_bf16():
     worst = max(abs(a - b) / b for a, b in zip(got, ref))
     epochs = [(sum(got[i:i + 6]) / sum(ref[i:i + 6])) - 1 for i in range(0, 30, 6)]
     assert worst < 0.06 and max(map(abs, epochs)) < 0.03, (worst, epochs, got, ref)
+
+
+def test_quantize_rows_matches_quantize_fp8():
+    from opsadv.ops.scaled_gemm import quantize_fp8
+    x = torch.randn(37, 96, generator=torch.Generator().manual_seed(2)).bfloat16() * 3
+    x[4] = 0                                                          # an all-zero token: scale 1
+    x8, s = _fp8.quantize_rows(x)
+    r8, rs = quantize_fp8(x, "row")
+    assert torch.equal(s, rs) and torch.equal(x8.view(torch.uint8), r8.view(torch.uint8))

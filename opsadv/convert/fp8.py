@@ -42,7 +42,7 @@ from opsadv import ops
 from opsadv.core.activations import ACT
 from opsadv.core.errors import InvalidArgumentError
 from opsadv.core.explain import explain
-from opsadv.ops.scaled_gemm import E4M3, E5M2, quantize_fp8, quantize_with_scale, scale_from_amax
+from opsadv.ops.scaled_gemm import E4M3, E5M2, FP8_MAX, quantize_fp8, quantize_with_scale, scale_from_amax
 
 from . import tp, validate as _val
 from .modules import DenseResidualNorm, FusedSwiGLUMLP, LinearAct, QKVProjection, SwiGLUMLP
@@ -90,6 +90,34 @@ class AmaxHistory:
         buf[self.pos] = amax_now
         self.pos = (self.pos + 1) % self.length
         return scale
+
+
+def quantize_rows(x2: torch.Tensor):
+    """(x_fp8 e4m3, scale (M, 1)): quantize_fp8(x2, "row")'s result for finite x2 in fewer passes (no finiteness
+    mask: a non-finite activation makes a non-finite output either way; no clamp: |x| / (amax / 448) rounds to at
+    most 448).  On CUDA it runs compiled (one reduction and one pointwise kernel) where torch.compile works."""
+    fn = _compiled_quantize_rows() if x2.is_cuda else None
+    return (fn or _quantize_rows)(x2)
+
+
+def _quantize_rows(x2: torch.Tensor):
+    amax = x2.abs().amax(dim=1, keepdim=True).to(torch.float32)
+    scale = torch.where(amax > 0, amax / FP8_MAX[E4M3], torch.ones_like(amax))
+    return (x2.to(torch.float32) / scale).to(E4M3), scale
+
+
+_compiled: list = []          # [compiled quantize_rows or None (compilation unavailable)]
+
+
+def _compiled_quantize_rows():
+    if not _compiled:
+        try:
+            fn = torch.compile(_quantize_rows, dynamic=True, fullgraph=True)
+            fn(torch.ones(4, 32, device="cuda", dtype=torch.bfloat16))          # compiles now, or fails here
+            _compiled.append(fn)
+        except Exception:  # noqa: BLE001 - no Inductor on this host: the eager passes
+            _compiled.append(None)
+    return _compiled[0]
 
 
 def _amax(t: torch.Tensor) -> torch.Tensor:
@@ -200,7 +228,7 @@ class Fp8Gemm:
                 y = y + residual.reshape(y.shape)
             return y.reshape(*x.shape[:-1], y.shape[-1])
         w8, w_scale = self.inference_weight(w)
-        x8, x_scale = quantize_fp8(x2, "row", E4M3)                        # current scaling, one scale per token
+        x8, x_scale = quantize_rows(x2)                                     # current scaling, one scale per token
         out_dtype = x.dtype if x.dtype in OUT_DTYPES else torch.bfloat16
         y = ops.scaled_gemm(x8, w8, x_scale, w_scale, bias=b, activation=activation,
                             residual=None if residual is None else residual.reshape(x2.shape[0], -1),
