@@ -25,8 +25,8 @@ and each again " compiled": compiled converted vs compiled unconverted.  FP8 cel
 "fp8"), issue 42): "prefill fp8 b8 s2048 llama3 1.5b" and "train fp8 b4 s2048 llama3 1.5b", Llama-3.2-1B's
 dimensions, against `opsadv_bf16` (our bf16 conversion of the same model: the baseline) and `unconverted`; the row
 carries the conversion's per-block FP8 decision (`fp8`), and a prefill row's rel_err is the KL divergence of its
-last-token logits from the peer's (FP8's limit is KL < 0.01; `check` has rel err and top-1 too).  One more cell, GPU only (left out on a
-CPU), the causal-LM loss: "train bf16 b4 s2048 llama3 8b-4l", Llama-3-8B's dimensions (hidden 4096, 32/8 heads,
+last-token logits from the peer's (FP8's limit is KL < 0.01; `check` has rel err and top-1 too).
+One more cell, GPU only (left out on a CPU), the causal-LM loss: "train bf16 b4 s2048 llama3 8b-4l", Llama-3-8B's dimensions (hidden 4096, 32/8 heads,
 intermediate 14336, untied vocabulary 128256) cut to 4 layers, where the (b*s, V) float32 logits of the unconverted
 model's loss are the step's largest tensors (convert_model's lm_loss rewrite and Liger's fused linear cross-entropy
 compute the loss without them).  Every train row on a GPU carries each contender's peak memory of one step beyond

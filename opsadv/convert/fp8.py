@@ -323,8 +323,8 @@ def find_sites(model: nn.Module, recipe: Fp8Recipe, report, state) -> list[Site]
         elif isinstance(m, SwiGLUMLP):
             covered.update((id(m.gate_proj), id(m.up_proj)))
             if not (m._w.sharded or tp.is_dtensor(m.gate_proj.weight)):
-                add(path, "fused gate|up projection + opsadv.swiglu", Fp8Gemm(m._w, m._b, recipe=recipe, state=state), m, "_fp8",
-                    k=m.gate_proj.in_features, n=2 * m.gate_proj.out_features)
+                add(path, "fused gate|up projection + opsadv.swiglu", Fp8Gemm(m._w, m._b, recipe=recipe, state=state),
+                    m, "_fp8", k=m.gate_proj.in_features, n=2 * m.gate_proj.out_features)
         elif isinstance(m, LinearAct):
             up = getattr(m, m._up)
             covered.add(id(up))

@@ -64,7 +64,8 @@ class ConversionReport:
             bf16 = ", ".join(f"{u} ({', '.join(f'{k}={_fmt(v)}' for k, v in f['unit_metrics'][u].items())})"
                              for u in f["bf16_units"])
             rows.append(f"  fp8: {f['fp8_units']}/{f['units']} blocks' GEMMs in FP8 ({f['validation_forwards']} "
-                        f"validation forwards); attention {f['attention']}" + (f"; bf16 blocks: {bf16}" if bf16 else ""))
+                        f"validation forwards); attention {f['attention']}"
+                        + (f"; bf16 blocks: {bf16}" if bf16 else ""))
         if self.floor:
             rows.append("  floor (each rewrite timed without / with it; kept where not slower): " + ", ".join(
                 f"{d['kind']} {d['ratio']:.2f}x {'kept' if d['kept'] else 'undone'}" for d in self.floor))
