@@ -314,6 +314,10 @@ def test_models_suite_quick_cases_construct():
     assert "prefill bf16 b8 s2048 qwen2 0.5b compiled" in {c.name for c in full}
     pad = next(c for c in full if c.name == "train bf16 b4 s2048 padded llama3 1.5b")
     assert pad.pad_tokens == 300
+    fp8 = [c.name for c in full if c.dtype == "fp8"]               # convert_model(precision="fp8"), GPU only
+    assert fp8 == ["prefill fp8 b8 s2048 llama3 1.5b", "train fp8 b4 s2048 llama3 1.5b"]
+    if not torch.cuda.is_available():
+        assert not any(c.extra["mode"].endswith("fp8") for c in S.cases(False))
 
 
 @pytest.mark.parametrize("family", ["train", "decode"])

@@ -21,8 +21,12 @@ modes of its kind (labels in `mode`, the heatmap's columns):
   train / train padded    forward + backward + AdamW step (lr 1e-6: parameters stay put), causal LMs b4
                           s2048, padded = the last row right-padded by 300 tokens (labels -100 there);
                           encoders b32 s512 sequence classification (padded ~30%); ViT b32; T5 b8 s512/128
-and each again " compiled": compiled converted vs compiled unconverted.  One more cell, GPU only (left out on a
-CPU), the causal-LM loss: "train bf16 b4 s2048 llama3 8b-4l", Llama-3-8B's dimensions (hidden 4096, 32/8 heads,
+and each again " compiled": compiled converted vs compiled unconverted.  FP8 cells, GPU only (convert_model(precision=
+"fp8"), issue 42): "prefill fp8 b8 s2048 llama3 1.5b" and "train fp8 b4 s2048 llama3 1.5b", Llama-3.2-1B's
+dimensions, against `opsadv_bf16` (our bf16 conversion of the same model: the baseline) and `unconverted`; the row
+carries the conversion's per-block FP8 decision (`fp8`), and a prefill row's rel_err is the KL divergence of its
+last-token logits from the peer's (FP8's limit is KL < 0.01; `check` has rel err and top-1 too).
+One more cell, GPU only (left out on a CPU), the causal-LM loss: "train bf16 b4 s2048 llama3 8b-4l", Llama-3-8B's dimensions (hidden 4096, 32/8 heads,
 intermediate 14336, untied vocabulary 128256) cut to 4 layers, where the (b*s, V) float32 logits of the unconverted
 model's loss are the step's largest tensors (convert_model's lm_loss rewrite and Liger's fused linear cross-entropy
 compute the loss without them).  Every train row on a GPU carries each contender's peak memory of one step beyond
@@ -94,6 +98,8 @@ PAGED_ARCH, PAGED_SIZE = "llama3", "1.5b"
 PAGED_BATCHES = (1, 8, 32)
 PAGED_PROMPT, PAGED_NEW = 512, 256
 PAGE_SIZE = 16
+# convert_model(precision="fp8") cells (issue 42), GPU only: llama3 "1.5b", prefill b8 s2048 and train b4 s2048
+FP8_ARCH, FP8_SIZE = "llama3", "1.5b"
 
 QUICK = dict(sizes=("tiny",), prefill_batches=(2,), seq=32, enc=(4, 32), vision_batch=4, s2s=(2, 32, 8),
              decode_batches=(2,), prompt=16, new_tokens=4, train=(2, 32), pad_tokens=8, rounds=2, calls=1,
@@ -136,7 +142,7 @@ class Cell:
     new_tokens: int = 0
     pad_tokens: int = 0
     compiled: bool = False
-    dtype: str = "bf16"
+    dtype: str = "bf16"       # the label; "fp8": convert_model(precision="fp8") against our bf16 conversion
 
     @property
     def kind(self) -> str:
@@ -151,7 +157,7 @@ class Cell:
             m = f"decode b{self.batch} {self.cache}"
         else:
             m = "train padded" if self.padded else "train"
-        return m + (" compiled" if self.compiled else "")
+        return m + (" fp8" if self.dtype == "fp8" else "") + (" compiled" if self.compiled else "")
 
     @property
     def name(self) -> str:
@@ -221,6 +227,8 @@ def cells(quick: bool, dtype: str = "bf16") -> list[Cell]:
     if not q:
         b, s = TRAIN
         out.append(Cell(arch="llama3", size=LM_LOSS_SIZE, family="train", batch=b, seq=s, dtype=dtype))
+        out += [Cell(arch=FP8_ARCH, size=FP8_SIZE, family="prefill", batch=PREFILL_BATCHES[-1], seq=SEQ, dtype="fp8"),
+                Cell(arch=FP8_ARCH, size=FP8_SIZE, family="train", batch=b, seq=s, dtype="fp8")]
     return out
 
 
@@ -293,9 +301,9 @@ def _report_fields(conv, extra: dict) -> None:
         extra["conversion_notes"] = list(rep.notes)
 
 
-def convert(base, cell: Cell, x: dict, val_in: dict, extra: dict):
+def convert(base, cell: Cell, x: dict, val_in: dict, extra: dict, precision: str | None = None):
     """opsadv.convert_model of a deep copy of base, validated on val_in, the floor timed on the cell's batch."""
-    kw: dict[str, Any] = {}
+    kw: dict[str, Any] = {"precision": precision} if precision else {}
     floor = FLOOR or ("off" if cell.size == "tiny" else "cell")
     extra["floor_inputs"] = floor
     if floor == "off":
@@ -505,9 +513,11 @@ def make_case(cell: Cell, device: str, dtype: torch.dtype, quick: bool = False) 
     e = Z.spec(cell.arch)
     paged = cell.cache == "paged"
     # paged cells: against transformers' StaticCache under torch.compile (issue 39's target), DynamicCache eager too
-    baseline = "hf_compile" if cell.compiled else "hf_static_compile" if paged else "unconverted"
-    peer_names = [baseline] + (["unconverted"] if paged else []) + (["liger"] if e.liger and not cell.compiled
-                                                                     else [])
+    fp8 = cell.dtype == "fp8"
+    baseline = ("hf_compile" if cell.compiled else "hf_static_compile" if paged else "opsadv_bf16" if fp8
+                else "unconverted")
+    peer_names = [baseline] + (["unconverted"] if paged or fp8 else []) + (
+        ["liger"] if e.liger and not cell.compiled and not fp8 else [])
     st: dict = {}
     extra: dict[str, Any] = {"arch": cell.arch, "size": cell.size, "mode": cell.mode, "like": e.like.get(cell.size, "")}
     if cell.compiled:
@@ -536,10 +546,17 @@ def make_case(cell: Cell, device: str, dtype: torch.dtype, quick: bool = False) 
         if "attention_mask" in x and cell.family != "decode":
             extra["padding_fraction"] = round(1 - x["attention_mask"].float().mean().item(), 3)
         val_in = validation_inputs(cell, cfg, device, dtype)
-        conv = convert(base, cell, x if cell.family != "prefill" else Z.without_labels(x), val_in, extra)
-        if train:
-            conv.train()
+        floor_x = x if cell.family != "prefill" else Z.without_labels(x)
+        conv = convert(base, cell, floor_x, val_in, extra, "fp8" if fp8 else None)
         contenders = {"opsadv": conv}
+        if fp8:
+            extra["fp8"] = conv.opsadv_report.fp8
+            bf16_extra: dict = {}
+            contenders["opsadv_bf16"] = convert(base, cell, floor_x, val_in, bf16_extra)
+            extra["opsadv_bf16_conversion"] = bf16_extra.get("conversion")
+        if train:
+            for m in contenders.values():
+                m.train()
         if cell.compiled:
             hf = copy.deepcopy(base)
             dyn = None if cell.family == "decode" else False
@@ -613,7 +630,7 @@ def make_case(cell: Cell, device: str, dtype: torch.dtype, quick: bool = False) 
             m = _metrics(ref, out, st["x"] if cell.kind != "causal" or out.shape[1] != 1 else {}, dtype,
                          "last_hidden_state" if cell.kind in ("encoder", "vision") else "logits")
             extra["check"] = m
-            return m["rel_err"]
+            return m["kl"] if fp8 else m["rel_err"]
         return _decode_check(cell, st, extra, dtype, ref)
 
     rounds, calls = (QUICK["rounds"], QUICK["calls"]) if quick else (ROUNDS, CALLS[cell.family])
@@ -694,7 +711,7 @@ def cases(quick: bool) -> Iterator[BenchCase]:
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     label = "bf16" if dtype == torch.bfloat16 else "fp32"
     for cell in cells(quick, label):
-        if cell.size in GPU_ONLY_SIZES and dev != "cuda":
-            continue                        # (an 8B-wide step on a CPU measures nothing of use)
+        if (cell.size in GPU_ONLY_SIZES or cell.dtype == "fp8") and dev != "cuda":
+            continue                        # (an 8B-wide step, or FP8 without FP8 tensor cores, measures nothing)
         yield make_case(cell, dev, dtype, quick)
     _free()

@@ -13,14 +13,18 @@ from opsadv.core.policy import Policy, use_backend
 from opsadv.core.precision import PrecisionPolicy
 from opsadv.runtime import graphs
 
-from . import floor as _floor, fx_rewrite, hf_attention, lm_loss, packing, passes, release, rotary, tp, validate as _val
+from . import (floor as _floor, fp8 as _fp8, fx_rewrite, hf_attention, lm_loss, packing, passes, release, rotary, tp,
+               validate as _val)
 from .tune import tune_for_hardware
 from .report import ConversionReport
 from .state import RuntimeState
 
 _CAST = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "tf32": torch.float32}
 # the rewrite kinds, in application order (convert_model(rewrites={kind: False}) turns one off)
-REWRITE_KINDS = ("attention", "rotary", "norm", "residual_norm", "mlp", "qkv", "lm_loss", "fx")
+REWRITE_KINDS = ("attention", "rotary", "norm", "residual_norm", "mlp", "qkv", "lm_loss", "fx", "fp8")
+# precision="fp8": the policy of everything not in FP8 (bf16 compute, fp32 norm and softmax statistics)
+FP8_POLICY = PrecisionPolicy(matmul="bf16", attention="bf16", norm="fp32", softmax="fp32")
+_FP8_DICT_KEYS = ("matmul", "matmul_precision", "attention", "attention_proj")
 
 
 def _check_int(arg: str, value, lo: int, hi: int, allow_none: bool = True) -> None:
@@ -53,8 +57,27 @@ def check_rewrites(rewrites) -> None:
                                    f"{list(REWRITE_KINDS)} (False: not applied)", repr(rewrites))
 
 
+def split_fp8(precision) -> tuple[object, bool]:
+    """(precision without its FP8 part, whether FP8 GEMMs were asked for): "fp8" is the bf16 policy plus FP8 GEMMs; a
+    precision dict's {"matmul": "fp8"} asks for FP8 GEMMs over the rest of the dict ({"attention": "fp8"} is taken
+    and reported as not wired yet)."""
+    if isinstance(precision, str) and precision.lower() == "fp8":
+        return "fp8", True
+    if isinstance(precision, dict) and any(str(precision.get(k, "")).lower() == "fp8" for k in _FP8_DICT_KEYS):
+        if not any(str(precision.get(k, "")).lower() == "fp8" for k in ("matmul", "matmul_precision")):
+            raise InvalidArgumentError("convert_model", "precision", "FP8 attention together with FP8 GEMMs "
+                                       "({'matmul': 'fp8', 'attention': 'fp8'}): attention alone in FP8 is not wired",
+                                       repr(precision))
+        return {k: v for k, v in precision.items() if not (k in _FP8_DICT_KEYS and str(v).lower() == "fp8")}, True
+    return precision, False
+
+
 def resolve_precision(precision, use_fp16) -> tuple[PrecisionPolicy, torch.dtype | None, str]:
     """(policy, dtype to cast the model to or None, label)."""
+    if isinstance(precision, str) and precision.lower() == "fp8":
+        if use_fp16:
+            raise InvalidArgumentError("convert_model", "use_fp16", f"consistent with precision={precision!r}", "True")
+        return FP8_POLICY, torch.bfloat16, "fp8"
     if use_fp16 and precision is not None and precision not in ("fp16", torch.float16):
         raise InvalidArgumentError("convert_model", "use_fp16", f"consistent with precision={precision!r}", "True")
     if precision is None and use_fp16:
@@ -165,7 +188,7 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
                   mem_opt: int | None = None, validate=True, example_inputs=None, pack_padding: bool | None = None,
                   cuda_graphs: bool = False, max_graphs: int = 8, floor: bool | None = None, floor_inputs=None,
                   floor_mode: str = "inference", floor_timer=None, floor_compile=None,
-                  rewrites: dict | None = None) -> nn.Module:
+                  rewrites: dict | None = None, fp8_recipe: "_fp8.Fp8Recipe | None" = None) -> nn.Module:
     """Rewrite `model` in place to run opsadv ops and return it (same object, same class).
 
     opt_level 0: nothing; 1: attention, rotary embedding and norms; 2: + fused QKV GEMM, dense+residual+norm, MLP GEMM
@@ -198,7 +221,14 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
     times it in floor_mode "train" alone and applies it untimed otherwise.
 
     rewrites: {kind: False} leaves that rewrite kind out (kinds: REWRITE_KINDS; True: as opt_level says), e.g.
-    rewrites={"lm_loss": False} keeps the model's logits and loss in training."""
+    rewrites={"lm_loss": False} keeps the model's logits and loss in training.
+
+    precision="fp8" (or a precision dict with {"matmul": "fp8"}): the model is cast to bf16 (the dict keeps its
+    dtype), then its GEMMs run opsadv.ops.scaled_gemm in FP8 block by block where validation against the bf16
+    conversion keeps them (KL, top-1: validate.FP8_LIMITS); inference in e4m3 with per-channel weight and per-token
+    current activation scales, grad-recording calls with the FP8 training recipe (fp8_recipe: Fp8Recipe, delayed
+    scaling over an amax history, e5m2 gradients).  Where no FP8 kernel serves the device the GEMMs stay bf16 and
+    the report says why; with a pinned backend that raises.  opsadv.convert.fp8 has the details."""
     check_seed_args(opt_level, tile_size, max_streams, mem_opt, use_fp16, validate)
     check_rewrites(rewrites)
     _floor.check_args(floor, floor_mode, floor_timer, floor_compile)
@@ -206,7 +236,16 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
     if not isinstance(model, nn.Module):
         raise InvalidArgumentError("convert_model", "model", "a torch.nn.Module", type(model).__name__)
     t0 = time.perf_counter()
+    precision, use_fp8 = split_fp8(precision)
+    if fp8_recipe is not None and not (use_fp8 and isinstance(fp8_recipe, _fp8.Fp8Recipe)):
+        raise InvalidArgumentError("convert_model", "fp8_recipe", "an opsadv.convert.Fp8Recipe, with precision='fp8'",
+                                   repr(fp8_recipe))
+    if use_fp8 and opt_level == 0:
+        raise InvalidArgumentError("convert_model", "opt_level", "1 or more with precision='fp8' (opt_level 0 converts "
+                                   "nothing)", "0")
     pp, cast, label = resolve_precision(precision, use_fp16)
+    if use_fp8 and label != "fp8":
+        label = f"fp8 GEMMs, {label}"
     state = build_policy(backend, pp, opt_level, tile_size, max_streams, mem_opt, cuda_graphs)
     prev_state = getattr(model, "_opsadv_state", None)
     if prev_state is not None:
@@ -217,6 +256,9 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
         model.to(cast)
     try:
         report = ConversionReport(_model_name(model), opt_level, backend, label)
+        if use_fp8:
+            report.notes.append(f"precision fp8: attention {_fp8.FP8_ATTENTION_HOOK}; norms and softmax statistics "
+                                "fp32")
         if opt_level >= 3:
             report.notes.append("opt_level 3: experimental kernels allowed")
         is_hf = hf_attention.is_transformers_model(model)
@@ -250,7 +292,11 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
                 if gate.compile:
                     report.notes.append(f"floor timed under torch.compile ({gate.compile})")
         try:
-            for kind, label, apply in _steps(is_hf, opt_level, mem_opt, pack_padding, state):
+            fp8 = None
+            if use_fp8:
+                fp8 = dict(recipe=fp8_recipe or _fp8.Fp8Recipe(), inputs=inputs if validate else None,
+                           backend=backend, memo={})
+            for kind, label, apply in _steps(is_hf, opt_level, mem_opt, pack_padding, state, fp8):
                 if rewrites is not None and rewrites.get(kind, True) is False:
                     report.add("kept", "", label, f"rewrites={{{kind!r}: False}}")
                     continue
@@ -280,7 +326,7 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
                 raise
             finally:
                 _restore_modes(modes)
-            metrics = _val.compare(ref, new, inputs, dtype)
+            metrics = _val.compare(ref, new, inputs, dtype, limits=_val.FP8_LIMITS if report.fp8 else None)
             report.validation = metrics
             if not metrics["passed"]:
                 if validate is True:
@@ -344,8 +390,9 @@ def _install_graphs(root, report, undo, max_graphs):
     return runner
 
 
-def _steps(is_hf: bool, opt_level: int, mem_opt, pack_padding, state):
-    """(kind, what stays if the step is undone, apply(root, report, undo) -> root), in application order."""
+def _steps(is_hf: bool, opt_level: int, mem_opt, pack_padding, state, fp8: dict | None = None):
+    """(kind, what stays if the step is undone, apply(root, report, undo) -> root), in application order.  fp8:
+    fp8_pass's keywords under precision="fp8" (the GEMMs go FP8 last, over the modules the other steps made)."""
     def each(fn):
         def apply(root, report, undo):
             fn(root, report, undo)
@@ -377,6 +424,8 @@ def _steps(is_hf: bool, opt_level: int, mem_opt, pack_padding, state):
     if opt_level >= 1 and not is_hf:
         out.append(("fx", "the model's own graph (no torch.fx rewrite)",
                     lambda m, r, u: fx_rewrite.fx_pass(m, r, u, state, opt_level)))
+    if fp8 is not None:
+        out.append((_fp8.KIND, _fp8.LABEL, each(lambda m, r, u: _fp8.fp8_pass(m, r, u, state, **fp8))))
     return out
 
 

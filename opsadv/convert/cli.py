@@ -58,7 +58,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL", help=f"local transformers model directory or one of {', '.join(DEMOS)}")
     p.add_argument("--backend", default="auto", help="opsadv backend (default: auto)")
     p.add_argument("--device", default=None, help="device to run on (default: cuda if available, else cpu)")
-    p.add_argument("--precision", default=None, choices=["fp16", "bf16", "fp32", "tf32"],
+    p.add_argument("--precision", default=None, choices=["fp16", "bf16", "fp32", "tf32", "fp8"],
                    help="cast the model and set the precision policy (default: keep the model's dtype)")
     p.add_argument("--batch-size", type=int, default=2, help="batch of the example / tuning inputs")
     p.add_argument("--seq-len", type=int, default=None, help="sequence length of the example / tuning inputs")

@@ -19,7 +19,7 @@ from opsadv.core.precision import PrecisionPolicy
 from opsadv import ops as _ops  # noqa: F401  (registers the opsadv::* ops a loaded program calls)
 
 from . import floor as _floor, hf_attention
-from .api import _check_int, check_graph_args, check_rewrites, check_seed_args, convert_model
+from .api import _check_int, check_graph_args, check_rewrites, check_seed_args, convert_model, split_fp8
 from .modules import unalias_fused
 from .tune import _to
 from .validate import hf_validation_inputs
@@ -117,12 +117,12 @@ class Optimizer:
         _check_int("opt_level", opt_level, 0, 3, allow_none=False)
         if isinstance(precision, dict):
             try:
-                PrecisionPolicy.from_dict(precision)
+                PrecisionPolicy.from_dict(split_fp8(precision)[0])
             except InvalidArgumentError as e:       # the same check, named after what the user called
                 raise type(e)("Optimizer", e.arg, e.expected, e.given) from None
         elif not (precision is None or isinstance(precision, PrecisionPolicy)
-                  or (isinstance(precision, str) and precision.lower() in ("fp16", "bf16", "fp32", "tf32"))):
-            raise InvalidArgumentError("Optimizer", "precision", "'fp16', 'bf16', 'fp32', 'tf32', a precision dict "
+                  or (isinstance(precision, str) and precision.lower() in ("fp16", "bf16", "fp32", "tf32", "fp8"))):
+            raise InvalidArgumentError("Optimizer", "precision", "'fp16', 'bf16', 'fp32', 'tf32', 'fp8', a precision dict "
                                        "or a PrecisionPolicy", repr(precision))
         self.device = check_device(device, "Optimizer")
         _check_seeds(seeds, opt_level)

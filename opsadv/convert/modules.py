@@ -221,7 +221,9 @@ class QKVProjection(nn.Linear):
             return self._forward_sharded(x)
         if self.role == 0:
             with scope_of(self):
-                full = ops.gemm(x, g.weight.get_t(), bias=g.bias.get() if g.bias is not None else None)
+                full = g.fp8(x) if g.fp8 is not None else None
+                if full is None:
+                    full = ops.gemm(x, g.weight.get_t(), bias=g.bias.get() if g.bias is not None else None)
             g.stash = (x, full)
             return full[..., :g.splits[0]]
         if g.stash is not None and g.stash[0] is x:
@@ -268,6 +270,8 @@ class QKVProjection(nn.Linear):
 
 
 class QKVGroup:
+    fp8 = None               # convert_model(precision="fp8"): the Fp8Gemm of [W_q|W_k|W_v] (convert/fp8.py)
+
     def __init__(self, q: nn.Linear, k: nn.Linear, v: nn.Linear):
         self.splits = (q.out_features, k.out_features, v.out_features)
         self.weight = FusedRows([q.weight, k.weight, v.weight])
@@ -288,6 +292,7 @@ class SwiGLUMLP(nn.Module):
     (swiglu_gemm's epilogue is silu only)."""
 
     activation = "silu"      # (class default: a module pickled before GeGLU support has no instance attribute)
+    _fp8 = None              # convert_model(precision="fp8"): the Fp8Gemm of [W_gate|W_up] (convert/fp8.py)
 
     def __init__(self, gate_proj: nn.Linear, up_proj: nn.Linear, down_proj: nn.Module, activation: str = "silu"):
         super().__init__()
@@ -311,7 +316,10 @@ class SwiGLUMLP(nn.Module):
         if self._w.sharded or tp.is_dtensor(self.gate_proj.weight):
             return self._mlp_sharded(x)
         with scope_of(self):
-            if self.activation != "silu" or self._trains(x):
+            gu = self._fp8(x) if self._fp8 is not None else None
+            if gu is not None:                     # FP8 [W_g|W_u] GEMM, then the gate (no fp8 gated epilogue)
+                h = ops.swiglu(gu, activation=self.activation)
+            elif self.activation != "silu" or self._trains(x):
                 # training: the [W_g|W_u] GEMM as torch's linear (cuBLAS forward and backward; the mlp bench suite
                 # measured opsadv's gemm backward slower at small hidden sizes), the gate as the swiglu op; GeGLU
                 # runs so in inference too (no fused-epilogue GEMM for gelu_tanh)
@@ -385,8 +393,11 @@ class FusedSwiGLUMLP(SwiGLUMLP):
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         gu = self._gate_up()
         with scope_of(self):
+            y = self._fp8(x) if self._fp8 is not None else None
             # (tensor-parallel weights: gate_up_proj runs as the module it is, under its plan's hooks)
-            if self.activation != "silu" or self._trains(x) or tp.is_dtensor(gu.weight):
+            if y is not None:                      # FP8 gate_up GEMM, then the gate
+                h = ops.swiglu(y, activation=self.activation)
+            elif self.activation != "silu" or self._trains(x) or tp.is_dtensor(gu.weight):
                 h = ops.swiglu(gu(x), activation=self.activation)
             else:
                 h = ops.swiglu_gemm(x, gu.weight.t(), bias=gu.bias)
@@ -412,14 +423,17 @@ class LinearAct(nn.Module):
         self._up, self._down, self._drop = up, down, dropout
         self.activation, self.conv1d = activation, conv1d
 
+    _fp8 = None              # convert_model(precision="fp8"): the Fp8Gemm of the up projection (convert/fp8.py)
+
     def extra_repr(self) -> str:
         return f"activation={self.activation}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         up = getattr(self, self._up)
-        w = up.weight if self.conv1d else up.weight.t()
         with scope_of(self):
-            h = ops.gemm(x, w, bias=up.bias, activation=self.activation)
+            h = self._fp8(x, self.activation) if self._fp8 is not None else None
+            if h is None:
+                h = ops.gemm(x, up.weight if self.conv1d else up.weight.t(), bias=up.bias, activation=self.activation)
         if self._down is not None:
             h = getattr(self, self._down)(h)
         if self._drop is not None:
@@ -437,10 +451,14 @@ class DenseResidualNorm(nn.Module):
         self.add_module(norm_name, norm)
         self._norm = norm_name
 
+    _fp8 = None              # convert_model(precision="fp8"): the Fp8Gemm of dense (convert/fp8.py)
+
     def forward(self, hidden_states: torch.Tensor, input_tensor: torch.Tensor) -> torch.Tensor:
         norm = getattr(self, self._norm)
         with scope_of(self):
-            h = ops.gemm(hidden_states, self.dense.weight.t(), bias=self.dense.bias)
+            h = self._fp8(hidden_states) if self._fp8 is not None else None
+            if h is None:
+                h = ops.gemm(hidden_states, self.dense.weight.t(), bias=self.dense.bias)
         h = self.dropout(h)
         if isinstance(norm, OpsadvNorm):
             return norm(h, residual=input_tensor)[0]

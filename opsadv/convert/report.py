@@ -9,7 +9,7 @@ from typing import Any
 
 @dataclass
 class Change:
-    kind: str           # "replaced" | "fused" | "skipped" | "attention" | "fx" | "kept" (undone by the floor)
+    kind: str           # "replaced" | "fused" | "skipped" | "attention" | "fx" | "fp8" | "kept" (left as it was)
     where: str          # module path (or graph node) it applies to
     what: str           # e.g. "LlamaRMSNorm -> opsadv.rms_norm"
     reason: str = ""    # for skips: why
@@ -31,6 +31,7 @@ class ConversionReport:
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
     floor: list[dict[str, Any]] | None = None   # per rewrite step: kept?, ratio, ms both ways (convert/floor.py)
+    fp8: dict[str, Any] | None = None   # precision="fp8": blocks in FP8 / kept bf16 and why (convert/fp8.py)
 
     def add(self, kind: str, where: str, what: str, reason: str = "") -> None:
         self.changes.append(Change(kind, where, what, reason))
@@ -58,6 +59,13 @@ class ConversionReport:
             nums = ", ".join(f"{k}={_fmt(val)}" for k, val in v.items() if k not in ("limits", "passed"))
             rows.append(f"  validation: {'passed' if v.get('passed') else 'FAILED'}: {nums}")
             rows.append(f"    limits: {v.get('limits')}")
+        if self.fp8:
+            f = self.fp8
+            bf16 = ", ".join(f"{u} ({', '.join(f'{k}={_fmt(v)}' for k, v in f['unit_metrics'][u].items())})"
+                             for u in f["bf16_units"])
+            rows.append(f"  fp8: {f['fp8_units']}/{f['units']} blocks' GEMMs in FP8 ({f['validation_forwards']} "
+                        f"validation forwards); attention {f['attention']}"
+                        + (f"; bf16 blocks: {bf16}" if bf16 else ""))
         if self.floor:
             rows.append("  floor (each rewrite timed without / with it; kept where not slower): " + ", ".join(
                 f"{d['kind']} {d['ratio']:.2f}x {'kept' if d['kept'] else 'undone'}" for d in self.floor))
@@ -68,7 +76,7 @@ class ConversionReport:
         return {"model": self.model, "opt_level": self.opt_level, "backend": self.backend,
                 "precision": self.precision, "status": self.status, "seconds": self.seconds,
                 "changes": [vars(c) for c in self.changes], "validation": self.validation, "notes": self.notes,
-                "floor": self.floor}
+                "floor": self.floor, "fp8": self.fp8}
 
 
 def _fmt(v) -> str:

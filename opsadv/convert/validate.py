@@ -4,7 +4,11 @@ Limits (fp32): relative error < 1e-3, and for logits KL(p_orig || p_conv) < 0.01
 token) and top-1 agreement >= 99.9%.  Half-precision models are compared with the original in
 the same dtype, with relative error < 1e-2 (fp16) / 3e-2 (bf16).  A top-1 flip between two
 logits closer than the measured max abs error is a tie, not a disagreement (counted apart).
-Padded positions (attention_mask == 0) are excluded."""
+Padded positions (attention_mask == 0) are excluded.
+
+FP8 (convert_model(precision="fp8")): FP8_LIMITS, the issue's KL < 0.01 and the same top-1 agreement on logits, whose
+relative error (e4m3's rounding steps of up to 2^-4 alone make it several percent) is reported, not limited;
+outputs without logits are held to rel_err < FP8_REL_LIMIT."""
 from __future__ import annotations
 
 from typing import Any
@@ -16,6 +20,9 @@ from opsadv.core.errors import InvalidArgumentError, OpsadvError
 REL_LIMIT = {torch.float32: 1e-3, torch.float64: 1e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 KL_LIMIT = 0.01
 TOP1_LIMIT = 0.999
+FP8_REL_LIMIT = 0.15
+# "logits_rel_err": None: logits are judged by KL and top-1 alone
+FP8_LIMITS = {"rel_err": FP8_REL_LIMIT, "logits_rel_err": None, "kl": KL_LIMIT, "top1_agreement": TOP1_LIMIT}
 
 
 from opsadv.core.errors import ValidationError  # noqa: E402,F401  (public in opsadv.errors)
@@ -99,7 +106,10 @@ def run(model, inputs) -> Any:
         return model(inputs)
 
 
-def compare(ref_out, new_out, inputs, dtype: torch.dtype) -> dict[str, Any]:
+def compare(ref_out, new_out, inputs, dtype: torch.dtype, limits: dict | None = None) -> dict[str, Any]:
+    """The metrics of new_out against ref_out and whether they pass: the dtype's limits, or `limits`
+    (FP8_LIMITS) where given."""
+    lim = limits or {}
     a, kind = primary_output(ref_out)
     b, _ = primary_output(new_out)
     if a is None or b is None:
@@ -118,12 +128,15 @@ def compare(ref_out, new_out, inputs, dtype: torch.dtype) -> dict[str, Any]:
     diff = (b64 - a64)
     rel = (diff.norm() / a64.norm().clamp_min(1e-30)).item() if finite else float("inf")
     cos = torch.nn.functional.cosine_similarity(a64, b64, dim=-1).min().item() if finite else float("nan")
-    rel_lim = REL_LIMIT.get(dtype, 3e-2)
+    rel_lim = lim.get("rel_err", REL_LIMIT.get(dtype, 3e-2))
     m: dict[str, Any] = {"output": kind, "tokens": int(a64.shape[0]), "rel_err": rel,
                          "max_abs_err": diff.abs().max().item() if finite else float("inf"), "min_cosine": cos}
-    limits = {"rel_err": rel_lim}
-    ok = finite and rel < rel_lim
-    if kind in ("logits", "prediction_logits") and a64.shape[-1] > 1:
+    logits = kind in ("logits", "prediction_logits") and a64.shape[-1] > 1
+    if logits and "logits_rel_err" in lim:
+        rel_lim = lim["logits_rel_err"]
+    limits = {"rel_err": rel_lim} if rel_lim is not None else {}
+    ok = finite and (rel_lim is None or rel < rel_lim)
+    if logits:
         lp, lq = torch.log_softmax(a64, -1), torch.log_softmax(b64, -1)
         kl = (lp.exp() * (lp - lq)).sum(-1).mean().item() if finite else float("inf")
         t1a, t1b = a64.argmax(-1), b64.argmax(-1)
@@ -133,8 +146,9 @@ def compare(ref_out, new_out, inputs, dtype: torch.dtype) -> dict[str, Any]:
         ties = flips & (gap <= 2 * m["max_abs_err"])
         agree = 1.0 - (flips & ~ties).double().mean().item()
         m.update(kl=kl, top1_agreement=agree, top1_ties=int(ties.sum()))
-        limits.update(kl=KL_LIMIT, top1_agreement=TOP1_LIMIT)
-        ok = ok and kl < KL_LIMIT and agree >= TOP1_LIMIT
+        kl_lim, top1_lim = lim.get("kl", KL_LIMIT), lim.get("top1_agreement", TOP1_LIMIT)
+        limits.update(kl=kl_lim, top1_agreement=top1_lim)
+        ok = ok and kl < kl_lim and agree >= top1_lim
     m["limits"] = limits
     m["passed"] = bool(ok)
     return m

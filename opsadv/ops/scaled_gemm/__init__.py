@@ -59,7 +59,7 @@ from opsadv.core.policy import in_scope, op_scope
 
 from . import reference as _reference
 from .reference import (BLOCK, E4M3, E5M2, FP8_DTYPES, FP8_MAX, GRANULARITIES,  # noqa: F401  (public helpers)
-                        dequantize_fp8, quantize_fp8, scale_kind)
+                        dequantize_fp8, quantize_fp8, quantize_with_scale, scale_from_amax, scale_kind)
 
 OP = "scaled_gemm"
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
