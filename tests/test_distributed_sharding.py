@@ -172,6 +172,27 @@ def _cases(mesh, world: int):
             return fails + ([] if err <= 1e-4 * want.abs().max().item() else [f"max err {err:.3g}"])
         return run
 
+    def fp8_attention(split):
+        """FP8 q / k / v with (b, h) descales, placed without communication (gloo carries no fp8)."""
+        def run():
+            from opsadv.ops.fp8_attention import quantize_qkv
+            from torch.distributed.tensor import distribute_tensor
+            q, k, v = (torch.randn(2, h, 37, 16) for _ in range(3))
+            full = dict(zip(("q", "k", "v", "qd", "kd", "vd"), quantize_qkv(q, k, v)))
+            pl = {n: S(split) for n in full}
+            placed = {n: distribute_tensor(t, mesh, pl[n], src_data_rank=None) for n, t in full.items()}
+
+            def call(x):
+                return ops.fp8_attention(x["q"], x["k"], x["v"], x["qd"], x["kd"], x["vd"], causal=True,
+                                         out_dtype=torch.float32)
+            want, got = call(full), call(placed)
+            fails = [] if list(got.placements) == S(split) else [f"output placements {got.placements}"]
+            err = (got.full_tensor() - want).abs().max().item()
+            return fails + ([] if err <= 1e-5 else [f"max err {err:.3g}"])
+        return run
+
+    cases["fp8_attention heads"] = fp8_attention(1)
+    cases["fp8_attention batch"] = fp8_attention(0)
     cases["scaled_gemm column-parallel col scales"] = scaled_gemm("column")
     cases["scaled_gemm row-parallel block scales (Partial)"] = scaled_gemm("row")
     cases["scaled_gemm batch-parallel row scales"] = scaled_gemm("batch")
@@ -397,7 +418,7 @@ def _names():
             "varlen_attention heads gqa", "gemm column-parallel bias residual", "gemm column-parallel gelu",
             "gemm row-parallel bias residual (Partial)",
             "gemm row-parallel gelu training (activation after the reduction)", "gemm batch-parallel bias",
-            "scaled_gemm column-parallel col scales", "scaled_gemm row-parallel block scales (Partial)",
+            "fp8_attention heads", "fp8_attention batch", "scaled_gemm column-parallel col scales", "scaled_gemm row-parallel block scales (Partial)",
             "scaled_gemm batch-parallel row scales", "refuse scaled_gemm split fp8 output",
             "swiglu_gemm column-parallel (gate/up strided)", "swiglu_gemm token-parallel", "swiglu tokens",
             "swiglu last dim as [g_r | u_r]", "layer_norm sequence-parallel", "layer_norm sequence-parallel residual",

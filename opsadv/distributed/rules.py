@@ -47,6 +47,26 @@ def flash_attention(c: Call):
     return _dense(c, False)
 
 
+def fp8_attention(c: Call):
+    """As flash_attention (heads or batch); a (b, h) descale splits with its tensor's split dim, a per-tensor one
+    (or q's (b, h_kv) FA3 form on a head split) is replicated or refused."""
+    d = c.lead("q", {0: "batch", 1: "heads"})
+    if d == 1:
+        _whole_groups(c, "q", "k", 1)
+    s = R if d is None else Shard(d)
+    ins: dict[str, Placement] = {"q": s, "k": s, "v": s}
+    for name, of in (("q_descale", "q"), ("k_descale", "k"), ("v_descale", "v")):
+        a = c[name]
+        if d is None or a.ndim < 2:
+            ins[name] = R
+        elif a.shape[d] == c[of].shape[d]:
+            ins[name] = Shard(d)
+        else:
+            c.refuse(name, f"a per-tensor descale or one of shape (b, h) of {of} when heads are split",
+                     f"shape {a.shape}", why="the (b, h_kv) form of q_descale cannot follow q's head split")
+    return (s, s), ins
+
+
 def flash_attention_backward(c: Call):
     return _dense(c, True)
 
@@ -425,6 +445,7 @@ def linear_cross_entropy_backward(c: Call):
 ALL = {
     "flash_attention": (flash_attention, ()),
     "flash_attention_backward": (flash_attention_backward, ("dout",)),
+    "fp8_attention": (fp8_attention, ()),
     "sparse_attention": (sparse_attention, ()),
     "sparse_attention_backward": (sparse_attention_backward, ("dout",)),
     "paged_attention": (paged_attention, ()),
