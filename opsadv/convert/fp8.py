@@ -46,6 +46,7 @@ from opsadv.ops.scaled_gemm import E4M3, E5M2, FP8_MAX, quantize_fp8, quantize_w
 
 from . import tp, validate as _val
 from .modules import DenseResidualNorm, FusedSwiGLUMLP, LinearAct, QKVProjection, SwiGLUMLP
+from .passes import Undo
 from .state import scope_of
 
 KIND = "fp8"
@@ -482,7 +483,6 @@ def _short(m: dict) -> dict:
 
 def _decide(root, sites, units, inputs, report):
     """Attach every site for the trial, search, detach: (kept units, why per bf16 unit, forwards)."""
-    from .passes import Undo
     if inputs is None:
         report.notes.append("precision fp8: GEMMs not validated per block (no validation inputs): all kept in FP8")
         return set(units), {}, 0
