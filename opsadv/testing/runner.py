@@ -233,6 +233,8 @@ def _run(case, res, backend, dtype, device, seed, check_determinism, precision, 
         return
     res.checks.append("no-grad forward")
     # backward: same random output gradients for all three
+    if not case.grad_args:      # a forward-only case (scaled_gemm, paged / fp8 attention)
+        return
     grads_out = [torch.randn(r.shape, generator=g, dtype=torch.float64) for r in routs]
     try:
         with opsadv.use_backend(backend, **pol):
