@@ -191,6 +191,33 @@ def _cases(mesh, world: int):
             return fails + ([] if err <= 1e-5 else [f"max err {err:.3g}"])
         return run
 
+    def paged(append):
+        """paged_attention split over heads: caches on their head dim (appended in place on each rank's shard)."""
+        def run():
+            from opsadv.ops.paged_attention.cases import paged_inputs
+            from torch.distributed.tensor import distribute_tensor
+            g = torch.Generator().manual_seed(7)
+            (q, kc, vc, bt, lens), kw = paged_inputs(DT, "cpu", g, hq=h, hkv=world, d=8, page=8, lens=[13, 30, 1],
+                                                     append=append)
+            kc, vc = kc.nan_to_num(), vc.nan_to_num()        # (slots past each length hold NaN; DTensor compares)
+            full = dict(q=q, k_cache=kc, v_cache=vc, block_table=bt, seqlens_k=lens, **kw)
+            pl = {n: (S(2) if n in ("q", "k_cache", "v_cache", "k_new", "v_new") else Rp) for n in full}
+            placed = {n: distribute_tensor(t.clone(), mesh, pl[n]) for n, t in full.items()}
+            ref = {n: t.clone() for n, t in full.items()}
+            want = ops.paged_attention(**ref, return_lse=True)
+            got = ops.paged_attention(**placed, return_lse=True)
+            fails = [] if list(got[0].placements) == S(2) else [f"output placements {got[0].placements}"]
+            for name, g_, w in (("out", got[0], want[0]), ("lse", got[1], want[1])):
+                err = (g_.full_tensor() - w).abs().max().item()
+                if not err <= TOL:
+                    fails.append(f"{name} max err {err:.3g}")
+            if append and not torch.equal(placed["k_cache"].full_tensor(), ref["k_cache"]):
+                fails.append("the appended k_cache differs")
+            return fails
+        return run
+
+    cases["paged_attention heads"] = paged(False)
+    cases["paged_attention heads with append (cache written in place)"] = paged(True)
     cases["fp8_attention heads"] = fp8_attention(1)
     cases["fp8_attention batch"] = fp8_attention(0)
     cases["scaled_gemm column-parallel col scales"] = scaled_gemm("column")
@@ -418,6 +445,7 @@ def _names():
             "varlen_attention heads gqa", "gemm column-parallel bias residual", "gemm column-parallel gelu",
             "gemm row-parallel bias residual (Partial)",
             "gemm row-parallel gelu training (activation after the reduction)", "gemm batch-parallel bias",
+            "paged_attention heads", "paged_attention heads with append (cache written in place)",
             "fp8_attention heads", "fp8_attention batch", "scaled_gemm column-parallel col scales", "scaled_gemm row-parallel block scales (Partial)",
             "scaled_gemm batch-parallel row scales", "refuse scaled_gemm split fp8 output",
             "swiglu_gemm column-parallel (gate/up strided)", "swiglu_gemm token-parallel", "swiglu tokens",
