@@ -471,3 +471,16 @@ def test_every_case_ran(verdicts):
 def test_case(verdicts, case):
     for rank, v in sorted(verdicts.items()):
         assert v.get(case) == [], f"rank {rank}: " + "\n".join(v.get(case) or ["not run"])
+
+
+def test_a_failing_registration_warns_instead_of_breaking_the_import(monkeypatch):
+    """DTensor internals that moved in another torch must not make `import torch.distributed.tensor` raise."""
+    import opsadv.distributed as D
+    from opsadv.distributed import rules
+
+    def broken():
+        raise AttributeError("ShardingPropagator has no register_op_strategy")
+    monkeypatch.setattr(rules, "register_all", broken)
+    monkeypatch.setattr(D, "_registered", False)
+    with pytest.warns(RuntimeWarning, match="sharding rules not registered.*register_op_strategy"):
+        D.register()

@@ -20,9 +20,14 @@ def register() -> None:
     if _registered or _submodule_initializing():
         return
     _registered = True
-    from . import explain, rules
-    rules.register_all()
-    explain.install()
+    try:
+        from . import explain, rules
+        rules.register_all()
+        explain.install()
+    except Exception as e:  # noqa: BLE001 - another torch's DTensor internals must not break importing it
+        import warnings
+        warnings.warn(f"opsadv: DTensor sharding rules not registered ({type(e).__name__}: {e}); opsadv ops on "
+                      "DTensors will fail with DTensor's own error", RuntimeWarning, stacklevel=2)
 
 
 def _submodule_initializing() -> bool:
