@@ -26,7 +26,6 @@ the dequantized inputs (float32, computed per head chunk), so it shows the kerne
 under the runner's 5% MISMATCH.  Target (H200): >= 1000 TFLOP/s at d128 s >= 4096."""
 from __future__ import annotations
 
-import dataclasses
 from typing import Iterator
 
 import math
@@ -35,22 +34,18 @@ import torch
 import torch.nn.functional as F
 
 import opsadv
-from opsadv.core import dispatch
-from opsadv.core.policy import current_policy
 from opsadv.ops.fp8_attention import dequantize_heads, quantize_qkv
 from opsadv.ops.fp8_attention.reference import fp8_attention_fwd
 from opsadv.ops.scaled_gemm import _spec as _scaled_spec, validate as _validate
 from opsadv.ops.scaled_gemm.reference import dequantize_fp8, quantize_fp8, requantize
-from opsadv.registry import get_registry
 
 from .case import BenchCase
-from .suite_gemm import SHAPES as GEMM_SHAPES
+from .suite_gemm import OWN_PREFIXES, SHAPES as GEMM_SHAPES, own_impl as _gemm_own_impl
 
 ATTN_SHAPES = ((4, 32, 32, 4096), (1, 32, 32, 16384))        # (b, h, h_kv, s)
 SHAPES = ((8192, 8192, 8192),) + tuple(GEMM_SHAPES[1:])
 SCALINGS = {"tensor": ("tensor", "tensor"), "row": ("row", "col"), "block": ("block1x128", "block128x128")}
 EPILOGUES = ("none", "gelu_tanh")
-OWN_PREFIXES = ("cuda.triton.scaled_gemm_tma", "cuda.triton.scaled_gemm")
 
 
 def _grid(quick: bool):
@@ -63,19 +58,8 @@ def _grid(quick: bool):
 
 
 def own_impl(spec):
-    """(impl, ctx) of our Triton kernel for this call, or None where the cuda backend has none."""
-    reg = get_registry()
-    if "cuda" not in reg.backends or not reg.backends["cuda"].available:
-        return None
-    pol = dataclasses.replace(current_policy(), backend="cuda", autotune=False)
-    exp, r = dispatch.explain_spec(spec, pol)
-    if r is None:
-        return None
-    for impl_id in OWN_PREFIXES:
-        for c in exp.candidates:
-            if c.accepted and c.impl.id == impl_id:
-                return c.impl, dataclasses.replace(r.ctx, spec=spec)
-    return None
+    """(impl, ctx) of our Triton kernel for this call (suite_gemm.own_impl's choice), or None."""
+    return _gemm_own_impl("scaled_gemm", spec)
 
 
 def _mm_scales(kind: str, sa, sb):

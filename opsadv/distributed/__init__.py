@@ -6,9 +6,9 @@ and no DTensor can exist before it is.  shard_gate_up builds swiglu_gemm's colum
 (context parallelism) and its zig-zag helpers load on first use."""
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
 import sys
+
+from .._import_hook import when_imported
 
 TARGET = "torch.distributed.tensor"
 _registered = False
@@ -37,41 +37,9 @@ def _submodule_initializing() -> bool:
                for n, m in list(sys.modules.items()) if n.startswith(__name__ + "."))
 
 
-class _Loader(importlib.abc.Loader):
-    """The real loader of torch.distributed.tensor, then the registration."""
-
-    def __init__(self, loader):
-        self.loader = loader
-
-    def create_module(self, spec):
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module):
-        self.loader.exec_module(module)
-        register()
-
-    def __getattr__(self, name):
-        return getattr(self.loader, name)
-
-
-class _Finder(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != TARGET:
-            return None
-        sys.meta_path.remove(self)           # one shot; the other finders locate the real module
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None:
-            return None
-        spec.loader = _Loader(spec.loader)
-        return spec
-
-
 def install() -> None:
     """Called by `import opsadv`: register now if DTensor is loaded, else when it loads."""
-    if TARGET in sys.modules:
-        register()
-    elif not any(isinstance(f, _Finder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _Finder())
+    when_imported(TARGET, register)
 
 
 def shard_gate_up(w_gate_up, mesh, mesh_dim: int = 0):

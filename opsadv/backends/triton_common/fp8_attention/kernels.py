@@ -21,6 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..flash_attention.attention import _kv_tile
 from ..scaled_gemm.kernels import _round_fp8
 from ..utils import load_tile, store_tile
 
@@ -50,24 +51,13 @@ def _v_tile(v_base, desc_v, vt_row0, start_n, s_vn, s_vd, offs_d, SK, HEAD_DIM: 
 
 
 @triton.jit
-def _k_tile(k_base, desc_k, k_row0, start_n, s_kn, offs_d, SK, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-            PAD_D: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr):
-    if TMA:
-        k = desc_k.load([k_row0 + start_n, 0])
-    else:
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = load_tile(k_base + offs_n[:, None] * s_kn + offs_d[None, :], offs_n, SK, offs_d, HEAD_DIM, MASKED, PAD_D)
-    return k
-
-
-@triton.jit
 def _fp8_inner(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, k_row0, vt_row0, s_kn, s_vn, s_vd,
                offs_m, offs_d, lo, hi, SK, OFFSET, qk_scale,
                HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAD_D: tl.constexpr, CAUSAL: tl.constexpr,
                MASKED: tl.constexpr, V_T: tl.constexpr, TMA: tl.constexpr, ROUND_P: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        k = _k_tile(k_base, desc_k, k_row0, start_n, s_kn, offs_d, SK, HEAD_DIM, BLOCK_N, PAD_D, MASKED, TMA)
+        k = _kv_tile(k_base, desc_k, k_row0, start_n, s_kn, offs_d, SK, HEAD_DIM, BLOCK_N, PAD_D, MASKED, TMA)
         qk = tl.dot(q, tl.trans(k))                                        # FP8 tensor cores, float32 accumulator
         if MASKED:
             offs_n = start_n + tl.arange(0, BLOCK_N)
