@@ -31,6 +31,18 @@ def rel(a, b) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def assert_out_lse_match(out, lse, ro, rl, tol: float) -> None:
+    """An attention (out, lse) against the reference's in float64: shapes, no NaN, out within tol, the same rows
+    without a key (lse -inf, out 0), lse within 2e-2 elsewhere."""
+    assert out.shape == ro.shape and lse.shape == rl.shape and lse.dtype == torch.float32
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert rel(out, ro) < tol
+    fin = torch.isfinite(rl)
+    assert torch.equal(torch.isfinite(lse), fin)
+    assert (lse[fin].double() - rl[fin]).abs().max().item() < 2e-2
+    assert torch.all(out[~fin] == 0)
+
+
 def _npu_env(soc_from_env: int | None = None):
     return dataclasses.replace(current_env(), device_type="npu", npu_installed=True, npu_soc_version=soc_from_env,
                                device_name=None, compute_capability=None)
