@@ -169,7 +169,7 @@ class PagedKVCache(Cache):
         self.pages_per_seq = -(-max_cache_len // page_size)
         if static and max_batch_size is None:
             max_batch_size = 1
-        self.max_batch_size = max_batch_size
+        self._max_batch_size = max_batch_size
         self._num_pages_arg = num_pages
         self.num_pages = num_pages if num_pages is not None else (
             max_batch_size * self.pages_per_seq if max_batch_size is not None else None)
@@ -182,10 +182,18 @@ class PagedKVCache(Cache):
         self._last_call = None                    # the last call's arguments (explain())
         self._clear()
 
+    # properties of our own: transformers < 5.25's Cache defines read-only ones (over its layers)
     @property
     def max_cache_len(self) -> int:
-        # a property of our own: transformers < 5.25's Cache defines a read-only one (over its layers)
         return self._max_cache_len
+
+    @property
+    def max_batch_size(self) -> int | None:
+        return self._max_batch_size
+
+    @max_batch_size.setter
+    def max_batch_size(self, value: int | None) -> None:
+        self._max_batch_size = value
 
     # ---- state ---------------------------------------------------------------------------------------------------
     def _clear(self) -> None:
