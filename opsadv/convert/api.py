@@ -432,54 +432,70 @@ def _steps(is_hf: bool, opt_level: int, mem_opt, pack_padding, state, fp8: dict 
 def _run_step(root, kind, label, apply, report, undo, gate):
     """Apply one rewrite step into `undo`; with the floor on, time it both ways and undo it where slower.
 
-    Eager floors time without / with / without again (the step reverted for the second "without", re-applied if
-    kept) and judge "with" against the mean of the two: a drift of the machine over the conversion (clocks, the
-    allocator's state) cancels instead of reading as a rewrite's cost.  Compiled floors time each side once, since
-    each of their measurements is a fresh compilation."""
-    step = passes.Undo()
+    Eager floors time B A A B blocks (floor.py's docstring): the step is reverted and re-applied between the sides,
+    more blocks while its samples disagree, and it stays applied if the median block ratio is >= 1.  Compiled
+    floors time each side once, since each of their measurements is a fresh compilation."""
     first = len(report.changes)
     notes = len(report.notes)
-    # the model as it stands: after a kept step, eager floors time it afresh (judging the next step against the
-    # kept step's own "with" sample carried that sample's noise into the next decision); compiled floors reuse it
-    ms_without = None
-    if gate is not None:
-        if gate.last is None or (gate.last_is_with and gate.compile is None):
-            gate.last = gate.time(root)
-        ms_without, gate.last_is_with = gate.last, False
-    new_root = apply(root, report, step)
-    if gate is None or step.empty():
-        undo.extend(step)
+    if gate is not None and gate.compile is not None and gate.last is None:
+        gate.last = gate.time(root)
+    state = {"step": passes.Undo(), "on": True}
+    new_root = apply(root, report, state["step"])
+    if gate is None or state["step"].empty():
+        undo.extend(state["step"])
         return new_root
-    try:
-        ms_with = gate.time(new_root)
-    except Exception:
-        step.revert()
-        raise
 
     def drop():
-        step.revert()
+        state["step"].revert()
         del report.changes[first:]
         del report.notes[notes:]
+        state["on"] = False
 
-    samples = (ms_without,)
-    if gate.compile is None:
-        drop()
-        ms_again = gate.time(root)
-        gate.last = ms_again               # a fresh sample of the model as it stands, for the next step
-        samples = (ms_without, ms_again)
-        ms_without = (ms_without + ms_again) / 2
-    d = gate.decide(kind, label, ms_without, ms_with, samples)
-    if d.kept:
-        if gate.compile is None:           # re-applied: the timed step was reverted for the second sample
-            step = passes.Undo()
-            new_root = apply(root, report, step)
-        undo.extend(step)
-        gate.last, gate.last_is_with = ms_with, True
-        return new_root
+    def turn(on: bool):
+        nonlocal new_root
+        if on == state["on"]:
+            return
+        if on:
+            state["step"] = passes.Undo()
+            new_root = apply(root, report, state["step"])
+            state["on"] = True
+        else:
+            drop()
+
+    def sample(on: bool) -> float:
+        turn(on)
+        try:
+            return gate.time(new_root if on else root)
+        except Exception:
+            if state["on"]:
+                drop()
+            raise
+
     if gate.compile is not None:
+        ms_with = sample(True)
+        d = gate.decide(kind, label, gate.last, ms_with)
+        if d.kept:
+            gate.last = ms_with
+    else:
+        without, with_ = [], []
+        while True:
+            for on in (True, False, False, True):          # B A A B: one toggle per side change
+                (with_ if on else without).append(sample(on))
+            pairs = list(zip(without[-2:], with_[-2:]))
+            blocks = [(sum(without[i:i + 2]), sum(with_[i:i + 2])) for i in range(0, len(without), 2)]
+            if len(blocks) >= _floor.MAX_BLOCKS or not (_floor.blocks_disagree(pairs) if len(blocks) == 1
+                                                          else _floor.blocks_disagree(blocks)):
+                break
+        d = gate.decide_blocks(kind, label, without, with_)
+    if d.kept:
+        turn(True)
+        undo.extend(state["step"])
+        return new_root
+    if state["on"]:
         drop()
-    report.add("kept", "", label, f"opsadv's {kind} rewrite measured {d.ratio:.3f}x ({ms_with:.4g} ms with it vs "
-               f"{ms_without:.4g} ms without, {gate.mode}): not applied")
+    report.add("kept", "", label, f"opsadv's {kind} rewrite measured {d.ratio:.3f}x ({d.ms_with:.4g} ms with it vs "
+               f"{d.ms_without:.4g} ms without, {gate.mode}"
+               + (f", {len(d.block_ratios)} blocks" if d.block_ratios else "") + "): not applied")
     return root
 
 

@@ -2,11 +2,15 @@
 
 convert_model applies its rewrites in steps of one kind each (attention, norms, residual+norm, MLP
 epilogues, fused QKV, packing, graph rewrites).  With the floor on, each step is timed on the floor
-inputs without it, with it and (eager) without it again, and undone when "with" is slower than the mean of the
-"without" samples, so a drift of the machine over the conversion cancels (eager: the first "without" is a fresh
-sample after a kept step, never the kept step's own "with" sample); the report
-says which kind was kept as it was and by how much ("kept the model's own norms: measured 0.93x").
-Greedy and in application order, so every undo is of the last step applied (an undo log is LIFO).
+inputs with and without it and undone where it is slower; the report says which kind was kept as it was and by how
+much ("kept the model's own norms: measured 0.93x").  Greedy and in application order, so every undo is of the
+last step applied (an undo log is LIFO).
+
+Eager floors time the step in balanced blocks, with / without / without / with (B A A B): a drift of the machine
+over the block (clocks, other tenants of the host's CPU, the allocator's state) cancels within it, and the block's
+ratio is sum(without) / sum(with).  A model whose calls are host-bound (launch-bound eager forwards) swings by up to
+2x for seconds at a time on a shared host, so one sample each way decides nothing: a step whose two pairs of a block
+disagree on the side of 1 gets more blocks (up to MAX_BLOCKS), and the decision is the median block ratio >= 1.
 
 What is timed (`mode`): "inference" = one no-grad forward; "train" = forward + backward of the loss
 (labels = input_ids for causal LMs, else the sum of the primary output); "generate" = `model.generate`
@@ -18,9 +22,11 @@ first-call resolution stay out of them.  `timer` replaces the clock (tests, cust
 that helps eager but loses to Inductor's own fusion is not applied to a model that will be compiled.  "regional"
 compiles each repeated block (the model's _no_split_modules classes; transformers' recommendation) in place for
 the measurement and removes the compilation after it; "full" times torch.compile(model).  Every measurement
-compiles afresh (the rewrite changed the modules), so conversion takes compile time once per step."""
+compiles afresh (the rewrite changed the modules), so conversion takes compile time once per step; compiled floors
+time each side once."""
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from dataclasses import dataclass
@@ -42,8 +48,9 @@ COMPILE_KWARGS: dict = {}              # torch.compile's arguments for the floor
 RECOMPILE_LIMIT = 256                  # each step recompiles the same block code: past dynamo's limit it runs eager
 GENERATE_TOKENS = 32                  # new tokens per timed generate call (floor_mode="generate")
 ENV = "OPSADV_CONVERT_FLOOR"          # "0" turns the floor off by default, "1" on (the default)
-TARGET_S = 0.3                        # seconds of timed calls per measurement (after the warm-up)
+TARGET_S = 0.2                        # seconds of timed calls per measurement (after the warm-up)
 MIN_REPS, MAX_REPS = 3, 30
+MAX_BLOCKS = 3                        # B A A B blocks per eager step at most (see the module docstring)
 
 Timer = Callable[[Callable[[], Any]], float]     # fn -> ms of one call
 # rewrite kinds that change only some modes' calls: timed in those modes, applied untimed in the others (they
@@ -64,18 +71,35 @@ class Decision:
     ms_without: float
     ms_with: float
     kept: bool                # True: the rewrite stays
-    without_samples: tuple = ()   # eager floors: the "without" samples before and after "with" (ms_without: mean)
+    without_samples: tuple = ()   # eager floors: every sample of each side, in the order taken
+    with_samples: tuple = ()
+    block_ratios: tuple = ()      # eager floors: sum(without) / sum(with) of each B A A B block
 
     @property
     def ratio(self) -> float:
-        """Speed with the rewrite over speed without (> 1: the rewrite is faster)."""
+        """Speed with the rewrite over speed without (> 1: the rewrite is faster): the median block ratio of an
+        eager floor, else ms_without / ms_with."""
+        if self.block_ratios:
+            return statistics.median(self.block_ratios)
         return self.ms_without / self.ms_with if self.ms_with > 0 else float("inf")
 
     def to_dict(self) -> dict:
+        r4 = lambda xs: [round(x, 4) for x in xs]      # noqa: E731
         return {"kind": self.kind, "kept": self.kept, "ratio": round(self.ratio, 4),
                 "ms_without": round(self.ms_without, 4), "ms_with": round(self.ms_with, 4),
-                **({"without_samples": [round(x, 4) for x in self.without_samples]}
-                   if len(self.without_samples) > 1 else {})}
+                **({"without_samples": r4(self.without_samples), "with_samples": r4(self.with_samples),
+                    "block_ratios": r4(self.block_ratios)} if self.block_ratios else {})}
+
+
+def block_ratio(without: list[float], with_: list[float]) -> float:
+    s = sum(with_)
+    return sum(without) / s if s > 0 else float("inf")
+
+
+def blocks_disagree(pairs: list[tuple[float, float]]) -> bool:
+    """Whether (without, with) pairs or block ratios fall on both sides of 1: the step needs another block."""
+    sides = {a >= b for a, b in pairs}
+    return len(sides) > 1
 
 
 def default_enabled() -> bool:
@@ -167,7 +191,13 @@ def wall_timer(device: torch.device) -> Timer:
         sync()
         one = max(time.perf_counter() - t0, 1e-6)
         reps = max(MIN_REPS, min(MAX_REPS, int(TARGET_S / one)))
-        return statistics.median(per_call_ms(fn, reps, cuda))
+        collecting = gc.isenabled()
+        gc.disable()                   # a collection inside a host-bound call reads as the rewrite's cost
+        try:
+            return statistics.median(per_call_ms(fn, reps, cuda))
+        finally:
+            if collecting:
+                gc.enable()
 
     return timer
 
@@ -231,8 +261,7 @@ class Floor:
         self.timer = timer
         self.compile = compile
         self.decisions: list[Decision] = []
-        self.last: float | None = None      # ms of the model as it stands (after the last kept step)
-        self.last_is_with = False           # `last` is a kept step's "with" sample (eager floors re-time it)
+        self.last: float | None = None      # compiled floors: ms of the model as it stands (after the last kept step)
 
     def time(self, model) -> float:
         modes = {m: m.training for m in model.modules()}
@@ -251,7 +280,17 @@ class Floor:
             for p, g in grads.items():
                 p.grad = g
 
-    def decide(self, kind: str, label: str, ms_without: float, ms_with: float, samples: tuple = ()) -> Decision:
-        d = Decision(kind, label, ms_without, ms_with, kept=ms_with <= ms_without, without_samples=tuple(samples))
+    def decide(self, kind: str, label: str, ms_without: float, ms_with: float) -> Decision:
+        """A compiled floor's decision: one sample each way."""
+        d = Decision(kind, label, ms_without, ms_with, kept=ms_with <= ms_without)
+        self.decisions.append(d)
+        return d
+
+    def decide_blocks(self, kind: str, label: str, without: list[float], with_: list[float]) -> Decision:
+        """An eager floor's decision from its B A A B blocks (samples in the order taken, 2 per side per block)."""
+        ratios = tuple(block_ratio(without[i:i + 2], with_[i:i + 2]) for i in range(0, len(without), 2))
+        d = Decision(kind, label, statistics.median(without), statistics.median(with_),
+                     kept=statistics.median(ratios) >= 1.0, without_samples=tuple(without),
+                     with_samples=tuple(with_), block_ratios=ratios)
         self.decisions.append(d)
         return d
