@@ -73,6 +73,34 @@ def test_masked_recompute_backward_without_autograd_recording():
         assert rel_err(g, w) < 2e-2
 
 
+def test_autotune_training_step_inside_a_custom_op():
+    """autotune times a training bucket's pair (forward + backward) where the call resolves: inside a compiled
+    graph's opsadv op, below autograd.  The step must still differentiate (on the H100 a compiled training step's
+    tuning of cuda.sdpa.cudnn failed with 'element 0 of tensors does not require grad')."""
+    from opsadv.core.op_common import own_pair_train_step
+    q, k, v, dout, _, _ = _case(torch.float32, 14)
+    impl = KernelImpl(id="t.flash_attention", op="flash_attention", backend="t", fn=K.attention_fwd,
+                      backward=K.attention_bwd, device_types=("cpu",))
+    tr = KernelImpl(id="t.flash_attention_train", op="flash_attention", backend="t", fn=K.attention_fwd,
+                    device_types=("cpu",),
+                    train=lambda ctx, q, k, v, m, c, s: (torch.softmax(q @ k.repeat_interleave(2, 1).transpose(-1, -2)
+                                                                       * s, -1) @ v.repeat_interleave(2, 1), None))
+    grads = []
+
+    @torch.library.custom_op("opsadv_test::tuned_pair", mutates_args=())
+    def op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        for i in (impl, tr):
+            step = own_pair_train_step(i, None, (q, k, v, None, False, 0.25))
+            grads.append(step())
+        return q.clone()
+
+    op(q, k, v)
+    assert len(grads) == 2
+    for dq, dk, dv in grads:
+        assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+        assert all(torch.isfinite(g).all() and g.abs().sum() > 0 for g in (dq, dk, dv))
+
+
 # ---- a test backend whose flash_attention backward is cuda.sdpa.efficient's ------------------------------
 class MaskedSdpa:
     """flash_attention with the reference forward and cuda.sdpa.efficient's backward (on CPU, half precision with

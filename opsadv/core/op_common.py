@@ -2,6 +2,7 @@
 the op, the argument, what was expected and what was given."""
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Any, Callable
 
 import torch
@@ -284,13 +285,7 @@ def own_pair_train_step(impl, rctx, args: tuple) -> Callable[[], Any]:
     args = (q, k, v, *rest)
     train = getattr(impl, "train", None)        # a `train` forward runs under torch's autograd (as the call will)
     fwd = (lambda: train(rctx, *args)) if train is not None else (lambda: _OwnPairFn.apply(impl, rctx, *args))
-    with torch.enable_grad():
-        step = grad_step(fwd, args, 1)
-
-    def run():
-        with torch.enable_grad():
-            return step()
-    return run
+    return grad_step(fwd, args, 1)
 
 
 def traced_train(*tensors) -> bool:
@@ -314,16 +309,37 @@ def pair_backward(ctx, dout, q, k, v, out, lse, rest: tuple):
     return train_pair_backward(getattr(ctx, "opsadv_resolved", None), dout, q, k, v, out, lse, rest)
 
 
+_AUTOGRAD_KEYS = tuple(getattr(torch._C.DispatchKey, n) for n in (
+    "AutogradFunctionality", "AutogradOther", "AutogradCPU", "AutogradCUDA", "AutogradNestedTensor")
+    if hasattr(torch._C.DispatchKey, n))
+
+
+@contextmanager
+def autograd_recording():
+    """Grad mode on and the autograd dispatch keys un-excluded: inside a torch.library op's implementation (a
+    compiled graph's op call, redispatched below autograd) ops record no graph even under enable_grad, and
+    autotune's training step would differentiate nothing ("element 0 of tensors does not require grad")."""
+    excluded = torch._C._dispatch_tls_local_exclude_set()
+    keep = excluded
+    for k in _AUTOGRAD_KEYS:
+        keep = keep - torch._C.DispatchKeySet(k)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), keep), torch.enable_grad():
+        yield
+
+
 def grad_step(forward: Callable[[], Any], args: tuple, n_out: int) -> Callable[[], Any]:
     """forward() + torch.autograd.grad of its first n_out outputs w.r.t. the tensors in args that
-    require grad, with fixed random output gradients (drawn once, outside the timed step)."""
-    out = forward()
+    require grad, with fixed random output gradients (drawn once, outside the timed step); recorded even where
+    the caller is below autograd (autograd_recording)."""
+    with autograd_recording():
+        out = forward()
     grads = [torch.randn_like(out[i]) for i in range(n_out)]
     wrt = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
 
     def step():
-        o = forward()
-        return torch.autograd.grad([o[i] for i in range(n_out)], wrt, grads)
+        with autograd_recording():
+            o = forward()
+            return torch.autograd.grad([o[i] for i in range(n_out)], wrt, grads)
     return step
 
 
