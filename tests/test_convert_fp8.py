@@ -331,7 +331,8 @@ def test_gated_site_triton_kernel_matches_oracle(activation, bias):
     assert t.counts["cuda.triton.scaled_swiglu_gemm"] == 1 and t.counts["cuda.triton.scaled_gemm"] == 1
     assert fused.shape == (2, 13, 40) and fused.dtype == torch.float32
     rel = lambda a, b: ((a.double().cpu() - b.cpu()).norm() / b.norm()).item()     # noqa: E731
-    assert rel(fused, want) < 1e-6 and rel(composed, want) < 1e-6
+    tol = 1e-6 if dev == "cpu" else 3e-3           # the interpreter's dot is exact; Hopper's FP8 MMA accumulates less
+    assert rel(fused, want) < tol and rel(composed, want) < tol
     # training: the recipe's GEMMs and the swiglu op's backward (fused or not: scaled_swiglu_gemm is forward only)
     m._fp8.fused = True
     xg = x.clone().requires_grad_(True)
