@@ -163,9 +163,10 @@ def test_triton_kernel_matches_oracle(impl, m, k, n, gx, gw, kw):
 
 @pytest.mark.parametrize("impl", TRITON)
 @pytest.mark.parametrize("config", [(16, 16, 32, 4, 1), (64, 64, 64, 4, 1)])
-def test_every_output_element_written(impl, config):
-    """The impl called with tiles smaller and larger than the output (CPU outputs start as NaN: an unwritten element
-    stays NaN)."""
+def test_every_output_element_written(impl, config, monkeypatch):
+    """The impl called with tiles smaller and larger than the output (outputs start as NaN on the CPU and under
+    OPSADV_POISON_OUTPUTS: an unwritten element stays NaN)."""
+    monkeypatch.setenv("OPSADV_POISON_OUTPUTS", "1")
     from opsadv.backends.triton_common.scaled_gemm import scaled_gemm as S
     x8, w8, sx, sw = _operands(37, 128, 40, "row", "col", device=DEV)
     with opsadv.use_backend("reference"):
