@@ -195,6 +195,24 @@ def test_swiglu_act_rows_run_and_verify():
         assert row["unit"] == "TB/s" and row["rel_err"] < 1e-5 and row["opsadv_ms"] > 0, row
 
 
+def test_fp8_swiglu_rows_run_and_verify():
+    """The fp8 suite's scaled_swiglu_gemm rows (tiny, reference backend on the CPU): every scaling, the peers run, the
+    row's rel_err is against the dequantized operands' silu(g) * u, the speedup against the composed FP8 path."""
+    from opsadv.bench import suite_fp8
+    assert suite_fp8.SWIGLU_SHAPES == ((16384, 2048, 8192),)
+    with opsadv.use_backend("reference"):
+        cases = list(suite_fp8.swiglu_cases(False, dev="cpu", shapes=((33, 256, 40),)))
+        assert [c.case for c in cases] == [f"fwd e4m3 m33 n2x40 k256 swiglu scale_{s}" for s in ("tensor", "row",
+                                                                                                  "block")]
+        for c in cases:
+            assert c.baseline == "scaled_gemm_swiglu" and c.work == 2.0 * 33 * 256 * 80
+            assert {"scaled_gemm_swiglu", "bf16_swiglu_gemm"} <= set(c.peers)
+            (row,) = runner.run_case(c)
+            assert row["unit"] == "TFLOP/s" and row["opsadv_ms"] > 0 and row["opsadv_impl"] == \
+                "reference.scaled_swiglu_gemm", row
+            assert row["rel_err"] < 5e-3, row          # bf16 output rounding against the float32 value
+
+
 def test_bench_window_covers_several_calls_of_long_cases():
     """do_bench times rep / est calls: short calls keep the 40 ms window, long ones get >= MIN_CALLS calls
     (a 29 ms case timed once per round read the same kernel 0.95-1.00x its peer)."""

@@ -1,4 +1,5 @@
-"""convert_model(precision="fp8") (issue 42): the GEMMs of tiny Llama / Qwen2 models on scaled_gemm, the per-block
+"""convert_model(precision="fp8") (issue 42): the GEMMs of tiny Llama / Qwen2 models on scaled_gemm (the gated MLPs on
+scaled_swiglu_gemm: Llama's SwiGLU, Gemma's GeGLU, Phi-3's fused gate_up_proj), the per-block
 validation that keeps a block bf16 where FP8 breaks the limits, the FP8 training recipe against bf16 (one step and a
 short loss curve), and the report where no FP8 kernel serves.  Reference backend on CPU; one case runs the Triton
 scaled_gemm kernel under the interpreter.
@@ -57,7 +58,11 @@ def test_fp8_inference_within_limits(arch):
     x = {"input_ids": ids(2, 24), "attention_mask": torch.ones(2, 24, dtype=torch.long)}
     with opsadv.trace() as t, torch.no_grad():
         a, b = bf16(**x), fp8(**x)
-    assert t.counts["reference.scaled_gemm"] == 4 * DEC["num_hidden_layers"]
+    # q|k|v, o_proj, down_proj on scaled_gemm; the gated MLP's [W_g|W_u] one scaled_swiglu_gemm (no swiglu op after)
+    assert t.counts["reference.scaled_gemm"] == 3 * DEC["num_hidden_layers"]
+    assert t.counts["reference.scaled_swiglu_gemm"] == DEC["num_hidden_layers"] and "reference.swiglu" not in t.counts
+    mlp = [c for c in rep.changes if c.kind == "fp8" and c.where.endswith(".mlp")]
+    assert len(mlp) == DEC["num_hidden_layers"] and all("-> opsadv.scaled_swiglu_gemm" in c.what for c in mlp), mlp
     m = _val.compare(a, b, x, torch.bfloat16, limits=_val.FP8_LIMITS)
     assert m["passed"] and m["kl"] < 0.01, m
     assert sorted(fp8.state_dict()) == sorted(orig.state_dict())   # parameter names unchanged
@@ -241,3 +246,117 @@ def test_quantize_rows_matches_quantize_fp8():
     x8, s = _fp8.quantize_rows(x)
     r8, rs = quantize_fp8(x, "row")
     assert torch.equal(s, rs) and torch.equal(x8.view(torch.uint8), r8.view(torch.uint8))
+
+
+# ---- the gated MLPs: scaled_swiglu_gemm ---------------------------------------------------------------------------
+def _gemma(act="gelu_pytorch_tanh"):
+    torch.manual_seed(0)
+    cfg = transformers.GemmaConfig(**{**DEC, "num_hidden_layers": 2}, head_dim=16, hidden_act=act)
+    return transformers.GemmaForCausalLM(cfg).eval()
+
+
+def _phi3():
+    torch.manual_seed(0)
+    cfg = transformers.Phi3Config(**{**DEC, "num_hidden_layers": 2}, pad_token_id=0)
+    return transformers.Phi3ForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("arch", ["gemma_geglu", "phi3_fused_gate_up"])
+def test_gated_mlps_run_the_fused_fp8_swiglu_gemm(arch):
+    """Gemma's GeGLU MLP (SwiGLUMLP, gelu_tanh) and Phi-3's fused gate_up_proj (FusedSwiGLUMLP, silu): one
+    scaled_swiglu_gemm per MLP, validated; the logits are those of the composed FP8 path (scaled_gemm, then the
+    swiglu op on the bf16 gate_up) up to that path's rounding of gate_up to bf16, which the next e4m3 quantizations
+    turn into fp8-level noise (KL ~5e-4 here; the MLP-level test below holds the two paths to 1e-6 in float32)."""
+    from opsadv.convert.modules import FusedSwiGLUMLP
+    orig = _gemma() if arch == "gemma_geglu" else _phi3()
+    conv = convert(orig, "fp8")
+    rep = conv.opsadv_report
+    assert rep.validation["passed"] and rep.fp8["fp8_units"] == 2, str(rep)
+    mlps = [m for m in conv.modules() if isinstance(m, SwiGLUMLP)]
+    assert len(mlps) == 2 and all(m._fp8.fused for m in mlps)
+    assert all(isinstance(m, FusedSwiGLUMLP) == (arch == "phi3_fused_gate_up") for m in mlps)
+    assert {m.activation for m in mlps} == {"gelu_tanh" if arch == "gemma_geglu" else "silu"}
+    x = {"input_ids": ids(2, 16), "attention_mask": torch.ones(2, 16, dtype=torch.long)}
+    with opsadv.trace() as t, torch.no_grad():
+        fused = conv(**x)
+    assert t.counts["reference.scaled_swiglu_gemm"] == 2 and "reference.swiglu" not in t.counts
+    for m in mlps:
+        m._fp8.fused = False
+    with opsadv.trace() as t, torch.no_grad():
+        composed = conv(**x)
+    assert t.counts["reference.swiglu"] == 2 and "reference.scaled_swiglu_gemm" not in t.counts
+    m = _val.compare(composed, fused, x, torch.bfloat16, limits=_val.FP8_LIMITS)
+    assert m["kl"] < 1e-3 and m["top1_agreement"] > 0.97, m
+
+
+def _mlp(k=64, n_ff=40, bias=False, dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    lin = [torch.nn.Linear(k, n_ff, bias=bias), torch.nn.Linear(k, n_ff, bias=bias), torch.nn.Linear(n_ff, k)]
+    m = SwiGLUMLP(*(layer.to(dtype) for layer in lin))
+    m._fp8 = _fp8.Fp8Gemm(m._w, m._b, recipe=Fp8Recipe(amax_history_len=4))
+    return m
+
+
+def _gated_oracle(m, x, activation):
+    """float64 act(g) * u of the per-token e4m3 x and per-channel e4m3 [W_g|W_u] (dequantized)."""
+    from opsadv.ops.scaled_gemm import quantize_fp8
+    x8, xs = quantize_fp8(x.detach().reshape(-1, x.shape[-1]), "row")
+    w = m._w.get().detach()                                   # (2N, K)
+    w8, ws = quantize_fp8(w.t(), "col")
+    gu = dequantize_fp8(x8, xs).double() @ dequantize_fp8(w8, ws).double()
+    if m._b is not None:
+        gu = gu + m._b.get().detach().double()
+    g, u = gu.chunk(2, dim=-1)
+    act = torch.nn.functional.silu if activation == "silu" else (
+        lambda z: torch.nn.functional.gelu(z, approximate="tanh"))
+    return act(g) * u
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gated_site_triton_kernel_matches_oracle(activation, bias):
+    """Fp8Gemm.gated on the cuda backend's Triton scaled_swiglu_gemm (the interpreter without a GPU): inference equals
+    the float64 oracle of its quantized operands; unfused (no fused kernel) it runs scaled_gemm + swiglu, the same
+    numbers; a grad-recording call runs the training recipe (3 scaled_gemm GEMMs) and the swiglu op."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    m = _mlp(bias=bias).to(dev)
+    x = torch.randn(2, 13, 64, generator=torch.Generator().manual_seed(3)).to(dev)      # 26 tokens
+    want = _gated_oracle(m, x, activation).reshape(2, 13, 40)
+    pins = {"scaled_swiglu_gemm": "cuda.triton.scaled_swiglu_gemm", "scaled_gemm": "cuda.triton.scaled_gemm"}
+    with opsadv.use_backend("cuda", impls=pins), opsadv.trace() as t, torch.no_grad():
+        m._fp8.fused = True
+        fused = m._fp8.gated(x, activation)
+        m._fp8.fused = False
+        composed = m._fp8.gated(x, activation)
+    assert t.counts["cuda.triton.scaled_swiglu_gemm"] == 1 and t.counts["cuda.triton.scaled_gemm"] == 1
+    assert fused.shape == (2, 13, 40) and fused.dtype == torch.float32
+    rel = lambda a, b: ((a.double().cpu() - b.cpu()).norm() / b.norm()).item()     # noqa: E731
+    tol = 1e-6 if dev == "cpu" else 3e-3           # the interpreter's dot is exact; Hopper's FP8 MMA accumulates less
+    assert rel(fused, want) < tol and rel(composed, want) < tol
+    # training: the recipe's GEMMs and the swiglu op's backward (fused or not: scaled_swiglu_gemm is forward only)
+    m._fp8.fused = True
+    xg = x.clone().requires_grad_(True)
+    with opsadv.use_backend("cuda", impls=pins), opsadv.trace() as t:
+        h = m._fp8.gated(xg, activation)
+        h.sum().backward()
+    assert t.counts["cuda.triton.scaled_gemm"] == 3 and "cuda.triton.scaled_swiglu_gemm" not in t.counts
+    assert rel(h.detach(), want) < 0.1 and xg.grad is not None and m.gate_proj.weight.grad is not None
+
+
+def test_no_fused_kernel_runs_scaled_gemm_then_swiglu_and_says_so(monkeypatch):
+    orig = make(num_hidden_layers=1)
+    real = _fp8.kernel_check
+
+    def check(dev, k, n, backend, op="scaled_gemm"):
+        return "no kernel (test)" if op == "scaled_swiglu_gemm" else real(dev, k, n, backend, op)
+    monkeypatch.setattr(_fp8, "kernel_check", check)
+    conv = convert(orig, "fp8")
+    rep = conv.opsadv_report
+    assert rep.validation["passed"] and rep.fp8["fp8_units"] == 1
+    mlp = [c for c in rep.changes if c.kind == "fp8" and c.where.endswith(".mlp")]
+    assert len(mlp) == 1 and "opsadv.scaled_gemm + opsadv.swiglu (no fused FP8 SwiGLU kernel: no kernel (test))" \
+        in mlp[0].what, mlp
+    with opsadv.trace() as t, torch.no_grad():
+        conv(input_ids=ids(1, 8))
+    assert t.counts["reference.scaled_gemm"] == 4 and t.counts["reference.swiglu"] == 1
+    assert "reference.scaled_swiglu_gemm" not in t.counts

@@ -17,6 +17,14 @@ output), not against a peer.
 The issue's targets (H200): ours >= 1.0x scaled_mm at 8192^3 and the gemm shapes with per-tensor and row-wise
 scales; block-scaled rate >= 0.9x our per-tensor rate; an epilogue costs <= 3% over the plain FP8 GEMM.
 
+FP8 SwiGLU rows ("fwd e4m3 ... swiglu ..."): opsadv.ops.scaled_swiglu_gemm (one FP8 GEMM over [W_g | W_u], the
+silu(g) * u epilogue, bf16 out) at a Llama-1.5B MLP shape, M 16384 tokens, K 2048, N 2 x 8192, per-tensor and
+row-wise scales (plus block scales in the full grid).  FLOPs 2*M*K*2N.  Peers: "scaled_gemm_swiglu" (what the
+composed FP8 path runs: opsadv.ops.scaled_gemm to a bf16 gate_up, then opsadv.ops.swiglu; the speedup baseline),
+"scaled_mm_swiglu" (torch._scaled_mm to bf16, then torch's silu(g) * u; tensor / row scales only) and
+"bf16_swiglu_gemm" (our bf16 opsadv.ops.swiglu_gemm on bf16 copies of the dequantized operands).  rel_err is
+against silu(g) * u of the dequantized operands in float32.
+
 FP8 attention rows ("attn ..."): opsadv.ops.fp8_attention forward (e4m3 q, k, v with per-(batch, head)
 descales, bf16 output) at d128, causal and not, (b, h, s) = (4, 32, 4096) and (1, 32, 16384) (the attention
 suite's), plus GQA 32/8 causal at s 4096.  FLOPs 4*b*h*s*s*d (halved for causal).  Peers: "bf16_flash" (our
@@ -74,6 +82,57 @@ def cases(quick: bool) -> Iterator[BenchCase]:
         return
     yield from attention_cases(quick)
     yield from gemm_cases(quick)
+    yield from swiglu_cases(quick)
+
+
+SWIGLU_SHAPES = ((16384, 2048, 8192),)          # (m, k, n): a Llama-1.5B MLP (hidden 2048, intermediate 8192)
+
+
+def swiglu_cases(quick: bool, dev: str = "cuda", shapes=SWIGLU_SHAPES) -> Iterator[BenchCase]:
+    """(dev, shapes: tests run tiny rows on the CPU)"""
+    scalings = ("tensor", "row") if quick else tuple(SCALINGS)
+    for (m, k, n), scaling in ((s, sc) for s in shapes for sc in scalings):
+        torch.manual_seed(0)
+        gx, gw = SCALINGS[scaling]
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        w = torch.randn(2 * n, k, device=dev, dtype=torch.bfloat16) * k ** -0.5      # [W_g; W_u] rows (2N, K)
+        x8, sx = quantize_fp8(x, gx)
+        w8, sw = quantize_fp8(w.t(), gw)
+        w8 = w8.t().contiguous().t()                                     # column-major (K, 2N): W8.t()
+        del x, w
+        xd, wd = dequantize_fp8(x8, sx), dequantize_fp8(w8, sw)           # float32
+        gu = xd @ wd
+        ref = F.silu(gu[:, :n]) * gu[:, n:]
+        del gu
+        x16, w16 = xd.to(torch.bfloat16), wd.to(torch.bfloat16).t().contiguous().t()
+        del xd, wd
+
+        def compare(out, _peer_out, ref=ref):
+            return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+        def mine(x8=x8, w8=w8, sx=sx, sw=sw):
+            with torch.no_grad():
+                return opsadv.ops.scaled_swiglu_gemm(x8, w8, sx, sw)
+
+        def scaled_gemm_swiglu(x8=x8, w8=w8, sx=sx, sw=sw):
+            with torch.no_grad():
+                return opsadv.ops.swiglu(opsadv.ops.scaled_gemm(x8, w8, sx, sw))
+
+        def bf16_swiglu_gemm(x16=x16, w16=w16):
+            with torch.no_grad():
+                return opsadv.ops.swiglu_gemm(x16, w16)
+
+        peers = {"scaled_gemm_swiglu": scaled_gemm_swiglu, "bf16_swiglu_gemm": bf16_swiglu_gemm}
+        if scaling != "block":
+            msx, msw = _mm_scales(scaling, sx, sw)
+
+            def scaled_mm_swiglu(x8=x8, w8=w8, msx=msx, msw=msw, n=n):
+                gu = torch._scaled_mm(x8, w8, msx, msw, out_dtype=torch.bfloat16)
+                return F.silu(gu[:, :n]) * gu[:, n:]
+            peers["scaled_mm_swiglu"] = scaled_mm_swiglu
+        words = ["fwd", "e4m3", f"m{m}", f"n2x{n}", f"k{k}", "swiglu", f"scale_{scaling}"]
+        yield BenchCase(suite="fp8", case=" ".join(words), opsadv=mine, peers=peers, work=2.0 * m * k * 2 * n,
+                        unit="TFLOP/s", compare=compare, baseline="scaled_gemm_swiglu")
 
 
 def _attn_grid(quick: bool):

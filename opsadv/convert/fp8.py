@@ -8,7 +8,10 @@ no GEMMs.  Attention stays bf16: FP8_ATTENTION_HOOK marks where an fp8 attention
 Inference (no-grad calls): weights quantized once, e4m3 with one scale per output channel ("col" scales of W^T),
 re-quantized only when the weight changes (its version counter or storage); activations quantized per call with
 current scaling (e4m3, one scale per token: "row" scales); bias / activation epilogues fused where the rewrite
-fuses them (LinearAct's activation, the biases); output in the activation's dtype.
+fuses them (LinearAct's activation, the biases); output in the activation's dtype.  The gated MLPs (SwiGLUMLP,
+FusedSwiGLUMLP: SwiGLU and GeGLU) run opsadv.ops.scaled_swiglu_gemm, one FP8 GEMM over [W_gate|W_up] with the
+act(g) * u epilogue, so the (tokens, 2 x intermediate) gate_up never reaches memory; where no kernel serves that
+op (conversion checks it per site and reports it) they run scaled_gemm for gate_up, then the swiglu op.
 
 Training (grad-recording calls, Fp8Recipe.training): _Fp8Linear, three scaled_gemm calls per GEMM:
   fprop  y  = x @ W^T       x e4m3, one scale per tensor, DELAYED: max of the last `amax_history_len` amaxes of x
@@ -19,7 +22,11 @@ Training (grad-recording calls, Fp8Recipe.training): _Fp8Linear, three scaled_ge
   wgrad  dW = dy^T @ x      dy^T e5m2 (a row-major copy) x the saved e4m3 x (column-major copy), out in W's dtype.
 Master weights stay in their dtype (bf16 / fp32) and receive dW; the bias gradient is dy summed in float32.  The
 saved activation is the e4m3 x (half a bf16 activation's bytes).  Every GEMM goes through scaled_gemm: a
-transposed operand is a strided view / copy, which scaled_gemm takes (no bf16 fallback).
+transposed operand is a strided view / copy, which scaled_gemm takes (no bf16 fallback).  The gated MLPs train
+with this recipe on the [W_gate|W_up] GEMM and the swiglu op after it (which keeps gate_up, the pre-activations,
+for its backward: dgate_up feeds the dgrad / wgrad GEMMs), not with scaled_swiglu_gemm: its forward does not write
+gate_up, which the backward needs (recomputing it costs one more GEMM; a second output of the fused kernel would
+save one read of gate_up and is not built).
 
 Per-layer decision (fp8_pass): units are the model's blocks (the children of a ModuleList: decoder layers); the
 converted bf16 model's output on the validation inputs is the reference, the limits validate.FP8_LIMITS (KL and
@@ -184,6 +191,10 @@ class Fp8Gemm:
         self.x_history = AmaxHistory(recipe.amax_history_len)
         self.g_history = AmaxHistory(recipe.amax_history_len)
         self._w8 = None               # (key, w8 (K, N) column-major, scale (1, N)): the inference weight
+        # a [W_gate|W_up] site (gated()): inference runs scaled_swiglu_gemm (fp8_pass sets it where a kernel serves
+        # that op), else scaled_gemm and the swiglu op
+        self.fused = False
+        self.fused_why: str | None = None     # why not (the report)
 
     def __getstate__(self):          # (copies re-quantize on first use: no second fp8 copy in a pickle)
         return {**self.__dict__, "_w8": None}
@@ -236,6 +247,25 @@ class Fp8Gemm:
                             out_dtype=out_dtype)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
+    def gated(self, x: torch.Tensor, activation: str = "silu"):
+        """act(g) * u for the [W_gate|W_up] GEMM this site holds (act "silu" or "gelu_tanh"), or None where the
+        caller's bf16 path should run.  No-grad calls with self.fused: one scaled_swiglu_gemm (per-token current
+        scaling, per-channel weight scales, as __call__'s); otherwise this site's GEMM (__call__: inference, or the
+        training recipe's _Fp8Linear) then the swiglu op."""
+        if not self.enabled or x.numel() == 0:
+            return None
+        w, b = self.weight(), self.bias()
+        if self.fused and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad
+                                                            or (b is not None and b.requires_grad))):
+            k = x.shape[-1]
+            w8, w_scale = self.inference_weight(w)                          # (K, 2N) column-major, (1, 2N)
+            x8, x_scale = quantize_rows(x.reshape(-1, k))
+            out_dtype = x.dtype if x.dtype in OUT_DTYPES else torch.bfloat16
+            h = ops.scaled_swiglu_gemm(x8, w8, x_scale, w_scale, bias=b, activation=activation, out_dtype=out_dtype)
+            return h.reshape(*x.shape[:-1], h.shape[-1])
+        gu = self(x)
+        return None if gu is None else ops.swiglu(gu, activation=activation)
+
 
 class Fp8Linear(nn.Linear):
     """An nn.Linear whose GEMM runs scaled_gemm (Fp8Gemm); the replaced Linear's weight and bias, same names."""
@@ -272,6 +302,7 @@ class Site:
     attr: str
     swap: nn.Module | None = None    # the Fp8Linear replacing holder.<attr>
     shape: tuple = ()                # (K, N)
+    gated: bool = False              # a [W_gate|W_up] GEMM whose caller runs gemm.gated() (act(g) * u after it)
 
     def attach(self, undo) -> None:
         if self.swap is not None:
@@ -302,8 +333,8 @@ def find_sites(model: nn.Module, recipe: Fp8Recipe, report, state) -> list[Site]
     covered: set[int] = set()
     sites: list[Site] = []
 
-    def add(path, what, gemm, holder, attr, swap=None, k=0, n=0):
-        sites.append(Site(path, _unit_of(path, lists), what, gemm, holder, attr, swap, (k, n)))
+    def add(path, what, gemm, holder, attr, swap=None, k=0, n=0, gated=False):
+        sites.append(Site(path, _unit_of(path, lists), what, gemm, holder, attr, swap, (k, n), gated))
 
     for path, m in model.named_modules():
         if isinstance(m, QKVProjection):
@@ -318,14 +349,15 @@ def find_sites(model: nn.Module, recipe: Fp8Recipe, report, state) -> list[Site]
             gu = m._gate_up()
             covered.add(id(gu))
             if not tp.is_dtensor(gu.weight):
-                add(path, f"{m._names[0]} ([W_gate|W_up]) + opsadv.swiglu",
+                add(path, f"{m._names[0]} ([W_gate|W_up], {m.activation} gate)",
                     Fp8Gemm(gu, gu if gu.bias is not None else None, recipe=recipe, state=state), m, "_fp8",
-                    k=gu.in_features, n=gu.out_features)
+                    k=gu.in_features, n=gu.out_features, gated=True)
         elif isinstance(m, SwiGLUMLP):
             covered.update((id(m.gate_proj), id(m.up_proj)))
             if not (m._w.sharded or tp.is_dtensor(m.gate_proj.weight)):
-                add(path, "fused gate|up projection + opsadv.swiglu", Fp8Gemm(m._w, m._b, recipe=recipe, state=state),
-                    m, "_fp8", k=m.gate_proj.in_features, n=2 * m.gate_proj.out_features)
+                add(path, f"fused gate|up projection ({m.activation} gate)",
+                    Fp8Gemm(m._w, m._b, recipe=recipe, state=state), m, "_fp8", k=m.gate_proj.in_features,
+                    n=2 * m.gate_proj.out_features, gated=True)
         elif isinstance(m, LinearAct):
             up = getattr(m, m._up)
             covered.add(id(up))
@@ -358,26 +390,27 @@ def _named_children(model):
             yield (f"{pname}.{cname}" if pname else cname), parent, cname, child
 
 
-def kernel_check(device: torch.device, k: int, n: int, backend: str) -> str | None:
-    """Why no FP8 kernel serves a (tokens, K) x (K, N) scaled_gemm on this device under the policy in force (None:
-    one does): the explanation of a probe call with the operand layouts the sites use (nothing runs)."""
+def kernel_check(device: torch.device, k: int, n: int, backend: str, op: str = "scaled_gemm") -> str | None:
+    """Why no FP8 kernel serves a (tokens, K) x (K, N) `op` call (scaled_gemm, or scaled_swiglu_gemm with N = 2 x
+    intermediate) on this device under the policy in force (None: one does): the explanation of a probe call with
+    the operand layouts the sites use (nothing runs)."""
     a = torch.empty(16, k, dtype=E4M3, device=device)
     b = torch.empty(n, k, dtype=E4M3, device=device).t()
     sa = torch.ones(16, 1, dtype=torch.float32, device=device)
     sb = torch.ones(1, n, dtype=torch.float32, device=device)
-    return why_no_fp8(explain("scaled_gemm", a, b, sa, sb), device.type, backend)
+    return why_no_fp8(explain(op, a, b, sa, sb), device.type, backend, op)
 
 
-def why_no_fp8(exp, device_type: str, backend: str) -> str | None:
-    """The reason in a scaled_gemm explanation that no FP8 kernel serves, or None.  The reference impl (float32
-    dequantize + matmul) counts on the CPU, where it is the only one, and where the user pinned backend="reference";
-    on an accelerator it would be slower than the bf16 GEMMs it replaces."""
+def why_no_fp8(exp, device_type: str, backend: str, op: str = "scaled_gemm") -> str | None:
+    """The reason in an `op` explanation (scaled_gemm, scaled_swiglu_gemm) that no FP8 kernel serves, or None.  The
+    reference impl (dequantize + matmul) counts on the CPU, where it is the only one, and where the user pinned
+    backend="reference"; on an accelerator it would be slower than the bf16 GEMMs it replaces."""
     chosen = next((c for c in exp.candidates if c.chosen), None)
     refused = "; ".join(f"{c.impl.id}: {', '.join(c.reasons)}" for c in exp.candidates if not c.accepted)
     if chosen is None:
-        return f"no scaled_gemm kernel serves {device_type} ({refused or exp.why})"
+        return f"no {op} kernel serves {device_type} ({refused or exp.why})"
     if chosen.impl.backend == "reference" and device_type != "cpu" and backend != "reference":
-        return (f"only the reference scaled_gemm (float32 dequantize + matmul) serves {device_type}: no FP8 "
+        return (f"only the reference {op} (dequantize + matmul) serves {device_type}: no FP8 "
                 "tensor-core kernel" + (f" ({refused})" if refused else ""))
     return None
 
@@ -446,6 +479,14 @@ def fp8_pass(root: nn.Module, report, undo, state, *, recipe: Fp8Recipe, inputs,
         for s in sites:
             if s.shape not in why_not:
                 why_not[s.shape] = kernel_check(dev, *s.shape, backend)
+        # the gated MLPs: the fused FP8 SwiGLU GEMM where a kernel serves it, else scaled_gemm then swiglu
+        fused_not: dict[tuple, str | None] = {}
+        for s in sites:
+            if s.gated and why_not[s.shape] is None:
+                if s.shape not in fused_not:
+                    fused_not[s.shape] = kernel_check(dev, *s.shape, backend, op="scaled_swiglu_gemm")
+                s.gemm.fused = fused_not[s.shape] is None
+                s.gemm.fused_why = fused_not[s.shape]
     refused = [s for s in sites if why_not[s.shape] is not None]
     if refused and backend != "auto":
         raise InvalidArgumentError("convert_model", "precision", f"'fp8' with an FP8 GEMM kernel on backend "
@@ -465,7 +506,7 @@ def fp8_pass(root: nn.Module, report, undo, state, *, recipe: Fp8Recipe, inputs,
             s.gemm.drop_cache()
     for s in (s for s in sites if s.unit in kept):
         s.attach(undo)
-        report.add("fp8", s.path, f"{s.what} -> opsadv.scaled_gemm (e4m3: per-channel weights, per-token current "
+        report.add("fp8", s.path, f"{s.what} -> {_target(s)} (e4m3: per-channel weights, per-token current "
                    f"scaling)")
     for u in units:
         if u in why:
@@ -475,6 +516,15 @@ def fp8_pass(root: nn.Module, report, undo, state, *, recipe: Fp8Recipe, inputs,
     report.fp8 = {"units": len(units), "fp8_units": len(kept), "bf16_units": sorted(why, key=units.index),
                   "validation_forwards": runs, "attention": FP8_ATTENTION_HOOK, "recipe": vars(recipe).copy(),
                   "unit_metrics": {u: _short(m) for u, (_, m) in why.items()}}
+
+
+def _target(s: Site) -> str:
+    """What a site's no-grad calls run, for the report."""
+    if not s.gated:
+        return "opsadv.scaled_gemm"
+    if s.gemm.fused:
+        return "opsadv.scaled_swiglu_gemm (one FP8 GEMM, gated epilogue; training: scaled_gemm + opsadv.swiglu)"
+    return f"opsadv.scaled_gemm + opsadv.swiglu (no fused FP8 SwiGLU kernel: {s.gemm.fused_why})"
 
 
 def _short(m: dict) -> dict:

@@ -292,7 +292,7 @@ class SwiGLUMLP(nn.Module):
     (swiglu_gemm's epilogue is silu only)."""
 
     activation = "silu"      # (class default: a module pickled before GeGLU support has no instance attribute)
-    _fp8 = None              # convert_model(precision="fp8"): the Fp8Gemm of [W_gate|W_up] (convert/fp8.py)
+    _fp8 = None              # convert_model(precision="fp8"): the Fp8Gemm of [W_gate|W_up] (convert/fp8.py), gated()
 
     def __init__(self, gate_proj: nn.Linear, up_proj: nn.Linear, down_proj: nn.Module, activation: str = "silu"):
         super().__init__()
@@ -316,16 +316,15 @@ class SwiGLUMLP(nn.Module):
         if self._w.sharded or tp.is_dtensor(self.gate_proj.weight):
             return self._mlp_sharded(x)
         with scope_of(self):
-            gu = self._fp8(x) if self._fp8 is not None else None
-            if gu is not None:                     # FP8 [W_g|W_u] GEMM, then the gate (no fp8 gated epilogue)
-                h = ops.swiglu(gu, activation=self.activation)
-            elif self.activation != "silu" or self._trains(x):
+            # FP8 (convert/fp8.py): inference one scaled_swiglu_gemm, training the FP8 [W_g|W_u] GEMM + swiglu
+            h = self._fp8.gated(x, self.activation) if self._fp8 is not None else None
+            if h is None and (self.activation != "silu" or self._trains(x)):
                 # training: the [W_g|W_u] GEMM as torch's linear (cuBLAS forward and backward; the mlp bench suite
                 # measured opsadv's gemm backward slower at small hidden sizes), the gate as the swiglu op; GeGLU
-                # runs so in inference too (no fused-epilogue GEMM for gelu_tanh)
+                # runs so in inference too (no bf16 fused-epilogue GEMM for gelu_tanh)
                 b = self._b.get() if self._b is not None else None
                 h = ops.swiglu(F.linear(x, self._w.get(), b), activation=self.activation)
-            else:
+            elif h is None:
                 h = ops.swiglu_gemm(x, self._w.get_t(), bias=self._b.get() if self._b is not None else None)
         return self.down_proj(h)
 
@@ -393,13 +392,12 @@ class FusedSwiGLUMLP(SwiGLUMLP):
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         gu = self._gate_up()
         with scope_of(self):
-            y = self._fp8(x) if self._fp8 is not None else None
+            # FP8 (convert/fp8.py): inference one scaled_swiglu_gemm, training the FP8 gate_up GEMM + swiglu
+            h = self._fp8.gated(x, self.activation) if self._fp8 is not None else None
             # (tensor-parallel weights: gate_up_proj runs as the module it is, under its plan's hooks)
-            if y is not None:                      # FP8 gate_up GEMM, then the gate
-                h = ops.swiglu(y, activation=self.activation)
-            elif self.activation != "silu" or self._trains(x) or tp.is_dtensor(gu.weight):
+            if h is None and (self.activation != "silu" or self._trains(x) or tp.is_dtensor(gu.weight)):
                 h = ops.swiglu(gu(x), activation=self.activation)
-            else:
+            elif h is None:
                 h = ops.swiglu_gemm(x, gu.weight.t(), bias=gu.bias)
         return getattr(self, self._names[1])(h)
 

@@ -39,9 +39,12 @@ CallSpec: dtype = out_dtype (float32 with out_fp8: the epilogue's dtype); featur
 scale_b_{tensor,col,block}, a_e5m2 / b_e5m2, bias, residual, act_<name>, out_fp8 / out_e5m2, and b_row_major
 where b is not column-major (cuBLASLt refuses it); bucket (rows<=, K=, N=).
 
-Not in the conformance catalogue: its runner casts every floating input to the case dtype (the oracle's float64,
-the baseline's dtype), which would turn the fp8 operands into bf16 / float64 ones this op refuses; tests/
-test_scaled_gemm.py holds the same comparisons against a float64 oracle on the dequantized operands."""
+Conformance cases (cases.py) keep the fp8 operands and their scales as built (Case.kept: a storage format, not a
+precision the runner may cast); tests/test_scaled_gemm.py also compares every impl with a float64 oracle on the
+dequantized operands.
+
+scaled_swiglu_gemm (scaled_swiglu.py), the FP8 SwiGLU / GeGLU GEMM, is defined in this folder too: the same
+operands, scales and kernels, with the gated epilogue over [W_gate | W_up]."""
 from __future__ import annotations
 
 from typing import Optional
@@ -54,10 +57,12 @@ from opsadv.core.devices import device_index, device_key
 from opsadv.core.errors import InvalidArgumentError
 from opsadv.core.kernel import CallSpec
 from opsadv.core.opdef import TOLERANCE as _DEFAULT_TOLERANCE, OpDef, Reference, arg
-from opsadv.core.op_common import TORCH_OPS, check_choice, check_tensor, dt, eager_mode, len_bucket
+from opsadv.core.op_common import TORCH_OPS, check_choice, check_tensor, eager_mode, len_bucket
 from opsadv.core.policy import in_scope, op_scope
 
-from . import cases as _cases, reference as _reference
+from . import cases as _cases, common as _common, reference as _reference
+from .common import (a_scale_kind as _a_scale_kind, b_col_major as _b_col_major, b_scale_kind as _b_scale_kind,
+                     out_fp8_dtype as _out_fp8_dtype)
 from .reference import (BLOCK, E4M3, E5M2, FP8_DTYPES, FP8_MAX, GRANULARITIES,  # noqa: F401  (public helpers)
                         dequantize_fp8, quantize_fp8, quantize_with_scale, scale_from_amax, scale_kind)
 
@@ -65,59 +70,13 @@ OP = "scaled_gemm"
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 EPILOGUE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-A_KINDS = {"tensor": "tensor", "row": "row", "block1x128": "block"}          # a_scale granularity -> feature
-B_KINDS = {"tensor": "tensor", "col": "col", "block128x128": "block"}        # b_scale granularity -> feature
-
-
-def _a_scale_kind(s, m: int, k: int) -> str | None:
-    """a_scale's granularity as a feature word ("tensor", "row", "block"), None for a shape a takes none of."""
-    return A_KINDS.get(scale_kind(s, m, k) or "")
-
-
-def _b_scale_kind(s, k: int, n: int) -> str | None:
-    """b_scale's granularity as a feature word ("tensor", "col", "block"), None for a shape b takes none of."""
-    return B_KINDS.get(scale_kind(s, k, n) or "")
-
-
-def _out_fp8_dtype(out_fp8):
-    """None (no fp8 output) or the fp8 dtype out_fp8 asks for."""
-    if out_fp8 is False or out_fp8 is None:
-        return None
-    if out_fp8 is True:
-        return E4M3
-    return out_fp8
-
-
-def _b_col_major(b: Tensor) -> bool:
-    """b (K, N) is column-major: b.t() is a contiguous (N, K) matrix (an nn.Linear weight passed as W.t())."""
-    k, n = b.shape
-    return (b.stride(0) == 1 or k <= 1) and (b.stride(1) == k or n <= 1)
 
 
 def validate(a, b, a_scale, b_scale, bias=None, activation="none", residual=None, out_dtype=torch.bfloat16,
              out_fp8=False) -> tuple[str, str]:
     """Shapes, dtypes, devices and options (no tensor value is read); returns the (a, b) scale granularities."""
-    check_tensor(OP, "a", a, ndim=2, dtypes=FP8_DTYPES, allow_empty=True)
-    check_tensor(OP, "b", b, ndim=2, dtypes=FP8_DTYPES, allow_empty=True)
-    m, k = a.shape
-    if b.shape[0] != k:
-        raise InvalidArgumentError(OP, "b", f"shape (K, N) with K = {k} (a's last dim)", tuple(b.shape))
-    n = b.shape[1]
-    for name, s in (("a_scale", a_scale), ("b_scale", b_scale)):
-        check_tensor(OP, name, s, dtypes=(torch.float32,), allow_empty=True)
-    ga, gb = _a_scale_kind(a_scale, m, k), _b_scale_kind(b_scale, k, n)
-    if ga is None:
-        raise InvalidArgumentError(OP, "a_scale", f"float32 of shape () or (1,) (per tensor), ({m}, 1) (per row) or "
-                                   f"({m}, {-(-k // BLOCK)}) (1x128 blocks along K) for a of shape ({m}, {k})",
-                                   f"shape {tuple(a_scale.shape)}")
-    if gb is None:
-        raise InvalidArgumentError(OP, "b_scale", f"float32 of shape () or (1,) (per tensor), (1, {n}) (per column) "
-                                   f"or ({-(-k // BLOCK)}, {-(-n // BLOCK)}) (128x128 blocks) for b of shape "
-                                   f"({k}, {n})", f"shape {tuple(b_scale.shape)}")
-    if "block" in (ga, gb) and k % BLOCK:
-        raise InvalidArgumentError(OP, "a_scale" if ga == "block" else "b_scale",
-                                   f"per-tensor, row or column scales: block scales need K a multiple of {BLOCK}",
-                                   f"K = {k} with {'a' if ga == 'block' else 'b'} block scales")
+    ga, gb = _common.check_operands(OP, a, b, a_scale, b_scale)
+    m, n = a.shape[0], b.shape[1]
     if bias is not None:
         check_tensor(OP, "bias", bias, ndim=1, dtypes=EPILOGUE_DTYPES, allow_empty=True)
         if bias.shape[0] != n:
@@ -127,25 +86,14 @@ def validate(a, b, a_scale, b_scale, bias=None, activation="none", residual=None
         check_tensor(OP, "residual", residual, ndim=2, dtypes=EPILOGUE_DTYPES, allow_empty=True)
         if tuple(residual.shape) != (m, n):
             raise InvalidArgumentError(OP, "residual", f"shape ({m}, {n}) (the output's)", tuple(residual.shape))
-    if out_dtype not in OUT_DTYPES:
-        raise InvalidArgumentError(OP, "out_dtype", f"one of {[dt(d) for d in OUT_DTYPES]} (an fp8 output: "
-                                   "out_fp8=True)", repr(out_dtype))
-    if not (out_fp8 is True or out_fp8 is False or out_fp8 is None or out_fp8 in FP8_DTYPES):
-        raise InvalidArgumentError(OP, "out_fp8", "False, True (float8_e4m3fn) or torch.float8_e4m3fn / "
-                                   "torch.float8_e5m2", repr(out_fp8))
-    for name, t in (("b", b), ("a_scale", a_scale), ("b_scale", b_scale), ("bias", bias), ("residual", residual)):
-        if t is not None and t.device != a.device:
-            raise InvalidArgumentError(OP, name, f"on device {a.device} (same as a)", str(t.device))
+    _common.check_out(OP, out_dtype, out_fp8, OUT_DTYPES)
+    _common.check_devices(OP, "a", a, b=b, a_scale=a_scale, b_scale=b_scale, bias=bias, residual=residual)
     return ga, gb
 
 
 def check_values(a_scale, b_scale) -> None:
     """The scales' values (CPU tensors only)."""
-    for name, s in (("a_scale", a_scale), ("b_scale", b_scale)):
-        if s.device.type == "cpu" and s.numel() and not bool(((s > 0) & s.isfinite()).all()):
-            bad = s[~((s > 0) & s.isfinite())].reshape(-1)[0].item()
-            raise InvalidArgumentError(OP, name, "finite scales > 0 (dequantization factors: x = x_fp8 * scale)",
-                                       f"a value {bad}")
+    _common.check_values(OP, a_scale=a_scale, b_scale=b_scale)
 
 
 def features(a, b, ga, gb, bias, activation, residual, fp8) -> frozenset[str]:
@@ -209,12 +157,7 @@ _scaled_gemm.register_autograd(_no_backward, setup_context=lambda ctx, inputs, o
 
 
 def _refuse_grad(**tensors) -> None:
-    if not torch.is_grad_enabled():
-        return
-    for name, t in tensors.items():
-        if t is not None and t.requires_grad:
-            raise InvalidArgumentError(OP, name, "a tensor that does not require grad (scaled_gemm is forward only: "
-                                       "run it under torch.no_grad(), or detach)", "requires_grad=True")
+    _common.refuse_grad(OP, **tensors)
 
 
 def _empty_result(a, b, a_scale, b_scale, bias, activation, residual, out_dtype, fp8):
@@ -262,4 +205,7 @@ OPDEF = OpDef(OP, scaled_gemm, Reference(_reference.scaled_gemm_fwd, None, _refe
               custom_ops=(_scaled_gemm,), cases=tuple(_cases.CASES), tolerance=TOLERANCE, description="FP8 GEMM with dequantization scales (per tensor, row / "
               "column, 1x128 / 128x128 blocks) and the fused bias / activation / residual epilogue, optional fp8 "
               "output; forward only")
-OPDEFS = (OPDEF,)
+
+from .scaled_swiglu import OPDEF as SWIGLU_OPDEF, scaled_swiglu_gemm  # noqa: E402  (needs nothing above; see its module)
+
+OPDEFS = (OPDEF, SWIGLU_OPDEF)

@@ -40,3 +40,41 @@ CASES = [
     Case("scaled_gemm", "e5m2_b_row_block", _gemm(3, 384, 64, "row", "block128x128", db=E5M2, bias=True), (),
          kept=_KEPT, quick=False),
 ]
+
+
+# ---- scaled_swiglu_gemm -------------------------------------------------------------------------------------
+_SWIGLU_KEPT = frozenset({0, 1, 2, 3, "bias"})
+
+
+def _swiglu(m, k, n, gx, gw, *, dw=E4M3, bias=False, activation="silu", w_row_major=False, x_strided=False):
+    """x (m, k) and w_gate_up (k, 2n) = [W_g | W_u] (column-major: a fused gate_up Linear weight's .t())."""
+    def build(dtype, device, g):
+        out = torch.float32 if dtype == torch.float64 else dtype
+        x = torch.randn(m, k, generator=g, dtype=torch.float64) * 2.0 ** (torch.arange(m) % 5 - 2.0)[:, None]
+        # per-column magnitudes that differ between the gate and the up half, so a pairing or scale mix-up shows
+        w = torch.randn(k, 2 * n, generator=g, dtype=torch.float64) * k ** -0.5
+        w = w * 2.0 ** (torch.arange(2 * n) % 3 - 1.0 + (torch.arange(2 * n) >= n))[None, :]
+        x8, sx = quantize_fp8(x, gx)
+        w8, sw = quantize_fp8(w, gw, dw)
+        if not w_row_major:
+            w8 = w8.t().contiguous().t()
+        if x_strided:                                   # rows of a wider buffer (row stride 2k)
+            x8 = torch.cat((x8.view(torch.uint8), x8.view(torch.uint8)), dim=1).view(x8.dtype)[:, :k]
+        kw = {"activation": activation, "out_dtype": out}
+        if bias:
+            kw["bias"] = torch.randn(2 * n, generator=g).to(device=device, dtype=out)
+        return tuple(t.to(device) for t in (x8, w8, sx, sw)), kw
+    return build
+
+
+SWIGLU_CASES = [
+    Case("scaled_swiglu_gemm", "decode_m1_tensor_bias", _swiglu(1, 128, 48, "tensor", "tensor", bias=True), (),
+         kept=_SWIGLU_KEPT),
+    Case("scaled_swiglu_gemm", "odd_row_col_geglu", _swiglu(127, 96, 40, "row", "col", activation="gelu_tanh",
+                                                            x_strided=True), (), kept=_SWIGLU_KEPT),
+    # N = 72: a 128-column block of w's scales spans the last gate and the first up columns
+    Case("scaled_swiglu_gemm", "block_scales", _swiglu(3, 256, 72, "block1x128", "block128x128", bias=True), (),
+         kept=_SWIGLU_KEPT),
+    Case("scaled_swiglu_gemm", "e5m2_w_row_major", _swiglu(33, 128, 80, "row", "col", dw=E5M2, w_row_major=True), (),
+         kept=_SWIGLU_KEPT, quick=False),
+]

@@ -185,3 +185,27 @@ def scaled_gemm_fwd(ctx, a, b, a_scale, b_scale, bias, activation, residual, out
     if out_fp8 is not None:
         return requantize(y, out_fp8)
     return y.to(out_dtype), None
+
+
+# ---- scaled_swiglu_gemm ------------------------------------------------------------------------------------
+SWIGLU_FEATURES = frozenset({"scale_a_tensor", "scale_a_row", "scale_a_block", "scale_b_tensor", "scale_b_col",
+                             "scale_b_block", "a_e5m2", "b_e5m2", "bias", "act_gelu_tanh", "out_fp8", "out_e5m2",
+                             "b_row_major"})
+
+
+def scaled_swiglu_gemm_fwd(ctx, x, w_gate_up, x_scale, w_scale, bias, activation, out_dtype, out_fp8):
+    """The oracle of scaled_swiglu_gemm: both operands dequantized exactly into float64 (an fp8 value times a float32
+    scale is exact there), [g | u] = x @ w_gate_up + bias in float64, act(g) * u, then cast to out_dtype, or with
+    out_fp8 the float32 value requantized per tensor (requantize)."""
+    m, k = x.shape
+    n2 = w_gate_up.shape[1]
+    xd = x.to(torch.float64) * expand_scale(x_scale.to(torch.float64), m, k)
+    wd = w_gate_up.to(torch.float64) * expand_scale(w_scale.to(torch.float64), k, n2)
+    gu = xd @ wd
+    if bias is not None:
+        gu = gu + bias.to(torch.float64)
+    g, u = gu[:, :n2 // 2], gu[:, n2 // 2:]
+    y = ACT[activation](g) * u
+    if out_fp8 is not None:
+        return requantize(y.to(torch.float32), out_fp8)
+    return y.to(out_dtype), None

@@ -8,7 +8,12 @@ Scales: per tensor / row / column scales are applied once in the epilogue (acc *
 the accumulator (BLOCK_K divides 128, so a step lies in one scale block).  Then gemm's epilogue (bias, activation,
 residual) in float32, and either the store in out's dtype or, OUT_FP8, the float32 value into a workspace and the
 tile's amax (finite |y|) into amax_ptr by an atomic max; quantize_kernel then scales and rounds the workspace into
-fp8 once the amax of every tile is known."""
+fp8 once the amax of every tile is known.
+
+SWIGLU (scaled_swiglu_gemm): b is [W_g | W_u] (K, 2N) and the output has N columns; each program keeps a second
+accumulator for the up columns N + j of its gate columns j (b read at column offset N: pointer loads, or the TMA box
+N rows / columns further), scales them with the up columns' scales, and its epilogue is act(g + b_g) * (u + b_u)
+(ACT 4 silu, 3 gelu_tanh; no residual) before the same store or fp8 workspace."""
 from __future__ import annotations
 
 import triton
@@ -25,9 +30,11 @@ def scaled_gemm_kernel(a_ptr, b_ptr, a_desc, b_desc, out_ptr, bias_ptr, res_ptr,
                        s_am, s_ak, s_bk, s_bn, s_om, s_on, s_rm, s_rn, s_sam, s_sak, s_sbk, s_sbn,
                        TMA: tl.constexpr, B_NK: tl.constexpr, A_BLOCK: tl.constexpr, B_BLOCK: tl.constexpr,
                        ACT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, OUT_FP8: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                       SWIGLU: tl.constexpr = False):
     """sa / sb strides: s_sam (per a row), s_sak (per 128 of K), s_sbk (per 128 of K), s_sbn (per b column
-    (B_BLOCK: per 128 columns)); 0 where the scale is broadcast (per tensor)."""
+    (B_BLOCK: per 128 columns)); 0 where the scale is broadcast (per tensor).  N: the output's columns (with SWIGLU
+    half of b's)."""
     pid_m, pid_n = _group_ids(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     off_m = pid_m * BLOCK_M
     off_n = pid_n * BLOCK_N
@@ -40,44 +47,74 @@ def scaled_gemm_kernel(a_ptr, b_ptr, a_desc, b_desc, out_ptr, bias_ptr, res_ptr,
     sa_rows = sa_ptr + rm64 * s_sam                       # this tile's rows of a_scale
     if B_BLOCK:
         sb_cols = sb_ptr + (rn // 128) * s_sbn            # this tile's column blocks of b_scale
+        sb_up = sb_ptr + ((rn + N) // 128) * s_sbn        # (SWIGLU) those of the matching up columns
     else:
         sb_cols = sb_ptr + rn * s_sbn
+        sb_up = sb_ptr + (rn + N) * s_sbn
     a_ptrs = a_ptr + rm64[:, None] * s_am + rk[None, :] * s_ak
     b_ptrs = b_ptr + rk[:, None] * s_bk + rn[None, :] * s_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)   # the up columns (SWIGLU only; dead otherwise)
     for ki in range(0, tl.cdiv(K, BLOCK_K)):
         off_k = ki * BLOCK_K
+        # (SWIGLU: b's columns >= N of a gate tile are up columns, never stored: the masks below keep columns < N)
         if TMA:
             a = a_desc.load([off_m, off_k])               # out-of-bounds rows / columns read as zero
             if B_NK:
                 b = b_desc.load([off_n, off_k]).T
+                if SWIGLU:
+                    bu = b_desc.load([off_n + N, off_k]).T
             else:
                 b = b_desc.load([off_k, off_n])
+                if SWIGLU:
+                    bu = b_desc.load([off_k, off_n + N])
         else:
             km = rk < K - off_k                           # K tail
             a = tl.load(a_ptrs, mask=mm[:, None] & km[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=km[:, None] & nm[None, :], other=0.0)
+            if SWIGLU:
+                bu = tl.load(b_ptrs + N * s_bn, mask=km[:, None] & nm[None, :], other=0.0)
             a_ptrs += BLOCK_K * s_ak
             b_ptrs += BLOCK_K * s_bk
         if A_BLOCK or B_BLOCK:
-            part = tl.dot(a, b)
             kb = off_k // 128                             # the scale block of this step
             if A_BLOCK:
-                part = part * tl.load(sa_rows + kb * s_sak, mask=mm, other=0.0)[:, None]
+                sa_k = tl.load(sa_rows + kb * s_sak, mask=mm, other=0.0)[:, None]
+            part = tl.dot(a, b)
+            if A_BLOCK:
+                part = part * sa_k
             if B_BLOCK:
                 part = part * tl.load(sb_cols + kb * s_sbk, mask=nm, other=0.0)[None, :]
             acc += part
+            if SWIGLU:
+                part_u = tl.dot(a, bu)
+                if A_BLOCK:
+                    part_u = part_u * sa_k
+                if B_BLOCK:
+                    part_u = part_u * tl.load(sb_up + kb * s_sbk, mask=nm, other=0.0)[None, :]
+                acc_u += part_u
         else:
             acc = tl.dot(a, b, acc)
+            if SWIGLU:
+                acc_u = tl.dot(a, bu, acc_u)
     # the scales constant over K
     if not A_BLOCK:
-        acc = acc * tl.load(sa_rows, mask=mm, other=0.0)[:, None]
+        sa_m = tl.load(sa_rows, mask=mm, other=0.0)[:, None]
+        acc = acc * sa_m
+        if SWIGLU:
+            acc_u = acc_u * sa_m
     if not B_BLOCK:
         acc = acc * tl.load(sb_cols, mask=nm, other=0.0)[None, :]
+        if SWIGLU:
+            acc_u = acc_u * tl.load(sb_up, mask=nm, other=0.0)[None, :]
     y = acc
     if HAS_BIAS:
         y += tl.load(bias_ptr + rn, mask=nm, other=0.0).to(tl.float32)[None, :]
     y = _act(y, ACT)
+    if SWIGLU:
+        if HAS_BIAS:
+            acc_u += tl.load(bias_ptr + N + rn, mask=nm, other=0.0).to(tl.float32)[None, :]
+        y = y * acc_u
     mask = mm[:, None] & nm[None, :]
     if HAS_RES:
         y += tl.load(res_ptr + rm64[:, None] * s_rm + rn[None, :] * s_rn, mask=mask, other=0.0).to(tl.float32)
