@@ -281,3 +281,22 @@ def test_eager_floor_adds_blocks_while_samples_disagree():
     assert all(len(d["block_ratios"]) == 1 for d in floor) and norm["kept"]
     floor, norm = run([0.0], effect=+0.1)
     assert not norm["kept"] and norm["ratio"] < 1.0
+
+
+def test_wall_timer_times_a_long_call_once(monkeypatch):
+    """A call longer than the target window is timed once after its warm-up; short calls get MIN_REPS or more."""
+    import time as _time
+    from opsadv.convert import floor as F
+    monkeypatch.setattr(F, "TARGET_S", 0.02)
+    timer = F.wall_timer(torch.device("cpu"))
+    n = {"long": 0, "short": 0}
+
+    def long():
+        n["long"] += 1
+        _time.sleep(0.03)
+
+    def short():
+        n["short"] += 1
+    assert timer(long) >= 30.0 and n["long"] == 3             # warm-up, the estimate, one timed call
+    timer(short)
+    assert n["short"] >= 2 + F.MIN_REPS

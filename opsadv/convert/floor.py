@@ -176,7 +176,8 @@ def _device_of(model) -> torch.device:
 
 
 def wall_timer(device: torch.device) -> Timer:
-    """Median ms of one call: a warm-up, then as many calls as fit TARGET_S (MIN_REPS..MAX_REPS)."""
+    """Median ms of one call: a warm-up, then as many calls as fit TARGET_S (MIN_REPS..MAX_REPS; one for a call
+    longer than TARGET_S)."""
     cuda = device.type == "cuda"
 
     def sync():
@@ -190,7 +191,9 @@ def wall_timer(device: torch.device) -> Timer:
         fn()
         sync()
         one = max(time.perf_counter() - t0, 1e-6)
-        reps = max(MIN_REPS, min(MAX_REPS, int(TARGET_S / one)))
+        # a call as long as the target window times once (a generate or a large step): three more would triple
+        # conversion time while the blocks already repeat the measurement
+        reps = 1 if one >= TARGET_S else max(MIN_REPS, min(MAX_REPS, int(TARGET_S / one)))
         collecting = gc.isenabled()
         gc.disable()                   # a collection inside a host-bound call reads as the rewrite's cost
         try:
