@@ -285,6 +285,7 @@ def compile_model(model, dynamic: bool | None):
 def _report_fields(conv, extra: dict) -> None:
     rep = conv.opsadv_report
     extra["conversion"] = rep.summary()
+    extra["conversion_phases_s"] = {k: round(v, 2) for k, v in rep.phases.items()}
     groups: dict = {}
     for c in rep.changes:
         if c.kind in ("kept", "skipped"):

@@ -271,10 +271,12 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
                                        "transformers model, or validate=False", None)
         dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
         modes = _eval_mode(model)
+        t_val = time.perf_counter()
         try:
             ref = _val.run(model, inputs) if validate and opt_level > 0 else None
         finally:
             _restore_modes(modes)
+        t_val = time.perf_counter() - t_val
         undo = passes.Undo()
         root = model
         use_floor = opt_level > 0 and (_floor.default_enabled() if floor is None else floor)
@@ -291,6 +293,7 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
                 gate = _floor.Floor(finputs, floor_mode, floor_timer, _floor.compile_mode(floor_compile))
                 if gate.compile:
                     report.notes.append(f"floor timed under torch.compile ({gate.compile})")
+        t_steps = time.perf_counter()
         try:
             fp8 = None
             if use_fp8:
@@ -317,6 +320,8 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
         except Exception:
             undo.revert()
             raise
+        t_steps = time.perf_counter() - t_steps
+        t1 = time.perf_counter()
         if ref is not None:
             modes = _eval_mode(root)
             try:
@@ -339,6 +344,9 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
             report.notes.append("not validated (validate=False)")
         if gate is not None:
             report.floor = [d.to_dict() for d in gate.decisions]
+        floor_s = gate.seconds if gate is not None else 0.0
+        report.phases = {"floor": floor_s, "validation": t_val + time.perf_counter() - t1,
+                         "rewrites": max(t_steps - floor_s, 0.0)}
         report.seconds = time.perf_counter() - t0
         root._opsadv_state = state
         root._opsadv_example_inputs = inputs

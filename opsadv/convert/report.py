@@ -32,6 +32,7 @@ class ConversionReport:
     notes: list[str] = field(default_factory=list)
     floor: list[dict[str, Any]] | None = None   # per rewrite step: kept?, ratio, ms both ways (convert/floor.py)
     fp8: dict[str, Any] | None = None   # precision="fp8": blocks in FP8 / kept bf16 and why (convert/fp8.py)
+    phases: dict[str, float] = field(default_factory=dict)   # seconds: floor (timing), validation, rewrites
 
     def add(self, kind: str, where: str, what: str, reason: str = "") -> None:
         self.changes.append(Change(kind, where, what, reason))
@@ -45,7 +46,8 @@ class ConversionReport:
     def __str__(self) -> str:
         head = (f"opsadv conversion of {self.model}: {self.status} "
                 f"(opt_level={self.opt_level}, backend={self.backend}, precision={self.precision}, "
-                f"{self.seconds:.2f} s)")
+                f"{self.seconds:.2f} s" + (": " + ", ".join(f"{k} {v:.2f} s" for k, v in self.phases.items())
+                                           if self.phases else "") + ")")
         rows = [head]
         # Group identical (kind, what, reason) lines so a 22-layer model stays readable.
         groups: dict[tuple[str, str, str], list[str]] = {}
@@ -76,7 +78,7 @@ class ConversionReport:
         return {"model": self.model, "opt_level": self.opt_level, "backend": self.backend,
                 "precision": self.precision, "status": self.status, "seconds": self.seconds,
                 "changes": [vars(c) for c in self.changes], "validation": self.validation, "notes": self.notes,
-                "floor": self.floor, "fp8": self.fp8}
+                "floor": self.floor, "fp8": self.fp8, "phases": self.phases}
 
 
 def _fmt(v) -> str:
