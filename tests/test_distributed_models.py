@@ -1,9 +1,11 @@
-"""Converted models under PyTorch's parallel engine (docs/distributed.md): a tiny Llama on 2 CPU ranks (gloo), the
-reference backend.  Tensor parallel (torch's Llama plan applied before and after convert_model, transformers'
-tp_plan), FSDP2 (with and without a bf16 MixedPrecisionPolicy) and DDP each train one step whose loss and every
-gradient (gathered with full_tensor()) match a single-process run of the unconverted model on the same weights and
-the whole batch.  All cases run in one spawn (a spawn costs seconds); each rank returns its failures, one message
-per case."""
+"""Converted models under PyTorch's parallel engine (docs/distributed.md): a tiny Llama (a vocabulary of 131, odd: the
+vocab-parallel lm_head's shards are uneven) on CPU ranks (gloo), the reference backend.  On 2 ranks: tensor parallel
+(torch's Llama plan with a vocab-parallel lm_head, applied before and after convert_model; transformers' tp_plan),
+FSDP2 (with and without a bf16 MixedPrecisionPolicy) and DDP.  On 4 ranks, a 2 x 2 ("dp", "tp") mesh: the plan on
+the "tp" sub-mesh and fully_shard on "dp", both orders of conversion, and sequence-parallel norms.  Each case trains
+one step whose loss and every gradient (gathered with full_tensor()) match a single-process run of the unconverted
+model on the same weights and the whole batch.  All cases of a world size run in one spawn (a spawn costs seconds);
+each rank returns its failures, one message per case."""
 import json
 import os
 import random
@@ -21,11 +23,12 @@ WORLD = 2
 SEQ = 13                    # odd: no length is a multiple of a block or of the ranks
 BATCH_PER_RANK = 2
 LAYERS = 2
+VOCAB = 131                 # odd: lm_head's vocabulary shards are uneven (66 / 65 rows)
 
 
 def _config():
     from transformers import LlamaConfig
-    return LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=LAYERS,
+    return LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=LAYERS,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                        tie_word_embeddings=False)
 
@@ -38,12 +41,16 @@ def _model(seed: int, dtype):
         for n, p in m.named_parameters():
             if "norm" in n:
                 p.add_(torch.randn_like(p) * 0.1)
+        m.lm_head.weight.mul_(10.0)        # logits of O(1), not 0.02: the loss then depends on the target logit
     return m
 
 
-def _torch_plan():
+def _torch_plan(lm_head: bool = True):
+    """torch's Llama plan; lm_head split over the vocabulary with gathered logits (the model's own loss needs them),
+    which the fused loss runs vocab-parallel."""
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-    plan = {}
+    plan = {"lm_head": ColwiseParallel(output_layouts=Replicate())} if lm_head else {}
     for i in range(LAYERS):
         for n in ("q_proj", "k_proj", "v_proj"):
             plan[f"model.layers.{i}.self_attn.{n}"] = ColwiseParallel()
@@ -114,9 +121,10 @@ def _cases(rank, seed, ckpt):
     from torch.distributed.tensor.parallel import parallelize_module
     from opsadv.core.errors import InvalidArgumentError
 
+    results = []
     mesh = init_device_mesh("cpu", (WORLD,))
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 128, (WORLD * BATCH_PER_RANK, SEQ), generator=gen)   # the same on every rank
+    ids = torch.randint(0, VOCAB, (WORLD * BATCH_PER_RANK, SEQ), generator=gen)   # the same on every rank
     mine = ids[rank * BATCH_PER_RANK:(rank + 1) * BATCH_PER_RANK]              # data parallel: this rank's rows
     same = ids[:BATCH_PER_RANK]                                                 # tensor parallel: one batch
     f64 = torch.float64
@@ -128,6 +136,9 @@ def _cases(rank, seed, ckpt):
         model.train()
         out = model(batch, labels=batch)
         out.loss.backward()
+        fused = getattr(model, "module", model).opsadv_report
+        if out.logits is not None and any(c.kind == "fused" and "ForCausalLMLoss" in c.what for c in fused.changes):
+            results.append("the fused lm_loss did not run (the call returned logits)")
         return out.loss
 
     def train_dp(model):
@@ -144,12 +155,8 @@ def _cases(rank, seed, ckpt):
         return m, train(m, same), tp_ref
 
     def tp_after():
-        from torch.distributed.tensor import Replicate
-        from torch.distributed.tensor.parallel import ColwiseParallel
         m = opsadv.convert_model(_model(seed, f64))
-        # lm_head sharded by vocabulary after conversion: the fused loss steps aside, the model's own loss is taken
-        # from the gathered logits
-        parallelize_module(m, mesh, {**_torch_plan(), "lm_head": ColwiseParallel(output_layouts=Replicate())})
+        parallelize_module(m, mesh, _torch_plan())     # lm_head split over the vocabulary: vocab-parallel loss
         return m, train(m, same), tp_ref
 
     def tp_transformers():
@@ -167,7 +174,6 @@ def _cases(rank, seed, ckpt):
         m = torch.nn.parallel.DistributedDataParallel(opsadv.convert_model(_model(seed, f64)))
         return m, train_dp(m), ref64
 
-    results = []
     checks = {"tp_before": tp_before, "tp_after": tp_after, "tp_transformers": tp_transformers,
               "fsdp": fsdp, "ddp": ddp}
     fused_expected = {"tp_before", "tp_after", "fsdp", "ddp"}
@@ -175,9 +181,12 @@ def _cases(rank, seed, ckpt):
         try:
             m, loss, (ref_loss, ref_grads) = case()
             errs = _compare(name, m, loss, ref_loss, ref_grads, tol)
-            kinds = [c.kind for c in getattr(m, "module", m).opsadv_report.changes]
+            report = getattr(m, "module", m).opsadv_report
+            kinds = [c.kind for c in report.changes]
             if name in fused_expected and kinds.count("fused") < 2 * LAYERS:
-                errs.append(f"{name}: q|k|v and gate|up not fused: {getattr(m, 'module', m).opsadv_report}")
+                errs.append(f"{name}: q|k|v and gate|up not fused: {report}")
+            if not any(c.kind == "fused" and "ForCausalLMLoss" in c.what for c in report.changes):
+                errs.append(f"{name}: the loss was not fused (lm_loss): {report}")
             results += errs
         except Exception:                     # noqa: BLE001 - one case's failure must not hide the others'
             results.append(f"{name}: {traceback.format_exc()[-1500:]}")
@@ -231,14 +240,166 @@ def _parallel_then_convert(seed, mesh):
     return opsadv.convert_model(m)
 
 
-def _worker(rank, port, seed, out_dir):
+# ---- 4 ranks: a 2 x 2 ("dp", "tp") mesh -------------------------------------------------------------------------
+DP = TP = 2
+
+
+def _sequence_parallel_plan():
+    """torch's Llama plan with sequence parallelism: the residual stream a DTensor split over the sequence (Shard(1))
+    on the "tp" mesh, every norm SequenceParallel (the converted norms run opsadv.rms_norm on the split tokens),
+    attention and MLP inputs all-gathered, o / down reduce-scattered; lm_head's input all-gathered by the fused loss
+    (vocab-parallel) or by its plan."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
+    plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
+                                                  use_local_output=False),
+            "model.norm": SequenceParallel(),
+            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        plan |= {p + "input_layernorm": SequenceParallel(), p + "post_attention_layernorm": SequenceParallel(),
+                 p + "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                                     desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+                 p + "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                 p + "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+                 p + "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)}
+        plan |= {p + f"self_attn.{n}": ColwiseParallel() for n in ("q_proj", "k_proj", "v_proj")}
+        plan |= {p + f"mlp.{n}": ColwiseParallel() for n in ("gate_proj", "up_proj")}
+    return plan
+
+
+def _cases_2d(rank, seed, ckpt):
+    """TP on "tp" x FSDP2 on "dp", float32, against the single-process float32 run of the unconverted model on the
+    whole batch (each dp group trains its half; equal token counts, so FSDP's averaged gradients are the whole
+    batch's); and the vocab-parallel op with its tokens split over "dp"."""
+    import opsadv
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh.get_local_rank("dp")
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (DP * BATCH_PER_RANK, SEQ), generator=gen)
+    mine = ids[dp_rank * BATCH_PER_RANK:(dp_rank + 1) * BATCH_PER_RANK]
+    f32 = torch.float32
+    ref = _reference(seed, f32, ids)
+    tol = 5e-6                                 # (float32 runs differ by up to ~6e-7)
+    results = []
+
+    def shard(m):
+        for layer in m.model.layers:
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(m, mesh=mesh["dp"])
+        return m
+
+    def train(m):
+        m.train()
+        out = m(mine, labels=mine)
+        out.loss.backward()
+        if getattr(m, "opsadv_report", None) is not None and out.logits is not None:
+            results.append("the fused lm_loss did not run (the call returned logits)")
+        loss = out.loss.detach().clone()
+        dist.all_reduce(loss)                 # (the tp ranks of a dp group hold the same loss)
+        return loss / (DP * TP)
+
+    def unconverted():
+        m = _model(seed, f32)
+        parallelize_module(m, mesh["tp"], _torch_plan())
+        return shard(m)
+
+    def tp_then_convert():
+        m = _model(seed, f32)
+        parallelize_module(m, mesh["tp"], _torch_plan())
+        return shard(opsadv.convert_model(m))
+
+    def convert_then_tp():
+        m = opsadv.convert_model(_model(seed, f32), floor=False)
+        parallelize_module(m, mesh["tp"], _torch_plan())
+        return shard(m)
+
+    def sequence_parallel():
+        m = opsadv.convert_model(_model(seed, f32), floor=False)
+        parallelize_module(m, mesh["tp"], _sequence_parallel_plan())
+        with opsadv.trace() as t:
+            m = shard(m)
+            loss = train(m)
+        if not t.counts.get("reference.rms_norm"):
+            results.append(f"sequence_parallel: the converted norms did not run opsadv.rms_norm: {dict(t.counts)}")
+        return m, loss
+
+    for name, case in (("unconverted", unconverted), ("tp_then_convert", tp_then_convert),
+                       ("convert_then_tp", convert_then_tp), ("sequence_parallel", sequence_parallel)):
+        try:
+            built = case()
+            m, loss = built if isinstance(built, tuple) else (built, train(built))
+            results += _compare(f"2d {name}", m, loss, *ref, tol)
+            report = getattr(m, "opsadv_report", None)
+            if report is not None and not any(c.kind == "fused" and "ForCausalLMLoss" in c.what
+                                              for c in report.changes):
+                results.append(f"2d {name}: the loss was not fused (lm_loss): {report}")
+        except Exception:                     # noqa: BLE001 - one case's failure must not hide the others'
+            results.append(f"2d {name}: {traceback.format_exc()[-1500:]}")
+        dist.barrier()
+    try:
+        results += _vocab_parallel_op_2d(mesh)
+    except Exception:                         # noqa: BLE001
+        results.append(f"2d vocab-parallel op: {traceback.format_exc()[-1500:]}")
+    return results
+
+
+def _vocab_parallel_op_2d(mesh) -> list[str]:
+    """linear_cross_entropy with the weight's vocabulary split over "tp" and the tokens over "dp" (float64, odd
+    sizes): loss and gradients equal the unsplit call's; 'sum' is Partial() over dp, 'mean' there is refused."""
+    import opsadv
+    from opsadv.errors import ShardingError
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+    torch.manual_seed(1234)                   # the same tensors on every rank
+    f64 = torch.float64
+    h, w, b = torch.randn(2, 19, 16, dtype=f64), torch.randn(29, 16, dtype=f64), torch.randn(29, dtype=f64)
+    labels = torch.randint(0, 29, (2, 19))
+    labels[:, ::4] = -100
+    kw = dict(label_smoothing=0.1, z_loss=1e-3, softcap=4.0)
+    fails = []
+    for reduction, want_p in (("sum", (Partial(), Replicate())), ("none", (Shard(1), Replicate()))):
+        hp, wp, bp = (t.clone().requires_grad_() for t in (h, w, b))
+        ref = opsadv.ops.linear_cross_entropy(hp, wp, labels, bias=bp, reduction=reduction, **kw)
+        g = torch.randn_like(ref)
+        ref.backward(g)
+        hd = distribute_tensor(h, mesh, [Shard(1), Replicate()]).requires_grad_()
+        wd = distribute_tensor(w, mesh, [Replicate(), Shard(0)]).requires_grad_()
+        bd = distribute_tensor(b, mesh, [Replicate(), Shard(0)]).requires_grad_()
+        ld = distribute_tensor(labels, mesh, [Shard(1), Replicate()])
+        got = opsadv.ops.linear_cross_entropy(hd, wd, ld, bias=bd, reduction=reduction, **kw)
+        if tuple(got.placements) != want_p:
+            fails.append(f"2d op {reduction}: loss placements {got.placements}, expected {want_p}")
+        got.full_tensor().backward(g)
+        for n, a, e in (("loss", got, ref), ("grad hidden", hd.grad, hp.grad), ("grad weight", wd.grad, wp.grad),
+                        ("grad bias", bd.grad, bp.grad)):
+            a = a.full_tensor() if isinstance(a, DTensor) else a
+            err = (a - e).abs().max().item()
+            if not err <= 1e-10:
+                fails.append(f"2d op {reduction}: {n} max err {err:.3g}")
+    try:
+        opsadv.ops.linear_cross_entropy(distribute_tensor(h, mesh, [Shard(1), Replicate()]),
+                                        distribute_tensor(w, mesh, [Replicate(), Shard(0)]),
+                                        distribute_tensor(labels, mesh, [Shard(1), Replicate()]))
+        fails.append("2d op: reduction='mean' over tokens split on dp was accepted")
+    except ShardingError as e:
+        if "argument 'reduction'" not in str(e):
+            fails.append(f"2d op: unclear refusal: {e}")
+    return fails
+
+
+def _worker(rank, port, seed, out_dir, world=WORLD, cases="_cases"):
     torch.set_num_threads(1)
     os.environ["OPSADV_CONVERT_FLOOR"] = "0"
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         import opsadv
         opsadv.use_backend("reference")
-        results = _cases(rank, seed, os.path.join(out_dir, "ckpt"))
+        results = globals()[cases](rank, seed, os.path.join(out_dir, "ckpt"))
     except Exception:                         # noqa: BLE001
         results = [f"worker: {traceback.format_exc()[-2000:]}"]
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
@@ -252,11 +413,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_converted_llama_trains_under_tp_fsdp2_and_ddp(tmp_path):
+def _spawn(tmp_path, world, cases):
     import torch.multiprocessing as mp
     seed = random.randrange(1 << 30)           # fresh inputs and weights each run; the seed is in the message
-    mp.spawn(_worker, args=(_free_port(), seed, str(tmp_path)), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(_free_port(), seed, str(tmp_path), world, cases), nprocs=world, join=True)
     failures = []
-    for r in range(WORLD):
+    for r in range(world):
         failures += [f"rank {r}: {msg}" for msg in json.loads((tmp_path / f"rank{r}.json").read_text())]
     assert not failures, f"seed {seed}:\n" + "\n".join(failures)
+
+
+def test_converted_llama_trains_under_tp_fsdp2_and_ddp(tmp_path):
+    _spawn(tmp_path, WORLD, "_cases")
+
+
+def test_converted_llama_trains_on_a_2d_mesh_tp_x_fsdp2(tmp_path):
+    _spawn(tmp_path, DP * TP, "_cases_2d")

@@ -310,6 +310,37 @@ def _cases(mesh, world: int):
         return run
     cases["linear_cross_entropy tokens sum (Partial)"] = lce("sum")
     cases["linear_cross_entropy tokens none"] = lce("none")
+
+    def vocab_parallel(vocab, bias=True, return_lse=False, **kw):
+        """The weight split over its vocabulary (uneven: 23 = 12 + 11 rows), hidden and labels replicated: the loss
+        and every gradient of the unsplit call, without gathering the weight (grad weight stays Shard(0))."""
+        def run():
+            hid, w = rnd(2, 19, 12), rnd(vocab, 12)
+            labels = torch.randint(0, vocab, (2, 19))
+            labels[:, ::5] = -100
+            ins, pl = dict(hidden=hid, weight=w, labels=labels), dict(hidden=Rp, weight=S(0), labels=Rp)
+            if bias:
+                ins["bias"], pl["bias"] = rnd(vocab), S(0)
+            outp = [Rp, Rp] if return_lse else [Rp]
+            fails = _check("linear_cross_entropy",
+                           lambda **a: ops.linear_cross_entropy(**a, return_lse=return_lse, **kw), ins, pl, mesh,
+                           out_placements=outp, grad_of=(lambda o: [torch.randn_like(o[0]), None]) if return_lse
+                           else None)
+            from torch.distributed.tensor import distribute_tensor
+            wd = distribute_tensor(w.detach(), mesh, S(0)).requires_grad_()
+            loss = ops.linear_cross_entropy(distribute_tensor(hid.detach(), mesh, Rp), wd,
+                                            distribute_tensor(labels, mesh, Rp), **kw)
+            loss = loss[0] if return_lse else loss
+            loss.sum().backward()
+            if list(wd.grad.placements) != S(0):
+                fails.append(f"grad weight placements {wd.grad.placements}, expected [Shard(0)]")
+            return fails
+        return run
+    cases["linear_cross_entropy vocab-parallel mean bias"] = vocab_parallel(23)
+    cases["linear_cross_entropy vocab-parallel sum softcap"] = vocab_parallel(23, reduction="sum", softcap=3.0)
+    cases["linear_cross_entropy vocab-parallel none smoothing z_loss lse"] = vocab_parallel(
+        23, bias=False, return_lse=True, reduction="none", label_smoothing=0.1, z_loss=1e-2, softcap=5.0)
+    cases["linear_cross_entropy vocab-parallel one row (an empty shard)"] = vocab_parallel(1, z_loss=0.1)
     cases.update(_refusals(mesh, world))
     return cases
 
@@ -359,21 +390,31 @@ def _refusals(mesh, world: int):
             lambda: ops.linear_cross_entropy(d(r(6, 4), Shard(0)), d(r(7, 4), Replicate()),
                                              d(torch.randint(0, 7, (6,)), Shard(0))),
             "linear_cross_entropy: argument 'reduction'", "reduction='sum'"),
-        "refuse linear_cross_entropy vocab-sharded weight": (
+        "refuse linear_cross_entropy tokens and vocabulary on one mesh dim": (
             lambda: ops.linear_cross_entropy(d(r(6, 4), Shard(0)), d(r(8, 4), Shard(0)),
                                              d(torch.randint(0, 7, (6,)), Shard(0)), reduction="sum"),
-            "linear_cross_entropy: argument 'weight'", "vocab-parallel"),
+            "linear_cross_entropy: argument 'hidden'", "Replicate() on the vocabulary's mesh dim", "Shard(0)"),
+        "refuse linear_cross_entropy hidden-split weight": (
+            lambda: ops.linear_cross_entropy(d(r(6, 4), Replicate()), d(r(8, 4), Shard(1)),
+                                             d(torch.randint(0, 7, (6,)), Replicate())),
+            "linear_cross_entropy: argument 'weight'", "partial sums", "Shard(1)"),
     }
 
-    def thunk(call, *needles):
+    def thunk(call, *needles, error=ShardingError):
         def run():
             try:
                 call()
-            except ShardingError as e:
+            except error as e:
                 return [f"message lacks {n!r}: {e}" for n in needles if n not in str(e)]
-            return ["no ShardingError raised"]
+            return [f"no {error.__name__} raised"]
         return run
-    return {name: thunk(call, *needles) for name, (call, *needles) in wants.items()}
+    out = {name: thunk(call, *needles) for name, (call, *needles) in wants.items()}
+    from opsadv.errors import InvalidArgumentError
+    out["refuse linear_cross_entropy vocab-parallel plain labels"] = thunk(
+        lambda: ops.linear_cross_entropy(d(r(6, 4), Replicate()), d(r(9, 4), Shard(0)), torch.randint(0, 9, (6,))),
+        "linear_cross_entropy: argument 'labels'", "a DTensor on the weight's device mesh", "plain Tensor",
+        error=InvalidArgumentError)
+    return out
 
 
 def _explain_case(mesh):
@@ -388,6 +429,23 @@ def _explain_case(mesh):
     return fails
 
 
+def _explain_vocab_parallel_case(mesh):
+    import opsadv
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    h = distribute_tensor(torch.randn(2, 9, 8, dtype=DT), mesh, [Replicate()])
+    w = distribute_tensor(torch.randn(23, 8, dtype=DT), mesh, [Shard(0)])
+    labels = distribute_tensor(torch.randint(0, 23, (2, 9)), mesh, [Replicate()])
+    e = opsadv.explain("linear_cross_entropy", h, w, labels, reduction="sum")
+    text = str(e)
+    fails = [f"explain lacks {n!r}:\n{text}" for n in
+             ("weight [Shard(0)]", "hidden [Replicate()]", "loss [Replicate()]", "vocab-parallel over mesh dim 0",
+              "grad hidden [Partial()]", "grad weight [Shard(0)]", "no backend kernel runs") if n not in text]
+    rows = 12 if torch.distributed.get_rank() == 0 else 11
+    if e.chosen is not None or e.spec.shapes[1] != (rows, 8):
+        fails.append(f"explain: chosen {e.chosen}, local weight {e.spec.shapes[1]} (expected none, ({rows}, 8))")
+    return fails
+
+
 def _worker(rank: int, world: int, port: int, results) -> None:
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -398,6 +456,7 @@ def _worker(rank: int, world: int, port: int, results) -> None:
         mesh = init_device_mesh("cpu", (world,))
         cases = _cases(mesh, world)
         cases["explain shows the placements"] = lambda: _explain_case(mesh)
+        cases["explain shows the vocab-parallel placements"] = lambda: _explain_vocab_parallel_case(mesh)
         out = {}
         for i, (name, run) in enumerate(cases.items()):
             torch.manual_seed(1000 + i)          # the same inputs on every rank, fresh per case
@@ -453,12 +512,18 @@ def _names():
             "rms_norm sequence-parallel", "rms_norm sequence-parallel residual", "rotary_embedding heads",
             "rotary_embedding batch", "qk_norm_rotary heads", "qk_norm_rotary batch",
             "linear_cross_entropy tokens sum (Partial)", "linear_cross_entropy tokens none",
+            "linear_cross_entropy vocab-parallel mean bias", "linear_cross_entropy vocab-parallel sum softcap",
+            "linear_cross_entropy vocab-parallel none smoothing z_loss lse",
+            "linear_cross_entropy vocab-parallel one row (an empty shard)",
             "refuse flash_attention head_dim", "refuse flash_attention kv heads not divisible",
             "refuse flash_attention mask sharded on heads", "refuse gemm row-parallel no-grad activation",
             "refuse swiglu_gemm plain Shard(1)", "refuse swiglu last dim plain Shard", "refuse layer_norm hidden dim",
             "refuse rms_norm hidden dim", "refuse rotary cos sharded",
             "refuse linear_cross_entropy mean over sharded tokens",
-            "refuse linear_cross_entropy vocab-sharded weight", "explain shows the placements"] + \
+            "refuse linear_cross_entropy tokens and vocabulary on one mesh dim",
+            "refuse linear_cross_entropy hidden-split weight",
+            "refuse linear_cross_entropy vocab-parallel plain labels",
+            "explain shows the placements", "explain shows the vocab-parallel placements"] + \
         ["interpreter: " + n for n in INTERPRETED]
 
 

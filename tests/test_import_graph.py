@@ -33,6 +33,8 @@ LAZY: dict[tuple[str, str], str] = {
                                                         "torch.distributed.tensor (~0.6 s), loaded when it loads",
     ("opsadv.distributed", "opsadv.distributed.explain"): "as opsadv.distributed.rules (imports torch.distributed.tensor)",
     ("opsadv.distributed", "opsadv.distributed.gate_up"): "as opsadv.distributed.rules (imports torch.distributed.tensor)",
+    ("opsadv.distributed", "opsadv.distributed.vocab_parallel"): "as opsadv.distributed.rules (imports "
+                                                                 "torch.distributed.tensor)",
     ("opsadv.cli", "opsadv.bench.runner"): "optional CLI part: its ImportError leaves the other commands working",
     ("opsadv.cli", "opsadv.convert.cli"): "optional CLI part: its ImportError leaves the other commands working",
     ("opsadv.bench.suite_sparse", f"{TC}.sparse_attention.sparse"): TRITON,

@@ -16,6 +16,12 @@ a 128k vocabulary those logits are b*s*V float32 (4 GiB at b4 s2048).  Three hoo
 - a forward hook on the model (always_call: an exception drops the call's state too): the output gets the loss and
   `logits=None`, as Liger-Kernel's fused linear cross-entropy returns them (a tuple output: loss first, no logits).
 
+Under tensor parallelism an lm_head whose weight is split over the vocabulary (ColwiseParallel, transformers'
+colwise tp_plan) keeps the fused loss: the op runs vocab-parallel on the DTensor weight (opsadv/distributed/
+vocab_parallel.py), with hidden and labels taken whole on the weight's mesh, and lm_head runs on a one-token
+placeholder (DTensor's F.linear fails on zero tokens).  Any other tensor-parallel head computes the loss from its
+logits (LossSeam.loss_of_logits).
+
 Eval mode, or a call without labels, changes nothing (logits as before).  The pass refuses, with the reason in the
 report, a model without an lm_head Linear, one whose loss is not ForCausalLMLoss (another loss_type, a loss_function
 of its own), one whose forward does not compute its loss through `self.loss_function`, one that adds a router's
@@ -24,6 +30,7 @@ auxiliary loss when labels are passed (Mixtral), and one whose fused loss differ
 from __future__ import annotations
 
 import inspect
+import sys
 from contextlib import nullcontext
 
 import torch
@@ -48,7 +55,8 @@ class _Call:
     def __init__(self, labels, shift_labels, num_items, ignore_index, softcap):
         self.labels, self.shift_labels, self.num_items = labels, shift_labels, num_items
         self.ignore_index, self.softcap, self.loss = ignore_index, softcap, None
-        self.from_logits = False            # lm_head is tensor-parallel: the loss comes from the logits
+        self.from_logits = False            # lm_head is tensor-parallel but not split over the vocabulary (or its
+                                            # input is not the whole batch): the loss comes from the logits
 
 
 class LossSeam:
@@ -94,11 +102,26 @@ class LossSeam:
         if call is None or call.loss is not None or len(args) != 1:
             return None                     # not a fused call, or a second lm_head call in it: as it was
         hidden = args[0]
-        if tp.is_dtensor(head.weight):       # sharded after conversion: lm_head runs under its plan, the loss
-            call.from_logits = True          # comes from its logits (model_post_hook)
-            return None
+        if tp.is_dtensor(head.weight) and not self.vocab_parallel(hidden, head, call):
+            call.from_logits = True         # lm_head runs under its plan, the loss comes from its logits
+            return None                     # (model_post_hook)
         call.loss = self.loss(hidden, head, call)
+        if tp.is_dtensor(head.weight):
+            return (_one_token(hidden),)
         return (hidden.narrow(-2, 0, 0),)   # lm_head on zero tokens: the logits placeholder costs nothing
+
+    @staticmethod
+    def vocab_parallel(hidden, head: nn.Linear, call: _Call) -> bool:
+        """The fused loss can run vocab-parallel: lm_head's weight is split over the vocabulary (ColwiseParallel,
+        transformers' colwise tp_plan) and its input is the whole batch: a DTensor (the plan's input hook ran
+        first, or a sequence-parallel norm handed it on), or a plain tensor with every label's token (a plain input
+        holding a share of the sequence is the plan's business: its logits and the model's own loss are kept)."""
+        if not tp.vocab_split(head.weight, head.bias):
+            return False
+        if tp.is_dtensor(hidden):
+            return hidden.device_mesh == head.weight.device_mesh
+        labels = call.shift_labels if call.shift_labels is not None else call.labels
+        return tuple(hidden.shape[:-1]) == tuple(labels.shape)
 
     def model_post_hook(self, model, args, kwargs, output):
         call = self.calls.pop() if self.calls else None
@@ -129,9 +152,12 @@ class LossSeam:
         labels = call.shift_labels
         if labels is None:                  # tokens < n predict n; the last one predicts nothing
             labels = F.pad(call.labels, (0, 1), value=call.ignore_index)[..., 1:]
+        weight, bias = head.weight, head.bias
+        if tp.is_dtensor(weight):           # split over the vocabulary (vocab_parallel): hidden and labels whole
+            hidden = _replicated(hidden, weight.device_mesh)
+            labels = _replicated(labels.to(hidden.device), weight.device_mesh)
         h = hidden.reshape(-1, hidden.shape[-1])
         labels = labels.reshape(-1).to(h.device)
-        weight, bias = head.weight, head.bias
         dev = h.device.type
         if torch.is_autocast_enabled(dev):  # autocast would run lm_head in its dtype
             dt = torch.get_autocast_dtype(dev)
@@ -143,10 +169,36 @@ class LossSeam:
         with self.state.scope() if self.state is not None else nullcontext():
             loss = ops.linear_cross_entropy(h, weight, labels, bias=bias, ignore_index=call.ignore_index,
                                             reduction=reduction, softcap=call.softcap)
+        if tp.is_dtensor(loss):             # replicated: every rank of the vocabulary split holds the whole loss
+            loss = loss.to_local()
         if call.num_items is not None:
             n = call.num_items
             loss = loss / (n.to(loss.device) if isinstance(n, torch.Tensor) else n)
         return loss
+
+
+def _one_token(hidden):
+    """A vocab-split lm_head's placeholder input: one token of hidden, detached (its logits are dropped).  Not zero
+    tokens: DTensor's sharding propagation of F.linear fails on a zero-sized dim (the view back to (b, 0, V) divides
+    by it), so the plan's lm_head gets (b, 1, H) and gathers (b, 1, V) logits.  A DTensor hidden gives its local
+    first token as a replicated DTensor (a narrow of a sequence-split DTensor would communicate)."""
+    if not tp.is_dtensor(hidden):
+        return hidden.detach().narrow(-2, 0, 1)
+    loc = hidden.to_local().detach()
+    one = loc.narrow(-2, 0, 1) if loc.shape[-2] else loc.new_zeros((*loc.shape[:-2], 1, loc.shape[-1]))
+    mesh = hidden.device_mesh
+    return sys.modules[tp._DT].DTensor.from_local(one, mesh, [sys.modules[tp._DT].Replicate()] * mesh.ndim,
+                                                  run_check=False)
+
+
+def _replicated(t, mesh):
+    """t as a DTensor replicated on `mesh`: a plain tensor every rank holds whole is wrapped (its gradient, a partial
+    sum on each rank, is reduced by DTensor); a DTensor is redistributed (a sequence-parallel hidden is all-gathered,
+    as lm_head's plan would do it)."""
+    r = [sys.modules[tp._DT].Replicate()] * mesh.ndim
+    if tp.is_dtensor(t):
+        return t if tuple(t.placements) == tuple(r) else t.redistribute(placements=r)
+    return sys.modules[tp._DT].DTensor.from_local(t, mesh, r, run_check=False)
 
 
 def with_loss(output, loss):
@@ -184,8 +236,9 @@ def _why_not(model, head, code) -> str | None:
     if not isinstance(head, nn.Linear):
         return (f"no lm_head nn.Linear (output embeddings: {type(head).__name__}); the fused loss reads the output "
                 "projection's weight")
-    if tp.is_dtensor(head.weight):
-        return ("lm_head is tensor-parallel (a DTensor weight): the fused loss has no vocab-parallel form; the "
+    if tp.is_dtensor(head.weight) and not tp.vocab_split(head.weight, head.bias):
+        return (f"lm_head is tensor-parallel with weight placements {tuple(head.weight.placements)}: the fused loss "
+                "takes a whole weight or one split over the vocabulary (Shard(0) on one mesh dim, bias alike); the "
                 "model's logits and loss are kept")
     if inspect.getattr_static(type(model), "loss_function", None) is not \
             inspect.getattr_static(PreTrainedModel, "loss_function"):

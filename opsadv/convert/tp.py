@@ -8,7 +8,8 @@ so it serves one layout itself, the column-parallel one of q/k/v and gate/up in 
 GEMM over the concatenation of its own row blocks ([q_r|k_r|v_r], [gate_r|up_r]: the same columns of each part), the
 output is this rank's columns of every part (what ColwiseParallel hands on with use_local_output=True), and the
 input's gradient, a partial sum on each rank, is all-reduced over the mesh (what ColwiseParallel's input DTensor does
-in backward).  Anything else runs the original Linears, whose wrappers apply the plan."""
+in backward).  Anything else runs the original Linears, whose wrappers apply the plan.  A column-parallel lm_head
+(its weight split over the vocabulary: vocab_split) is the lm_loss pass's: the fused loss runs vocab-parallel."""
 from __future__ import annotations
 
 import sys
@@ -44,6 +45,20 @@ def colwise_mesh(params):
         elif p.device_mesh != mesh:
             return None
     return mesh
+
+
+def vocab_split(weight, bias=None) -> bool:
+    """`weight` (V, H) is a DTensor split over its vocabulary on one mesh dim (Shard(0): ColwiseParallel on lm_head,
+    transformers' colwise tp_plan) and replicated on any other, its bias (if any) the same: the head whose loss
+    opsadv.ops.linear_cross_entropy computes vocab-parallel."""
+    if not is_dtensor(weight):
+        return False
+    Shard = sys.modules[_DT].Shard
+    ps = tuple(weight.placements)
+    if sum(p == Shard(0) for p in ps) != 1 or not all(p == Shard(0) or p.is_replicate() for p in ps):
+        return False
+    return bias is None or (is_dtensor(bias) and bias.device_mesh == weight.device_mesh
+                            and tuple(bias.placements) == ps)
 
 
 def rowwise_on(weight, mesh) -> bool:

@@ -30,7 +30,9 @@ def _check_keywords(d: OpDef, kwargs: dict[str, Any]) -> None:
 
 
 # opsadv.distributed installs this once DTensor loads: (op name, args, kwargs, backward) -> None for a call without
-# DTensor arguments, else (args, kwargs) as each rank's kernel sees them (local shards) and the placements text
+# DTensor arguments, else (args, kwargs) as each rank's kernel sees them (local shards) and the placements text, and
+# optionally a fourth item: why no dispatched kernel runs on the call's distributed path (the table then only says
+# what a call on those local shards alone would take)
 _placement_planner: Callable[[str, tuple, dict, bool], Any] | None = None
 
 
@@ -47,15 +49,19 @@ def explain(op: str, *args: Any, backward: bool = False, **kwargs: Any) -> dispa
     if d is None:
         raise InvalidArgumentError("explain", "op", f"one of {list(OPS)}", repr(op))
     _check_keywords(d, kwargs)
-    placements = ""
+    placements, no_kernel = "", ""
     planned = _placement_planner(d.name, args, kwargs, backward) if _placement_planner is not None else None
     if planned is not None:      # DTensor arguments: the kernel runs on each rank's shards, as the rule placed them
-        args, kwargs, placements = planned
+        args, kwargs, placements, *rest = planned
+        no_kernel = rest[0] if rest else ""
     spec = d.spec(args, kwargs, backward)
     spec, note = spec if isinstance(spec, tuple) else (spec, "")
     exp, _ = dispatch.explain_spec(spec)
     if placements:
         exp = dataclasses.replace(exp, placements=placements)
+    if no_kernel:
+        return dataclasses.replace(exp, chosen=None, why=no_kernel,
+                                   candidates=tuple(dataclasses.replace(c, chosen=False) for c in exp.candidates))
     tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
     # opsadv's own ops answer a call with an empty operand themselves (docs/conformance.md); a plugin's op dispatches
     if (getattr(d.fn, "__module__", "") or "").startswith("opsadv.ops") and is_empty_call(*tensors):

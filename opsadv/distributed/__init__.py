@@ -21,9 +21,10 @@ def register() -> None:
         return
     _registered = True
     try:
-        from . import explain, rules
+        from . import explain, rules, vocab_parallel
         rules.register_all()
         explain.install()
+        vocab_parallel.install()
     except Exception as e:  # noqa: BLE001 - another torch's DTensor internals must not break importing it
         import warnings
         warnings.warn(f"opsadv: DTensor sharding rules not registered ({type(e).__name__}: {e}); opsadv ops on "

@@ -12,6 +12,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from opsadv.core import explain as _explain
 from opsadv.core.opdef import get_op
 
+from . import vocab_parallel
 from .strategy import RULES, _Placed, placed, plan
 
 OUTPUTS = {
@@ -74,6 +75,12 @@ def planner(op: str, args: tuple, kwargs: dict, backward: bool):
     mesh = next((t.device_mesh for t in (*pub.values(), *lay_fields.values()) if isinstance(t, DTensor)), None)
     if mesh is None:
         return None
+    if op == "linear_cross_entropy" and vocab_parallel.is_vocab_split(pub["weight"]):
+        local, text = vocab_parallel.explain_plan(pub["hidden"], pub["weight"], pub["labels"], pub["bias"],
+                                                  pub["reduction"])
+        if backward:
+            text += " (the forward's; the backward recomputes each chunk's logits on the same shards)"
+        return _rebind(d, args, kwargs, {**pub, **local}) + (text, vocab_parallel.NOTE)
     name, values = _schema_inputs(op, pub)
     if name not in RULES:
         return None
@@ -90,11 +97,14 @@ def planner(op: str, args: tuple, kwargs: dict, backward: bool):
     new = {n: local(n, t) for n, t in pub.items()}
     if layout is not None:
         new["layout"] = dataclasses.replace(layout, **{n: local(n, t) for n, t in lay_fields.items()})
+    return _rebind(d, args, kwargs, new) + (text,)
+
+
+def _rebind(d, args: tuple, kwargs: dict, new: dict) -> tuple[tuple, dict]:
+    """(args, kwargs) of the call with each argument replaced by its value in `new` (by name)."""
     sig = inspect.signature(d.fn)
     pos = [n for n, prm in sig.parameters.items() if prm.kind in (prm.POSITIONAL_ONLY, prm.POSITIONAL_OR_KEYWORD)]
-    out_args = tuple(new[n] for n in pos[:len(args)])
-    out_kwargs = {n: new[n] for n in kwargs}
-    return out_args, out_kwargs, text
+    return tuple(new[n] for n in pos[:len(args)]), {n: new[n] for n in kwargs}
 
 
 def install() -> None:

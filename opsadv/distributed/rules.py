@@ -408,8 +408,10 @@ def _lce_split(c: Call) -> int | None:
     for name in ("weight", "bias"):
         a = c[name]
         if a is not None and (a.sharded or a.strided):
-            c.refuse(name, "Replicate()", why="a vocabulary split needs a cross-rank logsumexp (vocab-parallel cross "
-                     "entropy), which this op does not do; a hidden split makes the logits partial sums")
+            c.refuse(name, "Replicate()", why="a split of the hidden dim makes the logits partial sums, and cross "
+                     "entropy is not linear in them; a vocabulary split (Shard(0)) runs vocab-parallel through "
+                     "opsadv.ops.linear_cross_entropy (opsadv/distributed/vocab_parallel.py), not through this "
+                     "custom op")
     a = c["hidden"]
     if a.dim == 1:
         c.refuse("hidden", "Replicate() or Shard(0) (tokens)",

@@ -21,7 +21,7 @@ Impl contract:
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -41,6 +41,15 @@ from . import cases as _cases, reference as _reference
 OP = "linear_cross_entropy"
 REDUCTIONS = ("mean", "sum", "none")
 _INT_DTYPES = (torch.int32, torch.int64)
+
+# opsadv.distributed installs it once torch.distributed.tensor loads (no DTensor exists before): the call on a weight
+# split over its vocabulary (vocab-parallel: opsadv/distributed/vocab_parallel.py), None for any other weight
+_vocab_parallel: Callable | None = None
+
+
+def install_vocab_parallel(fn: Callable) -> None:
+    global _vocab_parallel
+    _vocab_parallel = fn
 
 
 def validate(hidden, weight, labels, bias=None, ignore_index=-100, label_smoothing=0.0, reduction="mean",
@@ -224,12 +233,18 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias
                          z_loss: float = 0.0, softcap: float | None = None, return_lse: bool = False):
     """cross_entropy(hidden @ weight.T + bias, labels) without materializing the logits (module docstring).
     Returns the loss (a float32 scalar, or per token with reduction="none"), or (loss, lse) with return_lse=True
-    (lse per token, not differentiable)."""
+    (lse per token, not differentiable).  A DTensor weight split over the vocabulary (Shard(0), as ColwiseParallel
+    leaves lm_head's) runs vocab-parallel, without gathering it (docs/distributed.md)."""
     validate(hidden, weight, labels, bias, ignore_index, label_smoothing, reduction, z_loss, softcap)
     if not isinstance(return_lse, bool):
         raise InvalidArgumentError(OP, "return_lse", "a bool", repr(return_lse))
     label_smoothing, z_loss = float(label_smoothing), float(z_loss)
     softcap = float(softcap) if softcap is not None else None
+    if _vocab_parallel is not None and type(weight) is not Tensor:     # (a DTensor: the distributed paths)
+        out = _vocab_parallel(hidden, weight, labels, bias, ignore_index, label_smoothing, reduction, z_loss, softcap,
+                              return_lse)
+        if out is not None:
+            return out
     if hidden.numel() == 0 or weight.numel() == 0:
         return _empty_call(hidden, weight, labels, bias, ignore_index, label_smoothing, reduction, z_loss, softcap,
                            return_lse)
