@@ -51,3 +51,15 @@ def test_info_tuning_flag(tmp_path):
                          env={**__import__("os").environ, "OPSADV_CACHE_DIR": str(tmp_path)}, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "opsadv tuning caches in" in out.stdout and "tuning.json" in out.stdout
+
+
+def test_seconds_spent_counts_nested_tuning_once():
+    import time as _time
+    from opsadv.core import tuning
+    before = tuning.seconds_spent()
+    with tuning.spending():
+        _time.sleep(0.02)
+        with tuning.spending():             # a config tuning inside an impl autotune: not counted twice
+            _time.sleep(0.02)
+    spent = tuning.seconds_spent() - before
+    assert 0.04 <= spent < 0.07

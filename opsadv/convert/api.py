@@ -11,6 +11,7 @@ from torch import nn
 from opsadv.core.errors import InvalidArgumentError
 from opsadv.core.policy import Policy, use_backend
 from opsadv.core.precision import PrecisionPolicy
+from opsadv.core.tuning import seconds_spent
 from opsadv.runtime import graphs
 
 from . import (floor as _floor, fp8 as _fp8, fx_rewrite, hf_attention, lm_loss, packing, passes, release, rotary, tp,
@@ -271,12 +272,12 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
                                        "transformers model, or validate=False", None)
         dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
         modes = _eval_mode(model)
-        t_val = time.perf_counter()
+        t_val, tune0 = time.perf_counter(), seconds_spent()
         try:
             ref = _val.run(model, inputs) if validate and opt_level > 0 else None
         finally:
             _restore_modes(modes)
-        t_val = time.perf_counter() - t_val
+        t_val, val_tuned = time.perf_counter() - t_val, seconds_spent() - tune0
         undo = passes.Undo()
         root = model
         use_floor = opt_level > 0 and (_floor.default_enabled() if floor is None else floor)
@@ -293,7 +294,7 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
                 gate = _floor.Floor(finputs, floor_mode, floor_timer, _floor.compile_mode(floor_compile))
                 if gate.compile:
                     report.notes.append(f"floor timed under torch.compile ({gate.compile})")
-        t_steps = time.perf_counter()
+        t_steps, tune_steps = time.perf_counter(), seconds_spent()
         try:
             fp8 = None
             if use_fp8:
@@ -320,8 +321,8 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
         except Exception:
             undo.revert()
             raise
-        t_steps = time.perf_counter() - t_steps
-        t1 = time.perf_counter()
+        t_steps, steps_tuned = time.perf_counter() - t_steps, seconds_spent() - tune_steps
+        t1, tune1 = time.perf_counter(), seconds_spent()
         if ref is not None:
             modes = _eval_mode(root)
             try:
@@ -344,9 +345,12 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
             report.notes.append("not validated (validate=False)")
         if gate is not None:
             report.floor = [d.to_dict() for d in gate.decisions]
-        floor_s = gate.seconds if gate is not None else 0.0
-        report.phases = {"floor": floor_s, "validation": t_val + time.perf_counter() - t1,
-                         "rewrites": max(t_steps - floor_s, 0.0)}
+        floor_s, floor_tuned = (gate.seconds, gate.tuning) if gate is not None else (0.0, 0.0)
+        v_tuned = val_tuned + seconds_spent() - tune1
+        # exclusive phases: autotuning (the first calls of new buckets, wherever they fell) counted on its own
+        report.phases = {"floor": floor_s - floor_tuned, "autotune": seconds_spent() - tune0,
+                         "validation": max(t_val + time.perf_counter() - t1 - v_tuned, 0.0),
+                         "rewrites": max(t_steps - floor_s - (steps_tuned - floor_tuned), 0.0)}
         report.seconds = time.perf_counter() - t0
         root._opsadv_state = state
         root._opsadv_example_inputs = inputs

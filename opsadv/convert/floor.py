@@ -37,7 +37,7 @@ import torch
 
 from opsadv.core.envvars import env_bool
 from opsadv.core.errors import InvalidArgumentError
-from opsadv.core.tuning import per_call_ms
+from opsadv.core.tuning import per_call_ms, seconds_spent
 
 from . import validate as _val
 from .hf_attention import is_transformers_model
@@ -264,15 +264,17 @@ class Floor:
         self.timer = timer
         self.compile = compile
         self.decisions: list[Decision] = []
-        self.seconds = 0.0                  # wall time spent timing (the report's "floor" phase)
+        self.seconds = 0.0                  # wall time spent timing (the report's "floor" phase) ...
+        self.tuning = 0.0                   # ... of which autotuning the first calls of new buckets
         self.last: float | None = None      # compiled floors: ms of the model as it stands (after the last kept step)
 
     def time(self, model) -> float:
-        t0 = time.perf_counter()
+        t0, tune0 = time.perf_counter(), seconds_spent()
         try:
             return self._time(model)
         finally:
             self.seconds += time.perf_counter() - t0
+            self.tuning += seconds_spent() - tune0
 
     def _time(self, model) -> float:
         modes = {m: m.training for m in model.modules()}

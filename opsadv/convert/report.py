@@ -32,7 +32,7 @@ class ConversionReport:
     notes: list[str] = field(default_factory=list)
     floor: list[dict[str, Any]] | None = None   # per rewrite step: kept?, ratio, ms both ways (convert/floor.py)
     fp8: dict[str, Any] | None = None   # precision="fp8": blocks in FP8 / kept bf16 and why (convert/fp8.py)
-    phases: dict[str, float] = field(default_factory=dict)   # seconds: floor (timing), validation, rewrites
+    phases: dict[str, float] = field(default_factory=dict)   # seconds: floor, autotune, validation, rewrites
 
     def add(self, kind: str, where: str, what: str, reason: str = "") -> None:
         self.changes.append(Change(kind, where, what, reason))

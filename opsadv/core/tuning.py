@@ -323,9 +323,36 @@ def time_rounds(steps: dict, device_type: str, timing: str) -> dict[str, float]:
     return {n: sorted(v)[len(v) // 2] for n, v in seen.items()}
 
 
+_SPENT = {"s": 0.0, "depth": 0}
+
+
+def seconds_spent() -> float:
+    """Wall seconds this process has spent autotuning (impls and kernel configs: compiles and timing)."""
+    return _SPENT["s"]
+
+
+class spending:
+    """`with spending():` counts the block's wall time in seconds_spent() (nested blocks count once)."""
+
+    def __enter__(self):
+        if _SPENT["depth"] == 0:
+            self.t0 = time.perf_counter()
+        _SPENT["depth"] += 1
+
+    def __exit__(self, *exc):
+        _SPENT["depth"] -= 1
+        if _SPENT["depth"] == 0:
+            _SPENT["s"] += time.perf_counter() - self.t0
+
+
 def autotune(exp, resolved, args: tuple, timing: str = "wall"):
     """Time every accepted impl on the real arguments (on a device, not the reference backend's);
     persist and return the winner."""
+    with spending():
+        return _autotune(exp, resolved, args, timing)
+
+
+def _autotune(exp, resolved, args: tuple, timing: str):
     accepted = [c.impl for c in exp.candidates if c.accepted]
     if exp.spec.device_type != "cpu" and any(i.backend != "reference" for i in accepted):
         # the reference backend is the oracle (plain torch, e.g. dense masking for sparse attention):

@@ -18,7 +18,7 @@ from opsadv.core.cachefile import JsonCache
 from opsadv.core.env import current_env
 from opsadv.core.envvars import env_bool
 from opsadv.core.tuning import _device_key, kernel_config_entry
-from opsadv.core.tuning import time_rounds
+from opsadv.core.tuning import spending, time_rounds
 
 log = logging.getLogger("opsadv.cuda.autotune")
 
@@ -177,6 +177,10 @@ class ConfigTuner:
             return offered
         log.debug("%s %s: config cache miss (%s): timing %d configs", self.name, key,
                   "stored config no longer offered" if stored is not None else "nothing stored", len(configs))
+        with spending():
+            return self._tune(key, configs, launch)
+
+    def _tune(self, key: tuple, configs: list[dict], launch) -> dict:
         err: Exception | None = None
         ok = []
         for i, c in enumerate(configs):     # compile (and launch once) every config before timing any: a
