@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import opsadv
-from opsadv.convert import Fp8Recipe, fp8 as _fp8, validate as _val
+from opsadv.convert import Fp8Recipe, fp8 as _fp8, hf_attention, validate as _val
 from opsadv.convert.modules import SwiGLUMLP
 from opsadv.core.errors import InvalidArgumentError
 from opsadv.ops.scaled_gemm import E4M3, E5M2, dequantize_fp8
@@ -51,9 +51,9 @@ def test_fp8_inference_within_limits(arch):
     assert rep.validation["passed"] and rep.precision == "fp8", str(rep)
     assert rep.fp8["fp8_units"] == rep.fp8["units"] == DEC["num_hidden_layers"] and not rep.fp8["bf16_units"]
     assert rep.fp8["validation_forwards"] == 2                    # all-FP8 passed at once
-    assert rep.fp8["attention"] == "bf16 (FP8 attention not yet wired)"
-    # per block: fused q|k|v, o_proj, fused gate|up, down_proj; lm_head stays bf16
-    assert rep.count("fp8") == 4 * DEC["num_hidden_layers"]
+    assert rep.fp8["attention"] == f"fp8 in {DEC['num_hidden_layers']} of {DEC['num_hidden_layers']} blocks"
+    # per block: fused q|k|v, o_proj, fused gate|up, down_proj, attention; lm_head stays bf16
+    assert rep.count("fp8") == 5 * DEC["num_hidden_layers"]
     assert any(c.kind == "skipped" and c.where == "lm_head" for c in rep.changes)
     x = {"input_ids": ids(2, 24), "attention_mask": torch.ones(2, 24, dtype=torch.long)}
     with opsadv.trace() as t, torch.no_grad():
@@ -61,6 +61,8 @@ def test_fp8_inference_within_limits(arch):
     # q|k|v, o_proj, down_proj on scaled_gemm; the gated MLP's [W_g|W_u] one scaled_swiglu_gemm (no swiglu op after)
     assert t.counts["reference.scaled_gemm"] == 3 * DEC["num_hidden_layers"]
     assert t.counts["reference.scaled_swiglu_gemm"] == DEC["num_hidden_layers"] and "reference.swiglu" not in t.counts
+    # unpadded no-grad calls: the FP8 attention; the bf16 conversion's flash_attention
+    assert t.counts["reference.fp8_attention"] == t.counts["reference.flash_attention"] == DEC["num_hidden_layers"]
     mlp = [c for c in rep.changes if c.kind == "fp8" and c.where.endswith(".mlp")]
     assert len(mlp) == DEC["num_hidden_layers"] and all("-> opsadv.scaled_swiglu_gemm" in c.what for c in mlp), mlp
     m = _val.compare(a, b, x, torch.bfloat16, limits=_val.FP8_LIMITS)
@@ -89,6 +91,9 @@ def test_outlier_block_reverted_and_reported():
     assert "bf16 blocks: model.layers.1" in str(rep)
     assert conv.model.layers[1].mlp._fp8 is None and conv.model.layers[0].mlp._fp8 is not None
     assert type(conv.model.layers[1].mlp.down_proj) is torch.nn.Linear
+    # the block's attention stays bf16 with its GEMMs; the others' run FP8
+    flags = [getattr(m.self_attn, hf_attention.FP8_FLAG, False) for m in conv.model.layers]
+    assert flags == [True, False, True] and rep.fp8["attention"] == "fp8 in 2 of 3 blocks"
     again = convert(orig, "fp8").opsadv_report.fp8                   # deterministic
     assert again == rep.fp8
 
@@ -110,7 +115,8 @@ def test_decide_units_bisects_to_longest_passing_prefix():
 def test_no_fp8_kernel_keeps_bf16_with_reason(monkeypatch):
     orig = make(num_hidden_layers=1)
     # a policy under which no impl serves scaled_gemm (the one it pins is a cuda kernel, the tensors are on the CPU)
-    with opsadv.use_backend("reference", impls={"scaled_gemm": "cuda.cublas.scaled_gemm"}):
+    with opsadv.use_backend("reference", impls={"scaled_gemm": "cuda.cublas.scaled_gemm",
+                                                "fp8_attention": "cuda.triton.fp8_attention"}):
         conv = convert(orig, "fp8", backend="auto")
     rep = conv.opsadv_report
     assert rep.validation["passed"] and rep.count("fp8") == 0 and rep.fp8 is None
@@ -360,3 +366,35 @@ def test_no_fused_kernel_runs_scaled_gemm_then_swiglu_and_says_so(monkeypatch):
         conv(input_ids=ids(1, 8))
     assert t.counts["reference.scaled_gemm"] == 4 and t.counts["reference.swiglu"] == 1
     assert "reference.scaled_swiglu_gemm" not in t.counts
+
+
+def test_fp8_attention_serves_unpadded_no_grad_calls_only():
+    """Padded batches (causal + key padding: the sparse kernels) and grad-recording calls keep the bf16 attention; an
+    unpadded no-grad forward runs the FP8 one, whose output is within the FP8 limits of the bf16 conversion's."""
+    orig = make()
+    fp8 = convert(orig, "fp8")
+    bf16 = convert(orig, "bf16")
+    n = DEC["num_hidden_layers"]
+    x = {"input_ids": ids(2, 24), "attention_mask": torch.ones(2, 24, dtype=torch.long)}
+    padded = {"input_ids": ids(2, 24), "attention_mask": torch.ones(2, 24, dtype=torch.long)}
+    padded["attention_mask"][1, 17:] = 0
+    with opsadv.trace() as t, torch.no_grad():
+        fp8(**padded)
+    assert "reference.fp8_attention" not in t.counts and t.counts["reference.sparse_attention"] == n
+    fp8.train()
+    with opsadv.trace() as t:
+        fp8(**x, labels=x["input_ids"]).loss.backward()
+    assert "reference.fp8_attention" not in t.counts
+    fp8.eval()
+    with opsadv.trace() as t, torch.no_grad():
+        a, b = bf16(**x), fp8(**x)
+    assert t.counts["reference.fp8_attention"] == n
+    m = _val.compare(a, b, x, torch.bfloat16, limits=_val.FP8_LIMITS)
+    assert m["passed"], m
+    # the flags are what routes it: cleared, the same model runs flash_attention and its logits move
+    for layer in fp8.model.layers:
+        layer.self_attn.__dict__.pop(hf_attention.FP8_FLAG)
+    with opsadv.trace() as t, torch.no_grad():
+        c = fp8(**x)
+    assert "reference.fp8_attention" not in t.counts and t.counts["reference.flash_attention"] == n
+    assert not torch.equal(b.logits, c.logits)

@@ -258,7 +258,7 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
     try:
         report = ConversionReport(_model_name(model), opt_level, backend, label)
         if use_fp8:
-            report.notes.append(f"precision fp8: attention {_fp8.FP8_ATTENTION_HOOK}; norms and softmax statistics "
+            report.notes.append("precision fp8: attention as the report's fp8 line says; norms and softmax statistics "
                                 "fp32")
         if opt_level >= 3:
             report.notes.append("opt_level 3: experimental kernels allowed")

@@ -3,7 +3,10 @@
 Which GEMMs: every projection of the model's blocks (q/k/v, our fused [W_q|W_k|W_v] and [W_gate|W_up], o_proj,
 down_proj, the dense / fc GEMMs of LinearAct and DenseResidualNorm, any other nn.Linear) runs
 opsadv.ops.scaled_gemm; the output embeddings (lm_head) stay bf16 unless Fp8Recipe(lm_head=True), embeddings are
-no GEMMs.  Attention stays bf16: FP8_ATTENTION_HOOK marks where an fp8 attention would be wired.
+no GEMMs.  Attention (where the model runs opsadv's attention): the calls without key padding or a window run
+opsadv.ops.fp8_attention.fp8_attention_from_bf16 in no-grad calls (q, k, v quantized per (batch, head) with current
+scaling, the FP8 forward kernel); padded and windowed calls, and training calls (the FP8 attention's backward is not
+the recipe's yet), keep the bf16 kernels.  Each block's attention goes FP8 or stays bf16 with the block's GEMMs (the per-block decision below).
 
 Inference (no-grad calls): weights quantized once, e4m3 with one scale per output channel ("col" scales of W^T),
 re-quantized only when the weight changes (its version counter or storage); activations quantized per call with
@@ -53,13 +56,14 @@ from opsadv.ops.scaled_gemm import E4M3, E5M2, FP8_MAX, quantize_fp8, quantize_w
 
 from . import tp, validate as _val
 from .modules import DenseResidualNorm, FusedSwiGLUMLP, LinearAct, QKVProjection, SwiGLUMLP
+from .hf_attention import FP8_FLAG, attention_modules
 from .passes import Undo
 from .state import scope_of
 
 KIND = "fp8"
 LABEL = "bf16 GEMMs (no FP8)"
-# where an fp8 attention (another branch) plugs in: convert_model reports this until it is wired
-FP8_ATTENTION_HOOK = "bf16 (FP8 attention not yet wired)"
+ATTENTION_WHAT = ("attention -> opsadv fp8_attention_from_bf16 in no-grad calls (e4m3 q / k / v per (batch, head), "
+                  "current scaling; padded, windowed and training calls keep bf16)")
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -467,13 +471,23 @@ def decide_units(units: list[str], set_fp8, measure) -> tuple[set[str], dict[str
 
 
 def fp8_pass(root: nn.Module, report, undo, state, *, recipe: Fp8Recipe, inputs, backend: str, memo: dict) -> None:
-    """Put the model's GEMMs on scaled_gemm where an FP8 kernel serves and the per-block validation keeps them
-    (module docstring).  `memo` carries the decision across a floor's re-application of this step."""
+    """Put the model's GEMMs on scaled_gemm, and its attention on the FP8 attention, where an FP8 kernel serves and
+    the per-block validation keeps them (module docstring).  `memo` carries the decision across a floor's
+    re-application of this step."""
     sites = find_sites(root, recipe, report, state)
-    if not sites:
+    dev = next((p.device for p in root.parameters()), torch.device("cpu"))
+    dtype = next((p.dtype for p in root.parameters() if p.is_floating_point()), torch.float32)
+    attn, attn_why = find_attention_sites(root), None
+    if attn:
+        with state.scope():
+            attn_why = attention_kernel_check(dev, attn[0].module, dtype, backend)
+        if attn_why is not None:
+            attn = []
+    else:
+        attn_why = "the model does not run opsadv's attention (no attention rewrite, or it was undone)"
+    if not sites and not attn:
         report.notes.append("precision fp8: no GEMM to put in FP8")
         return
-    dev = next((p.device for p in root.parameters()), torch.device("cpu"))
     why_not: dict[tuple, str | None] = {}
     with state.scope():
         for s in sites:
@@ -494,11 +508,11 @@ def fp8_pass(root: nn.Module, report, undo, state, *, recipe: Fp8Recipe, inputs,
     for s in refused:
         report.add("kept", s.path, f"{s.what}: {LABEL}", why_not[s.shape])
     sites = [s for s in sites if why_not[s.shape] is None]
-    if not sites:
+    if not sites and not attn:
         return
-    units = list(dict.fromkeys(s.unit for s in sites))
+    units = list(dict.fromkeys([s.unit for s in sites] + [a.unit for a in attn]))
     if "decision" not in memo:
-        memo["decision"] = _decide(root, sites, units, inputs, report)
+        memo["decision"] = _decide(root, sites, units, inputs, report, attn)
     kept, why, runs = memo["decision"]
     for s in sites:
         s.gemm.enabled = True
@@ -508,14 +522,67 @@ def fp8_pass(root: nn.Module, report, undo, state, *, recipe: Fp8Recipe, inputs,
         s.attach(undo)
         report.add("fp8", s.path, f"{s.what} -> {_target(s)} (e4m3: per-channel weights, per-token current "
                    f"scaling)")
+    for a in (a for a in attn if a.unit in kept):
+        a.attach(undo)
+        report.add("fp8", a.path, ATTENTION_WHAT)
     for u in units:
         if u in why:
             reason, m = why[u]
             report.add("kept", u, f"{LABEL} in this block", f"{reason}: alone in FP8 {_nums(m)} (limits "
                        f"{_val.FP8_LIMITS})")
+    n_attn = sum(a.unit in kept for a in attn)
     report.fp8 = {"units": len(units), "fp8_units": len(kept), "bf16_units": sorted(why, key=units.index),
-                  "validation_forwards": runs, "attention": FP8_ATTENTION_HOOK, "recipe": vars(recipe).copy(),
-                  "unit_metrics": {u: _short(m) for u, (_, m) in why.items()}}
+                  "validation_forwards": runs,
+                  "attention": f"fp8 in {n_attn} of {len(attn)} blocks" if attn else f"bf16 ({attn_why})",
+                  "recipe": vars(recipe).copy(), "unit_metrics": {u: _short(m) for u, (_, m) in why.items()}}
+
+
+@dataclass
+class AttentionSite:
+    """An attention module whose block may run the FP8 attention (hf_attention.FP8_FLAG)."""
+
+    path: str
+    unit: str
+    module: nn.Module
+
+    def set(self, on: bool) -> None:
+        if on:
+            self.module.__dict__[FP8_FLAG] = True
+        else:
+            self.module.__dict__.pop(FP8_FLAG, None)
+
+    def attach(self, undo) -> None:
+        self.set(True)
+        undo.instance_attrs.append((self.module, FP8_FLAG))
+
+
+def find_attention_sites(model: nn.Module) -> list[AttentionSite]:
+    """The attention modules that call opsadv's attention function (the attention rewrite applied)."""
+    from .hf_attention import NAME
+    lists = {p for p, m in model.named_modules() if isinstance(m, nn.ModuleList)}
+    root_cfg = getattr(model, "config", None)
+    out = []
+    for path, m in attention_modules(model):
+        cfg = getattr(m, "config", None) or root_cfg
+        if getattr(cfg, "_attn_implementation", None) == NAME:
+            out.append(AttentionSite(path, _unit_of(path, lists), m))
+    return out
+
+
+def attention_kernel_check(device: torch.device, module: nn.Module, dtype: torch.dtype, backend: str) -> str | None:
+    """Why no FP8 attention kernel serves this module's calls (None: one does): the explanation of a probe call
+    with its head counts and head dim (nothing runs)."""
+    from opsadv.ops.fp8_attention import quantize_qkv
+    cfg = module.config
+    hq = cfg.num_attention_heads
+    hkv = getattr(cfg, "num_key_value_heads", None) or hq
+    d = getattr(module, "head_dim", None) or getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
+    q = torch.ones(1, hq, 16, d, device=device, dtype=dtype)
+    k = torch.ones(1, hkv, 16, d, device=device, dtype=dtype)
+    args = quantize_qkv(q, k, k)
+    out_dtype = dtype if dtype in OUT_DTYPES else torch.bfloat16
+    return why_no_fp8(explain("fp8_attention", *args, causal=True, out_dtype=out_dtype), device.type, backend,
+                      "fp8_attention")
 
 
 def _target(s: Site) -> str:
@@ -531,7 +598,7 @@ def _short(m: dict) -> dict:
     return {k: m[k] for k in ("kl", "top1_agreement", "rel_err", "passed") if k in m}
 
 
-def _decide(root, sites, units, inputs, report):
+def _decide(root, sites, units, inputs, report, attn=()):
     """Attach every site for the trial, search, detach: (kept units, why per bf16 unit, forwards)."""
     if inputs is None:
         report.notes.append("precision fp8: GEMMs not validated per block (no validation inputs): all kept in FP8")
@@ -550,12 +617,16 @@ def _decide(root, sites, units, inputs, report):
         def set_fp8(on: set[str]) -> None:
             for s in sites:
                 s.gemm.enabled = s.unit in on
+            for a in attn:
+                a.set(a.unit in on)
 
         def measure() -> dict:
             return _val.compare(ref, _val.run(root, inputs), inputs, dtype, limits=_val.FP8_LIMITS)
         kept, why, runs = decide_units(units, set_fp8, measure)
         return kept, why, runs + 1
     finally:
+        for a in attn:
+            a.set(False)
         for m, t in modes.items():
             m.training = t
         trial.revert()

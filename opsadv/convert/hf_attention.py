@@ -36,6 +36,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from opsadv import ops
+from opsadv.ops.fp8_attention import fp8_attention_from_bf16
 from opsadv.ops.sparse_attention.layout import SparseLayout, capturing
 
 from .masks import MaskForm, causal_mask_of, form_of, key_padding_of
@@ -165,7 +166,21 @@ def _attend_window(mask, cm: MaskForm, query, key, value, scaling):
     return ops.sparse_attention(query, key, value, layout, scale=scaling)
 
 
-def _attend_causal(mask, cm: MaskForm, query, key, value, scaling):
+# set on an attention module whose block convert_model(precision="fp8") keeps in FP8 (convert/fp8.py): its no-grad
+# calls without key padding or a window run fp8_attention_from_bf16; padded / windowed calls and training calls keep
+# the bf16 kernels (the FP8 attention's backward is not the recipe's yet: docs/fp8.md)
+FP8_FLAG = "_opsadv_fp8_attention"
+
+
+def _dense(module, query, key, value, causal: bool, scaling):
+    """Attention with no mask: FP8 where the module's block is in FP8 (no-grad calls), else flash_attention."""
+    if getattr(module, FP8_FLAG, False) and not (torch.is_grad_enabled() and (
+            query.requires_grad or key.requires_grad or value.requires_grad)):
+        return fp8_attention_from_bf16(query, key, value, causal=causal, scale=scaling)
+    return ops.flash_attention(query, key, value, causal=causal, scale=scaling)
+
+
+def _attend_causal(mask, cm: MaskForm, query, key, value, scaling, module=None):
     """A call with our causal mask: causal (bottom-right) + key padding kernels (+ a window: _attend_window)."""
     if cm.window is not None:
         return _attend_window(mask, cm, query, key, value, scaling)
@@ -173,7 +188,7 @@ def _attend_causal(mask, cm: MaskForm, query, key, value, scaling):
     causal = bool(s_q > 1)                        # one query sees every key either way (bool: s_q may be symbolic)
     kpm = cm.key_padding
     if kpm is None:
-        return ops.flash_attention(query, key, value, causal=causal, scale=scaling)
+        return _dense(module, query, key, value, causal, scaling)
     layout = _padding_layout(mask, kpm, s_q, s_k, causal, cm.block_mask)
     if layout is not None:
         return ops.sparse_attention(query, key, value, layout, scale=scaling)
@@ -204,7 +219,7 @@ def opsadv_attention_forward(module, query, key, value, attention_mask, dropout:
     if cm is not None and position_bias is None and (cm.key_padding is None
                                                      or cm.key_padding.shape[-1] == key.shape[2]):
         with scope_of(module):
-            out = _attend_causal(mask, cm, query, key, value, scaling)
+            out = _attend_causal(mask, cm, query, key, value, scaling, module)
         return out.transpose(1, 2).contiguous(), None
     if kwargs.get("sliding_window") is not None and isinstance(mask, torch.Tensor) and form_of(mask) is None \
             and pack_of(mask) is None and not _exporting():
@@ -233,6 +248,8 @@ def opsadv_attention_forward(module, query, key, value, attention_mask, dropout:
                   if kpm is not None and s_q == key.shape[2] else None)
         if layout is not None:
             out = ops.sparse_attention(query, key, value, layout, scale=scaling)
+        elif mask is None:
+            out = _dense(module, query, key, value, causal, scaling)
         else:
             if kpm is not None:
                 mask = kpm[:, None, None, :]      # (B, 1, 1, s_k): broadcast, never materialized
