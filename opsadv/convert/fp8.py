@@ -52,11 +52,12 @@ from opsadv import ops
 from opsadv.core.activations import ACT
 from opsadv.core.errors import InvalidArgumentError
 from opsadv.core.explain import explain
+from opsadv.ops.fp8_attention import quantize_qkv
 from opsadv.ops.scaled_gemm import E4M3, E5M2, FP8_MAX, quantize_fp8, quantize_with_scale, scale_from_amax
 
 from . import tp, validate as _val
 from .modules import DenseResidualNorm, FusedSwiGLUMLP, LinearAct, QKVProjection, SwiGLUMLP
-from .hf_attention import FP8_FLAG, attention_modules
+from .hf_attention import FP8_FLAG, NAME as ATTN_NAME, attention_modules
 from .passes import Undo
 from .state import scope_of
 
@@ -558,13 +559,12 @@ class AttentionSite:
 
 def find_attention_sites(model: nn.Module) -> list[AttentionSite]:
     """The attention modules that call opsadv's attention function (the attention rewrite applied)."""
-    from .hf_attention import NAME
     lists = {p for p, m in model.named_modules() if isinstance(m, nn.ModuleList)}
     root_cfg = getattr(model, "config", None)
     out = []
     for path, m in attention_modules(model):
         cfg = getattr(m, "config", None) or root_cfg
-        if getattr(cfg, "_attn_implementation", None) == NAME:
+        if getattr(cfg, "_attn_implementation", None) == ATTN_NAME:
             out.append(AttentionSite(path, _unit_of(path, lists), m))
     return out
 
@@ -572,7 +572,6 @@ def find_attention_sites(model: nn.Module) -> list[AttentionSite]:
 def attention_kernel_check(device: torch.device, module: nn.Module, dtype: torch.dtype, backend: str) -> str | None:
     """Why no FP8 attention kernel serves this module's calls (None: one does): the explanation of a probe call
     with its head counts and head dim (nothing runs)."""
-    from opsadv.ops.fp8_attention import quantize_qkv
     cfg = module.config
     hq = cfg.num_attention_heads
     hkv = getattr(cfg, "num_key_value_heads", None) or hq
