@@ -436,12 +436,15 @@ def test_fp8_backward_within_2x_of_flash_backward(b, hq, hkv, sq, sk, d, causal,
         assert _rel(a, w) <= BWD_FACTOR * _rel(h, w), name
 
 
-@pytest.mark.parametrize("cfg_kv,cfg_q", [(dict(BLOCK_M=32, BLOCK_N=16), dict(BLOCK_M=32, BLOCK_N=16)),
-                                          (dict(BLOCK_M=16, BLOCK_N=64, LPT=True), dict(BLOCK_M=64, BLOCK_N=16))])
+@pytest.mark.parametrize("cfg_kv,cfg_q", [
+    (dict(BLOCK_M=32, BLOCK_N=16), dict(BLOCK_M=32, BLOCK_N=16)),
+    (dict(BLOCK_M=16, BLOCK_N=64, LPT=True), dict(BLOCK_M=64, BLOCK_N=16)),
+    (dict(BLOCK_M=16, BLOCK_N=32, TMA=True), dict(BLOCK_M=32, BLOCK_N=32, TMA=True))])
 def test_fp8_backward_tiles_strides_and_launch_order(cfg_kv, cfg_q):
     """Other tiles (masked / unmasked q and kv tails, the causal band across tiles), the longest-first launch order
-    (LPT), and strided operands: q8 with a non-unit head-dim stride (copied), V seq-contiguous, dO a transposed
-    (b, s, h, d) view, out in (b, s, h, d) memory -- all equal the emulation."""
+    (LPT), the streamed tiles through TMA descriptors (the interpreter runs descriptor loads; past s_q / s_k they
+    read zeros), and strided operands: q8 with a non-unit head-dim stride (copied), V seq-contiguous (copied), dO a
+    transposed (b, s, h, d) view, out in (b, s, h, d) memory -- all equal the emulation."""
     from opsadv.backends.triton_common.fp8_attention.fp8_attention import fp8_bwd
     from opsadv.ops.fp8_attention.reference import fp8_attention_bwd
     g = torch.Generator().manual_seed(13)
@@ -543,6 +546,7 @@ os.environ.pop("TRITON_INTERPRET", None)
 import torch
 from opsadv.backends.cuda.profiles import FP8_ATTN_TILES
 from opsadv.backends.triton_common.fp8_attention import bwd_kernels as B
+from opsadv.backends.triton_common.tma import desc_bhsd
 from opsadv.testing.sm90 import compile_sm90
 b, h, s = 2, 16, 4096
 out = {}
@@ -551,28 +555,35 @@ for d in (64, 128):
     do = torch.empty(b, h, s, d, dtype=torch.bfloat16)
     lse2, ds = torch.empty(b, h, s), torch.ones(b, h)
     tail = ds.stride() * 3 + (h, 1, 1, s, s, 0, 0.1, 0.08)
-    for name, fn, args in (("kv", B.fp8_bwd_kv_kernel, (q, q, q, do, do, do, lse2, lse2, ds, ds, ds)
-                            + q.stride()[:3] * 3 + do.stride()[:3] * 3 + tail),
-                           ("q", B.fp8_bwd_q_kernel, (q, q, q, do, do, lse2, lse2, ds, ds, ds)
-                            + q.stride()[:3] * 3 + do.stride()[:3] * 2 + tail)):
+    for name in ("kv", "q"):
         t = FP8_ATTN_TILES["h100"]["bwd_" + name][d][0]
+        if name == "kv":    # streamed: q8 / dO tiles of BLOCK_M rows
+            descs = (desc_bhsd(q, t["BLOCK_M"]), desc_bhsd(do, t["BLOCK_M"])) if t["TMA"] else (None, None)
+            fn, args = B.fp8_bwd_kv_kernel, ((q, q, q, do, do, do, lse2, lse2, ds, ds, ds, *descs)
+                                             + q.stride()[:3] * 3 + do.stride()[:3] * 3 + tail)
+        else:               # streamed: k8 / v8 tiles of BLOCK_N rows
+            descs = (desc_bhsd(q, t["BLOCK_N"]), desc_bhsd(q, t["BLOCK_N"])) if t["TMA"] else (None, None)
+            fn, args = B.fp8_bwd_q_kernel, ((q, q, q, do, do, lse2, lse2, ds, ds, ds, *descs)
+                                            + q.stride()[:3] * 3 + do.stride()[:3] * 2 + tail)
         kw = dict(zip(fn.arg_names, args), HEAD_DIM=d, BLOCK_D=d, BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"],
-                  CAUSAL=True, EVEN_M=True, **({"EVEN_N": True, "LPT": False} if name == "kv" else {}))
+                  CAUSAL=True, EVEN_M=True, TMA=t["TMA"], **({"EVEN_N": True, "LPT": False} if name == "kv" else {}))
         r = compile_sm90(fn, kw, num_warps=t["num_warps"], num_stages=t["num_stages"])
         wg = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m\d+n\d+k\d+\.f32\.(\w+)\.(\w+)", r["ptx"])
-        out[f"{name}{d}"] = {"spills": r["spill_stores"] + r["spill_loads"], "wgmma": sorted(set(wg))}
+        out[f"{name}{d}"] = {"spills": r["spill_stores"] + r["spill_loads"], "wgmma": sorted(set(wg)),
+                             "tma_loads": r["tma_loads"], "tma": t["TMA"]}
 print(json.dumps(out))
 """
 
 
 def test_fp8_backward_compiles_for_sm90():
     """Compiled for sm_90a without a GPU (ptxas): in both kernels QK^T is an e4m3 wgmma and the other GEMMs bf16
-    wgmmas, and the h100 profile's default tiles (d64, d128, causal) do not spill."""
+    wgmmas, and the h100 profile's default tiles (d64; d128 through TMA; causal) do not spill."""
     import json
     from conftest import run_sm90_compile
     r = json.loads(run_sm90_compile(["-c", _BWD_COMPILE]).strip().splitlines()[-1])
     for name, rep in r.items():
         assert rep["spills"] == 0 and rep["wgmma"] == [["bf16", "bf16"], ["e4m3", "e4m3"]], (name, rep)
+        assert (rep["tma_loads"] > 0) == rep["tma"], (name, rep)
 
 
 # ---- GPU (skipped without one): `pytest tests/test_fp8_attention.py -k gpu` ----------------------------------

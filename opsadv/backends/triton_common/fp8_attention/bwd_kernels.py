@@ -24,7 +24,9 @@ is 0.7-0.9x the bf16 backward's (which rounds the dequantized q, k, v to bf16).
 dK/dV kernel: one program per kv block and kv head (grid order LPT: kv heads first), looping over the q blocks of
 every q head of its GQA group (the group's sum in registers; a per-q-head q_descale is folded in by rescaling the
 dK accumulator when the head changes, so the loop keeps the accumulating dot form).  dQ kernel: one program per
-q block and q head, looping over kv blocks.  The two run side by side on a GPU (no shared outputs)."""
+q block and q head, looping over kv blocks.  The two run side by side on a GPU (no shared outputs).  TMA (config
+flag, Hopper or the interpreter): the streamed tiles (q8 / dO in the dK/dV kernel, k8 / v8 in the dQ kernel) come
+through (b, h, s, d) descriptors, as in flash_attention's backward."""
 from __future__ import annotations
 
 import triton
@@ -34,18 +36,22 @@ from ..utils import load_tile, store_tile
 
 
 @triton.jit
-def _fp8_bwd_kv_inner(dk, dv, k8, v_h, q_base, do_base, L, D, s_qm, s_dm, offs_n, offs_d, lo, hi, SQ, OFFSET,
-                      qk_scale, v_descale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, PAD_D: tl.constexpr,
-                      MASKED: tl.constexpr, EVEN_M: tl.constexpr):
+def _fp8_bwd_kv_inner(dk, dv, k8, v_h, q_base, do_base, q_desc, do_desc, off_b, off_h, L, D, s_qm, s_dm, offs_n,
+                      offs_d, lo, hi, SQ, OFFSET, qk_scale, v_descale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                      PAD_D: tl.constexpr, MASKED: tl.constexpr, EVEN_M: tl.constexpr, TMA: tl.constexpr):
     """dK (in units of this q head's q_descale) and dV of one kv block += the q blocks [lo, hi) of one q head;
-    MASKED: the causal diagonal band."""
+    MASKED: the causal diagonal band.  TMA: q / dO tiles through (b, h, s, d) descriptors (rows past s_q: zero)."""
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q8 = load_tile(q_base + offs_m[:, None] * s_qm + offs_d[None, :], offs_m, SQ, offs_d, HEAD_DIM, not EVEN_M,
-                       PAD_D)
-        do = load_tile(do_base + offs_m[:, None] * s_dm + offs_d[None, :], offs_m, SQ, offs_d, HEAD_DIM, not EVEN_M,
-                       PAD_D)
+        if TMA:
+            q8 = q_desc.load([off_b, off_h, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
+            do = do_desc.load([off_b, off_h, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
+        else:
+            q8 = load_tile(q_base + offs_m[:, None] * s_qm + offs_d[None, :], offs_m, SQ, offs_d, HEAD_DIM,
+                           not EVEN_M, PAD_D)
+            do = load_tile(do_base + offs_m[:, None] * s_dm + offs_d[None, :], offs_m, SQ, offs_d, HEAD_DIM,
+                           not EVEN_M, PAD_D)
         if EVEN_M:
             lse2 = tl.load(L + offs_m)
             delta = tl.load(D + offs_m)
@@ -63,14 +69,16 @@ def _fp8_bwd_kv_inner(dk, dv, k8, v_h, q_base, do_base, L, D, s_qm, s_dm, offs_n
 
 
 @triton.jit
-def fp8_bwd_kv_kernel(Q, K, V, DO, DK, DV, LSE2, DELTA, QD, KD, VD,
+def fp8_bwd_kv_kernel(Q, K, V, DO, DK, DV, LSE2, DELTA, QD, KD, VD, q_desc, do_desc,
                       s_qb, s_qh, s_qm, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_db, s_dh, s_dm,
                       s_dkb, s_dkh, s_dkn, s_dvb, s_dvh, s_dvn, s_qdb, s_qdh, s_kdb, s_kdh, s_vdb, s_vdh,
                       H, GROUP, Q_DESCALE_GROUP, SQ, SK, OFFSET, sm_scale_log2, scale,
                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, LPT: tl.constexpr):
+                      CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, LPT: tl.constexpr,
+                      TMA: tl.constexpr):
     """Grid (kv blocks, b * h_kv), or with LPT (b * h_kv, kv blocks): every head's first (with causal masking, the
-    longest) kv block launches before any head's second."""
+    longest) kv block launches before any head's second.  TMA: the streamed q / dO tiles through the descriptors
+    q_desc / do_desc."""
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     pid_bhk = tl.program_id(0) if LPT else tl.program_id(1)
     pid_n = tl.program_id(1) if LPT else tl.program_id(0)
@@ -107,12 +115,12 @@ def fp8_bwd_kv_kernel(Q, K, V, DO, DK, DV, LSE2, DELTA, QD, KD, VD,
         q_base = Q + off_b.to(tl.int64) * s_qb + off_h.to(tl.int64) * s_qh
         do_base = DO + off_b.to(tl.int64) * s_db + off_h.to(tl.int64) * s_dh
         row0 = (off_b * H + off_h).to(tl.int64) * SQ
-        dk, dv = _fp8_bwd_kv_inner(dk, dv, k8, v_h, q_base, do_base, LSE2 + row0, DELTA + row0, s_qm, s_dm,
-                                   offs_n, offs_d, m_lo, m_mid, SQ, OFFSET, qk_scale, vd, HEAD_DIM, BLOCK_M,
-                                   PAD_D, True, EVEN_M)
-        dk, dv = _fp8_bwd_kv_inner(dk, dv, k8, v_h, q_base, do_base, LSE2 + row0, DELTA + row0, s_qm, s_dm,
-                                   offs_n, offs_d, m_mid, sq_pad, SQ, OFFSET, qk_scale, vd, HEAD_DIM, BLOCK_M,
-                                   PAD_D, False, EVEN_M)
+        dk, dv = _fp8_bwd_kv_inner(dk, dv, k8, v_h, q_base, do_base, q_desc, do_desc, off_b, off_h, LSE2 + row0,
+                                   DELTA + row0, s_qm, s_dm, offs_n, offs_d, m_lo, m_mid, SQ, OFFSET, qk_scale, vd,
+                                   HEAD_DIM, BLOCK_M, PAD_D, True, EVEN_M, TMA)
+        dk, dv = _fp8_bwd_kv_inner(dk, dv, k8, v_h, q_base, do_base, q_desc, do_desc, off_b, off_h, LSE2 + row0,
+                                   DELTA + row0, s_qm, s_dm, offs_n, offs_d, m_mid, sq_pad, SQ, OFFSET, qk_scale, vd,
+                                   HEAD_DIM, BLOCK_M, PAD_D, False, EVEN_M, TMA)
     dk = dk * (qd_prev * scale)
     dk_base = DK + off_b.to(tl.int64) * s_dkb + off_hk.to(tl.int64) * s_dkh
     dv_base = DV + off_b.to(tl.int64) * s_dvb + off_hk.to(tl.int64) * s_dvh
@@ -123,16 +131,20 @@ def fp8_bwd_kv_kernel(Q, K, V, DO, DK, DV, LSE2, DELTA, QD, KD, VD,
 
 
 @triton.jit
-def _fp8_bwd_q_inner(dq, q8, do, lse2, delta, k_base, v_base, s_kn, s_vn, offs_m, offs_d, lo, hi, SK, OFFSET,
-                     qk_scale, v_descale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAD_D: tl.constexpr,
-                     CAUSAL: tl.constexpr, MASKED: tl.constexpr):
+def _fp8_bwd_q_inner(dq, q8, do, lse2, delta, k_base, v_base, k_desc, v_desc, off_b, off_hk, s_kn, s_vn, offs_m,
+                     offs_d, lo, hi, SK, OFFSET, qk_scale, v_descale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                     PAD_D: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k8 = load_tile(k_base + offs_n[:, None] * s_kn + offs_d[None, :], offs_n, SK, offs_d, HEAD_DIM, MASKED,
-                       PAD_D)
-        v8 = load_tile(v_base + offs_n[:, None] * s_vn + offs_d[None, :], offs_n, SK, offs_d, HEAD_DIM, MASKED,
-                       PAD_D)
+        if TMA:     # (b, h_kv, s_k, d) descriptors: keys past s_k come back zero
+            k8 = k_desc.load([off_b, off_hk, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+            v8 = v_desc.load([off_b, off_hk, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+        else:
+            k8 = load_tile(k_base + offs_n[:, None] * s_kn + offs_d[None, :], offs_n, SK, offs_d, HEAD_DIM, MASKED,
+                           PAD_D)
+            v8 = load_tile(v_base + offs_n[:, None] * s_vn + offs_d[None, :], offs_n, SK, offs_d, HEAD_DIM, MASKED,
+                           PAD_D)
         p = tl.math.exp2(tl.dot(q8, tl.trans(k8)) * qk_scale - lse2[:, None])        # FP8 S
         if MASKED:  # keys past s_k (k is 0 there, but p need not be) and the causal band
             keep = offs_n[None, :] < SK
@@ -146,13 +158,14 @@ def _fp8_bwd_q_inner(dq, q8, do, lse2, delta, k_base, v_base, s_kn, s_vn, offs_m
 
 
 @triton.jit
-def fp8_bwd_q_kernel(Q, K, V, DO, DQ, LSE2, DELTA, QD, KD, VD,
+def fp8_bwd_q_kernel(Q, K, V, DO, DQ, LSE2, DELTA, QD, KD, VD, k_desc, v_desc,
                      s_qb, s_qh, s_qm, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_db, s_dh, s_dm, s_dqb, s_dqh, s_dqm,
                      s_qdb, s_qdh, s_kdb, s_kdh, s_vdb, s_vdh,
                      H, GROUP, Q_DESCALE_GROUP, SQ, SK, OFFSET, sm_scale_log2, scale,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     CAUSAL: tl.constexpr, EVEN_M: tl.constexpr):
-    """Grid (q blocks, b * h_q), the last q blocks (the longest causal rows) first."""
+                     CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, TMA: tl.constexpr):
+    """Grid (q blocks, b * h_q), the last q blocks (the longest causal rows) first.  TMA: the streamed k8 / v8
+    tiles through the descriptors k_desc / v_desc."""
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -183,10 +196,10 @@ def fp8_bwd_q_kernel(Q, K, V, DO, DQ, LSE2, DELTA, QD, KD, VD,
         n_full = SK
     n_full = (n_full // BLOCK_N) * BLOCK_N
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    dq = _fp8_bwd_q_inner(dq, q8, do, lse2, delta, k_base, v_base, s_kn, s_vn, offs_m, offs_d, 0, n_full, SK, OFFSET,
-                          qk_scale, vd, HEAD_DIM, BLOCK_N, PAD_D, CAUSAL, False)
-    dq = _fp8_bwd_q_inner(dq, q8, do, lse2, delta, k_base, v_base, s_kn, s_vn, offs_m, offs_d, n_full, hi, SK,
-                          OFFSET, qk_scale, vd, HEAD_DIM, BLOCK_N, PAD_D, CAUSAL, True)
+    dq = _fp8_bwd_q_inner(dq, q8, do, lse2, delta, k_base, v_base, k_desc, v_desc, off_b, off_hk, s_kn, s_vn, offs_m,
+                          offs_d, 0, n_full, SK, OFFSET, qk_scale, vd, HEAD_DIM, BLOCK_N, PAD_D, CAUSAL, False, TMA)
+    dq = _fp8_bwd_q_inner(dq, q8, do, lse2, delta, k_base, v_base, k_desc, v_desc, off_b, off_hk, s_kn, s_vn, offs_m,
+                          offs_d, n_full, hi, SK, OFFSET, qk_scale, vd, HEAD_DIM, BLOCK_N, PAD_D, CAUSAL, True, TMA)
     dq = dq * (scale * kd)
     store_tile(DQ + off_b.to(tl.int64) * s_dqb + off_h.to(tl.int64) * s_dqh + offs_m[:, None] * s_dqm
                + offs_d[None, :], dq.to(DQ.dtype.element_ty), offs_m, SQ, offs_d, HEAD_DIM, not EVEN_M, PAD_D)

@@ -25,7 +25,7 @@ from opsadv.core.op_common import empty_bshd
 from opsadv.core.envvars import env_bool
 
 from .. import interpreter_bf16_reasons, triton_device_types
-from ..tma import TensorDescriptor, desc_ok, run_side_by_side, sm90_plus   # (host descriptors: guarded)
+from ..tma import TensorDescriptor, desc_bhsd, desc_ok, run_side_by_side, sm90_plus   # (descriptors: guarded)
 
 E4M3 = torch.float8_e4m3fn
 FP8_MIN_CC = (8, 9)
@@ -157,14 +157,25 @@ def _half(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _bwd_configs(ctx, d: int, which: str, causal: bool, dev: torch.device) -> list[dict]:
-    """The profile's configs, plus (dK/dV kernel, causal, GPU) each again with the longest-first launch order."""
-    cfgs = _configs(ctx, d, which)
-    if which == "bwd_kv":
-        cfgs = [dict(c, LPT=bool(c.get("LPT", False))) for c in cfgs]
-        if causal and dev.type == "cuda":
-            cfgs += [dict(c, LPT=True) for c in cfgs if not c["LPT"]]
+def _bwd_configs(ctx, d: int, which: str, causal: bool, dev: torch.device, tma_ok: bool) -> list[dict]:
+    """The profile's configs (TMA ones without TMA where descriptors cannot serve, duplicates dropped), plus (dK/dV
+    kernel, causal, GPU) each again with the longest-first launch order."""
+    cfgs: list[dict] = []
+    for c in _configs(ctx, d, which):
+        c = dict(c, TMA=bool(c.get("TMA")) and tma_ok, **({"LPT": bool(c.get("LPT"))} if which == "bwd_kv" else {}))
+        if c not in cfgs:
+            cfgs.append(c)
+    if which == "bwd_kv" and causal and dev.type == "cuda":
+        cfgs += [dict(c, LPT=True) for c in cfgs if not c["LPT"] and dict(c, LPT=True) not in cfgs]
     return cfgs
+
+
+def _bwd_tma_ok(d: int, block_d: int, *ts: torch.Tensor) -> bool:
+    """The backward's streamed tiles loadable through (b, h, s, d) descriptors: host descriptors, an unpadded head
+    dim, descriptor-addressable tensors; Hopper, or the interpreter (CPU tensors)."""
+    if TensorDescriptor is None or d != block_d or not all(desc_ok(t) for t in ts):
+        return False
+    return sm90_plus(ts[0].device.index) if ts[0].device.type == "cuda" else True
 
 
 def fp8_bwd(ctx, dout, q, k, v, q_descale, k_descale, v_descale, out, lse, causal, scale, *,
@@ -203,37 +214,45 @@ def fp8_bwd(ctx, dout, q, k, v, q_descale, k_descale, v_descale, out, lse, causa
     descales = (qd, kd, vd)
     descale_strides = (s_qdb, s_qdh if qd_heads > 1 else 0, s_kdb, s_kdh, s_vdb, s_vdh)
     common = (hq, group, q_descale_group, sq, sk, sk - sq, scale * LOG2E, scale)
+    tma_ok = _bwd_tma_ok(d, block_d, q, k, v, dout)
 
     def launch_kv(cfg):
         bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-        lpt = bool(cfg.get("LPT"))
+        lpt, tma = bool(cfg.get("LPT")), bool(cfg.get("TMA")) and tma_ok
+        q_desc, do_desc = (desc_bhsd(q, bm), desc_bhsd(dout, bm)) if tma else (None, None)
         grid = (b * hkv, triton.cdiv(sk, bn)) if lpt else (triton.cdiv(sk, bn), b * hkv)
-        K["kv"][grid](q, k, v, dout, dk, dv, lse2, delta, *descales,
+        K["kv"][grid](q, k, v, dout, dk, dv, lse2, delta, *descales, q_desc, do_desc,
                       q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                       v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
                       dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
                       *descale_strides, *common,
                       HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, EVEN_M=sq % bm == 0,
-                      EVEN_N=sk % bn == 0, LPT=lpt, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                      EVEN_N=sk % bn == 0, LPT=lpt, TMA=tma, num_warps=cfg["num_warps"],
+                      num_stages=cfg["num_stages"])
 
     def launch_q(cfg):
         bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+        tma = bool(cfg.get("TMA")) and tma_ok
+        k_desc, v_desc = (desc_bhsd(k, bn), desc_bhsd(v, bn)) if tma else (None, None)
         K["q"][(triton.cdiv(sq, bm), b * hq)](
-            q, k, v, dout, dq, lse2, delta, *descales,
+            q, k, v, dout, dq, lse2, delta, *descales, k_desc, v_desc,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
             dq.stride(0), dq.stride(1), dq.stride(2), *descale_strides, *common,
-            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, EVEN_M=sq % bm == 0,
+            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, EVEN_M=sq % bm == 0, TMA=tma,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
     if configs is not None:
         cfg_kv, cfg_q = dict(DEFAULT_BWD_TILE, **configs[0]), dict(DEFAULT_BWD_TILE, **configs[1])
+        if (cfg_kv.get("TMA") or cfg_q.get("TMA")) and not tma_ok:     # an explicit request: never silently off
+            raise ValueError(f"fp8_attention backward: TMA configs need descriptor-addressable q, k, v, dO with an "
+                             f"unpadded head dim on Hopper or the interpreter (head_dim {d}, device {dev})")
     else:
         from ..utils import bucket
         tune = dev.type == "cuda" and ctx is not None and ctx.profile is not None and ctx.profile.autotune
-        key = (d, causal, group, bucket(sq), bucket(sk), bucket(b * hq), str(cdt))
-        cfg_kv = K["tuner_kv"].pick(key, _bwd_configs(ctx, d, "bwd_kv", causal, dev), launch_kv, tune)
-        cfg_q = K["tuner_q"].pick(key, _bwd_configs(ctx, d, "bwd_q", causal, dev), launch_q, tune)
+        key = (d, causal, group, bucket(sq), bucket(sk), bucket(b * hq), str(cdt), tma_ok)
+        cfg_kv = K["tuner_kv"].pick(key, _bwd_configs(ctx, d, "bwd_kv", causal, dev, tma_ok), launch_kv, tune)
+        cfg_q = K["tuner_q"].pick(key, _bwd_configs(ctx, d, "bwd_q", causal, dev, tma_ok), launch_q, tune)
     if dev.type == "cuda":      # the two kernels share only inputs: side by side on two streams
         run_side_by_side(dev, lambda: launch_kv(cfg_kv), lambda: launch_q(cfg_q))
     else:
