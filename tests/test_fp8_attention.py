@@ -391,6 +391,7 @@ BWD_CASES = [   # (b, h_q, h_kv, s_q, s_k, d, causal, fp8_inputs keywords)
     (1, 2, 2, 37, 37, 64, True, {}),
     (2, 4, 2, 37, 50, 64, True, {"q_kv_head": True}),          # GQA, cross-length, FA3's per-kv-head q descale
     (1, 4, 1, 3, 127, 32, False, {}),                           # MQA, d32, a long key row
+    (1, 2, 2, 1, 37, 64, True, {}),                             # one query (bottom-right: it sees every key)
     (1, 2, 2, 127, 127, 128, True, {}),
     (1, 2, 1, 40, 19, 32, True, {"granularity": "tensor"}),    # s_q > s_k: rows that see no key
 ]

@@ -249,7 +249,7 @@ _verdicts: dict[tuple, tuple] = {}     # (policy serial, backward bucket key) ->
 hooks.on_registry_reset(_verdicts.clear)    # other impls: no verdict survives a rebuilt registry
 
 
-def fp8_backward_verdict(q, k, causal: bool, kinds, dtype: torch.dtype):
+def _fp8_backward_verdict(q, k, causal: bool, kinds, dtype: torch.dtype):
     """(the impl that would serve the FP8 backward of this call under the policy in force, or None; each refused
     impl's reasons; the policy's description): explain()'s resolution of the backward bucket, memoized per policy
     and bucket (no log line, no autotune: the backward's own dispatch does those).  q, k: any tensors of the fp8
@@ -273,7 +273,7 @@ def _served(q, k, causal, kinds, dtype, backward: str):
     than the reference serves it; "bf16": never."""
     if backward == "bf16":
         return False
-    impl, reasons, pol = fp8_backward_verdict(q, k, causal, kinds, dtype)
+    impl, reasons, pol = _fp8_backward_verdict(q, k, causal, kinds, dtype)
     if backward == "fp8" and impl is None:
         raise NoKernelError(OP + " (backward)", pol, reasons, " (fp8_attention_from_bf16(..., backward='fp8'))")
     return impl is not None and (backward == "fp8" or impl.backend != "reference")
