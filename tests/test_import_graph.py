@@ -51,6 +51,8 @@ LAZY: dict[tuple[str, str], str] = {
     (f"{TC}.scaled_gemm.scaled_gemm", f"{TC}.scaled_gemm.kernels"): TRITON,
     (f"{TC}.fp8_attention.fp8_attention", f"{TC}.fp8_attention.kernels"): TRITON,
     (f"{TC}.fp8_attention.fp8_attention", f"{TC}.utils"): TRITON,
+    (f"{TC}.fp8_attention.fp8_attention", f"{TC}.fp8_attention.bwd_kernels"): TRITON,
+    (f"{TC}.fp8_attention.fp8_attention", f"{TC}.flash_attention.bwd_kernels"): TRITON,
     (f"{TC}.linear_cross_entropy.linear_cross_entropy", f"{TC}.linear_cross_entropy.kernels"): TRITON,
     (f"{TC}.swiglu.swiglu", f"{TC}.utils"): TRITON,
     (f"{CUDA}.flash_attention.gluon", f"{TC}.flash_attention.attention"): TRITON,

@@ -31,7 +31,18 @@ suite's), plus GQA 32/8 causal at s 4096.  FLOPs 4*b*h*s*s*d (halved for causal)
 opsadv.ops.flash_attention on bf16 copies of the dequantized inputs; the speedup baseline: the issue's >= 1.5x)
 and "sdpa_cudnn" (SDPA's cuDNN backend, bf16).  rel_err is against the reference semantics: the exact attention of
 the dequantized inputs (float32, computed per head chunk), so it shows the kernel's P rounding (~2.5%: docs/fp8.md),
-under the runner's 5% MISMATCH.  Target (H200): >= 1000 TFLOP/s at d128 s >= 4096."""
+under the runner's 5% MISMATCH.  Target (H200): >= 1000 TFLOP/s at d128 s >= 4096.
+
+FP8 attention backward rows ("attn bwd ..."): the backward alone, as fp8_attention_from_bf16 runs it by default on
+the cuda backend (torch.ops.opsadv.fp8_attention_backward(..., "fp8"): cuda.triton.fp8_attention's backward, FP8
+QK^T recomputation) on e4m3 q, k, v with per-(batch, head) descales, the FP8 forward's out and lse and a bf16 dO, at
+d128 causal (b, h, s) = (2, 16, 4096) and GQA 32/8 (and non-causal b2 h16 in the full grid).  FLOPs 2.5 x the
+forward's (5 GEMMs to 2; halved for causal).  Peers, on bf16 copies of the dequantized inputs with the same out, lse
+and dO: "bf16_flash" (flash_attention's backward as the dispatcher resolves it: what backward="bf16" runs; the
+speedup baseline, as the forward rows') and "bf16_own" (our own Triton / Gluon flash backward, suite_attention's
+[own] choice).  The issue's target (H200): >= 1.3x our bf16 backward.  rel_err is against the baseline's
+gradients: the two backwards' difference on the same out and lse (P, dS rounded to bf16 in both; the bf16 one
+also rounds the dequantized inputs to bf16): a few 1e-3 expected."""
 from __future__ import annotations
 
 from typing import Iterator
@@ -48,6 +59,7 @@ from opsadv.ops.scaled_gemm import _spec as _scaled_spec, validate as _validate
 from opsadv.ops.scaled_gemm.reference import dequantize_fp8, quantize_fp8, requantize
 
 from .case import BenchCase
+from .suite_attention import _own as attention_own      # (impl, ctx) of our best own flash kernel for a call
 from .suite_gemm import OWN_PREFIXES, SHAPES as GEMM_SHAPES, own_impl as _gemm_own_impl
 
 ATTN_SHAPES = ((4, 32, 32, 4096), (1, 32, 32, 16384))        # (b, h, h_kv, s)
@@ -81,6 +93,7 @@ def cases(quick: bool) -> Iterator[BenchCase]:
     if not torch.cuda.is_available():
         return
     yield from attention_cases(quick)
+    yield from attention_bwd_cases(quick)
     yield from gemm_cases(quick)
     yield from swiglu_cases(quick)
 
@@ -194,6 +207,48 @@ def attention_cases(quick: bool) -> Iterator[BenchCase]:
                         peers={"bf16_flash": bf16_flash, "sdpa_cudnn": sdpa_cudnn},
                         work=4.0 * b * h * s * s * d * (0.5 if causal else 1.0), unit="TFLOP/s", compare=compare,
                         baseline="bf16_flash")
+
+
+def _attn_bwd_grid(quick: bool):
+    """(b, h, h_kv, s, d, causal)"""
+    rows = [(2, 16, 16, 4096, 128, True), (2, 32, 8, 4096, 128, True)]
+    return rows[:1] if quick else rows + [(2, 16, 16, 4096, 128, False)]
+
+
+def attention_bwd_cases(quick: bool) -> Iterator[BenchCase]:
+    dev = "cuda"
+    for b, h, hkv, s, d, causal in _attn_bwd_grid(quick):
+        torch.manual_seed(0)
+        q = torch.randn(b, h, s, d, device=dev, dtype=torch.bfloat16)
+        k = torch.randn(b, hkv, s, d, device=dev, dtype=torch.bfloat16)
+        v = torch.randn(b, hkv, s, d, device=dev, dtype=torch.bfloat16)
+        do = torch.randn_like(q)
+        args = quantize_qkv(q, k, v)
+        del q, k, v
+        with torch.no_grad():
+            out, lse = opsadv.ops.fp8_attention(*args, causal=causal, return_lse=True)
+        q16, k16, v16 = (dequantize_heads(x8, ds, torch.bfloat16) for x8, ds in zip(args[:3], args[3:]))
+        gqa = h != hkv
+
+        def mine(args=args, do=do, out=out, lse=lse, causal=causal):
+            return torch.ops.opsadv.fp8_attention_backward(do, *args, out, lse, causal, None, "fp8", 0)
+
+        def bf16_flash(q16=q16, k16=k16, v16=v16, do=do, out=out, lse=lse, causal=causal):
+            return torch.ops.opsadv.flash_attention_backward(do, q16, k16, v16, out, lse, None, causal, None, False,
+                                                             0)
+
+        peers = {"bf16_flash": bf16_flash}
+        own = attention_own(q16, k16, causal, True)
+        if own is not None:
+            def bf16_own(own=own, q16=q16, k16=k16, v16=v16, do=do, out=out, lse=lse, causal=causal):
+                impl, ctx = own
+                return impl.backward(ctx, do, q16, k16, v16, out, lse, None, causal, q16.shape[-1] ** -0.5)
+            peers["bf16_own"] = bf16_own
+        words = ["attn", "bwd", "e4m3", f"b{b}", f"h{h}"] + ([f"kv{hkv}"] if gqa else []) + \
+                [f"s{s}", f"d{d}"] + (["causal"] if causal else []) + ["descale_head"]
+        yield BenchCase(suite="fp8", case=" ".join(words), opsadv=mine, peers=peers,
+                        work=2.5 * 4.0 * b * h * s * s * d * (0.5 if causal else 1.0), unit="TFLOP/s",
+                        baseline="bf16_flash", extra={"own_impl_bf16": own[0].id} if own is not None else {})
 
 
 def gemm_cases(quick: bool) -> Iterator[BenchCase]:

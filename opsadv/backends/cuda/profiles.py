@@ -140,14 +140,31 @@ SCALED_GEMM_CONFIGS = {
 # the K-major operand of the FP8 P V wgmma).  Unmeasured first choices; every one compiles for sm_90 without spills
 # (Triton 3.6, ptxas; d128: 128x128/8/3 TMA V_T 192 registers non-causal, 205 causal; d256 64x64/4/2 232) with
 # both dots as e4m3 wgmma.  rtx (sm_89): no TMA, no wgmma (mma.sync e4m3).  No a100 entry: FP8 starts at sm_89.
+#
+# The backward's "bwd_kv" (BLOCK_N the kv block a program owns, BLOCK_M the q block it loops over) and "bwd_q" tiles
+# (TMA: the streamed tiles through descriptors).  sm_90 compile (Triton 3.6, ptxas, bf16 gradients, QK^T as e4m3
+# wgmma), spill bytes non-causal / causal: d128 bwd_kv 64x64/8/2 and 32x64/4/3 none with or without TMA, 64x64/4/2
+# 416 / 800 (536 / 1052 TMA: dK, dV accumulators plus the bf16 copy of the q tile for dK), 64x128/8/2 288 / 672;
+# d128 bwd_q none (TMA 128x64/8/3: 171 registers, 220 without); d64 none; d256 only bwd_kv 32x32/8/2 and bwd_q
+# 32x32/8/2, 32x64/8/2, 32x32/4/2 fit (16x64/8/2 spills causal, 32x64/8/2 196 / 672).  d128 starts with TMA, as
+# flash_attention's backward (0.995-1.057x there); the order is otherwise unmeasured (the autotuner picks on the GPU).
 FP8_ATTN_TILES = {
     "h100": {"fwd": {64: [_t(128, 128, 8, 3, True, V_T=True), _t(128, 64, 4, 3, True, V_T=True),
                           _t(64, 64, 4, 3, V_T=True)],
                      128: [_t(128, 128, 8, 3, True, V_T=True), _t(64, 128, 4, 3, True, V_T=True),
                            _t(128, 64, 4, 3, True, V_T=True), _t(128, 128, 8, 3, V_T=True), _t(128, 128, 8, 3)],
-                     256: [_t(64, 64, 4, 2, True, V_T=True), _t(128, 64, 8, 2, True, V_T=True)]}},
+                     256: [_t(64, 64, 4, 2, True, V_T=True), _t(128, 64, 8, 2, True, V_T=True)]},
+             "bwd_kv": {64: [_t(64, 64, 4, 2), _t(64, 64, 4, 2, True), _t(64, 128, 8, 2), _t(32, 64, 4, 3),
+                             _t(64, 64, 8, 2, True)],
+                        128: [_t(64, 64, 8, 2, True), _t(64, 64, 8, 2), _t(32, 64, 4, 3, True), _t(32, 64, 4, 3)],
+                        256: [_t(32, 32, 8, 2)]},
+             "bwd_q": {64: [_t(128, 64, 8, 3), _t(128, 64, 8, 3, True), _t(64, 64, 4, 2), _t(128, 64, 8, 2, True)],
+                       128: [_t(128, 64, 8, 3, True), _t(128, 64, 8, 3), _t(128, 64, 8, 2, True), _t(64, 64, 4, 2)],
+                       256: [_t(32, 32, 8, 2), _t(32, 64, 8, 2), _t(32, 32, 4, 2)]}},
     "rtx": {"fwd": {64: [_t(64, 64, 4, 2), _t(128, 64, 4, 2)], 128: [_t(64, 64, 4, 2), _t(128, 32, 4, 2)],
-                    256: [_t(64, 32, 4, 1)]}},
+                    256: [_t(64, 32, 4, 1)]},
+            "bwd_kv": {64: [_t(32, 64, 4, 2)], 128: [_t(32, 64, 4, 1)], 256: [_t(16, 32, 4, 1)]},
+            "bwd_q": {64: [_t(64, 32, 4, 2)], 128: [_t(64, 32, 4, 1)], 256: [_t(32, 32, 4, 1)]}},
 }
 
 

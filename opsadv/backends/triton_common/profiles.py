@@ -17,8 +17,8 @@ INTERPRETER_TILES = {
                         for p in ("fwd", "bwd_kv", "bwd_q", "bwd_dsq")},
     "sparse_attention": {"small": ((32, 16, 4, 1), (16, 32, 4, 1), (32, 16, 4, 1)),
                          "large": ((32, 16, 4, 1), (16, 32, 4, 1), (32, 16, 4, 1))},
-    # an FP8 dot's K is at least 32: BLOCK_N (P V's K) 32
-    "fp8_attention": {"fwd": {c: [tile(16, 32, 4, 1)] for c in (64, 128, 256)}},
+    # an FP8 dot's K is at least 32: BLOCK_N (P V's K) 32 (the backward's only FP8 dot, QK^T, has K = head dim)
+    "fp8_attention": {p: {c: [tile(16, 32, 4, 1)] for c in (64, 128, 256)} for p in ("fwd", "bwd_kv", "bwd_q")},
 }   # (gemm picks its interpreter tiles from the shape: gemm.gemm._fixed_config)
 
 

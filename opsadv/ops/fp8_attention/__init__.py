@@ -25,10 +25,17 @@ one op's business, as scaled_gemm is gemm's FP8 sibling.
   float64 out_dtype).  A row that sees no key gives zeros and lse = -inf.
 - No gradients: inputs that require grad (with grad enabled) are refused.  Training goes through
   fp8_attention_from_bf16(q, k, v, ...): it quantizes bf16 / fp16 / fp32 q, k, v per (batch, head) on the fly
-  (current scaling), runs this op, and back-propagates through flash_attention's backward (bf16 GEMMs) on the
-  dequantized inputs: the gradient of exact attention at the point the forward evaluated, passed straight through
-  the quantization to the high-precision inputs (saved as fp8 + descales: half the memory of bf16).  An FP8
-  backward (dQ / dK / dV with FP8 GEMMs) is not written yet.
+  (current scaling), runs this op, saves the fp8 tensors and descales (half the memory of bf16) and back-propagates
+  the gradient of exact attention at the point the forward evaluated (the dequantized inputs), passed straight
+  through the quantization to the high-precision inputs.  Its backward= keyword picks how:
+    "fp8"   this op's backward (impl.backward; the cuda backend's Triton kernel recomputes QK^T in FP8 and runs the
+            other GEMMs in the gradients' bf16 / fp16 with the fp8 operands exact: bwd_kernels.py says why only
+            QK^T; the reference impl emulates its roundings in float32); nothing serving it raises NoKernelError
+            with every impl's reasons
+    "bf16"  flash_attention's backward on the dequantized inputs (bf16 / fp16 GEMMs)
+    None    (default) "fp8" where an impl other than the reference serves it under the policy in force, else
+            "bf16" (so the reference backend keeps flash_attention's backward)
+  The choice is made per call from explain()'s resolution of the backward (explain(..., backward=True) shows it).
 
 Semantics: the reference (reference.py) is the exact attention of the dequantized inputs.  The Triton kernel also
 rounds P (softmax probabilities, times 256) to e4m3 for its FP8 P @ V: an extra relative error of order 2^-5 on
@@ -37,6 +44,8 @@ are of the unrounded P).
 
 Impl contract:
   fn(ctx, q, k, v, q_descale, k_descale, v_descale, causal, scale: float, out_dtype) -> (out, lse)
+  backward(ctx, dout, q, k, v, q_descale, k_descale, v_descale, out, lse, causal, scale: float) -> (dq, dk, dv):
+    gradients with respect to the dequantized q, k, v, in dout's dtype (the backward CallSpec's dtype)
 CallSpec: dtype = out_dtype; features: causal, gqa, cross_length, q_descale_{tensor,head,kv_head},
 k_descale_{tensor,head}, v_descale_{tensor,head}; head_dim; bucket (s_q<=, s_k<=, batch*heads<=).
 
@@ -50,13 +59,14 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from opsadv.core import dispatch
+from opsadv.core import dispatch, hooks
 from opsadv.core.devices import device_index, device_key
-from opsadv.core.errors import InvalidArgumentError
+from opsadv.core.errors import InvalidArgumentError, NoKernelError
 from opsadv.core.kernel import CallSpec
 from opsadv.core.opdef import TOLERANCE as _DEFAULT_TOLERANCE, OpDef, Reference, arg
-from opsadv.core.op_common import (TORCH_OPS, carry_policy, check_scale, check_tensor, dt, eager_mode, len_bucket)
-from opsadv.core.policy import in_scope, op_scope
+from opsadv.core.op_common import (TORCH_OPS, carry_policy, check_scale, check_tensor, dt, eager_mode, is_compiling,
+                                   len_bucket)
+from opsadv.core.policy import current_policy, in_scope, op_scope
 from opsadv.ops.flash_attention import validate as _attn_validate
 
 from . import cases as _cases, reference as _reference
@@ -143,11 +153,11 @@ def features(q, k, causal, kinds) -> frozenset[str]:
     return frozenset(f)
 
 
-def _key(q, k, causal, kinds, out_dtype) -> tuple:
+def _key(q, k, causal, kinds, out_dtype, backward: bool = False) -> tuple:
     b, hq, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
-    return (OP, device_key(q), d, causal, kinds, out_dtype, hq // hk, sq != sk, len_bucket(sq), len_bucket(sk),
-            len_bucket(b * hq))
+    return (OP, backward, device_key(q), d, causal, kinds, out_dtype, hq // hk, sq != sk, len_bucket(sq),
+            len_bucket(sk), len_bucket(b * hq))
 
 
 def _spec(q, k, causal, kinds, out_dtype, backward: bool = False) -> CallSpec:
@@ -162,6 +172,13 @@ def _route(q, k, v, qd, kd, vd, causal, scale, out_dtype, kinds):
     s = default_scale(q.shape[-1], scale)
     return dispatch.call(_key(q, k, causal, kinds, out_dtype), lambda: _spec(q, k, causal, kinds, out_dtype),
                          (q, k, v, qd, kd, vd, causal, s, out_dtype))
+
+
+def _bwd_route(dout, q, k, v, qd, kd, vd, out, lse, causal, scale, kinds):
+    s = default_scale(q.shape[-1], scale)
+    dtype = dout.dtype
+    return dispatch.call(_key(q, k, causal, kinds, dtype, True), lambda: _spec(q, k, causal, kinds, dtype, True),
+                         (dout, q, k, v, qd, kd, vd, out, lse, causal, s))
 
 
 @torch.library.custom_op("opsadv::fp8_attention", mutates_args=())
@@ -226,18 +243,84 @@ def fp8_attention(q: Tensor, k: Tensor, v: Tensor, q_descale: Tensor, k_descale:
     return (out, lse) if return_lse else out
 
 
-# ---- training: quantize on the fly, backward through flash_attention's (bf16) backward ------------------------
+# ---- training: quantize on the fly; backward FP8 (this op's impl.backward) or bf16 (flash_attention's) ---------
+BACKWARDS = ("fp8", "bf16")
+_verdicts: dict[tuple, tuple] = {}     # (policy serial, backward bucket key) -> (chosen impl or None, reasons, policy)
+hooks.on_registry_reset(_verdicts.clear)    # other impls: no verdict survives a rebuilt registry
+
+
+def _fp8_backward_verdict(q, k, causal: bool, kinds, dtype: torch.dtype):
+    """(the impl that would serve the FP8 backward of this call under the policy in force, or None; each refused
+    impl's reasons; the policy's description): explain()'s resolution of the backward bucket, memoized per policy
+    and bucket (no log line, no autotune: the backward's own dispatch does those).  q, k: any tensors of the fp8
+    tensors' shapes and device."""
+    pol = current_policy()
+    key = (pol.serial, _key(q, k, causal, kinds, dtype, True))
+    v = _verdicts.get(key)
+    if v is None:
+        exp, r = dispatch.explain_spec(_spec(q, k, causal, kinds, dtype, True), pol)
+        v = (r.impl if r is not None else None, {c.impl.id: list(c.reasons) for c in exp.candidates if not c.accepted},
+             pol.describe())
+        if len(_verdicts) >= 4096:
+            _verdicts.clear()
+        _verdicts[key] = v
+    return v
+
+
+def _served(q, k, causal, kinds, dtype, backward: str):
+    """Whether this call's backward runs this op's (FP8) backward, per fp8_attention_from_bf16's choice: "fp8":
+    where any impl serves it (NoKernelError with every impl's reasons where none does); "auto": where an impl other
+    than the reference serves it; "bf16": never."""
+    if backward == "bf16":
+        return False
+    impl, reasons, pol = _fp8_backward_verdict(q, k, causal, kinds, dtype)
+    if backward == "fp8" and impl is None:
+        raise NoKernelError(OP + " (backward)", pol, reasons, " (fp8_attention_from_bf16(..., backward='fp8'))")
+    return impl is not None and (backward == "fp8" or impl.backend != "reference")
+
+
+def _train_grads(dout, q8, k8, v8, qd, kd, vd, out, lse, causal, scale, backward):
+    """(dq, dk, dv) in dout's dtype: this op's backward or flash_attention's on the dequantized inputs
+    (fp8_attention_from_bf16's backward=)."""
+    if q8.numel() == 0 or k8.numel() == 0:     # no score: zero (or empty) gradients, no kernel
+        return tuple(torch.zeros(t.shape, dtype=dout.dtype, device=dout.device) for t in (q8, k8, v8))
+    kinds = _kinds(q8, k8, v8, qd, kd, vd)
+    if _served(q8, k8, causal, kinds, dout.dtype, backward):
+        return _bwd_route(dout, q8, k8, v8, qd, kd, vd, out, lse, causal, scale, kinds)
+    q, k, v = (dequantize_heads(x8, d, dout.dtype) for x8, d in ((q8, qd), (k8, kd), (v8, vd)))
+    return torch.ops.opsadv.flash_attention_backward(dout, q, k, v, out, lse, None, causal, scale, False, op_scope())
+
+
+@torch.library.custom_op("opsadv::fp8_attention_backward", mutates_args=())
+def _fp8_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, q_descale: Tensor, k_descale: Tensor,
+                            v_descale: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: Optional[float],
+                            backward: str = "auto", scope: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    """fp8_attention_from_bf16's backward as one op (compile / export see it whole): (dq, dk, dv) in dout's dtype.
+    backward: "fp8", "bf16" or "auto" (fp8_attention_from_bf16's None)."""
+    with in_scope(scope):
+        dq, dk, dv = _train_grads(dout, q, k, v, q_descale, k_descale, v_descale, out, lse, causal, scale, backward)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@_fp8_attention_backward.register_fake
+def _(dout, q, k, v, q_descale, k_descale, v_descale, out, lse, causal, scale, backward="auto", scope=0):
+    return tuple(dout.new_empty(t.shape) for t in (q, k, v))
+
+
 def _train_setup(ctx, inputs, output):
-    q, k, v, causal, scale, granularity = inputs
-    ctx.causal, ctx.scale, ctx.dtype = causal, scale, q.dtype
+    q, k, v, causal, scale, granularity, backward = inputs
+    ctx.causal, ctx.scale, ctx.dtype, ctx.backward = causal, scale, q.dtype, backward
 
 
 def _train_backward(ctx, dout, dlse):
     q8, k8, v8, qd, kd, vd, out, lse = ctx.saved_tensors
-    q, k, v = (dequantize_heads(x8, d, ctx.dtype) for x8, d in ((q8, qd), (k8, kd), (v8, vd)))
-    dq, dk, dv = torch.ops.opsadv.flash_attention_backward(dout.to(ctx.dtype), q, k, v, out, lse, None, ctx.causal,
-                                                           ctx.scale, False, op_scope())
-    return dq, dk, dv, None, None, None
+    dout = dout.to(ctx.dtype)
+    args = (dout, q8, k8, v8, qd, kd, vd, out, lse, ctx.causal, ctx.scale, ctx.backward)
+    if eager_mode(*args[:9]) != TORCH_OPS:      # eager: no torch.library boundary
+        dq, dk, dv = _train_grads(*args)
+    else:
+        dq, dk, dv = torch.ops.opsadv.fp8_attention_backward(*args, op_scope())
+    return dq, dk, dv, None, None, None, None
 
 
 _setup, _backward = carry_policy(_train_setup, _train_backward)     # the backward resolves under the forward's policy
@@ -245,13 +328,13 @@ _setup, _backward = carry_policy(_train_setup, _train_backward)     # the backwa
 
 class _FP8AttentionTrain(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, granularity):
+    def forward(ctx, q, k, v, causal, scale, granularity, backward):
         q8, k8, v8, qd, kd, vd = quantize_qkv(q, k, v, granularity)
         out, lse = fp8_attention(q8, k8, v8, qd, kd, vd, causal=causal, scale=scale, return_lse=True,
                                  out_dtype=q.dtype)
         ctx.save_for_backward(q8, k8, v8, qd, kd, vd, out, lse)     # fp8 + descales: half of bf16's bytes
         ctx.mark_non_differentiable(lse)
-        _setup(ctx, (q, k, v, causal, scale, granularity), (out, lse))
+        _setup(ctx, (q, k, v, causal, scale, granularity, backward), (out, lse))
         return out, lse
 
     @staticmethod
@@ -263,17 +346,25 @@ TRAIN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def fp8_attention_from_bf16(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: float | None = None,
-                            return_lse: bool = False, granularity: str = "head"):
+                            return_lse: bool = False, granularity: str = "head", backward: str | None = None):
     """Attention of bf16 (fp16, fp32) q, k, v through the FP8 forward, differentiable: q, k, v are quantized to
     e4m3 per (batch, head) (granularity "head"; or "tensor") from this call's amax (current scaling), fp8_attention
-    computes out in q's dtype, and the backward is flash_attention's (bf16 / fp16 GEMMs) on the dequantized
-    inputs, its gradients passed straight through the quantization to q, k, v (module docstring)."""
+    computes out in q's dtype, and the gradients of the dequantized attention pass straight through the
+    quantization to q, k, v.  backward: "fp8" (this op's backward: FP8 QK^T recomputation on the cuda backend;
+    NoKernelError with every reason where nothing serves it), "bf16" (flash_attention's backward on the dequantized
+    inputs) or None: "fp8" where an impl other than the reference serves it, else "bf16" (module docstring)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(OP, name, t, ndim=4, dtypes=TRAIN_DTYPES, allow_empty=True)
     _attn_validate(q, k, v, None, causal, scale)
     if granularity not in ("head", "tensor"):
         raise InvalidArgumentError(OP, "granularity", "'head' or 'tensor'", repr(granularity))
-    out, lse = _FP8AttentionTrain.apply(q, k, v, causal, scale, granularity)
+    if backward is not None and backward not in BACKWARDS:
+        raise InvalidArgumentError(OP, "backward", "'fp8', 'bf16' or None (FP8 where a non-reference impl serves it, "
+                                   "else bf16)", repr(backward))
+    if backward == "fp8" and not is_compiling() and q.numel() and k.numel() and torch.is_grad_enabled() \
+            and (q.requires_grad or k.requires_grad or v.requires_grad):
+        _served(q, k, causal, (granularity,) * 3, q.dtype, "fp8")     # an explicit choice nothing serves raises now
+    out, lse = _FP8AttentionTrain.apply(q, k, v, causal, scale, granularity, backward or "auto")
     return (out, lse.detach()) if return_lse else out
 
 
@@ -287,9 +378,10 @@ def explain_spec(args: tuple, kwargs: dict, backward: bool) -> CallSpec:
     return _spec(q, k, causal, kinds, out_dtype, backward)
 
 
-OPDEF = OpDef(OP, fp8_attention, Reference(_reference.fp8_attention_fwd, None, _reference.FEATURES), explain_spec,
-              custom_ops=(_fp8_attention,), cases=tuple(_cases.CASES), tolerance=TOLERANCE,
+OPDEF = OpDef(OP, fp8_attention, Reference(_reference.fp8_attention_fwd, _reference.fp8_attention_bwd,
+                                           _reference.FEATURES), explain_spec,
+              custom_ops=(_fp8_attention, _fp8_attention_backward), cases=tuple(_cases.CASES), tolerance=TOLERANCE,
               description="attention of e4m3 q, k, v with per-tensor or per-(batch, head) dequantization factors "
                           "(FP8 QK^T and P V in the Triton kernel, P rounded to e4m3), GQA, bottom-right causal; "
-                          "forward only (training: fp8_attention_from_bf16)")
+                          "forward only to users; its backward serves fp8_attention_from_bf16's training path")
 OPDEFS = (OPDEF,)

@@ -19,7 +19,13 @@ The reference is the exact attention of the dequantized inputs: q, k, v dequanti
 float64 out_dtype), softmax(scale * q k^T) v with bottom-right causal masking, lse the natural-log row logsumexp
 of the scaled scores.  It does not emulate the kernel's P quantization (the Triton kernel rounds P to e4m3 for
 its FP8 P @ V): that extra error is the kernel's, bounded in the tests (tests/test_fp8_attention.py) and
-documented in docs/fp8.md."""
+documented in docs/fp8.md.
+
+The reference backward (fp8_attention_bwd) emulates the FP8 backward kernel's roundings exactly
+(opsadv/backends/triton_common/fp8_attention/bwd_kernels.py): P = exp(S - lse) of the dequantized inputs (the FP8
+QK^T is exact: products of e4m3 values are exact in float32), delta = rowsum(dO * out) of the given out, dV =
+P^T dO and dQ = dS K, dK = dS^T Q with P and dS rounded to the gradients' dtype when it is bf16 / fp16 (the GEMM
+operand dtype there), the saved q, k, v exact; accumulation in float32 (float64 for float64 gradients, or acc=)."""
 from __future__ import annotations
 
 import torch
@@ -98,12 +104,51 @@ def fp8_attention_fwd(ctx, q, k, v, q_descale, k_descale, v_descale, causal, sca
     kf = dequantize_heads(k, k_descale, acc).repeat_interleave(hq // hkv, dim=1)
     vf = dequantize_heads(v, v_descale, acc).repeat_interleave(hq // hkv, dim=1)
     s = (qf @ kf.transpose(-1, -2)) * scale
-    sq, sk = q.shape[2], k.shape[2]
     if causal:      # bottom-right aligned: query i sees keys j <= i + s_k - s_q
-        i = torch.arange(sq, device=q.device)[:, None]
-        j = torch.arange(sk, device=q.device)[None, :]
-        s = s.masked_fill(j > i + (sk - sq), float("-inf"))
+        s = s.masked_fill(_causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     empty = torch.isneginf(lse)                         # a row that sees no key: out 0, lse -inf
     p = torch.exp(s - lse.masked_fill(empty, 0.0)[..., None]).masked_fill(empty[..., None], 0.0)
     return (p @ vf).to(out_dtype), lse
+
+
+def _causal_mask(sq: int, sk: int, device) -> torch.Tensor:
+    """True where query i must not see key j (bottom-right aligned: j > i + s_k - s_q)."""
+    i = torch.arange(sq, device=device)[:, None]
+    j = torch.arange(sk, device=device)[None, :]
+    return j > i + (sk - sq)
+
+
+def fp8_attention_bwd(ctx, dout, q, k, v, q_descale, k_descale, v_descale, out, lse, causal, scale, *, acc=None):
+    """(dq, dk, dv) in dout's dtype: the gradients with respect to the dequantized q, k, v, with the FP8 backward
+    kernel's roundings (module docstring): P and dS rounded to dout's dtype where it is bf16 / fp16.  acc: the
+    accumulation dtype (default float32; float64 for float64 dout); the tests pass float64 to compare the kernel's
+    float32 arithmetic with an exact emulation of its roundings."""
+    acc = acc or (torch.float64 if dout.dtype == torch.float64 else torch.float32)
+    gemm = dout.dtype if dout.dtype in (torch.float16, torch.bfloat16) else None
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    rep = hq // hkv
+    qf = dequantize_heads(q, q_descale, acc)
+    kf = dequantize_heads(k, k_descale, acc).repeat_interleave(rep, dim=1)
+    vf = dequantize_heads(v, v_descale, acc).repeat_interleave(rep, dim=1)
+    do, o = dout.to(acc), out.to(acc)
+    s = (qf @ kf.transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(_causal_mask(sq, sk, q.device), float("-inf"))
+    lse_ = lse.to(acc)
+    lse_ = torch.where(torch.isneginf(lse_), float("inf"), lse_)      # a row that saw no key: p = 0
+    p = torch.exp(s - lse_[..., None])
+    delta = (do * o).sum(-1, keepdim=True)
+
+    def rounded(x):     # the GEMM operand dtype's rounding, back in acc
+        return x.to(gemm).to(acc) if gemm is not None else x
+    dv = rounded(p).transpose(-1, -2) @ do
+    ds = p * (do @ vf.transpose(-1, -2) - delta)
+    dsr = rounded(ds)
+    dq = (dsr @ kf) * scale
+    dk = (dsr.transpose(-1, -2) @ qf) * scale
+    if rep > 1:         # GQA: a kv head's gradient sums its q heads'
+        dk = dk.reshape(b, hkv, rep, sk, d).sum(2)
+        dv = dv.reshape(b, hkv, rep, sk, d).sum(2)
+    return dq.to(dout.dtype), dk.to(dout.dtype), dv.to(dout.dtype)
