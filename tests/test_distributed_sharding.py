@@ -341,6 +341,31 @@ def _cases(mesh, world: int):
     cases["linear_cross_entropy vocab-parallel none smoothing z_loss lse"] = vocab_parallel(
         23, bias=False, return_lse=True, reduction="none", label_smoothing=0.1, z_loss=1e-2, softcap=5.0)
     cases["linear_cross_entropy vocab-parallel one row (an empty shard)"] = vocab_parallel(1, z_loss=0.1)
+
+    def merge(dim):
+        """attention_merge_ on accumulators split over `dim` (heads, rows): each rank merges its rows in place, the
+        DTensors given are the ones updated."""
+        def run():
+            from opsadv.ops.attention_merge.cases import merge_inputs
+            from torch.distributed.tensor import distribute_tensor
+            g = torch.Generator().manual_seed(11)
+            names = ("acc_out", "acc_lse", "out", "lse")
+            full = dict(zip(names, merge_inputs(DT, "cpu", g, 2, h, 4 * world + 1, 8, empty_rows=True)))
+            placed = {n: distribute_tensor(t.clone(), mesh, S(dim)) for n, t in full.items()}
+            ref = {n: t.clone() for n, t in full.items()}
+            ops.attention_merge_(**ref)
+            got = ops.attention_merge_(**placed)
+            fails = [] if got[0] is placed["acc_out"] and got[1] is placed["acc_lse"] else ["not the tensors given"]
+            for n in ("acc_out", "acc_lse"):
+                a, b = placed[n].full_tensor(), ref[n]
+                fin = b.isfinite()
+                if list(placed[n].placements) != S(dim) or not torch.equal(a.isfinite(), fin) \
+                        or (a[fin] - b[fin]).abs().max().item() > TOL:
+                    fails.append(f"{n} differs ({placed[n].placements})")
+            return fails
+        return run
+    cases["attention_merge_ heads (accumulators written in place)"] = merge(1)
+    cases["attention_merge_ rows"] = merge(2)
     cases.update(_refusals(mesh, world))
     return cases
 
@@ -394,6 +419,9 @@ def _refusals(mesh, world: int):
             lambda: ops.linear_cross_entropy(d(r(6, 4), Shard(0)), d(r(8, 4), Shard(0)),
                                              d(torch.randint(0, 7, (6,)), Shard(0)), reduction="sum"),
             "linear_cross_entropy: argument 'hidden'", "Replicate() on the vocabulary's mesh dim", "Shard(0)"),
+        "refuse attention_merge_ accumulator to copy": (
+            lambda: ops.attention_merge_(d(r(2, h, 5, 8), Shard(1)), d(r(2, h, 5), Replicate()), d(r(2, h, 5, 8), Shard(1)),
+                                         d(r(2, h, 5), Shard(1))), "attention_merge_: argument 'acc_lse'", "written in place"),
         "refuse linear_cross_entropy hidden-split weight": (
             lambda: ops.linear_cross_entropy(d(r(6, 4), Replicate()), d(r(8, 4), Shard(1)),
                                              d(torch.randint(0, 7, (6,)), Replicate())),
@@ -523,6 +551,8 @@ def _names():
             "refuse linear_cross_entropy tokens and vocabulary on one mesh dim",
             "refuse linear_cross_entropy hidden-split weight",
             "refuse linear_cross_entropy vocab-parallel plain labels",
+            "attention_merge_ heads (accumulators written in place)", "attention_merge_ rows",
+            "refuse attention_merge_ accumulator to copy",
             "explain shows the placements", "explain shows the vocab-parallel placements"] + \
         ["interpreter: " + n for n in INTERPRETED]
 

@@ -55,6 +55,8 @@ LAZY: dict[tuple[str, str], str] = {
     (f"{TC}.fp8_attention.fp8_attention", f"{TC}.flash_attention.bwd_kernels"): TRITON,
     (f"{TC}.linear_cross_entropy.linear_cross_entropy", f"{TC}.linear_cross_entropy.kernels"): TRITON,
     (f"{TC}.swiglu.swiglu", f"{TC}.utils"): TRITON,
+    (f"{TC}.attention_merge.attention_merge", f"{TC}.attention_merge.kernels"): TRITON,
+    (f"{TC}.attention_merge.attention_merge", f"{TC}.utils"): TRITON,
     (f"{CUDA}.flash_attention.gluon", f"{TC}.flash_attention.attention"): TRITON,
     (f"{CUDA}.flash_attention.gluon", f"{TC}.utils"): TRITON,
     (f"{CUDA}.flash_attention.gluon_bwd", f"{TC}.flash_attention.attention"): TRITON,

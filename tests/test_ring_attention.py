@@ -223,25 +223,31 @@ def test_zigzag_causal_steps_do_even_work(world):
 
 def test_bench_suite_ring_runs_on_the_cpu(tmp_path, monkeypatch):
     """`opsadv bench --suite ring`'s cases build and run end to end (tiny chunks here; the GPU grid is 4k-16k), the
-    ring step agreeing with single-GPU flash_attention: out forward, dk / dv backward."""
+    ring step agreeing with single-GPU flash_attention: out forward, dk / dv backward; the merge alone agreeing with
+    the torch formula."""
     from opsadv.bench import runner, suite_ring
     monkeypatch.setattr(runner, "ROUNDS", 1)
     monkeypatch.setattr(suite_ring, "CPU_QUICK", [(24, 2, 16, step, bwd) for bwd in (False, True)
-                                                  for step in suite_ring.STEPS])
+                                                  for step in suite_ring.STEPS] + [(24, 2, 16, "merge", False)])
     assert not runner.run_bench(["ring"], True, str(tmp_path / "r.json"), None, autotune=False)
     rows = json.loads((tmp_path / "r.json").read_text())["cases"]
-    assert [r["case"].split()[0] for r in rows] == ["fwd", "fwd", "bwd", "bwd"]
-    assert all(r["rel_err"] < 1e-2 and r["baseline"] == "flash_attention" for r in rows)
+    assert [r["case"].split()[0] for r in rows] == ["fwd", "fwd", "bwd", "bwd", "merge"]
+    assert all(r["rel_err"] < 1e-2 and r["baseline"] == "flash_attention" for r in rows[:4])
     assert rows[0]["case"] == "fwd bf16 b1 h2 chunk24 d16 diagonal step"
+    assert set(rows[0]["peers"]) == {"flash_attention", "flash_attention_lse", "step_torch_merge"}
+    assert rows[4]["case"] == "merge bf16 b1 h2 chunk24 d16" and rows[4]["baseline"] == "torch_merge"
+    assert rows[4]["rel_err"] < 1e-5 and set(rows[4]["peers"]) == {"torch_merge"}
     assert suite_ring.flops(4096, 32, 128, True, False) == 2 * 4096 * 4096 * 32 * 128
+    assert suite_ring.merge_bytes(4096, 32, 128) == 32 * 4096 * (128 * 10 + 12)
     grid = suite_ring._grid(False)                                          # the GPU grid
-    assert {(c, h, d) for c, h, d, _, _ in grid} == {(c, 32, 128) for c in (4096, 8192, 16384)} and len(grid) == 12
+    assert {(c, h, d) for c, h, d, _, _ in grid} == {(c, 32, 128) for c in (4096, 8192, 16384)} and len(grid) == 15
+    assert [c for c, _, _, step, _ in grid if step == "merge"] == [4096, 8192, 16384]
 
 
 def test_ring_steps_on_the_triton_kernels():
     """The ring's step code on the cuda backend's Triton kernels (the interpreter here): a past chunk in full and
-    the own chunk causal over row / column slices of q and the stacked K/V, GQA, fp16, merged by lse; then the
-    backward steps with the merged out and lse.  Against the reference with the equivalent mask."""
+    the own chunk causal over row / column slices of q and the stacked K/V, GQA, fp16, merged by lse (the Triton
+    attention_merge_ into a row slice of the accumulators); then the backward steps with the merged out and lse.  Against the reference with the equivalent mask."""
     import opsadv
     from opsadv.distributed.ring_steps import ALL, add_kv_grads, backward_step, forward_step
     from opsadv.ops.flash_attention import flash_attention
@@ -262,7 +268,7 @@ def test_ring_steps_on_the_triton_kernels():
         dq, dkv = torch.zeros(q.shape), torch.zeros(kv.shape)
         for step in steps:
             add_kv_grads(dkv, step, *backward_step(do, q, kv, acc_out.half(), acc_lse, step, scale, dq))
-    assert set(t.counts) == {"cuda.triton.flash_attention"} and sum(t.counts.values()) == 4, str(t)
+    assert t.counts == {"cuda.triton.flash_attention": 4, "cuda.triton.attention_merge_": 2}, str(t)
     assert (acc_out - want).abs().max() < 2e-3 and (acc_lse - want_lse).abs().max() < 1e-4
     for got, ref in zip((dq, dkv[0], dkv[1]), grads):
         assert (got - ref).abs().max() < 3e-3

@@ -60,6 +60,9 @@ class Case:
     # positional indices and keyword names every call gets as built, never cast to the compared dtypes: data
     # in a storage format and its scales (an fp8 cache and its float32 scales are the format, not a precision)
     kept: frozenset = field(default_factory=frozenset)
+    # positional indices of the arguments the op writes in place (attention_merge_'s accumulators): every call of
+    # the case gets fresh copies of them, same strides and storage offset, so each run starts from the built values
+    mutates: tuple[int, ...] = ()
 
     @property
     def name(self) -> str:

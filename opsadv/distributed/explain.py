@@ -20,7 +20,7 @@ OUTPUTS = {
     "paged_attention_append": ("out", "lse"), "varlen_attention": ("out", "lse"), "gemm": ("out",),
     "swiglu_gemm": ("out",), "swiglu": ("out",), "layer_norm": ("y", "xsum", "mean", "rstd"),
     "rms_norm": ("y", "xsum", "rstd"), "rotary_embedding": ("q_out", "k_out"), "qk_norm_rotary": ("q_out", "k_out"),
-    "linear_cross_entropy": ("loss", "lse", "dh", "dw", "db"),
+    "linear_cross_entropy": ("loss", "lse", "dh", "dw", "db"), "attention_merge_": (),
 }
 
 

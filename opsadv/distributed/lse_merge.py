@@ -3,21 +3,20 @@
 Two partial results over disjoint key sets, (o1, lse1) and (o2, lse2), combine exactly into
     lse = logaddexp(lse1, lse2),   o = o1 * exp(lse1 - lse) + o2 * exp(lse2 - lse).
 A row with no key in either (lse1 = lse2 = -inf) stays o = 0, lse = -inf: the exponent is taken against 0
-there, never -inf - -inf (NaN)."""
+there, never -inf - -inf (NaN).  The merge itself is the op opsadv.ops.attention_merge_ (ops/attention_merge)."""
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
+from opsadv.ops.attention_merge import attention_merge_
+
 
 def merge_into(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor) -> None:
     """acc_out (b, h, s, d) and acc_lse (b, h, s), in the accumulation dtype, absorb the partial (out, lse) in place
-    (acc_out / acc_lse may be views, e.g. the rows a ring step touched)."""
-    new_lse = torch.logaddexp(acc_lse, lse.to(acc_lse.dtype))
-    ref = new_lse.masked_fill(torch.isneginf(new_lse), 0.0)     # rows still without a key: weights exp(-inf) = 0
-    acc_out.mul_(torch.exp(acc_lse - ref).unsqueeze(-1))
-    acc_out.add_(out.to(acc_out.dtype) * torch.exp(lse.to(acc_lse.dtype) - ref).unsqueeze(-1))
-    acc_lse.copy_(new_lse)
+    (acc_out / acc_lse may be views, e.g. the rows a ring step touched): the op attention_merge_, one Triton kernel
+    on the cuda backend for float32 accumulators (float64 ones take the reference impl, the torch formula)."""
+    attention_merge_(acc_out, acc_lse, out, lse)
 
 
 def empty_accumulators(q: Tensor) -> tuple[Tensor, Tensor]:

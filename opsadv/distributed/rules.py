@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from torch.distributed.tensor.placement_types import Placement, Shard, _StridedShard
 
-from .strategy import P, R, Arg, Call, register
+from .strategy import P, R, Arg, Call, register, show
 
 # ---- attention -----------------------------------------------------------------------------------------------
 
@@ -443,6 +443,23 @@ def linear_cross_entropy_backward(c: Call):
     return (s, red, red if c["bias"] is not None else R), {n: p for n, p in ins.items() if c[n] is not None}
 
 
+# ---- the lse merge ----------------------------------------------------------------------------------------------
+
+
+def attention_merge_(c: Call):
+    """Rows are independent: acc_out leads (batch, heads or rows), acc_lse / out / lse split with it.  The
+    accumulators are written in place, so they must already be placed so (a redistributed copy would take the
+    writes): acc_lse exactly as acc_out, and neither Partial."""
+    for name in ("acc_out", "acc_lse"):
+        if c[name].placement.is_partial():
+            c.refuse(name, "Replicate() or a Shard (it is written in place: reducing a Partial would copy it)")
+    d = c.lead("acc_out", {0: "batch", 1: "heads", 2: "rows"})
+    s = R if d is None else Shard(d)
+    if c["acc_lse"].placement != s:
+        c.refuse("acc_lse", f"exactly {show(s)} (as acc_out: it is written in place, so DTensor may not copy it)")
+    return (), {"acc_out": s, "acc_lse": s, "out": s, "lse": s}
+
+
 # op overload name -> (rule, the arguments that are gradients: placed by autograd, redistributed freely)
 ALL = {
     "flash_attention": (flash_attention, ()),
@@ -470,6 +487,7 @@ ALL = {
     "qk_norm_rotary_backward": (qk_norm_rotary_backward, ("gq", "gk")),
     "linear_cross_entropy": (linear_cross_entropy, ()),
     "linear_cross_entropy_backward": (linear_cross_entropy_backward, ("grad",)),
+    "attention_merge_": (attention_merge_, ()),
 }
 
 

@@ -5,7 +5,8 @@ One folder per op (or per family of ops sharing a definition: gemm holds swiglu_
 rms_norm): its public function, custom ops, reference impl (reference.py), conformance cases and demo inputs
 (cases.py), and its OpDefs, which BUILTIN below registers in this order.  Each public function is bound here over
 its folder's name: reach a folder's module with `from opsadv.ops.<op> import name` or importlib, not
-`from opsadv.ops import <op>` (that is the function)."""
+`from opsadv.ops import <op>` (that is the function).  The in-place attention_merge_ (folder attention_merge) is
+named with torch's trailing underscore."""
 from opsadv.core.opdef import register_op
 
 from .flash_attention import OPDEFS as _flash_attention, flash_attention
@@ -20,14 +21,15 @@ from .paged_attention import OPDEFS as _paged_attention, paged_attention
 from .varlen_attention import OPDEFS as _varlen_attention, varlen_attention
 from .scaled_gemm import OPDEFS as _scaled_gemm, scaled_gemm, scaled_swiglu_gemm
 from .fp8_attention import OPDEFS as _fp8_attention, fp8_attention
+from .attention_merge import OPDEFS as _attention_merge, attention_merge_
 
 BUILTIN = (*_flash_attention, *_sparse_attention, *_gemm, *_swiglu, *_norm, *_rotary_embedding,
            *_qk_norm_rotary, *_linear_cross_entropy, *_paged_attention, *_varlen_attention, *_scaled_gemm,
-           *_fp8_attention)
+           *_fp8_attention, *_attention_merge)
 for _d in BUILTIN:
     register_op(_d)
 
 __all__ = ["flash_attention", "sparse_attention", "gemm", "swiglu_gemm", "swiglu", "layer_norm", "rms_norm",
            "rotary_embedding",
            "qk_norm_rotary", "linear_cross_entropy", "paged_attention", "varlen_attention", "scaled_gemm",
-           "scaled_swiglu_gemm", "fp8_attention"]
+           "scaled_swiglu_gemm", "fp8_attention", "attention_merge_"]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+
 from opsadv.core.opdef import BASELINE_FACTOR, DTYPES, TOLERANCE, Case, get_op, op_defs
 from opsadv.registry import get_registry
 
@@ -39,6 +41,17 @@ class _Catalogue(Sequence):
 CATALOGUE: Sequence[Case] = _Catalogue()
 
 
+def fresh(t):
+    """A copy of t in its own storage with t's strides and storage offset (a view of a bigger buffer stays one)."""
+    out = torch.empty(0, dtype=t.dtype, device=t.device)
+    return out.set_(t.untyped_storage().clone(), t.storage_offset(), t.shape, t.stride())
+
+
 def call(case: Case, args: tuple, kwargs: dict):
-    """The case's op through its public function."""
+    """The case's op through its public function.  Arguments the op writes in place (case.mutates) are fresh
+    copies each call, so the runner's calls (impl, oracle, baseline, no-grad, determinism) all start from the built
+    values; inside torch.compile / export tracing (the graph checks) the traced arguments are used as given."""
+    if case.mutates and not torch.compiler.is_compiling():
+        args = tuple(fresh(a) if i in case.mutates and isinstance(a, torch.Tensor) else a
+                     for i, a in enumerate(args))
     return get_op(case.op).fn(*args, **kwargs)

@@ -21,7 +21,7 @@ from .soc import SocInfo, classify_soc  # noqa: F401
 NAME = "ascend"
 VERSION = "0.1.0"
 KERNEL_MODULES = ("attention", "norm", "gemm", "rotary", "paged_attention", "varlen_attention", "scaled_gemm",
-                  "fp8_attention")
+                  "fp8_attention", "attention_merge")
 
 
 @hookimpl

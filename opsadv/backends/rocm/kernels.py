@@ -17,7 +17,7 @@ PORTABLE = frozenset({"rocm.triton.flash_attention", "rocm.triton.sparse_attenti
                       "rocm.triton.swiglu_gemm", "rocm.triton.layer_norm", "rocm.triton.rms_norm",
                       "rocm.triton.swiglu", "rocm.triton.rotary_embedding", "rocm.triton.qk_norm_rotary",
                       "rocm.triton.linear_cross_entropy", "rocm.triton.paged_attention",
-                      "rocm.triton.varlen_attention"})
+                      "rocm.triton.varlen_attention", "rocm.triton.attention_merge_"})
 
 
 def _amd(impl: KernelImpl) -> KernelImpl:
