@@ -45,9 +45,22 @@ fixed runs stay each sequence's: a reorder copies the selected sequences' used p
 layer on the device, no host read unless a padded prefill's record must follow; transformers' StaticCache also
 copies), so the batch (num_beams x prompts) must fit max_batch_size.
 
+CUDA graphs.  With `convert_model(model, cuda_graphs=True)` and a static cache, each decode step (one new token per
+sequence) replays one captured graph per (batch, buffers) signature; prefill and other multi-token steps run eagerly
+(the prompt's shape changes per call, and a padded prompt's compaction reads its padding on the host; prefill is
+compute-bound, so a graph would save little).  The cache plans those calls itself (graph_step, runtime/graphs.py's
+GraphStep): a decode step is keyed and captured on the new tokens' columns of generate's growing 2-D mask only
+(keys are compacted: the earlier columns are already in the lengths), under a view where the mask is sized for the
+new tokens (get_mask_sizes (q, 0)), so nothing of the position is baked into the graph; the lengths advance on the
+device inside the graph, and the host counters (positions, the length bound, calls) once per replay
+(graph_replayed).  Refused with the reason: a non-static cache (its pages are allocated on the host as sequences
+grow), a decode step without position_ids (they would be derived from the host count at capture), a mask that is
+not the 2-D padding mask of every position.
+
 Not supported (refused with an error): sliding-window layers, encoder-decoder caches, offloading."""
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -57,6 +70,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from opsadv import ops
 from opsadv.core.errors import InvalidArgumentError
 from opsadv.core.explain import explain as _explain
+from opsadv.runtime.graphs import GraphStep
 
 from . import hf_attention as H
 from .hf_attention import paged_pending as _pending
@@ -84,6 +98,7 @@ class PagedLayer(CacheLayerMixin):
         dtype = c.dtype or key_states.dtype
         self.keys = torch.zeros(shape, dtype=dtype, device=key_states.device)
         self.values = torch.zeros(shape, dtype=dtype, device=key_states.device)
+        c._graph_epoch += 1                       # new buffers: graphs captured over the old ones must not replay
         if not torch.compiler.is_compiling():      # fixed addresses: CUDA graphs replay over the same pages
             torch._dynamo.mark_static_address(self.keys)
             torch._dynamo.mark_static_address(self.values)
@@ -127,6 +142,7 @@ class _Step:
     seqlens: torch.Tensor                 # int32 (batch,), lengths after this step's append
     rows: torch.Tensor | None             # packed prefill: the real (batch * q_len) rows, else None
     cu: torch.Tensor | None               # packed prefill: cu_seqlens_q
+    pad: torch.Tensor | None = None       # static decode with padding: (batch,) int32, 1 = real new token
 
 
 class PagedKVCache(Cache):
@@ -180,6 +196,9 @@ class PagedKVCache(Cache):
         super().__init__(layers=[PagedLayer(self, i) for i in range(n)])
         self.calls = {"prefill": 0, "decode": 0}  # paged_attention calls served, by kind
         self._last_call = None                    # the last call's arguments (explain())
+        self._graph_epoch = 0                     # bumped when device buffers are replaced (CUDA graphs' key)
+        self._graph_view = False                  # a graphed decode step is being captured (get_mask_sizes)
+        self._static_bufs = None                  # static: (block table, lengths) on the device, kept across reset
         self._clear()
 
     # properties of our own: transformers < 5.25's Cache defines read-only ones (over its layers)
@@ -204,7 +223,9 @@ class PagedKVCache(Cache):
         self._pages: list[list[int]] = []         # each sequence's pages, in order
         self._free = list(range(self.num_pages - 1, -1, -1)) if self.num_pages is not None else []
         self._refs: dict[int, int] = {}           # page -> sequences holding it, for pages held by more than one
-        self._real: list = []                     # (first position, (batch, n) bool host tensor) of padded forwards
+        self._real: list = []                     # (first position, (batch, n) bool tensor) of padded forwards
+        if self.static and getattr(self, "_lens_dev", None) is not None:
+            self._static_bufs = (self._table_dev, self._lens_dev)   # reused by a batch of the same size
         self._table = self._table_dev = self._lens_dev = None
         self._step: _Step | None = None
         self._next_layer = 0                      # the layer whose update comes next in this forward (0: none open)
@@ -297,14 +318,25 @@ class PagedKVCache(Cache):
                     self._pages[i] = list(range(i * self.pages_per_seq, (i + 1) * self.pages_per_seq))
                     self._table[i] = torch.tensor(self._pages[i], dtype=torch.int32)
                 self._free = []
+            kept = self._static_bufs if self.static else None
+            if kept is not None and kept[1].shape[0] == b and kept[1].device == dev:
+                # the same fixed runs again: the same buffers, so graphs captured before a reset still replay
+                self._table_dev, self._lens_dev = kept
+                self._table_dev.copy_(self._table)
+                self._lens_dev.zero_()
+                return self._begin(key_states)
             self._table_dev = self._table.to(dev)
             self._lens_dev = torch.zeros(b, dtype=torch.int32, device=dev)
+            self._graph_epoch += 1
             if not torch.compiler.is_compiling():
                 torch._dynamo.mark_static_address(self._table_dev)
                 torch._dynamo.mark_static_address(self._lens_dev)
         elif b != self._batch:
             raise InvalidArgumentError(NAME, "batch", f"{self._batch} (the batch this cache holds; reset() first "
                                        "for another)", str(b))
+        self._begin(key_states)
+
+    def _begin(self, key_states) -> None:
         self._step_q_len = key_states.shape[2]
         self._step = None
         self._next_layer = 0
@@ -315,7 +347,12 @@ class PagedKVCache(Cache):
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         self._check_idle("the next forward's mask")
+        if self._graph_view:                      # a graphed decode step's mask holds the new tokens' columns only
+            return query_length, 0
         return query_length, self._seen
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return 0 if self._graph_view else self._seen
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return self.max_cache_len
@@ -350,7 +387,7 @@ class PagedKVCache(Cache):
         """(batch, positions seen) bool: which positions hold real tokens."""
         m = torch.ones(self._batch, self._seen, dtype=torch.bool)
         for start, real in self._real:
-            m[:, start:start + real.shape[1]] = real
+            m[:, start:start + real.shape[1]] = real.to("cpu", torch.bool)   # (graphed decode records stay on the device)
         return m
 
     # ---- beam search and batch expansion: sequences share pages -------------------------------------------------
@@ -441,6 +478,7 @@ class PagedKVCache(Cache):
             self._pages = [row.tolist() for row in self._table]
             self._table_dev = self._table.to(dev)
             self._lens_dev = self._lens_dev[idx]
+            self._graph_epoch += 1
             if not torch.compiler.is_compiling():
                 torch._dynamo.mark_static_address(self._table_dev)
                 torch._dynamo.mark_static_address(self._lens_dev)
@@ -522,6 +560,8 @@ class PagedKVCache(Cache):
                 args = (q.contiguous(), pages.keys, pages.values, self._table_dev, st.seqlens)
                 kw = dict(causal=True, scale=scaling, k_new=k.contiguous(), v_new=v.contiguous())
                 out = ops.paged_attention(*args, **kw)
+                if st.pad is not None:            # a padding new token's row is 0 (as the packed path's)
+                    out = out * st.pad.view(-1, 1, 1, 1).to(out.dtype)
             else:                                 # padded prefill: the real rows packed
                 b, s = q.shape[:2]
                 qp = q.reshape(b * s, *q.shape[2:])[st.rows]
@@ -543,6 +583,8 @@ class PagedKVCache(Cache):
         cm = causal_mask_of(mask)
         kpm = None if cm is None else cm.key_padding
         dev = self._table_dev.device
+        if kpm is not None and self.static and q_len == 1 and tuple(kpm.shape) == (self._batch, 1):
+            return self._decode_padded(kpm)
         if kpm is None:                           # every new token real
             counts = None
             if self.static:                       # no host read or allocation: lengths on the device only
@@ -597,6 +639,109 @@ class PagedKVCache(Cache):
         else:
             self._commit(q_len, None)
         return _Step(q_len, seqlens, rows, cu)
+
+    def _decode_padded(self, kpm: torch.Tensor) -> _Step:
+        """A static decode step whose mask marks the new tokens' padding, on the device only (a captured step cannot
+        read it): every row appends at its length and attends over it, a real token's length then advances; a
+        padding token's key so lies past its sequence's length (its next real token overwrites it), its row is 0."""
+        if self._bound + 1 > self.max_cache_len:
+            raise InvalidArgumentError(NAME, "sequence length", f"<= max_cache_len = {self.max_cache_len}",
+                                       f"{self._bound + 1} tokens in the longest sequence")
+        self._bound += 1
+        real = kpm.reshape(-1).to(torch.int32)
+        seqlens = self._lens_dev + 1
+        self._lens_dev.add_(real)
+        self._lens = None
+        self._real.append((self._seen, kpm))      # crop's record (a graphed replay records its own mask instead)
+        self._seen += 1
+        return _Step(1, seqlens, None, None, real)
+
+    # ---- CUDA graphs (runtime/graphs.py's graph-state protocol) ---------------------------------------------------
+    def graph_step(self, args: tuple, kwargs: dict) -> GraphStep:
+        """How a CudaGraphRunner runs this forward (module docstring, CUDA graphs): eager for prefill and multi-token
+        steps; a decode step replays, keyed and captured on its canonical arguments."""
+        if not self.static:
+            raise InvalidArgumentError("cuda_graphs", "cache", "opsadv.PagedKVCache(model, static=True, "
+                                       "max_batch_size=...): its pages and lengths stay in place, so a graph can "
+                                       "replay the decode step", "PagedKVCache(static=False): pages are allocated "
+                                       "on the host as sequences grow")
+        self._check_idle("a graphed forward")
+        x = kwargs.get("input_ids")
+        if x is None:
+            x = kwargs.get("inputs_embeds")
+        if x is None and args and isinstance(args[0], torch.Tensor):
+            x = args[0]
+        if not isinstance(x, torch.Tensor) or x.dim() < 2:
+            raise InvalidArgumentError("cuda_graphs", "input_ids", "a (batch, new tokens) tensor (or inputs_embeds) "
+                                       "with a PagedKVCache", type(x).__name__)
+        q_len = x.shape[1]
+        if self._batch is None or q_len != 1:
+            return GraphStep("prefill" if self._batch is None else f"a {q_len}-token step (only one-token decode "
+                             "steps replay)")
+        if x.shape[0] != self._batch:
+            raise InvalidArgumentError(NAME, "batch", f"{self._batch} (the batch this cache holds; reset() first "
+                                       "for another)", str(x.shape[0]))
+        if self._bound + q_len > self.max_cache_len:
+            raise InvalidArgumentError(NAME, "sequence length", f"<= max_cache_len = {self.max_cache_len}",
+                                       f"{self._bound + q_len} tokens in the longest sequence")
+        if not isinstance(kwargs.get("position_ids"), torch.Tensor):
+            raise InvalidArgumentError("cuda_graphs", "position_ids", "a (batch, 1) tensor with a PagedKVCache "
+                                       "decode step (generate passes them): without them the model derives positions "
+                                       "from the cache's host count, which a replayed graph would repeat",
+                                       repr(kwargs.get("position_ids")))
+        kw = dict(kwargs)
+        mask = kw.get("attention_mask")
+        new = None
+        if mask is not None:
+            if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or tuple(mask.shape) != (self._batch,
+                                                                                             self._seen + q_len):
+                raise InvalidArgumentError("cuda_graphs", "attention_mask", f"None or the 2-D padding mask of every "
+                                           f"position, ({self._batch}, {self._seen + q_len}), with a PagedKVCache "
+                                           "decode step", f"{tuple(mask.shape)}" if isinstance(mask, torch.Tensor)
+                                           else type(mask).__name__)
+            # the earlier columns are in the lengths already: the step needs the new tokens' columns only
+            new = mask[:, -q_len:].clone(memory_format=torch.contiguous_format)
+            kw["attention_mask"] = new
+        return GraphStep(None, args, kw, (NAME, self._batch, q_len, mask is not None, self._graph_epoch),
+                         (q_len, new))
+
+    def graph_view(self):
+        """The context a graphed decode step is warmed up and captured in: masks sized for the new tokens only."""
+        cache = self
+
+        class _View:
+            def __enter__(self):
+                cache._graph_view = True
+
+            def __exit__(self, *exc):
+                cache._graph_view = False
+        return _View()
+
+    _HOST = ("_seen", "_bound", "_lens", "_real", "calls", "_step", "_next_layer", "_in_forward")
+
+    def graph_snapshot(self):
+        """Host counters and device lengths before a warm-up / capture (graph_restore puts them back)."""
+        host = {k: copy.copy(getattr(self, k)) for k in self._HOST}
+        return host, (None if self._lens_dev is None else self._lens_dev.clone())
+
+    def graph_restore(self, snap) -> None:
+        host, lens = snap
+        for k, v in host.items():
+            setattr(self, k, copy.copy(v))
+        if lens is not None:
+            self._lens_dev.copy_(lens)
+        if _pending[0] is not None and _pending[0][0] is self:
+            _pending[0] = None                    # a warm-up that stopped half-way left its update pending
+
+    def graph_replayed(self, step: GraphStep) -> None:
+        """After a replay: the host side of the step the graph ran on the device (lengths advanced there)."""
+        q_len, new = step.info
+        if new is not None:
+            self._real.append((self._seen, new))  # crop's record: this step's padding (a device tensor)
+        self._seen += q_len
+        self._bound += q_len
+        self._lens = None
+        self.calls["decode" if q_len == 1 else "prefill"] += len(self.layers)
 
     def _commit(self, q_len: int, real) -> None:
         if real is not None:                      # positions past the recorded ones are real tokens (crop)

@@ -18,6 +18,13 @@ identity and updated in place by each replay, so a decode step with a static KV 
 one graph (each warm-up's counter advances are undone, so warm-ups repeat the same step and the first
 replay is the call's own); `generate(..., cache_implementation="static")` runs as two graphs.
 
+Graph state: an argument with a `graph_step` method (opsadv.PagedKVCache(static=True)) decides each call
+itself (GraphStep): which calls run eagerly (a paged cache's prefill: its prompt shapes change per call and a
+padded prompt's compaction reads the padding on the host), the canonical arguments a replayed call is keyed
+and captured on (e.g. only the new tokens' padding columns of a growing 2-D mask), and the host bookkeeping
+a replay skips (Python does not run: `graph_replayed` advances the host counters once per replay).  Its
+warm-ups and capture are bracketed by `graph_snapshot` / `graph_restore` and run under `graph_view()`.
+
 Refused, with the reason (InvalidArgumentError), never silently run another way: gradients
 enabled (replay is inference only; use torch.no_grad() or torch.inference_mode()), a module in
 training mode, tensors on another device, a growing cache (DynamicCache: use a StaticCache or
@@ -27,6 +34,7 @@ attention and packing take device-only paths while a stream is captured)."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -50,6 +58,25 @@ def is_static_state(x) -> bool:
     return getattr(x, "is_compileable", False) is True
 
 
+def graph_state(x):
+    """`x` when it is an argument that plans its own graph calls (has `graph_step`, see GraphStep), else None."""
+    return x if callable(getattr(type(x), "graph_step", None)) else None
+
+
+@dataclass
+class GraphStep:
+    """A graph state's plan for one call (its `graph_step(args, kwargs)` returns it or raises the reason the call
+    cannot run under graphs).  eager: why this call runs the eager forward (None: it replays a graph).  args /
+    kwargs: what the graph is keyed on, captured with and fed (the state's canonical form of the call).  key: an
+    extra key part (what the captured step depends on beyond tensor shapes).  info: handed back to
+    `graph_replayed(step)` after each replay."""
+    eager: str | None
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    key: Any = None
+    info: Any = None
+
+
 def signature(leaves: list) -> tuple:
     """Hashable description of flattened call arguments (what a graph is specialized on)."""
     sig = []
@@ -58,7 +85,7 @@ def signature(leaves: list) -> tuple:
             sig.append(("T", tuple(x.shape), x.stride(), x.dtype, x.device, x.requires_grad))
         elif isinstance(x, _CONST):
             sig.append(("V", type(x), x))
-        elif is_static_state(x):
+        elif is_static_state(x) or graph_state(x) is not None:
             sig.append(("I", type(x).__qualname__, id(x)))
         elif hasattr(x, "get_seq_length"):        # a transformers Cache that is not static
             raise InvalidArgumentError(OP, "cache", "a StaticCache (transformers.StaticCache(config=..., "
@@ -117,9 +144,11 @@ class GraphStats:
     captures: int = 0
     replays: int = 0
     evictions: int = 0
+    eager: int = 0            # calls a graph state ran eagerly by its rule (a paged cache's prefill)
 
     def __str__(self) -> str:
-        return f"{self.captures} captured, {self.replays} replays, {self.evictions} evicted"
+        return (f"{self.captures} captured, {self.replays} replays, {self.evictions} evicted"
+                + (f", {self.eager} eager (graph state's rule)" if self.eager else ""))
 
 
 class CudaGraphRunner:
@@ -168,9 +197,30 @@ class CudaGraphRunner:
         extra, ctx = self.hint(args, kwargs) if self.hint is not None else (None, None)
         return (str(spec), signature(leaves), extra, current_policy().serial), ctx, leaves, spec
 
+    def _plan(self, args: tuple, kwargs: dict) -> GraphStep | None:
+        """The graph state's plan of this call (None without a graph state among the arguments)."""
+        found = [x for x in pytree.tree_leaves((args, kwargs)) if graph_state(x) is not None]
+        if not found:
+            return None
+        if len({id(x) for x in found}) > 1:
+            raise InvalidArgumentError(OP, "inputs", "at most one graph state (cache) per call",
+                                       f"{len(found)}: {', '.join(type(x).__name__ for x in found)}")
+        step = found[0].graph_step(args, kwargs)
+        if not isinstance(step, GraphStep):
+            raise TypeError(f"{type(found[0]).__name__}.graph_step returned {type(step).__name__}, not a GraphStep")
+        return step
+
     def __call__(self, *args, **kwargs):
         self.check_mode()
+        step = self._plan(args, kwargs)
+        if step is not None:
+            if step.eager is not None:            # the state's rule (e.g. a paged cache's prefill), counted in stats
+                self.stats.eager += 1
+                return self.fn(*args, **kwargs)
+            args, kwargs = step.args, step.kwargs
         key, ctx, leaves, spec = self.key(args, kwargs)
+        if step is not None:
+            key = key + (step.key,)
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         self._check_devices(tensors)
         with self._lock:
@@ -183,6 +233,9 @@ class CudaGraphRunner:
                 if static.data_ptr() != x.data_ptr():
                     static.copy_(x)
             g.graph.replay()
+            for st in g.states:                   # host bookkeeping a replay skips (Python did not run)
+                if graph_state(st) is not None:
+                    st.graph_replayed(step)
             _record_replay(g.impls)
             g.replays += 1
             self.stats.replays += 1
@@ -199,6 +252,8 @@ class CudaGraphRunner:
         # past the position stays masked until a later step overwrites it).
         states = [x for x in leaves if is_static_state(x)]
         saved = [t.clone() for st in states for t in small_state(st)]
+        planned = [x for x in leaves if graph_state(x) is not None]      # they snapshot themselves (host and device)
+        snaps = [st.graph_snapshot() for st in planned]
 
         def restore():
             # collected again each time: a cache's first update may replace its counters (lazy
@@ -206,27 +261,39 @@ class CudaGraphRunner:
             with torch.no_grad():
                 for t, v in zip([t for st in states for t in small_state(st)], saved):
                     t.copy_(v)
+                for st, snap in zip(planned, snaps):
+                    st.graph_restore(snap)
         cur = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(cur)
-        with ctx:
-            with torch.cuda.stream(side):
-                for _ in range(self.warmup):
-                    self.fn(*args, **kwargs)
-                    restore()                   # each warm-up is the same step again, not the next one
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(ctx)
+            for st in planned:
+                stack.enter_context(st.graph_view())
+            try:
+                with torch.cuda.stream(side):
+                    for _ in range(self.warmup):
+                        self.fn(*args, **kwargs)
+                        restore()               # each warm-up is the same step again, not the next one
+            except Exception:
+                if planned:                     # the call did not happen: the state is as before it
+                    restore()
+                raise
             cur.wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             try:
                 with torch.cuda.graph(graph), dispatch.Trace() as captured:
                     out = self.fn(*args, **kwargs)
             except Exception as e:
+                if planned:
+                    restore()
                 raise InvalidArgumentError(OP, self.name, "a forward that CUDA graphs can capture (no host reads of "
                                            "device values, no CPU tensors, no synchronization)",
                                            f"{type(e).__name__}: {e}") from e
         restore()
         out_leaves, out_spec = pytree.tree_flatten(out)
         g = _Graph(graph, [x for x in static if isinstance(x, torch.Tensor)], out_leaves, out_spec,
-                   impls=dict(captured.counts), states=states)
+                   impls=dict(captured.counts), states=states + planned)
         self.graphs[key] = g
         self.stats.captures += 1
         while len(self.graphs) > self.max_graphs:
@@ -254,6 +321,10 @@ class GraphedForward:
 
     def __init__(self, runner: CudaGraphRunner):
         self.runner = runner
+        try:                      # generate inspects forward's parameters (position_ids, logits_to_keep, ...)
+            self.__signature__ = inspect.signature(runner.fn)
+        except (TypeError, ValueError):
+            pass
 
     def __call__(self, *args, **kwargs):
         return self.runner(*args, **kwargs)
@@ -275,5 +346,5 @@ def install(module: torch.nn.Module, *, max_graphs: int = 8, clone_outputs: bool
     return runner
 
 
-__all__ = ["CudaGraphRunner", "GraphedForward", "GraphStats", "install", "is_static_state", "signature",
-           "small_state"]
+__all__ = ["CudaGraphRunner", "GraphedForward", "GraphStats", "GraphStep", "graph_state", "install",
+           "is_static_state", "signature", "small_state"]
