@@ -364,7 +364,11 @@ def test_models_paged_case_runs_and_reports(reference_backend):
     assert "error" not in r and set(r.get("peer_errors", {})) <= {"liger"}, r     # (liger_kernel may be missing)
     assert r["unit"] == "tok/s" and r["mode"] == "decode b2 paged"
     assert r["baseline"] == "hf_static_compile" and r["speedup"] == r["ratios"]["hf_static_compile"]
-    assert {"hf_static_compile", "unconverted"} <= set(r["peers"]) <= {"hf_static_compile", "unconverted", "liger"}
+    assert {"hf_static_compile", "unconverted", "opsadv_eager"} <= set(r["peers"]) <= {
+        "hf_static_compile", "unconverted", "opsadv_eager", "liger"}
+    # a CPU row: the static cache eagerly (graphs are CUDA's); opsadv_eager is the non-static cache's eager generate
+    assert r["paged"]["static"] is True and r["paged"]["cuda_graphs"] is False and "graphs_per_generate" not in r["paged"]
+    assert "eager" in r["opsadv_contender"] and "static=False" in r["opsadv_eager"]
     assert r["opsadv_rate"] == pytest.approx(2 * 4 / (r["opsadv_ms"] / 1e3), rel=1e-3)     # new tokens x batch / s
     assert r["static_compile"]["backend"] == "eager"
     layers = Z.make_config("llama3", "tiny").num_hidden_layers
@@ -375,6 +379,27 @@ def test_models_paged_case_runs_and_reports(reference_backend):
         assert r[f"tokens_equal_{peer}"] == 1.0 and r[f"tokens_equal_prefix_{peer}"] == 1.0
     assert r["generated_tokens"] == 4 and r["check"]["top1_agreement"] == 1.0 and r["rel_err"] < 1e-5
     json.dumps(r)
+
+
+def test_paged_fields_require_graph_replays():
+    """A graphed paged row (CUDA) is refused unless one generate ran the prefill eagerly and every decode step as a
+    replay; the row says the counts.  (The GPU runs the real cell; the counts' bookkeeping is checked here.)"""
+    from types import SimpleNamespace
+    from opsadv.bench import suite_models as S
+    from opsadv.runtime.graphs import GraphStats
+    cell = S.Cell("llama3", "tiny", "decode", 2, 16, cache="paged", new_tokens=4, dtype="fp32")
+    model = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=2))
+    cache = SimpleNamespace(calls={"prefill": 2, "decode": 6}, page_size=16, num_pages=4, max_cache_len=20,
+                            static=True, explain=lambda: SimpleNamespace(chosen="reference.paged_attention"))
+    before = GraphStats(captures=1, replays=5, eager=0)
+    ok = SimpleNamespace(stats=GraphStats(captures=2, replays=8, eager=1))
+    extra: dict = {}
+    S._paged_fields(model, cell, cache, extra, True, ok, before)
+    assert extra["paged"]["graphs_per_generate"] == {"eager": 1, "replays": 3, "captures": 1}
+    assert extra["paged"]["cuda_graphs"] is True and extra["paged"]["static"] is True
+    short = SimpleNamespace(stats=GraphStats(captures=2, replays=6, eager=1))
+    with pytest.raises(RuntimeError, match="decode steps a replay"):
+        S._paged_fields(model, cell, cache, {}, True, short, before)
 
 
 def test_runner_speedup_against_the_baseline():

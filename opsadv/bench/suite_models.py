@@ -10,7 +10,12 @@ modes of its kind (labels in `mode`, the heatmap's columns):
                           auto-compile of static caches off: disable_compile=True, eager is eager)
   decode bN paged         llama3 1.5b (Llama-3.2-1B's dimensions) only, b1 / b8 / b32, 512-token prompt, 256 new
                           tokens (quick: llama3 tiny b2): the converted model's generate over opsadv.PagedKVCache
-                          (prompt + new tokens per sequence, pages of 16) against `hf_static_compile` (the baseline:
+                          (prompt + new tokens per sequence, pages of 16) as a user runs it for speed: on CUDA
+                          convert_model(cuda_graphs=True) + PagedKVCache(static=True), prefill eager and every decode
+                          step a CUDA-graph replay (on a CPU, where graphs do not exist, the static cache eager; the
+                          row's `paged` says `cuda_graphs`, `static` and the graph counts of one generate), with
+                          `opsadv_eager` (the same converted modules' eager forward over PagedKVCache(static=False),
+                          the contender before graphs) as a peer; against `hf_static_compile` (the baseline:
                           the unconverted model, generate(cache_implementation="static") with its own auto-compile,
                           CompileConfig's defaults on CUDA, the eager backend on a CPU; a peer generate left
                           uncompiled is an error), `unconverted` (DynamicCache, eager) and `liger`; rate in tok/s
@@ -58,6 +63,7 @@ freed (and dynamo reset) when the next cell starts."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import inspect
 import os
@@ -302,9 +308,13 @@ def _report_fields(conv, extra: dict) -> None:
         extra["conversion_notes"] = list(rep.notes)
 
 
-def convert(base, cell: Cell, x: dict, val_in: dict, extra: dict, precision: str | None = None):
+def convert(base, cell: Cell, x: dict, val_in: dict, extra: dict, precision: str | None = None,
+            cuda_graphs: bool = False):
     """opsadv.convert_model of a deep copy of base, validated on val_in, the floor timed on the cell's batch."""
     kw: dict[str, Any] = {"precision": precision} if precision else {}
+    if cuda_graphs:
+        kw["cuda_graphs"] = True
+        extra["conversion_options"] = {"cuda_graphs": True}
     floor = FLOOR or ("off" if cell.size == "tiny" else "cell")
     extra["floor_inputs"] = floor
     if floor == "off":
@@ -386,10 +396,18 @@ def cache_kwarg(model) -> str:
     return "cache" if _takes(getattr(model, "_orig_mod", model), "cache") else "past_key_values"
 
 
-def paged_cache(model, cell: Cell):
-    """The opsadv contender's cache of a paged cell: prompt + new tokens per sequence, pages of PAGE_SIZE."""
+def paged_cache(model, cell: Cell, static: bool = True):
+    """A paged cell's cache: prompt + new tokens per sequence, pages of PAGE_SIZE (static: the opsadv contender's,
+    whose decode steps replay CUDA graphs under convert_model(cuda_graphs=True); not static: `opsadv_eager`'s)."""
     return opsadv.PagedKVCache(model, max_cache_len=cell.seq + cell.new_tokens, page_size=PAGE_SIZE,
-                               max_batch_size=cell.batch, static=False)
+                               max_batch_size=cell.batch, static=static)
+
+
+def eager_view(model):
+    """The same modules with the eager forward (a converted model's CUDA-graph runner left out): `opsadv_eager`."""
+    m = copy.copy(model)                      # shallow: shares every submodule and parameter
+    m.__dict__.pop("forward", None)           # the runner is an instance attribute (convert_model's undo removes it too)
+    return m
 
 
 def paged_generate_fn(model, x: dict, cell: Cell, cache):
@@ -517,8 +535,9 @@ def make_case(cell: Cell, device: str, dtype: torch.dtype, quick: bool = False) 
     fp8 = cell.dtype == "fp8"
     baseline = ("hf_compile" if cell.compiled else "hf_static_compile" if paged else "opsadv_bf16" if fp8
                 else "unconverted")
-    peer_names = [baseline] + (["unconverted"] if paged or fp8 else []) + (
+    peer_names = [baseline] + (["unconverted"] if paged or fp8 else []) + (["opsadv_eager"] if paged else []) + (
         ["liger"] if e.liger and not cell.compiled and not fp8 else [])
+    graphed = paged and device == "cuda"      # CUDA graphs are a CUDA feature: a CPU row runs the static cache eagerly
     st: dict = {}
     extra: dict[str, Any] = {"arch": cell.arch, "size": cell.size, "mode": cell.mode, "like": e.like.get(cell.size, "")}
     if cell.compiled:
@@ -548,7 +567,7 @@ def make_case(cell: Cell, device: str, dtype: torch.dtype, quick: bool = False) 
             extra["padding_fraction"] = round(1 - x["attention_mask"].float().mean().item(), 3)
         val_in = validation_inputs(cell, cfg, device, dtype)
         floor_x = x if cell.family != "prefill" else Z.without_labels(x)
-        conv = convert(base, cell, floor_x, val_in, extra, "fp8" if fp8 else None)
+        conv = convert(base, cell, floor_x, val_in, extra, "fp8" if fp8 else None, cuda_graphs=graphed)
         contenders = {"opsadv": conv}
         if fp8:
             extra["fp8"] = conv.opsadv_report.fp8
@@ -565,7 +584,13 @@ def make_case(cell: Cell, device: str, dtype: torch.dtype, quick: bool = False) 
         else:
             contenders["unconverted"] = base
         if paged:
-            st["paged"] = paged_cache(conv, cell)
+            st["paged"] = paged_cache(conv, cell, static=True)
+            contenders["opsadv_eager"] = eager_view(conv)
+            st["paged_eager"] = paged_cache(contenders["opsadv_eager"], cell, static=False)
+            extra["opsadv_contender"] = ("convert_model(cuda_graphs=True) + PagedKVCache(static=True): decode steps "
+                                         "replay CUDA graphs" if graphed else "PagedKVCache(static=True), eager "
+                                         "(no CUDA graphs on a CPU)")
+            extra["opsadv_eager"] = "the converted modules' eager forward + PagedKVCache(static=False)"
             contenders["hf_static_compile"] = copy.deepcopy(base)
             cc = static_compile_config()
             extra["static_compile"] = cc.to_dict()
@@ -591,19 +616,23 @@ def make_case(cell: Cell, device: str, dtype: torch.dtype, quick: bool = False) 
                 fn = forward_fn(m, x, keep_last, p)
             elif paged and name == "opsadv":
                 fn = paged_generate_fn(m, x, cell, st["paged"])
+            elif name == "opsadv_eager":
+                fn = paged_generate_fn(m, x, cell, st["paged_eager"])
             elif name == "hf_static_compile":
                 fn = static_compile_generate_fn(m, x, cell, cc)
             elif cell.family == "decode":
                 fn = generate_fn(m, x, cell, p)
             else:
                 fn = train_fn(m, _optimizer(getattr(m, "_orig_mod", m)), x, p)
+            runner_ = getattr(m, "opsadv_graphs", None) if paged and name == "opsadv" else None
+            before = None if runner_ is None else dataclasses.replace(runner_.stats)
             try:
                 _warm(fn, name, extra, impls if name == "opsadv" else None)
                 if name == "hf_static_compile" and not hasattr(m, "_compiled_call"):
                     raise RuntimeError("generate ran the StaticCache peer uncompiled (its auto-compile criteria "
                                        "were not met)")
                 if paged and name == "opsadv":
-                    _paged_fields(m, cell, st["paged"], extra)
+                    _paged_fields(m, cell, st["paged"], extra, graphed, runner_, before)
                 if train and device == "cuda":
                     extra[f"{name}_peak_mib"] = peak_mib(fn)      # one more step (after the warm-up's)
             except Exception as ex:
@@ -650,15 +679,27 @@ def _layers(e, size: str) -> int:
         int(kw.get("num_decoder_layers") or 0)
 
 
-def _paged_fields(model, cell: Cell, cache, extra: dict) -> None:
+def _paged_fields(model, cell: Cell, cache, extra: dict, graphed: bool = False, runner_=None, before=None) -> None:
     """The paged cache's shape and what served its one (warm-up) generate; raises unless paged_attention served
-    every layer's prefill and each decode step (no other attention path may have run)."""
+    every layer's prefill and each decode step (no other attention path may have run) and, with CUDA graphs, unless
+    the prefill ran eagerly and every decode step replayed a graph."""
     layers = model.config.num_hidden_layers
     want = {"prefill": layers, "decode": layers * (cell.new_tokens - 1)}    # the last new token is not fed back
     if cache.calls != want:
         raise RuntimeError(f"PagedKVCache served {cache.calls} paged_attention calls in one generate, expected {want}")
     extra["paged"] = {"page_size": cache.page_size, "num_pages": cache.num_pages, "max_cache_len": cache.max_cache_len,
+                      "static": cache.static, "cuda_graphs": graphed,
                       "calls_per_generate": dict(cache.calls), "decode_kernel": cache.explain().chosen}
+    if graphed:
+        if runner_ is None:
+            raise RuntimeError("the opsadv contender was converted with cuda_graphs=True but has no graph runner")
+        s = runner_.stats
+        got = {"eager": s.eager - before.eager, "replays": s.replays - before.replays,
+               "captures": s.captures - before.captures}
+        if got["eager"] != 1 or got["replays"] != cell.new_tokens - 1:
+            raise RuntimeError(f"one graphed generate ran {got}: expected the prefill eager and each of the "
+                               f"{cell.new_tokens - 1} decode steps a replay")
+        extra["paged"]["graphs_per_generate"] = got
 
 
 def _decode_check(cell: Cell, st: dict, extra: dict, dtype, ref=None) -> float:
