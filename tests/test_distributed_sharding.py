@@ -457,7 +457,7 @@ def _explain_case(mesh):
     return fails
 
 
-def _explain_vocab_parallel_case(mesh):
+def _explain_vocab_parallel_case(mesh, chosen="reference.linear_cross_entropy_stats"):
     import opsadv
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     h = distribute_tensor(torch.randn(2, 9, 8, dtype=DT), mesh, [Replicate()])
@@ -467,11 +467,58 @@ def _explain_vocab_parallel_case(mesh):
     text = str(e)
     fails = [f"explain lacks {n!r}:\n{text}" for n in
              ("weight [Shard(0)]", "hidden [Replicate()]", "loss [Replicate()]", "vocab-parallel over mesh dim 0",
-              "grad hidden [Partial()]", "grad weight [Shard(0)]", "no backend kernel runs") if n not in text]
+              "grad hidden [Partial()]", "grad weight [Shard(0)]", "each rank runs linear_cross_entropy_stats")
+             if n not in text]
     rows = 12 if torch.distributed.get_rank() == 0 else 11
-    if e.chosen is not None or e.spec.shapes[1] != (rows, 8):
-        fails.append(f"explain: chosen {e.chosen}, local weight {e.spec.shapes[1]} (expected none, ({rows}, 8))")
+    if e.op != "linear_cross_entropy_stats" or e.chosen != chosen or e.spec.shapes[1] != (rows, 8):
+        fails.append(f"explain: op {e.op}, chosen {e.chosen}, local weight {e.spec.shapes[1]} (expected "
+                     f"linear_cross_entropy_stats, {chosen}, ({rows}, 8))")
     return fails
+
+
+def _vocab_parallel_interpreted(mesh, n, vocab, bias, reduction, **kw):
+    """The vocab-parallel loss on the cuda backend's Triton kernels (interpreter, float32; uneven shards of a
+    vocabulary that is no multiple of the kernel's block) against the unsharded loss in float64 (F.cross_entropy of
+    the whole logits, autograd): loss and the gradients of hidden, the weight shard and the bias shard."""
+    import opsadv
+    from opsadv.ops.linear_cross_entropy.reference import lce_plain
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    Rp, S0 = [Replicate()], [Shard(0)]
+    hid, w = torch.randn(n, 16, dtype=torch.float64), torch.randn(vocab, 16, dtype=torch.float64) / 4
+    b = torch.randn(vocab, dtype=torch.float64) * 0.5 if bias else None
+    labels = torch.randint(0, vocab, (n,))
+    labels[1::3] = -100                        # (the one-token case keeps its token)
+    leaves = [t.clone().requires_grad_() for t in (hid, w, b) if t is not None]
+    want = lce_plain(leaves[0], leaves[1], labels, leaves[2] if bias else None, -100, kw.get("label_smoothing", 0.0),
+                     reduction, kw.get("z_loss", 0.0), kw.get("softcap"))
+    g = torch.randn(want.shape, dtype=torch.float64)
+    want_grads = torch.autograd.grad(want, leaves, g)
+    dleaves = [distribute_tensor(t.detach().float(), mesh, Rp if i == 0 else S0).requires_grad_()
+               for i, t in enumerate(leaves)]
+    with opsadv.trace() as t:
+        got = opsadv.ops.linear_cross_entropy(dleaves[0], dleaves[1], distribute_tensor(labels, mesh, Rp),
+                                              bias=dleaves[2] if bias else None, reduction=reduction, **kw)
+        got.backward(distribute_tensor(g.float(), mesh, Rp))
+    fails = []
+    if t.counts.get("cuda.triton.linear_cross_entropy_stats") != 2:
+        fails.append(f"the Triton stats kernels did not run forward and backward: {dict(t.counts)}")
+    for name, a, ref in [("loss", got, want)] + list(zip(("grad hidden", "grad weight", "grad bias"),
+                                                          (x.grad for x in dleaves), want_grads)):
+        a = a.full_tensor().double()
+        err = ((a - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+        if a.shape != ref.shape or not err < 1e-5:
+            fails.append(f"{name}: shape {tuple(a.shape)} vs {tuple(ref.shape)}, rel err {err:.3g}")
+    if [list(x.grad.placements) for x in dleaves[1:]] != [S0] * (len(dleaves) - 1):
+        fails.append(f"grad weight / bias placements {[x.grad.placements for x in dleaves[1:]]}, expected Shard(0)")
+    return fails
+
+
+VP_INTERPRETED = {
+    "vocab-parallel 127 tokens, 203 rows, bias, sum, smoothing, z_loss, softcap": (
+        127, 203, True, "sum", dict(label_smoothing=0.1, z_loss=1e-3, softcap=5.0)),
+    "vocab-parallel 3 tokens, 37 rows, none, z_loss": (3, 37, False, "none", dict(z_loss=1e-2)),
+    "vocab-parallel 1 token, 37 rows, bias, mean, softcap": (1, 37, True, "mean", dict(softcap=3.0)),
+}
 
 
 def _worker(rank: int, world: int, port: int, results) -> None:
@@ -505,6 +552,16 @@ def _worker(rank: int, world: int, port: int, results) -> None:
                     if not any(k.startswith("cuda.") for k in t.counts):
                         fails = fails + [f"no cuda kernel ran: {dict(t.counts)}"]
                     out["interpreter: " + name] = fails
+                except Exception:                # noqa: BLE001
+                    out["interpreter: " + name] = [traceback.format_exc(limit=6)]
+            vp = {n: (lambda a=a: _vocab_parallel_interpreted(mesh, *a[:4], **a[4]))
+                  for n, a in VP_INTERPRETED.items()}
+            vp["explain shows the vocab-parallel kernel"] = lambda: _explain_vocab_parallel_case(
+                mesh, "cuda.triton.linear_cross_entropy_stats")
+            for i, (name, run) in enumerate(vp.items()):
+                torch.manual_seed(3000 + i)
+                try:
+                    out["interpreter: " + name] = run()
                 except Exception:                # noqa: BLE001
                     out["interpreter: " + name] = [traceback.format_exc(limit=6)]
         results[rank] = out
@@ -554,7 +611,7 @@ def _names():
             "attention_merge_ heads (accumulators written in place)", "attention_merge_ rows",
             "refuse attention_merge_ accumulator to copy",
             "explain shows the placements", "explain shows the vocab-parallel placements"] + \
-        ["interpreter: " + n for n in INTERPRETED]
+        ["interpreter: " + n for n in (*INTERPRETED, *VP_INTERPRETED, "explain shows the vocab-parallel kernel")]
 
 
 def test_every_case_ran(verdicts):

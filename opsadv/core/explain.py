@@ -49,13 +49,17 @@ def explain(op: str, *args: Any, backward: bool = False, **kwargs: Any) -> dispa
     if d is None:
         raise InvalidArgumentError("explain", "op", f"one of {list(OPS)}", repr(op))
     _check_keywords(d, kwargs)
-    placements, no_kernel = "", ""
+    placements, no_kernel, shard_note = "", "", ""
     planned = _placement_planner(d.name, args, kwargs, backward) if _placement_planner is not None else None
     if planned is not None:      # DTensor arguments: the kernel runs on each rank's shards, as the rule placed them
         args, kwargs, placements, *rest = planned
         no_kernel = rest[0] if rest else ""
+        if len(rest) > 1 and rest[1]:
+            # the call runs another op on each rank's shards (args / kwargs are that op's): explain that one
+            d, shard_note, no_kernel = get_op(rest[1]), no_kernel, ""
     spec = d.spec(args, kwargs, backward)
     spec, note = spec if isinstance(spec, tuple) else (spec, "")
+    note = "; ".join(n for n in (shard_note, note) if n)
     exp, _ = dispatch.explain_spec(spec)
     if placements:
         exp = dataclasses.replace(exp, placements=placements)

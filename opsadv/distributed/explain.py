@@ -76,11 +76,12 @@ def planner(op: str, args: tuple, kwargs: dict, backward: bool):
     if mesh is None:
         return None
     if op == "linear_cross_entropy" and vocab_parallel.is_vocab_split(pub["weight"]):
-        local, text = vocab_parallel.explain_plan(pub["hidden"], pub["weight"], pub["labels"], pub["bias"],
-                                                  pub["reduction"])
+        s_args, s_kwargs, text = vocab_parallel.explain_plan(pub["hidden"], pub["weight"], pub["labels"],
+                                                             pub["bias"], pub["reduction"], pub["ignore_index"],
+                                                             pub["softcap"])
         if backward:
             text += " (the forward's; the backward recomputes each chunk's logits on the same shards)"
-        return _rebind(d, args, kwargs, {**pub, **local}) + (text, vocab_parallel.NOTE)
+        return s_args, s_kwargs, text, vocab_parallel.NOTE, vocab_parallel.STATS_OP
     name, values = _schema_inputs(op, pub)
     if name not in RULES:
         return None

@@ -4,23 +4,30 @@ weight and without the (tokens, V) logits (docs/distributed.md, "Vocab-parallel 
 
 `opsadv.ops.linear_cross_entropy` takes this path when its weight is such a DTensor (installed by
 opsadv.distributed.register).  Each rank of the vocabulary's mesh dim holds rows [v0, v0 + V_r) of the weight (and
-bias) and every token (hidden replicated on that dim).  Per chunk of tokens it forms its shard's logits
-z_r = h W_r^T (+ b_r) (softcapped where asked) and keeps three numbers per token: lse_r = logsumexp(z_r), the target
-logit z_y where the label falls in [v0, v0 + V_r) (else 0) and sum(z_r) (label smoothing).  One all_gather over that
-mesh dim (torch.distributed._functional_collectives) brings every rank's (lse_r, z_y, sum z_r); each rank combines
-them alike: lse = logsumexp_r(lse_r), z_y = sum_r, sum z = sum_r, so
+bias) and every token (hidden replicated on that dim).  It runs the op linear_cross_entropy_stats on its shard
+(opsadv/ops/linear_cross_entropy/stats.py): per token, of its shard's logits z_r = h W_r^T (+ b_r) (softcapped where
+asked), lse_r = logsumexp(z_r), the target logit z_y where the label falls in [v0, v0 + V_r) (else 0) and sum(z_r)
+(label smoothing).  One all_gather over that mesh dim (torch.distributed._functional_collectives) brings every rank's
+(lse_r, z_y, sum z_r); each rank combines them alike: lse = logsumexp_r(lse_r), z_y = sum_r, sum z = sum_r, so
     loss = (1 - eps) (lse - z_y) + eps (lse - sum z / V) + z_loss lse^2,
-exactly the single-device loss.  The backward recomputes each chunk's logits against the global lse:
-d loss / d z_r = g (softmax_r (1 + 2 z_loss lse) - eps / V - (1 - eps) onehot_r), times 1 - tanh^2 under a softcap;
-grad hidden = dz_r W_r is a partial sum (DTensor Partial(), all-reduced by DTensor), grad W_r = dz_r^T h and grad b_r
-stay on their rank (Shard(0)).
+exactly the single-device loss.  The backward hands that op's backward the gradients of its three statistics
+(stats_grads), which make the shard's d loss / d z_r = g (softmax_r (1 + 2 z_loss lse) - eps / V - (1 - eps) onehot_r)
+against the global lse, times 1 - tanh^2 under a softcap; the op recomputes each chunk's logits: grad hidden = dz_r W_r
+is a partial sum (DTensor Partial(), all-reduced by DTensor), grad W_r = dz_r^T h and grad b_r stay on their rank
+(Shard(0)).
 
 Other mesh dims may split the tokens (hidden Shard(d) for d < its last dim, labels alike); the weight is replicated
 there and its gradient is Partial() (each rank's tokens).  reduction "mean" over split tokens is refused, as the
 DTensor rule of the unsplit op refuses it.
 
-The per-shard work runs as torch ops (GEMMs by torch.mm, the softmax statistics elementwise) over chunks of tokens;
-no backend kernel is dispatched on this path."""
+What runs where: linear_cross_entropy_stats dispatches like every op (opsadv.explain on the vocab-parallel call
+shows its candidates for this rank's shards).  Where the device runs Triton (cuda / rocm / jetson backends on a GPU,
+and CPU tensors under TRITON_INTERPRET=1) that is "<backend>.triton.linear_cross_entropy_stats": per chunk of tokens
+the logits GEMM (torch.mm) in the inputs' dtype and a Triton kernel storing three float32 numbers per token (no
+float32 logits); its backward overwrites the recomputed chunk logits with their gradient and runs the dh / dW GEMMs,
+as the single-device Triton impl does.  Elsewhere (CPU, ascend, float64) the reference impl: the same statistics in
+plain torch on float32 logits of the whole shard; under a device backend that is dispatch's reference fallback,
+which warns once.  The combine and the all_gather are torch ops on three numbers per token."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -33,14 +40,13 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard, _StridedShard
 
 from opsadv.core.errors import InvalidArgumentError, ShardingError
-from opsadv.core.op_common import acc_dtype
 from opsadv.ops.linear_cross_entropy import install_vocab_parallel
+from opsadv.ops.linear_cross_entropy.stats import linear_cross_entropy_stats, stats_backward
 
 from .strategy import _Placed, show
 
 OP = "linear_cross_entropy"
 R = Replicate()
-MIN_CHUNK, MAX_CHUNK, CHUNK_FACTOR = 64, 4096, 4     # token rows per chunk, as the Triton impl chooses them
 # (torch 2.13 renamed all_gather_tensor, which now warns)
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 
@@ -169,45 +175,6 @@ def local_vocab(weight: DTensor) -> tuple[int, int]:
 
 
 # ---- the local computation ---------------------------------------------------------------------------------------
-def _chunk(n: int, h: int, v: int) -> int:
-    target = max(1, (CHUNK_FACTOR * n * h) // max(v, 1))
-    c = 1 << max(0, target - 1).bit_length()
-    return max(1, min(n, max(MIN_CHUNK, min(MAX_CHUNK, c))))
-
-
-def _logits(h, w, b, softcap, adt):
-    """(softcapped logits, raw logits) of a chunk in the accumulation dtype; the GEMM in the inputs' dtype."""
-    z = (torch.addmm(b, h, w.t()) if b is not None else torch.mm(h, w.t())).to(adt)
-    return (softcap * torch.tanh(z / softcap), z) if softcap is not None else (z, z)
-
-
-def _where_label(labels, ignore_index, start, v_loc):
-    """(the label's row in this shard, clamped to a valid index; whether it falls in this shard)."""
-    idx = labels.long() - start
-    mine = (labels != ignore_index) & (idx >= 0) & (idx < v_loc)
-    return torch.where(mine, idx, torch.zeros_like(idx)), mine
-
-
-def shard_stats(h, w, b, labels, ignore_index, start, softcap):
-    """(3, N) per token: this shard's lse, the target logit where the label is in it (else 0), the logit sum."""
-    n, hd = h.shape
-    v_loc = w.shape[0]
-    adt = acc_dtype(h)
-    out = torch.zeros((3, n), dtype=adt, device=h.device)
-    if v_loc == 0:                       # an empty shard (fewer rows than ranks): lse -inf, no target, no sum
-        out[0] = float("-inf")
-        return out
-    idx, mine = _where_label(labels, ignore_index, start, v_loc)
-    c = _chunk(n, hd, v_loc)
-    for s in range(0, n, c):
-        e = min(n, s + c)
-        z, _ = _logits(h[s:e], w, b, softcap, adt)
-        out[0, s:e] = torch.logsumexp(z, -1)
-        out[1, s:e] = torch.where(mine[s:e], z.gather(1, idx[s:e, None])[:, 0], 0.0)
-        out[2, s:e] = z.sum(-1)
-    return out
-
-
 def combine(gathered: Tensor, world: int) -> tuple[Tensor, Tensor, Tensor]:
     """Every rank's (3, N) statistics, stacked (3 * world, N), into the global (lse, target logit, logit sum)."""
     g = gathered.view(world, 3, -1)
@@ -224,47 +191,15 @@ def _row_grads(grad, labels, ignore_index, reduction, adt):
     return torch.where(labels != ignore_index, g, torch.zeros_like(g))
 
 
-def shard_grads(grad, h, w, b, labels, lse, ignore_index, eps, reduction, z_loss, softcap, start, vocab, needs):
-    """(dh partial, dW_r, db_r) of this shard for the loss gradient `grad`, the logits recomputed per chunk."""
-    n, hd = h.shape
-    v_loc = w.shape[0]
-    adt = acc_dtype(h)
-    rg = _row_grads(grad, labels, ignore_index, reduction, adt)
-    post = 1.0
-    if h.dtype == torch.float16 and reduction != "none" and n:
-        # d logits of about softmax / n_valid underflow float16 (as the Triton impl: fold n, scale by 1 / n after)
-        rg, post = rg * n, 1.0 / n
-    dh = torch.zeros_like(h) if needs[0] else None
-    dw = torch.zeros_like(w) if needs[1] else None
-    db = torch.zeros(v_loc, dtype=adt, device=h.device) if b is not None and needs[2] else None
-    if v_loc and n:
-        idx, mine = _where_label(labels, ignore_index, start, v_loc)
-        scale = 1.0 + 2.0 * z_loss * lse if z_loss else None
-        c = _chunk(n, hd, v_loc)
-        for s in range(0, n, c):
-            e = min(n, s + c)
-            z, raw = _logits(h[s:e], w, b, softcap, adt)
-            dz = torch.exp(z - lse[s:e, None])
-            if scale is not None:
-                dz.mul_(scale[s:e, None])
-            if eps:
-                dz.sub_(eps / vocab)
-            dz.scatter_add_(1, idx[s:e, None], mine[s:e, None].to(adt) * -(1.0 - eps))
-            dz.mul_(rg[s:e, None])
-            if softcap is not None:
-                dz.mul_(1.0 - torch.tanh(raw / softcap) ** 2)
-            if db is not None:
-                db += dz.sum(0)
-            dzc = dz.to(h.dtype)
-            if dh is not None:
-                torch.mm(dzc, w, out=dh[s:e])
-            if dw is not None:
-                dw.addmm_(dzc.t(), h[s:e])
-    if post != 1.0:
-        for t in (dh, dw, db):
-            if t is not None:
-                t.mul_(post)
-    return dh, dw, db.to(b.dtype) if db is not None else None
+def stats_grads(rg, lse, stats, eps, z_loss, vocab) -> Tensor:
+    """The gradients (3, N) of this shard's (lse_r, target logit, logit sum) for per-token loss gradients rg (0 where
+    ignored): d loss / d lse_r = rg (1 + 2 z_loss lse) exp(lse_r - lse) (so the kernel's softmax over the shard
+    becomes the global one), d / d z_y = -(1 - eps) rg, d / d sum z = -eps / V rg."""
+    g = torch.empty((3, rg.shape[0]), dtype=rg.dtype, device=rg.device)
+    torch.mul(rg * (1.0 + 2.0 * z_loss * lse), torch.exp(stats[0] - lse), out=g[0])   # (lse_r = -inf: 0)
+    torch.mul(rg, -(1.0 - eps), out=g[1])
+    torch.mul(rg, -eps / vocab, out=g[2])
+    return g
 
 
 class _VocabParallelCE(torch.autograd.Function):
@@ -272,8 +207,9 @@ class _VocabParallelCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, w, b, labels, group, world, start, vocab, ignore_index, eps, reduction, z_loss, softcap):
-        stats = shard_stats(h, w, b, labels, ignore_index, start, softcap)
-        gathered = funcol.wait_tensor(_all_gather(stats, 0, group))
+        stats = linear_cross_entropy_stats(h, w, labels, bias=b, ignore_index=ignore_index, softcap=softcap,
+                                           vocab_start=start)
+        gathered = funcol.wait_tensor(_all_gather(stats.contiguous(), 0, group))
         lse, tgt, zsum = combine(gathered, world)
         per = (1.0 - eps) * (lse - tgt)
         if eps:
@@ -288,17 +224,29 @@ class _VocabParallelCE(torch.autograd.Function):
             loss = per.sum()
             if reduction == "mean":
                 loss = loss / valid.sum()           # (no valid token: nan, as torch)
-        ctx.save_for_backward(h, w, b, labels, lse)
+        ctx.save_for_backward(h, w, b, labels, lse, stats)
         ctx.args = (ignore_index, eps, reduction, z_loss, softcap, start, vocab)
         ctx.mark_non_differentiable(lse)
         return loss, lse
 
     @staticmethod
     def backward(ctx, grad, _grad_lse):
-        h, w, b, labels, lse = ctx.saved_tensors
-        needs = ctx.needs_input_grad[:3]
-        dh, dw, db = shard_grads(grad, h, w, b, labels, lse, *ctx.args, needs)
-        return dh, dw, db, *(None,) * 10
+        h, w, b, labels, lse, stats = ctx.saved_tensors
+        ignore_index, eps, reduction, z_loss, softcap, start, vocab = ctx.args
+        rg = _row_grads(grad, labels, ignore_index, reduction, stats.dtype)
+        n = labels.shape[0]
+        post = 1.0
+        if h.dtype == torch.float16 and reduction != "none" and n:
+            # d logits of about softmax / n_valid underflow float16 (as the single-device impls: fold n, scale after)
+            rg, post = rg * n, 1.0 / n
+        dh, dw, db = stats_backward(stats_grads(rg, lse, stats, eps, z_loss, vocab), h, w, labels, b, stats,
+                                    ignore_index, softcap, start)
+        if post != 1.0:
+            for t in (dh, dw, db):
+                if t is not None:
+                    t.mul_(post)
+        needs = ctx.needs_input_grad
+        return (dh if needs[0] else None, dw if needs[1] else None, db if needs[2] else None, *(None,) * 10)
 
 
 def _local_shape(shape, mesh, placements) -> tuple[int, ...]:
@@ -353,9 +301,10 @@ def vocab_parallel(hidden, weight, labels, bias, ignore_index, label_smoothing, 
     return loss, lse
 
 
-def explain_plan(hidden, weight, labels, bias, reduction) -> tuple[dict, str]:
-    """For opsadv.explain: each argument as this rank runs with it (its local shard; zeros of the shard's shape where
-    the call would redistribute it: explain does not communicate) and the placements text."""
+def explain_plan(hidden, weight, labels, bias, reduction, ignore_index=-100, softcap=None) -> tuple[tuple, dict, str]:
+    """For opsadv.explain: the (args, kwargs) of the linear_cross_entropy_stats call this rank runs on its shards
+    (zeros of the shard's shape where the call would redistribute an argument: explain does not communicate) and
+    the placements text."""
     mesh = weight.device_mesh
     given = {"hidden": _as_placed("hidden", hidden, mesh), "weight": _as_placed("weight", weight, mesh),
              "labels": _as_placed("labels", labels, mesh), "bias": _as_placed("bias", bias, mesh)}
@@ -371,12 +320,16 @@ def explain_plan(hidden, weight, labels, bias, reduction) -> tuple[dict, str]:
             local[n] = torch.zeros(_local_shape(t.shape, mesh, p.inputs[n]), dtype=lt.dtype, device=lt.device)
     text = p.describe({n: v.placements for n, v in given.items() if v is not None}, weight.shape[0],
                       mesh.size(p.vdim))
-    return local, text
+    start, _ = local_vocab(weight)
+    kwargs = {"bias": local.get("bias"), "ignore_index": ignore_index, "softcap": softcap, "vocab_start": start}
+    return (local["hidden"], local["weight"], local["labels"]), kwargs, text
 
 
-NOTE = ("vocab-parallel: no backend kernel runs on this path; each rank computes its shard's logits per chunk of "
-        "tokens with torch GEMMs and elementwise ops (opsadv/distributed/vocab_parallel.py); the table is what a "
-        "call on these local shards alone would take")
+STATS_OP = "linear_cross_entropy_stats"
+NOTE = ("vocab-parallel: each rank runs linear_cross_entropy_stats on its shard of the weight (the table: its "
+        "candidates for this rank's local shards; a Triton kernel where the device runs Triton, the torch reference "
+        "elsewhere), all-gathers the three statistics per token and combines them in torch; the backward runs that "
+        "op's backward against the global lse (opsadv/distributed/vocab_parallel.py)")
 
 
 def install() -> None:

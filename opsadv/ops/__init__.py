@@ -16,7 +16,7 @@ from .swiglu import OPDEFS as _swiglu, swiglu
 from .norm import OPDEFS as _norm, layer_norm, rms_norm
 from .rotary_embedding import OPDEFS as _rotary_embedding, rotary_embedding
 from .qk_norm_rotary import OPDEFS as _qk_norm_rotary, qk_norm_rotary
-from .linear_cross_entropy import OPDEFS as _linear_cross_entropy, linear_cross_entropy
+from .linear_cross_entropy import OPDEFS as _linear_cross_entropy, linear_cross_entropy, linear_cross_entropy_stats
 from .paged_attention import OPDEFS as _paged_attention, paged_attention
 from .varlen_attention import OPDEFS as _varlen_attention, varlen_attention
 from .scaled_gemm import OPDEFS as _scaled_gemm, scaled_gemm, scaled_swiglu_gemm
@@ -31,5 +31,5 @@ for _d in BUILTIN:
 
 __all__ = ["flash_attention", "sparse_attention", "gemm", "swiglu_gemm", "swiglu", "layer_norm", "rms_norm",
            "rotary_embedding",
-           "qk_norm_rotary", "linear_cross_entropy", "paged_attention", "varlen_attention", "scaled_gemm",
+           "qk_norm_rotary", "linear_cross_entropy", "linear_cross_entropy_stats", "paged_attention", "varlen_attention", "scaled_gemm",
            "scaled_swiglu_gemm", "fp8_attention", "attention_merge_"]

@@ -16,7 +16,8 @@ ARCHS = ("gfx90a", "gfx942", "gfx950", "gfx1100", "gfx1101", "gfx1102", "gfx1200
 PORTABLE = frozenset({"rocm.triton.flash_attention", "rocm.triton.sparse_attention", "rocm.triton.gemm",
                       "rocm.triton.swiglu_gemm", "rocm.triton.layer_norm", "rocm.triton.rms_norm",
                       "rocm.triton.swiglu", "rocm.triton.rotary_embedding", "rocm.triton.qk_norm_rotary",
-                      "rocm.triton.linear_cross_entropy", "rocm.triton.paged_attention",
+                      "rocm.triton.linear_cross_entropy", "rocm.triton.linear_cross_entropy_stats",
+                      "rocm.triton.paged_attention",
                       "rocm.triton.varlen_attention", "rocm.triton.attention_merge_"})
 
 

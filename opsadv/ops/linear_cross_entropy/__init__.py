@@ -32,15 +32,15 @@ from opsadv.core.errors import InvalidArgumentError
 from opsadv.core.kernel import CallSpec
 from opsadv.core.opdef import OpDef, Reference, arg
 from opsadv.core.op_common import (AUTOGRAD_FN, DIRECT, TORCH_OPS, acc_dtype, autograd_function, carry_policy,
-                                   carry_scope, check_choice, check_same, check_tensor, dt, eager_mode, grad_enabled,
+                                   carry_scope, check_choice, eager_mode, grad_enabled,
                                    len_bucket)
 from opsadv.core.policy import in_scope, op_scope
 
-from . import cases as _cases, reference as _reference
+from . import cases as _cases, reference as _reference, stats as _stats
+from .checks import validate_head
 
 OP = "linear_cross_entropy"
 REDUCTIONS = ("mean", "sum", "none")
-_INT_DTYPES = (torch.int32, torch.int64)
 
 # opsadv.distributed installs it once torch.distributed.tensor loads (no DTensor exists before): the call on a weight
 # split over its vocabulary (vocab-parallel: opsadv/distributed/vocab_parallel.py), None for any other weight
@@ -54,36 +54,13 @@ def install_vocab_parallel(fn: Callable) -> None:
 
 def validate(hidden, weight, labels, bias=None, ignore_index=-100, label_smoothing=0.0, reduction="mean",
              z_loss=0.0, softcap=None) -> None:
-    check_tensor(OP, "hidden", hidden, min_ndim=1, allow_empty=True)
-    check_tensor(OP, "weight", weight, ndim=2, allow_empty=True)
-    check_same(OP, "hidden", hidden, weight=weight, bias=bias)
-    if weight.shape[1] != hidden.shape[-1]:
-        raise InvalidArgumentError(OP, "weight", f"shape (V, H={hidden.shape[-1]}) (hidden is (..., H))",
-                                   tuple(weight.shape))
-    if not isinstance(labels, Tensor) or labels.dtype not in _INT_DTYPES:
-        raise InvalidArgumentError(OP, "labels", "an int32 / int64 tensor",
-                                   dt(labels.dtype) if isinstance(labels, Tensor) else type(labels).__name__)
-    if tuple(labels.shape) != tuple(hidden.shape[:-1]):
-        raise InvalidArgumentError(OP, "labels", f"shape {tuple(hidden.shape[:-1])} (hidden's leading dims)",
-                                   tuple(labels.shape))
-    for name, t in (("weight", weight), ("labels", labels), ("bias", bias)):
-        if t is not None and t.device != hidden.device:
-            raise InvalidArgumentError(OP, name, f"on device {hidden.device} (same as hidden)", str(t.device))
-    if bias is not None:
-        check_tensor(OP, "bias", bias, ndim=1, allow_empty=True)
-        if bias.shape[0] != weight.shape[0]:
-            raise InvalidArgumentError(OP, "bias", f"shape (V={weight.shape[0]},)", tuple(bias.shape))
-    if type(ignore_index) is not int:
-        raise InvalidArgumentError(OP, "ignore_index", "an int", repr(ignore_index))
+    validate_head(OP, hidden, weight, labels, bias, ignore_index, softcap)
     if not isinstance(label_smoothing, (int, float)) or isinstance(label_smoothing, bool) \
             or not 0.0 <= label_smoothing <= 1.0:
         raise InvalidArgumentError(OP, "label_smoothing", "a float in [0, 1]", repr(label_smoothing))
     check_choice(OP, "reduction", reduction, REDUCTIONS)
     if not isinstance(z_loss, (int, float)) or isinstance(z_loss, bool) or not (z_loss >= 0.0 and math.isfinite(z_loss)):
         raise InvalidArgumentError(OP, "z_loss", "a finite float >= 0", repr(z_loss))
-    if softcap is not None and (not isinstance(softcap, (int, float)) or isinstance(softcap, bool)
-                                or not (softcap > 0.0 and math.isfinite(softcap))):
-        raise InvalidArgumentError(OP, "softcap", "None or a finite float > 0", repr(softcap))
 
 
 def _features(bias, label_smoothing, reduction, z_loss, softcap) -> frozenset:
@@ -278,4 +255,5 @@ def explain_spec(args: tuple, kwargs: dict, backward: bool) -> CallSpec:
 OPDEF = OpDef(OP, linear_cross_entropy, Reference(_reference.lce_fwd, _reference.lce_bwd, _reference.FEATURES),
               explain_spec, custom_ops=(_lce, _lce_backward), cases=tuple(_cases.CASES), demo=_cases.demo,
               precision="matmul")
-OPDEFS = (OPDEF,)
+OPDEFS = (OPDEF, _stats.OPDEF)
+linear_cross_entropy_stats = _stats.linear_cross_entropy_stats

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from opsadv.core.op_common import acc
+from opsadv.core.op_common import acc, acc_dtype
 
 FEATURES = frozenset({"bias", "label_smoothing", "z_loss", "softcap", "reduction_none", "reduction_sum"})
 
@@ -97,3 +97,60 @@ def lce_plain(hidden, weight, labels, bias, ignore_index, label_smoothing, reduc
         lse = torch.logsumexp(z, -1)
         loss = loss + torch.where(valid, z_loss * lse * lse, torch.zeros_like(lse))
     return reduce(loss, valid, reduction)
+
+
+# ---- linear_cross_entropy_stats ----------------------------------------------------------------------------------
+STATS_FEATURES = frozenset({"bias", "softcap"})
+
+
+def label_in_slice(labels, ignore_index, vocab_start, v):
+    """(each label's row in the slice [vocab_start, vocab_start + v), 0 where it is not there; whether it is)."""
+    idx = labels.long() - vocab_start
+    mine = (labels != ignore_index) & (idx >= 0) & (idx < v)
+    return torch.where(mine, idx, torch.zeros_like(idx)), mine
+
+
+def _chunks(n, h, v):
+    """Token ranges of at most C rows, C * V about 4 N H within [64, 4096] (as the Triton impls chunk): the torch
+    path of the vocab-parallel loss (devices without Triton) holds one chunk's float32 logits, not the shard's."""
+    target = max(1, (4 * n * h) // max(v, 1))
+    c = max(1, min(n, max(64, min(4096, 1 << max(0, target - 1).bit_length()))))
+    return [(s, min(n, s + c)) for s in range(0, n, c)]
+
+
+def stats_fwd(ctx, hidden, weight, labels, bias, ignore_index, softcap, vocab_start):
+    """(3, N): logsumexp of the slice's logits (-inf for an empty slice), the target logit where the label is in
+    the slice (else 0), the sum of the logits."""
+    n, v = hidden.shape[0], weight.shape[0]
+    idx, mine = label_in_slice(labels, ignore_index, vocab_start, v)
+    parts = []
+    for s, e in _chunks(n, hidden.shape[1], v) or [(0, 0)]:
+        z, _ = logits_of(hidden[s:e], weight, bias, softcap)
+        tgt = z.gather(1, idx[s:e, None])[:, 0] if v else z.new_zeros(e - s)
+        parts.append(torch.stack([torch.logsumexp(z, -1), torch.where(mine[s:e], tgt, torch.zeros_like(tgt)),
+                                  z.sum(-1)]))
+    return torch.cat(parts, 1)
+
+
+def stats_bwd(ctx, grad, hidden, weight, labels, bias, stats, ignore_index, softcap, vocab_start):
+    """d / d z of grad[0] lse + grad[1] z_y + grad[2] sum z: grad[0] softmax + grad[1] onehot + grad[2]."""
+    n, v = hidden.shape[0], weight.shape[0]
+    adt = acc_dtype(hidden)
+    g, lse = acc(grad).to(adt), acc(stats[0]).to(adt)
+    idx, mine = label_in_slice(labels, ignore_index, vocab_start, v)
+    dh = torch.zeros(hidden.shape, dtype=adt, device=hidden.device)
+    dw = torch.zeros(weight.shape, dtype=adt, device=weight.device)
+    db = torch.zeros(v, dtype=adt, device=weight.device)
+    w = acc(weight)
+    for s, e in _chunks(n, hidden.shape[1], v):
+        z, raw = logits_of(hidden[s:e], weight, bias, softcap)
+        dz = torch.exp(z - lse[s:e, None]) * g[0, s:e, None] + g[2, s:e, None]
+        if v:
+            dz = dz.scatter_add(1, idx[s:e, None], torch.where(mine[s:e], g[1, s:e], torch.zeros_like(g[1, s:e]))[:, None])
+        if softcap is not None:
+            dz = dz * (1.0 - torch.tanh(raw / softcap) ** 2)
+        dh[s:e] = dz @ w
+        dw += dz.t() @ acc(hidden[s:e])
+        db += dz.sum(0)
+    return (dh.to(hidden.dtype), dw.to(weight.dtype),
+            db.to(bias.dtype) if bias is not None else hidden.new_empty((0,)))

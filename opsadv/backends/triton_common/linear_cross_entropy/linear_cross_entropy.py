@@ -1,5 +1,6 @@
 """The linear_cross_entropy op (opsadv.ops.linear_cross_entropy) over chunks of tokens: impl
-"<backend>.triton.linear_cross_entropy".
+"<backend>.triton.linear_cross_entropy"; and linear_cross_entropy_stats (the vocab-parallel loss's per-shard work):
+impl "<backend>.triton.linear_cross_entropy_stats".
 
 Per chunk of C tokens: the logits h_c @ W^T (+ bias) by the backend's GEMM (torch.mm: cuBLAS on CUDA) into one
 (C, V) buffer in the inputs' dtype, as transformers computes them before its float32 upcast; the Triton kernel
@@ -23,11 +24,15 @@ MAX_BLOCK_V = 4096                   # vocabulary columns per kernel step
 _K: dict = {}
 
 
-def _kernel():
+def _kernel(name: str = "ce"):
     if not _K:
-        from .kernels import ce_chunk_kernel
-        _K["ce"] = ce_chunk_kernel
-    return _K["ce"]
+        from .kernels import ce_chunk_kernel, stats_chunk_kernel, stats_grad_kernel
+        _K.update(ce=ce_chunk_kernel, stats=stats_chunk_kernel, stats_grad=stats_grad_kernel)
+    return _K[name]
+
+
+def _block(v: int) -> int:
+    return min(MAX_BLOCK_V, max(16, 1 << (v - 1).bit_length()))
 
 
 def chunk_rows(n: int, h: int, v: int) -> int:
@@ -46,7 +51,7 @@ def _logits(h, weight, bias, out):
 
 def _ce(z, labels, rowgrad, loss, lse, ignore_index, eps, z_loss, softcap, write_grad):
     c, v = z.shape
-    block = min(MAX_BLOCK_V, max(16, 1 << (v - 1).bit_length()))
+    block = _block(v)
     rg = rowgrad if rowgrad is not None else lse           # (not read without write_grad)
     _kernel()[(c,)](z, z.stride(0), labels, rg, rg.stride(0) if rg.numel() > 1 else 0, loss, lse, v, ignore_index,
                     float(eps), float(z_loss), float(softcap or 1.0), HAS_SOFTCAP=softcap is not None,
@@ -134,6 +139,62 @@ def lce_bwd(ctx, grad, hidden, weight, labels, bias, lse, ignore_index, label_sm
     return dh, dw, db if db is not None else hidden.new_empty((0,))
 
 
+# ---- linear_cross_entropy_stats: (lse, target logit, logit sum) of a slice of the vocabulary -------------------
+# Same chunking as above: per chunk the logits GEMM (torch.mm) into one (C, V) buffer in the inputs' dtype, then one
+# kernel program per row; the forward stores three float32 numbers per token (no float32 copy of the logits), the
+# backward overwrites the recomputed logits with their gradient and runs the dh / dW GEMMs on them.
+def _stats_kernel(name, z, labels, *ptrs, ignore_index, vocab_start, softcap):
+    c, v = z.shape
+    block = _block(v)
+    _kernel(name)[(c,)](z, z.stride(0), labels, *ptrs, v, ignore_index, vocab_start, float(softcap or 1.0),
+                        HAS_SOFTCAP=softcap is not None, BLOCK_V=block, num_warps=8 if block >= 2048 else 4)
+
+
+def _contig(hidden, weight, labels):
+    return (hidden if hidden.stride(-1) == 1 else hidden.contiguous(),
+            weight if weight.stride(-1) == 1 else weight.contiguous(), labels.contiguous())
+
+
+def stats_fwd(ctx, hidden, weight, labels, bias, ignore_index, softcap, vocab_start):
+    n, h = hidden.shape
+    v = weight.shape[0]
+    c = chunk_rows(n, h, v)
+    hidden, weight, labels = _contig(hidden, weight, labels)
+    stats = poisoned((3, n), torch.empty((), dtype=torch.float32, device=hidden.device))
+    z = poisoned((c, v), hidden)
+    for s in range(0, n, c):
+        e = min(n, s + c)
+        zc = z[: e - s]
+        _logits(hidden[s:e], weight, bias, zc)
+        _stats_kernel("stats", zc, labels[s:e], stats[:, s:], stats.stride(0), ignore_index=ignore_index,
+                      vocab_start=vocab_start, softcap=softcap)
+    return stats
+
+
+def stats_bwd(ctx, grad, hidden, weight, labels, bias, stats, ignore_index, softcap, vocab_start):
+    n, h = hidden.shape
+    v = weight.shape[0]
+    c = chunk_rows(n, h, v)
+    hidden, weight, labels = _contig(hidden, weight, labels)
+    grad = grad.to(torch.float32).contiguous()
+    lse = stats[0].to(torch.float32).contiguous()
+    z = poisoned((c, v), hidden)
+    dh = poisoned((n, h), hidden)
+    dw = torch.zeros((v, h), dtype=weight.dtype, device=weight.device)     # (accumulated as lce_bwd's)
+    db = torch.zeros(v, dtype=torch.float32, device=weight.device) if bias is not None else None
+    for s in range(0, n, c):
+        e = min(n, s + c)
+        zc = z[: e - s]
+        _logits(hidden[s:e], weight, bias, zc)
+        _stats_kernel("stats_grad", zc, labels[s:e], grad[:, s:], grad.stride(0), lse[s:], ignore_index=ignore_index,
+                      vocab_start=vocab_start, softcap=softcap)
+        torch.mm(zc, weight, out=dh[s:e])
+        dw.addmm_(zc.t(), hidden[s:e])
+        if db is not None:
+            db += zc.sum(0, dtype=torch.float32)
+    return dh, dw, db.to(bias.dtype) if db is not None else hidden.new_empty((0,))
+
+
 def impls(env, backend: str = "cuda") -> list[KernelImpl]:
     return [KernelImpl(
         id=f"{backend}.triton.linear_cross_entropy", op="linear_cross_entropy", backend=backend, fn=lce_fwd,
@@ -143,4 +204,12 @@ def impls(env, backend: str = "cuda") -> list[KernelImpl]:
         requires_interpret_or_cuda=True,
         memory=MemoryTraits("fused"),             # (one chunk of logits, about the hidden states' size)
         description="chunks of tokens: the logits GEMM, a Triton cross-entropy kernel that overwrites them with their "
-                    "gradient, then the dh / dW GEMMs; only one chunk's logits in memory")]
+                    "gradient, then the dh / dW GEMMs; only one chunk's logits in memory"),
+        KernelImpl(
+            id=f"{backend}.triton.linear_cross_entropy_stats", op="linear_cross_entropy_stats", backend=backend,
+            fn=stats_fwd, backward=stats_bwd, priority=PRIORITY_TRITON, device_types=triton_device_types(env),
+            dtypes=(torch.float16, torch.bfloat16, torch.float32), features=frozenset({"bias", "softcap"}),
+            requires_interpret_or_cuda=True, memory=MemoryTraits("fused"),
+            description="chunks of tokens: the logits GEMM, a Triton kernel storing each row's (lse, target logit, "
+                        "logit sum) of the vocabulary slice (backward: the kernel overwrites the recomputed logits "
+                        "with their gradient, then the dh / dW GEMMs); only one chunk's logits in memory")]
