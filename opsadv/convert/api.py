@@ -445,7 +445,7 @@ def _run_step(root, kind, label, apply, report, undo, gate):
     """Apply one rewrite step into `undo`; with the floor on, time it both ways and undo it where slower.
 
     Eager floors time B A A B blocks (floor.py's docstring): the step is reverted and re-applied between the sides,
-    more blocks while its samples disagree, and it stays applied if the median block ratio is >= 1.  Compiled
+    a second block while its samples disagree, and it stays applied only if every block ratio is >= 1.  Compiled
     floors time each side once, since each of their measurements is a fresh compilation."""
     first = len(report.changes)
     notes = len(report.notes)
@@ -505,9 +505,12 @@ def _run_step(root, kind, label, apply, report, undo, gate):
         return new_root
     if state["on"]:
         drop()
+    blocks = ", ".join(f"{r:.3f}x" for r in d.block_ratios)
     report.add("kept", "", label, f"opsadv's {kind} rewrite measured {d.ratio:.3f}x ({d.ms_with:.4g} ms with it vs "
                f"{d.ms_without:.4g} ms without, {gate.mode}"
-               + (f", {len(d.block_ratios)} blocks" if d.block_ratios else "") + "): not applied")
+               + (f", {len(d.block_ratios)} blocks" if d.block_ratios else "") + ")"
+               + (f", inconclusive: blocks on both sides of 1.0 ({blocks})" if d.inconclusive else "")
+               + ": not applied")
     return root
 
 

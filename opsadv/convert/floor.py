@@ -10,7 +10,9 @@ Eager floors time the step in balanced blocks, with / without / without / with (
 over the block (clocks, other tenants of the host's CPU, the allocator's state) cancels within it, and the block's
 ratio is sum(without) / sum(with).  A model whose calls are host-bound (launch-bound eager forwards) swings by up to
 2x for seconds at a time on a shared host, so one sample each way decides nothing: a step whose two pairs of a block
-disagree on the side of 1 gets more blocks (up to MAX_BLOCKS), and the decision is the median block ratio >= 1.
+disagree on the side of 1 gets a second block, and the step is kept only when every block ratio is >= 1: blocks on
+both sides of 1 are inconclusive, and an inconclusive rewrite is not applied (the promise is "never slower"; a rewrite
+that the machine's noise can hide gains too little to risk).
 
 What is timed (`mode`): "inference" = one no-grad forward; "train" = forward + backward of the loss
 (labels = input_ids for causal LMs, else the sum of the primary output); "generate" = `model.generate`
@@ -50,7 +52,7 @@ GENERATE_TOKENS = 32                  # new tokens per timed generate call (floo
 ENV = "OPSADV_CONVERT_FLOOR"          # "0" turns the floor off by default, "1" on (the default)
 TARGET_S = 0.1                        # seconds of timed calls per measurement (after the warm-up)
 MIN_REPS, MAX_REPS = 3, 30
-MAX_BLOCKS = 3                        # B A A B blocks per eager step at most (see the module docstring)
+MAX_BLOCKS = 2                        # B A A B blocks per eager step at most: two that disagree are inconclusive
 
 Timer = Callable[[Callable[[], Any]], float]     # fn -> ms of one call
 # rewrite kinds that change only some modes' calls: timed in those modes, applied untimed in the others (they
@@ -76,6 +78,11 @@ class Decision:
     block_ratios: tuple = ()      # eager floors: sum(without) / sum(with) of each B A A B block
 
     @property
+    def inconclusive(self) -> bool:
+        """Eager floors: the blocks fall on both sides of 1 (the step is not applied whatever their median)."""
+        return len({r >= 1.0 for r in self.block_ratios}) > 1
+
+    @property
     def ratio(self) -> float:
         """Speed with the rewrite over speed without (> 1: the rewrite is faster): the median block ratio of an
         eager floor, else ms_without / ms_with."""
@@ -86,6 +93,7 @@ class Decision:
     def to_dict(self) -> dict:
         r4 = lambda xs: [round(x, 4) for x in xs]      # noqa: E731
         return {"kind": self.kind, "kept": self.kept, "ratio": round(self.ratio, 4),
+                **({"inconclusive": True} if self.inconclusive else {}),
                 "ms_without": round(self.ms_without, 4), "ms_with": round(self.ms_with, 4),
                 **({"without_samples": r4(self.without_samples), "with_samples": r4(self.with_samples),
                     "block_ratios": r4(self.block_ratios)} if self.block_ratios else {})}
@@ -303,7 +311,7 @@ class Floor:
         """An eager floor's decision from its B A A B blocks (samples in the order taken, 2 per side per block)."""
         ratios = tuple(block_ratio(without[i:i + 2], with_[i:i + 2]) for i in range(0, len(without), 2))
         d = Decision(kind, label, statistics.median(without), statistics.median(with_),
-                     kept=statistics.median(ratios) >= 1.0, without_samples=tuple(without),
+                     kept=min(ratios) >= 1.0, without_samples=tuple(without),
                      with_samples=tuple(with_), block_ratios=ratios)
         self.decisions.append(d)
         return d
