@@ -274,7 +274,7 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
         modes = _eval_mode(model)
         t_val, tune0 = time.perf_counter(), seconds_spent()
         try:
-            ref = _val.run(model, inputs) if validate and opt_level > 0 else None
+            ref = _val.check_run(model, inputs) if validate and opt_level > 0 else None
         finally:
             _restore_modes(modes)
         t_val, val_tuned = time.perf_counter() - t_val, seconds_spent() - tune0
@@ -314,7 +314,7 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
             if mem_opt is not None and mem_opt >= release.RELEASE_MEM_OPT and opt_level >= 1:
                 modes = _eval_mode(root)             # probe the model as it will run (after the fx rewrite)
                 try:
-                    release.release_pass(root, report, undo, inputs, _val.run)
+                    release.release_pass(root, report, undo, inputs, _val.check_run)
                 finally:
                     _restore_modes(modes)
             runner = _install_graphs(root, report, undo, max_graphs) if cuda_graphs else None
@@ -326,7 +326,7 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
         if ref is not None:
             modes = _eval_mode(root)
             try:
-                new = _val.run(root, inputs)
+                new = _val.check_run(root, inputs)
             except Exception:
                 undo.revert()
                 raise

@@ -610,7 +610,7 @@ def _decide(root, sites, units, inputs, report, attn=()):
     try:
         for s in sites:
             s.gemm.enabled = False
-        ref = _val.run(root, inputs)                # the bf16 conversion: what FP8 is judged against
+        ref = _val.check_run(root, inputs)          # the bf16 conversion: what FP8 is judged against
         dtype = next((p.dtype for p in root.parameters() if p.is_floating_point()), torch.float32)
 
         def set_fp8(on: set[str]) -> None:
@@ -620,7 +620,7 @@ def _decide(root, sites, units, inputs, report, attn=()):
                 a.set(a.unit in on)
 
         def measure() -> dict:
-            return _val.compare(ref, _val.run(root, inputs), inputs, dtype, limits=_val.FP8_LIMITS)
+            return _val.compare(ref, _val.check_run(root, inputs), inputs, dtype, limits=_val.FP8_LIMITS)
         kept, why, runs = decide_units(units, set_fp8, measure)
         return kept, why, runs + 1
     finally:

@@ -38,6 +38,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from opsadv import ops
+from opsadv.core import tuning
 
 from . import tp, validate as _val
 from .hf_attention import is_transformers_model
@@ -259,7 +260,7 @@ def _probe(model, seam: LossSeam, dtype, kwargs: dict) -> str | None:
         labels = x["input_ids"].masked_fill(x["attention_mask"] == 0, -100)
         labels[0, 3] = -100
         model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), tuning.deferred():        # (a probe's shapes: nothing tuned for them)
             ref = model(**x, labels=labels)
             seam.force = True
             try:

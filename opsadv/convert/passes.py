@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from opsadv.core import tuning
 from opsadv.runtime import apply_memory_policy
 
 from .modules import (DenseResidualNorm, FusedRows, FusedSwiGLUMLP, LinearAct, OpsadvNorm, QKVGroup, QKVProjection,
@@ -73,12 +74,13 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _eval_call(mods, fn):
-    """Run fn with the given modules in eval mode and without grad (dropout off), restore modes."""
+    """Run fn with the given modules in eval mode and without grad (dropout off), restore modes; a probe's shapes
+    are not the model's, so nothing is tuned for them (core.tuning.deferred)."""
     modes = [m.training for m in mods]
     try:
         for m in mods:
             m.eval()
-        with torch.no_grad():
+        with torch.no_grad(), tuning.deferred():
             return fn()
     finally:
         for m, t in zip(mods, modes):

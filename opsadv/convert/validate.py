@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from opsadv.core import tuning
 from opsadv.core.errors import InvalidArgumentError, OpsadvError
 
 REL_LIMIT = {torch.float32: 1e-3, torch.float64: 1e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
@@ -104,6 +105,13 @@ def run(model, inputs) -> Any:
         if isinstance(inputs, (tuple, list)):
             return model(*inputs)
         return model(inputs)
+
+
+def check_run(model, inputs) -> Any:
+    """run() for a correctness check: validation inputs are not the shapes the model will run, so nothing is
+    tuned for them (core.tuning.deferred: cached measurements still decide; the real shapes' first calls tune)."""
+    with tuning.deferred():
+        return run(model, inputs)
 
 
 def compare(ref_out, new_out, inputs, dtype: torch.dtype, limits: dict | None = None) -> dict[str, Any]:

@@ -151,7 +151,7 @@ hooks.on_registry_reset(clear_cache)     # a rebuilt registry has other impls: n
 def learn(fast_key: tuple | None, key: tuple, r: Resolved | None = None) -> None:
     """After an op call took the full path (validated, resolved under the current policy, run): remember
     the resolution of its bucket `key` (or `r`) under the call's `fast_key` for the next identical call."""
-    if fast_key is None or _fast_off:
+    if fast_key is None or _fast_off or tuning.is_deferred():     # (deferred: an untuned choice must not stick)
         return
     if r is None:
         r = _memo.get((current_policy().serial, key))
@@ -260,6 +260,9 @@ def resolve(key: tuple, make_spec: Callable[[], CallSpec], args: tuple | None = 
         reasons = {c.impl.id: list(c.reasons) for c in exp.candidates}
         raise NoKernelError(spec.op + (" (backward)" if spec.backward else ""), policy.describe(), reasons)
     if policy.autotune and args is not None:
+        if tuning.is_deferred():        # (tuning.deferred: no measurement, and no memo that would skip one later)
+            log.debug("%s: %s served untuned (tuning deferred)", spec.op, r.impl.id)
+            return r
         with devices.inputs_device(args):
             r = devices.guarded(tuning.autotune(exp, r, args, policy.timing) or r)
     _announce(exp, r, policy)

@@ -5,9 +5,11 @@ is keyed by device name and library versions, opsadv's included: a new driver st
 never reuses stale measurements.  How the file is validated, locked and merged: core/cachefile.py."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -324,6 +326,25 @@ def time_rounds(steps: dict, device_type: str, timing: str) -> dict[str, float]:
 
 
 _SPENT = {"s": 0.0, "depth": 0}
+_DEFERRED: ContextVar[bool] = ContextVar("opsadv_tuning_deferred", default=False)
+
+
+@contextlib.contextmanager
+def deferred():
+    """`with deferred():` calls in the block measure nothing new: impls and kernel configs come from the tuning
+    caches where a bucket was measured, else from priority / the profile's default config, and that choice is not
+    memoized, so the bucket's first call outside the block still tunes it.  convert_model validates under it:
+    validation inputs are not the shapes the model will run, and tuning them cost most of a conversion."""
+    token = _DEFERRED.set(True)
+    try:
+        yield
+    finally:
+        _DEFERRED.reset(token)
+
+
+def is_deferred() -> bool:
+    return _DEFERRED.get()
+
 
 
 def seconds_spent() -> float:

@@ -18,7 +18,7 @@ from opsadv.core.cachefile import JsonCache
 from opsadv.core.env import current_env
 from opsadv.core.envvars import env_bool
 from opsadv.core.tuning import _device_key, kernel_config_entry
-from opsadv.core.tuning import spending, time_rounds
+from opsadv.core.tuning import is_deferred, spending, time_rounds
 
 log = logging.getLogger("opsadv.cuda.autotune")
 
@@ -175,6 +175,8 @@ class ConfigTuner:
             with self._lock:
                 self.best[key] = offered
             return offered
+        if is_deferred():               # (tuning.deferred: the default now, not kept: a later call tunes the key)
+            return configs[0]
         log.debug("%s %s: config cache miss (%s): timing %d configs", self.name, key,
                   "stored config no longer offered" if stored is not None else "nothing stored", len(configs))
         with spending():
