@@ -275,6 +275,9 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
         t_val, tune0 = time.perf_counter(), seconds_spent()
         try:
             ref = _val.check_run(model, inputs) if validate and opt_level > 0 else None
+            ref32, no_ref32 = None, "not needed"
+            if ref is not None and dtype in (torch.float16, torch.bfloat16) and not use_fp8:
+                ref32, no_ref32 = _val.fp32_reference(model, inputs)     # (the original's own rounding, see validate)
         finally:
             _restore_modes(modes)
         t_val, val_tuned = time.perf_counter() - t_val, seconds_spent() - tune0
@@ -333,6 +336,9 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
             finally:
                 _restore_modes(modes)
             metrics = _val.compare(ref, new, inputs, dtype, limits=_val.FP8_LIMITS if report.fp8 else None)
+            if not metrics["passed"] and not report.fp8:
+                metrics = (_val.within_own_rounding(metrics, ref, new, ref32, inputs) if ref32 is not None
+                           else dict(metrics, no_fp32_reference=no_ref32))
             report.validation = metrics
             if not metrics["passed"]:
                 if validate is True:
