@@ -152,11 +152,16 @@ def fp32_reference(model, inputs) -> tuple[Any, str]:
     if need > FP32_REF_MEMORY_SHARE * free:
         return None, (f"a float32 copy ({need / 2**30:.1f} GiB) would take more than {FP32_REF_MEMORY_SHARE:.0%} of "
                       f"the free memory ({free / 2**30:.1f} GiB)")
-    m32 = copy.deepcopy(model).float()
+    if any(p.device.type == "meta" for p in params) or len({p.device for p in params}) > 1:
+        return None, "the model is offloaded or spread over devices"
     try:
-        return check_run(m32, _as_fp32(inputs)), ""
-    finally:
-        del m32
+        m32 = copy.deepcopy(model).float()
+        try:
+            return check_run(m32, _as_fp32(inputs)), ""
+        finally:
+            del m32
+    except Exception as e:          # noqa: BLE001 - the float32 reference is an aid: its failure only loses the aid
+        return None, f"the float32 copy failed: {type(e).__name__}: {str(e)[:200]}"
 
 
 def _rows(out, inputs) -> tuple[torch.Tensor | None, str]:
