@@ -52,6 +52,7 @@ def test_refused_conversion_restores_dtypes_and_values(monkeypatch, precision):
     snap = _snapshot(m)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[precision]
     monkeypatch.setitem(_val.REL_LIMIT, dtype, -1.0)               # every comparison fails
+    monkeypatch.setattr(_val, "NOISE_FACTOR", -1.0)                # the float32 rule too
     with pytest.raises(ValidationError):
         opsadv.convert_model(m, backend="reference", precision=precision,
                              example_inputs=torch.randn(5, 24, dtype=dtype), floor=False)
