@@ -3,10 +3,13 @@ small per-shape-bucket config autotuner (GPU only; the interpreter always takes 
 first config)."""
 from __future__ import annotations
 
+import contextvars
 import inspect
 import json
 import logging
+import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import triton
@@ -165,7 +168,7 @@ class ConfigTuner:
         cfg = self.best.get(key)
         if cfg is not None and cfg in configs:      # the space may have been capped since (tile_size)
             return cfg
-        if not autotune or len(configs) == 1 or torch.cuda.is_current_stream_capturing():
+        if not autotune or len(configs) == 1 or _PRECOMPILING.get() or torch.cuda.is_current_stream_capturing():
             return configs[0]
         stored = _disk_load().get(self._disk_key(key))
         # JSON turns tuples into lists: compare in that form, return the offered config itself
@@ -185,6 +188,7 @@ class ConfigTuner:
     def _tune(self, key: tuple, configs: list[dict], launch) -> dict:
         err: Exception | None = None
         ok = []
+        precompile(configs, launch)
         for i, c in enumerate(configs):     # compile (and launch once) every config before timing any: a
             try:                            # compile pause in between would leave the next one on idle clocks
                 launch(c)
@@ -207,6 +211,56 @@ class ConfigTuner:
         _disk_store(self._disk_key(key), best)
         log.info("%s %s -> %s", self.name, key, best)
         return best
+
+
+_PRECOMPILING: contextvars.ContextVar[bool] = contextvars.ContextVar("opsadv_precompiling", default=False)
+
+
+def compile_threads() -> int:
+    """Threads that compile a tuner's configs side by side: OPSADV_COMPILE_THREADS, else one per CPU core up to 16
+    (0 or 1: one after another)."""
+    v = os.environ.get("OPSADV_COMPILE_THREADS", "").strip()
+    if v:
+        try:
+            n = int(v)
+        except ValueError:
+            from opsadv.core.errors import EnvVarError
+            raise EnvVarError("OPSADV_COMPILE_THREADS", v, "a whole number of threads (0 or 1: no threads)") from None
+        return max(n, 1)
+    return max(1, min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+
+def precompile(configs: list[dict], launch) -> int:
+    """Launch every config once on worker threads, so their kernels compile side by side: Triton's compile
+    spends most of its time outside the GIL (MLIR passes, LLVM, ptxas), and a tuner's configs (8-16 variants of one
+    GEMM or attention kernel) otherwise compile one after another, most of a cold conversion's tuning time.
+    Workers launch on the caller's device and stream with its grad / inference mode; a tuner reached from a worker
+    (a variant that runs a whole backward) takes its default config instead of tuning inside the thread (timing
+    there would overlap).  Errors are left to the caller's own launch, which follows and decides; returns the
+    number of configs launched on threads (0: one thread, a CPU tensor world, or under CUDA-graph capture)."""
+    n = min(compile_threads(), len(configs))
+    if n < 2 or not torch.cuda.is_available() or torch.cuda.is_current_stream_capturing():
+        return 0
+    device, stream = torch.cuda.current_device(), torch.cuda.current_stream()
+    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+    def one(cfg):
+        torch.cuda.set_device(device)
+        with torch.cuda.stream(stream), torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            try:
+                launch(cfg)
+            except Exception as e:      # (the caller's own launch of this config reports it)
+                log.debug("precompile %s: %s", cfg, str(e).splitlines()[0] if str(e) else type(e).__name__)
+
+    token = _PRECOMPILING.set(True)
+    try:        # each worker runs in a copy of the caller's context (tuning.deferred and the flag above)
+        ctxs = [contextvars.copy_context() for _ in configs]
+    finally:
+        _PRECOMPILING.reset(token)
+    with ThreadPoolExecutor(n, thread_name_prefix="opsadv-compile") as ex:
+        list(ex.map(lambda c, cfg: c.run(one, cfg), ctxs, configs))
+    stream.synchronize()
+    return len(configs)
 
 
 def _as_json(cfg):
