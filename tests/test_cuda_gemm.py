@@ -396,3 +396,42 @@ def test_traced_training_calls_compose_too():
             grads[name] = torch.autograd.grad(fn(*ins), ins)
     for g, r in zip(grads["compiled"], grads["eager"]):
         assert rel_err(g, r) < 1e-6
+
+
+@pytest.mark.parametrize("kernel", ["ptr", "tma", "persistent"])
+def test_tuned_config_is_measured_kept_and_reused(kernel, tmp_path, monkeypatch):
+    """The Triton GEMM's tile configs go through the kernels' ConfigTuner: every config launches (NaN-poisoned
+    output, odd shapes, checked against float64), the fastest is kept in kernel_configs.json under
+    triton_gemm.<kernel>, and a fresh process takes it without launching anything."""
+    from opsadv.backends.triton_common import utils as U
+    from opsadv.backends.triton_common.gemm import gemm as G
+    monkeypatch.setenv("OPSADV_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(U, "_CONFIGS", None)
+    monkeypatch.setattr(G, "_TUNERS", {})
+    monkeypatch.setattr(U.torch.cuda, "is_current_stream_capturing", lambda: False)
+    configs = [(16, 32, 32, 4, 1), (32, 32, 32, 4, 1)]
+    if kernel == "persistent":
+        configs = [c + (1, True) for c in configs]
+    checked = []
+
+    def rounds(steps, device_type, timing):
+        for i in steps:                           # each config's own output, poisoned first
+            out.fill_(float("nan"))
+            steps[i]()
+            checked.append(rel_err(out, want) < TOL[torch.float32])
+        return {i: [3.0, 1.0][i] for i in steps}
+    monkeypatch.setattr(U, "time_rounds", rounds)
+    a, b, bias, res = _inputs(37, 40, 24, torch.float32, seed=5)
+    ctx = _ctx(_gemm_spec(a, b, bias, "gelu", res, 0.5, False))
+    want = _ref_gemm(a, b, bias, "gelu", res, 0.5)
+    out = torch.full((37, 24), float("nan"), device=DEV)
+    got = G._tuned_config(ctx, kernel, configs, a, b, out, bias, res, None, "gelu", 0.5, False, False)
+    assert got == configs[1] and checked == [True, True]
+    stored = (tmp_path / "kernel_configs.json").read_text()
+    assert f"triton_gemm.{kernel}|" in stored
+    monkeypatch.setattr(U, "_CONFIGS", None)
+    monkeypatch.setattr(G, "_TUNERS", {})                        # "a new process"
+    monkeypatch.setattr(U, "time_rounds", lambda *a: 1 / 0)
+    again = G._tuned_config(ctx, kernel, configs, a, b, out.fill_(float("nan")), bias, res, None, "gelu", 0.5,
+                            False, False)
+    assert again == configs[1] and torch.isnan(out).all()       # nothing launched

@@ -122,28 +122,32 @@ def _meta(cfg: tuple) -> dict:
     return meta
 
 
-@functools.lru_cache(maxsize=None)
-def _autotuned(kernel: str, configs: tuple):
-    import triton
-    from . import kernels as K
-    hook = None if kernel == "ptr" else _set_tma_blocks
-    cfgs = [triton.Config(_meta(c), num_warps=c[3], num_stages=c[4], pre_hook=hook)
-            for c in configs]
-    fn = {"ptr": K._gemm_kernel, "tma": K._gemm_tma_kernel, "persistent": K._gemm_persistent_kernel}[kernel]
-    key = ["M_BUCKET", "N", "K"]
-    if kernel == "persistent":       # the epilogue's cost (erf GELU, TMA or pointer stores) moves the best tile
-        key += ["ACT", "SWIGLU", "BWD", "TMA_STORE"]
-    # cache_results: Triton keeps the timings in its on-disk cache, so a second process does not re-tune
-    return triton.autotune(cfgs, key=key, cache_results=True)(fn)
+_TUNERS: dict = {}
 
 
-def _set_tma_blocks(nargs) -> None:
-    """Autotune pre-hook: the descriptors' block shapes follow the config being tried."""
-    bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
-    nargs["a_desc"].block_shape = [bm, bk]
-    nargs["b_desc"].block_shape = [bn, bk] if nargs["B_NK"] else [bk, bn]
-    if nargs.get("c_desc") is not None:
-        nargs["c_desc"].block_shape = [bm, bn // 2 if nargs["EPI_SPLIT"] else bn]
+def _tuner(kernel: str):
+    t = _TUNERS.get(kernel)
+    if t is None:
+        from ..utils import ConfigTuner
+        t = _TUNERS[kernel] = ConfigTuner(f"triton_gemm.{kernel}")
+    return t
+
+
+def _tuned_config(ctx, kernel: str, configs: list[tuple], a2, b, out, bias, res2, grad2, act: str, alpha: float,
+                  swiglu: bool, bwd: bool) -> tuple:
+    """The config measured for this call's bucket (rows bucket, N, K, dtype, epilogue, B layout) among the profile's
+    table, by the kernels' shared ConfigTuner: compiled side by side, timed in rotated rounds, the winner kept in
+    kernel_configs.json (Triton's own autotuner keeps nothing on disk for configs with a pre-hook, which the TMA
+    descriptors' block shapes need, so every process re-tuned every bucket one compile after another)."""
+    if len(configs) == 1:
+        return configs[0]
+    m, k = a2.shape
+    key = (str(a2.dtype), len_bucket(m), b.shape[1], k, act, bias is not None, res2 is not None, swiglu, bwd,
+           b.stride(0) == 1)
+
+    def launch(c):
+        _launch(ctx, a2, b, out, bias, res2, grad2, act, alpha, swiglu, bwd, kernel, config=c["config"])
+    return _tuner(kernel).pick(key, [{"config": c} for c in configs], launch, True)["config"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -187,12 +191,11 @@ def _launch(ctx, a2, b, out, bias, res2, grad2, act: str, alpha: float, swiglu: 
     tables = _tables(ctx)
     if not persistent and m <= 64:
         kind = "small"
-    if config is None and not tune:
-        config = _fixed_config(pname, kind, m, n, cap, tables)
-    if config is not None:
-        flags.update(_meta(config), num_warps=config[3], num_stages=config[4])
-    kern = _autotuned(kernel, tuple(_configs(tables, kind, cap))) if config is None else \
-        {"ptr": K_._gemm_kernel, "tma": K_._gemm_tma_kernel, "persistent": K_._gemm_persistent_kernel}[kernel]
+    if config is None:
+        config = (_tuned_config(ctx, kernel, _configs(tables, kind, cap), a2, b, out, bias, res2, grad2, act, alpha,
+                                swiglu, bwd) if tune else _fixed_config(pname, kind, m, n, cap, tables))
+    flags.update(_meta(config), num_warps=config[3], num_stages=config[4])
+    kern = {"ptr": K_._gemm_kernel, "tma": K_._gemm_tma_kernel, "persistent": K_._gemm_persistent_kernel}[kernel]
     if kernel == "ptr":
         grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
         kern[grid](a2, b, out, bias_, r, g, m, n, k, len_bucket(m),
@@ -203,7 +206,7 @@ def _launch(ctx, a2, b, out, bias, res2, grad2, act: str, alpha: float, swiglu: 
         a2 = a2.contiguous()                            # e.g. a sliced / transposed a: TMA needs unit-stride rows
     b_nk = not _tma_ready(b) and _tma_ready(b.t())      # nn.Linear weight.t(): read it as (N, K) rows
     bt = b.t() if b_nk else (b if _tma_ready(b) else b.contiguous())
-    bm, bn, bk = (flags["BLOCK_M"], flags["BLOCK_N"], flags["BLOCK_K"]) if config else (16, 16, 16)
+    bm, bn, bk = flags["BLOCK_M"], flags["BLOCK_N"], flags["BLOCK_K"]
     a_desc = TensorDescriptor.from_tensor(a2, [bm, bk])
     b_desc = TensorDescriptor.from_tensor(bt, [bn, bk] if b_nk else [bk, bn])
     if not persistent:
@@ -212,7 +215,7 @@ def _launch(ctx, a2, b, out, bias, res2, grad2, act: str, alpha: float, swiglu: 
         return out
     tma_store = not bwd and _tma_ready(out)            # the forward's tile leaves through a TMA descriptor
     c_desc = TensorDescriptor.from_tensor(out, [bm, bn]) if tma_store else None
-    if c_desc is not None and config:
+    if c_desc is not None:
         c_desc.block_shape = [bm, bn // 2 if flags["EPI_SPLIT"] else bn]
     progs = _num_sms(out.device.index or 0) if out.is_cuda else INTERPRETER_PROGRAMS
 
