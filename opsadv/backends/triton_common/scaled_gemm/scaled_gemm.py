@@ -71,21 +71,17 @@ def _meta(cfg: tuple) -> dict:
     return {"BLOCK_M": cfg[0], "BLOCK_N": cfg[1], "BLOCK_K": cfg[2], "GROUP_M": GROUP_M}
 
 
-def _set_tma_blocks(nargs) -> None:
-    """Autotune pre-hook: the descriptors' block shapes follow the config being tried."""
-    if not nargs["TMA"]:
-        return
-    bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
-    nargs["a_desc"].block_shape = [bm, bk]
-    nargs["b_desc"].block_shape = [bn, bk] if nargs["B_NK"] else [bk, bn]
+_TUNER = None
 
 
-@functools.lru_cache(maxsize=None)
-def _autotuned(configs: tuple):
-    import triton
-    cfgs = [triton.Config(_meta(c), num_warps=c[3], num_stages=c[4], pre_hook=_set_tma_blocks) for c in configs]
-    key = ["M_BUCKET", "N", "K", "TMA", "B_NK", "A_BLOCK", "B_BLOCK", "ACT", "HAS_BIAS", "HAS_RES", "OUT_FP8", "SWIGLU"]
-    return triton.autotune(cfgs, key=key, cache_results=True)(_kernels()["gemm"])
+def _tuner():
+    """The kernels' shared ConfigTuner (compiles configs side by side, keeps winners in kernel_configs.json); Triton's
+    autotuner keeps nothing on disk for configs with a pre-hook, which the TMA descriptors' block shapes need."""
+    global _TUNER
+    if _TUNER is None:
+        from ..utils import ConfigTuner
+        _TUNER = ConfigTuner("scaled_gemm")
+    return _TUNER
 
 
 def _tma_ready(t: torch.Tensor) -> bool:
@@ -132,8 +128,7 @@ def _run(ctx, a, b, a_scale, b_scale, bias, activation, residual, out_dtype, out
         a2 = a if _tma_ready(a) else a.contiguous()
         b_nk = not _tma_ready(b) and _tma_ready(b.t())          # W.t() of an nn.Linear weight: read (N, K) rows
         bt = b.t() if b_nk else (b if _tma_ready(b) else b.contiguous())
-        a_desc = TensorDescriptor.from_tensor(a2, [16, 16])     # block shapes: set per config (_set_tma_blocks)
-        b_desc = TensorDescriptor.from_tensor(bt, [16, 16])
+        a_desc = b_desc = None                                  # built per config (launch)
         a_ptr, b_ptr, strides = a2, bt, (0, 0, 0, 0)
     else:
         a_desc, b_desc, a_ptr, b_ptr = a, b, a, b
@@ -153,16 +148,20 @@ def _run(ctx, a, b, a_scale, b_scale, bias, activation, residual, out_dtype, out
     flags = dict(TMA=tma, B_NK=b_nk, A_BLOCK=a_block, B_BLOCK=b_block, ACT=ACT_IDS[activation],
                  HAS_BIAS=bias is not None, HAS_RES=residual is not None, OUT_FP8=out_fp8 is not None,
                  SWIGLU=swiglu)
-    if config is not None:
-        if tma:
-            a_desc.block_shape = [config[0], config[2]]
-            b_desc.block_shape = [config[1], config[2]] if b_nk else [config[2], config[1]]
-        grid = (triton.cdiv(m, config[0]) * triton.cdiv(n, config[1]),)
-        _kernels()["gemm"][grid](*args, **flags, **_meta(config), num_warps=config[3], num_stages=config[4])
-    else:
-        def grid(meta):
-            return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
-        _autotuned(tuple(_configs(ctx, kind)))[grid](*args, **flags)
+
+    def launch(cfg):
+        ad, bd = a_desc, b_desc
+        if tma:         # descriptors of this config's block shapes (tuning launches configs on several threads)
+            ad = TensorDescriptor.from_tensor(a_ptr, [cfg[0], cfg[2]])
+            bd = TensorDescriptor.from_tensor(b_ptr, [cfg[1], cfg[2]] if b_nk else [cfg[2], cfg[1]])
+        grid = (triton.cdiv(m, cfg[0]) * triton.cdiv(n, cfg[1]),)
+        _kernels()["gemm"][grid](*args[:2], ad, bd, *args[4:], **flags, **_meta(cfg), num_warps=cfg[3],
+                                 num_stages=cfg[4])
+    if config is None:
+        key = (len_bucket(m), n, k, str(a.dtype), str(b.dtype), str(dtype), *flags.values())
+        config = _tuner().pick(key, [{"config": c} for c in _configs(ctx, kind)], lambda c: launch(c["config"]),
+                               True)["config"]
+    launch(config)
     if out_fp8 is None:
         return out, None
     fmax, mant, emin = FP8_FORMAT[out_fp8]
