@@ -39,6 +39,8 @@ LAZY: dict[tuple[str, str], str] = {
     ("opsadv.cli", "opsadv.convert.cli"): "optional CLI part: its ImportError leaves the other commands working",
     ("opsadv.bench.suite_sparse", f"{TC}.sparse_attention.sparse"): TRITON,
     (f"{TC}.gemm.gemm", f"{TC}.gemm.kernels"): TRITON,
+    (f"{TC}.gemm.gemm", f"{TC}.utils"): TRITON,
+    (f"{TC}.scaled_gemm.scaled_gemm", f"{TC}.utils"): TRITON,
     (f"{TC}.norm.norm", f"{TC}.norm.kernels"): TRITON,
     (f"{TC}.norm.norm", f"{TC}.utils"): TRITON,
     (f"{TC}.rotary_embedding.rotary", f"{TC}.rotary_embedding.kernels"): TRITON,

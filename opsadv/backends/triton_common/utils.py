@@ -20,6 +20,7 @@ from opsadv.core.op_common import empty_bshd
 from opsadv.core.cachefile import JsonCache
 from opsadv.core.env import current_env
 from opsadv.core.envvars import env_bool
+from opsadv.core.errors import EnvVarError
 from opsadv.core.tuning import _device_key, kernel_config_entry
 from opsadv.core.tuning import is_deferred, spending, time_rounds
 
@@ -224,7 +225,6 @@ def compile_threads() -> int:
         try:
             n = int(v)
         except ValueError:
-            from opsadv.core.errors import EnvVarError
             raise EnvVarError("OPSADV_COMPILE_THREADS", v, "a whole number of threads (0 or 1: no threads)") from None
         return max(n, 1)
     return max(1, min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
