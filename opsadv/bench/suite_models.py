@@ -315,7 +315,9 @@ def convert(base, cell: Cell, x: dict, val_in: dict, extra: dict, precision: str
     if cuda_graphs:
         kw["cuda_graphs"] = True
         extra["conversion_options"] = {"cuda_graphs": True}
-    floor = FLOOR or ("off" if cell.size == "tiny" else "cell")
+    # paged cells: the floor times generate over transformers' DynamicCache, which never runs the paged path (it
+    # undid the attention rewrite the paged cache needs); the cell itself measures the whole against its peers
+    floor = FLOOR or ("off" if cell.size == "tiny" or cell.cache == "paged" else "cell")
     extra["floor_inputs"] = floor
     if floor == "off":
         kw["floor"] = False
