@@ -419,6 +419,19 @@ def test_runner_speedup_against_the_baseline():
     assert [len(v) for v in seen.values()] == [3, 3]
 
 
+@pytest.mark.parametrize("ours_ms, want_rounds", [([10, 10, 10.5], 3), ([10, 13, 10], 6), ([10, 10.9, 10], 3)])
+def test_runner_adds_rounds_while_paired_ratios_disagree(monkeypatch, ours_ms, want_rounds):
+    """Rounds whose peer / ours ratios spread by more than SPREAD get more rounds, up to max_rounds; a run that
+    agrees (within 10%) keeps its rounds; one outlier keeps the spread, so that run takes every extra round.
+    Times are scripted: ours as listed then 10 ms, the peer 10 ms."""
+    from opsadv.bench import runner
+    script = iter(ours_ms + [10.0] * 20)
+    monkeypatch.setattr(runner, "calls_ms", lambda fn, calls: next(script) if fn == "o" else 10.0)
+    seen: dict = {}
+    runner.time_interleaved({"o": "o", "p": "p"}, rounds=3, per_round=seen, calls=1, ours="o", max_rounds=6)
+    assert [len(v) for v in seen.values()] == [want_rounds, want_rounds]
+
+
 def _raise():
     raise RuntimeError("no")
 

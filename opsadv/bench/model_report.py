@@ -138,8 +138,9 @@ def headline_markdown(json_path: str) -> str:
     f = lambda v: "-" if v is None else f"{v:.2f}x"   # noqa: E731
     lines = [f"Models matrix on {data.get('device', '?')} (torch {data.get('torch', '?')}, "
              f"{_commits(rows, data)}): converted vs the unconverted model in the same mode (eager vs eager, "
-             "compiled vs compiled; decode paged: convert_model(cuda_graphs=True) + a static PagedKVCache vs transformers' "
-             "StaticCache under generate's auto-compile), paired per-round ratios, >1 = converted faster.", "",
+             "compiled vs compiled; decode paged: convert_model(cuda_graphs=True) + a static PagedKVCache vs "
+             "transformers' StaticCache under generate's auto-compile), paired per-round ratios, >1 = converted "
+             "faster.", "",
              "| mode | cells | median | lowest cell | cells >= 1.0x | median vs Liger |",
              "|---|---|---|---|---|---|"]
     for g in headline(rows):
