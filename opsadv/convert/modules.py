@@ -170,9 +170,14 @@ def unalias_fused(model: nn.Module) -> None:
 class OpsadvNorm(nn.Module):
     """LayerNorm / RMSNorm over the last dim via opsadv.ops.layer_norm / rms_norm."""
 
-    def __init__(self, kind: str, weight, bias, eps: float, offset: float = 0.0, eps_attr: str = "eps"):
+    cast_to_weight = False   # (class default: a module pickled before the attribute existed)
+
+    def __init__(self, kind: str, weight, bias, eps: float, offset: float = 0.0, eps_attr: str = "eps",
+                 cast_to_weight: bool = False):
         super().__init__()
         self.kind, self.eps, self.offset = kind, float(eps), float(offset)
+        # T5LayerNorm's rule: a half-precision weight turns a float32 input's output into the weight's dtype
+        self.cast_to_weight = cast_to_weight
         self.weight = weight
         self.bias = bias
         if eps_attr != "eps":
@@ -189,8 +194,15 @@ class OpsadvNorm(nn.Module):
             residual = residual.to(dt) if residual is not None else None
         with scope_of(self):
             if self.kind == "rms":
-                return ops.rms_norm(x, w, self.eps, residual=residual, offset=self.offset)
-            return ops.layer_norm(x, w, b, self.eps, residual=residual)
+                out = ops.rms_norm(x, w, self.eps, residual=residual, offset=self.offset)
+            else:
+                out = ops.layer_norm(x, w, b, self.eps, residual=residual)
+        wdt = self.weight.dtype if self.weight is not None else None
+        if self.cast_to_weight and wdt in (torch.float16, torch.bfloat16):
+            if isinstance(out, tuple):              # (normalized, residual sum): the residual stream keeps its dtype
+                return (out[0].to(wdt), *out[1:])
+            return out.to(wdt)
+        return out
 
 
 class QKVProjection(nn.Linear):
@@ -326,6 +338,9 @@ class SwiGLUMLP(nn.Module):
                 h = ops.swiglu(F.linear(x, self._w.get(), b), activation=self.activation)
             elif h is None:
                 h = ops.swiglu_gemm(x, self._w.get_t(), bias=self._b.get() if self._b is not None else None)
+        return self._down(h)
+
+    def _down(self, h: torch.Tensor) -> torch.Tensor:
         return self.down_proj(h)
 
     def _mlp_sharded(self, x: torch.Tensor) -> torch.Tensor:
@@ -336,7 +351,7 @@ class SwiGLUMLP(nn.Module):
         mesh = tp.colwise_mesh(ws + (self._b.params if self._b is not None else []))
         if mesh is None or tp.is_dtensor(x) or not tp.rowwise_on(self.down_proj.weight, mesh):
             act = _ACTIVATIONS[self.activation]
-            return self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))
+            return self._down(act(self.gate_proj(x)) * self.up_proj(x))
         xl, _ = tp.colwise_input(x, mesh)
         w = self._w.get()                         # this rank's [gate_r|up_r]
         b = self._b.get() if self._b is not None else None
@@ -345,7 +360,7 @@ class SwiGLUMLP(nn.Module):
                 h = ops.swiglu(F.linear(xl, w, b), activation=self.activation)
             else:
                 h = ops.swiglu_gemm(xl, w.t(), bias=b)
-        return self.down_proj(h)
+        return self._down(h)
 
     def _n_ff(self) -> int:
         return self.gate_proj.out_features
@@ -370,6 +385,49 @@ class SwiGLUMLP(nn.Module):
             for i in range(step, rows, step):
                 out[i:i + step] = self._mlp(x2[i:i + step])
         return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+class NamedGatedMLP(SwiGLUMLP):
+    """SwiGLUMLP for a gated MLP whose children have other names (T5's wi_0 / wi_1 / wo: the names, hence the
+    state_dict keys, are kept), with the module's dropout between the product and the down projection (identity in
+    eval) and the product cast to the down projection's dtype first (T5 keeps `wo` in float32 under float16)."""
+
+    def __init__(self, gate: nn.Linear, up: nn.Linear, down: nn.Linear, names: tuple[str, str, str],
+                 activation: str = "silu", dropout: nn.Module | None = None):
+        nn.Module.__init__(self)
+        self._names = names
+        self.activation = activation
+        for n, m in zip(names, (gate, up, down)):
+            self.add_module(n, m)
+        if dropout is not None:
+            self.dropout = dropout
+        self._w = FusedRows([gate.weight, up.weight])
+        self._b = FusedRows([gate.bias, up.bias]) if gate.bias is not None else None
+        for i, lin in enumerate((gate, up)):
+            self._w.own(i, lin, "weight")
+            if self._b is not None:
+                self._b.own(i, lin, "bias")
+
+    @property
+    def gate_proj(self) -> nn.Linear:
+        return getattr(self, self._names[0])
+
+    @property
+    def up_proj(self) -> nn.Linear:
+        return getattr(self, self._names[1])
+
+    @property
+    def down_proj(self) -> nn.Linear:
+        return getattr(self, self._names[2])
+
+    def _down(self, h: torch.Tensor) -> torch.Tensor:
+        drop = self._modules.get("dropout")
+        if drop is not None:
+            h = drop(h)
+        down = self.down_proj
+        if h.dtype != down.weight.dtype:
+            h = h.to(down.weight.dtype)
+        return down(h)
 
 
 class FusedSwiGLUMLP(SwiGLUMLP):

@@ -12,8 +12,8 @@ from torch.nn import functional as F
 from opsadv.core import tuning
 from opsadv.runtime import apply_memory_policy
 
-from .modules import (DenseResidualNorm, FusedRows, FusedSwiGLUMLP, LinearAct, OpsadvNorm, QKVGroup, QKVProjection,
-                      SwiGLUMLP)
+from .modules import (DenseResidualNorm, FusedRows, FusedSwiGLUMLP, LinearAct, NamedGatedMLP, OpsadvNorm, QKVGroup,
+                      QKVProjection, SwiGLUMLP)
 from . import tp
 from .report import ConversionReport
 
@@ -150,6 +150,20 @@ def probe_norm(m: nn.Module):
     return None
 
 
+def casts_to_weight_dtype(m: nn.Module) -> bool:
+    """Whether a norm with a float16 / bfloat16 weight hands a float32 input back in the weight's dtype (T5's
+    T5LayerNorm casts to it; Llama's RMSNorm promotes to float32): run once on a float32 input."""
+    w = _param_tensor(m, "weight", 1)
+    if w is None or w.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    x = torch.randn(1, 2, w.shape[0], generator=torch.Generator().manual_seed(0)).to(w.device)
+    try:
+        y = _eval_call([m], lambda: m(x))
+    except Exception:
+        return False
+    return isinstance(y, torch.Tensor) and y.dtype == w.dtype
+
+
 def _named_parents(model: nn.Module):
     for pname, parent in list(model.named_modules()):
         for cname, child in list(parent.named_children()):
@@ -179,7 +193,7 @@ def norm_pass(model, report: ConversionReport, undo: Undo, state) -> None:
             continue
         kind, off, eps, eps_attr = found
         new = OpsadvNorm(kind, child.weight, getattr(child, "bias", None) if kind == "layer" else None, eps, off,
-                         eps_attr)
+                         eps_attr, cast_to_weight=casts_to_weight_dtype(child))
         new._opsadv_state = state
         new.train(child.training)
         seen[id(child)] = new
@@ -251,12 +265,28 @@ def _mlp_candidate(m):
     if fused_gu is not None:
         return fused_gu
     if all(_linear(kids.get(n)) for n in ("wi_0", "wi_1", "wo")):
-        act = probe_activation(getattr(m, "act", None))
-        if act != "silu":
-            return None, (f"gated MLP (wi_0, wi_1) with activation {type(getattr(m, 'act', None)).__name__} "
-                          "(the wi_0/wi_1 layout is not rewritten: gated kernels serve gate_proj/up_proj and "
-                          "gate_up_proj MLPs)")
+        return _t5_gated(m, kids)
     return _two_linear_mlp(m, kids)
+
+
+def _t5_gated(m, kids):
+    """T5's gated MLP (T5DenseGatedActDense: wo(dropout(act(wi_0(x)) * wi_1(x)))), its child names kept."""
+    g, u, wo = kids["wi_0"], kids["wi_1"], kids["wo"]
+    act_mod = getattr(m, "act", None)
+    act = probe_activation(act_mod)
+    if act not in GATED_ACTS:
+        return None, f"gated MLP (wi_0, wi_1) with activation {type(act_mod).__name__} ({_GATED_KERNELS})"
+    if g.weight.shape != u.weight.shape or (g.bias is None) != (u.bias is None):
+        return None, "wi_0 and wi_1 differ in shape or bias"
+    extra = set(kids) - {"wi_0", "wi_1", "wo", "dropout", "act"}
+    drop = kids.get("dropout")
+    if extra or (drop is not None and not isinstance(drop, nn.Dropout)):
+        return None, f"gated MLP (wi_0, wi_1) with other children ({sorted(extra) or type(drop).__name__})"
+    kind = "GeGLU" if act == "gelu_tanh" else "SwiGLU"
+    how = "linear([W_wi_0|W_wi_1]) + opsadv.swiglu(activation='gelu_tanh')" if act == "gelu_tanh" else \
+        "opsadv.swiglu_gemm([W_wi_0|W_wi_1])"
+    return (NamedGatedMLP(g, u, wo, ("wi_0", "wi_1", "wo"), activation=act, dropout=drop),
+            f"T5 gated {kind} MLP (wi_0, wi_1, wo) -> {how} + wo")
 
 
 _ACT_ATTRS = ("act", "act_fn", "activation_fn", "activation", "intermediate_act_fn")
@@ -324,7 +354,7 @@ def _mlp_in_features(m, new) -> int:
     if isinstance(new, FusedSwiGLUMLP):
         return new._gate_up().in_features
     if isinstance(new, SwiGLUMLP):
-        return m.gate_proj.in_features
+        return new.gate_proj.in_features
     up = getattr(new, new._up)
     return up.weight.shape[0] if new.conv1d else up.in_features
 
