@@ -432,6 +432,16 @@ def test_runner_adds_rounds_while_paired_ratios_disagree(monkeypatch, ours_ms, w
     assert [len(v) for v in seen.values()] == [want_rounds, want_rounds]
 
 
+def test_runner_adds_no_round_past_its_time_cap(monkeypatch):
+    from opsadv.bench import runner
+    script = iter([10.0, 13.0, 10.0] + [10.0] * 20)
+    monkeypatch.setattr(runner, "calls_ms", lambda fn, calls: next(script) if fn == "o" else 10.0)
+    monkeypatch.setattr(runner, "EXTRA_ROUNDS_S", 0.0)          # one more round would pass the cap
+    seen: dict = {}
+    runner.time_interleaved({"o": "o", "p": "p"}, rounds=3, per_round=seen, calls=1, ours="o", max_rounds=6)
+    assert [len(v) for v in seen.values()] == [3, 3]
+
+
 def _raise():
     raise RuntimeError("no")
 

@@ -52,7 +52,8 @@ def time_ms(fn) -> float:
 
 
 ROUNDS = 5               # interleaved timing rounds per case (see time_interleaved)
-SPREAD = 1.10            # rounds whose paired ratios spread by more than this get more rounds, up to 2x ROUNDS
+SPREAD = 1.10            # rounds whose paired ratios spread by more than this get more rounds, up to 2x ROUNDS,
+EXTRA_ROUNDS_S = 90.0    # while the case's timing stays under this (a decode cell's round is 10-20 s)
 # do_bench windows of >= MIN_CALLS calls per contender and round, however long one call is: the tuner's rule
 bench_window = sample_window
 
@@ -87,8 +88,9 @@ def time_interleaved(fns: dict, rounds: int = ROUNDS, per_round: dict | None = N
     window of MIN_CALLS calls plus its estimate would take seconds), on any device.
     Off a GPU without `calls`: time_ms once each.
     `ours` / `max_rounds`: while some peer's per-round ratio against `ours` spreads by more than SPREAD (max / min
-    over the rounds) and fewer than max_rounds ran, one more round: on an H100 holding its power cap the same ViT
-    cell read 0.75-1.07x over three rounds (median 0.79x) and 1.05-1.06x in another run."""
+    over the rounds), fewer than max_rounds ran and one more round keeps the timing under EXTRA_ROUNDS_S, one more
+    round: on an H100 holding its power cap the same ViT cell read 0.75-1.07x over three rounds (median 0.79x) and
+    1.05-1.06x in another run."""
     import torch
     names = list(fns)
     if calls is None and not torch.cuda.is_available():
@@ -105,8 +107,9 @@ def time_interleaved(fns: dict, rounds: int = ROUNDS, per_round: dict | None = N
             def one(n):
                 return calls_ms(fns[n], calls)
         seen = {n: [] for n in names}
-        r = 0
-        while r < rounds or (r < (max_rounds or 0) and _spread(seen, ours) > SPREAD):
+        r, t0 = 0, time.perf_counter()
+        while r < rounds or (r < (max_rounds or 0) and _spread(seen, ours) > SPREAD
+                             and (time.perf_counter() - t0) * (r + 1) / r <= EXTRA_ROUNDS_S):
             for n in names[r % len(names):] + names[:r % len(names)]:
                 seen[n].append(one(n))
             r += 1
