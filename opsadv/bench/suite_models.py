@@ -15,7 +15,8 @@ modes of its kind (labels in `mode`, the heatmap's columns):
                           step a CUDA-graph replay (on a CPU, where graphs do not exist, the static cache eager; the
                           row's `paged` says `cuda_graphs`, `static` and the graph counts of one generate), with
                           `opsadv_eager` (the same converted modules' eager forward over PagedKVCache(static=False),
-                          the contender before graphs) as a peer; against `hf_static_compile` (the baseline:
+                          the contender before graphs) as a peer; converted without the floor (its generate
+                          timing runs transformers' DynamicCache, never the paged path); against `hf_static_compile` (the baseline:
                           the unconverted model, generate(cache_implementation="static") with its own auto-compile,
                           CompileConfig's defaults on CUDA, the eager backend on a CPU; a peer generate left
                           uncompiled is an error), `unconverted` (DynamicCache, eager) and `liger`; rate in tok/s
