@@ -14,7 +14,7 @@ import opsadv
 transformers = pytest.importorskip("transformers")
 
 from opsadv.bench import model_zoo as Z  # noqa: E402
-from opsadv.convert.modules import FusedSwiGLUMLP, LinearAct, QKVProjection, SwiGLUMLP  # noqa: E402
+from opsadv.convert.modules import FusedSwiGLUMLP, LinearAct, NamedGatedMLP, QKVProjection, SwiGLUMLP  # noqa: E402
 
 ARCHS = list(Z.ZOO)
 
@@ -108,8 +108,9 @@ def test_tiny_converts_and_validates(arch, reference_backend):
         assert mlps and all(m.activation == "gelu_tanh" for m in mlps), kinds
         assert "GeGLU MLP" in text
         assert any(k == "reference.swiglu" for k in t.counts), t.counts
-    if arch == "t5":                 # T5's gated GELU (wi_0, wi_1): not converted, said so
-        assert "the wi_0/wi_1 layout is not rewritten" in text
+    if arch == "t5":                 # T5's gated GELU (wi_0, wi_1): GeGLU over [W_wi_0|W_wi_1], names kept
+        assert "T5 gated GeGLU MLP (wi_0, wi_1, wo)" in text and NamedGatedMLP in kinds
+        assert any(k == "reference.swiglu" for k in t.counts), t.counts
     if arch == "t5":                 # self-attention fused, cross-attention left alone with the reason
         assert "cross-attention" in text and QKVProjection in kinds
     assert "0 layers" not in text
