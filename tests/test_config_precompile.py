@@ -11,6 +11,8 @@ pytest.importorskip("triton")
 from opsadv.backends.triton_common import utils as U  # noqa: E402
 from opsadv.core import tuning  # noqa: E402
 
+from conftest import requires_gpu  # noqa: E402
+
 
 class _Stream:
     def __init__(self):
@@ -95,3 +97,34 @@ def test_no_threads_without_cuda_or_under_capture(fake_cuda, monkeypatch):
     assert U.precompile([{"a": 1}, {"a": 2}], lambda c: 1 / 0) == 0
     monkeypatch.setattr(U.torch.cuda, "is_available", lambda: False)
     assert U.precompile([{"a": 1}, {"a": 2}], lambda c: 1 / 0) == 0
+
+
+@requires_gpu
+def test_gpu_configs_compile_on_threads_and_the_winner_computes(tmp_path, monkeypatch):
+    """On a GPU: a real Triton kernel's configs compile on worker threads (each config a distinct specialization),
+    then the caller times them and the chosen config's output is right (poisoned first)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def scale_add(x, y, out, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        tl.store(out + offs, 2.0 * tl.load(x + offs, mask=m) + tl.load(y + offs, mask=m), mask=m)
+
+    monkeypatch.setenv("OPSADV_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(U, "_CONFIGS", None)
+    monkeypatch.setenv("OPSADV_COMPILE_THREADS", "4")
+    n = 100_003
+    x, y = (U.torch.randn(n, device="cuda") for _ in range(2))
+    out = U.torch.full_like(x, float("nan"))
+    threads = set()
+
+    def launch(cfg):
+        threads.add(threading.get_ident())
+        scale_add[(triton.cdiv(n, cfg["BLOCK"]),)](x, y, out, n, BLOCK=cfg["BLOCK"])
+    best = U.ConfigTuner("t.gpu").pick(("k",), [{"BLOCK": b} for b in (128, 256, 512, 1024)], launch, True)
+    assert best["BLOCK"] in (128, 256, 512, 1024) and len(threads) >= 2
+    out.fill_(float("nan"))
+    launch(best)
+    U.torch.testing.assert_close(out, 2 * x + y)
