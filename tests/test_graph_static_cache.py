@@ -1,72 +1,27 @@
 """CUDA-graph replay of decode steps over a transformers StaticCache (opsadv.runtime.graphs): the
 cache is keyed by identity and updated in place by each replay; the warm-up's advances of its write
 position are undone; a growing DynamicCache is refused with the reason.  The CUDA graph API is
-emulated on CPU: capture records the call, replay re-runs it on the graph's static inputs and writes
-the results into the captured outputs (what a real replay does to device memory)."""
+emulated on CPU (tests/fake_cuda_graphs.py)."""
 from __future__ import annotations
 
-import contextlib
 import copy
 import inspect
 
 import pytest
 import torch
-from torch.utils import _pytree as pytree
 
 import opsadv
 from opsadv.core.errors import InvalidArgumentError
 from opsadv.runtime import graphs
 
+from fake_cuda_graphs import install, recording
+
 tf = pytest.importorskip("transformers")
-
-
-class FakeGraph:
-    active = None
-
-    def __init__(self):
-        self.call = None
-
-    def replay(self):
-        fn, args, kwargs, out = self.call
-        new = fn(*args, **kwargs)
-        for o, n in zip(pytree.tree_leaves(out), pytree.tree_leaves(new)):
-            if isinstance(o, torch.Tensor):
-                o.copy_(n)
-
-
-@contextlib.contextmanager
-def _fake_capture(g):
-    FakeGraph.active = g
-    try:
-        yield
-    finally:
-        FakeGraph.active = None
-
-
-class _FakeStream:
-    def __init__(self, *a, **k):
-        pass
-
-    def wait_stream(self, other):
-        pass
-
-
-def _recording(fn):
-    def call(*args, **kwargs):
-        out = fn(*args, **kwargs)
-        if FakeGraph.active is not None:
-            FakeGraph.active.call = (fn, args, kwargs, out)
-        return out
-    return call
 
 
 @pytest.fixture
 def fake_cuda_graphs(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
-    monkeypatch.setattr(torch.cuda, "graph", _fake_capture)
-    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: _FakeStream())
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    install(monkeypatch)
 
 
 def _llama():
@@ -82,7 +37,7 @@ def _cache_kw(model) -> str:
 
 
 def _runner(monkeypatch, model):
-    r = graphs.CudaGraphRunner(_recording(model.forward), device="cuda", module=model)
+    r = graphs.CudaGraphRunner(recording(model.forward), device="cuda", module=model)
     monkeypatch.setattr(r, "_check_devices", lambda tensors: None)
     return r
 

@@ -7,95 +7,30 @@ they were then; only device tensors are live), and the forward takes its capture
 capture and replay, so a position baked into the graph or a host counter a replay skips gives wrong tokens here."""
 from __future__ import annotations
 
-import contextlib
 import copy
-import functools
-import inspect
 import warnings
 
 import pytest
 import torch
-from torch.utils import _pytree as pytree
 
 import opsadv
 from opsadv.convert import hf_attention
 from opsadv.core.errors import InvalidArgumentError
 from opsadv.runtime import graphs
 
+from fake_cuda_graphs import FakeGraph, install, recording
+
 transformers = pytest.importorskip("transformers")
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
 
-VOCAB = 97
+from test_paged_cache import KW, VOCAB, build, models, prompts  # noqa: E402  (the same tiny models and prompts)
+
 NEW = 10
-KW = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
-
-
-# ---- the CUDA graph API on CPU -------------------------------------------------------------------------------------
-class FakeGraph:
-    active = None                 # the graph being captured
-    replaying = False
-
-    def __init__(self):
-        self.call = None
-
-    def replay(self):
-        fn, args, kwargs, out, frozen = self.call
-        live = [(st, st.graph_snapshot()[0]) for st, _, _ in frozen]
-        for st, host, view in frozen:   # Python values are those of the capture: a real replay runs no Python
-            st.graph_restore((host, None))
-            st._graph_view = view
-        FakeGraph.replaying = True
-        try:
-            new = fn(*args, **kwargs)
-        finally:
-            FakeGraph.replaying = False
-            for st, host in live:
-                st.graph_restore((host, None))
-                st._graph_view = False
-        for o, n in zip(pytree.tree_leaves(out), pytree.tree_leaves(new)):
-            if isinstance(o, torch.Tensor):
-                o.copy_(n)
-
-
-@contextlib.contextmanager
-def _fake_capture(g):
-    FakeGraph.active = g
-    try:
-        yield
-    finally:
-        FakeGraph.active = None
-
-
-class _FakeStream:
-    def __init__(self, *a, **k):
-        pass
-
-    def wait_stream(self, other):
-        pass
-
-
-def _recording(fn):
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        g = FakeGraph.active
-        frozen = []
-        if g is not None:
-            states = [x for x in pytree.tree_leaves((args, kwargs)) if graphs.graph_state(x) is not None]
-            frozen = [(st, st.graph_snapshot()[0], st._graph_view) for st in states]
-        out = fn(*args, **kwargs)
-        if g is not None:
-            g.call = (fn, args, kwargs, out, frozen)
-        return out
-    return call
 
 
 @pytest.fixture
 def fake_cuda_graphs(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
-    monkeypatch.setattr(torch.cuda, "graph", _fake_capture)
-    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: _FakeStream())
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    install(monkeypatch)
     # capture (and so replay) takes the forward's no-host-read paths, as on a GPU
     monkeypatch.setattr(hf_attention, "capturing",
                         lambda t: t is not None and (FakeGraph.active is not None or FakeGraph.replaying))
@@ -104,44 +39,10 @@ def fake_cuda_graphs(monkeypatch):
 def graphed(monkeypatch, model):
     """model.forward replaced by a CudaGraphRunner over the eager forward (what convert_model(cuda_graphs=True)
     installs on a GPU)."""
-    r = graphs.CudaGraphRunner(_recording(model.forward), device="cuda", module=model)
+    r = graphs.CudaGraphRunner(recording(model.forward), device="cuda", module=model)
     monkeypatch.setattr(r, "_check_devices", lambda tensors: None)
     monkeypatch.setattr(model, "forward", graphs.GraphedForward(r))
     return r
-
-
-# ---- models and prompts --------------------------------------------------------------------------------------------
-def build(arch):
-    torch.manual_seed(0)
-    common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, vocab_size=VOCAB,
-                  max_position_embeddings=128)
-    if arch == "llama":              # MHA
-        return LlamaForCausalLM(LlamaConfig(**common, num_attention_heads=4, num_key_value_heads=4)).eval()
-    return Qwen2ForCausalLM(Qwen2Config(**common, num_attention_heads=4, num_key_value_heads=2,     # GQA
-                                        use_sliding_window=False)).eval()
-
-
-_models: dict = {}
-
-
-def models(arch):
-    """(original, converted); each test graphs its own shallow copy's forward."""
-    if arch not in _models:
-        orig = build(arch)
-        _models[arch] = orig, opsadv.convert_model(copy.deepcopy(orig), backend="reference", floor=False)
-    return _models[arch]
-
-
-def prompts(kind):
-    g = torch.Generator().manual_seed(1)
-    if kind == "b1":
-        ids = torch.randint(2, VOCAB, (1, 13), generator=g)
-        return ids, torch.ones_like(ids)
-    ids = torch.randint(2, VOCAB, (3, 13), generator=g)      # real lengths 13, 9, 6: left padded
-    am = torch.ones_like(ids)
-    am[1, :4] = 0
-    am[2, :7] = 0
-    return ids.masked_fill(am == 0, 0), am
 
 
 def generate(model, ids, am, cache, new=NEW):

@@ -197,8 +197,10 @@ class OpsadvNorm(nn.Module):
                 out = ops.rms_norm(x, w, self.eps, residual=residual, offset=self.offset)
             else:
                 out = ops.layer_norm(x, w, b, self.eps, residual=residual)
+        if not self.cast_to_weight:
+            return out
         wdt = self.weight.dtype if self.weight is not None else None
-        if self.cast_to_weight and wdt in (torch.float16, torch.bfloat16):
+        if wdt in (torch.float16, torch.bfloat16):
             if isinstance(out, tuple):              # (normalized, residual sum): the residual stream keeps its dtype
                 return (out[0].to(wdt), *out[1:])
             return out.to(wdt)
@@ -310,9 +312,13 @@ class SwiGLUMLP(nn.Module):
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
         self.activation = activation
-        self._w = FusedRows([gate_proj.weight, up_proj.weight])
-        self._b = FusedRows([gate_proj.bias, up_proj.bias]) if gate_proj.bias is not None else None
-        for i, lin in enumerate((gate_proj, up_proj)):
+        self._fuse(gate_proj, up_proj)
+
+    def _fuse(self, gate: nn.Linear, up: nn.Linear) -> None:
+        """[W_gate|W_up] (and the biases) as FusedRows read from the two Linears."""
+        self._w = FusedRows([gate.weight, up.weight])
+        self._b = FusedRows([gate.bias, up.bias]) if gate.bias is not None else None
+        for i, lin in enumerate((gate, up)):
             self._w.own(i, lin, "weight")
             if self._b is not None:
                 self._b.own(i, lin, "bias")
@@ -401,12 +407,7 @@ class NamedGatedMLP(SwiGLUMLP):
             self.add_module(n, m)
         if dropout is not None:
             self.dropout = dropout
-        self._w = FusedRows([gate.weight, up.weight])
-        self._b = FusedRows([gate.bias, up.bias]) if gate.bias is not None else None
-        for i, lin in enumerate((gate, up)):
-            self._w.own(i, lin, "weight")
-            if self._b is not None:
-                self._b.own(i, lin, "bias")
+        self._fuse(gate, up)
 
     @property
     def gate_proj(self) -> nn.Linear:
