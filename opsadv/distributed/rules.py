@@ -71,6 +71,13 @@ def flash_attention_backward(c: Call):
     return _dense(c, True)
 
 
+def fp8_attention_backward(c: Call):
+    """fp8_attention_from_bf16's backward: as fp8_attention's forward, with dout / out / lse split with q."""
+    (s, _), ins = fp8_attention(c)
+    ins.update(dout=s, out=s, lse=s)
+    return (s, s, s), ins
+
+
 def _sparse(c: Call, grads: bool) -> tuple:
     packed = c["cu_seqlens"] is not None
     d = c.lead("q", {1: "heads"} if packed else {0: "batch", 1: "heads"})
@@ -297,6 +304,30 @@ def swiglu_gemm_backward(c: Call):
     return outs, {n: p for n, p in ins.items() if c[n] is not None}
 
 
+def scaled_swiglu_gemm(c: Call):
+    """As swiglu_gemm's column (w_gate_up as [W_g,r | W_u,r] per rank) and token modes; the scales follow their
+    operands.  A split FP8 output is refused (its one per-tensor scale is the whole result's)."""
+    mode, d = _swiglu_gemm_mode(c)
+    if c["out_fp8"] is not None and mode != "replicate":
+        c.refuse("out_fp8", _FP8_OUT, repr(c["out_fp8"]))
+    if mode == "column":
+        wp = c["w_gate_up"].placement
+        ws = c["w_scale"]
+        if ws.ndim == 0 or ws.shape[1] == 1:
+            wsp = R
+        elif c["w_scale"].shape[1] == c["w_gate_up"].shape[1]:
+            wsp = wp                              # per-column scales: split exactly as the columns
+        else:
+            c.refuse("w_scale", "a per-tensor, per-row or per-column scale when w_gate_up's columns are split",
+                     f"shape {ws.shape}", why="a block scale's 128 columns do not follow the [W_g,r | W_u,r] split")
+        out = Shard(c["x"].ndim - 1)
+        ins = {"x": R, "x_scale": R, "w_gate_up": wp, "w_scale": wsp, "bias": _like(wp, 0)}
+    else:
+        out = R if d is None else Shard(d)
+        ins = {"x": out, "x_scale": _scale_split(c["x_scale"], d, "x"), "w_gate_up": R, "w_scale": R, "bias": R}
+    return (out, R), {n: p for n, p in ins.items() if c[n] is not None}
+
+
 def _swiglu_split(c: Call) -> Placement:
     """gate_up's placement: any non-last dim, or the last one as _StridedShard(last, 2) ([g_r | u_r] per rank)."""
     g = c["gate_up"]
@@ -443,6 +474,33 @@ def linear_cross_entropy_backward(c: Call):
     return (s, red, red if c["bias"] is not None else R), {n: p for n, p in ins.items() if c[n] is not None}
 
 
+def _stats_split(c: Call) -> int | None:
+    for name in ("weight", "bias"):
+        a = c[name]
+        if a is not None and (a.sharded or a.strided):
+            c.refuse(name, "Replicate()", why="each rank would read its rows as the slice starting at the same "
+                     "vocab_start; a vocabulary split runs through opsadv.ops.linear_cross_entropy (vocab-parallel, "
+                     "opsadv/distributed/vocab_parallel.py), which gives each rank its own vocab_start")
+    return c.lead("hidden", {0: "tokens"})
+
+
+def linear_cross_entropy_stats(c: Call):
+    """Tokens (hidden's rows) split: stats (3, tokens) split on its token dim; the vocabulary slice replicated."""
+    d = _stats_split(c)
+    s = R if d is None else Shard(0)
+    ins = {"hidden": s, "weight": R, "labels": s, "bias": R}
+    return (R if d is None else Shard(1),), {n: p for n, p in ins.items() if c[n] is not None}
+
+
+def linear_cross_entropy_stats_backward(c: Call):
+    d = _stats_split(c)
+    s = R if d is None else Shard(0)
+    st = R if d is None else Shard(1)
+    red = R if d is None else P
+    ins = {"grad": st, "hidden": s, "weight": R, "labels": s, "bias": R, "stats": st}
+    return (s, red, red if c["bias"] is not None else R), {n: p for n, p in ins.items() if c[n] is not None}
+
+
 # ---- the lse merge ----------------------------------------------------------------------------------------------
 
 
@@ -465,6 +523,7 @@ ALL = {
     "flash_attention": (flash_attention, ()),
     "flash_attention_backward": (flash_attention_backward, ("dout",)),
     "fp8_attention": (fp8_attention, ()),
+    "fp8_attention_backward": (fp8_attention_backward, ("dout",)),
     "sparse_attention": (sparse_attention, ()),
     "sparse_attention_backward": (sparse_attention_backward, ("dout",)),
     "paged_attention": (paged_attention, ()),
@@ -475,6 +534,7 @@ ALL = {
     "scaled_gemm": (scaled_gemm, ()),
     "swiglu_gemm": (swiglu_gemm, ()),
     "swiglu_gemm_backward": (swiglu_gemm_backward, ("grad",)),
+    "scaled_swiglu_gemm": (scaled_swiglu_gemm, ()),
     "swiglu": (swiglu, ()),
     "swiglu_backward": (swiglu_backward, ("grad",)),
     "layer_norm": (layer_norm, ()),
@@ -487,6 +547,8 @@ ALL = {
     "qk_norm_rotary_backward": (qk_norm_rotary_backward, ("gq", "gk")),
     "linear_cross_entropy": (linear_cross_entropy, ()),
     "linear_cross_entropy_backward": (linear_cross_entropy_backward, ("grad",)),
+    "linear_cross_entropy_stats": (linear_cross_entropy_stats, ()),
+    "linear_cross_entropy_stats_backward": (linear_cross_entropy_stats_backward, ("grad",)),
     "attention_merge_": (attention_merge_, ()),
 }
 
