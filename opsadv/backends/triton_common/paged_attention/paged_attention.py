@@ -81,13 +81,14 @@ def _new(shape, dtype, device, poison):
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _tiles(d_pad: int, rows: int, dtype) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps): rows per program (query x group heads), keys per step.  Compiled for sm_90
-    without spills (tests/test_paged_attention.py::test_kernels_compile_for_sm90_without_spills)."""
+def _tiles(d_pad: int, rows: int, dtype, fp8: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages): rows per program (query x group heads), keys per step, and the
+    loop's pipeline depth.  Compiled for sm_90 without spills
+    (tests/test_paged_attention.py::test_kernels_compile_for_sm90_without_spills)."""
     wide = dtype == torch.float32 or d_pad > 128        # fp32 (FMA dots) and d256 tiles: smaller, or they spill
     block_m = max(16, min(_pow2(rows), 32 if wide else 64))
     block_n = 32 if wide else 64
-    return block_m, block_n, 8 if dtype == torch.float32 or block_m * d_pad > 64 * 128 else 4
+    return block_m, block_n, 8 if dtype == torch.float32 or block_m * d_pad > 64 * 128 else 4, 3
 
 
 def _scale_arg(t, like):
@@ -125,7 +126,7 @@ def paged_fwd(ctx, q, k_cache, v_cache, block_table, seqlens_k, cu_seqlens_q, k_
             kn.stride(0), kn.stride(1), kn.stride(2), vn.stride(0), vn.stride(1), vn.stride(2),
             *k_cache.stride(), *v_cache.stride(), block_table.stride(0), block_table.stride(1),
             PAGE=page, D=d, BLOCK_T=bt, BLOCK_D=d_pad, VARLEN=varlen, FP8=fp8, num_warps=4)
-    block_m, block_n, warps = _tiles(d_pad, s_q * g, q.dtype)
+    block_m, block_n, warps, stages = _tiles(d_pad, s_q * g, q.dtype, fp8)
     mblocks = -(-(s_q * g) // block_m)
     # the programs that have rows (packed q: its mean count per sequence; the grid's bound leaves the rest idle)
     busy = mblocks if not varlen else -(-(-(-rows // max(batch, 1)) * g) // block_m)
@@ -146,7 +147,7 @@ def paged_fwd(ctx, q, k_cache, v_cache, block_table, seqlens_k, cu_seqlens_q, k_
         block_table.stride(0), block_table.stride(1),
         ot, o_dst.stride(-2), o_dst.stride(-1), lt, l_dst.stride(-1), sos, sls,
         PAGE=page, D=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=d_pad, VARLEN=varlen, CAUSAL=causal,
-        SPLIT=splits > 1, IEEE=q.dtype == torch.float32, FP8=fp8, num_warps=warps)
+        SPLIT=splits > 1, IEEE=q.dtype == torch.float32, FP8=fp8, num_warps=warps, num_stages=stages)
     if splits > 1:
         block_h = min(_pow2(hq), max(1, 4096 // d_pad))
         k["merge"][(rows, -(-hq // block_h))](
@@ -167,7 +168,7 @@ def varlen_fwd(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     d_pad = max(16, _pow2(d))
     # the grid's row bound is total_q (correct for any segment lengths); max_seqlen_q only tunes the tiles / splits
     hint_q = min(max_seqlen_q, rows) if max_seqlen_q is not None else -(-rows // max(batch, 1))
-    block_m, block_n, warps = _tiles(d_pad, max(hint_q, 1) * g, q.dtype)
+    block_m, block_n, warps, stages = _tiles(d_pad, max(hint_q, 1) * g, q.dtype)
     mblocks = -(-(rows * g) // block_m)
     busy = -(-(max(hint_q, 1) * g) // block_m)
     context = min(max_seqlen_k, total_k) if max_seqlen_k is not None else total_k
@@ -187,7 +188,8 @@ def varlen_fwd(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
         0, v.stride(0), v.stride(1), v.stride(2), 0, 0,            # (page strides and block table: unused)
         o_dst.stride(-3), o_dst.stride(-2), o_dst.stride(-1), l_dst.stride(-2), l_dst.stride(-1), sos, sls,
         PAGE=1, D=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=d_pad, VARLEN=True, CAUSAL=causal,
-        SPLIT=splits > 1, IEEE=q.dtype == torch.float32, FP8=False, KV_CONTIG=True, num_warps=warps)
+        SPLIT=splits > 1, IEEE=q.dtype == torch.float32, FP8=False, KV_CONTIG=True, num_warps=warps,
+        num_stages=stages)
     if splits > 1:
         block_h = min(_pow2(hq), max(1, 4096 // d_pad))
         kern["merge"][(rows, -(-hq // block_h))](
