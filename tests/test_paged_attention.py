@@ -565,6 +565,41 @@ def test_fp8_cache_matches_oracle_on_dequantized_cache(backend, name, dtype, mon
         assert torch.equal(got.isnan(), w.isnan()) and torch.equal(got.nan_to_num(), w.nan_to_num())
 
 
+@pytest.mark.parametrize("name", ["decode_gqa_lens_0_1_page", "varlen_append_boundary_split"])
+def test_fp8_cache_bf16_queries_run_fp16_dots(name, monkeypatch):
+    """bf16 q over an fp8 cache (the kernel's F16_DOT path: K / V widened to fp16, q shifted into fp16's range by a
+    power of two per row): against the float64 oracle over the dequantized cache with queries far past fp16's
+    range in one head (exact shift) and an inf in one query row, which makes that row NaN and no other."""
+    sc = SCENARIOS[name]
+    monkeypatch.setattr(PA, "SPLITS_OVERRIDE", sc.get("splits"))
+    monkeypatch.setattr(PA, "F16_DOT", True)
+    args, kw = _build_fp8(torch.bfloat16, seed=4, **sc)
+    q, kc, vc, bt, lens = args
+    q = q.clone()
+    q[..., 1, :] *= 3e5                                                 # head 1: |q| ~ 1e5-1e6, over fp16's 65504
+    first = (0,) * (q.dim() - 1)                                        # the first row of head 0 (any layout)
+    q[first + (3,)] = float("inf")                                      # one element of one row
+    args = (q, kc, vc, bt, lens)
+    ks, vs = kw["k_scale"], kw["v_scale"]
+    kc0, vc0 = _deq(kc, ks), _deq(vc, vs)
+    kn = vn = None
+    if "k_new" in kw:
+        kn, vn = _deq(quantize_kv(kw["k_new"], ks), ks), _deq(quantize_kv(kw["v_new"], vs), vs)
+    with opsadv.use_backend("cuda", strict=True), opsadv.trace() as t:
+        out, lse = opsadv.ops.paged_attention(*args, **kw)
+    assert t.counts == {"cuda.triton.paged_attention": 1}
+    qf = q.double().nan_to_num(posinf=0.0)                                # the oracle without the inf
+    want, wlse, _, _ = oracle(qf, kc0, vc0, bt, lens, kw.get("cu_seqlens_q"), kw["causal"],
+                              1 / math.sqrt(q.shape[-1]), kn, vn)
+    bad = torch.zeros(out.shape[:-1], dtype=torch.bool)
+    fin = torch.isfinite(wlse)
+    bad[first] = bool(fin[first])                                         # the inf row, where it sees any key
+    assert torch.equal(out.cpu().isnan().any(-1), bad) and torch.equal(lse.cpu().isnan(), bad)
+    ok = ~bad & fin
+    assert rel_err(out.cpu()[ok], want[ok]) < TOL[torch.bfloat16]
+    assert ((lse.cpu()[ok].double() - wlse[ok]).abs() / wlse[ok].abs().clamp_min(1)).max() < 1e-2
+
+
 def test_fp8_decode_loop_fast_path_takes_new_scales(monkeypatch):
     """Repeated fp8 decode calls of the same metadata take the fast path (validate runs once) and read each
     call's scales: doubling v_scale doubles out exactly; a scalar scale takes the full path again."""

@@ -10,7 +10,10 @@ float32; merge_kernel then combines the slices.  append_kernel writes k_new / v_
 
 FP8 (an e4m3 cache with per-kv-head scales): the attention kernel widens each K / V tile exactly to q's dtype (e4m3
 fits in fp16 / bf16 / fp32) and folds k_scale into the qk scale and v_scale into the normalized output, so the
-tile loop does no extra multiply; the append kernel quantizes (_quantize_e4m3).
+tile loop does no extra multiply; the append kernel quantizes (_quantize_e4m3).  F16_DOT (bf16 q over an fp8
+cache): the tiles widen to fp16 instead (one cvt per two values on sm_89+, where bf16 takes a detour through
+fp32); q is brought into fp16's range by a power of two (exact; its inverse folded into the qk scale) and the
+probabilities enter the P @ V dot as fp16, which holds them more precisely than bf16.
 
 KV_CONTIG (varlen_attention): K / V are packed (total_k, Hkv, D) tensors instead of pages; BT is cu_seqlens_k, and
 sequence b's key j is row cu_seqlens_k[b] + j (SEQ, PAGE and the page strides are unused).  The flag is a
@@ -90,7 +93,8 @@ def paged_attn_kernel(Q, KC, VC, BT, SEQ, CU, O, LSE, S_Q, HKV, G, NUM_SPLITS, q
                       sot, soh, sod, slt, slh, sos, sls,
                       PAGE: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_D: tl.constexpr, VARLEN: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr,
-                      IEEE: tl.constexpr, FP8: tl.constexpr, KV_CONTIG: tl.constexpr = False):
+                      IEEE: tl.constexpr, FP8: tl.constexpr, KV_CONTIG: tl.constexpr = False,
+                      F16_DOT: tl.constexpr = False):
     """qk_scale = scale * log2(e).  O / LSE: the output and lse ((rows, Hq, D) / (rows, Hq)), or with SPLIT the
     float32 partials, split s at offset s * sos / s * sls.  FP8: e4m3 K / V with the kv head's scales at
     KS[kvh * sks] / VS[kvh * svs] (stride 0: one scale)."""
@@ -117,6 +121,14 @@ def paged_attn_kernel(Q, KC, VC, BT, SEQ, CU, O, LSE, S_Q, HKV, G, NUM_SPLITS, q
     q = tl.load(Q + q_off[:, None] + d[None, :] * sqd, mask=row_ok[:, None] & dm[None, :], other=0.0)
     if FP8:
         qk_scale = qk_scale * tl.load(KS + kvh * sks)      # K = fp8 * k_scale: one multiply per program
+    if F16_DOT:
+        # per row, a power of two that brings |q| under 2^14 (fp16 holds 65504): exact, undone in the row's qk scale
+        # (per row, so an inf in one head's query makes that row NaN, as without the shift, and no other)
+        qf = q.to(tl.float32)
+        qmax = tl.max(tl.abs(qf), 1)
+        shift = tl.where(qmax > 16384.0, tl.exp2(tl.ceil(tl.log2(qmax * (1.0 / 16384.0)))), 1.0)
+        q = (qf / shift[:, None]).to(tl.float16)
+        qk_rows = qk_scale * shift
     # this program's keys: its split's slice of [0, L), cut at the last key its rows see (causal)
     if SPLIT:
         chunk = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -151,7 +163,10 @@ def paged_attn_kernel(Q, KC, VC, BT, SEQ, CU, O, LSE, S_Q, HKV, G, NUM_SPLITS, q
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
-        s = s * qk_scale
+        if F16_DOT:
+            s = s * qk_rows[:, None]
+        else:
+            s = s * qk_scale
         ok = km[None, :] & row_ok[:, None]
         if CAUSAL:
             ok = ok & (kpos[None, :] <= diag[:, None])

@@ -30,6 +30,7 @@ MIN_SPLIT_KEYS = 256          # a split covers at least this many keys of the co
 MAX_SPLITS = 64
 WAVES = 2
 SPLITS_OVERRIDE: int | None = None      # tests: force this many splits (1: none)
+F16_DOT = False               # bf16 q over an fp8 cache: fp16 dots (kernels.py, FP8)
 _K: dict = {}
 
 
@@ -147,7 +148,8 @@ def paged_fwd(ctx, q, k_cache, v_cache, block_table, seqlens_k, cu_seqlens_q, k_
         block_table.stride(0), block_table.stride(1),
         ot, o_dst.stride(-2), o_dst.stride(-1), lt, l_dst.stride(-1), sos, sls,
         PAGE=page, D=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=d_pad, VARLEN=varlen, CAUSAL=causal,
-        SPLIT=splits > 1, IEEE=q.dtype == torch.float32, FP8=fp8, num_warps=warps, num_stages=stages)
+        SPLIT=splits > 1, IEEE=q.dtype == torch.float32, FP8=fp8, F16_DOT=fp8 and F16_DOT and q.dtype == torch.bfloat16,
+        num_warps=warps, num_stages=stages)
     if splits > 1:
         block_h = min(_pow2(hq), max(1, 4096 // d_pad))
         k["merge"][(rows, -(-hq // block_h))](
@@ -202,9 +204,10 @@ FP8_MIN_CC = (8, 9)            # Triton's e4m3 (fp8e4nv) type needs sm_89+ (Ada,
 
 
 def _check(spec, env) -> list[str]:
-    reasons = interpreter_bf16_reasons(spec)
+    fp8 = "fp8_kv" in spec.features
+    reasons = interpreter_bf16_reasons(spec, torch.float16 if fp8 and F16_DOT else None)   # (fp16 dots: F16_DOT)
     cc = getattr(env, "compute_capability", None)
-    if "fp8_kv" in spec.features and spec.device_type == "cuda" and cc is not None and tuple(cc) < FP8_MIN_CC:
+    if fp8 and spec.device_type == "cuda" and cc is not None and tuple(cc) < FP8_MIN_CC:
         reasons.append(f"an fp8 (e4m3) KV cache needs compute capability >= {FP8_MIN_CC} (Triton's fp8e4nv); this "
                        f"GPU is {tuple(cc)}")
     return reasons
