@@ -393,8 +393,10 @@ for label, dtype, shape in (
         ("decode fp32 d128", torch.float32, dict(hq=32, hkv=8, d=128, page=16, lens=[300] * 2)),
         ("decode gqa bf16 d128 fp8 split append", torch.bfloat16, dict(hq=32, hkv=8, d=128, page=16, lens=[4096],
                                                                        append=True)),
-        ("prefill gqa fp16 d128 fp8", torch.float16, dict(hq=32, hkv=8, d=128, page=16, lens=[600] * 8, s_q=300))):
+        ("prefill gqa fp16 d128 fp8", torch.float16, dict(hq=32, hkv=8, d=128, page=16, lens=[600] * 8, s_q=300)),
+        ("decode gqa bf16 d128 fp8 f16dot split", torch.bfloat16, dict(hq=32, hkv=8, d=128, page=16, lens=[4096]))):
     calls.clear()
+    PA.F16_DOT = "f16dot" in label
     args, kw = paged_inputs(dtype, "cpu", torch.Generator().manual_seed(0), **shape)
     if "fp8" in label:
         ks, vs = kv_scales(args[1]), kv_scales(args[2])
@@ -420,8 +422,9 @@ def test_kernels_compile_for_sm90_without_spills():
     r = json.loads(run_sm90_compile(["-c", _SM90_COMPILE]).strip().splitlines()[-1])
     assert {"decode gqa bf16 d128 split append append", "decode gqa bf16 d128 split append merge",
             "varlen fp16 d64 append", "decode gqa bf16 d128 fp8 split append append",
-            "decode gqa bf16 d128 fp8 split append attn", "prefill gqa fp16 d128 fp8 attn"} <= set(r)
-    assert len(r) == 15 and not any(r.values()), r
+            "decode gqa bf16 d128 fp8 split append attn", "prefill gqa fp16 d128 fp8 attn",
+            "decode gqa bf16 d128 fp8 f16dot split attn"} <= set(r)
+    assert len(r) == 17 and not any(r.values()), r
 
 
 @requires_gpu
