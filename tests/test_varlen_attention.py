@@ -333,8 +333,8 @@ for label, dtype, shape in (
     PA.varlen_fwd(None, *args, None, None, True, 0.1)
     for name, a, k in calls:
         fn, k = FNS[name], dict(k)
-        warps = k.pop("num_warps")
-        r = compile_sm90(fn, {**dict(zip(fn.arg_names, a)), **k}, warps, 3)
+        warps, stages = k.pop("num_warps"), k.pop("num_stages", 3)
+        r = compile_sm90(fn, {**dict(zip(fn.arg_names, a)), **k}, warps, stages)
         res[f"{label} {name}"] = r["spill_stores"] + r["spill_loads"]
 print(json.dumps(res))
 """
