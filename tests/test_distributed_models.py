@@ -218,6 +218,28 @@ def _cases(rank, seed, ckpt):
     except Exception:                         # noqa: BLE001
         results.append(f"tp inference: {traceback.format_exc()[-1500:]}")
 
+    # greedy generate over opsadv's paged KV cache under tensor parallelism (plan before conversion, and transformers'
+    # own tp_plan): each rank's pages hold its local kv head, and the tokens are the single-process model's
+    try:
+        with torch.no_grad():
+            mask = torch.ones_like(same)
+            mask[0, :3] = 0                                # a left-padded row: the cache compacts it
+            want = _model(seed, f64).generate(same, attention_mask=mask, max_new_tokens=6, do_sample=False)
+            for name, m in (("tp_before", _parallel_then_convert(seed, mesh)),
+                            ("tp_transformers", opsadv.convert_model(_hf_tp(seed, f64, mesh, ckpt)))):
+                m.eval()
+                for static in (False, True):
+                    cache = opsadv.PagedKVCache(m, max_cache_len=32, page_size=8, static=static,
+                                                max_batch_size=same.shape[0])
+                    got = m.generate(same, attention_mask=mask, past_key_values=cache, max_new_tokens=6,
+                                     do_sample=False)
+                    heads = cache.layers[0].keys.shape[2]
+                    if not torch.equal(got, want) or heads != 2 // WORLD or cache.calls["decode"] == 0:
+                        results.append(f"{name} paged generate (static={static}): tokens {got.tolist()} vs "
+                                       f"{want.tolist()}, {heads} kv heads in the pages, calls {cache.calls}")
+    except Exception:                         # noqa: BLE001
+        results.append(f"tp paged generate: {traceback.format_exc()[-1500:]}")
+
     # converting after fully_shard or inside DDP is refused, naming the order to use
     for name, wrap, says in (("fsdp_then_convert", fully_shard, "convert first, then fully_shard"),
                              ("ddp_then_convert", torch.nn.parallel.DistributedDataParallel, "convert it first")):
