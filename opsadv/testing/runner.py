@@ -128,6 +128,10 @@ def _to64(x):
     return x
 
 
+def _cpu(x):
+    return x.detach().cpu() if isinstance(x, torch.Tensor) else x
+
+
 def _explain(case: Case, args, kwargs, backward: bool):
     return opsadv.explain(case.op, *args, backward=backward, **kwargs)
 
@@ -208,9 +212,13 @@ def _run(case, res, backend, dtype, device, seed, check_determinism, precision, 
         fwd_floor, bwd_floor = fwd_floor + INTERPRETER_BF16_ROOM, bwd_floor + INTERPRETER_BF16_ROOM
         res.tol = (fwd_floor, bwd_floor)
     with opsadv.use_backend("reference"):
-        rargs = [a if i in case.kept else _to64(a) for i, a in enumerate(args)]
+        # the oracle on the CPU: kept arguments (a storage format: fp8 caches, accumulators) keep their dtype but
+        # move with the others, or a GPU cell would hand the reference tensors on two devices
+        keep = _cpu if not all(i in case.kept for i in range(len(args))) else (lambda a: a)
+        rargs = [keep(a) if i in case.kept else _to64(a) for i, a in enumerate(args)]
         rargs = [a.requires_grad_(True) if i in case.grad_args else a for i, a in enumerate(rargs)]
-        routs = _outputs(call(case, tuple(rargs), {k: v if k in case.kept else _to64(v) for k, v in kwargs.items()}))
+        routs = _outputs(call(case, tuple(rargs), {k: keep(v) if k in case.kept else _to64(v)
+                                                   for k, v in kwargs.items()}))
         # the baseline: plain torch on the same low-precision inputs (rounded to the compute dtype of a policy cell)
         cdt = _compute_dtype(dtype, case.op, precision)
         bargs = [a if i in case.kept else _cast(a, cdt) for i, a in enumerate(args)]
