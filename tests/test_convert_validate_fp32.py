@@ -68,3 +68,41 @@ def test_float32_models_are_judged_as_before():
     conv = opsadv.convert_model(m, backend="reference", floor=False, example_inputs=_ids())
     v = conv.opsadv_report.validation
     assert v["passed"] and "rel_err_vs_fp32" not in v and "no_fp32_reference" not in v
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_compare_in_row_chunks_equals_one_pass(monkeypatch, masked):
+    """compare() walks the rows in float64 chunks (a large batch's logits never exist whole in float64): chunks of
+    7 rows give the metrics of one chunk holding every row, with padding rows excluded and a tie counted as one."""
+    from opsadv.convert import validate as V
+    g = torch.Generator().manual_seed(5)
+    a = torch.randn(3, 11, 50, generator=g)
+    b = a + 0.05 * torch.randn(3, 11, 50, generator=g)
+    b[0, 2] = a[0, 2]
+    top = a[0, 2].topk(2).indices                 # a near-tie: the runner-up nudged past the top by less than the error
+    b[0, 2, top[1]] = a[0, 2, top[0]] + 1e-3
+    inputs = {"attention_mask": torch.ones(3, 11, dtype=torch.long)}
+    if masked:
+        inputs["attention_mask"][1, :4] = 0
+        b[1, :4] = 1e6                            # padding rows: wrong by far, and excluded
+    whole = V.compare({"logits": a}, {"logits": b}, inputs, torch.float32)
+    monkeypatch.setattr(V, "CHUNK_ELEMENTS", 7 * 50)
+    chunked = V.compare({"logits": a}, {"logits": b}, inputs, torch.float32)
+    assert whole["tokens"] == (29 if masked else 33) and whole["top1_ties"] >= 1
+    for k, v in whole.items():
+        assert chunked[k] == pytest.approx(v, rel=1e-12), k
+    # against a direct float64 computation over the real rows
+    keep = inputs["attention_mask"].bool().reshape(-1)
+    x, y = a.reshape(-1, 50)[keep].double(), b.reshape(-1, 50)[keep].double()
+    assert whole["rel_err"] == pytest.approx(((y - x).norm() / x.norm()).item(), rel=1e-12)
+    lp, lq = x.log_softmax(-1), y.log_softmax(-1)
+    assert whole["kl"] == pytest.approx((lp.exp() * (lp - lq)).sum(-1).mean().item(), rel=1e-12)
+
+
+def test_compare_non_finite_output_fails():
+    from opsadv.convert import validate as V
+    a = torch.randn(2, 5, 9)
+    b = a.clone()
+    b[1, 3, 2] = float("nan")
+    m = V.compare({"logits": a}, {"logits": b}, {}, torch.float32)
+    assert not m["passed"] and m["rel_err"] == float("inf") and m["kl"] == float("inf")

@@ -726,7 +726,10 @@ def _decode_check(cell: Cell, st: dict, extra: dict, dtype, ref=None) -> float:
         else:
             p = x["input_ids"].shape[1]
             ids = seq[:, :-1]
-            ref_logits = base(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits[:, p - 1:]
+            keep = ids.shape[1] - p + 1             # the positions compared (logits of the prompt's rows not made)
+            kw_keep = {"logits_to_keep": keep} if _takes(base, "logits_to_keep") else {}
+            ref_logits = base(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False,
+                              **kw_keep).logits[:, -keep:]
     extra["generated_tokens"] = int(new.shape[1])
     if cell.cache == "paged":
         p = x["input_ids"].shape[1]
@@ -735,7 +738,7 @@ def _decode_check(cell: Cell, st: dict, extra: dict, dtype, ref=None) -> float:
         extra.update(_token_agreement(seq[:, p:], want[:, p:], "unconverted"))
         if isinstance(ref, torch.Tensor) and ref.shape == seq.shape:
             extra.update(_token_agreement(seq[:, p:], ref[:, p:], "hf_static_compile"))
-    mt = _metrics(ref_logits.float(), new.float(), {}, dtype)
+    mt = _metrics(ref_logits, new, {}, dtype)    # (compared a chunk of rows at a time: b32 x 256 x 128k logits)
     extra["check"] = mt
     return mt["rel_err"]
 

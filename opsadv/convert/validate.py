@@ -200,9 +200,13 @@ def within_own_rounding(metrics: dict, ref_out, new_out, ref32_out, inputs) -> d
     return m
 
 
+CHUNK_ELEMENTS = 1 << 25        # float64 values per chunk of rows compared at once (256 MiB; a few such temporaries)
+
+
 def compare(ref_out, new_out, inputs, dtype: torch.dtype, limits: dict | None = None) -> dict[str, Any]:
     """The metrics of new_out against ref_out and whether they pass: the dtype's limits, or `limits`
-    (FP8_LIMITS) where given."""
+    (FP8_LIMITS) where given.  Computed in float64 a chunk of rows at a time, so that a large batch's logits (32 x
+    256 tokens x a 128k vocabulary: 8 GiB per float64 copy) never exist whole in float64."""
     lim = limits or {}
     a, kind = primary_output(ref_out)
     b, _ = primary_output(new_out)
@@ -212,34 +216,51 @@ def compare(ref_out, new_out, inputs, dtype: torch.dtype, limits: dict | None = 
         return {"passed": False, "output": kind, "shape_ref": tuple(a.shape), "shape_new": tuple(b.shape),
                 "limits": {}}
     am = inputs.get("attention_mask") if isinstance(inputs, dict) else None
-    a64, b64 = a.detach().double(), b.detach().double()
+    width = a.shape[-1] if a.dim() else 1
+    a2, b2 = a.detach().reshape(-1, width), b.detach().reshape(-1, width)
+    rows = None                                   # all rows, else the real tokens' (padding excluded)
     if am is not None and am.dim() == 2 and a.dim() >= 3 and tuple(a.shape[:2]) == tuple(am.shape):
-        keep = am.bool().to(a.device)
-        a64, b64 = a64[keep], b64[keep]           # (tokens, features)
-    else:
-        a64, b64 = a64.reshape(-1, a.shape[-1]), b64.reshape(-1, b.shape[-1])
-    finite = bool(torch.isfinite(b64).all())
-    diff = (b64 - a64)
-    rel = (diff.norm() / a64.norm().clamp_min(1e-30)).item() if finite else float("inf")
-    cos = torch.nn.functional.cosine_similarity(a64, b64, dim=-1).min().item() if finite else float("nan")
+        rows = am.bool().to(a.device).reshape(-1).nonzero().squeeze(1)
+    n = a2.shape[0] if rows is None else rows.numel()
+    logits = kind in ("logits", "prediction_logits") and width > 1
+    step = max(1, CHUNK_ELEMENTS // max(width, 1))
+    finite, sq_diff, sq_ref, max_abs, min_cos, kl_sum = True, 0.0, 0.0, 0.0, float("inf"), 0.0
+    flips, gaps = [], []
+    for i in range(0, n, step):
+        sel = slice(i, i + step) if rows is None else rows[i:i + step]
+        x, y = a2[sel].double(), b2[sel].double()
+        if not bool(torch.isfinite(y).all()):
+            finite = False
+            break
+        d = y - x
+        sq_diff += d.square().sum().item()
+        sq_ref += x.square().sum().item()
+        max_abs = max(max_abs, d.abs().max().item())
+        min_cos = min(min_cos, torch.nn.functional.cosine_similarity(x, y, dim=-1).min().item())
+        if logits:
+            lp, lq = torch.log_softmax(x, -1), torch.log_softmax(y, -1)
+            kl_sum += (lp.exp() * (lp - lq)).sum().item()
+            top2 = x.topk(2, dim=-1).values
+            flips.append(x.argmax(-1) != y.argmax(-1))
+            gaps.append(top2[:, 0] - top2[:, 1])
+    rel = (sq_diff ** 0.5 / max(sq_ref ** 0.5, 1e-30)) if finite else float("inf")
     rel_lim = lim.get("rel_err", REL_LIMIT.get(dtype, 3e-2))
-    m: dict[str, Any] = {"output": kind, "tokens": int(a64.shape[0]), "rel_err": rel,
-                         "max_abs_err": diff.abs().max().item() if finite else float("inf"), "min_cosine": cos}
-    logits = kind in ("logits", "prediction_logits") and a64.shape[-1] > 1
+    m: dict[str, Any] = {"output": kind, "tokens": int(n), "rel_err": rel,
+                         "max_abs_err": max_abs if finite else float("inf"),
+                         "min_cosine": min_cos if finite and n else float("nan")}
     if logits and "logits_rel_err" in lim:
         rel_lim = lim["logits_rel_err"]
     limits = {"rel_err": rel_lim} if rel_lim is not None else {}
     ok = finite and (rel_lim is None or rel < rel_lim)
     if logits:
-        lp, lq = torch.log_softmax(a64, -1), torch.log_softmax(b64, -1)
-        kl = (lp.exp() * (lp - lq)).sum(-1).mean().item() if finite else float("inf")
-        t1a, t1b = a64.argmax(-1), b64.argmax(-1)
-        top2 = a64.topk(2, dim=-1).values if a64.shape[-1] > 1 else None
-        gap = (top2[:, 0] - top2[:, 1]) if top2 is not None else torch.full_like(a64[:, 0], float("inf"))
-        flips = t1a != t1b
-        ties = flips & (gap <= 2 * m["max_abs_err"])
-        agree = 1.0 - (flips & ~ties).double().mean().item()
-        m.update(kl=kl, top1_agreement=agree, top1_ties=int(ties.sum()))
+        if finite and n:
+            flip, gap = torch.cat(flips), torch.cat(gaps)
+            ties = flip & (gap <= 2 * max_abs)    # a flip between logits closer than the error: a tie
+            agree = 1.0 - (flip & ~ties).double().mean().item()
+            kl, n_ties = kl_sum / n, int(ties.sum())
+        else:
+            kl, agree, n_ties = (float("inf"), 0.0, 0) if not finite else (0.0, 1.0, 0)   # (non-finite: nothing agrees)
+        m.update(kl=kl, top1_agreement=agree, top1_ties=n_ties)
         kl_lim, top1_lim = lim.get("kl", KL_LIMIT), lim.get("top1_agreement", TOP1_LIMIT)
         limits.update(kl=kl_lim, top1_agreement=top1_lim)
         ok = ok and kl < kl_lim and agree >= top1_lim
