@@ -24,6 +24,7 @@ def test_batches_repeat_a_motif():
 def test_tiny_run_writes_curves_and_plot(tmp_path):
     path = tmp_path / "curve.json"
     assert LC.main(["--size", "tiny", "--steps", "6", "--batch", "2", "--seq", "24", "--batches", "2", "--lr", "3e-3",
+                    "--backend", "reference",  # (the auto backend would interpret the Triton kernels here: slow)
                     "--json", str(path)]) == 0
     res = json.loads(path.read_text())
     got, ref = res["losses"]["fp8"], res["losses"]["bf16"]

@@ -22,6 +22,11 @@ import time
 
 import torch
 
+import opsadv
+
+from . import model_zoo as Z
+from .runner import _header
+
 MOTIF = 64
 
 
@@ -62,9 +67,6 @@ def deviations(fp8: list[float], bf16: list[float], per_epoch: int) -> dict:
 
 def run(arch: str = "llama3", size: str = "1.5b", steps: int = 200, batch: int = 4, seq: int = 2048,
         n_batches: int = 8, lr: float = 3e-4, device: str | None = None, backend: str = "auto") -> dict:
-    import opsadv
-    from . import model_zoo as Z
-    from .runner import _header
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     base = Z.build(arch, size, dev, torch.bfloat16, train=True)
     vocab = base.config.get_text_config().vocab_size
