@@ -435,14 +435,18 @@ def qk_norm_rotary_backward(c: Call):
 # ---- linear_cross_entropy --------------------------------------------------------------------------------------
 
 
-def _lce_split(c: Call) -> int | None:
+def _replicated_head(c: Call, why: str) -> None:
+    """The projection (weight, bias) of a loss op runs replicated; any split of it is refused with `why`."""
     for name in ("weight", "bias"):
         a = c[name]
         if a is not None and (a.sharded or a.strided):
-            c.refuse(name, "Replicate()", why="a split of the hidden dim makes the logits partial sums, and cross "
-                     "entropy is not linear in them; a vocabulary split (Shard(0)) runs vocab-parallel through "
-                     "opsadv.ops.linear_cross_entropy (opsadv/distributed/vocab_parallel.py), not through this "
-                     "custom op")
+            c.refuse(name, "Replicate()", why=why)
+
+
+def _lce_split(c: Call) -> int | None:
+    _replicated_head(c, "a split of the hidden dim makes the logits partial sums, and cross entropy is not linear in "
+                        "them; a vocabulary split (Shard(0)) runs vocab-parallel through opsadv.ops.linear_cross_entropy "
+                        "(opsadv/distributed/vocab_parallel.py), not through this custom op")
     a = c["hidden"]
     if a.dim == 1:
         c.refuse("hidden", "Replicate() or Shard(0) (tokens)",
@@ -475,12 +479,9 @@ def linear_cross_entropy_backward(c: Call):
 
 
 def _stats_split(c: Call) -> int | None:
-    for name in ("weight", "bias"):
-        a = c[name]
-        if a is not None and (a.sharded or a.strided):
-            c.refuse(name, "Replicate()", why="each rank would read its rows as the slice starting at the same "
-                     "vocab_start; a vocabulary split runs through opsadv.ops.linear_cross_entropy (vocab-parallel, "
-                     "opsadv/distributed/vocab_parallel.py), which gives each rank its own vocab_start")
+    _replicated_head(c, "each rank would read its rows as the slice starting at the same vocab_start; a vocabulary "
+                        "split runs through opsadv.ops.linear_cross_entropy (vocab-parallel, "
+                        "opsadv/distributed/vocab_parallel.py), which gives each rank its own vocab_start")
     return c.lead("hidden", {0: "tokens"})
 
 
