@@ -172,6 +172,7 @@ def test_fp8_linear_gemms_match_dequantized_oracle(impl):
         y = _fp8._Fp8Linear.apply(x, w, b, gemm)
         y.backward(dy)
     assert t.counts[impl] == 3
+    assert t.counts[f"{backend}.triton.cast_to_fp8" if backend == "cuda" else "reference.cast_to_fp8"] == 3
     from opsadv.ops.scaled_gemm import quantize_fp8
     y, xg, wg, bg, x, w, b, dy = (t.detach().cpu() for t in (y, x.grad, w.grad, b.grad, x, w, b, dy))
     xs = x.float().abs().amax() / 448
@@ -189,12 +190,17 @@ def test_fp8_linear_gemms_match_dequantized_oracle(impl):
 
 def test_delayed_scaling_uses_the_amax_history():
     hist = _fp8.AmaxHistory(3)
-    s1 = hist.scale(torch.tensor(448.0), E4M3)          # empty history: the call's own amax
-    s2 = hist.scale(torch.tensor(44.8), E4M3)           # then the window's max, not the call's amax
-    for _ in range(2):
-        hist.scale(torch.tensor(44.8), E4M3)
-    s5 = hist.scale(torch.tensor(44.8), E4M3)           # 448 has left the 3-long window
-    assert (s1.item(), s2.item(), s5.item()) == (1.0, 1.0, pytest.approx(0.1))
+
+    def step(amax):                                     # a cast: its scale from the history, then its amax recorded
+        x = torch.tensor([amax, -amax / 2])
+        s = hist.scale(x, E4M3)
+        hist.record(torch.tensor(amax))
+        return s.item()
+    s1 = step(448.0)                                    # empty history: the call's own amax
+    s2 = step(44.8)                                     # then the window's max, not the call's amax
+    step(44.8), step(44.8)
+    s5 = step(44.8)                                     # 448 has left the 3-long window
+    assert (s1, s2, s5) == (1.0, 1.0, pytest.approx(0.1))
 
 
 def _train_losses(model, steps, batch_ids):

@@ -414,6 +414,28 @@ def _cases(mesh, world: int):
                     fails.append(f"{n} differs ({placed[n].placements})")
             return fails
         return run
+    def cast(dim):
+        """cast_to_fp8 of x split over `dim`: the fp8 copy split with it, the transpose on the other dim, the amax a
+        Partial max that reduces to the global one."""
+        def run():
+            from torch.distributed.tensor import distribute_tensor
+            x = torch.randn(4 * world + 3, 2 * world + 1) * torch.arange(1, 2 * world + 2)
+            scale = torch.tensor(0.01)
+            want = ops.cast_to_fp8(x, scale, dtype=torch.float8_e5m2, transpose=True)
+            got = ops.cast_to_fp8(distribute_tensor(x, mesh, S(dim)), distribute_tensor(scale, mesh, Rp),
+                                  dtype=torch.float8_e5m2, transpose=True)
+            fails = [] if (list(got[0].placements), list(got[1].placements)) == (S(dim), S(1 - dim)) else \
+                [f"placements {got[0].placements}, {got[1].placements}"]
+            rank = torch.distributed.get_rank()          # (gloo gathers no fp8: each rank checks its own shard)
+            for name, g_, w, d in (("x_fp8", got[0], want[0], dim), ("x_fp8_t", got[1], want[1], 1 - dim)):
+                if not torch.equal(g_.to_local().view(torch.uint8), w.chunk(world, d)[rank].view(torch.uint8)):
+                    fails.append(f"{name}: rank {rank}'s shard differs")
+            if not torch.equal(got[2].full_tensor(), want[2]):
+                fails.append(f"amax {got[2].full_tensor()} vs {want[2]}")
+            return fails
+        return run
+    cases["cast_to_fp8 rows"] = cast(0)
+    cases["cast_to_fp8 columns"] = cast(1)
     cases["attention_merge_ heads (accumulators written in place)"] = merge(1)
     cases["attention_merge_ rows"] = merge(2)
     cases.update(_refusals(mesh, world))
@@ -666,7 +688,7 @@ def _names():
             "refuse linear_cross_entropy hidden-split weight",
             "refuse linear_cross_entropy vocab-parallel plain labels",
             "attention_merge_ heads (accumulators written in place)", "attention_merge_ rows",
-            "refuse attention_merge_ accumulator to copy",
+            "refuse attention_merge_ accumulator to copy", "cast_to_fp8 rows", "cast_to_fp8 columns",
             "explain shows the placements", "explain shows the vocab-parallel placements"] + \
         ["interpreter: " + n for n in (*INTERPRETED, *VP_INTERPRETED, "explain shows the vocab-parallel kernel")]
 

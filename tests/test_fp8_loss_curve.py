@@ -15,6 +15,12 @@ def test_deviations_are_per_step_and_per_epoch_means():
     assert d["max_epoch_dev"] == pytest.approx(7.3 / 7.0 - 1, abs=1e-6)
 
 
+def test_schedule_warms_up_then_decays_to_a_tenth():
+    f = [LC.lr_factor(i, 100, 10) for i in range(100)]
+    assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0) and f[10] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(f[10:], f[11:])) and f[-1] == pytest.approx(0.1, abs=1e-3)
+
+
 def test_batches_repeat_a_motif():
     b = LC.batches(100, 3, 2, 150)
     assert len(b) == 3 and b[0].shape == (2, 150) and not torch.equal(b[0], b[1])
@@ -23,7 +29,7 @@ def test_batches_repeat_a_motif():
 
 def test_tiny_run_writes_curves_and_plot(tmp_path):
     path = tmp_path / "curve.json"
-    assert LC.main(["--size", "tiny", "--steps", "6", "--batch", "2", "--seq", "24", "--batches", "2", "--lr", "3e-3",
+    assert LC.main(["--size", "tiny", "--steps", "6", "--batch", "2", "--seq", "24", "--batches", "2", "--lr", "3e-3", "--warmup", "2",
                     "--backend", "reference",  # (the auto backend would interpret the Triton kernels here: slow)
                     "--json", str(path)]) == 0
     res = json.loads(path.read_text())

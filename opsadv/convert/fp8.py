@@ -19,13 +19,15 @@ op (conversion checks it per site and reports it) they run scaled_gemm for gate_
 Training (grad-recording calls, Fp8Recipe.training): _Fp8Linear, three scaled_gemm calls per GEMM:
   fprop  y  = x @ W^T       x e4m3, one scale per tensor, DELAYED: max of the last `amax_history_len` amaxes of x
                             (the first call: its own amax), the call's amax then enters the history;
-                            W e4m3, one scale per tensor from the weight's current amax (an exact, small reduction);
+                            W e4m3, one scale per tensor from the weight's current amax (one reduction);
   dgrad  dx = dy @ W        dy e5m2, one scale per tensor, delayed from the gradients' own amax history; W's fp8
-                            copy from fprop (column-major copy for cuBLASLt);
-  wgrad  dW = dy^T @ x      dy^T e5m2 (a row-major copy) x the saved e4m3 x (column-major copy), out in W's dtype.
-Master weights stay in their dtype (bf16 / fp32) and receive dW; the bias gradient is dy summed in float32.  The
-saved activation is the e4m3 x (half a bf16 activation's bytes).  Every GEMM goes through scaled_gemm: a
-transposed operand is a strided view / copy, which scaled_gemm takes (no bf16 fallback).  The gated MLPs train
+                            transpose from fprop (W^T row-major: the column-major W cuBLASLt takes);
+  wgrad  dW = dy^T @ x      dy^T e5m2 x the saved e4m3 x^T (row-major, read as column-major x), out in W's dtype.
+Each operand is cast ONCE, by opsadv.ops.cast_to_fp8: one pass over x (dy, W) writing its fp8 copy, the transposed
+copy its gradient GEMM reads, and the amax its history records (torch's abs / amax / divide / clamp / cast and a
+transpose copy were ~8 passes with float32 temporaries, 1.7x the bf16 step on the H100).  Master weights stay in
+their dtype (bf16 / fp32) and receive dW; the bias gradient is dy summed in float32.  The saved activation is the
+e4m3 x^T (half a bf16 activation's bytes).  Every GEMM goes through scaled_gemm (no bf16 fallback).  The gated MLPs train
 with this recipe on the [W_gate|W_up] GEMM and the swiglu op after it (which keeps gate_up, the pre-activations,
 for its backward: dgate_up feeds the dgrad / wgrad GEMMs), not with scaled_swiglu_gemm: its forward does not write
 gate_up, which the backward needs (recomputing it costs one more GEMM; a second output of the fused kernel would
@@ -53,7 +55,7 @@ from opsadv.core.activations import ACT
 from opsadv.core.errors import InvalidArgumentError
 from opsadv.core.explain import explain
 from opsadv.ops.fp8_attention import quantize_qkv
-from opsadv.ops.scaled_gemm import E4M3, E5M2, FP8_MAX, quantize_fp8, quantize_with_scale, scale_from_amax
+from opsadv.ops.scaled_gemm import E4M3, E5M2, FP8_MAX, quantize_fp8, scale_from_amax
 
 from . import tp, validate as _val
 from .modules import DenseResidualNorm, FusedSwiGLUMLP, LinearAct, QKVProjection, SwiGLUMLP
@@ -85,24 +87,26 @@ class Fp8Recipe:
 
 
 class AmaxHistory:
-    """The last `length` amaxes of one tensor role; scale() gives the delayed scale and records the new amax."""
+    """The last `length` amaxes of one tensor role (activations or gradients of one GEMM site): scale() gives the
+    delayed scale for the next cast, record() takes that cast's amax.  Device-side only (no sync)."""
 
     def __init__(self, length: int):
         self.length = length
         self.buf: torch.Tensor | None = None
         self.pos = 0
 
-    def scale(self, amax_now: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """max(history) / FMAX (the first call, with an empty history: amax_now's); then amax_now is recorded.
-        Device-side only (no sync)."""
+    def scale(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """max(history) / FMAX; the first call (nothing recorded on x's device yet): x's own amax / FMAX (one
+        reduction more).  An all-zero history gives 1."""
         buf = self.buf
-        if buf is None or buf.device != amax_now.device:
-            buf = self.buf = torch.zeros(self.length, dtype=torch.float32, device=amax_now.device)
-        past = buf.amax()
-        scale = scale_from_amax(torch.where(past > 0, past, amax_now), dtype)
-        buf[self.pos] = amax_now
+        if buf is None or buf.device != x.device:
+            self.buf, self.pos = torch.zeros(self.length, dtype=torch.float32, device=x.device), 0
+            return scale_from_amax(_amax(x), dtype)
+        return scale_from_amax(buf.amax(), dtype)
+
+    def record(self, amax: torch.Tensor) -> None:
+        self.buf[self.pos] = amax
         self.pos = (self.pos + 1) % self.length
-        return scale
 
 
 def quantize_rows(x2: torch.Tensor):
@@ -134,7 +138,8 @@ def _compiled_quantize_rows():
 
 
 def _amax(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().abs().amax().to(torch.float32)
+    """max |t| as float32 (NaN if t holds one): one reduction, no |t| temporary."""
+    return torch.linalg.vector_norm(t.detach(), float("inf")).to(torch.float32)
 
 
 def _col_major(t: torch.Tensor) -> torch.Tensor:
@@ -143,17 +148,20 @@ def _col_major(t: torch.Tensor) -> torch.Tensor:
 
 
 class _Fp8Linear(torch.autograd.Function):
-    """y = x @ W^T + b with the three GEMMs in FP8 (module docstring: fprop e4m3, dgrad / wgrad e5m2 gradients)."""
+    """y = x @ W^T + b with the three GEMMs in FP8 (module docstring: fprop e4m3, dgrad / wgrad e5m2 gradients).
+    Each operand is cast once by cast_to_fp8, which also writes the transpose its gradient GEMM reads."""
 
     @staticmethod
     def forward(ctx, x2, w, bias, gemm: "Fp8Gemm"):
         out_dtype = x2.dtype if x2.dtype in OUT_DTYPES else torch.bfloat16
-        x_scale = gemm.x_history.scale(_amax(x2), E4M3)
-        x8 = quantize_with_scale(x2.detach(), x_scale, E4M3)
-        w8, w_scale = quantize_fp8(w.detach(), "tensor", E4M3)          # (N, K)
+        x_scale = gemm.x_history.scale(x2, E4M3)
+        x8, x8t, x_amax = ops.cast_to_fp8(x2.detach(), x_scale, dtype=E4M3, transpose=True)
+        gemm.x_history.record(x_amax)
+        w_scale = scale_from_amax(_amax(w), E4M3)                       # current scaling: the weight as it is now
+        w8, w8t, _ = ops.cast_to_fp8(w.detach(), w_scale, dtype=E4M3, transpose=True)     # (N, K), (K, N)
         y = ops.scaled_gemm(x8, w8.t(), x_scale, w_scale, bias=None if bias is None else bias.detach(),
                             out_dtype=out_dtype)
-        ctx.save_for_backward(x8, x_scale, w8, w_scale)
+        ctx.save_for_backward(x8t, x_scale, w8t, w_scale)               # the layouts the gradient GEMMs read
         ctx.gemm, ctx.x_dtype, ctx.w_dtype = gemm, x2.dtype, w.dtype
         ctx.has_bias = bias is not None
         return y
@@ -166,17 +174,18 @@ class _Fp8Linear(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, dy):
-        x8, x_scale, w8, w_scale = ctx.saved_tensors
-        dy = dy.contiguous()
-        g_scale = ctx.gemm.g_history.scale(_amax(dy), E5M2)
-        g8 = quantize_with_scale(dy, g_scale, E5M2)                       # (M, N)
+        x8t, x_scale, w8t, w_scale = ctx.saved_tensors
+        hist = ctx.gemm.g_history
+        g_scale = hist.scale(dy, E5M2)
+        g8, g8t, g_amax = ops.cast_to_fp8(dy, g_scale, dtype=E5M2, transpose=True)      # (M, N), (N, M)
+        hist.record(g_amax)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             out = ctx.x_dtype if ctx.x_dtype in OUT_DTYPES else torch.bfloat16
-            dx = ops.scaled_gemm(g8, _col_major(w8), g_scale, w_scale, out_dtype=out).to(ctx.x_dtype)
+            dx = ops.scaled_gemm(g8, w8t.t(), g_scale, w_scale, out_dtype=out).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
             out = ctx.w_dtype if ctx.w_dtype in OUT_DTYPES else torch.float32
-            dw = ops.scaled_gemm(g8.t().contiguous(), _col_major(x8), g_scale, x_scale, out_dtype=out).to(ctx.w_dtype)
+            dw = ops.scaled_gemm(g8t, x8t.t(), g_scale, x_scale, out_dtype=out).to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy.sum(0, dtype=torch.float32)
         return dx, dw, db, None

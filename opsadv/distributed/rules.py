@@ -4,7 +4,7 @@ Each rule reads one mesh dim (strategy.Call) and returns (output placements, {ar
 lead argument (q, a / b, x, hidden ...) decides the split; the others follow it or are refused (strategy.plan)."""
 from __future__ import annotations
 
-from torch.distributed.tensor.placement_types import Placement, Shard, _StridedShard
+from torch.distributed.tensor.placement_types import Partial, Placement, Shard, _StridedShard
 
 from .strategy import P, R, Arg, Call, register, show
 
@@ -519,6 +519,21 @@ def attention_merge_(c: Call):
     return (), {"acc_out": s, "acc_lse": s, "out": s, "lse": s}
 
 
+# ---- the fp8 cast -----------------------------------------------------------------------------------------------
+
+
+def cast_to_fp8(c: Call):
+    """Elementwise under one replicated per-tensor scale: x_fp8 splits with x, its transpose on the other dim, and
+    the amax is each rank's max over its shard (Partial("max"): reduced on use, so every rank records the global
+    one).  A Partial x (partial sums) is refused: the max of partial sums is not the sum's max."""
+    if c["x"].placement.is_partial():
+        c.refuse("x", "Replicate() or a Shard (the cast of a partial sum is not the partial of a cast)")
+    d = c.lead("x", {0: "rows", 1: "columns"})
+    s = R if d is None else Shard(d)
+    t = R if d is None or not c["transpose"] else Shard(1 - d)
+    return (s, t, R if d is None else Partial("max")), {"x": s, "scale": R}
+
+
 # op overload name -> (rule, the arguments that are gradients: placed by autograd, redistributed freely)
 ALL = {
     "flash_attention": (flash_attention, ()),
@@ -551,6 +566,7 @@ ALL = {
     "linear_cross_entropy_stats": (linear_cross_entropy_stats, ()),
     "linear_cross_entropy_stats_backward": (linear_cross_entropy_stats_backward, ("grad",)),
     "attention_merge_": (attention_merge_, ()),
+    "cast_to_fp8": (cast_to_fp8, ()),
 }
 
 

@@ -44,7 +44,8 @@ precision the runner may cast); tests/test_scaled_gemm.py also compares every im
 dequantized operands.
 
 scaled_swiglu_gemm (scaled_swiglu.py), the FP8 SwiGLU / GeGLU GEMM, is defined in this folder too: the same
-operands, scales and kernels, with the gated epilogue over [W_gate | W_up]."""
+operands, scales and kernels, with the gated epilogue over [W_gate | W_up]; and cast_to_fp8 (cast.py), the one-pass
+cast (+ transpose + amax) under a given scale that FP8 training feeds these GEMMs with."""
 from __future__ import annotations
 
 from typing import Optional
@@ -209,5 +210,6 @@ OPDEF = OpDef(OP, scaled_gemm, Reference(_reference.scaled_gemm_fwd, None, _refe
               "output; forward only")
 
 from .scaled_swiglu import OPDEF as SWIGLU_OPDEF, scaled_swiglu_gemm  # noqa: E402  (needs nothing above; see its module)
+from .cast import OPDEF as CAST_OPDEF, cast_to_fp8  # noqa: E402  (as scaled_swiglu)
 
-OPDEFS = (OPDEF, SWIGLU_OPDEF)
+OPDEFS = (OPDEF, SWIGLU_OPDEF, CAST_OPDEF)

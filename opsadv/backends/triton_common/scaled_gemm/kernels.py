@@ -158,3 +158,25 @@ def quantize_kernel(y_ptr, q_ptr, amax_ptr, scale_ptr, numel, FMAX: tl.constexpr
     tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=m)
     if tl.program_id(0) == 0:
         tl.store(scale_ptr, scale)
+
+
+@triton.jit
+def cast_kernel(x_ptr, q_ptr, qt_ptr, part_ptr, scale_ptr, M, N, s_xm, s_xn, FMAX: tl.constexpr,
+                MANT: tl.constexpr, EMIN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                TRANSPOSE: tl.constexpr):
+    """cast_to_fp8 (cast.py): one (BLOCK_M, BLOCK_N) tile of x read once; q = round(clamp(x / scale)) written to
+    q (M, N) and, with TRANSPOSE, to qt (N, M); the tile's max |x| (NaN if it holds one) to part[tile]."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    mask = (rm < M)[:, None] & (rn < N)[None, :]
+    x = tl.load(x_ptr + rm[:, None] * s_xm + rn[None, :] * s_xn, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.load(scale_ptr)
+    q = _round_fp8(tl.div_rn(x, scale), FMAX, MANT, EMIN).to(q_ptr.dtype.element_ty)
+    tl.store(q_ptr + rm[:, None] * N + rn[None, :], q, mask=mask)
+    if TRANSPOSE:
+        tl.store(qt_ptr + rn[None, :] * M + rm[:, None], q, mask=mask)
+    has_nan = tl.max(tl.max((x != x).to(tl.int32), axis=1), axis=0)
+    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+    tl.store(part_ptr + pid_m * tl.num_programs(1) + pid_n, tl.where(has_nan > 0, float("nan"), amax))
