@@ -404,3 +404,29 @@ def test_fp8_attention_serves_unpadded_no_grad_calls_only():
         c = fp8(**x)
     assert "reference.fp8_attention" not in t.counts and t.counts["reference.flash_attention"] == n
     assert not torch.equal(b.logits, c.logits)
+
+
+def test_fp8_step_installs_the_attention_the_bf16_floor_undid():
+    """The attention step measured slower in bf16 is undone; the fp8 step then installs opsadv's attention for the
+    FP8 attention and is timed with it (the fake timer: attention +0.5 ms, FP8 GEMMs -3 ms).  With the attention
+    rewrite switched off by the caller it does not."""
+    class Timer:
+        def __init__(self, model):
+            self.model = model
+
+        def __call__(self, fn):
+            fn()
+            ms = 10.0 + (0.5 if self.model.config._attn_implementation == "opsadv" else 0.0)
+            return ms - (3.0 if any(isinstance(getattr(m, "_fp8", None), _fp8.Fp8Gemm) or isinstance(m, _fp8.Fp8Linear)
+                                    for m in self.model.modules()) else 0.0)
+    x = {"input_ids": ids(2, 24)}
+    for rewrites, installed in ((None, True), ({"attention": False}, False)):
+        m = copy.deepcopy(make())
+        conv = opsadv.convert_model(m, backend="reference", precision="fp8", floor=True, floor_timer=Timer(m),
+                                    floor_inputs=x, rewrites=rewrites)
+        rep = conv.opsadv_report
+        assert (conv.config._attn_implementation == "opsadv") == installed
+        decided = {d["kind"]: d["kept"] for d in rep.to_dict().get("floor", [])}
+        assert decided.get("fp8") is True and decided.get("attention", False) is False
+        assert rep.fp8["attention"].startswith("fp8 in") == installed, rep.fp8
+        assert any("installed opsadv's attention" in n for n in rep.notes) == installed

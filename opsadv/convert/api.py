@@ -302,7 +302,8 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
             fp8 = None
             if use_fp8:
                 fp8 = dict(recipe=fp8_recipe or _fp8.Fp8Recipe(), inputs=inputs if validate else None,
-                           backend=backend, memo={})
+                           backend=backend, memo={}, attention=is_hf and opt_level >= 1
+                           and (rewrites is None or rewrites.get("attention", True) is not False))
             for kind, label, apply in _steps(is_hf, opt_level, mem_opt, pack_padding, state, fp8):
                 if rewrites is not None and rewrites.get(kind, True) is False:
                     report.add("kept", "", label, f"rewrites={{{kind!r}: False}}")

@@ -59,7 +59,7 @@ from opsadv.ops.scaled_gemm import E4M3, E5M2, FP8_MAX, quantize_fp8, scale_from
 
 from . import tp, validate as _val
 from .modules import DenseResidualNorm, FusedSwiGLUMLP, LinearAct, QKVProjection, SwiGLUMLP
-from .hf_attention import FP8_FLAG, NAME as ATTN_NAME, attention_modules
+from .hf_attention import FP8_FLAG, NAME as ATTN_NAME, attention_modules, attention_pass
 from .passes import Undo
 from .state import scope_of
 
@@ -480,14 +480,24 @@ def decide_units(units: list[str], set_fp8, measure) -> tuple[set[str], dict[str
     return kept, why, runs
 
 
-def fp8_pass(root: nn.Module, report, undo, state, *, recipe: Fp8Recipe, inputs, backend: str, memo: dict) -> None:
+def fp8_pass(root: nn.Module, report, undo, state, *, recipe: Fp8Recipe, inputs, backend: str, memo: dict,
+             attention: bool = False) -> None:
     """Put the model's GEMMs on scaled_gemm, and its attention on the FP8 attention, where an FP8 kernel serves and
     the per-block validation keeps them (module docstring).  `memo` carries the decision across a floor's
-    re-application of this step."""
+    re-application of this step.  attention: where the model does not run opsadv's attention (the attention step
+    measured no gain in bf16 and was undone), this step installs it, for the FP8 attention it brings: the floor then
+    times both together, FP8 GEMMs and FP8 attention against the bf16 GEMMs and the model's own attention."""
     sites = find_sites(root, recipe, report, state)
     dev = next((p.device for p in root.parameters()), torch.device("cpu"))
     dtype = next((p.dtype for p in root.parameters() if p.is_floating_point()), torch.float32)
     attn, attn_why = find_attention_sites(root), None
+    if not attn and attention and attention_modules(root):
+        with state.scope():
+            why = attention_kernel_check(dev, attention_modules(root)[0][1], dtype, backend)
+        if why is None and attention_pass(root, report, undo, state):
+            report.notes.append("precision fp8: the fp8 step installed opsadv's attention for the FP8 attention "
+                                "(the floor times them together with the FP8 GEMMs)")
+            attn = find_attention_sites(root)
     if attn:
         with state.scope():
             attn_why = attention_kernel_check(dev, attn[0].module, dtype, backend)
