@@ -1,0 +1,124 @@
+"""convert_model across transformers' architectures, not only the ones our benchmarks use: a tiny random model of each
+(float32, CPU, reference backend, dropout off so that both sides compute the same thing) converted with the default
+options must give the original's outputs on a padded batch and the original's loss and gradients in a training step.
+
+Bounds: outputs on real tokens within 1e-5 relative (Frobenius) of the original's; the training loss within 1e-5
+relative; every parameter's gradient within 1e-4 of its own norm plus 1e-4 of the whole gradient's norm (a gradient
+that is mathematically zero, e.g. a key projection's bias under softmax, is rounding noise on both sides: measured
+float32 errors are ~1e-7 to 2e-6).  An architecture this transformers does not know is skipped with the reason."""
+import copy
+
+import pytest
+import torch
+
+import opsadv
+
+transformers = pytest.importorskip("transformers")
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageClassification,  # noqa: E402
+                          AutoModelForSeq2SeqLM, AutoModelForSequenceClassification)
+
+CAUSAL = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text",
+          "phi", "phi3", "gpt2", "gpt_neox", "gptj", "opt", "bloom", "falcon", "stablelm", "starcoder2", "olmo",
+          "olmo2", "cohere", "granite", "glm", "smollm3", "biogpt", "xglm", "codegen", "gpt_bigcode", "mpt",
+          "persimmon", "nemotron")
+ENCODERS = ("bert", "roberta", "distilbert", "albert", "deberta-v2", "electra", "modernbert", "mpnet", "big_bird",
+            "roformer", "convbert", "squeezebert")
+SEQ2SEQ = ("bart", "t5", "mbart", "pegasus", "marian", "m2m_100", "blenderbot", "led", "umt5", "longt5")
+VISION = ("vit", "beit", "dinov2")
+
+DIMS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=128, max_position_embeddings=128, n_embd=64, n_layer=2, n_head=4, n_positions=128,
+            n_inner=128, ffn_dim=128, d_model=64, num_experts=4, num_local_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, shared_expert_intermediate_size=32, head_dim=16, rotary_dim=8, pad_token_id=0,
+            n_layers=2, n_heads=4, dim=64, hidden_dim=128, encoder_layers=2, decoder_layers=2,
+            encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
+            num_layers=2, num_decoder_layers=2, num_heads=4, d_ff=128, d_kv=16, embedding_size=64,
+            decoder_start_token_id=0, image_size=32, patch_size=8, pooler_hidden_size=64,
+            decoder_vocab_size=128)
+
+
+def _config(model_type: str):
+    try:
+        cfg = AutoConfig.for_model(model_type)
+    except (ValueError, KeyError) as e:
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type!r}: {e}")
+    for k, v in DIMS.items():
+        if hasattr(cfg, k) or k in getattr(cfg, "attribute_map", {}):
+            try:
+                setattr(cfg, k, v)
+            except (AttributeError, NotImplementedError, ValueError):
+                pass                         # (a config that derives it from others)
+    for k, v in cfg.to_dict().items():      # every dropout / stochastic depth off: both sides must compute alike
+        if isinstance(v, float) and not isinstance(v, bool) and any(
+                w in k for w in ("dropout", "drop_path", "layerdrop", "_pdrop", "drop_rate")):
+            setattr(cfg, k, 0.0)
+    return cfg
+
+
+def _build(kind: str, model_type: str):
+    torch.manual_seed(0)
+    cfg = _config(model_type)
+    cls = {"causal": AutoModelForCausalLM, "encoder": AutoModelForSequenceClassification,
+           "seq2seq": AutoModelForSeq2SeqLM, "vision": AutoModelForImageClassification}[kind]
+    model = cls.from_config(cfg).eval()
+    g = torch.Generator().manual_seed(1)
+    if kind == "vision":
+        x = {"pixel_values": torch.randn(2, 3, 32, 32, generator=g)}
+        return model, x, {"labels": torch.tensor([0, 1])}, None
+    b, s = (3, 19) if kind == "encoder" else (2, 17)
+    ids = torch.randint(1, 128, (b, s), generator=g)
+    mask = torch.ones_like(ids)
+    if kind == "causal":
+        mask[1, :5] = 0                      # left padding (generation's)
+    else:
+        mask[1, 12:] = 0                     # right padding
+        if b > 2:
+            mask[2, 3:] = 0
+    x = {"input_ids": ids, "attention_mask": mask}
+    if kind == "seq2seq":
+        dec = torch.randint(1, 128, (b, 7), generator=g)
+        x["decoder_input_ids"] = dec
+        return model, x, {"labels": dec}, None
+    if kind == "encoder":
+        return model, x, {"labels": torch.tensor([0, 1, 1])}, None
+    return model, x, {"labels": ids}, mask.bool()
+
+
+def _rel(a, b) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+CASES = [("causal", t) for t in CAUSAL] + [("encoder", t) for t in ENCODERS] + [("seq2seq", t) for t in SEQ2SEQ] + \
+    [("vision", t) for t in VISION]
+
+
+@pytest.mark.parametrize("kind,model_type", CASES, ids=[t for _, t in CASES])
+def test_converted_model_matches_the_original(kind, model_type):
+    model, x, labels, real = _build(kind, model_type)
+    with torch.no_grad():
+        want = model(**x).logits
+    conv = opsadv.convert_model(copy.deepcopy(model), floor=False, backend="reference", example_inputs=x)
+    rep = conv.opsadv_report
+    assert rep.status == "converted", str(rep)
+    assert any(c.kind in ("replaced", "fused", "attention") for c in rep.changes), str(rep)
+    with torch.no_grad():
+        got = conv(**x).logits
+    if real is not None:                     # padded positions of a causal LM are not outputs anyone reads
+        want, got = want[real], got[real]
+    assert _rel(got, want) < 1e-5, f"{model_type}: outputs off by {_rel(got, want):.3g}\n{rep}"
+
+    model.train()
+    conv.train()
+    loss0 = model(**x, **labels).loss
+    loss0.backward()
+    loss1 = conv(**x, **labels).loss
+    loss1.backward()
+    assert abs(loss1.item() - loss0.item()) <= 1e-5 * abs(loss0.item()), (loss0.item(), loss1.item())
+    grads0 = dict(model.named_parameters())
+    total = torch.sqrt(sum(p.grad.double().norm() ** 2 for p in grads0.values() if p.grad is not None)).item()
+    for (name, p0), p1 in zip(model.named_parameters(), conv.parameters()):
+        assert (p0.grad is None) == (p1.grad is None), f"{model_type}: {name} has a gradient on one side only"
+        if p0.grad is None:
+            continue
+        err = (p1.grad - p0.grad).norm().item()
+        assert err <= 1e-4 * (p0.grad.norm().item() + total), f"{model_type}: {name} gradient off by {err:.3g}"
