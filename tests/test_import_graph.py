@@ -59,6 +59,8 @@ LAZY: dict[tuple[str, str], str] = {
     (f"{TC}.swiglu.swiglu", f"{TC}.utils"): TRITON,
     (f"{TC}.attention_merge.attention_merge", f"{TC}.attention_merge.kernels"): TRITON,
     (f"{TC}.attention_merge.attention_merge", f"{TC}.utils"): TRITON,
+    (f"{TC}.scaled_gemm.cast", f"{TC}.scaled_gemm.kernels"): TRITON,
+    (f"{TC}.scaled_gemm.cast", f"{TC}.utils"): TRITON,
     (f"{CUDA}.flash_attention.gluon", f"{TC}.flash_attention.attention"): TRITON,
     (f"{CUDA}.flash_attention.gluon", f"{TC}.utils"): TRITON,
     (f"{CUDA}.flash_attention.gluon_bwd", f"{TC}.flash_attention.attention"): TRITON,
