@@ -163,3 +163,35 @@ def test_gpu_matches_torch_cast(shape, dtype):
     assert t.counts == {"cuda.triton.cast_to_fp8": 1}
     want, want_t, want_amax = _oracle(x, scale, dtype)
     assert _same_fp8(q, want) and _same_fp8(qt, want_t) and amax.isnan() and want_amax.isnan()   # (the NaN)
+
+
+_SM90 = r"""
+import json, re, torch
+from opsadv.testing.sm90 import compile_sm90
+from opsadv.backends.triton_common.scaled_gemm import kernels as K, cast as C
+from opsadv.backends.triton_common.scaled_gemm.scaled_gemm import FP8_FORMAT
+res = {}
+for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+    for transpose in (True, False):
+        m, n = 8192, 2048
+        x = torch.empty(m, n, dtype=torch.bfloat16)
+        q, qt = torch.empty(m, n, dtype=dtype), torch.empty(n, m, dtype=dtype)
+        fmax, mant, emin = FP8_FORMAT[dtype]
+        kw = dict(x_ptr=x, q_ptr=q, qt_ptr=qt, part_ptr=torch.empty(1), scale_ptr=torch.empty(1), M=m, N=n, s_xm=n,
+                  s_xn=1, FMAX=fmax, MANT=mant, EMIN=emin, BLOCK_M=C.BLOCK_M, BLOCK_N=C.BLOCK_N, TRANSPOSE=transpose)
+        r = compile_sm90(K.cast_kernel, kw, num_warps=4, num_stages=1)
+        res[f"{str(dtype)[-6:]}-{transpose}"] = {"spills": r["spill_stores"] + r["spill_loads"],
+                                                  "cvt": len(re.findall(r"cvt\.rn\.satfinite\.e[45]m[23]x2", r["ptx"]))}
+print(json.dumps(res))
+"""
+
+
+def test_kernel_compiles_for_sm90_without_spills():
+    """The kernel for the H100 (sm_90) at a training shape, both formats, with and without the transpose: no
+    spills, and the fp8 stores are hardware conversions (cvt ... e4m3x2 / e5m2x2)."""
+    import json
+    from conftest import run_sm90_compile
+    r = json.loads(run_sm90_compile(["-c", _SM90]).strip().splitlines()[-1])
+    assert len(r) == 4
+    for k, v in r.items():
+        assert v["spills"] == 0 and v["cvt"] > 0, (k, v)
