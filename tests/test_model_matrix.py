@@ -455,6 +455,8 @@ def _rows():
                         "mode": mode, "speedup": sp, "ratios": {"unconverted": sp, "liger": sp - 0.1}})
     out.append({"suite": "models", "case": "decode b1 dynamic qwen2 1.5b", "arch": "qwen2", "size": "1.5b",
                 "mode": "decode b1 dynamic", "error": "setup: ValueError"})
+    out.append({"suite": "models", "case": "train fp8 b4 s2048 qwen2 1.5b", "arch": "qwen2", "size": "1.5b",
+                "mode": "train fp8", "speedup": 0.8, "ratios": {"opsadv_bf16": 0.8}})
     return out
 
 
@@ -466,9 +468,10 @@ def test_heatmap_and_headline_from_the_json(tmp_path):
     assert "| prefill | 2 | 1.20x |" in md
     assert "| train padded | 2 | 0.90x | 0.90x (train padded qwen2 0.5b) | 0/2 | 0.80x (2 cells) |" in md
     assert "| decode | 0 (+1 failed) |" in md and "train compiled" in md
+    assert "| train fp8 | 1 | 0.80x |" in md                  # apart: its baseline is our bf16 conversion
     pytest.importorskip("matplotlib")
     png = tmp_path / "h.png"
-    assert R.write_heatmap(str(path), str(png)) == 7 and png.stat().st_size > 0
+    assert R.write_heatmap(str(path), str(png)) == 8 and png.stat().st_size > 0
     assert R.main([str(path), "--heatmap", str(tmp_path / "h2.png")]) == 0
 
 

@@ -97,13 +97,15 @@ def write_heatmap(json_path: str | None, png_path: str, rows: list[dict[str, Any
 
 def family(mode: str) -> str:
     """The headline group of a mode label: "prefill", "decode", "decode paged", "train", "train padded",
-    + " compiled"."""
+    + " compiled"; "prefill fp8" / "train fp8" apart (their baseline is our bf16 conversion)."""
     words = mode.split()
     fam = words[0] if words else "?"
     if fam == "train" and "padded" in words:
         fam = "train padded"
     if fam == "decode" and "paged" in words:     # its baseline is the static-compiled peer, not the eager model
         fam = "decode paged"
+    if "fp8" in words:
+        fam += " fp8"
     return fam + (" compiled" if "compiled" in words else "")
 
 
@@ -139,8 +141,8 @@ def headline_markdown(json_path: str) -> str:
     lines = [f"Models matrix on {data.get('device', '?')} (torch {data.get('torch', '?')}, "
              f"{_commits(rows, data)}): converted vs the unconverted model in the same mode (eager vs eager, "
              "compiled vs compiled; decode paged: convert_model(cuda_graphs=True) + a static PagedKVCache vs "
-             "transformers' StaticCache under generate's auto-compile), paired per-round ratios, >1 = converted "
-             "faster.", "",
+             "transformers' StaticCache under generate's auto-compile; fp8: convert_model(precision=\"fp8\") vs our "
+             "bf16 conversion), paired per-round ratios, >1 = converted faster.", "",
              "| mode | cells | median | lowest cell | cells >= 1.0x | median vs Liger |",
              "|---|---|---|---|---|---|"]
     for g in headline(rows):
