@@ -112,7 +112,7 @@ def check_fp8_dtype(dtype) -> float:
 def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype = E4M3) -> torch.Tensor:
     """amax / FMAX, float32; 1 where amax is 0 (a block of zeros quantizes to zeros with any scale)."""
     amax = amax.to(torch.float32)
-    return torch.where(amax > 0, amax / check_fp8_dtype(dtype), torch.ones_like(amax))
+    return torch.where(amax > 0, amax / check_fp8_dtype(dtype), 1.0)
 
 
 def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = E4M3,
