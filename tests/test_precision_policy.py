@@ -2,6 +2,7 @@
 (use_backend, convert_model, Optimizer), each field changing what the reference impls compute on fresh random
 float32 inputs (a field nobody reads fails here), explain() saying per candidate which requests of the call it
 applies and which it ignores (tile_size too), and cuBLAS GEMMs run in the policy's matmul precision."""
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -174,6 +175,26 @@ def test_explain_names_what_each_candidate_applies_and_ignores():
     assert d["cuda.triton.flash_attention"]["ignores"] == ["softmax=bf16"]
     g = {c.impl.id: c for c in gem.candidates if c.accepted}
     assert g["cuda.triton.gemm"].applies == ("tile_size=64",) and g["reference.gemm"].ignores == ("tile_size=64",)
+
+
+def test_a_call_whose_kernel_ignores_a_precision_field_warns_once(monkeypatch):
+    """The chosen impl ignores softmax=bf16 (its statistics stay float32): the resolution warns, naming the impl,
+    the field and who would honour it, once per (op, impl, field); tile_size (a cap) is only explain's."""
+    from opsadv.core import dispatch
+    monkeypatch.setattr(dispatch, "_logged_ignored", set())
+    q = torch.randn(1, 2, 33, 64, dtype=torch.float16)
+    with opsadv.use_backend("auto", precision={"softmax": "bf16"}, tile_size=64):
+        if opsadv.explain("flash_attention", q, q, q).chosen != "cuda.triton.flash_attention":
+            pytest.skip("the cuda backend's Triton kernels are not registered here (no TRITON_INTERPRET)")
+        with pytest.warns(RuntimeWarning, match=r"flash_attention runs cuda.triton.flash_attention, which ignores "
+                                                r"the policy's softmax=bf16.*reference.flash_attention would honour"):
+            opsadv.ops.flash_attention(q, q, q)
+    with opsadv.use_backend("auto", precision={"softmax": "bf16"}), warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        opsadv.ops.flash_attention(q[:, :, :17], q[:, :, :17], q[:, :, :17])     # another bucket: said already
+    with opsadv.use_backend("auto", tile_size=64), warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        opsadv.ops.rms_norm(torch.randn(3, 64), torch.randn(64))                  # tile_size alone: no warning
 
 
 def test_explain_says_nothing_when_nothing_is_asked():

@@ -134,6 +134,7 @@ _memo: dict[tuple, Resolved] = _Memo()      # (policy serial: its content, bucke
 MEMO_MAX = 16384
 _memo_lock = threading.Lock()
 _logged_fallback: set[str] = set()
+_logged_ignored: set[tuple] = set()      # (op, impl, "field=value") already warned about
 _tracers: list["Trace"] = []     # every active trace (the ops' "is anyone tracing" check); mutated in place
 _all_threads: list["Trace"] = []  # the active trace(all_threads=True) ones: they count every thread's calls
 _local: ContextVar[tuple["Trace", ...]] = ContextVar("opsadv_traces", default=())   # this context's traces
@@ -236,6 +237,13 @@ def explain_spec(spec: CallSpec, policy: Policy | None = None) -> tuple[Explanat
     return exp, devices.guarded(Resolved(chosen, ctx, run))
 
 
+def _ignored_precision(impl, spec: CallSpec, policy: Policy) -> list[str]:
+    """The precision fields ("softmax=bf16", ...) this call asks for that the impl does not honour (tile_size, a
+    cap some impls cannot take, is only listed by explain)."""
+    req = requested(policy.precision, spec.op, spec.dtype)
+    return [f"{k}={v}" for k, v in req.items() if k not in impl.honours]
+
+
 def _requests(c: Candidate, spec: CallSpec, policy: Policy) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(applied, ignored) policy requests of an accepted candidate: the seed's tile_size (where the policy's
     options reach its backend) and the precision fields that concern this op and dtype."""
@@ -286,6 +294,15 @@ def _announce(exp: Explanation, r: Resolved, policy: Policy) -> None:
         log.debug("%s candidates: %s", exp.op, "; ".join(
             f"{c.impl.id} " + (("chosen" if c.impl.id == r.impl.id else "accepted") + f" (priority {c.rank_priority})"
                                if c.accepted else "refused: " + ", ".join(c.reasons)) for c in exp.candidates))
+    ignored = [q for q in _ignored_precision(r.impl, exp.spec, policy) if (exp.op, r.impl.id, q) not in _logged_ignored]
+    if ignored:
+        _logged_ignored.update((exp.op, r.impl.id, q) for q in ignored)
+        honour = [c.impl.id for c in exp.candidates if c.accepted and all(
+            q.split("=")[0] in c.impl.honours for q in ignored)]
+        warnings.warn(f"opsadv: {exp.op} runs {r.impl.id}, which ignores the policy's {', '.join(ignored)} (it "
+                      "computes in its own precision); " + (f"{', '.join(honour)} would honour it (pin it with "
+                      "use_backend(..., impls=...))" if honour else "no accepted impl honours it")
+                      + ". opsadv.explain() lists what each impl applies and ignores.", RuntimeWarning, stacklevel=4)
     if r.impl.backend == "reference" and policy.backend == "auto":
         device_backends = [b.name for b in hooks.get_registry().available()
                            if b.name != "reference" and exp.spec.device_type in b.info.device_types]
