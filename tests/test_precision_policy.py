@@ -2,6 +2,7 @@
 (use_backend, convert_model, Optimizer), each field changing what the reference impls compute on fresh random
 float32 inputs (a field nobody reads fails here), explain() saying per candidate which requests of the call it
 applies and which it ignores (tile_size too), and cuBLAS GEMMs run in the policy's matmul precision."""
+import re
 import warnings
 from types import SimpleNamespace
 
@@ -186,9 +187,12 @@ def test_a_call_whose_kernel_ignores_a_precision_field_warns_once(monkeypatch):
     with opsadv.use_backend("auto", precision={"softmax": "bf16"}, tile_size=64):
         if opsadv.explain("flash_attention", q, q, q).chosen != "cuda.triton.flash_attention":
             pytest.skip("the cuda backend's Triton kernels are not registered here (no TRITON_INTERPRET)")
-        with pytest.warns(RuntimeWarning, match=r"flash_attention runs cuda.triton.flash_attention, which ignores "
-                                                r"the policy's softmax=bf16.*reference.flash_attention would honour"):
+        with warnings.catch_warnings(record=True) as seen:     # (pytest.warns would re-emit the interpreter's own)
+            warnings.simplefilter("always", RuntimeWarning)
             opsadv.ops.flash_attention(q, q, q)
+    said = [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning) and "ignores" in str(w.message)]
+    assert len(said) == 1 and re.search(r"flash_attention runs cuda.triton.flash_attention, which ignores the "
+                                        r"policy's softmax=bf16.*reference.flash_attention would honour", said[0])
     with opsadv.use_backend("auto", precision={"softmax": "bf16"}), warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         opsadv.ops.flash_attention(q[:, :, :17], q[:, :, :17], q[:, :, :17])     # another bucket: said already
