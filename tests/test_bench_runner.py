@@ -213,6 +213,18 @@ def test_fp8_swiglu_rows_run_and_verify():
             assert row["rel_err"] < 5e-3, row          # bf16 output rounding against the float32 value
 
 
+def test_fp8_cast_rows_run_and_verify():
+    """The fp8 suite's cast_to_fp8 rows (tiny, on the CPU under the interpreter's kernel): both formats, the unfused
+    torch cast as the baseline, bit for bit its values (rel_err 0)."""
+    from opsadv.bench import suite_fp8
+    cases = list(suite_fp8.cast_cases(False, dev="cpu", shapes=((37, 70),)))
+    assert [c.case for c in cases] == ["cast bf16 e4m3 m37 n70 transpose", "cast bf16 e5m2 m37 n70 transpose"]
+    for c in cases:
+        assert c.baseline == "torch_ops" and c.work == 4.0 * 37 * 70 and set(c.peers) == {"torch_ops", "torch_compile"}
+        (row,) = runner.run_case(c)
+        assert row["unit"] == "TB/s" and row["rel_err"] == 0.0 and row["opsadv_ms"] > 0, row
+
+
 def test_bench_window_covers_several_calls_of_long_cases():
     """do_bench times rep / est calls: short calls keep the 40 ms window, long ones get >= MIN_CALLS calls
     (a 29 ms case timed once per round read the same kernel 0.95-1.00x its peer)."""

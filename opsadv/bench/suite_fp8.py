@@ -25,6 +25,13 @@ composed FP8 path runs: opsadv.ops.scaled_gemm to a bf16 gate_up, then opsadv.op
 "bf16_swiglu_gemm" (our bf16 opsadv.ops.swiglu_gemm on bf16 copies of the dequantized operands).  rel_err is
 against silu(g) * u of the dequantized operands in float32.
 
+Cast rows ("cast ..."): opsadv.ops.cast_to_fp8 with transpose=True under a given per-tensor scale (what the FP8
+training recipe runs per operand: activations e4m3, gradients e5m2) on bf16 matrices of a Llama-1.5B step, (8192,
+2048) and (8192, 8192).  Bytes: 2 read + 1 + 1 written per element.  Peers: "torch_ops" (what the recipe ran
+before: abs / amax, float32 divide, clamp, cast, and a transpose copy; the speedup baseline) and "torch_compile"
+(the same function under torch.compile: Inductor's fusion of it).  rel_err: the fp8 values against torch's cast
+(0 when bit for bit).
+
 FP8 attention rows ("attn ..."): opsadv.ops.fp8_attention forward (e4m3 q, k, v with per-(batch, head)
 descales, bf16 output) at d128, causal and not, (b, h, s) = (4, 32, 4096) and (1, 32, 16384) (the attention
 suite's), plus GQA 32/8 causal at s 4096.  FLOPs 4*b*h*s*s*d (halved for causal).  Peers: "bf16_flash" (our
@@ -96,6 +103,7 @@ def cases(quick: bool) -> Iterator[BenchCase]:
     yield from attention_bwd_cases(quick)
     yield from gemm_cases(quick)
     yield from swiglu_cases(quick)
+    yield from cast_cases(quick)
 
 
 SWIGLU_SHAPES = ((16384, 2048, 8192),)          # (m, k, n): a Llama-1.5B MLP (hidden 2048, intermediate 8192)
@@ -312,3 +320,39 @@ def gemm_cases(quick: bool) -> Iterator[BenchCase]:
         yield BenchCase(suite="fp8", case=" ".join(words), opsadv=mine,
                         peers={"scaled_mm": scaled_mm, "bf16_gemm": bf16_gemm}, work=2.0 * m * n * k,
                         unit="TFLOP/s", compare=compare, baseline="scaled_mm", extra=extra)
+
+
+CAST_SHAPES = ((8192, 2048), (8192, 8192))      # (rows, cols): a Llama-1.5B step's activations / MLP gradients
+
+
+def _torch_cast(x, scale, dtype):
+    """The unfused cast: what the FP8 training recipe ran before cast_to_fp8 (transpose copy and amax included)."""
+    amax = x.abs().amax().float()
+    fmax = 448.0 if dtype == torch.float8_e4m3fn else 57344.0
+    q = (x.float() / scale).clamp_(-fmax, fmax).to(dtype)
+    return q, q.t().contiguous(), amax
+
+
+def cast_cases(quick: bool, dev: str = "cuda", shapes=CAST_SHAPES) -> Iterator[BenchCase]:
+    """(dev, shapes: tests run tiny rows on the CPU)"""
+    from .case import compiled_peer
+    dtypes = (torch.float8_e4m3fn,) if quick else (torch.float8_e4m3fn, torch.float8_e5m2)
+    for (m, n), dtype in ((sh, d) for sh in (shapes[-1:] if quick else shapes) for d in dtypes):
+        torch.manual_seed(0)
+        x = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
+        fmax = 448.0 if dtype == torch.float8_e4m3fn else 57344.0
+        scale = (x.float().abs().amax() / fmax).reshape(())
+        ref = _torch_cast(x, scale, dtype)[0].float()
+
+        def compare(out, _peer_out, ref=ref):
+            return ((out[0].float() - ref).norm() / ref.norm()).item()
+
+        def mine(x=x, scale=scale, dtype=dtype):
+            return opsadv.ops.cast_to_fp8(x, scale, dtype=dtype, transpose=True)
+
+        compiled = compiled_peer(_torch_cast)
+        peers = {"torch_ops": lambda x=x, scale=scale, dtype=dtype: _torch_cast(x, scale, dtype),
+                 "torch_compile": lambda x=x, scale=scale, dtype=dtype, f=compiled: f(x, scale, dtype)}
+        name = "e4m3" if dtype == torch.float8_e4m3fn else "e5m2"
+        yield BenchCase(suite="fp8", case=f"cast bf16 {name} m{m} n{n} transpose", opsadv=mine, peers=peers,
+                        work=4.0 * m * n, unit="TB/s", compare=compare, baseline="torch_ops")
