@@ -221,7 +221,9 @@ def test_refuses_dropout():
 
 def test_static_decode_step_compiles_fullgraph():
     """A static cache's decode step traces as one graph (torch.compile fullgraph=True, eager backend) and gives the
-    DynamicCache's logits.  (Each position still recompiles: transformers' mask sizing reads the position count.)"""
+    DynamicCache's logits over 6 positions with 2 compilations: transformers' mask sizing reads the cache's position
+    count, dynamo specializes the first step on it and the second compiles it symbolic (automatic dynamic), after
+    which no position recompiles."""
     orig, conv = models("qwen2")
     ids, _ = prompts("b3-left-padded")
     cache = opsadv.PagedKVCache(conv, page_size=8, max_cache_len=32, max_batch_size=3, static=True)
@@ -232,10 +234,33 @@ def test_static_decode_step_compiles_fullgraph():
     with torch.no_grad():
         got = conv(input_ids=ids, **{KW: cache}).logits[:, -1]
         want = orig(input_ids=ids, **{KW: dc}).logits[:, -1]
-        for i in range(3):
+        from torch._dynamo.utils import counters
+        counters.clear()
+        for i in range(6):
             tok = want.argmax(-1, keepdim=True)
             pos = torch.full((3, 1), ids.shape[1] + i)
             got = step(tok, pos)
             want = orig(input_ids=tok, position_ids=pos, **{KW: dc}).logits[:, -1]
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-    assert cache.lengths == [ids.shape[1] + 3] * 3 and cache.calls["decode"] == 0   # compiled calls are not counted
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    assert cache.lengths == [ids.shape[1] + 6] * 3 and cache.calls["decode"] == 0   # compiled calls are not counted
+
+
+def test_compiled_forward_generates_with_a_static_cache_in_two_graphs():
+    """torch.compile(model.forward) (fullgraph, eager backend) + PagedKVCache(static=True): generate's greedy tokens
+    equal transformers' own, and 12 new tokens compile 2 graphs (prefill, decode): no position recompiles past the
+    second step's symbolic one."""
+    orig, conv = models("llama")
+    ids = torch.randint(1, 100, (1, 12), generator=torch.Generator().manual_seed(3))
+    want = orig.generate(ids, max_new_tokens=12, do_sample=False)
+    cache = opsadv.PagedKVCache(conv, max_cache_len=64, static=True, max_batch_size=1)
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+    counters.clear()
+    try:
+        conv.forward = torch.compile(conv.forward, backend="eager", fullgraph=True)    # (transformers' recipe)
+        got = conv.generate(ids, max_new_tokens=12, do_sample=False, **{KW: cache})
+    finally:
+        del conv.forward                  # the class's forward again
+    assert torch.equal(got, want)
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
