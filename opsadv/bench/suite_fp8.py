@@ -65,7 +65,7 @@ from opsadv.ops.fp8_attention.reference import fp8_attention_fwd
 from opsadv.ops.scaled_gemm import _spec as _scaled_spec, validate as _validate
 from opsadv.ops.scaled_gemm.reference import dequantize_fp8, quantize_fp8, requantize
 
-from .case import BenchCase
+from .case import BenchCase, compiled_peer
 from .suite_attention import _own as attention_own      # (impl, ctx) of our best own flash kernel for a call
 from .suite_gemm import OWN_PREFIXES, SHAPES as GEMM_SHAPES, own_impl as _gemm_own_impl
 
@@ -335,7 +335,6 @@ def _torch_cast(x, scale, dtype):
 
 def cast_cases(quick: bool, dev: str = "cuda", shapes=CAST_SHAPES) -> Iterator[BenchCase]:
     """(dev, shapes: tests run tiny rows on the CPU)"""
-    from .case import compiled_peer
     dtypes = (torch.float8_e4m3fn,) if quick else (torch.float8_e4m3fn, torch.float8_e5m2)
     for (m, n), dtype in ((sh, d) for sh in (shapes[-1:] if quick else shapes) for d in dtypes):
         torch.manual_seed(0)
