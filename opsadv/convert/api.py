@@ -230,6 +230,14 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
     current activation scales, grad-recording calls with the FP8 training recipe (fp8_recipe: Fp8Recipe, delayed
     scaling over an amax history, e5m2 gradients).  Where no FP8 kernel serves the device the GEMMs stay bf16 and
     the report says why; with a pinned backend that raises.  opsadv.convert.fp8 has the details."""
+    inner = peft_base_model(model)
+    if inner is not None:                    # a PEFT (LoRA ...) wrapper: convert the transformers model inside it
+        args = {k: v for k, v in locals().items() if k not in ("model", "inner")}
+        convert_model(inner, **args)
+        for name in ("_opsadv_state", "opsadv_report", "tune_for_hardware", "opsadv_graphs"):
+            if name in vars(inner):
+                model.__dict__[name] = vars(inner)[name]
+        return model
     check_seed_args(opt_level, tile_size, max_streams, mem_opt, use_fp16, validate)
     check_rewrites(rewrites)
     _floor.check_args(floor, floor_mode, floor_timer, floor_compile)
@@ -370,6 +378,15 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
         if before is not None:      # refused or failed: the model goes back to its own dtypes and values
             before.restore()
         raise
+
+
+def peft_base_model(model):
+    """The transformers model inside a PEFT wrapper (peft.PeftModel: LoRA and the other adapters keep it at
+    get_base_model()), else None.  Duck-typed: peft is not imported."""
+    if not type(model).__module__.startswith("peft.") or not callable(getattr(model, "get_base_model", None)):
+        return None
+    inner = model.get_base_model()
+    return inner if inner is not model and hf_attention.is_transformers_model(inner) else None
 
 
 def check_not_wrapped(model) -> None:

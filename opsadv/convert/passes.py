@@ -234,6 +234,10 @@ _GATED_KERNELS = "gated kernels: SiLU (SwiGLU) and tanh GELU (GeGLU)"
 def _mlp_candidate(m):
     """(new module, description) for a supported MLP structure, else (None, reason or None)."""
     kids = dict(m.named_children())
+    wrapped = [n for n, k in kids.items() if _adapter_wrapped(k)]
+    if set(wrapped) & {"gate_proj", "up_proj", "gate_up_proj", "c_fc"}:       # an MLP's (not an attention's)
+        return None, (f"{', '.join(wrapped)} carry an adapter ({type(kids[wrapped[0]]).__module__.split('.')[0]}: "
+                      "LoRA / ...): their own forward adds it, which a fused GEMM would drop")
     if all(_linear(kids.get(n)) for n in ("gate_proj", "up_proj", "down_proj")) and hasattr(m, "act_fn"):
         act = probe_activation(m.act_fn)
         g, u = kids["gate_proj"], kids["up_proj"]
@@ -391,11 +395,21 @@ QKV_UNFUSED_MEM_OPT = 3
 _CROSS = ("encdecattention", "crossattention", "cross_attn", "encoder_attn")
 
 
+def _adapter_wrapped(m) -> bool:
+    """A linear layer inside an adapter (peft's LoRA / IA3 / ... layers keep the wrapped Linear at .base_layer)."""
+    return isinstance(getattr(m, "base_layer", None), nn.Linear)
+
+
 def qkv_pass(model, report, undo: Undo, state, mem_opt: int | None = None) -> None:
     for path, m in list(model.named_modules()):
         for names in (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("q", "k", "v")):
             lins = [getattr(m, n, None) for n in names]
             if not all(_linear(x) for x in lins):
+                wrapped = [n for n, x in zip(names, lins) if _adapter_wrapped(x)]
+                if wrapped and all(_linear(x) or _adapter_wrapped(x) for x in lins):
+                    report.add("skipped", path, "q/k/v projections", f"{', '.join(wrapped)} carry an adapter "
+                               f"({type(getattr(m, wrapped[0])).__module__.split('.')[0]}: LoRA / ...): their own "
+                               "forward adds it, which one fused GEMM would drop")
                 continue
             if any(c in path.lower() for c in _CROSS):
                 report.add("skipped", path, "q/k/v projections", "cross-attention: q reads the decoder's states, k and "
