@@ -148,3 +148,36 @@ def test_compiled_training_step_matches_the_original(kind, model_type):
             assert p1.grad is not None, f"{model_type}: {name} has no gradient when compiled"
             err = (p1.grad - p0.grad).norm().item()
             assert err <= 1e-4 * (p0.grad.norm().item() + total), f"{model_type}: {name} gradient off by {err:.3g}"
+
+
+CHECKPOINTED = [("causal", "llama"), ("causal", "gpt2"), ("encoder", "bert"), ("seq2seq", "t5"), ("vision", "vit")]
+
+
+@pytest.mark.parametrize("kind,model_type", CHECKPOINTED, ids=[t for _, t in CHECKPOINTED])
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_gradient_checkpointing_matches_the_original(kind, model_type, when):
+    """transformers' gradient checkpointing (the layers' forward recomputed in the backward), enabled before or
+    after conversion (transformers' default reentrant form before, the non-reentrant one after): loss and gradients
+    as the original's with checkpointing."""
+    model, x, labels, _ = _build(kind, model_type)
+    ref = copy.deepcopy(model)
+    ref.gradient_checkpointing_enable()
+    if when == "before":
+        model.gradient_checkpointing_enable()
+    conv = opsadv.convert_model(model, floor=False, backend="reference", example_inputs=x)
+    if when == "after":
+        conv.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert conv.is_gradient_checkpointing
+    ref.train()
+    conv.train()
+    loss0 = ref(**x, **labels).loss
+    loss0.backward()
+    loss1 = conv(**x, **labels).loss
+    loss1.backward()
+    assert abs(loss1.item() - loss0.item()) <= 1e-5 * abs(loss0.item())
+    total = torch.sqrt(sum(p.grad.double().norm() ** 2 for p in ref.parameters() if p.grad is not None)).item()
+    for (name, p0), p1 in zip(ref.named_parameters(), conv.parameters()):
+        if p0.grad is not None:
+            assert p1.grad is not None, f"{model_type}: {name} has no gradient"
+            err = (p1.grad - p0.grad).norm().item()
+            assert err <= 1e-4 * (p0.grad.norm().item() + total), f"{model_type}: {name} gradient off by {err:.3g}"
