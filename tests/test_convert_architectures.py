@@ -181,3 +181,31 @@ def test_gradient_checkpointing_matches_the_original(kind, model_type, when):
             assert p1.grad is not None, f"{model_type}: {name} has no gradient"
             err = (p1.grad - p0.grad).norm().item()
             assert err <= 1e-4 * (p0.grad.norm().item() + total), f"{model_type}: {name} gradient off by {err:.3g}"
+
+
+AUTOCAST = [("causal", "llama"), ("causal", "gpt2"), ("encoder", "bert")]
+
+
+@pytest.mark.parametrize("kind,model_type", AUTOCAST, ids=[t for _, t in AUTOCAST])
+def test_autocast_training_step(kind, model_type):
+    """Mixed precision as transformers' Trainer runs it (float32 weights, torch.autocast bf16): the converted
+    model's loss is float32, as the original's (a bf16 loss would quantize a logged loss curve to 2^-5 near 5), and
+    its loss and gradients are within 2x the original's own autocast error of the float32 step, plus a bf16 floor."""
+    model, x, labels, _ = _build(kind, model_type)
+    exact, amp = copy.deepcopy(model), copy.deepcopy(model)
+    conv = opsadv.convert_model(model, floor=False, backend="reference", example_inputs=x)
+    losses = {}
+    for name, m, ac in (("exact", exact, False), ("amp", amp, True), ("conv", conv, True)):
+        m.train()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=ac):
+            loss = m(**x, **labels).loss
+        assert loss.dtype == torch.float32, (name, loss.dtype)
+        loss.backward()
+        losses[name] = loss.item()
+    err = {n: abs(losses[n] - losses["exact"]) for n in ("amp", "conv")}
+    assert err["conv"] <= 2 * err["amp"] + 2 ** -8 * abs(losses["exact"]), (losses, err)
+    for (name, p0), pa, pc in zip(exact.named_parameters(), amp.parameters(), conv.parameters()):
+        if p0.grad is None:
+            continue
+        ea, ec = (pa.grad - p0.grad).norm().item(), (pc.grad - p0.grad).norm().item()
+        assert ec <= 2 * ea + 2 ** -8 * p0.grad.norm().item() + 1e-6, f"{model_type}: {name} {ec:.3g} vs {ea:.3g}"

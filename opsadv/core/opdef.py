@@ -8,6 +8,7 @@ the conformance catalogue (the cases and tolerances) and `opsadv demo` (the demo
 The op's torch.library custom ops, fakes and autograd stay where the op defines them; `custom_ops` names them."""
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -118,11 +119,29 @@ class OpDef:
     def reference_impl(self) -> KernelImpl:
         """The reference backend's KernelImpl of this op (reference.<name>)."""
         r = self.reference
-        return KernelImpl(id=f"{REFERENCE_BACKEND}.{self.name}", op=self.name, backend=REFERENCE_BACKEND, fn=r.fn,
-                          backward=r.backward, priority=PRIORITY_REFERENCE, device_types=REFERENCE_DEVICE_TYPES,
+        return KernelImpl(id=f"{REFERENCE_BACKEND}.{self.name}", op=self.name, backend=REFERENCE_BACKEND,
+                          fn=without_autocast(r.fn), backward=without_autocast(r.backward),
+                          priority=PRIORITY_REFERENCE, device_types=REFERENCE_DEVICE_TYPES,
                           dtypes=REFERENCE_DTYPES, features=r.features, deterministic=True,
                           honours=frozenset({"matmul", "attention", "norm", "softmax"}),
                           description="plain torch (float32 accumulation; float64 stays float64)")
+
+
+def without_autocast(fn):
+    """fn(ctx, *args) run with the ambient torch.autocast off on its inputs' device: an op computes as it states
+    (float32 accumulation, outputs in its own dtypes) whatever autocast region calls it; autocast would otherwise
+    recast the reference's float32 arithmetic to bf16 inside it (a bf16 loss from linear_cross_entropy)."""
+    if fn is None:
+        return None
+
+    @functools.wraps(fn)
+    def run(ctx, *args, **kwargs):
+        dev = next((a.device.type for a in args if isinstance(a, torch.Tensor)), None)
+        if dev is None or not torch.is_autocast_enabled(dev):
+            return fn(ctx, *args, **kwargs)
+        with torch.autocast(dev, enabled=False):
+            return fn(ctx, *args, **kwargs)
+    return run
 
 
 def arg(args: tuple, kwargs: dict, i: int, name: str, default: Any = None) -> Any:
