@@ -88,6 +88,31 @@ def _rel(a, b) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def assert_same_grads(ref, conv, what: str, both_ways: bool = False) -> None:
+    """Every parameter's gradient in conv within 1e-4 of (its own norm + the whole gradient's norm) of ref's; a
+    gradient ref has must be there in conv (both_ways: and only those)."""
+    total = torch.sqrt(sum(p.grad.double().norm() ** 2 for p in ref.parameters() if p.grad is not None)).item()
+    for (name, p0), p1 in zip(ref.named_parameters(), conv.parameters()):
+        if both_ways:
+            assert (p0.grad is None) == (p1.grad is None), f"{what}: {name} has a gradient on one side only"
+        if p0.grad is None:
+            continue
+        assert p1.grad is not None, f"{what}: {name} has no gradient"
+        err = (p1.grad - p0.grad).norm().item()
+        assert err <= 1e-4 * (p0.grad.norm().item() + total), f"{what}: {name} gradient off by {err:.3g}"
+
+
+def train_step_losses(ref, conv, x, labels) -> tuple[float, float]:
+    """One forward + backward of each model in training mode: (ref's loss, conv's loss)."""
+    out = []
+    for m in (ref, conv):
+        m.train()
+        loss = m(**x, **labels).loss
+        loss.backward()
+        out.append(loss.item())
+    return out[0], out[1]
+
+
 CASES = [("causal", t) for t in CAUSAL] + [("encoder", t) for t in ENCODERS] + [("seq2seq", t) for t in SEQ2SEQ] + \
     [("vision", t) for t in VISION]
 
@@ -107,21 +132,9 @@ def test_converted_model_matches_the_original(kind, model_type):
         want, got = want[real], got[real]
     assert _rel(got, want) < 1e-5, f"{model_type}: outputs off by {_rel(got, want):.3g}\n{rep}"
 
-    model.train()
-    conv.train()
-    loss0 = model(**x, **labels).loss
-    loss0.backward()
-    loss1 = conv(**x, **labels).loss
-    loss1.backward()
-    assert abs(loss1.item() - loss0.item()) <= 1e-5 * abs(loss0.item()), (loss0.item(), loss1.item())
-    grads0 = dict(model.named_parameters())
-    total = torch.sqrt(sum(p.grad.double().norm() ** 2 for p in grads0.values() if p.grad is not None)).item()
-    for (name, p0), p1 in zip(model.named_parameters(), conv.parameters()):
-        assert (p0.grad is None) == (p1.grad is None), f"{model_type}: {name} has a gradient on one side only"
-        if p0.grad is None:
-            continue
-        err = (p1.grad - p0.grad).norm().item()
-        assert err <= 1e-4 * (p0.grad.norm().item() + total), f"{model_type}: {name} gradient off by {err:.3g}"
+    loss0, loss1 = train_step_losses(model, conv, x, labels)
+    assert abs(loss1 - loss0) <= 1e-5 * abs(loss0), (loss0, loss1)
+    assert_same_grads(model, conv, model_type, both_ways=True)
 
 
 COMPILED = [("causal", "gpt2"), ("causal", "gemma2"), ("causal", "qwen3_moe"), ("encoder", "bert"), ("seq2seq", "t5"),
@@ -142,12 +155,7 @@ def test_compiled_training_step_matches_the_original(kind, model_type):
     loss.backward()
     want = model(**x, **labels).loss.item()
     assert abs(loss.item() - want) <= 1e-5 * abs(want)
-    total = torch.sqrt(sum(p.grad.double().norm() ** 2 for p in model.parameters() if p.grad is not None)).item()
-    for (name, p0), p1 in zip(model.named_parameters(), conv.parameters()):
-        if p0.grad is not None:
-            assert p1.grad is not None, f"{model_type}: {name} has no gradient when compiled"
-            err = (p1.grad - p0.grad).norm().item()
-            assert err <= 1e-4 * (p0.grad.norm().item() + total), f"{model_type}: {name} gradient off by {err:.3g}"
+    assert_same_grads(model, conv, f"{model_type} compiled")
 
 
 CHECKPOINTED = [("causal", "llama"), ("causal", "gpt2"), ("encoder", "bert"), ("seq2seq", "t5"), ("vision", "vit")]
@@ -168,19 +176,9 @@ def test_gradient_checkpointing_matches_the_original(kind, model_type, when):
     if when == "after":
         conv.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     assert conv.is_gradient_checkpointing
-    ref.train()
-    conv.train()
-    loss0 = ref(**x, **labels).loss
-    loss0.backward()
-    loss1 = conv(**x, **labels).loss
-    loss1.backward()
-    assert abs(loss1.item() - loss0.item()) <= 1e-5 * abs(loss0.item())
-    total = torch.sqrt(sum(p.grad.double().norm() ** 2 for p in ref.parameters() if p.grad is not None)).item()
-    for (name, p0), p1 in zip(ref.named_parameters(), conv.parameters()):
-        if p0.grad is not None:
-            assert p1.grad is not None, f"{model_type}: {name} has no gradient"
-            err = (p1.grad - p0.grad).norm().item()
-            assert err <= 1e-4 * (p0.grad.norm().item() + total), f"{model_type}: {name} gradient off by {err:.3g}"
+    loss0, loss1 = train_step_losses(ref, conv, x, labels)
+    assert abs(loss1 - loss0) <= 1e-5 * abs(loss0)
+    assert_same_grads(ref, conv, model_type)
 
 
 AUTOCAST = [("causal", "llama"), ("causal", "gpt2"), ("encoder", "bert")]

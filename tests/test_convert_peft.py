@@ -13,7 +13,7 @@ from opsadv.errors import InvalidArgumentError
 peft = pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
-from test_convert_architectures import _build  # noqa: E402
+from test_convert_architectures import _build, assert_same_grads, train_step_losses  # noqa: E402
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -36,16 +36,9 @@ def test_lora_model_converts_and_trains_as_before(model_type, targets):
     with pytest.raises(InvalidArgumentError, match="not converted yet"):
         opsadv.convert_model(wrapped, floor=False, backend="reference")
 
-    ref.train()
-    conv.train()
-    loss0 = ref(**x, **labels).loss
-    loss0.backward()
-    loss1 = conv(**x, **labels).loss
-    loss1.backward()
-    assert abs(loss1.item() - loss0.item()) <= 1e-5 * abs(loss0.item())
+    loss0, loss1 = train_step_losses(ref, conv, x, labels)
+    assert abs(loss1 - loss0) <= 1e-5 * abs(loss0)
     g0 = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
     g1 = {n: p.grad for n, p in conv.named_parameters() if p.grad is not None}
     assert g0 and set(g0) == set(g1) and all("lora_" in n for n in g0)       # only the adapters train
-    total = torch.sqrt(sum(g.double().norm() ** 2 for g in g0.values())).item()
-    for n, g in g0.items():
-        assert (g1[n] - g).norm().item() <= 1e-4 * (g.norm().item() + total), n
+    assert_same_grads(ref, conv, model_type, both_ways=True)
