@@ -354,3 +354,18 @@ def test_decode_flex_paged_peer_on_cpu():
     with opsadv.use_backend("reference"), torch.no_grad():
         want = opsadv.ops.paged_attention(q, kc, vc, table, lens).transpose(1, 2)
     assert runner.rel_err(got, want) < 1e-5
+
+
+def test_fp8_cast_delayed_rows_run_and_verify():
+    """The fp8 suite's cast_to_fp8_delayed rows (tiny, on the CPU under the interpreter's kernel): the recipe's
+    previous steps (cast_to_fp8 and a Python ring) as the baseline, bit for bit torch's cast under the scale the
+    started history gives (rel_err 0)."""
+    from opsadv.bench import suite_fp8
+    cases = list(suite_fp8.cast_delayed_cases(True, dev="cpu", shapes=((37, 70),)))
+    (c,) = cases
+    assert c.case == "cast delayed bf16 e4m3 m37 n70 transpose"
+    assert c.baseline == "cast_steps" and c.work == 4.0 * 37 * 70 and set(c.peers) == {"cast_steps", "torch_ops"}
+    with opsadv.use_backend("cuda"):
+        (row,) = runner.run_case(c)
+    assert row["unit"] == "TB/s" and row["rel_err"] == 0.0 and row["opsadv_ms"] > 0, row
+    assert row["opsadv_impl"] == "cuda.triton.cast_to_fp8_delayed", row

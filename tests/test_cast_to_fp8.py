@@ -182,16 +182,31 @@ for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         r = compile_sm90(K.cast_kernel, kw, num_warps=4, num_stages=1)
         res[f"{str(dtype)[-6:]}-{transpose}"] = {"spills": r["spill_stores"] + r["spill_loads"],
                                                   "cvt": len(re.findall(r"cvt\.rn\.satfinite\.e[45]m[23]x2", r["ptx"]))}
+    m, n = 8192, 2048
+    x = torch.empty(m, n, dtype=torch.bfloat16)
+    q, qt = torch.empty(m, n, dtype=dtype), torch.empty(n, m, dtype=dtype)
+    h = torch.empty(20)
+    fmax, mant, emin = FP8_FORMAT[dtype]
+    kw = dict(x_ptr=x, q_ptr=q, qt_ptr=qt, hist_ptr=h, hist_bits_ptr=h.view(torch.int32), scale_ptr=torch.empty(1),
+              M=m, N=n, s_xm=n, s_xn=1, SLOTS=17, FMAX=fmax, MANT=mant, EMIN=emin, BLOCK_M=C.BLOCK_M,
+              BLOCK_N=C.BLOCK_N, BLOCK_H=32, TRANSPOSE=True)
+    r = compile_sm90(K.cast_delayed_kernel, kw, num_warps=4, num_stages=1)
+    res[f"delayed-{str(dtype)[-6:]}"] = {"spills": r["spill_stores"] + r["spill_loads"],
+                                         "cvt": len(re.findall(r"cvt\.rn\.satfinite\.e[45]m[23]x2", r["ptx"]))}
+kw = dict(x_ptr=x, hist_ptr=h, hist_bits_ptr=h.view(torch.int32), M=m, N=n, s_xm=n, s_xn=1, SLOTS=17,
+          BLOCK_M=C.BLOCK_M, BLOCK_N=C.BLOCK_N)
+r = compile_sm90(K.history_amax_kernel, kw, num_warps=4, num_stages=1)
+res["history_amax"] = {"spills": r["spill_stores"] + r["spill_loads"], "cvt": 1}
 print(json.dumps(res))
 """
 
 
 def test_kernel_compiles_for_sm90_without_spills():
-    """The kernel for the H100 (sm_90) at a training shape, both formats, with and without the transpose: no
-    spills, and the fp8 stores are hardware conversions (cvt ... e4m3x2 / e5m2x2)."""
+    """The kernels for the H100 (sm_90) at a training shape, both formats, with and without the transpose (and
+    cast_to_fp8_delayed's two): no spills, and the fp8 stores are hardware conversions (cvt ... e4m3x2 / e5m2x2)."""
     import json
     from conftest import run_sm90_compile
     r = json.loads(run_sm90_compile(["-c", _SM90]).strip().splitlines()[-1])
-    assert len(r) == 4
+    assert len(r) == 7
     for k, v in r.items():
         assert v["spills"] == 0 and v["cvt"] > 0, (k, v)

@@ -434,6 +434,26 @@ def _cases(mesh, world: int):
                 fails.append(f"amax {got[2].full_tensor()} vs {want[2]}")
             return fails
         return run
+    def cast_delayed():
+        """cast_to_fp8_delayed of a replicated x and history: every rank's result and history as the local call's."""
+        def run():
+            from torch.distributed.tensor import distribute_tensor
+            from opsadv.ops.scaled_gemm import new_amax_history
+            torch.manual_seed(0)                          # (the same x on every rank)
+            x = torch.randn(3 * world + 1, 5) * 7
+            h_local, h_dt = new_amax_history(2), distribute_tensor(new_amax_history(2), mesh, Rp)
+            fails = []
+            for _ in range(3):
+                want = ops.cast_to_fp8_delayed(x, h_local, transpose=True)
+                got = ops.cast_to_fp8_delayed(distribute_tensor(x, mesh, Rp), h_dt, transpose=True)
+                if not all(torch.equal(g_.to_local().view(torch.uint8), w.view(torch.uint8))
+                           for g_, w in zip(got[:2], want[:2])) or not torch.equal(got[2].to_local(), want[2]):
+                    fails.append("outputs differ")
+                if not torch.equal(h_dt.to_local(), h_local):
+                    fails.append(f"history {h_dt.to_local().tolist()} vs {h_local.tolist()}")
+            return fails
+        return run
+    cases["cast_to_fp8_delayed replicated"] = cast_delayed()
     cases["cast_to_fp8 rows"] = cast(0)
     cases["cast_to_fp8 columns"] = cast(1)
     cases["attention_merge_ heads (accumulators written in place)"] = merge(1)
@@ -498,6 +518,9 @@ def _refusals(mesh, world: int):
             lambda: ops.linear_cross_entropy_stats(d(r(6, 4), Replicate()), d(r(8, 4), Shard(0)),
                                                    d(torch.randint(0, 7, (6,)), Replicate())),
             "linear_cross_entropy_stats: argument 'weight'", "vocab_start", "Shard(0)"),
+        "refuse cast_to_fp8_delayed sharded x": (
+            lambda: ops.cast_to_fp8_delayed(d(r(4 * world, 6), Shard(0)), d(torch.zeros(7), Replicate())),
+            "cast_to_fp8_delayed: argument 'x'", "Replicate()", "Shard(0)"),
         "refuse linear_cross_entropy hidden-split weight": (
             lambda: ops.linear_cross_entropy(d(r(6, 4), Replicate()), d(r(8, 4), Shard(1)),
                                              d(torch.randint(0, 7, (6,)), Replicate())),
@@ -689,6 +712,7 @@ def _names():
             "refuse linear_cross_entropy vocab-parallel plain labels",
             "attention_merge_ heads (accumulators written in place)", "attention_merge_ rows",
             "refuse attention_merge_ accumulator to copy", "cast_to_fp8 rows", "cast_to_fp8 columns",
+            "cast_to_fp8_delayed replicated", "refuse cast_to_fp8_delayed sharded x",
             "explain shows the placements", "explain shows the vocab-parallel placements"] + \
         ["interpreter: " + n for n in (*INTERPRETED, *VP_INTERPRETED, "explain shows the vocab-parallel kernel")]
 

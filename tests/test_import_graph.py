@@ -61,6 +61,8 @@ LAZY: dict[tuple[str, str], str] = {
     (f"{TC}.attention_merge.attention_merge", f"{TC}.utils"): TRITON,
     (f"{TC}.scaled_gemm.cast", f"{TC}.scaled_gemm.kernels"): TRITON,
     (f"{TC}.scaled_gemm.cast", f"{TC}.utils"): TRITON,
+    (f"{TC}.scaled_gemm.cast_delayed", f"{TC}.scaled_gemm.kernels"): TRITON,
+    (f"{TC}.scaled_gemm.cast_delayed", f"{TC}.utils"): TRITON,
     (f"{CUDA}.flash_attention.gluon", f"{TC}.flash_attention.attention"): TRITON,
     (f"{CUDA}.flash_attention.gluon", f"{TC}.utils"): TRITON,
     (f"{CUDA}.flash_attention.gluon_bwd", f"{TC}.flash_attention.attention"): TRITON,

@@ -32,6 +32,13 @@ before: abs / amax, float32 divide, clamp, cast, and a transpose copy; the speed
 (the same function under torch.compile: Inductor's fusion of it).  rel_err: the fp8 values against torch's cast
 (0 when bit for bit).
 
+Delayed cast rows ("cast delayed ..."): opsadv.ops.cast_to_fp8_delayed with transpose=True on a started 16-long
+history (the recipe's activations and gradients: the whole delayed-scaling cast, scale from the history and amax
+recorded, one launch), at the cast rows' shapes and a small (2048, 2048) one where launches weigh.  Peers:
+"cast_steps" (what the recipe ran before: the window's max and the scale in torch, cast_to_fp8, the tiles' amax
+reduced and written into a Python-indexed ring; the speedup baseline) and "torch_ops" (the same with the torch
+cast).  Bytes as the cast rows'.
+
 FP8 attention rows ("attn ..."): opsadv.ops.fp8_attention forward (e4m3 q, k, v with per-(batch, head)
 descales, bf16 output) at d128, causal and not, (b, h, s) = (4, 32, 4096) and (1, 32, 16384) (the attention
 suite's), plus GQA 32/8 causal at s 4096.  FLOPs 4*b*h*s*s*d (halved for causal).  Peers: "bf16_flash" (our
@@ -62,7 +69,7 @@ import torch.nn.functional as F
 import opsadv
 from opsadv.ops.fp8_attention import dequantize_heads, quantize_qkv
 from opsadv.ops.fp8_attention.reference import fp8_attention_fwd
-from opsadv.ops.scaled_gemm import _spec as _scaled_spec, validate as _validate
+from opsadv.ops.scaled_gemm import _spec as _scaled_spec, new_amax_history, scale_from_amax, validate as _validate
 from opsadv.ops.scaled_gemm.reference import dequantize_fp8, quantize_fp8, requantize
 
 from .case import BenchCase, compiled_peer
@@ -104,6 +111,7 @@ def cases(quick: bool) -> Iterator[BenchCase]:
     yield from gemm_cases(quick)
     yield from swiglu_cases(quick)
     yield from cast_cases(quick)
+    yield from cast_delayed_cases(quick)
 
 
 SWIGLU_SHAPES = ((16384, 2048, 8192),)          # (m, k, n): a Llama-1.5B MLP (hidden 2048, intermediate 8192)
@@ -331,6 +339,52 @@ def _torch_cast(x, scale, dtype):
     fmax = 448.0 if dtype == torch.float8_e4m3fn else 57344.0
     q = (x.float() / scale).clamp_(-fmax, fmax).to(dtype)
     return q, q.t().contiguous(), amax
+
+
+class _PythonRing:
+    """The delayed-scaling steps around a cast as the recipe ran them before cast_to_fp8_delayed (the peer)."""
+
+    def __init__(self, length: int, dev: str, amax: float):
+        self.buf, self.pos, self.length = torch.full((length,), amax, device=dev), 0, length
+
+    def __call__(self, x, dtype, cast):
+        scale = scale_from_amax(self.buf.amax(), dtype)
+        q, qt, amax = cast(x, scale, dtype)
+        self.buf[self.pos] = amax
+        self.pos = (self.pos + 1) % self.length
+        return q, qt, scale
+
+
+def cast_delayed_cases(quick: bool, dev: str = "cuda", shapes=((2048, 2048), *CAST_SHAPES)) -> Iterator[BenchCase]:
+    """(dev, shapes: tests run tiny rows on the CPU)"""
+    dtypes = (torch.float8_e4m3fn,) if quick else (torch.float8_e4m3fn, torch.float8_e5m2)
+    picked = tuple(dict.fromkeys(shapes[:1] + shapes[-1:])) if quick else shapes      # (the smallest, the largest)
+    for (m, n), dtype in ((sh, d) for sh in picked for d in dtypes):
+        torch.manual_seed(0)
+        x = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
+        fmax = 448.0 if dtype == torch.float8_e4m3fn else 57344.0
+        amax = x.float().abs().amax().item()
+        scale = torch.tensor(amax / fmax, device=dev)
+        ref = _torch_cast(x, scale, dtype)[0].float()
+        hist = new_amax_history(16, dev)
+        hist[:17] = amax                                  # started, every window slot at x's amax: the scale above
+        hist[17], hist[18] = 0.0, 1.0
+        steps, steps_torch = _PythonRing(16, dev, amax), _PythonRing(16, dev, amax)
+
+        def compare(out, _peer_out, ref=ref):
+            return ((out[0].float() - ref).norm() / ref.norm()).item()
+
+        def mine(x=x, hist=hist, dtype=dtype):
+            return opsadv.ops.cast_to_fp8_delayed(x, hist, dtype=dtype, transpose=True)
+
+        def opsadv_cast(x, s, dt):
+            return opsadv.ops.cast_to_fp8(x, s, dtype=dt, transpose=True)
+
+        peers = {"cast_steps": lambda x=x, dtype=dtype, r=steps: r(x, dtype, opsadv_cast),
+                 "torch_ops": lambda x=x, dtype=dtype, r=steps_torch: r(x, dtype, _torch_cast)}
+        name = "e4m3" if dtype == torch.float8_e4m3fn else "e5m2"
+        yield BenchCase(suite="fp8", case=f"cast delayed bf16 {name} m{m} n{n} transpose", opsadv=mine,
+                        peers=peers, work=4.0 * m * n, unit="TB/s", compare=compare, baseline="cast_steps")
 
 
 def cast_cases(quick: bool, dev: str = "cuda", shapes=CAST_SHAPES) -> Iterator[BenchCase]:

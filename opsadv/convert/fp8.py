@@ -23,9 +23,10 @@ Training (grad-recording calls, Fp8Recipe.training): _Fp8Linear, three scaled_ge
   dgrad  dx = dy @ W        dy e5m2, one scale per tensor, delayed from the gradients' own amax history; W's fp8
                             transpose from fprop (W^T row-major: the column-major W cuBLASLt takes);
   wgrad  dW = dy^T @ x      dy^T e5m2 x the saved e4m3 x^T (row-major, read as column-major x), out in W's dtype.
-Each operand is cast ONCE, by opsadv.ops.cast_to_fp8: one pass over x (dy, W) writing its fp8 copy, the transposed
-copy its gradient GEMM reads, and the amax its history records (torch's abs / amax / divide / clamp / cast and a
-transpose copy were ~8 passes with float32 temporaries, 1.7x the bf16 step on the H100).  Master weights stay in
+Each operand is cast ONCE, by opsadv.ops.cast_to_fp8_delayed: one pass over x (dy, W) writing its fp8 copy and
+the transposed copy its gradient GEMM reads, the scale read from and the amax recorded into the operand's device-side
+history (torch's abs / amax / divide / clamp / cast and a transpose copy were ~8 passes with float32 temporaries,
+1.7x the bf16 step on the H100; a Python-side ring broke torch.compile's graph at every FP8 GEMM).  Master weights stay in
 their dtype (bf16 / fp32) and receive dW; the bias gradient is dy summed in float32.  The saved activation is the
 e4m3 x^T (half a bf16 activation's bytes).  Every GEMM goes through scaled_gemm (no bf16 fallback).  The gated MLPs train
 with this recipe on the [W_gate|W_up] GEMM and the swiglu op after it (which keeps gate_up, the pre-activations,
@@ -55,7 +56,7 @@ from opsadv.core.activations import ACT
 from opsadv.core.errors import InvalidArgumentError
 from opsadv.core.explain import explain
 from opsadv.ops.fp8_attention import quantize_qkv
-from opsadv.ops.scaled_gemm import E4M3, E5M2, FP8_MAX, quantize_fp8, scale_from_amax
+from opsadv.ops.scaled_gemm import E4M3, E5M2, FP8_MAX, new_amax_history, quantize_fp8
 
 from . import tp, validate as _val
 from .modules import DenseResidualNorm, FusedSwiGLUMLP, LinearAct, QKVProjection, SwiGLUMLP
@@ -87,26 +88,31 @@ class Fp8Recipe:
 
 
 class AmaxHistory:
-    """The last `length` amaxes of one tensor role (activations or gradients of one GEMM site): scale() gives the
-    delayed scale for the next cast, record() takes that cast's amax.  Device-side only (no sync)."""
+    """One cast site's delayed-scaling state (a GEMM's activations, or its gradients): the device tensor that
+    opsadv.ops.cast_to_fp8_delayed reads its scale from and records the cast's amax into, ring position included,
+    so no Python state changes per step (a compiled training step stays one graph).  length 0: current scaling.
+    Made on the first cast's device (again if the model moves: a moved model starts a new history)."""
 
-    def __init__(self, length: int):
+    def __init__(self, length: int, device: torch.device | None = None):
         self.length = length
-        self.buf: torch.Tensor | None = None
-        self.pos = 0
+        self.buf: torch.Tensor | None = None if device is None else new_amax_history(length, device)
 
-    def scale(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """max(history) / FMAX; the first call (nothing recorded on x's device yet): x's own amax / FMAX (one
-        reduction more).  An all-zero history gives 1."""
+    def tensor(self, device: torch.device) -> torch.Tensor:
         buf = self.buf
-        if buf is None or buf.device != x.device:
-            self.buf, self.pos = torch.zeros(self.length, dtype=torch.float32, device=x.device), 0
-            return scale_from_amax(_amax(x), dtype)
-        return scale_from_amax(buf.amax(), dtype)
+        if buf is None or buf.device != device:
+            buf = self._new(device)
+        return buf
 
-    def record(self, amax: torch.Tensor) -> None:
-        self.buf[self.pos] = amax
-        self.pos = (self.pos + 1) % self.length
+    @torch.compiler.disable
+    def _new(self, device: torch.device) -> torch.Tensor:
+        # made outside any compiled graph: a history created inside one and mutated by its backward breaks
+        # AOTAutograd's partition
+        self.buf = new_amax_history(self.length, device)
+        return self.buf
+
+    def cast(self, x: torch.Tensor, dtype: torch.dtype, transpose: bool = True):
+        """(x_fp8, x_fp8_t, scale) under this site's delayed scale, recording x's amax."""
+        return ops.cast_to_fp8_delayed(x, self.tensor(x.device), dtype=dtype, transpose=transpose)
 
 
 def quantize_rows(x2: torch.Tensor):
@@ -137,11 +143,6 @@ def _compiled_quantize_rows():
     return _compiled[0]
 
 
-def _amax(t: torch.Tensor) -> torch.Tensor:
-    """max |t| as float32 (NaN if t holds one): one reduction, no |t| temporary."""
-    return torch.linalg.vector_norm(t.detach(), float("inf")).to(torch.float32)
-
-
 def _col_major(t: torch.Tensor) -> torch.Tensor:
     """t with the same shape laid out column-major (cuBLASLt's b; a no-op where it already is)."""
     return t.t().contiguous().t()
@@ -149,19 +150,17 @@ def _col_major(t: torch.Tensor) -> torch.Tensor:
 
 class _Fp8Linear(torch.autograd.Function):
     """y = x @ W^T + b with the three GEMMs in FP8 (module docstring: fprop e4m3, dgrad / wgrad e5m2 gradients).
-    Each operand is cast once by cast_to_fp8, which also writes the transpose its gradient GEMM reads."""
+    Each operand is cast once by cast_to_fp8_delayed, which also writes the transpose its gradient GEMM reads; the
+    histories come in as tensors (x's, W's of length 0: current scaling, dy's), which the casts update in place."""
 
     @staticmethod
-    def forward(ctx, x2, w, bias, gemm: "Fp8Gemm"):
+    def forward(ctx, x2, w, bias, x_hist, w_hist, g_hist, gemm: "Fp8Gemm"):
         out_dtype = x2.dtype if x2.dtype in OUT_DTYPES else torch.bfloat16
-        x_scale = gemm.x_history.scale(x2, E4M3)
-        x8, x8t, x_amax = ops.cast_to_fp8(x2.detach(), x_scale, dtype=E4M3, transpose=True)
-        gemm.x_history.record(x_amax)
-        w_scale = scale_from_amax(_amax(w), E4M3)                       # current scaling: the weight as it is now
-        w8, w8t, _ = ops.cast_to_fp8(w.detach(), w_scale, dtype=E4M3, transpose=True)     # (N, K), (K, N)
+        x8, x8t, x_scale = ops.cast_to_fp8_delayed(x2.detach(), x_hist, dtype=E4M3, transpose=True)
+        w8, w8t, w_scale = ops.cast_to_fp8_delayed(w.detach(), w_hist, dtype=E4M3, transpose=True)  # (N, K), (K, N)
         y = ops.scaled_gemm(x8, w8.t(), x_scale, w_scale, bias=None if bias is None else bias.detach(),
                             out_dtype=out_dtype)
-        ctx.save_for_backward(x8t, x_scale, w8t, w_scale)               # the layouts the gradient GEMMs read
+        ctx.save_for_backward(x8t, x_scale, w8t, w_scale, g_hist)       # the layouts the gradient GEMMs read
         ctx.gemm, ctx.x_dtype, ctx.w_dtype = gemm, x2.dtype, w.dtype
         ctx.has_bias = bias is not None
         return y
@@ -174,11 +173,8 @@ class _Fp8Linear(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, dy):
-        x8t, x_scale, w8t, w_scale = ctx.saved_tensors
-        hist = ctx.gemm.g_history
-        g_scale = hist.scale(dy, E5M2)
-        g8, g8t, g_amax = ops.cast_to_fp8(dy, g_scale, dtype=E5M2, transpose=True)      # (M, N), (N, M)
-        hist.record(g_amax)
+        x8t, x_scale, w8t, w_scale, g_hist = ctx.saved_tensors
+        g8, g8t, g_scale = ops.cast_to_fp8_delayed(dy, g_hist, dtype=E5M2, transpose=True)     # (M, N), (N, M)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             out = ctx.x_dtype if ctx.x_dtype in OUT_DTYPES else torch.bfloat16
@@ -188,7 +184,7 @@ class _Fp8Linear(torch.autograd.Function):
             dw = ops.scaled_gemm(g8t, x8t.t(), g_scale, x_scale, out_dtype=out).to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy.sum(0, dtype=torch.float32)
-        return dx, dw, db, None
+        return dx, dw, db, None, None, None, None
 
 
 class Fp8Gemm:
@@ -202,8 +198,10 @@ class Fp8Gemm:
         self.source, self.bias_source, self.conv1d, self.recipe = source, bias_source, conv1d, recipe
         self.state = state            # the converted model's RuntimeState: the backward GEMMs run under its policy
         self.enabled = True
-        self.x_history = AmaxHistory(recipe.amax_history_len)
-        self.g_history = AmaxHistory(recipe.amax_history_len)
+        dev = self._weight_device()
+        self.x_history = AmaxHistory(recipe.amax_history_len, dev)
+        self.g_history = AmaxHistory(recipe.amax_history_len, dev)
+        self.w_history = AmaxHistory(0, dev)      # the weight: current scaling (its amax as it is now)
         self._w8 = None               # (key, w8 (K, N) column-major, scale (1, N)): the inference weight
         # a [W_gate|W_up] site (gated()): inference runs scaled_swiglu_gemm (fp8_pass sets it where a kernel serves
         # that op), else scaled_gemm and the swiglu op
@@ -212,6 +210,12 @@ class Fp8Gemm:
 
     def __getstate__(self):          # (copies re-quantize on first use: no second fp8 copy in a pickle)
         return {**self.__dict__, "_w8": None}
+
+    def _weight_device(self) -> torch.device | None:
+        try:
+            return self.weight().device
+        except AttributeError:          # (no source yet: the histories are made on the first call's device)
+            return None
 
     def weight(self) -> torch.Tensor:
         """The (N, K) weight as the model holds it now (differentiable where the parameters are)."""
@@ -247,7 +251,9 @@ class Fp8Gemm:
         if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad)):
             if not self.recipe.training:
                 return None
-            y = _Fp8Linear.apply(x2, w, b, self)
+            dev = x2.device
+            y = _Fp8Linear.apply(x2, w, b, self.x_history.tensor(dev), self.w_history.tensor(dev),
+                                 self.g_history.tensor(dev), self)
             if activation != "none":
                 y = ACT[activation](y)
             if residual is not None:

@@ -134,7 +134,11 @@ def register_scope(source) -> int:
 
 class _Trace:
     """What dynamo reads while it traces: the id of the innermost TracedScope (0: none, the ambient policy)."""
-    sid = 0
+
+    def __init__(self):
+        # an instance attribute from the start: a class default shadowed by the first TracedScope's write fails
+        # dynamo's guard on the instance's __dict__ and recompiles every converted model's graph once
+        self.sid = 0
 
 
 TRACE = _Trace()

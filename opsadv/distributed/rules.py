@@ -534,6 +534,17 @@ def cast_to_fp8(c: Call):
     return (s, t, R if d is None else Partial("max")), {"x": s, "scale": R}
 
 
+def cast_to_fp8_delayed(c: Call):
+    """Replicated only: each rank would record its own shard's amax into its history, so sharded ranks would drift
+    to different scales; a sharded x takes cast_to_fp8 with its Partial("max") amax (reduced on use).  The history
+    is written in place, so it is refused unless already replicated (a redistributed copy would take the write)."""
+    for name in ("x", "history"):
+        if c[name].placement != R:
+            c.refuse(name, "Replicate()", why="the history records this call's amax in place: a shard's would be "
+                     "one rank's; cast a sharded x with cast_to_fp8 and a Partial('max') amax")
+    return (R, R, R), {"x": R, "history": R}
+
+
 # op overload name -> (rule, the arguments that are gradients: placed by autograd, redistributed freely)
 ALL = {
     "flash_attention": (flash_attention, ()),
@@ -567,6 +578,7 @@ ALL = {
     "linear_cross_entropy_stats_backward": (linear_cross_entropy_stats_backward, ("grad",)),
     "attention_merge_": (attention_merge_, ()),
     "cast_to_fp8": (cast_to_fp8, ()),
+    "cast_to_fp8_delayed": (cast_to_fp8_delayed, ()),
 }
 
 

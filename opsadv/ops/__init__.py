@@ -19,7 +19,7 @@ from .qk_norm_rotary import OPDEFS as _qk_norm_rotary, qk_norm_rotary
 from .linear_cross_entropy import OPDEFS as _linear_cross_entropy, linear_cross_entropy, linear_cross_entropy_stats
 from .paged_attention import OPDEFS as _paged_attention, paged_attention
 from .varlen_attention import OPDEFS as _varlen_attention, varlen_attention
-from .scaled_gemm import OPDEFS as _scaled_gemm, cast_to_fp8, scaled_gemm, scaled_swiglu_gemm
+from .scaled_gemm import OPDEFS as _scaled_gemm, cast_to_fp8, cast_to_fp8_delayed, scaled_gemm, scaled_swiglu_gemm
 from .fp8_attention import OPDEFS as _fp8_attention, fp8_attention
 from .attention_merge import OPDEFS as _attention_merge, attention_merge_
 
@@ -32,4 +32,4 @@ for _d in BUILTIN:
 __all__ = ["flash_attention", "sparse_attention", "gemm", "swiglu_gemm", "swiglu", "layer_norm", "rms_norm",
            "rotary_embedding",
            "qk_norm_rotary", "linear_cross_entropy", "linear_cross_entropy_stats", "paged_attention", "varlen_attention", "scaled_gemm",
-           "scaled_swiglu_gemm", "cast_to_fp8", "fp8_attention", "attention_merge_"]
+           "scaled_swiglu_gemm", "cast_to_fp8", "cast_to_fp8_delayed", "fp8_attention", "attention_merge_"]

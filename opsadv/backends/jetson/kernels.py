@@ -53,7 +53,8 @@ def _wrap(impl: KernelImpl) -> KernelImpl:
     elif impl.op in ("paged_attention", "varlen_attention"):     # the same kernel and split heuristic
         fn = functools.partial(C.bounded_paged_fwd, impl.fn)
         note = "split-KV partials bounded by the workspace cap (fewer splits)"
-    elif impl.op in ("scaled_gemm", "scaled_swiglu_gemm", "cast_to_fp8", "fp8_attention"):   # min_cc (8, 9): no Jetson
+    elif impl.op in ("scaled_gemm", "scaled_swiglu_gemm", "cast_to_fp8", "cast_to_fp8_delayed",
+                     "fp8_attention"):   # min_cc (8, 9): no Jetson
         note = "refused: Orin (sm_87) and Xavier (sm_72) have no FP8 tensor cores (sm_89+)"
     elif impl.op in ("gemm", "swiglu_gemm"):
         factor = C.gemm_factor(impl)

@@ -211,5 +211,6 @@ OPDEF = OpDef(OP, scaled_gemm, Reference(_reference.scaled_gemm_fwd, None, _refe
 
 from .scaled_swiglu import OPDEF as SWIGLU_OPDEF, scaled_swiglu_gemm  # noqa: E402  (needs nothing above; see its module)
 from .cast import OPDEF as CAST_OPDEF, cast_to_fp8  # noqa: E402  (as scaled_swiglu)
+from .cast_delayed import OPDEF as CAST_DELAYED_OPDEF, cast_to_fp8_delayed, new_amax_history  # noqa: E402
 
-OPDEFS = (OPDEF, SWIGLU_OPDEF, CAST_OPDEF)
+OPDEFS = (OPDEF, SWIGLU_OPDEF, CAST_OPDEF, CAST_DELAYED_OPDEF)

@@ -161,6 +161,30 @@ def quantize_kernel(y_ptr, q_ptr, amax_ptr, scale_ptr, numel, FMAX: tl.constexpr
 
 
 @triton.jit
+def _cast_tile(x_ptr, q_ptr, qt_ptr, scale, pid_m, pid_n, M, N, s_xm, s_xn, FMAX: tl.constexpr, MANT: tl.constexpr,
+               EMIN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TRANSPOSE: tl.constexpr):
+    """One (BLOCK_M, BLOCK_N) tile of x read once, q = round(clamp(x / scale)) stored to q (M, N) and, with
+    TRANSPOSE, to qt (N, M); returns the tile's max |x| as float32 bits (an int32: NaN's bits order above +inf's,
+    so an integer max propagates a NaN)."""
+    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    mask = (rm < M)[:, None] & (rn < N)[None, :]
+    x = tl.load(x_ptr + rm[:, None] * s_xm + rn[None, :] * s_xn, mask=mask, other=0.0).to(tl.float32)
+    q = _round_fp8(tl.div_rn(x, scale), FMAX, MANT, EMIN).to(q_ptr.dtype.element_ty)
+    tl.store(q_ptr + rm[:, None] * N + rn[None, :], q, mask=mask)
+    if TRANSPOSE:
+        tl.store(qt_ptr + rn[None, :] * M + rm[:, None], q, mask=mask)
+    return _amax_bits(x)
+
+
+@triton.jit
+def _amax_bits(x):
+    """max |x| over a tile as float32 bits (int32): |x|'s bits order as its values, and a NaN's above +inf's."""
+    bits = tl.abs(x).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    return tl.max(tl.max(bits, axis=1), axis=0)
+
+
+@triton.jit
 def cast_kernel(x_ptr, q_ptr, qt_ptr, part_ptr, scale_ptr, M, N, s_xm, s_xn, FMAX: tl.constexpr,
                 MANT: tl.constexpr, EMIN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 TRANSPOSE: tl.constexpr):
@@ -168,15 +192,64 @@ def cast_kernel(x_ptr, q_ptr, qt_ptr, part_ptr, scale_ptr, M, N, s_xm, s_xn, FMA
     q (M, N) and, with TRANSPOSE, to qt (N, M); the tile's max |x| (NaN if it holds one) to part[tile]."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    mask = (rm < M)[:, None] & (rn < N)[None, :]
-    x = tl.load(x_ptr + rm[:, None] * s_xm + rn[None, :] * s_xn, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.load(scale_ptr)
-    q = _round_fp8(tl.div_rn(x, scale), FMAX, MANT, EMIN).to(q_ptr.dtype.element_ty)
-    tl.store(q_ptr + rm[:, None] * N + rn[None, :], q, mask=mask)
-    if TRANSPOSE:
-        tl.store(qt_ptr + rn[None, :] * M + rm[:, None], q, mask=mask)
-    has_nan = tl.max(tl.max((x != x).to(tl.int32), axis=1), axis=0)
-    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-    tl.store(part_ptr + pid_m * tl.num_programs(1) + pid_n, tl.where(has_nan > 0, float("nan"), amax))
+    bits = _cast_tile(x_ptr, q_ptr, qt_ptr, tl.load(scale_ptr), pid_m, pid_n, M, N, s_xm, s_xn, FMAX, MANT, EMIN,
+                      BLOCK_M, BLOCK_N, TRANSPOSE)
+    tl.store(part_ptr + pid_m * tl.num_programs(1) + pid_n, bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def history_amax_kernel(x_ptr, hist_ptr, hist_bits_ptr, M, N, s_xm, s_xn, SLOTS, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
+    """cast_to_fp8_delayed's first pass (cast_delayed.py), which does work only where the cast needs this call's
+    own amax (the history's first call, or L = 0): max |x| into the current amax slot, an atomic integer max of
+    float bits (NaN-propagating).  Grid-stride over x's tiles, so a started history costs one load per program."""
+    pos = tl.load(hist_ptr + SLOTS).to(tl.int32)
+    started = tl.load(hist_ptr + SLOTS + 1)
+    if (started == 0.0) | (SLOTS == 1):
+        tiles_n = tl.cdiv(N, BLOCK_N)
+        best = tl.zeros((), tl.int32)
+        for t in range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * tiles_n, tl.num_programs(0)):
+            rm = ((t // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+            rn = ((t % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+            mask = (rm < M)[:, None] & (rn < N)[None, :]
+            x = tl.load(x_ptr + rm[:, None] * s_xm + rn[None, :] * s_xn, mask=mask, other=0.0).to(tl.float32)
+            best = tl.maximum(best, _amax_bits(x))
+        tl.atomic_max(hist_bits_ptr + pos, best)
+
+
+@triton.jit
+def cast_delayed_kernel(x_ptr, q_ptr, qt_ptr, hist_ptr, hist_bits_ptr, scale_ptr, M, N, s_xm, s_xn, SLOTS,
+                        FMAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, TRANSPOSE: tl.constexpr):
+    """cast_to_fp8_delayed (cast_delayed.py): the scale from the history (the max of every amax slot but the
+    current one; this call's amax, left in the current slot by history_amax_kernel, on a first call and with one
+    slot), then cast_kernel's tile cast, the tile's max |x| recorded into the current slot (atomic max of float
+    bits), and the ring advanced by the program that arrives last (an atomic counter: every other program has read
+    the window and recorded its amax by then): on a first call every window slot gets the current amax, then the
+    next slot is cleared and becomes the current one.  Program (0, 0) writes the scale."""
+    h = tl.arange(0, BLOCK_H)
+    pos = tl.load(hist_ptr + SLOTS).to(tl.int32)
+    started = (tl.load(hist_ptr + SLOTS + 1) != 0.0) & (SLOTS > 1)
+    window = tl.max(tl.load(hist_bits_ptr + h, mask=(h < SLOTS) & (h != pos), other=0), axis=0)
+    m_bits = tl.where(started, window, tl.load(hist_bits_ptr + pos))
+    m = m_bits.to(tl.float32, bitcast=True)
+    scale = tl.where(m > 0.0, tl.div_rn(m, FMAX), 1.0)                  # (NaN: 1, as scale_from_amax)
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    bits = _cast_tile(x_ptr, q_ptr, qt_ptr, scale, pid_m, pid_n, M, N, s_xm, s_xn, FMAX, MANT, EMIN, BLOCK_M,
+                      BLOCK_N, TRANSPOSE)
+    if (pid_m == 0) & (pid_n == 0):
+        tl.store(scale_ptr, scale)
+    if started:
+        tl.atomic_max(hist_bits_ptr + pos, bits)
+    total = tl.num_programs(0) * tl.num_programs(1)
+    arrived = tl.atomic_add(hist_ptr + SLOTS + 2, 1.0)                  # (acq_rel: after this program's record)
+    if arrived == (total - 1).to(tl.float32):                           # the last program
+        nxt = (pos + 1) % SLOTS
+        if not started:
+            cur = tl.load(hist_ptr + pos)
+            tl.store(hist_ptr + h, tl.zeros([BLOCK_H], tl.float32) + cur, mask=(h < SLOTS) & (h != pos))
+        tl.store(hist_ptr + nxt, 0.0)
+        tl.store(hist_ptr + SLOTS, nxt.to(tl.float32))
+        tl.store(hist_ptr + SLOTS + 1, tl.where(SLOTS > 1, 1.0, 0.0))
+        tl.store(hist_ptr + SLOTS + 2, 0.0)
