@@ -267,6 +267,25 @@ def test_compiled_training_step_is_one_graph_and_matches_eager():
         assert a[-3].item() == b[-3].item() == 3 and torch.allclose(a, b, rtol=1e-2), (role, a, b)
 
 
+def test_compiled_inference_is_one_graph_and_matches_eager():
+    """torch.compile(fullgraph=True) of an FP8-converted model's forward: one graph (the weights' FP8 copies come in
+    as tensors, the FP8 attention's no-grad call has no autograd.Function), outputs equal to eager; after a weight
+    changes in place, an eager call re-quantizes it and the compiled graph reads the new copy."""
+    from torch._dynamo.utils import counters
+    m = convert(make(num_hidden_layers=2), "fp8")
+    torch._dynamo.reset()
+    counters.clear()
+    fn = torch.compile(lambda x: m(input_ids=x).logits, backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        for i in range(2):
+            x = ids(2, 16, seed=i)
+            assert torch.equal(fn(x), m(input_ids=x).logits), i
+        assert counters["stats"]["unique_graphs"] == 1
+        m.model.layers[0].mlp.down_proj.weight.mul_(1.5)
+        want = m(input_ids=x).logits                           # eager: re-quantizes the changed weight
+        assert torch.equal(fn(x), want)
+
+
 def test_loss_curve_tracks_bf16():
     orig = make(num_hidden_layers=2)
     g = torch.Generator().manual_seed(7)

@@ -230,9 +230,16 @@ class Fp8Gemm:
         return src.get() if hasattr(src, "get") else src.bias
 
     def inference_weight(self, w: torch.Tensor):
-        """(w8 (K, N) column-major e4m3, scale (1, N)): quantized once per weight version."""
-        key = (w.data_ptr(), w._version, w.shape, w.dtype, w.device)
+        """(w8 (K, N) column-major e4m3, scale (1, N)): quantized once per weight version.  A compiled graph reads
+        the copy that conversion's validation or the last eager call made (a version check would break the graph:
+        dynamo cannot compare data pointers), or quantizes in the graph where there is none."""
         c = self._w8
+        if torch.compiler.is_compiling():
+            if c is not None:
+                return c[1], c[2]
+            w8, scale = quantize_fp8(w.detach().t(), "col", E4M3)
+            return _col_major(w8), scale
+        key = (w.data_ptr(), w._version, w.shape, w.dtype, w.device)
         if c is None or c[0] != key:
             with torch.no_grad():
                 w8, scale = quantize_fp8(w.detach().t(), "col", E4M3)      # one scale per output channel

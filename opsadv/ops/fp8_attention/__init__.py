@@ -364,7 +364,13 @@ def fp8_attention_from_bf16(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = F
     if backward == "fp8" and not is_compiling() and q.numel() and k.numel() and torch.is_grad_enabled() \
             and (q.requires_grad or k.requires_grad or v.requires_grad):
         _served(q, k, causal, (granularity,) * 3, q.dtype, "fp8")     # an explicit choice nothing serves raises now
-    out, lse = _FP8AttentionTrain.apply(q, k, v, causal, scale, granularity, backward or "auto")
+    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        # no gradient to record: no autograd.Function (whose policy capture dynamo cannot trace in a compiled graph)
+        q8, k8, v8, qd, kd, vd = quantize_qkv(q, k, v, granularity)
+        out, lse = fp8_attention(q8, k8, v8, qd, kd, vd, causal=causal, scale=scale, return_lse=True,
+                                 out_dtype=q.dtype)
+    else:
+        out, lse = _FP8AttentionTrain.apply(q, k, v, causal, scale, granularity, backward or "auto")
     return (out, lse.detach()) if return_lse else out
 
 
