@@ -141,6 +141,30 @@ def test_dropout_runs_the_original_sdpa_and_eager():
         assert conv._opsadv_state.fallbacks == {f"attention dropout -> {attn}": 2}
 
 
+def test_fallback_calls_compile_once():
+    """Calls served by the model's own attention (attention dropout in training, Gemma-2's softcapping) inside a
+    compiled graph: one graph for every call (the fallback count is an int the graph wrote: dynamo recompiled at each
+    call, then ran eagerly past its recompile limit); the count is of eager calls."""
+    from torch._dynamo.utils import counters
+    cfg = LlamaConfig(**DEC, attention_dropout=0.5, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    llama = opsadv.convert_model(LlamaForCausalLM(cfg).train(), backend="reference", floor=False).train()
+    softcap = opsadv.convert_model(gemma2("eager"), backend="reference", floor=False, validate=False)
+    for model, train, vocab in ((llama, True, 97), (softcap, False, 64)):
+        ids, am = ids_and_mask(vocab=vocab)
+        before = dict(model._opsadv_state.fallbacks)      # (conversion's own eager calls)
+        torch._dynamo.reset()
+        counters.clear()
+        fn = torch.compile(lambda: model(input_ids=ids, attention_mask=am).logits, backend="eager")   # noqa: B023
+        for _ in range(4):
+            with torch.set_grad_enabled(train):
+                out = fn()
+            if train:
+                out.float().sum().backward()
+        assert counters["stats"]["unique_graphs"] == 1, type(model).__name__
+        assert model._opsadv_state.fallbacks == before
+
+
 def test_fallback_target_never_refuses_the_call(monkeypatch):
     conv = opsadv.convert_model(gemma2("eager"), backend="reference", floor=False, validate=False)
     attn = conv.model.layers[0].self_attn

@@ -266,7 +266,7 @@ def _note_window_mask(module) -> None:
     st = getattr(module, "_opsadv_state", None)
     if st is not None:
         st.note_fallback(WINDOW_MASK_NOTE)
-    if ("window", "mask") not in _warned:
+    if ("window", "mask") not in _warned and not torch.compiler.is_compiling():       # (as _warn_once)
         _warned.add(("window", "mask"))
         warnings.warn(f"opsadv attention: {WINDOW_MASK_NOTE} (counted in the model's state fallbacks)",
                       RuntimeWarning, stacklevel=4)
@@ -355,7 +355,8 @@ _warned: set[tuple[str, str]] = set()
 
 
 def _warn_once(why: str, name: str) -> None:
-    if (why, name) not in _warned:
+    # (not from a graph being compiled: warnings.warn breaks it; the conversion report names these calls too)
+    if (why, name) not in _warned and not torch.compiler.is_compiling():
         _warned.add((why, name))
         warnings.warn(f"opsadv attention: {why} has no opsadv kernel; these calls use the model's {name!r} attention "
                       "(counted in the model's state fallbacks)", RuntimeWarning, stacklevel=4)

@@ -71,7 +71,10 @@ class RuntimeState:
         return NO_SCOPE if _policy._scoped.get() is p else PolicyScope(p)
 
     def note_fallback(self, what: str) -> None:
-        self.fallbacks[what] = self.fallbacks.get(what, 0) + 1
+        """Counts eager calls only: a count written from a compiled graph is an int dynamo guards on, which
+        recompiled the graph at every call (then ran it eagerly past the recompile limit)."""
+        if not _compiling():
+            self.fallbacks[what] = self.fallbacks.get(what, 0) + 1
 
 
 def scope_of(module):
