@@ -144,18 +144,33 @@ COMPILED = [("causal", "gpt2"), ("causal", "gemma2"), ("causal", "qwen3_moe"), (
 @pytest.mark.parametrize("kind,model_type", COMPILED, ids=[t for _, t in COMPILED])
 def test_compiled_training_step_matches_the_original(kind, model_type):
     """torch.compile of the converted model's training step (aot_eager: dynamo and AOTAutograd trace the opsadv ops
-    and their backward, no codegen), one architecture per family: loss and gradients as the original's in eager."""
+    and their backward, no codegen), one architecture per family: loss and gradients as the original's in eager;
+    and over three steps no more graphs than the original model's compiled step (a graph break or a per-step
+    recompile of ours would cost the compiled model its speed)."""
+    from torch._dynamo.utils import counters
     model, x, labels, _ = _build(kind, model_type)
     conv = opsadv.convert_model(copy.deepcopy(model), floor=False, backend="reference", example_inputs=x)
+    fresh = copy.deepcopy(model).train()        # (its first call, like conv's, sets what a model caches: problem_type)
     model.train()
     conv.train()
     model(**x, **labels).loss.backward()
     torch._dynamo.reset()
-    loss = torch.compile(lambda: conv(**x, **labels).loss, backend="aot_eager")()
+    counters.clear()
+    step = torch.compile(lambda: conv(**x, **labels).loss, backend="aot_eager")
+    loss = step()
     loss.backward()
     want = model(**x, **labels).loss.item()
     assert abs(loss.item() - want) <= 1e-5 * abs(want)
     assert_same_grads(model, conv, f"{model_type} compiled")
+    for _ in range(2):
+        step().backward()
+    ours = counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    counters.clear()
+    theirs = torch.compile(lambda: fresh(**x, **labels).loss, backend="eager")
+    for _ in range(3):
+        theirs().backward()
+    assert ours <= counters["stats"]["unique_graphs"], (ours, counters["stats"]["unique_graphs"])
 
 
 CHECKPOINTED = [("causal", "llama"), ("causal", "gpt2"), ("encoder", "bert"), ("seq2seq", "t5"), ("vision", "vit")]
