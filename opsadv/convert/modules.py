@@ -233,20 +233,29 @@ class QKVProjection(nn.Linear):
         g = self.group
         if g.weight.sharded or type(self.weight) is not nn.Parameter and tp.is_dtensor(self.weight):
             return self._forward_sharded(x)
-        if self.role == 0:
-            with scope_of(self):
-                full = g.fp8(x) if g.fp8 is not None else None
-                if full is None:
-                    full = ops.gemm(x, g.weight.get_t(), bias=g.bias.get() if g.bias is not None else None)
-            g.stash = (x, full)
-            return full[..., :g.splits[0]]
-        if g.stash is not None and g.stash[0] is x:
-            full = g.stash[1]
-            lo = g.splits[0] if self.role == 1 else g.splits[0] + g.splits[1]
-            if self.role == 2:
-                g.stash = None                     # release the activation
-            return full[..., lo:lo + self.out_features]
-        return F.linear(x, self.weight, self.bias)
+        st = g.stash
+        if st is not None and st[0] is x and self.role in st[2]:
+            rest = st[2] - {self.role}
+            g.stash = (x, st[1], rest) if rest else None       # the last of the three releases the activation
+            return self._slice(st[1])
+        if st is not None or g.unfused:
+            # a stash for another input, or a role called twice: q / k / v read different inputs in this module
+            # (cross-attention the pass could not tell by name): three plain projections from now on
+            g.stash, g.unfused = None, True
+            state = getattr(self, "_opsadv_state", None)
+            if state is not None:
+                state.note_fallback("q/k/v read different inputs -> three projections")
+            return F.linear(x, self.weight, self.bias)
+        with scope_of(self):             # the first of the three on this input (any order: ConvBERT calls k, v, q)
+            full = g.fp8(x) if g.fp8 is not None else None
+            if full is None:
+                full = ops.gemm(x, g.weight.get_t(), bias=g.bias.get() if g.bias is not None else None)
+        g.stash = (x, full, frozenset({0, 1, 2} - {self.role}))
+        return self._slice(full)
+
+    def _slice(self, full: torch.Tensor) -> torch.Tensor:
+        lo = sum(self.group.splits[:self.role])
+        return full[..., lo:lo + self.out_features]
 
     def _forward_sharded(self, x: torch.Tensor) -> torch.Tensor:
         """Tensor-parallel weights: column-parallel q, k and v fuse into this rank's GEMM; any other layout runs the
@@ -290,7 +299,8 @@ class QKVGroup:
         self.splits = (q.out_features, k.out_features, v.out_features)
         self.weight = FusedRows([q.weight, k.weight, v.weight])
         self.bias = FusedRows([q.bias, k.bias, v.bias]) if q.bias is not None else None
-        self.stash = None
+        self.stash = None        # (input, fused output, the roles still to take their columns) within one forward
+        self.unfused = False     # the module's q / k / v were seen reading different inputs
 
 
 # the gated activations in torch (the unfused path of tensor-parallel layouts the fused modules do not serve)
