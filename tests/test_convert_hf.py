@@ -295,27 +295,28 @@ def test_mem_opt_3_keeps_qkv_unfused():
         torch.testing.assert_close(primary(frugal(**batch)), primary(orig(**batch)), rtol=1e-4, atol=1e-5)
 
 
-class _OrderedAttention(torch.nn.Module):
-    """q / k / v projections called in a given order, on the same input or (cross) k / v on another."""
-
-    def __init__(self, order, cross=False):
+class _QFirst(torch.nn.Module):
+    def __init__(self):
         super().__init__()
         self.query, self.key, self.value = (torch.nn.Linear(16, 8) for _ in range(3))
-        self.order, self.cross = order, cross
 
     def forward(self, x, other=None):
-        src = {"query": x, "key": other if self.cross else x, "value": other if self.cross else x}
-        out = {n: getattr(self, n)(src[n]) for n in self.order}
-        return out["query"] * 2 + out["key"] - out["value"]
+        kv = x if other is None else other
+        return self.query(x) * 2 + self.value(kv) - self.key(kv)
 
 
-@pytest.mark.parametrize("order", [("query", "key", "value"), ("key", "value", "query"), ("value", "query", "key")])
-def test_fused_qkv_any_call_order(order):
-    """The fused [W_q|W_k|W_v] GEMM serves q / k / v called in any order on one input (ConvBERT calls key, value,
-    then query): one GEMM per forward, no plain projection, and nothing kept after the forward (a stash left for
-    the next call held an activation and made a compiled graph guard on it)."""
+class _KeyFirst(_QFirst):           # ConvBERT's order: key, value, then query
+    def forward(self, x, other=None):
+        k = self.key(x)
+        v = self.value(x)
+        return self.query(x) * 2 + k - v
+
+
+def test_fused_qkv_serves_k_and_v_in_either_order_and_keeps_nothing():
+    """q first, then v and k (either order) on one input: one fused GEMM per forward, and nothing held after the
+    forward (a stash left for the next call held an activation and made a compiled graph guard on it)."""
     torch.manual_seed(0)
-    m = _OrderedAttention(order)
+    m = _QFirst()
     conv = opsadv.convert_model(copy.deepcopy(m), backend="reference", floor=False, validate=False)
     group = conv.query.group
     for _ in range(2):
@@ -323,22 +324,25 @@ def test_fused_qkv_any_call_order(order):
         with opsadv.trace() as t:
             got = conv(x)
         torch.testing.assert_close(got, m(x))
-        assert t.counts == {"reference.gemm": 1} and group.stash is None and not group.unfused
+        assert t.counts == {"reference.gemm": 1} and group.stash is None
 
 
-def test_fused_qkv_reading_different_inputs_falls_back_to_three_projections():
-    """q on one input, k and v on another (cross-attention a name does not reveal): correct outputs, and after the
-    first such call three plain projections (counted as a fallback), no stash kept."""
+def test_qkv_called_key_first_stays_three_projections():
+    """A forward that calls k / v before q (ConvBERT) is not fused: the fused GEMM runs at q's call, so k and v
+    would run twice; the report says so."""
+    conv = opsadv.convert_model(_KeyFirst(), backend="reference", floor=False, validate=False)
+    assert not isinstance(conv.query, QKVProjection)
+    why = [c.reason for c in conv.opsadv_report.changes if c.what == "q/k/v projections"]
+    assert why and "calls key before query" in why[0], why
+
+
+def test_fused_qkv_with_k_and_v_on_another_input_keeps_nothing():
+    """q on one input, k and v on another (cross-attention a name does not reveal): correct outputs, k and v as plain
+    projections, no stash left after the forward."""
     torch.manual_seed(0)
-    m = _OrderedAttention(("query", "key", "value"), cross=True)
+    m = _QFirst()
     conv = opsadv.convert_model(copy.deepcopy(m), backend="reference", floor=False, validate=False)
-    group = conv.query.group
-    for i in range(3):
-        x, other = torch.randn(3, 5, 16), torch.randn(3, 7, 16)[:, :5]
-        with opsadv.trace() as t:
-            got = conv(x, other)
-        torch.testing.assert_close(got, m(x, other))
-        assert group.unfused and group.stash is None
-        if i:
-            assert "reference.gemm" not in t.counts, t.counts
-    assert any("different inputs" in k for k in conv._opsadv_state.fallbacks)
+    for _ in range(2):
+        x, other = torch.randn(3, 5, 16), torch.randn(3, 5, 16)
+        torch.testing.assert_close(conv(x, other), m(x, other))
+        assert conv.query.group.stash is None

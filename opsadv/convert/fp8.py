@@ -212,10 +212,11 @@ class Fp8Gemm:
         return {**self.__dict__, "_w8": None}
 
     def _weight_device(self) -> torch.device | None:
-        try:
-            return self.weight().device
-        except AttributeError:          # (no source yet: the histories are made on the first call's device)
-            return None
+        """The device of the weight (a FusedRows' first part: no concatenation), None without a source yet (the
+        histories are then made on the first call's device)."""
+        src = self.source
+        w = src.params[0] if hasattr(src, "params") else getattr(src, "weight", None)
+        return w.device if isinstance(w, torch.Tensor) else None
 
     def weight(self) -> torch.Tensor:
         """The (N, K) weight as the model holds it now (differentiable where the parameters are)."""

@@ -208,9 +208,9 @@ class OpsadvNorm(nn.Module):
 
 
 class QKVProjection(nn.Linear):
-    """One of q/k/v.  The q projection runs one GEMM over [W_q|W_k|W_v] and leaves k and v for
-    the next two calls made on the *same* input tensor; any other input (cross-attention, an
-    unexpected call order) gets its own plain projection, so results never depend on order.
+    """One of q/k/v.  The q projection runs one GEMM over [W_q|W_k|W_v] and leaves k and v (either order) for the
+    next calls made on the *same* input tensor; any other input (cross-attention, an unexpected call order) gets
+    its own plain projection, so results never depend on order, and no output outlives its forward.
 
     An nn.Linear (its own weight and bias, no Linear code run) so that a tensor-parallel plan applied after
     conversion takes it as the Linear it replaces.  With q, k and v column-parallel (convert/tp.py) each rank's GEMM
@@ -233,25 +233,21 @@ class QKVProjection(nn.Linear):
         g = self.group
         if g.weight.sharded or type(self.weight) is not nn.Parameter and tp.is_dtensor(self.weight):
             return self._forward_sharded(x)
+        if self.role == 0:
+            with scope_of(self):
+                full = g.fp8(x) if g.fp8 is not None else None
+                if full is None:
+                    full = ops.gemm(x, g.weight.get_t(), bias=g.bias.get() if g.bias is not None else None)
+            g.stash = (x, full, frozenset({1, 2}))
+            return self._slice(full)
         st = g.stash
-        if st is not None and st[0] is x and self.role in st[2]:
-            rest = st[2] - {self.role}
-            g.stash = (x, st[1], rest) if rest else None       # the last of the three releases the activation
-            return self._slice(st[1])
-        if st is not None or g.unfused:
-            # a stash for another input, or a role called twice: q / k / v read different inputs in this module
-            # (cross-attention the pass could not tell by name): three plain projections from now on
-            g.stash, g.unfused = None, True
-            state = getattr(self, "_opsadv_state", None)
-            if state is not None:
-                state.note_fallback("q/k/v read different inputs -> three projections")
-            return F.linear(x, self.weight, self.bias)
-        with scope_of(self):             # the first of the three on this input (any order: ConvBERT calls k, v, q)
-            full = g.fp8(x) if g.fp8 is not None else None
-            if full is None:
-                full = ops.gemm(x, g.weight.get_t(), bias=g.bias.get() if g.bias is not None else None)
-        g.stash = (x, full, frozenset({0, 1, 2} - {self.role}))
-        return self._slice(full)
+        if st is not None:
+            if st[0] is x and self.role in st[2]:
+                rest = st[2] - {self.role}
+                g.stash = (x, st[1], rest) if rest else None     # the last of k / v releases the activation
+                return self._slice(st[1])
+            g.stash = None       # another input's: nothing is held past the call that could have used it
+        return F.linear(x, self.weight, self.bias)
 
     def _slice(self, full: torch.Tensor) -> torch.Tensor:
         lo = sum(self.group.splits[:self.role])
@@ -300,7 +296,6 @@ class QKVGroup:
         self.weight = FusedRows([q.weight, k.weight, v.weight])
         self.bias = FusedRows([q.bias, k.bias, v.bias]) if q.bias is not None else None
         self.stash = None        # (input, fused output, the roles still to take their columns) within one forward
-        self.unfused = False     # the module's q / k / v were seen reading different inputs
 
 
 # the gated activations in torch (the unfused path of tensor-parallel layouts the fused modules do not serve)

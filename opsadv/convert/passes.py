@@ -415,6 +415,10 @@ def qkv_pass(model, report, undo: Undo, state, mem_opt: int | None = None) -> No
                 report.add("skipped", path, "q/k/v projections", "cross-attention: q reads the decoder's states, k and "
                            "v the encoder's (one fused GEMM would compute k and v of the wrong input, then discard it)")
                 continue
+            why = _k_or_v_first(m, names)
+            if why is not None:
+                report.add("skipped", path, "q/k/v projections", why)
+                continue
             if mem_opt is not None and mem_opt >= QKV_UNFUSED_MEM_OPT:
                 report.add("skipped", path, "q/k/v projections",
                            f"mem_opt={mem_opt}: kept as three GEMMs (a fused q|k|v output stays alive as one "
@@ -437,6 +441,23 @@ def qkv_pass(model, report, undo: Undo, state, mem_opt: int | None = None) -> No
                 new.train(lin.training)
                 undo.swap(m, n, new)
             report.add("fused", path, f"{type(m).__name__}: {'|'.join(names)} -> one opsadv.gemm over [W_q|W_k|W_v]")
+
+
+def _k_or_v_first(m: nn.Module, names) -> str | None:
+    """Why not to fuse where the module's forward calls k or v before q (ConvBERT: key, value, then query): the fused
+    GEMM runs at q's call, so k and v would run twice and the fused output would outlive the forward.  None where
+    q comes first or the source does not show the calls (a dynamic call order: the runtime still falls back per
+    call)."""
+    try:
+        src = inspect.getsource(type(m).forward)
+    except (OSError, TypeError):
+        return None
+    pos = [src.find(f"self.{n}(") for n in names]
+    if min(pos) < 0 or pos[0] < min(pos[1:]):
+        return None
+    first = names[1] if pos[1] < pos[2] else names[2]
+    return (f"{type(m).__name__}.forward calls {first} before {names[0]}: one fused GEMM runs at {names[0]}'s call, "
+            f"so {names[1]} and {names[2]} would run twice; kept as three projections")
 
 
 def _tp_qkv_why_not(lins) -> str | None:
