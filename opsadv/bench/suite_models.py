@@ -31,7 +31,8 @@ and each again " compiled": compiled converted vs compiled unconverted.  FP8 cel
 "fp8"), issue 42): "prefill fp8 b8 s2048 llama3 1.5b" and "train fp8 b4 s2048 llama3 1.5b", Llama-3.2-1B's
 dimensions, against `opsadv_bf16` (our bf16 conversion of the same model: the baseline) and `unconverted`; the row
 carries the conversion's per-block FP8 decision (`fp8`), and a prefill row's rel_err is the KL divergence of its
-last-token logits from the peer's (FP8's limit is KL < 0.01; `check` has rel err and top-1 too).
+last-token logits from the peer's (FP8's limit is KL < 0.01; `check` has rel err and top-1 too).  Both again
+" compiled": the FP8 conversion and the bf16 one (the baseline) compiled the same way (regional by default).
 One more cell, GPU only (left out on a CPU), the causal-LM loss: "train bf16 b4 s2048 llama3 8b-4l", Llama-3-8B's dimensions (hidden 4096, 32/8 heads,
 intermediate 14336, untied vocabulary 128256) cut to 4 layers, where the (b*s, V) float32 logits of the unconverted
 model's loss are the step's largest tensors (convert_model's lm_loss rewrite and Liger's fused linear cross-entropy
@@ -234,8 +235,9 @@ def cells(quick: bool, dtype: str = "bf16") -> list[Cell]:
     if not q:
         b, s = TRAIN
         out.append(Cell(arch="llama3", size=LM_LOSS_SIZE, family="train", batch=b, seq=s, dtype=dtype))
-        out += [Cell(arch=FP8_ARCH, size=FP8_SIZE, family="prefill", batch=PREFILL_BATCHES[-1], seq=SEQ, dtype="fp8"),
-                Cell(arch=FP8_ARCH, size=FP8_SIZE, family="train", batch=b, seq=s, dtype="fp8")]
+        fp8 = [Cell(arch=FP8_ARCH, size=FP8_SIZE, family="prefill", batch=PREFILL_BATCHES[-1], seq=SEQ, dtype="fp8"),
+               Cell(arch=FP8_ARCH, size=FP8_SIZE, family="train", batch=b, seq=s, dtype="fp8")]
+        out += fp8 + [Cell(**{**c.__dict__, "compiled": True}) for c in fp8]
     return out
 
 
@@ -536,10 +538,10 @@ def make_case(cell: Cell, device: str, dtype: torch.dtype, quick: bool = False) 
     paged = cell.cache == "paged"
     # paged cells: against transformers' StaticCache under torch.compile (issue 39's target), DynamicCache eager too
     fp8 = cell.dtype == "fp8"
-    baseline = ("hf_compile" if cell.compiled else "hf_static_compile" if paged else "opsadv_bf16" if fp8
+    baseline = ("opsadv_bf16" if fp8 else "hf_compile" if cell.compiled else "hf_static_compile" if paged
                 else "unconverted")
-    peer_names = [baseline] + (["unconverted"] if paged or fp8 else []) + (["opsadv_eager"] if paged else []) + (
-        ["liger"] if e.liger and not cell.compiled and not fp8 else [])
+    peer_names = [baseline] + (["unconverted"] if paged or (fp8 and not cell.compiled) else []) + (
+        ["opsadv_eager"] if paged else []) + (["liger"] if e.liger and not cell.compiled and not fp8 else [])
     graphed = paged and device == "cuda"      # CUDA graphs are a CUDA feature: a CPU row runs the static cache eagerly
     st: dict = {}
     extra: dict[str, Any] = {"arch": cell.arch, "size": cell.size, "mode": cell.mode, "like": e.like.get(cell.size, "")}
@@ -580,7 +582,9 @@ def make_case(cell: Cell, device: str, dtype: torch.dtype, quick: bool = False) 
         if train:
             for m in contenders.values():
                 m.train()
-        if cell.compiled:
+        if cell.compiled and fp8:       # FP8 compiled against our bf16 conversion compiled the same way
+            contenders = {name: compile_model(m, False) for name, m in contenders.items()}
+        elif cell.compiled:
             hf = copy.deepcopy(base)
             dyn = None if cell.family == "decode" else False
             contenders = {"opsadv": compile_model(conv, dyn), "hf_compile": compile_model(hf, dyn)}
