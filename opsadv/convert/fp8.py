@@ -91,7 +91,7 @@ class AmaxHistory:
     """One cast site's delayed-scaling state (a GEMM's activations, or its gradients): the device tensor that
     opsadv.ops.cast_to_fp8_delayed reads its scale from and records the cast's amax into, ring position included,
     so no Python state changes per step (a compiled training step stays one graph).  length 0: current scaling.
-    Made on the first cast's device (again if the model moves: a moved model starts a new history)."""
+    Made with the site, on its weight's device (or the first cast's; a moved model starts a new history)."""
 
     def __init__(self, length: int, device: torch.device | None = None):
         self.length = length
