@@ -114,7 +114,8 @@ def reference_cast_delayed(ctx, x, history, dtype, transpose):
     nxt = (pos + 1) % n
     history[:n] = torch.where(torch.arange(n, device=history.device) == nxt, 0.0, rec)
     history[n] = nxt.to(torch.float32)
-    history[n + 1] = torch.where(torch.tensor(n > 1, device=history.device), 1.0, history[n + 1])
+    if n > 1:                                           # (one slot: current scaling, never "started")
+        history[n + 1] = 1.0
     return x8, x8t, scale
 
 
