@@ -346,3 +346,18 @@ def test_fused_qkv_with_k_and_v_on_another_input_keeps_nothing():
         x, other = torch.randn(3, 5, 16), torch.randn(3, 5, 16)
         torch.testing.assert_close(conv(x, other), m(x, other))
         assert conv.query.group.stash is None
+
+
+def test_a_compiled_model_is_converted_inside_its_wrapper():
+    """convert_model(torch.compile(model)): the model inside torch.compile's wrapper is converted and the wrapper
+    returned (its report read through it); the compiled call then runs the converted modules."""
+    orig = make("llama")
+    wrapped = torch.compile(copy.deepcopy(orig), backend="eager")
+    out = opsadv.convert_model(wrapped, backend="reference", floor=False)
+    assert out is wrapped and any(isinstance(m, QKVProjection) for m in wrapped._orig_mod.modules())
+    assert "converted" in str(out.opsadv_report)
+    batch = inputs()
+    with torch.no_grad(), opsadv.trace() as t:
+        got = primary(out(**batch))
+    torch.testing.assert_close(got, primary(orig(**batch)), rtol=1e-4, atol=1e-5)
+    assert "reference.gemm" in t.counts, t.counts

@@ -230,6 +230,11 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
     current activation scales, grad-recording calls with the FP8 training recipe (fp8_recipe: Fp8Recipe, delayed
     scaling over an amax history, e5m2 gradients).  Where no FP8 kernel serves the device the GEMMs stay bf16 and
     the report says why; with a pinned backend that raises.  opsadv.convert.fp8 has the details."""
+    compiled = compiled_inner(model)
+    if compiled is not None:                 # torch.compile(model): convert the model inside, keep the wrapper
+        args = {k: v for k, v in locals().items() if k not in ("model", "compiled")}
+        convert_model(compiled, **args)      # (the wrapper's graphs recompile at the next call: its guards see it)
+        return model
     inner = peft_base_model(model)
     if inner is not None:                    # a PEFT (LoRA ...) wrapper: convert the transformers model inside it
         args = {k: v for k, v in locals().items() if k not in ("model", "inner")}
@@ -378,6 +383,15 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
         if before is not None:      # refused or failed: the model goes back to its own dtypes and values
             before.restore()
         raise
+
+
+def compiled_inner(model):
+    """The module inside torch.compile's wrapper (OptimizedModule._orig_mod), else None.  The wrapper forwards
+    attribute reads to it, so the report and the state read through the wrapper too."""
+    inner = getattr(model, "_orig_mod", None)
+    if not isinstance(inner, nn.Module):     # (checked first: torch._dynamo is imported only for a wrapper)
+        return None
+    return inner if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) else None
 
 
 def peft_base_model(model):
