@@ -230,15 +230,14 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
     current activation scales, grad-recording calls with the FP8 training recipe (fp8_recipe: Fp8Recipe, delayed
     scaling over an amax history, e5m2 gradients).  Where no FP8 kernel serves the device the GEMMs stay bf16 and
     the report says why; with a pinned backend that raises.  opsadv.convert.fp8 has the details."""
+    options = {k: v for k, v in locals().items() if k != "model"}     # (for the model inside a wrapper)
     compiled = compiled_inner(model)
     if compiled is not None:                 # torch.compile(model): convert the model inside, keep the wrapper
-        args = {k: v for k, v in locals().items() if k not in ("model", "compiled")}
-        convert_model(compiled, **args)      # (the wrapper's graphs recompile at the next call: its guards see it)
+        convert_model(compiled, **options)   # (the wrapper's graphs recompile at the next call: its guards see it)
         return model
     inner = peft_base_model(model)
     if inner is not None:                    # a PEFT (LoRA ...) wrapper: convert the transformers model inside it
-        args = {k: v for k, v in locals().items() if k not in ("model", "inner")}
-        convert_model(inner, **args)
+        convert_model(inner, **options)
         for name in ("_opsadv_state", "opsadv_report", "tune_for_hardware", "opsadv_graphs"):
             if name in vars(inner):
                 model.__dict__[name] = vars(inner)[name]
