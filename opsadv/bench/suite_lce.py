@@ -3,7 +3,11 @@ against transformers' way (`torch_eager`: logits = h @ W^T in bf16, upcast to fl
 torch.compile of that expression and Liger-Kernel's fused linear cross-entropy where it is installed.
 Forward + backward (the gradients of hidden and weight), bf16, hidden 4096 / vocabulary 128256 (Llama-3) at 8192
 and 32768 tokens, 10% of the labels ignored.  Rate in TFLOP/s of the three GEMMs (6 N H V); every row also
-carries each contender's peak memory beyond its inputs (`peak_mib`), measured once before the timing."""
+carries each contender's peak memory beyond its inputs (`peak_mib`), measured once before the timing.
+
+The Triton impl's chunk size (token rows per chunk, about CHUNK_FACTOR x the hidden states' bytes of logits) trades
+memory for passes over dW: the first shape's row also times our op at factors 1, 2 and 8 (`opsadv_cf<k>`, the
+shipped factor is the `opsadv` column), so one run shows time and `peak_mib` per factor beside Liger's."""
 from __future__ import annotations
 
 from typing import Iterator
@@ -12,8 +16,11 @@ import torch
 import torch.nn.functional as F
 
 import opsadv
+from opsadv.backends.triton_common.linear_cross_entropy import linear_cross_entropy as _impl
 
 from .case import BenchCase, compiled_peer, peak_mib
+
+FACTORS = (1, 2, 8)          # chunk factors timed beside the shipped one (first shape, GPU)
 
 # (name, tokens, hidden, vocab)
 SHAPES = (("llama3-8b-head", 8192, 4096, 128256), ("llama3-8b-head", 32768, 4096, 128256))
@@ -35,6 +42,17 @@ def _liger():
     def loss(h, w, labels):
         out = LigerFusedLinearCrossEntropyFunction.apply(h, w, labels)
         return out[0] if isinstance(out, tuple) else out
+    return loss
+
+
+def _with_chunk_factor(factor: int):
+    """opsadv.ops.linear_cross_entropy with the Triton impl's CHUNK_FACTOR set to `factor` for the call."""
+    def loss(h, w, labels):
+        shipped, _impl.CHUNK_FACTOR = _impl.CHUNK_FACTOR, factor
+        try:
+            return opsadv.ops.linear_cross_entropy(h, w, labels)
+        finally:
+            _impl.CHUNK_FACTOR = shipped
     return loss
 
 
@@ -63,6 +81,9 @@ def cases(quick: bool) -> Iterator[BenchCase]:
             calls["torch_compile"] = lambda step=step: step(_COMPILED["hf"])
             if liger is not None:
                 calls["liger"] = lambda step=step: step(liger)
+            if (name, n) == SHAPES[0][:2]:
+                for f in FACTORS:
+                    calls[f"opsadv_cf{f}"] = lambda step=step, loss=_with_chunk_factor(f): step(loss)
         extra: dict = {}
 
         def setup(every=dict(calls), extra=extra):
