@@ -44,18 +44,23 @@ OP = "cast_to_fp8"
 FEATURES = frozenset({"e5m2", "transpose"})
 
 
+def check_cast_args(op: str, x, dtype, transpose) -> None:
+    """x, dtype and transpose of a cast op (this one, cast_to_fp8_delayed)."""
+    check_tensor(op, "x", x, ndim=2, dtypes=FLOAT_DTYPES, allow_empty=True)
+    if dtype not in (E4M3, E5M2):
+        raise InvalidArgumentError(op, "dtype", "torch.float8_e4m3fn or torch.float8_e5m2", repr(dtype))
+    if not isinstance(transpose, bool):
+        raise InvalidArgumentError(op, "transpose", "a bool", repr(transpose))
+
+
 def validate(x, scale, dtype, transpose) -> None:
     """Shapes, dtypes, devices and options (no tensor value is read)."""
-    check_tensor(OP, "x", x, ndim=2, dtypes=FLOAT_DTYPES, allow_empty=True)
+    check_cast_args(OP, x, dtype, transpose)
     if not isinstance(scale, Tensor) or scale.dtype != torch.float32 or scale.numel() != 1:
         given = f"{dt(scale.dtype)} of shape {tuple(scale.shape)}" if isinstance(scale, Tensor) else \
             type(scale).__name__
         raise InvalidArgumentError(OP, "scale", "a float32 tensor of one element (the per-tensor dequantization "
                                    "scale)", given)
-    if dtype not in (E4M3, E5M2):
-        raise InvalidArgumentError(OP, "dtype", "torch.float8_e4m3fn or torch.float8_e5m2", repr(dtype))
-    if not isinstance(transpose, bool):
-        raise InvalidArgumentError(OP, "transpose", "a bool", repr(transpose))
     _common.check_devices(OP, "x", x, scale=scale)
 
 
@@ -63,17 +68,17 @@ def _features(dtype, transpose) -> frozenset[str]:
     return frozenset(f for f, on in (("e5m2", dtype == E5M2), ("transpose", transpose)) if on)
 
 
-def _key(x, dtype, transpose) -> tuple:
-    return (OP, device_key(x), x.dtype, dtype, transpose, len_bucket(x.shape[0]), x.shape[1])
+def cast_key(op: str, x, dtype, transpose) -> tuple:
+    return (op, device_key(x), x.dtype, dtype, transpose, len_bucket(x.shape[0]), x.shape[1])
 
 
-def _spec(x, dtype, transpose) -> CallSpec:
-    return CallSpec(OP, x.device.type, x.dtype, _features(dtype, transpose), (len_bucket(x.shape[0]), x.shape[1]),
+def cast_spec(op: str, x, dtype, transpose) -> CallSpec:
+    return CallSpec(op, x.device.type, x.dtype, _features(dtype, transpose), (len_bucket(x.shape[0]), x.shape[1]),
                     shapes=(tuple(x.shape),), bucket_names=("rows<=", "N="), device_index=device_index(x))
 
 
 def _route(x, scale, dtype, transpose):
-    return dispatch.call(_key(x, dtype, transpose), lambda: _spec(x, dtype, transpose), (x, scale, dtype, transpose))
+    return dispatch.call(cast_key(OP, x, dtype, transpose), lambda: cast_spec(OP, x, dtype, transpose), (x, scale, dtype, transpose))
 
 
 def reference_cast(ctx, x, scale, dtype, transpose):
@@ -109,7 +114,7 @@ _cast.register_autograd(_no_backward, setup_context=lambda ctx, inputs, output: 
 _fast, _tracers, _scoped = dispatch._fast, dispatch._tracers, _policy._scoped
 
 
-def _meta(t):
+def tensor_meta(t):
     return type(t), t.dtype, t.device, t.shape, t.stride()
 
 
@@ -123,7 +128,7 @@ def cast_to_fp8(x: Tensor, scale: Tensor, *, dtype: torch.dtype = E4M3, transpos
             and functorch_level() is None:
         try:
             if not (grad_enabled() and (x.requires_grad or scale.requires_grad)):
-                fk = (OP, (_scoped.get() or _policy._global).serial, dtype, transpose, _meta(x), _meta(scale))
+                fk = (OP, (_scoped.get() or _policy._global).serial, dtype, transpose, tensor_meta(x), tensor_meta(scale))
                 hit = _fast.get(fk)
         except (AttributeError, TypeError):
             fk = hit = None
@@ -140,7 +145,7 @@ def cast_to_fp8(x: Tensor, scale: Tensor, *, dtype: torch.dtype = E4M3, transpos
         x8, x8t, amax = torch.ops.opsadv.cast_to_fp8(x, scale, dtype, transpose, op_scope())
     else:
         x8, x8t, amax = _route(x, scale, dtype, transpose)
-        dispatch.learn(fk, _key(x, dtype, transpose))
+        dispatch.learn(fk, cast_key(OP, x, dtype, transpose))
     return x8, (x8t if transpose else None), amax
 
 
@@ -149,7 +154,7 @@ def explain_spec(args: tuple, kwargs: dict, backward: bool) -> CallSpec:
     x, scale = arg(args, kwargs, 0, "x"), arg(args, kwargs, 1, "scale")
     dtype, transpose = kwargs.get("dtype", E4M3), kwargs.get("transpose", False)
     validate(x, scale, dtype, transpose)
-    return _spec(x, dtype, transpose)
+    return cast_spec(OP, x, dtype, transpose)
 
 
 def _case(m, n, *, dtype=E4M3, transpose=True, strided=False, specials=False, zero=False):

@@ -38,15 +38,15 @@ from torch import Tensor
 
 from opsadv.core import dispatch
 from opsadv.core import policy as _policy
-from opsadv.core.devices import device_index, device_key
 from opsadv.core.errors import InvalidArgumentError
 from opsadv.core.kernel import CallSpec
-from opsadv.core.op_common import (FLOAT_DTYPES, TORCH_OPS, check_tensor, dispatch_modes, dt, eager_mode,
-                                   function_modes, functorch_level, grad_enabled, is_compiling, len_bucket)
+from opsadv.core.op_common import (TORCH_OPS, dispatch_modes, dt, eager_mode, function_modes, functorch_level,
+                                   grad_enabled, is_compiling)
 from opsadv.core.opdef import Case, OpDef, Reference, arg, rand
 from opsadv.core.policy import in_scope, op_scope
 
 from . import common as _common
+from .cast import tensor_meta, cast_key, cast_spec, check_cast_args
 from .reference import E4M3, E5M2, check_fp8_dtype, quantize_with_scale
 
 OP = "cast_to_fp8_delayed"
@@ -65,35 +65,18 @@ def new_amax_history(length: int, device=None) -> Tensor:
 
 def validate(x, history, dtype, transpose) -> None:
     """Shapes, dtypes, devices and options (no tensor value is read)."""
-    check_tensor(OP, "x", x, ndim=2, dtypes=FLOAT_DTYPES, allow_empty=True)
+    check_cast_args(OP, x, dtype, transpose)
     if not isinstance(history, Tensor) or history.dtype != torch.float32 or history.dim() != 1 \
             or history.numel() < 1 + EXTRA or not history.is_contiguous():
         given = f"{dt(history.dtype)} of shape {tuple(history.shape)}" if isinstance(history, Tensor) else \
             type(history).__name__
         raise InvalidArgumentError(OP, "history", "a contiguous float32 (L + 4,) tensor from new_amax_history(L)",
                                    given)
-    if dtype not in (E4M3, E5M2):
-        raise InvalidArgumentError(OP, "dtype", "torch.float8_e4m3fn or torch.float8_e5m2", repr(dtype))
-    if not isinstance(transpose, bool):
-        raise InvalidArgumentError(OP, "transpose", "a bool", repr(transpose))
     _common.check_devices(OP, "x", x, history=history)
 
 
-def _features(dtype, transpose) -> frozenset[str]:
-    return frozenset(f for f, on in (("e5m2", dtype == E5M2), ("transpose", transpose)) if on)
-
-
-def _key(x, dtype, transpose) -> tuple:
-    return (OP, device_key(x), x.dtype, dtype, transpose, len_bucket(x.shape[0]), x.shape[1])
-
-
-def _spec(x, dtype, transpose) -> CallSpec:
-    return CallSpec(OP, x.device.type, x.dtype, _features(dtype, transpose), (len_bucket(x.shape[0]), x.shape[1]),
-                    shapes=(tuple(x.shape),), bucket_names=("rows<=", "N="), device_index=device_index(x))
-
-
 def _route(x, history, dtype, transpose):
-    return dispatch.call(_key(x, dtype, transpose), lambda: _spec(x, dtype, transpose),
+    return dispatch.call(cast_key(OP, x, dtype, transpose), lambda: cast_spec(OP, x, dtype, transpose),
                          (x, history, dtype, transpose))
 
 
@@ -137,10 +120,6 @@ def _(x, history, dtype, transpose, scope=0):
 _fast, _tracers, _scoped = dispatch._fast, dispatch._tracers, _policy._scoped
 
 
-def _meta(t):
-    return type(t), t.dtype, t.device, t.shape, t.stride()
-
-
 def cast_to_fp8_delayed(x: Tensor, history: Tensor, *, dtype: torch.dtype = E4M3, transpose: bool = False):
     """x (M, N) in fp8 under the delayed scale of `history` (new_amax_history), recording x's amax there (module
     docstring): (x_fp8, x_fp8_t or None, scale)."""
@@ -150,7 +129,7 @@ def cast_to_fp8_delayed(x: Tensor, history: Tensor, *, dtype: torch.dtype = E4M3
             and functorch_level() is None:
         try:
             if not (grad_enabled() and x.requires_grad):
-                fk = (OP, (_scoped.get() or _policy._global).serial, dtype, transpose, _meta(x), _meta(history))
+                fk = (OP, (_scoped.get() or _policy._global).serial, dtype, transpose, tensor_meta(x), tensor_meta(history))
                 hit = _fast.get(fk)
         except (AttributeError, TypeError):
             fk = hit = None
@@ -167,7 +146,7 @@ def cast_to_fp8_delayed(x: Tensor, history: Tensor, *, dtype: torch.dtype = E4M3
         x8, x8t, scale = torch.ops.opsadv.cast_to_fp8_delayed(x, history, dtype, transpose, op_scope())
     else:
         x8, x8t, scale = _route(x, history, dtype, transpose)
-        dispatch.learn(fk, _key(x, dtype, transpose))
+        dispatch.learn(fk, cast_key(OP, x, dtype, transpose))
     return x8, (x8t if transpose else None), scale
 
 
@@ -176,7 +155,7 @@ def explain_spec(args: tuple, kwargs: dict, backward: bool) -> CallSpec:
     x, history = arg(args, kwargs, 0, "x"), arg(args, kwargs, 1, "history")
     dtype, transpose = kwargs.get("dtype", E4M3), kwargs.get("transpose", False)
     validate(x, history, dtype, transpose)
-    return _spec(x, dtype, transpose)
+    return cast_spec(OP, x, dtype, transpose)
 
 
 def _case(m, n, *, dtype=E4M3, transpose=True, strided=False, window=4, state="recorded", specials=False):

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from opsadv.core.envvars import env_bool
 from opsadv.core.kernel import MEMORY_FUSED, PRIORITY_TRITON, KernelImpl
 
-from .. import triton_device_types
+from .. import poisoned, triton_device_types
 from .scaled_gemm import FP8_FORMAT, FP8_MIN_CC
 
 BLOCK_M, BLOCK_N = 64, 64
@@ -25,14 +24,17 @@ def _kernel():
     return _K["k"]
 
 
+def cast_outputs(x, dtype, transpose):
+    """(q (M, N), qt (N, M) or an empty (0,) tensor) in fp8 `dtype`, NaN-poisoned where `poisoned` says."""
+    m, n = x.shape
+    like = x.new_empty((0,), dtype=dtype)
+    return poisoned((m, n), like), (poisoned((n, m), like) if transpose else like)
+
+
 def cast_fwd(ctx, x, scale, dtype, transpose):
     m, n = x.shape
     dev = x.device
-    poison = dev.type == "cpu" or env_bool("OPSADV_POISON_OUTPUTS")
-    make = (lambda shape: torch.full(shape, float("nan"), dtype=dtype, device=dev)) if poison else \
-        (lambda shape: torch.empty(shape, dtype=dtype, device=dev))
-    q = make((m, n))
-    qt = make((n, m)) if transpose else q.new_empty((0,))
+    q, qt = cast_outputs(x, dtype, transpose)
     grid = (-(-m // BLOCK_M), -(-n // BLOCK_N))
     part = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=dev)
     fmax, mant, emin = FP8_FORMAT[dtype]

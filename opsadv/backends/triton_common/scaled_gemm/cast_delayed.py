@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from opsadv.core.envvars import env_bool
 from opsadv.core.kernel import MEMORY_FUSED, PRIORITY_TRITON, KernelImpl
 
-from .. import triton_device_types
-from .cast import BLOCK_M, BLOCK_N
+from .. import poisoned, triton_device_types
+from .cast import BLOCK_M, BLOCK_N, cast_outputs
 from .scaled_gemm import FP8_FORMAT, FP8_MIN_CC
 
 EXTRA = 3                  # the history's slots after the amaxes (ops/scaled_gemm/cast_delayed.py)
@@ -36,14 +35,8 @@ def _pow2(n: int) -> int:
 def cast_delayed_fwd(ctx, x, history, dtype, transpose):
     k = _kernels()
     m, n = x.shape
-    dev = x.device
-    poison = dev.type == "cpu" or env_bool("OPSADV_POISON_OUTPUTS")
-    make = (lambda shape: torch.full(shape, float("nan"), dtype=dtype, device=dev)) if poison else \
-        (lambda shape: torch.empty(shape, dtype=dtype, device=dev))
-    q = make((m, n))
-    qt = make((n, m)) if transpose else q.new_empty((0,))
-    scale = torch.full((), float("nan"), dtype=torch.float32, device=dev) if poison else \
-        torch.empty((), dtype=torch.float32, device=dev)
+    q, qt = cast_outputs(x, dtype, transpose)
+    scale = poisoned((), history)
     slots = history.numel() - EXTRA
     bits = history.view(torch.int32)
     grid = (-(-m // BLOCK_M), -(-n // BLOCK_N))
