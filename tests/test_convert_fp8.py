@@ -267,6 +267,30 @@ def test_compiled_training_step_is_one_graph_and_matches_eager():
         assert a[-3].item() == b[-3].item() == 3 and torch.allclose(a, b, rtol=1e-2), (role, a, b)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_gpu_reduce_overhead_training_step_keeps_cuda_graphs():
+    """mode="reduce-overhead" of an FP8 training step on the GPU: the casts mutate the amax histories in place,
+    which CUDA graphs accept only for inputs at a fixed address (AmaxHistory marks its tensor static); no graph is
+    skipped and the losses are the eager model's."""
+    from torch._dynamo.utils import counters
+    orig = make(num_hidden_layers=2).to("cuda", torch.bfloat16)
+    kw = dict(backend="auto")
+    eager, comp = convert(orig, "fp8", **kw), convert(orig, "fp8", **kw)
+    for m in (eager, comp):
+        m.train()
+    torch._dynamo.reset()
+    counters.clear()
+    step = torch.compile(lambda x: comp(input_ids=x, labels=x).loss, mode="reduce-overhead")
+    for i in range(4):
+        x = ids(2, 64, seed=i).cuda()
+        want = eager(input_ids=x, labels=x).loss
+        want.backward()
+        got = step(x)
+        got.backward()
+        assert got.item() == pytest.approx(want.item(), rel=2e-2), i
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+
+
 def test_compiled_inference_is_one_graph_and_matches_eager():
     """torch.compile(fullgraph=True) of an FP8-converted model's forward: one graph (the weights' FP8 copies come in
     as tensors, the FP8 attention's no-grad call has no autograd.Function), outputs equal to eager; after a weight

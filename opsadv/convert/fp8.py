@@ -95,7 +95,7 @@ class AmaxHistory:
 
     def __init__(self, length: int, device: torch.device | None = None):
         self.length = length
-        self.buf: torch.Tensor | None = None if device is None else new_amax_history(length, device)
+        self.buf: torch.Tensor | None = None if device is None else self._new(device)
 
     def tensor(self, device: torch.device) -> torch.Tensor:
         buf = self.buf
@@ -107,8 +107,12 @@ class AmaxHistory:
     def _new(self, device: torch.device) -> torch.Tensor:
         # made outside any compiled graph: a history created inside one and mutated by its backward breaks
         # AOTAutograd's partition
-        self.buf = new_amax_history(self.length, device)
-        return self.buf
+        buf = new_amax_history(self.length, device)
+        # a fixed address, as a module buffer has: CUDA graphs (mode="reduce-overhead") keep a step whose casts
+        # mutate it in place instead of skipping the graph for a mutated input
+        torch._dynamo.mark_static_address(buf)
+        self.buf = buf
+        return buf
 
     def cast(self, x: torch.Tensor, dtype: torch.dtype, transpose: bool = True):
         """(x_fp8, x_fp8_t, scale) under this site's delayed scale, recording x's amax."""
