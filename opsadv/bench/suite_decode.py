@@ -1,7 +1,9 @@
 """Bench suite "decode": opsadv.ops.paged_attention for one decode step (one query per sequence, bf16) over a paged
 KV cache, against SDPA's flash and cuDNN backends and FlexAttention (compiled) over a contiguous cache of the same
-contents (BENCHMARKS.md's decode peers), and FlexAttention over the same paged cache ("flex_paged": the pages read in
-place through a block mask converted from the block table by torch's PagedAttention helper, flex_paged_peer).  Grid: GQA 32 / 8 and MQA 32 / 1 at d128, pages of 16 and 128, batch 1 / 8 / 64 x context 1k / 8k /
+contents (BENCHMARKS.md's decode peers), FlexAttention over the same paged cache ("flex_paged": the pages read in
+place through a block mask converted from the block table by torch's PagedAttention helper, flex_paged_peer), and
+FlashInfer's paged decode over the same cache where FlashInfer is installed ("flashinfer": its CUDA-core decode
+kernel; "flashinfer_tc": its tensor-core path, flashinfer_peer).  Grid: GQA 32 / 8 and MQA 32 / 1 at d128, pages of 16 and 128, batch 1 / 8 / 64 x context 1k / 8k /
 32k / 128k (cases whose paged cache would exceed MAX_CACHE_TOKENS tokens, b64 x 128k, left out: with the contiguous
 copy the peers need it would not fit next to the others).  The cache's pages are handed out shuffled (as an
 allocator's free list leaves them); every sequence holds the full context.  No append in the timed call (the peers
@@ -28,6 +30,7 @@ import opsadv
 from opsadv.ops.paged_attention import kv_scales, quantize_kv
 from opsadv.ops.paged_attention.reference import dequantize_kv
 
+from . import flashinfer_peer
 from .case import BenchCase, flex_peer
 
 # (label, hq, hkv)
@@ -155,6 +158,10 @@ def cases(quick: bool, shapes=None, fp8_shapes=None) -> Iterator[BenchCase]:
                 fp = flex_paged_peer(flex, q, kc, vc, table, lens)
                 if fp is not None:
                     peers["flex_paged"] = fp
+            for name, tc in (("flashinfer", False), ("flashinfer_tc", True)):
+                fi = flashinfer_peer.decode_peer(q, kc, vc, table, lens, tensor_cores=tc)
+                if fi is not None:
+                    peers[name] = fi
         else:
             peers = {"sdpa": (lambda sdpa=sdpa: sdpa(None))}
         words = ["fwd", "bf16" if dtype == torch.bfloat16 else "fp32", "decode", label, f"b{b}", f"ctx{s}",
@@ -162,7 +169,9 @@ def cases(quick: bool, shapes=None, fp8_shapes=None) -> Iterator[BenchCase]:
         rounds = 7 if b * s <= 65536 else None
         yield BenchCase(suite="decode", case=" ".join(words), opsadv=mine, peers=peers,
                         work=bytes_moved(b, s, hq, hkv, d, dtype.itemsize), unit="TB/s",
-                        baseline="sdpa_flash" if dev == "cuda" else "sdpa", rounds=rounds)
+                        baseline="sdpa_flash" if dev == "cuda" else "sdpa", rounds=rounds,
+                        extra={"flashinfer": flashinfer_peer.version() or
+                               f"not a peer here: {flashinfer_peer.why_missing()}"} if dev == "cuda" else {})
         if fp8_shapes is not None:
             wants_fp8 = (label, hq, hkv, page, b, s, *rest) in [tuple(x) for x in fp8_shapes]
         else:
