@@ -95,3 +95,38 @@ def test_compiled_float_mask_gradient(causal, reference_backend):
     assert rel_err(got_out, want_out) < 1e-10
     for name, g, w in zip(("q", "k", "v", "mask"), got, want):
         assert rel_err(g, w) < 1e-10, (name, rel_err(g, w))
+
+
+def _min_masked_case():
+    """Rows masked with float32's finfo.min (transformers' additive padding mask; Doge adds its dynamic mask on
+    top): a fully masked row's scores all round to the same value, so softmax is uniform there, and a math impl
+    that normalizes by exp(s - lse) sums that row to n, not 1 (lse = min + log(n) rounds back to min)."""
+    q, k, v, mask, dout = _case(5, (2, 4, 7, 11))
+    lo = torch.finfo(torch.float32).min
+    mask[0, 1, 3] = lo                                # fully masked
+    mask[1, 2, 5] = lo + torch.rand(11, dtype=torch.float64)   # fully masked plus Doge's (absorbed) dynamic values
+    mask[0, 0, 2, :5] = lo                            # partly masked
+    return q, k, v, mask, dout
+
+
+def test_min_masked_rows_match_softmax(reference_backend):
+    q, k, v, mask, dout = _min_masked_case()
+    want_out, want = _grads(lambda q, k, v, m, c: _plain(q, k, v, m, c, 0.3), q, k, v, mask, dout, False)
+    got_out, got = _grads(lambda q, k, v, m, c: opsadv.ops.flash_attention(q, k, v, scale=0.3, attn_mask=m),
+                          q, k, v, mask, dout, False)
+    rep = q.shape[1] // k.shape[1]
+    assert rel_err(got_out[0, 1, 3], v.repeat_interleave(rep, 1)[0, 1].mean(0)) < 1e-12     # uniform, not 11x
+    assert rel_err(got_out, want_out) < 1e-10
+    for name, g, w in zip(("q", "k", "v", "mask"), got, want):
+        assert rel_err(g, w) < 1e-10, (name, rel_err(g, w))
+
+
+def test_min_masked_rows_jetson_math_attention():
+    from opsadv.backends.jetson.attention import _bwd, _fwd
+    q, k, v, mask, dout = _min_masked_case()
+    want_out, want = _grads(lambda q, k, v, m, c: _plain(q, k, v, m, c, 0.3), q, k, v, mask, dout, False)
+    out, lse = _fwd(None, q, k, v, mask, False, 0.3)
+    assert rel_err(out, want_out) < 1e-10
+    dq, dk, dv = _bwd(None, dout, q, k, v, out, lse, mask, False, 0.3)
+    for name, g, w in zip(("q", "k", "v"), (dq, dk, dv), want):
+        assert rel_err(g, w) < 1e-10, (name, rel_err(g, w))

@@ -20,7 +20,8 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageCla
 CAUSAL = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text",
           "phi", "phi3", "gpt2", "gpt_neox", "gptj", "opt", "bloom", "falcon", "stablelm", "starcoder2", "olmo",
           "olmo2", "cohere", "granite", "glm", "smollm3", "biogpt", "xglm", "codegen", "gpt_bigcode", "mpt",
-          "persimmon", "nemotron")
+          "persimmon", "nemotron", "deepseek_v3", "doge", "gpt_oss", "llama4_text", "cohere2", "olmoe", "glm4_moe",
+          "minimax", "lfm2", "qwen3_next", "jamba", "exaone4", "ernie4_5", "seed_oss", "hunyuan_v1_dense", "helium")
 ENCODERS = ("bert", "roberta", "distilbert", "albert", "deberta-v2", "electra", "modernbert", "mpnet", "big_bird",
             "roformer", "convbert", "squeezebert")
 SEQ2SEQ = ("bart", "t5", "mbart", "pegasus", "marian", "m2m_100", "blenderbot", "led", "umt5", "longt5")
@@ -37,6 +38,15 @@ DIMS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
             decoder_vocab_size=128)
 
 
+# where the shared tiny dimensions do not make a valid model: multi-head latent attention (q/k head dim 24 =
+# nope 16 + rope 8, v head dim 16: V is narrower than Q/K), hybrids with an attention layer among their first four
+EXTRA = {"deepseek_v3": dict(qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, kv_lora_rank=32, q_lora_rank=48,
+                             head_dim=8, num_key_value_heads=4, n_routed_experts=4, n_group=1, topk_group=1,
+                             first_k_dense_replace=1),
+         "qwen3_next": dict(num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2),
+         "jamba": dict(num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1)}
+
+
 def _config(model_type: str):
     try:
         cfg = AutoConfig.for_model(model_type)
@@ -48,9 +58,11 @@ def _config(model_type: str):
                 setattr(cfg, k, v)
             except (AttributeError, NotImplementedError, ValueError):
                 pass                         # (a config that derives it from others)
+    for k, v in EXTRA.get(model_type, {}).items():
+        setattr(cfg, k, v)
     for k, v in cfg.to_dict().items():      # every dropout / stochastic depth off: both sides must compute alike
         if isinstance(v, float) and not isinstance(v, bool) and any(
-                w in k for w in ("dropout", "drop_path", "layerdrop", "_pdrop", "drop_rate")):
+                w in k for w in ("dropout", "drop_path", "layerdrop", "_pdrop", "drop_rate", "jitter_noise")):
             setattr(cfg, k, 0.0)
     return cfg
 

@@ -194,6 +194,27 @@ def test_refuses_sliding_window_and_softcap():
         opsadv.PagedKVCache(m)
 
 
+def test_refuses_latent_attention():
+    """DeepSeek-V2 / V3 (multi-head latent attention) update the cache with compressed latents, not keys and values:
+    refused at construction; an update whose keys and values differ in head dim is refused before it is stored."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    torch.manual_seed(0)
+    m = DeepseekV3ForCausalLM(DeepseekV3Config(
+        hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, vocab_size=VOCAB, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+        kv_lora_rank=16, q_lora_rank=None, n_routed_experts=4, n_group=1, topk_group=1)).eval()
+    m = opsadv.convert_model(m, backend="reference", floor=False)
+    with pytest.raises(InvalidArgumentError, match="latent"):
+        opsadv.PagedKVCache(m)
+    orig, conv = models("llama")
+    cache = opsadv.PagedKVCache(conv, max_cache_len=32)
+    k = torch.randn(1, 4, 3, 16)
+    with pytest.raises(InvalidArgumentError, match="one head dim"):
+        cache.update(k, k[..., :8], 0)
+    with pytest.raises(RuntimeError, match="reset"):
+        cache.update(k, k, 0)
+
+
 def test_refuses_pool_and_length():
     """(Beam search is served: tests/test_paged_cache_beams.py.)"""
     orig, conv = models("llama")

@@ -208,6 +208,26 @@ def opsadv_attention_forward(module, query, key, value, attention_mask, dropout:
     if paged is not None:                         # key is an opsadv.PagedKVCache's new tokens: it appends and attends
         return paged.attend(module, query, key, value, attention_mask, dropout, scaling, is_causal, position_bias,
                             kwargs)
+    d_qk, d_v = key.shape[-1], value.shape[-1]
+    if d_v != d_qk:
+        # multi-head latent attention (DeepSeek-V2 / V3: q/k 192, v 128): our kernels take one head dim, so the
+        # narrower side is zero-padded (zero columns change neither the scores nor the kept output columns), as
+        # transformers' flash-attention path pads V; the scale stays the caller's, 1/sqrt(d_qk) by default
+        scaling = d_qk ** -0.5 if scaling is None else scaling
+        if d_v < d_qk:
+            value = torch.nn.functional.pad(value, (0, d_qk - d_v))
+        else:
+            query = torch.nn.functional.pad(query, (0, d_v - d_qk))
+            key = torch.nn.functional.pad(key, (0, d_v - d_qk))
+        out, weights = _attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal,
+                                          position_bias, **kwargs)
+        return out[..., :d_v], weights
+    return _attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, position_bias,
+                              **kwargs)
+
+
+def _attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, position_bias,
+                       **kwargs):
     why = _unserved(dropout, kwargs)
     if why is not None:
         return _fallback(module, why, query, key, value, attention_mask, dropout, scaling, is_causal, position_bias,
@@ -269,7 +289,7 @@ def _note_window_mask(module) -> None:
     if ("window", "mask") not in _warned and not torch.compiler.is_compiling():       # (as _warn_once)
         _warned.add(("window", "mask"))
         warnings.warn(f"opsadv attention: {WINDOW_MASK_NOTE} (counted in the model's state fallbacks)",
-                      RuntimeWarning, stacklevel=4)
+                      RuntimeWarning, stacklevel=5)
 
 
 # ---- calls without an opsadv kernel: the model's original attention implementation --------------------------
@@ -359,7 +379,7 @@ def _warn_once(why: str, name: str) -> None:
     if (why, name) not in _warned and not torch.compiler.is_compiling():
         _warned.add((why, name))
         warnings.warn(f"opsadv attention: {why} has no opsadv kernel; these calls use the model's {name!r} attention "
-                      "(counted in the model's state fallbacks)", RuntimeWarning, stacklevel=4)
+                      "(counted in the model's state fallbacks)", RuntimeWarning, stacklevel=5)
 
 
 # ---- the mask function ---------------------------------------------------------------------------------------

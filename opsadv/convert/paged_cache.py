@@ -288,6 +288,11 @@ class PagedKVCache(Cache):
             raise RuntimeError(f"{NAME}: layer {layer_idx} runs attention implementation {impl!r}, not 'opsadv': "
                                "only opsadv's attention appends to the paged cache (convert the model with "
                                "opsadv.convert_model and keep its attention implementation); call cache.reset()")
+        if key_states.shape[-1] != value_states.shape[-1]:
+            self._in_forward = True
+            raise InvalidArgumentError(NAME, f"layer {layer_idx} update", "keys and values of one head dim (pages hold "
+                                       "both)", f"key_states {tuple(key_states.shape)}, value_states "
+                                       f"{tuple(value_states.shape)}; call cache.reset()")
         k, v = self.layers[layer_idx].update(key_states, value_states)
         if k.shape[2] != self._step_q_len:
             raise InvalidArgumentError(NAME, f"layer {layer_idx} key_states", f"{self._step_q_len} new tokens (as "
@@ -800,6 +805,10 @@ def _attention_layers(model) -> list:
         if getattr(text, attr, None) is not None:
             raise InvalidArgumentError(NAME, "model", "attention without logit softcapping",
                                        f"{attr}={getattr(text, attr)}")
+    if getattr(text, "kv_lora_rank", None) is not None:   # its cache.update takes latents, not keys and values
+        raise InvalidArgumentError(NAME, "model", "attention that caches keys and values (multi-head latent "
+                                   "attention caches compressed latents; use transformers' own cache)",
+                                   f"{type(model).__name__} with kv_lora_rank={text.kv_lora_rank}")
     n = getattr(text, "num_hidden_layers", None)
     if sorted(by_layer) != list(range(len(by_layer))) or (isinstance(n, int) and n != len(by_layer)):
         raise InvalidArgumentError(NAME, "model", f"attention layers 0..{(n or len(by_layer)) - 1}, every layer an "

@@ -97,6 +97,17 @@ def contiguous_lse(lse: torch.Tensor) -> torch.Tensor:
     return lse if lse.is_contiguous() else lse.contiguous()
 
 
+def softmax_lse(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row softmax and logsumexp of scores s over the last dim, from the row max: exp(s - lse) drops the row's
+    log(n) where |lse| dwarfs it (a row masked with finfo.min, transformers' additive padding mask, then sums to n,
+    not 1).  A row of -inf only gives p 0 and lse -inf; a +inf or NaN score gives NaN (the NaN / Inf policy)."""
+    m = s.amax(-1, keepdim=True)
+    m = m.masked_fill(torch.isneginf(m), 0.0)
+    e = torch.exp(s - m)
+    total = e.sum(-1, keepdim=True)
+    return e / total.masked_fill(total == 0, 1.0), (m + torch.log(total)).squeeze(-1)
+
+
 # ---- the weight gradient's layout (gemm and swiglu_gemm backward) ----------------------------------------------
 # b (K, N) is mostly an nn.Linear weight W (N, K) passed as W.t(): its gradient is wanted as W's layout, i.e. with
 # b's strides.  Computed as a2^T @ dz it is (K, N) row-major, and autograd's AccumulateGrad then copies it into W's

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from opsadv.core.op_common import softmax_lse
+
 from .chunking import chunked_attention_bwd, chunked_attention_fwd
 
 BYTES_PER_SCORE = 16     # float32 scores, probabilities and (backward) dP, dS per query row x key
@@ -32,16 +34,11 @@ def _scores(q, k, attn_mask, causal, scale):
     return s
 
 
-def _probs(s, lse):
-    # rows that see no key have lse = -inf: subtract 0 there, so p = exp(-inf) = 0 (not NaN)
-    return torch.exp(s - lse.masked_fill(torch.isinf(lse), 0.0)[..., None])
-
-
 def _fwd(ctx, q, k, v, attn_mask, causal, scale):
     b, hq, sq, d = q.shape
     s = _scores(q, k, attn_mask, causal, scale)
-    lse = torch.logsumexp(s, dim=-1)
-    out = _probs(s, lse) @ _acc(v).unsqueeze(2)
+    p, lse = softmax_lse(s)
+    out = p @ _acc(v).unsqueeze(2)
     return out.reshape(b, hq, sq, d).to(q.dtype), lse.reshape(b, hq, sq)
 
 
@@ -50,7 +47,7 @@ def _bwd(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale):
     hkv = k.shape[1]
     g = hq // hkv
     s = _scores(q, k, attn_mask, causal, scale)
-    p = _probs(s, _acc(lse).view(b, hkv, g, sq))
+    p = softmax_lse(s)[0]       # (not exp(s - lse): see softmax_lse)
     do = _acc(dout).reshape(b, hkv, g, sq, d)
     dv = (p.transpose(-1, -2) @ do).sum(2)
     dp = do @ _acc(v).unsqueeze(2).transpose(-1, -2)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from opsadv.core.op_common import acc, acc_dtype, operand, stats_dtype
+from opsadv.core.op_common import acc, acc_dtype, operand, softmax_lse, stats_dtype
 
 FEATURES = frozenset({"causal", "gqa", "cross_length", "attn_mask_bool", "attn_mask_float"})
 
@@ -28,17 +28,11 @@ def _scores(q, k, attn_mask, causal, scale, ctx=None):
 
 
 def _probs(s, stats: torch.dtype | None = None):
-    """Probabilities and row logsumexp; `stats` (softmax="bf16"): row max, sum and probabilities in that dtype."""
+    """Probabilities and row logsumexp; `stats` (softmax="bf16"): row max, sum and probabilities in that dtype.
+    Fully masked rows: lse -inf, probabilities 0 (not NaN); a row with a +inf or NaN score gives out and lse NaN, as
+    SDPA (out) and the Triton kernels do (docs/conformance.md, "NaN and Inf")."""
     acc_t = s.dtype
-    if stats is not None:
-        s = s.to(stats)
-    lse = torch.logsumexp(s, dim=-1)
-    # fully masked rows: lse = -inf, probabilities 0 (not NaN); a row with a +inf or NaN score gives out and lse NaN,
-    # as SDPA (out) and the Triton kernels do (docs/conformance.md, "NaN and Inf")
-    lse = lse.masked_fill(torch.isposinf(lse), float("nan"))
-    empty = torch.isneginf(lse)
-    p = torch.exp(s - lse.masked_fill(empty, 0.0)[..., None])
-    p = p.masked_fill(empty[..., None], 0.0)
+    p, lse = softmax_lse(s if stats is None else s.to(stats))
     return p.to(acc_t), lse.to(acc_t)
 
 
@@ -54,9 +48,7 @@ def attention_fwd(ctx, q, k, v, attn_mask, causal, scale):
 def attention_bwd(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale):
     rep = q.shape[1] // k.shape[1]
     s = _scores(q, k, attn_mask, causal, scale, ctx)
-    l = acc(lse)
-    empty = torch.isneginf(l)
-    p = torch.exp(s - l.masked_fill(empty, 0.0)[..., None]).masked_fill(empty[..., None], 0.0)
+    p = softmax_lse(s)[0]       # (not exp(s - lse): see softmax_lse)
     do, vf, kf = acc(dout), acc(v).repeat_interleave(rep, dim=1), acc(k).repeat_interleave(rep, dim=1)
     dp = do @ vf.transpose(-1, -2)
     delta = (do * acc(out)).sum(-1, keepdim=True)
