@@ -71,10 +71,17 @@ def decode_peer(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, table: torc
     b, _, hq, d = q.shape
     _, page, hkv, _ = kc.shape
     indptr, indices, last = csr_pages(table, lens, page)
-    wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(_state["workspace"], "NHD", use_tensor_cores=tensor_cores,
-                                               backend="fa2")
-    wrapper.plan(indptr, indices, last, hq, hkv, d, page, pos_encoding_mode="NONE", q_data_type=q.dtype,
-                 kv_data_type=kc.dtype, o_data_type=q.dtype)
+    try:
+        wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(_state["workspace"], "NHD", use_tensor_cores=tensor_cores,
+                                                   backend="fa2")
+        wrapper.plan(indptr, indices, last, hq, hkv, d, page, pos_encoding_mode="NONE", q_data_type=q.dtype,
+                     kv_data_type=kc.dtype, o_data_type=q.dtype)
+    except Exception as e:        # a shape it does not serve (its CUDA-core decode: GQA groups up to 8): the
+        err = e                   # runner records the peer's error for this case; the suite goes on
+
+        def refused():
+            raise err
+        return refused
     q3 = q.reshape(b, hq, d)
     scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
 
