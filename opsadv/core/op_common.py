@@ -108,6 +108,17 @@ def softmax_lse(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return e / total.masked_fill(total == 0, 1.0), (m + torch.log(total)).squeeze(-1)
 
 
+def probs_from_lse(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """A backward's probabilities exp(s - lse) for the given row normalizer lse (ring attention hands each chunk the
+    whole row's; rows of -inf lse give 0, NaN gives NaN); where lse is this call's own row logsumexp (to rounding),
+    the softmax from the row max instead, which stays exact where |lse| dwarfs log(n) (see softmax_lse)."""
+    soft, own = softmax_lse(s)
+    empty = torch.isneginf(lse)
+    p = torch.exp(s - lse.masked_fill(empty, 0.0)[..., None]).masked_fill(empty[..., None], 0.0)
+    same = torch.isfinite(lse) & ((own - lse).abs() <= 8 * torch.finfo(lse.dtype).eps * lse.abs().clamp_min(1.0))
+    return torch.where(same[..., None], soft, p)
+
+
 # ---- the weight gradient's layout (gemm and swiglu_gemm backward) ----------------------------------------------
 # b (K, N) is mostly an nn.Linear weight W (N, K) passed as W.t(): its gradient is wanted as W's layout, i.e. with
 # b's strides.  Computed as a2^T @ dz it is (K, N) row-major, and autograd's AccumulateGrad then copies it into W's

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from opsadv.core.op_common import softmax_lse
+from opsadv.core.op_common import probs_from_lse, softmax_lse
 
 from .chunking import chunked_attention_bwd, chunked_attention_fwd
 
@@ -47,7 +47,7 @@ def _bwd(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale):
     hkv = k.shape[1]
     g = hq // hkv
     s = _scores(q, k, attn_mask, causal, scale)
-    p = softmax_lse(s)[0]       # (not exp(s - lse): see softmax_lse)
+    p = probs_from_lse(s, _acc(lse).view(b, hkv, g, sq))
     do = _acc(dout).reshape(b, hkv, g, sq, d)
     dv = (p.transpose(-1, -2) @ do).sum(2)
     dp = do @ _acc(v).unsqueeze(2).transpose(-1, -2)

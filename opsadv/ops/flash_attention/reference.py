@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from opsadv.core.op_common import acc, acc_dtype, operand, softmax_lse, stats_dtype
+from opsadv.core.op_common import acc, acc_dtype, operand, probs_from_lse, softmax_lse, stats_dtype
 
 FEATURES = frozenset({"causal", "gqa", "cross_length", "attn_mask_bool", "attn_mask_float"})
 
@@ -48,7 +48,7 @@ def attention_fwd(ctx, q, k, v, attn_mask, causal, scale):
 def attention_bwd(ctx, dout, q, k, v, out, lse, attn_mask, causal, scale):
     rep = q.shape[1] // k.shape[1]
     s = _scores(q, k, attn_mask, causal, scale, ctx)
-    p = softmax_lse(s)[0]       # (not exp(s - lse): see softmax_lse)
+    p = probs_from_lse(s, acc(lse))
     do, vf, kf = acc(dout), acc(v).repeat_interleave(rep, dim=1), acc(k).repeat_interleave(rep, dim=1)
     dp = do @ vf.transpose(-1, -2)
     delta = (do * acc(out)).sum(-1, keepdim=True)
