@@ -24,7 +24,8 @@ CAUSAL = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_m
           "minimax", "lfm2", "qwen3_next", "jamba", "exaone4", "ernie4_5", "seed_oss", "hunyuan_v1_dense", "helium")
 ENCODERS = ("bert", "roberta", "distilbert", "albert", "deberta-v2", "electra", "modernbert", "mpnet", "big_bird",
             "roformer", "convbert", "squeezebert")
-SEQ2SEQ = ("bart", "t5", "mbart", "pegasus", "marian", "m2m_100", "blenderbot", "led", "umt5", "longt5")
+SEQ2SEQ = ("bart", "t5", "mbart", "pegasus", "marian", "m2m_100", "blenderbot", "led", "umt5", "longt5",
+           "nllb-moe")
 VISION = ("vit", "beit", "dinov2")
 
 DIMS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -234,3 +235,22 @@ def test_autocast_training_step(kind, model_type):
             continue
         ea, ec = (pa.grad - p0.grad).norm().item(), (pc.grad - p0.grad).norm().item()
         assert ec <= 2 * ea + 2 ** -8 * p0.grad.norm().item() + 1e-6, f"{model_type}: {name} {ec:.3g} vs {ea:.3g}"
+
+
+def test_eager_decoder_self_attention_made_causal_and_reverted():
+    """NLLB-MoE's decoder self-attention says is_causal=False (eager always materializes its causal mask): the
+    attention pass sets it True, says so in the report, and its undo puts the module's own False back."""
+    from opsadv.convert.hf_attention import attention_pass
+    from opsadv.convert.passes import Undo
+    from opsadv.convert.report import ConversionReport
+    from opsadv.convert.state import RuntimeState
+    model, _, _, _ = _build("seq2seq", "nllb-moe")
+    dec, enc = model.model.decoder.layers[0], model.model.encoder.layers[0]
+    assert dec.self_attn.is_causal is False
+    report, undo = ConversionReport(type(model).__name__, 2, "reference", "float32"), Undo()
+    assert attention_pass(model, report, undo, RuntimeState())
+    assert dec.self_attn.is_causal is True
+    assert dec.cross_attention.is_causal is False and enc.self_attn.is_causal is False
+    assert "is_causal False -> True" in str(report)
+    undo.revert()
+    assert dec.self_attn.is_causal is False and "is_causal" in vars(dec.self_attn)

@@ -615,7 +615,12 @@ def attention_pass(model, report, undo, state) -> bool:
         _set_attr(undo, m, "_opsadv_attn_before", impl)
         _set_attr(undo, m, "_opsadv_state", state)
     _own_configs(model, undo)
+    causal_fixed = _decoder_self_attention_causal(model, mods, undo)
     model.set_attn_implementation(NAME)
+    for path, m in causal_fixed:
+        report.add("replaced", path, f"{type(m).__name__} (decoder self-attention): is_causal False -> True",
+                   "its original 'eager' implementation always materializes the causal mask; opsadv's mask function "
+                   "skips a plain causal one (as sdpa's does) and the attention then reads is_causal")
     report.add("attention", "", f"{type(model).__name__}: attention implementation {before!r} -> 'opsadv' "
                f"(opsadv.flash_attention; generate(past_key_values=opsadv.PagedKVCache(model)): prefill and "
                f"decode -> paged_attention; causal + padded batches and padded encoders -> key-padding "
@@ -623,6 +628,22 @@ def attention_pass(model, report, undo, state) -> bool:
                f"which have no opsadv kernel, run the model's original attention "
                f"({_fallback_note(originals or [before])}))")
     return True
+
+
+def _decoder_self_attention_causal(model, mods, undo) -> list:
+    """Decoder self-attention modules of an encoder-decoder whose original implementation is eager and that say
+    is_causal=False (NLLB-MoE): causal only through eager's materialized mask.  Set to True (recorded for undo), as
+    the skipped causal mask leaves the attention with the module's flag; [(path, module)] of those changed."""
+    if not getattr(model.config, "is_encoder_decoder", False):
+        return []
+    fixed = []
+    for path, m in mods:
+        parts = path.split(".")
+        if (getattr(m, "_opsadv_attn_before", None) == "eager" and getattr(m, "is_causal", None) is False
+                and parts[-1] == "self_attn" and any("decoder" in p for p in parts[:-1])):
+            undo.swap(m, "is_causal", True)       # (revert sets the module's own False back)
+            fixed.append((path, m))
+    return fixed
 
 
 def _layer_window(m) -> int | None:
