@@ -144,7 +144,10 @@ def test_split_heuristic():
     assert PA.num_splits(64 * 8, 131072, 132) == 1        # b64 fills the GPU
     assert PA.num_splits(8, 1024, 132) == 4               # short contexts: slices of >= 256 keys
     assert PA.num_splits(8, 300, 132) == 1
-    assert PA.num_splits(16, 8192, 132) == 17
+    assert PA.num_splits(16, 8192, 132) == 16             # from 4096 keys on: slices of >= 512 keys
+    assert PA.num_splits(8, 8192, 132) == 16
+    assert PA.num_splits(8, 4095, 132) == 15
+    assert PA.num_splits(8, 8192, 132, {"min_split_keys": 256}) == 32
     assert PA.num_splits(8, 131072, 132, {"waves": 4, "max_splits": 48}) == 48       # a profile's tiles
 
 

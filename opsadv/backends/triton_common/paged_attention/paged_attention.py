@@ -26,7 +26,9 @@ from .. import interpreter_bf16_reasons, triton_device_types
 
 LOG2E = 1.4426950408889634
 CPU_SMS = 132                 # the SM count the split heuristic assumes where there is no GPU (an H100 SXM)
-MIN_SPLIT_KEYS = 256          # a split covers at least this many keys of the context bound
+MIN_SPLIT_KEYS = 256          # a split covers at least this many keys of the context bound,
+MIN_SPLIT_KEYS_LONG = 512     # and this many from LONG_CONTEXT keys on: H100, CUDA-graph replay, b1 GQA 32/8: ctx8k
+LONG_CONTEXT = 4096           # 16 splits 47 us vs 32 splits 57 us; ctx1k 4 splits of 256 keys 21 us vs 2 splits 26 us
 MAX_SPLITS = 64
 WAVES = 2
 SPLITS_OVERRIDE: int | None = None      # tests: force this many splits (1: none)
@@ -49,16 +51,17 @@ def _pow2(n: int) -> int:
 def num_splits(programs: int, context: int, sms: int, tiles=None) -> int:
     """KV splits for a grid of `programs` (sequences x kv heads x query blocks) over contexts of at most `context`
     keys on a GPU of `sms` SMs: 1 where the grid fills WAVES waves or the context is short; else as many as
-    bring it to WAVES waves, each split keeping >= MIN_SPLIT_KEYS keys, at most MAX_SPLITS.  tiles: the profile's
-    tiles["paged_attention"] may set "waves", "min_split_keys" and "max_splits" (no profile does yet: the
-    defaults are unmeasured)."""
+    bring it to WAVES waves, each split keeping >= MIN_SPLIT_KEYS keys (MIN_SPLIT_KEYS_LONG from LONG_CONTEXT on),
+    at most MAX_SPLITS.  tiles: the profile's tiles["paged_attention"] may set "waves", "min_split_keys" and
+    "max_splits" (no profile does yet; the defaults were probed on an H100 only)."""
     if SPLITS_OVERRIDE is not None:
         return max(1, SPLITS_OVERRIDE)
     t = tiles or {}
     target = t.get("waves", WAVES) * sms
     if programs >= target:
         return 1
-    return max(1, min(-(-target // programs), context // t.get("min_split_keys", MIN_SPLIT_KEYS),
+    min_keys = MIN_SPLIT_KEYS_LONG if context >= LONG_CONTEXT else MIN_SPLIT_KEYS
+    return max(1, min(-(-target // programs), context // t.get("min_split_keys", min_keys),
                       t.get("max_splits", MAX_SPLITS)))
 
 
