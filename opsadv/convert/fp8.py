@@ -108,8 +108,8 @@ class AmaxHistory:
         # made outside any compiled graph: a history created inside one and mutated by its backward breaks
         # AOTAutograd's partition
         buf = new_amax_history(self.length, device)
-        # a fixed address, as a module buffer has: CUDA graphs (mode="reduce-overhead") keep a step whose casts
-        # mutate it in place instead of skipping the graph for a mutated input
+        # a fixed address, as a module buffer has, so that CUDA graphs (mode="reduce-overhead") may take the casts'
+        # in-place updates as a static input's rather than skip the graph for a mutated input
         torch._dynamo.mark_static_address(buf)
         self.buf = buf
         return buf
