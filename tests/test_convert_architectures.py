@@ -254,3 +254,37 @@ def test_eager_decoder_self_attention_made_causal_and_reverted():
     assert "is_causal False -> True" in str(report)
     undo.revert()
     assert dec.self_attn.is_causal is False and "is_causal" in vars(dec.self_attn)
+
+
+def test_whisper_speech_encoder_decoder():
+    """Whisper (audio features in, AutoModelForSpeechSeq2Seq): outputs on real decoder tokens, the training loss and
+    every gradient as the original's, and greedy generate's tokens."""
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+    torch.manual_seed(0)
+    cfg = WhisperConfig(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                        decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=128,
+                        num_mel_bins=16, max_source_positions=32, max_target_positions=64, pad_token_id=0,
+                        decoder_start_token_id=1, eos_token_id=2, bos_token_id=1, dropout=0.0, attention_dropout=0.0,
+                        activation_dropout=0.0)
+    model = WhisperForConditionalGeneration(cfg).eval()
+    g = torch.Generator().manual_seed(1)
+    feats = torch.randn(2, 16, 64, generator=g)
+    dec = torch.randint(3, 128, (2, 9), generator=g)
+    dmask = torch.ones_like(dec)
+    dmask[1, 6:] = 0
+    x = dict(input_features=feats, decoder_input_ids=dec, decoder_attention_mask=dmask)
+    conv = opsadv.convert_model(copy.deepcopy(model), floor=False, backend="reference", example_inputs=x)
+    rep = str(conv.opsadv_report)
+    assert conv.opsadv_report.status == "converted", rep
+    assert "bias on some only (q_proj with bias, k_proj without, v_proj with bias)" in rep      # says which
+    real = dmask.bool()
+    with torch.no_grad():
+        assert _rel(conv(**x).logits[real], model(**x).logits[real]) < 1e-5
+    loss0, loss1 = train_step_losses(model, conv, x, {"labels": dec})
+    assert abs(loss1 - loss0) <= 1e-5 * abs(loss0)
+    assert_same_grads(model, conv, "whisper", both_ways=True)
+    model.eval()
+    conv.eval()
+    with torch.no_grad():
+        want = model.generate(input_features=feats, max_new_tokens=8, do_sample=False)
+        assert torch.equal(conv.generate(input_features=feats, max_new_tokens=8, do_sample=False), want)

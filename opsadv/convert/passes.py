@@ -400,6 +400,19 @@ def _adapter_wrapped(m) -> bool:
     return isinstance(getattr(m, "base_layer", None), nn.Linear)
 
 
+def _qkv_mismatch(names, lins) -> str | None:
+    """Why three projections cannot be one GEMM over their stacked weights (None if they can)."""
+    def listed(f):
+        return ", ".join(f"{n} {f(x)}" for n, x in zip(names, lins))
+    if len({x.in_features for x in lins}) != 1:
+        return f"different input widths ({listed(lambda x: x.in_features)})"
+    if len({x.bias is None for x in lins}) != 1:
+        return f"bias on some only ({listed(lambda x: 'with bias' if x.bias is not None else 'without')})"
+    if len({(x.weight.dtype, x.weight.device) for x in lins}) != 1:
+        return f"different weight dtypes or devices ({listed(lambda x: f'{x.weight.dtype} on {x.weight.device}')})"
+    return None
+
+
 def qkv_pass(model, report, undo: Undo, state, mem_opt: int | None = None) -> None:
     for path, m in list(model.named_modules()):
         for names in (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("q", "k", "v")):
@@ -425,9 +438,9 @@ def qkv_pass(model, report, undo: Undo, state, mem_opt: int | None = None) -> No
                            "buffer while q and k are rotated and attended: more peak memory)")
                 continue
             q, k, v = lins
-            if len({x.in_features for x in lins}) != 1 or len({x.bias is None for x in lins}) != 1 \
-                    or len({(x.weight.dtype, x.weight.device) for x in lins}) != 1:
-                report.add("skipped", path, "q/k/v projections", "different inputs, dtypes or bias settings")
+            why = _qkv_mismatch(names, lins)
+            if why is not None:
+                report.add("skipped", path, "q/k/v projections", why)
                 continue
             why = _tp_qkv_why_not(lins)
             if why is not None:
