@@ -97,26 +97,34 @@ def contiguous_lse(lse: torch.Tensor) -> torch.Tensor:
     return lse if lse.is_contiguous() else lse.contiguous()
 
 
+def _row_exp(s: torch.Tensor):
+    """(row max as given, row max with -inf rows at 0, exp(s - max), its row sum): one score-sized temporary."""
+    top = s.amax(-1, keepdim=True)
+    m = top.masked_fill(torch.isneginf(top), 0.0)
+    e = torch.exp(s - m)
+    return top, m, e, e.sum(-1, keepdim=True)
+
+
 def softmax_lse(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Row softmax and logsumexp of scores s over the last dim, from the row max: exp(s - lse) drops the row's
     log(n) where |lse| dwarfs it (a row masked with finfo.min, transformers' additive padding mask, then sums to n,
     not 1).  A row of -inf only gives p 0 and lse -inf; a +inf or NaN score gives NaN (the NaN / Inf policy)."""
-    m = s.amax(-1, keepdim=True)
-    m = m.masked_fill(torch.isneginf(m), 0.0)
-    e = torch.exp(s - m)
-    total = e.sum(-1, keepdim=True)
-    return e / total.masked_fill(total == 0, 1.0), (m + torch.log(total)).squeeze(-1)
+    _, m, e, total = _row_exp(s)
+    return e.div_(total.masked_fill(total == 0, 1.0)), (m + torch.log(total)).squeeze(-1)
 
 
 def probs_from_lse(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """A backward's probabilities exp(s - lse) for the given row normalizer lse (ring attention hands each chunk the
-    whole row's; rows of -inf lse give 0, NaN gives NaN); where lse is this call's own row logsumexp (to rounding),
-    the softmax from the row max instead, which stays exact where |lse| dwarfs log(n) (see softmax_lse)."""
-    soft, own = softmax_lse(s)
-    empty = torch.isneginf(lse)
-    p = torch.exp(s - lse.masked_fill(empty, 0.0)[..., None]).masked_fill(empty[..., None], 0.0)
+    whole row's; rows of -inf lse give 0, NaN gives NaN), as exp(s - max) times a per-row factor: exp(max - lse),
+    or 1 / the row sum where lse is this call's own row logsumexp (to rounding), which stays exact where |lse|
+    dwarfs log(n) (see softmax_lse)."""
+    top, m, e, total = _row_exp(s)
+    lse = lse[..., None]
+    own = m + torch.log(total)
     same = torch.isfinite(lse) & ((own - lse).abs() <= 8 * torch.finfo(lse.dtype).eps * lse.abs().clamp_min(1.0))
-    return torch.where(same[..., None], soft, p)
+    gone = torch.isneginf(lse) | torch.isneginf(top)          # no key in the row (here, or in the whole row)
+    factor = torch.where(same, 1.0 / total.masked_fill(total == 0, 1.0), torch.exp(m - lse.masked_fill(gone, 0.0)))
+    return e.mul_(factor.masked_fill(gone, 0.0))
 
 
 # ---- the weight gradient's layout (gemm and swiglu_gemm backward) ----------------------------------------------
