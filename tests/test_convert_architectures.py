@@ -25,7 +25,7 @@ CAUSAL = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_m
 ENCODERS = ("bert", "roberta", "distilbert", "albert", "deberta-v2", "electra", "modernbert", "mpnet", "big_bird",
             "roformer", "convbert", "squeezebert")
 SEQ2SEQ = ("bart", "t5", "mbart", "pegasus", "marian", "m2m_100", "blenderbot", "led", "umt5", "longt5",
-           "nllb-moe")
+           "nllb-moe", "bigbird_pegasus")
 VISION = ("vit", "beit", "dinov2")
 
 DIMS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -254,6 +254,25 @@ def test_eager_decoder_self_attention_made_causal_and_reverted():
     assert "is_causal False -> True" in str(report)
     undo.revert()
     assert dec.self_attn.is_causal is False and "is_causal" in vars(dec.self_attn)
+
+
+def test_eager_coded_encoder_keeps_its_mask_form():
+    """BigBird-Pegasus' encoder computes attention in its own forward (adding the mask to its scores) but builds
+    its mask with masking_utils, which reads the config: the encoder gets a private config that keeps 'eager'
+    (an additive float mask), the decoder runs opsadv, the report names the encoder, and undo restores it."""
+    from opsadv.convert.hf_attention import attention_pass
+    from opsadv.convert.passes import Undo
+    from opsadv.convert.report import ConversionReport
+    from opsadv.convert.state import RuntimeState
+    model, _, _, _ = _build("seq2seq", "bigbird_pegasus")
+    enc, dec, shared = model.model.encoder, model.model.decoder, model.model.encoder.config
+    report, undo = ConversionReport(type(model).__name__, 2, "reference", "float32"), Undo()
+    assert attention_pass(model, report, undo, RuntimeState())
+    assert enc.config is not shared and enc.config._attn_implementation == "eager"
+    assert dec.config._attn_implementation == "opsadv"
+    assert "BigBirdPegasusEncoder attention [model.encoder]" in str(report) and "'eager' form" in str(report)
+    undo.revert()
+    assert enc.config is shared
 
 
 def test_whisper_speech_encoder_decoder():

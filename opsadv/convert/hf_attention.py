@@ -617,6 +617,10 @@ def attention_pass(model, report, undo, state) -> bool:
     _own_configs(model, undo)
     causal_fixed = _decoder_self_attention_causal(model, mods, undo)
     model.set_attn_implementation(NAME)
+    for path, m, impl in _keep_eager_masks(model, mods, undo):
+        report.add("skipped", path, f"{type(m).__name__} attention",
+                   f"its attention is coded in its own forward, not transformers' AttentionInterface; the masks it "
+                   f"builds keep the {impl!r} form that code adds to its scores")
     for path, m in causal_fixed:
         report.add("replaced", path, f"{type(m).__name__} (decoder self-attention): is_causal False -> True",
                    "its original 'eager' implementation always materializes the causal mask; opsadv's mask function "
@@ -628,6 +632,40 @@ def attention_pass(model, report, undo, state) -> bool:
                f"which have no opsadv kernel, run the model's original attention "
                f"({_fallback_note(originals or [before])}))")
     return True
+
+
+def _mask_builders() -> frozenset:
+    from transformers import masking_utils as mu
+    return frozenset(n for n in dir(mu) if n.startswith("create_") and "mask" in n)
+
+
+def _keep_eager_masks(model, mods, undo) -> list:
+    """Stacks that build their masks with masking_utils (which reads config._attn_implementation) but have no
+    module calling the AttentionInterface below them (BigBird-Pegasus' encoder: eager-coded self-attention that
+    adds the mask to its scores) get a private config with their original implementation, so the mask keeps the
+    form their code expects (an additive float mask for eager, not opsadv's bool one).  [(path, module, impl)]."""
+    from transformers import PretrainedConfig
+    builders = _mask_builders()
+    served = {id(m) for _, m in mods}
+    kept = []
+    for path, m in model.named_modules():
+        cfg = vars(m).get("config")
+        fwd = getattr(type(m), "forward", None)
+        code = getattr(inspect.unwrap(fwd), "__code__", None) if fwd is not None else None
+        if (not isinstance(cfg, PretrainedConfig) or code is None or builders.isdisjoint(code.co_names)
+                or any(id(sub) in served for sub in m.modules())):
+            continue
+        impl = getattr(m, "_opsadv_attn_before", None) or _original_impl(model)
+        own = copy.deepcopy(cfg)
+        own._attn_implementation = impl
+        undo.swap(m, "config", own)
+        kept.append((path, m, impl))
+    return kept
+
+
+def _original_impl(model) -> str:
+    return next((getattr(m, "_opsadv_attn_before") for m in model.modules() if hasattr(m, "_opsadv_attn_before")),
+                "eager")
 
 
 def _decoder_self_attention_causal(model, mods, undo) -> list:
