@@ -65,6 +65,19 @@ def _audio_frames(cfg) -> int:
     return 2 * int(src) if src else 3000
 
 
+_MEDIA = ("image", "video", "audio", "vision", "boi", "eoi", "boa", "eoa", "media")
+
+
+def _media_tokens(cfg) -> set[int]:
+    """The placeholder / delimiter token ids of a multimodal config (image_token_id, video_token_index, ...)."""
+    out = set()
+    for k, v in cfg.to_dict().items() if hasattr(cfg, "to_dict") else ():
+        if (isinstance(v, int) and not isinstance(v, bool) and v >= 0 and any(m in k for m in _MEDIA)
+                and (k.endswith("token_id") or k.endswith("token_index"))):
+            out.add(v)
+    return out
+
+
 def hf_validation_inputs(model, batch: int = 2, seq: int = 24, seed: int = 0) -> dict[str, torch.Tensor]:
     """Inputs generated from a transformers model's config, by what its forward takes (`main_input_name`):
     token ids (real vocabulary range) with a right-padded last row; `pixel_values` (vision: channels x
@@ -72,16 +85,20 @@ def hf_validation_inputs(model, batch: int = 2, seq: int = 24, seed: int = 0) ->
     also `decoder_input_ids` (starting with the decoder start token; another length than the encoder's).
     Any other input kind raises InvalidArgumentError naming what to pass as `example_inputs`."""
     cfg = model.config
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg    # (a multimodal model's LM config)
     main = getattr(model, "main_input_name", "input_ids")
     dev = next(model.parameters()).device
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     gen = torch.Generator().manual_seed(seed)
-    vocab = int(getattr(cfg, "vocab_size", None) or 1000)
-    maxpos = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or seq
+    vocab = int(getattr(cfg, "vocab_size", None) or getattr(text, "vocab_size", None) or 1000)
+    maxpos = (getattr(cfg, "max_position_embeddings", None) or getattr(text, "max_position_embeddings", None)
+              or getattr(cfg, "n_positions", None) or seq)
     seq = max(2, min(seq, int(maxpos)))
     out: dict[str, torch.Tensor] = {}
     if main == "input_ids":
         ids = torch.randint(0, vocab, (batch, seq), generator=gen)
+        for tok in _media_tokens(cfg):               # text only: a media placeholder token asks for its media input
+            ids[ids == tok] = (tok + 1) % vocab if (tok + 1) % vocab not in _media_tokens(cfg) else 0
         am = torch.ones(batch, seq, dtype=torch.long)
         if batch > 1:
             am[-1, seq - seq // 3:] = 0               # right padding on the last row
