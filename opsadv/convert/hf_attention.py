@@ -537,17 +537,21 @@ def is_transformers_model(model) -> bool:
 _PROJ_ATTRS = ("q_proj", "query", "c_attn", "qkv_proj", "query_key_value", "Wqkv", "q")
 
 
+def _forward_code(m):
+    """The code object of m's class forward under its decorators, or None."""
+    fwd = getattr(type(m), "forward", None)
+    if fwd is None:
+        return None
+    try:
+        return getattr(inspect.unwrap(fwd), "__code__", None)
+    except ValueError:
+        return None
+
+
 def _calls_attention_interface(m) -> bool:
     """m's class forward looks up transformers' AttentionInterface (ALL_ATTENTION_FUNCTIONS), as every attention
     class of the interface does (T5Attention, GPTNeoXAttention, LlamaAttention, ...)."""
-    fwd = getattr(type(m), "forward", None)
-    if fwd is None:
-        return False
-    try:
-        fwd = inspect.unwrap(fwd)
-    except ValueError:
-        return False
-    code = getattr(fwd, "__code__", None)
+    code = _forward_code(m)
     return code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names
 
 
@@ -650,8 +654,7 @@ def _keep_eager_masks(model, mods, undo) -> list:
     kept = []
     for path, m in model.named_modules():
         cfg = vars(m).get("config")
-        fwd = getattr(type(m), "forward", None)
-        code = getattr(inspect.unwrap(fwd), "__code__", None) if fwd is not None else None
+        code = _forward_code(m)
         if (not isinstance(cfg, PretrainedConfig) or code is None or builders.isdisjoint(code.co_names)
                 or any(id(sub) in served for sub in m.modules())):
             continue
