@@ -307,3 +307,44 @@ def test_whisper_speech_encoder_decoder():
     with torch.no_grad():
         want = model.generate(input_features=feats, max_new_tokens=8, do_sample=False)
         assert torch.equal(conv.generate(input_features=feats, max_new_tokens=8, do_sample=False), want)
+
+
+ENCODER_HEADS = [("bert", "qa"), ("roberta", "qa"), ("distilbert", "qa"), ("bert", "token"), ("electra", "token")]
+
+
+@pytest.mark.parametrize("model_type,head", ENCODER_HEADS, ids=[f"{t}-{h}" for t, h in ENCODER_HEADS])
+def test_encoder_heads_on_a_padded_batch(model_type, head):
+    """Question answering reads every position (transformers' span loss is a softmax over the whole sequence, padded
+    positions included): its encoder is not packed, and its logits at every position, the loss and every gradient
+    are the original's.  Token classification reads real positions only (labels -100 on padding): packed."""
+    from transformers import AutoModelForQuestionAnswering, AutoModelForTokenClassification
+    torch.manual_seed(0)
+    cfg = _config(model_type)
+    cfg.num_labels = 2 if head == "qa" else 3          # (a span head: start and end)
+    cls = AutoModelForQuestionAnswering if head == "qa" else AutoModelForTokenClassification
+    model = cls.from_config(cfg).eval()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 128, (3, 19), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 12:] = 0
+    mask[2, 4:] = 0
+    x = {"input_ids": ids, "attention_mask": mask}
+    if head == "qa":
+        labels = {"start_positions": torch.tensor([1, 2, 3]), "end_positions": torch.tensor([4, 5, 3])}
+    else:
+        labels = {"labels": torch.randint(0, 3, (3, 19), generator=g).masked_fill(mask == 0, -100)}
+    key = "start_logits" if head == "qa" else "logits"
+    with torch.no_grad():
+        want = getattr(model(**x), key)
+    conv = opsadv.convert_model(copy.deepcopy(model), floor=False, backend="reference", example_inputs=x)
+    rep = conv.opsadv_report
+    assert rep.status == "converted", str(rep)
+    packed = any(c.kind == "packed" for c in rep.changes)
+    assert packed == (head == "token"), str(rep)
+    with torch.no_grad():
+        got = getattr(conv(**x), key)
+    keep = mask.bool() if head == "token" else torch.ones_like(mask, dtype=torch.bool)
+    assert _rel(got[keep], want[keep]) < 1e-5, str(rep)
+    loss0, loss1 = train_step_losses(model, conv, x, labels)
+    assert abs(loss1 - loss0) <= 1e-5 * abs(loss0), (loss0, loss1)
+    assert_same_grads(model, conv, f"{model_type} {head}", both_ways=True)

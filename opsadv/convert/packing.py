@@ -2,7 +2,8 @@
 (1, N, hidden) packed rows instead of (b, s, hidden), so every GEMM, norm and the attention
 (varlen sparse_attention, one segment per sequence) skip the padding; the result is scattered
 back to (b, s, hidden) with zeros at padded positions (transformers leaves unspecified values
-there; no consumer reads them).
+there that heads do not read, except a question-answering head's span softmax over every position:
+such models are not packed).
 
 The encoder module keeps its class and parameters (state_dict unchanged): its instance gets a
 forward wrapper (undone by `Undo.revert`).  Found by structure: a child ModuleList `layer` /
@@ -147,6 +148,9 @@ def candidate(model: nn.Module, encoder: nn.Module) -> str | None:
     cfg = getattr(model, "config", None)
     if cfg is None or getattr(cfg, "is_decoder", False) or getattr(cfg, "is_encoder_decoder", False):
         return "not an encoder-only model"
+    if type(model).__name__.endswith("ForQuestionAnswering") or hasattr(model, "qa_outputs"):
+        return ("its question-answering head reads every position: transformers' span loss takes a softmax over the "
+                "whole sequence, padded positions included, so their outputs must stay the original's")
     if getattr(cfg, "_attn_implementation", None) != "opsadv":
         return "attention does not go through the opsadv attention function"
     pe = getattr(cfg, "position_embedding_type", "absolute")
