@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import opsadv
+from opsadv.core.errors import InvalidArgumentError
 
 transformers = pytest.importorskip("transformers")
 from transformers import AutoConfig, AutoModelForImageTextToText  # noqa: E402
@@ -137,3 +138,23 @@ def test_vision_text_encoders(name):
     for m in (model, conv):
         getattr(m(**x), key).square().sum().backward()
     assert_same_grads(model, conv, name, both_ways=True)
+
+
+@pytest.mark.parametrize("model_type", list(VLMS))
+def test_vision_language_generate_over_paged_cache(model_type):
+    """Greedy generate with an image over opsadv.PagedKVCache: the language model's layers take the cache (the vision
+    tower's attention never sees it), the tokens are the original model's; Gemma-3's sliding-window layers are
+    refused with the reason."""
+    model, x, _ = _vlm(model_type)
+    conv = opsadv.convert_model(copy.deepcopy(model), floor=False, backend="reference", example_inputs=x)
+    if model_type == "gemma3":
+        with pytest.raises(InvalidArgumentError, match="sliding window"):
+            opsadv.PagedKVCache(conv)
+        return
+    with torch.no_grad():
+        want = model.generate(**x, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        with opsadv.trace() as t:
+            got = conv.generate(**x, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                                past_key_values=opsadv.PagedKVCache(conv))
+    assert torch.equal(got, want)
+    assert t.counts.get("reference.paged_attention", 0) > 0, t.counts

@@ -767,6 +767,17 @@ class PagedKVCache(Cache):
 
 
 # ---- what the cache serves ---------------------------------------------------------------------------------------
+def _language_model(model):
+    """The module whose layers take the cache: transformers' get_decoder() (a vision-language model's language
+    model; its vision tower's attention never sees the cache), else the model."""
+    get = getattr(model, "get_decoder", None)
+    try:
+        dec = get() if callable(get) else None
+    except Exception:  # noqa: BLE001 - a model without one (the whole model then)
+        dec = None
+    return dec if isinstance(dec, torch.nn.Module) else model
+
+
 def _attention_layers(model) -> list:
     """The model's attention modules by layer_idx (0..L-1, each once), all running opsadv's attention; raises with
     the reason for a model the paged cache cannot serve exactly."""
@@ -777,7 +788,7 @@ def _attention_layers(model) -> list:
     if getattr(cfg, "is_encoder_decoder", False):
         raise InvalidArgumentError(NAME, "model", "a decoder-only model (encoder-decoder caches are not supported)",
                                    type(model).__name__)
-    mods = [m for _, m in H.attention_modules(model)]
+    mods = [m for _, m in H.attention_modules(_language_model(model))]
     if not mods:
         raise InvalidArgumentError(NAME, "model", "a model with transformers attention layers", type(model).__name__)
     by_layer = {}
