@@ -41,7 +41,7 @@ from opsadv.ops.sparse_attention.layout import SparseLayout, capturing
 
 from .masks import MaskForm, causal_mask_of, form_of, key_padding_of
 from .modules import _exporting
-from .packing import pack_of
+from .packing import Pack, pack_of, packed_mask
 from .state import scope_of
 
 NAME = "opsadv"
@@ -467,6 +467,42 @@ def _sliding_window_of(fn) -> int | None:
     return w if isinstance(w, int) and not isinstance(w, bool) and w >= 1 else None
 
 
+def _packed_sequences(mu, fn, kwargs) -> tuple[list[int], int | None] | None:
+    """(sequence lengths, window's left reach or None) of a padding-free packed batch (one row of several sequences,
+    each with its own position ids: transformers' DataCollatorWithFlattening, TRL's padding_free), when `fn` is
+    create_causal_mask's (or create_sliding_window_causal_mask's) exact form for it:
+    and_masks(remap_positions_for_packed_sequence(causal_mask_function or sliding_window_causal_mask_function(w),
+    position_ids), packed_sequence_mask_function(sequence ids)); else None (transformers' mask serves).  Within a
+    sequence the positions step by 1, so causal (and a window) by position is causal by index: a causal varlen
+    layout computes that mask.  Eager only (the lengths are a host read, as transformers' own packing check is)."""
+    need = ("and_masks", "remap_positions_for_packed_sequence", "packed_sequence_mask_function", "causal_mask_function")
+    if fn is None or not all(hasattr(mu, n) for n in need) or torch.compiler.is_compiling():
+        return None
+    b, q_len, kv_len = kwargs.get("batch_size"), kwargs.get("q_length"), kwargs.get("kv_length")
+    if (b != 1 or not isinstance(q_len, int) or q_len != kv_len or kwargs.get("attention_mask") is not None
+            or kwargs.get("q_offset", 0) != 0 or kwargs.get("kv_offset", 0) != 0):
+        return None
+    cells = _cells(fn, mu.and_masks(mu.causal_mask_function).__code__)
+    fns = None if cells is None else cells.get("mask_functions")
+    if not isinstance(fns, tuple) or len(fns) != 2:
+        return None
+    remap = _cells(fns[0], mu.remap_positions_for_packed_sequence(mu.causal_mask_function, None).__code__)
+    same = _cells(fns[1], mu.packed_sequence_mask_function(None).__code__)
+    if remap is None or same is None:
+        return None
+    inner, left = remap.get("mask_function"), None
+    if inner is not mu.causal_mask_function:
+        w = _sliding_window_of(inner) if inner is not None else None
+        if w is None or kwargs.get("local_size") not in (None, w):
+            return None
+        left = w - 1
+    ids = same.get("packed_sequence_mask")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or tuple(ids.shape) != (1, q_len) \
+            or _values_unreadable(ids) or capturing(ids):
+        return None
+    return torch.unique_consecutive(ids[0], return_counts=True)[1].tolist(), left
+
+
 def _cells(fn, code) -> dict | None:
     """The closure variables of `fn` when it is a closure of `code`."""
     if getattr(fn, "__code__", None) is not code or getattr(fn, "__closure__", None) is None:
@@ -480,6 +516,14 @@ def opsadv_mask(*args, **kwargs):
     docstring.  Takes whatever arguments this transformers version passes and forwards them unchanged."""
     from transformers import masking_utils as mu
     fn = kwargs.get("mask_function")
+    packed = None if args else _packed_sequences(mu, fn, kwargs)
+    if packed is not None:
+        m = mu.sdpa_mask(*args, **kwargs)         # the values, for any other reader (fallbacks)
+        if isinstance(m, torch.Tensor):
+            seqlens, left = packed
+            lay = SparseLayout.varlen(seqlens, causal=True, window=left, block_size=BLOCK, device=m.device)
+            m = packed_mask(Pack(None, None, lay, 1, sum(seqlens)), m)
+        return m
     if not args and fn is getattr(mu, "causal_mask_function", None):
         m = _causal_form(mu, kwargs)
         if m is not NotImplemented:
