@@ -313,6 +313,8 @@ def test_models_suite_quick_cases_construct():
     assert "train bf16 b4 s2048 padded llama3 1.5b" in {c.name for c in full}
     assert "decode bf16 b1 new128 static mistral 0.5b" in {c.name for c in full}
     assert "prefill bf16 b8 s2048 qwen2 0.5b compiled" in {c.name for c in full}
+    packed = [c.name for c in full if c.packed]                     # one per causal architecture and size
+    assert "train bf16 b1 s8192 packed llama3 0.5b" in packed and not any(n.endswith("compiled") for n in packed)
     pad = next(c for c in full if c.name == "train bf16 b4 s2048 padded llama3 1.5b")
     assert pad.pad_tokens == 300
     fp8 = [c.name for c in full if c.dtype == "fp8"]               # convert_model(precision="fp8"), GPU only
@@ -555,3 +557,17 @@ def test_compiled_converted_training_step_is_one_graph(arch, backend, ambient):
     # one backward per op call, but linear_cross_entropy's: its forward computes the gradients (mean reduction)
     fwd = sum(n for impl, n in tf.counts.items() if "linear_cross_entropy" not in impl)
     assert sum(tb.counts.values()) == fwd, (tf.counts, tb.counts)
+
+
+def test_packed_inputs():
+    """The packed cell's batch: one row of `total` tokens, sequences of total/32..total/4 tokens whose position ids
+    restart at 0, labels -100 exactly there, no cache."""
+    cfg = Z.make_config("llama3", "tiny")
+    x = Z.packed_inputs(cfg, 8192, labels=True)
+    pos = x["position_ids"][0]
+    starts = torch.nonzero(pos == 0).flatten().tolist() + [8192]
+    lens = [b - a for a, b in zip(starts, starts[1:])]
+    assert x["input_ids"].shape == (1, 8192) and x["use_cache"] is False and sum(lens) == 8192
+    assert all(256 <= n <= 2048 for n in lens[:-1]) and 1 <= lens[-1] <= 2048
+    assert torch.equal(pos, torch.cat([torch.arange(n) for n in lens]))
+    assert torch.equal(x["labels"][0] == -100, pos == 0)

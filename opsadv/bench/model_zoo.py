@@ -325,6 +325,28 @@ def causal_inputs(cfg, batch: int, seq: int, *, pad_tokens: int = 0, labels: boo
     return {k: t.to(device) for k, t in out.items()}
 
 
+def packed_inputs(cfg, total: int, *, labels: bool = False, device="cpu", seed: int = 0) -> dict:
+    """A padding-free packed batch (DataCollatorWithFlattening's form): one row of `total` tokens holding sequences
+    of lengths drawn uniformly from [total / 32, total / 4] (the last one cut to fit), position ids restarting at
+    each sequence, labels -100 on each sequence's first token, use_cache=False (transformers detects the packing
+    only without a cache)."""
+    g = _generator(seed)
+    lo, hi = max(1, total // 32), max(1, total // 4)
+    lens: list[int] = []
+    while sum(lens) < total:
+        lens.append(min(int(torch.randint(lo, hi + 1, (1,), generator=g)), total - sum(lens)))
+    ids = torch.randint(0, vocab_size(cfg), (1, total), generator=g)
+    pos = torch.cat([torch.arange(n) for n in lens])[None]
+    out = {"input_ids": ids, "position_ids": pos}
+    if labels:
+        lab = ids.clone()
+        lab[pos == 0] = -100
+        out["labels"] = lab
+    out = {k: t.to(device) for k, t in out.items()}
+    out["use_cache"] = False
+    return out
+
+
 def encoder_inputs(cfg, batch: int, seq: int, *, pad_fraction: float = 0.3, labels: bool = False, device="cpu",
                    seed: int = 0) -> dict[str, torch.Tensor]:
     """Token ids + attention_mask with ~pad_fraction right padding; labels: one class per row."""
@@ -388,7 +410,7 @@ def inputs(name: str, cfg, batch: int, seq: int, *, padded: bool = False, labels
 
 
 __all__ = ["ModelSpec", "ZOO", "SIZES", "KINDS", "spec", "make_config", "build", "inputs", "n_params", "grad_errors",
-           "without_labels", "causal_inputs", "encoder_inputs", "vision_inputs", "seq2seq_inputs", "padded_lengths"]
+           "without_labels", "causal_inputs", "packed_inputs", "encoder_inputs", "vision_inputs", "seq2seq_inputs", "padded_lengths"]
 
 
 def grad_errors(ref_model, model, floor: float = 1e-3) -> dict[str, Any]:

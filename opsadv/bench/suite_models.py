@@ -26,6 +26,9 @@ modes of its kind (labels in `mode`, the heatmap's columns):
                           difference) with the unconverted model's and the baseline's
   train / train padded    forward + backward + AdamW step (lr 1e-6: parameters stay put), causal LMs b4
                           s2048, padded = the last row right-padded by 300 tokens (labels -100 there);
+                          causal LMs also "train packed": the same 8192 tokens as one padding-free row of
+                          sequences of 256-2048 tokens with their own position ids (DataCollatorWithFlattening's
+                          form, model_zoo.packed_inputs; not compiled: our varlen path reads the lengths);
                           encoders b32 s512 sequence classification (padded ~30%); ViT b32; T5 b8 s512/128
 and each again " compiled": compiled converted vs compiled unconverted.  FP8 cells, GPU only (convert_model(precision=
 "fp8"), issue 42): "prefill fp8 b8 s2048 llama3 1.5b" and "train fp8 b4 s2048 llama3 1.5b", Llama-3.2-1B's
@@ -145,6 +148,7 @@ class Cell:
     batch: int
     seq: int                  # sequence (causal / encoder / T5 encoder), prompt for decode, image side for ViT
     padded: bool = False
+    packed: bool = False      # train: one padding-free row of sequences (model_zoo.packed_inputs), batch x seq tokens
     cache: str | None = None  # decode: "dynamic" | "static" | "paged" (opsadv.PagedKVCache vs static-compiled)
     dec_seq: int | None = None
     new_tokens: int = 0
@@ -164,7 +168,7 @@ class Cell:
         elif self.family == "decode":
             m = f"decode b{self.batch} {self.cache}"
         else:
-            m = "train padded" if self.padded else "train"
+            m = "train padded" if self.padded else "train packed" if self.packed else "train"
         return m + (" fp8" if self.dtype == "fp8" else "") + (" compiled" if self.compiled else "")
 
     @property
@@ -176,7 +180,7 @@ class Cell:
             shape = f"b{self.batch} img{self.seq}" if k == "vision" else f"b{self.batch} s{self.seq}"
             if k == "seq2seq":
                 shape += f" dec{self.dec_seq}"
-            head = f"{self.family} {dt} {shape}" + (" padded" if self.padded else "")
+            head = f"{self.family} {dt} {shape}" + (" padded" if self.padded else " packed" if self.packed else "")
         return f"{head} {self.arch} {self.size}" + (" compiled" if self.compiled else "")
 
 
@@ -224,6 +228,9 @@ def cells(quick: bool, dtype: str = "bf16") -> list[Cell]:
                     b, s, d = q["s2s"] if q else S2S
                     base.append(Cell(family="train", batch=b, seq=s, dec_seq=d, padded=padded, **kw))
             out += base
+            if e.kind == "causal" and (not q or arch in q["compiled_archs"]):
+                b, s = q["train"] if q else TRAIN      # the same tokens as the train cell, packed (not compiled:
+                out.append(Cell(family="train", batch=1, seq=b * s, packed=True, **kw))   # a host read)
             if arch == PAGED_ARCH and size == (q["paged_size"] if q else PAGED_SIZE):
                 p, n = (q["prompt"], q["new_tokens"]) if q else (PAGED_PROMPT, PAGED_NEW)
                 out += [Cell(family="decode", batch=b, seq=p, cache="paged", new_tokens=n, **kw)
@@ -252,6 +259,8 @@ def cell_inputs(cell: Cell, cfg, device, dtype: torch.dtype) -> dict[str, torch.
             x = Z.causal_inputs(cfg, cell.batch, cell.seq, device=device)
             x["attention_mask"] = torch.ones_like(x["input_ids"])
         return x
+    if cell.packed:
+        return Z.packed_inputs(cfg, cell.seq, labels=train, device=device)
     if cell.kind == "causal":
         return Z.causal_inputs(cfg, cell.batch, cell.seq, pad_tokens=cell.pad_tokens, labels=train, device=device)
     return Z.inputs(cell.arch, cfg, cell.batch, cell.seq, padded=cell.padded, labels=train, device=device,
@@ -260,6 +269,8 @@ def cell_inputs(cell: Cell, cfg, device, dtype: torch.dtype) -> dict[str, torch.
 
 def validation_inputs(cell: Cell, cfg, device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """A small batch of the cell's kind for convert_model's validation (padded where the kind pads)."""
+    if cell.packed:
+        return Z.without_labels(Z.packed_inputs(cfg, min(128, cell.seq), device=device, seed=1))
     seq = min(64, cell.seq) if cell.kind != "vision" else cell.seq
     dec = min(16, cell.dec_seq or 16)
     x = Z.inputs(cell.arch, cfg, 2, seq, padded=cell.kind != "vision", device=device, dtype=dtype, dec_seq=dec,
