@@ -94,3 +94,32 @@ def test_packed_training_step_under_compile():
     want = model(**xp, **labels).loss.item()
     assert abs(loss.item() - want) <= 1e-5 * abs(want)
     assert_same_grads(model, conv, "llama packed compiled")
+
+
+@pytest.mark.parametrize("remapped", [False, True], ids=["transformers-5.17-form", "remapped-positions-form"])
+@pytest.mark.parametrize("window", [None, 3])
+def test_mask_function_takes_both_packed_forms(remapped, window):
+    """The packed mask as transformers 5.17 builds it (and_masks(causal or window function, same-sequence function))
+    and as later versions do (the causal function under remapped positions): both carry the varlen layout of the
+    sequences, and the mask's values are transformers' sdpa mask's."""
+    from transformers import masking_utils as mu
+    from opsadv.convert.hf_attention import opsadv_mask
+    from opsadv.convert.packing import pack_of
+    if remapped and not hasattr(mu, "remap_positions_for_packed_sequence"):
+        pytest.skip("this transformers has no remap_positions_for_packed_sequence")
+    pos = torch.cat([torch.arange(n) for n in LENS])[None]
+    seq_ids = mu.find_packed_sequence_indices(pos)
+    inner = mu.causal_mask_function if window is None else mu.sliding_window_causal_mask_function(window)
+    if remapped:
+        inner = mu.remap_positions_for_packed_sequence(inner, pos)
+    fn = mu.and_masks(inner, mu.packed_sequence_mask_function(seq_ids))
+    n = sum(LENS)
+    kw = dict(batch_size=1, q_length=n, kv_length=n, q_offset=0, kv_offset=0, mask_function=fn, attention_mask=None,
+              allow_is_causal_skip=False, dtype=torch.float32, device=torch.device("cpu"))
+    if window is not None:
+        kw["local_size"] = window
+    m = opsadv_mask(**kw)
+    pack = pack_of(m)
+    assert pack is not None
+    assert torch.equal(m, mu.sdpa_mask(**kw))
+    assert torch.equal(pack.layout.dense_mask(device="cpu").reshape(n, n), m.reshape(n, n))

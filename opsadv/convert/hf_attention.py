@@ -471,11 +471,12 @@ def _packed_sequences(mu, fn, kwargs) -> tuple[list[int], int | None] | None:
     """(sequence lengths, window's left reach or None) of a padding-free packed batch (one row of several sequences,
     each with its own position ids: transformers' DataCollatorWithFlattening, TRL's padding_free), when `fn` is
     create_causal_mask's (or create_sliding_window_causal_mask's) exact form for it:
-    and_masks(remap_positions_for_packed_sequence(causal_mask_function or sliding_window_causal_mask_function(w),
-    position_ids), packed_sequence_mask_function(sequence ids)); else None (transformers' mask serves).  Within a
+    and_masks(f, packed_sequence_mask_function(sequence ids)) with f causal_mask_function or
+    sliding_window_causal_mask_function(w), as such (transformers 5.17) or under
+    remap_positions_for_packed_sequence(f, position_ids) (5.25); else None (transformers' mask serves).  Within a
     sequence the positions step by 1, so causal (and a window) by position is causal by index: a causal varlen
     layout computes that mask.  Eager only (the lengths are a host read, as transformers' own packing check is)."""
-    need = ("and_masks", "remap_positions_for_packed_sequence", "packed_sequence_mask_function", "causal_mask_function")
+    need = ("and_masks", "packed_sequence_mask_function", "causal_mask_function")
     if fn is None or not all(hasattr(mu, n) for n in need) or torch.compiler.is_compiling():
         return None
     b, q_len, kv_len = kwargs.get("batch_size"), kwargs.get("q_length"), kwargs.get("kv_length")
@@ -486,11 +487,14 @@ def _packed_sequences(mu, fn, kwargs) -> tuple[list[int], int | None] | None:
     fns = None if cells is None else cells.get("mask_functions")
     if not isinstance(fns, tuple) or len(fns) != 2:
         return None
-    remap = _cells(fns[0], mu.remap_positions_for_packed_sequence(mu.causal_mask_function, None).__code__)
     same = _cells(fns[1], mu.packed_sequence_mask_function(None).__code__)
-    if remap is None or same is None:
+    if same is None:
         return None
-    inner, left = remap.get("mask_function"), None
+    # transformers >= 5.2x wraps the causal function in position remapping; earlier 5.x applies it by index (the
+    # same mask here: within a sequence, index and position differ by a constant)
+    remap = (_cells(fns[0], mu.remap_positions_for_packed_sequence(mu.causal_mask_function, None).__code__)
+             if hasattr(mu, "remap_positions_for_packed_sequence") else None)
+    inner, left = (remap.get("mask_function") if remap is not None else fns[0]), None
     if inner is not mu.causal_mask_function:
         w = _sliding_window_of(inner) if inner is not None else None
         if w is None or kwargs.get("local_size") not in (None, w):
