@@ -178,15 +178,14 @@ def _masked_bwd_recompute(dout, q, k, v, attn_mask, causal, scale):
     group = q.shape[1] // k.shape[1]
     b, h, sq, _ = q.shape
     sk = k.shape[2]
-    m = attn_mask
+    m = attn_mask                   # kept at its own shape (a (b, 1, s_q, s_k) mask is not copied per head)
     if m.dtype == torch.bool:
         m = torch.zeros(m.shape, dtype=q.dtype, device=q.device).masked_fill_(~m, float("-inf"))
-    m = m.expand(b, h, sq, sk)
     if causal:                                            # equal lengths here (the impl refuses others)
         keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril()
         m = m.masked_fill(~keep, float("-inf"))
     empty = torch.isneginf(m).all(-1, keepdim=True)
-    m = m.masked_fill(empty, 0.0)
+    m = m.masked_fill(empty, 0.0).expand(b, h, sq, sk)
     dout = dout.masked_fill(empty, 0.0)
     def attend(qq, kk, vv):
         return torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, attn_mask=m, scale=scale)
