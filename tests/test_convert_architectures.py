@@ -53,19 +53,25 @@ def _config(model_type: str):
         cfg = AutoConfig.for_model(model_type)
     except (ValueError, KeyError) as e:
         pytest.skip(f"transformers {transformers.__version__} has no {model_type!r}: {e}")
+    shrink(cfg)
+    for k, v in EXTRA.get(model_type, {}).items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def shrink(cfg) -> None:
+    """The shared tiny dimensions where the config has them, and every dropout / stochastic depth off (both sides
+    must compute alike)."""
     for k, v in DIMS.items():
         if hasattr(cfg, k) or k in getattr(cfg, "attribute_map", {}):
             try:
                 setattr(cfg, k, v)
             except (AttributeError, NotImplementedError, ValueError):
                 pass                         # (a config that derives it from others)
-    for k, v in EXTRA.get(model_type, {}).items():
-        setattr(cfg, k, v)
-    for k, v in cfg.to_dict().items():      # every dropout / stochastic depth off: both sides must compute alike
+    for k, v in cfg.to_dict().items():
         if isinstance(v, float) and not isinstance(v, bool) and any(
                 w in k for w in ("dropout", "drop_path", "layerdrop", "_pdrop", "drop_rate", "jitter_noise")):
             setattr(cfg, k, 0.0)
-    return cfg
 
 
 def _build(kind: str, model_type: str):

@@ -14,7 +14,7 @@ from opsadv.core.errors import InvalidArgumentError
 transformers = pytest.importorskip("transformers")
 from transformers import AutoConfig, AutoModelForImageTextToText  # noqa: E402
 
-from test_convert_architectures import DIMS, _rel, assert_same_grads, train_step_losses  # noqa: E402
+from test_convert_architectures import _rel, assert_same_grads, shrink, train_step_losses  # noqa: E402
 
 IMAGE_TOKEN = 5
 # model type -> (image tokens per image, config overrides of the top config, of the vision config, extra inputs)
@@ -29,15 +29,8 @@ VLMS = {
 
 
 def _shrink(cfg) -> None:
-    for k, v in DIMS.items():
-        if hasattr(cfg, k) or k in getattr(cfg, "attribute_map", {}):
-            try:
-                setattr(cfg, k, v)
-            except (AttributeError, NotImplementedError, ValueError):
-                pass
-    for k, v in cfg.to_dict().items():
-        if isinstance(v, float) and any(w in k for w in ("dropout", "drop_path", "layerdrop", "_pdrop")):
-            setattr(cfg, k, 0.0)
+    """shrink() of the config and of its sub-configs (vision, text)."""
+    shrink(cfg)
     for name in getattr(cfg, "sub_configs", {}):
         sub = getattr(cfg, name, None)
         if sub is not None and hasattr(sub, "to_dict"):

@@ -97,8 +97,10 @@ def hf_validation_inputs(model, batch: int = 2, seq: int = 24, seed: int = 0) ->
     out: dict[str, torch.Tensor] = {}
     if main == "input_ids":
         ids = torch.randint(0, vocab, (batch, seq), generator=gen)
-        for tok in _media_tokens(cfg):               # text only: a media placeholder token asks for its media input
-            ids[ids == tok] = (tok + 1) % vocab if (tok + 1) % vocab not in _media_tokens(cfg) else 0
+        media = _media_tokens(cfg)                   # text only: a media placeholder token asks for its media input
+        if media:
+            plain = next((t for t in range(vocab) if t not in media), 0)
+            ids[torch.isin(ids, torch.tensor(sorted(media)))] = plain
         am = torch.ones(batch, seq, dtype=torch.long)
         if batch > 1:
             am[-1, seq - seq // 3:] = 0               # right padding on the last row
