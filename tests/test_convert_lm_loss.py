@@ -209,6 +209,36 @@ def test_deepcopy_exceptions_and_reentry():
     assert seam.calls == []
 
 
+@pytest.mark.parametrize("arch", ["llama3", "mistral"])          # tied / untied embeddings
+@pytest.mark.parametrize("copied", [False, True])
+def test_new_tokens_after_conversion_keep_the_fused_loss(arch, copied):
+    """resize_token_embeddings (a chat template's new tokens) replaces lm_head with a larger Linear: the loss follows
+    it, and a new token's label is scored against its own row."""
+    orig = _orig(arch)
+    conv = _convert(copy.deepcopy(orig))
+    if copied:
+        conv = copy.deepcopy(conv)
+    old_head, vocab = conv.lm_head, orig.config.vocab_size + 5
+    for m in (orig, conv):
+        m.resize_token_embeddings(vocab, mean_resizing=False)
+        m.train()
+    assert (conv.lm_head is old_head) == (arch == "llama3")     # tied: transformers re-ties the same module
+    with torch.no_grad():
+        conv.lm_head.weight.copy_(orig.lm_head.weight)
+        conv.get_input_embeddings().weight.copy_(orig.get_input_embeddings().weight)
+    x, labels = _batch(orig.config, 2, 11)
+    x["input_ids"][0, 4] = labels[0, 4] = vocab - 2           # a new token, as input and label
+    ref = orig(**x, labels=labels)
+    ref.loss.backward()
+    with opsadv.trace() as t:
+        out = conv(**x, labels=labels)
+    out.loss.backward()
+    assert out.logits is None and "reference.linear_cross_entropy" in t.counts, t.counts
+    assert _rel(out.loss, ref.loss) < 1e-5
+    _grads_match(orig, conv)
+    assert conv.lm_head is old_head or not old_head._forward_pre_hooks
+
+
 def test_rewrites_off_and_undo():
     orig = _orig("llama3")
     x, labels = _batch(orig.config, 2, 9)

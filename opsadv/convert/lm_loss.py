@@ -12,7 +12,8 @@ a 128k vocabulary those logits are b*s*V float32 (4 GiB at b4 s2048).  Three hoo
   `ignore_index` (those stay in the kwargs: the model passes them on as it did);
 - a forward pre-hook on lm_head: while such a call runs, the loss is computed from lm_head's input, weight and bias
   (softcapped where the model's forward reads final_logit_softcapping), and lm_head itself runs on zero tokens, so
-  the logits are an empty placeholder and whatever the model does to them costs nothing;
+  the logits are an empty placeholder and whatever the model does to them costs nothing.  The hook moves to the
+  model's current output embeddings at each such call (resize_token_embeddings replaces an untied lm_head);
 - a forward hook on the model (always_call: an exception drops the call's state too): the output gets the loss and
   `logits=None`, as Liger-Kernel's fused linear cross-entropy returns them (a tuple output: loss first, no logits).
 
@@ -72,6 +73,8 @@ class LossSeam:
         self.loss_mapping = loss_mapping    # transformers' LOSS_MAPPING (loss_type -> loss function)
         self.calls: list = []
         self.force = False                  # the conversion's probe: the fused path in eval mode
+        self.head: nn.Module | None = None  # the lm_head whose pre-hook computes the loss, and that hook's handle
+        self.head_handle = None
 
     def __getstate__(self):
         # a copy of the model starts with no call in flight
@@ -88,7 +91,8 @@ class LossSeam:
         at = self.labels_at
         positional = at is not None and len(args) > at
         labels = args[at] if positional else kwargs.get("labels")
-        if labels is None or not (model.training or self.force) or not self.uses_causal_loss(model):
+        if labels is None or not (model.training or self.force) or not self.uses_causal_loss(model) \
+                or not self.follow_head(model):
             self.calls.append(None)
             return None
         softcap = getattr(model.config, "final_logit_softcapping", None) if self.softcap else None
@@ -97,6 +101,28 @@ class LossSeam:
         if positional:
             return args[:at] + (None,) + args[at + 1:], kwargs
         return args, {**kwargs, "labels": None}
+
+    def hook_head(self, head: nn.Module) -> None:
+        if self.head_handle is not None:
+            self.head_handle.remove()
+        self.head, self.head_handle = head, head.register_forward_pre_hook(self.head_pre_hook)
+
+    def follow_head(self, model) -> bool:
+        """The hook is on the model's lm_head now: resize_token_embeddings (new tokens) replaces the module, and the
+        new one gets the hook.  False where it is no nn.Linear any more (the call runs unchanged)."""
+        head = _head(model)
+        if head is self.head:
+            return True
+        if not isinstance(head, nn.Linear) or _why_not_head(head) is not None:
+            return False
+        self.hook_head(head)
+        return True
+
+    def remove(self) -> None:
+        """(An undo hook: the lm_head hook, wherever it is now.)"""
+        if self.head_handle is not None:
+            self.head_handle.remove()
+        self.head = self.head_handle = None
 
     def head_pre_hook(self, head, args):
         call = self.calls[-1] if self.calls else None
@@ -232,8 +258,7 @@ def _is_lm(model) -> bool:
     return "CausalLM" in name or "LMHead" in name
 
 
-def _why_not(model, head, code) -> str | None:
-    from transformers.modeling_utils import PreTrainedModel
+def _why_not_head(head) -> str | None:
     if not isinstance(head, nn.Linear):
         return (f"no lm_head nn.Linear (output embeddings: {type(head).__name__}); the fused loss reads the output "
                 "projection's weight")
@@ -241,6 +266,14 @@ def _why_not(model, head, code) -> str | None:
         return (f"lm_head is tensor-parallel with weight placements {tuple(head.weight.placements)}: the fused loss "
                 "takes a whole weight or one split over the vocabulary (Shard(0) on one mesh dim, bias alike); the "
                 "model's logits and loss are kept")
+    return None
+
+
+def _why_not(model, head, code) -> str | None:
+    from transformers.modeling_utils import PreTrainedModel
+    why = _why_not_head(head)
+    if why is not None:
+        return why
     if inspect.getattr_static(type(model), "loss_function", None) is not \
             inspect.getattr_static(PreTrainedModel, "loss_function"):
         return f"{type(model).__name__} defines its own loss_function"
@@ -312,8 +345,8 @@ def lm_loss_pass(model: nn.Module, report: ConversionReport, undo, state) -> boo
     if why is not None:
         report.add("skipped", "", what, why)
         return False
-    hooks = [model.register_forward_pre_hook(seam.model_pre_hook, with_kwargs=True),
-             head.register_forward_pre_hook(seam.head_pre_hook),
+    seam.hook_head(head)
+    hooks = [model.register_forward_pre_hook(seam.model_pre_hook, with_kwargs=True), seam,
              model.register_forward_hook(seam.model_post_hook, with_kwargs=True, always_call=True)]
     dtype = head.weight.dtype
     why = _probe(model, seam, dtype, {"use_cache": False} if "use_cache" in names else {})
