@@ -8,6 +8,7 @@ import torch
 
 import opsadv
 from opsadv.convert import ValidationError, validate as _val
+from opsadv.errors import InvalidArgumentError
 from opsadv.convert.modules import OpsadvNorm, QKVProjection, SwiGLUMLP, LinearAct, DenseResidualNorm
 
 transformers = pytest.importorskip("transformers")
@@ -105,6 +106,25 @@ def test_save_pretrained_roundtrip(tmp_path):
     x = inputs()
     with torch.no_grad():
         assert torch.allclose(back(**x).logits, orig(**x).logits, atol=1e-6)
+
+
+def test_offloaded_weights_are_refused_and_the_model_left_as_it_was(tmp_path):
+    """accelerate's disk offload keeps layer 1's weights on the meta device outside its forward: converting would fuse
+    those (meta) weights, so convert_model refuses, naming a parameter and the offload, and changes nothing."""
+    pytest.importorskip("accelerate")
+    orig = make("llama")
+    orig.save_pretrained(tmp_path)
+    dm = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk", "model.norm": "cpu",
+          "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    off = LlamaForCausalLM.from_pretrained(tmp_path, device_map=dm, offload_folder=str(tmp_path / "off")).eval()
+    before = type(off.model.layers[1].self_attn.q_proj), off.config._attn_implementation
+    with pytest.raises(InvalidArgumentError, match=r"meta device.*layers\.1\..*offloads to disk"):
+        opsadv.convert_model(off, backend="reference")
+    assert (type(off.model.layers[1].self_attn.q_proj), off.config._attn_implementation) == before
+    assert not hasattr(off, "opsadv_report")
+    x = inputs()
+    with torch.no_grad():
+        assert torch.allclose(off(**x).logits, orig(**x).logits, atol=1e-6)
 
 
 def test_training_gradients_reach_original_parameters(reference_backend):

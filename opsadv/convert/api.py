@@ -248,6 +248,7 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
     check_graph_args(model, pack_padding, cuda_graphs, max_graphs)
     if not isinstance(model, nn.Module):
         raise InvalidArgumentError("convert_model", "model", "a torch.nn.Module", type(model).__name__)
+    check_weights_loaded(model)
     t0 = time.perf_counter()
     precision, use_fp8 = split_fp8(precision)
     if fp8_recipe is not None and not (use_fp8 and isinstance(fp8_recipe, _fp8.Fp8Recipe)):
@@ -391,6 +392,23 @@ def compiled_inner(model):
     if not isinstance(inner, nn.Module):     # (checked first: torch._dynamo is imported only for a wrapper)
         return None
     return inner if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) else None
+
+
+def check_weights_loaded(model: nn.Module) -> None:
+    """Refuse a model with parameters on the meta device: accelerate's offloading (device_map entries "disk" or
+    offloaded "cpu", cpu_offload / disk_offload) loads them only inside each module's forward, around calls that
+    fused weights and replaced modules would not make; a model built on meta has no weights yet."""
+    meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if meta:
+        where = getattr(model, "hf_device_map", None)
+        disk = isinstance(where, dict) and "disk" in {str(d) for d in where.values()}
+        raise InvalidArgumentError(
+            "convert_model", "model", "a model whose weights are in memory (no parameter on the meta device)",
+            f"{len(meta)} parameters on the meta device, e.g. {meta[0]}"
+            + (" (hf_device_map offloads to disk)" if disk else "")
+            + ": offloaded weights are loaded only inside each module's own forward, which opsadv's fused weights "
+            "and replaced modules would bypass; load the model without offloading (device_map on the GPU), or run "
+            "it unconverted")
 
 
 def peft_base_model(model):
