@@ -42,3 +42,33 @@ def test_lora_model_converts_and_trains_as_before(model_type, targets):
     g1 = {n: p.grad for n, p in conv.named_parameters() if p.grad is not None}
     assert g0 and set(g0) == set(g1) and all("lora_" in n for n in g0)       # only the adapters train
     assert_same_grads(ref, conv, model_type, both_ways=True)
+
+
+AFTER = [("causal", "llama", ["q_proj", "v_proj", "up_proj", "down_proj"]), ("causal", "phi3", ["gate_up_proj"]),
+         ("causal", "gpt2", ["c_attn", "c_fc"]), ("encoder", "bert", ["query", "value", "dense"])]
+
+
+@pytest.mark.parametrize("kind,model_type,targets", AFTER, ids=[t for _, t, _ in AFTER])
+def test_lora_added_after_conversion_trains_as_on_the_original(kind, model_type, targets):
+    """get_peft_model(convert_model(model)): the adapters wrap projections that conversion fused (q/k/v, gate/up,
+    GEMM + activation, dense + residual + norm) or kept; their terms are in the loss and only they train, as on the
+    unconverted model."""
+    model, x, labels, _ = _build(kind, model_type)
+    cfg = dict(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, init_lora_weights=False)
+    conv = opsadv.convert_model(copy.deepcopy(model), floor=False, backend="reference", example_inputs=x)
+    assert any(c.kind == "fused" for c in conv.opsadv_report.changes), str(conv.opsadv_report)
+    torch.manual_seed(0)
+    ref = peft.get_peft_model(model, peft.LoraConfig(**cfg))
+    torch.manual_seed(0)
+    got = peft.get_peft_model(conv, peft.LoraConfig(**cfg))
+    loss0, loss1 = train_step_losses(ref, got, x, labels)
+    assert abs(loss1 - loss0) <= 1e-5 * abs(loss0)
+    g0 = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    g1 = {n: p.grad for n, p in got.named_parameters() if p.grad is not None}
+    assert g0 and set(g0) == set(g1) and all("lora_" in n or "classifier" in n for n in g0)
+    assert_same_grads(ref, got, model_type, both_ways=True)
+    got.eval()
+    with torch.no_grad():                            # the adapters' terms are there: without them the output moves
+        with got.disable_adapter():
+            plain = got(**x).logits
+        assert (got(**x).logits - plain).abs().max() > 1e-3

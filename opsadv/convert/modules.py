@@ -298,8 +298,22 @@ class QKVGroup:
         self.stash = None        # (input, fused output, the roles still to take their columns) within one forward
 
 
-# the gated activations in torch (the unfused path of tensor-parallel layouts the fused modules do not serve)
-_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}
+# the activations in torch (the unfused paths: tensor-parallel layouts the fused modules do not serve, children
+# replaced after conversion)
+_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "gelu": F.gelu,
+                "relu": F.relu, "none": lambda t: t}
+
+
+def remember_children(module: nn.Module, names) -> None:
+    """Note which child modules a fused module's weights were read from (see children_replaced)."""
+    module.__dict__["_opsadv_built_on"] = tuple((n, module._modules[n]) for n in names)
+
+
+def children_replaced(module: nn.Module) -> bool:
+    """A child the fusion read its weights from was replaced after conversion (peft's get_peft_model wraps it in a
+    LoRA layer, a user swaps it): the fused GEMM would skip the new module's own forward, so the children run as
+    they are now."""
+    return any(module._modules.get(n) is not m for n, m in module.__dict__.get("_opsadv_built_on", ()))
 
 MIN_CHUNK_ROWS = 64          # row chunks below this make the GEMMs inefficient
 
@@ -318,6 +332,7 @@ class SwiGLUMLP(nn.Module):
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
         self.activation = activation
         self._fuse(gate_proj, up_proj)
+        remember_children(self, ("gate_proj", "up_proj"))
 
     def _fuse(self, gate: nn.Linear, up: nn.Linear) -> None:
         """[W_gate|W_up] (and the biases) as FusedRows read from the two Linears."""
@@ -336,6 +351,8 @@ class SwiGLUMLP(nn.Module):
     row_chunk_bytes: int | None = None
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        if children_replaced(self):
+            return self._down(_ACTIVATIONS[self.activation](self.gate_proj(x)) * self.up_proj(x))
         if self._w.sharded or tp.is_dtensor(self.gate_proj.weight):
             return self._mlp_sharded(x)
         with scope_of(self):
@@ -413,6 +430,7 @@ class NamedGatedMLP(SwiGLUMLP):
         if dropout is not None:
             self.dropout = dropout
         self._fuse(gate, up)
+        remember_children(self, names[:2])
 
     @property
     def gate_proj(self) -> nn.Linear:
@@ -449,6 +467,7 @@ class FusedSwiGLUMLP(SwiGLUMLP):
         self.add_module(names[0], gate_up_proj)
         self.add_module(names[1], down_proj)
         self._w = self._b = None
+        remember_children(self, names[:1])
 
     def _gate_up(self) -> nn.Linear:
         return getattr(self, self._names[0])
@@ -459,7 +478,9 @@ class FusedSwiGLUMLP(SwiGLUMLP):
             # FP8 (convert/fp8.py): inference one scaled_swiglu_gemm, training the FP8 gate_up GEMM + swiglu
             h = self._fp8.gated(x, self.activation) if self._fp8 is not None else None
             # (tensor-parallel weights: gate_up_proj runs as the module it is, under its plan's hooks)
-            if h is None and (self.activation != "silu" or self._trains(x) or tp.is_dtensor(gu.weight)):
+            if children_replaced(self):
+                h = ops.swiglu(gu(x), activation=self.activation)
+            elif h is None and (self.activation != "silu" or self._trains(x) or tp.is_dtensor(gu.weight)):
                 h = ops.swiglu(gu(x), activation=self.activation)
             elif h is None:
                 h = ops.swiglu_gemm(x, gu.weight.t(), bias=gu.bias)
@@ -484,6 +505,7 @@ class LinearAct(nn.Module):
             self.add_module(n, m)
         self._up, self._down, self._drop = up, down, dropout
         self.activation, self.conv1d = activation, conv1d
+        remember_children(self, (up,))
 
     _fp8 = None              # convert_model(precision="fp8"): the Fp8Gemm of the up projection (convert/fp8.py)
 
@@ -492,10 +514,14 @@ class LinearAct(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         up = getattr(self, self._up)
-        with scope_of(self):
-            h = self._fp8(x, self.activation) if self._fp8 is not None else None
-            if h is None:
-                h = ops.gemm(x, up.weight if self.conv1d else up.weight.t(), bias=up.bias, activation=self.activation)
+        if children_replaced(self):
+            h = _ACTIVATIONS[self.activation](up(x))
+        else:
+            with scope_of(self):
+                h = self._fp8(x, self.activation) if self._fp8 is not None else None
+                if h is None:
+                    h = ops.gemm(x, up.weight if self.conv1d else up.weight.t(), bias=up.bias,
+                                 activation=self.activation)
         if self._down is not None:
             h = getattr(self, self._down)(h)
         if self._drop is not None:
@@ -512,15 +538,19 @@ class DenseResidualNorm(nn.Module):
         self.dense, self.dropout = dense, dropout
         self.add_module(norm_name, norm)
         self._norm = norm_name
+        remember_children(self, ("dense",))
 
     _fp8 = None              # convert_model(precision="fp8"): the Fp8Gemm of dense (convert/fp8.py)
 
     def forward(self, hidden_states: torch.Tensor, input_tensor: torch.Tensor) -> torch.Tensor:
         norm = getattr(self, self._norm)
-        with scope_of(self):
-            h = self._fp8(hidden_states) if self._fp8 is not None else None
-            if h is None:
-                h = ops.gemm(hidden_states, self.dense.weight.t(), bias=self.dense.bias)
+        if children_replaced(self):
+            h = self.dense(hidden_states)
+        else:
+            with scope_of(self):
+                h = self._fp8(hidden_states) if self._fp8 is not None else None
+                if h is None:
+                    h = ops.gemm(hidden_states, self.dense.weight.t(), bias=self.dense.bias)
         h = self.dropout(h)
         if isinstance(norm, OpsadvNorm):
             return norm(h, residual=input_tensor)[0]
