@@ -127,6 +127,54 @@ def test_offloaded_weights_are_refused_and_the_model_left_as_it_was(tmp_path):
         assert torch.allclose(off(**x).logits, orig(**x).logits, atol=1e-6)
 
 
+class _Classifier(torch.nn.Module):
+    """A task head on a transformers backbone, as users write them."""
+
+    def __init__(self, backbone, n=3):
+        super().__init__()
+        self.backbone, self.head = backbone, torch.nn.Linear(backbone.config.hidden_size, n)
+
+    def forward(self, input_ids, attention_mask):
+        h = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        m = attention_mask[..., None].to(h.dtype)
+        return self.head((h * m).sum(1) / m.sum(1))
+
+
+def test_module_holding_one_transformers_model_converts_it(tmp_path):
+    """convert_model(wrapper) without example_inputs converts the transformers model inside (its generated inputs
+    validate it) and leaves the rest; a wrapper with two raises, naming them."""
+    orig = _Classifier(make("bert"))
+    conv = opsadv.convert_model(copy.deepcopy(orig), backend="reference")
+    assert conv.opsadv_report is conv.backbone.opsadv_report and conv.opsadv_report.status == "converted"
+    assert any(c.kind in ("replaced", "fused") for c in conv.opsadv_report.changes)
+    assert type(conv.head) is torch.nn.Linear
+    x = inputs()
+    with torch.no_grad():
+        assert torch.allclose(conv(**x), orig(**x), atol=1e-5)
+    two = torch.nn.ModuleDict({"query": make("bert"), "doc": make("roberta")})
+    with pytest.raises(InvalidArgumentError, match=r"2 transformers models \(query, doc\)"):
+        opsadv.convert_model(two, backend="reference")
+    assert not hasattr(two["query"], "opsadv_report")
+
+
+def test_sentence_transformer_converts_and_encodes_as_before(tmp_path):
+    st = pytest.importorskip("sentence_transformers")
+    from sentence_transformers import models as st_models
+    from transformers import BertTokenizer
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(123)]
+    (tmp_path / "vocab.txt").write_text("\n".join(words))
+    BertTokenizer(str(tmp_path / "vocab.txt")).save_pretrained(tmp_path)
+    make("bert").save_pretrained(tmp_path)
+    enc = st_models.Transformer(str(tmp_path))
+    model = st.SentenceTransformer(modules=[enc, st_models.Pooling(64, "mean")], device="cpu").eval()
+    sents = [" ".join(f"w{(i * 7 + j) % 120}" for j in range(n)) for i, n in enumerate([3, 17, 9, 30, 1])]
+    want = model.encode(sents, convert_to_tensor=True, batch_size=5)
+    conv = opsadv.convert_model(model, backend="reference")
+    assert conv is model and conv.opsadv_report.status == "converted"
+    got = conv.encode(sents, convert_to_tensor=True, batch_size=5)      # a padded batch
+    assert torch.allclose(got, want, atol=1e-5)
+
+
 def test_training_gradients_reach_original_parameters(reference_backend):
     # (backward ops resolve under the policy in force at .backward() time: keep it the reference too)
     orig = make("llama").train()

@@ -242,6 +242,12 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
             if name in vars(inner):
                 model.__dict__[name] = vars(inner)[name]
         return model
+    inner = transformers_inside(model) if example_inputs is None else None
+    if inner is not None:                    # SentenceTransformer, CrossEncoder, a head on a transformers backbone:
+        convert_model(inner, **options)      # the transformers model inside, validated on its own inputs
+        model.__dict__["opsadv_report"] = inner.opsadv_report
+        model.__dict__["_opsadv_state"] = inner._opsadv_state
+        return model
     check_seed_args(opt_level, tile_size, max_streams, mem_opt, use_fp16, validate)
     check_rewrites(rewrites)
     _floor.check_args(floor, floor_mode, floor_timer, floor_compile)
@@ -418,6 +424,25 @@ def peft_base_model(model):
         return None
     inner = model.get_base_model()
     return inner if inner is not model and hf_attention.is_transformers_model(inner) else None
+
+
+def transformers_inside(model):
+    """The one transformers model inside a module that is none itself (sentence-transformers' SentenceTransformer
+    and CrossEncoder, a task head around a backbone), which convert_model converts when given no example_inputs
+    (it generates that model's inputs); None where the module is a transformers model or holds none.  Several
+    (a dual encoder) raise: each is converted by its own call."""
+    if not isinstance(model, nn.Module) or hf_attention.is_transformers_model(model):
+        return None
+    found: list[tuple[str, nn.Module]] = []
+    for path, m in model.named_modules():
+        if hf_attention.is_transformers_model(m) and not any(path.startswith(p + ".") for p, _ in found):
+            found.append((path, m))
+    if len(found) > 1:
+        raise InvalidArgumentError(
+            "convert_model", "model", "a transformers model, one module holding one, or example_inputs for the "
+            "whole module", f"{type(model).__name__} holding {len(found)} transformers models "
+            f"({', '.join(p for p, _ in found)}): convert each, e.g. opsadv.convert_model(model.{found[0][0]})")
+    return found[0][1] if found else None
 
 
 def check_not_wrapped(model) -> None:
