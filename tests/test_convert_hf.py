@@ -155,6 +155,8 @@ def test_module_holding_one_transformers_model_converts_it(tmp_path):
     with pytest.raises(InvalidArgumentError, match=r"2 transformers models \(query, doc\)"):
         opsadv.convert_model(two, backend="reference")
     assert not hasattr(two["query"], "opsadv_report")
+    with pytest.raises(InvalidArgumentError, match="not wrapped in DataParallel yet"):    # a wrapper, not a holder
+        opsadv.convert_model(torch.nn.DataParallel(make("bert")), backend="reference")
 
 
 def test_sentence_transformer_converts_and_encodes_as_before(tmp_path):

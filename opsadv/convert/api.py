@@ -242,6 +242,7 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
             if name in vars(inner):
                 model.__dict__[name] = vars(inner)[name]
         return model
+    check_not_wrapped(model)                 # (a data-parallel wrapper holds a transformers model too)
     inner = transformers_inside(model) if example_inputs is None else None
     if inner is not None:                    # SentenceTransformer, CrossEncoder, a head on a transformers backbone:
         convert_model(inner, **options)      # the transformers model inside, validated on its own inputs
@@ -452,9 +453,10 @@ def check_not_wrapped(model) -> None:
     if tp.fsdp_managed(model):
         raise InvalidArgumentError("convert_model", "model", "a model not sharded by FSDP2 yet: convert first, then "
                                    "fully_shard (docs/distributed.md)", "a model wrapped by fully_shard")
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        raise InvalidArgumentError("convert_model", "model", "a model not wrapped in DistributedDataParallel yet: "
-                                   "convert it first, then wrap it (docs/distributed.md)", "a DistributedDataParallel")
+    if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        kind = type(model).__name__
+        raise InvalidArgumentError("convert_model", "model", f"a model not wrapped in {kind} yet: convert it first, "
+                                   "then wrap it (docs/distributed.md)", f"a {kind}")
 
 
 def check_graph_args(model, pack_padding, cuda_graphs, max_graphs) -> None:
