@@ -151,6 +151,9 @@ def test_module_holding_one_transformers_model_converts_it(tmp_path):
     x = inputs()
     with torch.no_grad():
         assert torch.allclose(conv(**x), orig(**x), atol=1e-5)
+    half = opsadv.convert_model(copy.deepcopy(orig), backend="reference", precision="bf16")   # the head is cast too
+    assert half.head.weight.dtype == half.backbone.embeddings.word_embeddings.weight.dtype == torch.bfloat16
+    assert torch.allclose(half(**x).float(), orig(**x), atol=0.1)
     two = torch.nn.ModuleDict({"query": make("bert"), "doc": make("roberta")})
     with pytest.raises(InvalidArgumentError, match=r"2 transformers models \(query, doc\)"):
         opsadv.convert_model(two, backend="reference")

@@ -245,7 +245,16 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
     check_not_wrapped(model)                 # (a data-parallel wrapper holds a transformers model too)
     inner = transformers_inside(model) if example_inputs is None else None
     if inner is not None:                    # SentenceTransformer, CrossEncoder, a head on a transformers backbone:
-        convert_model(inner, **options)      # the transformers model inside, validated on its own inputs
+        cast = resolve_precision(split_fp8(precision)[0], use_fp16)[1]
+        before = _Originals(model) if cast is not None else None
+        if cast is not None:                 # the wrapper's own layers too (a head in fp32 on bf16 states fails)
+            model.to(cast)
+        try:
+            convert_model(inner, **options)  # the transformers model inside, validated on its own inputs
+        except BaseException:
+            if before is not None:
+                before.restore()
+            raise
         model.__dict__["opsadv_report"] = inner.opsadv_report
         model.__dict__["_opsadv_state"] = inner._opsadv_state
         return model
