@@ -238,11 +238,7 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
     inner = peft_base_model(model)
     if inner is not None:                    # a PEFT (LoRA ...) wrapper: convert the transformers model inside it
         convert_model(inner, **options)
-        for name in ("_opsadv_state", "opsadv_report", "tune_for_hardware", "opsadv_graphs"):
-            if name in vars(inner):
-                model.__dict__[name] = vars(inner)[name]
-        return model
-    check_not_wrapped(model)                 # (a data-parallel wrapper holds a transformers model too)
+        return _adopt(model, inner)
     inner = transformers_inside(model) if example_inputs is None else None
     if inner is not None:                    # SentenceTransformer, CrossEncoder, a head on a transformers backbone:
         cast = resolve_precision(split_fp8(precision)[0], use_fp16)[1]
@@ -255,9 +251,7 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
             if before is not None:
                 before.restore()
             raise
-        model.__dict__["opsadv_report"] = inner.opsadv_report
-        model.__dict__["_opsadv_state"] = inner._opsadv_state
-        return model
+        return _adopt(model, inner)
     check_seed_args(opt_level, tile_size, max_streams, mem_opt, use_fp16, validate)
     check_rewrites(rewrites)
     _floor.check_args(floor, floor_mode, floor_timer, floor_compile)
@@ -436,12 +430,22 @@ def peft_base_model(model):
     return inner if inner is not model and hf_attention.is_transformers_model(inner) else None
 
 
+def _adopt(model: nn.Module, inner: nn.Module) -> nn.Module:
+    """The wrapper of a converted inner model shows its report, state, tuner and graphs."""
+    for name in ("_opsadv_state", "opsadv_report", "tune_for_hardware", "opsadv_graphs"):
+        if name in vars(inner):
+            model.__dict__[name] = vars(inner)[name]
+    return model
+
+
 def transformers_inside(model):
     """The one transformers model inside a module that is none itself (sentence-transformers' SentenceTransformer
     and CrossEncoder, a task head around a backbone), which convert_model converts when given no example_inputs
     (it generates that model's inputs); None where the module is a transformers model or holds none.  Several
-    (a dual encoder) raise: each is converted by its own call."""
-    if not isinstance(model, nn.Module) or hf_attention.is_transformers_model(model):
+    (a dual encoder) raise: each is converted by its own call.  Data-parallel wrappers are not holders (the main
+    path refuses them: check_not_wrapped)."""
+    if (not isinstance(model, nn.Module) or hf_attention.is_transformers_model(model)
+            or isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)) or tp.fsdp_managed(model)):
         return None
     found: list[tuple[str, nn.Module]] = []
     for path, m in model.named_modules():

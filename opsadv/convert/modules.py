@@ -476,11 +476,10 @@ class FusedSwiGLUMLP(SwiGLUMLP):
         gu = self._gate_up()
         with scope_of(self):
             # FP8 (convert/fp8.py): inference one scaled_swiglu_gemm, training the FP8 gate_up GEMM + swiglu
-            h = self._fp8.gated(x, self.activation) if self._fp8 is not None else None
-            # (tensor-parallel weights: gate_up_proj runs as the module it is, under its plan's hooks)
-            if children_replaced(self):
-                h = ops.swiglu(gu(x), activation=self.activation)
-            elif h is None and (self.activation != "silu" or self._trains(x) or tp.is_dtensor(gu.weight)):
+            # (a gate_up_proj replaced after conversion, or tensor-parallel weights: it runs as the module it is)
+            replaced = children_replaced(self)
+            h = self._fp8.gated(x, self.activation) if self._fp8 is not None and not replaced else None
+            if h is None and (replaced or self.activation != "silu" or self._trains(x) or tp.is_dtensor(gu.weight)):
                 h = ops.swiglu(gu(x), activation=self.activation)
             elif h is None:
                 h = ops.swiglu_gemm(x, gu.weight.t(), bias=gu.bias)
