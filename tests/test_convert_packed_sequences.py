@@ -9,6 +9,8 @@ import pytest
 import torch
 
 import opsadv
+from opsadv import SparseLayout
+from opsadv.core.errors import InvalidArgumentError
 
 pytest.importorskip("transformers")
 from test_convert_architectures import _build, _rel, assert_same_grads, train_step_losses  # noqa: E402
@@ -79,21 +81,92 @@ def test_packed_rows_with_a_mask_or_a_batch_keep_transformers_mask():
         assert "reference.sparse_attention" not in t.counts, t.counts
 
 
-def test_packed_training_step_under_compile():
-    """torch.compile (aot_eager) of a packed training step: transformers' mask while tracing (the lengths would be a
-    host read), loss and gradients as the original's in eager."""
-    model, x = _model("llama")
-    conv = opsadv.convert_model(copy.deepcopy(model), floor=False, backend="reference", example_inputs=x)
+def _batches(model, x):
+    """name -> (inputs, labels): the packed row; two packed rows; a plain batch without a cache (which transformers
+    also builds the packed form for while compiling: it cannot tell on the host that nothing is packed)."""
     xp, labels, _ = _packed(model)
-    model.train()
-    conv.train()
-    model(**xp, **labels).loss.backward()
-    torch._dynamo.reset()
-    loss = torch.compile(lambda: conv(**xp, **labels).loss, backend="aot_eager")()
-    loss.backward()
-    want = model(**xp, **labels).loss.item()
-    assert abs(loss.item() - want) <= 1e-5 * abs(want)
-    assert_same_grads(model, conv, "llama packed compiled")
+    two = {k: (torch.cat([v, v]) if torch.is_tensor(v) else v) for k, v in xp.items()}
+    two["input_ids"] = torch.cat([xp["input_ids"], xp["input_ids"].flip(-1)])
+    return {"packed": (xp, labels), "two packed rows": (two, {"labels": torch.cat([labels["labels"]] * 2)}),
+            "plain, use_cache=False": ({"input_ids": x["input_ids"], "use_cache": False},
+                                       {"labels": x["input_ids"]})}
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma3_text"])
+def test_compiled_training_steps_without_a_cache_run_varlen(arch):
+    """torch.compile (aot_eager, fullgraph) of a training step without a cache: transformers' traced packed mask is
+    recognised by its structure and its segments are read off its values on the device, so each layer runs causal
+    varlen sparse_attention (a window on Mistral's and Gemma-3's local layers) instead of the dense masked kernel;
+    loss and every gradient as the original's in eager."""
+    model, x = _model(arch)
+    conv = opsadv.convert_model(copy.deepcopy(model), floor=False, backend="reference", example_inputs=x)
+    n = model.config.num_hidden_layers
+    for what, (inputs, labels) in _batches(model, x).items():
+        for m in (model, conv):
+            m.train()
+            m.zero_grad(set_to_none=True)
+        want = model(**inputs, **labels).loss
+        want.backward()
+        torch._dynamo.reset()
+        step = torch.compile(lambda: conv(**inputs, **labels).loss, backend="aot_eager", fullgraph=True)
+        with opsadv.trace() as t:
+            loss = step()
+            loss.backward()
+        assert abs(loss.item() - want.item()) <= 1e-5 * abs(want.item()), what
+        assert_same_grads(model, conv, f"{arch} {what} compiled", both_ways=True)
+        assert t.counts.get("reference.sparse_attention", 0) == 2 * n, (what, t.counts)    # forward + backward
+        assert "reference.flash_attention" not in t.counts, (what, t.counts)
+
+
+@pytest.mark.parametrize("window", [None, 1, 3])
+@pytest.mark.parametrize("lens", [[5, 1, 7], [13], [1, 1, 1], [4, 9, 2, 3]], ids=str)
+def test_packed_segments_reads_transformers_mask(lens, window):
+    """packed_segments on transformers' own packed masks (two rows, lengths with 1-token sequences, a window of
+    1): cu_seqlens over the rows laid end to end (b * s + 1 entries, trailing ones = b * s), whose varlen layout is
+    exactly the mask; the layout's segments never cross a row."""
+    from transformers import masking_utils as mu
+    from opsadv.convert.packed_segments import expected_mask, packed_segments
+    s = sum(lens)
+    pos = torch.cat([torch.arange(n) for n in lens])[None]
+    pos = torch.cat([pos, torch.arange(s)[None] + 2])          # second row: one sequence starting at position 2
+    seq_ids = mu.find_packed_sequence_indices(pos)
+    if seq_ids is None:
+        seq_ids = torch.zeros_like(pos)
+    inner = mu.causal_mask_function if window is None else mu.sliding_window_causal_mask_function(window)
+    fn = mu.and_masks(inner, mu.packed_sequence_mask_function(seq_ids))
+    m = mu.sdpa_mask(batch_size=2, q_length=s, kv_length=s, q_offset=0, kv_offset=0, mask_function=fn,
+                     attention_mask=None, allow_is_causal_skip=False, dtype=torch.float32, device=torch.device("cpu"))
+    left = None if window is None else window - 1
+    cu = packed_segments(m, left)
+    starts = [0]
+    for n in lens[:-1]:
+        starts.append(starts[-1] + n)
+    real = starts + [s] if window != 1 else list(range(2 * s))
+    want = real + [2 * s] * (2 * s + 1 - len(real))
+    assert cu.dtype == torch.int32 and cu.tolist() == want
+    assert torch.equal(expected_mask(m, -1 if left is None else left), m)
+    lay = SparseLayout.varlen([b - a for a, b in zip(want[:-1], want[1:])], causal=True,
+                              window=left, block_size=8)
+    dense = lay.dense_mask().reshape(2 * s, 2 * s)
+    assert torch.equal(dense[:s, :s], m[0, 0]) and torch.equal(dense[s:, s:], m[1, 0])
+    assert not dense[:s, s:].any() and not dense[s:, :s].any()
+
+
+def test_packed_segments_refuses_another_pattern():
+    """A mask that is not causal within its segments (a bidirectional block, as an image overlay adds; a window
+    the caller did not name) is refused with the op and the argument named, never run as the wrong pattern."""
+    from opsadv.convert.packed_segments import packed_segments
+    s = 9
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    overlay = causal.clone()
+    overlay[2:5, 2:5] = True
+    window = causal & ~torch.ones(s, s, dtype=torch.bool).tril(-3)
+    for bad, left in ((overlay, None), (window, None), (causal, 1)):
+        with pytest.raises(InvalidArgumentError, match="packed_segments.*mask"):
+            packed_segments(bad[None, None], left)
+    with pytest.raises(InvalidArgumentError, match="packed_segments.*bool tensor"):
+        packed_segments(causal[None, None].float())
+    assert packed_segments(window[None, None], 2).tolist() == [0] + [s] * s
 
 
 @pytest.mark.parametrize("remapped", [False, True], ids=["transformers-5.17-form", "remapped-positions-form"])

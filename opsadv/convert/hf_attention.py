@@ -41,6 +41,7 @@ from opsadv.ops.sparse_attention.layout import SparseLayout, capturing
 
 from .masks import MaskForm, causal_mask_of, form_of, key_padding_of
 from .modules import _exporting
+from .packed_segments import packed_segments
 from .packing import Pack, pack_of, packed_mask
 from .state import scope_of
 
@@ -258,8 +259,14 @@ def _attention_forward(module, query, key, value, attention_mask, dropout, scali
         mask = mask.to(query.dtype)
     with scope_of(module):
         pack = pack_of(attention_mask)
-        if pack is not None:                      # packed encoder rows (see packing.py): (1, h, N, d)
-            out = ops.sparse_attention(query, key, value, pack.layout, scale=scaling)
+        if pack is not None and pack.layout.seq_q == query.shape[0] * s_q == key.shape[0] * key.shape[2]:
+            # packed rows: (1, h, N, d) from the packed encoder (packing.py) or a packed decoder batch; (b, h, s, d)
+            # from a compiled packed form (_traced_packed_mask): the rows laid end to end
+            b = query.shape[0]
+            flat = (lambda t: t) if b == 1 else (lambda t: t.transpose(0, 1).reshape(1, t.shape[1], -1, t.shape[3]))
+            out = ops.sparse_attention(flat(query), flat(key), flat(value), pack.layout, scale=scaling)
+            if b > 1:
+                out = out.reshape(out.shape[1], b, s_q, out.shape[3]).transpose(0, 1)
             return out.transpose(1, 2).contiguous(), None
         kpm = key_padding_of(mask)
         f = form_of(mask)
@@ -507,6 +514,41 @@ def _packed_sequences(mu, fn, kwargs) -> tuple[list[int], int | None] | None:
     return torch.unique_consecutive(ids[0], return_counts=True)[1].tolist(), left
 
 
+def _traced_packed_window(mu, fn, kwargs):
+    """While dynamo traces: the window's left reach (None without a window) when `fn` has the shape of
+    create_causal_mask's (or create_sliding_window_causal_mask's) packed form, and_masks(<causal or window
+    function>, <same-sequence function>) built without a cache or an attention mask, else NotImplemented.  The
+    closures cannot be read while tracing (they hold traced tensors), so this is the call's structure only; the
+    mask's values are checked when the graph runs (packed_segments)."""
+    b, q_len, kv_len = kwargs.get("batch_size"), kwargs.get("q_length"), kwargs.get("kv_length")
+    if (fn is None or not hasattr(mu, "and_masks") or not torch.compiler.is_compiling()
+            or getattr(fn, "__code__", None) is not mu.and_masks(mu.causal_mask_function).__code__
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in (b, q_len, kv_len))
+            or q_len != kv_len or q_len < 2 or kwargs.get("q_offset", 0) != 0 or kwargs.get("kv_offset", 0) != 0
+            or kwargs.get("attention_mask") is not None or kwargs.get("use_vmap")
+            or kwargs.get("allow_is_causal_skip", True)):
+        return NotImplemented                     # (a packed form always turns the is_causal skip off)
+    local, cfg = kwargs.get("local_size"), kwargs.get("config")
+    if local is None:
+        return None
+    if isinstance(local, int) and local >= 1 and local == getattr(cfg, "sliding_window", None) \
+            and local != getattr(cfg, "attention_chunk_size", None):
+        return local - 1
+    return NotImplemented                         # (chunked attention: not a window)
+
+
+def _traced_packed_mask(m, b: int, s: int, left: int | None):
+    """transformers' materialized packed mask `m`, carrying the varlen layout of its segments over the b rows laid
+    end to end (segments of at most s tokens: max_seqlen = s without a host read)."""
+    n = b * s
+    cu = packed_segments(m, left)
+    nb = -(-n // BLOCK)
+    bm = torch.full((1, 1, nb, nb), left is None, dtype=torch.bool, device=m.device)
+    lay = SparseLayout(n, n, BLOCK, bm, True, None if left is None else (left, 0), cu_seqlens=cu,
+                       dense_blocks=left is None, max_seqlen=s)
+    return packed_mask(Pack(None, None, lay, b, s), m)
+
+
 def _cells(fn, code) -> dict | None:
     """The closure variables of `fn` when it is a closure of `code`."""
     if getattr(fn, "__code__", None) is not code or getattr(fn, "__closure__", None) is None:
@@ -527,6 +569,13 @@ def opsadv_mask(*args, **kwargs):
             seqlens, left = packed
             lay = SparseLayout.varlen(seqlens, causal=True, window=left, block_size=BLOCK, device=m.device)
             m = packed_mask(Pack(None, None, lay, 1, sum(seqlens)), m)
+        return m
+    left = NotImplemented if args else _traced_packed_window(mu, fn, kwargs)
+    if left is not NotImplemented:
+        m = mu.sdpa_mask(*args, **kwargs)
+        if isinstance(m, torch.Tensor) and m.dtype == torch.bool and tuple(m.shape) == (
+                kwargs["batch_size"], 1, kwargs["q_length"], kwargs["kv_length"]):
+            m = _traced_packed_mask(m, kwargs["batch_size"], kwargs["q_length"], left)
         return m
     if not args and fn is getattr(mu, "causal_mask_function", None):
         m = _causal_form(mu, kwargs)

@@ -51,6 +51,12 @@ def _nblocks(n: int, bs: int) -> int:
     return -(-n // bs)
 
 
+def _readable(t: Tensor) -> bool:
+    """t's values can be read on the host now: not while a CUDA graph is captured or dynamo traces (a layout built
+    in a compiled graph takes its facts from the code that built it)."""
+    return not capturing(t) and not torch.compiler.is_compiling()
+
+
 def _check_int(name: str, v, lo: int = 0) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < lo:
         raise InvalidArgumentError(OP, name, f"an int >= {lo}", repr(v))
@@ -107,7 +113,7 @@ class SparseLayout:
                 raise InvalidArgumentError(OP, "layout.cu_seqlens", "a packed batch with s_q == s_k", (self.seq_q, self.seq_k))
             # values are checked on the host, except while a CUDA graph is captured (no sync allowed there)
             if not isinstance(cu, Tensor) or cu.dim() != 1 or cu.dtype not in (torch.int32, torch.int64) \
-                    or cu.numel() < 2 or (not capturing(cu) and (int(cu[0]) != 0 or int(cu[-1]) != self.seq_q
+                    or cu.numel() < 2 or (_readable(cu) and (int(cu[0]) != 0 or int(cu[-1]) != self.seq_q
                                                                  or bool((cu[1:] < cu[:-1]).any()))):
                 raise InvalidArgumentError(OP, "layout.cu_seqlens",
                                            f"int cumulative lengths from 0 to {self.seq_q}, non-decreasing",
@@ -121,7 +127,7 @@ class SparseLayout:
         are verified against the tensors whenever those can be read (not during graph capture)."""
         if not isinstance(self.dense_blocks, bool):
             raise InvalidArgumentError(OP, "layout.dense_blocks", "a bool", repr(self.dense_blocks))
-        if self.dense_blocks and not capturing(self.block_mask) and not bool(self.block_mask.all()):
+        if self.dense_blocks and _readable(self.block_mask) and not bool(self.block_mask.all()):
             raise InvalidArgumentError(OP, "layout.dense_blocks", "True only for an all-True block mask",
                                        f"a block mask with {int((~self.block_mask).sum())} False blocks")
         ms, cu = self.max_seqlen, self.cu_seqlens
@@ -131,7 +137,7 @@ class SparseLayout:
             raise InvalidArgumentError(OP, "layout.max_seqlen", "None without cu_seqlens (it bounds packed segments)",
                                        repr(ms))
         _check_int("layout.max_seqlen", ms)
-        if not capturing(cu):
+        if _readable(cu):
             longest = int((cu[1:] - cu[:-1]).max())
             if ms < longest:
                 raise InvalidArgumentError(OP, "layout.max_seqlen", f">= the longest segment ({longest})", ms)
