@@ -314,7 +314,8 @@ def test_models_suite_quick_cases_construct():
     assert "decode bf16 b1 new128 static mistral 0.5b" in {c.name for c in full}
     assert "prefill bf16 b8 s2048 qwen2 0.5b compiled" in {c.name for c in full}
     packed = [c.name for c in full if c.packed]                     # one per causal architecture and size
-    assert "train bf16 b1 s8192 packed llama3 0.5b" in packed and not any(n.endswith("compiled") for n in packed)
+    assert {"train bf16 b1 s8192 packed llama3 0.5b", "train bf16 b1 s8192 packed llama3 0.5b compiled"} <= set(packed)
+    assert len(packed) == 2 * sum(2 for e in Z.ZOO.values() if e.kind == "causal")
     pad = next(c for c in full if c.name == "train bf16 b4 s2048 padded llama3 1.5b")
     assert pad.pad_tokens == 300
     fp8 = [c.name for c in full if c.dtype == "fp8"]               # convert_model(precision="fp8"), GPU only

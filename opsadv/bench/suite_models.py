@@ -28,7 +28,7 @@ modes of its kind (labels in `mode`, the heatmap's columns):
                           s2048, padded = the last row right-padded by 300 tokens (labels -100 there);
                           causal LMs also "train packed": the same 8192 tokens as one padding-free row of
                           sequences of 256-2048 tokens with their own position ids (DataCollatorWithFlattening's
-                          form, model_zoo.packed_inputs; not compiled: our varlen path reads the lengths);
+                          form, model_zoo.packed_inputs), eager and compiled;
                           encoders b32 s512 sequence classification (padded ~30%); ViT b32; T5 b8 s512/128
 and each again " compiled": compiled converted vs compiled unconverted.  FP8 cells, GPU only (convert_model(precision=
 "fp8"), issue 42): "prefill fp8 b8 s2048 llama3 1.5b" and "train fp8 b4 s2048 llama3 1.5b", Llama-3.2-1B's
@@ -229,8 +229,9 @@ def cells(quick: bool, dtype: str = "bf16") -> list[Cell]:
                     base.append(Cell(family="train", batch=b, seq=s, dec_seq=d, padded=padded, **kw))
             out += base
             if e.kind == "causal" and (not q or arch in q["compiled_archs"]):
-                b, s = q["train"] if q else TRAIN      # the same tokens as the train cell, packed (not compiled:
-                out.append(Cell(family="train", batch=1, seq=b * s, packed=True, **kw))   # a host read)
+                b, s = q["train"] if q else TRAIN      # the same tokens as the train cell, packed
+                packed = Cell(family="train", batch=1, seq=b * s, packed=True, **kw)
+                out += [packed, Cell(**{**packed.__dict__, "compiled": True})]
             if arch == PAGED_ARCH and size == (q["paged_size"] if q else PAGED_SIZE):
                 p, n = (q["prompt"], q["new_tokens"]) if q else (PAGED_PROMPT, PAGED_NEW)
                 out += [Cell(family="decode", batch=b, seq=p, cache="paged", new_tokens=n, **kw)
