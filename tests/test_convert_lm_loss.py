@@ -239,6 +239,50 @@ def test_new_tokens_after_conversion_keep_the_fused_loss(arch, copied):
     assert conv.lm_head is old_head or not old_head._forward_pre_hooks
 
 
+def _patch_like_trl(model):
+    """What TRL's SFTTrainer does to the instance after conversion: a forward that, with fused_lm_head=True, runs
+    the backbone and scores the labels against lm_head's weight itself (it needs the labels), else the original."""
+    original = model.forward
+
+    def forward(*args, fused_lm_head=False, labels=None, **kwargs):
+        if not fused_lm_head:
+            return original(*args, labels=labels, **kwargs)
+        hidden = model.model(*args, **kwargs).last_hidden_state[:, :-1]
+        logits = hidden @ model.get_output_embeddings().weight.T
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels[:, 1:].flatten())
+        return tf.modeling_outputs.CausalLMOutput(loss=loss)
+    model.forward = forward
+
+
+def test_a_forward_replaced_after_conversion_keeps_its_arguments_and_labels():
+    """A call with arguments the model's forward does not take (TRL's fused_lm_head) is left to the forward that
+    replaced it, labels included, and counted; a call without them still takes the fused loss."""
+    orig = _orig("llama3")
+    conv = _convert(copy.deepcopy(orig))
+    for m in (orig, conv):
+        _patch_like_trl(m)
+        m.train()
+    x, labels = _batch(orig.config, 2, 11)
+    ref = orig(**x, labels=labels, fused_lm_head=True)
+    ref.loss.backward()
+    with opsadv.trace() as t:
+        out = conv(**x, labels=labels, fused_lm_head=True)
+    out.loss.backward()
+    assert "reference.linear_cross_entropy" not in t.counts and _rel(out.loss, ref.loss) < 1e-5
+    _grads_match(orig, conv)
+    assert any("fused_lm_head" in k for k in conv._opsadv_state.fallbacks), conv._opsadv_state.fallbacks
+    for m in (orig, conv):
+        m.zero_grad(set_to_none=True)
+    ref = orig(**x, labels=labels)
+    ref.loss.backward()
+    with opsadv.trace() as t:
+        out = conv(**x, labels=labels)
+    out.loss.backward()
+    assert "reference.linear_cross_entropy" in t.counts and _rel(out.loss, ref.loss) < 1e-5
+    _grads_match(orig, conv)
+    assert conv._opsadv_lm_loss.calls == []
+
+
 def test_rewrites_off_and_undo():
     orig = _orig("llama3")
     x, labels = _batch(orig.config, 2, 9)

@@ -61,6 +61,26 @@ class _Call:
                                             # input is not the whole batch): the loss comes from the logits
 
 
+_known_kwargs: dict[type, frozenset[str]] = {}
+
+
+def _foreign_kwargs(model, kwargs) -> list[str]:
+    """The call's keyword arguments that neither the model class's forward names nor transformers' TransformersKwargs
+    lists: arguments for a forward installed over it after conversion (TRL's SFTTrainer patches the instance's
+    forward with `fused_lm_head`, which needs the labels), which the seam must leave to that forward."""
+    cls = type(model)
+    known = _known_kwargs.get(cls)
+    if known is None:
+        names = set(inspect.signature(cls.forward).parameters)
+        try:
+            from transformers.utils.generic import TransformersKwargs
+            names |= set(getattr(TransformersKwargs, "__annotations__", {}))
+        except ImportError:
+            pass
+        known = _known_kwargs[cls] = frozenset(names | {"shift_labels", "ignore_index", "return_dict"})
+    return sorted(k for k in kwargs if k not in known)
+
+
 class LossSeam:
     """The hooks of one converted causal LM and the state of its calls in flight (a stack: one entry per call of the
     model's forward, None where the call runs unchanged, so a re-entered forward pairs its own hooks)."""
@@ -94,6 +114,13 @@ class LossSeam:
         if labels is None or not (model.training or self.force) or not self.uses_causal_loss(model) \
                 or not self.follow_head(model):
             self.calls.append(None)
+            return None
+        foreign = _foreign_kwargs(model, kwargs)
+        if foreign:                         # a forward replaced after conversion reads these, and maybe the labels
+            self.calls.append(None)         # (TRL's fused_lm_head): it computes the loss its own way
+            if self.state is not None:
+                self.state.note_fallback(f"lm_loss: arguments the model's forward does not take ({', '.join(foreign)})"
+                                         " -> the replaced forward's own loss")
             return None
         softcap = getattr(model.config, "final_logit_softcapping", None) if self.softcap else None
         self.calls.append(_Call(labels, kwargs.get("shift_labels"), kwargs.get("num_items_in_batch"),
@@ -340,6 +367,7 @@ def lm_loss_pass(model: nn.Module, report: ConversionReport, undo, state) -> boo
     p = params[names.index("labels")]
     labels_at = names.index("labels") - 1 if p.kind is p.POSITIONAL_OR_KEYWORD else None     # (- self)
     seam = LossSeam(state, labels_at, "final_logit_softcapping" in code.co_names, ForCausalLMLoss, LOSS_MAPPING)
+    _foreign_kwargs(model, {})              # (the class's known arguments, read now: not while dynamo traces a call)
     if why is None and not seam.uses_causal_loss(model):
         why = f"loss_type {getattr(model, 'loss_type', None)!r}: its loss is not ForCausalLMLoss"
     if why is not None:
