@@ -118,6 +118,37 @@ def test_compiled_training_steps_without_a_cache_run_varlen(arch):
         assert "reference.flash_attention" not in t.counts, (what, t.counts)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA kernels need a GPU")
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_gpu_compiled_training_steps_without_a_cache_run_varlen(arch):
+    """The same on the GPU (bf16, backend auto, inductor): each batch's segments come from the mask on the device
+    (cu_seqlens of b * s + 1 entries, most of them empty trailing segments) and a CUDA sparse_attention kernel
+    serves forward and backward; loss and gradients within bf16 rounding of the unconverted model's in eager."""
+    model, x = _model(arch)
+    model = model.to("cuda", torch.bfloat16)
+    conv = opsadv.convert_model(copy.deepcopy(model), floor=False, backend="auto",
+                                example_inputs={k: v.cuda() for k, v in x.items()})
+    for what, (inputs, labels) in _batches(model, x).items():
+        inputs = {k: (v.cuda() if torch.is_tensor(v) else v) for k, v in inputs.items()}
+        labels = {k: v.cuda() for k, v in labels.items()}
+        for m in (model, conv):
+            m.train()
+            m.zero_grad(set_to_none=True)
+        want = model(**inputs, **labels).loss
+        want.backward()
+        torch._dynamo.reset()
+        step = torch.compile(lambda: conv(**inputs, **labels).loss)
+        with opsadv.trace() as t:
+            loss = step()
+            loss.backward()
+        assert loss.item() == pytest.approx(want.item(), rel=2e-2), what
+        ran = [k for k in t.counts if "attention" in k or "varlen" in k]      # (impl ids: cuda.sdpa.flash_varlen)
+        assert ran and not any("flash_attention" in k or k.startswith("reference") for k in ran), (what, t.counts)
+        for (name, a), b in zip(model.named_parameters(), conv.parameters()):
+            rel = ((b.grad.float() - a.grad.float()).norm() / a.grad.float().norm().clamp_min(1e-30)).item()
+            assert rel < 0.05, (what, name, rel)
+
+
 @pytest.mark.parametrize("window", [None, 1, 3])
 @pytest.mark.parametrize("lens", [[5, 1, 7], [13], [1, 1, 1], [4, 9, 2, 3]], ids=str)
 def test_packed_segments_reads_transformers_mask(lens, window):
