@@ -330,6 +330,33 @@ def test_wrapper_plumbing_against_emulated_fa2(monkeypatch, causal, hq, hk):
         assert x.shape == y.shape and rel_err(x, y) < 1e-5
 
 
+def test_trailing_empty_segments_are_not_launched(monkeypatch):
+    """A compiled packed batch's cu_seqlens has b * s + 1 entries, most of them empty trailing segments (built
+    without a host read); FA2's grid spans the segments, so the wrapper hands it only the live ones (one read per
+    cu tensor), with the same outputs and gradients as the exact layout."""
+    fa2, seen = FakeFA2(), []
+    fwd, bwd = fa2.forward, fa2.backward
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward",
+                        lambda q, k, v, cu_q, *a, **kw: seen.append(cu_q.tolist()) or fwd(q, k, v, cu_q, *a, **kw))
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_backward",
+                        lambda *a, **kw: seen.append(a[6].tolist()) or bwd(*a, **kw))
+    lens = [13, 0, 1, 30]
+    exact = SparseLayout.varlen(lens, causal=True, block_size=16)
+    n, d, g = exact.seq_q, 16, torch.Generator().manual_seed(7)
+    padded = torch.cat([exact.cu_seqlens, torch.full((n - len(lens),), n, dtype=torch.int32)])
+    q, k, v = (torch.randn(1, 2, n, d, generator=g) for _ in range(3))
+    dout = torch.randn(1, 2, n, d, generator=g)
+    outs = []
+    for cu in (exact.cu_seqlens, padded):
+        args = (exact.block_mask, None, cu, 16, True, -1, -1, 0, 0.25, True, 44)
+        out, lse = sdpa.flash_varlen_fwd(None, q, k, v, *args)
+        outs.append((out, lse, *sdpa.flash_varlen_bwd(None, dout, q, k, v, out, lse, *args)))
+    assert seen == [[0, 13, 13, 14, 44]] * 4
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    assert sdpa.live_segments(torch.tensor([0, 0, 0], dtype=torch.int32)).tolist() == [0, 0]
+
+
 def test_wrapper_refuses_a_missing_bound():
     q = torch.empty(1, 2, 8, 16)
     with pytest.raises(ValueError, match="max_seqlen"):

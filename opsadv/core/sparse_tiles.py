@@ -21,6 +21,28 @@ def capturing(t: Tensor | None) -> bool:
     return t is not None and t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+# ---- cu_seqlens without its trailing empty segments ------------------------------------------------------
+_live_cache: dict[int, tuple] = {}
+
+
+def live_segments(cu: Tensor) -> Tensor:
+    """cu_seqlens up to its last non-empty segment: a layout built without a host read (a compiled packed batch:
+    b * s + 1 entries, most of them empty trailing segments) would make a kernel whose grid spans the segments (FA2
+    varlen) launch b * s of them.  One host read per cu tensor (cached on its identity and version); unchanged while
+    a CUDA graph is captured (nothing may be read then)."""
+    if cu.numel() <= 2 or capturing(cu):
+        return cu
+    hit = _live_cache.get(id(cu))
+    if hit is not None and hit[0]() is cu and hit[1] == cu._version:
+        n = hit[2]                                # (the count, not a view: a view would keep cu alive)
+    else:
+        n = max(1, int((cu[:-1] < cu[-1]).sum()))  # segments that start before the end (non-decreasing cu)
+        if hit is None:
+            weakref.finalize(cu, _live_cache.pop, id(cu), None)
+        _live_cache[id(cu)] = (weakref.ref(cu), cu._version, n)
+    return cu if n + 1 == cu.numel() else cu[:n + 1]
+
+
 # ---- tile index: which (block_m x block_n) tiles a kernel visits -------------------------------------
 class TileIndex(NamedTuple):
     """Row-major lists of the tiles with at least one allowed pair, per (b|1, h|1, row tile):

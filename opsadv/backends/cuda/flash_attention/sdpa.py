@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from opsadv.core.kernel import MEMORY_FLASH, PRIORITY_VENDOR, KernelImpl, MemoryTraits
+from opsadv.core.sparse_tiles import live_segments
 
 BASE_FEATURES = frozenset({"causal", "gqa", "cross_length"})
 MASK_FEATURES = frozenset({"attn_mask_bool", "attn_mask_float"})
@@ -248,6 +249,7 @@ def _bhsd(t: torch.Tensor) -> torch.Tensor:
 
 
 def _cu32(cu: torch.Tensor) -> torch.Tensor:
+    cu = live_segments(cu)                       # (FA2's grid spans the segments: not the empty trailing ones)
     return cu if cu.dtype == torch.int32 and cu.is_contiguous() else cu.to(torch.int32).contiguous()
 
 
