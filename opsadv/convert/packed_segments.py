@@ -38,23 +38,34 @@ def _segments(mask: Tensor, left: int) -> tuple[Tensor, Tensor]:
     return boundary, start
 
 
+def _expected_rows(start: Tensor, rows: slice, s: int, left: int) -> Tensor:
+    """Rows `rows` of the (b, s, s) mask of causal attention within the segments (and the window)."""
+    i = torch.arange(s, device=start.device)[rows, None]
+    j = torch.arange(s, device=start.device)[None, :]
+    ok = (j <= i) & (j >= start[:, rows, None])
+    if left >= 0:
+        ok = ok & (j >= i - left)
+    return ok
+
+
 def expected_mask(mask: Tensor, left: int) -> Tensor:
     """The (b, 1, s, s) mask of causal attention within the segments `mask` implies (and the window)."""
     _, start = _segments(mask, left)
+    return _expected_rows(start, slice(None), mask.shape[-1], left)[:, None]
+
+
+def _matches(mask: Tensor, start: Tensor, left: int, rows_per_step: int = 1024) -> bool:
+    """mask equals the expected one, compared a block of rows at a time (a long row's s x s temporaries)."""
     s = mask.shape[-1]
-    i = torch.arange(s, device=mask.device)[:, None]
-    j = torch.arange(s, device=mask.device)[None, :]
-    ok = (j <= i) & (j >= start[:, :, None])
-    if left >= 0:
-        ok = ok & (j >= i - left)
-    return ok[:, None]
+    return all(torch.equal(mask[:, 0, r:r + rows_per_step], _expected_rows(start, slice(r, r + rows_per_step), s, left))
+               for r in range(0, s, rows_per_step))
 
 
 @torch.library.custom_op("opsadv::packed_segments", mutates_args=())
 def _packed_segments(mask: Tensor, left: int) -> Tensor:
     b, _, s, _ = mask.shape
-    boundary, _ = _segments(mask, left)
-    if not capturing(mask) and not torch.equal(mask, expected_mask(mask, left)):
+    boundary, start = _segments(mask, left)
+    if not capturing(mask) and not _matches(mask, start, left):
         raise InvalidArgumentError(
             OP, "mask", "transformers' packed causal mask (causal within runs of position ids that step by 1"
             + (f", within a window of {left + 1} keys)" if left >= 0 else ")"),
