@@ -156,7 +156,7 @@ def test_packed_segments_reads_transformers_mask(lens, window):
     1): cu_seqlens over the rows laid end to end (b * s + 1 entries, trailing ones = b * s), whose varlen layout is
     exactly the mask; the layout's segments never cross a row."""
     from transformers import masking_utils as mu
-    from opsadv.convert.packed_segments import expected_mask, packed_segments
+    from opsadv.ops.sparse_attention.packed_segments import expected_mask, packed_segments
     s = sum(lens)
     pos = torch.cat([torch.arange(n) for n in lens])[None]
     pos = torch.cat([pos, torch.arange(s)[None] + 2])          # second row: one sequence starting at position 2
@@ -186,7 +186,7 @@ def test_packed_segments_reads_transformers_mask(lens, window):
 def test_packed_segments_refuses_another_pattern():
     """A mask that is not causal within its segments (a bidirectional block, as an image overlay adds; a window
     the caller did not name) is refused with the op and the argument named, never run as the wrong pattern."""
-    from opsadv.convert.packed_segments import packed_segments
+    from opsadv.ops.sparse_attention.packed_segments import packed_segments
     s = 9
     causal = torch.ones(s, s, dtype=torch.bool).tril()
     overlay = causal.clone()

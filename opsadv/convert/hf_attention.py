@@ -41,7 +41,7 @@ from opsadv.ops.sparse_attention.layout import SparseLayout, capturing
 
 from .masks import MaskForm, causal_mask_of, form_of, key_padding_of
 from .modules import _exporting
-from .packed_segments import packed_segments
+from opsadv.ops.sparse_attention.packed_segments import packed_segments
 from .packing import Pack, pack_of, packed_mask
 from .state import scope_of
 

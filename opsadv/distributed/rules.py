@@ -140,6 +140,12 @@ def varlen_attention(c: Call):
     return (s, s), {"q": s, "k": s, "v": s, "cu_seqlens_q": R, "cu_seqlens_k": R}
 
 
+def packed_segments(c: Call):
+    """The segments of a packed causal mask over its batch rows laid end to end: the whole mask, one cu_seqlens
+    (attention's heads may be split; its tokens are not)."""
+    return (R,), {"mask": R}
+
+
 # ---- gemm / swiglu_gemm / swiglu -----------------------------------------------------------------------------
 
 
@@ -556,6 +562,7 @@ ALL = {
     "paged_attention": (paged_attention, ()),
     "paged_attention_append": (paged_attention_append, ()),
     "varlen_attention": (varlen_attention, ()),
+    "packed_segments": (packed_segments, ()),
     "gemm": (gemm, ()),
     "gemm_backward": (gemm_backward, ("grad",)),
     "scaled_gemm": (scaled_gemm, ()),

@@ -33,7 +33,7 @@ from opsadv.core.op_common import (AUTOGRAD_FN, DIRECT, TORCH_OPS, carry_policy,
                       transforms_active, unwrap_if_dead)
 from opsadv.core.opdef import OpDef, Reference, arg
 from ..flash_attention import attention_buckets, check_head_dim, default_scale, empty_result, lse_dtype
-from . import cases as _cases, reference as _reference
+from . import cases as _cases, packed_segments as _packed_segments, reference as _reference  # noqa: F401 (registers opsadv::packed_segments)
 
 
 OP = "sparse_attention"

@@ -1,12 +1,12 @@
-"""Packed sequences inside a compiled graph: the varlen segments of transformers' packed causal mask, derived from
-the mask's values on the device (an opaque op, so dynamo traces no host read).
+"""Packed sequences inside a compiled graph: the varlen segments of transformers' packed causal mask (for
+convert/hf_attention.py), derived from the mask's values on the device (an opaque op: dynamo traces no host read).
 
 Without a cache and without an attention mask, transformers builds a decoder's mask from the position ids: causal
 within each run of positions that step by 1 (a new sequence wherever they do not).  In eager calls the mask
-function's closure names the sequence ids (hf_attention._packed_sequences); while dynamo traces, the closure holds a
-traced tensor it cannot read, and transformers then builds that packed form for *every* batch without a cache (it
-cannot check on the host whether the rows are packed), so `use_cache=False` training under torch.compile would
-otherwise take the dense masked kernel on every layer.
+function's closure names the sequence ids (convert/hf_attention.py's _packed_sequences); while dynamo traces, the
+closure holds a traced tensor it cannot read, and transformers then builds that packed form for *every* batch
+without a cache (it cannot check on the host whether the rows are packed), so `use_cache=False` training under
+torch.compile would otherwise take the dense masked kernel on every layer.
 
 `packed_segments(mask, left)` reads the segments off the materialized (b, 1, s, s) bool mask: a sequence starts at
 row 0 of each batch row and wherever query i may not see key i - 1.  It returns FlashAttention-style cu_seqlens of
