@@ -59,7 +59,7 @@ from opsadv.ops.fp8_attention import quantize_qkv
 from opsadv.ops.scaled_gemm import E4M3, E5M2, FP8_MAX, new_amax_history, quantize_fp8
 
 from . import tp, validate as _val
-from .modules import DenseResidualNorm, FusedSwiGLUMLP, LinearAct, QKVProjection, SwiGLUMLP
+from .modules import DenseResidualNorm, FusedSwiGLUMLP, LinearAct, QKVProjection, SwiGLUMLP, quantized_linear
 from .hf_attention import FP8_FLAG, NAME as ATTN_NAME, attention_modules, attention_pass
 from .passes import Undo
 from .state import scope_of
@@ -401,7 +401,7 @@ def find_sites(model: nn.Module, recipe: Fp8Recipe, report, state) -> list[Site]
             add(path, "dense (+ bias)", Fp8Gemm(m.dense, m.dense if m.dense.bias is not None else None,
                 recipe=recipe, state=state), m, "_fp8", k=m.dense.in_features, n=m.dense.out_features)
     for path, parent, name, child in _named_children(model):
-        if type(child) is not nn.Linear or id(child) in covered:
+        if type(child) is not nn.Linear or id(child) in covered or quantized_linear(child):
             continue
         covered.add(id(child))
         if child is out_emb and not recipe.lm_head:

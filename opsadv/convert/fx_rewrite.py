@@ -307,7 +307,8 @@ def _activation(gm, n):
 
 
 def _match_linear_act(gm, n, sid):
-    if n.op != "call_module" or not isinstance(_resolve(gm, n.target), nn.Linear) or len(n.args) != 1:
+    if n.op != "call_module" or not isinstance(_resolve(gm, n.target), nn.Linear) or len(n.args) != 1 \
+            or _mods.quantized_linear(_resolve(gm, n.target)):
         return None
     u = _one_user(n)
     act = _activation(gm, u) if u is not None else None

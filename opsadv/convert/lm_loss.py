@@ -43,6 +43,7 @@ from opsadv.core import tuning
 
 from . import tp, validate as _val
 from .hf_attention import is_transformers_model
+from .modules import quantized_linear
 from .report import ConversionReport
 from .rotary import _innermost
 
@@ -289,6 +290,8 @@ def _why_not_head(head) -> str | None:
     if not isinstance(head, nn.Linear):
         return (f"no lm_head nn.Linear (output embeddings: {type(head).__name__}); the fused loss reads the output "
                 "projection's weight")
+    if quantized_linear(head):
+        return f"lm_head is quantized ({quantized_linear(head)}): the fused loss reads a float weight"
     if tp.is_dtensor(head.weight) and not tp.vocab_split(head.weight, head.bias):
         return (f"lm_head is tensor-parallel with weight placements {tuple(head.weight.placements)}: the fused loss "
                 "takes a whole weight or one split over the vocabulary (Shard(0) on one mesh dim, bias alike); the "

@@ -27,6 +27,20 @@ def _exporting() -> bool:
     return bool(_is_compiling() or _is_exporting())
 
 
+def quantized_linear(m) -> str | None:
+    """Why nn.Linear `m` holds no plain float weight that a fused GEMM can read (bitsandbytes' Linear4bit /
+    Linear8bitLt: packed integer Params4bit / Int8Params; torchao and other tensor-subclass quantizations), else
+    None.  Such a layer computes in its own forward; fusing it would read the packed storage as a weight."""
+    w = getattr(m, "weight", None)
+    if not isinstance(w, torch.Tensor):
+        return f"{type(m).__name__} has no weight tensor"
+    if tp.is_dtensor(w):
+        return None if w.dtype.is_floating_point else f"{type(m).__name__}: a {w.dtype} DTensor weight"
+    if type(w) not in (nn.Parameter, torch.Tensor) or not w.dtype.is_floating_point:
+        return f"{type(m).__name__} ({type(w).__name__} {str(w.dtype).replace('torch.', '')})"
+    return None
+
+
 class _RowsOf(torch.autograd.Function):
     """buf, whose row blocks the parameters are, as a differentiable function of them: no copy forward (the
     concatenation already exists); backward, the gradient's row blocks, which are views and contiguous where the

@@ -12,7 +12,7 @@ from torch.nn import functional as F
 from opsadv.core import tuning
 from opsadv.runtime import apply_memory_policy
 
-from .modules import (DenseResidualNorm, FusedRows, FusedSwiGLUMLP, LinearAct, NamedGatedMLP, OpsadvNorm, QKVGroup,
+from .modules import (DenseResidualNorm, quantized_linear, FusedRows, FusedSwiGLUMLP, LinearAct, NamedGatedMLP, OpsadvNorm, QKVGroup,
                       QKVProjection, SwiGLUMLP)
 from . import tp
 from .report import ConversionReport
@@ -214,7 +214,8 @@ def _check_equivalent(orig, new, make_inputs, dtype) -> tuple[bool, float]:
 
 
 def _linear(m) -> bool:
-    return isinstance(m, nn.Linear)
+    """A Linear whose float weight a fused GEMM may read (not a quantized one: quantized_linear)."""
+    return isinstance(m, nn.Linear) and quantized_linear(m) is None
 
 
 def _conv1d(m) -> bool:
@@ -231,6 +232,11 @@ GATED_ACTS = ("silu", "gelu_tanh")      # the swiglu op's activations: SwiGLU, G
 _GATED_KERNELS = "gated kernels: SiLU (SwiGLU) and tanh GELU (GeGLU)"
 
 
+_PROJ_NAMES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query", "key", "value", "query_key_value", "c_attn", "Wqkv")
+_MLP_LINEARS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj", "c_fc", "c_proj", "fc1", "fc2", "dense",
+                "dense_h_to_4h", "dense_4h_to_h", "wi", "wi_0", "wi_1", "wo", "w1", "w2", "w3")
+
+
 def _mlp_candidate(m):
     """(new module, description) for a supported MLP structure, else (None, reason or None)."""
     kids = dict(m.named_children())
@@ -238,6 +244,10 @@ def _mlp_candidate(m):
     if set(wrapped) & {"gate_proj", "up_proj", "gate_up_proj", "c_fc"}:       # an MLP's (not an attention's)
         return None, (f"{', '.join(wrapped)} carry an adapter ({type(kids[wrapped[0]]).__module__.split('.')[0]}: "
                       "LoRA / ...): their own forward adds it, which a fused GEMM would drop")
+    quant = [n for n, k in kids.items() if n in _MLP_LINEARS and isinstance(k, nn.Linear) and quantized_linear(k)]
+    if quant and len(set(kids) & set(_MLP_LINEARS)) >= 2 and not set(kids) & set(_PROJ_NAMES):    # an MLP's
+        return None, (f"quantized {', '.join(quant)} ({quantized_linear(kids[quant[0]])}): each computes in its own "
+                      "forward, which a fused GEMM over float weights would bypass")
     if all(_linear(kids.get(n)) for n in ("gate_proj", "up_proj", "down_proj")) and hasattr(m, "act_fn"):
         act = probe_activation(m.act_fn)
         g, u = kids["gate_proj"], kids["up_proj"]
@@ -419,7 +429,12 @@ def qkv_pass(model, report, undo: Undo, state, mem_opt: int | None = None) -> No
             lins = [getattr(m, n, None) for n in names]
             if not all(_linear(x) for x in lins):
                 wrapped = [n for n, x in zip(names, lins) if _adapter_wrapped(x)]
-                if wrapped and all(_linear(x) or _adapter_wrapped(x) for x in lins):
+                quant = [(n, x) for n, x in zip(names, lins) if isinstance(x, nn.Linear) and quantized_linear(x)]
+                if quant and all(isinstance(x, nn.Linear) for x in lins):
+                    report.add("skipped", path, "q/k/v projections", f"quantized {', '.join(n for n, _ in quant)} "
+                               f"({quantized_linear(quant[0][1])}): each computes in its own forward, which one fused "
+                               "GEMM over float weights would bypass")
+                elif wrapped and all(_linear(x) or _adapter_wrapped(x) for x in lins):
                     report.add("skipped", path, "q/k/v projections", f"{', '.join(wrapped)} carry an adapter "
                                f"({type(getattr(m, wrapped[0])).__module__.split('.')[0]}: LoRA / ...): their own "
                                "forward adds it, which one fused GEMM would drop")

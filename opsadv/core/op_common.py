@@ -227,14 +227,21 @@ def autograd_function(name: str, route, setup_context, backward, *, stats: tuple
     `stats`: indices of outputs that carry no gradient (saved statistics such as mean / rstd).  They
     are marked non-differentiable and, with `stats` given, grads are not materialized: the backward
     gets None for unused outputs (it must handle None), which spares autograd's thread one
-    zero-filled tensor per unused output."""
+    zero-filled tensor per unused output.  A call where no output got a gradient (its consumer's backward
+    returned None: a layer whose input gradient is not computed) gives None for every input, as aten's
+    formulas do with undefined gradients."""
     def forward(ctx, *inputs):
         out = route(*inputs)
         _after_forward(ctx, inputs, out, setup_context, stats)
         return out
 
+    def backward_or_none(ctx, *grads):
+        if all(g is None for g in grads):
+            return (None,) * len(ctx.needs_input_grad)
+        return backward(ctx, *grads)
+
     fn = type(name, (torch.autograd.Function,), {"forward": staticmethod(forward),
-                                                 "backward": staticmethod(backward)})
+                                                 "backward": staticmethod(backward_or_none if stats else backward)})
     return fn.apply
 
 
@@ -254,6 +261,8 @@ def resolved_autograd_function(name: str, setup_context, backward, *, stats: tup
         return out
 
     def resolved_backward(ctx, *grads):
+        if all(g is None for g in grads):
+            return (None,) * len(ctx.needs_input_grad)
         return (None, *backward(ctx, *grads))
 
     fn = type(name, (torch.autograd.Function,), {"forward": staticmethod(forward),
