@@ -118,6 +118,25 @@ def test_compiled_training_steps_without_a_cache_run_varlen(arch):
         assert "reference.flash_attention" not in t.counts, (what, t.counts)
 
 
+def test_compiled_cache_free_step_whose_attention_falls_back():
+    """Gemma-2's softcapped attention has no opsadv kernel: under compile its calls get the packed form's mask too,
+    and the fallback (the modeling file's eager attention) reads transformers' own (b, 1, s, s) values from it, not
+    the layout's rows laid end to end."""
+    from test_convert_architectures import _build
+    model, x, _, _ = _build("causal", "gemma2")
+    conv = opsadv.convert_model(copy.deepcopy(model), floor=False, backend="reference", example_inputs=x)
+    inputs, labels = {"input_ids": x["input_ids"], "use_cache": False}, {"labels": x["input_ids"]}
+    for m in (model, conv):
+        m.train()
+    want = model(**inputs, **labels).loss
+    want.backward()
+    torch._dynamo.reset()
+    loss = torch.compile(lambda: conv(**inputs, **labels).loss, backend="aot_eager")()
+    loss.backward()
+    assert abs(loss.item() - want.item()) <= 1e-5 * abs(want.item())
+    assert_same_grads(model, conv, "gemma2 compiled fallback", both_ways=True)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA kernels need a GPU")
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
 def test_gpu_compiled_training_steps_without_a_cache_run_varlen(arch):

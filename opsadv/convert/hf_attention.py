@@ -339,10 +339,12 @@ def fallback_target(module, why: str) -> tuple[str, object]:
 
 def _exact_mask(module, mask, query, key, value, is_causal):
     """(bool / float mask or None, key, value) with exactly the call's semantics, for another implementation:
-    our forms are materialized (packed rows: the block-diagonal mask over the packed rows), None stays None
-    except a causal call, which gets its mask (keys cropped to the queries as transformers' sdpa does)."""
+    our forms are materialized (packed encoder rows: the block-diagonal mask over the packed rows; a packed decoder
+    batch's mask is transformers' own, shaped as the call), None stays None except a causal call, which gets its
+    mask (keys cropped to the queries as transformers' sdpa does)."""
     pack = pack_of(mask)
-    if pack is not None:
+    if pack is not None and not (mask.shape[-2:] == (query.shape[2], key.shape[2])
+                                 and mask.shape[0] in (1, query.shape[0])):
         return pack.layout.dense_mask(device=query.device), key, value
     if mask is not None:
         return mask, key, value
