@@ -92,6 +92,22 @@ def _batches(model, x):
                                        {"labels": x["input_ids"]})}
 
 
+def _eager_then_compiled(model, conv, inputs, labels, **compile_kw):
+    """One training step of the original in eager and of the converted model under torch.compile, from zeroed
+    gradients: (eager loss, compiled loss, the compiled step's opsadv.trace)."""
+    for m in (model, conv):
+        m.train()
+        m.zero_grad(set_to_none=True)
+    want = model(**inputs, **labels).loss
+    want.backward()
+    torch._dynamo.reset()
+    step = torch.compile(lambda: conv(**inputs, **labels).loss, **compile_kw)
+    with opsadv.trace() as t:
+        loss = step()
+        loss.backward()
+    return want, loss, t
+
+
 @pytest.mark.parametrize("arch", ["llama", "mistral", "gemma3_text"])
 def test_compiled_training_steps_without_a_cache_run_varlen(arch):
     """torch.compile (aot_eager, fullgraph) of a training step without a cache: transformers' traced packed mask is
@@ -102,16 +118,7 @@ def test_compiled_training_steps_without_a_cache_run_varlen(arch):
     conv = opsadv.convert_model(copy.deepcopy(model), floor=False, backend="reference", example_inputs=x)
     n = model.config.num_hidden_layers
     for what, (inputs, labels) in _batches(model, x).items():
-        for m in (model, conv):
-            m.train()
-            m.zero_grad(set_to_none=True)
-        want = model(**inputs, **labels).loss
-        want.backward()
-        torch._dynamo.reset()
-        step = torch.compile(lambda: conv(**inputs, **labels).loss, backend="aot_eager", fullgraph=True)
-        with opsadv.trace() as t:
-            loss = step()
-            loss.backward()
+        want, loss, t = _eager_then_compiled(model, conv, inputs, labels, backend="aot_eager", fullgraph=True)
         assert abs(loss.item() - want.item()) <= 1e-5 * abs(want.item()), what
         assert_same_grads(model, conv, f"{arch} {what} compiled", both_ways=True)
         assert t.counts.get("reference.sparse_attention", 0) == 2 * n, (what, t.counts)    # forward + backward
@@ -126,13 +133,7 @@ def test_compiled_cache_free_step_whose_attention_falls_back():
     model, x, _, _ = _build("causal", "gemma2")
     conv = opsadv.convert_model(copy.deepcopy(model), floor=False, backend="reference", example_inputs=x)
     inputs, labels = {"input_ids": x["input_ids"], "use_cache": False}, {"labels": x["input_ids"]}
-    for m in (model, conv):
-        m.train()
-    want = model(**inputs, **labels).loss
-    want.backward()
-    torch._dynamo.reset()
-    loss = torch.compile(lambda: conv(**inputs, **labels).loss, backend="aot_eager")()
-    loss.backward()
+    want, loss, _ = _eager_then_compiled(model, conv, inputs, labels, backend="aot_eager")
     assert abs(loss.item() - want.item()) <= 1e-5 * abs(want.item())
     assert_same_grads(model, conv, "gemma2 compiled fallback", both_ways=True)
 
@@ -150,16 +151,7 @@ def test_gpu_compiled_training_steps_without_a_cache_run_varlen(arch):
     for what, (inputs, labels) in _batches(model, x).items():
         inputs = {k: (v.cuda() if torch.is_tensor(v) else v) for k, v in inputs.items()}
         labels = {k: v.cuda() for k, v in labels.items()}
-        for m in (model, conv):
-            m.train()
-            m.zero_grad(set_to_none=True)
-        want = model(**inputs, **labels).loss
-        want.backward()
-        torch._dynamo.reset()
-        step = torch.compile(lambda: conv(**inputs, **labels).loss)
-        with opsadv.trace() as t:
-            loss = step()
-            loss.backward()
+        want, loss, t = _eager_then_compiled(model, conv, inputs, labels)
         assert loss.item() == pytest.approx(want.item(), rel=2e-2), what
         ran = [k for k in t.counts if "attention" in k or "varlen" in k]      # (impl ids: cuda.sdpa.flash_varlen)
         assert ran and not any("flash_attention" in k or k.startswith("reference") for k in ran), (what, t.counts)

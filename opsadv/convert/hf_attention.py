@@ -452,10 +452,15 @@ def _may_be_sliding_window(mu, fn, kwargs) -> bool:
         return False
     if not torch.compiler.is_compiling():
         return True                               # eager: the closures are read exactly
-    cfg, local = kwargs.get("config"), kwargs.get("local_size")
     return (getattr(fn, "__code__", None) is mu.and_masks(mu.causal_mask_function).__code__
             and not kwargs.get("use_vmap") and bool(kwargs.get("allow_is_causal_skip", True))
-            and isinstance(local, int) and local == getattr(cfg, "sliding_window", None)
+            and _config_window(kwargs))
+
+
+def _config_window(kwargs) -> bool:
+    """The mask call's local_size is the config's sliding window (not its attention chunk size)."""
+    cfg, local = kwargs.get("config"), kwargs.get("local_size")
+    return (isinstance(local, int) and local >= 1 and local == getattr(cfg, "sliding_window", None)
             and local != getattr(cfg, "attention_chunk_size", None))
 
 
@@ -530,13 +535,10 @@ def _traced_packed_window(mu, fn, kwargs):
             or kwargs.get("attention_mask") is not None or kwargs.get("use_vmap")
             or kwargs.get("allow_is_causal_skip", True)):
         return NotImplemented                     # (a packed form always turns the is_causal skip off)
-    local, cfg = kwargs.get("local_size"), kwargs.get("config")
+    local = kwargs.get("local_size")
     if local is None:
         return None
-    if isinstance(local, int) and local >= 1 and local == getattr(cfg, "sliding_window", None) \
-            and local != getattr(cfg, "attention_chunk_size", None):
-        return local - 1
-    return NotImplemented                         # (chunked attention: not a window)
+    return local - 1 if _config_window(kwargs) else NotImplemented     # (chunked attention: not a window)
 
 
 def _traced_packed_mask(m, b: int, s: int, left: int | None):

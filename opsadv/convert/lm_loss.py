@@ -290,8 +290,9 @@ def _why_not_head(head) -> str | None:
     if not isinstance(head, nn.Linear):
         return (f"no lm_head nn.Linear (output embeddings: {type(head).__name__}); the fused loss reads the output "
                 "projection's weight")
-    if quantized_linear(head):
-        return f"lm_head is quantized ({quantized_linear(head)}): the fused loss reads a float weight"
+    quantized = quantized_linear(head)
+    if quantized:
+        return f"lm_head is quantized ({quantized}): the fused loss reads a float weight"
     if tp.is_dtensor(head.weight) and not tp.vocab_split(head.weight, head.bias):
         return (f"lm_head is tensor-parallel with weight placements {tuple(head.weight.placements)}: the fused loss "
                 "takes a whole weight or one split over the vocabulary (Shard(0) on one mesh dim, bias alike); the "
