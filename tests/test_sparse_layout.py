@@ -330,3 +330,35 @@ def test_reference_fully_masked_rows_are_zero(reference_backend):
     assert not torch.isnan(out).any() and torch.equal(out[0], torch.zeros_like(out[0]))
     assert bool(torch.isneginf(lse[0]).all()) and bool(torch.isfinite(lse[1]).all())
     assert math.isclose(lay.density(), 4 * 2 / (2 * 16))
+
+
+def test_tile_index_cache_follows_values_not_tensor_objects():
+    """A compiled graph hands each layer's call a fresh view of one mask: the tile index is built once for those
+    (it read the mask back on the host for every layer, fwd and bwd), and rebuilt when the values may differ: the
+    mask written in place, or another tensor of the same shape."""
+    from opsadv.core import sparse_tiles as ST
+    kpm = torch.ones(2, 100, dtype=torch.bool)
+    kpm[1, 70:] = False
+    bm = torch.ones(1, 1, 7, 7, dtype=torch.bool)
+    args = (16, True, -1, -1, 0, 100, 100, 16, 32)
+
+    def build(m, k):
+        return ST.tile_index(m, k, None, *args)
+
+    ti = build(bm, kpm)
+    assert build(bm.view(bm.shape), kpm.view(kpm.shape)) is ti
+    assert build(bm[:], kpm.as_strided(kpm.shape, kpm.stride())) is ti
+    other = kpm.clone()
+    other[0, 50:] = False
+    t2 = build(bm, other)
+    assert t2 is not ti and t2.tiles < ti.tiles
+    kpm[0, 40:] = False                               # in place: the version moves, the old lists are stale
+    t3 = build(bm, kpm)
+    assert t3 is not ti and t3.tiles < ti.tiles
+    # a later tensor is never mistaken for a freed one, even where its storage lands at the freed address
+    gone = torch.zeros(2, 100, dtype=torch.bool)
+    gone[:, :10] = True
+    t4 = build(bm, gone)
+    del gone
+    fresh = torch.ones(2, 100, dtype=torch.bool)
+    assert build(bm, fresh) is not t4

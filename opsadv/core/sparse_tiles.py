@@ -4,11 +4,12 @@ on them.  Kernel metadata of no backend in particular, so core holds it and back
 from __future__ import annotations
 
 import math
-import weakref
-from typing import NamedTuple
+from collections import OrderedDict
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
+from torch.multiprocessing.reductions import StorageWeakRef
 
 
 def _nblocks(n: int, bs: int) -> int:
@@ -21,25 +22,64 @@ def capturing(t: Tensor | None) -> bool:
     return t is not None and t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+# ---- results computed from device values, cached without reading them -----------------------------------
+def _version(t: Tensor) -> int:
+    return -2 if t.is_inference() else t._version       # inference tensors keep no version counter
+
+
+def _values_key(t: Tensor | None):
+    """What identifies a tensor's values without reading them: its storage, view geometry and version counter.
+    Views share their base's storage and counter, so the fresh view of one mask that a compiled graph hands each
+    layer's call (inductor's reinterpret_tensor) hits where the tensor's identity would miss."""
+    if t is None:
+        return None
+    return (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device,
+            _version(t))
+
+
+class ValueCache:
+    """A bounded FIFO of results computed from tensors' values, keyed on _values_key of each tensor plus
+    hashable parameters.  An entry holds weak references to the storages, so it keeps no memory alive, and it is
+    used only while every one of them is: a storage freed and allocated again is a new one (a miss)."""
+
+    def __init__(self, size: int = 128):
+        self._entries: OrderedDict = OrderedDict()
+        self._size = size
+
+    def get(self, tensors: tuple, params: tuple) -> Any:
+        key = (tuple(_values_key(t) for t in tensors), params)
+        hit = self._entries.get(key)
+        if hit is None or any(r.expired() for r in hit[0]):
+            return None
+        return hit[1]
+
+    def put(self, tensors: tuple, params: tuple, value: Any) -> Any:
+        key = (tuple(_values_key(t) for t in tensors), params)
+        for k in [k for k, (refs, _) in self._entries.items() if any(r.expired() for r in refs)]:
+            del self._entries[k]
+        self._entries[key] = ([StorageWeakRef(t.untyped_storage()) for t in tensors if t is not None], value)
+        while len(self._entries) > self._size:
+            self._entries.popitem(last=False)
+        return value
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
 # ---- cu_seqlens without its trailing empty segments ------------------------------------------------------
-_live_cache: dict[int, tuple] = {}
+_live_cache = ValueCache()
 
 
 def live_segments(cu: Tensor) -> Tensor:
     """cu_seqlens up to its last non-empty segment: a layout built without a host read (a compiled packed batch:
     b * s + 1 entries, most of them empty trailing segments) would make a kernel whose grid spans the segments (FA2
-    varlen) launch b * s of them.  One host read per cu tensor (cached on its identity and version); unchanged while
-    a CUDA graph is captured (nothing may be read then)."""
+    varlen) launch b * s of them.  One host read per cu values (ValueCache); unchanged while a CUDA graph is
+    captured (nothing may be read then)."""
     if cu.numel() <= 2 or capturing(cu):
         return cu
-    hit = _live_cache.get(id(cu))
-    if hit is not None and hit[0]() is cu and hit[1] == cu._version:
-        n = hit[2]                                # (the count, not a view: a view would keep cu alive)
-    else:
-        n = max(1, int((cu[:-1] < cu[-1]).sum()))  # segments that start before the end (non-decreasing cu)
-        if hit is None:
-            weakref.finalize(cu, _live_cache.pop, id(cu), None)
-        _live_cache[id(cu)] = (weakref.ref(cu), cu._version, n)
+    n = _live_cache.get((cu,), ())
+    if n is None:
+        n = _live_cache.put((cu,), (), max(1, int((cu[:-1] < cu[-1]).sum())))  # segments starting before the end
     return cu if n + 1 == cu.numel() else cu[:n + 1]
 
 
@@ -66,7 +106,7 @@ class TileIndex(NamedTuple):
     t_full_run: bool = False  # the same for t_rows / t_cols: every key tile's full query tiles are one run
 
 
-_tile_cache: dict[int, tuple] = {}
+_tile_cache = ValueCache()
 
 
 def _pool(x: Tensor, dim: int, n_tiles: int, tile: int, pad, op) -> Tensor:
@@ -93,21 +133,18 @@ def _lists(any_: Tensor, full: Tensor, static: bool = False) -> tuple[Tensor, Te
 
 def tile_index(block_mask: Tensor, kpm: Tensor | None, cu: Tensor | None, bs: int, causal: bool, wl: int,
                wr: int, ng: int, sq: int, sk: int, block_m: int, block_n: int) -> TileIndex:
-    """Cached on the layout's tensors (identity + version) and the tile shape."""
-    key = (id(kpm), None if kpm is None else kpm._version, id(cu), None if cu is None else cu._version,
-           block_mask._version, bs, causal, wl, wr, ng, sq, sk, block_m, block_n)
-    slot = _tile_cache.get(id(block_mask))
-    if slot is not None and slot[0]() is block_mask:
-        hit = slot[1].get(key)
-        if hit is not None and hit[0] is kpm and hit[1] is cu:
-            return hit[2]
-    else:
-        slot = (weakref.ref(block_mask), {})
-        _tile_cache[id(block_mask)] = slot
-        weakref.finalize(block_mask, _tile_cache.pop, id(block_mask), None)
+    """Cached on the layout tensors' values (ValueCache: storage, view, version) and the tile shape: every layer
+    of a forward, and of a compiled one (whose calls get fresh views of one mask), builds it once.  A CUDA graph
+    capture builds its own, kept by no cache (its lists are computed by the graph's kernels on every replay, which
+    another graph's replays would not refresh)."""
+    if capturing(block_mask):
+        return _build_tile_index(block_mask, kpm, cu, bs, causal, wl, wr, ng, sq, sk, block_m, block_n)
+    params = (bs, causal, wl, wr, ng, sq, sk, block_m, block_n)
+    hit = _tile_cache.get((block_mask, kpm, cu), params)
+    if hit is not None:
+        return hit
     ti = _build_tile_index(block_mask, kpm, cu, bs, causal, wl, wr, ng, sq, sk, block_m, block_n)
-    slot[1][key] = (kpm, cu, ti)
-    return ti
+    return _tile_cache.put((block_mask, kpm, cu), params, ti)
 
 
 def _build_tile_index(bm, kpm, cu, bs, causal, wl, wr, ng, sq, sk, M, N) -> TileIndex:
@@ -195,18 +232,14 @@ def _full_run(rows: Tensor, cols: Tensor) -> bool:
     return bool(((n_full == 0) | (last - first + 1 == n_full)).all())
 
 
-_bm_modes: dict[int, tuple] = {}      # id(block mask) -> (weakref, version, mode): read once on the host
+_bm_modes = ValueCache()         # block mask values -> mode: read once on the host
 
 
 def _bm_mode(bm: Tensor, static: bool) -> int:
     """0 block mask all False, 1 all True, 2 mixed; 2 (always correct) when it cannot be read now."""
-    hit = _bm_modes.get(id(bm))
-    if hit is not None and hit[0]() is bm and hit[1] == bm._version:
-        return hit[2]
+    hit = _bm_modes.get((bm,), ())
+    if hit is not None:
+        return hit
     if static:
         return 2
-    mode = 2 if bool(bm.any()) and not bool(bm.all()) else int(bool(bm.all()))
-    if hit is None:
-        weakref.finalize(bm, _bm_modes.pop, id(bm), None)
-    _bm_modes[id(bm)] = (weakref.ref(bm), bm._version, mode)
-    return mode
+    return _bm_modes.put((bm,), (), 2 if bool(bm.any()) and not bool(bm.all()) else int(bool(bm.all())))
