@@ -123,7 +123,7 @@ def test_static_tile_index_lists_same_tiles(monkeypatch, make):
     ref = layout_mod._build_tile_index(lay.block_mask, lay.key_padding_mask, lay.cu_seqlens, lay.block_size, False,
                                        -1, -1, 0, lay.seq_q, lay.seq_k, 32, 16)
     monkeypatch.setattr(layout_mod, "capturing", lambda t: True)
-    monkeypatch.setattr(layout_mod, "_bm_modes", {})
+    monkeypatch.setattr(layout_mod, "_bm_modes", layout_mod.ValueCache())
     st = layout_mod._build_tile_index(lay.block_mask, lay.key_padding_mask, lay.cu_seqlens, lay.block_size, False,
                                       -1, -1, 0, lay.seq_q, lay.seq_k, 32, 16)
     assert st.cols.shape[-1] == -(-lay.seq_k // 16) and st.tiles == -1 and st.bm_mode == 2

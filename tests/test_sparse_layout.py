@@ -362,3 +362,16 @@ def test_tile_index_cache_follows_values_not_tensor_objects():
     del gone
     fresh = torch.ones(2, 100, dtype=torch.bool)
     assert build(bm, fresh) is not t4
+
+
+def test_live_segments_read_once_per_values():
+    """cu_seqlens of a compiled packed batch reach each layer as a fresh view: one host read serves them all, and
+    values written in place are read again."""
+    from opsadv.core import sparse_tiles as ST
+    cu = torch.tensor([0, 5, 9, 9, 9], dtype=torch.int32)
+    assert ST.live_segments(cu).tolist() == [0, 5, 9]
+    assert ST._live_cache.get((cu.view(cu.shape),), ()) == 2
+    assert ST.live_segments(cu[:]).tolist() == [0, 5, 9]
+    cu[3:] = torch.tensor([11, 12], dtype=torch.int32)
+    assert ST._live_cache.get((cu,), ()) is None
+    assert ST.live_segments(cu).tolist() == [0, 5, 9, 11, 12]
