@@ -422,8 +422,13 @@ def _causal_form(mu, kwargs, window: int | None = None):
     if pad is not None:                           # transformers indexes the padding mask by absolute key position
         kpm = mu.prepare_padding_mask(pad.to(device=device, dtype=torch.bool), kv_len, kv_off)
         kpm = kpm[:, kv_off:kv_off + kv_len].contiguous()
-        if not capturing(kpm) and not _values_unreadable(kpm) and bool(kpm.all()):
-            kpm = None                            # no padding: plain causal (transformers reads the mask here too)
+        if not capturing(kpm) and not _values_unreadable(kpm):
+            if bool(kpm.all()):
+                kpm = None                        # no padding: plain causal (transformers reads the mask here too)
+            else:
+                # the layout's copy, cached on the content: a compiled layer stack (regional compilation) then gets
+                # the same tensor every step, and the kernels' tile index (cached on it) is built once, not per step
+                kpm = SparseLayout.key_padding(kpm, seq_q=q_len, causal=True, block_size=BLOCK).key_padding_mask
     if window is None and kpm is None and kwargs.get("allow_is_causal_skip", True) and (q_len == 1 or q_len == kv_len):
         return None                               # the attention's is_causal says it (as transformers' sdpa)
     rows = torch.arange(q_len, device=device) + q_off
