@@ -87,6 +87,22 @@ def test_causal_form_has_sdpa_values_and_says_causal(q_len, kv_len):
     assert H.key_padding_of(m) is None             # never mistaken for the bidirectional form
 
 
+def test_causal_forms_of_equal_padding_share_one_key_padding_tensor():
+    """Every step's mask of the same padding hands the layers the same key padding tensor: a compiled layer stack
+    (regional compilation) gets it as a graph input, and the sparse kernels' tile index, cached on it, is then built
+    once instead of on every step (with its host reads).  Different padding gets its own."""
+    pad = torch.ones(2, 9, dtype=torch.long)
+    pad[1, 6:] = 0
+    kw = dict(batch_size=2, q_length=9, kv_length=9, mask_function=mu.causal_mask_function, device="cpu")
+    a = H.causal_mask_of(H.opsadv_mask(**kw, attention_mask=pad)).key_padding
+    b = H.causal_mask_of(H.opsadv_mask(**kw, attention_mask=pad.clone())).key_padding
+    assert a is b and torch.equal(a, pad.bool())
+    other = pad.clone()
+    other[0, 8:] = 0
+    c = H.causal_mask_of(H.opsadv_mask(**kw, attention_mask=other)).key_padding
+    assert c is not a and torch.equal(c, other.bool()) and torch.equal(a, pad.bool())
+
+
 def test_causal_form_without_padding():
     kw = dict(batch_size=2, q_length=5, kv_length=5, mask_function=mu.causal_mask_function,
               attention_mask=torch.ones(2, 5, dtype=torch.long), device="cpu")
