@@ -245,13 +245,21 @@ def _drifting_timer(model, effect_ms: float, drift_ms: float = 0.1):
     return timer, n
 
 
+@pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("effect,kept", [(-0.05, True), (+0.05, False)])
-def test_eager_floor_cancels_drift(effect, kept):
+def test_floor_cancels_drift(monkeypatch, effect, kept, compiled):
     """B A A B blocks: a drift 2x larger than a rewrite's effect per sample still leaves the decision to the effect
-    (an A-B-A floor judging against a stale sample would keep or undo by the drift's sign)."""
+    (an A-B-A floor judging against a stale sample would keep or undo by the drift's sign).  Compiled floors too:
+    they once compared one sample with the step against a "without" taken several compilations earlier."""
+    kw = {}
+    if compiled:
+        from opsadv.convert import floor as F
+        monkeypatch.setitem(F.COMPILE_KWARGS, "backend", "eager")   # (dynamo only: no compiler on the test machine)
+        kw = dict(floor_compile="regional", rewrites={k: False for k in ("attention", "rotary", "mlp", "qkv")})
     m = _llama()
     timer, n = _drifting_timer(m, effect)
-    conv = opsadv.convert_model(m, backend="reference", floor=True, floor_timer=timer, floor_inputs=_ids(3, 17, seed=2))
+    conv = opsadv.convert_model(m, backend="reference", floor=True, floor_timer=timer, floor_inputs=_ids(3, 17, seed=2),
+                                **kw)
     (norm,) = [d for d in conv.opsadv_report.floor if d["kind"] == "norm"]
     assert norm["kept"] is kept
     assert any(isinstance(x, OpsadvNorm) for x in conv.modules()) is kept

@@ -539,13 +539,11 @@ def _steps(is_hf: bool, opt_level: int, mem_opt, pack_padding, state, fp8: dict 
 def _run_step(root, kind, label, apply, report, undo, gate):
     """Apply one rewrite step into `undo`; with the floor on, time it both ways and undo it where slower.
 
-    Eager floors time B A A B blocks (floor.py's docstring): the step is reverted and re-applied between the sides,
+    The floor times B A A B blocks (floor.py's docstring): the step is reverted and re-applied between the sides,
     a second block while its samples disagree, and it stays applied only if every block ratio is >= 1.  Compiled
-    floors time each side once, since each of their measurements is a fresh compilation."""
+    floors too: each side compiles once, and its later samples reuse dynamo's cached graphs."""
     first = len(report.changes)
     notes = len(report.notes)
-    if gate is not None and gate.compile is not None and gate.last is None:
-        gate.last = gate.time(root)
     state = {"step": passes.Undo(), "on": True}
     new_root = apply(root, report, state["step"])
     if gate is None or state["step"].empty():
@@ -578,22 +576,16 @@ def _run_step(root, kind, label, apply, report, undo, gate):
                 drop()
             raise
 
-    if gate.compile is not None:
-        ms_with = sample(True)
-        d = gate.decide(kind, label, gate.last, ms_with)
-        if d.kept:
-            gate.last = ms_with
-    else:
-        without, with_ = [], []
-        while True:
-            for on in (True, False, False, True):          # B A A B: one toggle per side change
-                (with_ if on else without).append(sample(on))
-            pairs = list(zip(without[-2:], with_[-2:]))
-            blocks = [(sum(without[i:i + 2]), sum(with_[i:i + 2])) for i in range(0, len(without), 2)]
-            if len(blocks) >= _floor.MAX_BLOCKS or not (_floor.blocks_disagree(pairs) if len(blocks) == 1
-                                                          else _floor.blocks_disagree(blocks)):
-                break
-        d = gate.decide_blocks(kind, label, without, with_)
+    without, with_ = [], []
+    while True:
+        for on in (True, False, False, True):              # B A A B: one toggle per side change
+            (with_ if on else without).append(sample(on))
+        pairs = list(zip(without[-2:], with_[-2:]))
+        blocks = [(sum(without[i:i + 2]), sum(with_[i:i + 2])) for i in range(0, len(without), 2)]
+        if len(blocks) >= _floor.MAX_BLOCKS or not (_floor.blocks_disagree(pairs) if len(blocks) == 1
+                                                      else _floor.blocks_disagree(blocks)):
+            break
+    d = gate.decide_blocks(kind, label, without, with_)
     if d.kept:
         turn(True)
         undo.extend(state["step"])

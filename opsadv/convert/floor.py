@@ -6,7 +6,7 @@ inputs with and without it and undone where it is slower; the report says which 
 much ("kept the model's own norms: measured 0.93x").  Greedy and in application order, so every undo is of the
 last step applied (an undo log is LIFO).
 
-Eager floors time the step in balanced blocks, with / without / without / with (B A A B): a drift of the machine
+The floor times the step in balanced blocks, with / without / without / with (B A A B): a drift of the machine
 over the block (clocks, other tenants of the host's CPU, the allocator's state) cancels within it, and the block's
 ratio is sum(without) / sum(with).  A model whose calls are host-bound (launch-bound eager forwards) swings by up to
 2x for seconds at a time on a shared host, so one sample each way decides nothing: a step whose two pairs of a block
@@ -23,9 +23,10 @@ first-call resolution stay out of them.  `timer` replaces the clock (tests, cust
 `compile` ("regional" or "full", None = eager): time the model as it will run under torch.compile, so a rewrite
 that helps eager but loses to Inductor's own fusion is not applied to a model that will be compiled.  "regional"
 compiles each repeated block (the model's _no_split_modules classes; transformers' recommendation) in place for
-the measurement and removes the compilation after it; "full" times torch.compile(model).  Every measurement
-compiles afresh (the rewrite changed the modules), so conversion takes compile time once per step; compiled floors
-time each side once."""
+the measurement and removes the compilation after it; "full" times torch.compile(model).  The first sample with a
+step compiles it (the rewrite changed the modules); the block's later samples of either side reuse dynamo's cached
+graphs (its guards tell the two module structures apart), so the blocks cost timing, not compilation, and a compiled
+step is judged against a "without" measured beside it, not one taken minutes and several compilations before."""
 from __future__ import annotations
 
 import gc
@@ -52,7 +53,7 @@ GENERATE_TOKENS = 32                  # new tokens per timed generate call (floo
 ENV = "OPSADV_CONVERT_FLOOR"          # "0" turns the floor off by default, "1" on (the default)
 TARGET_S = 0.1                        # seconds of timed calls per measurement (after the warm-up)
 MIN_REPS, MAX_REPS = 3, 30
-MAX_BLOCKS = 2                        # B A A B blocks per eager step at most: two that disagree are inconclusive
+MAX_BLOCKS = 2                        # B A A B blocks per step at most: two that disagree are inconclusive
 
 Timer = Callable[[Callable[[], Any]], float]     # fn -> ms of one call
 # rewrite kinds that change only some modes' calls: timed in those modes, applied untimed in the others (they
@@ -274,7 +275,6 @@ class Floor:
         self.decisions: list[Decision] = []
         self.seconds = 0.0                  # wall time spent timing (the report's "floor" phase) ...
         self.tuning = 0.0                   # ... of which autotuning the first calls of new buckets
-        self.last: float | None = None      # compiled floors: ms of the model as it stands (after the last kept step)
 
     def time(self, model) -> float:
         t0, tune0 = time.perf_counter(), seconds_spent()
@@ -301,14 +301,8 @@ class Floor:
             for p, g in grads.items():
                 p.grad = g
 
-    def decide(self, kind: str, label: str, ms_without: float, ms_with: float) -> Decision:
-        """A compiled floor's decision: one sample each way."""
-        d = Decision(kind, label, ms_without, ms_with, kept=ms_with <= ms_without)
-        self.decisions.append(d)
-        return d
-
     def decide_blocks(self, kind: str, label: str, without: list[float], with_: list[float]) -> Decision:
-        """An eager floor's decision from its B A A B blocks (samples in the order taken, 2 per side per block)."""
+        """The decision from the step's B A A B blocks (samples in the order taken, 2 per side per block)."""
         ratios = tuple(block_ratio(without[i:i + 2], with_[i:i + 2]) for i in range(0, len(without), 2))
         d = Decision(kind, label, statistics.median(without), statistics.median(with_),
                      kept=min(ratios) >= 1.0, without_samples=tuple(without),
