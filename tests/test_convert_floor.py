@@ -226,6 +226,30 @@ def test_compiled_floor_runs_a_real_compile(monkeypatch):
     torch._dynamo.reset()
 
 
+def test_compiled_floor_blocks_reuse_the_compiled_graphs(monkeypatch):
+    """A compiled step's B A A B samples toggle the rewrite back and forth: dynamo's cache serves every sample after
+    the first of each side (one graph without the step, one per kept step), so the blocks cost timing only."""
+    from torch._dynamo.utils import counters
+    from opsadv.convert import floor as F
+    monkeypatch.setitem(F.COMPILE_KWARGS, "backend", "eager")   # (dynamo only: no compiler on the test machine)
+    flip = iter([0.0, 0.02] * 20)                             # pairs that disagree: a second block for each step
+
+    def timer(fn):
+        fn()
+        return 10.0 + next(flip)
+    torch._dynamo.reset()
+    counters.clear()
+    conv = opsadv.convert_model(_llama(), backend="reference", floor=True, floor_timer=timer, floor_compile="regional",
+                                floor_inputs={**_ids(), "use_cache": False},
+                                rewrites={k: False for k in ("attention", "rotary", "qkv", "lm_loss")})
+    decisions = conv.opsadv_report.floor
+    assert [d["kind"] for d in decisions] == ["norm", "mlp"]
+    assert all(len(d["with_samples"]) == 4 for d in decisions)          # two blocks each
+    # the model as it was, then each step's model with it (a dropped step's "without" is the graph before it)
+    assert counters["stats"]["unique_graphs"] == 1 + len(decisions), (counters["stats"], decisions)
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("bad", ["yes", 1, "max-autotune"])
 def test_floor_compile_refuses_unknown_values(bad):
     with pytest.raises(InvalidArgumentError, match="floor_compile"):
