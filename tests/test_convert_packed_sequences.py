@@ -209,6 +209,15 @@ def test_packed_segments_refuses_another_pattern():
     with pytest.raises(InvalidArgumentError, match="packed_segments.*bool tensor"):
         packed_segments(causal[None, None].float())
     assert packed_segments(window[None, None], 2).tolist() == [0] + [s] * s
+    # compared a block of rows at a time: a difference in any block, the last one included, is seen
+    from opsadv.ops.sparse_attention.packed_segments import _matches, _segments
+    for rows in (2, 4, 9):
+        _, start = _segments(causal[None, None], -1)
+        assert _matches(causal[None, None], start, -1, rows_per_step=rows)
+        late = causal.clone()
+        late[8, 0] = False
+        _, start = _segments(late[None, None], -1)
+        assert not _matches(late[None, None], start, -1, rows_per_step=rows)
 
 
 @pytest.mark.parametrize("remapped", [False, True], ids=["transformers-5.17-form", "remapped-positions-form"])

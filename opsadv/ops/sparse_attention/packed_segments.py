@@ -55,10 +55,14 @@ def expected_mask(mask: Tensor, left: int) -> Tensor:
 
 
 def _matches(mask: Tensor, start: Tensor, left: int, rows_per_step: int = 1024) -> bool:
-    """mask equals the expected one, compared a block of rows at a time (a long row's s x s temporaries)."""
+    """mask equals the expected one, compared a block of rows at a time (a long row's s x s temporaries), with one
+    host read at the end (a read per block stalled a compiled step's launches once per 1024 rows)."""
     s = mask.shape[-1]
-    return all(torch.equal(mask[:, 0, r:r + rows_per_step], _expected_rows(start, slice(r, r + rows_per_step), s, left))
-               for r in range(0, s, rows_per_step))
+    same = torch.ones((), dtype=torch.bool, device=mask.device)
+    for r in range(0, s, rows_per_step):
+        same &= torch.eq(mask[:, 0, r:r + rows_per_step], _expected_rows(start, slice(r, r + rows_per_step), s,
+                                                                          left)).all()
+    return bool(same)
 
 
 @torch.library.custom_op("opsadv::packed_segments", mutates_args=())
