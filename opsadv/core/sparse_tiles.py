@@ -119,16 +119,14 @@ def _pool(x: Tensor, dim: int, n_tiles: int, tile: int, pad, op) -> Tensor:
     return op(x).movedim(-1, dim)
 
 
-def _lists(any_: Tensor, full: Tensor, static: bool = False) -> tuple[Tensor, Tensor]:
-    """(counts, padded column ids with partial tiles first) from (..., n_rows, n_cols) bool tiles.
-    static: the lists are as wide as the tile grid (no host read of the widest row)."""
+def _sorted_tiles(any_: Tensor, full: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(counts (..., 2) int32 = (partial, all), column ids ordered partial tiles first, then full, then empty,
+    tiles per row) from (..., n_rows, n_cols) bool tiles; the ids are cut to the widest row's count by the caller."""
     partial = any_ & ~full
     key = torch.where(partial, 0, torch.where(full, 1, 2)).to(torch.int8)   # partial < full < empty
     order = torch.sort(key, dim=-1, stable=True).indices
     n_part, n_all = partial.sum(-1), any_.sum(-1)
-    width = max(1, any_.shape[-1] if static else int(n_all.max()))
-    return (torch.stack([n_part, n_all], -1).to(torch.int32).contiguous(),
-            order[..., :width].to(torch.int32).contiguous())
+    return torch.stack([n_part, n_all], -1).to(torch.int32).contiguous(), order, n_all
 
 
 def tile_index(block_mask: Tensor, kpm: Tensor | None, cu: Tensor | None, bs: int, causal: bool, wl: int,
@@ -213,23 +211,28 @@ def _build_tile_index(bm, kpm, cu, bs, causal, wl, wr, ng, sq, sk, M, N) -> Tile
     Bb = max(any_.shape[0], full.shape[0])
     any_ = any_.expand(Bb, *any_.shape[1:]).contiguous()
     full = full.expand(Bb, *any_.shape[1:]).contiguous()
-    rows, cols = _lists(any_, full, static)
-    t_rows, t_cols = _lists(any_.transpose(-1, -2), full.transpose(-1, -2), static)
+    rows, order, n_all = _sorted_tiles(any_, full)
+    t_rows, t_order, t_n_all = _sorted_tiles(any_.transpose(-1, -2), full.transpose(-1, -2))
+    if static:      # lists as wide as the grid: nothing is read back
+        width, t_width, tiles = any_.shape[-1], any_.shape[-2], -1
+    else:           # one host read for the three counts (each read stalls the launches queued behind it)
+        width, t_width, tiles = torch.stack([n_all.max(), t_n_all.max(), any_.sum()]).tolist()
+    cols = order[..., :max(1, width)].to(torch.int32).contiguous()
+    t_cols = t_order[..., :max(1, t_width)].to(torch.int32).contiguous()
+    runs = [False, False] if static else torch.stack([_full_run(rows, cols), _full_run(t_rows, t_cols)]).tolist()
     return TileIndex(rows, cols, t_rows, t_cols, seg, pos, bm_mode, bm.to(torch.int8).contiguous(),
-                     None if kpm is None else kpm.to(torch.int8).contiguous(), -1 if static else int(any_.sum()),
-                     any_.numel(), False if static else _full_run(rows, cols),
-                     False if static else _full_run(t_rows, t_cols))
+                     None if kpm is None else kpm.to(torch.int8).contiguous(), tiles, any_.numel(), *runs)
 
 
-def _full_run(rows: Tensor, cols: Tensor) -> bool:
-    """True when each row's full tiles (listed after its partial ones, in ascending column order) are
-    consecutive columns: cols[n_all - 1] - cols[n_part] + 1 == n_all - n_part wherever a row has any."""
+def _full_run(rows: Tensor, cols: Tensor) -> Tensor:
+    """(0-dim bool on the device) each row's full tiles (listed after its partial ones, in ascending column order)
+    are consecutive columns: cols[n_all - 1] - cols[n_part] + 1 == n_all - n_part wherever a row has any."""
     n_part, n_all = rows[..., 0].long(), rows[..., 1].long()
     last_slot = cols.shape[-1] - 1
     first = cols.gather(-1, n_part.clamp(max=last_slot).unsqueeze(-1)).squeeze(-1).long()
     last = cols.gather(-1, (n_all - 1).clamp(0, last_slot).unsqueeze(-1)).squeeze(-1).long()
     n_full = n_all - n_part
-    return bool(((n_full == 0) | (last - first + 1 == n_full)).all())
+    return ((n_full == 0) | (last - first + 1 == n_full)).all()
 
 
 _bm_modes = ValueCache()         # block mask values -> mode: read once on the host
@@ -242,4 +245,5 @@ def _bm_mode(bm: Tensor, static: bool) -> int:
         return hit
     if static:
         return 2
-    return _bm_modes.put((bm,), (), 2 if bool(bm.any()) and not bool(bm.all()) else int(bool(bm.all())))
+    some, every = torch.stack([bm.any(), bm.all()]).tolist()       # one host read
+    return _bm_modes.put((bm,), (), 2 if some and not every else int(every))
