@@ -103,6 +103,21 @@ def test_causal_forms_of_equal_padding_share_one_key_padding_tensor():
     assert c is not a and torch.equal(c, other.bool()) and torch.equal(a, pad.bool())
 
 
+def test_traced_padding_layout_resolves_like_the_eager_one(monkeypatch):
+    """While tracing (no value read) the padding layout says dense_blocks as the eager one does, so a compiled call
+    resolves in the eager call's bucket: the same kernel and tuned config the eager floor measured."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    pad = torch.ones(2, 9, dtype=torch.bool)
+    pad[1, 6:] = False
+    eager = H._padding_layout(torch.zeros(2, 1, 9, 9, dtype=torch.bool), pad, 9, 9, True)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)      # as dynamo traces
+    with FakeTensorMode() as mode:
+        fpad = mode.from_tensor(pad)
+        traced = H._padding_layout(torch.empty(2, 1, 9, 9, dtype=torch.bool), fpad, 9, 9, True,
+                                   torch.ones(1, 1, 1, 1, dtype=torch.bool))
+    assert eager.dense_blocks and traced.dense_blocks and traced.key_padding_mask is fpad
+
+
 def test_causal_form_without_padding():
     kw = dict(batch_size=2, q_length=5, kv_length=5, mask_function=mu.causal_mask_function,
               attention_mask=torch.ones(2, 5, dtype=torch.long), device="cpu")

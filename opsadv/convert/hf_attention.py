@@ -103,13 +103,15 @@ def _padding_layout(mask: torch.Tensor, kpm: torch.Tensor, s_q, s_k, causal: boo
     if _values_unreadable(kpm):
         if block_mask is None or not (isinstance(s_q, int) and isinstance(s_k, int)):
             return None         # (symbolic lengths: an export with dynamic shapes; a layout takes ints)
-        return SparseLayout(s_q, s_k, BLOCK, block_mask, causal, key_padding_mask=kpm)
+        # (the forms' block masks are _block_mask's all-True ones: dense_blocks as the eager layout has it, so a
+        # compiled call resolves in the same bucket as eager, to the same kernel and tuned config)
+        return SparseLayout(s_q, s_k, BLOCK, block_mask, causal, key_padding_mask=kpm, dense_blocks=True)
     m, version, lay = _last
     if m is mask and version == _version(mask):
         return lay
     if capturing(kpm):
         lay = SparseLayout(s_q, s_k, BLOCK, _dense_block_mask(s_q, s_k, kpm.device), causal,
-                           key_padding_mask=kpm.contiguous())
+                           key_padding_mask=kpm.contiguous(), dense_blocks=True)
     else:
         lay = SparseLayout.key_padding(kpm, seq_q=s_q, causal=causal, block_size=BLOCK)
     _last = (mask, _version(mask), lay)
