@@ -427,9 +427,10 @@ def _causal_form(mu, kwargs, window: int | None = None):
         if not capturing(kpm) and not _values_unreadable(kpm):
             if bool(kpm.all()):
                 kpm = None                        # no padding: plain causal (transformers reads the mask here too)
-            else:
-                # the layout's copy, cached on the content: a compiled layer stack (regional compilation) then gets
-                # the same tensor every step, and the kernels' tile index (cached on it) is built once, not per step
+            elif q_len == kv_len > 1:
+                # (training, prefill) the layout's copy, cached on the content: a compiled layer stack (regional
+                # compilation) then gets the same tensor every step, and the kernels' tile index (cached on it) is
+                # built once, not per step; the layers' eager lookup (_padding_layout) finds this same entry
                 kpm = SparseLayout.key_padding(kpm, seq_q=q_len, causal=True, block_size=BLOCK).key_padding_mask
     if window is None and kpm is None and kwargs.get("allow_is_causal_skip", True) and (q_len == 1 or q_len == kv_len):
         return None                               # the attention's is_causal says it (as transformers' sdpa)
