@@ -403,6 +403,7 @@ def _causal_form(mu, kwargs, window: int | None = None):
     cache or a DynamicCache, sliding-window layers' included), with transformers' sliding window `window` (w keys:
     each query sees itself and the w - 1 before it) when given, else NotImplemented (transformers' sdpa mask
     serves).  The materialized values are those of transformers' sdpa mask (other readers: fallbacks, eager)."""
+    global _last
     b, q_len, kv_len = kwargs.get("batch_size"), kwargs.get("q_length"), kwargs.get("kv_length")
     q_off, kv_off = kwargs.get("q_offset", 0), kwargs.get("kv_offset", 0)
     pad = kwargs.get("attention_mask")
@@ -420,7 +421,7 @@ def _causal_form(mu, kwargs, window: int | None = None):
     if pad is not None and (not isinstance(pad, torch.Tensor) or pad.dim() != 2 or pad.shape[0] != b):
         return NotImplemented
     device = kwargs.get("device", pad.device if pad is not None else "cpu")
-    kpm = None
+    kpm = lay = None
     if pad is not None:                           # transformers indexes the padding mask by absolute key position
         kpm = mu.prepare_padding_mask(pad.to(device=device, dtype=torch.bool), kv_len, kv_off)
         kpm = kpm[:, kv_off:kv_off + kv_len].contiguous()
@@ -430,8 +431,9 @@ def _causal_form(mu, kwargs, window: int | None = None):
             elif q_len == kv_len > 1:
                 # (training, prefill) the layout's copy, cached on the content: a compiled layer stack (regional
                 # compilation) then gets the same tensor every step, and the kernels' tile index (cached on it) is
-                # built once, not per step; the layers' eager lookup (_padding_layout) finds this same entry
-                kpm = SparseLayout.key_padding(kpm, seq_q=q_len, causal=True, block_size=BLOCK).key_padding_mask
+                # built once, not per step; eager layers get this layout (_last below) without reading the mask again
+                lay = SparseLayout.key_padding(kpm, seq_q=q_len, causal=True, block_size=BLOCK)
+                kpm = lay.key_padding_mask
     if window is None and kpm is None and kwargs.get("allow_is_causal_skip", True) and (q_len == 1 or q_len == kv_len):
         return None                               # the attention's is_causal says it (as transformers' sdpa)
     rows = torch.arange(q_len, device=device) + q_off
@@ -449,6 +451,8 @@ def _causal_form(mu, kwargs, window: int | None = None):
         m = allowed & kpm[:, None, None, :]
         bm = _block_mask(q_len, kv_len, kpm) if left is None else _window_block_mask(q_len, kv_len, left, kpm)
         m._opsadv_form = MaskForm(True, kpm, bm, left)
+        if lay is not None and left is None:
+            _last = (m, _version(m), lay)         # what _padding_layout would build for this mask's calls
     return m
 
 
