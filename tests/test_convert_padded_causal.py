@@ -103,6 +103,22 @@ def test_causal_forms_of_equal_padding_share_one_key_padding_tensor():
     assert c is not a and torch.equal(c, other.bool()) and torch.equal(a, pad.bool())
 
 
+def test_layers_take_the_layout_the_mask_function_built(monkeypatch):
+    """The eager layers' layout lookup gets the layout the mask function built for this mask: no second read of the
+    mask's values (each is a device-to-host copy on a GPU)."""
+    pad = torch.ones(2, 9, dtype=torch.long)
+    pad[1, 6:] = 0
+    m = H.opsadv_mask(batch_size=2, q_length=9, kv_length=9, mask_function=mu.causal_mask_function, device="cpu",
+                      attention_mask=pad)
+    kpm = H.causal_mask_of(m).key_padding
+
+    def read_again(*a, **k):
+        raise AssertionError("the mask's values were read again")
+    monkeypatch.setattr(H.SparseLayout, "key_padding", read_again)
+    lay = H._padding_layout(m, kpm, 9, 9, True)
+    assert lay.key_padding_mask is kpm and lay.causal and lay.dense_blocks
+
+
 def test_traced_padding_layout_resolves_like_the_eager_one(monkeypatch):
     """While tracing (no value read) the padding layout says dense_blocks as the eager one does, so a compiled call
     resolves in the eager call's bucket: the same kernel and tuned config the eager floor measured."""
