@@ -12,8 +12,8 @@ from torch.nn import functional as F
 from opsadv.core import tuning
 from opsadv.runtime import apply_memory_policy
 
-from .modules import (DenseResidualNorm, quantized_linear, FusedRows, FusedSwiGLUMLP, LinearAct, NamedGatedMLP, OpsadvNorm, QKVGroup,
-                      QKVProjection, SwiGLUMLP)
+from .modules import (DenseResidualNorm, FusedRows, FusedSwiGLUMLP, LinearAct, NamedGatedMLP, OpsadvNorm, QKVGroup,
+                      QKVProjection, SwiGLUMLP, quantized_linear)
 from . import tp
 from .report import ConversionReport
 
@@ -244,9 +244,10 @@ def _mlp_candidate(m):
     if set(wrapped) & {"gate_proj", "up_proj", "gate_up_proj", "c_fc"}:       # an MLP's (not an attention's)
         return None, (f"{', '.join(wrapped)} carry an adapter ({type(kids[wrapped[0]]).__module__.split('.')[0]}: "
                       "LoRA / ...): their own forward adds it, which a fused GEMM would drop")
-    quant = [n for n, k in kids.items() if n in _MLP_LINEARS and isinstance(k, nn.Linear) and quantized_linear(k)]
+    quant = {n: why for n, k in kids.items() if n in _MLP_LINEARS and isinstance(k, nn.Linear)
+             and (why := quantized_linear(k))}
     if quant and len(set(kids) & set(_MLP_LINEARS)) >= 2 and not set(kids) & set(_PROJ_NAMES):    # an MLP's
-        return None, (f"quantized {', '.join(quant)} ({quantized_linear(kids[quant[0]])}): each computes in its own "
+        return None, (f"quantized {', '.join(quant)} ({next(iter(quant.values()))}): each computes in its own "
                       "forward, which a fused GEMM over float weights would bypass")
     if all(_linear(kids.get(n)) for n in ("gate_proj", "up_proj", "down_proj")) and hasattr(m, "act_fn"):
         act = probe_activation(m.act_fn)
@@ -429,10 +430,10 @@ def qkv_pass(model, report, undo: Undo, state, mem_opt: int | None = None) -> No
             lins = [getattr(m, n, None) for n in names]
             if not all(_linear(x) for x in lins):
                 wrapped = [n for n, x in zip(names, lins) if _adapter_wrapped(x)]
-                quant = [(n, x) for n, x in zip(names, lins) if isinstance(x, nn.Linear) and quantized_linear(x)]
+                quant = {n: why for n, x in zip(names, lins) if isinstance(x, nn.Linear) and (why := quantized_linear(x))}
                 if quant and all(isinstance(x, nn.Linear) for x in lins):
-                    report.add("skipped", path, "q/k/v projections", f"quantized {', '.join(n for n, _ in quant)} "
-                               f"({quantized_linear(quant[0][1])}): each computes in its own forward, which one fused "
+                    report.add("skipped", path, "q/k/v projections", f"quantized {', '.join(quant)} "
+                               f"({next(iter(quant.values()))}): each computes in its own forward, which one fused "
                                "GEMM over float weights would bypass")
                 elif wrapped and all(_linear(x) or _adapter_wrapped(x) for x in lins):
                     report.add("skipped", path, "q/k/v projections", f"{', '.join(wrapped)} carry an adapter "

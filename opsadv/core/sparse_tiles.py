@@ -46,15 +46,18 @@ class ValueCache:
         self._entries: OrderedDict = OrderedDict()
         self._size = size
 
+    @staticmethod
+    def _key(tensors: tuple, params: tuple) -> tuple:
+        return tuple(_values_key(t) for t in tensors), params
+
     def get(self, tensors: tuple, params: tuple) -> Any:
-        key = (tuple(_values_key(t) for t in tensors), params)
-        hit = self._entries.get(key)
+        hit = self._entries.get(self._key(tensors, params))
         if hit is None or any(r.expired() for r in hit[0]):
             return None
         return hit[1]
 
     def put(self, tensors: tuple, params: tuple, value: Any) -> Any:
-        key = (tuple(_values_key(t) for t in tensors), params)
+        key = self._key(tensors, params)
         for k in [k for k, (refs, _) in self._entries.items() if any(r.expired() for r in refs)]:
             del self._entries[k]
         self._entries[key] = ([StorageWeakRef(t.untyped_storage()) for t in tensors if t is not None], value)
