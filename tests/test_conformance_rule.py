@@ -70,3 +70,16 @@ def test_non_finite_where_the_oracle_is_finite_fails():
     o2 = o.clone()
     o2[3] = float("nan")
     assert _judge([x], [o2], [o2], 3.0, 1e-3).ok
+
+
+def test_a_log_output_near_zero_is_judged_by_its_absolute_error():
+    """attention_merge_'s merged lse: m + log(1 + e) in float32 carries a few ulps of m (~6), so a merged value
+    near 0 has a large relative error that is no error of exp(lse).  A log output's error counts against an RMS
+    of 1; a 1% error of it still fails, and an ordinary output near 0 keeps the strict rule."""
+    o = torch.tensor([0.02], dtype=torch.float64)
+    x = o + 4.8e-7                                       # one float32 ulp of 6
+    assert not _judge([x], [o], [o], 3.0, 1e-5).ok       # as a plain value: 2.4e-5 relative
+    assert _judge([x], [o], [o], 3.0, 1e-5, frozenset({0})).ok
+    g = torch.Generator().manual_seed(0)
+    lse = torch.randn(3, 17, generator=g, dtype=torch.float64) * 4
+    assert not _judge([lse + 0.01 * lse.norm() / lse.numel() ** 0.5], [lse], [lse], 3.0, 1e-5, frozenset({0})).ok

@@ -64,6 +64,9 @@ class Case:
     # positional indices of the arguments the op writes in place (attention_merge_'s accumulators): every call of
     # the case gets fresh copies of them, same strides and storage offset, so each run starts from the built values
     mutates: tuple[int, ...] = ()
+    # outputs that are logarithms (a log-sum-exp): their error is absolute (exp carries it as a relative one), so
+    # it counts against an RMS of at least 1, not against a value that may sit near 0
+    log_outputs: frozenset[int] = field(default_factory=frozenset)
 
     @property
     def name(self) -> str:

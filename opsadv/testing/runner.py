@@ -76,10 +76,10 @@ class _Verdict:
 INTERPRETER_BF16_ROOM = 2.0 ** -7
 
 
-def _judge(xs, bases, oracles, k: float, floor: float) -> _Verdict:
+def _judge(xs, bases, oracles, k: float, floor: float, log_outputs=frozenset()) -> _Verdict:
     """The conformance rule for a list of outputs (or gradients): each x must satisfy
     ||x - o|| <= k ||base - o|| + floor ||o||, its component along o (a scale error) the same rule, and be
-    non-finite exactly where the oracle is."""
+    non-finite exactly where the oracle is.  Outputs in log_outputs take ||o|| at least their RMS of 1."""
     worst = _Verdict(True, 0.0, 0.0, "")
     for i, (x, bs, o) in enumerate(zip(xs, bases, oracles)):
         x, bs, o = (t.detach().double().cpu() for t in (x, bs, o))
@@ -96,7 +96,7 @@ def _judge(xs, bases, oracles, k: float, floor: float) -> _Verdict:
         bs = torch.where(torch.isfinite(bs), bs, o)
         on, e, eb = o.norm().item(), (x - o).norm().item(), (bs - o).norm().item()
         # an oracle that is (nearly) zero (dq with a single key): the scale is at least an RMS of 1e-3
-        scale = max(on, 1e-3 * o.numel() ** 0.5)
+        scale = max(on, (1.0 if i in log_outputs else 1e-3) * o.numel() ** 0.5)
         rel, relb = e / scale, eb / scale
         if not e <= k * eb + floor * scale:
             return _Verdict(False, rel, relb, f"output {i}: rel err {rel:.3g} > {k:g} x baseline {relb:.3g} + {floor:g}")
@@ -228,7 +228,7 @@ def _run(case, res, backend, dtype, device, seed, check_determinism, precision, 
         bargs = [a.requires_grad_(True) if i in case.grad_args else a for i, a in enumerate(bargs)]
         bouts = _outputs(call(case, tuple(bargs), {k: v if k in case.kept else _cast(v, cdt)
                                                    for k, v in kwargs.items()}))
-    v = _judge(outs, bouts, routs, fwd_k, fwd_floor)
+    v = _judge(outs, bouts, routs, fwd_k, fwd_floor, case.log_outputs)
     res.fwd_err, res.fwd_base = v.err, v.base
     if not v.ok:
         res.status, res.reason = "fail", f"forward {v.detail}"
@@ -238,7 +238,7 @@ def _run(case, res, backend, dtype, device, seed, check_determinism, precision, 
     # run its `inference` forward (no statistics: cuDNN attention without its lse, norms without mean / rstd)
     with opsadv.use_backend(backend, **pol), torch.no_grad(), opsadv.trace() as t:
         nouts = _outputs(call(case, tuple(args), kwargs))
-    nv = _judge(nouts, bouts, routs, fwd_k, fwd_floor)
+    nv = _judge(nouts, bouts, routs, fwd_k, fwd_floor, case.log_outputs)
     if not nv.ok:
         res.status, res.reason = "fail", f"no-grad forward ({' + '.join(sorted(t.counts))}) {nv.detail}"
         return
