@@ -144,7 +144,7 @@ def test_non_transformers_model_fx_step():
 
 
 @pytest.mark.parametrize("kw,arg", [({"floor": "yes"}, "floor"), ({"floor_mode": "training"}, "floor_mode"),
-                                    ({"floor_timer": 3}, "floor_timer")])
+                                    ({"floor_timer": 3}, "floor_timer"), ({"floor_cache": "yes"}, "floor_cache")])
 def test_bad_floor_args(kw, arg):
     with pytest.raises(InvalidArgumentError, match=arg):
         opsadv.convert_model(_llama(), **kw)
@@ -341,3 +341,93 @@ def test_wall_timer_times_a_long_call_once(monkeypatch):
     assert timer(long) >= 30.0 and n["long"] == 3             # warm-up, the estimate, one timed call
     timer(short)
     assert n["short"] >= 2 + F.MIN_REPS
+
+
+# ---- decisions kept on disk: the same model converted again is not timed again -------------------------------
+def _machine_timer(monkeypatch, timer):
+    """The floor's own clock (the one whose decisions are cached) replaced by `timer`."""
+    from opsadv.convert import floor as F
+    monkeypatch.setattr(F, "wall_timer", lambda device: timer)
+
+
+def test_decisions_are_reused_by_the_next_conversion_of_the_same_model(monkeypatch, tmp_path):
+    from opsadv.convert import floor as F
+    monkeypatch.setenv("OPSADV_CACHE_DIR", str(tmp_path))
+    inp = {**_ids(2, 9), "attention_mask": torch.ones(2, 9, dtype=torch.long)}
+    m1 = _llama()
+    t1 = FakeTimer(m1, {OpsadvNorm: 1.0})              # norms measured slower on this "machine"
+    _machine_timer(monkeypatch, t1)
+    opsadv.convert_model(m1, backend="reference", floor=True, floor_inputs=inp)
+    assert t1.calls > 0 and not any(isinstance(x, OpsadvNorm) for x in m1.modules())
+    assert (tmp_path / "floor_decisions.json").exists() and not m1.opsadv_report.notes[-1].startswith("floor: 5")
+
+    m2 = _llama()                                       # same model, same inputs: no timing, the same decisions
+    t2 = FakeTimer(m2, {OpsadvNorm: -1.0})              # (a clock that would now keep the norms is never read)
+    _machine_timer(monkeypatch, t2)
+    opsadv.convert_model(m2, backend="reference", floor=True, floor_inputs=inp)
+    rep = m2.opsadv_report
+    assert t2.calls == 0 and not any(isinstance(x, OpsadvNorm) for x in m2.modules())
+    assert [d["kind"] for d in rep.floor] == [d["kind"] for d in m1.opsadv_report.floor]
+    assert all("cached" in d for d in rep.floor) and not any("cached" in d for d in m1.opsadv_report.floor)
+    assert any(n.startswith(f"floor: {len(rep.floor)} of {len(rep.floor)} decisions reused") for n in rep.notes)
+    norm, norm1 = (next(c for c in r.changes if c.kind == "kept" and "norms" in c.what)
+                   for r in (rep, m1.opsadv_report))
+    assert norm.reason == norm1.reason.replace(" blocks)", " blocks; cached decision)")
+    assert rep.validation["passed"]
+
+    m3 = _llama()                                       # floor_cache=False measures again, and stores what it saw
+    t3 = FakeTimer(m3, {OpsadvNorm: -1.0})
+    _machine_timer(monkeypatch, t3)
+    opsadv.convert_model(m3, backend="reference", floor=True, floor_inputs=inp, floor_cache=False)
+    assert t3.calls > 0 and any(isinstance(x, OpsadvNorm) for x in m3.modules())
+    m4 = _llama()
+    t4 = FakeTimer(m4, {OpsadvNorm: 1.0})
+    _machine_timer(monkeypatch, t4)
+    opsadv.convert_model(m4, backend="reference", floor=True, floor_inputs=inp)
+    assert t4.calls == 0 and any(isinstance(x, OpsadvNorm) for x in m4.modules())
+
+    monkeypatch.setenv(F.CACHE_ENV, "0")                # the environment's default: measure every time
+    m5 = _llama()
+    t5 = FakeTimer(m5, {})
+    _machine_timer(monkeypatch, t5)
+    opsadv.convert_model(m5, backend="reference", floor=True, floor_inputs=inp)
+    assert t5.calls > 0
+
+
+@pytest.mark.parametrize("change", ["padding", "mode", "config", "trainable", "backend"])
+def test_a_different_model_batch_or_mode_is_measured_again(monkeypatch, tmp_path, change):
+    monkeypatch.setenv("OPSADV_CACHE_DIR", str(tmp_path))
+    inp = {**_ids(2, 9), "attention_mask": torch.ones(2, 9, dtype=torch.long)}
+    kw = dict(backend="reference", floor=True, floor_inputs=inp)
+    m1 = _llama()
+    _machine_timer(monkeypatch, FakeTimer(m1, {}))
+    opsadv.convert_model(m1, **kw)
+    m2 = _llama(seed=5)                                 # other weights: the same model, cached
+    t2 = FakeTimer(m2, {})
+    _machine_timer(monkeypatch, t2)
+    opsadv.convert_model(m2, **kw)
+    assert t2.calls == 0
+    m3 = _llama()
+    if change == "padding":
+        mask = inp["attention_mask"].clone()
+        mask[1, 6:] = 0
+        kw["floor_inputs"] = {**inp, "attention_mask": mask}
+    elif change == "mode":
+        kw["floor_mode"] = "train"
+    elif change == "config":
+        m3 = tf.LlamaForCausalLM(tf.LlamaConfig(**{**m3.config.to_dict(), "intermediate_size": 128})).eval()
+    elif change == "trainable":
+        m3.model.embed_tokens.weight.requires_grad_(False)
+    elif change == "backend":
+        kw["backend"] = "auto"
+    t3 = FakeTimer(m3, {})
+    _machine_timer(monkeypatch, t3)
+    opsadv.convert_model(m3, **kw)
+    assert t3.calls > 0
+
+
+def test_a_custom_timer_neither_reads_nor_writes_the_decisions(monkeypatch, tmp_path):
+    monkeypatch.setenv("OPSADV_CACHE_DIR", str(tmp_path))
+    m = _llama()
+    opsadv.convert_model(m, backend="reference", floor=True, floor_timer=FakeTimer(m, {}))
+    assert not (tmp_path / "floor_decisions.json").exists()

@@ -188,7 +188,7 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
                   tile_size: int | None = None, use_fp16: bool | None = None, max_streams: int | None = None,
                   mem_opt: int | None = None, validate=True, example_inputs=None, pack_padding: bool | None = None,
                   cuda_graphs: bool = False, max_graphs: int = 8, floor: bool | None = None, floor_inputs=None,
-                  floor_mode: str = "inference", floor_timer=None, floor_compile=None,
+                  floor_mode: str = "inference", floor_timer=None, floor_compile=None, floor_cache: bool | None = None,
                   rewrites: dict | None = None, fp8_recipe: "_fp8.Fp8Recipe | None" = None) -> nn.Module:
     """Rewrite `model` in place to run opsadv ops and return it (same object, same class).
 
@@ -217,7 +217,10 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
     as `floor_mode` "inference" (no-grad forward), "train" (forward + backward) or "generate"; `floor_timer`
     (fn -> ms) replaces the clock.  floor_compile ("regional" / True, "full"; None: eager): for a model you will
     run under torch.compile, each step is timed compiled that way (a rewrite that wins eager can lose to
-    Inductor's own fusion); conversion then compiles once per step.  The "lm_loss" kind (a causal LM's loss
+    Inductor's own fusion); conversion then compiles once per step.  floor_cache (None = on unless
+    OPSADV_CONVERT_FLOOR_CACHE=0): the decisions are stored on disk per machine, model, floor inputs and mode
+    (floor.py's docstring), and converting the same model the same way on the same machine again applies them
+    without timing (the report marks them "cached"); False measures again and stores the new ones.  The "lm_loss" kind (a causal LM's loss
     from its final hidden states, opsadv.convert.lm_loss) changes only training calls with labels: the floor
     times it in floor_mode "train" alone and applies it untimed otherwise.
 
@@ -254,7 +257,7 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
         return _adopt(model, inner)
     check_seed_args(opt_level, tile_size, max_streams, mem_opt, use_fp16, validate)
     check_rewrites(rewrites)
-    _floor.check_args(floor, floor_mode, floor_timer, floor_compile)
+    _floor.check_args(floor, floor_mode, floor_timer, floor_compile, floor_cache)
     check_graph_args(model, pack_padding, cuda_graphs, max_graphs)
     if not isinstance(model, nn.Module):
         raise InvalidArgumentError("convert_model", "model", "a torch.nn.Module", type(model).__name__)
@@ -317,7 +320,12 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
             if finputs is None:
                 report.notes.append("floor not measured: no inputs to time (pass floor_inputs or example_inputs)")
             else:
-                gate = _floor.Floor(finputs, floor_mode, floor_timer, _floor.compile_mode(floor_compile))
+                context = (f"backend={backend} precision={label} opt_level={opt_level} mem_opt={mem_opt} "
+                           f"tile_size={tile_size} max_streams={max_streams} pack_padding={pack_padding} "
+                           f"cuda_graphs={cuda_graphs} rewrites={sorted((rewrites or {}).items())}")
+                gate = _floor.Floor(finputs, floor_mode, floor_timer, _floor.compile_mode(floor_compile), model=model,
+                                    cache=_floor.cache_default() if floor_cache is None else floor_cache,
+                                    context=context)
                 if gate.compile:
                     report.notes.append(f"floor timed under torch.compile ({gate.compile})")
         t_steps, tune_steps = time.perf_counter(), seconds_spent()
@@ -375,6 +383,10 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
             report.notes.append("not validated (validate=False)")
         if gate is not None:
             report.floor = [d.to_dict() for d in gate.decisions]
+            if gate.reused:
+                report.notes.append(f"floor: {gate.reused} of {len(gate.decisions)} decisions reused, as measured "
+                                    f"before on this machine ({_floor.DECISIONS.path()}); floor_cache=False "
+                                    "measures again")
         floor_s, floor_tuned = (gate.seconds, gate.tuning) if gate is not None else (0.0, 0.0)
         v_tuned = val_tuned + seconds_spent() - tune1
         # exclusive phases: autotuning (the first calls of new buckets, wherever they fell) counted on its own
@@ -576,6 +588,15 @@ def _run_step(root, kind, label, apply, report, undo, gate):
                 drop()
             raise
 
+    step = [str(c) for c in report.changes[first:]]
+    d = gate.recall(kind, label, step)
+    if d is not None:                                      # measured before: decided without timing
+        if d.kept:
+            undo.extend(state["step"])
+            return new_root
+        drop()
+        _report_undone(report, kind, label, d, gate.mode)
+        return root
     without, with_ = [], []
     while True:
         for on in (True, False, False, True):              # B A A B: one toggle per side change
@@ -585,20 +606,25 @@ def _run_step(root, kind, label, apply, report, undo, gate):
         if len(blocks) >= _floor.MAX_BLOCKS or not (_floor.blocks_disagree(pairs) if len(blocks) == 1
                                                       else _floor.blocks_disagree(blocks)):
             break
-    d = gate.decide_blocks(kind, label, without, with_)
+    d = gate.decide_blocks(kind, label, without, with_, step)
     if d.kept:
         turn(True)
         undo.extend(state["step"])
         return new_root
     if state["on"]:
         drop()
+    _report_undone(report, kind, label, d, gate.mode)
+    return root
+
+
+def _report_undone(report, kind: str, label: str, d, mode: str) -> None:
     blocks = ", ".join(f"{r:.3f}x" for r in d.block_ratios)
     report.add("kept", "", label, f"opsadv's {kind} rewrite measured {d.ratio:.3f}x ({d.ms_with:.4g} ms with it vs "
-               f"{d.ms_without:.4g} ms without, {gate.mode}"
-               + (f", {len(d.block_ratios)} blocks" if d.block_ratios else "") + ")"
+               f"{d.ms_without:.4g} ms without, {mode}"
+               + (f", {len(d.block_ratios)} blocks" if d.block_ratios else "")
+               + ("; cached decision" if d.measured_at is not None else "") + ")"
                + (f", inconclusive: blocks on both sides of 1.0 ({blocks})" if d.inconclusive else "")
                + ": not applied")
-    return root
 
 
 def _default_floor_inputs(model, is_hf: bool, inputs):

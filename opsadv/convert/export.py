@@ -103,7 +103,8 @@ def _check_seeds(seeds: dict, opt_level: int) -> None:
     try:
         check_seed_args(opt_level, get("tile_size"), get("max_streams"), get("mem_opt"), get("use_fp16"))
         check_graph_args(None, get("pack_padding"), get("cuda_graphs"), get("max_graphs"))
-        _floor.check_args(get("floor"), get("floor_mode"), get("floor_timer"), get("floor_compile"))
+        _floor.check_args(get("floor"), get("floor_mode"), get("floor_timer"), get("floor_compile"),
+                          get("floor_cache"))
         check_rewrites(get("rewrites"))
     except InvalidArgumentError as e:   # the same check, named after what the user called
         raise type(e)("Optimizer", e.arg, e.expected, e.given) from None

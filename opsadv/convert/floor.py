@@ -26,10 +26,25 @@ compiles each repeated block (the model's _no_split_modules classes; transformer
 the measurement and removes the compilation after it; "full" times torch.compile(model).  The first sample with a
 step compiles it (the rewrite changed the modules); the block's later samples of either side reuse dynamo's cached
 graphs (its guards tell the two module structures apart), so the blocks cost timing, not compilation, and a compiled
-step is judged against a "without" measured beside it, not one taken minutes and several compilations before."""
+step is judged against a "without" measured beside it, not one taken minutes and several compilations before.
+
+Decisions are kept on disk (`floor_decisions.json` in the tuning cache directory, opsadv.core.cachefile), keyed by
+the machine (device name; torch, triton, transformers and opsadv versions), the model as it was handed over (class,
+config, every module's type, every parameter's name, shape, dtype and requires_grad), the floor inputs (shapes,
+dtypes; the values of masks and position ids, which decide the kernels), the mode, the compile mode and its
+arguments, the policy in effect, the decisions taken before this step and what this step changed.  Converting the
+same model on the same machine again applies the measured decisions without timing (a compiled training floor
+costs minutes); the report marks them "cached" with when they were measured.  `floor_cache=False` (or
+OPSADV_CONVERT_FLOOR_CACHE=0) measures again and stores the new decisions; a custom `timer` never reads or
+writes the file (its numbers describe no machine)."""
 from __future__ import annotations
 
 import gc
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform
 import statistics
 import time
 from dataclasses import dataclass
@@ -38,6 +53,7 @@ from typing import Any, Callable
 
 import torch
 
+from opsadv.core.cachefile import JsonCache, json_depth_ok
 from opsadv.core.envvars import env_bool
 from opsadv.core.errors import InvalidArgumentError
 from opsadv.core.tuning import per_call_ms, seconds_spent
@@ -51,6 +67,7 @@ COMPILE_KWARGS: dict = {}              # torch.compile's arguments for the floor
 RECOMPILE_LIMIT = 256                  # each step recompiles the same block code: past dynamo's limit it runs eager
 GENERATE_TOKENS = 32                  # new tokens per timed generate call (floor_mode="generate")
 ENV = "OPSADV_CONVERT_FLOOR"          # "0" turns the floor off by default, "1" on (the default)
+CACHE_ENV = "OPSADV_CONVERT_FLOOR_CACHE"   # "0": floor_cache=False by default (measure every conversion)
 TARGET_S = 0.1                        # seconds of timed calls per measurement (after the warm-up)
 MIN_REPS, MAX_REPS = 3, 30
 MAX_BLOCKS = 2                        # B A A B blocks per step at most: two that disagree are inconclusive
@@ -77,6 +94,7 @@ class Decision:
     without_samples: tuple = ()   # eager floors: every sample of each side, in the order taken
     with_samples: tuple = ()
     block_ratios: tuple = ()      # eager floors: sum(without) / sum(with) of each B A A B block
+    measured_at: float | None = None   # a decision read from the cache: when it was measured (unix seconds)
 
     @property
     def inconclusive(self) -> bool:
@@ -95,6 +113,8 @@ class Decision:
         r4 = lambda xs: [round(x, 4) for x in xs]      # noqa: E731
         return {"kind": self.kind, "kept": self.kept, "ratio": round(self.ratio, 4),
                 **({"inconclusive": True} if self.inconclusive else {}),
+                **({"cached": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.measured_at))}
+                   if self.measured_at is not None else {}),
                 "ms_without": round(self.ms_without, 4), "ms_with": round(self.ms_with, 4),
                 **({"without_samples": r4(self.without_samples), "with_samples": r4(self.with_samples),
                     "block_ratios": r4(self.block_ratios)} if self.block_ratios else {})}
@@ -113,6 +133,106 @@ def blocks_disagree(pairs: list[tuple[float, float]]) -> bool:
 
 def default_enabled() -> bool:
     return env_bool(ENV, default=True)
+
+
+def cache_default() -> bool:
+    return env_bool(CACHE_ENV, default=True)
+
+
+# ---- decisions kept across processes (the module docstring) -------------------------------------------------
+def _decision_entry(v) -> str | None:
+    """Why a floor_decisions.json value is malformed (None: a decision with its numbers)."""
+    if not isinstance(v, dict) or not json_depth_ok(v, 2):
+        return "not a JSON object of scalars and lists"
+    if not isinstance(v.get("kept"), bool):
+        return "no boolean 'kept'"
+    for k in ("ms_without", "ms_with", "measured_at"):
+        if isinstance(v.get(k), bool) or not isinstance(v.get(k), (int, float)):
+            return f"no numeric {k!r}"
+    br = v.get("block_ratios", [])
+    if not isinstance(br, list) or not all(isinstance(r, (int, float)) and not isinstance(r, bool) for r in br):
+        return "'block_ratios' is not a list of numbers"
+    return None
+
+
+DECISIONS = JsonCache("floor_decisions.json", _decision_entry)
+# integer inputs whose values change no kernel (token ids): their shapes count, their values do not
+_VALUE_FREE = frozenset({"input_ids", "decoder_input_ids"})
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_section(device: torch.device) -> str:
+    """The cache section of the machine the floor times on: the device and every version that changes kernels."""
+    from opsadv.core.version import __version__
+
+    def _version(dist: str) -> str | None:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    elif device.type == "cpu":
+        name = f"cpu {_cpu_model()} ({os.cpu_count()} cpus, {torch.get_num_threads()} threads)"
+    else:
+        name = device.type
+    return (f"{name}|torch {torch.__version__}|triton {_version('triton')}|transformers {_version('transformers')}"
+            f"|opsadv {__version__}")
+
+
+def model_signature(model) -> str:
+    """A digest of the model as handed over: class, config, module types, parameter and buffer shapes / dtypes
+    (and which parameters train)."""
+    h = hashlib.sha256(f"{type(model).__module__}.{type(model).__qualname__}".encode())
+    cfg = getattr(model, "config", None)
+    if cfg is not None:
+        try:
+            h.update(cfg.to_json_string(use_diff=False).encode())
+        except Exception:           # a config that does not serialize: its repr
+            h.update(repr(cfg).encode())
+    for name, m in model.named_modules():
+        h.update(f"{name}:{type(m).__module__}.{type(m).__qualname__};".encode())
+    for name, p in model.named_parameters():
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype}:{p.device.type}:{p.requires_grad};".encode())
+    for name, b in model.named_buffers():
+        h.update(f"{name}:{tuple(b.shape)}:{b.dtype};".encode())
+    return h.hexdigest()
+
+
+def inputs_signature(inputs) -> str:
+    """A digest of the floor inputs: every tensor's name, shape, dtype and device; the values of integer and bool
+    tensors (masks, position ids) except token ids, labels as their ignored (< 0) pattern."""
+    h = hashlib.sha256()
+
+    def walk(x, name: str) -> None:
+        if isinstance(x, torch.Tensor):
+            h.update(f"{name}:{tuple(x.shape)}:{x.dtype}:{x.device.type};".encode())
+            if name == "labels":
+                x = x < 0
+            if not x.is_floating_point() and name not in _VALUE_FREE:
+                h.update(x.detach().cpu().contiguous().numpy().tobytes())
+        elif isinstance(x, dict):
+            for k in sorted(x, key=str):
+                walk(x[k], str(k))
+        elif isinstance(x, (list, tuple)):
+            for i, v in enumerate(x):
+                walk(v, f"{name}[{i}]")
+        else:
+            h.update(f"{name}={x!r};".encode())
+
+    walk(inputs, "")
+    return h.hexdigest()
 
 
 def compile_mode(value) -> str | None:
@@ -168,8 +288,11 @@ def compiled(model, how: str | None):
                 m._compiled_call_impl = None
 
 
-def check_args(floor, mode, timer, compile=None) -> None:
+def check_args(floor, mode, timer, compile=None, cache=None) -> None:
     compile_mode(compile)
+    if cache not in (None, True, False):
+        raise InvalidArgumentError("convert_model", "floor_cache", f"True, False or None (None: on unless {CACHE_ENV}=0)",
+                                   repr(cache))
     if floor not in (None, True, False):
         raise InvalidArgumentError("convert_model", "floor", "True, False or None (None: on unless "
                                    f"{ENV}=0)", repr(floor))
@@ -267,7 +390,12 @@ def step_fn(model, inputs, mode: str) -> Callable[[], Any]:
 class Floor:
     """Times the model around each rewrite step and decides (see the module docstring)."""
 
-    def __init__(self, inputs, mode: str = "inference", timer: Timer | None = None, compile: str | None = None):
+    def __init__(self, inputs, mode: str = "inference", timer: Timer | None = None, compile: str | None = None,
+                 *, model=None, cache: bool | None = None, context: str = ""):
+        """model, cache, context: without a custom timer, measured decisions are written to DECISIONS under a key
+        built here, before any rewrite, from the model, the inputs and `context` (what else decides the kernels:
+        backend, precision, options); cache=True also reads them back instead of timing (False: measure again,
+        None: neither read nor write)."""
         self.inputs = inputs
         self.mode = mode
         self.timer = timer
@@ -275,6 +403,34 @@ class Floor:
         self.decisions: list[Decision] = []
         self.seconds = 0.0                  # wall time spent timing (the report's "floor" phase) ...
         self.tuning = 0.0                   # ... of which autotuning the first calls of new buckets
+        self.cache = cache is not None and timer is None and model is not None     # decisions are stored
+        self.reuse = self.cache and cache is True                                  # ... and read back
+        self.reused = 0                     # decisions taken from the cache
+        if self.cache:
+            from opsadv.core.policy import current_policy
+            self._section = machine_section(_device_of(model))
+            self._base = {"model": model_signature(model), "inputs": inputs_signature(inputs), "mode": mode,
+                          "compile": compile, "compile_kwargs": repr(sorted(COMPILE_KWARGS.items())),
+                          "context": context, "ambient": current_policy().describe()}
+
+    def _key(self, kind: str, step: list[str]) -> str:
+        path = [(d.kind, d.kept) for d in self.decisions]
+        blob = json.dumps({**self._base, "path": path, "kind": kind, "step": step}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+    def recall(self, kind: str, label: str, step: list[str]) -> Decision | None:
+        """The decision measured before for this step (None: not cached, or not read)."""
+        if not self.reuse:
+            return None
+        v = DECISIONS.get(self._section, self._key(kind, step))
+        if v is None:
+            return None
+        d = Decision(kind, label, float(v["ms_without"]), float(v["ms_with"]), v["kept"],
+                     block_ratios=tuple(float(r) for r in v.get("block_ratios", ())),
+                     measured_at=float(v["measured_at"]))
+        self.decisions.append(d)
+        self.reused += 1
+        return d
 
     def time(self, model) -> float:
         t0, tune0 = time.perf_counter(), seconds_spent()
@@ -301,11 +457,17 @@ class Floor:
             for p, g in grads.items():
                 p.grad = g
 
-    def decide_blocks(self, kind: str, label: str, without: list[float], with_: list[float]) -> Decision:
-        """The decision from the step's B A A B blocks (samples in the order taken, 2 per side per block)."""
+    def decide_blocks(self, kind: str, label: str, without: list[float], with_: list[float],
+                      step: list[str] = ()) -> Decision:
+        """The decision from the step's B A A B blocks (samples in the order taken, 2 per side per block); with
+        the cache on, stored under the step's key (`step`: what it changed, as the report lists it)."""
         ratios = tuple(block_ratio(without[i:i + 2], with_[i:i + 2]) for i in range(0, len(without), 2))
         d = Decision(kind, label, statistics.median(without), statistics.median(with_),
                      kept=min(ratios) >= 1.0, without_samples=tuple(without),
                      with_samples=tuple(with_), block_ratios=ratios)
+        if self.cache:
+            DECISIONS.put(self._section, self._key(kind, list(step)), {
+                "kept": d.kept, "ms_without": d.ms_without, "ms_with": d.ms_with, "block_ratios": list(ratios),
+                "measured_at": time.time()})
         self.decisions.append(d)
         return d
