@@ -139,12 +139,12 @@ def test_causal_form_without_padding():
               attention_mask=torch.ones(2, 5, dtype=torch.long), device="cpu")
     assert H.opsadv_mask(**kw) is None             # plain causal: the attention's is_causal
     m = H.opsadv_mask(**{**kw, "allow_is_causal_skip": False})
-    assert H.causal_mask_of(m) == (True, None, None, None) and torch.equal(m, _sdpa(**kw))
+    assert H.causal_mask_of(m) == (True, None, None, None, 0) and torch.equal(m, _sdpa(**kw))
     # chunked prefill over a cache without padding: causal bottom-right, never a crop of the keys
     kw2 = dict(batch_size=1, q_length=3, kv_length=8, q_offset=5, mask_function=mu.causal_mask_function,
                device="cpu")
     m2 = H.opsadv_mask(**kw2)
-    assert H.causal_mask_of(m2) == (True, None, None, None) and torch.equal(m2, _sdpa(**kw2))
+    assert H.causal_mask_of(m2) == (True, None, None, None, 0) and torch.equal(m2, _sdpa(**kw2))
 
 
 @pytest.mark.parametrize("change", [dict(kv_offset=2), dict(q_offset=1), dict(local_size=4),

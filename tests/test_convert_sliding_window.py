@@ -153,7 +153,7 @@ def test_window_boundary_against_the_sequence(w, kv_len, window):
     if window is None:
         assert m is None
         m = H.opsadv_mask(**{**kw, "allow_is_causal_skip": False})
-        assert H.causal_mask_of(m) == (True, None, None, None)
+        assert H.causal_mask_of(m) == (True, None, None, None, 0)
     else:
         assert H.causal_mask_of(m).window == window
     assert torch.equal(m, mu.sdpa_mask(**{**kw, "allow_is_causal_skip": False}))

@@ -133,20 +133,22 @@ def _dense_block_mask(s_q: int, s_k: int, device) -> torch.Tensor:
 _last_window: tuple = (None, -1, None, None)
 
 
-def _window_layout(mask, kpm, s_q: int, s_k: int, left: int, block_mask, device):
-    """SparseLayout for causal + window (+ key padding), built once per mask and lengths (layers share the mask).
-    Tracing / CUDA-graph capture: from the tensors (the form's block mask, made once per forward), no value read."""
+def _window_layout(mask, kpm, s_q: int, s_k: int, left: int, block_mask, device, right: int = 0,
+                   causal: bool = True):
+    """SparseLayout for a causal (or, causal False, bidirectional) window (+ key padding), built once per mask and
+    lengths (layers share the mask).  Tracing / CUDA-graph capture: from the tensors (the form's block mask, made
+    once per forward), no value read."""
     global _last_window
     if _values_unreadable(mask):
         if block_mask is None or tuple(block_mask.shape[2:]) != (-(-s_q // BLOCK), -(-s_k // BLOCK)):
             block_mask = torch.zeros(1, 1, -(-s_q // BLOCK), -(-s_k // BLOCK), dtype=torch.bool, device=device)
-        return SparseLayout(s_q, s_k, BLOCK, block_mask, True, (left, 0),
+        return SparseLayout(s_q, s_k, BLOCK, block_mask, causal, (left, right),
                             key_padding_mask=None if kpm is None else kpm.contiguous())
-    key = (s_q, s_k, left)
+    key = (s_q, s_k, left, right, causal)
     m, version, k, lay = _last_window
     if m is mask and version == _version(mask) and k == key:
         return lay
-    lay = SparseLayout.sliding_window(s_q, (left, 0), seq_k=s_k, causal=True, block_size=BLOCK, device=device)
+    lay = SparseLayout.sliding_window(s_q, (left, right), seq_k=s_k, causal=causal, block_size=BLOCK, device=device)
     if kpm is not None:
         lay = lay.with_(key_padding_mask=kpm.contiguous())
     _last_window = (mask, _version(mask), key, lay)
@@ -155,9 +157,13 @@ def _window_layout(mask, kpm, s_q: int, s_k: int, left: int, block_mask, device)
 
 def _attend_window(mask, cm: MaskForm, query, key, value, scaling):
     """A call with our sliding-window form: causal + window (+ key padding) sparse_attention; one query without
-    padding (decode): the dense kernel over the last window + 1 keys."""
+    padding (decode): the dense kernel over the last window + 1 keys.  A bidirectional window (an encoder's local
+    layers, s_q == s_k): window both ways (+ key padding)."""
     s_q, s_k = query.shape[2], key.shape[2]
     left, kpm = cm.window, cm.key_padding
+    if not cm.causal:
+        layout = _window_layout(mask, kpm, s_q, s_k, left, cm.block_mask, query.device, cm.right, causal=False)
+        return ops.sparse_attention(query, key, value, layout, scale=scaling)
     reach = s_q + left                            # the keys any query's window reaches: the last s_q + left
     if s_k > reach:                               # a cache holding more (a DynamicCache without sliding layers)
         key, value = key[:, :, s_k - reach:], value[:, :, s_k - reach:]
@@ -243,6 +249,12 @@ def _attention_forward(module, query, key, value, attention_mask, dropout, scali
                                                      or cm.key_padding.shape[-1] == key.shape[2]):
         with scope_of(module):
             out = _attend_causal(mask, cm, query, key, value, scaling, module)
+        return out.transpose(1, 2).contiguous(), None
+    bw = form_of(mask)
+    if (bw is not None and not bw.causal and bw.window is not None and position_bias is None
+            and tuple(mask.shape[-2:]) == (s_q, key.shape[2])):
+        with scope_of(module):                    # our bidirectional window form (an encoder's local layers)
+            out = _attend_window(mask, bw, query, key, value, scaling)
         return out.transpose(1, 2).contiguous(), None
     if kwargs.get("sliding_window") is not None and isinstance(mask, torch.Tensor) and form_of(mask) is None \
             and pack_of(mask) is None and not _exporting():
@@ -493,6 +505,54 @@ def _sliding_window_of(fn) -> int | None:
     return w if isinstance(w, int) and not isinstance(w, bool) and w >= 1 else None
 
 
+@torch.compiler.assume_constant_result
+def _bidirectional_window_of(fn) -> int | None:
+    """w when `fn` is transformers' sliding_window_bidirectional_mask_function(w) (and_masks(
+    sliding_window_bidirectional_overlay(w), bidirectional_mask_function)), read from the closures; None for anything
+    else.  A constant while dynamo traces (as _sliding_window_of)."""
+    from transformers import masking_utils as mu
+    if not all(hasattr(mu, n) for n in ("and_masks", "sliding_window_bidirectional_overlay",
+                                        "bidirectional_mask_function")):
+        return None
+    cells = _cells(fn, mu.and_masks(mu.bidirectional_mask_function).__code__)
+    fns = None if cells is None else cells.get("mask_functions")
+    if not isinstance(fns, tuple) or len(fns) != 2 or fns[1] is not mu.bidirectional_mask_function:
+        return None
+    overlay = _cells(fns[0], mu.sliding_window_bidirectional_overlay(1).__code__)
+    w = None if overlay is None else overlay.get("sliding_window")
+    return w if isinstance(w, int) and not isinstance(w, bool) and w >= 0 else None
+
+
+def _bidirectional_window_form(mu, fn, kwargs):
+    """transformers' bidirectional sliding-window mask (ModernBERT's local layers) carrying our form (window both
+    ways + the key padding: sparse_attention skips the tiles outside the band), or NotImplemented where the call is
+    not that plain form (an overlay, offsets, symbolic lengths: transformers' mask serves as it is)."""
+    if fn is None or not hasattr(mu, "and_masks"):
+        return NotImplemented
+    if torch.compiler.is_compiling() and (
+            getattr(fn, "__code__", None) is not mu.and_masks(mu.bidirectional_mask_function).__code__
+            or kwargs.get("use_vmap") or not _config_window(kwargs)):
+        return NotImplemented                     # (only create_bidirectional_sliding_window_mask's plain call)
+    w = _bidirectional_window_of(fn)
+    b, q_len, kv_len = kwargs.get("batch_size"), kwargs.get("q_length"), kwargs.get("kv_length")
+    pad = kwargs.get("attention_mask")
+    if (w is None or kwargs.get("local_size") not in (None, w)
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in (b, q_len, kv_len))
+            or q_len != kv_len or kwargs.get("q_offset", 0) != 0 or kwargs.get("kv_offset", 0) != 0
+            or (pad is not None and (not isinstance(pad, torch.Tensor) or tuple(pad.shape) != (b, kv_len)))):
+        return NotImplemented
+    m = mu.sdpa_mask(**kwargs)                    # the values, for any other reader (fallbacks, eager)
+    if not isinstance(m, torch.Tensor) or m.dtype != torch.bool or tuple(m.shape) != (b, 1, q_len, kv_len):
+        return m                                  # (None: no padding and every key within the window)
+    kpm = None if pad is None else pad.to(device=m.device, dtype=torch.bool)
+    if kpm is not None and not capturing(kpm) and not _values_unreadable(kpm) and bool(kpm.all()):
+        kpm = None
+    bm = (torch.zeros(1, 1, -(-q_len // BLOCK), -(-kv_len // BLOCK), dtype=torch.bool, device=m.device)
+          if _values_unreadable(m) else None)
+    m._opsadv_form = MaskForm(False, None if kpm is None else kpm.contiguous(), bm, w, w)
+    return m
+
+
 def _packed_sequences(mu, fn, kwargs) -> tuple[list[int], int | None] | None:
     """(sequence lengths, window's left reach or None) of a padding-free packed batch (one row of several sequences,
     each with its own position ids: transformers' DataCollatorWithFlattening, TRL's padding_free), when `fn` is
@@ -604,6 +664,10 @@ def opsadv_mask(*args, **kwargs):
         if m is not NotImplemented:
             return m
         return mu.sdpa_mask(*args, **kwargs)
+    if not args and kwargs.get("local_size") is not None:
+        m = _bidirectional_window_form(mu, fn, kwargs)
+        if m is not NotImplemented:
+            return m
     pad = kwargs.get("attention_mask")
     kv_length = kwargs.get("kv_length")
     q_length = kwargs.get("q_length")

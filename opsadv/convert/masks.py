@@ -25,11 +25,13 @@ class MaskForm(NamedTuple):
     (1, 1, ceil(s_q / BLOCK), ceil(s_k / BLOCK)) block mask of the layout: all True for key padding (with
     key_padding), all False for a window (the window band is the layout's allowing term).  window: a causal
     sliding window's left reach in keys (each query sees itself and the `window` keys before it: transformers'
-    sliding_window w is window = w - 1), None without one."""
+    sliding_window w is window = w - 1), None without one; with causal False, a bidirectional window (query i sees
+    keys i - window .. i + right: transformers' sliding_window_bidirectional_overlay(w) is window = right = w)."""
     causal: bool
     key_padding: torch.Tensor | None
     block_mask: torch.Tensor | None
     window: int | None = None
+    right: int = 0
 
 
 def form_of(mask) -> MaskForm | None:
