@@ -338,7 +338,7 @@ def convert(base, cell: Cell, x: dict, val_in: dict, extra: dict, precision: str
         kw["floor"] = False
     else:
         kw["floor_cache"] = False       # every cell measures its floor (conversion_s: a first conversion's cost)
-    elif floor == "cell":
+    if floor == "cell":
         kw["floor_mode"] = {"prefill": "inference", "decode": "generate", "train": "train"}[cell.family]
         kw["floor_inputs"] = x
     if cell.compiled and floor != "off":

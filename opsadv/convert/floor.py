@@ -55,6 +55,8 @@ import torch
 
 from opsadv.core.cachefile import JsonCache, json_depth_ok
 from opsadv.core.envvars import env_bool
+from opsadv.core.policy import current_policy
+from opsadv.core.version import __version__
 from opsadv.core.errors import InvalidArgumentError
 from opsadv.core.tuning import per_call_ms, seconds_spent
 
@@ -173,8 +175,6 @@ def _cpu_model() -> str:
 
 def machine_section(device: torch.device) -> str:
     """The cache section of the machine the floor times on: the device and every version that changes kernels."""
-    from opsadv.core.version import __version__
-
     def _version(dist: str) -> str | None:
         try:
             return importlib.metadata.version(dist)
@@ -407,7 +407,6 @@ class Floor:
         self.reuse = self.cache and cache is True                                  # ... and read back
         self.reused = 0                     # decisions taken from the cache
         if self.cache:
-            from opsadv.core.policy import current_policy
             self._section = machine_section(_device_of(model))
             self._base = {"model": model_signature(model), "inputs": inputs_signature(inputs), "mode": mode,
                           "compile": compile, "compile_kwargs": repr(sorted(COMPILE_KWARGS.items())),
