@@ -197,6 +197,22 @@ _ENTRIES = [
         },
         like={"0.5b": "BERT-large (335M)", "1.5b": "Megatron-BERT 1.3B's dimensions in the BERT architecture"}),
     ModelSpec(
+        "modernbert", "ModernBertConfig", "ModernBertModel", "encoder",
+        train_model="ModernBertForSequenceClassification",
+        features="pre-LN encoder without biases, rotary, GeGLU MLP (one Wi), local layers (a token sees the 64 tokens "
+                 "each way; bidirectional window) between global ones, key padding",
+        common=dict(attention_dropout=0.0, mlp_dropout=0.0, embedding_dropout=0.0, num_labels=2,
+                    global_attn_every_n_layers=3, local_attention=128, pad_token_id=0, bos_token_id=1,
+                    eos_token_id=2, cls_token_id=1, sep_token_id=2),
+        sizes={
+            "tiny": dict(_TINY_ENC, num_hidden_layers=3, local_attention=8),     # layers 1, 2 local (window 4)
+            "0.5b": dict(hidden_size=1024, intermediate_size=2624, num_hidden_layers=28, num_attention_heads=16,
+                         vocab_size=50368, max_position_embeddings=8192),
+            "1.5b": dict(hidden_size=2048, intermediate_size=5248, num_hidden_layers=28, num_attention_heads=32,
+                         vocab_size=50368, max_position_embeddings=8192),
+        },
+        like={"0.5b": "ModernBERT-large (395M)", "1.5b": "ModernBERT-large's shape at hidden 2048 (1.4B)"}),
+    ModelSpec(
         "xlm_roberta", "XLMRobertaConfig", "XLMRobertaModel", "encoder",
         train_model="XLMRobertaForSequenceClassification",
         features="RoBERTa encoder, 250k vocabulary, padding-offset positions",
