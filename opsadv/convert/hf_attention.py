@@ -5,8 +5,8 @@
 The mask function keeps transformers' sdpa masks except for two forms it hands over recognizably,
 so the attention function takes the key-padding kernels (sparse_attention with key padding, and its
 own backward; packed encoders: varlen) instead of a dense masked one:
-- a plain bidirectional padding mask (BERT-style encoders): a stride-0 expanded view of the 2-D
-  padding mask (key_padding_of);
+- a plain bidirectional padding mask (BERT-style encoders, and an encoder-decoder's cross-attention over the
+  padded encoder batch): a stride-0 expanded view of the 2-D padding mask (key_padding_of);
 - a plain causal mask (decoders: causal, optionally with a 2-D padding mask, the queries at the end
   of the keys as with a DynamicCache): the materialized bool mask (the values transformers' sdpa
   mask has, for any other reader) carrying a MaskForm: causal, the key padding mask it was built
@@ -284,9 +284,11 @@ def _attention_forward(module, query, key, value, attention_mask, dropout, scali
             return out.transpose(1, 2).contiguous(), None
         kpm = key_padding_of(mask)
         f = form_of(mask)
-        # a mask of one query row is key padding too (a static-cache decode step): the dense kernel takes it
+        # a mask of one query row is key padding too (a static-cache decode step, a cross-attention decode step):
+        # the dense kernel takes it; cross-attention over a padded encoder batch (s_q != s_k): key padding too
         layout = (_padding_layout(mask, kpm, s_q, key.shape[2], False, f.block_mask if f is not None else None)
-                  if kpm is not None and s_q == key.shape[2] else None)
+                  if kpm is not None and (s_q == key.shape[2] or (isinstance(s_q, int) and s_q > 1 and not causal))
+                  else None)
         if layout is not None:
             out = ops.sparse_attention(query, key, value, layout, scale=scaling)
         elif mask is None:

@@ -9,9 +9,10 @@ from .layout import SparseLayout
 
 
 # ---- sparse attention ----------------------------------------------------------------------------
-def _sparse(b, hq, hkv, s, d, bs, make_layout):
+def _sparse(b, hq, hkv, s, d, bs, make_layout, s_k=None):
+    s_k = s if s_k is None else s_k
     def build(dtype, device, g):
-        q, k, v = rand((b, hq, s, d), dtype, device, g), rand((b, hkv, s, d), dtype, device, g), rand((b, hkv, s, d), dtype, device, g)
+        q, k, v = rand((b, hq, s, d), dtype, device, g), rand((b, hkv, s_k, d), dtype, device, g), rand((b, hkv, s_k, d), dtype, device, g)
         return (q, k, v, make_layout(device, g)), {}
     return build
 
@@ -47,6 +48,22 @@ def _padding(b, s, bs):
     return make
 
 
+def _key_padding(b, s_q, s_k, bs, window=None):
+    """Key padding without causal (an encoder's, or cross-attention's over a padded encoder batch: s_q != s_k),
+    optionally with a bidirectional window (an encoder's local layers); one row keeps a single key."""
+    def make(device, g):
+        lens = torch.randint(1, s_k + 1, (b,), generator=g)
+        lens[0] = 1
+        kpm = torch.arange(s_k)[None, :] < lens[:, None]
+        return SparseLayout(s_q, s_k, bs, _blocks2(s_q, s_k, bs, device, window is None), window=window,
+                            key_padding_mask=kpm.to(device))
+    return make
+
+
+def _blocks2(s_q, s_k, bs, device, value):
+    return torch.full((1, 1, -(-s_q // bs), -(-s_k // bs)), value, dtype=torch.bool, device=device)
+
+
 def _varlen(lens, bs):
     def make(device, g):
         cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=device)
@@ -67,6 +84,10 @@ CASES = [
     Case("sparse_attention", "global_window", _sparse(1, 2, 2, 77, 64, 16, _global_window(77, 16)), (0, 1, 2)),
     Case("sparse_attention", "block_mask", _sparse(2, 2, 2, 96, 64, 32, _random_blocks(2, 2, 96, 32)), (0, 1, 2)),
     Case("sparse_attention", "padding", _sparse(3, 2, 2, 50, 64, 16, _padding(3, 50, 16)), (0, 1, 2)),
+    Case("sparse_attention", "padding_cross", _sparse(2, 2, 1, 23, 32, 16, _key_padding(2, 23, 50, 16), s_k=50),
+         (0, 1, 2)),
+    Case("sparse_attention", "window_bidir_padding", _sparse(2, 2, 2, 45, 32, 16, _key_padding(2, 45, 45, 16, (6, 6))),
+         (0, 1, 2)),
     Case("sparse_attention", "varlen", _sparse(1, 2, 2, 1 + 37 + 64, 64, 16, _varlen([1, 37, 64], 16)), (0, 1, 2)),
     Case("sparse_attention", "varlen_plain", _sparse(1, 3, 3, 45 + 1 + 127, 64, 16, _plain_varlen([45, 0, 1, 127], 16,
                                                                                                    False)), (0, 1, 2)),
