@@ -431,3 +431,16 @@ def test_a_custom_timer_neither_reads_nor_writes_the_decisions(monkeypatch, tmp_
     m = _llama()
     opsadv.convert_model(m, backend="reference", floor=True, floor_timer=FakeTimer(m, {}))
     assert not (tmp_path / "floor_decisions.json").exists()
+
+
+def test_default_floor_inputs_are_reused_too(monkeypatch, tmp_path):
+    """Without floor_inputs the floor times the generated validation batch (seeded): the next conversion finds it."""
+    monkeypatch.setenv("OPSADV_CACHE_DIR", str(tmp_path))
+    m1 = _llama()
+    _machine_timer(monkeypatch, FakeTimer(m1, {}))
+    opsadv.convert_model(m1, backend="reference", floor=True)
+    m2 = _llama()
+    t2 = FakeTimer(m2, {})
+    _machine_timer(monkeypatch, t2)
+    opsadv.convert_model(m2, backend="reference", floor=True)
+    assert t2.calls == 0 and all("cached" in d for d in m2.opsadv_report.floor)
