@@ -66,13 +66,19 @@ def _cmd_info(args) -> int:
     if args.json:
         d = inf.to_dict()
         if args.tuning:
-            d["tuning"] = tuning.report(current_env())
+            d["tuning"] = tuning.report(current_env()) + "\n" + _floor_report()
         _print_json(d)
         return 0
     print(inf)
     if args.tuning:
         print(tuning.report(current_env()))
+        print(_floor_report())
     return 0
+
+
+def _floor_report() -> str:
+    from opsadv.convert import floor        # (the conversion stack loads only for this flag)
+    return floor.report()
 
 
 def _cmd_demo(args) -> int:
@@ -224,7 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--impls", action="store_true", help="also list every registered kernel impl and what it declares")
     s.add_argument("--tuning", action="store_true",
                    help="also print what measurement decided on this device: impl winners with their times, kernel "
-                        "configs and variants (the tuning caches in $OPSADV_CACHE_DIR)")
+                        "configs and variants, and the conversion floor's decisions (the caches in "
+                        "$OPSADV_CACHE_DIR)")
     s.set_defaults(func=_cmd_info)
 
     s = sub.add_parser("demo", help="run every op through the selected backend on random data and check it",

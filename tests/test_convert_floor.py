@@ -374,6 +374,9 @@ def test_decisions_are_reused_by_the_next_conversion_of_the_same_model(monkeypat
                    for r in (rep, m1.opsadv_report))
     assert norm.reason == norm1.reason.replace(" blocks)", " blocks; cached decision)")
     assert rep.validation["passed"]
+    text = F.report()                                   # `opsadv info --tuning`'s floor part
+    assert "LlamaForCausalLM (llama) [inference] norm: not applied (0.667x" in text, text
+    assert "LlamaForCausalLM (llama) [inference] attention: kept (1.000x" in text, text
 
     m3 = _llama()                                       # floor_cache=False measures again, and stores what it saw
     t3 = FakeTimer(m3, {OpsadvNorm: -1.0})

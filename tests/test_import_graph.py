@@ -37,6 +37,8 @@ LAZY: dict[tuple[str, str], str] = {
                                                                  "torch.distributed.tensor)",
     ("opsadv.cli", "opsadv.bench.runner"): "optional CLI part: its ImportError leaves the other commands working",
     ("opsadv.cli", "opsadv.convert.cli"): "optional CLI part: its ImportError leaves the other commands working",
+    ("opsadv.cli", "opsadv.convert.floor"): "info --tuning's floor decisions: the conversion stack loads for that flag "
+                                             "only",
     ("opsadv.bench.suite_sparse", f"{TC}.sparse_attention.sparse"): TRITON,
     (f"{TC}.gemm.gemm", f"{TC}.gemm.kernels"): TRITON,
     (f"{TC}.gemm.gemm", f"{TC}.utils"): TRITON,

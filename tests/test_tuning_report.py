@@ -51,6 +51,7 @@ def test_info_tuning_flag(tmp_path):
                          env={**__import__("os").environ, "OPSADV_CACHE_DIR": str(tmp_path)}, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "opsadv tuning caches in" in out.stdout and "tuning.json" in out.stdout
+    assert "floor_decisions.json: conversion floor decisions" in out.stdout and "none stored" in out.stdout
 
 
 def test_seconds_spent_counts_nested_tuning_once():

@@ -191,6 +191,29 @@ def machine_section(device: torch.device) -> str:
             f"|opsadv {__version__}")
 
 
+def report() -> str:
+    """The stored floor decisions of this torch / triton / transformers / opsadv, per machine, as text (`opsadv info
+    --tuning`): model, mode, rewrite kind, kept or not, the measured ratio and when."""
+    here = machine_section(torch.device("cpu")).split("|", 1)[1]       # the versions part of a section name
+    sections = {k: v for k, v in DECISIONS.sections().items() if v and k.split("|", 1)[-1] == here}
+    lines = [f"{DECISIONS.name}: conversion floor decisions (convert_model's floor; reused by the next conversion "
+             "of the same model, inputs and mode)" + ("" if sections else " -- none stored for these versions")]
+    for section, entries in sorted(sections.items()):
+        lines.append(f"  [{section}] {len(entries)} decisions")
+        rows = sorted(entries.values(), key=lambda v: (str(v.get("model")), str(v.get("mode")),
+                                                       str(v.get("compile")), v["measured_at"]))
+        for v in rows:
+            br = v.get("block_ratios") or []
+            ratio = (statistics.median(br) if br else
+                     v["ms_without"] / v["ms_with"] if v["ms_with"] > 0 else float("inf"))
+            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(v["measured_at"]))
+            how = v.get("mode", "?") + (f", compiled {v['compile']}" if v.get("compile") else "")
+            mixed = ", inconclusive" if br and min(br) < 1.0 <= max(br) else ""
+            lines.append(f"    {v.get('model', '?')} [{how}] {v.get('kind', '?')}: "
+                         f"{'kept' if v['kept'] else 'not applied'} ({ratio:.3f}x{mixed}; {when})")
+    return "\n".join(lines)
+
+
 def model_signature(model) -> str:
     """A digest of the model as handed over: class, config, module types, parameter and buffer shapes / dtypes
     (and which parameters train)."""
@@ -408,6 +431,9 @@ class Floor:
         self.reused = 0                     # decisions taken from the cache
         if self.cache:
             self._section = machine_section(_device_of(model))
+            cfg = getattr(model, "config", None)
+            self._model_name = type(model).__name__ + (f" ({cfg.model_type})" if getattr(cfg, "model_type", None)
+                                                       else "")
             self._base = {"model": model_signature(model), "inputs": inputs_signature(inputs), "mode": mode,
                           "compile": compile, "compile_kwargs": repr(sorted(COMPILE_KWARGS.items())),
                           "context": context, "ambient": current_policy().describe()}
@@ -467,6 +493,7 @@ class Floor:
         if self.cache:
             DECISIONS.put(self._section, self._key(kind, list(step)), {
                 "kept": d.kept, "ms_without": d.ms_without, "ms_with": d.ms_with, "block_ratios": list(ratios),
-                "measured_at": time.time()})
+                "measured_at": time.time(), "model": self._model_name, "kind": kind, "label": label,
+                "mode": self.mode, "compile": self.compile})
         self.decisions.append(d)
         return d
