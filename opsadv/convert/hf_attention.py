@@ -2,7 +2,7 @@
 (and a mask function under the same name in AttentionMaskInterface), selected per model with
 `set_attn_implementation("opsadv")`.  No modeling code is edited or copied.
 
-The mask function keeps transformers' sdpa masks except for two forms it hands over recognizably,
+The mask function keeps transformers' sdpa masks except for the forms it hands over recognizably,
 so the attention function takes the key-padding kernels (sparse_attention with key padding, and its
 own backward; packed encoders: varlen) instead of a dense masked one:
 - a plain bidirectional padding mask (BERT-style encoders, and an encoder-decoder's cross-attention over the
@@ -17,9 +17,12 @@ own backward; packed encoders: varlen) instead of a dense masked one:
   (w - 1 keys before each query) where it excludes a key, else the plain causal form.  The attention
   runs causal + window (+ key padding) sparse_attention over the keys the window reaches; a one-query
   step without padding, the dense kernel over the last w keys.  Windowed masks with a static cache's
-  tensor offset, an overlay, packed sequences or symbolic lengths stay transformers' (counted).
-Both forms are built without reading mask values, so they hold under torch.compile / export and
-CUDA-graph capture as well.  Their MaskForm also carries the layout's all-True block mask, made once
+  tensor offset, an overlay, packed sequences or symbolic lengths stay transformers' (counted);
+- a plain bidirectional sliding-window mask (transformers' sliding_window_bidirectional_mask_function(w):
+  ModernBERT's local layers): transformers' values carrying a non-causal MaskForm with the window both ways
+  (window = right = w) and the key padding; the attention runs that sparse_attention layout.
+The padding and causal forms are built without reading mask values, so they hold under torch.compile / export and
+CUDA-graph capture as well (the bidirectional window form reads "any padding?" once per forward in eager only).  Their MaskForm also carries the layout's all-True block mask, made once
 per forward with the mask, so every layer's layout shares it (and the kernel's tile index, cached on
 it and the key padding mask, is built once per forward), traced or not.
 
