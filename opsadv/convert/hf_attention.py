@@ -21,8 +21,8 @@ own backward; packed encoders: varlen) instead of a dense masked one:
 - a plain bidirectional sliding-window mask (transformers' sliding_window_bidirectional_mask_function(w):
   ModernBERT's local layers): transformers' values carrying a non-causal MaskForm with the window both ways
   (window = right = w) and the key padding; the attention runs that sparse_attention layout.
-The padding and causal forms are built without reading mask values, so they hold under torch.compile / export and
-CUDA-graph capture as well (the bidirectional window form reads "any padding?" once per forward in eager only).  Their MaskForm also carries the layout's all-True block mask, made once
+The forms hold under torch.compile / export and CUDA-graph capture as well: there they are built without reading
+mask values (eager calls read "any padding?" once per forward).  Their MaskForm also carries the layout's all-True block mask, made once
 per forward with the mask, so every layer's layout shares it (and the kernel's tile index, cached on
 it and the key padding mask, is built once per forward), traced or not.
 
