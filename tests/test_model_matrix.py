@@ -95,6 +95,8 @@ def test_tiny_converts_and_validates(arch, reference_backend):
     if arch == "modernbert":         # local layers: bidirectional window + key padding sparse_attention, no dense mask
         assert t.counts.get("reference.sparse_attention") == conv.config.num_hidden_layers, t.counts
         assert "reference.flash_attention" not in t.counts and not conv._opsadv_state.fallbacks, t.counts
+    if arch == "bart":               # encoder self-attention and cross-attention over the padded encoder: key padding
+        assert t.counts.get("reference.sparse_attention") == 4, t.counts     # (2 encoder + 2 cross-attention layers)
     am = x.get("attention_mask")
     keep = am.bool() if am is not None and a.shape[:2] == am.shape else torch.ones(a.shape[:2], dtype=torch.bool)
     assert torch.allclose(a[keep], b[keep], rtol=1e-4, atol=1e-5)

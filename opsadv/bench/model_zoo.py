@@ -240,6 +240,23 @@ _ENTRIES = [
         },
         like={"0.5b": "ViT-H/14 (632M)", "1.5b": "ViT-G/14 (1.8B)"}),
     ModelSpec(
+        "bart", "BartConfig", "BartForConditionalGeneration", "seq2seq",
+        features="encoder-decoder, learned positions, post-LN, GELU MLP, cross-attention over the padded encoder batch",
+        common=dict(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, pad_token_id=1, bos_token_id=0,
+                    eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None),
+        sizes={
+            "tiny": dict(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                         decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=256,
+                         max_position_embeddings=256),
+            "0.5b": dict(d_model=1024, encoder_layers=12, decoder_layers=12, encoder_attention_heads=16,
+                         decoder_attention_heads=16, encoder_ffn_dim=4096, decoder_ffn_dim=4096, vocab_size=50265,
+                         max_position_embeddings=1024),
+            "1.5b": dict(d_model=2048, encoder_layers=12, decoder_layers=12, encoder_attention_heads=32,
+                         decoder_attention_heads=32, encoder_ffn_dim=8192, decoder_ffn_dim=8192, vocab_size=50265,
+                         max_position_embeddings=1024),
+        },
+        like={"0.5b": "BART-large (406M)", "1.5b": "BART-large's shape at hidden 2048"}),
+    ModelSpec(
         "t5", "T5Config", "T5ForConditionalGeneration", "seq2seq",
         features="encoder-decoder, relative position bias, gated GELU, RMS-style T5 LayerNorm, cross-attention",
         common=dict(feed_forward_proj="gated-gelu", dropout_rate=0.0, tie_word_embeddings=False,
