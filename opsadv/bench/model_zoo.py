@@ -4,9 +4,9 @@ models bench suite (suite_models.py) and the CPU model-matrix tests.
 Each entry names the transformers config class, its kwargs per size, the model classes (inference and
 training), the Liger-Kernel apply function where Liger supports the architecture, and the input kind:
   "causal"  decoder-only LM (token ids; labels = ids, -100 at padded positions)
-  "encoder" BERT-like (token ids + attention_mask with ~30% right padding; sequence-classification labels)
+  "encoder" BERT-like, ModernBERT (token ids + attention_mask with ~30% right padding; sequence-classification labels)
   "vision"  ViT (pixel_values; image-classification labels)
-  "seq2seq" T5 (encoder ids + mask, decoder_input_ids / labels)
+  "seq2seq" T5, BART (encoder ids + mask, decoder_input_ids / labels)
 Sizes: "tiny" (CPU tests: two layers, hidden 64), "0.5b" and "1.5b": the dimensions of the real model named in
 `like` (where no model of that architecture exists at that size, the nearest shape, said so there); llama3 also has
 "8b-4l" (Llama-3-8B cut to 4 layers: the models suite's causal-LM loss cell).

@@ -3,8 +3,8 @@
 Every entry of model_zoo.ZOO at "0.5b" and "1.5b" (quick: "tiny", short sequences, fp32 on a CPU), in the
 modes of its kind (labels in `mode`, the heatmap's columns):
   prefill b1 / prefill    causal LMs b1 and b8 s2048 (last-token logits where the model takes logits_to_keep);
-                          encoders b32 s512 with ~30% right padding; ViT b32 images; T5 b8 s512 (~30% padding)
-                          with 128 decoder tokens
+                          encoders b32 s512 with ~30% right padding; ViT b32 images; T5 / BART b8 s512 (~30%
+                          padding) with 128 decoder tokens
   decode bN dynamic/static  generate(128 new tokens, greedy) at b1 and b8 from a 512-token prompt, over a
                           DynamicCache and a StaticCache (cache_implementation="static"; generate's own
                           auto-compile of static caches off: disable_compile=True, eager is eager)
@@ -29,7 +29,8 @@ modes of its kind (labels in `mode`, the heatmap's columns):
                           causal LMs also "train packed": the same 8192 tokens as one padding-free row of
                           sequences of 256-2048 tokens with their own position ids (DataCollatorWithFlattening's
                           form, model_zoo.packed_inputs), eager and compiled;
-                          encoders b32 s512 sequence classification (padded ~30%); ViT b32; T5 b8 s512/128
+                          encoders b32 s512 sequence classification (padded ~30%); ViT b32; T5 / BART b8
+                          s512/128
 and each again " compiled": compiled converted vs compiled unconverted.  FP8 cells, GPU only (convert_model(precision=
 "fp8"), issue 42): "prefill fp8 b8 s2048 llama3 1.5b" and "train fp8 b4 s2048 llama3 1.5b", Llama-3.2-1B's
 dimensions, against `opsadv_bf16` (our bf16 conversion of the same model: the baseline) and `unconverted`; the row
