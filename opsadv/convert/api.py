@@ -220,9 +220,9 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
     Inductor's own fusion); conversion then compiles once per step.  floor_cache (None = on unless
     OPSADV_CONVERT_FLOOR_CACHE=0): the decisions are stored on disk per machine, model, floor inputs and mode
     (floor.py's docstring), and converting the same model the same way on the same machine again applies them
-    without timing (the report marks them "cached"); False measures again and stores the new ones.  The "lm_loss" kind (a causal LM's loss
-    from its final hidden states, opsadv.convert.lm_loss) changes only training calls with labels: the floor
-    times it in floor_mode "train" alone and applies it untimed otherwise.
+    without timing (the report marks them "cached"); False measures again and stores the new ones.  The
+    "lm_loss" kind (a causal LM's loss from its final hidden states, opsadv.convert.lm_loss) changes only training
+    calls with labels: the floor times it in floor_mode "train" alone and applies it untimed otherwise.
 
     rewrites: {kind: False} leaves that rewrite kind out (kinds: REWRITE_KINDS; True: as opt_level says), e.g.
     rewrites={"lm_loss": False} keeps the model's logits and loss in training.

@@ -314,8 +314,8 @@ def compiled(model, how: str | None):
 def check_args(floor, mode, timer, compile=None, cache=None) -> None:
     compile_mode(compile)
     if cache not in (None, True, False):
-        raise InvalidArgumentError("convert_model", "floor_cache", f"True, False or None (None: on unless {CACHE_ENV}=0)",
-                                   repr(cache))
+        raise InvalidArgumentError("convert_model", "floor_cache",
+                                   f"True, False or None (None: on unless {CACHE_ENV}=0)", repr(cache))
     if floor not in (None, True, False):
         raise InvalidArgumentError("convert_model", "floor", "True, False or None (None: on unless "
                                    f"{ENV}=0)", repr(floor))

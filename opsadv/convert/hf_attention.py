@@ -22,9 +22,9 @@ own backward; packed encoders: varlen) instead of a dense masked one:
   ModernBERT's local layers): transformers' values carrying a non-causal MaskForm with the window both ways
   (window = right = w) and the key padding; the attention runs that sparse_attention layout.
 The forms hold under torch.compile / export and CUDA-graph capture as well: there they are built without reading
-mask values (eager calls read "any padding?" once per forward).  Their MaskForm also carries the layout's all-True block mask, made once
-per forward with the mask, so every layer's layout shares it (and the kernel's tile index, cached on
-it and the key padding mask, is built once per forward), traced or not.
+mask values (eager calls read "any padding?" once per forward).  Their MaskForm also carries the layout's
+all-True block mask, made once per forward with the mask, so every layer's layout shares it (and the kernel's
+tile index, cached on it and the key padding mask, is built once per forward), traced or not.
 
 Calls opsadv has no kernel for (attention dropout, softcapping, sinks) run the model's original
 attention implementation (the one before conversion), counted in the model's state."""

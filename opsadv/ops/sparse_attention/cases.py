@@ -12,7 +12,8 @@ from .layout import SparseLayout
 def _sparse(b, hq, hkv, s, d, bs, make_layout, s_k=None):
     s_k = s if s_k is None else s_k
     def build(dtype, device, g):
-        q, k, v = rand((b, hq, s, d), dtype, device, g), rand((b, hkv, s_k, d), dtype, device, g), rand((b, hkv, s_k, d), dtype, device, g)
+        q = rand((b, hq, s, d), dtype, device, g)
+        k, v = rand((b, hkv, s_k, d), dtype, device, g), rand((b, hkv, s_k, d), dtype, device, g)
         return (q, k, v, make_layout(device, g)), {}
     return build
 
@@ -86,8 +87,8 @@ CASES = [
     Case("sparse_attention", "padding", _sparse(3, 2, 2, 50, 64, 16, _padding(3, 50, 16)), (0, 1, 2)),
     Case("sparse_attention", "padding_cross", _sparse(3, 2, 1, 23, 64, 16, _key_padding(3, 23, 50, 16), s_k=50),
          (0, 1, 2)),
-    Case("sparse_attention", "window_bidir_padding", _sparse(3, 2, 2, 61, 64, 16, _key_padding(3, 61, 61, 16, (12, 12))),
-         (0, 1, 2)),
+    Case("sparse_attention", "window_bidir_padding",
+         _sparse(3, 2, 2, 61, 64, 16, _key_padding(3, 61, 61, 16, (12, 12))), (0, 1, 2)),
     Case("sparse_attention", "varlen", _sparse(1, 2, 2, 1 + 37 + 64, 64, 16, _varlen([1, 37, 64], 16)), (0, 1, 2)),
     Case("sparse_attention", "varlen_plain", _sparse(1, 3, 3, 45 + 1 + 127, 64, 16, _plain_varlen([45, 0, 1, 127], 16,
                                                                                                    False)), (0, 1, 2)),
