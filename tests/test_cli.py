@@ -238,10 +238,12 @@ def test_demo_json():
 
 def test_optimize_and_tune_json(tmp_path):
     pytest.importorskip("transformers")
-    p = cli("optimize", "demo-llama", "--backend", "reference", "--device", "cpu", "--seq-len", "16", "--json")
+    p = cli("optimize", "demo-llama", "--backend", "reference", "--device", "cpu", "--seq-len", "16", "--json",
+            "--floor", "on", env={"OPSADV_CACHE_DIR": str(tmp_path)})
     assert p.returncode == 0, p.stderr[-2000:]
     d = json.loads(p.stdout)
     assert d["report"]["status"] and d["report"]["changes"] and d["output"] is None
+    assert d["report"]["floor"] and (tmp_path / "floor_decisions.json").exists()      # measured, and stored
     p = cli("tune", "demo-bert", "--backend", "reference", "--device", "cpu", "--seq-len", "16", "--json",
             env={"OPSADV_CACHE_DIR": str(tmp_path)})
     assert p.returncode == 0, p.stderr[-2000:]

@@ -68,6 +68,12 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--aoe-mode", type=int, default=None, metavar="N",
                    help="Ascend AOE tuning mode (1 subgraph, 2 operator, 4 gradient split) for the ascend backend; "
                         "with another backend it is checked and reported as having no effect")
+    p.add_argument("--floor", default=None, choices=["on", "off"],
+                   help="time each rewrite kind and keep it only where the model is not slower (convert_model's "
+                        "floor; default: on unless $OPSADV_CONVERT_FLOOR=0)")
+    p.add_argument("--no-floor-cache", action="store_true",
+                   help="measure the floor again instead of applying the decisions stored by an earlier conversion "
+                        "of the same model on this machine (floor_cache=False)")
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     p.add_argument("--progress", default=None, choices=["auto", "on", "off"],
                    help="progress bar on stderr: auto (default, $OPSADV_PROGRESS: only on a terminal), on, off")
@@ -139,6 +145,11 @@ def _fail(command: str, e: Exception) -> int:
     return 2
 
 
+def _floor_options(args) -> dict:
+    return {"floor": None if args.floor is None else args.floor == "on",
+            "floor_cache": False if args.no_floor_cache else None}
+
+
 def optimize_main(args) -> int:
 
     try:
@@ -149,7 +160,7 @@ def optimize_main(args) -> int:
         # built (and its options checked) before the model loads
         opt = opsadv.Optimizer(device=device, precision=args.precision, opt_level=opt_level,
                                backend=args.backend, tile_size=args.tile_size, max_streams=args.num_streams,
-                               mem_opt=args.mem_policy)
+                               mem_opt=args.mem_policy, **_floor_options(args))
         with progress_bar(3 if args.output else 2, "opsadv optimize", "step", args.progress) as bar:
             model = _load(args, bar, device)
             seq = args.seq_len or 32
@@ -185,7 +196,7 @@ def tune_main(args) -> int:
             model = _load(args, bar, device)
             bar.set_description("converting + validating")
             conv = opsadv.convert_model(model, backend=args.backend, precision=args.precision,
-                                        opt_level=args.opt_level)
+                                        opt_level=args.opt_level, **_floor_options(args))
             if aoe:
                 conv.opsadv_report.notes.append(aoe)
             bar.update()
