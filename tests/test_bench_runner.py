@@ -171,6 +171,21 @@ def test_sparse_backward_only_rows_time_autograd_grad_alone():
     assert row["case"] == only.case and row["rel_err"] < 2e-2, row
 
 
+@pytest.mark.parametrize("kw", [dict(s_q=20, s_k=70), dict(s_q=70, s_k=70, window=9)], ids=["cross", "bidir"])
+def test_sparse_padding_cases_match_the_dense_mask(kw):
+    """The key-padding rows (cross-attention's s_q != s_k; ModernBERT's bidirectional window): opsadv's layout is
+    the mask the sdpa_masked peer gets, forward and backward (Triton sparse kernel in the interpreter, fp16)."""
+    import opsadv
+    from opsadv.bench import suite_sparse as S
+    c = S.padding_case(b=3, h=2, d=32, dtype=torch.float16, bwd=True, dev="cpu", **kw)
+    assert "key_padding" in c.case and ("cross" in c.case) == ("window" not in kw)
+    with opsadv.use_backend("auto"), opsadv.trace() as t:
+        mine = c.opsadv()
+    assert set(t.counts) == {"cuda.triton.sparse_attention"}, t.counts
+    for a, b in zip(mine, c.peers["sdpa_masked"]()):
+        assert runner.rel_err(a, b) < 2e-3
+
+
 def test_flex_peer_stays_compiled_across_cases():
     """The flex peer compiles once per case (shape, mask, grad mode): past dynamo's default recompile
     limit (8) it silently runs unfused, ~200x slower (seen in the window series), and the backward-only

@@ -3,7 +3,8 @@ mask (`flex`), SDPA with the dense boolean mask (`sdpa_masked`, where memory all
 packed variable-length batches, dense flash attention over the padded batch (`padded_dense`).
 
 Cases (docs/performance.md): s=16384 sliding window 1024 causal; global tokens + window (Longformer);
-a packed varlen batch with ~30% padding; plus a window-size series (extra field `density`: the
+a packed varlen batch with ~30% padding; key padding with ~30% padding as convert_model runs it for cross-attention
+(s_q 128, s_k 512) and ModernBERT's local layers (window 64 each way, s 512 and 8192), against the dense mask; plus a window-size series (extra field `density`: the
 fraction of (query, key) tiles computed) for the time-vs-density plot.  Work counts computed
 tiles only: 4*b*h*s_q*s_k*d * (visited tiles / all tiles) of the forward kernel's tile grid,
 forward+backward 3.5x, the backward alone ("bwd" rows: the forward's graph kept, only autograd.grad timed) 2.5x."""
@@ -112,6 +113,43 @@ def global_window_case(s=16384, w=256, g=128, **kw) -> BenchCase:
     return pattern_case(f"sliding{w} global{g}", lay, mm, **kw)
 
 
+def padding_case(b=8, s_q=128, s_k=512, window=None, h=16, d=64, dtype=torch.bfloat16, bwd=False,
+                 dev="cuda") -> BenchCase:
+    """Key padding over a padded batch (~30% padding, lengths as varlen_lengths'), the layouts convert_model hands
+    sparse_attention for an encoder-decoder's cross-attention (s_q != s_k) and for an encoder's bidirectional local
+    layers (ModernBERT: `window` tokens each way, s_q == s_k): opsadv vs SDPA with the dense (b, 1, s_q, s_k) mask
+    (what the unconverted model runs) and flex with the same mask."""
+    lens = torch.tensor(varlen_lengths(b, s_k), device=dev)
+    kpm = torch.arange(s_k, device=dev)[None, :] < lens[:, None]
+    lay = SparseLayout.key_padding(kpm, seq_q=s_q, block_size=128)
+    if window is not None:
+        lay = SparseLayout.sliding_window(s_q, window, seq_k=s_k, causal=False, block_size=128,
+                                          device=dev).with_(key_padding_mask=kpm)
+    q, k, v, do = _inputs(b, h, h, s_q, s_k, d, dtype, dev, bwd)
+    dense = lay.dense_mask(batch=b, device=dev)
+    peers = {"sdpa_masked": lambda: _run(lambda q_, k_, v_: F.scaled_dot_product_attention(q_, k_, v_, attn_mask=dense),
+                                         q, k, v, do, bwd)}
+    flex, make_mask = flex_peer()
+    if flex is not None and dev == "cuda":
+        w = window if window is not None else max(s_q, s_k)
+
+        def mm(bb, hh, i, j):
+            return kpm[bb, j] & (i - j <= w) & (j - i <= w)
+        bm = make_mask(mm, b, None, s_q, s_k, device=dev)
+        peers["flex"] = lambda: _run(lambda q_, k_, v_: flex(q_, k_, v_, block_mask=bm), q, k, v, do, bwd)
+    visited, total = fwd_tiles(lay, d)
+    frac = visited / total
+    real = float(kpm.float().mean())
+    work = 4.0 * b * h * s_q * s_k * d * frac * (3.5 if bwd else 1.0)
+    words = ["fwd+bwd" if bwd else "fwd", {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype], f"b{b}", f"h{h}",
+             f"sq{s_q}", f"sk{s_k}", f"d{d}", "key_padding", f"pad{round(100 * (1 - real))}"]
+    words += [f"bidir{window}"] if window is not None else ["cross"] if s_q != s_k else []
+    return BenchCase(suite="sparse", case=" ".join(words),
+                     opsadv=lambda: _run(lambda q_, k_, v_: opsadv.ops.sparse_attention(q_, k_, v_, lay),
+                                         q, k, v, do, bwd),
+                     peers=peers, work=work, extra={"density": round(frac, 4), "padding": round(1 - real, 3)})
+
+
 def varlen_lengths(n: int, max_len: int, seed: int = 0) -> list[int]:
     """n lengths uniform in [0.4, 1.0] * max_len (about 30% padding), the longest = max_len."""
     g = torch.Generator().manual_seed(seed)
@@ -183,6 +221,10 @@ def cases(quick: bool) -> Iterator[BenchCase]:
             yield global_window_case(bwd=bwd)
             yield varlen_case(bwd=bwd, causal=True)
     if not quick:
+        for bwd in (False, True):                          # the padded layouts of cross-attention / ModernBERT
+            yield padding_case(bwd=bwd)
+            yield padding_case(b=32, s_q=512, s_k=512, window=64, bwd=bwd)
+            yield padding_case(b=4, s_q=8192, s_k=8192, window=64, bwd=bwd)
         for w in (128, 256, 512, 2048, 4096, 8192):       # time vs density series (window 1024 above)
             yield window_case(w=w)
         yield from dense_own_cases()
