@@ -119,3 +119,42 @@ def test_cuda_backend_in_the_interpreter():
         got = step(conv, x)
     assert attention_impls(t).get("cuda.triton.sparse_attention") == 8, str(t)
     assert_same_step(want, got, tol=2e-2)
+
+
+# ---- the bidirectional padding form (encoders, cross-attention): the layout built once ---------------------------
+def _plain(pad, q_len):
+    from transformers import masking_utils as mu
+    from opsadv.convert import hf_attention as H
+    return H.opsadv_mask(batch_size=pad.shape[0], q_length=q_len, kv_length=pad.shape[1], device="cpu",
+                         mask_function=mu.bidirectional_mask_function, attention_mask=pad.bool())
+
+
+@pytest.mark.parametrize("q_len", [9, 4])
+def test_forms_of_equal_padding_share_one_key_padding_tensor(q_len):
+    """As the causal form's: every step's mask of the same padding hands the layers the same key padding tensor (a
+    compiled layer stack's graph input; the kernels' tile index is cached on it), so the tile lists are built once,
+    not per step.  Other padding gets its own; values as transformers' mask."""
+    from opsadv.convert.masks import key_padding_of
+    pad = torch.ones(2, 9, dtype=torch.long)
+    pad[1, 6:] = 0
+    a, b = (key_padding_of(_plain(p, q_len)) for p in (pad, pad.clone()))
+    assert a.data_ptr() == b.data_ptr() and torch.equal(a, pad.bool())
+    other = pad.clone()
+    other[0, 8:] = 0
+    c = key_padding_of(_plain(other, q_len))
+    assert c.data_ptr() != a.data_ptr() and torch.equal(c, other.bool())
+
+
+def test_layers_take_the_layout_the_mask_function_built(monkeypatch):
+    """The eager layers' layout lookup gets the layout the mask function built: no second read of the mask."""
+    from opsadv.convert import hf_attention as H
+    from opsadv.convert.masks import key_padding_of
+    pad = torch.ones(2, 9, dtype=torch.long)
+    pad[1, 6:] = 0
+    m = _plain(pad, 4)                                             # cross-attention: 4 queries, 9 keys
+
+    def read_again(*a, **k):
+        raise AssertionError("the mask's values were read again")
+    monkeypatch.setattr(H.SparseLayout, "key_padding", read_again)
+    lay = H._padding_layout(m, key_padding_of(m), 4, 9, False)
+    assert lay.seq_q == 4 and not lay.causal and torch.equal(lay.key_padding_mask, pad.bool())

@@ -641,6 +641,7 @@ def opsadv_mask(*args, **kwargs):
     """transformers' sdpa mask, except a plain bidirectional padding mask (a stride-0 expansion of the 2-D
     padding mask) and a plain causal one (the materialized mask); both carry a MaskForm, see the module
     docstring.  Takes whatever arguments this transformers version passes and forwards them unchanged."""
+    global _last
     from transformers import masking_utils as mu
     fn = kwargs.get("mask_function")
     packed = None if args else _packed_sequences(mu, fn, kwargs)
@@ -692,8 +693,17 @@ def opsadv_mask(*args, **kwargs):
                 return None
         except TypeError:                          # another transformers version's helper: just do not skip
             pass
+    lay = None
+    if isinstance(q_length, int) and q_length > 1 and not capturing(pad) and not _values_unreadable(pad):
+        # (as _causal_form) the layout's content-cached copy: a compiled layer stack (regional compilation) gets the
+        # same tensor every step with the same padding, so the kernels' tile index (cached on it) is built once, not
+        # per step; eager layers take this layout (_last below) without reading the mask again
+        lay = SparseLayout.key_padding(pad, seq_q=q_length, block_size=BLOCK)
+        pad = lay.key_padding_mask
     m = pad[:, None, None, :].expand(kwargs["batch_size"], 1, q_length, kv_length)
     m._opsadv_form = MaskForm(False, pad, _block_mask(q_length, kv_length, pad))
+    if lay is not None:
+        _last = (m, _version(m), lay)             # what _padding_layout would build for this mask's calls
     return m
 
 
