@@ -133,6 +133,36 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def train_step(model, inputs: dict, run=None):
+    """One forward + backward of `run` (default: the model) on inputs with labels: (loss, {name: gradient})."""
+    model.zero_grad(set_to_none=True)
+    loss = (model if run is None else run)(**inputs).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same_step(want, got, tol=1e-4, grad_floor=False):
+    """train_step results of the original (want) and the converted model (got): loss within tol, the same
+    parameters with gradients, each finite and within tol relative; grad_floor: within tol of (its own norm + the
+    whole gradient's norm), for gradients zero in exact arithmetic (a key projection's bias under softmax)."""
+    (wl, wg), (gl, gg) = want, got
+    assert abs(wl.item() - gl.item()) <= tol * abs(wl.item())
+    assert wg.keys() == gg.keys()
+    total = torch.sqrt(sum(g.double().norm() ** 2 for g in wg.values())).item() if grad_floor else 0.0
+    for n in wg:
+        assert torch.isfinite(gg[n]).all(), n
+        if grad_floor:
+            err = (gg[n] - wg[n]).norm().item()
+            assert err <= tol * (wg[n].norm().item() + total), (n, err)
+        else:
+            assert rel_err(gg[n], wg[n]) < tol, (n, rel_err(gg[n], wg[n]))
+
+
+def attention_impls(t) -> dict:
+    """The attention impls an opsadv.trace() saw, with their call counts."""
+    return {k: v for k, v in t.counts.items() if "attention" in k}
+
+
 def registered_impl(op: str, impl_id: str):
     """The KernelImpl `impl_id` of `op` in the live registry (the test fails, listing the ids, if it is missing)."""
     from opsadv.registry import get_registry

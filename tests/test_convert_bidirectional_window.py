@@ -12,7 +12,7 @@ from opsadv.convert import hf_attention as H
 from opsadv.convert.masks import form_of
 from opsadv.core.precision import PrecisionPolicy
 
-from conftest import rel_err
+from conftest import assert_same_step, attention_impls, rel_err, train_step
 
 transformers = pytest.importorskip("transformers")
 from transformers import masking_utils as mu  # noqa: E402
@@ -50,23 +50,7 @@ def batch(seed, b=3, s=37, pads=(0, 11, 36)):
 
 
 def step(model, ids, am, labels, run=None):
-    model.zero_grad(set_to_none=True)
-    loss = (model if run is None else run)(input_ids=ids, attention_mask=am, labels=labels).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def assert_same_step(want, got, tol=1e-4):
-    (wl, wg), (gl, gg) = want, got
-    assert abs(wl.item() - gl.item()) <= tol * abs(wl.item())
-    assert wg.keys() == gg.keys()
-    for n in wg:
-        assert torch.isfinite(gg[n]).all(), n
-        assert rel_err(gg[n], wg[n]) < tol, (n, rel_err(gg[n], wg[n]))
-
-
-def attention_impls(t) -> dict:
-    return {k: v for k, v in t.counts.items() if "attention" in k}
+    return train_step(model, dict(input_ids=ids, attention_mask=am, labels=labels), run)
 
 
 @pytest.mark.parametrize("w,s,padded", [(4, 37, True), (4, 37, False), (1, 9, True), (0, 5, True), (20, 19, True)])

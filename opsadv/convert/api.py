@@ -325,7 +325,7 @@ def convert_model(model: nn.Module, *, backend: str = "auto", precision=None, op
                            f"cuda_graphs={cuda_graphs} rewrites={sorted((rewrites or {}).items())}")
                 gate = _floor.Floor(finputs, floor_mode, floor_timer, _floor.compile_mode(floor_compile), model=model,
                                     cache=_floor.cache_default() if floor_cache is None else floor_cache,
-                                    context=context)
+                                    context=context, model_name=report.model)
                 if gate.compile:
                     report.notes.append(f"floor timed under torch.compile ({gate.compile})")
         t_steps, tune_steps = time.perf_counter(), seconds_spent()

@@ -414,11 +414,11 @@ class Floor:
     """Times the model around each rewrite step and decides (see the module docstring)."""
 
     def __init__(self, inputs, mode: str = "inference", timer: Timer | None = None, compile: str | None = None,
-                 *, model=None, cache: bool | None = None, context: str = ""):
+                 *, model=None, cache: bool | None = None, context: str = "", model_name: str = ""):
         """model, cache, context: without a custom timer, measured decisions are written to DECISIONS under a key
         built here, before any rewrite, from the model, the inputs and `context` (what else decides the kernels:
         backend, precision, options); cache=True also reads them back instead of timing (False: measure again,
-        None: neither read nor write)."""
+        None: neither read nor write); model_name: how the stored decisions name the model (the report's)."""
         self.inputs = inputs
         self.mode = mode
         self.timer = timer
@@ -431,9 +431,7 @@ class Floor:
         self.reused = 0                     # decisions taken from the cache
         if self.cache:
             self._section = machine_section(_device_of(model))
-            cfg = getattr(model, "config", None)
-            self._model_name = type(model).__name__ + (f" ({cfg.model_type})" if getattr(cfg, "model_type", None)
-                                                       else "")
+            self._model_name = model_name or type(model).__name__
             self._base = {"model": model_signature(model), "inputs": inputs_signature(inputs), "mode": mode,
                           "compile": compile, "compile_kwargs": repr(sorted(COMPILE_KWARGS.items())),
                           "context": context, "ambient": current_policy().describe()}

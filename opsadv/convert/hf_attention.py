@@ -493,39 +493,36 @@ def _config_window(kwargs) -> bool:
             and local != getattr(cfg, "attention_chunk_size", None))
 
 
+def _window_and(fn, base: str, overlay: str, least: int) -> int | None:
+    """w when `fn` is transformers' and_masks(<overlay>(w), <base>) (masking_utils function names), read from the
+    closures, w >= least; None for anything else or where this transformers lacks those functions."""
+    from transformers import masking_utils as mu
+    if not all(hasattr(mu, n) for n in ("and_masks", base, overlay)):
+        return None                               # another transformers: its masks serve
+    base_fn = getattr(mu, base)
+    cells = _cells(fn, mu.and_masks(base_fn).__code__)
+    fns = None if cells is None else cells.get("mask_functions")
+    if not isinstance(fns, tuple) or len(fns) != 2 or fns[1] is not base_fn:
+        return None
+    cl = _cells(fns[0], getattr(mu, overlay)(1).__code__)
+    w = None if cl is None else cl.get("sliding_window")
+    return w if isinstance(w, int) and not isinstance(w, bool) and w >= least else None
+
+
 @torch.compiler.assume_constant_result
 def _sliding_window_of(fn) -> int | None:
     """w when `fn` is transformers' sliding_window_causal_mask_function(w) (and_masks(sliding_window_overlay(w),
     causal_mask_function)), read from the closures; None for anything else (overlays on it, chunks, packing).
     A constant while dynamo traces: closure cells are not traceable, and w is the config's (which dynamo guards)."""
-    from transformers import masking_utils as mu
-    if not (hasattr(mu, "and_masks") and hasattr(mu, "sliding_window_overlay")):
-        return None                               # another transformers: its masks serve
-    cells = _cells(fn, mu.and_masks(mu.causal_mask_function).__code__)
-    fns = None if cells is None else cells.get("mask_functions")
-    if not isinstance(fns, tuple) or len(fns) != 2 or fns[1] is not mu.causal_mask_function:
-        return None
-    overlay = _cells(fns[0], mu.sliding_window_overlay(1).__code__)
-    w = None if overlay is None else overlay.get("sliding_window")
-    return w if isinstance(w, int) and not isinstance(w, bool) and w >= 1 else None
+    return _window_and(fn, "causal_mask_function", "sliding_window_overlay", 1)
 
 
 @torch.compiler.assume_constant_result
 def _bidirectional_window_of(fn) -> int | None:
     """w when `fn` is transformers' sliding_window_bidirectional_mask_function(w) (and_masks(
-    sliding_window_bidirectional_overlay(w), bidirectional_mask_function)), read from the closures; None for anything
-    else.  A constant while dynamo traces (as _sliding_window_of)."""
-    from transformers import masking_utils as mu
-    if not all(hasattr(mu, n) for n in ("and_masks", "sliding_window_bidirectional_overlay",
-                                        "bidirectional_mask_function")):
-        return None
-    cells = _cells(fn, mu.and_masks(mu.bidirectional_mask_function).__code__)
-    fns = None if cells is None else cells.get("mask_functions")
-    if not isinstance(fns, tuple) or len(fns) != 2 or fns[1] is not mu.bidirectional_mask_function:
-        return None
-    overlay = _cells(fns[0], mu.sliding_window_bidirectional_overlay(1).__code__)
-    w = None if overlay is None else overlay.get("sliding_window")
-    return w if isinstance(w, int) and not isinstance(w, bool) and w >= 0 else None
+    sliding_window_bidirectional_overlay(w), bidirectional_mask_function)); None for anything else.  A constant
+    while dynamo traces (as _sliding_window_of)."""
+    return _window_and(fn, "bidirectional_mask_function", "sliding_window_bidirectional_overlay", 0)
 
 
 def _bidirectional_window_form(mu, fn, kwargs):
